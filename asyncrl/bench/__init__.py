@@ -1,0 +1,1 @@
+"""Benchmarks: ``asyncrl bench <name>``."""

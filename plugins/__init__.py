@@ -1,0 +1,1 @@
+"""asyncrl.plugins: hardware plugins, their contract and registry."""

@@ -1,0 +1,1 @@
+"""asyncrl.roles: the roles of an RL run, their payload types and the algorithms."""

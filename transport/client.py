@@ -1,0 +1,507 @@
+"""The request/reply client: a DEALER connected to one server's stable endpoint.
+
+Every request carries an id, a deadline and an attempt number, and ends in exactly one of: its
+reply, a ``RemoteError`` (the server's error reply), a ``DeadlineExceededError``, a
+``PeerDeadError`` (heartbeats stopped), a ``DisconnectedError`` (the connection broke), or a
+``ClosedError`` (this client was closed).
+
+The client reconnects by itself when the server restarts on the same endpoint. It learns of the
+restart from a socket monitor, handshakes again, and reports the new incarnation in a
+``PeerEvent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .codec import Codec
+from .errors import (
+    ClosedError,
+    DeadlineExceededError,
+    DisconnectedError,
+    PeerDeadError,
+    ProtocolError,
+    ProtocolVersionError,
+    RemoteError,
+    TransportError,
+)
+from .options import ChannelOptions
+from .protocol import (
+    PROTOCOL_VERSION,
+    Credit,
+    Envelope,
+    ErrorCode,
+    ErrorInfo,
+    Hello,
+    Kind,
+    RawEnvelope,
+    Release,
+)
+from .pump import Pump
+from .shm import ShmPool, ShmReader, host_id
+from .sockets import connect
+
+__all__ = ["Client", "PeerEvent"]
+
+log = logging.getLogger("asyncrl.transport.client")
+
+EventKind = Literal["connected", "disconnected", "restarted", "dead", "alive"]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEvent:
+    """A change in what a client knows of its server.
+
+    ``kind`` is one of: ``connected`` (handshake done), ``disconnected`` (the connection broke),
+    ``restarted`` (a new incarnation answered), ``dead`` (heartbeats missed for liveness x
+    interval), ``alive`` (heard again after ``dead``).
+    """
+
+    peer: str
+    kind: EventKind
+    incarnation: int
+    detail: str = ""
+
+
+class _Pending:
+    __slots__ = ("fut", "method", "reply_type", "timeout", "timer")
+
+    def __init__(
+        self, fut: asyncio.Future[Any], timer: asyncio.TimerHandle | None, reply_type: Any,
+        method: str, timeout: float,
+    ) -> None:
+        self.fut = fut
+        self.timer = timer
+        self.reply_type = reply_type
+        self.method = method
+        self.timeout = timeout
+
+
+class Client:
+    """Calls methods of the server at ``endpoint``.
+
+    Args:
+        endpoint: the server's stable endpoint.
+        name: this client's name, sent in the handshake.
+        identity: the routing id; unique per client by default.
+        incarnation: this process's restart count, stamped on its envelopes.
+        options: thresholds, limits and heartbeat timing.
+        context: the zmq context; the process-wide instance by default.
+        on_event: called with each PeerEvent.
+        on_credit: called with the slot count of each CREDIT the server sends.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str = "client",
+        identity: bytes | None = None,
+        incarnation: int = 0,
+        options: ChannelOptions | None = None,
+        context: zmq.Context[Any] | None = None,
+        on_event: Callable[[PeerEvent], None] | None = None,
+        on_credit: Callable[[int], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.identity = identity or f"{name}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
+        self.incarnation = incarnation
+        self.options = options or ChannelOptions()
+        self._context = context or zmq.Context.instance()
+        self._on_event = on_event
+        self._on_credit = on_credit
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._pump: Pump | None = None
+        self._monitor: Pump | None = None
+        self._ticker: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._alive = True
+        self._connected_once = False
+        self._last_heard = time.monotonic()
+        self._host = host_id()
+        self._pool: ShmPool | None = None
+        self._use_shm = False
+        self._releases: list[int] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.server: Hello | None = None
+        self.codec = Codec(
+            inline_threshold=self.options.inline_threshold,
+            shm_threshold=self.options.shm_threshold,
+            max_message_bytes=self.options.max_message_bytes,
+            shm_reader=ShmReader() if self.options.shm else None,
+        )
+        self.stats: Counter[str] = Counter()
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    async def connect(self, timeout: float = 10.0) -> Hello:
+        """Connect and handshake; returns the server's Hello.
+
+        Raises:
+            ProtocolVersionError: the server speaks another protocol version.
+            DeadlineExceededError: no handshake answer within ``timeout`` seconds.
+            TransportError: the endpoint is malformed.
+        """
+        if self._pump is not None:
+            raise RuntimeError(f"client {self.name} already connected")
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, self.options.recv_hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 10)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = Pump(monitor, self._on_monitor, copy_frames=2)
+        try:
+            connect(sock, self.endpoint)
+        except TransportError:
+            self._monitor.close()
+            sock.close(linger=0)
+            raise
+        self._pump = Pump(sock, self._on_message)
+        self._schedule_tick()
+        return await self._handshake(timeout)
+
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Fail pending requests with ClosedError and close the socket with linger 0."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all(lambda p: ClosedError(
+            f"client {self.name} was closed with request {p.method!r} to {self.endpoint} "
+            f"in flight"))
+        if self._pump is not None:
+            try:
+                self._pump.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._pump.close()
+        if self._monitor is not None:
+            self._monitor.close()
+        if self._pool is not None:
+            self._pool.close()
+        if self.codec.shm_reader is not None:
+            self.codec.shm_reader.close()
+
+    @property
+    def alive(self) -> bool:
+        """False from the moment heartbeats are missed until the server is heard again."""
+        return self._alive
+
+    @property
+    def pending(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._pending)
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def call_future(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = 30.0,
+        attempt: int = 0,
+        trace: str = "",
+    ) -> asyncio.Future[Any]:
+        """Send a request now and return the future of its reply (no coroutine per call).
+
+        Raises:
+            ClosedError: the client is closed.
+            TypeError: the payload cannot be encoded.
+        """
+        if self._closed or self._pump is None:
+            raise ClosedError(f"client {self.name} is closed or not connected")
+        request_id = next(self._ids)
+        env = Envelope(PROTOCOL_VERSION, Kind.REQUEST, request_id, method,
+                       time.time() + timeout, attempt, self.incarnation, trace, payload)
+        frames = self.codec.encode(env, peer=b"", use_shm=self._use_shm)
+        loop = self._pump.loop
+        fut: asyncio.Future[Any] = loop.create_future()
+        timer = loop.call_later(timeout, self._expire, request_id)
+        self._pending[request_id] = _Pending(fut, timer, reply_type, method, timeout)
+        try:
+            self._pump.send(frames)
+        except TransportError:
+            self._pending.pop(request_id)
+            timer.cancel()
+            self._release_own(self.codec.last_slots)
+            raise
+        return fut
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = 30.0,
+        attempt: int = 0,
+        trace: str = "",
+    ) -> Any:
+        """Call ``method`` with ``payload`` and return the reply decoded as ``reply_type``.
+
+        Raises:
+            RemoteError: the server answered with an error.
+            DeadlineExceededError: no answer within ``timeout`` seconds.
+            PeerDeadError: the server stopped answering heartbeats.
+            DisconnectedError: the connection broke with the request in flight.
+            ClosedError: this client was closed.
+        """
+        return await self.call_future(method, payload, reply_type, timeout=timeout,
+                                      attempt=attempt, trace=trace)
+
+    def send_stop(self) -> None:
+        """Ask the server to stop cleanly (a STOP control message; no answer)."""
+        self._send(Envelope(PROTOCOL_VERSION, Kind.STOP, incarnation=self.incarnation))
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def _on_message(self, frames: list[Any]) -> None:
+        try:
+            env = self.codec.decode_envelope(frames)
+        except ProtocolVersionError as exc:
+            # The server speaks another version: whatever it answered, the request fails.
+            self.stats["bad_input"] += 1
+            pending = self._pending.pop(self.codec.salvage_id(frames), None)
+            if pending is not None and not pending.fut.done():
+                if pending.timer is not None:
+                    pending.timer.cancel()
+                pending.fut.set_exception(
+                    ProtocolVersionError(exc.ours, exc.theirs, self.endpoint))
+            return
+        except ProtocolError as exc:
+            self.stats["bad_input"] += 1
+            log.warning("client %s dropped a message from %s: %s", self.name, self.endpoint, exc)
+            return
+        self._heard()
+        kind = env.kind
+        if kind == Kind.REPLY or kind == Kind.WELCOME:
+            self._reply(env, frames)
+        elif kind == Kind.ERROR:
+            self._error(env, frames)
+        elif kind == Kind.CREDIT:
+            if self._on_credit is not None:
+                try:
+                    credit = self.codec.decode_payload(env, frames, Credit)
+                except ProtocolError as exc:
+                    self.stats["bad_input"] += 1
+                    log.warning("client %s: bad credit: %s", self.name, exc)
+                    return
+                self._on_credit(credit.slots)
+        elif kind == Kind.RELEASE:
+            try:
+                release = self.codec.decode_payload(env, frames, Release)
+            except ProtocolError:
+                self.stats["bad_input"] += 1
+                return
+            self._release_own(release.slots)
+        elif kind != Kind.PONG:
+            self.stats["unexpected_kind"] += 1
+
+    def _reply(self, env: RawEnvelope, frames: list[Any]) -> None:
+        pending = self._pending.pop(env.id, None)
+        if pending is None:
+            # Answered after its deadline, or a duplicate: its shared memory still goes back.
+            self.stats["late_replies"] += 1
+            slots = [d.slot for d in env.tensors if d.where == 2]
+            if slots:
+                self._queue_releases(slots)
+            return
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if pending.fut.done():
+            return
+        try:
+            value = self.codec.decode_payload(env, frames, pending.reply_type,
+                                              self._release_callback())
+        except ProtocolError as exc:
+            self.stats["bad_input"] += 1
+            pending.fut.set_exception(exc)
+            return
+        pending.fut.set_result(value)
+
+    def _error(self, env: RawEnvelope, frames: list[Any]) -> None:
+        try:
+            info = self.codec.decode_payload(env, frames, ErrorInfo)
+        except ProtocolError as exc:
+            self.stats["bad_input"] += 1
+            info = ErrorInfo(ErrorCode.DECODE, f"undecodable error reply: {exc}")
+        pending = self._pending.pop(env.id, None)
+        if pending is None:
+            self.stats["orphan_errors"] += 1
+            log.warning("client %s: error reply from %s: [%s] %s", self.name, self.endpoint,
+                        info.code, info.message)
+            return
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if pending.fut.done():
+            return
+        pending.fut.set_exception(RemoteError(info.code, info.message, remote_type=info.type,
+                                              peer=self.endpoint, retryable=info.retryable))
+
+    def _on_monitor(self, frames: list[Any]) -> None:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self.stats["disconnects"] += 1
+            count = len(self._pending)
+            self._fail_all(lambda p: DisconnectedError(
+                f"the connection to {self.endpoint} broke with request {p.method!r} in flight; "
+                f"the server exited or restarted, so the request may or may not have run"))
+            self._emit("disconnected", f"{count} requests failed")
+        elif event == zmq.EVENT_CONNECTED and self._connected_once and not self._closed:
+            task = asyncio.get_running_loop().create_task(self._rehandshake())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _rehandshake(self) -> None:
+        try:
+            await self._handshake(self.options.dead_after_s)
+        except TransportError as exc:
+            log.warning("client %s: handshake after reconnect failed: %s", self.name, exc)
+
+    async def _handshake(self, timeout: float) -> Hello:
+        hello = Hello(PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
+                      incarnation=self.incarnation, host=self._host,
+                      shm=self.codec.shm_reader is not None, run=self.options.run)
+        assert self._pump is not None
+        request_id = next(self._ids)
+        loop = self._pump.loop
+        fut: asyncio.Future[Any] = loop.create_future()
+        timer = loop.call_later(timeout, self._expire, request_id)
+        self._pending[request_id] = _Pending(fut, timer, Hello, "handshake", timeout)
+        self._send(Envelope(PROTOCOL_VERSION, Kind.HANDSHAKE, request_id,
+                            incarnation=self.incarnation, payload=hello))
+        welcome: Hello = await fut
+        previous = self.server
+        self.server = welcome
+        self._use_shm = bool(self.options.shm and welcome.shm and welcome.host == self._host)
+        if self._use_shm and self._pool is None:
+            self._pool = ShmPool(self.options.run, self.incarnation,
+                                 max_bytes=self.options.shm_max_bytes)
+            self.codec.shm_pool = self._pool
+        self._connected_once = True
+        if previous is not None and previous.incarnation != welcome.incarnation:
+            if self._pool is not None:
+                self._pool.release_peer(b"")
+            self._emit("restarted", f"incarnation {previous.incarnation} -> "
+                                    f"{welcome.incarnation}, pid {welcome.pid}")
+        else:
+            self._emit("connected", f"pid {welcome.pid}")
+        return welcome
+
+    # -- liveness -------------------------------------------------------------------------
+
+    def _schedule_tick(self) -> None:
+        assert self._pump is not None
+        self._ticker = self._pump.loop.call_later(self.options.heartbeat_interval_s, self._tick)
+
+    def _tick(self) -> None:
+        if self._closed:
+            return
+        silent = time.monotonic() - self._last_heard
+        limit = self.options.dead_after_s
+        if self._alive and silent > limit:
+            self._alive = False
+            self._fail_all(lambda p: PeerDeadError(self.endpoint, silent, limit))
+            if self._pool is not None:
+                self._pool.release_peer(b"")
+            self._emit("dead", f"silent for {silent:.3f} s")
+        try:
+            self._send(Envelope(PROTOCOL_VERSION, Kind.PING, incarnation=self.incarnation))
+        except TransportError:
+            pass
+        self._schedule_tick()
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+        if not self._alive:
+            self._alive = True
+            self._emit("alive")
+
+    def _expire(self, request_id: int) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None and not pending.fut.done():
+            self.stats["deadlines"] += 1
+            pending.fut.set_exception(
+                DeadlineExceededError(self.endpoint, pending.method, pending.timeout))
+
+    def _fail_all(self, make: Callable[[_Pending], TransportError]) -> None:
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if p.timer is not None:
+                p.timer.cancel()
+            if not p.fut.done():
+                p.fut.set_exception(make(p))
+
+    def _emit(self, kind: EventKind, detail: str = "") -> None:
+        incarnation = self.server.incarnation if self.server is not None else -1
+        if self._on_event is not None:
+            self._on_event(PeerEvent(self.endpoint, kind, incarnation, detail))
+
+    # -- shared memory --------------------------------------------------------------------
+
+    def _release_own(self, slots: list[int]) -> None:
+        if self._pool is not None:
+            for slot in slots:
+                self._pool.release(slot)
+
+    def _release_callback(self) -> Callable[[int], None]:
+        loop = asyncio.get_running_loop()
+
+        def release(slot: int) -> None:
+            if not self._closed:
+                try:
+                    loop.call_soon_threadsafe(self._queue_releases, [slot])
+                except RuntimeError:
+                    pass  # the loop is closed: the server reclaims its slots itself
+
+        return release
+
+    def _queue_releases(self, slots: list[int]) -> None:
+        if not self._releases and self._pump is not None:
+            self._pump.loop.call_soon(self._flush_releases)
+        self._releases.extend(slots)
+
+    def _flush_releases(self) -> None:
+        slots, self._releases = self._releases, []
+        if slots and not self._closed:
+            try:
+                self._send(Envelope(PROTOCOL_VERSION, Kind.RELEASE,
+                                    incarnation=self.incarnation, payload=Release(slots)))
+            except TransportError:
+                pass
+
+    def _send(self, env: Envelope) -> None:
+        if self._pump is None or self._closed:
+            raise ClosedError(f"client {self.name} is closed or not connected")
+        self._pump.send(self.codec.encode(env))

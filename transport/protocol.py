@@ -1,0 +1,168 @@
+"""The wire protocol: the envelope every message travels in, and the transport's own payloads.
+
+A message is a list of ZeroMQ frames. Frame 0 is the envelope, a MessagePack array (see
+docs/protocol.md for the field positions); the frames after it hold tensor bytes. The payload sits
+inside the envelope as an ordinary MessagePack value, and tensors inside the payload are MessagePack
+extension values (type ``TENSOR_EXT``) holding an index into the envelope's ``tensors`` list.
+
+Payload types of user endpoints belong to the layers that define them; this module only defines
+the payloads the transport itself needs (handshake, errors, credit, slot release).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "TENSOR_EXT",
+    "Credit",
+    "Envelope",
+    "ErrorCode",
+    "ErrorInfo",
+    "Hello",
+    "Kind",
+    "Release",
+    "TensorDesc",
+    "Where",
+]
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to the envelope or the transport's payloads."""
+
+TENSOR_EXT = 1
+"""MessagePack extension type code of a tensor reference inside a payload."""
+
+
+class Kind(enum.IntEnum):
+    """What an envelope is. One small integer on the wire."""
+
+    HANDSHAKE = 1  # client -> server: Hello
+    WELCOME = 2  # server -> client: Hello, the answer to HANDSHAKE
+    REQUEST = 3  # client -> server: call ``method`` with the payload
+    REPLY = 4  # server -> client: the result of request ``id``
+    ERROR = 5  # server -> client: ErrorInfo for request ``id`` (or id 0: about the message)
+    CREDIT = 6  # server -> client: Credit, free slots the server advertises
+    PING = 7  # either way: liveness probe
+    PONG = 8  # answer to PING
+    STOP = 9  # control: the receiver should stop cleanly
+    RELEASE = 10  # receiver -> sender: Release, shared-memory slots it no longer reads
+    MESSAGE = 11  # one-way stream or broadcast message; ``method`` names its topic
+
+
+class Where(enum.IntEnum):
+    """Where a tensor's bytes travel."""
+
+    INLINE = 0  # in TensorDesc.data
+    FRAME = 1  # in frame number TensorDesc.frame of the same message
+    SHM = 2  # in a shared-memory segment of the sender, at TensorDesc.offset
+
+
+class TensorDesc(msgspec.Struct, array_like=True, frozen=True):
+    """How to rebuild one tensor or array from bytes.
+
+    ``lib`` is ``"torch"`` or ``"numpy"``; ``dtype`` is a torch dtype name (``"bfloat16"``) or a
+    numpy dtype string (``"<f4"``); bytes are C-contiguous in the order of ``shape``.
+    """
+
+    lib: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    where: int
+    data: bytes = b""
+    frame: int = 0
+    segment: str = ""
+    offset: int = 0
+    slot: int = 0
+
+
+class Envelope(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The envelope of every message: a MessagePack array in this field order.
+
+    ``deadline`` is a Unix time in seconds (0: none). ``incarnation`` is the sender's restart
+    count. ``tensors`` follows ``payload`` so that an encoder can fill it while it writes the
+    payload in one pass.
+    """
+
+    version: int
+    kind: int
+    id: int = 0
+    method: str = ""
+    deadline: float = 0.0
+    attempt: int = 0
+    incarnation: int = 0
+    trace: str = ""
+    payload: Any = None
+    tensors: list[TensorDesc] = []
+
+
+class RawEnvelope(msgspec.Struct, array_like=True):
+    """The receiving side's view of an Envelope: the payload is left undecoded until the
+    receiver knows its type."""
+
+    version: int
+    kind: int
+    id: int = 0
+    method: str = ""
+    deadline: float = 0.0
+    attempt: int = 0
+    incarnation: int = 0
+    trace: str = ""
+    payload: msgspec.Raw = msgspec.Raw(b"\xc0")
+    tensors: list[TensorDesc] = []
+
+
+class Hello(msgspec.Struct, omit_defaults=True):
+    """Payload of HANDSHAKE and WELCOME: who is speaking and what it can do.
+
+    ``host`` identifies the machine (hostname and boot id); shared memory is used only between
+    peers that report the same host and both set ``shm``.
+    """
+
+    version: int
+    name: str = ""
+    pid: int = 0
+    incarnation: int = 0
+    host: str = ""
+    shm: bool = False
+    run: str = ""
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=True):
+    """Payload of ERROR: what went wrong, and whether the same request may succeed if retried."""
+
+    code: str
+    message: str
+    type: str = ""
+    retryable: bool = False
+
+
+class ErrorCode:
+    """The ``code`` values of ErrorInfo that the transport itself sends."""
+
+    PROTOCOL_VERSION = "protocol_version"
+    DECODE = "decode_error"
+    UNKNOWN_KIND = "unknown_kind"
+    TOO_LARGE = "message_too_large"
+    BAD_TENSOR = "bad_tensor"
+    UNEXPECTED_KIND = "unexpected_kind"
+    UNKNOWN_METHOD = "unknown_method"
+    DEADLINE = "deadline_exceeded"
+    HANDLER = "handler_error"
+    BAD_REPLY = "bad_reply"
+
+
+class Credit(msgspec.Struct):
+    """Payload of CREDIT: the number of requests the server can take now."""
+
+    slots: int
+
+
+class Release(msgspec.Struct):
+    """Payload of RELEASE: shared-memory slots of the sender that the receiver no longer reads."""
+
+    slots: list[int]

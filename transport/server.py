@@ -1,0 +1,462 @@
+"""The request/reply server: one ROUTER inbox per process, with ROUTER_MANDATORY.
+
+Requests are dispatched by method name to handlers registered with ``add``. A handler receives the
+decoded payload and a ``Call`` describing the request; it may be a plain function (run inline on
+the loop: it must be quick) or a coroutine function (run as a task the server owns).
+
+Bad input never stops the server. A frame that fails to decode, an unknown kind, a message over
+the size limit, or tensor descriptors that disagree with the bytes are dropped, counted in
+``stats`` and logged; the sender gets an error reply, since a ROUTER always knows who sent what.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from .codec import Codec
+from .errors import (
+    ClosedError,
+    DecodeError,
+    MessageTooLargeError,
+    PeerUnreachableError,
+    ProtocolError,
+    ProtocolVersionError,
+    TensorDescriptorError,
+    TransportError,
+    UnknownKindError,
+)
+from .options import ChannelOptions
+from .protocol import (
+    PROTOCOL_VERSION,
+    Credit,
+    Envelope,
+    ErrorCode,
+    ErrorInfo,
+    Hello,
+    Kind,
+    RawEnvelope,
+    Release,
+)
+from .pump import Pump
+from .shm import ShmPool, ShmReader, host_id
+from .sockets import bind
+
+__all__ = ["Call", "Handler", "PeerInfo", "Server"]
+
+log = logging.getLogger("asyncrl.transport.server")
+
+Handler = Callable[[Any, "Call"], Any]
+"""``handler(payload, call) -> reply``, or a coroutine function with the same signature."""
+
+
+@dataclass(slots=True, frozen=True)
+class Call:
+    """What a handler knows about the request it serves."""
+
+    peer: bytes
+    id: int
+    method: str
+    attempt: int
+    deadline: float
+    trace: str
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    """What the server knows about one connected client."""
+
+    identity: bytes
+    last_heard: float
+    hello: Hello | None = None
+    shm: bool = False
+
+
+@dataclass(slots=True)
+class _Method:
+    handler: Handler
+    request_type: Any
+    is_async: bool
+
+
+@dataclass
+class _Releases:
+    pending: dict[bytes, list[int]] = field(default_factory=dict)
+    scheduled: bool = False
+
+
+class Server:
+    """Serves requests on ``endpoint`` (``ipc://path`` or ``tcp://127.0.0.1:port``).
+
+    Args:
+        endpoint: where to bind. ``tcp://127.0.0.1:0`` picks a free port; ``start()`` returns the
+            bound address.
+        name: this server's name, sent in the handshake and used in logs.
+        incarnation: the process's restart count, stamped on every envelope it sends.
+        options: thresholds, limits and heartbeat timing.
+        context: the zmq context; the process-wide instance by default.
+        on_stop: called when a STOP control message arrives.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str = "server",
+        incarnation: int = 0,
+        options: ChannelOptions | None = None,
+        context: zmq.Context[Any] | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.incarnation = incarnation
+        self.options = options or ChannelOptions()
+        self._context = context or zmq.Context.instance()
+        self._on_stop = on_stop
+        self._methods: dict[str, _Method] = {}
+        self._peers: dict[bytes, PeerInfo] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._releases = _Releases()
+        self._pump: Pump | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._host = host_id()
+        self._pool = (
+            ShmPool(self.options.run, incarnation, max_bytes=self.options.shm_max_bytes)
+            if self.options.shm else None
+        )
+        self.codec = Codec(
+            inline_threshold=self.options.inline_threshold,
+            shm_threshold=self.options.shm_threshold,
+            max_message_bytes=self.options.max_message_bytes,
+            shm_pool=self._pool,
+            shm_reader=ShmReader() if self.options.shm else None,
+        )
+        self.stats: Counter[str] = Counter()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def add(self, method: str, handler: Handler, request_type: Any = Any) -> None:
+        """Serve ``method`` with ``handler``; its payload is decoded as ``request_type``."""
+        if method in self._methods:
+            raise ValueError(f"method {method!r} is already served by {self.name}")
+        is_async = inspect.iscoroutinefunction(handler)
+        self._methods[method] = _Method(handler, request_type, is_async)
+
+    async def start(self) -> str:
+        """Bind the inbox and start serving; returns the bound endpoint.
+
+        Raises:
+            TransportError: the endpoint cannot be bound (in use, bad path, ...).
+        """
+        if self._pump is not None:
+            raise RuntimeError(f"server {self.name} already started")
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, self.options.recv_hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = bind(sock, self.endpoint)
+        self._pump = Pump(sock, self._on_message, copy_frames=2,
+                          on_send_error=self._on_send_error)
+        self._schedule_sweep()
+        log.debug("server %s serving on %s", self.name, self.endpoint)
+        return self.endpoint
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Cancel running handlers, close the socket with linger 0, unlink shared memory."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._pump is not None:
+            self._pump.close()
+        if self._pool is not None:
+            self._pool.close()
+        if self.codec.shm_reader is not None:
+            self.codec.shm_reader.close()
+
+    # -- what the owner can ask -----------------------------------------------------------
+
+    @property
+    def peers(self) -> dict[bytes, PeerInfo]:
+        """Clients heard from within liveness x interval, by routing id."""
+        return self._peers
+
+    @property
+    def shm_pool(self) -> ShmPool | None:
+        return self._pool
+
+    def send_credit(self, peer: bytes, slots: int) -> None:
+        """Advertise ``slots`` free request slots to ``peer``.
+
+        Raises:
+            PeerUnreachableError: the peer is not connected.
+        """
+        self._send(peer, Envelope(PROTOCOL_VERSION, Kind.CREDIT, incarnation=self.incarnation,
+                                  payload=Credit(slots)))
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def _on_message(self, frames: list[Any]) -> None:
+        identity = frames[0]
+        msg = frames[1:]
+        try:
+            env = self.codec.decode_envelope(msg)
+        except ProtocolError as exc:
+            self._bad_input(identity, msg, exc)
+            return
+        peer = self._peers.get(identity)
+        now = time.monotonic()
+        if peer is None:
+            peer = self._peers[identity] = PeerInfo(identity, now)
+        else:
+            peer.last_heard = now
+        kind = env.kind
+        if kind == Kind.REQUEST:
+            self._request(peer, env, msg)
+        elif kind == Kind.PING:
+            self._send(identity, Envelope(PROTOCOL_VERSION, Kind.PONG, env.id,
+                                          incarnation=self.incarnation))
+        elif kind == Kind.HANDSHAKE:
+            self._handshake(peer, env, msg)
+        elif kind == Kind.RELEASE:
+            self._release(env, msg)
+        elif kind == Kind.STOP:
+            self.stats["stops"] += 1
+            if self._on_stop is not None:
+                self._on_stop()
+        else:
+            self.stats["unexpected_kind"] += 1
+            self._error(identity, env.id, ErrorCode.UNEXPECTED_KIND,
+                        f"a server does not accept {Kind(kind).name} messages")
+
+    def _request(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
+        self.stats["requests"] += 1
+        identity = peer.identity
+        method = self._methods.get(env.method)
+        if method is None:
+            self.stats["unknown_method"] += 1
+            known = ", ".join(sorted(self._methods)) or "none"
+            self._error(identity, env.id, ErrorCode.UNKNOWN_METHOD,
+                        f"{self.name} has no method {env.method!r}; it serves: {known}")
+            return
+        if env.deadline and env.deadline < time.time():
+            self.stats["expired"] += 1
+            self._error(identity, env.id, ErrorCode.DEADLINE,
+                        f"request {env.id} to {env.method!r} arrived after its deadline",
+                        retryable=True)
+            return
+        try:
+            payload = self.codec.decode_payload(env, msg, method.request_type,
+                                                self._release_callback(identity))
+        except ProtocolError as exc:
+            self._bad_input(identity, msg, exc, env.id)
+            return
+        call = Call(identity, env.id, env.method, env.attempt, env.deadline, env.trace)
+        if method.is_async:
+            task = asyncio.get_running_loop().create_task(self._run_async(method, payload, call))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        try:
+            result = method.handler(payload, call)
+        except Exception as exc:
+            self._handler_failed(call, exc)
+            return
+        self._reply(call, result)
+
+    async def _run_async(self, method: _Method, payload: Any, call: Call) -> None:
+        try:
+            result = await method.handler(payload, call)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._handler_failed(call, exc)
+            return
+        self._reply(call, result)
+
+    def _handler_failed(self, call: Call, exc: Exception) -> None:
+        self.stats["handler_errors"] += 1
+        log.warning("server %s: handler %r failed: %r", self.name, call.method, exc)
+        self._error(call.peer, call.id, ErrorCode.HANDLER, str(exc) or repr(exc),
+                    type_=type(exc).__qualname__, retryable=getattr(exc, "retryable", False))
+
+    def _reply(self, call: Call, result: Any) -> None:
+        if self._closed:
+            return
+        peer = self._peers.get(call.peer)
+        env = Envelope(PROTOCOL_VERSION, Kind.REPLY, call.id, incarnation=self.incarnation,
+                       payload=result)
+        try:
+            frames = self.codec.encode(env, peer=call.peer, use_shm=peer is not None and peer.shm)
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            self.stats["bad_replies"] += 1
+            self._error(call.peer, call.id, ErrorCode.BAD_REPLY,
+                        f"the reply of {call.method!r} cannot be encoded: {exc}")
+            return
+        slots = self.codec.last_slots
+        try:
+            self._pump_send([call.peer, *frames])
+        except TransportError:
+            if self._pool is not None:
+                for slot in slots:
+                    self._pool.release(slot)
+        else:
+            self.stats["replies"] += 1
+
+    def _handshake(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
+        try:
+            hello = self.codec.decode_payload(env, msg, Hello)
+        except ProtocolError as exc:
+            self._bad_input(peer.identity, msg, exc, env.id)
+            return
+        if hello.version != PROTOCOL_VERSION:
+            self.stats["version_mismatch"] += 1
+            err = ProtocolVersionError(PROTOCOL_VERSION, hello.version, hello.name)
+            self._error(peer.identity, env.id, ErrorCode.PROTOCOL_VERSION, str(err))
+            return
+        peer.hello = hello
+        peer.shm = bool(self._pool is not None and hello.shm and hello.host == self._host)
+        self.stats["handshakes"] += 1
+        welcome = Hello(PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
+                        incarnation=self.incarnation, host=self._host,
+                        shm=self.codec.shm_reader is not None, run=self.options.run)
+        self._send(peer.identity, Envelope(PROTOCOL_VERSION, Kind.WELCOME, env.id,
+                                           incarnation=self.incarnation, payload=welcome))
+
+    def _release(self, env: RawEnvelope, msg: list[Any]) -> None:
+        try:
+            release = self.codec.decode_payload(env, msg, Release)
+        except ProtocolError as exc:
+            self._bad_input(b"", msg, exc)
+            return
+        if self._pool is not None:
+            for slot in release.slots:
+                self._pool.release(slot)
+
+    # -- shared-memory slots this server's replies lent to its clients ----------------------
+
+    def _release_callback(self, identity: bytes) -> Callable[[int], None]:
+        loop = asyncio.get_running_loop()
+
+        def release(slot: int) -> None:
+            if not self._closed:
+                try:
+                    loop.call_soon_threadsafe(self._queue_release, identity, slot)
+                except RuntimeError:
+                    pass  # the loop is closed: the sender reclaims its slots itself
+
+        return release
+
+    def _queue_release(self, identity: bytes, slot: int) -> None:
+        self._releases.pending.setdefault(identity, []).append(slot)
+        if not self._releases.scheduled:
+            self._releases.scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_releases)
+
+    def _flush_releases(self) -> None:
+        pending, self._releases.pending = self._releases.pending, {}
+        self._releases.scheduled = False
+        for identity, slots in pending.items():
+            try:
+                self._send(identity, Envelope(PROTOCOL_VERSION, Kind.RELEASE,
+                                              incarnation=self.incarnation,
+                                              payload=Release(slots)))
+            except TransportError:
+                pass  # the client is gone; it reclaims its own slots
+
+    # -- sending and failures -------------------------------------------------------------
+
+    def _send(self, identity: bytes, env: Envelope) -> None:
+        self._pump_send([identity, *self.codec.encode(env)])
+
+    def _pump_send(self, frames: list[Any]) -> None:
+        if self._pump is None or self._closed:
+            raise ClosedError(f"server {self.name} is closed")
+        try:
+            self._pump.send(frames)
+        except PeerUnreachableError:
+            self.stats["unreachable"] += 1
+            self._forget(frames[0])
+            raise
+
+    def _on_send_error(self, frames: list[Any], exc: TransportError) -> None:
+        self.stats["unreachable"] += 1
+        self._forget(frames[0])
+
+    def _error(
+        self, identity: bytes, request_id: int, code: str, message: str, *,
+        type_: str = "", retryable: bool = False,
+    ) -> None:
+        env = Envelope(PROTOCOL_VERSION, Kind.ERROR, request_id, incarnation=self.incarnation,
+                       payload=ErrorInfo(code, message, type_, retryable))
+        try:
+            self._send(identity, env)
+        except TransportError:
+            pass  # nobody to tell; the error is counted already
+
+    def _bad_input(
+        self, identity: bytes, msg: list[Any], exc: ProtocolError, request_id: int | None = None,
+    ) -> None:
+        code = _CODES.get(type(exc), ErrorCode.DECODE)
+        self.stats[code] += 1
+        log.warning("server %s dropped a message from %r: %s", self.name, identity, exc)
+        if not identity:
+            return
+        if request_id is None:
+            request_id = self.codec.salvage_id(msg)
+        self._error(identity, request_id, code, str(exc))
+
+    # -- peers that went silent -----------------------------------------------------------
+
+    def _schedule_sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.call_later(self.options.heartbeat_interval_s, self._sweep)
+
+    def _sweep(self) -> None:
+        limit = self.options.dead_after_s
+        now = time.monotonic()
+        for identity in [i for i, p in self._peers.items() if now - p.last_heard > limit]:
+            self.stats["peers_expired"] += 1
+            self._forget(identity)
+        if not self._closed:
+            self._schedule_sweep()
+
+    def _forget(self, identity: bytes) -> None:
+        self._peers.pop(identity, None)
+        if self._pool is not None:
+            self._pool.release_peer(identity)
+
+
+_CODES: dict[type[ProtocolError], str] = {
+    DecodeError: ErrorCode.DECODE,
+    UnknownKindError: ErrorCode.UNKNOWN_KIND,
+    MessageTooLargeError: ErrorCode.TOO_LARGE,
+    TensorDescriptorError: ErrorCode.BAD_TENSOR,
+    ProtocolVersionError: ErrorCode.PROTOCOL_VERSION,
+}
