@@ -32,7 +32,11 @@ class Publisher:
     """Publishes typed values by topic to every connected Subscriber."""
 
     def __init__(
-        self, endpoint: str, *, incarnation: int = 0, options: ChannelOptions | None = None,
+        self,
+        endpoint: str,
+        *,
+        incarnation: int = 0,
+        options: ChannelOptions | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -41,8 +45,10 @@ class Publisher:
         self._context = context or zmq.Context.instance()
         self._pump: Pump | None = None
         self._seq = 0
-        self.codec = Codec(inline_threshold=self.options.inline_threshold,
-                           max_message_bytes=self.options.max_message_bytes)
+        self.codec = Codec(
+            inline_threshold=self.options.inline_threshold,
+            max_message_bytes=self.options.max_message_bytes,
+        )
 
     async def start(self) -> str:
         sock = self._context.socket(zmq.PUB)
@@ -68,8 +74,14 @@ class Publisher:
         if self._pump is None:
             raise ClosedError("publisher is not started or was closed")
         self._seq += 1
-        env = Envelope(PROTOCOL_VERSION, Kind.MESSAGE, self._seq, topic,
-                       incarnation=self.incarnation, payload=payload)
+        env = Envelope(
+            PROTOCOL_VERSION,
+            Kind.MESSAGE,
+            self._seq,
+            topic,
+            incarnation=self.incarnation,
+            payload=payload,
+        )
         self._pump.send([topic.encode(), *self.codec.encode(env)])
 
     async def close(self) -> None:
@@ -87,7 +99,11 @@ class Subscriber:
     """
 
     def __init__(
-        self, endpoint: str, topics: dict[str, Any], *, options: ChannelOptions | None = None,
+        self,
+        endpoint: str,
+        topics: dict[str, Any],
+        *,
+        options: ChannelOptions | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -98,8 +114,10 @@ class Subscriber:
         self._latest: dict[str, Any] = {}
         self._seq: dict[str, int] = {}
         self._changed: asyncio.Event | None = None
-        self.codec = Codec(inline_threshold=self.options.inline_threshold,
-                           max_message_bytes=self.options.max_message_bytes)
+        self.codec = Codec(
+            inline_threshold=self.options.inline_threshold,
+            max_message_bytes=self.options.max_message_bytes,
+        )
         self.stats: Counter[str] = Counter()
 
     async def start(self) -> None:

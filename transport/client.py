@@ -79,8 +79,12 @@ class _Pending:
     __slots__ = ("fut", "method", "reply_type", "timeout", "timer")
 
     def __init__(
-        self, fut: asyncio.Future[Any], timer: asyncio.TimerHandle | None, reply_type: Any,
-        method: str, timeout: float,
+        self,
+        fut: asyncio.Future[Any],
+        timer: asyncio.TimerHandle | None,
+        reply_type: Any,
+        method: str,
+        timeout: float,
     ) -> None:
         self.fut = fut
         self.timer = timer
@@ -195,9 +199,12 @@ class Client:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all(lambda p: ClosedError(
-            f"client {self.name} was closed with request {p.method!r} to {self.endpoint} "
-            f"in flight"))
+        self._fail_all(
+            lambda p: ClosedError(
+                f"client {self.name} was closed with request {p.method!r} to {self.endpoint} "
+                f"in flight"
+            )
+        )
         if self._pump is not None:
             try:
                 self._pump.sock.disable_monitor()
@@ -242,8 +249,17 @@ class Client:
         if self._closed or self._pump is None:
             raise ClosedError(f"client {self.name} is closed or not connected")
         request_id = next(self._ids)
-        env = Envelope(PROTOCOL_VERSION, Kind.REQUEST, request_id, method,
-                       time.time() + timeout, attempt, self.incarnation, trace, payload)
+        env = Envelope(
+            PROTOCOL_VERSION,
+            Kind.REQUEST,
+            request_id,
+            method,
+            time.time() + timeout,
+            attempt,
+            self.incarnation,
+            trace,
+            payload,
+        )
         frames = self.codec.encode(env, peer=b"", use_shm=self._use_shm)
         loop = self._pump.loop
         fut: asyncio.Future[Any] = loop.create_future()
@@ -277,8 +293,9 @@ class Client:
             DisconnectedError: the connection broke with the request in flight.
             ClosedError: this client was closed.
         """
-        return await self.call_future(method, payload, reply_type, timeout=timeout,
-                                      attempt=attempt, trace=trace)
+        return await self.call_future(
+            method, payload, reply_type, timeout=timeout, attempt=attempt, trace=trace
+        )
 
     def send_stop(self) -> None:
         """Ask the server to stop cleanly (a STOP control message; no answer)."""
@@ -296,8 +313,7 @@ class Client:
             if pending is not None and not pending.fut.done():
                 if pending.timer is not None:
                     pending.timer.cancel()
-                pending.fut.set_exception(
-                    ProtocolVersionError(exc.ours, exc.theirs, self.endpoint))
+                pending.fut.set_exception(ProtocolVersionError(exc.ours, exc.theirs, self.endpoint))
             return
         except ProtocolError as exc:
             self.stats["bad_input"] += 1
@@ -342,8 +358,9 @@ class Client:
         if pending.fut.done():
             return
         try:
-            value = self.codec.decode_payload(env, frames, pending.reply_type,
-                                              self._release_callback())
+            value = self.codec.decode_payload(
+                env, frames, pending.reply_type, self._release_callback()
+            )
         except ProtocolError as exc:
             self.stats["bad_input"] += 1
             pending.fut.set_exception(exc)
@@ -359,24 +376,39 @@ class Client:
         pending = self._pending.pop(env.id, None)
         if pending is None:
             self.stats["orphan_errors"] += 1
-            log.warning("client %s: error reply from %s: [%s] %s", self.name, self.endpoint,
-                        info.code, info.message)
+            log.warning(
+                "client %s: error reply from %s: [%s] %s",
+                self.name,
+                self.endpoint,
+                info.code,
+                info.message,
+            )
             return
         if pending.timer is not None:
             pending.timer.cancel()
         if pending.fut.done():
             return
-        pending.fut.set_exception(RemoteError(info.code, info.message, remote_type=info.type,
-                                              peer=self.endpoint, retryable=info.retryable))
+        pending.fut.set_exception(
+            RemoteError(
+                info.code,
+                info.message,
+                remote_type=info.type,
+                peer=self.endpoint,
+                retryable=info.retryable,
+            )
+        )
 
     def _on_monitor(self, frames: list[Any]) -> None:
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self.stats["disconnects"] += 1
             count = len(self._pending)
-            self._fail_all(lambda p: DisconnectedError(
-                f"the connection to {self.endpoint} broke with request {p.method!r} in flight; "
-                f"the server exited or restarted, so the request may or may not have run"))
+            self._fail_all(
+                lambda p: DisconnectedError(
+                    f"the connection to {self.endpoint} broke with request {p.method!r} in flight; "
+                    f"the server exited or restarted, so the request may or may not have run"
+                )
+            )
             self._emit("disconnected", f"{count} requests failed")
         elif event == zmq.EVENT_CONNECTED and self._connected_once and not self._closed:
             task = asyncio.get_running_loop().create_task(self._rehandshake())
@@ -390,31 +422,47 @@ class Client:
             log.warning("client %s: handshake after reconnect failed: %s", self.name, exc)
 
     async def _handshake(self, timeout: float) -> Hello:
-        hello = Hello(PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
-                      incarnation=self.incarnation, host=self._host,
-                      shm=self.codec.shm_reader is not None, run=self.options.run)
+        hello = Hello(
+            PROTOCOL_VERSION,
+            name=self.name,
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            host=self._host,
+            shm=self.codec.shm_reader is not None,
+            run=self.options.run,
+        )
         assert self._pump is not None
         request_id = next(self._ids)
         loop = self._pump.loop
         fut: asyncio.Future[Any] = loop.create_future()
         timer = loop.call_later(timeout, self._expire, request_id)
         self._pending[request_id] = _Pending(fut, timer, Hello, "handshake", timeout)
-        self._send(Envelope(PROTOCOL_VERSION, Kind.HANDSHAKE, request_id,
-                            incarnation=self.incarnation, payload=hello))
+        self._send(
+            Envelope(
+                PROTOCOL_VERSION,
+                Kind.HANDSHAKE,
+                request_id,
+                incarnation=self.incarnation,
+                payload=hello,
+            )
+        )
         welcome: Hello = await fut
         previous = self.server
         self.server = welcome
         self._use_shm = bool(self.options.shm and welcome.shm and welcome.host == self._host)
         if self._use_shm and self._pool is None:
-            self._pool = ShmPool(self.options.run, self.incarnation,
-                                 max_bytes=self.options.shm_max_bytes)
+            self._pool = ShmPool(
+                self.options.run, self.incarnation, max_bytes=self.options.shm_max_bytes
+            )
             self.codec.shm_pool = self._pool
         self._connected_once = True
         if previous is not None and previous.incarnation != welcome.incarnation:
             if self._pool is not None:
                 self._pool.release_peer(b"")
-            self._emit("restarted", f"incarnation {previous.incarnation} -> "
-                                    f"{welcome.incarnation}, pid {welcome.pid}")
+            self._emit(
+                "restarted",
+                f"incarnation {previous.incarnation} -> {welcome.incarnation}, pid {welcome.pid}",
+            )
         else:
             self._emit("connected", f"pid {welcome.pid}")
         return welcome
@@ -453,7 +501,8 @@ class Client:
         if pending is not None and not pending.fut.done():
             self.stats["deadlines"] += 1
             pending.fut.set_exception(
-                DeadlineExceededError(self.endpoint, pending.method, pending.timeout))
+                DeadlineExceededError(self.endpoint, pending.method, pending.timeout)
+            )
 
     def _fail_all(self, make: Callable[[_Pending], TransportError]) -> None:
         pending, self._pending = self._pending, {}
@@ -496,8 +545,14 @@ class Client:
         slots, self._releases = self._releases, []
         if slots and not self._closed:
             try:
-                self._send(Envelope(PROTOCOL_VERSION, Kind.RELEASE,
-                                    incarnation=self.incarnation, payload=Release(slots)))
+                self._send(
+                    Envelope(
+                        PROTOCOL_VERSION,
+                        Kind.RELEASE,
+                        incarnation=self.incarnation,
+                        payload=Release(slots),
+                    )
+                )
             except TransportError:
                 pass
 

@@ -42,6 +42,7 @@ Frames = Sequence[Any]
 """A received message: bytes or ``zmq.Frame`` objects (both support ``len`` and the buffer
 protocol)."""
 
+
 def _carried_dtypes() -> dict[str, torch.dtype]:
     return {
         str(value).removeprefix("torch."): value
@@ -167,8 +168,11 @@ class Codec:
         if slot is not None:
             dst = torch.from_numpy(slot.array[:nbytes]).view(t.dtype).view(t.shape)
             dst.copy_(t)
-            self._descs.append(TensorDesc("torch", name, shape, nbytes, Where.SHM,
-                                          segment=slot.segment, slot=slot.id))
+            self._descs.append(
+                TensorDesc(
+                    "torch", name, shape, nbytes, Where.SHM, segment=slot.segment, slot=slot.id
+                )
+            )
             return _ext_for(index)
         try:
             flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -188,8 +192,17 @@ class Codec:
         slot = self._shm_slot(nbytes)
         if slot is not None:
             np.copyto(slot.array[:nbytes].view(a.dtype).reshape(a.shape), a)
-            self._descs.append(TensorDesc("numpy", a.dtype.str, shape, nbytes, Where.SHM,
-                                          segment=slot.segment, slot=slot.id))
+            self._descs.append(
+                TensorDesc(
+                    "numpy",
+                    a.dtype.str,
+                    shape,
+                    nbytes,
+                    Where.SHM,
+                    segment=slot.segment,
+                    slot=slot.id,
+                )
+            )
             return _ext_for(index)
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         return self._add_bytes("numpy", a.dtype.str, shape, nbytes, flat, index)
@@ -203,15 +216,23 @@ class Codec:
         return slot
 
     def _add_bytes(
-        self, lib: str, dtype: str, shape: list[int], nbytes: int, flat: np.ndarray, index: int,
+        self,
+        lib: str,
+        dtype: str,
+        shape: list[int],
+        nbytes: int,
+        flat: np.ndarray,
+        index: int,
     ) -> msgspec.msgpack.Ext:
         if nbytes <= self.inline_threshold:
-            self._descs.append(TensorDesc(lib, dtype, shape, nbytes, Where.INLINE,
-                                          data=flat.tobytes()))
+            self._descs.append(
+                TensorDesc(lib, dtype, shape, nbytes, Where.INLINE, data=flat.tobytes())
+            )
         else:
             self._frames.append(flat)
-            self._descs.append(TensorDesc(lib, dtype, shape, nbytes, Where.FRAME,
-                                          frame=len(self._frames) - 1))
+            self._descs.append(
+                TensorDesc(lib, dtype, shape, nbytes, Where.FRAME, frame=len(self._frames) - 1)
+            )
         return _ext_for(index)
 
     # -- decoding -------------------------------------------------------------------------
@@ -276,9 +297,7 @@ class Codec:
         """
         decoder = self._decoders.get(type_)
         if decoder is None:
-            decoder = msgspec.msgpack.Decoder(
-                type_, ext_hook=self._ext_hook, dec_hook=_dec_hook
-            )
+            decoder = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook, dec_hook=_dec_hook)
             self._decoders[type_] = decoder
         if env.tensors:
             self._check_descs(env, frames)
@@ -335,8 +354,7 @@ class Codec:
         index = int.from_bytes(data, "little")
         if index >= len(env.tensors):
             raise TensorDescriptorError(
-                f"payload refers to tensor {index}, but the envelope describes "
-                f"{len(env.tensors)}"
+                f"payload refers to tensor {index}, but the envelope describes {len(env.tensors)}"
             )
         return self._build(env.tensors[index])
 
@@ -359,8 +377,11 @@ class Codec:
             dtype = TORCH_DTYPES[d.dtype]
             if d.nbytes == 0:
                 return torch.empty(d.shape, dtype=dtype)
-            flat = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else \
-                torch.frombuffer(buf, dtype=torch.uint8)
+            flat = (
+                torch.from_numpy(buf)
+                if isinstance(buf, np.ndarray)
+                else torch.frombuffer(buf, dtype=torch.uint8)
+            )
             return flat.view(dtype).view(d.shape)
         arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
         return arr.view(np.dtype(d.dtype)).reshape(d.shape)

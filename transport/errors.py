@@ -125,7 +125,12 @@ class RemoteError(TransportError):
     """
 
     def __init__(
-        self, code: str, message: str, *, remote_type: str = "", peer: str = "",
+        self,
+        code: str,
+        message: str,
+        *,
+        remote_type: str = "",
+        peer: str = "",
         retryable: bool = False,
     ) -> None:
         self.code = code

@@ -17,7 +17,7 @@ import asyncio
 import errno
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -57,13 +57,18 @@ class Pump:
         self._check_scheduled = False
         self._paused = False
         self._closed = False
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
         self.loop.add_reader(self._fd, self._on_ready)
         self.schedule_check()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def paused(self) -> bool:
+        """True while reading is paused for back-pressure."""
+        return self._paused
 
     @property
     def queued(self) -> int:
@@ -137,23 +142,23 @@ class Pump:
                 except zmq.Again:
                     break
                 except zmq.ZMQError:
-                    if self._closed:
+                    if self.closed:
                         return
                     raise
                 while sock.getsockopt(zmq.RCVMORE):
                     frames.append(sock.recv(copy=len(frames) < copy_frames))
                 self._on_message(frames)
-                if self._closed or self._paused:
+                if self.closed or self.paused:
                     return
             else:
                 self.schedule_check()
                 return
         if self._out:
             self._flush()
-        if self._closed:
+        if self.closed:
             return
-        events = sock.getsockopt(zmq.EVENTS)
-        if (events & zmq.POLLIN and not self._paused and self._on_message is not None) or (
+        events = cast(int, sock.getsockopt(zmq.EVENTS))
+        if (events & zmq.POLLIN and not self.paused and self._on_message is not None) or (
             events & zmq.POLLOUT and self._out
         ):
             self.schedule_check()

@@ -57,9 +57,7 @@ class Registry(Protocol):
 
 def _check_name(name: str, replica: int) -> None:
     if not _NAME_RE.match(name):
-        raise ValueError(
-            f"role name {name!r} may hold only letters, digits, '_', '.' and '-'"
-        )
+        raise ValueError(f"role name {name!r} may hold only letters, digits, '_', '.' and '-'")
     if replica < 0:
         raise ValueError(f"replica of {name!r} must be >= 0, got {replica}")
 

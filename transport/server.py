@@ -134,7 +134,8 @@ class Server:
         self._host = host_id()
         self._pool = (
             ShmPool(self.options.run, incarnation, max_bytes=self.options.shm_max_bytes)
-            if self.options.shm else None
+            if self.options.shm
+            else None
         )
         self.codec = Codec(
             inline_threshold=self.options.inline_threshold,
@@ -168,8 +169,7 @@ class Server:
         sock.setsockopt(zmq.RCVHWM, self.options.recv_hwm)
         sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = bind(sock, self.endpoint)
-        self._pump = Pump(sock, self._on_message, copy_frames=2,
-                          on_send_error=self._on_send_error)
+        self._pump = Pump(sock, self._on_message, copy_frames=2, on_send_error=self._on_send_error)
         self._schedule_sweep()
         log.debug("server %s serving on %s", self.name, self.endpoint)
         return self.endpoint
@@ -217,8 +217,12 @@ class Server:
         Raises:
             PeerUnreachableError: the peer is not connected.
         """
-        self._send(peer, Envelope(PROTOCOL_VERSION, Kind.CREDIT, incarnation=self.incarnation,
-                                  payload=Credit(slots)))
+        self._send(
+            peer,
+            Envelope(
+                PROTOCOL_VERSION, Kind.CREDIT, incarnation=self.incarnation, payload=Credit(slots)
+            ),
+        )
 
     # -- receiving ------------------------------------------------------------------------
 
@@ -240,8 +244,10 @@ class Server:
         if kind == Kind.REQUEST:
             self._request(peer, env, msg)
         elif kind == Kind.PING:
-            self._send(identity, Envelope(PROTOCOL_VERSION, Kind.PONG, env.id,
-                                          incarnation=self.incarnation))
+            self._send(
+                identity,
+                Envelope(PROTOCOL_VERSION, Kind.PONG, env.id, incarnation=self.incarnation),
+            )
         elif kind == Kind.HANDSHAKE:
             self._handshake(peer, env, msg)
         elif kind == Kind.RELEASE:
@@ -252,8 +258,12 @@ class Server:
                 self._on_stop()
         else:
             self.stats["unexpected_kind"] += 1
-            self._error(identity, env.id, ErrorCode.UNEXPECTED_KIND,
-                        f"a server does not accept {Kind(kind).name} messages")
+            self._error(
+                identity,
+                env.id,
+                ErrorCode.UNEXPECTED_KIND,
+                f"a server does not accept {Kind(kind).name} messages",
+            )
 
     def _request(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
         self.stats["requests"] += 1
@@ -262,18 +272,27 @@ class Server:
         if method is None:
             self.stats["unknown_method"] += 1
             known = ", ".join(sorted(self._methods)) or "none"
-            self._error(identity, env.id, ErrorCode.UNKNOWN_METHOD,
-                        f"{self.name} has no method {env.method!r}; it serves: {known}")
+            self._error(
+                identity,
+                env.id,
+                ErrorCode.UNKNOWN_METHOD,
+                f"{self.name} has no method {env.method!r}; it serves: {known}",
+            )
             return
         if env.deadline and env.deadline < time.time():
             self.stats["expired"] += 1
-            self._error(identity, env.id, ErrorCode.DEADLINE,
-                        f"request {env.id} to {env.method!r} arrived after its deadline",
-                        retryable=True)
+            self._error(
+                identity,
+                env.id,
+                ErrorCode.DEADLINE,
+                f"request {env.id} to {env.method!r} arrived after its deadline",
+                retryable=True,
+            )
             return
         try:
-            payload = self.codec.decode_payload(env, msg, method.request_type,
-                                                self._release_callback(identity))
+            payload = self.codec.decode_payload(
+                env, msg, method.request_type, self._release_callback(identity)
+            )
         except ProtocolError as exc:
             self._bad_input(identity, msg, exc, env.id)
             return
@@ -303,21 +322,32 @@ class Server:
     def _handler_failed(self, call: Call, exc: Exception) -> None:
         self.stats["handler_errors"] += 1
         log.warning("server %s: handler %r failed: %r", self.name, call.method, exc)
-        self._error(call.peer, call.id, ErrorCode.HANDLER, str(exc) or repr(exc),
-                    type_=type(exc).__qualname__, retryable=getattr(exc, "retryable", False))
+        self._error(
+            call.peer,
+            call.id,
+            ErrorCode.HANDLER,
+            str(exc) or repr(exc),
+            type_=type(exc).__qualname__,
+            retryable=getattr(exc, "retryable", False),
+        )
 
     def _reply(self, call: Call, result: Any) -> None:
         if self._closed:
             return
         peer = self._peers.get(call.peer)
-        env = Envelope(PROTOCOL_VERSION, Kind.REPLY, call.id, incarnation=self.incarnation,
-                       payload=result)
+        env = Envelope(
+            PROTOCOL_VERSION, Kind.REPLY, call.id, incarnation=self.incarnation, payload=result
+        )
         try:
             frames = self.codec.encode(env, peer=call.peer, use_shm=peer is not None and peer.shm)
         except (TypeError, ValueError, msgspec.EncodeError) as exc:
             self.stats["bad_replies"] += 1
-            self._error(call.peer, call.id, ErrorCode.BAD_REPLY,
-                        f"the reply of {call.method!r} cannot be encoded: {exc}")
+            self._error(
+                call.peer,
+                call.id,
+                ErrorCode.BAD_REPLY,
+                f"the reply of {call.method!r} cannot be encoded: {exc}",
+            )
             return
         slots = self.codec.last_slots
         try:
@@ -343,11 +373,25 @@ class Server:
         peer.hello = hello
         peer.shm = bool(self._pool is not None and hello.shm and hello.host == self._host)
         self.stats["handshakes"] += 1
-        welcome = Hello(PROTOCOL_VERSION, name=self.name, pid=os.getpid(),
-                        incarnation=self.incarnation, host=self._host,
-                        shm=self.codec.shm_reader is not None, run=self.options.run)
-        self._send(peer.identity, Envelope(PROTOCOL_VERSION, Kind.WELCOME, env.id,
-                                           incarnation=self.incarnation, payload=welcome))
+        welcome = Hello(
+            PROTOCOL_VERSION,
+            name=self.name,
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            host=self._host,
+            shm=self.codec.shm_reader is not None,
+            run=self.options.run,
+        )
+        self._send(
+            peer.identity,
+            Envelope(
+                PROTOCOL_VERSION,
+                Kind.WELCOME,
+                env.id,
+                incarnation=self.incarnation,
+                payload=welcome,
+            ),
+        )
 
     def _release(self, env: RawEnvelope, msg: list[Any]) -> None:
         try:
@@ -384,9 +428,15 @@ class Server:
         self._releases.scheduled = False
         for identity, slots in pending.items():
             try:
-                self._send(identity, Envelope(PROTOCOL_VERSION, Kind.RELEASE,
-                                              incarnation=self.incarnation,
-                                              payload=Release(slots)))
+                self._send(
+                    identity,
+                    Envelope(
+                        PROTOCOL_VERSION,
+                        Kind.RELEASE,
+                        incarnation=self.incarnation,
+                        payload=Release(slots),
+                    ),
+                )
             except TransportError:
                 pass  # the client is gone; it reclaims its own slots
 
@@ -410,18 +460,33 @@ class Server:
         self._forget(frames[0])
 
     def _error(
-        self, identity: bytes, request_id: int, code: str, message: str, *,
-        type_: str = "", retryable: bool = False,
+        self,
+        identity: bytes,
+        request_id: int,
+        code: str,
+        message: str,
+        *,
+        type_: str = "",
+        retryable: bool = False,
     ) -> None:
-        env = Envelope(PROTOCOL_VERSION, Kind.ERROR, request_id, incarnation=self.incarnation,
-                       payload=ErrorInfo(code, message, type_, retryable))
+        env = Envelope(
+            PROTOCOL_VERSION,
+            Kind.ERROR,
+            request_id,
+            incarnation=self.incarnation,
+            payload=ErrorInfo(code, message, type_, retryable),
+        )
         try:
             self._send(identity, env)
         except TransportError:
             pass  # nobody to tell; the error is counted already
 
     def _bad_input(
-        self, identity: bytes, msg: list[Any], exc: ProtocolError, request_id: int | None = None,
+        self,
+        identity: bytes,
+        msg: list[Any],
+        exc: ProtocolError,
+        request_id: int | None = None,
     ) -> None:
         code = _CODES.get(type(exc), ErrorCode.DECODE)
         self.stats[code] += 1

@@ -101,7 +101,11 @@ class ShmPool:
     """
 
     def __init__(
-        self, run: str, incarnation: int = 0, *, max_bytes: int = 2 << 30,
+        self,
+        run: str,
+        incarnation: int = 0,
+        *,
+        max_bytes: int = 2 << 30,
         directory: str = SHM_DIR,
     ) -> None:
         self.run = _safe_run(run)
@@ -334,7 +338,10 @@ def _alive(pid: int) -> bool:
 
 
 def sweep(
-    run: str | None = None, *, pid: int | None = None, directory: str = SHM_DIR,
+    run: str | None = None,
+    *,
+    pid: int | None = None,
+    directory: str = SHM_DIR,
 ) -> list[str]:
     """Unlink segments left by dead processes; returns the names removed.
 

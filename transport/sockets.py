@@ -66,7 +66,7 @@ def bind(sock: zmq.Socket[Any], endpoint: str, *, allow_remote: bool = False) ->
     """
     check_endpoint(endpoint, allow_remote=allow_remote)
     if endpoint.startswith("ipc://"):
-        os.makedirs(os.path.dirname(endpoint[len("ipc://"):]) or ".", exist_ok=True)
+        os.makedirs(os.path.dirname(endpoint[len("ipc://") :]) or ".", exist_ok=True)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:

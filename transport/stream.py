@@ -48,8 +48,14 @@ class StreamSender:
     """
 
     def __init__(
-        self, endpoint: str, *, topic: str = "", bind: bool = False, incarnation: int = 0,
-        options: ChannelOptions | None = None, context: zmq.Context[Any] | None = None,
+        self,
+        endpoint: str,
+        *,
+        topic: str = "",
+        bind: bool = False,
+        incarnation: int = 0,
+        options: ChannelOptions | None = None,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.topic = topic
@@ -59,8 +65,10 @@ class StreamSender:
         self._context = context
         self._pump: Pump | None = None
         self._seq = 0
-        self.codec = Codec(inline_threshold=self.options.inline_threshold,
-                           max_message_bytes=self.options.max_message_bytes)
+        self.codec = Codec(
+            inline_threshold=self.options.inline_threshold,
+            max_message_bytes=self.options.max_message_bytes,
+        )
 
     async def start(self) -> str:
         sock = _socket(self._context, zmq.PUSH, self.options)
@@ -87,8 +95,14 @@ class StreamSender:
         if self._pump is None:
             raise ClosedError("stream sender is not started or was closed")
         self._seq += 1
-        env = Envelope(PROTOCOL_VERSION, Kind.MESSAGE, self._seq, self.topic,
-                       incarnation=self.incarnation, payload=payload)
+        env = Envelope(
+            PROTOCOL_VERSION,
+            Kind.MESSAGE,
+            self._seq,
+            self.topic,
+            incarnation=self.incarnation,
+            payload=payload,
+        )
         return self._pump.send(self.codec.encode(env))
 
     async def send(self, payload: Any) -> None:
@@ -120,8 +134,14 @@ class StreamReceiver:
     """
 
     def __init__(
-        self, endpoint: str, type_: Any = Any, *, capacity: int = 4096, bind: bool = True,
-        options: ChannelOptions | None = None, context: zmq.Context[Any] | None = None,
+        self,
+        endpoint: str,
+        type_: Any = Any,
+        *,
+        capacity: int = 4096,
+        bind: bool = True,
+        options: ChannelOptions | None = None,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -135,8 +155,10 @@ class StreamReceiver:
         self._queue: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
-        self.codec = Codec(inline_threshold=self.options.inline_threshold,
-                           max_message_bytes=self.options.max_message_bytes)
+        self.codec = Codec(
+            inline_threshold=self.options.inline_threshold,
+            max_message_bytes=self.options.max_message_bytes,
+        )
         self.stats: Counter[str] = Counter()
 
     async def start(self) -> str:

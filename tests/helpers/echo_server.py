@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 import torch
-
 from asyncrl.transport import ChannelOptions, Server, run
 
 
@@ -59,11 +58,15 @@ def block(payload: float, call: Any) -> float:
 
 async def main(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
-    options = ChannelOptions(run=args.run, shm=not args.no_shm,
-                             heartbeat_interval_s=args.interval,
-                             max_message_bytes=args.max_message_bytes)
-    server = Server(args.endpoint, name="echo", incarnation=args.incarnation, options=options,
-                    on_stop=stop.set)
+    options = ChannelOptions(
+        run=args.run,
+        shm=not args.no_shm,
+        heartbeat_interval_s=args.interval,
+        max_message_bytes=args.max_message_bytes,
+    )
+    server = Server(
+        args.endpoint, name="echo", incarnation=args.incarnation, options=options, on_stop=stop.set
+    )
     server.add("echo", echo)
     server.add("add", add, AddArgs)
     server.add("sum", tensor_sum, torch.Tensor)
