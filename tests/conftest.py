@@ -62,4 +62,4 @@ def server_process(run_dir: str) -> Iterator[ServerProcess]:
     yield server
     if server.proc.poll() is None:
         server.proc.kill()
-        server.proc.wait()
+    server.proc.communicate()

@@ -17,6 +17,7 @@ segments that another process still maps.
 from __future__ import annotations
 
 import atexit
+import itertools
 import mmap
 import os
 import re
@@ -35,6 +36,7 @@ _PREFIX = "asyncrl"
 _NAME_RE = re.compile(r"^asyncrl\.([A-Za-z0-9_-]+)\.(\d+)\.(\d+)\.(\d+)$")
 _MIN_SEGMENT = 1 << 20
 _HEADROOM = 64 << 20  # leave this much of /dev/shm free for everyone else
+_SEQ = itertools.count(1)  # shared by every pool of the process, so names never collide
 
 
 def host_id(directory: str = SHM_DIR) -> str:
@@ -113,7 +115,6 @@ class ShmPool:
         self.max_bytes = max_bytes
         self.directory = directory
         self.pid = os.getpid()
-        self._seq = 0
         self._slot_ids = 0
         self._free: list[_Segment] = []
         self._lent: dict[int, tuple[_Segment, bytes]] = {}
@@ -221,11 +222,18 @@ class ShmPool:
             return None
         if stat.f_bavail * stat.f_frsize < size + _HEADROOM:
             return None
-        self._seq += 1
-        name = segment_name(self.run, self.pid, self.incarnation, self._seq)
+        name = segment_name(self.run, self.pid, self.incarnation, next(_SEQ))
         path = os.path.join(self.directory, name)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            # Left by a dead process that had our pid: its owner is gone, since we hold the pid.
+            try:
+                os.unlink(path)
+                fd = os.open(path, flags, 0o600)
+            except OSError:
+                return None
         except OSError:
             return None
         try:

@@ -1,0 +1,173 @@
+"""The package layout: import paths, the dependency arrows of DESIGN.md, the public surface."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS = {"transport": "asyncrl.transport", "roles": "asyncrl.roles", "plugins": "asyncrl.plugins"}
+
+
+def _python_files(folder: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        out += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(out)
+
+
+def _imports(path: str) -> set[str]:
+    """Absolute module names imported by a file (relative imports resolved to their layer)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    rel = os.path.relpath(path, ROOT).split(os.sep)
+    package = LAYERS.get(rel[0], rel[0])
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                found.add(package + ("." + node.module if node.module else ""))
+            elif node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _violations(
+    folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()
+) -> list[str]:
+    bad = []
+    for path in _python_files(folder):
+        for name in sorted(_imports(path)):
+            if name.startswith(forbidden) and not name.startswith(allowed):
+                bad.append(f"{os.path.relpath(path, ROOT)} imports {name}")
+    return bad
+
+
+def test_layers_import_under_asyncrl() -> None:
+    for folder, module in LAYERS.items():
+        mod = importlib.import_module(module)
+        assert mod.__file__ == os.path.join(ROOT, folder, "__init__.py")
+    assert importlib.import_module("asyncrl").__file__ == os.path.join(
+        ROOT, "asyncrl", "__init__.py"
+    )
+
+
+def test_transport_knows_nothing_of_runtime_roles_or_plugins() -> None:
+    assert _violations("transport", ("asyncrl",), ("asyncrl.transport",)) == []
+
+
+def test_transport_uses_torch_only_in_the_codec() -> None:
+    users = [
+        os.path.basename(p)
+        for p in _python_files("transport")
+        if any(n == "torch" or n.startswith("torch.") for n in _imports(p))
+    ]
+    assert users == ["codec.py"]
+
+
+def test_runtime_imports_no_roles_and_no_plugin_module() -> None:
+    assert _violations("asyncrl", ("asyncrl.roles", "asyncrl.plugins")) == []
+
+
+def test_roles_reach_plugins_only_through_registry_and_contract() -> None:
+    allowed = ("asyncrl.plugins.registry", "asyncrl.plugins.contract")
+    bad = [
+        v
+        for v in _violations("roles", ("asyncrl.plugins",), allowed)
+        if not v.endswith(" asyncrl.plugins")
+    ]
+    assert bad == []
+
+
+def test_nothing_imports_examples() -> None:
+    bad = []
+    for folder in ("asyncrl", "transport", "roles", "plugins", "tests"):
+        bad += _violations(folder, ("examples",))
+    assert bad == []
+
+
+def test_the_checker_sees_a_forbidden_import(tmp_path: object) -> None:
+    """The arrows test must be able to fail: a planted import is reported."""
+    planted = os.path.join(ROOT, "transport", "_planted_for_test.py")
+    with open(planted, "w") as f:
+        f.write("from asyncrl.roles import anything\nfrom .codec import Codec\n")
+    try:
+        assert _violations("transport", ("asyncrl",), ("asyncrl.transport",)) == [
+            "transport/_planted_for_test.py imports asyncrl.roles",
+            "transport/_planted_for_test.py imports asyncrl.roles.anything",
+        ]
+    finally:
+        os.unlink(planted)
+
+
+@pytest.mark.parametrize("module", ["asyncrl.transport", "asyncrl.errors"])
+def test_public_names_resolve(module: str) -> None:
+    mod = importlib.import_module(module)
+    names = mod.__all__
+    assert len(names) == len(set(names))
+    missing = [n for n in names if not hasattr(mod, n)]
+    assert missing == []
+
+
+def test_runtime_errors_are_the_transport_errors() -> None:
+    import asyncrl.errors
+    import asyncrl.transport.errors
+
+    assert asyncrl.errors.__all__ == asyncrl.transport.errors.__all__
+    for name in asyncrl.errors.__all__:
+        assert getattr(asyncrl.errors, name) is getattr(asyncrl.transport.errors, name)
+        assert issubclass(getattr(asyncrl.errors, name), asyncrl.errors.AsyncrlError)
+
+
+def test_importing_asyncrl_is_cheap() -> None:
+    code = "import sys, asyncrl; print('torch' in sys.modules, 'zmq' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.slow
+def test_regular_install_maps_the_layers() -> None:
+    """A regular (non-editable) install puts the layers under asyncrl/ too."""
+    with tempfile.TemporaryDirectory(prefix="arl-install-") as target:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--target",
+                target,
+                ROOT,
+            ],
+            check=True,
+            capture_output=True,
+        )
+        for folder in ("transport", "roles", "plugins"):
+            assert os.path.isfile(os.path.join(target, "asyncrl", folder, "__init__.py"))
+        code = (
+            "import asyncrl.transport, asyncrl.roles, asyncrl.plugins, asyncrl.bench.transport;"
+            "print(asyncrl.transport.__file__)"
+        )
+        env = {**os.environ, "PYTHONPATH": target}
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=target,
+            env=env,
+        )
+        assert out.stdout.strip() == os.path.join(target, "asyncrl", "transport", "__init__.py")
