@@ -1,0 +1,81 @@
+"""One-way streams: order, back-pressure without loss, bad input dropped and counted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import zmq
+
+from asyncrl.transport import ChannelOptions, StreamReceiver, StreamSender, run
+
+
+class Item(msgspec.Struct):
+    n: int
+
+
+def test_everything_arrives_in_order(run_dir: str) -> None:
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/st", Item) as receiver:
+            async with StreamSender(receiver.endpoint, topic="items") as sender:
+                for n in range(5000):
+                    await sender.send(Item(n))
+                got: list[int] = []
+                while len(got) < 5000:
+                    got += [item.n for item in await receiver.recv_batch()]
+            assert got == list(range(5000))
+            assert receiver.stats["received"] == 5000
+
+    run(main())
+
+
+def test_a_full_receiver_makes_the_sender_wait_and_loses_nothing(run_dir: str) -> None:
+    options = ChannelOptions(send_hwm=4, recv_hwm=4)
+    total = 100_000  # far more than the queues and socket buffers between the two can hold
+
+    async def main() -> None:
+        async with StreamReceiver(
+            f"ipc://{run_dir}/bp", Item, capacity=8, options=options
+        ) as receiver:
+            async with StreamSender(receiver.endpoint, options=options) as sender:
+                sent = 0
+
+                async def produce() -> None:
+                    nonlocal sent
+                    for n in range(total):
+                        await sender.send(Item(n))
+                        sent = n + 1
+
+                producer = asyncio.ensure_future(produce())
+                # Nobody reads: the receiver fills to capacity and stops reading ...
+                while not receiver._pump or not receiver._pump.paused:
+                    await asyncio.sleep(0)
+                # ... and the producer ends up waiting, with most items not sent.
+                for _ in range(50):
+                    await asyncio.sleep(0.002)
+                assert not producer.done()
+                assert len(receiver) == 8
+                assert sent < total // 2
+                got: list[int] = []
+                while len(got) < total:
+                    got += [item.n for item in await receiver.recv_batch()]
+                await producer
+            assert got == list(range(total))
+
+    run(main())
+
+
+def test_bad_messages_are_dropped_and_counted(run_dir: str) -> None:
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/bad", Item) as receiver:
+            raw = zmq.Context.instance().socket(zmq.PUSH)
+            raw.connect(receiver.endpoint)
+            raw.send(b"\xc1 not msgpack")
+            raw.send(msgspec.msgpack.encode([1, 11, 1, "", 0.0, 0, 0, "", {"n": "str"}]))
+            raw.send(msgspec.msgpack.encode([1, 3, 1, "", 0.0, 0, 0, "", {"n": 1}]))
+            raw.send(msgspec.msgpack.encode([1, 11, 2, "", 0.0, 0, 0, "", {"n": 42}]))
+            assert (await receiver.recv()).n == 42
+            raw.close(linger=0)
+            assert receiver.stats["bad_input"] == 3
+
+    run(main())
