@@ -147,9 +147,12 @@ def test_shared_memory_both_ways_and_released(run_dir: str) -> None:
             back = await client.call("echo", big, torch.Tensor)
             assert torch.equal(back, big)
             assert server.shm_pool is not None and server.shm_pool.lent == 1
-            del back  # the last view goes: the slot goes back to the server
-            while server.shm_pool.lent:
-                await asyncio.sleep(0)  # let the RELEASE travel; bounded by the test timeout
+            del back  # the last view goes: a RELEASE is queued for the next loop turns
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            # One connection is FIFO: once this call is answered, the RELEASE before it was read.
+            assert await client.call("echo", torch.zeros(1), torch.Tensor) == torch.zeros(1)
+            assert server.shm_pool.lent == 0
             assert client._pool is not None and client._pool.lent == 0
         await server.close()
 
