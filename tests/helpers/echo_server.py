@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 import torch
+
 from asyncrl.transport import ChannelOptions, Server, run
 
 
