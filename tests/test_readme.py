@@ -1,0 +1,40 @@
+"""The README is the front door: its Python example runs and its commands exist."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _readme() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_python_example_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", _readme(), re.S)
+    assert blocks, "the README has no Python example"
+    for code in blocks:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "5"
+
+
+def test_make_targets_named_in_the_readme_exist() -> None:
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        targets = set(re.findall(r"^([a-z-]+):", f.read(), re.M))
+    named = set(re.findall(r"`?make ([a-z-]+)", _readme()))
+    assert {"run", "test", "lint", "bench"} <= named
+    assert named <= targets
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert "make test" in f.read().splitlines()
+    assert "make test    # sets up .venv, then runs the whole test suite" in _readme()
