@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 import uuid
@@ -57,6 +58,8 @@ __all__ = ["Client", "PeerEvent"]
 
 log = logging.getLogger("asyncrl.transport.client")
 
+_TIMER_SLACK_S = 0.001  # loop timers may fire up to a millisecond early
+
 EventKind = Literal["connected", "disconnected", "restarted", "dead", "alive"]
 
 
@@ -76,18 +79,18 @@ class PeerEvent:
 
 
 class _Pending:
-    __slots__ = ("fut", "method", "reply_type", "timeout", "timer")
+    __slots__ = ("deadline", "fut", "method", "reply_type", "timeout")
 
     def __init__(
         self,
         fut: asyncio.Future[Any],
-        timer: asyncio.TimerHandle | None,
+        deadline: float,
         reply_type: Any,
         method: str,
         timeout: float,
     ) -> None:
         self.fut = fut
-        self.timer = timer
+        self.deadline = deadline  # on the loop's clock
         self.reply_type = reply_type
         self.method = method
         self.timeout = timeout
@@ -132,6 +135,8 @@ class Client:
         self._pump: Pump | None = None
         self._monitor: Pump | None = None
         self._ticker: asyncio.TimerHandle | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at = math.inf
         self._closed = False
         self._alive = True
         self._connected_once = False
@@ -195,6 +200,8 @@ class Client:
         self._closed = True
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -263,13 +270,11 @@ class Client:
         frames = self.codec.encode(env, peer=b"", use_shm=self._use_shm)
         loop = self._pump.loop
         fut: asyncio.Future[Any] = loop.create_future()
-        timer = loop.call_later(timeout, self._expire, request_id)
-        self._pending[request_id] = _Pending(fut, timer, reply_type, method, timeout)
+        self._track(request_id, _Pending(fut, loop.time() + timeout, reply_type, method, timeout))
         try:
             self._pump.send(frames)
         except TransportError:
             self._pending.pop(request_id)
-            timer.cancel()
             self._release_own(self.codec.last_slots)
             raise
         return fut
@@ -311,8 +316,6 @@ class Client:
             self.stats["bad_input"] += 1
             pending = self._pending.pop(self.codec.salvage_id(frames), None)
             if pending is not None and not pending.fut.done():
-                if pending.timer is not None:
-                    pending.timer.cancel()
                 pending.fut.set_exception(ProtocolVersionError(exc.ours, exc.theirs, self.endpoint))
             return
         except ProtocolError as exc:
@@ -353,8 +356,6 @@ class Client:
             if slots:
                 self._queue_releases(slots)
             return
-        if pending.timer is not None:
-            pending.timer.cancel()
         if pending.fut.done():
             return
         try:
@@ -384,8 +385,6 @@ class Client:
                 info.message,
             )
             return
-        if pending.timer is not None:
-            pending.timer.cancel()
         if pending.fut.done():
             return
         pending.fut.set_exception(
@@ -435,8 +434,7 @@ class Client:
         request_id = next(self._ids)
         loop = self._pump.loop
         fut: asyncio.Future[Any] = loop.create_future()
-        timer = loop.call_later(timeout, self._expire, request_id)
-        self._pending[request_id] = _Pending(fut, timer, Hello, "handshake", timeout)
+        self._track(request_id, _Pending(fut, loop.time() + timeout, Hello, "handshake", timeout))
         self._send(
             Envelope(
                 PROTOCOL_VERSION,
@@ -496,19 +494,40 @@ class Client:
             self._alive = True
             self._emit("alive")
 
-    def _expire(self, request_id: int) -> None:
-        pending = self._pending.pop(request_id, None)
-        if pending is not None and not pending.fut.done():
-            self.stats["deadlines"] += 1
-            pending.fut.set_exception(
-                DeadlineExceededError(self.endpoint, pending.method, pending.timeout)
-            )
+    # One timer for all deadlines, armed for the earliest: a timer per request would cost more
+    # than the rest of a call's bookkeeping together.
+
+    def _track(self, request_id: int, pending: _Pending) -> None:
+        self._pending[request_id] = pending
+        if self._deadline_timer is None or pending.deadline < self._deadline_at:
+            self._arm(pending.deadline)
+
+    def _arm(self, when: float) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_at = when
+        self._deadline_timer = asyncio.get_running_loop().call_at(when, self._expire_due)
+
+    def _expire_due(self) -> None:
+        self._deadline_timer = None
+        now = asyncio.get_running_loop().time() + _TIMER_SLACK_S
+        earliest = math.inf
+        for request_id, pending in list(self._pending.items()):
+            if pending.deadline <= now:
+                del self._pending[request_id]
+                if not pending.fut.done():
+                    self.stats["deadlines"] += 1
+                    pending.fut.set_exception(
+                        DeadlineExceededError(self.endpoint, pending.method, pending.timeout)
+                    )
+            elif pending.deadline < earliest:
+                earliest = pending.deadline
+        if earliest < math.inf and not self._closed:
+            self._arm(earliest)
 
     def _fail_all(self, make: Callable[[_Pending], TransportError]) -> None:
         pending, self._pending = self._pending, {}
         for p in pending.values():
-            if p.timer is not None:
-                p.timer.cancel()
             if not p.fut.done():
                 p.fut.set_exception(make(p))
 

@@ -52,7 +52,9 @@ def _carried_dtypes() -> dict[str, torch.dtype]:
 
 
 TORCH_DTYPES = _carried_dtypes()
-"""Torch dtypes that travel, by their wire name. Quantized and sub-byte dtypes do not."""
+"""Torch dtypes that travel, by their wire name: all but the quantized ones. The bit-packed
+dtypes (``uint1``..``uint7``, ``int1``..``int7``, ``bits*``) travel as their bytes, one byte an
+element."""
 
 _KINDS = frozenset(int(k) for k in Kind)
 _EXT_INDEX = [msgspec.msgpack.Ext(TENSOR_EXT, i.to_bytes(4, "little")) for i in range(64)]
@@ -259,6 +261,11 @@ class Codec:
         try:
             env = self._raw_decoder.decode(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # Positions 0 and 1 (version, kind) mean the same in every version: another
+            # version's envelope is refused as such, whatever its layout.
+            theirs = self._version_of(frames[0])
+            if theirs is not None and theirs != PROTOCOL_VERSION:
+                raise ProtocolVersionError(PROTOCOL_VERSION, theirs) from exc
             raise DecodeError(f"frame 0 is not a valid envelope: {exc}") from exc
         if env.version != PROTOCOL_VERSION:
             raise ProtocolVersionError(PROTOCOL_VERSION, env.version)
@@ -268,6 +275,15 @@ class Codec:
                 + ", ".join(f"{k.value} ({k.name})" for k in Kind)
             )
         return env
+
+    def _version_of(self, frame: Any) -> int | None:
+        try:
+            raw = self._any_decoder.decode(frame)
+        except msgspec.DecodeError:
+            return None
+        if isinstance(raw, list) and raw and type(raw[0]) is int:
+            return raw[0]
+        return None
 
     def salvage_id(self, frames: Frames) -> int:
         """The id of an envelope that failed validation, when it can still be read (else 0)."""
@@ -356,7 +372,13 @@ class Codec:
             raise TensorDescriptorError(
                 f"payload refers to tensor {index}, but the envelope describes {len(env.tensors)}"
             )
-        return self._build(env.tensors[index])
+        desc = env.tensors[index]
+        try:
+            return self._build(desc)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise TensorDescriptorError(
+                f"tensor {index} ({desc.lib} {desc.dtype} {desc.shape}) cannot be rebuilt: {exc}"
+            ) from exc
 
     def _build(self, d: TensorDesc) -> Any:
         buf: Any
@@ -398,7 +420,12 @@ def _itemsize(d: TensorDesc, where: str) -> int:
             np_dtype = np.dtype(d.dtype)
         except (TypeError, ValueError) as exc:
             raise TensorDescriptorError(f"{where}: unknown numpy dtype {d.dtype!r}") from exc
-        if np_dtype.hasobject or np_dtype.fields is not None or np_dtype.itemsize == 0:
+        if (
+            np_dtype.hasobject
+            or np_dtype.fields is not None
+            or np_dtype.subdtype is not None
+            or np_dtype.itemsize == 0
+        ):
             raise TensorDescriptorError(f"{where}: numpy dtype {d.dtype!r} cannot travel")
         return np_dtype.itemsize
     raise TensorDescriptorError(f"{where}: unknown library {d.lib!r}; expected torch or numpy")

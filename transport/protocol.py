@@ -46,7 +46,7 @@ class Kind(enum.IntEnum):
     REPLY = 4  # server -> client: the result of request ``id``
     ERROR = 5  # server -> client: ErrorInfo for request ``id`` (or id 0: about the message)
     CREDIT = 6  # server -> client: Credit, free slots the server advertises
-    PING = 7  # either way: liveness probe
+    PING = 7  # client -> server: liveness probe
     PONG = 8  # answer to PING
     STOP = 9  # control: the receiver should stop cleanly
     RELEASE = 10  # receiver -> sender: Release, shared-memory slots it no longer reads
@@ -80,7 +80,7 @@ class TensorDesc(msgspec.Struct, array_like=True, frozen=True):
     slot: int = 0
 
 
-class Envelope(msgspec.Struct, array_like=True, omit_defaults=True):
+class Envelope(msgspec.Struct, array_like=True):
     """The envelope of every message: a MessagePack array in this field order.
 
     ``deadline`` is a Unix time in seconds (0: none). ``incarnation`` is the sender's restart
@@ -102,7 +102,8 @@ class Envelope(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class RawEnvelope(msgspec.Struct, array_like=True):
     """The receiving side's view of an Envelope: the payload is left undecoded until the
-    receiver knows its type."""
+    receiver knows its type. Senders write every position; readers accept shorter arrays
+    (at least version and kind), filling in the defaults."""
 
     version: int
     kind: int

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
@@ -25,7 +26,15 @@ from .errors import ClosedError, PeerUnreachableError, TransportError
 
 __all__ = ["Pump"]
 
+log = logging.getLogger("asyncrl.transport.pump")
+
 _MAX_BATCH = 512  # messages read per wake-up before yielding to other callbacks
+# Plain ints: pyzmq's constants are enum members, and enum arithmetic costs microseconds a call.
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 
 
 class Pump:
@@ -55,8 +64,10 @@ class Pump:
         self._out: deque[list[Any]] = deque()
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._check_scheduled = False
+        self._in_ready = False
         self._paused = False
         self._closed = False
+        self.errors = 0
         self._fd = cast(int, sock.getsockopt(zmq.FD))
         self.loop.add_reader(self._fd, self._on_ready)
         self.schedule_check()
@@ -87,15 +98,26 @@ class Pump:
         if self._out:
             self._out.append(frames)
             return False
+        sock = self.sock
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            if len(frames) == 1:
+                sock.send(frames[0], _NOBLOCK)
+            else:
+                sock.send_multipart(frames, _NOBLOCK, copy=False)
         except zmq.Again:
             self._out.append(frames)
             self.schedule_check()
             return False
         except zmq.ZMQError as exc:
             raise _send_error(exc) from exc
-        self.schedule_check()
+        # Inside _on_ready the drain loop sees everything anyway; elsewhere the send may have
+        # consumed the edge of a message that is already waiting.
+        if (
+            not self._in_ready
+            and not self._check_scheduled
+            and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN
+        ):
+            self.schedule_check()
         return True
 
     async def drained(self) -> None:
@@ -131,35 +153,53 @@ class Pump:
         self._check_scheduled = False
         if self._closed:
             return
+        self._in_ready = True
+        try:
+            self._drain()
+        finally:
+            self._in_ready = False
+
+    def _drain(self) -> None:
         sock = self.sock
         if self._out:
             self._flush()
-        if self._on_message is not None and not self._paused:
+        # ZMQ_EVENTS rather than EAGAIN ends the loop: raising zmq.Again costs more than asking.
+        events = cast(int, sock.getsockopt(_EVENTS))
+        if self._on_message is not None:
             copy_frames = self._copy_frames
             for _ in range(_MAX_BATCH):
+                if not events & _POLLIN or self.paused:
+                    break
                 try:
-                    frames: list[Any] = [sock.recv(zmq.NOBLOCK)]
+                    frames: list[Any] = [sock.recv(_NOBLOCK)]
                 except zmq.Again:
+                    events = cast(int, sock.getsockopt(_EVENTS))
                     break
                 except zmq.ZMQError:
                     if self.closed:
                         return
                     raise
-                while sock.getsockopt(zmq.RCVMORE):
+                while sock.getsockopt(_RCVMORE):
                     frames.append(sock.recv(copy=len(frames) < copy_frames))
-                self._on_message(frames)
-                if self.closed or self.paused:
+                try:
+                    self._on_message(frames)
+                except Exception:
+                    # A bug in one message's handling must not stop the reading of the others.
+                    self.errors += 1
+                    log.exception("dropped a message whose handling raised")
+                if self.closed:
                     return
+                events = cast(int, sock.getsockopt(_EVENTS))
             else:
                 self.schedule_check()
                 return
         if self._out:
             self._flush()
-        if self.closed:
-            return
-        events = cast(int, sock.getsockopt(zmq.EVENTS))
-        if (events & zmq.POLLIN and not self.paused and self._on_message is not None) or (
-            events & zmq.POLLOUT and self._out
+            if self.closed:
+                return
+            events = cast(int, sock.getsockopt(_EVENTS))
+        if (events & _POLLIN and not self.paused and self._on_message is not None) or (
+            events & _POLLOUT and self._out
         ):
             self.schedule_check()
 
@@ -169,7 +209,10 @@ class Pump:
         while out:
             frames = out[0]
             try:
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                if len(frames) == 1:
+                    sock.send(frames[0], _NOBLOCK)
+                else:
+                    sock.send_multipart(frames, _NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:

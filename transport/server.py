@@ -244,14 +244,14 @@ class Server:
         if kind == Kind.REQUEST:
             self._request(peer, env, msg)
         elif kind == Kind.PING:
-            self._send(
+            self._send_quietly(
                 identity,
                 Envelope(PROTOCOL_VERSION, Kind.PONG, env.id, incarnation=self.incarnation),
             )
         elif kind == Kind.HANDSHAKE:
             self._handshake(peer, env, msg)
         elif kind == Kind.RELEASE:
-            self._release(env, msg)
+            self._release(peer, env, msg)
         elif kind == Kind.STOP:
             self.stats["stops"] += 1
             if self._on_stop is not None:
@@ -382,7 +382,7 @@ class Server:
             shm=self.codec.shm_reader is not None,
             run=self.options.run,
         )
-        self._send(
+        self._send_quietly(
             peer.identity,
             Envelope(
                 PROTOCOL_VERSION,
@@ -393,15 +393,15 @@ class Server:
             ),
         )
 
-    def _release(self, env: RawEnvelope, msg: list[Any]) -> None:
+    def _release(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
         try:
             release = self.codec.decode_payload(env, msg, Release)
         except ProtocolError as exc:
-            self._bad_input(b"", msg, exc)
+            self._bad_input(peer.identity, msg, exc, env.id)
             return
         if self._pool is not None:
             for slot in release.slots:
-                self._pool.release(slot)
+                self._pool.release(slot, peer.identity)
 
     # -- shared-memory slots this server's replies lent to its clients ----------------------
 
@@ -444,6 +444,13 @@ class Server:
 
     def _send(self, identity: bytes, env: Envelope) -> None:
         self._pump_send([identity, *self.codec.encode(env)])
+
+    def _send_quietly(self, identity: bytes, env: Envelope) -> None:
+        """Send, or drop the message if its peer is gone (that is counted in ``stats``)."""
+        try:
+            self._send(identity, env)
+        except TransportError:
+            pass
 
     def _pump_send(self, frames: list[Any]) -> None:
         if self._pump is None or self._closed:

@@ -161,13 +161,18 @@ class ShmPool:
             self._lent[self._slot_ids] = (segment, peer)
             return Slot(self._slot_ids, segment.name, nbytes, peer, segment.array)
 
-    def release(self, slot_id: int) -> bool:
-        """Take back a slot the receiver released. Unknown ids are counted and ignored."""
+    def release(self, slot_id: int, peer: bytes | None = None) -> bool:
+        """Take back a slot the receiver released.
+
+        With ``peer``, only a slot lent to that peer is taken back, so one receiver cannot free
+        another's. Unknown ids are counted and ignored.
+        """
         with self._lock:
-            entry = self._lent.pop(slot_id, None)
-            if entry is None:
+            entry = self._lent.get(slot_id)
+            if entry is None or (peer is not None and entry[1] != peer):
                 self.unknown_releases += 1
                 return False
+            del self._lent[slot_id]
             self._free.append(entry[0])
             return True
 
