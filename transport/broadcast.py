@@ -130,7 +130,7 @@ class Subscriber:
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         connect(sock, self.endpoint)
         self._changed = asyncio.Event()
-        self._pump = Pump(sock, self._on_message, copy_frames=2)
+        self._pump = Pump(sock, self._on_message)
 
     async def __aenter__(self) -> Subscriber:
         await self.start()
@@ -166,7 +166,7 @@ class Subscriber:
             self._changed.set()
 
     def _on_message(self, frames: list[Any]) -> None:
-        topic = frames[0].decode(errors="replace")
+        topic = frames[0].bytes.decode(errors="replace")
         type_ = self.topics.get(topic)
         if type_ is None:
             return  # a longer topic sharing a subscribed prefix

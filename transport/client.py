@@ -175,7 +175,7 @@ class Client:
         sock.setsockopt(zmq.RECONNECT_IVL, 10)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._monitor = Pump(monitor, self._on_monitor, copy_frames=2)
+        self._monitor = Pump(monitor, self._on_monitor)
         try:
             connect(sock, self.endpoint)
         except TransportError:
@@ -398,7 +398,7 @@ class Client:
         )
 
     def _on_monitor(self, frames: list[Any]) -> None:
-        event = parse_monitor_message(frames)["event"]
+        event = parse_monitor_message([f.bytes for f in frames])["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self.stats["disconnects"] += 1
             count = len(self._pending)

@@ -32,7 +32,6 @@ _MAX_BATCH = 512  # messages read per wake-up before yielding to other callbacks
 # Plain ints: pyzmq's constants are enum members, and enum arithmetic costs microseconds a call.
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
-_RCVMORE = int(zmq.RCVMORE)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 
@@ -42,9 +41,10 @@ class Pump:
 
     Args:
         sock: a socket this pump now owns; it is closed with linger 0 by ``close()``.
-        on_message: called with the frames of each received message. The first ``copy_frames``
-            frames are ``bytes``; later ones are ``zmq.Frame`` (zero-copy).
-        copy_frames: how many leading frames to receive as bytes (the routing id and envelope).
+        on_message: called with the frames of each received message, as ``zmq.Frame`` objects
+            (zero-copy; they support ``len`` and the buffer protocol), except the routing id.
+        routed: the socket is a ROUTER: frame 0 is the sender's routing id, received as
+            ``bytes``.
         on_send_error: called with (frames, error) for a queued message that could not be sent.
     """
 
@@ -53,13 +53,13 @@ class Pump:
         sock: zmq.Socket[Any],
         on_message: Callable[[list[Any]], None] | None,
         *,
-        copy_frames: int = 1,
+        routed: bool = False,
         on_send_error: Callable[[list[Any], TransportError], None] | None = None,
     ) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self._on_message = on_message
-        self._copy_frames = copy_frames
+        self._routed = routed
         self._on_send_error = on_send_error
         self._out: deque[list[Any]] = deque()
         self._drain_waiters: list[asyncio.Future[None]] = []
@@ -163,33 +163,36 @@ class Pump:
         sock = self.sock
         if self._out:
             self._flush()
-        # ZMQ_EVENTS rather than EAGAIN ends the loop: raising zmq.Again costs more than asking.
-        events = cast(int, sock.getsockopt(_EVENTS))
-        if self._on_message is not None:
-            copy_frames = self._copy_frames
+        # The loop ends on EAGAIN, which also leaves the edge-triggered descriptor armed. Frames
+        # come as zmq.Frame so that ``more`` is read without a getsockopt call per frame.
+        if self._on_message is not None and not self._paused:
+            routed = self._routed
             for _ in range(_MAX_BATCH):
-                if not events & _POLLIN or self.paused:
-                    break
                 try:
-                    frames: list[Any] = [sock.recv(_NOBLOCK)]
+                    if routed:
+                        frames: list[Any] = [sock.recv(_NOBLOCK)]
+                        frame = sock.recv(copy=False)
+                    else:
+                        frames = []
+                        frame = sock.recv(_NOBLOCK, copy=False)
                 except zmq.Again:
-                    events = cast(int, sock.getsockopt(_EVENTS))
                     break
                 except zmq.ZMQError:
                     if self.closed:
                         return
                     raise
-                while sock.getsockopt(_RCVMORE):
-                    frames.append(sock.recv(copy=len(frames) < copy_frames))
+                frames.append(frame)
+                while frame.more:
+                    frame = sock.recv(copy=False)
+                    frames.append(frame)
                 try:
                     self._on_message(frames)
                 except Exception:
                     # A bug in one message's handling must not stop the reading of the others.
                     self.errors += 1
                     log.exception("dropped a message whose handling raised")
-                if self.closed:
+                if self.closed or self.paused:
                     return
-                events = cast(int, sock.getsockopt(_EVENTS))
             else:
                 self.schedule_check()
                 return
@@ -198,10 +201,8 @@ class Pump:
             if self.closed:
                 return
             events = cast(int, sock.getsockopt(_EVENTS))
-        if (events & _POLLIN and not self.paused and self._on_message is not None) or (
-            events & _POLLOUT and self._out
-        ):
-            self.schedule_check()
+            if events & _POLLOUT or (events & _POLLIN and not self.paused):
+                self.schedule_check()
 
     def _flush(self) -> None:
         sock = self.sock

@@ -5,8 +5,9 @@ Every figure comes from two processes over ipc, on the public API at both ends:
 - round trip: sequential ``Client.call`` of a small payload; p50 and p99;
 - pipelined request/reply: calls/s with ``WINDOW`` requests in flight;
 - stream: msgs/s of a small typed message, timed at the receiver after decoding;
-- raw: the same envelope bytes over synchronous pyzmq PUSH/PULL with no asyncrl layer, timed the
-  same way: the baseline the stream is compared against;
+- raw: the same envelope bytes over synchronous pyzmq PUSH/PULL (and DEALER/ROUTER for the round
+  trip) with no asyncrl layer, timed the same way: the baselines the stream and the round trip are
+  compared against;
 - tensors: a 64 MiB float32 tensor from client to server, as zero-copy frames and through shared
   memory. The source is an ordinary tensor written anew before each iteration (not timed); the
   server checks a checksum over every element and returns it; the time runs from the call to its
@@ -120,6 +121,18 @@ def _peer_raw(endpoint: str, count: int, frame: bytes) -> None:
     sock.close(linger=0)
 
 
+def _peer_raw_echo(endpoint: str) -> None:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    print("READY", flush=True)
+    while True:
+        frames = sock.recv_multipart()
+        if frames[1] == b"":
+            break
+        sock.send_multipart(frames)
+    sock.close(linger=0)
+
+
 def _peer_main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     kind, endpoint, *rest = argv
@@ -129,6 +142,8 @@ def _peer_main(argv: list[str]) -> None:
         run(_peer_stream(endpoint, int(rest[0])))
     elif kind == "raw":
         _peer_raw(endpoint, int(rest[0]), bytes.fromhex(rest[1]))
+    elif kind == "raw-echo":
+        _peer_raw_echo(endpoint)
     else:
         raise SystemExit(f"unknown peer kind {kind!r}")
 
@@ -263,6 +278,30 @@ def _raw_rate(endpoint: str, count: int, frame: bytes) -> float:
     return (count - 1) / elapsed
 
 
+def _raw_rtt_us(endpoint: str, calls: int, frame: bytes) -> float:
+    """Round trip of the same bytes over synchronous pyzmq DEALER/ROUTER, no asyncrl layer."""
+    with _peer("raw-echo", endpoint) as proc:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(endpoint)
+        try:
+            for _ in range(500):
+                sock.send(frame)
+                sock.recv()
+            times = []
+            clock = time.perf_counter
+            for _ in range(calls):
+                t0 = clock()
+                sock.send(frame)
+                sock.recv()
+                times.append(clock() - t0)
+            sock.send(b"")
+        finally:
+            sock.close(linger=0)
+    return _pct(times, 0.5) * 1e6
+
+
 def measure(*, quick: bool = False) -> dict[str, Any]:
     """Run every measurement and return the figures (see the module docstring)."""
     torch.set_num_threads(1)
@@ -284,9 +323,11 @@ def measure(*, quick: bool = False) -> dict[str, Any]:
             Envelope(PROTOCOL_VERSION, Kind.MESSAGE, 1, "", payload=Small(1, 0.5, "x"))
         )[0]
         figures["raw_zmq_msgs_per_s"] = _raw_rate(f"ipc://{tmp}/raw", messages, frame)
+        figures["raw_rtt_p50_us"] = _raw_rtt_us(f"ipc://{tmp}/rawrtt", calls, frame)
         figures["memcpy_gbps"] = _memcpy_gbps(max(tensor_iters, 10))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    figures["rtt_over_raw"] = figures["rtt_p50_us"] / figures["raw_rtt_p50_us"]
     figures["stream_over_raw"] = figures["stream_msgs_per_s"] / figures["raw_zmq_msgs_per_s"]
     figures["shm_over_memcpy"] = figures["tensor_shm_gbps"] / figures["memcpy_gbps"]
     figures["frames_over_memcpy"] = figures["tensor_frames_gbps"] / figures["memcpy_gbps"]
@@ -308,6 +349,8 @@ def format_table(f: dict[str, Any]) -> str:
     rows = [
         ("round trip p50", f"{f['rtt_p50_us']:.0f} us", "rtt_p50_us"),
         ("round trip p99", f"{f['rtt_p99_us']:.0f} us", None),
+        ("raw pyzmq DEALER/ROUTER p50", f"{f['raw_rtt_p50_us']:.0f} us", None),
+        ("  round trip / raw", f"{f['rtt_over_raw']:.2f}x", None),
         ("pipelined request/reply", f"{f['rpc_calls_per_s']:,.0f} calls/s", "rpc_calls_per_s"),
         ("stream (after decode)", f"{f['stream_msgs_per_s']:,.0f} msgs/s", "stream_msgs_per_s"),
         ("raw pyzmq PUSH/PULL", f"{f['raw_zmq_msgs_per_s']:,.0f} msgs/s", None),
