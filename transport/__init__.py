@@ -6,7 +6,7 @@ of RL or roles; the wire protocol is documented in docs/protocol.md.
 """
 
 from .broadcast import Publisher, Subscriber
-from .client import Client, PeerEvent
+from .client import Client
 from .codec import Codec
 from .errors import (
     AsyncrlError,
@@ -25,6 +25,7 @@ from .errors import (
     TransportError,
     UnknownKindError,
 )
+from .events import PeerEvent
 from .loop import run
 from .options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, ChannelOptions
 from .protocol import PROTOCOL_VERSION, Envelope, ErrorCode, ErrorInfo, Hello, Kind, TensorDesc

@@ -21,8 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -38,6 +37,7 @@ from .errors import (
     RemoteError,
     TransportError,
 )
+from .events import EventKind, PeerEvent
 from .options import ChannelOptions
 from .protocol import (
     PROTOCOL_VERSION,
@@ -59,23 +59,6 @@ __all__ = ["Client", "PeerEvent"]
 log = logging.getLogger("asyncrl.transport.client")
 
 _TIMER_SLACK_S = 0.001  # loop timers may fire up to a millisecond early
-
-EventKind = Literal["connected", "disconnected", "restarted", "dead", "alive"]
-
-
-@dataclass(frozen=True, slots=True)
-class PeerEvent:
-    """A change in what a client knows of its server.
-
-    ``kind`` is one of: ``connected`` (handshake done), ``disconnected`` (the connection broke),
-    ``restarted`` (a new incarnation answered), ``dead`` (heartbeats missed for liveness x
-    interval), ``alive`` (heard again after ``dead``).
-    """
-
-    peer: str
-    kind: EventKind
-    incarnation: int
-    detail: str = ""
 
 
 class _Pending:

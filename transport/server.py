@@ -36,6 +36,7 @@ from .errors import (
     TransportError,
     UnknownKindError,
 )
+from .events import EventKind, PeerEvent
 from .options import ChannelOptions
 from .protocol import (
     PROTOCOL_VERSION,
@@ -105,6 +106,8 @@ class Server:
         options: thresholds, limits and heartbeat timing.
         context: the zmq context; the process-wide instance by default.
         on_stop: called when a STOP control message arrives.
+        on_event: called with a PeerEvent when a client handshakes (``connected``) and when one
+            goes silent for liveness x interval (``dead``; its shared-memory slots are freed).
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class Server:
         options: ChannelOptions | None = None,
         context: zmq.Context[Any] | None = None,
         on_stop: Callable[[], None] | None = None,
+        on_event: Callable[[PeerEvent], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.name = name
@@ -123,6 +127,7 @@ class Server:
         self.options = options or ChannelOptions()
         self._context = context or zmq.Context.instance()
         self._on_stop = on_stop
+        self._on_event = on_event
         self._methods: dict[str, _Method] = {}
         self._peers: dict[bytes, PeerInfo] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -372,6 +377,7 @@ class Server:
         peer.hello = hello
         peer.shm = bool(self._pool is not None and hello.shm and hello.host == self._host)
         self.stats["handshakes"] += 1
+        self._emit(peer, "connected", f"{hello.name}, pid {hello.pid}")
         welcome = Hello(
             PROTOCOL_VERSION,
             name=self.name,
@@ -514,9 +520,17 @@ class Server:
         now = time.monotonic()
         for identity in [i for i, p in self._peers.items() if now - p.last_heard > limit]:
             self.stats["peers_expired"] += 1
+            peer = self._peers[identity]
             self._forget(identity)
+            self._emit(peer, "dead", f"silent for {now - peer.last_heard:.3f} s")
         if not self._closed:
             self._schedule_sweep()
+
+    def _emit(self, peer: PeerInfo, kind: EventKind, detail: str) -> None:
+        if self._on_event is not None:
+            incarnation = peer.hello.incarnation if peer.hello is not None else -1
+            name = peer.identity.decode(errors="replace")
+            self._on_event(PeerEvent(name, kind, incarnation, detail))
 
     def _forget(self, identity: bytes) -> None:
         self._peers.pop(identity, None)

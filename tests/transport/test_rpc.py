@@ -276,3 +276,36 @@ def test_stop_message_ends_the_server(server_process: ServerProcess) -> None:
     assert server_process.proc.wait(timeout=10) == 0
     out = server_process.stop()
     assert "'stops': 1" in out
+
+
+def test_the_server_reports_clients_that_go_silent(run_dir: str) -> None:
+    options = ChannelOptions(run="t", heartbeat_interval_s=0.05, liveness=3)
+
+    async def main() -> None:
+        events: asyncio.Queue[PeerEvent] = asyncio.Queue()
+        server = Server(f"ipc://{run_dir}/s", options=options, on_event=events.put_nowait)
+        server.add("double", _double, Point)
+        await server.start()
+        client = Client(server.endpoint, name="quiet", options=options)
+        await client.connect()
+        connected = await events.get()
+        assert (connected.kind, connected.peer) == ("connected", client.identity.decode())
+        assert connected.detail == f"quiet, pid {os.getpid()}"
+        assert await client.call("double", Point(1, 1), Point) == Point(2, 2)
+        await client.close()  # no more pings from here on
+        dead = await asyncio.wait_for(events.get(), 10)
+        assert (dead.kind, dead.peer) == ("dead", client.identity.decode())
+        assert client.identity not in server.peers
+        await server.close()
+
+    run(main())
+
+
+def test_connecting_to_nobody_times_out_and_closes_at_once(run_dir: str) -> None:
+    async def main() -> None:
+        client = Client(f"ipc://{run_dir}/nobody")
+        with pytest.raises(DeadlineExceededError, match="'handshake'"):
+            await client.connect(timeout=0.1)
+        await client.close()
+
+    run(main())
