@@ -135,6 +135,15 @@ def test_importing_asyncrl_is_cheap() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
+def test_the_transport_imports_torch_only_when_a_tensor_needs_it() -> None:
+    """The node agent speaks the transport and must not pay for (or depend on) torch."""
+    code = (
+        "import sys, asyncrl.transport, asyncrl.errors, asyncrl.cli;print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
+
+
 @pytest.mark.slow
 def test_regular_install_maps_the_layers() -> None:
     """A regular (non-editable) install puts the layers under asyncrl/ too."""

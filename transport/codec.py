@@ -18,13 +18,16 @@ checking every descriptor against the bytes it points to.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from .errors import (
     DecodeError,
@@ -36,25 +39,48 @@ from .errors import (
 from .protocol import PROTOCOL_VERSION, TENSOR_EXT, Envelope, Kind, RawEnvelope, TensorDesc, Where
 from .shm import ShmPool, ShmReader
 
-__all__ = ["TORCH_DTYPES", "Codec", "Frames"]
+__all__ = ["Codec", "Frames", "torch_dtypes"]
 
 Frames = Sequence[Any]
 """A received message: bytes or ``zmq.Frame`` objects (both support ``len`` and the buffer
 protocol)."""
 
 
-def _carried_dtypes() -> dict[str, torch.dtype]:
-    return {
-        str(value).removeprefix("torch."): value
-        for value in vars(torch).values()
-        if isinstance(value, torch.dtype) and not str(value).startswith("torch.q")
-    }
+_torch_dtypes: dict[str, torch.dtype] | None = None
 
 
-TORCH_DTYPES = _carried_dtypes()
-"""Torch dtypes that travel, by their wire name: all but the quantized ones. The bit-packed
-dtypes (``uint1``..``uint7``, ``int1``..``int7``, ``bits*``) travel as their bytes, one byte an
-element."""
+def _torch() -> Any:
+    """The torch module, imported on first use.
+
+    A process that never meets a tensor (the node agent) never imports torch: a payload can hold
+    a torch tensor only if torch is already imported, and a torch descriptor arriving in a process
+    without torch imports it then.
+    """
+    import torch
+
+    return torch
+
+
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Torch dtypes that travel, by their wire name: all but the quantized ones. The bit-packed
+    dtypes (``uint1``..``uint7``, ``int1``..``int7``, ``bits*``) travel as their bytes, one byte
+    an element."""
+    global _torch_dtypes
+    if _torch_dtypes is None:
+        torch = _torch()
+        _torch_dtypes = {
+            str(value).removeprefix("torch."): value
+            for value in vars(torch).values()
+            if isinstance(value, torch.dtype) and not str(value).startswith("torch.q")
+        }
+    return _torch_dtypes
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TORCH_DTYPES":  # kept as a module attribute, computed when first asked for
+        return torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _KINDS = frozenset(int(k) for k in Kind)
 _EXT_INDEX = [msgspec.msgpack.Ext(TENSOR_EXT, i.to_bytes(4, "little")) for i in range(64)]
@@ -140,7 +166,8 @@ class Codec:
         self.last_slots = []
 
     def _enc_hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
             return self._add_torch(obj)
         if isinstance(obj, np.ndarray):
             return self._add_numpy(obj)
@@ -152,6 +179,7 @@ class Codec:
         )
 
     def _add_torch(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
+        torch = _torch()
         if t.device.type != "cpu":
             raise TypeError(
                 f"cannot encode a tensor on {t.device}: the transport carries CPU tensors; "
@@ -160,7 +188,7 @@ class Codec:
         if t.layout != torch.strided:
             raise TypeError(f"cannot encode a {t.layout} tensor; call .to_dense() first")
         name = str(t.dtype).removeprefix("torch.")
-        if name not in TORCH_DTYPES:
+        if name not in torch_dtypes():
             raise TypeError(f"cannot encode a tensor of dtype {t.dtype}")
         t = t.detach().resolve_conj().resolve_neg()
         shape = list(t.shape)
@@ -168,8 +196,14 @@ class Codec:
         index = len(self._descs)
         slot = self._shm_slot(nbytes)
         if slot is not None:
-            dst = torch.from_numpy(slot.array[:nbytes]).view(t.dtype).view(t.shape)
-            dst.copy_(t)
+            dst = torch.from_numpy(slot.array[:nbytes])
+            try:
+                if t.is_contiguous():  # as bytes: bit-packed dtypes have no copy kernel
+                    dst.copy_(t.reshape(-1).view(torch.uint8))
+                else:
+                    dst.view(t.dtype).view(t.shape).copy_(t)
+            except RuntimeError as exc:  # encode() gives the slot back
+                raise TypeError(f"cannot encode a tensor of dtype {t.dtype}: {exc}") from exc
             self._descs.append(
                 TensorDesc(
                     "torch", name, shape, nbytes, Where.SHM, segment=slot.segment, slot=slot.id
@@ -260,7 +294,7 @@ class Codec:
             )
         try:
             env = self._raw_decoder.decode(frames[0])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             # Positions 0 and 1 (version, kind) mean the same in every version: another
             # version's envelope is refused as such, whatever its layout.
             theirs = self._version_of(frames[0])
@@ -279,7 +313,7 @@ class Codec:
     def _version_of(self, frame: Any) -> int | None:
         try:
             raw = self._any_decoder.decode(frame)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None
         if isinstance(raw, list) and raw and type(raw[0]) is int:
             return raw[0]
@@ -289,7 +323,7 @@ class Codec:
         """The id of an envelope that failed validation, when it can still be read (else 0)."""
         try:
             raw = self._any_decoder.decode(frames[0]) if frames else None
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return 0
         if isinstance(raw, list) and len(raw) > 2 and isinstance(raw[2], int):
             return raw[2] if 0 <= raw[2] < 1 << 64 else 0
@@ -322,7 +356,7 @@ class Codec:
             return decoder.decode(env.payload)
         except TensorDescriptorError:
             raise
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, TensorDescriptorError) else None
             if cause is not None:
                 raise cause from exc
@@ -396,7 +430,8 @@ class Codec:
             if self._on_release is not None:
                 weakref.finalize(buf, self._on_release, d.slot)
         if d.lib == "torch":
-            dtype = TORCH_DTYPES[d.dtype]
+            torch = _torch()
+            dtype = torch_dtypes()[d.dtype]
             if d.nbytes == 0:
                 return torch.empty(d.shape, dtype=dtype)
             flat = (
@@ -411,7 +446,7 @@ class Codec:
 
 def _itemsize(d: TensorDesc, where: str) -> int:
     if d.lib == "torch":
-        dtype = TORCH_DTYPES.get(d.dtype)
+        dtype = torch_dtypes().get(d.dtype)
         if dtype is None:
             raise TensorDescriptorError(f"{where}: unknown torch dtype {d.dtype!r}")
         return dtype.itemsize

@@ -22,7 +22,7 @@ from .sockets import IPC_PATH_MAX
 
 __all__ = ["Entry", "LocalRegistry", "Registry"]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+\Z")
 
 
 class Entry(msgspec.Struct, frozen=True):

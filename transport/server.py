@@ -344,7 +344,7 @@ class Server:
         )
         try:
             frames = self.codec.encode(env, peer=call.peer, use_shm=peer is not None and peer.shm)
-        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
             self.stats["bad_replies"] += 1
             self._error(
                 call.peer,

@@ -33,7 +33,7 @@ __all__ = ["SHM_DIR", "ShmPool", "ShmReader", "Slot", "host_id", "segment_name",
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "asyncrl"
-_NAME_RE = re.compile(r"^asyncrl\.([A-Za-z0-9_-]+)\.(\d+)\.(\d+)\.(\d+)$")
+_NAME_RE = re.compile(r"^asyncrl\.([A-Za-z0-9_-]+)\.(\d+)\.(\d+)\.(\d+)\Z")
 _MIN_SEGMENT = 1 << 20
 _HEADROOM = 64 << 20  # leave this much of /dev/shm free for everyone else
 _SEQ = itertools.count(1)  # shared by every pool of the process, so names never collide
