@@ -399,8 +399,13 @@ class Codec:
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         env = self._in_env
-        if code != TENSOR_EXT or env is None or len(data) != 4:
+        if code != TENSOR_EXT or env is None:
             raise TensorDescriptorError(f"unknown extension type {code} in payload")
+        if len(data) != 4:
+            raise TensorDescriptorError(
+                f"a tensor reference (extension type {TENSOR_EXT}) holds {len(data)} bytes; "
+                f"it must hold a 4-byte little-endian index"
+            )
         index = int.from_bytes(data, "little")
         if index >= len(env.tensors):
             raise TensorDescriptorError(
