@@ -1,12 +1,14 @@
 """The ``asyncrl`` command line.
 
-asyncrl bench transport [--json] [--quick]    transport figures, side by side
-asyncrl version                               the package and wire-protocol versions
+- ``asyncrl run MANIFEST [--set KEY=VALUE]... [--run-dir DIR]``: run a manifest on this machine.
+- ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
+- ``asyncrl version``: the package and wire-protocol versions.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from asyncrl import __version__
@@ -20,6 +22,22 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
 
         return transport.main(rest)
     raise AssertionError(args.name)
+
+
+def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    from asyncrl.agent import run_manifest, summary
+    from asyncrl.manifest import ManifestError, load_manifest, resolve_run_dir
+    from asyncrl.transport import run
+
+    try:
+        manifest = load_manifest(args.manifest, args.set)
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
+    report = run(run_manifest(manifest, run_dir))
+    print(summary(report, manifest, run_dir), flush=True)
+    return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
 
 
 def _version(args: argparse.Namespace, rest: list[str]) -> int:
@@ -39,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run a benchmark and print its figures", add_help=False)
     bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     bench.set_defaults(func=_bench)
+    run = sub.add_parser("run", help="run a manifest on this machine (the embedded default)")
+    run.add_argument("manifest", help="the role manifest (YAML); see docs/manifest.md")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a manifest value, e.g. --set roles.rollout.replicas=4",
+    )
+    run.add_argument("--run-dir", help="where the run writes (default: the manifest's run_dir)")
+    run.set_defaults(func=_run)
     version = sub.add_parser("version", help="print the package and wire-protocol versions")
     version.set_defaults(func=_version)
     args, rest = parser.parse_known_args(argv)

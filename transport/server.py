@@ -128,6 +128,7 @@ class Server:
         self._context = context or zmq.Context.instance()
         self._on_stop = on_stop
         self._on_event = on_event
+        self._credit: int | None = None
         self._methods: dict[str, _Method] = {}
         self._peers: dict[bytes, PeerInfo] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -214,6 +215,28 @@ class Server:
     @property
     def shm_pool(self) -> ShmPool | None:
         return self._pool
+
+    @property
+    def credit(self) -> int | None:
+        """The slots advertised to every client; None until ``set_credit`` is first called."""
+        return self._credit
+
+    def set_credit(self, slots: int) -> None:
+        """Advertise ``slots`` to every client now, and to each client right after its handshake.
+
+        A role calls this once its state is restored, so that no work reaches it earlier.
+        """
+        self._credit = slots
+        for identity in list(self._peers):
+            self._send_quietly(
+                identity,
+                Envelope(
+                    PROTOCOL_VERSION,
+                    Kind.CREDIT,
+                    incarnation=self.incarnation,
+                    payload=Credit(slots),
+                ),
+            )
 
     def send_credit(self, peer: bytes, slots: int) -> None:
         """Advertise ``slots`` free request slots to ``peer``.
@@ -397,6 +420,16 @@ class Server:
                 payload=welcome,
             ),
         )
+        if self._credit is not None:
+            self._send_quietly(
+                peer.identity,
+                Envelope(
+                    PROTOCOL_VERSION,
+                    Kind.CREDIT,
+                    incarnation=self.incarnation,
+                    payload=Credit(self._credit),
+                ),
+            )
 
     def _release(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
         try:

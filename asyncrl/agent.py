@@ -1,0 +1,180 @@
+"""The node agent: turns a manifest into supervised processes on this machine, and reports.
+
+``asyncrl run`` is this agent with the embedded single-node default: no torchrun, no other
+services. It imports neither torch nor user code (a test checks): user code runs only in the
+role and driver processes it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+
+from asyncrl import logs
+from asyncrl.manifest import Manifest, RoleSpec, resolve_run_dir
+from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.supervisor import ChildSpec, RunReport, Supervisor, format_report
+from asyncrl.transport import LocalRegistry
+
+__all__ = ["build_children", "run_manifest", "summary"]
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    return {
+        var: str(threads) for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    }
+
+
+def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list[ChildSpec]:
+    """One ChildSpec per replica of every role, in manifest order, then the driver."""
+    registry = LocalRegistry(run_dir)
+    run = manifest.run
+    children: list[ChildSpec] = []
+    groups: dict[str, GroupInfo] = {}
+    for name, role in manifest.roles.items():
+        endpoints = [registry.endpoint(name, i) for i in range(role.replicas)]
+        groups[name] = GroupInfo(
+            endpoints, role.supervision.heartbeat_interval_s, role.supervision.liveness
+        )
+        for replica, endpoint in enumerate(endpoints):
+            children.append(
+                ChildSpec(
+                    name,
+                    replica,
+                    "command" if role.command else "role",
+                    endpoint,
+                    role.supervision,
+                    _role_launcher(manifest, role, name, replica, endpoint, run_dir, parent_pid),
+                )
+            )
+    driver = manifest.driver
+    endpoint = registry.endpoint("driver", 0)
+
+    def driver_launcher(incarnation: int) -> tuple[list[str], dict[str, str]]:
+        spec = ProcessSpec(
+            kind="driver",
+            name="driver",
+            incarnation=incarnation,
+            target=run.program,
+            endpoint=endpoint,
+            run=run.name,
+            run_dir=run_dir,
+            threads=driver.threads,
+            heartbeat_interval_s=driver.supervision.heartbeat_interval_s,
+            liveness=driver.supervision.liveness,
+            parent_pid=parent_pid,
+            groups=groups,
+        )
+        env = {
+            **run.env,
+            **driver.env,
+            **_thread_env(driver.threads),
+            SPEC_ENV: msgspec.json.encode(spec).decode(),
+            "PYTHONUNBUFFERED": "1",
+        }
+        return [sys.executable, "-m", "asyncrl.process"], env
+
+    children.append(ChildSpec("driver", 0, "driver", endpoint, driver.supervision, driver_launcher))
+    return children
+
+
+def _role_launcher(
+    manifest: Manifest,
+    role: RoleSpec,
+    name: str,
+    replica: int,
+    endpoint: str,
+    run_dir: str,
+    parent_pid: int,
+) -> Any:
+    run = manifest.run
+
+    def launch(incarnation: int) -> tuple[list[str], dict[str, str]]:
+        env = {**run.env, **role.env, **_thread_env(role.threads), "PYTHONUNBUFFERED": "1"}
+        config = dict(role.config)
+        if role.command:
+            argv = list(role.command)
+            env.update(
+                {
+                    "ASYNCRL_ENDPOINT": endpoint,
+                    "ASYNCRL_ROLE": name,
+                    "ASYNCRL_REPLICA": str(replica),
+                    "ASYNCRL_INCARNATION": str(incarnation),
+                    "ASYNCRL_RUN": run.name,
+                    "ASYNCRL_RUN_DIR": run_dir,
+                    "ASYNCRL_CONFIG": json.dumps(config),
+                    "ASYNCRL_CAPACITY": str(role.capacity),
+                    "ASYNCRL_PARENT_PID": str(parent_pid),
+                }
+            )
+            return argv, env
+        spec = ProcessSpec(
+            kind="role",
+            name=name,
+            replica=replica,
+            incarnation=incarnation,
+            target=role.cls or "",
+            endpoint=endpoint,
+            run=run.name,
+            run_dir=run_dir,
+            config=config,
+            threads=role.threads,
+            device=role.placement.device,
+            capacity=role.capacity,
+            heartbeat_interval_s=role.supervision.heartbeat_interval_s,
+            liveness=role.supervision.liveness,
+            parent_pid=parent_pid,
+        )
+        env[SPEC_ENV] = msgspec.json.encode(spec).decode()
+        return [sys.executable, "-m", "asyncrl.process"], env
+
+    return launch
+
+
+async def run_manifest(manifest: Manifest, run_dir: str | None = None) -> RunReport:
+    """Run ``manifest`` on this machine until its program finishes or the run fails."""
+    import asyncio
+
+    run_dir = os.path.abspath(run_dir) if run_dir else resolve_run_dir(manifest)
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    logs.configure(role="agent", json_path=os.path.join(run_dir, "logs", "agent.jsonl"))
+    log = logs.get_logger("asyncrl.agent")
+    children = build_children(manifest, run_dir, parent_pid=os.getpid())
+    supervisor = Supervisor(children, run=manifest.run.name, log_dir=os.path.join(run_dir, "logs"))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
+    log.info("run started", run=manifest.run.name, run_dir=run_dir, processes=len(children))
+    report = await supervisor.run()
+    with open(os.path.join(run_dir, "report.json"), "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(report)))
+    return report
+
+
+def summary(report: RunReport, manifest: Manifest, run_dir: str) -> str:
+    """What a person reads when the run ends: how it ended, roles, restarts, work done."""
+    lines = [format_report(report), "", "roles:"]
+    driver: dict[str, Any] = {}
+    try:
+        with open(os.path.join(run_dir, "driver.json")) as f:
+            driver = json.load(f)
+    except (OSError, ValueError):
+        pass
+    dispatch = driver.get("dispatch", {})
+    for name, role in manifest.roles.items():
+        counts = dispatch.get(name, {})
+        lines.append(
+            f"  {name}: {role.replicas} replica(s), restarts {report.restarts.get(name, 0)}, "
+            f"requests served {report.served.get(name, 0)}, re-executions "
+            f"{counts.get('retries', 0)}, errors {counts.get('failures', 0)}"
+        )
+    lines.append(f"  driver: restarts {report.restarts.get('driver', 0)}")
+    if "result" in driver:
+        lines.append(f"result: {json.dumps(driver['result'])}")
+    lines.append(f"run directory: {run_dir}")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""The driver process: runs the control-flow program, ``async def main(ctx)``, under supervision.
+
+The program runs in its own process, never in the node agent, so a program that blocks or crashes
+cannot stall the supervisor. The driver binds an inbox like every role (heartbeats, STOP), holds
+one dispatcher for all role groups, and when the program returns it writes ``driver.json`` in the
+run directory (the result, if it is JSON, and the dispatcher's counts) and exits with status 0,
+which ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from asyncrl import logs
+from asyncrl.dispatch import Dispatcher
+from asyncrl.handles import Context
+from asyncrl.process import ConfigProblem
+from asyncrl.spec import ProcessSpec
+from asyncrl.transport import ChannelOptions, Server
+
+__all__ = ["Program", "load_program", "serve_driver"]
+
+Program = Callable[[Context], Coroutine[Any, Any, Any]]
+
+
+def load_program(target: str) -> Program:
+    """The control-flow program named by ``module:function`` or ``path/file.py:function``
+    (``:function`` defaults to ``main``).
+
+    Raises:
+        ConfigProblem: it cannot be imported, or is not an async function.
+    """
+    where, _, name = target.rpartition(":") if ":" in target else (target, "", "main")
+    name = name or "main"
+    try:
+        if where.endswith(".py") or os.sep in where:
+            path = os.path.abspath(where)
+            spec = importlib.util.spec_from_file_location("asyncrl_program", path)
+            if spec is None or spec.loader is None:
+                raise ConfigProblem(f"program {target!r}: {path} is not a Python file")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["asyncrl_program"] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except (ImportError, FileNotFoundError) as exc:
+        raise ConfigProblem(f"run.program {target!r}: cannot import {where!r}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if fn is None or not asyncio.iscoroutinefunction(fn):
+        raise ConfigProblem(
+            f"run.program {target!r}: {where} has no async function {name!r}; the program is "
+            f"'async def {name}(ctx)'"
+        )
+    return fn  # type: ignore[no-any-return]
+
+
+async def serve_driver(spec: ProcessSpec) -> int:
+    """Run the program; return the process's exit status (0: the program finished)."""
+    log = logs.get_logger("asyncrl.driver")
+    program = load_program(spec.target)
+    stop = asyncio.Event()
+    options = ChannelOptions(
+        run=spec.run, heartbeat_interval_s=spec.heartbeat_interval_s, liveness=spec.liveness
+    )
+    server = Server(
+        spec.endpoint,
+        name="driver",
+        incarnation=spec.incarnation,
+        options=options,
+        on_stop=stop.set,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    dispatcher = Dispatcher(spec.groups, run=spec.run)
+    dispatcher.start()
+    ctx = Context(dispatcher, run=spec.run, run_dir=spec.run_dir, log=log)
+    log.info("program started", program=spec.target)
+    program_task = loop.create_task(program(ctx))
+    stop_task = loop.create_task(stop.wait())
+    try:
+        await asyncio.wait({program_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_task.cancel()
+        if not program_task.done():
+            program_task.cancel()
+            await asyncio.gather(program_task, return_exceptions=True)
+        summary = dispatcher.summary()
+        await dispatcher.close()
+        await server.close()
+    if program_task.cancelled():
+        log.info("program stopped before it finished")
+        _write(spec.run_dir, {"finished": False, "dispatch": summary})
+        return 0
+    exc = program_task.exception()
+    if exc is not None:
+        _write(spec.run_dir, {"finished": False, "error": repr(exc), "dispatch": summary})
+        raise exc
+    result = program_task.result()
+    _write(spec.run_dir, {"finished": True, "result": _jsonable(result), "dispatch": summary})
+    log.info("program finished")
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
+def _write(run_dir: str, data: dict[str, Any]) -> None:
+    path = os.path.join(run_dir, "driver.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=repr)
+    os.replace(tmp, path)

@@ -1,0 +1,174 @@
+"""Handles: what a control-flow program holds for each role group.
+
+    async def main(ctx):
+        answer = await ctx.reward.call("score", sample)              # one replica
+        versions = await ctx.rollout.broadcast("set_weights", w)      # every replica
+        async for key, result in ctx.worker.map("work", items):       # as they complete
+            ...
+
+Independent calls run concurrently (``asyncio.gather``, or ``map``). Every call goes through the
+one credit-based dispatcher, so a fast replica takes more work and nothing waits at a barrier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from asyncrl.dispatch import Dispatcher, Group, Work
+
+__all__ = ["Context", "Handle"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class Handle:
+    """Calls into one role group."""
+
+    def __init__(self, group: Group) -> None:
+        self._group = group
+
+    @property
+    def name(self) -> str:
+        return self._group.name
+
+    @property
+    def replicas(self) -> int:
+        return len(self._group.replicas)
+
+    def _work(
+        self,
+        method: str,
+        payload: Any,
+        reply_type: Any,
+        timeout: float,
+        *,
+        key: Any = None,
+        target: int | None = None,
+    ) -> Work:
+        loop = asyncio.get_running_loop()
+        return Work(
+            method,
+            payload,
+            reply_type,
+            timeout,
+            loop.time() + timeout,
+            loop.create_future(),
+            key=key,
+            target=target,
+        )
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        key: Any = None,
+    ) -> Any:
+        """Call ``method`` on whichever replica has room; return its reply.
+
+        Raises:
+            DeadlineExceededError: no reply within ``timeout`` seconds (names role and replica).
+            RemoteError: the role raised; ``code`` and ``remote_type`` say what.
+            BrokenError: a once endpoint's replica died with the call in flight.
+        """
+        work = self._work(method, payload, reply_type, timeout, key=key)
+        self._group.submit(work)
+        return await work.future
+
+    async def broadcast(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> list[Any]:
+        """Call ``method`` on every replica; return the replies in replica order."""
+        works = [
+            self._work(method, payload, reply_type, timeout, target=i) for i in range(self.replicas)
+        ]
+        for work in works:
+            self._group.submit(work)
+        return list(await asyncio.gather(*(w.future for w in works)))
+
+    async def map(
+        self,
+        method: str,
+        items: Iterable[Any],
+        reply_type: Any = Any,
+        *,
+        keys: Iterable[Any] | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> AsyncIterator[tuple[Any, Any]]:
+        """Call ``method`` once per item; yield ``(key, reply)`` as each completes.
+
+        Keys are the items' stable ids (their index by default) and must be unique: each key
+        is yielded exactly once, even when its request ran more than once.
+
+        Raises:
+            ValueError: two items share a key.
+            The first error of any item, as ``call`` does; the other items are cancelled.
+        """
+        items = list(items)
+        key_list = list(range(len(items))) if keys is None else list(keys)
+        if len(key_list) != len(items):
+            raise ValueError(f"map got {len(items)} items but {len(key_list)} keys")
+        if len(set(map(_hashable, key_list))) != len(key_list):
+            raise ValueError("map keys must be unique: each is the stable id of one result")
+        done: asyncio.Queue[Work] = asyncio.Queue()
+        works = []
+        for key, item in zip(key_list, items, strict=True):
+            work = self._work(method, item, reply_type, timeout, key=key)
+            work.future.add_done_callback(functools.partial(_put, done, work))
+            works.append(work)
+        for work in works:
+            self._group.submit(work)
+        try:
+            for _ in range(len(works)):
+                work = await done.get()
+                yield work.key, work.future.result()
+        finally:
+            for work in works:
+                if not work.future.done():
+                    work.future.cancel()
+
+
+def _put(queue: asyncio.Queue[Work], work: Work, future: asyncio.Future[Any]) -> None:
+    queue.put_nowait(work)
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list | tuple) else key
+
+
+class Context:
+    """What the control-flow program receives: a handle per role group, and the run's facts.
+
+    ``ctx.rollout`` and ``ctx["rollout"]`` are the same handle.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, *, run: str, run_dir: str, log: Any) -> None:
+        self.run = run
+        self.run_dir = run_dir
+        self.log = log
+        self.roles = {name: Handle(group) for name, group in dispatcher.groups.items()}
+
+    def __getitem__(self, name: str) -> Handle:
+        try:
+            return self.roles[name]
+        except KeyError:
+            known = ", ".join(sorted(self.roles)) or "none"
+            raise KeyError(f"no role {name!r} in this run; the roles are: {known}") from None
+
+    def __getattr__(self, name: str) -> Handle:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(str(exc)) from None

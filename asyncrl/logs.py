@@ -1,0 +1,67 @@
+"""Logging: structlog, as JSON lines per process in the run directory and readable lines on the
+console. Every line carries the role, replica, incarnation and pid of the process that wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+__all__ = ["configure", "get_logger"]
+
+
+def configure(
+    *,
+    role: str,
+    replica: int = 0,
+    incarnation: int = 0,
+    json_path: str | None = None,
+    console: bool = True,
+    level: int = logging.INFO,
+) -> None:
+    """Route structlog and the stdlib loggers (the transport's) to a JSON file and the console."""
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(
+        role=role, replica=replica, incarnation=incarnation, pid=os.getpid()
+    )
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(level)
+
+    def formatter(renderer: Any) -> logging.Formatter:
+        return structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=shared,
+        )
+
+    if json_path is not None:
+        os.makedirs(os.path.dirname(json_path), exist_ok=True)
+        file_handler = logging.FileHandler(json_path)
+        file_handler.setFormatter(formatter(structlog.processors.JSONRenderer()))
+        root.addHandler(file_handler)
+    if console:
+        stream = logging.StreamHandler(sys.stdout)
+        stream.setFormatter(formatter(structlog.dev.ConsoleRenderer(colors=False)))
+        root.addHandler(stream)
+
+
+def get_logger(name: str = "asyncrl") -> Any:
+    """A structlog logger; bind more context with ``.bind(key=value)``."""
+    return structlog.stdlib.get_logger(name)

@@ -1,0 +1,228 @@
+"""The process wrapper every role runs in: ``python -m asyncrl.process``, started by the supervisor.
+
+It owns what no role should write again: the event loop (uvloop when installed), the inbox
+(a transport Server at the replica's stable endpoint), heartbeats (answered by that server from
+the loop), logging, the CPU thread count, and clean shutdown on STOP, SIGTERM or SIGINT.
+
+Start-up order matters: the inbox binds first, so heartbeats flow while the role restores its
+state in ``setup()``; credit is advertised only after ``setup()`` returns, so no work arrives
+before the role is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib
+import importlib.metadata
+import os
+import signal
+import sys
+import traceback
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from asyncrl import logs
+from asyncrl.faults import FaultPlan
+from asyncrl.role import Role, RoleContext, endpoints_of
+from asyncrl.spec import EXIT_CONFIG, SPEC_ENV, ProcessSpec
+from asyncrl.transport import Call, ChannelOptions, Entry, LocalRegistry, Server
+from asyncrl.transport import run as run_loop
+
+__all__ = ["load_role_class", "main", "serve_role"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ConfigProblem(Exception):
+    """The process cannot start because of its configuration; exits with EXIT_CONFIG."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux), and check that the
+    parent is still the one that started it: it may have died before the request was made."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def set_threads(threads: int) -> None:
+    """Cap this process's compute threads (torch, OpenMP, BLAS) at ``threads``."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:
+            pass  # only settable before the first parallel work; the OMP variable covers it
+
+
+def load_role_class(target: str) -> type[Role]:
+    """The role class named by ``module:Class``, or by a name under the ``asyncrl.roles``
+    entry-point group.
+
+    Raises:
+        ConfigProblem: nothing importable answers to that name, or it is not a Role.
+    """
+    if ":" in target:
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigProblem(
+                f"class {target!r}: cannot import module {module_name!r}: {exc}; check the "
+                f"module path and that it is importable from the run's working directory"
+            ) from exc
+        cls = getattr(module, attr, None)
+        if cls is None:
+            raise ConfigProblem(f"class {target!r}: module {module_name!r} has no {attr!r}")
+    else:
+        found = [
+            ep for ep in importlib.metadata.entry_points(group="asyncrl.roles") if ep.name == target
+        ]
+        if not found:
+            known = sorted(ep.name for ep in importlib.metadata.entry_points(group="asyncrl.roles"))
+            raise ConfigProblem(
+                f"class {target!r}: no role of that name is registered under the entry-point "
+                f"group 'asyncrl.roles' (registered: {', '.join(known) or 'none'}); use "
+                f"'module:Class' or install the package that provides it"
+            )
+        cls = found[0].load()
+    if not (isinstance(cls, type) and issubclass(cls, Role)):
+        raise ConfigProblem(f"class {target!r} is not a subclass of asyncrl.Role")
+    return cls
+
+
+async def serve_role(spec: ProcessSpec) -> None:
+    """Run one replica of a role until STOP, SIGTERM or SIGINT."""
+    log = logs.get_logger("asyncrl.process")
+    cls = load_role_class(spec.target)
+    ctx = RoleContext(
+        name=spec.name,
+        replica=spec.replica,
+        incarnation=spec.incarnation,
+        run=spec.run,
+        run_dir=spec.run_dir,
+        config=spec.config,
+        threads=spec.threads,
+        device=spec.device,
+        capacity=spec.capacity,
+        log=log,
+    )
+    try:
+        role = cls(ctx)
+    except msgspec.ValidationError as exc:
+        raise ConfigProblem(f"roles.{spec.name}.config: {exc}") from exc
+    set_threads(spec.threads)
+    stop = asyncio.Event()
+    stats: Counter[str] = Counter()
+    options = ChannelOptions(
+        run=spec.run, heartbeat_interval_s=spec.heartbeat_interval_s, liveness=spec.liveness
+    )
+    server = Server(
+        spec.endpoint,
+        name=f"{spec.name}.{spec.replica}",
+        incarnation=spec.incarnation,
+        options=options,
+        on_stop=stop.set,
+    )
+    ready = asyncio.Event()
+    faults = FaultPlan.from_env(spec.incarnation)
+    endpoints = endpoints_of(cls)
+    for ep in endpoints.values():
+        server.add(ep.name, _handler(role, ep.attr, ep.name, ready, stats, faults), ep.request_type)
+    describe = {
+        "role": spec.name,
+        "replica": spec.replica,
+        "incarnation": spec.incarnation,
+        "pid": os.getpid(),
+        "endpoints": {n: e.delivery.value for n, e in endpoints.items()},
+    }
+    server.add("_describe", lambda payload, call: describe)
+    server.add("_stats", lambda payload, call: dict(stats))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    LocalRegistry(spec.run_dir).register(
+        Entry(spec.name, spec.replica, spec.endpoint, os.getpid(), spec.incarnation)
+    )
+    log.info("started", endpoint=spec.endpoint, cls=spec.target)
+    try:
+        await role.setup()
+        ready.set()
+        server.set_credit(spec.capacity)
+        log.info("serving", capacity=spec.capacity)
+        await stop.wait()
+        log.info("stopping", served=stats["served"])
+        await role.teardown()
+    finally:
+        await server.close()
+        ctx.close()
+
+
+def _handler(
+    role: Role,
+    attr: str,
+    name: str,
+    ready: asyncio.Event,
+    stats: Counter[str],
+    faults: FaultPlan,
+) -> Any:
+    method = getattr(role, attr)
+
+    async def handle(payload: Any, call: Call) -> Any:
+        if not ready.is_set():
+            await ready.wait()
+        try:
+            result = await method(payload)
+        except Exception:
+            stats["errors"] += 1
+            raise
+        stats["served"] += 1
+        faults.after_work(name)
+        return result
+
+    return handle
+
+
+def main() -> None:
+    """Entry point: read the spec from the environment and serve."""
+    raw = os.environ.get(SPEC_ENV)
+    if raw is None:
+        sys.exit(f"asyncrl.process is started by the supervisor, with {SPEC_ENV} set")
+    spec = msgspec.json.decode(raw, type=ProcessSpec)
+    die_with_parent(spec.parent_pid)
+    set_threads(spec.threads)
+    logs.configure(
+        role=spec.name,
+        replica=spec.replica,
+        incarnation=spec.incarnation,
+        json_path=os.path.join(spec.run_dir, "logs", f"{spec.name}.{spec.replica}.jsonl"),
+    )
+    try:
+        if spec.kind == "driver":
+            from asyncrl.driver import serve_driver
+
+            code = run_loop(serve_driver(spec))
+        else:
+            run_loop(serve_role(spec))
+            code = 0
+    except ConfigProblem as exc:
+        print(f"configuration error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

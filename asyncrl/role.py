@@ -1,0 +1,188 @@
+"""Roles: a plain class with async endpoint methods, each declaring its delivery class.
+
+A role holds only its logic. The process wrapper (``asyncrl.process``) owns the event loop, the
+inbox, heartbeats, logging and shutdown, so a test can build a role with ``RoleContext.local()``
+and call its methods in-process::
+
+    class Doubler(Role):
+        class Config(msgspec.Struct):
+            factor: int = 2
+
+        @endpoint(Delivery.IDEMPOTENT)
+        async def double(self, x: int) -> int:
+            return x * self.config.factor
+
+Heavy compute goes through ``self.ctx.offload(fn, ...)``, which runs it in the role's worker
+thread, so the event loop keeps answering heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import logging
+import os
+import typing
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+
+__all__ = ["Delivery", "EndpointSpec", "Role", "RoleContext", "endpoint", "endpoints_of"]
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Delivery(enum.StrEnum):
+    """How a caller may deliver requests to an endpoint.
+
+    - ``idempotent``: at least once. A request whose replica dies or misses its deadline runs
+      again elsewhere; the consumer counts each result once by its stable id.
+    - ``once``: never retried automatically; a failure reaches the caller as a typed error.
+    - ``latest``: only the newest value matters; a queued older call is replaced by a newer one.
+    """
+
+    IDEMPOTENT = "idempotent"
+    ONCE = "once"
+    LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """An endpoint method: its wire name, delivery class and payload types."""
+
+    name: str
+    attr: str
+    delivery: Delivery
+    request_type: Any
+    reply_type: Any
+
+
+_MARK = "__asyncrl_endpoint__"
+
+
+def endpoint(
+    delivery: Delivery = Delivery.IDEMPOTENT, *, name: str | None = None
+) -> Callable[[F], F]:
+    """Mark an async method of a Role as an endpoint with the given delivery class.
+
+    The method takes one payload argument; its annotation is the type the payload is decoded
+    as, and the return annotation the reply's type.
+
+    Raises:
+        TypeError: the method is not ``async def``.
+    """
+
+    def mark(fn: F) -> F:
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"endpoint {fn.__qualname__} must be an async method")
+        setattr(fn, _MARK, (name or fn.__name__, Delivery(delivery)))
+        return fn
+
+    return mark
+
+
+def endpoints_of(cls: type) -> dict[str, EndpointSpec]:
+    """Every endpoint of a role class, by wire name.
+
+    Raises:
+        TypeError: an endpoint does not take exactly one payload argument.
+    """
+    out: dict[str, EndpointSpec] = {}
+    for attr, fn in inspect.getmembers(cls, inspect.iscoroutinefunction):
+        mark = getattr(fn, _MARK, None)
+        if mark is None:
+            continue
+        wire_name, delivery = mark
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        if len(params) != 1:
+            raise TypeError(
+                f"endpoint {cls.__name__}.{attr} must take exactly one payload argument "
+                f"after self, got {len(params)}"
+            )
+        hints = typing.get_type_hints(fn)
+        out[wire_name] = EndpointSpec(
+            wire_name, attr, delivery, hints.get(params[0].name, Any), hints.get("return", Any)
+        )
+    return out
+
+
+@dataclass
+class RoleContext:
+    """What a role knows about where it runs.
+
+    Attributes:
+        name: the role's name in the manifest.
+        replica: this replica's index.
+        incarnation: how many times this replica has been restarted.
+        run: the run's name.
+        run_dir: the run directory (checkpoints, ledgers, logs live under it).
+        config: the role's validated config (an instance of the role's ``Config``), or a dict.
+        threads: CPU threads this process may use for compute.
+        device: the placement's device string.
+        capacity: requests one replica works on at once.
+    """
+
+    name: str = "role"
+    replica: int = 0
+    incarnation: int = 0
+    run: str = "local"
+    run_dir: str = "."
+    config: Any = None
+    threads: int = 1
+    device: str = "cpu"
+    capacity: int = 1
+    log: Any = field(default_factory=lambda: logging.getLogger("asyncrl.role"))
+    _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    @classmethod
+    def local(cls, config: Any = None, **kw: Any) -> RoleContext:
+        """A context for calling a role in-process (tests, notebooks)."""
+        return cls(config=config, **kw)
+
+    async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` in this role's worker threads and return its result."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=max(1, self.capacity), thread_name_prefix=f"{self.name}-compute"
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def path(self, *parts: str) -> str:
+        """A path under this role's own directory in the run directory (created on demand)."""
+        base = os.path.join(self.run_dir, "roles", f"{self.name}.{self.replica}")
+        os.makedirs(base, exist_ok=True)
+        return os.path.join(base, *parts)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class Role:
+    """Base class of roles: wires endpoints, holds the context and the validated config.
+
+    Subclasses may define ``Config`` (a msgspec Struct; the manifest's ``config`` mapping is
+    validated against it) and override ``setup`` (restore state before taking work) and
+    ``teardown``.
+    """
+
+    Config: ClassVar[type[Any] | None] = None
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        if self.Config is not None and not isinstance(ctx.config, self.Config):
+            ctx.config = msgspec.convert(ctx.config or {}, self.Config)
+        self.config: Any = ctx.config
+
+    async def setup(self) -> None:
+        """Restore state before any request is taken; no credit is advertised until it returns."""
+
+    async def teardown(self) -> None:
+        """Release resources; called once when the process stops cleanly."""

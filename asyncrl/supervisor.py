@@ -1,0 +1,424 @@
+"""The supervisor: starts every process of the run, watches it, restarts it, stops it.
+
+Erlang/OTP semantics, per role:
+
+- ``one_for_one``: a replica that fails is restarted alone;
+- ``one_for_all``: all replicas of the role restart together (learners sharing a process group);
+- ``rest_for_one``: the failed replica and every process started after it restart.
+
+A crash is seen the moment the process exits. A hang is seen when the process, once serving,
+misses ``liveness`` x ``interval`` of heartbeats (a SIGSTOP, or a call that blocks its event
+loop); it is then killed and restarted. Restarts back off exponentially within a budget of
+``max_restarts`` in ``period_s``; past it the run stops with a report naming the role and
+replica, the exit code or signal, the restarts, and the tail of its stderr.
+
+Every process is spawned from this event loop's thread (the parent-death signal that kills it
+with the agent is tied to that thread) in a session and process group of its own, so its own
+children die with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from asyncrl import logs
+from asyncrl.manifest import Supervision
+from asyncrl.spec import EXIT_CONFIG
+from asyncrl.transport import ChannelOptions, Client, PeerEvent, TransportError, sweep
+
+__all__ = ["ChildSpec", "ExitInfo", "RunReport", "Supervisor", "format_report"]
+
+STDERR_TAIL_LINES = 20
+
+
+@dataclass
+class ChildSpec:
+    """One process to supervise: how to start incarnation ``n`` of it, and under which policy.
+
+    ``argv_env(n)`` returns the command line and the extra environment of incarnation ``n``.
+    """
+
+    name: str
+    replica: int
+    kind: Literal["role", "driver", "command"]
+    endpoint: str
+    policy: Supervision
+    argv_env: Callable[[int], tuple[list[str], dict[str, str]]]
+
+
+class ExitInfo(msgspec.Struct, frozen=True):
+    """How one incarnation of a process ended."""
+
+    role: str
+    replica: int
+    incarnation: int
+    pid: int
+    code: int | None
+    signal: str | None
+    reason: str
+    stderr_tail: list[str] = []
+
+    def describe(self) -> str:
+        how = f"killed by {self.signal}" if self.signal else f"exit code {self.code}"
+        return f"{self.role}[{self.replica}] incarnation {self.incarnation} (pid {self.pid}): {how}"
+
+
+class RunReport(msgspec.Struct):
+    """How the run ended, for the summary and for tests."""
+
+    status: Literal["completed", "failed", "interrupted"]
+    reason: str
+    failure: ExitInfo | None = None
+    restarts: dict[str, int] = {}
+    exits: list[ExitInfo] = []
+    served: dict[str, int] = {}
+
+
+@dataclass(eq=False)
+class _Child:
+    spec: ChildSpec
+    log_path: str
+    incarnation: int = -1
+    proc: asyncio.subprocess.Process | None = None
+    client: Client | None = None
+    serving: bool = False
+    hung: bool = False
+    expected_exit: bool = False
+    restart_times: collections.deque[float] = field(default_factory=collections.deque)
+    restarts: int = 0
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.name}[{self.spec.replica}]"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class Supervisor:
+    """Runs the children until the driver finishes, a child exhausts its budget, or ``stop()``.
+
+    Args:
+        children: in start order (roles in manifest order, then the driver).
+        run: the run's name (shared-memory segments of dead processes are swept by it).
+        log_dir: where each process's stderr goes (``<name>.<replica>.stderr``).
+    """
+
+    def __init__(self, children: list[ChildSpec], *, run: str, log_dir: str) -> None:
+        self.run_name = run
+        self.log_dir = log_dir
+        os.makedirs(log_dir, exist_ok=True)
+        self._children = [
+            _Child(c, os.path.join(log_dir, f"{c.name}.{c.replica}.stderr")) for c in children
+        ]
+        self._log = logs.get_logger("asyncrl.supervisor")
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._done = asyncio.Event()
+        self._report: RunReport | None = None
+        self._exits: list[ExitInfo] = []
+        self._stopping = False
+
+    # -- the run --------------------------------------------------------------------------
+
+    async def run(self) -> RunReport:
+        """Start everything, supervise until the end, stop everything; return the report."""
+        try:
+            for child in self._children:
+                await self._spawn(child)
+            await self._done.wait()
+        finally:
+            served = await self._collect_served()
+            await self._stop_all()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        assert self._report is not None
+        self._report.exits = list(self._exits)
+        self._report.restarts = self._restart_counts()
+        self._report.served = served
+        return self._report
+
+    def stop(self, reason: str = "interrupted") -> None:
+        """End the run (a signal arrived): every process is stopped in order."""
+        self._finish(RunReport("interrupted", reason))
+
+    def _finish(self, report: RunReport) -> None:
+        if self._report is None:
+            self._report = report
+            self._stopping = True
+            self._done.set()
+
+    def _restart_counts(self) -> dict[str, int]:
+        counts: collections.Counter[str] = collections.Counter()
+        for child in self._children:
+            counts[child.spec.name] += child.restarts
+        return dict(counts)
+
+    # -- starting -------------------------------------------------------------------------
+
+    async def _spawn(self, child: _Child) -> None:
+        child.incarnation += 1
+        child.serving = False
+        child.hung = False
+        child.expected_exit = False
+        child.exited = asyncio.Event()
+        argv, env = child.spec.argv_env(child.incarnation)
+        with open(child.log_path, "ab") as stderr:
+            stderr.write(f"--- incarnation {child.incarnation} ---\n".encode())
+            stderr.flush()
+            child.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                env={**os.environ, **env},
+                stdin=asyncio.subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        self._log.info(
+            "started", process=child.label, pid=child.proc.pid, incarnation=child.incarnation
+        )
+        self._own(self._watch(child, child.proc))
+        if child.client is None:
+            self._own(self._heartbeats(child))
+        loop = asyncio.get_running_loop()
+        incarnation = child.incarnation
+        loop.call_later(
+            child.spec.policy.startup_timeout_s, self._check_started, child, incarnation
+        )
+
+    def _own(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _check_started(self, child: _Child, incarnation: int) -> None:
+        if child.incarnation == incarnation and child.alive and not child.serving:
+            self._log.error(
+                "startup timeout",
+                process=child.label,
+                timeout_s=child.spec.policy.startup_timeout_s,
+            )
+            child.hung = True
+            self._kill(child, signal.SIGKILL)
+
+    # -- watching -------------------------------------------------------------------------
+
+    async def _heartbeats(self, child: _Child) -> None:
+        """Keep one client on the child's stable endpoint across its incarnations."""
+        policy = child.spec.policy
+        options = ChannelOptions(
+            run=self.run_name,
+            heartbeat_interval_s=policy.heartbeat_interval_s,
+            liveness=policy.liveness,
+        )
+        while not self._stopping:
+            client = Client(
+                child.spec.endpoint,
+                name=f"supervisor->{child.label}",
+                options=options,
+                on_event=functools.partial(self._on_peer, child),
+            )
+            child.client = client
+            try:
+                await client.connect(timeout=policy.startup_timeout_s)
+                return
+            except TransportError:
+                await client.close()
+
+    def _on_peer(self, child: _Child, event: PeerEvent) -> None:
+        if event.kind in ("connected", "restarted", "alive"):
+            if event.kind != "alive" and event.incarnation == child.incarnation:
+                child.serving = True
+        elif event.kind == "dead" and child.serving and child.alive and not self._stopping:
+            self._log.error("hung: missed heartbeats", process=child.label, detail=event.detail)
+            child.hung = True
+            self._kill(child, signal.SIGKILL)
+
+    async def _watch(self, child: _Child, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        sweep(self.run_name, pid=proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
+        child.exited.set()
+        if child.proc is not proc:
+            return
+        info = self._exit_info(child, proc.pid, code)
+        if child.expected_exit or self._stopping:
+            return
+        if child.spec.kind == "driver" and code == 0:
+            self._log.info("program finished", process=child.label)
+            self._finish(RunReport("completed", "the control-flow program finished"))
+            return
+        self._exits.append(info)
+        self._log.error(
+            "process failed",
+            process=child.label,
+            reason=info.reason,
+            code=info.code,
+            signal=info.signal,
+        )
+        await self._recover(child, info)
+
+    def _exit_info(self, child: _Child, pid: int, code: int) -> ExitInfo:
+        sig = signal.Signals(-code).name if code < 0 else None
+        if child.hung:
+            reason = "hung (missed heartbeats or startup timeout) and was killed"
+        elif code == EXIT_CONFIG:
+            reason = "configuration error"
+        elif sig:
+            reason = f"killed by {sig}"
+        else:
+            reason = f"exited with code {code}"
+        return ExitInfo(
+            child.spec.name,
+            child.spec.replica,
+            child.incarnation,
+            pid,
+            None if sig else code,
+            sig,
+            reason,
+            self._stderr_tail(child),
+        )
+
+    def _stderr_tail(self, child: _Child) -> list[str]:
+        try:
+            with open(child.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return []
+        marker = f"--- incarnation {child.incarnation} ---"
+        if marker in lines:
+            lines = lines[lines.index(marker) + 1 :]
+        return lines[-STDERR_TAIL_LINES:]
+
+    # -- restarting -----------------------------------------------------------------------
+
+    async def _recover(self, child: _Child, info: ExitInfo) -> None:
+        policy = child.spec.policy
+        if info.code == EXIT_CONFIG:
+            self._finish(RunReport("failed", f"{child.label} has a configuration error", info))
+            return
+        now = time.monotonic()
+        while child.restart_times and now - child.restart_times[0] > policy.period_s:
+            child.restart_times.popleft()
+        if len(child.restart_times) >= policy.max_restarts:
+            self._finish(
+                RunReport(
+                    "failed",
+                    f"{child.label} failed {len(child.restart_times) + 1} times within "
+                    f"{policy.period_s:g} s, past its budget of {policy.max_restarts} restarts",
+                    info,
+                )
+            )
+            return
+        backoff = min(
+            policy.backoff_initial_s * 2 ** len(child.restart_times), policy.backoff_max_s
+        )
+        child.restart_times.append(now)
+        group = self._restart_set(child)
+        for other in group:
+            if other is not child and other.alive:
+                other.expected_exit = True
+                self._kill(other, signal.SIGKILL)
+                await other.exited.wait()
+        if backoff:
+            await asyncio.sleep(backoff)
+        if self._stopping:
+            return
+        for member in group:
+            member.restarts += 1
+            self._log.info(
+                "restarting", process=member.label, after_s=backoff, restarts=member.restarts
+            )
+            await self._spawn(member)
+
+    def _restart_set(self, child: _Child) -> list[_Child]:
+        strategy = child.spec.policy.strategy
+        if strategy == "one_for_all":
+            return [c for c in self._children if c.spec.name == child.spec.name]
+        if strategy == "rest_for_one":
+            return self._children[self._children.index(child) :]
+        return [child]
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def _kill(self, child: _Child, sig: int) -> None:
+        if child.proc is not None and child.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, sig)
+
+    async def _collect_served(self) -> dict[str, int]:
+        served: collections.Counter[str] = collections.Counter()
+
+        async def ask(child: _Child) -> None:
+            if child.client is None or child.spec.kind != "role" or not child.alive:
+                return
+            with contextlib.suppress(TransportError):
+                stats = await child.client.call("_stats", None, timeout=1.0)
+                served[child.spec.name] += int(stats.get("served", 0))
+
+        await asyncio.gather(*(ask(c) for c in self._children))
+        return dict(served)
+
+    async def _stop_all(self) -> None:
+        """STOP, then SIGTERM after the shutdown timeout, then SIGKILL: driver first, then the
+        roles in reverse start order, each group of replicas together."""
+        self._stopping = True
+        order: list[list[_Child]] = []
+        for child in reversed(self._children):
+            if order and order[-1][0].spec.name == child.spec.name:
+                order[-1].append(child)
+            else:
+                order.append([child])
+        for group in order:
+            await asyncio.gather(*(self._stop_one(c) for c in group))
+        for child in self._children:
+            if child.client is not None:
+                await child.client.close()
+
+    async def _stop_one(self, child: _Child) -> None:
+        if not child.alive:
+            return
+        child.expected_exit = True
+        timeout = child.spec.policy.shutdown_timeout_s
+        if child.client is not None:
+            with contextlib.suppress(TransportError):
+                child.client.send_stop()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                await asyncio.wait_for(child.exited.wait(), timeout)
+                return
+            except TimeoutError:
+                self._log.warning(
+                    "did not stop in time", process=child.label, sending=signal.Signals(sig).name
+                )
+                self._kill(child, sig)
+        await child.exited.wait()
+
+
+def format_report(report: RunReport) -> str:
+    """The report as a person reads it: how the run ended, and what failed if it did."""
+    lines = [f"run {report.status}: {report.reason}"]
+    failure = report.failure
+    if failure is not None:
+        lines.append(f"  failed process: {failure.describe()}")
+        lines.append(f"  reason: {failure.reason}")
+        lines.append(f"  restarts of {failure.role}: {report.restarts.get(failure.role, 0)}")
+        if failure.stderr_tail:
+            lines.append("  last lines of its stderr:")
+            lines += [f"    | {line}" for line in failure.stderr_tail]
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""Roles and a control-flow program for the runtime's integration tests.
+
+A three-role pipeline: ``square`` and ``offset`` transform items (idempotent), ``sink`` counts
+each result once in a ledger kept in the run directory. The program maps items through the two
+stages and records every result, then asks the sink how many ids it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import msgspec
+
+from asyncrl.ledger import Ledger
+from asyncrl.role import Delivery, Role, endpoint
+
+
+class Item(msgspec.Struct):
+    key: int
+    value: int
+
+
+class Square(Role):
+    @endpoint(Delivery.IDEMPOTENT)
+    async def work(self, item: Item) -> Item:
+        return Item(item.key, item.value * item.value)
+
+
+class Offset(Role):
+    class Config(msgspec.Struct):
+        offset: int = 1
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def work(self, item: Item) -> Item:
+        return Item(item.key, item.value + self.config.offset)
+
+
+class Sink(Role):
+    async def setup(self) -> None:
+        # Restored before any work arrives: a restarted sink still knows what it counted.
+        self.ledger = Ledger(self.ctx.path("ledger.jsonl"))
+        self.duplicates = 0
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def record(self, item: Item) -> bool:
+        new = self.ledger.add(item.key)
+        if not new:
+            self.duplicates += 1
+        return new
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def count(self, _: Any) -> dict[str, int]:
+        return {"ids": len(self.ledger), "duplicates": self.duplicates}
+
+    async def teardown(self) -> None:
+        self.ledger.close()
+
+
+class Sleeper(Role):
+    """Endpoints that misbehave on purpose: for hang and crash tests."""
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def compute(self, seconds: float) -> float:
+        # Long compute in the worker thread: the loop keeps answering heartbeats.
+        await self.ctx.offload(time.sleep, seconds)
+        return seconds
+
+    @endpoint(Delivery.ONCE)
+    async def block_loop(self, seconds: float) -> float:
+        time.sleep(seconds)  # a bug: blocks the event loop, so heartbeats stop
+        return seconds
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def pid(self, _: Any) -> int:
+        return os.getpid()
+
+
+class CrashAtStart(Role):
+    async def setup(self) -> None:
+        raise RuntimeError("cannot start: the weights file is missing (on purpose)")
+
+
+async def pipeline(ctx: Any) -> dict[str, Any]:
+    """Map 1,000 items through square and offset, record each result once."""
+    n = int(os.environ.get("PIPELINE_ITEMS", "1000"))
+    squares = ctx.square.map("work", [Item(i, i) for i in range(n)], Item, timeout=120)
+    stage1 = [item async for _, item in squares]
+    results = [item async for _, item in ctx.offset.map("work", stage1, Item, timeout=120)]
+    recorded = await asyncio.gather(*(ctx.sink.call("record", r, timeout=120) for r in results))
+    counts = await ctx.sink.call("count", None)
+    wrong = [r.key for r in results if r.value != r.key * r.key + 1]
+    return {"recorded_new": sum(recorded), "sink": counts, "wrong": wrong}
+
+
+async def wait_forever(ctx: Any) -> None:
+    """A program that only ends when the run is stopped."""
+    await ctx.sleeper.call("pid", None)
+    await asyncio.Event().wait()
+
+
+async def hang_then_finish(ctx: Any) -> dict[str, Any]:
+    """Compute long in a worker thread (must not be flagged), then block the loop (must be)."""
+    first = await ctx.sleeper.call("pid", None)
+    await ctx.sleeper.call("compute", 2.0, timeout=30)
+    after_compute = await ctx.sleeper.call("pid", None)
+    try:
+        await ctx.sleeper.call("block_loop", 5.0, timeout=30)
+        blocked = "returned"
+    except Exception as exc:  # the replica is killed while it blocks
+        blocked = type(exc).__name__
+    after_block = await ctx.sleeper.call("pid", None, timeout=60)
+    return {"first": first, "after_compute": after_compute, "blocked": blocked,
+            "after_block": after_block}
+
+
