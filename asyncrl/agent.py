@@ -168,10 +168,13 @@ def summary(report: RunReport, manifest: Manifest, run_dir: str) -> str:
     dispatch = driver.get("dispatch", {})
     for name, role in manifest.roles.items():
         counts = dispatch.get(name, {})
+        # Answers counted by the caller cover every incarnation; a killed replica's own count
+        # dies with it.
+        answered = sum(counts.get("served", {}).values()) if counts else report.served.get(name, 0)
         lines.append(
             f"  {name}: {role.replicas} replica(s), restarts {report.restarts.get(name, 0)}, "
-            f"requests served {report.served.get(name, 0)}, re-executions "
-            f"{counts.get('retries', 0)}, errors {counts.get('failures', 0)}"
+            f"requests served {answered}, re-executions {counts.get('retries', 0)}, "
+            f"errors {counts.get('failures', 0)}"
         )
     lines.append(f"  driver: restarts {report.restarts.get('driver', 0)}")
     if "result" in driver:

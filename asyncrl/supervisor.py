@@ -238,9 +238,10 @@ class Supervisor:
                 await client.close()
 
     def _on_peer(self, child: _Child, event: PeerEvent) -> None:
-        if event.kind in ("connected", "restarted", "alive"):
-            if event.kind != "alive" and event.incarnation == child.incarnation:
+        if event.kind in ("connected", "restarted"):
+            if event.incarnation == child.incarnation and not child.serving:
                 child.serving = True
+                self._log.info("serving", process=child.label, incarnation=child.incarnation)
         elif event.kind == "dead" and child.serving and child.alive and not self._stopping:
             self._log.error("hung: missed heartbeats", process=child.label, detail=event.detail)
             child.hung = True

@@ -459,7 +459,9 @@ class Client:
             return
         silent = time.monotonic() - self._last_heard
         limit = self.options.dead_after_s
-        if self._alive and silent > limit:
+        # A server that never answered is not dead but not up yet: until the first handshake
+        # only the connect timeout applies, so a slow start is not mistaken for a hang.
+        if self._alive and self._connected_once and silent > limit:
             self._alive = False
             self._fail_all(lambda p: PeerDeadError(self.endpoint, silent, limit))
             if self._pool is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from typing import Any
 
@@ -71,7 +70,7 @@ class Sleeper(Role):
 
     @endpoint(Delivery.ONCE)
     async def block_loop(self, seconds: float) -> float:
-        time.sleep(seconds)  # a bug: blocks the event loop, so heartbeats stop
+        time.sleep(seconds)  # noqa: ASYNC251  (the bug on purpose: heartbeats stop)
         return seconds
 
     @endpoint(Delivery.IDEMPOTENT)
@@ -113,7 +112,9 @@ async def hang_then_finish(ctx: Any) -> dict[str, Any]:
     except Exception as exc:  # the replica is killed while it blocks
         blocked = type(exc).__name__
     after_block = await ctx.sleeper.call("pid", None, timeout=60)
-    return {"first": first, "after_compute": after_compute, "blocked": blocked,
-            "after_block": after_block}
-
-
+    return {
+        "first": first,
+        "after_compute": after_compute,
+        "blocked": blocked,
+        "after_block": after_block,
+    }

@@ -1,0 +1,426 @@
+"""The role manifest: the YAML file that says which roles a run has and how to run them.
+
+A manifest names the control-flow program (``run``), sets up the driver process (``driver``) and
+lists the roles (``roles``): for each, its class or external command, replicas, capacity, CPU
+threads, placement, environment, free-form config and restart policy. docs/manifest.md is the
+reference.
+
+``load_manifest`` reads one, applies ``--set key=value`` overrides and validates it. Validation
+walks the raw YAML against the Structs below (driven by ``msgspec.inspect``), collects every
+problem and raises one ``ManifestError`` that lists them all, each as
+``<path>: <what is wrong>; <how to fix>``. Only a manifest without problems becomes a ``Manifest``.
+
+This module imports neither torch nor user code, since the node agent loads manifests. A role
+validates its own ``config`` in its own process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from asyncrl._schema import TOP, StructCheck, at, describe, join, validate
+from asyncrl.errors import AsyncrlError
+from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+
+__all__ = [
+    "DriverSpec",
+    "Manifest",
+    "ManifestError",
+    "Placement",
+    "RoleSpec",
+    "RunSpec",
+    "Supervision",
+    "load_manifest",
+    "parse_manifest",
+    "resolve_run_dir",
+]
+
+
+class ManifestError(AsyncrlError):
+    """A manifest that cannot be read or has problems; the message lists every one of them.
+
+    Attributes:
+        source: the manifest's file name, or ``<string>`` for text given directly.
+        problems: one line per problem, ``<path>: <what is wrong>; <how to fix>``.
+    """
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        count = f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
+        super().__init__("\n  ".join([f"manifest {source} has {count}:", *problems]))
+        self.source = source
+        self.problems = problems
+
+    def __reduce__(self) -> tuple[type[ManifestError], tuple[str, list[str]]]:
+        return (type(self), (self.source, self.problems))
+
+
+_IDENT = r"[A-Za-z_]\w*"
+_DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
+_NAME = r"[A-Za-z0-9_-]+"
+_PROGRAM = re.compile(rf"(?P<module>{_DOTTED}|[^:]+\.py)(?::(?P<function>{_IDENT}))?")
+_CLASS = re.compile(rf"{_DOTTED}:{_DOTTED}|{_NAME}")
+_PROGRAM_FORM = "'module:function' or 'path/to/file.py:function'"
+
+
+def _check_program(value: str) -> str | None:
+    if _PROGRAM.fullmatch(value):
+        return None
+    fix = "; a file path must end in '.py'" if "/" in value else ""
+    return f"expected {_PROGRAM_FORM}, got {value!r}{fix}"
+
+
+def _check_class(value: str) -> str | None:
+    if _CLASS.fullmatch(value):
+        return None
+    module, dot, name = value.rpartition(".")
+    fix = f"; did you mean '{module}:{name}'?" if dot and ":" not in value else ""
+    return f"expected 'module:Class' or a registered role name, got {value!r}{fix}"
+
+
+def _split_command(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return shlex.split(value)
+    except ValueError as exc:
+        raise ValueError(
+            f"cannot split {value!r} into arguments ({exc}); close the quote or give a list"
+        ) from None
+
+
+Name = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=f"^{_NAME}$", extra={"expected": "a name of letters, digits, '_' and '-'"}
+    ),
+]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Env = dict[str, str]
+Device = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^[A-Za-z][A-Za-z0-9_]*(:[0-9]+)?$",
+        extra={"expected": "'cpu', 'cuda', 'cuda:N' or another plugin's device string"},
+    ),
+]
+Program = Annotated[str, msgspec.Meta(extra={"expected": _PROGRAM_FORM, "check": _check_program})]
+ClassRef = Annotated[str, msgspec.Meta(extra={"check": _check_class})]
+Command = Annotated[
+    tuple[str, ...],
+    msgspec.Meta(
+        min_length=1,
+        extra={"expected": "a non-empty list of strings, or one string", "coerce": _split_command},
+    ),
+]
+
+
+class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the supervisor restarts a role's replicas and decides they are alive.
+
+    Attributes:
+        strategy: what restarts when a replica fails: that replica (one_for_one), that one and
+            every process started after it (rest_for_one), or all replicas of the role
+            (one_for_all).
+        max_restarts: restarts allowed within period_s; one more stops the run with a report.
+        period_s: the window of the restart budget, in seconds.
+        backoff_initial_s: delay before a restart; it doubles with each restart in a row.
+        backoff_max_s: the longest delay before a restart.
+        heartbeat_interval_s: seconds between two heartbeats of a replica.
+        liveness: missed heartbeats after which a replica is taken as hung and killed.
+        startup_timeout_s: seconds a replica has from spawn until it is ready.
+        shutdown_timeout_s: seconds between asking a replica to stop and killing it.
+    """
+
+    strategy: Literal["one_for_one", "rest_for_one", "one_for_all"] = "one_for_one"
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 5
+    period_s: Seconds = 60.0
+    backoff_initial_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    heartbeat_interval_s: Seconds = HEARTBEAT_INTERVAL_S
+    liveness: Count = HEARTBEAT_LIVENESS
+    startup_timeout_s: Seconds = 120.0
+    shutdown_timeout_s: Seconds = 5.0
+
+
+class Placement(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Where each replica of a role runs.
+
+    Attributes:
+        node: the index of the node (the torchrun node rank); 0 on one machine.
+        device: the device the replica computes on, as the hardware plugin names it.
+    """
+
+    node: Annotated[int, msgspec.Meta(ge=0)] = 0
+    device: Device = "cpu"
+
+
+class RoleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One role of the run: what runs, how many copies, where, and with which settings.
+
+    Attributes:
+        cls: the role class, ``module:Class`` or a name registered under the entry-point group
+            ``asyncrl.roles``; the YAML key is ``class``.
+        command: an external command that speaks the wire protocol, as arguments (a string in
+            the YAML is split with shlex); exactly one of ``cls`` and ``command`` is given.
+        replicas: how many processes run this role.
+        capacity: requests one replica works on at once: the credit it advertises.
+        threads: torch and OMP threads of each replica.
+        placement: the node and device of each replica.
+        env: environment variables of each replica, on top of ``run.env``.
+        config: free-form settings given to the role, which validates them against its own
+            Config type in its own process.
+        supervision: the restart policy and liveness timing of the replicas.
+    """
+
+    cls: ClassRef | None = msgspec.field(default=None, name="class")
+    command: Command | None = None
+    replicas: Count = 1
+    capacity: Count = 1
+    threads: Count = 1
+    placement: Placement = msgspec.field(default_factory=Placement)
+    env: Env = {}
+    config: dict[str, Any] = {}
+    supervision: Supervision = msgspec.field(default_factory=Supervision)
+
+
+class DriverSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The driver process, which runs the control-flow program on node 0.
+
+    Attributes:
+        threads: torch and OMP threads of the driver.
+        env: environment variables of the driver, on top of ``run.env``.
+        supervision: the restart policy and liveness timing of the driver.
+    """
+
+    threads: Count = 1
+    env: Env = {}
+    supervision: Supervision = msgspec.field(default_factory=Supervision)
+
+
+class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The run as a whole.
+
+    Attributes:
+        name: the run's name; names the run directory and shared resources.
+        run_dir: where the run writes logs, traces and checkpoints; ``runs/<name>`` when not
+            given. A relative path is relative to the current directory.
+        program: the control-flow program, ``module:function`` or ``path/to/file.py:function``;
+            a missing ``:function`` is filled in as ``:main``.
+        env: environment variables of every process of the run.
+    """
+
+    name: Name
+    run_dir: str = ""
+    program: Program
+    env: Env = {}
+
+    def __post_init__(self) -> None:
+        if not self.run_dir:
+            msgspec.structs.force_setattr(self, "run_dir", f"runs/{self.name}")
+        match = _PROGRAM.fullmatch(self.program)
+        if match is not None and match["function"] is None:
+            msgspec.structs.force_setattr(self, "program", f"{self.program}:main")
+
+
+class Manifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A validated manifest: the run, its driver and its roles, in the order of the file.
+
+    Attributes:
+        run: the run's name, directory, control-flow program and environment.
+        driver: the driver process that runs the control-flow program.
+        roles: the roles by name, in the order of the file.
+    """
+
+    run: RunSpec
+    driver: DriverSpec = msgspec.field(default_factory=DriverSpec)
+    roles: Annotated[
+        dict[Name, RoleSpec],
+        msgspec.Meta(
+            min_length=1, extra={"expected": "a mapping of role names to roles, at least one"}
+        ),
+    ]
+
+    def role_names(self) -> list[str]:
+        """The role names, in the order of the manifest."""
+        return list(self.roles)
+
+
+def resolve_run_dir(manifest: Manifest) -> str:
+    """The run directory as an absolute path (a relative one is taken from the current one)."""
+    return os.path.abspath(os.path.expanduser(manifest.run.run_dir))
+
+
+_SECTIONS = "a mapping with the sections 'run', 'roles' and, optionally, 'driver'"
+
+
+def _check_role(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    given = [key for key in ("class", "command") if value.get(key) is not None]
+    if len(given) == 2:
+        problems.append(f"{at(path)}: both 'class' and 'command' are given; keep exactly one")
+    elif not given:
+        problems.append(
+            f"{at(path)}: neither 'class' nor 'command' is given; add 'class: module:Class' "
+            "for a Python role or 'command: [program, args...]' for an external one"
+        )
+
+
+def _check_backoff(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    initial = value.get("backoff_initial_s", _DEFAULT_SUPERVISION.backoff_initial_s)
+    most = value.get("backoff_max_s", _DEFAULT_SUPERVISION.backoff_max_s)
+    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (initial, most))
+    if numbers and most < initial:
+        default = "" if "backoff_max_s" in value else " (the default)"
+        problems.append(
+            f"{join(path, 'backoff_max_s')}: expected a number >= backoff_initial_s "
+            f"({initial!r}), got {most!r}{default}; raise it or lower backoff_initial_s"
+        )
+
+
+_DEFAULT_SUPERVISION = Supervision()
+
+
+def _credit(problem: str, overrides: Sequence[str]) -> str:
+    """Name the ``--set`` behind a problem, since the file does not show that value."""
+    keys = [(o.partition("=")[0].strip(), o) for o in overrides if "=" in o]
+    found = [(key, o) for key, o in keys if key and problem.startswith((key + ":", key + "."))]
+    if not found:
+        return problem
+    _, override = max(reversed(found), key=lambda f: len(f[0]))  # the last of the deepest
+    return f"{problem} (from --set {override})"
+
+
+_STRUCT_CHECKS: dict[type, StructCheck] = {
+    RoleSpec: _check_role,
+    Supervision: _check_backoff,
+}
+
+
+def _load_yaml(text: str, problems: list[str]) -> tuple[bool, Any]:
+    """Parse ``text``; report syntax errors and duplicate keys. Returns (parsed, data)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _find_duplicates(node, problems, set())
+        return True, (None if node is None else loader.construct_document(node))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else TOP
+        what = exc.problem or exc.context
+        context = ""
+        if exc.context and exc.problem:
+            cm = exc.context_mark
+            line = f" at line {cm.line + 1}" if cm and mark and cm.line != mark.line else ""
+            context = f" ({exc.context}{line})"
+        problems.append(f"{where}: {what}{context}; fix the YAML syntax there")
+    except yaml.YAMLError as exc:
+        problems.append(f"{TOP}: {exc}; fix the YAML syntax")
+    finally:
+        loader.dispose()
+    return False, None
+
+
+def _find_duplicates(node: Any, problems: list[str], seen: set[int]) -> None:
+    """Report keys given twice in one mapping, which YAML loaders silently resolve to the last."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for key, item in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                mark = key.start_mark
+                if (key.tag, key.value) in first:
+                    problems.append(
+                        f"line {mark.line + 1}, column {mark.column + 1}: duplicate key "
+                        f"{key.value!r}, first given at line {first[key.tag, key.value]}; "
+                        "remove one of them"
+                    )
+                first.setdefault((key.tag, key.value), mark.line + 1)
+            _find_duplicates(key, problems, seen)
+            _find_duplicates(item, problems, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _find_duplicates(item, problems, seen)
+
+
+def _apply_override(raw: Any, text: str, problems: list[str]) -> None:
+    """Apply one ``key=value`` to ``raw``, creating mappings on the way; report a bad one."""
+    label = f"--set {text}"
+    key, sep, value_text = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep:
+        problems.append(f"{label}: no '=' in it; write key=value, e.g. roles.rollout.replicas=4")
+        return
+    if not all(parts):
+        problems.append(f"{label}: empty key; write a dotted path, e.g. roles.rollout.replicas=4")
+        return
+    try:
+        value = yaml.safe_load(value_text)
+    except yaml.YAMLError as exc:
+        what = getattr(exc, "problem", None) or exc
+        problems.append(f"{label}: the value is not valid YAML ({what}); quote it")
+        return
+    node = raw
+    for depth, part in enumerate(parts):
+        if not isinstance(node, dict):
+            where = ".".join(parts[:depth]) or "the top level"
+            problems.append(
+                f"{label}: {where} is {describe(node)}, not a mapping; "
+                "set keys only inside mappings"
+            )
+            return
+        if depth == len(parts) - 1:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+
+
+def parse_manifest(text: str, source: str = "<string>", overrides: Sequence[str] = ()) -> Manifest:
+    """Validate manifest ``text`` after applying ``overrides`` (``key=value`` strings).
+
+    ``source`` names the text in the error message. Raises ``ManifestError`` listing every
+    problem, and ``TypeError`` when ``overrides`` is one string instead of a list of them.
+    """
+    if isinstance(overrides, str):
+        raise TypeError(f"overrides is a list of 'key=value' strings, got one: {overrides!r}")
+    problems: list[str] = []
+    parsed, raw = _load_yaml(text, problems)
+    if parsed and raw is None:
+        problems.append(f"{TOP}: the manifest is empty; expected {_SECTIONS}")
+    usable = parsed and raw is not None
+    for override in overrides:
+        _apply_override(raw if usable else {}, override, problems)
+    if usable:
+        clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
+        problems += [_credit(problem, overrides) for problem in found]
+    if problems:
+        raise ManifestError(source, problems)
+    try:
+        return msgspec.convert(clean, Manifest)
+    except msgspec.ValidationError as exc:  # the walk above should have caught it
+        raise ManifestError(source, [f"{TOP}: {exc}"]) from exc
+
+
+def load_manifest(path: str, overrides: Sequence[str] = ()) -> Manifest:
+    """Read and validate the manifest at ``path``; see ``parse_manifest``.
+
+    Raises ``ManifestError`` listing every problem, or naming why the file cannot be read.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ManifestError(
+            path, [f"{TOP}: cannot read the file ({reason}); check the path"]
+        ) from exc
+    return parse_manifest(text, path, overrides)

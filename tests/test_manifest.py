@@ -1,0 +1,510 @@
+"""The role manifest: typed values with defaults, one report of every problem, --set overrides."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import re
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from asyncrl.errors import AsyncrlError
+from asyncrl.manifest import (
+    DriverSpec,
+    Manifest,
+    ManifestError,
+    Placement,
+    RoleSpec,
+    RunSpec,
+    Supervision,
+    load_manifest,
+    parse_manifest,
+    resolve_run_dir,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MINIMAL = """\
+run:
+  name: demo
+  program: examples.demo.flow
+roles:
+  rollout:
+    class: mypkg.rollout:Rollout
+"""
+
+FULL = """\
+run:
+  name: grpo-1
+  run_dir: /tmp/runs/grpo-1
+  program: examples/grpo/flow.py:train
+  env: {HF_HOME: /data/hf}
+driver:
+  threads: 2
+  env: {LOG_LEVEL: debug}
+  supervision: {max_restarts: 0}
+roles:
+  rollout:
+    class: mypkg.rollout:Rollout
+    replicas: 4
+    capacity: 8
+    threads: 2
+    placement: {node: 1, device: "cuda:0"}
+    env: {VLLM_USE_V1: "1"}
+    config: {model: tiny, sampling: {temperature: 0.7, top_p: 1}}
+    supervision:
+      strategy: one_for_all
+      max_restarts: 3
+      period_s: 30
+      backoff_initial_s: 0.5
+      backoff_max_s: 10.0
+      heartbeat_interval_s: 0.5
+      liveness: 5
+      startup_timeout_s: 600
+      shutdown_timeout_s: 2.5
+  reward:
+    command: ./reward-server --port 0 --name "exact match"
+  learner:
+    class: hf-learner
+"""
+
+
+def _problems(text: str, overrides: list[str] | None = None) -> list[str]:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text, "m.yaml", overrides or [])
+    return info.value.problems
+
+
+def test_minimal_manifest_gets_every_default() -> None:
+    manifest = parse_manifest(MINIMAL)
+    assert manifest == Manifest(
+        run=RunSpec(name="demo", run_dir="runs/demo", program="examples.demo.flow:main", env={}),
+        driver=DriverSpec(threads=1, env={}, supervision=Supervision()),
+        roles={
+            "rollout": RoleSpec(
+                cls="mypkg.rollout:Rollout",
+                command=None,
+                replicas=1,
+                capacity=1,
+                threads=1,
+                placement=Placement(node=0, device="cpu"),
+                env={},
+                config={},
+                supervision=Supervision(),
+            )
+        },
+    )
+    assert msgspec.structs.asdict(Supervision()) == {
+        "strategy": "one_for_one",
+        "max_restarts": 5,
+        "period_s": 60.0,
+        "backoff_initial_s": 0.1,
+        "backoff_max_s": 5.0,
+        "heartbeat_interval_s": 1.0,
+        "liveness": 3,
+        "startup_timeout_s": 120.0,
+        "shutdown_timeout_s": 5.0,
+    }
+
+
+def test_full_manifest_round_trips_to_typed_values() -> None:
+    manifest = parse_manifest(FULL)
+    assert manifest == Manifest(
+        run=RunSpec(
+            name="grpo-1",
+            run_dir="/tmp/runs/grpo-1",
+            program="examples/grpo/flow.py:train",
+            env={"HF_HOME": "/data/hf"},
+        ),
+        driver=DriverSpec(
+            threads=2, env={"LOG_LEVEL": "debug"}, supervision=Supervision(max_restarts=0)
+        ),
+        roles={
+            "rollout": RoleSpec(
+                cls="mypkg.rollout:Rollout",
+                replicas=4,
+                capacity=8,
+                threads=2,
+                placement=Placement(node=1, device="cuda:0"),
+                env={"VLLM_USE_V1": "1"},
+                config={"model": "tiny", "sampling": {"temperature": 0.7, "top_p": 1}},
+                supervision=Supervision(
+                    strategy="one_for_all",
+                    max_restarts=3,
+                    period_s=30.0,
+                    backoff_initial_s=0.5,
+                    backoff_max_s=10.0,
+                    heartbeat_interval_s=0.5,
+                    liveness=5,
+                    startup_timeout_s=600.0,
+                    shutdown_timeout_s=2.5,
+                ),
+            ),
+            "reward": RoleSpec(command=("./reward-server", "--port", "0", "--name", "exact match")),
+            "learner": RoleSpec(cls="hf-learner"),
+        },
+    )
+    assert type(manifest.roles["rollout"].supervision.period_s) is float
+    assert manifest.role_names() == ["rollout", "reward", "learner"]
+    with pytest.raises(AttributeError):
+        manifest.run.name = "other"  # type: ignore[misc]
+
+
+def test_role_names_keep_the_order_of_the_file() -> None:
+    text = "run: {name: r, program: p}\nroles:\n  zeta: {class: 'a:Z'}\n  alpha: {command: [x]}\n"
+    assert parse_manifest(text).role_names() == ["zeta", "alpha"]
+
+
+BAD = """\
+run:
+  name: my demo
+  program: examples/demo/flow:main
+  env: {SEED: 1}
+driver:
+  thread: 2
+  supervision: {backoff_initial_s: 10}
+roles:
+  rollout:
+    class: mypkg.rollout.Rollout
+    replcas: 4
+    replicas: -2
+    capacity: "4"
+    placement: {node: -1, device: "cuda 0"}
+    supervision:
+      strategy: one_for_none
+      period_s: 0
+      backoff_initial_s: 2.0
+      backoff_max_s: 1.0
+      liveness: true
+      colour: blue
+  reward:
+    config: {scale: 0.5}
+  ref:
+    class: mypkg.ref:Reference
+    command: "python 'ref.py"
+  my role:
+    command: []
+    env: null
+"""
+
+
+BAD_REPORT = """\
+manifest examples/bad.yaml has 22 problems:
+  run.name: expected a name of letters, digits, '_' and '-', got 'my demo'
+  run.program: expected 'module:function' or 'path/to/file.py:function', got 'examples/demo/flow:main'; a file path must end in '.py'
+  run.env.SEED: expected a string, got 1; quote it: '1'
+  driver.thread: unknown key; did you mean 'threads'?
+  driver.supervision.backoff_max_s: expected a number >= backoff_initial_s (10), got 5.0 (the default); raise it or lower backoff_initial_s
+  roles.rollout.class: expected 'module:Class' or a registered role name, got 'mypkg.rollout.Rollout'; did you mean 'mypkg.rollout:Rollout'?
+  roles.rollout.replcas: unknown key; did you mean 'replicas'?
+  roles.rollout.replicas: expected an integer >= 1, got -2
+  roles.rollout.capacity: expected an integer >= 1, got '4'; write it as a plain number, such as 4
+  roles.rollout.placement.node: expected an integer >= 0, got -1
+  roles.rollout.placement.device: expected 'cpu', 'cuda', 'cuda:N' or another plugin's device string, got 'cuda 0'
+  roles.rollout.supervision.strategy: expected one of 'one_for_all', 'one_for_one', 'rest_for_one', got 'one_for_none'; did you mean 'one_for_one'?
+  roles.rollout.supervision.period_s: expected a number > 0, got 0
+  roles.rollout.supervision.liveness: expected an integer >= 1, got true
+  roles.rollout.supervision.colour: unknown key; expected one of 'strategy', 'max_restarts', 'period_s', 'backoff_initial_s', 'backoff_max_s', 'heartbeat_interval_s', 'liveness', 'startup_timeout_s', 'shutdown_timeout_s'
+  roles.rollout.supervision.backoff_max_s: expected a number >= backoff_initial_s (2.0), got 1.0; raise it or lower backoff_initial_s
+  roles.reward: neither 'class' nor 'command' is given; add 'class: module:Class' for a Python role or 'command: [program, args...]' for an external one
+  roles.ref.command: cannot split "python 'ref.py" into arguments (No closing quotation); close the quote or give a list
+  roles.ref: both 'class' and 'command' are given; keep exactly one
+  roles['my role']: invalid key; use a name of letters, digits, '_' and '-'
+  roles['my role'].command: expected a non-empty list of strings, or one string, got an empty list
+  roles['my role'].env: expected a mapping, got null; write {} for an empty mapping, or remove the key"""  # noqa: E501
+
+
+def test_every_problem_in_one_report() -> None:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(BAD, "examples/bad.yaml")
+    error = info.value
+    assert isinstance(error, AsyncrlError)
+    assert error.source == "examples/bad.yaml"
+    assert str(error) == BAD_REPORT
+    assert len(error.problems) == 22
+    assert str(error).splitlines()[1:] == ["  " + p for p in error.problems]
+
+
+def test_one_problem_is_counted_in_the_singular() -> None:
+    text = MINIMAL.replace(
+        "class: mypkg.rollout:Rollout", "class: mypkg.rollout:Rollout\n    replicas: 0"
+    )
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text)
+    assert str(info.value) == (
+        "manifest <string> has 1 problem:\n"
+        "  roles.rollout.replicas: expected an integer >= 1, got 0"
+    )
+
+
+def test_missing_sections_and_keys() -> None:
+    assert _problems("driver: {threads: 1}\n") == [
+        "run: missing required key; expected a mapping with the keys 'name', 'program'",
+        "roles: missing required key; expected a mapping of role names to roles, at least one",
+    ]
+    assert _problems("run: {}\nroles: {}\n") == [
+        "run.name: missing required key; expected a name of letters, digits, '_' and '-'",
+        "run.program: missing required key; "
+        "expected 'module:function' or 'path/to/file.py:function'",
+        "roles: expected a mapping of role names to roles, at least one, got an empty mapping",
+    ]
+    assert _problems("run: [a]\nroles:\n") == [
+        "run: expected a mapping with the keys 'name', 'program', got a list",
+        "roles: expected a mapping of role names to roles, at least one, got null",
+    ]
+
+
+def test_unknown_keys_suggest_the_nearest_one() -> None:
+    text = MINIMAL + "    supervison: {}\nrols: {}\n"
+    assert _problems(text) == [
+        "roles.rollout.supervison: unknown key; did you mean 'supervision'?",
+        "rols: unknown key; did you mean 'roles'?",
+    ]
+    assert _problems(MINIMAL + "    xyz: 1\n") == [
+        "roles.rollout.xyz: unknown key; expected one of 'class', 'command', 'replicas', "
+        "'capacity', 'threads', 'placement', 'env', 'config', 'supervision'"
+    ]
+
+
+def test_yaml_syntax_error_names_line_and_column() -> None:
+    text = "run:\n  name: demo\n   program: x\n"
+    assert _problems(text) == [
+        "line 3, column 11: mapping values are not allowed here; fix the YAML syntax there"
+    ]
+    text = "run:\n  name: demo\n  env: {A: 1\nroles: {}\n"
+    assert _problems(text) == [
+        "line 4, column 6: expected ',' or '}', but got ':' "
+        "(while parsing a flow mapping at line 3); fix the YAML syntax there"
+    ]
+
+
+def test_unsafe_yaml_tags_are_refused() -> None:
+    assert _problems("run: !!python/object/apply:os.system [ls]\n") == [
+        "line 1, column 6: could not determine a constructor for the tag "
+        "'tag:yaml.org,2002:python/object/apply:os.system'; fix the YAML syntax there"
+    ]
+
+
+def test_duplicate_keys_are_problems() -> None:
+    text = MINIMAL + "  rollout:\n    class: other:Rollout\n"
+    assert _problems(text) == [
+        "line 7, column 3: duplicate key 'rollout', first given at line 5; remove one of them"
+    ]
+
+
+def test_top_level_must_be_a_mapping() -> None:
+    assert _problems("- run\n- roles\n") == [
+        "(top level): expected a mapping with the sections 'run', 'roles' and, optionally, "
+        "'driver', got a list"
+    ]
+    assert _problems("# nothing yet\n") == [
+        "(top level): the manifest is empty; expected a mapping with the sections 'run', "
+        "'roles' and, optionally, 'driver'"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("program", "normalized"),
+    [
+        ("flow", "flow:main"),
+        ("examples.demo.flow:train", "examples.demo.flow:train"),
+        ("examples/demo/flow.py", "examples/demo/flow.py:main"),
+        ("../my flows/flow.py:run_it", "../my flows/flow.py:run_it"),
+    ],
+)
+def test_program_forms(program: str, normalized: str) -> None:
+    text = MINIMAL.replace("examples.demo.flow", f"'{program}'")
+    assert parse_manifest(text).run.program == normalized
+
+
+def test_bad_program_and_class_syntax() -> None:
+    text = MINIMAL.replace("examples.demo.flow", "'flow.main()'").replace(
+        "mypkg.rollout:Rollout", "'mypkg:'"
+    )
+    assert _problems(text) == [
+        "run.program: expected 'module:function' or 'path/to/file.py:function', got 'flow.main()'",
+        "roles.rollout.class: expected 'module:Class' or a registered role name, got 'mypkg:'",
+    ]
+
+
+def test_command_string_is_split_and_null_class_counts_as_absent() -> None:
+    text = "run: {name: r, program: p}\nroles:\n"
+    text += "  ext: {class: null, command: 'bin/role --x \"a b\"'}\n"
+    assert parse_manifest(text).roles["ext"].command == ("bin/role", "--x", "a b")
+    text = "run: {name: r, program: p}\nroles:\n  ext: {command: [bin/role, 3]}\n"
+    assert _problems(text) == ["roles.ext.command[1]: expected a string, got 3; quote it: '3'"]
+
+
+def test_numbers_read_as_strings_get_a_hint() -> None:
+    text = MINIMAL + "    supervision: {period_s: 1e3, liveness: .nan}\n"
+    assert _problems(text) == [
+        "roles.rollout.supervision.period_s: expected a number > 0, got '1e3'; "
+        "write it as a plain number, such as 1000.0",
+        "roles.rollout.supervision.liveness: expected an integer >= 1, got nan",
+    ]
+
+
+def test_overrides_parse_yaml_scalars() -> None:
+    manifest = parse_manifest(
+        MINIMAL,
+        overrides=[
+            "roles.rollout.replicas=4",
+            "run.name=x",
+            "roles.rollout.config.flag=true",
+            "roles.rollout.config.sizes=[1, 2]",
+            "roles.rollout.config.scale=0.5",
+            "roles.rollout.config.label=a=b",
+            "roles.rollout.config.empty=",
+            "roles.rollout.command=null",
+        ],
+    )
+    assert manifest.run.name == "x"
+    assert manifest.run.run_dir == "runs/x"
+    assert manifest.roles["rollout"].replicas == 4
+    assert manifest.roles["rollout"].config == {
+        "flag": True,
+        "sizes": [1, 2],
+        "scale": 0.5,
+        "label": "a=b",
+        "empty": None,
+    }
+
+
+def test_overrides_create_mappings_and_the_last_one_wins() -> None:
+    manifest = parse_manifest(
+        MINIMAL,
+        overrides=[
+            "roles.reward.class=mypkg.reward:Reward",
+            "roles.reward.config.scale=0.5",
+            "roles.reward.placement.device=cuda:1",
+            "roles.rollout.threads=2",
+            "roles.rollout.threads=3",
+        ],
+    )
+    assert manifest.role_names() == ["rollout", "reward"]
+    assert manifest.roles["reward"] == RoleSpec(
+        cls="mypkg.reward:Reward", config={"scale": 0.5}, placement=Placement(device="cuda:1")
+    )
+    assert manifest.roles["rollout"].threads == 3
+
+
+def test_override_problems_are_reported_with_the_others() -> None:
+    overrides = [
+        "roles.rollout.replicas",
+        "=3",
+        "roles..x=1",
+        "roles.rollout.class.x=1",
+        "run.env.X=[1,2",
+        "roles.rollout.threads=0",
+        "roles.rollout.capacity=1",
+        "roles.rollout.capacity=-1",
+    ]
+    assert _problems(MINIMAL + "    replicas: 0\n", overrides) == [
+        "--set roles.rollout.replicas: no '=' in it; "
+        "write key=value, e.g. roles.rollout.replicas=4",
+        "--set =3: empty key; write a dotted path, e.g. roles.rollout.replicas=4",
+        "--set roles..x=1: empty key; write a dotted path, e.g. roles.rollout.replicas=4",
+        "--set roles.rollout.class.x=1: roles.rollout.class is 'mypkg.rollout:Rollout', not a "
+        "mapping; set keys only inside mappings",
+        "--set run.env.X=[1,2: the value is not valid YAML (expected ',' or ']', but got "
+        "'<stream end>'); quote it",
+        "roles.rollout.replicas: expected an integer >= 1, got 0",
+        "roles.rollout.threads: expected an integer >= 1, got 0 "
+        "(from --set roles.rollout.threads=0)",
+        "roles.rollout.capacity: expected an integer >= 1, got -1 "
+        "(from --set roles.rollout.capacity=-1)",
+    ]
+
+
+def test_override_problems_are_reported_even_when_the_yaml_is_broken() -> None:
+    assert _problems("run: [\n", ["x"]) == [
+        "line 2, column 1: expected the node content, but found '<stream end>' "
+        "(while parsing a flow node); fix the YAML syntax there",
+        "--set x: no '=' in it; write key=value, e.g. roles.rollout.replicas=4",
+    ]
+
+
+def test_overrides_must_be_a_list_not_one_string() -> None:
+    with pytest.raises(TypeError, match="overrides is a list of 'key=value' strings"):
+        parse_manifest(MINIMAL, overrides="run.name=x")
+
+
+def test_load_manifest_reads_the_file(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "m.yaml")
+    with open(path, "w") as f:
+        f.write(MINIMAL)
+    assert load_manifest(path, ["roles.rollout.replicas=2"]).roles["rollout"].replicas == 2
+    with open(path, "a") as f:
+        f.write("    replicas: -2\n")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    assert str(info.value).splitlines()[0] == f"manifest {path} has 1 problem:"
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(missing)
+    assert info.value.problems == [
+        "(top level): cannot read the file (No such file or directory); check the path"
+    ]
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+def test_resolve_run_dir(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cwd = os.getcwd()
+    assert resolve_run_dir(parse_manifest(MINIMAL)) == os.path.join(cwd, "runs", "demo")
+    manifest = parse_manifest(MINIMAL, overrides=["run.run_dir=out/../elsewhere"])
+    assert resolve_run_dir(manifest) == os.path.join(cwd, "elsewhere")
+    manifest = parse_manifest(MINIMAL, overrides=["run.run_dir=/srv/runs/a"])
+    assert resolve_run_dir(manifest) == "/srv/runs/a"
+
+
+def test_manifest_error_pickles() -> None:
+    error = ManifestError("m.yaml", ["run: missing required key; add it", "roles: x"])
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.source, copy.problems) == (
+        ManifestError,
+        str(error),
+        "m.yaml",
+        error.problems,
+    )
+
+
+def test_public_names_resolve() -> None:
+    import asyncrl.manifest
+
+    assert sorted(asyncrl.manifest.__all__) == asyncrl.manifest.__all__
+    assert [n for n in asyncrl.manifest.__all__ if not hasattr(asyncrl.manifest, n)] == []
+
+
+def test_importing_the_manifest_module_imports_no_torch() -> None:
+    code = "import sys, asyncrl.manifest; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "False\n"
+
+
+def _doc() -> str:
+    with open(os.path.join(ROOT, "docs", "manifest.md")) as f:
+        return f.read()
+
+
+def test_the_complete_example_in_the_docs_is_valid() -> None:
+    example = re.search(r"## A complete example\n.*?```yaml\n(.*?)```", _doc(), re.S)
+    assert example is not None
+    manifest = parse_manifest(example.group(1))
+    assert manifest.role_names() == ["prompts", "rollout", "reward", "learner"]
+
+
+def test_the_error_report_in_the_docs_is_what_the_code_prints() -> None:
+    section = _doc().split("## What an error report looks like\n", 1)[1]
+    bad, command, report = re.findall(r"```\w*\n(.*?)```", section, re.S)[:3]
+    overrides = re.findall(r"--set (\S+)", command)
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(bad, "bad.yaml", overrides)
+    assert str(info.value) + "\n" == report
