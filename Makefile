@@ -43,6 +43,7 @@ format: setup
 
 bench: setup
 	$(BIN)/asyncrl bench transport
+	$(BIN)/asyncrl bench runtime
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis

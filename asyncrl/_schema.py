@@ -18,7 +18,6 @@ Checks across the fields of one Struct (two keys that exclude each other) are pa
 from __future__ import annotations
 
 import difflib
-import math
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -152,7 +151,7 @@ def _fits(t: mi.Type, value: Any) -> bool:
     if isinstance(t, mi.IntType | mi.FloatType):
         return (
             not isinstance(value, bool)
-            and not math.isnan(value)
+            and value == value  # not NaN
             and all(
                 getattr(t, name) is None or ok(value, getattr(t, name)) for _, name, ok in _BOUNDS
             )

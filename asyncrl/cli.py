@@ -2,6 +2,7 @@
 
 - ``asyncrl run MANIFEST [--set KEY=VALUE]... [--run-dir DIR]``: run a manifest on this machine.
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
+- ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
 - ``asyncrl version``: the package and wire-protocol versions.
 """
 
@@ -13,7 +14,7 @@ import sys
 
 from asyncrl import __version__
 
-BENCHMARKS = ("transport",)
+BENCHMARKS = ("transport", "runtime")
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -21,6 +22,10 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         from asyncrl.bench import transport
 
         return transport.main(rest)
+    if args.name == "runtime":
+        from asyncrl.bench import runtime
+
+        return runtime.main(rest)
     raise AssertionError(args.name)
 
 

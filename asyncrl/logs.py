@@ -11,7 +11,14 @@ from typing import Any
 
 import structlog
 
-__all__ = ["configure", "get_logger"]
+__all__ = ["CONSOLE_ENV", "configure", "console_wanted", "get_logger"]
+
+CONSOLE_ENV = "ASYNCRL_CONSOLE"
+"""Set to ``0`` to keep a process's readable log lines off the console (its JSON file stays)."""
+
+
+def console_wanted() -> bool:
+    return os.environ.get(CONSOLE_ENV, "1") != "0"
 
 
 def configure(
@@ -60,6 +67,8 @@ def configure(
         stream = logging.StreamHandler(sys.stdout)
         stream.setFormatter(formatter(structlog.dev.ConsoleRenderer(colors=False)))
         root.addHandler(stream)
+    if not root.handlers:
+        root.addHandler(logging.NullHandler())  # not logging's last-resort stderr printer
 
 
 def get_logger(name: str = "asyncrl") -> Any:

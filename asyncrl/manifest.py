@@ -6,8 +6,8 @@ threads, placement, environment, free-form config and restart policy. docs/manif
 reference.
 
 ``load_manifest`` reads one, applies ``--set key=value`` overrides and validates it. Validation
-walks the raw YAML against the Structs below (driven by ``msgspec.inspect``), collects every
-problem and raises one ``ManifestError`` that lists them all, each as
+walks the raw YAML against the Structs below (``asyncrl._schema``, through ``msgspec.inspect``),
+collects every problem and raises one ``ManifestError`` that lists them all, each as
 ``<path>: <what is wrong>; <how to fix>``. Only a manifest without problems becomes a ``Manifest``.
 
 This module imports neither torch nor user code, since the node agent loads manifests. A role

@@ -205,6 +205,7 @@ def main() -> None:
         replica=spec.replica,
         incarnation=spec.incarnation,
         json_path=os.path.join(spec.run_dir, "logs", f"{spec.name}.{spec.replica}.jsonl"),
+        console=logs.console_wanted(),
     )
     try:
         if spec.kind == "driver":

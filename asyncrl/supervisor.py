@@ -115,9 +115,18 @@ class Supervisor:
         children: in start order (roles in manifest order, then the driver).
         run: the run's name (shared-memory segments of dead processes are swept by it).
         log_dir: where each process's stderr goes (``<name>.<replica>.stderr``).
+        observer: called with (``"exited"`` or ``"serving"``, process label, incarnation) the
+            moment the supervisor learns it; benchmarks time recovery with it.
     """
 
-    def __init__(self, children: list[ChildSpec], *, run: str, log_dir: str) -> None:
+    def __init__(
+        self,
+        children: list[ChildSpec],
+        *,
+        run: str,
+        log_dir: str,
+        observer: Callable[[str, str, int], None] | None = None,
+    ) -> None:
         self.run_name = run
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
@@ -130,6 +139,7 @@ class Supervisor:
         self._report: RunReport | None = None
         self._exits: list[ExitInfo] = []
         self._stopping = False
+        self._observer = observer
 
     # -- the run --------------------------------------------------------------------------
 
@@ -241,6 +251,8 @@ class Supervisor:
         if event.kind in ("connected", "restarted"):
             if event.incarnation == child.incarnation and not child.serving:
                 child.serving = True
+                if self._observer is not None:
+                    self._observer("serving", child.label, child.incarnation)
                 self._log.info("serving", process=child.label, incarnation=child.incarnation)
         elif event.kind == "dead" and child.serving and child.alive and not self._stopping:
             self._log.error("hung: missed heartbeats", process=child.label, detail=event.detail)
@@ -249,6 +261,8 @@ class Supervisor:
 
     async def _watch(self, child: _Child, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        if self._observer is not None:
+            self._observer("exited", child.label, child.incarnation)
         sweep(self.run_name, pid=proc.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group

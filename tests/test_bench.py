@@ -59,4 +59,42 @@ def test_unknown_benchmark_is_refused() -> None:
         cwd=ROOT,
     )
     assert out.returncode == 2
-    assert "invalid choice: 'nope' (choose from 'transport')" in out.stderr
+    assert "invalid choice: 'nope' (choose from 'transport', 'runtime')" in out.stderr
+
+
+@pytest.mark.slow
+def test_runtime_benchmark_json() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "bench",
+            "runtime",
+            "--json",
+            "--kills",
+            "2",
+            "--calls",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=True,
+    )
+    figures = json.loads(out.stdout)
+    keys = {
+        "crash_detect_ms_p50",
+        "restart_to_serving_ms_p50",
+        "role_import_ms_p50",
+        "handle_rtt_us_p50",
+        "bare_rtt_us_p50",
+        "handle_overhead_ratio",
+    }
+    assert set(figures) >= keys
+    assert figures["kills"] == 2
+    assert 0 < figures["crash_detect_ms_p50"] < figures["restart_to_serving_ms_p50"]
+    assert figures["handle_overhead_ratio"] == pytest.approx(
+        figures["handle_rtt_us_p50"] / figures["bare_rtt_us_p50"]
+    )

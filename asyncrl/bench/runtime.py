@@ -1,0 +1,224 @@
+"""``asyncrl bench runtime``: how fast the runtime notices a crash and serves again, and what a
+handle costs, each against its baseline measured in the same run.
+
+- crash detection: from SIGKILL of a replica to the supervisor noticing its exit;
+- restart to serving: from SIGKILL to the first call answered by the restarted replica, for a
+  role that imports torch; its baseline is a cold ``python -c "import torch, <role module>"``,
+  timed in the same run, so that restart cost cannot hide in import time;
+- handle overhead: a call through a handle (the dispatcher) against the transport client calling
+  the same server.
+
+Medians over ``--kills`` kills (at least 10) and over thousands of calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+
+from asyncrl import logs
+from asyncrl.dispatch import Dispatcher
+from asyncrl.handles import Context
+from asyncrl.manifest import Supervision
+from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.transport import Client, LocalRegistry, run
+
+__all__ = ["main", "measure"]
+
+ROLE = "asyncrl.bench.torch_role:TorchEcho"
+
+TARGETS = {
+    "crash_detect_ms_p50": "<= 100 ms",
+    "restart_to_serving_ms_p50": "<= role_import_ms_p50 + 1000 ms",
+    "handle_overhead_ratio": "<= 1.3",
+}
+
+
+def _import_ms(runs: int) -> list[float]:
+    module = ROLE.split(":")[0]
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", f"import torch, {module}"], check=True)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
+    registry = LocalRegistry(run_dir)
+    endpoint = registry.endpoint("echo", 0)
+    policy = Supervision(
+        max_restarts=kills + 5,
+        period_s=3600.0,
+        backoff_initial_s=0.0,
+        backoff_max_s=0.0,
+        heartbeat_interval_s=1.0,
+    )
+
+    def launch(incarnation: int) -> tuple[list[str], dict[str, str]]:
+        spec = ProcessSpec(
+            kind="role",
+            name="echo",
+            incarnation=incarnation,
+            target=ROLE,
+            endpoint=endpoint,
+            run="bench",
+            run_dir=run_dir,
+            parent_pid=os.getpid(),
+        )
+        env = {
+            SPEC_ENV: msgspec.json.encode(spec).decode(),
+            "OMP_NUM_THREADS": "1",
+            logs.CONSOLE_ENV: "0",
+        }
+        return [sys.executable, "-m", "asyncrl.process"], env
+
+    seen: dict[tuple[str, int], float] = {}
+    events: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+
+    def observe(kind: str, label: str, incarnation: int) -> None:
+        seen[(kind, incarnation)] = time.perf_counter()
+        events.put_nowait((kind, incarnation))
+
+    supervisor = Supervisor(
+        [ChildSpec("echo", 0, "role", endpoint, policy, launch)],
+        run="bench",
+        log_dir=os.path.join(run_dir, "logs"),
+        observer=observe,
+    )
+    supervised = asyncio.get_running_loop().create_task(supervisor.run())
+    out: dict[str, Any] = {}
+    try:
+        async with Client(endpoint, name="bench") as client:
+            await _until(events, ("serving", 0))
+            detect, serve = [], []
+            for n in range(kills):
+                info = await client.call("_describe", None, timeout=60)
+                t0 = time.perf_counter()
+                os.kill(info["pid"], signal.SIGKILL)
+                await _until(events, ("exited", n))
+                detect.append((seen[("exited", n)] - t0) * 1e3)
+                while True:  # calls made while it restarts wait for it, or fail and go again
+                    try:
+                        info = await client.call("echo", n, timeout=60)
+                    except Exception:
+                        continue
+                    if info == n:
+                        break
+                serve.append((time.perf_counter() - t0) * 1e3)
+            out["crash_detect_ms_p50"] = statistics.median(detect)
+            out["crash_detect_ms_max"] = max(detect)
+            out["restart_to_serving_ms_p50"] = statistics.median(serve)
+            out["kills"] = kills
+            bare = []
+            for _ in range(200):
+                await client.call("echo", 1)
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                await client.call("echo", 1)
+                bare.append((time.perf_counter() - t0) * 1e6)
+            out["bare_rtt_us_p50"] = statistics.median(bare)
+        dispatcher = Dispatcher({"echo": GroupInfo([endpoint])}, run="bench")
+        dispatcher.start()
+        ctx = Context(dispatcher, run="bench", run_dir=run_dir, log=None)
+        try:
+            for _ in range(200):
+                await ctx.echo.call("echo", 1)
+            via_handle = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                await ctx.echo.call("echo", 1)
+                via_handle.append((time.perf_counter() - t0) * 1e6)
+        finally:
+            await dispatcher.close()
+        out["handle_rtt_us_p50"] = statistics.median(via_handle)
+        out["handle_overhead_ratio"] = out["handle_rtt_us_p50"] / out["bare_rtt_us_p50"]
+    finally:
+        supervisor.stop("benchmark done")
+        await supervised
+    return out
+
+
+async def _until(events: asyncio.Queue[tuple[str, int]], wanted: tuple[str, int]) -> None:
+    while await asyncio.wait_for(events.get(), 120) != wanted:
+        pass
+
+
+def measure(*, kills: int = 10, calls: int = 3000) -> dict[str, Any]:
+    """Run every measurement and return the figures (see the module docstring)."""
+    tmp = tempfile.mkdtemp(prefix="arl-rt-")
+    try:
+        logs.configure(role="bench", console=False)
+        figures = run(_measure(tmp, kills, calls))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    imports = _import_ms(5)
+    figures["role_import_ms_p50"] = statistics.median(imports)
+    figures["restart_minus_import_ms"] = (
+        figures["restart_to_serving_ms_p50"] - figures["role_import_ms_p50"]
+    )
+    return figures
+
+
+def format_table(f: dict[str, Any]) -> str:
+    verdicts = {
+        "crash_detect_ms_p50": f["crash_detect_ms_p50"] <= 100,
+        "restart_to_serving_ms_p50": f["restart_minus_import_ms"] <= 1000,
+        "handle_overhead_ratio": f["handle_overhead_ratio"] <= 1.3,
+    }
+    rows = [
+        ("crash noticed (p50)", f"{f['crash_detect_ms_p50']:.1f} ms", "crash_detect_ms_p50"),
+        ("crash noticed (max)", f"{f['crash_detect_ms_max']:.1f} ms", None),
+        (
+            "restart to serving (p50)",
+            f"{f['restart_to_serving_ms_p50']:.0f} ms",
+            "restart_to_serving_ms_p50",
+        ),
+        ("cold import torch + role (p50)", f"{f['role_import_ms_p50']:.0f} ms", None),
+        ("  restart - import", f"{f['restart_minus_import_ms']:.0f} ms", None),
+        ("call through a handle (p50)", f"{f['handle_rtt_us_p50']:.0f} us", None),
+        ("bare transport call (p50)", f"{f['bare_rtt_us_p50']:.0f} us", None),
+        ("  handle / bare", f"{f['handle_overhead_ratio']:.2f}x", "handle_overhead_ratio"),
+    ]
+    lines = [f"asyncrl runtime benchmark ({f['kills']} kills, {os.cpu_count()} CPUs)", ""]
+    lines.append(f"{'figure':<34}{'measured':>12}   target")
+    for label, value, key in rows:
+        target = ""
+        if key is not None:
+            target = f"{TARGETS[key]}  {'met' if verdicts[key] else 'MISSED'}"
+        lines.append(f"{label:<34}{value:>12}   {target}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl bench runtime",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--kills", type=int, default=10, help="replica kills to time (>= 1)")
+    parser.add_argument("--calls", type=int, default=3000, help="calls per round-trip figure")
+    args = parser.parse_args(argv)
+    if args.kills < 1:
+        parser.error("--kills must be >= 1")
+    figures = measure(kills=args.kills, calls=args.calls)
+    print(json.dumps(figures) if args.json else format_table(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
