@@ -135,6 +135,16 @@ def test_importing_asyncrl_is_cheap() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
+def test_the_node_agent_imports_no_torch() -> None:
+    """The agent supervises; torch and user code load only in the processes it starts."""
+    code = (
+        "import sys, asyncrl.agent, asyncrl.supervisor, asyncrl.manifest, asyncrl.cli;"
+        "print('torch' in sys.modules, any(m.startswith('tests.') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
 def test_the_transport_imports_torch_only_when_a_tensor_needs_it() -> None:
     """The node agent speaks the transport and must not pay for (or depend on) torch."""
     code = (
