@@ -26,13 +26,14 @@ from typing import Any
 from asyncrl.errors import BrokenError, DeadlineExceededError, RemoteError, TransportError
 from asyncrl.role import Delivery
 from asyncrl.spec import GroupInfo
-from asyncrl.transport import ChannelOptions, Client, PeerEvent
+from asyncrl.transport import ChannelOptions, Client, ErrorCode, PeerEvent
 
 __all__ = ["Dispatcher", "Group", "Work"]
 
 log = logging.getLogger("asyncrl.dispatch")
 
-_CONNECT_RETRY_S = 60.0
+_CONNECT_TIMEOUT_S = 7 * 24 * 3600.0
+_DESCRIBE_RETRY_S = 1.0
 
 
 class Work:
@@ -139,26 +140,39 @@ class Group:
             heartbeat_interval_s=self.info.heartbeat_interval_s,
             liveness=self.info.liveness,
         )
+        client = Client(
+            replica.endpoint,
+            name=f"driver->{self.name}.{replica.index}",
+            options=options,
+            on_credit=functools.partial(self._on_credit, replica),
+            on_event=functools.partial(self._on_event, replica),
+        )
+        replica.client = client
+        # One client for the whole run: it reconnects by itself across restarts, and a replica
+        # that is slow to come up is waited for, not hammered. Supervision decides when a
+        # start has taken too long.
+        try:
+            await client.connect(timeout=_CONNECT_TIMEOUT_S)
+        except TransportError as exc:
+            log.error("%s.%d: cannot connect: %s", self.name, replica.index, exc)
+            return
         while not self._closed:
-            client = Client(
-                replica.endpoint,
-                name=f"driver->{self.name}.{replica.index}",
-                options=options,
-                on_credit=functools.partial(self._on_credit, replica),
-                on_event=functools.partial(self._on_event, replica),
-            )
-            replica.client = client
             try:
-                await client.connect(timeout=max(self.startup_timeout_s, _CONNECT_RETRY_S))
                 await self._describe(replica)
                 return
             except TransportError as exc:
-                log.warning("%s.%d: not reachable yet: %s", self.name, replica.index, exc)
-                await client.close()
+                log.warning("%s.%d: no description yet: %s", self.name, replica.index, exc)
+                await asyncio.sleep(_DESCRIBE_RETRY_S)
 
     async def _describe(self, replica: _Replica) -> None:
         assert replica.client is not None
-        info = await replica.client.call("_describe", None, timeout=self.startup_timeout_s)
+        try:
+            info = await replica.client.call("_describe", None, timeout=self.startup_timeout_s)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.UNKNOWN_METHOD:
+                raise
+            # An external role need not describe itself; its endpoints are then 'once'.
+            info = {}
         for method, delivery in info.get("endpoints", {}).items():
             self.delivery[method] = Delivery(delivery)
         self._ready.set()
@@ -166,18 +180,29 @@ class Group:
     def _on_credit(self, replica: _Replica, slots: int) -> None:
         replica.credit = slots
         replica.alive = True
-        if replica.client is not None and replica.client.server is not None:
-            replica.incarnation = replica.client.server.incarnation
+        if replica.client is not None:
+            # Credit belongs to the incarnation that sent it.
+            replica.incarnation = replica.client.peer_incarnation
         self.pump()
 
     def _on_event(self, replica: _Replica, event: PeerEvent) -> None:
         if event.kind in ("dead", "disconnected"):
             replica.alive = False
-            replica.credit = 0
             self.stats[f"replica_{event.kind}"] += 1
         elif event.kind == "restarted":
+            # The new incarnation advertises its own credit once its state is restored (its
+            # CREDIT may even have arrived before this event).
             self.stats["replica_restarts"] += 1
-            replica.incarnation = event.incarnation
+        elif (
+            event.kind == "alive"
+            and replica.credit > 0
+            and replica.client is not None
+            and replica.client.peer_incarnation == replica.incarnation
+        ):
+            # Heard again after a silence from the same incarnation (it was stopped, not
+            # restarted): the credit it gave still stands.
+            replica.alive = True
+            self.pump()
 
     async def wait_ready(self) -> None:
         """Wait until some replica has described its endpoints."""
@@ -193,7 +218,9 @@ class Group:
             if replica.client is not None:
                 await replica.client.close()
         for work in [*self.queue, *(w for r in self.replicas for w in r.queue)]:
-            self._fail(work, asyncio.CancelledError())
+            if work.timer is not None:
+                work.timer.cancel()
+            work.future.cancel()
 
     # -- work -----------------------------------------------------------------------------
 
@@ -274,7 +301,7 @@ class Group:
     def _done(self, replica: _Replica, work: Work, fut: asyncio.Future[Any]) -> None:
         replica.inflight -= 1
         if fut.cancelled():
-            self._fail(work, asyncio.CancelledError())
+            work.future.cancel()
         else:
             exc = fut.exception()
             if exc is None:

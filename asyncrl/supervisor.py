@@ -95,6 +95,7 @@ class _Child:
     serving: bool = False
     hung: bool = False
     expected_exit: bool = False
+    restarting: bool = False
     restart_times: collections.deque[float] = field(default_factory=collections.deque)
     restarts: int = 0
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -270,7 +271,7 @@ class Supervisor:
         if child.proc is not proc:
             return
         info = self._exit_info(child, proc.pid, code)
-        if child.expected_exit or self._stopping:
+        if child.expected_exit or child.restarting or self._stopping:
             return
         if child.spec.kind == "driver" and code == 0:
             self._log.info("program finished", process=child.label)
@@ -344,7 +345,10 @@ class Supervisor:
             policy.backoff_initial_s * 2 ** len(child.restart_times), policy.backoff_max_s
         )
         child.restart_times.append(now)
-        group = self._restart_set(child)
+        # Members another failure is already restarting are left to that restart.
+        group = [c for c in self._restart_set(child) if c is child or not c.restarting]
+        for member in group:
+            member.restarting = True
         for other in group:
             if other is not child and other.alive:
                 other.expected_exit = True
@@ -355,6 +359,7 @@ class Supervisor:
         if self._stopping:
             return
         for member in group:
+            member.restarting = False
             member.restarts += 1
             self._log.info(
                 "restarting", process=member.label, after_s=backoff, restarts=member.restarts

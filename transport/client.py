@@ -130,6 +130,7 @@ class Client:
         self._releases: list[int] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.server: Hello | None = None
+        self.peer_incarnation = -1  # stamped on the last message the server sent
         self.codec = Codec(
             inline_threshold=self.options.inline_threshold,
             shm_threshold=self.options.shm_threshold,
@@ -305,6 +306,7 @@ class Client:
             self.stats["bad_input"] += 1
             log.warning("client %s dropped a message from %s: %s", self.name, self.endpoint, exc)
             return
+        self.peer_incarnation = env.incarnation
         self._heard()
         kind = env.kind
         if kind == Kind.REPLY or kind == Kind.WELCOME:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -46,13 +47,6 @@ def site() -> Iterator[str]:
     shutil.rmtree(work, ignore_errors=True)
 
 
-@pytest.fixture
-def run_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="arl-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def run_example(site: str, run_dir: str, *args: str) -> tuple[int, str, str]:
     """``asyncrl run`` the example's manifest from the repository root; wait for it to exit."""
     path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
@@ -75,26 +69,50 @@ def run_example(site: str, run_dir: str, *args: str) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def read_json(run_dir: str, name: str) -> Any:
-    with open(os.path.join(run_dir, name)) as f:
-        return json.load(f)
+@dataclass
+class Finished:
+    code: int
+    out: str
+    err: str
+    run_dir: str
+
+    def json(self, name: str) -> Any:
+        with open(os.path.join(self.run_dir, name)) as f:
+            return json.load(f)
 
 
-def test_the_entry_point_example_runs(site: str, run_dir: str) -> None:
-    code, out, err = run_example(site, run_dir)
-    assert code == 0, out + err
-    driver = read_json(run_dir, "driver.json")
+@pytest.fixture(scope="module")
+def example(site: str) -> Iterator[Finished]:
+    """One run of the example, shared by the tests that read it."""
+    run_dir = tempfile.mkdtemp(prefix="arl-")
+    yield Finished(*run_example(site, run_dir), run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_the_entry_point_example_runs(example: Finished) -> None:
+    assert example.code == 0, example.out + example.err
+    driver = example.json("driver.json")
     assert driver["finished"] is True
     assert driver["result"] == RESULT
-    assert "greeter: 1 replica(s), restarts 0, requests served 4" in out
-    assert "echo: 1 replica(s), restarts 0, requests served 1" in out
-    assert f"result: {json.dumps(RESULT)}" in out
-    assert read_json(run_dir, "report.json")["status"] == "completed"
-    with open(os.path.join(run_dir, "roles", "greeter.0", "greeted.txt")) as f:
+    assert "greeter: 1 replica(s), restarts 0, requests served 4" in example.out
+    assert "echo: 1 replica(s), restarts 0, requests served 1" in example.out
+    assert f"result: {json.dumps(RESULT)}" in example.out
+    report = example.json("report.json")
+    assert report["status"] == "completed"
+    assert report["restarts"]["greeter"] == report["restarts"]["echo"] == 0
+    with open(os.path.join(example.run_dir, "roles", "greeter.0", "greeted.txt")) as f:
         assert sorted(f.read().split()) == RESULT["greeted"]
 
 
+def test_the_driver_takes_an_external_role_without_describe(example: Finished) -> None:
+    with open(os.path.join(example.run_dir, "logs", "driver.0.jsonl")) as f:
+        retries = [line for line in f if "not reachable yet" in line]
+    assert retries == []
+    assert example.json("report.json")["restarts"]["driver"] == 0
+
+
 def test_an_unregistered_role_name_is_a_configuration_error(site: str, run_dir: str) -> None:
+    """``class: no_such_role``: the process exits with 78 and the run ends, unrestarted."""
     code, out, err = run_example(site, run_dir, "--set", "roles.greeter.class=no_such_role")
     assert code == 1, out + err
     message = (
@@ -104,7 +122,7 @@ def test_an_unregistered_role_name_is_a_configuration_error(site: str, run_dir: 
     )
     assert "run failed: greeter[0] has a configuration error" in out
     assert f"| {message}" in out
-    report = read_json(run_dir, "report.json")
+    report = Finished(code, out, err, run_dir).json("report.json")
     assert report["status"] == "failed"
     assert report["failure"]["role"] == "greeter"
     assert report["failure"]["code"] == 78

@@ -367,3 +367,41 @@ def test_a_bad_manifest_lists_every_problem(run_dir: str) -> None:
     assert "roles.rollout.replicas: expected an integer >= 1, got -2" in out.stderr
     assert "roles.rollout.replcas: unknown key; did you mean 'replicas'?" in out.stderr
     assert "run.program" in out.stderr
+
+
+def test_one_for_all_restarts_the_whole_group(run_dir: str, runs: list[Run]) -> None:
+    manifest = write_manifest(
+        run_dir,
+        f"""\
+        run:
+          name: ofa
+          program: tests.integration.pipeline:wait_forever
+        roles:
+          sleeper:
+            class: tests.integration.pipeline:Sleeper
+            replicas: 2
+            supervision: {{strategy: one_for_all, {_yaml(FAST)[1:-1]}}}
+        """,
+    )
+    run = start_run(manifest, run_dir)
+    runs.append(run)
+    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]")
+    line = run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[1]")
+    with open(os.path.join(run_dir, "logs", "agent.jsonl")) as f:
+        started = [json.loads(x) for x in f]
+    pid1 = next(
+        e["pid"]
+        for e in started
+        if e.get("process") == "sleeper[1]" and e.get("event") == "started"
+    )
+    assert "incarnation=0" in line
+    os.kill(pid1, signal.SIGKILL)
+    run.wait_for("serving", "[asyncrl.supervisor]", "incarnation=1")
+    run.wait_for("serving", "[asyncrl.supervisor]", "incarnation=1")
+    run.proc.send_signal(signal.SIGINT)
+    code, _, _ = run.finish()
+    assert code == 130
+    report = run.json("report.json")
+    assert report["restarts"]["sleeper"] == 2  # both replicas, for one failure
+    assert [e["replica"] for e in report["exits"]] == [1]
+    assert all(not _alive(p) for p in run.pids())
