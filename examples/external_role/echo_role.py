@@ -17,6 +17,7 @@ It prints ``READY`` on stdout once bound. Everything else it says goes to stderr
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -546,7 +547,20 @@ def log(message: str) -> None:
     print(f"echo_role: {message}", file=sys.stderr, flush=True)
 
 
+def die_with_parent() -> None:
+    """Die with the supervisor, even if it is killed with SIGKILL (Linux): ask the kernel for
+    SIGKILL when the parent goes, then check the parent did not go before the request."""
+    parent = os.environ.get("ASYNCRL_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        os._exit(1)
+
+
 def main() -> int:
+    die_with_parent()
     try:
         settings = Settings.from_env(dict(os.environ))
         role = EchoRole(settings)
