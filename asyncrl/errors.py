@@ -1,25 +1,28 @@
 """asyncrl's one error hierarchy. Catch ``AsyncrlError`` for everything asyncrl raises::
 
     AsyncrlError
-    └── TransportError                  (asyncrl.transport.errors)
-        ├── ClosedError                 you closed it: the channel was closed on this side
-        ├── BrokenError                 something outside broke it; the cause is in __cause__
-        │   ├── PeerDeadError           the peer missed liveness x interval of heartbeats
-        │   ├── DisconnectedError       the connection broke with requests in flight
-        │   └── PeerUnreachableError    the peer is not connected (ROUTER_MANDATORY refused)
-        ├── DeadlineExceededError       no answer before the request's deadline
-        ├── RemoteError                 the peer answered with an error reply
-        └── ProtocolError               bytes that do not follow docs/protocol.md
-            ├── ProtocolVersionError    the peer speaks another protocol version
-            ├── DecodeError             a frame that fails to decode
-            ├── UnknownKindError        an envelope kind this side does not know
-            ├── MessageTooLargeError    a message over the configured size limit
-            └── TensorDescriptorError   tensor descriptors that disagree with the bytes
+    ├── TransportError                  (asyncrl.transport.errors)
+    │   ├── ClosedError                 you closed it: the channel was closed on this side
+    │   ├── BrokenError                 something outside broke it; the cause is in __cause__
+    │   │   ├── PeerDeadError           the peer missed liveness x interval of heartbeats
+    │   │   ├── DisconnectedError       the connection broke with requests in flight
+    │   │   └── PeerUnreachableError    the peer is not connected (ROUTER_MANDATORY refused)
+    │   ├── DeadlineExceededError       no answer before the request's deadline
+    │   ├── RemoteError                 the peer answered with an error reply
+    │   └── ProtocolError               bytes that do not follow docs/protocol.md
+    │       ├── ProtocolVersionError    the peer speaks another protocol version
+    │       ├── DecodeError             a frame that fails to decode
+    │       ├── UnknownKindError        an envelope kind this side does not know
+    │       ├── MessageTooLargeError    a message over the configured size limit
+    │       └── TensorDescriptorError   tensor descriptors that disagree with the bytes
+    └── ManifestError                   a manifest with problems; lists every one, with its path
 
 The transport defines its branch itself, since it may not import the runtime; this module is where
 the runtime's own errors join the same root. ``retryable`` is True on errors after which the same
 request may succeed later or elsewhere.
 """
+
+from __future__ import annotations
 
 from asyncrl.transport.errors import (
     AsyncrlError,
@@ -46,6 +49,7 @@ __all__ = [
     "DeadlineExceededError",
     "DecodeError",
     "DisconnectedError",
+    "ManifestError",
     "MessageTooLargeError",
     "PeerDeadError",
     "PeerUnreachableError",
@@ -56,3 +60,21 @@ __all__ = [
     "TransportError",
     "UnknownKindError",
 ]
+
+
+class ManifestError(AsyncrlError):
+    """A manifest that cannot be read or has problems; the message lists every one of them.
+
+    Attributes:
+        source: the manifest's file name, or ``<string>`` for text given directly.
+        problems: one line per problem, ``<path>: <what is wrong>; <how to fix>``.
+    """
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        count = f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
+        super().__init__("\n  ".join([f"manifest {source} has {count}:", *problems]))
+        self.source = source
+        self.problems = problems
+
+    def __reduce__(self) -> tuple[type[ManifestError], tuple[str, list[str]]]:
+        return (type(self), (self.source, self.problems))

@@ -26,7 +26,7 @@ import msgspec
 import yaml
 
 from asyncrl._schema import TOP, StructCheck, at, describe, join, validate
-from asyncrl.errors import AsyncrlError
+from asyncrl.errors import ManifestError
 from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 __all__ = [
@@ -41,24 +41,6 @@ __all__ = [
     "parse_manifest",
     "resolve_run_dir",
 ]
-
-
-class ManifestError(AsyncrlError):
-    """A manifest that cannot be read or has problems; the message lists every one of them.
-
-    Attributes:
-        source: the manifest's file name, or ``<string>`` for text given directly.
-        problems: one line per problem, ``<path>: <what is wrong>; <how to fix>``.
-    """
-
-    def __init__(self, source: str, problems: list[str]) -> None:
-        count = f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
-        super().__init__("\n  ".join([f"manifest {source} has {count}:", *problems]))
-        self.source = source
-        self.problems = problems
-
-    def __reduce__(self) -> tuple[type[ManifestError], tuple[str, list[str]]]:
-        return (type(self), (self.source, self.problems))
 
 
 _IDENT = r"[A-Za-z_]\w*"

@@ -119,14 +119,18 @@ def test_public_names_resolve(module: str) -> None:
     assert missing == []
 
 
-def test_runtime_errors_are_the_transport_errors() -> None:
+def test_one_error_hierarchy() -> None:
+    """The runtime re-exports the transport's errors and adds its own under the same root."""
     import asyncrl.errors
     import asyncrl.transport.errors
 
-    assert asyncrl.errors.__all__ == asyncrl.transport.errors.__all__
-    for name in asyncrl.errors.__all__:
+    assert set(asyncrl.transport.errors.__all__) <= set(asyncrl.errors.__all__)
+    for name in asyncrl.transport.errors.__all__:
         assert getattr(asyncrl.errors, name) is getattr(asyncrl.transport.errors, name)
-        assert issubclass(getattr(asyncrl.errors, name), asyncrl.errors.AsyncrlError)
+    for name in asyncrl.errors.__all__:
+        cls = getattr(asyncrl.errors, name)
+        assert issubclass(cls, asyncrl.errors.AsyncrlError)
+        assert cls.__name__ in asyncrl.errors.__doc__, f"{name} is missing from the drawn tree"
 
 
 def test_importing_asyncrl_is_cheap() -> None:
