@@ -1,0 +1,478 @@
+"""The credit-based dispatcher and the handles, over real sockets in one process.
+
+Each replica is a transport ``Server`` served the way ``asyncrl.process`` serves a role: its
+endpoints, the built-in ``_describe``, and credit advertised once it is ready. Handlers that must
+stay busy wait on an ``asyncio.Event``; no test sleeps to let time pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from asyncrl.dispatch import Dispatcher, Group
+from asyncrl.errors import (
+    BrokenError,
+    DeadlineExceededError,
+    DisconnectedError,
+    RemoteError,
+)
+from asyncrl.handles import Context, Handle
+from asyncrl.spec import GroupInfo
+from asyncrl.transport import Call, ChannelOptions, PeerEvent, Server, run
+
+HEARTBEAT_S = 0.1
+LIVENESS = 30  # 3 s of silence before a peer is dead: no test here waits that long
+WAIT_S = 10.0  # the bound on every wait for something that should happen at once
+
+ENDPOINTS = {
+    "index": "idempotent",
+    "work": "idempotent",
+    "once_work": "once",
+    "set": "latest",
+    "fail": "idempotent",
+}
+
+
+class FakeReplica:
+    """One replica of role ``g``, served in this process as ``asyncrl.process`` serves it.
+
+    Every endpoint but ``index`` and ``fail`` answers ``[replica index, payload]``. A call
+    for which ``hold(method, payload)`` is true waits on ``gate``; with ``tokens`` set, every
+    call takes one token before it answers. ``entered`` gets ``(index, payload)`` as each call
+    starts; ``calls`` records ``(method, payload, attempt)``.
+
+    Credit is advertised as soon as the server is bound, or, with ``credit_on_connect``, to each
+    client as its handshake arrives.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        index: int,
+        *,
+        capacity: int,
+        incarnation: int = 0,
+        entered: asyncio.Queue[tuple[int, Any]] | None = None,
+        hold: Callable[[str, Any], bool] = lambda method, payload: False,
+        tokens: asyncio.Queue[None] | None = None,
+        credit_on_connect: bool = False,
+    ) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.entered: asyncio.Queue[tuple[int, Any]] = entered or asyncio.Queue()
+        self.hold = hold
+        self.tokens = tokens
+        self.gate = asyncio.Event()
+        self.calls: list[tuple[str, Any, int]] = []
+        self.active = 0
+        self.peak = 0
+        options = ChannelOptions(
+            run="t", shm=False, heartbeat_interval_s=HEARTBEAT_S, liveness=LIVENESS
+        )
+        self.credit_on_connect = credit_on_connect
+        self.server = Server(
+            endpoint,
+            name=f"g.{index}",
+            incarnation=incarnation,
+            options=options,
+            on_event=self._on_event,
+        )
+        for method in ("work", "once_work", "set"):
+            self.server.add(method, self._handler(method))
+        self.server.add("index", self._index)
+        self.server.add("fail", self._fail)
+        describe = {
+            "role": "g",
+            "replica": index,
+            "incarnation": incarnation,
+            "pid": os.getpid(),
+            "endpoints": ENDPOINTS,
+        }
+        self.server.add("_describe", lambda payload, call: describe)
+
+    async def start(self) -> FakeReplica:
+        await self.server.start()
+        if not self.credit_on_connect:
+            self.server.set_credit(self.capacity)
+        return self
+
+    def _on_event(self, event: PeerEvent) -> None:
+        # The server reports a handshake before it sends the WELCOME, so credit sent here
+        # reaches the client ahead of the WELCOME.
+        if self.credit_on_connect and event.kind == "connected":
+            self.server.send_credit(event.peer.encode(), self.capacity)
+
+    def _handler(self, method: str) -> Callable[[Any, Call], Any]:
+        async def handle(payload: Any, call: Call) -> Any:
+            self.calls.append((method, payload, call.attempt))
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            try:
+                self.entered.put_nowait((self.index, payload))
+                if self.hold(method, payload):
+                    await self.gate.wait()
+                if self.tokens is not None:
+                    await self.tokens.get()
+                return [self.index, payload]
+            finally:
+                self.active -= 1
+
+        return handle
+
+    async def _index(self, payload: Any, call: Call) -> int:
+        return self.index
+
+    async def _fail(self, payload: Any, call: Call) -> Any:
+        self.calls.append(("fail", payload, call.attempt))
+        raise ValueError(f"bad payload {payload}")
+
+
+@asynccontextmanager
+async def dispatching(
+    endpoints: list[str], replicas: list[FakeReplica]
+) -> AsyncIterator[tuple[Handle, Group]]:
+    """Start a dispatcher for group ``g``; yield its handle and group; close everything after."""
+    info = GroupInfo(endpoints, heartbeat_interval_s=HEARTBEAT_S, liveness=LIVENESS)
+    dispatcher = Dispatcher({"g": info}, run="t", startup_timeout_s=WAIT_S)
+    dispatcher.start()
+    ctx = Context(dispatcher, run="t", run_dir=".", log=logging.getLogger("test"))
+    try:
+        yield ctx.g, dispatcher.groups["g"]
+    finally:
+        await dispatcher.close()
+        for replica in replicas:
+            await replica.server.close()
+
+
+async def ready(handle: Handle, group: Group) -> None:
+    """Wait until the endpoints are described and every replica has advertised credit."""
+    await asyncio.wait_for(group.wait_ready(), WAIT_S)
+    assert await asyncio.wait_for(handle.broadcast("index"), WAIT_S) == list(range(handle.replicas))
+
+
+def endpoints_in(run_dir: str, n: int) -> list[str]:
+    return [f"ipc://{run_dir}/r{i}" for i in range(n)]
+
+
+def test_call_returns_the_reply_and_broadcast_answers_in_replica_order(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 3)
+        replicas = [await FakeReplica(ep, i, capacity=2).start() for i, ep in enumerate(endpoints)]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            index, payload = await asyncio.wait_for(g.call("work", {"x": 7}), WAIT_S)
+            assert payload == {"x": 7}
+            assert index in (0, 1, 2)
+            assert await asyncio.wait_for(g.broadcast("index"), WAIT_S) == [0, 1, 2]
+            replies = await asyncio.wait_for(g.broadcast("work", "all"), WAIT_S)
+            assert replies == [[0, "all"], [1, "all"], [2, "all"]]
+            assert group.stats["retries"] == 0
+            assert group.stats["failures"] == 0
+
+    run(main())
+
+
+def test_a_fast_replica_takes_more(run_dir: str) -> None:
+    """The slow replica keeps its four calls until the fast one has done all the rest."""
+
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        slow = await FakeReplica(endpoints[0], 0, capacity=4, hold=lambda m, p: True).start()
+        fast = await FakeReplica(endpoints[1], 1, capacity=4).start()
+        async with dispatching(endpoints, [slow, fast]) as (g, group):
+            await ready(g, group)
+            keys = []
+            async for key, (_, item) in g.map("work", range(200), timeout=WAIT_S):
+                assert item == key
+                keys.append(key)
+                if len(keys) == 196:
+                    slow.gate.set()
+            assert sorted(keys) == list(range(200))
+            slow_items = sorted(p for m, p, _ in slow.calls if m == "work")
+            assert len(slow_items) == 4
+            assert sorted(keys[-4:]) == slow_items
+            # One call each from the readiness broadcast, then the split of the 200.
+            assert group.summary()["served"] == {0: 1 + 4, 1: 1 + 196}
+
+    run(main())
+
+
+def test_no_work_waits_for_a_busy_replica_while_another_has_room(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        entered: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        replicas = [
+            await FakeReplica(
+                ep, i, capacity=1, entered=entered, hold=lambda m, p: p == "hold"
+            ).start()
+            for i, ep in enumerate(endpoints)
+        ]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            held = asyncio.ensure_future(g.call("work", "hold"))
+            busy, _ = await asyncio.wait_for(entered.get(), WAIT_S)
+            idle = 1 - busy
+            replies = await asyncio.wait_for(
+                asyncio.gather(*(g.call("work", i) for i in range(20))), WAIT_S
+            )
+            assert replies == [[idle, i] for i in range(20)]
+            assert not held.done()
+            assert replicas[busy].calls == [("work", "hold", 0)]
+            replicas[busy].gate.set()
+            assert await asyncio.wait_for(held, WAIT_S) == [busy, "hold"]
+            assert group.summary()["served"] == {busy: 1 + 1, idle: 1 + 20}
+
+    run(main())
+
+
+def test_map_yields_as_results_complete_each_key_once(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 1)
+        replica = await FakeReplica(endpoints[0], 0, capacity=4, hold=lambda m, p: p == 0).start()
+        async with dispatching(endpoints, [replica]) as (g, group):
+            await ready(g, group)
+            keys = [f"item{i}" for i in range(10)]
+            got = []
+            async for key, reply in g.map("work", range(10), keys=keys, timeout=WAIT_S):
+                got.append((key, reply))
+                if len(got) == 9:
+                    replica.gate.set()
+            assert got[-1] == ("item0", [0, 0])
+            assert sorted(got) == sorted((f"item{i}", [0, i]) for i in range(10))
+            assert len({key for key, _ in got}) == 10
+
+            calls = group.stats["calls"]
+            with pytest.raises(ValueError) as err:
+                async for _ in g.map("work", [1, 2, 3], keys=["a", "b", "a"]):
+                    pass
+            assert str(err.value) == "map keys must be unique: each is the stable id of one result"
+            with pytest.raises(ValueError) as err:
+                async for _ in g.map("work", [1, 2], keys=[[1, 2], (1, 2)]):
+                    pass
+            assert str(err.value) == "map keys must be unique: each is the stable id of one result"
+            with pytest.raises(ValueError) as err:
+                async for _ in g.map("work", [1, 2], keys=["a"]):
+                    pass
+            assert str(err.value) == "map got 2 items but 1 keys"
+            assert group.stats["calls"] == calls  # nothing was sent
+
+    run(main())
+
+
+def test_idempotent_calls_in_flight_on_a_closed_replica_run_again_elsewhere(
+    run_dir: str,
+) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        doomed = await FakeReplica(endpoints[0], 0, capacity=2, hold=lambda m, p: True).start()
+        healthy = await FakeReplica(endpoints[1], 1, capacity=2).start()
+        async with dispatching(endpoints, [doomed, healthy]) as (g, group):
+            await ready(g, group)
+
+            async def collect() -> list[tuple[Any, Any]]:
+                return [kv async for kv in g.map("work", range(8), timeout=WAIT_S)]
+
+            results = asyncio.ensure_future(collect())
+            stranded = {(await asyncio.wait_for(doomed.entered.get(), WAIT_S))[1] for _ in "ab"}
+            await doomed.server.close()  # the client sees its connection break
+            got = await asyncio.wait_for(results, WAIT_S)
+
+            assert sorted(got) == [(i, [1, i]) for i in range(8)]
+            assert group.stats["retries"] == 2
+            assert group.stats["replica_disconnected"] == 1
+            assert group.stats["failures"] == 0
+            reruns = {p for m, p, attempt in healthy.calls if m == "work" and attempt == 1}
+            assert reruns == stranded
+            assert len([c for c in healthy.calls if c[0] == "work"]) == 8
+            assert group.summary()["served"] == {0: 1, 1: 1 + 8}
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "credit_on_connect", [False, True], ids=["credit-at-bind", "credit-before-welcome"]
+)
+def test_the_only_replica_restarts_and_idempotent_calls_complete_there(
+    run_dir: str, credit_on_connect: bool
+) -> None:
+    """Waiting for the restart spends no retries: each call in flight is re-sent once.
+
+    The new incarnation advertises credit either as soon as it is bound (as ``asyncrl.process``
+    does once ``setup()`` returns) or as the driver's handshake arrives, so that its CREDIT
+    reaches the dispatcher before the WELCOME is acted on (a process whose ``setup()`` ends
+    while the driver reconnects does the same: ``set_credit`` reaches a client already known
+    from its pings). Either way the credit belongs to the new incarnation and is used.
+    """
+
+    async def main() -> None:
+        endpoint = endpoints_in(run_dir, 1)
+        first = await FakeReplica(endpoint[0], 0, capacity=2, hold=lambda m, p: True).start()
+        replicas = [first]
+        async with dispatching(endpoint, replicas) as (g, group):
+            await ready(g, group)
+            calls = asyncio.gather(*(g.call("work", i, timeout=WAIT_S) for i in range(3)))
+            stranded = {(await asyncio.wait_for(first.entered.get(), WAIT_S))[1] for _ in "ab"}
+            assert stranded == {0, 1}  # the third call waits in the queue
+            await first.server.close()
+            second = FakeReplica(
+                endpoint[0], 0, capacity=2, incarnation=1, credit_on_connect=credit_on_connect
+            )
+            replicas.append(await second.start())
+            assert await asyncio.wait_for(calls, 2 * WAIT_S) == [[0, 0], [0, 1], [0, 2]]
+            assert sorted(second.calls) == [("work", 0, 1), ("work", 1, 1), ("work", 2, 0)]
+            assert group.stats["retries"] == 2
+            assert group.stats["replica_disconnected"] == 1
+            assert group.stats["replica_restarts"] == 1
+            assert group.stats["failures"] == 0
+            assert group.replicas[0].incarnation == 1
+
+    run(main())
+
+
+def test_a_once_call_in_flight_on_a_closed_replica_fails_typed_and_is_not_retried(
+    run_dir: str,
+) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        entered: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        replicas = [
+            await FakeReplica(
+                ep, i, capacity=1, entered=entered, hold=lambda m, p: m == "once_work"
+            ).start()
+            for i, ep in enumerate(endpoints)
+        ]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            pending = asyncio.ensure_future(g.call("once_work", "charge"))
+            busy, _ = await asyncio.wait_for(entered.get(), WAIT_S)
+            idle = 1 - busy
+            await replicas[busy].server.close()
+            with pytest.raises(BrokenError) as err:
+                await asyncio.wait_for(pending, WAIT_S)
+            assert isinstance(err.value, DisconnectedError)
+            assert str(err.value) == (
+                f"the connection to {endpoints[busy]} broke with request 'once_work' in flight; "
+                f"the server exited or restarted, so the request may or may not have run"
+            )
+            assert group.stats["retries"] == 0
+            assert group.stats["failures"] == 1
+            assert replicas[idle].calls == []
+            # The other replica still serves.
+            assert await asyncio.wait_for(g.call("work", 1), WAIT_S) == [idle, 1]
+
+    run(main())
+
+
+def test_latest_wins_a_queued_call_is_replaced_by_a_newer_one(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 1)
+        replica = await FakeReplica(
+            endpoints[0], 0, capacity=1, hold=lambda m, p: p == "hold"
+        ).start()
+        async with dispatching(endpoints, [replica]) as (g, group):
+            await ready(g, group)
+            held = asyncio.ensure_future(g.call("work", "hold"))
+            await asyncio.wait_for(replica.entered.get(), WAIT_S)
+            sets = [asyncio.ensure_future(g.call("set", version)) for version in (1, 2, 3)]
+            await asyncio.sleep(0)  # one loop turn: each task submits its call, in order
+            assert group.stats["superseded"] == 2
+            replica.gate.set()
+            assert await asyncio.wait_for(asyncio.gather(*sets), WAIT_S) == [[0, 3]] * 3
+            assert await asyncio.wait_for(held, WAIT_S) == [0, "hold"]
+            assert [c for c in replica.calls if c[0] == "set"] == [("set", 3, 0)]
+            assert group.stats["superseded"] == 2
+            assert group.stats["failures"] == 0
+
+    run(main())
+
+
+def test_a_deadline_with_no_replica_up_names_the_group(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 1)  # nothing is bound there
+        async with dispatching(endpoints, []) as (g, group):
+            with pytest.raises(DeadlineExceededError) as err:
+                await asyncio.wait_for(g.call("work", 1, timeout=0.1), WAIT_S)
+            assert err.value.method == "work"
+            assert str(err.value) == (
+                "request 'work' to g (no replica took it: none was up with a free slot) got no "
+                "answer within its deadline of 0.100 s; the peer is slow, hung or gone. Raise "
+                "the timeout if the work is legitimately long."
+            )
+            assert group.stats["failures"] == 1
+
+    run(main())
+
+
+def test_a_deadline_in_flight_names_the_group_and_replica(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 1)
+        replica = await FakeReplica(endpoints[0], 0, capacity=1, hold=lambda m, p: True).start()
+        async with dispatching(endpoints, [replica]) as (g, group):
+            await ready(g, group)
+            with pytest.raises(DeadlineExceededError) as err:
+                await asyncio.wait_for(g.call("work", 1, timeout=0.2), WAIT_S)
+            assert err.value.peer == f"g[0] ({endpoints[0]})"
+            assert str(err.value) == (
+                f"request 'work' to g[0] ({endpoints[0]}) got no answer within its deadline of "
+                f"0.200 s; the peer is slow, hung or gone. Raise the timeout if the work is "
+                f"legitimately long."
+            )
+            assert replica.calls == [("work", 1, 0)]
+            assert group.stats["retries"] == 0
+
+    run(main())
+
+
+def test_a_remote_error_reaches_the_caller_and_is_not_retried(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        replicas = [await FakeReplica(ep, i, capacity=2).start() for i, ep in enumerate(endpoints)]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            with pytest.raises(RemoteError) as err:
+                await asyncio.wait_for(g.call("fail", 7), WAIT_S)
+            assert err.value.remote_type == "ValueError"
+            assert err.value.code == "handler_error"
+            assert not err.value.retryable
+            assert err.value.peer in endpoints
+            assert str(err.value) == (
+                f"error reply from {err.value.peer} [handler_error] (ValueError): bad payload 7"
+            )
+            assert [c for r in replicas for c in r.calls] == [("fail", 7, 0)]
+            assert group.stats["retries"] == 0
+            assert group.stats["failures"] == 1
+
+    run(main())
+
+
+def test_a_replica_never_has_more_calls_than_its_credit(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        entered: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        tokens: asyncio.Queue[None] = asyncio.Queue()
+        replicas = [
+            await FakeReplica(ep, i, capacity=2 + i, entered=entered, tokens=tokens).start()
+            for i, ep in enumerate(endpoints)
+        ]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            calls = asyncio.gather(*(g.call("work", i) for i in range(30)))
+            for _ in range(2 + 3):  # both replicas full
+                await asyncio.wait_for(entered.get(), WAIT_S)
+            assert [r.active for r in replicas] == [2, 3]
+            for _ in range(30):
+                tokens.put_nowait(None)
+            replies = await asyncio.wait_for(calls, WAIT_S)
+            assert sorted(item for _, item in replies) == list(range(30))
+            assert [r.peak for r in replicas] == [2, 3]
+            served = group.summary()["served"]
+            assert served[0] + served[1] == 2 + 30
+
+    run(main())
