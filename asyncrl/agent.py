@@ -69,6 +69,7 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
             liveness=driver.supervision.liveness,
             parent_pid=parent_pid,
             groups=groups,
+            config=dict(run.config),
         )
         env = {
             **run.env,

@@ -83,7 +83,7 @@ async def serve_driver(spec: ProcessSpec) -> int:
     await server.start()
     dispatcher = Dispatcher(spec.groups, run=spec.run)
     dispatcher.start()
-    ctx = Context(dispatcher, run=spec.run, run_dir=spec.run_dir, log=log)
+    ctx = Context(dispatcher, run=spec.run, run_dir=spec.run_dir, log=log, config=spec.config)
     log.info("program started", program=spec.target)
     program_task = loop.create_task(program(ctx))
     stop_task = loop.create_task(stop.wait())

@@ -149,13 +149,23 @@ def _hashable(key: Any) -> Any:
 class Context:
     """What the control-flow program receives: a handle per role group, and the run's facts.
 
-    ``ctx.rollout`` and ``ctx["rollout"]`` are the same handle.
+    ``ctx.rollout`` and ``ctx["rollout"]`` are the same handle; ``ctx.config`` is the manifest's
+    ``run.config``; ``ctx.run_dir`` is where the program writes its outputs.
     """
 
-    def __init__(self, dispatcher: Dispatcher, *, run: str, run_dir: str, log: Any) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        run: str,
+        run_dir: str,
+        log: Any,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.run = run
         self.run_dir = run_dir
         self.log = log
+        self.config = config or {}
         self.roles = {name: Handle(group) for name, group in dispatcher.groups.items()}
 
     def __getitem__(self, name: str) -> Handle:

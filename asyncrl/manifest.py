@@ -197,12 +197,15 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         program: the control-flow program, ``module:function`` or ``path/to/file.py:function``;
             a missing ``:function`` is filled in as ``:main``.
         env: environment variables of every process of the run.
+        config: free-form settings of the control-flow program, which reads them as
+            ``ctx.config``.
     """
 
     name: Name
     run_dir: str = ""
     program: Program
     env: Env = {}
+    config: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
         if not self.run_dir:

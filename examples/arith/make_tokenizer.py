@@ -1,0 +1,31 @@
+"""Writes the character-level tokenizer of the arithmetic example into ``tokenizer/``.
+
+Run once; the files are shipped, and everything else loads them with the transformers API
+(``AutoTokenizer.from_pretrained("examples/arith/tokenizer")``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL = ["<pad>", "<eos>"]
+CHARS = list("0123456789+=")
+
+
+def build() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIAL + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left"
+    )
+
+
+if __name__ == "__main__":
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer")
+    build().save_pretrained(out)
+    print(f"wrote {out}")
