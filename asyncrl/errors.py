@@ -6,8 +6,11 @@
     │   ├── BrokenError                 something outside broke it; the cause is in __cause__
     │   │   ├── PeerDeadError           the peer missed liveness x interval of heartbeats
     │   │   ├── DisconnectedError       the connection broke with requests in flight
-    │   │   └── PeerUnreachableError    the peer is not connected (ROUTER_MANDATORY refused)
+    │   │   ├── PeerUnreachableError    the peer is not connected (ROUTER_MANDATORY refused)
+    │   │   └── WeightsGoneError        the weight store's writer closed it or died (weights.py)
     │   ├── DeadlineExceededError       no answer before the request's deadline
+    │   ├── TornReadError               every weights read raced with the writer; retry
+    │   ├── NothingPublishedError       weights were read before any version was published
     │   ├── RemoteError                 the peer answered with an error reply
     │   └── ProtocolError               bytes that do not follow docs/protocol.md
     │       ├── ProtocolVersionError    the peer speaks another protocol version
@@ -51,14 +54,17 @@ __all__ = [
     "DisconnectedError",
     "ManifestError",
     "MessageTooLargeError",
+    "NothingPublishedError",
     "PeerDeadError",
     "PeerUnreachableError",
     "ProtocolError",
     "ProtocolVersionError",
     "RemoteError",
     "TensorDescriptorError",
+    "TornReadError",
     "TransportError",
     "UnknownKindError",
+    "WeightsGoneError",
 ]
 
 
@@ -78,3 +84,26 @@ class ManifestError(AsyncrlError):
 
     def __reduce__(self) -> tuple[type[ManifestError], tuple[str, list[str]]]:
         return (type(self), (self.source, self.problems))
+
+
+class WeightsGoneError(BrokenError):
+    """The writer closed its store, or died and its segment was swept.
+
+    Ask the learner for a fresh ``WeightsHandle`` and open a new ``WeightReader``. When the
+    segment file was missing, the ``FileNotFoundError`` is in ``__cause__``.
+    """
+
+
+class TornReadError(TransportError):
+    """Every attempt to copy a complete snapshot raced with the writer; the next call may succeed.
+
+    The contents of an ``into`` dict passed to the failed ``read`` are undefined.
+    """
+
+    retryable = True
+
+
+class NothingPublishedError(TransportError):
+    """``read`` was called before the writer published any version."""
+
+    retryable = True

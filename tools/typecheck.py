@@ -17,7 +17,8 @@ LAYERS = {"transport": "transport", "roles": "roles", "plugins": "plugins"}
 
 
 def build_tree() -> str:
-    tree = os.path.join(ROOT, "build", "typecheck")
+    # One tree per run: two checks running at once must not pull the tree from under each other.
+    tree = os.path.join(ROOT, "build", f"typecheck-{os.getpid()}")
     shutil.rmtree(tree, ignore_errors=True)
     pkg = os.path.join(tree, "asyncrl")
     os.makedirs(pkg)

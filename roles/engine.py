@@ -1,0 +1,551 @@
+"""Rollout engines: the ``Engine`` protocol, and ``HFEngine``: transformers with our own loop.
+
+``HFEngine`` runs its own decode loop, not ``generate()``, for what a rollout needs and
+``generate()`` does not give: the behaviour log-prob and weights version of every token, new
+weights between two decode steps, interruption and resumption, and per-request seeds.
+
+The decode loop left-pads the prompts into one batch, with position ids from the attention mask
+(cumsum - 1, clamped at 0) so that padding does not shift a row's positions. One prefill builds
+the KV cache; each step feeds every row's last token, extends the mask by one column and takes
+the next position from it. A finished row keeps its place (the shapes do not change) with a
+padding token and a 0 in its mask column, and nothing more is recorded for it.
+
+Behaviour log-probs are the log-softmax of the raw logits at temperature 1, before temperature,
+top-k or top-p reshape the distribution used to sample. That is the policy's own probability of
+the token, which is what the learner recomputes (``score``) for importance weights and decoupled
+PPO; the sampling transforms are a property of the rollout, not of the policy.
+
+New weights (``set_weights``, from any thread) wait in a pending slot and are loaded under the
+model lock before the next forward. The generation continues with its KV cache, so keys and
+values of the tokens before the switch stay those of the old weights, as in AReaL's interruptible
+generation: a token sampled after a switch has its log-prob under the new weights *given that
+mixed cache*, recorded with the new version. A learner recompute under the new weights alone
+differs from it by the cache's contribution; a caller that wants no mixing interrupts at the
+switch and resumes, since a resumed sample's prefill recomputes the whole cache.
+
+Partial rollouts: ``should_interrupt()`` (checked after each step) or the chunk budget
+(``chunk_tokens`` new tokens per call) return unfinished samples (``finished=False``). Sent back
+as ``GenerateRequest.partial``, a sample resumes with prompt + its tokens as the prefill, keeps
+its tokens, log-probs and versions, and only generates what remains of ``max_new_tokens``.
+
+Seeds: the uniform number that picks token ``t`` of a sample is drawn from a ``torch.Generator``
+seeded by (request seed, t) alone. So a request is reproducible whatever else is in the batch,
+and an interrupted-then-resumed sample draws the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .rollout import GenerateRequest, Sample, SamplingParams, StopReason
+
+__all__ = ["Engine", "EngineStats", "HFEngine", "left_pad", "position_ids_from_mask", "sample_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+class Engine(Protocol):
+    """What the rollout role needs from an engine."""
+
+    @property
+    def version(self) -> int:
+        """The weights version active now."""
+        ...
+
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        should_interrupt: Callable[[], bool] | None = None,
+    ) -> list[Sample]:
+        """One Sample per request, in order; unfinished ones when interrupted."""
+        ...
+
+    def set_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Take new weights; they are active from the next decode step."""
+        ...
+
+    def score(
+        self,
+        prompt_ids_batch: Sequence[Sequence[int]],
+        completion_ids_batch: Sequence[Sequence[int]],
+    ) -> list[list[float]]:
+        """The log-prob of every completion token given its prompt and the tokens before it."""
+        ...
+
+
+@dataclass
+class EngineStats:
+    """Counters of what an engine computed, since it was built.
+
+    Attributes:
+        forward_passes: model forwards (prefills, decode steps and scores).
+        prefill_tokens: real (not padding) tokens fed to generation prefills.
+        tokens_generated: tokens sampled and recorded in a sample.
+        weight_switches: pending weights loaded into the model.
+    """
+
+    forward_passes: int = 0
+    prefill_tokens: int = 0
+    tokens_generated: int = 0
+    weight_switches: int = 0
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: each row counts from 0 at its first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(
+    seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``seqs`` left-padded to the longest, as int64 tensors."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sample_seed(base: int, prompt_id: str, sample_index: int) -> int:
+    """The seed of a request that brings none: a hash of the engine seed and the stable id, so a
+    request that runs again, here or on another replica, samples the same tokens."""
+    key = f"{base}\x00{prompt_id}\x00{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def _step_seed(seed: int, t: int) -> int:
+    """splitmix64 of (seed, t): the generator seed for token ``t`` of a sample."""
+    x = (seed + (t + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass
+class _Row:
+    """One sample being generated: its request and what it has so far."""
+
+    request: GenerateRequest
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reason: str = ""
+    done: bool = False  # finished: stopped or out of max_new_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def finish(self, reason: str) -> None:
+        self.reason, self.done = reason, True
+
+    @property
+    def context(self) -> list[int]:
+        return [*self.request.prompt.token_ids, *self.tokens]
+
+    def sample(self) -> Sample:
+        prompt = self.request.prompt
+        return Sample(
+            prompt.id,
+            self.request.sample_index,
+            list(prompt.token_ids),
+            self.tokens,
+            self.logprobs,
+            self.versions,
+            finished=self.done,
+            stop_reason=str(self.reason),
+        )
+
+
+class HFEngine:
+    """A transformers causal LM behind the ``Engine`` protocol (see the module docstring).
+
+    Thread-safe: ``set_weights`` may be called from any thread while ``generate`` runs in
+    another; forwards and weight loads take turns under one lock.
+
+    Args:
+        model: a causal LM (``AutoModelForCausalLM``); it is moved to ``device`` and ``dtype``,
+            put in eval mode, and its parameters stop requiring grad.
+        device: where the model runs.
+        dtype: the model's dtype; fp32 by default, in which behaviour log-probs and ``score``
+            agree to 1e-4.
+        seed: seeds requests that bring no seed (see ``sample_seed``).
+        max_batch: the most sequences one forward takes; more requests run in turns.
+        chunk_tokens: the most new tokens a sample gets per ``generate`` call (0: no budget).
+        version: the version of the model's initial weights.
+        on_step: called in the generating thread after each decode step but the last, with the
+            number of steps done; for tracing and tests.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        max_batch: int = 64,
+        chunk_tokens: int = 0,
+        version: int = 0,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch: expected an int >= 1, got {max_batch}")
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens: expected an int >= 0, got {chunk_tokens}")
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        self.seed = seed
+        self.max_batch = max_batch
+        self.chunk_tokens = chunk_tokens
+        self.on_step = on_step
+        self.stats = EngineStats()
+        self._version = version
+        self._lock = threading.RLock()  # the model, its version and the stats
+        self._pending_lock = threading.Lock()  # only the pending slot: set_weights never waits
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5 renamed past_key_values to cache (the old name warns).
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" in params
+        config = self.model.config
+        self._vocab = int(self.model.get_input_embeddings().num_embeddings)
+        self._max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        pad = getattr(config, "pad_token_id", None)
+        self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self._vocab else 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> HFEngine:
+        """An engine over ``AutoModelForCausalLM.from_pretrained(path)``; kwargs as ``__init__``."""
+        from transformers import AutoModelForCausalLM
+
+        dtype = kwargs.get("dtype", torch.float32)
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **kwargs)
+
+    @classmethod
+    def from_config(cls, model_config: Mapping[str, Any], **kwargs: Any) -> HFEngine:
+        """An engine over a model with random weights seeded by ``seed``.
+
+        ``model_config`` is ``AutoConfig.for_model``'s keywords: a ``model_type`` and fields.
+
+        Raises:
+            ValueError: ``model_config`` names no ``model_type``.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        fields = dict(model_config)
+        model_type = fields.pop("model_type", None)
+        if not isinstance(model_type, str):
+            raise ValueError(
+                f"model_config: expected a 'model_type' string (e.g. 'gpt2'), got {model_type!r}"
+            )
+        config = AutoConfig.for_model(model_type, **fields)
+        auto: Any = AutoModelForCausalLM  # from_config is untyped
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(kwargs.get("seed", 0))
+            model = auto.from_config(config)
+        return cls(model, **kwargs)
+
+    @property
+    def version(self) -> int:
+        """The weights version active now (pending weights are not active yet)."""
+        return self._version
+
+    @property
+    def has_pending_weights(self) -> bool:
+        """Whether weights set by ``set_weights`` still wait to be loaded."""
+        return self._pending is not None
+
+    def set_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Put ``state`` in the pending slot, replacing any weights still waiting there.
+
+        The weights are loaded before the next forward (a decode step of a generation in
+        progress, a prefill, a score) or by ``apply_pending``. Every update is taken, whatever
+        its version: the newest delivered wins. ``state`` may hold a subset of the model's
+        tensors; the others keep their values.
+
+        Raises:
+            ValueError: a name the model does not have or a shape that differs, all listed.
+        """
+        problems = []
+        for name, tensor in state.items():
+            shape = self._shapes.get(name)
+            if shape is None:
+                problems.append(f"{name}: not a tensor of the model")
+            elif tuple(tensor.shape) != shape:
+                problems.append(f"{name}: shape {tuple(tensor.shape)}, the model has {shape}")
+        if problems:
+            raise ValueError(
+                f"weights version {version} do not fit the model: " + "; ".join(problems)
+            )
+        with self._pending_lock:
+            self._pending = (dict(state), version)
+
+    def apply_pending(self) -> int:
+        """Load pending weights now, if any; return the version active after."""
+        with self._lock:
+            self._apply_pending_locked()
+            return self._version
+
+    def _apply_pending_locked(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        state, version = pending
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
+        self._version = version
+        self.stats.weight_switches += 1
+
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        should_interrupt: Callable[[], bool] | None = None,
+    ) -> list[Sample]:
+        """Sample (or resume) one completion per request; one Sample per request, in order.
+
+        ``should_interrupt`` is called after each decode step that leaves rows unfinished; when
+        it returns True, those rows come back with ``finished=False`` and stop reason
+        ``interrupted``, as do requests of later ``max_batch`` turns that had not started.
+
+        Raises:
+            ValueError: an empty prompt, a token out of the vocabulary, a partial of another
+                sample, or a prompt plus ``max_new_tokens`` longer than the model's positions;
+                all requests are checked before any is run.
+        """
+        rows = [self._row(r) for r in requests]
+        todo = [row for row in rows if not row.done]
+        interrupted = False
+        for start in range(0, len(todo), self.max_batch):
+            group = todo[start : start + self.max_batch]
+            if interrupted:
+                for row in group:
+                    row.reason = StopReason.INTERRUPTED
+            else:
+                interrupted = self._decode(group, should_interrupt)
+        return [row.sample() for row in rows]
+
+    def _row(self, request: GenerateRequest) -> _Row:
+        prompt, params = request.prompt, request.params
+        where = f"request {prompt.id!r}#{request.sample_index}"
+        if not prompt.token_ids:
+            raise ValueError(f"{where}: the prompt has no tokens")
+        self._check_tokens(prompt.token_ids, where)
+        if self._max_positions is not None:
+            total = len(prompt.token_ids) + params.max_new_tokens
+            if total > self._max_positions:
+                raise ValueError(
+                    f"{where}: prompt ({len(prompt.token_ids)}) + max_new_tokens "
+                    f"({params.max_new_tokens}) = {total} tokens, over the model's "
+                    f"{self._max_positions} positions; shorten the prompt or max_new_tokens"
+                )
+        seed = request.seed
+        if seed is None:
+            seed = sample_seed(self.seed, prompt.id, request.sample_index)
+        row = _Row(request, seed)
+        partial = request.partial
+        if partial is not None:
+            if partial.key != (prompt.id, request.sample_index):
+                raise ValueError(f"{where}: the partial is sample {partial.key}, not this one")
+            if partial.prompt_ids != prompt.token_ids:
+                raise ValueError(f"{where}: the partial's prompt_ids differ from the prompt's")
+            if not len(partial.token_ids) == len(partial.logprobs) == len(partial.versions):
+                raise ValueError(
+                    f"{where}: the partial has {len(partial.token_ids)} tokens, "
+                    f"{len(partial.logprobs)} logprobs and {len(partial.versions)} versions"
+                )
+            self._check_tokens(partial.token_ids, where)
+            row.tokens, row.logprobs = list(partial.token_ids), list(partial.logprobs)
+            row.versions = list(partial.versions)
+            if partial.finished:
+                row.finish(partial.stop_reason)
+                return row
+        if len(row.tokens) >= params.max_new_tokens:
+            row.finish(StopReason.LENGTH)
+        return row
+
+    def _check_tokens(self, ids: Sequence[int], where: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self._vocab]
+        if bad:
+            raise ValueError(
+                f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self._vocab})"
+            )
+
+    def _decode(self, rows: list[_Row], should_interrupt: Callable[[], bool] | None) -> bool:
+        """Generate for ``rows`` until all finish or the loop is cut; True if interrupted."""
+        ids, mask = left_pad([row.context for row in rows], self._pad_id, self.device)
+        positions = position_ids_from_mask(mask)
+        inputs, cache = ids, None
+        generators = [torch.Generator() for _ in rows]
+        with self._lock:
+            self.stats.prefill_tokens += int(mask.sum())
+        steps = 0
+        while True:
+            logits, cache, version = self._forward(
+                inputs, mask, positions, cache, keep=1, use_cache=True
+            )
+            tokens, logprobs = self._choose(logits[:, -1, :], rows, generators)
+            steps += 1
+            recorded = 0
+            for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
+                if row.done:
+                    continue
+                row.tokens.append(token)
+                row.logprobs.append(logprob)
+                row.versions.append(version)
+                recorded += 1
+                if token in row.params.stop_token_ids:
+                    row.finish(StopReason.STOP)
+                elif len(row.tokens) >= row.params.max_new_tokens:
+                    row.finish(StopReason.LENGTH)
+            with self._lock:
+                self.stats.tokens_generated += recorded
+            if all(row.done for row in rows):
+                return False
+            if self.on_step is not None:
+                self.on_step(steps)
+            cut = ""
+            if self.chunk_tokens and steps >= self.chunk_tokens:
+                cut = StopReason.CHUNK
+            elif should_interrupt is not None and should_interrupt():
+                cut = StopReason.INTERRUPTED
+            if cut:
+                for row in rows:
+                    if not row.done:
+                        row.reason = cut
+                return cut == StopReason.INTERRUPTED
+            alive = torch.tensor([not row.done for row in rows], device=self.device)
+            last = torch.tensor(tokens, device=self.device)
+            inputs = torch.where(alive, last, self._pad_id)[:, None]
+            mask = torch.cat([mask, alive.long()[:, None]], dim=1)
+            positions = position_ids_from_mask(mask)[:, -1:]
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        *,
+        keep: int,
+        use_cache: bool,
+    ) -> tuple[torch.Tensor, Any, int]:
+        """One forward with the newest weights: fp32 logits of the last ``keep`` positions,
+        the cache, and the version that computed them."""
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": use_cache}
+        if self._keep_kw:
+            kwargs["logits_to_keep"] = keep
+        with self._lock:
+            self._apply_pending_locked()
+            version = self._version
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs
+                )
+            self.stats.forward_passes += 1
+        logits = out.logits[:, -keep:, :].float()
+        return logits, getattr(out, self._cache_kw, None), version
+
+    def _choose(
+        self, logits: torch.Tensor, rows: list[_Row], generators: list[torch.Generator]
+    ) -> tuple[list[int], list[float]]:
+        """The next token of each row and its behaviour log-prob (raw logits, temperature 1)."""
+        vocab = logits.shape[-1]
+        dev = logits.device
+        behaviour = torch.log_softmax(logits, dim=-1)
+        greedy = [row.params.greedy or row.params.temperature == 0.0 for row in rows]
+        temps = [1.0 if g else row.params.temperature for g, row in zip(greedy, rows, strict=True)]
+        top_k = [row.params.top_k if 0 < row.params.top_k < vocab else vocab for row in rows]
+        top_p = [row.params.top_p for row in rows]
+        uniform = []
+        for gen, row, g in zip(generators, rows, greedy, strict=True):
+            if g or row.done:
+                uniform.append(0.0)
+            else:
+                gen.manual_seed(_step_seed(row.seed, len(row.tokens)))
+                uniform.append(float(torch.rand((), generator=gen, dtype=torch.float64)))
+
+        scaled = logits / torch.tensor(temps, device=dev)[:, None]
+        # Sorted descending and stable, so rank 0 is the argmax (first one on ties): top_k=1
+        # picks the greedy token.
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        sorted_logits = sorted_logits.masked_fill(
+            ranks >= torch.tensor(top_k, device=dev)[:, None], float("-inf")
+        )
+        probs = torch.softmax(sorted_logits, dim=-1)
+        p = torch.tensor(top_p, device=dev)[:, None]
+        # Nucleus: drop a token when the ones before it already reach top_p (the first stays).
+        probs = probs.masked_fill((probs.cumsum(-1) - probs > p) & (p < 1.0), 0.0)
+        cdf = probs.cumsum(-1)
+        u = torch.tensor(uniform, device=dev, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+        pick = torch.searchsorted(cdf, u, right=True)
+        # Kept tokens are a prefix of the sorted order; rounding must not step past it.
+        pick = torch.minimum(pick, (probs > 0).sum(-1, keepdim=True) - 1)
+        sampled = order.gather(1, pick).squeeze(1)
+        chosen = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
+        chosen_logprobs = behaviour.gather(1, chosen[:, None]).squeeze(1)
+        return [int(t) for t in chosen.tolist()], [float(x) for x in chosen_logprobs.tolist()]
+
+    def score(
+        self,
+        prompt_ids_batch: Sequence[Sequence[int]],
+        completion_ids_batch: Sequence[Sequence[int]],
+    ) -> list[list[float]]:
+        """Log-probs of each completion's tokens under the newest weights, one forward per
+        ``max_batch`` sequences: the learner-side recompute of behaviour log-probs.
+
+        Raises:
+            ValueError: the two batches differ in length, a prompt is empty, or a token is
+                outside the vocabulary.
+        """
+        prompts, completions = prompt_ids_batch, completion_ids_batch
+        if len(prompts) != len(completions):
+            raise ValueError(
+                f"score: {len(prompts)} prompts but {len(completions)} completions; "
+                "give one completion per prompt"
+            )
+        for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            if not prompt:
+                raise ValueError(f"score: prompt {i} has no tokens")
+            self._check_tokens([*prompt, *completion], f"score: sequence {i}")
+        out: list[list[float]] = []
+        for at in range(0, len(prompts), self.max_batch):
+            out += self._score_group(
+                prompts[at : at + self.max_batch], completions[at : at + self.max_batch]
+            )
+        return out
+
+    def _score_group(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        longest = max(len(c) for c in completions)
+        if longest == 0:
+            return [[] for _ in completions]
+        seqs = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
+        ids, mask = left_pad(seqs, self._pad_id, self.device)
+        positions = position_ids_from_mask(mask)
+        # Logits at the last longest+1 positions; the one at column j predicts token j + 1.
+        logits, _, _ = self._forward(ids, mask, positions, None, keep=longest + 1, use_cache=False)
+        logprobs = torch.log_softmax(logits[:, :-1, :], dim=-1)
+        targets = ids[:, -longest:]
+        token_logprobs = logprobs.gather(-1, targets[..., None]).squeeze(-1)
+        return [
+            token_logprobs[i, longest - len(c) :].tolist() if c else []
+            for i, c in enumerate(completions)
+        ]

@@ -1,0 +1,463 @@
+"""The learner: GRPO, PPO and behaviour cloning on a Hugging Face causal LM.
+
+One ``train_step`` consumes a batch of scored samples (or demonstrations, for BC), splits it into
+micro-batches by a token budget, accumulates gradients, clips them and takes one AdamW step under
+the LR schedule; the policy version then goes up by one. Every sample's stable id goes into the
+learner's ledger of consumed ids, and a sample already consumed is skipped, so a batch re-sent
+after a crash is never trained on twice.
+
+Checkpoints hold the model, the optimizer and scheduler, every RNG, the policy version, the step,
+the ledger and whatever the program asks to keep with them (the data position). They are written
+to a temporary directory and renamed into place, so a crash mid-write leaves the previous one
+intact; ``setup`` resumes from the latest, exactly.
+
+Log-probs are computed with left padding and position ids derived from the attention mask, the
+same convention as the rollout engine, so the learner's recompute of a sample equals its
+behaviour log-probs under the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.roles import algorithms as alg
+from asyncrl.roles.rollout import Sample, WeightsUpdate
+
+__all__ = ["Learner", "Scored", "StepResult", "TrainBatch", "build_model", "pad_batch"]
+
+
+class Scored(msgspec.Struct):
+    """A sample with what the learner needs besides its tokens."""
+
+    sample: Sample
+    reward: float = 0.0
+    ref_logprobs: list[float] = []
+    values: list[float] = []
+
+
+class TrainBatch(msgspec.Struct):
+    """One learner step's worth of data.
+
+    Attributes:
+        samples: scored samples (GRPO, PPO) or demonstrations (BC: only their tokens matter).
+        algorithm: ``grpo``, ``ppo`` or ``bc``; empty for the configured one.
+        demos: demonstrations for the optional BC term of GRPO and PPO.
+        keep: state the program wants kept with the next checkpoint (the data position).
+    """
+
+    samples: list[Scored]
+    algorithm: str = ""
+    demos: list[Sample] = []
+    keep: dict[str, Any] = {}
+
+
+class StepResult(msgspec.Struct):
+    version: int
+    step: int
+    consumed: int
+    skipped: int
+    metrics: dict[str, float]
+
+
+def build_model(model_path: str, model_config: dict[str, Any], seed: int) -> Any:
+    """A causal LM from a local path, or built from a config (no download)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM  # its class methods are untyped
+    if model_path:
+        return auto.from_pretrained(model_path)
+    if not model_config:
+        raise ValueError("learner: set model_path or model_config")
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**model_config)
+    return auto.from_config(config)
+
+
+def pad_batch(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded ``prompt + completion`` rows.
+
+    Returns:
+        input_ids [B, L], attention_mask [B, L], position_ids [B, L] (from the mask, so padding
+        never shifts a position), and target_mask [B, L-1]: 1 where ``input_ids[:, t+1]`` is a
+        completion token, i.e. where the logits at ``t`` predict a completion token.
+    """
+    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+    length = max(len(r) for r in rows)
+    batch = len(rows)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, length), dtype=torch.long)
+    target = torch.zeros((batch, length - 1), dtype=torch.float32)
+    for i, (row, completion) in enumerate(zip(rows, completions, strict=True)):
+        start = length - len(row)
+        input_ids[i, start:] = torch.tensor(row, dtype=torch.long)
+        attention[i, start:] = 1
+        if completion:
+            target[i, length - 1 - len(completion) :] = 1.0
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention, position_ids, target
+
+
+def _aligned(values: list[list[float]], target: torch.Tensor) -> torch.Tensor:
+    """Per-completion-token values placed where ``target`` marks completion tokens."""
+    out = torch.zeros_like(target)
+    for i, row in enumerate(values):
+        if row:
+            out[i, target.shape[1] - len(row) :] = torch.tensor(row, dtype=out.dtype)
+    return out
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    numpy_state: tuple[Any, ...] = tuple(np.random.get_state(legacy=True))
+    kind, keys, pos, has_gauss, cached = numpy_state
+    return {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+class Learner(Role):
+    """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        model_path: str = ""
+        model_config: dict[str, Any] = {}
+        tokenizer_path: str = ""
+        seed: int = 0
+        algorithm: Literal["grpo", "ppo", "bc"] = "grpo"
+        lr: float = 1e-3
+        betas: tuple[float, float] = (0.9, 0.999)
+        weight_decay: float = 0.0
+        grad_clip: float = 1.0
+        lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+        warmup_steps: int = 0
+        total_steps: int = 1000
+        clip_eps: float = 0.2
+        dual_clip: float | None = None
+        normalize_std: bool = True
+        kl_coef: float = 0.0
+        kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+        kl_mode: Literal["loss", "reward"] = "loss"
+        entropy_coef: float = 0.0
+        bc_coef: float = 0.0
+        bc_anneal_steps: int = 0
+        gamma: float = 1.0
+        lam: float = 0.95
+        aggregation: str = "token_mean"
+        micro_batch_tokens: int = 8192
+        checkpoint_every: int = 0
+        keep_checkpoints: int = 2
+        pad_id: int = 0
+        dropout: bool = False
+
+    async def setup(self) -> None:
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
+        # differ from its behaviour log-probs under the very same weights.
+        self.model = build_model(cfg.model_path, cfg.model_config, cfg.seed).train(cfg.dropout)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.version = 0
+        self.step = 0
+        self.consumed: set[tuple[str, int]] = set()
+        self.keep: dict[str, Any] = {}
+        self.checkpoints = self.ctx.path("checkpoints")
+        os.makedirs(self.checkpoints, exist_ok=True)
+        latest = self._latest_checkpoint()
+        if latest is not None:
+            await self.ctx.offload(self._load, latest)
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.config
+        warmup, total = int(cfg.warmup_steps), int(cfg.total_steps)
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if cfg.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    @endpoint(Delivery.ONCE)
+    async def train_step(self, batch: TrainBatch) -> StepResult:
+        return await self.ctx.offload(self._train_step, batch)
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def weights(self, _: Any) -> WeightsUpdate:
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return WeightsUpdate(self.version, state)
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        return await self.ctx.offload(self._logprobs, samples)
+
+    @endpoint(Delivery.ONCE)
+    async def checkpoint(self, keep: dict[str, Any]) -> str:
+        self.keep.update(keep)
+        return await self.ctx.offload(self._save)
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def export(self, path: str) -> str:
+        return await self.ctx.offload(self._export, path)
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def status(self, _: Any) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "step": self.step,
+            "consumed": len(self.consumed),
+            "keep": self.keep,
+        }
+
+    # -- compute (worker thread) ------------------------------------------------------------
+
+    def _forward_logprobs(
+        self, prompts: list[list[int]], completions: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        input_ids, attention, positions, target = pad_batch(
+            prompts, completions, self.config.pad_id
+        )
+        logits = (
+            self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions)
+            .logits[:, :-1]
+            .float()
+        )
+        logprobs = alg.token_logprobs(logits, input_ids[:, 1:])
+        return logprobs, target, logits
+
+    def _logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logprobs, target, _ = self._forward_logprobs(
+                    [s.prompt_ids for s in samples], [s.token_ids for s in samples]
+                )
+        finally:
+            self.model.train(self.config.dropout)
+        out = []
+        for i, s in enumerate(samples):
+            n = len(s.token_ids)
+            out.append(logprobs[i, logprobs.shape[1] - n :].tolist() if n else [])
+        del target
+        return out
+
+    def _train_step(self, batch: TrainBatch) -> StepResult:
+        cfg = self.config
+        algorithm = batch.algorithm or cfg.algorithm
+        fresh = [
+            s
+            for s in batch.samples
+            if (s.sample.prompt_id, s.sample.sample_index) not in self.consumed
+        ]
+        skipped = len(batch.samples) - len(fresh)
+        metrics: dict[str, float] = {}
+        if fresh:
+            advantages = self._advantages(algorithm, fresh)
+            total_tokens = sum(max(1, len(s.sample.token_ids)) for s in fresh)
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for chunk in self._micro_batches(fresh):
+                weight = sum(max(1, len(fresh[i].sample.token_ids)) for i in chunk) / total_tokens
+                loss, parts = self._loss(
+                    algorithm,
+                    [fresh[i] for i in chunk],
+                    [advantages[i] for i in chunk],
+                    batch.demos,
+                )
+                (loss * weight).backward()  # type: ignore[no-untyped-call]
+                for key, value in parts.items():
+                    sums[key] = sums.get(key, 0.0) + value * weight
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            lr = float(self.scheduler.get_last_lr()[0])
+            metrics = {**sums, "grad_norm": float(grad_norm), "lr": lr}
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.version += 1
+            for s in fresh:
+                self.consumed.add((s.sample.prompt_id, s.sample.sample_index))
+            metrics["reward_mean"] = float(np.mean([s.reward for s in fresh]))
+        self.keep.update(batch.keep)
+        if cfg.checkpoint_every and self.step and self.step % cfg.checkpoint_every == 0 and fresh:
+            self._save()
+        return StepResult(self.version, self.step, len(fresh), skipped, metrics)
+
+    def _micro_batches(self, samples: list[Scored]) -> list[list[int]]:
+        budget = self.config.micro_batch_tokens
+        chunks: list[list[int]] = [[]]
+        used = 0
+        for i, s in enumerate(samples):
+            size = len(s.sample.prompt_ids) + len(s.sample.token_ids)
+            if chunks[-1] and used + size > budget:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(i)
+            used += size
+        return chunks
+
+    def _advantages(self, algorithm: str, samples: list[Scored]) -> list[Any]:
+        if algorithm == "bc":
+            return [None] * len(samples)
+        if algorithm == "grpo":
+            groups: dict[str, int] = {}
+            ids = torch.tensor(
+                [groups.setdefault(s.sample.prompt_id, len(groups)) for s in samples]
+            )
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+            adv = alg.grpo_advantages(rewards, ids, normalize_std=self.config.normalize_std)
+            return [float(a) for a in adv]
+        # PPO: GAE over the critic's values, the reward on the last token.
+        out = []
+        for s in samples:
+            n = len(s.sample.token_ids)
+            rewards = torch.zeros(1, n)
+            if n:
+                rewards[0, -1] = s.reward
+            if self.config.kl_mode == "reward" and s.ref_logprobs and self.config.kl_coef:
+                logp = torch.tensor([s.sample.logprobs])
+                ref = torch.tensor([s.ref_logprobs])
+                rewards -= self.config.kl_coef * alg.kl_estimator(logp, ref, "k1")
+            values = torch.tensor([s.values or [0.0] * n], dtype=torch.float32)
+            adv, _ = alg.gae(rewards, values, torch.ones(1, n), self.config.gamma, self.config.lam)
+            out.append(adv[0].tolist())
+        return out
+
+    def _loss(
+        self, algorithm: str, samples: list[Scored], advantages: list[Any], demos: list[Sample]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.config
+        logprobs, target, logits = self._forward_logprobs(
+            [s.sample.prompt_ids for s in samples], [s.sample.token_ids for s in samples]
+        )
+        parts: dict[str, float] = {}
+        if algorithm == "bc":
+            loss = -alg.aggregate(logprobs, target, cfg.aggregation)
+            parts["nll"] = float(loss.detach())
+            return loss, parts
+        behaviour = _aligned([s.sample.logprobs for s in samples], target)
+        if algorithm == "grpo":
+            adv = torch.tensor(advantages, dtype=torch.float32)[:, None].expand_as(target) * target
+        else:
+            adv = _aligned(advantages, target)
+        loss, stats = alg.ppo_policy_loss(
+            logprobs, behaviour, adv, target, cfg.clip_eps, cfg.dual_clip, cfg.aggregation
+        )
+        parts["policy_loss"] = float(loss.detach())
+        parts.update({k: float(v) for k, v in stats.items()})
+        if cfg.kl_coef and cfg.kl_mode == "loss" and all(s.ref_logprobs for s in samples):
+            ref = _aligned([s.ref_logprobs for s in samples], target)
+            kl = alg.aggregate(
+                alg.kl_estimator(logprobs, ref, cfg.kl_estimator), target, cfg.aggregation
+            )
+            loss = loss + cfg.kl_coef * kl
+            parts["kl"] = float(kl.detach())
+        if cfg.entropy_coef:
+            entropy = alg.aggregate(alg.entropy_from_logits(logits), target, cfg.aggregation)
+            loss = loss - cfg.entropy_coef * entropy
+            parts["entropy"] = float(entropy.detach())
+        bc_coef = self._bc_coef()
+        if bc_coef and demos:
+            demo_logp, demo_target, _ = self._forward_logprobs(
+                [d.prompt_ids for d in demos], [d.token_ids for d in demos]
+            )
+            nll = -alg.aggregate(demo_logp, demo_target, cfg.aggregation)
+            loss = loss + bc_coef * nll
+            parts["bc_nll"] = float(nll.detach())
+        return loss, parts
+
+    def _bc_coef(self) -> float:
+        cfg = self.config
+        coef = float(cfg.bc_coef)
+        if not coef or not cfg.bc_anneal_steps:
+            return coef
+        return coef * max(0.0, 1.0 - self.step / int(cfg.bc_anneal_steps))
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def _latest_checkpoint(self) -> str | None:
+        names = sorted(
+            (n for n in os.listdir(self.checkpoints) if n.startswith("step-")),
+            key=lambda n: int(n.split("-")[1]),
+        )
+        return os.path.join(self.checkpoints, names[-1]) if names else None
+
+    def _save(self) -> str:
+        final = os.path.join(self.checkpoints, f"step-{self.step:08d}")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "version": self.version,
+                "step": self.step,
+                "consumed": sorted(self.consumed),
+                "keep": self.keep,
+                "rng": _rng_state(),
+            },
+            os.path.join(tmp, "state.pt"),
+        )
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        names = sorted(
+            n
+            for n in os.listdir(self.checkpoints)
+            if n.startswith("step-") and not n.endswith(".tmp")
+        )
+        for old in names[: -self.config.keep_checkpoints]:
+            shutil.rmtree(os.path.join(self.checkpoints, old), ignore_errors=True)
+        return final
+
+    def _load(self, path: str) -> None:
+        # weights_only: a checkpoint holds tensors and plain values, never pickled objects.
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        self.step = state["step"]
+        self.consumed = {(p, int(i)) for p, i in state["consumed"]}
+        self.keep = state["keep"]
+        _set_rng_state(state["rng"])
+
+    def _export(self, path: str) -> str:
+        path = os.path.abspath(path)
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        if self.config.tokenizer_path:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(self.config.tokenizer_path).save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        return path

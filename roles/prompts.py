@@ -1,0 +1,112 @@
+"""The prompt source: prompts from JSONL or Parquet files, or a generator, each with a stable id.
+
+Its position is a single integer, the cursor: prompt ``p`` is item ``perm(epoch)[p % N]`` of epoch
+``p // N``, where ``perm(epoch)`` is a permutation seeded by ``(shuffle_seed, epoch)``. So
+``take(cursor, n)`` is a pure function of the cursor: idempotent, safe to re-run after any
+crash, and the position to checkpoint is just ``(cursor, shuffle_seed)``, which the learner's
+checkpoint carries. A prompt's id is ``<item id>@<epoch>``: the same item in two epochs gives two
+distinct samples, so a ledger never mistakes the second for a duplicate.
+
+Rows are mappings with ``prompt`` (text), ``answer`` (what the verifier checks) and optionally
+``id`` (defaults to the row number).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from typing import Any
+
+import msgspec
+
+from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.roles.rollout import Prompt
+
+__all__ = ["PromptSource", "Take", "load_rows"]
+
+
+class Take(msgspec.Struct):
+    """Ask for ``n`` prompts starting at ``cursor``."""
+
+    cursor: int
+    n: int
+
+
+def load_rows(
+    path: str = "", generator: str = "", options: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Rows from a ``.jsonl`` or ``.parquet`` file, or from ``module:function(**options)``.
+
+    Raises:
+        ValueError: neither or both sources given, an unknown file type, or a row without
+            ``prompt``.
+    """
+    if bool(path) == bool(generator):
+        raise ValueError("prompt source: give exactly one of 'path' and 'generator'")
+    rows: list[dict[str, Any]]
+    if generator:
+        module, _, name = generator.partition(":")
+        fn = getattr(importlib.import_module(module), name or "rows")
+        rows = list(fn(**(options or {})))
+    elif path.endswith(".jsonl"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    elif path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # optional: only Parquet sources need it
+
+        rows = pq.read_table(path).to_pylist()
+    else:
+        raise ValueError(f"prompt source: {path!r} is neither .jsonl nor .parquet")
+    for i, row in enumerate(rows):
+        if "prompt" not in row:
+            raise ValueError(f"prompt source: row {i} of {path or generator} has no 'prompt'")
+        row.setdefault("id", str(i))
+        row.setdefault("answer", "")
+    return rows
+
+
+class PromptSource(Role):
+    """Serves prompts by cursor, tokenized with the run's tokenizer."""
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        path: str = ""
+        generator: str = ""
+        options: dict[str, Any] = {}
+        tokenizer_path: str = ""
+        shuffle_seed: int = 0
+
+    async def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.rows = load_rows(self.config.path, self.config.generator, self.config.options)
+        if not self.rows:
+            raise ValueError("prompt source: the dataset is empty")
+        path = self.config.tokenizer_path
+        self.tokenizer = AutoTokenizer.from_pretrained(path) if path else None
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = list(range(len(self.rows)))
+            random.Random(f"{self.config.shuffle_seed}:{epoch}").shuffle(perm)
+            self._perms = {epoch: perm}  # only the current epoch is ever needed again
+        return perm
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def take(self, request: Take) -> list[Prompt]:
+        if request.cursor < 0 or request.n < 0:
+            raise ValueError(f"take needs cursor >= 0 and n >= 0, got {request}")
+        size = len(self.rows)
+        out = []
+        for p in range(request.cursor, request.cursor + request.n):
+            epoch, index = divmod(p, size)
+            row = self.rows[self._perm(epoch)[index]]
+            ids = self.tokenizer.encode(row["prompt"]) if self.tokenizer is not None else []
+            out.append(Prompt(f"{row['id']}@{epoch}", ids, row["prompt"], str(row["answer"])))
+        return out
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def size(self, _: Any) -> int:
+        return len(self.rows)

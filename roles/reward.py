@@ -1,0 +1,125 @@
+"""The reward role: rule-based verifiers registered by name, or a reward model.
+
+A verifier is a plain function ``(completion: str, answer: str) -> float``; ``@verifier("name")``
+registers one. Built in:
+
+- ``exact``: 1.0 when the completion, stripped, equals the answer exactly;
+- ``numeric``: 1.0 when both parse as numbers that are equal within ``1e-6`` (so ``"052"``
+  matches ``"52"``);
+- ``format``: 1.0 when the completion matches the ``pattern`` of the role's config (a regular
+  expression that must match the whole stripped completion).
+
+With ``model_path`` set, the role scores with a sequence-classification model instead
+(``AutoModelForSequenceClassification``, one logit: the reward).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from asyncrl.role import Delivery, Role, endpoint
+
+__all__ = ["VERIFIERS", "Reward", "ScoreRequest", "verifier"]
+
+Verifier = Callable[[str, str, dict[str, Any]], float]
+VERIFIERS: dict[str, Verifier] = {}
+
+
+def verifier(name: str) -> Callable[[Verifier], Verifier]:
+    """Register ``fn(completion, answer, options) -> reward`` under ``name``."""
+
+    def register(fn: Verifier) -> Verifier:
+        if name in VERIFIERS:
+            raise ValueError(f"a verifier named {name!r} is already registered")
+        VERIFIERS[name] = fn
+        return fn
+
+    return register
+
+
+@verifier("exact")
+def _exact(completion: str, answer: str, options: dict[str, Any]) -> float:
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+@verifier("numeric")
+def _numeric(completion: str, answer: str, options: dict[str, Any]) -> float:
+    got, want = _number(completion), _number(answer)
+    if got is None or want is None:
+        return 0.0
+    return 1.0 if abs(got - want) <= float(options.get("tolerance", 1e-6)) else 0.0
+
+
+@verifier("format")
+def _format(completion: str, answer: str, options: dict[str, Any]) -> float:
+    pattern = options.get("pattern")
+    if not pattern:
+        raise ValueError("the 'format' verifier needs a 'pattern' in the reward config")
+    return 1.0 if re.fullmatch(pattern, completion.strip()) else 0.0
+
+
+class ScoreRequest(msgspec.Struct):
+    """Completions to score, each with the answer its verifier checks against."""
+
+    completions: list[str]
+    answers: list[str]
+
+
+class Reward(Role):
+    """Scores completions with a named verifier, or with a reward model."""
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        verifier: str = "exact"
+        options: dict[str, Any] = {}
+        model_path: str = ""
+
+    async def setup(self) -> None:
+        self.model: Any = None
+        if self.config.model_path:
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                self.config.model_path, num_labels=1
+            ).eval()
+        elif self.config.verifier not in VERIFIERS:
+            known = ", ".join(sorted(VERIFIERS))
+            raise ValueError(
+                f"reward: unknown verifier {self.config.verifier!r}; registered: {known}"
+            )
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def score(self, request: ScoreRequest) -> list[float]:
+        if len(request.completions) != len(request.answers):
+            raise ValueError(
+                f"score got {len(request.completions)} completions and "
+                f"{len(request.answers)} answers; give one answer per completion"
+            )
+        if self.model is not None:
+            return await self.ctx.offload(self._model_scores, request.completions)
+        fn = VERIFIERS[self.config.verifier]
+        options = self.config.options
+        return [
+            fn(c, a, options) for c, a in zip(request.completions, request.answers, strict=True)
+        ]
+
+    def _model_scores(self, completions: list[str]) -> list[float]:
+        import torch
+
+        batch = self.tokenizer(completions, return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            logits = self.model(**batch).logits
+        return [float(x) for x in logits[:, 0]]

@@ -1,0 +1,260 @@
+"""The rollout role and its payload types: prompts in, sampled completions out.
+
+A rollout replica owns one engine (``asyncrl.roles.engine``; Hugging Face transformers by
+default) and answers three endpoints:
+
+- ``generate(GenerateBatch) -> list[Sample]``, idempotent: each request names one sample by its
+  stable id ``(prompt id, sample index)``; running it again (on this or another replica with the
+  same ``seed``) gives the same sample, so a lost request is simply re-run.
+- ``set_weights(WeightsUpdate) -> int``, latest-wins: the new weights take effect between two
+  decode steps of a generation in progress, with no restart; it returns the version active now.
+- ``version(None) -> int``, idempotent: the weights version active now.
+
+Every token of a ``Sample`` carries its behaviour log-prob and the weights version that produced
+it, so the learner can correct off-policy tokens and measure staleness. An unfinished sample
+(``finished=False``: interrupted, or out of its chunk budget) is a partial rollout; sending it back
+as ``GenerateRequest.partial`` resumes it, on any replica, without regenerating a token.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from asyncrl.role import Delivery, Role, endpoint
+
+if TYPE_CHECKING:
+    from .engine import HFEngine
+
+__all__ = [
+    "GenerateBatch",
+    "GenerateRequest",
+    "Prompt",
+    "Rollout",
+    "Sample",
+    "SamplingParams",
+    "StopReason",
+    "WeightsUpdate",
+]
+
+
+class StopReason(enum.StrEnum):
+    """Why a sample stopped; travels as its string value in ``Sample.stop_reason``."""
+
+    STOP = "stop"  # a stop token was sampled (it is the last of token_ids); finished
+    LENGTH = "length"  # max_new_tokens were generated; finished
+    INTERRUPTED = "interrupted"  # the caller's should_interrupt() said so; resumable
+    CHUNK = "chunk"  # the engine's chunk budget for one call ran out; resumable
+
+
+class SamplingParams(msgspec.Struct):
+    """How to sample one completion.
+
+    Attributes:
+        temperature: divides the logits before sampling; 0 means greedy.
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
+            reaches top_p (1.0 keeps all).
+        top_k: keep the k most likely tokens (0 keeps all).
+        max_new_tokens: the most tokens the completion may have, counting those of a partial.
+        stop_token_ids: tokens that end the completion; the stop token is kept as its last
+            token. The engine knows no tokenizer: put the end-of-sequence id here.
+        greedy: take the most likely token (the argmax, first one on ties); the other fields
+            but max_new_tokens and stop_token_ids are then ignored.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = []
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature: expected a float >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: expected a float in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0 (0 keeps all), got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens}")
+
+
+class Prompt(msgspec.Struct):
+    """A prompt: its stable id, its tokens, and opaque metadata for the reward verifier."""
+
+    id: str
+    token_ids: list[int]
+    text: str = ""
+    answer: str = ""
+
+
+class Sample(msgspec.Struct):
+    """One sampled completion of a prompt, possibly unfinished.
+
+    Attributes:
+        prompt_id, sample_index: the stable id (``key``); a regenerated sample replaces a lost
+            one with the same key.
+        prompt_ids: the prompt's tokens (without any completion tokens).
+        token_ids: the completion's tokens so far.
+        logprobs: ``logprobs[i]`` is the behaviour log-prob of ``token_ids[i]``: the log-softmax
+            of the raw logits (temperature 1, no top-k/top-p) under the weights of
+            ``versions[i]``, which is what the learner recomputes.
+        versions: the weights version that produced each token.
+        finished: False for a partial rollout, resumable by sending it back as
+            ``GenerateRequest.partial``.
+        stop_reason: a ``StopReason`` value.
+    """
+
+    prompt_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finished: bool
+    stop_reason: str
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The stable id: (prompt id, sample index)."""
+        return (self.prompt_id, self.sample_index)
+
+
+class GenerateRequest(msgspec.Struct):
+    """Generate (or resume) one sample.
+
+    Attributes:
+        prompt: the prompt.
+        sample_index: which sample of the prompt this is (with the prompt id, its stable id).
+        params: how to sample.
+        partial: an unfinished sample of this same (prompt, index) to continue; its tokens,
+            log-probs and versions are kept as they are.
+        seed: the sampling seed. None derives one from the replica's seed and the stable id,
+            so a re-run of the request samples the same tokens.
+    """
+
+    prompt: Prompt
+    sample_index: int
+    params: SamplingParams
+    partial: Sample | None = None
+    seed: int | None = None
+
+
+class GenerateBatch(msgspec.Struct):
+    """Requests to run together; the reply lists one Sample per request, in order."""
+
+    requests: list[GenerateRequest]
+
+
+class WeightsUpdate(msgspec.Struct):
+    """New weights: a (possibly partial) state dict of the rollout model, and its version.
+
+    Tensors travel zero-copy or through shared memory; each must match the shape of the model's
+    tensor of the same name.
+    """
+
+    version: int
+    state: dict[str, torch.Tensor]
+
+
+class Rollout(Role):
+    """Samples completions with an engine; switches weights between decode steps."""
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        """The rollout role's config (the manifest's ``config`` mapping).
+
+        Attributes:
+            model_path: a directory or hub name loaded with ``from_pretrained``.
+            model_config: or a transformers config as a dict (``model_type`` plus fields),
+                built with random weights seeded by ``seed`` (tests, benchmarks).
+            seed: seeds random weights and the sampling seeds of requests that bring none.
+            max_batch: the most sequences one forward pass decodes; larger batches run in turns.
+            chunk_tokens: the most new tokens a sample gets per call before it comes back
+                unfinished (0: no budget).
+            dtype: the model's torch dtype name.
+        """
+
+        model_path: str = ""
+        model_config: dict[str, Any] = {}
+        seed: int = 0
+        max_batch: int = 64
+        chunk_tokens: int = 0
+        dtype: str = "float32"
+
+        def __post_init__(self) -> None:
+            if bool(self.model_path) == bool(self.model_config):
+                raise ValueError(
+                    "set exactly one of model_path (a checkpoint to load) or model_config "
+                    "(a transformers config dict with a model_type, for random weights)"
+                )
+            if self.max_batch < 1:
+                raise ValueError(f"max_batch: expected an int >= 1, got {self.max_batch}")
+            if self.chunk_tokens < 0:
+                raise ValueError(f"chunk_tokens: expected an int >= 0, got {self.chunk_tokens}")
+            if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+                raise ValueError(f"dtype: expected a torch dtype name, got {self.dtype!r}")
+
+    engine: HFEngine
+
+    async def setup(self) -> None:
+        """Build the engine (load or create the model) in the worker thread."""
+        from .engine import HFEngine
+
+        cfg = self.config
+        kwargs: dict[str, Any] = {
+            "device": self.ctx.device,
+            "dtype": getattr(torch, cfg.dtype),
+            "seed": cfg.seed,
+            "max_batch": cfg.max_batch,
+            "chunk_tokens": cfg.chunk_tokens,
+        }
+        if cfg.model_path:
+            self.engine = await self.ctx.offload(HFEngine.from_pretrained, cfg.model_path, **kwargs)
+        else:
+            self.engine = await self.ctx.offload(HFEngine.from_config, cfg.model_config, **kwargs)
+        # Generations running now: while one runs, new weights wait for it to apply them
+        # between steps, rather than queueing an apply behind it in the worker thread.
+        self._generating = 0
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def generate(self, batch: GenerateBatch) -> list[Sample]:
+        """Sample (or resume) one completion per request, in order.
+
+        Raises:
+            ValueError: a request the engine cannot run (empty prompt, a partial of another
+                sample, a sequence longer than the model's positions).
+        """
+        self._generating += 1
+        try:
+            samples = await self.ctx.offload(self.engine.generate, batch.requests)
+        finally:
+            self._generating -= 1
+        await self._apply_if_idle()
+        return samples
+
+    @endpoint(Delivery.LATEST)
+    async def set_weights(self, update: WeightsUpdate) -> int:
+        """Take new weights; return the version active now.
+
+        During a generation the update is applied by the engine before its next decode step,
+        so the version returned may still be the previous one; when idle it is applied at once.
+
+        Raises:
+            ValueError: a tensor name the model does not have, or a shape that differs.
+        """
+        self.engine.set_weights(update.state, update.version)
+        await self._apply_if_idle()
+        return self.engine.version
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def version(self, _: None) -> int:
+        """The weights version active now."""
+        return self.engine.version
+
+    async def _apply_if_idle(self) -> None:
+        if self._generating == 0 and self.engine.has_pending_weights:
+            await self.ctx.offload(self.engine.apply_pending)
