@@ -52,12 +52,15 @@ class TrainBatch(msgspec.Struct):
         algorithm: ``grpo``, ``ppo`` or ``bc``; empty for the configured one.
         demos: demonstrations for the optional BC term of GRPO and PPO.
         keep: state the program wants kept with the next checkpoint (the data position).
+        lr: the peak learning rate for this step and the next, until another is given (the
+            schedule still scales it); 0 for the configured one.
     """
 
     samples: list[Scored]
     algorithm: str = ""
     demos: list[Sample] = []
     keep: dict[str, Any] = {}
+    lr: float = 0.0
 
 
 class StepResult(msgspec.Struct):
@@ -277,6 +280,16 @@ class Learner(Role):
         ]
         skipped = len(batch.samples) - len(fresh)
         metrics: dict[str, float] = {}
+        if batch.lr:
+            for group in self.optimizer.param_groups:
+                group["initial_lr"] = batch.lr
+            self.scheduler.base_lrs = [batch.lr] * len(self.optimizer.param_groups)
+            for group, factor in zip(
+                self.optimizer.param_groups,
+                [self._lr_factor(self.step)] * len(self.scheduler.base_lrs),
+                strict=True,
+            ):
+                group["lr"] = batch.lr * factor
         if fresh:
             advantages = self._advantages(algorithm, fresh)
             total_tokens = sum(max(1, len(s.sample.token_ids)) for s in fresh)

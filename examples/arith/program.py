@@ -38,10 +38,12 @@ DEFAULTS: dict[str, Any] = {
     "tokenizer": "examples/arith/tokenizer",
     "demos": 200,  # demonstrations for BC: few enough that the plateau stays low
     "bc_batch": 50,
-    "bc_eval_every": 20,  # BC steps between held-out evaluations
+    "bc_lr": 3e-3,
+    "bc_eval_every": 100,  # BC steps between held-out evaluations
     "bc_patience": 3,  # evaluations without improvement that end BC
-    "bc_max_steps": 800,
-    "rl_steps": 150,
+    "bc_max_steps": 1500,
+    "rl_steps": 250,
+    "rl_lr": 1e-3,
     "prompts_per_step": 32,
     "group_size": 8,
     "temperature": 1.0,
@@ -106,12 +108,13 @@ async def main(ctx: Any) -> dict[str, Any]:
             batch = rng.sample(demos, min(cfg["bc_batch"], len(demos)))
             # BC samples are re-used every epoch: give each use its own id for the ledger.
             uses = [Scored(_reuse(d, step)) for d in batch]
-            await ctx.learner.call("train_step", TrainBatch(uses, algorithm="bc"), timeout=300)
+            bc = TrainBatch(uses, algorithm="bc", lr=cfg["bc_lr"])
+            await ctx.learner.call("train_step", bc, timeout=300)
             step += 1
         acc = await accuracy()
         history.append({"phase": "bc", "step": step, "accuracy": acc})
         _progress(f"BC step {step}: held-out accuracy {acc:.3f}")
-        if acc > best + 0.005:
+        if acc > best + 0.01:
             best, stale = acc, 0
         else:
             stale += 1
@@ -146,7 +149,7 @@ async def main(ctx: Any) -> dict[str, Any]:
         scored = [Scored(s, r) for s, r in zip(samples, rewards, strict=True)]
         result = await ctx.learner.call(
             "train_step",
-            TrainBatch(scored, algorithm="grpo", keep={"cursor": cursor}),
+            TrainBatch(scored, algorithm="grpo", keep={"cursor": cursor}, lr=cfg["rl_lr"]),
             StepResult,
             timeout=300,
         )

@@ -1,0 +1,56 @@
+"""The reference role: log-probs of samples under a frozen reference policy, for the KL term.
+
+The reference is usually the policy RL starts from (after behaviour cloning): load it from a
+path, or build it from a config and send it the starting weights once with ``set_weights``. It
+scores with the rollout engine's own ``score``, so its log-probs follow the same conventions (left
+padding, positions from the attention mask) as the behaviour log-probs and the learner's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.roles.engine import HFEngine
+from asyncrl.roles.rollout import Sample, WeightsUpdate
+
+__all__ = ["Reference"]
+
+
+class Reference(Role):
+    """Serves reference log-probs of sampled completions."""
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        model_path: str = ""
+        model_config: dict[str, Any] = {}
+        seed: int = 0
+        max_batch: int = 256
+
+    async def setup(self) -> None:
+        cfg = self.config
+        if bool(cfg.model_path) == bool(cfg.model_config):
+            raise ValueError("reference: set exactly one of model_path and model_config")
+        if cfg.model_path:
+            self.engine = HFEngine.from_pretrained(cfg.model_path, max_batch=cfg.max_batch)
+        else:
+            self.engine = HFEngine.from_config(
+                cfg.model_config, seed=cfg.seed, max_batch=cfg.max_batch
+            )
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        return await self.ctx.offload(
+            self.engine.score, [s.prompt_ids for s in samples], [s.token_ids for s in samples]
+        )
+
+    @endpoint(Delivery.LATEST)
+    async def set_weights(self, update: WeightsUpdate) -> int:
+        """Freeze these weights as the reference (sent once, when RL starts)."""
+        await self.ctx.offload(self._load, update)
+        return self.engine.version
+
+    def _load(self, update: WeightsUpdate) -> None:
+        self.engine.set_weights(update.state, update.version)
+        self.engine.apply_pending()
