@@ -132,6 +132,9 @@ __all__ = [
     "WeightStore",
     "WeightsGoneError",
     "WeightsHandle",
+    "handle_path",
+    "read_handle",
+    "write_handle",
 ]
 
 NO_VERSION = -1
@@ -702,3 +705,26 @@ class WeightReader:
                 f"weights segment {self.name} disagrees with its handle: {'; '.join(bad)}"
             )
         return mapping
+
+
+def handle_path(run_dir: str, publisher: str) -> str:
+    """Where ``publisher`` (a role name) leaves the handle of its current store for readers."""
+    return os.path.join(run_dir, "weights", f"{publisher}.json")
+
+
+def write_handle(path: str, handle: WeightsHandle) -> None:
+    """Write ``handle`` atomically: a reader sees the old handle or the new, never half."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(handle))
+    os.replace(tmp, path)
+
+
+def read_handle(path: str) -> WeightsHandle | None:
+    """The handle at ``path``, or None when nothing was published there yet."""
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=WeightsHandle)
+    except FileNotFoundError:
+        return None

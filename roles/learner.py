@@ -31,6 +31,7 @@ import torch
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.rollout import Sample, WeightsUpdate
+from asyncrl.weights import WeightStore, handle_path, write_handle
 
 __all__ = ["Learner", "Scored", "StepResult", "TrainBatch", "build_model", "pad_batch"]
 
@@ -169,6 +170,7 @@ class Learner(Role):
         aggregation: str = "token_mean"
         micro_batch_tokens: int = 8192
         checkpoint_every: int = 0
+        publish_weights: bool = True
         keep_checkpoints: int = 2
         pad_id: int = 0
         dropout: bool = False
@@ -192,6 +194,19 @@ class Learner(Role):
         latest = self._latest_checkpoint()
         if latest is not None:
             await self.ctx.offload(self._load, latest)
+        self.store: WeightStore | None = None
+        if cfg.publish_weights:
+            # Rollout replicas on this host read the weights from shared memory (a seqlock
+            # store); the handle in the run directory lets a restarted one find them.
+            self.store = WeightStore(
+                self.model.state_dict(), run=self.ctx.run, incarnation=self.ctx.incarnation
+            )
+            self.store.publish(self.model.state_dict(), self.version)
+            write_handle(handle_path(self.ctx.run_dir, self.ctx.name), self.store.describe())
+
+    async def teardown(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.config
@@ -315,6 +330,8 @@ class Learner(Role):
             self.version += 1
             for s in fresh:
                 self.consumed.add((s.sample.prompt_id, s.sample.sample_index))
+            if self.store is not None:
+                self.store.publish(self.model.state_dict(), self.version)
             metrics["reward_mean"] = float(np.mean([s.reward for s in fresh]))
         self.keep.update(batch.keep)
         if cfg.checkpoint_every and self.step and self.step % cfg.checkpoint_every == 0 and fresh:

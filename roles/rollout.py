@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from asyncrl.errors import NothingPublishedError, WeightsGoneError
 from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.weights import WeightReader, handle_path, read_handle
 
 if TYPE_CHECKING:
     from .engine import HFEngine
@@ -176,6 +178,10 @@ class Rollout(Role):
             chunk_tokens: the most new tokens a sample gets per call before it comes back
                 unfinished (0: no budget).
             dtype: the model's torch dtype name.
+            weights_from: the role that publishes weights in shared memory on this host
+                (the learner); ``sync`` reads from it, and a replica that starts or restarts
+                loads its latest weights before taking any work. Empty: weights only come
+                through ``set_weights``.
         """
 
         model_path: str = ""
@@ -184,6 +190,7 @@ class Rollout(Role):
         max_batch: int = 64
         chunk_tokens: int = 0
         dtype: str = "float32"
+        weights_from: str = ""
 
         def __post_init__(self) -> None:
             if bool(self.model_path) == bool(self.model_config):
@@ -219,6 +226,41 @@ class Rollout(Role):
         # Generations running now: while one runs, new weights wait for it to apply them
         # between steps, rather than queueing an apply behind it in the worker thread.
         self._generating = 0
+        self._reader: WeightReader | None = None
+        if cfg.weights_from:
+            # Before any credit is advertised: a restarted replica starts from the current
+            # weights, not from the initial ones.
+            await self._sync()
+            await self._apply_if_idle()
+
+    async def _sync(self) -> None:
+        path = handle_path(self.ctx.run_dir, self.config.weights_from)
+        for _ in range(2):  # the second try reopens a store the publisher replaced
+            if self._reader is None:
+                handle = read_handle(path)
+                if handle is None:
+                    return  # nothing published yet
+                self._reader = WeightReader(handle)
+            try:
+                got = await self.ctx.offload(self._reader.read_if_newer, self.engine.version)
+            except (WeightsGoneError, NothingPublishedError):
+                self._reader.close()
+                self._reader = None
+                continue
+            if got is not None:
+                version, state = got
+                self.engine.set_weights(state, version)
+            return
+
+    @endpoint(Delivery.LATEST)
+    async def sync(self, _: None) -> int:
+        """Load the newest weights from the publisher's shared-memory store; return the version
+        active now (see ``set_weights`` for when an update takes effect)."""
+        if not self.config.weights_from:
+            raise ValueError("sync needs weights_from in the rollout config")
+        await self._sync()
+        await self._apply_if_idle()
+        return self.engine.version
 
     @endpoint(Delivery.IDEMPOTENT)
     async def generate(self, batch: GenerateBatch) -> list[Sample]:

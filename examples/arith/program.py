@@ -30,7 +30,6 @@ from asyncrl.roles.rollout import (
     Prompt,
     Sample,
     SamplingParams,
-    WeightsUpdate,
 )
 from examples.arith import data
 
@@ -84,9 +83,9 @@ async def main(ctx: Any) -> dict[str, Any]:
     ]
 
     async def sync_weights() -> int:
-        update = await ctx.learner.call("weights", None, WeightsUpdate, timeout=120)
-        await ctx.rollout.broadcast("set_weights", update, timeout=120)
-        return int(update.version)
+        # The learner publishes every version in shared memory; each replica reads the newest.
+        versions = await ctx.rollout.broadcast("sync", None, int, timeout=120)
+        return min(versions)
 
     async def accuracy() -> float:
         await sync_weights()
@@ -252,7 +251,7 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
     ax.axvline(offset, color="grey", linestyle=":")
     ax.set_xlabel("learner step")
     ax.set_ylim(0, 1)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -75,6 +75,7 @@ def test_endpoints_and_their_delivery_classes() -> None:
     assert {name: spec.delivery for name, spec in specs.items()} == {
         "generate": Delivery.IDEMPOTENT,
         "set_weights": Delivery.LATEST,
+        "sync": Delivery.LATEST,
         "version": Delivery.IDEMPOTENT,
     }
     assert specs["generate"].request_type is GenerateBatch
