@@ -1,5 +1,5 @@
 # One target per habit. Every target sets up .venv first if it is missing or stale.
-#   make run     set up, then run the main job
+#   make run     set up, then run the main job (BC then GRPO on addition, on CPU)
 #   make test    set up, then run the whole test suite
 #   make lint    ruff (lint + format check) and mypy
 #   make bench   the benchmarks, with their baselines, as tables
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/asyncrl bench transport
+	$(BIN)/asyncrl run examples/arith/bc_grpo.yaml --run-dir runs/arith
 
 test: setup
 	$(BIN)/python -m pytest

@@ -1,4 +1,4 @@
-"""Behaviour cloning, then GRPO, on fixed-width addition: the README's main job.
+"""Behaviour cloning, then GRPO (or PPO), on fixed-width addition: the README's main job.
 
 Read it top to bottom; it uses only the handles of the runtime:
 
@@ -30,6 +30,7 @@ from asyncrl.roles.rollout import (
     Prompt,
     Sample,
     SamplingParams,
+    WeightsUpdate,
 )
 from examples.arith import data
 
@@ -41,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "bc_eval_every": 100,  # BC steps between held-out evaluations
     "bc_patience": 3,  # evaluations without improvement that end BC
     "bc_max_steps": 1500,
+    "algorithm": "grpo",  # or "ppo" (needs a critic role)
     "rl_steps": 250,
     "rl_lr": 1e-3,
     "prompts_per_step": 32,
@@ -121,7 +123,11 @@ async def main(ctx: Any) -> dict[str, Any]:
     await ctx.learner.call("checkpoint", {"phase": "bc", "cursor": 0})
     _progress(f"BC plateau: held-out accuracy {accuracy_before_rl:.3f} after {step} steps")
 
-    # 2. GRPO on fresh prompts, pure RL.
+    # 2. RL (GRPO, or PPO with a critic) on fresh prompts, BC coefficient 0.
+    algorithm = cfg["algorithm"]
+    if "reference" in ctx.roles:  # the KL term is measured against the BC policy
+        start = await ctx.learner.call("weights", None, WeightsUpdate, timeout=120)
+        await ctx.reference.broadcast("set_weights", start, timeout=120)
     cursor = 0
     params = SamplingParams(temperature=cfg["temperature"], max_new_tokens=5, stop_token_ids=[eos])
     samples_consumed = 0
@@ -145,21 +151,32 @@ async def main(ctx: Any) -> dict[str, Any]:
         rewards = await ctx.reward.call(
             "score", ScoreRequest(texts, [answers[s.prompt_id] for s in samples]), list[float]
         )
-        scored = [Scored(s, r) for s, r in zip(samples, rewards, strict=True)]
+        values: list[list[float]] = [[] for _ in samples]
+        refs: list[list[float]] = [[] for _ in samples]
+        if "critic" in ctx.roles:
+            values = await ctx.critic.call("values", samples, list[list[float]], timeout=300)
+        if "reference" in ctx.roles:
+            refs = await ctx.reference.call("logprobs", samples, list[list[float]], timeout=300)
+        scored = [
+            Scored(s, r, ref_logprobs=ref, values=v)
+            for s, r, ref, v in zip(samples, rewards, refs, values, strict=True)
+        ]
         result = await ctx.learner.call(
             "train_step",
-            TrainBatch(scored, algorithm="grpo", keep={"cursor": cursor}, lr=cfg["rl_lr"]),
+            TrainBatch(scored, algorithm=algorithm, keep={"cursor": cursor}, lr=cfg["rl_lr"]),
             StepResult,
             timeout=300,
         )
+        if "critic" in ctx.roles:
+            await ctx.critic.call("train_step", scored, timeout=300)
         samples_consumed += result.consumed
         reward_mean = sum(rewards) / len(rewards)
-        entry: dict[str, Any] = {"phase": "grpo", "step": rl_step, "reward": reward_mean}
+        entry: dict[str, Any] = {"phase": "rl", "step": rl_step, "reward": reward_mean}
         if rl_step % cfg["rl_eval_every"] == 0 or rl_step == cfg["rl_steps"]:
             acc = await accuracy()
             entry["accuracy"] = acc
         history.append(entry)
-        _bar(rl_step, cfg["rl_steps"], reward_mean, acc)
+        _bar(algorithm.upper(), rl_step, cfg["rl_steps"], reward_mean, acc)
 
     accuracy_final = acc if history[-1].get("accuracy") is not None else await accuracy()
     final_dir = await ctx.learner.call("export", os.path.join(ctx.run_dir, "final"))
@@ -182,7 +199,7 @@ async def main(ctx: Any) -> dict[str, Any]:
     _plot(history, os.path.join(ctx.run_dir, "progress.png"))
     _progress(
         f"held-out accuracy: {accuracy_before_rl:.3f} at the BC plateau, "
-        f"{accuracy_final:.3f} after GRPO"
+        f"{accuracy_final:.3f} after {algorithm.upper()}"
     )
     return {k: summary[k] for k in ("accuracy_before_rl", "accuracy_final", "learner_steps")}
 
@@ -211,11 +228,11 @@ def _progress(text: str) -> None:
     print(f"\r{text}".ljust(80), flush=True)
 
 
-def _bar(step: int, total: int, reward: float, accuracy: float) -> None:
+def _bar(name: str, step: int, total: int, reward: float, accuracy: float) -> None:
     width = 30
     done = int(width * step / total)
     sys.stdout.write(
-        f"\rGRPO [{'#' * done}{'.' * (width - done)}] {step}/{total} "
+        f"\r{name} [{'#' * done}{'.' * (width - done)}] {step}/{total} "
         f"reward {reward:.3f} held-out {accuracy:.3f}"
     )
     sys.stdout.flush()
@@ -231,7 +248,7 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     bc = [h for h in history if h["phase"] == "bc"]
-    rl = [h for h in history if h["phase"] == "grpo"]
+    rl = [h for h in history if h["phase"] == "rl"]
     offset = bc[-1]["step"] if bc else 0
     ax.plot([h["step"] for h in bc], [h["accuracy"] for h in bc], "o-", label="BC held-out acc.")
     ax.plot(
@@ -239,14 +256,14 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
         [h["reward"] for h in rl],
         "-",
         alpha=0.6,
-        label="GRPO reward",
+        label="RL reward",
     )
     acc = [h for h in rl if "accuracy" in h]
     ax.plot(
         [offset + h["step"] for h in acc],
         [h["accuracy"] for h in acc],
         "s-",
-        label="GRPO held-out acc.",
+        label="RL held-out acc.",
     )
     ax.axvline(offset, color="grey", linestyle=":")
     ax.set_xlabel("learner step")

@@ -52,7 +52,7 @@ def run_example(run_dir: str, overrides: list[str]) -> list[dict[str, Any]]:
 
 def reward_rises(history: list[dict[str, Any]], window: int = 20, margin: float = 0.03) -> bool:
     """Mean reward of the last ``window`` GRPO steps beats the first ``window`` by ``margin``."""
-    rewards = [h["reward"] for h in history if h["phase"] == "grpo"]
+    rewards = [h["reward"] for h in history if h["phase"] == "rl"]
     first = sum(rewards[:window]) / window
     last = sum(rewards[-window:]) / window
     return last > first + margin
