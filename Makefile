@@ -44,6 +44,7 @@ format: setup
 bench: setup
 	$(BIN)/asyncrl bench transport
 	$(BIN)/asyncrl bench runtime
+	$(BIN)/asyncrl bench learner
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -3,18 +3,27 @@
 - ``asyncrl run MANIFEST [--set KEY=VALUE]... [--run-dir DIR]``: run a manifest on this machine.
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
 - ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
+- ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
 - ``asyncrl version``: the package and wire-protocol versions.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
+from typing import Any
 
 from asyncrl import __version__
 
 BENCHMARKS = ("transport", "runtime")
+BENCHMARK_GROUP = "asyncrl.benchmarks"
+"""Entry-point group of benchmarks that live outside the runtime (``learner``, in the roles)."""
+
+
+def _plugged_benchmarks() -> dict[str, Any]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=BENCHMARK_GROUP)}
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -26,6 +35,10 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         from asyncrl.bench import runtime
 
         return runtime.main(rest)
+    plugged = _plugged_benchmarks().get(args.name)
+    if plugged is not None:
+        result: int = plugged.load()(rest)
+        return result
     raise AssertionError(args.name)
 
 
@@ -60,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = sub.add_parser("bench", help="run a benchmark and print its figures", add_help=False)
-    bench.add_argument("name", choices=BENCHMARKS, help="which benchmark")
+    bench.add_argument(
+        "name", choices=[*BENCHMARKS, *sorted(_plugged_benchmarks())], help="which benchmark"
+    )
     bench.set_defaults(func=_bench)
     run = sub.add_parser("run", help="run a manifest on this machine (the embedded default)")
     run.add_argument("manifest", help="the role manifest (YAML); see docs/manifest.md")

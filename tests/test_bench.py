@@ -59,7 +59,7 @@ def test_unknown_benchmark_is_refused() -> None:
         cwd=ROOT,
     )
     assert out.returncode == 2
-    assert "invalid choice: 'nope' (choose from 'transport', 'runtime')" in out.stderr
+    assert "invalid choice: 'nope' (choose from 'transport', 'runtime', 'learner')" in out.stderr
 
 
 @pytest.mark.slow
@@ -98,3 +98,32 @@ def test_runtime_benchmark_json() -> None:
     assert figures["handle_overhead_ratio"] == pytest.approx(
         figures["handle_rtt_us_p50"] / figures["bare_rtt_us_p50"]
     )
+
+
+@pytest.mark.slow
+def test_learner_benchmark_json() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "bench",
+            "learner",
+            "--json",
+            "--steps",
+            "2",
+            "--samples",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=True,
+    )
+    figures = json.loads(out.stdout)
+    assert figures["samples_per_step"] == 32
+    assert figures["learner_overhead_ratio"] == pytest.approx(
+        figures["learner_step_ms_p50"] / figures["plain_step_ms_p50"]
+    )
+    assert figures["rollout_tokens_per_s"] > 0

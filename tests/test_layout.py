@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -162,6 +163,15 @@ def test_the_transport_imports_torch_only_when_a_tensor_needs_it() -> None:
 def test_regular_install_maps_the_layers() -> None:
     """A regular (non-editable) install puts the layers under asyncrl/ too."""
     with tempfile.TemporaryDirectory(prefix="arl-install-") as target:
+        # pip builds in the source tree (build/, *.egg-info): build from a copy, not the repo.
+        source = os.path.join(target, "src")
+        shutil.copytree(
+            ROOT,
+            source,
+            ignore=shutil.ignore_patterns(
+                ".venv", ".git", "build", "*.egg-info", "__pycache__", ".mypy_cache", "runs"
+            ),
+        )
         subprocess.run(
             [
                 sys.executable,
@@ -172,12 +182,13 @@ def test_regular_install_maps_the_layers() -> None:
                 "--no-deps",
                 "--no-build-isolation",
                 "--target",
-                target,
-                ROOT,
+                os.path.join(target, "site"),
+                source,
             ],
             check=True,
             capture_output=True,
         )
+        target = os.path.join(target, "site")
         for folder in ("transport", "roles", "plugins"):
             assert os.path.isfile(os.path.join(target, "asyncrl", folder, "__init__.py"))
         code = (

@@ -43,12 +43,12 @@ DEFAULTS: dict[str, Any] = {
     "bc_patience": 3,  # evaluations without improvement that end BC
     "bc_max_steps": 1500,
     "algorithm": "grpo",  # or "ppo" (needs a critic role)
-    "rl_steps": 250,
+    "rl_steps": 1500,
     "rl_lr": 1e-3,
     "prompts_per_step": 32,
     "group_size": 8,
     "temperature": 1.0,
-    "rl_eval_every": 25,
+    "rl_eval_every": 100,
     "generate_chunk": 64,  # samples per generate call: the dispatcher spreads them
     "seed": 0,
 }

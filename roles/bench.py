@@ -1,0 +1,225 @@
+"""``asyncrl bench learner``: what the runtime adds to a learner step, and rollout throughput.
+
+- learner step: one GRPO ``train_step`` on a fixed batch, timed from the caller's
+  ``await call("train_step", batch)`` through a handle to a supervised learner process, against
+  a plain single-process PyTorch loop doing the same forward, loss, backward, clipping and AdamW
+  step on the same model and batch. Both use one torch thread, both are measured in this run;
+  medians over ``--steps`` steps. The target is at most 10% overhead.
+- rollout: tokens per second of a supervised rollout replica generating a batch, through a
+  handle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncrl import logs
+from asyncrl.dispatch import Dispatcher
+from asyncrl.handles import Context
+from asyncrl.manifest import Supervision
+from asyncrl.roles import algorithms as alg
+from asyncrl.roles.learner import Scored, StepResult, TrainBatch, build_model, pad_batch
+from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.transport import LocalRegistry, run
+
+__all__ = ["main", "measure"]
+
+MODEL: dict[str, Any] = {
+    "model_type": "gpt2",
+    "vocab_size": 14,
+    "n_positions": 32,
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+
+def _batch(n: int, step: int) -> list[Scored]:
+    rng = random.Random(step)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(2, 14) for _ in range(6)]
+        tokens = [rng.randrange(2, 14) for _ in range(4)] + [1]
+        out.append(
+            Scored(
+                Sample(f"s{step}", i, prompt, tokens, [-2.5] * 5, [0] * 5, True, "stop"),
+                reward=float(rng.random() < 0.5),
+            )
+        )
+    return out
+
+
+def _plain_steps(samples_per_step: int, steps: int) -> list[float]:
+    """The baseline: the same GRPO step, in this process, with nothing around it."""
+    model = build_model("", MODEL, 0).train(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for step in range(steps + 2):
+        batch = _batch(samples_per_step, step)
+        t0 = time.perf_counter()
+        ids, attention, positions, target = pad_batch(
+            [s.sample.prompt_ids for s in batch], [s.sample.token_ids for s in batch]
+        )
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        logprobs = alg.token_logprobs(logits[:, :-1].float(), ids[:, 1:])
+        groups = torch.zeros(len(batch), dtype=torch.long)
+        adv = alg.grpo_advantages(torch.tensor([s.reward for s in batch]), groups)
+        old = torch.full_like(target, -2.5) * target
+        loss, _ = alg.ppo_policy_loss(
+            logprobs, old, adv[:, None].expand_as(target) * target, target, 0.2
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step >= 2:  # two warm-up steps, as for the learner
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, Any]:
+    registry = LocalRegistry(run_dir)
+    policy = Supervision(startup_timeout_s=300.0)
+    specs = {
+        "learner": (
+            "asyncrl.roles.learner:Learner",
+            {"model_config": MODEL, "lr": 1e-3, "publish_weights": False},
+        ),
+        "rollout": ("asyncrl.roles.rollout:Rollout", {"model_config": MODEL, "max_batch": 256}),
+    }
+    children = []
+    for name, (target, config) in specs.items():
+        endpoint = registry.endpoint(name, 0)
+
+        def launch(
+            incarnation: int,
+            name: str = name,
+            target: str = target,
+            config: dict[str, Any] = config,
+            endpoint: str = endpoint,
+        ) -> Any:
+            spec = ProcessSpec(
+                kind="role",
+                name=name,
+                incarnation=incarnation,
+                target=target,
+                endpoint=endpoint,
+                run="bench",
+                run_dir=run_dir,
+                config=config,
+                parent_pid=os.getpid(),
+            )
+            env = {
+                SPEC_ENV: msgspec.json.encode(spec).decode(),
+                "OMP_NUM_THREADS": "1",
+                logs.CONSOLE_ENV: "0",
+            }
+            return [sys.executable, "-m", "asyncrl.process"], env
+
+        children.append(ChildSpec(name, 0, "role", endpoint, policy, launch))
+    supervisor = Supervisor(children, run="bench", log_dir=os.path.join(run_dir, "logs"))
+    supervised = asyncio.get_running_loop().create_task(supervisor.run())
+    dispatcher = Dispatcher({n: GroupInfo([registry.endpoint(n, 0)]) for n in specs}, run="bench")
+    dispatcher.start()
+    ctx = Context(dispatcher, run="bench", run_dir=run_dir, log=None)
+    out: dict[str, Any] = {}
+    try:
+        times = []
+        for step in range(steps + 2):
+            batch = TrainBatch(_batch(samples_per_step, step), algorithm="grpo")
+            t0 = time.perf_counter()
+            result = await ctx.learner.call("train_step", batch, StepResult, timeout=300)
+            if step >= 2:
+                times.append(time.perf_counter() - t0)
+            assert result.consumed == samples_per_step
+        out["learner_step_ms"] = times
+        params = SamplingParams(max_new_tokens=16, temperature=1.0)
+        requests = [
+            GenerateRequest(Prompt(f"p{i}", [2 + i % 10, 12, 3, 13]), 0, params, seed=i)
+            for i in range(256)
+        ]
+        await ctx.rollout.call("generate", GenerateBatch(requests[:8]), list[Sample])  # warm-up
+        rates = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            samples = await ctx.rollout.call(
+                "generate", GenerateBatch(requests), list[Sample], timeout=300
+            )
+            rates.append(sum(len(s.token_ids) for s in samples) / (time.perf_counter() - t0))
+        out["rollout_tokens_per_s"] = statistics.median(rates)
+    finally:
+        await dispatcher.close()
+        supervisor.stop("benchmark done")
+        await supervised
+    return out
+
+
+def measure(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
+    """Run both measurements; return the figures (see the module docstring)."""
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="arl-lb-")
+    try:
+        logs.configure(role="bench", console=False)
+        remote = run(_remote(tmp, samples_per_step, steps))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    plain = _plain_steps(samples_per_step, steps)
+    handle_ms = statistics.median(remote["learner_step_ms"]) * 1e3
+    plain_ms = statistics.median(plain) * 1e3
+    return {
+        "learner_step_ms_p50": handle_ms,
+        "plain_step_ms_p50": plain_ms,
+        "learner_overhead_ratio": handle_ms / plain_ms,
+        "rollout_tokens_per_s": remote["rollout_tokens_per_s"],
+        "samples_per_step": samples_per_step,
+        "steps": steps,
+    }
+
+
+def format_table(f: dict[str, Any]) -> str:
+    met = "met" if f["learner_overhead_ratio"] <= 1.1 else "MISSED"
+    return "\n".join(
+        [
+            f"asyncrl learner benchmark ({f['samples_per_step']} samples a step, "
+            f"{f['steps']} steps, 1 torch thread)",
+            "",
+            f"{'figure':<36}{'measured':>14}   target",
+            f"{'train_step through a handle (p50)':<36}{f['learner_step_ms_p50']:>11.1f} ms",
+            f"{'plain PyTorch step (p50)':<36}{f['plain_step_ms_p50']:>11.1f} ms",
+            f"{'  handle / plain':<36}{f['learner_overhead_ratio']:>13.2f}x   <= 1.1  {met}",
+            f"{'rollout tokens per second':<36}{f['rollout_tokens_per_s']:>14,.0f}",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl bench learner",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (>= 1)")
+    parser.add_argument("--samples", type=int, default=256, help="samples per step")
+    args = parser.parse_args(argv)
+    figures = measure(samples_per_step=args.samples, steps=max(1, args.steps))
+    print(json.dumps(figures) if args.json else format_table(figures))
+    return 0
