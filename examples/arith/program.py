@@ -129,6 +129,7 @@ async def main(ctx: Any) -> dict[str, Any]:
         start = await ctx.learner.call("weights", None, WeightsUpdate, timeout=120)
         await ctx.reference.broadcast("set_weights", start, timeout=120)
     cursor = 0
+    rl_started = time.monotonic()
     params = SamplingParams(temperature=cfg["temperature"], max_new_tokens=5, stop_token_ids=[eos])
     samples_consumed = 0
     acc = accuracy_before_rl
@@ -188,6 +189,7 @@ async def main(ctx: Any) -> dict[str, Any]:
         "wall_s": time.monotonic() - started,
         "learner_steps": status["step"],
         "samples_consumed": samples_consumed,
+        "samples_per_s": samples_consumed / max(1e-9, time.monotonic() - rl_started),
         "restarts": _restarts(ctx.run_dir),
         "final": final_dir,
         "config": cfg,
