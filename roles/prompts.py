@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.role import Delivery, Role, endpoint
-from asyncrl.roles.rollout import Prompt
+from asyncrl.roles.rollout import Prompt, Sample
 
 __all__ = ["PromptSource", "Take", "load_rows"]
 
@@ -105,6 +105,20 @@ class PromptSource(Role):
             row = self.rows[self._perm(epoch)[index]]
             ids = self.tokenizer.encode(row["prompt"]) if self.tokenizer is not None else []
             out.append(Prompt(f"{row['id']}@{epoch}", ids, row["prompt"], str(row["answer"])))
+        return out
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def demonstrations(self, request: Take) -> list[Sample]:
+        """The same prompts as ``take``, each with its answer as the completion (and the
+        tokenizer's end-of-sequence token): demonstrations for behaviour cloning."""
+        if self.tokenizer is None:
+            raise ValueError("demonstrations need tokenizer_path in the prompt source config")
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for prompt in await self.take(request):
+            answer = list(self.tokenizer.encode(prompt.answer))
+            tokens = [*answer, eos] if eos is not None else answer
+            out.append(Sample(prompt.id, 0, prompt.token_ids, tokens, [], [], True, "stop"))
         return out
 
     @endpoint(Delivery.IDEMPOTENT)

@@ -23,8 +23,9 @@ from typing import Any
 import msgspec
 
 from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.roles.rollout import Sample
 
-__all__ = ["VERIFIERS", "Reward", "ScoreRequest", "verifier"]
+__all__ = ["VERIFIERS", "Reward", "ScoreRequest", "ScoreSamples", "verifier"]
 
 Verifier = Callable[[str, str, dict[str, Any]], float]
 VERIFIERS: dict[str, Verifier] = {}
@@ -78,6 +79,13 @@ class ScoreRequest(msgspec.Struct):
     answers: list[str]
 
 
+class ScoreSamples(msgspec.Struct):
+    """Samples to score by their tokens (decoded with the role's tokenizer), one answer each."""
+
+    samples: list[Sample]
+    answers: list[str]
+
+
 class Reward(Role):
     """Scores completions with a named verifier, or with a reward model."""
 
@@ -85,9 +93,15 @@ class Reward(Role):
         verifier: str = "exact"
         options: dict[str, Any] = {}
         model_path: str = ""
+        tokenizer_path: str = ""
 
     async def setup(self) -> None:
         self.model: Any = None
+        self.decoder: Any = None
+        if self.config.tokenizer_path:
+            from transformers import AutoTokenizer
+
+            self.decoder = AutoTokenizer.from_pretrained(self.config.tokenizer_path)
         if self.config.model_path:
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -115,6 +129,16 @@ class Reward(Role):
         return [
             fn(c, a, options) for c, a in zip(request.completions, request.answers, strict=True)
         ]
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def score_samples(self, request: ScoreSamples) -> list[float]:
+        """Score sampled completions by their tokens; needs ``tokenizer_path``."""
+        if self.decoder is None:
+            raise ValueError("score_samples needs tokenizer_path in the reward config")
+        texts = [
+            self.decoder.decode(s.token_ids, skip_special_tokens=True) for s in request.samples
+        ]
+        return await self.score(ScoreRequest(texts, request.answers))
 
     def _model_scores(self, completions: list[str]) -> list[float]:
         import torch

@@ -1,0 +1,75 @@
+"""The built-in control-flow programs run end to end on the arithmetic task."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+MANIFEST = """\
+run:
+  name: builtin
+  program: asyncrl.roles.programs:{program}
+  config: {{steps: {steps}, prompts_per_step: 8, group_size: 4, max_new_tokens: 5,
+           stop_token_ids: [1], batch: 32, lr: 0.003}}
+roles:
+  prompts:
+    class: asyncrl.roles.prompts:PromptSource
+    config: {{generator: "examples.arith.data:rl_prompts",
+             tokenizer_path: examples/arith/tokenizer}}
+  rollout:
+    class: asyncrl.roles.rollout:Rollout
+    config: {{model_config: &model {{model_type: gpt2, vocab_size: 14, n_positions: 16,
+             n_embd: 32, n_layer: 1, n_head: 2, eos_token_id: 1, pad_token_id: 0}},
+             weights_from: learner}}
+  reward:
+    class: asyncrl.roles.reward:Reward
+    config: {{verifier: exact, tokenizer_path: examples/arith/tokenizer}}
+  learner:
+    class: asyncrl.roles.learner:Learner
+    config: {{model_config: *model}}
+  {extra}
+"""
+
+
+def run_program(run_dir: str, program: str, steps: int, extra: str = "") -> dict:  # type: ignore[type-arg]
+    path = os.path.join(run_dir, "m.yaml")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(MANIFEST.format(program=program, steps=steps, extra=extra)))
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(os.path.join(run_dir, "driver.json")) as f:
+        result: dict = json.load(f)["result"]  # type: ignore[type-arg]
+    return result
+
+
+def test_bc_lowers_the_loss(run_dir: str) -> None:
+    result = run_program(run_dir, "bc", 40)
+    assert result["steps"] == 40 and result["cursor"] == 40 * 32
+    first, last = result["nll"][:5], result["nll"][-5:]
+    assert sum(last) < 0.6 * sum(first)
+
+
+def test_grpo_runs(run_dir: str) -> None:
+    result = run_program(run_dir, "grpo", 4)
+    assert len(result["rewards"]) == 4 and result["cursor"] == 32
+
+
+def test_ppo_runs_with_a_critic(run_dir: str) -> None:
+    critic = "critic: {class: 'asyncrl.roles.critic:Critic', config: {model_config: *model}}"
+    result = run_program(run_dir, "ppo", 3, critic)
+    assert len(result["rewards"]) == 3
