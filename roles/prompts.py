@@ -53,8 +53,12 @@ def load_rows(
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     elif path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # optional: only Parquet sources need it
-
+        try:
+            import pyarrow.parquet as pq  # optional: only Parquet sources need it
+        except ImportError as exc:
+            raise ValueError(
+                f"prompt source: reading {path} needs pyarrow; pip install pyarrow"
+            ) from exc
         rows = pq.read_table(path).to_pylist()
     else:
         raise ValueError(f"prompt source: {path!r} is neither .jsonl nor .parquet")

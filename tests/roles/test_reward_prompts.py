@@ -87,3 +87,27 @@ def test_rows_need_a_prompt(tmp_path: Any) -> None:
         load_rows()
     rows = load_rows(generator="examples.arith.data:rl_prompts", options={"demos": 200})
     assert len(rows) == 8800
+
+
+def test_a_reward_model_scores_completions(tmp_path: Any) -> None:
+    """The reward-model option: a sequence-classification model with one logit, from a path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type="gpt2",
+        vocab_size=14,
+        n_positions=16,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp_path / "rm")
+    scores = score({"model_path": str(tmp_path / "rm")}, ["052", "13", "052"], ["", "", ""])
+    assert len(scores) == 3 and scores[0] == pytest.approx(scores[2])
+    assert scores[0] != scores[1]
