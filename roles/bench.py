@@ -18,23 +18,22 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-import msgspec
 import torch
 
 from asyncrl import logs
+from asyncrl.bench.harness import role_child
 from asyncrl.dispatch import Dispatcher
 from asyncrl.handles import Context
 from asyncrl.manifest import Supervision
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.learner import Scored, StepResult, TrainBatch, build_model, pad_batch
 from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
-from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
-from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.spec import GroupInfo
+from asyncrl.supervisor import Supervisor
 from asyncrl.transport import LocalRegistry, run
 
 __all__ = ["main", "measure"]
@@ -105,36 +104,10 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
         ),
         "rollout": ("asyncrl.roles.rollout:Rollout", {"model_config": MODEL, "max_batch": 256}),
     }
-    children = []
-    for name, (target, config) in specs.items():
-        endpoint = registry.endpoint(name, 0)
-
-        def launch(
-            incarnation: int,
-            name: str = name,
-            target: str = target,
-            config: dict[str, Any] = config,
-            endpoint: str = endpoint,
-        ) -> Any:
-            spec = ProcessSpec(
-                kind="role",
-                name=name,
-                incarnation=incarnation,
-                target=target,
-                endpoint=endpoint,
-                run="bench",
-                run_dir=run_dir,
-                config=config,
-                parent_pid=os.getpid(),
-            )
-            env = {
-                SPEC_ENV: msgspec.json.encode(spec).decode(),
-                "OMP_NUM_THREADS": "1",
-                logs.CONSOLE_ENV: "0",
-            }
-            return [sys.executable, "-m", "asyncrl.process"], env
-
-        children.append(ChildSpec(name, 0, "role", endpoint, policy, launch))
+    children = [
+        role_child(run_dir, name, target, config, policy)
+        for name, (target, config) in specs.items()
+    ]
     supervisor = Supervisor(children, run="bench", log_dir=os.path.join(run_dir, "logs"))
     supervised = asyncio.get_running_loop().create_task(supervisor.run())
     dispatcher = Dispatcher({n: GroupInfo([registry.endpoint(n, 0)]) for n in specs}, run="bench")

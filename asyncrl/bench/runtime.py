@@ -26,15 +26,14 @@ import tempfile
 import time
 from typing import Any
 
-import msgspec
-
 from asyncrl import logs
+from asyncrl.bench.harness import role_child
 from asyncrl.dispatch import Dispatcher
 from asyncrl.handles import Context
 from asyncrl.manifest import Supervision
-from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
-from asyncrl.supervisor import ChildSpec, Supervisor
-from asyncrl.transport import Client, LocalRegistry, run
+from asyncrl.spec import GroupInfo
+from asyncrl.supervisor import Supervisor
+from asyncrl.transport import Client, run
 
 __all__ = ["main", "measure"]
 
@@ -58,8 +57,6 @@ def _import_ms(runs: int) -> list[float]:
 
 
 async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
-    registry = LocalRegistry(run_dir)
-    endpoint = registry.endpoint("echo", 0)
     policy = Supervision(
         max_restarts=kills + 5,
         period_s=3600.0,
@@ -68,23 +65,8 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
         heartbeat_interval_s=1.0,
     )
 
-    def launch(incarnation: int) -> tuple[list[str], dict[str, str]]:
-        spec = ProcessSpec(
-            kind="role",
-            name="echo",
-            incarnation=incarnation,
-            target=ROLE,
-            endpoint=endpoint,
-            run="bench",
-            run_dir=run_dir,
-            parent_pid=os.getpid(),
-        )
-        env = {
-            SPEC_ENV: msgspec.json.encode(spec).decode(),
-            "OMP_NUM_THREADS": "1",
-            logs.CONSOLE_ENV: "0",
-        }
-        return [sys.executable, "-m", "asyncrl.process"], env
+    child = role_child(run_dir, "echo", ROLE, {}, policy)
+    endpoint = child.endpoint
 
     seen: dict[tuple[str, int], float] = {}
     events: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
@@ -94,7 +76,7 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
         events.put_nowait((kind, incarnation))
 
     supervisor = Supervisor(
-        [ChildSpec("echo", 0, "role", endpoint, policy, launch)],
+        [child],
         run="bench",
         log_dir=os.path.join(run_dir, "logs"),
         observer=observe,
