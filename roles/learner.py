@@ -296,15 +296,11 @@ class Learner(Role):
         skipped = len(batch.samples) - len(fresh)
         metrics: dict[str, float] = {}
         if batch.lr:
+            # A new peak: the scheduler scales it from now on, and this step already uses it.
+            self.scheduler.base_lrs = [batch.lr] * len(self.optimizer.param_groups)
             for group in self.optimizer.param_groups:
                 group["initial_lr"] = batch.lr
-            self.scheduler.base_lrs = [batch.lr] * len(self.optimizer.param_groups)
-            for group, factor in zip(
-                self.optimizer.param_groups,
-                [self._lr_factor(self.step)] * len(self.scheduler.base_lrs),
-                strict=True,
-            ):
-                group["lr"] = batch.lr * factor
+                group["lr"] = batch.lr * self._lr_factor(self.step)
         if fresh:
             advantages = self._advantages(algorithm, fresh)
             total_tokens = sum(max(1, len(s.sample.token_ids)) for s in fresh)
