@@ -51,6 +51,21 @@ class Run:
                 return line
         raise AssertionError(f"the run ended before a line with {needles}:\n{''.join(self.lines)}")
 
+    def wait_for_each(self, *needle_sets: tuple[str, ...]) -> list[str]:
+        """Read until every needle set has matched a line, in whatever order; return those lines."""
+        assert self.proc.stdout is not None
+        found: dict[int, str] = {}
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            for i, needles in enumerate(needle_sets):
+                if i not in found and all(n in line for n in needles):
+                    found[i] = line
+                    break
+            if len(found) == len(needle_sets):
+                return [found[i] for i in range(len(needle_sets))]
+        missing = [n for i, n in enumerate(needle_sets) if i not in found]
+        raise AssertionError(f"the run ended before lines with {missing}:\n{''.join(self.lines)}")
+
     def finish(self, timeout: float = 120) -> tuple[int, str, str]:
         out, err = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, "".join(self.lines) + out, err
@@ -385,8 +400,11 @@ def test_one_for_all_restarts_the_whole_group(run_dir: str, runs: list[Run]) -> 
     )
     run = start_run(manifest, run_dir)
     runs.append(run)
-    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]")
-    line = run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[1]")
+    # The replicas start together; either may be heard first.
+    _, line = run.wait_for_each(
+        ("serving", "[asyncrl.supervisor]", "process=sleeper[0]"),
+        ("serving", "[asyncrl.supervisor]", "process=sleeper[1]"),
+    )
     with open(os.path.join(run_dir, "logs", "agent.jsonl")) as f:
         started = [json.loads(x) for x in f]
     pid1 = next(
