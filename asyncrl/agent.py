@@ -70,6 +70,7 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
             parent_pid=parent_pid,
             groups=groups,
             config=dict(run.config),
+            pipeline=msgspec.to_builtins(manifest.pipeline),
         )
         env = {
             **run.env,

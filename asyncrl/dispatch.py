@@ -5,6 +5,12 @@ waits in the group's queue and goes to the replica with the most free slots, so 
 simply takes more, and nothing is bound to a replica until it is sent: an idle replica takes
 whatever is queued. Work aimed at one replica (``broadcast``) waits in that replica's own queue.
 
+Work may carry an *affinity* key (a GRPO group's id, for an engine with prefix caching): the
+first such work goes wherever the dispatcher picks, and later work with the same key prefers
+that replica, waiting in its soft queue while it is full. An idle replica steals from the
+longest soft queue of the others (the newest work first, so the owner keeps what it reaches
+next), so a preference never leaves a slot empty; each theft is counted as ``stolen``.
+
 Failures follow each endpoint's delivery class (read from the replica's ``_describe``):
 
 - idempotent: a request whose replica died, hung or restarted runs again, preferably on another
@@ -34,12 +40,14 @@ log = logging.getLogger("asyncrl.dispatch")
 
 _CONNECT_TIMEOUT_S = 7 * 24 * 3600.0
 _DESCRIBE_RETRY_S = 1.0
+_MAX_HOMES = 65536
 
 
 class Work:
     """One request on its way to some replica of a group."""
 
     __slots__ = (
+        "affinity",
         "attempt",
         "avoid",
         "deadline",
@@ -65,6 +73,7 @@ class Work:
         *,
         key: Any = None,
         target: int | None = None,
+        affinity: Any = None,
     ) -> None:
         self.method = method
         self.payload = payload
@@ -74,6 +83,7 @@ class Work:
         self.future = future
         self.key = key
         self.target = target
+        self.affinity = affinity
         self.attempt = 0
         self.avoid = -1
         self.sent = False
@@ -91,6 +101,7 @@ class _Replica:
         "inflight",
         "queue",
         "served",
+        "soft",
     )
 
     def __init__(self, index: int, endpoint: str) -> None:
@@ -102,6 +113,7 @@ class _Replica:
         self.alive = False
         self.incarnation = -1
         self.queue: deque[Work] = deque()
+        self.soft: deque[Work] = deque()  # work that prefers this replica; others may steal it
         self.served = 0
 
     @property
@@ -121,6 +133,7 @@ class Group:
         self.queue: deque[Work] = deque()
         self.delivery: dict[str, Delivery] = {}
         self.stats: Counter[str] = Counter()
+        self._homes: dict[Any, int] = {}  # affinity key -> the replica it prefers
         self._tasks: set[asyncio.Task[None]] = set()
         self._ready = asyncio.Event()
         self._closed = False
@@ -217,7 +230,7 @@ class Group:
         for replica in self.replicas:
             if replica.client is not None:
                 await replica.client.close()
-        for work in [*self.queue, *(w for r in self.replicas for w in r.queue)]:
+        for work in [*self.queue, *(w for r in self.replicas for w in (*r.queue, *r.soft))]:
             if work.timer is not None:
                 work.timer.cancel()
             work.future.cancel()
@@ -239,18 +252,53 @@ class Group:
         self.pump()
 
     def pump(self) -> None:
-        """Send queued work to replicas with free slots, the freest first."""
+        """Send queued work to replicas with free slots: work aimed at a replica first, then
+        work that prefers it, then the shared queue (the freest replica first); then idle
+        replicas steal what others prefer."""
         for replica in self.replicas:
-            while replica.queue and replica.free > 0:
-                self._send(replica, replica.queue.popleft())
+            while replica.free > 0 and (replica.queue or replica.soft):
+                self._send(replica, (replica.queue or replica.soft).popleft())
         queue = self.queue
         while queue:
             work = queue[0]
-            chosen = self._pick(work)
+            home = self._home(work)
+            if home is not None and home.free <= 0:
+                home.soft.append(queue.popleft())  # waits for its replica, or a thief
+                continue
+            chosen = home or self._pick(work)
             if chosen is None:
-                return
+                break
             queue.popleft()
+            if work.affinity is not None:
+                self._bind(work.affinity, chosen.index)
             self._send(chosen, work)
+        self._steal()
+
+    def _home(self, work: Work) -> _Replica | None:
+        if work.affinity is None:
+            return None
+        index = self._homes.get(work.affinity)
+        if index is None or index == work.avoid:
+            return None  # unbound yet, or the replica that failed it: pick afresh
+        return self.replicas[index]
+
+    def _bind(self, key: Any, index: int) -> None:
+        self._homes.pop(key, None)
+        self._homes[key] = index
+        if len(self._homes) > _MAX_HOMES:  # forget the oldest preference
+            del self._homes[next(iter(self._homes))]
+
+    def _steal(self) -> None:
+        for thief in sorted(self.replicas, key=lambda r: -r.free):
+            while thief.free > 0:
+                victim = max(self.replicas, key=lambda r: len(r.soft) if r is not thief else -1)
+                if victim is thief or not victim.soft:
+                    return
+                work = victim.soft.pop()
+                self.stats["stolen"] += 1
+                if work.affinity is not None:
+                    self._bind(work.affinity, thief.index)
+                self._send(thief, work)
 
     def _pick(self, work: Work) -> _Replica | None:
         best: _Replica | None = None
@@ -346,7 +394,7 @@ class Group:
     def _expire(self, work: Work) -> None:
         if work.future.done() or work.sent:
             return  # in flight, the client's own deadline answers
-        for queue in (self.queue, *(r.queue for r in self.replicas)):
+        for queue in (self.queue, *(q for r in self.replicas for q in (r.queue, r.soft))):
             if work in queue:
                 queue.remove(work)
         where = self.name if work.target is None else f"{self.name}[{work.target}]"

@@ -19,9 +19,12 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgspec
+
 from asyncrl import logs
 from asyncrl.dispatch import Dispatcher
 from asyncrl.handles import Context
+from asyncrl.pacing import PipelineSpec
 from asyncrl.process import ConfigProblem
 from asyncrl.spec import ProcessSpec
 from asyncrl.transport import ChannelOptions, Server
@@ -83,7 +86,14 @@ async def serve_driver(spec: ProcessSpec) -> int:
     await server.start()
     dispatcher = Dispatcher(spec.groups, run=spec.run)
     dispatcher.start()
-    ctx = Context(dispatcher, run=spec.run, run_dir=spec.run_dir, log=log, config=spec.config)
+    ctx = Context(
+        dispatcher,
+        run=spec.run,
+        run_dir=spec.run_dir,
+        log=log,
+        config=spec.config,
+        pipeline=msgspec.convert(spec.pipeline, PipelineSpec),
+    )
     log.info("program started", program=spec.target)
     program_task = loop.create_task(program(ctx))
     stop_task = loop.create_task(stop.wait())

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from asyncrl.dispatch import Dispatcher, Group, Work
+from asyncrl.pacing import PipelineSpec
 
 __all__ = ["Context", "Handle"]
 
@@ -47,6 +48,7 @@ class Handle:
         *,
         key: Any = None,
         target: int | None = None,
+        affinity: Any = None,
     ) -> Work:
         loop = asyncio.get_running_loop()
         return Work(
@@ -58,6 +60,7 @@ class Handle:
             loop.create_future(),
             key=key,
             target=target,
+            affinity=affinity,
         )
 
     async def call(
@@ -68,15 +71,19 @@ class Handle:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         key: Any = None,
+        affinity: Any = None,
     ) -> Any:
         """Call ``method`` on whichever replica has room; return its reply.
+
+        Calls with the same ``affinity`` key prefer the replica the first of them went to
+        (an idle replica still steals them; see ``asyncrl.dispatch``).
 
         Raises:
             DeadlineExceededError: no reply within ``timeout`` seconds (names role and replica).
             RemoteError: the role raised; ``code`` and ``remote_type`` say what.
             BrokenError: a once endpoint's replica died with the call in flight.
         """
-        work = self._work(method, payload, reply_type, timeout, key=key)
+        work = self._work(method, payload, reply_type, timeout, key=key, affinity=affinity)
         self._group.submit(work)
         return await work.future
 
@@ -150,7 +157,8 @@ class Context:
     """What the control-flow program receives: a handle per role group, and the run's facts.
 
     ``ctx.rollout`` and ``ctx["rollout"]`` are the same handle; ``ctx.config`` is the manifest's
-    ``run.config``; ``ctx.run_dir`` is where the program writes its outputs.
+    ``run.config``; ``ctx.pipeline`` its ``pipeline`` section (``asyncrl.pacing.PipelineSpec``);
+    ``ctx.run_dir`` is where the program writes its outputs.
     """
 
     def __init__(
@@ -161,11 +169,13 @@ class Context:
         run_dir: str,
         log: Any,
         config: dict[str, Any] | None = None,
+        pipeline: PipelineSpec | None = None,
     ) -> None:
         self.run = run
         self.run_dir = run_dir
         self.log = log
         self.config = config or {}
+        self.pipeline = pipeline or PipelineSpec()
         self.roles = {name: Handle(group) for name, group in dispatcher.groups.items()}
 
     def __getitem__(self, name: str) -> Handle:

@@ -27,6 +27,7 @@ import yaml
 
 from asyncrl._schema import TOP, StructCheck, at, describe, join, validate
 from asyncrl.errors import ManifestError
+from asyncrl.pacing import PipelineSpec, StragglerSpec, straggler_problem
 from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 __all__ = [
@@ -222,10 +223,14 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
         run: the run's name, directory, control-flow program and environment.
         driver: the driver process that runs the control-flow program.
         roles: the roles by name, in the order of the file.
+        pipeline: how samples flow from rollout to the learner: sync or async mode, the
+            staleness bound and the straggler policy (``asyncrl.pacing.PipelineSpec``); the
+            control-flow program reads it as ``ctx.pipeline``.
     """
 
     run: RunSpec
     driver: DriverSpec = msgspec.field(default_factory=DriverSpec)
+    pipeline: PipelineSpec = msgspec.field(default_factory=PipelineSpec)
     roles: Annotated[
         dict[Name, RoleSpec],
         msgspec.Meta(
@@ -243,7 +248,7 @@ def resolve_run_dir(manifest: Manifest) -> str:
     return os.path.abspath(os.path.expanduser(manifest.run.run_dir))
 
 
-_SECTIONS = "a mapping with the sections 'run', 'roles' and, optionally, 'driver'"
+_SECTIONS = "a mapping with the sections 'run', 'roles' and, optionally, 'driver' and 'pipeline'"
 
 
 def _check_role(value: dict[Any, Any], path: str, problems: list[str]) -> None:
@@ -272,6 +277,12 @@ def _check_backoff(value: dict[Any, Any], path: str, problems: list[str]) -> Non
 _DEFAULT_SUPERVISION = Supervision()
 
 
+def _check_straggler(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    problem = straggler_problem(value.get("policy", "wait"), value.get("deadline_s", 0.0))
+    if problem:
+        problems.append(f"{join(path, 'deadline_s')}: {problem}")
+
+
 def _credit(problem: str, overrides: Sequence[str]) -> str:
     """Name the ``--set`` behind a problem, since the file does not show that value."""
     keys = [(o.partition("=")[0].strip(), o) for o in overrides if "=" in o]
@@ -285,6 +296,7 @@ def _credit(problem: str, overrides: Sequence[str]) -> str:
 _STRUCT_CHECKS: dict[type, StructCheck] = {
     RoleSpec: _check_role,
     Supervision: _check_backoff,
+    StragglerSpec: _check_straggler,
 }
 
 

@@ -48,6 +48,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         liveness: missed pings after which a peer is dead.
         parent_pid: the node agent's pid; the process exits if its parent is not this one.
         groups: for the driver: every role group, by name.
+        pipeline: for the driver: the manifest's ``pipeline`` section.
     """
 
     kind: Literal["role", "driver", "command"]
@@ -66,3 +67,4 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     liveness: int = 3
     parent_pid: int = 0
     groups: dict[str, GroupInfo] = {}
+    pipeline: dict[str, Any] = {}

@@ -269,6 +269,12 @@ class HFEngine:
         """Whether weights set by ``set_weights`` still wait to be loaded."""
         return self._pending is not None
 
+    @property
+    def pending_version(self) -> int | None:
+        """The version of the weights waiting in the pending slot, or None when none wait."""
+        pending = self._pending
+        return None if pending is None else pending[1]
+
     def set_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Put ``state`` in the pending slot, replacing any weights still waiting there.
 

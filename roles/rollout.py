@@ -1,24 +1,38 @@
 """The rollout role and its payload types: prompts in, sampled completions out.
 
 A rollout replica owns one engine (``asyncrl.roles.engine``; Hugging Face transformers by
-default) and answers three endpoints:
+default) and answers these endpoints:
 
 - ``generate(GenerateBatch) -> list[Sample]``, idempotent: each request names one sample by its
   stable id ``(prompt id, sample index)``; running it again (on this or another replica with the
   same ``seed``) gives the same sample, so a lost request is simply re-run.
 - ``set_weights(WeightsUpdate) -> int``, latest-wins: the new weights take effect between two
   decode steps of a generation in progress, with no restart; it returns the version active now.
+- ``sync(None) -> int``, latest-wins: load the newest weights the publisher named by
+  ``weights_from`` left in shared memory; applied as ``set_weights`` applies them.
 - ``version(None) -> int``, idempotent: the weights version active now.
+- ``stats(None) -> dict[str, int]``, idempotent: what this replica's engine computed since it
+  started (``forward_passes``, ``prefill_tokens``, ``tokens_generated``, ``weight_switches``), so
+  a caller can check from outside that a resumed sample regenerated nothing.
 
 Every token of a ``Sample`` carries its behaviour log-prob and the weights version that produced
 it, so the learner can correct off-policy tokens and measure staleness. An unfinished sample
 (``finished=False``: interrupted, or out of its chunk budget) is a partial rollout; sending it back
 as ``GenerateRequest.partial`` resumes it, on any replica, without regenerating a token.
+
+By default new weights that arrive during a generation are switched to between two decode steps
+and the generation goes on, its KV cache computed partly under the old weights. With
+``interrupt_on_weights`` the generation stops instead, as soon as weights other than those it
+started with are pending: its unfinished samples come back ``interrupted``, every token of them
+of the old version, and the caller resumes them (here or on another replica) under the new
+weights, whose prefill recomputes the whole cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -164,7 +178,8 @@ class WeightsUpdate(msgspec.Struct):
 
 
 class Rollout(Role):
-    """Samples completions with an engine; switches weights between decode steps."""
+    """Samples completions with an engine; switches weights between decode steps, or with
+    ``interrupt_on_weights`` hands back partial samples to resume under the new weights."""
 
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         """The rollout role's config (the manifest's ``config`` mapping).
@@ -177,6 +192,10 @@ class Rollout(Role):
             max_batch: the most sequences one forward pass decodes; larger batches run in turns.
             chunk_tokens: the most new tokens a sample gets per call before it comes back
                 unfinished (0: no budget).
+            interrupt_on_weights: stop a generation in progress as soon as new weights (from
+                ``set_weights`` or ``sync``) are pending, rather than switching to them between
+                two steps; its unfinished samples come back with stop reason ``interrupted``,
+                to be resumed under the new weights.
             dtype: the model's torch dtype name.
             weights_from: the role that publishes weights in shared memory on this host
                 (the learner); ``sync`` reads from it, and a replica that starts or restarts
@@ -189,6 +208,7 @@ class Rollout(Role):
         seed: int = 0
         max_batch: int = 64
         chunk_tokens: int = 0
+        interrupt_on_weights: bool = False
         dtype: str = "float32"
         weights_from: str = ""
 
@@ -266,13 +286,19 @@ class Rollout(Role):
     async def generate(self, batch: GenerateBatch) -> list[Sample]:
         """Sample (or resume) one completion per request, in order.
 
+        With ``interrupt_on_weights``, unfinished samples come back ``interrupted`` once new
+        weights arrive during the call.
+
         Raises:
             ValueError: a request the engine cannot run (empty prompt, a partial of another
                 sample, a sequence longer than the model's positions).
         """
+        should_interrupt = self._weights_changed() if self.config.interrupt_on_weights else None
         self._generating += 1
         try:
-            samples = await self.ctx.offload(self.engine.generate, batch.requests)
+            samples = await self.ctx.offload(
+                self.engine.generate, batch.requests, should_interrupt=should_interrupt
+            )
         finally:
             self._generating -= 1
         await self._apply_if_idle()
@@ -296,6 +322,25 @@ class Rollout(Role):
     async def version(self, _: None) -> int:
         """The weights version active now."""
         return self.engine.version
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def stats(self, _: None) -> dict[str, int]:
+        """What this replica's engine computed since it started (``EngineStats``, by field:
+        forward_passes, prefill_tokens, tokens_generated, weight_switches). A restarted
+        replica counts from 0; read during a generation, the counters may be a step apart."""
+        return dataclasses.asdict(self.engine.stats)
+
+    def _weights_changed(self) -> Callable[[], bool]:
+        """A ``should_interrupt`` for one generate call: True once the weights pending or
+        active are not those the call starts with (pending ones are loaded by its prefill)."""
+        engine = self.engine
+
+        def newest() -> int:
+            pending = engine.pending_version
+            return engine.version if pending is None else pending
+
+        started = newest()
+        return lambda: newest() != started
 
     async def _apply_if_idle(self) -> None:
         if self._generating == 0 and self.engine.has_pending_weights:

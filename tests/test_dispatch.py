@@ -232,6 +232,69 @@ def test_no_work_waits_for_a_busy_replica_while_another_has_room(run_dir: str) -
     run(main())
 
 
+def test_work_with_an_affinity_key_stays_on_one_replica(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        entered: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        replicas = [
+            await FakeReplica(ep, i, capacity=4, entered=entered, hold=lambda m, p: True).start()
+            for i, ep in enumerate(endpoints)
+        ]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            first = asyncio.ensure_future(g.call("work", 0, affinity="group-a"))
+            home, _ = await asyncio.wait_for(entered.get(), WAIT_S)
+            # The other replica has more free slots, yet the group's next samples go home.
+            rest = [asyncio.ensure_future(g.call("work", i, affinity="group-a")) for i in (1, 2)]
+            for _ in rest:
+                assert (await asyncio.wait_for(entered.get(), WAIT_S))[0] == home
+            other = asyncio.ensure_future(g.call("work", "free"))
+            assert (await asyncio.wait_for(entered.get(), WAIT_S))[0] == 1 - home
+            for replica in replicas:
+                replica.gate.set()
+            replies = await asyncio.wait_for(asyncio.gather(first, *rest, other), WAIT_S)
+            assert replies == [[home, 0], [home, 1], [home, 2], [1 - home, "free"]]
+            assert group.stats["stolen"] == 0
+
+    run(main())
+
+
+def test_an_idle_replica_steals_work_queued_for_a_busy_one(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        entered: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        replicas = [
+            await FakeReplica(
+                ep, i, capacity=1, entered=entered, hold=lambda m, p: p == "hold"
+            ).start()
+            for i, ep in enumerate(endpoints)
+        ]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            pinned = asyncio.ensure_future(g.call("work", "hold", affinity="group-a"))
+            home, _ = await asyncio.wait_for(entered.get(), WAIT_S)
+            blocker = asyncio.ensure_future(g.call("work", "hold"))
+            assert (await asyncio.wait_for(entered.get(), WAIT_S))[0] == 1 - home
+            # Both replicas are busy: the group's samples wait in its home's queue ...
+            queued = [
+                asyncio.ensure_future(g.call("work", i, affinity="group-a")) for i in range(4)
+            ]
+            await asyncio.sleep(0)
+            assert len(group.replicas[home].soft) == 4
+            # ... until the other replica frees up and steals every one of them.
+            replicas[1 - home].gate.set()
+            replies = await asyncio.wait_for(asyncio.gather(*queued), WAIT_S)
+            assert replies == [[1 - home, i] for i in range(4)]
+            assert group.stats["stolen"] == 4
+            assert not pinned.done()
+            assert [p for _, p, _ in replicas[home].calls] == ["hold"]
+            replicas[home].gate.set()
+            assert await asyncio.wait_for(pinned, WAIT_S) == [home, "hold"]
+            assert await asyncio.wait_for(blocker, WAIT_S) == [1 - home, "hold"]
+
+    run(main())
+
+
 def test_map_yields_as_results_complete_each_key_once(run_dir: str) -> None:
     async def main() -> None:
         endpoints = endpoints_in(run_dir, 1)

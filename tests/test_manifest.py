@@ -299,12 +299,47 @@ def test_duplicate_keys_are_problems() -> None:
 def test_top_level_must_be_a_mapping() -> None:
     assert _problems("- run\n- roles\n") == [
         "(top level): expected a mapping with the sections 'run', 'roles' and, optionally, "
-        "'driver', got a list"
+        "'driver' and 'pipeline', got a list"
     ]
     assert _problems("# nothing yet\n") == [
         "(top level): the manifest is empty; expected a mapping with the sections 'run', "
-        "'roles' and, optionally, 'driver'"
+        "'roles' and, optionally, 'driver' and 'pipeline'"
     ]
+
+
+def test_pipeline_section_problems_are_reported_with_their_paths() -> None:
+    text = (
+        "run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n"
+        "pipeline: {mode: asink, eta: -1, straggler: {policy: emit, k_min: 1}, bogus: 1}\n"
+    )
+    assert _problems(text) == [
+        "pipeline.mode: expected 'sync' or 'async', got 'asink'",
+        "pipeline.eta: expected an integer >= 0, got -1",
+        "pipeline.straggler.k_min: expected an integer >= 2, got 1",
+        "pipeline.straggler.deadline_s: policy 'emit' needs a deadline > 0 (seconds from a "
+        "group's admission to its release); set it, or use policy 'wait'",
+        "pipeline.bogus: unknown key; expected one of 'mode', 'eta', 'over_eta', 'correction', "
+        "'importance_cap', 'overprovision', 'group_affinity', 'straggler', 'running_stats'",
+    ]
+
+
+def test_pipeline_section_defaults_to_sync_and_takes_overrides() -> None:
+    text = "run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n"
+    assert parse_manifest(text).pipeline.mode == "sync"
+    m = parse_manifest(
+        text,
+        overrides=[
+            "pipeline.mode=async",
+            "pipeline.straggler.policy=drop",
+            "pipeline.straggler.deadline_s=1.5",
+        ],
+    )
+    assert (m.pipeline.mode, m.pipeline.window_eta, m.pipeline.straggler.policy) == (
+        "async",
+        2,
+        "drop",
+    )
+    assert m.pipeline.straggler.deadline_s == 1.5
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,7 @@ def test_endpoints_and_their_delivery_classes() -> None:
     assert {name: spec.delivery for name, spec in specs.items()} == {
         "generate": Delivery.IDEMPOTENT,
         "set_weights": Delivery.LATEST,
+        "stats": Delivery.IDEMPOTENT,
         "sync": Delivery.LATEST,
         "version": Delivery.IDEMPOTENT,
     }
