@@ -308,8 +308,9 @@ class Rollout(Role):
     async def set_weights(self, update: WeightsUpdate) -> int:
         """Take new weights; return the version active now.
 
-        During a generation the update is applied by the engine before its next decode step,
-        so the version returned may still be the previous one; when idle it is applied at once.
+        During a generation the update is applied by the engine before its next decode step
+        (with ``interrupt_on_weights``: once the interrupted generation has returned), so the
+        version returned may still be the previous one; when idle it is applied at once.
 
         Raises:
             ValueError: a tensor name the model does not have, or a shape that differs.
