@@ -5,7 +5,9 @@ default) and answers these endpoints:
 
 - ``generate(GenerateBatch) -> list[Sample]``, idempotent: each request names one sample by its
   stable id ``(prompt id, sample index)``; running it again (on this or another replica with the
-  same ``seed``) gives the same sample, so a lost request is simply re-run.
+  same ``seed``) gives the same sample, so a lost request is simply re-run. Calls that wait while
+  the engine runs are decoded together as its next batch (up to ``max_batch`` sequences), so
+  one-sample calls to a replica with many slots (its ``capacity``) still batch well.
 - ``set_weights(WeightsUpdate) -> int``, latest-wins: the new weights take effect between two
   decode steps of a generation in progress, with no restart; it returns the version active now.
 - ``sync(None) -> int``, latest-wins: load the newest weights the publisher named by
@@ -30,8 +32,10 @@ weights, whose prefill recomputes the whole cache.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -246,6 +250,8 @@ class Rollout(Role):
         # Generations running now: while one runs, new weights wait for it to apply them
         # between steps, rather than queueing an apply behind it in the worker thread.
         self._generating = 0
+        self._waiting: deque[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = deque()
+        self._batching: asyncio.Task[None] | None = None
         self._reader: WeightReader | None = None
         if cfg.weights_from:
             # Before any credit is advertised: a restarted replica starts from the current
@@ -293,11 +299,59 @@ class Rollout(Role):
             ValueError: a request the engine cannot run (empty prompt, a partial of another
                 sample, a sequence longer than the model's positions).
         """
+        future: asyncio.Future[list[Sample]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((batch.requests, future))
+        if self._batching is None or self._batching.done():
+            self._batching = asyncio.get_running_loop().create_task(self._run_batches())
+        return await future
+
+    async def _run_batches(self) -> None:
+        """Run the generate calls waiting now as one engine batch, up to ``max_batch``
+        sequences; calls that arrive meanwhile form the next batch. So a replica with many
+        slots decodes its one-sample calls together (continuous batching, call by call)."""
+        while self._waiting:
+            calls: list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = []
+            size = 0
+            while self._waiting and (
+                not calls or size + len(self._waiting[0][0]) <= self.config.max_batch
+            ):
+                requests, future = self._waiting.popleft()
+                if not future.done():  # its caller may have gone
+                    calls.append((requests, future))
+                    size += len(requests)
+            if not calls:
+                continue
+            try:
+                samples = await self._generate([r for requests, _ in calls for r in requests])
+            except ValueError:
+                # One call's bad request must not fail the others: run each on its own.
+                for requests, future in calls:
+                    try:
+                        result = await self._generate(requests)
+                    except ValueError as exc:
+                        if not future.done():
+                            future.set_exception(exc)
+                    else:
+                        if not future.done():
+                            future.set_result(result)
+                continue
+            except BaseException as exc:
+                for _, future in calls:
+                    if not future.done():
+                        future.set_exception(exc)
+                raise
+            start = 0
+            for requests, future in calls:
+                if not future.done():
+                    future.set_result(samples[start : start + len(requests)])
+                start += len(requests)
+
+    async def _generate(self, requests: list[GenerateRequest]) -> list[Sample]:
         should_interrupt = self._weights_changed() if self.config.interrupt_on_weights else None
         self._generating += 1
         try:
             samples = await self.ctx.offload(
-                self.engine.generate, batch.requests, should_interrupt=should_interrupt
+                self.engine.generate, requests, should_interrupt=should_interrupt
             )
         finally:
             self._generating -= 1

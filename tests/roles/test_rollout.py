@@ -257,3 +257,34 @@ def test_payloads_travel_through_the_codec() -> None:
     sample = Sample("a", 0, [3, 1, 4], [5, 6], [-0.5, -1.25], [2, 3], True, "stop")
     assert round_trip([sample], list[Sample]) == [sample]
     assert sample.key == ("a", 0)
+
+
+def test_concurrent_one_sample_calls_are_decoded_as_one_batch() -> None:
+    async def scenario() -> None:
+        alone = await started(seed=3)
+        together = await started(seed=3)
+        batch = prompts_batch()
+        expected = await alone.generate(batch)
+        passes_alone = alone.engine.stats.forward_passes
+        # The first call starts the engine; the next two wait and are decoded together.
+        calls = [together.generate(GenerateBatch([r])) for r in batch.requests]
+        got = await asyncio.gather(*calls)
+        assert [s for one in got for s in one] == expected
+        assert together.engine.stats.forward_passes < 3 * passes_alone
+
+    run(scenario)
+
+
+def test_a_bad_call_does_not_fail_the_calls_batched_with_it() -> None:
+    async def scenario() -> None:
+        role = await started()
+        good = prompts_batch()
+        bad = GenerateBatch([GenerateRequest(Prompt("x", []), 0, SamplingParams())])
+        results = await asyncio.gather(
+            role.generate(good), role.generate(bad), role.generate(good), return_exceptions=True
+        )
+        assert isinstance(results[1], ValueError) and "no tokens" in str(results[1])
+        assert results[0] == results[2]
+        assert isinstance(results[0], list) and len(results[0]) == 3
+
+    run(scenario)
