@@ -9,6 +9,7 @@
     │   │   ├── PeerUnreachableError    the peer is not connected (ROUTER_MANDATORY refused)
     │   │   └── WeightsGoneError        the weight store's writer closed it or died (weights.py)
     │   ├── DeadlineExceededError       no answer before the request's deadline
+    │   │   └── FlushDeadlineError      contributions still unacknowledged (post.py)
     │   ├── TornReadError               every weights read raced with the writer; retry
     │   ├── NothingPublishedError       weights were read before any version was published
     │   ├── RemoteError                 the peer answered with an error reply
@@ -52,6 +53,7 @@ __all__ = [
     "DeadlineExceededError",
     "DecodeError",
     "DisconnectedError",
+    "FlushDeadlineError",
     "ManifestError",
     "MessageTooLargeError",
     "NothingPublishedError",
@@ -101,6 +103,23 @@ class TornReadError(TransportError):
     """
 
     retryable = True
+
+
+class FlushDeadlineError(DeadlineExceededError):
+    """Contributions were still unacknowledged when ``Poster.flush`` gave up.
+
+    Attributes:
+        pending: how many were unacknowledged.
+    """
+
+    def __init__(self, peer: str, method: str, timeout_s: float, pending: int) -> None:
+        super().__init__(peer, method, timeout_s)
+        self.pending = pending
+        self.args = (
+            f"{pending} contribution{'' if pending == 1 else 's'} to {method!r} at {peer} still "
+            f"unacknowledged after {timeout_s:.3f} s; the reducer is down, hung or unreachable "
+            f"(they are still being re-sent). Raise the timeout or check the reducer's process.",
+        )
 
 
 class NothingPublishedError(TransportError):

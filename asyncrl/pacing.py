@@ -85,10 +85,12 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         mode: ``sync`` (the baseline) or ``async``; both run the same code.
         eta: the staleness bound η, in learner versions (async mode; sync mode is 0).
         over_eta: ``drop`` or ``correct`` a sample still over η when consumed.
-        correction: the learner's off-policy correction of stale tokens: ``decoupled`` PPO
-            (trust region around the learner's current policy, behaviour corrected by an
-            importance weight), ``tis`` (PPO against the behaviour policy with truncated
-            importance weights) or ``none``.
+        correction: the learner's off-policy correction of stale tokens: ``clip`` (PPO's
+            clipped importance ratio against the behaviour policy: a token the policy has
+            moved away from by more than the clip range stops pushing further), ``decoupled``
+            PPO (trust region around the learner's current, proximal policy; the behaviour
+            policy corrected by an importance weight capped at ``importance_cap``) or ``tis``
+            (policy gradient with truncated importance weights).
         importance_cap: the cap on importance weights of ``decoupled`` and ``tis``.
         overprovision: samples admitted beyond what η allows (async mode), so that drops and
             stragglers do not leave the learner waiting.
@@ -108,9 +110,9 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     correction: Annotated[
         str,
         msgspec.Meta(
-            pattern="^(decoupled|tis|none)$", extra={"expected": "'decoupled', 'tis' or 'none'"}
+            pattern="^(clip|decoupled|tis)$", extra={"expected": "'clip', 'decoupled' or 'tis'"}
         ),
-    ] = "decoupled"
+    ] = "clip"
     importance_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     overprovision: Annotated[int, msgspec.Meta(ge=0)] = 0
     group_affinity: bool = False

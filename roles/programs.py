@@ -4,10 +4,12 @@ Each is a short async function, readable top to bottom, that uses only the runti
 copy one and change it. They expect these roles (by these names): ``prompts`` (PromptSource),
 ``rollout`` (Rollout with ``weights_from: learner``), ``reward`` (Reward with a
 ``tokenizer_path``) and ``learner`` (Learner); PPO also ``critic``, and a ``reference`` is used
-for the KL term when present. Settings come from the manifest's ``run.config``.
+for the KL term when present. Settings come from the manifest's ``run.config``; the sample
+flow (sync or async mode, the staleness bound η, the straggler policy) from its ``pipeline``
+section, through ``asyncrl.roles.pipeline.SamplePipeline``: the same program runs both modes.
 
-A restarted driver resumes where the learner's last step left the prompt cursor, so no prompt
-is used twice and the learner's ledger skips anything already consumed.
+A restarted driver resumes at the learner's version and at the prompt cursor its last step kept,
+so pacing still holds and the learner's ledger skips anything already consumed.
 """
 
 from __future__ import annotations
@@ -16,16 +18,10 @@ import logging
 from typing import Any
 
 from asyncrl.roles.learner import Scored, StepResult, TrainBatch
+from asyncrl.roles.pipeline import SamplePipeline, WeightSync
 from asyncrl.roles.prompts import Take
 from asyncrl.roles.reward import ScoreSamples
-from asyncrl.roles.rollout import (
-    GenerateBatch,
-    GenerateRequest,
-    Prompt,
-    Sample,
-    SamplingParams,
-    WeightsUpdate,
-)
+from asyncrl.roles.rollout import Prompt, Sample, SamplingParams, WeightsUpdate
 
 __all__ = ["bc", "grpo", "ppo"]
 
@@ -38,7 +34,6 @@ DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
     "max_new_tokens": 16,
     "stop_token_ids": [],
-    "chunk": 64,  # samples per generate call; the dispatcher spreads the calls
     "lr": 0.0,  # 0: the learner's configured learning rate
     "batch": 64,  # BC: demonstrations per step
 }
@@ -56,8 +51,8 @@ async def ppo(ctx: Any) -> dict[str, Any]:
 
 async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
     cfg = {**DEFAULTS, **ctx.config}
+    spec = ctx.pipeline  # sync or async mode, eta, straggler policy: the manifest's pipeline
     status = await ctx.learner.call("status", None)
-    cursor = int(status["keep"].get("cursor", 0))
     params = SamplingParams(
         temperature=cfg["temperature"],
         max_new_tokens=cfg["max_new_tokens"],
@@ -66,52 +61,77 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
     if "reference" in ctx.roles and status["step"] == 0:
         start = await ctx.learner.call("weights", None, WeightsUpdate)
         await ctx.reference.broadcast("set_weights", start)
+    await ctx.rollout.broadcast("sync", None, int)
+    answers: dict[str, str] = {}
+
+    async def feed(cursor: int, n: int) -> list[Prompt]:
+        prompts = await ctx.prompts.call("take", Take(cursor, n), list[Prompt])
+        answers.update({p.id: p.answer for p in prompts})
+        return prompts  # type: ignore[no-any-return]
+
+    async def score(samples: list[Sample]) -> list[float]:
+        request = ScoreSamples(samples, [answers[s.prompt_id] for s in samples])
+        return await ctx.reward.call("score_samples", request, list[float])  # type: ignore[no-any-return]
+
+    pipe = SamplePipeline(
+        ctx.rollout,
+        spec=spec,
+        feed=feed,
+        score=score,
+        params=params,
+        batch_size=cfg["prompts_per_step"] * cfg["group_size"],
+        group_size=cfg["group_size"],
+        start_version=status["version"],
+        start_cursor=int(status["keep"].get("cursor", 0)),
+    )
+    weights = WeightSync(ctx.rollout, wait=spec.mode == "sync")
     rewards_seen: list[float] = []
-    for step in range(status["step"], cfg["steps"]):
-        await ctx.rollout.broadcast("sync", None, int)
-        prompts = await ctx.prompts.call(
-            "take", Take(cursor, cfg["prompts_per_step"]), list[Prompt]
-        )
-        cursor += len(prompts)
-        requests = [
-            GenerateRequest(p, k, params) for p in prompts for k in range(cfg["group_size"])
-        ]
-        batches = [
-            GenerateBatch(requests[i : i + cfg["chunk"]])
-            for i in range(0, len(requests), cfg["chunk"])
-        ]
-        samples: list[Sample] = [
-            s
-            async for _, chunk in ctx.rollout.map("generate", batches, list[Sample])
-            for s in chunk
-        ]
-        answers = {p.id: p.answer for p in prompts}
-        rewards = await ctx.reward.call(
-            "score_samples",
-            ScoreSamples(samples, [answers[s.prompt_id] for s in samples]),
-            list[float],
-        )
-        values: list[list[float]] = [[] for _ in samples]
-        refs: list[list[float]] = [[] for _ in samples]
-        if algorithm == "ppo":
-            values = await ctx.critic.call("values", samples, list[list[float]])
-        if "reference" in ctx.roles:
-            refs = await ctx.reference.call("logprobs", samples, list[list[float]])
-        scored = [
-            Scored(s, r, ref_logprobs=ref, values=v)
-            for s, r, ref, v in zip(samples, rewards, refs, values, strict=True)
-        ]
-        result = await ctx.learner.call(
-            "train_step",
-            TrainBatch(scored, algorithm=algorithm, keep={"cursor": cursor}, lr=cfg["lr"]),
-            StepResult,
-        )
-        if algorithm == "ppo":
-            await ctx.critic.call("train_step", scored)
-        mean = sum(rewards) / max(1, len(rewards))
-        rewards_seen.append(mean)
-        log.info("%s step %d: reward %.3f, version %d", algorithm, step + 1, mean, result.version)
-    return {"steps": cfg["steps"], "rewards": rewards_seen, "cursor": cursor}
+    async with pipe:
+        for step in range(status["step"], cfg["steps"]):
+            batch = await pipe.next_batch()
+            samples = [s.sample for s in batch.samples]
+            if algorithm == "ppo":
+                values = await ctx.critic.call("values", samples, list[list[float]])
+                for scored, v in zip(batch.samples, values, strict=True):
+                    scored.values = v
+            if "reference" in ctx.roles:
+                refs = await ctx.reference.call("logprobs", samples, list[list[float]])
+                for scored, ref in zip(batch.samples, refs, strict=True):
+                    scored.ref_logprobs = ref
+            result = await ctx.learner.call(
+                "train_step",
+                TrainBatch(
+                    batch.samples,
+                    algorithm=algorithm,
+                    keep={"cursor": batch.cursor},
+                    lr=cfg["lr"],
+                    correction=spec.correction,
+                    importance_cap=spec.importance_cap,
+                ),
+                StepResult,
+            )
+            # Sync mode: every replica holds the new weights before the next batch is admitted.
+            await weights.push()
+            pipe.advance(result.version)
+            if algorithm == "ppo":
+                await ctx.critic.call("train_step", batch.samples)
+            mean = sum(s.reward for s in batch.samples) / max(1, len(batch.samples))
+            rewards_seen.append(mean)
+            log.info(
+                "%s step %d: reward %.3f, version %d, staleness max %d",
+                algorithm,
+                step + 1,
+                mean,
+                result.version,
+                batch.metrics["staleness_max"],
+            )
+    await weights.close()
+    return {
+        "steps": cfg["steps"],
+        "rewards": rewards_seen,
+        "cursor": pipe.cursor,
+        "pipeline": dict(pipe.metrics),
+    }
 
 
 async def bc(ctx: Any) -> dict[str, Any]:

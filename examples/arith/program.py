@@ -5,7 +5,8 @@ Read it top to bottom; it uses only the handles of the runtime:
 1. BC on a small, fixed set of demonstrations, until held-out accuracy stops improving (the
    plateau: limited by the demonstrations);
 2. GRPO from that checkpoint on fresh prompts, with the BC coefficient at 0 (pure RL: limited
-   only by the verifier);
+   only by the verifier), through the sample pipeline in the manifest's mode (``sync`` by
+   default; ``--set pipeline.mode=async`` overlaps generation with training);
 3. held-out greedy accuracy at the plateau and at the end, a plot, ``summary.json``,
    ``heldout.jsonl`` and the final policy in Hugging Face format in ``final/``.
 
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 from asyncrl.roles.learner import Scored, StepResult, TrainBatch
+from asyncrl.roles.pipeline import SamplePipeline, WeightSync
 from asyncrl.roles.prompts import Take
 from asyncrl.roles.reward import ScoreRequest
 from asyncrl.roles.rollout import (
@@ -49,7 +51,6 @@ DEFAULTS: dict[str, Any] = {
     "group_size": 8,
     "temperature": 1.0,
     "rl_eval_every": 100,
-    "generate_chunk": 64,  # samples per generate call: the dispatcher spreads them
     "seed": 0,
 }
 
@@ -113,7 +114,9 @@ async def main(ctx: Any) -> dict[str, Any]:
             await ctx.learner.call("train_step", bc, timeout=300)
             step += 1
         acc = await accuracy()
-        history.append({"phase": "bc", "step": step, "accuracy": acc})
+        history.append(
+            {"phase": "bc", "step": step, "accuracy": acc, "wall_s": time.monotonic() - started}
+        )
         _progress(f"BC step {step}: held-out accuracy {acc:.3f}")
         if acc > best + 0.01:
             best, stale = acc, 0
@@ -123,61 +126,90 @@ async def main(ctx: Any) -> dict[str, Any]:
     await ctx.learner.call("checkpoint", {"phase": "bc", "cursor": 0})
     _progress(f"BC plateau: held-out accuracy {accuracy_before_rl:.3f} after {step} steps")
 
-    # 2. RL (GRPO, or PPO with a critic) on fresh prompts, BC coefficient 0.
+    # 2. RL (GRPO, or PPO with a critic) on fresh prompts, BC coefficient 0, through the
+    #    sample pipeline: sync or async mode, as the manifest's pipeline section says.
     algorithm = cfg["algorithm"]
     if "reference" in ctx.roles:  # the KL term is measured against the BC policy
         start = await ctx.learner.call("weights", None, WeightsUpdate, timeout=120)
         await ctx.reference.broadcast("set_weights", start, timeout=120)
-    cursor = 0
-    rl_started = time.monotonic()
+    status = await ctx.learner.call("status", None)
+    await sync_weights()
+    answers: dict[str, str] = {}
+
+    async def feed(cursor: int, n: int) -> list[Prompt]:
+        prompts = await ctx.prompts.call("take", Take(cursor, n), list[Prompt])
+        answers.update({p.id: p.answer for p in prompts})
+        return prompts  # type: ignore[no-any-return]
+
+    async def score(samples: list[Sample]) -> list[float]:
+        texts = [tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        request = ScoreRequest(texts, [answers[s.prompt_id] for s in samples])
+        return await ctx.reward.call("score", request, list[float])  # type: ignore[no-any-return]
+
+    spec = ctx.pipeline
     params = SamplingParams(temperature=cfg["temperature"], max_new_tokens=5, stop_token_ids=[eos])
+    pipe = SamplePipeline(
+        ctx.rollout,
+        spec=spec,
+        feed=feed,
+        score=score,
+        params=params,
+        batch_size=cfg["prompts_per_step"] * cfg["group_size"],
+        group_size=cfg["group_size"],
+        start_version=status["version"],
+    )
+    weights = WeightSync(ctx.rollout, wait=spec.mode == "sync")
+    rl_started = time.monotonic()
     samples_consumed = 0
     acc = accuracy_before_rl
-    for rl_step in range(1, cfg["rl_steps"] + 1):
-        await sync_weights()
-        take = Take(cursor, cfg["prompts_per_step"])
-        prompts = await ctx.prompts.call("take", take, list[Prompt])
-        cursor += len(prompts)
-        requests = [
-            GenerateRequest(p, k, params, seed=rng.randrange(2**31))
-            for p in prompts
-            for k in range(cfg["group_size"])
-        ]
-        samples: list[Sample] = []
-        chunks = _chunks(requests, cfg["generate_chunk"])
-        async for _, chunk in ctx.rollout.map("generate", chunks, list[Sample], timeout=600):
-            samples += chunk
-        answers = {p.id: p.answer for p in prompts}
-        texts = [tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        rewards = await ctx.reward.call(
-            "score", ScoreRequest(texts, [answers[s.prompt_id] for s in samples]), list[float]
-        )
-        values: list[list[float]] = [[] for _ in samples]
-        refs: list[list[float]] = [[] for _ in samples]
-        if "critic" in ctx.roles:
-            values = await ctx.critic.call("values", samples, list[list[float]], timeout=300)
-        if "reference" in ctx.roles:
-            refs = await ctx.reference.call("logprobs", samples, list[list[float]], timeout=300)
-        scored = [
-            Scored(s, r, ref_logprobs=ref, values=v)
-            for s, r, ref, v in zip(samples, rewards, refs, values, strict=True)
-        ]
-        result = await ctx.learner.call(
-            "train_step",
-            TrainBatch(scored, algorithm=algorithm, keep={"cursor": cursor}, lr=cfg["rl_lr"]),
-            StepResult,
-            timeout=300,
-        )
-        if "critic" in ctx.roles:
-            await ctx.critic.call("train_step", scored, timeout=300)
-        samples_consumed += result.consumed
-        reward_mean = sum(rewards) / len(rewards)
-        entry: dict[str, Any] = {"phase": "rl", "step": rl_step, "reward": reward_mean}
-        if rl_step % cfg["rl_eval_every"] == 0 or rl_step == cfg["rl_steps"]:
-            acc = await accuracy()
-            entry["accuracy"] = acc
-        history.append(entry)
-        _bar(algorithm.upper(), rl_step, cfg["rl_steps"], reward_mean, acc)
+    staleness_max = 0.0
+    async with pipe:
+        for rl_step in range(1, cfg["rl_steps"] + 1):
+            batch = await pipe.next_batch()
+            samples = [s.sample for s in batch.samples]
+            if "critic" in ctx.roles:
+                values = await ctx.critic.call("values", samples, list[list[float]], timeout=300)
+                for scored, v in zip(batch.samples, values, strict=True):
+                    scored.values = v
+            if "reference" in ctx.roles:
+                refs = await ctx.reference.call("logprobs", samples, list[list[float]], timeout=300)
+                for scored, ref in zip(batch.samples, refs, strict=True):
+                    scored.ref_logprobs = ref
+            result = await ctx.learner.call(
+                "train_step",
+                TrainBatch(
+                    batch.samples,
+                    algorithm=algorithm,
+                    keep={"cursor": batch.cursor},
+                    lr=cfg["rl_lr"],
+                    correction=spec.correction,
+                    importance_cap=spec.importance_cap,
+                ),
+                StepResult,
+                timeout=300,
+            )
+            # Sync mode: every replica holds the new weights before the next batch is admitted.
+            await weights.push()
+            pipe.advance(result.version)
+            if "critic" in ctx.roles:
+                await ctx.critic.call("train_step", batch.samples, timeout=300)
+            samples_consumed += result.consumed
+            staleness_max = max(staleness_max, batch.metrics["staleness_max"])
+            reward_mean = sum(s.reward for s in batch.samples) / len(batch.samples)
+            entry: dict[str, Any] = {
+                "phase": "rl",
+                "step": rl_step,
+                "reward": reward_mean,
+                "wall_s": time.monotonic() - started,
+                "staleness_max": batch.metrics["staleness_max"],
+            }
+            if rl_step % cfg["rl_eval_every"] == 0 or rl_step == cfg["rl_steps"]:
+                acc = await accuracy()
+                entry["accuracy"] = acc
+            history.append(entry)
+            _bar(algorithm.upper(), rl_step, cfg["rl_steps"], reward_mean, acc)
+    await weights.close()
+    pipeline_metrics = dict(pipe.metrics)
 
     accuracy_final = acc if history[-1].get("accuracy") is not None else await accuracy()
     final_dir = await ctx.learner.call("export", os.path.join(ctx.run_dir, "final"))
@@ -191,6 +223,9 @@ async def main(ctx: Any) -> dict[str, Any]:
         "samples_consumed": samples_consumed,
         "samples_per_s": samples_consumed / max(1e-9, time.monotonic() - rl_started),
         "restarts": _restarts(ctx.run_dir),
+        "mode": ctx.pipeline.mode,
+        "staleness_max": staleness_max,
+        "pipeline": pipeline_metrics,
         "final": final_dir,
         "config": cfg,
     }

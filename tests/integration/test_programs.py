@@ -37,13 +37,17 @@ roles:
     class: asyncrl.roles.learner:Learner
     config: {{model_config: *model}}
   {extra}
+{pipeline}
 """
 
 
-def run_program(run_dir: str, program: str, steps: int, extra: str = "") -> dict:  # type: ignore[type-arg]
+def run_program(  # type: ignore[type-arg]
+    run_dir: str, program: str, steps: int, extra: str = "", pipeline: str = ""
+) -> dict:
     path = os.path.join(run_dir, "m.yaml")
+    text = MANIFEST.format(program=program, steps=steps, extra=extra, pipeline=pipeline)
     with open(path, "w") as f:
-        f.write(textwrap.dedent(MANIFEST.format(program=program, steps=steps, extra=extra)))
+        f.write(textwrap.dedent(text))
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
         cwd=ROOT,
@@ -67,6 +71,21 @@ def test_bc_lowers_the_loss(run_dir: str) -> None:
 def test_grpo_runs(run_dir: str) -> None:
     result = run_program(run_dir, "grpo", 4)
     assert len(result["rewards"]) == 4 and result["cursor"] == 32
+    assert result["pipeline"]["consumed_samples"] == 4 * 32
+    # Sync: one batch in flight; the fifth was admitted after the fourth step, then cancelled.
+    assert result["pipeline"]["admitted_samples"] == 5 * 32
+
+
+def test_grpo_runs_in_async_mode(run_dir: str) -> None:
+    pipeline = "pipeline: {mode: async, eta: 1, over_eta: drop}"
+    result = run_program(run_dir, "grpo", 4, pipeline=pipeline)
+    metrics = result["pipeline"]
+    assert len(result["rewards"]) == 4
+    # Admission ran ahead of the learner, but never beyond eta + 1 batches of its version.
+    assert metrics["consumed_samples"] == 4 * 32
+    wasted = metrics.get("wasted_samples", 0)
+    assert 4 * 32 < metrics["admitted_samples"] <= (4 + 1 + 1) * 32 + wasted
+    assert result["cursor"] >= 4 * 8
 
 
 def test_ppo_runs_with_a_critic(run_dir: str) -> None:

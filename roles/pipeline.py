@@ -1,0 +1,444 @@
+"""The sample pipeline: prompts in; scored GRPO groups with their advantages out, without barriers.
+
+One ``SamplePipeline`` runs in the control-flow program, between the rollout group and the
+learner, in either mode of the manifest's ``pipeline`` section (``asyncrl.pacing``); both modes
+run this same code:
+
+1. **Admission.** A prompt is admitted as a group of ``group_size`` samples when the ``Pacer``
+   has room: at most one batch in sync mode, up to η learner versions ahead in async mode.
+2. **Dispatch.** The unit of work is one sample, (prompt id, sample index): each is its own
+   ``generate`` call, so one group's samples run on whichever replicas have free slots, in any
+   order, and an idle replica steals queued ones. An unfinished sample (out of its chunk budget,
+   or interrupted by a weight update) comes back partial and is resumed on any replica, keeping
+   its tokens and their versions. A sample lost with a crashed replica is re-run by the
+   dispatcher under the same stable id: it replaces the lost one, and is never counted twice.
+3. **Split-mode reduction.** Each scored sample posts its reward to its group's round of a
+   ``Reducer`` (count, mean and M2, merged with Chan's formula in arrival order). A group is
+   released the moment its last sample arrives, or at its deadline under the straggler policy;
+   its advantages, ``(r - mean) / (std + eps)``, are exactly what the learner computes over the
+   same group in one shot.
+4. **Consumption.** ``next_batch()`` hands out whole released groups, oldest release first,
+   with each sample's staleness against the learner version that will consume them; a group
+   with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
+
+Every admitted sample ends up consumed or counted as waste (``metrics``); nothing is silently
+lost. ``cursor`` is the first prompt index not yet settled (consumed or wasted): kept with a
+checkpoint, it is where a resumed run admits again, and the learner's ledger skips any sample it
+already consumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from asyncrl.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
+from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
+from asyncrl.roles.learner import Scored
+from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+
+__all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
+
+log = logging.getLogger("asyncrl.pipeline")
+
+PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
+"""``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
+
+Scorer = Callable[[list[Sample]], Awaitable[list[float]]]
+"""``score(samples)``: one reward per sample, in order."""
+
+
+class Caller(Protocol):
+    """What the pipeline needs of the rollout group's handle (``asyncrl.handles.Handle``)."""
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = ...,
+        key: Any = None,
+        affinity: Any = None,
+    ) -> Any: ...
+
+
+class Broadcaster(Protocol):
+    """What ``WeightSync`` needs of the rollout group's handle."""
+
+    async def broadcast(
+        self, method: str, payload: Any = None, reply_type: Any = Any, *, timeout: float = ...
+    ) -> list[Any]: ...
+
+
+class WeightSync:
+    """After each learner step, has every rollout replica load the newest weights.
+
+    In sync mode ``push`` waits for every replica (part of the barrier). In async mode it
+    returns at once and the broadcast runs in the background; the endpoint is latest-wins, so a
+    push queued behind a busy replica is replaced by the next one. A failed background push is
+    raised by the next ``push`` or by ``close``.
+    """
+
+    def __init__(
+        self, rollout: Broadcaster, *, wait: bool, method: str = "sync", timeout: float = 600.0
+    ) -> None:
+        self.rollout = rollout
+        self.wait = wait
+        self.method = method
+        self.timeout = timeout
+        self._tasks: set[asyncio.Task[list[Any]]] = set()
+        self._failure: BaseException | None = None
+
+    async def push(self, payload: Any = None) -> None:
+        if self._failure is not None:
+            raise self._failure
+        call = self.rollout.broadcast(self.method, payload, timeout=self.timeout)
+        if self.wait:
+            await call
+            return
+        task = asyncio.get_running_loop().create_task(call)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[list[Any]]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+    async def close(self) -> None:
+        """Wait for the pushes in flight; raise the first that failed."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._failure is not None:
+            raise self._failure
+
+
+def group_advantages(
+    rewards: list[float], moments: Moments, *, normalize_std: bool = True, eps: float = 1e-6
+) -> list[float]:
+    """GRPO advantages of a group's rewards from its reduced moments: ``(r - mean) / (std +
+    eps)``, or ``r - mean``; the population std, as ``algorithms.grpo_advantages`` uses."""
+    if normalize_std:
+        return [(r - moments.mean) / (moments.std + eps) for r in rewards]
+    return [r - moments.mean for r in rewards]
+
+
+class Batch(msgspec.Struct):
+    """Whole groups for one learner step.
+
+    Attributes:
+        samples: scored samples, each with its group's advantage.
+        version: the learner version that consumes them (the one staleness is measured against).
+        staleness: per sample, in order.
+        cursor: the first prompt index not yet consumed or wasted (where a resumed run starts).
+        metrics: the pipeline's counters so far, and this batch's staleness p50/p99/max.
+    """
+
+    samples: list[Scored]
+    version: int
+    staleness: list[int]
+    cursor: int
+    metrics: dict[str, float]
+
+
+@dataclass(eq=False)
+class _Group:
+    key: str
+    index: int
+    prompt: Prompt
+    samples: dict[int, tuple[Sample, float]] = field(default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    advantages: dict[int, float] = field(default_factory=dict)
+    outcome: str = ""
+
+
+class SamplePipeline:
+    """Admits prompts, generates and scores their groups, and releases them with advantages.
+
+    Use it as an async context manager around the training loop::
+
+        async with SamplePipeline(ctx.rollout, spec=ctx.pipeline, ...) as pipe:
+            for _ in range(steps):
+                batch = await pipe.next_batch()
+                result = await ctx.learner.call("train_step", TrainBatch(batch.samples, ...))
+                pipe.advance(result.version)        # the window moves on
+    """
+
+    def __init__(
+        self,
+        rollout: Caller,
+        *,
+        spec: PipelineSpec,
+        feed: PromptFeed,
+        score: Scorer,
+        params: SamplingParams,
+        batch_size: int,
+        group_size: int,
+        start_version: int = 0,
+        start_cursor: int = 0,
+        normalize_std: bool = True,
+        timeout: float = 600.0,
+    ) -> None:
+        if group_size < 1 or batch_size < group_size:
+            raise ValueError(
+                f"batch_size ({batch_size}) must hold at least one group of group_size "
+                f"({group_size}) samples"
+            )
+        self.rollout = rollout
+        self.spec = spec
+        self.feed = feed
+        self.score = score
+        self.params = params
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.normalize_std = normalize_std
+        self.timeout = timeout
+        self.pacer = Pacer(
+            batch_size,
+            spec.window_eta,
+            start_version=start_version,
+            overprovision=spec.window_overprovision,
+        )
+        straggler = spec.straggler
+        self.reducer = Reducer(
+            self._on_release,
+            policy=Straggler(straggler.policy),
+            deadline_s=straggler.deadline_s or None,
+            k_min=min(straggler.k_min, group_size),
+            on_late=self._on_late,
+        )
+        self.metrics: Counter[str] = Counter()
+        self.running: dict[int, Moments] = {}  # consuming version -> reward moments
+        self._groups: dict[str, _Group] = {}
+        self._ready: deque[_Group] = deque()
+        self._ready_event = asyncio.Event()
+        self._next_index = start_cursor  # the next prompt to admit
+        self._fetched = start_cursor  # the next prompt to ask the feed for
+        self._unsettled: dict[int, None] = {}  # admitted, not consumed or wasted, in order
+        self._prompts: deque[Prompt] = deque()
+        self._exhausted = False
+        self._failure: BaseException | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._to_score: list[tuple[_Group, int, Sample]] = []
+        self._scoring: asyncio.Task[None] | None = None
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> SamplePipeline:
+        self._spawn(self._admit_loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop admitting and cancel every sample in flight."""
+        tasks = [*self._tasks, *(t for g in self._groups.values() for t in g.tasks)]
+        if self._scoring is not None:
+            tasks.append(self._scoring)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.reducer.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+            self._ready_event.set()
+
+    # -- admission ----------------------------------------------------------------------
+
+    async def _admit_loop(self) -> None:
+        while True:
+            await self.pacer.admit(self.group_size)
+            prompt = await self._next_prompt()
+            if prompt is None:
+                self.pacer.waste(self.group_size)  # nothing to admit: give the room back
+                self._exhausted = True
+                self._ready_event.set()
+                return
+            self._start(prompt)
+
+    async def _next_prompt(self) -> Prompt | None:
+        if not self._prompts:
+            n = max(1, self.batch_size // self.group_size)
+            fetched = await self.feed(self._fetched, n)
+            self._fetched += len(fetched)
+            self._prompts.extend(fetched)
+        return self._prompts.popleft() if self._prompts else None
+
+    def _start(self, prompt: Prompt) -> None:
+        index = self._next_index
+        self._next_index += 1
+        group = _Group(prompt.id, index, prompt)
+        self._groups[group.key] = group
+        self._unsettled[index] = None
+        self.reducer.open(group.key, self.group_size)
+        self.metrics["admitted_groups"] += 1
+        self.metrics["admitted_samples"] += self.group_size
+        loop = asyncio.get_running_loop()
+        group.tasks = [loop.create_task(self._sample(group, k)) for k in range(self.group_size)]
+        for task in group.tasks:
+            task.add_done_callback(self._finished)
+
+    # -- one sample ---------------------------------------------------------------------
+
+    async def _sample(self, group: _Group, k: int) -> None:
+        request = GenerateRequest(group.prompt, k, self.params)
+        affinity = group.key if self.spec.group_affinity else None
+        while True:
+            (sample,) = await self.rollout.call(
+                "generate",
+                GenerateBatch([request]),
+                list[Sample],
+                timeout=self.timeout,
+                key=(group.key, k),
+                affinity=affinity,
+            )
+            if sample.finished:
+                break
+            # A partial rollout: resume it on whichever replica is free, keeping its tokens.
+            self.metrics["resumed"] += 1
+            request = GenerateRequest(group.prompt, k, self.params, partial=sample)
+        self.metrics["generated_samples"] += 1
+        self._to_score.append((group, k, sample))
+        if self._scoring is None or self._scoring.done():
+            self._scoring = asyncio.get_running_loop().create_task(self._score_pending())
+            self._scoring.add_done_callback(self._finished)
+
+    async def _score_pending(self) -> None:
+        """Score every sample that finished meanwhile in one call, then post each reward."""
+        while self._to_score:
+            todo, self._to_score = self._to_score, []
+            rewards = await self.score([s for _, _, s in todo])
+            for (group, k, sample), reward in zip(todo, rewards, strict=True):
+                if group.outcome:
+                    self._on_late(group.key, str(k))  # its group was released without it
+                    continue
+                group.samples[k] = (sample, float(reward))
+                self.reducer.add(group.key, str(k), Moments.of([float(reward)]))
+
+    # -- release ------------------------------------------------------------------------
+
+    def _on_release(self, released: Released) -> None:
+        group = self._groups.get(released.key)
+        if group is None:
+            return
+        group.outcome = released.outcome
+        self.metrics[f"groups_{released.outcome}"] += 1
+        for k, task in enumerate(group.tasks):
+            if k not in group.samples and not task.done():
+                task.cancel()  # a straggler of a released group: its result would be waste
+        if released.outcome == Outcome.DROPPED:
+            self._waste(group, self.group_size)
+            return
+        missing = self.group_size - len(group.samples)
+        if missing:
+            self.metrics["wasted_samples"] += missing
+            self.pacer.waste(missing)
+        ks = sorted(group.samples)
+        rewards = [group.samples[k][1] for k in ks]
+        advantages = group_advantages(rewards, released.moments, normalize_std=self.normalize_std)
+        group.advantages = dict(zip(ks, advantages, strict=True))
+        self._ready.append(group)
+        self._ready_event.set()
+
+    def _on_late(self, key: str, part: str) -> None:
+        self.metrics["late_samples"] += 1
+
+    def _waste(self, group: _Group, n: int) -> None:
+        """Drop a whole group: its samples are waste, and its room goes to a fresh prompt."""
+        self.metrics["wasted_samples"] += n
+        self.metrics["wasted_tokens"] += sum(len(s.token_ids) for s, _ in group.samples.values())
+        self.pacer.waste(n)
+        self._settle(group)
+
+    def _settle(self, group: _Group) -> None:
+        self._groups.pop(group.key, None)
+        self._unsettled.pop(group.index, None)
+        self.reducer.forget(group.key)
+
+    @property
+    def cursor(self) -> int:
+        """The first prompt index not yet consumed or wasted."""
+        return next(iter(self._unsettled), self._next_index)
+
+    # -- consumption --------------------------------------------------------------------
+
+    def advance(self, version: int) -> None:
+        """The learner reached ``version``: generation may move ahead accordingly."""
+        self.pacer.advance(version)
+
+    async def next_batch(self) -> Batch:
+        """Whole released groups for the learner at the current version: ``batch_size //
+        group_size`` of them (fewer only at the end of the prompts), so ``batch_size`` samples
+        unless a group was emitted partial under the straggler policy.
+
+        Raises:
+            The first error of a generate or score call (after the dispatcher's retries).
+            EOFError: the prompts ran out and nothing is left to hand out.
+        """
+        version = self.pacer.version
+        samples: list[Scored] = []
+        ages: list[int] = []
+        admitted = 0  # the samples admitted for the groups taken: a partial group counts whole
+        while admitted < self.batch_size:
+            group = await self._next_ready()
+            if group is None:
+                break
+            group_ages = [staleness(version, s.versions) for s, _ in group.samples.values()]
+            over = max(group_ages, default=0) > self.pacer.eta
+            if over and self.spec.mode == Mode.ASYNC and self.spec.over_eta == OverEta.DROP:
+                self.metrics["groups_over_eta_dropped"] += 1
+                self._waste(group, len(group.samples))
+                continue
+            if over:
+                self.metrics["groups_over_eta_corrected"] += 1
+            for k in sorted(group.samples):
+                sample, reward = group.samples[k]
+                samples.append(Scored(sample, reward, advantage=group.advantages[k]))
+            ages += group_ages
+            admitted += self.group_size
+            self._settle(group)
+        if not samples:
+            raise EOFError("the prompts ran out: no more groups to hand out")
+        self.metrics["consumed_samples"] += len(samples)
+        self.metrics["batches"] += 1
+        rewards = Moments.of([s.reward for s in samples])
+        if self.spec.running_stats:
+            self.running[version] = self.running.get(version, Moments(0, 0.0, 0.0)).merge(rewards)
+        metrics: dict[str, float] = {k: float(v) for k, v in self.metrics.items()}
+        metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
+        metrics.update({f"reducer_{k}": float(v) for k, v in self.reducer.metrics.items()})
+        metrics["pacer_room"] = float(self.pacer.room())
+        if self.spec.running_stats:
+            total = Moments(0, 0.0, 0.0)
+            for m in self.running.values():
+                total = total.merge(m)
+            metrics["reward_running_mean"] = total.mean
+            metrics["reward_running_std"] = total.std
+        return Batch(samples, version, ages, self.cursor, metrics)
+
+    async def _next_ready(self) -> _Group | None:
+        while not self._ready:
+            if self._failure is not None:
+                raise self._failure
+            if self._exhausted and not self._groups:
+                return None
+            self._ready_event.clear()
+            await self._ready_event.wait()
+        return self._ready.popleft()

@@ -1,0 +1,355 @@
+"""SamplePipeline in one process: a fake rollout whose samples finish when the test says so.
+
+Each generate call waits on the test's release of that sample (an event), so the order in which
+samples complete is chosen by the test, and nothing sleeps to let time pass (but for straggler
+deadlines, which are time by definition).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrl.pacing import PipelineSpec, StragglerSpec
+from asyncrl.reduce import Moments
+from asyncrl.roles import algorithms as alg
+from asyncrl.roles.pipeline import SamplePipeline, group_advantages
+from asyncrl.roles.rollout import GenerateBatch, Prompt, Sample, SamplingParams
+from asyncrl.transport import run
+
+WAIT_S = 10.0
+G = 4  # group size
+B = 8  # batch size: two groups
+
+
+class FakeRollout:
+    """Answers ``generate`` once the test releases the sample (or at once, with ``auto``)."""
+
+    def __init__(self, *, auto: bool = False, chunks: int = 1) -> None:
+        self.auto = auto
+        self.chunks = chunks  # calls a sample takes: the first chunks - 1 come back partial
+        self.version = 0
+        self.gates: dict[tuple[str, int], asyncio.Event] = {}
+        self.started: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self.calls: list[tuple[str, int, int]] = []  # (prompt, index, tokens it had before)
+        self.in_flight = 0
+        self.peak = 0
+
+    def release(self, key: tuple[str, int]) -> None:
+        self.gates.setdefault(key, asyncio.Event()).set()
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = 0.0,
+        key: Any = None,
+        affinity: Any = None,
+    ) -> Any:
+        assert method == "generate" and isinstance(payload, GenerateBatch)
+        (request,) = payload.requests
+        sid = (request.prompt.id, request.sample_index)
+        before = request.partial.token_ids if request.partial is not None else []
+        versions = request.partial.versions if request.partial is not None else []
+        self.calls.append((sid[0], sid[1], len(before)))
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        self.started.put_nowait(sid)
+        version = self.version  # the weights a sample starts with
+        try:
+            if not self.auto:
+                await self.gates.setdefault(sid, asyncio.Event()).wait()
+        finally:
+            self.in_flight -= 1
+        tokens = [*before, 2 + len(before)]
+        done = len(tokens) >= self.chunks
+        return [
+            Sample(
+                sid[0],
+                sid[1],
+                request.prompt.token_ids,
+                tokens,
+                [-0.5] * len(tokens),
+                [*versions, version],
+                done,
+                "stop" if done else "chunk",
+            )
+        ]
+
+
+def prompts(n: int) -> list[Prompt]:
+    return [Prompt(f"p{i}", [1, 2, 3], answer=str(i)) for i in range(n)]
+
+
+def reward_of(sample: Sample) -> float:
+    """A reward that differs within a group: a hash of the stable id, in [0, 1)."""
+    return random.Random(f"{sample.prompt_id}:{sample.sample_index}").random()
+
+
+class Feed:
+    def __init__(self, total: int) -> None:
+        self.data = prompts(total)
+        self.asked: list[tuple[int, int]] = []
+
+    async def __call__(self, cursor: int, n: int) -> list[Prompt]:
+        self.asked.append((cursor, n))
+        return self.data[cursor : cursor + n]
+
+
+async def score(samples: list[Sample]) -> list[float]:
+    return [reward_of(s) for s in samples]
+
+
+def pipeline(
+    rollout: FakeRollout, spec: PipelineSpec, feed: Feed | None = None, **kwargs: Any
+) -> SamplePipeline:
+    return SamplePipeline(
+        rollout,
+        spec=spec,
+        feed=feed or Feed(1000),
+        score=score,
+        params=SamplingParams(max_new_tokens=4),
+        batch_size=B,
+        group_size=G,
+        **kwargs,
+    )
+
+
+async def started(rollout: FakeRollout, n: int) -> list[tuple[str, int]]:
+    return [await asyncio.wait_for(rollout.started.get(), WAIT_S) for _ in range(n)]
+
+
+def test_advantages_equal_the_one_shot_computation_in_any_completion_order() -> None:
+    async def main() -> None:
+        rollout = FakeRollout()
+        async with pipeline(rollout, PipelineSpec(mode="async", eta=1)) as pipe:
+            # eta 1: two batches (four groups) in flight; complete them in a random order.
+            sids = await started(rollout, 2 * B)
+            random.Random(7).shuffle(sids)
+            for sid in sids:
+                rollout.release(sid)
+            batches = [await asyncio.wait_for(pipe.next_batch(), WAIT_S) for _ in range(2)]
+        samples = [s for b in batches for s in b.samples]
+        assert sorted(s.sample.key for s in samples) == sorted(sids)
+        ids = {}
+        group_ids = torch.tensor([ids.setdefault(s.sample.prompt_id, len(ids)) for s in samples])
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        one_shot = alg.grpo_advantages(rewards, group_ids)
+        got = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+        assert torch.allclose(got, one_shot, rtol=1e-6, atol=1e-9)
+        assert all(len(b.samples) == B for b in batches)
+
+    run(main())
+
+
+def test_group_advantages_match_grpo_without_std_too() -> None:
+    rewards = [0.0, 1.0, 1.0, 0.25, 3.0]
+    moments = Moments(0, 0.0, 0.0)
+    for r in reversed(rewards):
+        moments = moments.merge(Moments.of([r]))
+    for normalize in (True, False):
+        expected = alg.grpo_advantages(torch.tensor(rewards), normalize_std=normalize)
+        got = group_advantages(rewards, moments, normalize_std=normalize)
+        assert torch.allclose(torch.tensor(got), expected, rtol=1e-6)
+
+
+def test_sync_mode_keeps_one_batch_in_flight_and_waits_for_the_learner() -> None:
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        async with pipeline(rollout, PipelineSpec(mode="sync", eta=5)) as pipe:
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert rollout.peak <= B
+            for _ in range(10):
+                await asyncio.sleep(0)
+            # No learner step yet: nothing beyond the first batch was admitted.
+            assert len(rollout.calls) == B
+            rollout.version = 1  # the program syncs the weights before the next batch
+            pipe.advance(1)
+            second = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert len(rollout.calls) == 2 * B
+        assert first.version == 0 and second.version == 1
+        assert first.staleness == [0] * B and second.staleness == [0] * B
+        assert {s.sample.prompt_id for s in first.samples} == {"p0", "p1"}
+        assert {s.sample.prompt_id for s in second.samples} == {"p2", "p3"}
+
+    run(main())
+
+
+def test_async_mode_runs_eta_versions_ahead_and_no_further() -> None:
+    async def main() -> None:
+        rollout = FakeRollout()
+        spec = PipelineSpec(mode="async", eta=2, overprovision=G)
+        async with pipeline(rollout, spec) as pipe:
+            await started(rollout, (2 + 1) * B + G)
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert len(rollout.calls) == 3 * B + G  # the window, nothing more
+            pipe.advance(1)
+            await started(rollout, B)  # one learner step: one more batch may start
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert len(rollout.calls) == 4 * B + G
+            assert pipe.pacer.max_ahead <= G
+
+    run(main())
+
+
+def test_a_resumed_pipeline_paces_from_the_resumed_version() -> None:
+    async def main() -> None:
+        rollout = FakeRollout()
+        feed = Feed(1000)
+        spec = PipelineSpec(mode="async", eta=1)
+        async with pipeline(rollout, spec, feed, start_version=5, start_cursor=40) as pipe:
+            await started(rollout, 2 * B)
+            for _ in range(10):
+                await asyncio.sleep(0)
+            # Version 5 does not mean five batches of room: the window is eta + 1 batches.
+            assert len(rollout.calls) == 2 * B
+            assert feed.asked[0] == (40, B // G)
+            assert pipe.cursor == 40
+            assert {p for p, _, _ in rollout.calls} == {f"p{i}" for i in range(40, 44)}
+
+    run(main())
+
+
+def test_stale_groups_are_dropped_and_refilled_under_drop() -> None:
+    async def main() -> None:
+        rollout = FakeRollout()
+        spec = PipelineSpec(mode="async", eta=1, over_eta="drop")
+        async with pipeline(rollout, spec) as pipe:
+            sids = await started(rollout, 2 * B)
+            late_group = {s for s in sids if s[0] == "p0"}
+            for sid in sids:
+                if sid not in late_group:
+                    rollout.release(sid)
+            # Three learner steps pass while p0 is still generating at version 0.
+            for version in (1, 2, 3):
+                batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                assert "p0" not in {s.sample.prompt_id for s in batch.samples}
+                pipe.advance(version)
+                rollout.version = version
+                for sid in await started(rollout, B):
+                    rollout.release(sid)
+            for sid in late_group:
+                rollout.release(sid)
+            # p0 is now ready, behind the groups released before it; it is never consumed.
+            version = 3
+            while not pipe.metrics["groups_over_eta_dropped"] and version < 8:
+                batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                assert max(batch.staleness) <= 1
+                assert "p0" not in {s.sample.prompt_id for s in batch.samples}
+                version += 1
+                pipe.advance(version)
+                rollout.version = version
+                for sid in await started(rollout, B):
+                    rollout.release(sid)
+            assert pipe.metrics["groups_over_eta_dropped"] == 1
+            assert pipe.metrics["wasted_samples"] == G
+            # The dropped group's room was refilled by a fresh prompt.
+            assert pipe.pacer.wasted == G
+
+    run(main())
+
+
+def test_stale_groups_are_kept_for_correction_under_correct() -> None:
+    async def main() -> None:
+        rollout = FakeRollout()
+        spec = PipelineSpec(mode="async", eta=0, over_eta="correct")
+        async with pipeline(rollout, spec) as pipe:
+            sids = await started(rollout, B)
+            pipe.advance(1)
+            pipe.advance(2)
+            for sid in sids:
+                rollout.release(sid)
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert batch.staleness == [2] * B
+            assert batch.metrics["staleness_max"] == 2
+            assert pipe.metrics["groups_over_eta_corrected"] == 2
+            assert pipe.metrics["wasted_samples"] == 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("policy", ["emit", "drop", "wait"])
+def test_a_straggler_follows_the_policy(policy: str) -> None:
+    async def main() -> None:
+        rollout = FakeRollout()
+        straggler = StragglerSpec(policy=policy, deadline_s=0.05 if policy != "wait" else 0.0)
+        async with pipeline(rollout, PipelineSpec(mode="sync", straggler=straggler)) as pipe:
+            sids = await started(rollout, B)  # p0 and p1
+            stuck = ("p0", 3)
+            for sid in sids:
+                if sid != stuck:
+                    rollout.release(sid)
+            if policy == "drop":
+                # p0 is dropped at its deadline and a fresh prompt takes its room.
+                fresh = await started(rollout, G)
+                assert {p for p, _ in fresh} == {"p2"}
+                for sid in fresh:
+                    rollout.release(sid)
+            elif policy == "wait":
+                await asyncio.sleep(0.1)
+                assert pipe.metrics["groups_complete"] == 1  # p1; p0 still waits
+                rollout.release(stuck)
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            groups = {s.sample.prompt_id for s in batch.samples}
+            if policy == "emit":
+                p0 = [s for s in batch.samples if s.sample.prompt_id == "p0"]
+                assert sorted(s.sample.sample_index for s in p0) == [0, 1, 2]
+                rewards = [s.reward for s in p0]
+                expected = alg.grpo_advantages(torch.tensor(rewards, dtype=torch.float64))
+                got = torch.tensor([s.advantage for s in p0], dtype=torch.float64)
+                assert torch.allclose(got, expected)
+                assert pipe.metrics["groups_partial"] == 1
+                assert pipe.metrics["wasted_samples"] == 1
+                assert len(batch.samples) == B - 1
+            elif policy == "drop":
+                assert groups == {"p1", "p2"}
+                assert pipe.metrics["groups_dropped"] == 1
+                assert pipe.metrics["wasted_samples"] == G
+                assert len(batch.samples) == B
+            else:
+                assert groups == {"p0", "p1"}
+                assert pipe.metrics["groups_complete"] == 2
+                assert pipe.metrics["wasted_samples"] == 0
+                assert len(batch.samples) == B
+            assert pipe.reducer.metrics["overdue" if policy == "wait" else "opened"] >= 0
+
+    run(main())
+
+
+def test_partial_rollouts_are_resumed_until_finished() -> None:
+    async def main() -> None:
+        rollout = FakeRollout(auto=True, chunks=3)
+        async with pipeline(rollout, PipelineSpec(mode="sync")) as pipe:
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert all(len(s.sample.token_ids) == 3 and s.sample.finished for s in batch.samples)
+        # Each sample: one call per chunk, each continuing from the tokens made before.
+        per_sample: dict[tuple[str, int], list[int]] = {}
+        for p, k, before in rollout.calls:
+            per_sample.setdefault((p, k), []).append(before)
+        assert all(v == [0, 1, 2] for v in per_sample.values())
+        assert pipe.metrics["resumed"] == 2 * B
+
+    run(main())
+
+
+def test_the_end_of_the_prompts_ends_the_batches() -> None:
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        async with pipeline(rollout, PipelineSpec(mode="async"), Feed(3)) as pipe:
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert len(batch.samples) == B
+            last = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert [s.sample.prompt_id for s in last.samples] == ["p2"] * G
+            assert last.cursor == 3
+            with pytest.raises(EOFError):
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+
+    run(main())
