@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/asyncrl bench transport
 	$(BIN)/asyncrl bench runtime
 	$(BIN)/asyncrl bench learner
+	$(BIN)/asyncrl bench pipeline
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -4,6 +4,8 @@
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
 - ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
+- ``asyncrl bench pipeline [--json] [--quick]``: sync against async mode on simulated generation,
+  each against a discrete-event model of the same draws.
 - ``asyncrl version``: the package and wire-protocol versions.
 """
 
@@ -19,7 +21,8 @@ from asyncrl import __version__
 
 BENCHMARKS = ("transport", "runtime")
 BENCHMARK_GROUP = "asyncrl.benchmarks"
-"""Entry-point group of benchmarks that live outside the runtime (``learner``, in the roles)."""
+"""Entry-point group of benchmarks that live outside the runtime (``learner`` and ``pipeline``, in
+the roles)."""
 
 
 def _plugged_benchmarks() -> dict[str, Any]:

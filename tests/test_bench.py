@@ -59,7 +59,8 @@ def test_unknown_benchmark_is_refused() -> None:
         cwd=ROOT,
     )
     assert out.returncode == 2
-    assert "invalid choice: 'nope' (choose from 'transport', 'runtime', 'learner')" in out.stderr
+    choices = "'transport', 'runtime', 'learner', 'pipeline'"
+    assert f"invalid choice: 'nope' (choose from {choices})" in out.stderr
 
 
 @pytest.mark.slow

@@ -1,0 +1,216 @@
+"""Simulated rollout and learner roles: real processes and messages, generation and training
+replaced by sleeps.
+
+``SimRollout`` answers ``generate`` as ``Rollout`` does, one finished one-token sample per request,
+after sleeping for the sample's drawn duration (``pipeline_model.sample_duration``, divided by
+the replica's speed). ``SimLearner`` answers ``train_step`` as ``Learner`` does (a ledger of
+consumed ids, the version up by one per step) after sleeping ``step_s``. Used by ``asyncrl
+bench pipeline``, they let the sample pipeline run on the real runtime with a workload whose
+ideal schedule ``pipeline_model`` computes exactly.
+
+Durations are a function of the sample's stable id alone, so a re-run request, on any replica,
+costs the same work. Prompt ids must be ``p<index>`` (the index names the draw).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import msgspec
+
+from asyncrl.role import Delivery, Role, RoleContext, endpoint
+from asyncrl.roles.learner import StepResult, TrainBatch
+from asyncrl.roles.pipeline_model import sample_duration
+from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Sample
+
+__all__ = ["SimLearner", "SimRollout", "prompt_index", "work_of"]
+
+TOKEN = 2
+"""The one token of every simulated completion."""
+
+
+def prompt_index(prompt_id: str) -> int:
+    """The index in a prompt id ``p<index>``.
+
+    Raises:
+        ValueError: the id is not of that form.
+    """
+    digits = prompt_id[1:]
+    if not (prompt_id.startswith("p") and digits.isdigit()):
+        raise ValueError(
+            f"simulated rollout: prompt id {prompt_id!r} is not 'p<index>'; the index names the "
+            "sample's drawn duration, so feed prompts with ids p0, p1, ..."
+        )
+    return int(digits)
+
+
+def work_of(prompt_id: str, sample_index: int, sigma: float, mean_s: float, seed: int) -> float:
+    """Seconds of generation at speed 1 of one sample, by its stable id."""
+    return sample_duration(prompt_index(prompt_id), sample_index, sigma, mean_s=mean_s, seed=seed)
+
+
+class SimRollout(Role):
+    """A rollout replica whose samples take drawn times; it records when its slots are busy.
+
+    Endpoints:
+
+    - ``generate(GenerateBatch) -> list[Sample]``, idempotent: the requests run one after the
+      other in the call's slot (the pipeline sends one a call). Each sleeps ``work / speed``
+      and comes back finished, with one token, log-prob 0.0 and the version it started at.
+    - ``set_version(int) -> int``, latest-wins: the weights version new samples start at.
+    - ``usage([t0, t1]) -> dict``, idempotent: over a wall-clock window (``time.time()``), the
+      busy slot-seconds, the work and number of the samples started in it, and the idle
+      fraction of the slots.
+
+    The replica has ``capacity`` slots (the manifest's), and speed ``speeds[replica]``.
+    """
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        """The simulated rollout's config.
+
+        Attributes:
+            speeds: the relative speed of each replica, by replica index.
+            sigma: log-space standard deviation of sample durations (0: all ``mean_s``).
+            mean_s: the mean sample duration at speed 1, in seconds.
+            seed: seeds the draws (with each sample's stable id).
+        """
+
+        speeds: list[float] = msgspec.field(default_factory=lambda: [1.0])
+        sigma: float = 0.0
+        mean_s: float = 0.05
+        seed: int = 0
+
+        def __post_init__(self) -> None:
+            if not self.speeds or any(not s > 0 for s in self.speeds):
+                raise ValueError(f"speeds: expected one or more values > 0, got {self.speeds}")
+            if not self.sigma >= 0:
+                raise ValueError(f"sigma: expected >= 0, got {self.sigma}")
+            if not self.mean_s > 0:
+                raise ValueError(f"mean_s: expected > 0, got {self.mean_s}")
+
+    def __init__(self, ctx: RoleContext) -> None:
+        super().__init__(ctx)
+        if ctx.replica >= len(self.config.speeds):
+            raise msgspec.ValidationError(
+                f"speeds: replica {ctx.replica} has no speed in {self.config.speeds}; give one "
+                "speed per replica"
+            )
+        self.speed: float = self.config.speeds[ctx.replica]
+        self.version = 0
+        self.done: list[tuple[float, float, float]] = []  # (start, end, work) of each sample
+        self.running: dict[int, tuple[float, float]] = {}  # (start, work) of those in progress
+        self._ids = itertools.count()
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def generate(self, batch: GenerateBatch) -> list[Sample]:
+        return [await self._one(request) for request in batch.requests]
+
+    async def _one(self, request: GenerateRequest) -> Sample:
+        prompt = request.prompt
+        if request.partial is not None:
+            raise ValueError(
+                f"simulated rollout: got a partial sample of {prompt.id}/{request.sample_index}, "
+                "but this role never hands one out"
+            )
+        cfg = self.config
+        work = work_of(prompt.id, request.sample_index, cfg.sigma, cfg.mean_s, cfg.seed)
+        version = self.version
+        start = time.time()
+        sid = next(self._ids)
+        self.running[sid] = (start, work)
+        try:
+            await asyncio.sleep(work / self.speed)
+        finally:
+            del self.running[sid]
+            self.done.append((start, time.time(), work))
+        return Sample(
+            prompt.id,
+            request.sample_index,
+            prompt.token_ids,
+            [TOKEN],
+            [0.0],
+            [version],
+            True,
+            "length",
+        )
+
+    @endpoint(Delivery.LATEST)
+    async def set_version(self, version: int) -> int:
+        self.version = version
+        return self.version
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def usage(self, window: list[float]) -> dict[str, float]:
+        if len(window) != 2 or not window[1] > window[0]:
+            raise ValueError(f"usage: expected a window [t0, t1] with t1 > t0, got {window}")
+        t0, t1 = window
+        now = time.time()
+        busy = work = 0.0
+        started = 0
+        for start, end, w in [*self.done, *((s, now, w) for s, w in self.running.values())]:
+            busy += max(0.0, min(end, t1) - max(start, t0))
+            if t0 <= start < t1:
+                work += w
+                started += 1
+        slots = self.ctx.capacity
+        return {
+            "replica": float(self.ctx.replica),
+            "speed": self.speed,
+            "slots": float(slots),
+            "busy_s": busy,
+            "work_s": work,
+            "started": float(started),
+            "idle": max(0.0, 1.0 - busy / (slots * (t1 - t0))),
+        }
+
+
+class SimLearner(Role):
+    """A learner whose step is a sleep: it keeps the ledger and the version as ``Learner`` does.
+
+    Endpoints: ``train_step(TrainBatch) -> StepResult`` (once): samples already consumed are
+    skipped; a batch with fresh samples sleeps ``step_s`` and takes the version up by one.
+    ``status(None) -> dict`` (idempotent): version, step, consumed count and an empty ``keep``,
+    as ``Learner.status`` has them.
+    """
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True):
+        """The simulated learner's config.
+
+        Attributes:
+            step_s: seconds one step takes.
+        """
+
+        step_s: float = 0.0
+
+        def __post_init__(self) -> None:
+            if not self.step_s >= 0:
+                raise ValueError(f"step_s: expected >= 0, got {self.step_s}")
+
+    def __init__(self, ctx: RoleContext) -> None:
+        super().__init__(ctx)
+        self.version = 0
+        self.step = 0
+        self.consumed: set[tuple[str, int]] = set()
+
+    @endpoint(Delivery.ONCE)
+    async def train_step(self, batch: TrainBatch) -> StepResult:
+        fresh = [s.sample.key for s in batch.samples if s.sample.key not in self.consumed]
+        skipped = len(batch.samples) - len(fresh)
+        if fresh:
+            await asyncio.sleep(self.config.step_s)
+            self.consumed.update(fresh)
+            self.step += 1
+            self.version += 1
+        return StepResult(self.version, self.step, len(fresh), skipped, {})
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def status(self, _: Any) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "step": self.step,
+            "consumed": len(self.consumed),
+            "keep": {},
+        }
