@@ -38,3 +38,12 @@ def test_ci_runs_the_readme_test_command() -> None:
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert "make test" in f.read().splitlines()
     assert "make test    # sets up .venv, then runs the whole test suite" in _readme()
+
+
+def test_the_pipeline_section_in_the_readme_is_valid() -> None:
+    from asyncrl.manifest import parse_manifest
+
+    (block,) = re.findall(r"```yaml\n(pipeline:.*?)```", _readme(), re.S)
+    manifest = parse_manifest("run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n" + block)
+    assert manifest.pipeline.mode == "async"
+    assert manifest.pipeline.straggler.policy == "emit"
