@@ -425,6 +425,7 @@ class SamplePipeline:
         metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
         metrics.update({f"reducer_{k}": float(v) for k, v in self.reducer.metrics.items()})
         metrics["pacer_room"] = float(self.pacer.room())
+        metrics["pacer_max_ahead"] = float(self.pacer.max_ahead)
         if self.spec.running_stats:
             total = Moments(0, 0.0, 0.0)
             for m in self.running.values():

@@ -97,4 +97,5 @@ async def program(ctx: Any) -> dict[str, Any]:
         "keys": keys,
         "metrics": dict(pipe.metrics),
         "reducer": pipe.reducer.metrics,
+        "pacer_max_ahead": pipe.pacer.max_ahead,
     }

@@ -118,6 +118,8 @@ def check_common(result: dict, run_dir: str) -> None:  # type: ignore[type-arg]
     # The frozen replica really held samples, and was replaced by the supervisor.
     assert stuck_samples(run_dir)
     assert result["report"]["restarts"]["rollout"] >= 1
+    # Pacing held across the restart: never more admitted than eta + 1 batches past the version.
+    assert result["pacer_max_ahead"] <= 0
 
 
 def test_emit_releases_a_stuck_group_with_what_arrived(run_dir: str) -> None:

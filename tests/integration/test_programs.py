@@ -42,14 +42,28 @@ roles:
 
 
 def run_program(  # type: ignore[type-arg]
-    run_dir: str, program: str, steps: int, extra: str = "", pipeline: str = ""
+    run_dir: str,
+    program: str,
+    steps: int,
+    extra: str = "",
+    pipeline: str = "",
+    overrides: tuple[str, ...] = (),
 ) -> dict:
     path = os.path.join(run_dir, "m.yaml")
     text = MANIFEST.format(program=program, steps=steps, extra=extra, pipeline=pipeline)
     with open(path, "w") as f:
         f.write(textwrap.dedent(text))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            *(a for o in overrides for a in ("--set", o)),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -92,3 +106,18 @@ def test_ppo_runs_with_a_critic(run_dir: str) -> None:
     critic = "critic: {class: 'asyncrl.roles.critic:Critic', config: {model_config: *model}}"
     result = run_program(run_dir, "ppo", 3, critic)
     assert len(result["rewards"]) == 3
+
+
+def test_a_resumed_async_run_paces_from_the_checkpointed_version(run_dir: str) -> None:
+    pipeline = "pipeline: {mode: async, eta: 1}"
+    keep = ("roles.learner.config.checkpoint_every=2",)
+    first = run_program(run_dir, "grpo", 4, pipeline=pipeline, overrides=keep)
+    assert len(first["rewards"]) == 4
+    second = run_program(run_dir, "grpo", 6, pipeline=pipeline, overrides=keep)
+    # It resumed at step 4 and took two more steps ...
+    assert len(second["rewards"]) == 2
+    assert second["pipeline"]["consumed_samples"] == 2 * 32
+    # ... admitting at most eta + 1 batches past the resumed version (4), then one per step:
+    # a pacer counting from version 0 would have let (4 + 2) batches more in at once.
+    assert second["pipeline"]["admitted_samples"] <= (2 + 1 + 1) * 32
+    assert second["cursor"] >= first["cursor"] - 32

@@ -183,3 +183,104 @@ def test_export_loads_with_transformers(tmp_path: Any) -> None:
     ):
         assert torch.equal(a, b), name
     assert not os.path.exists(path + ".tmp")
+
+
+def _group(learner: Learner, pid: str, versions: int = 0) -> list[Scored]:
+    prompt = [2, 3, 12, 4, 5, 13]
+    tokens = [[6, 7, 1], [8, 9, 1], [6, 9, 1]]
+    behaviour = learner._logprobs([sample(pid, prompt, t) for t in tokens])
+    return [
+        Scored(
+            Sample(pid, i, prompt, t, b, [versions] * len(t), True, "stop"), reward=float(i == 0)
+        )
+        for i, (t, b) in enumerate(zip(tokens, behaviour, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "tis"])
+def test_corrections_give_plain_ppo_gradients_on_fresh_samples(
+    tmp_path: Any, correction: str
+) -> None:
+    plain = make(tmp_path / "a", lr=0.01)
+    other = make(tmp_path / "b", lr=0.01)
+    plain._train_step(TrainBatch(_group(plain, "p"), algorithm="grpo", correction="clip"))
+    other._train_step(TrainBatch(_group(other, "p"), algorithm="grpo", correction=correction))
+    for a, b in zip(plain.model.parameters(), other.model.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_stale_samples_are_weighted_by_their_importance(tmp_path: Any) -> None:
+    """Behaviour log-probs from other weights: the corrections now differ from plain PPO, and
+    the staleness is reported against the version that consumed the samples."""
+    learner = make(tmp_path, lr=0.01)
+    for step in range(2):  # two steps: the policy is now version 2
+        learner._train_step(TrainBatch(_group(learner, f"warm{step}"), algorithm="grpo"))
+    stale = _group(make(tmp_path / "old", lr=0.01), "stale", versions=0)
+    grads = {}
+    for correction in ("clip", "decoupled", "tis"):
+        fresh = make(tmp_path / correction, lr=0.01)
+        fresh.model.load_state_dict(learner.model.state_dict())
+        fresh.version = learner.version
+        result = fresh._train_step(TrainBatch(stale, algorithm="grpo", correction=correction))
+        assert result.metrics["staleness_max"] == 2 and result.metrics["staleness_p50"] == 2
+        grads[correction] = torch.cat(
+            [p.grad.flatten() for p in fresh.model.parameters() if p.grad is not None]
+        )
+    assert not torch.allclose(grads["clip"], grads["decoupled"])
+    # One optimizer step per batch: decoupled PPO's proximal policy is the current one, so it
+    # weighs each token like truncated importance sampling does.
+    torch.testing.assert_close(grads["decoupled"], grads["tis"], atol=1e-6, rtol=1e-4)
+
+
+def test_given_advantages_are_used_and_whitened_over_the_batch(tmp_path: Any) -> None:
+    learner = make(tmp_path, whiten_advantages=True)
+    group = _group(learner, "p")
+    computed = learner._advantages("grpo", group)
+    given = [
+        Scored(s.sample, s.reward, advantage=a)
+        for s, a in zip(group, [3.0, 1.0, -1.0], strict=True)
+    ]
+    assert learner._advantages("grpo", given) == pytest.approx(
+        [(a - 1.0) / (8 / 3) ** 0.5 for a in (3.0, 1.0, -1.0)], rel=1e-6
+    )
+    assert sum(computed) == pytest.approx(0.0, abs=1e-6)
+    assert sum(a * a for a in computed) / 3 == pytest.approx(1.0, rel=1e-4)
+
+
+DP_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from asyncrl.roles.learner import batch_moments
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+values = [[1.0, 2.0, 3.0], [10.0, -4.0]][rank]
+m = batch_moments(values)
+print(m.count, repr(m.mean), repr(m.m2))
+dist.destroy_process_group()
+"""
+
+
+def test_whitening_moments_merge_across_data_parallel_ranks(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from asyncrl.reduce import Moments
+
+    store = str(tmp_path / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DP_SCRIPT, str(rank), store],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    expected = Moments.of([1.0, 2.0, 3.0, 10.0, -4.0])
+    for out, _ in outs:
+        count, mean, m2 = out.split()
+        assert int(count) == 5
+        assert float(mean) == pytest.approx(expected.mean, rel=1e-12)
+        assert float(m2) == pytest.approx(expected.m2, rel=1e-12)

@@ -353,3 +353,23 @@ def test_the_end_of_the_prompts_ends_the_batches() -> None:
                 await asyncio.wait_for(pipe.next_batch(), WAIT_S)
 
     run(main())
+
+
+def test_running_statistics_are_tagged_by_the_consuming_version() -> None:
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        spec = PipelineSpec(mode="sync", running_stats=True)
+        rewards: list[float] = []
+        async with pipeline(rollout, spec) as pipe:
+            for version in range(3):
+                batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                rewards += [s.reward for s in batch.samples]
+                pipe.advance(version + 1)
+        assert sorted(pipe.running) == [0, 1, 2]
+        assert all(m.count == B for m in pipe.running.values())
+        whole = Moments.of(rewards)
+        assert batch.metrics["reward_running_mean"] == pytest.approx(whole.mean, rel=1e-9)
+        assert batch.metrics["reward_running_std"] == pytest.approx(whole.std, rel=1e-9)
+        assert batch.metrics["pacer_max_ahead"] <= 0
+
+    run(main())
