@@ -38,6 +38,7 @@ class FakeRollout:
         self.calls: list[tuple[str, int, int]] = []  # (prompt, index, tokens it had before)
         self.in_flight = 0
         self.peak = 0
+        self.affinities: list[Any] = []
 
     def release(self, key: tuple[str, int]) -> None:
         self.gates.setdefault(key, asyncio.Event()).set()
@@ -58,6 +59,7 @@ class FakeRollout:
         before = request.partial.token_ids if request.partial is not None else []
         versions = request.partial.versions if request.partial is not None else []
         self.calls.append((sid[0], sid[1], len(before)))
+        self.affinities.append(affinity)
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         self.started.put_nowait(sid)
@@ -371,5 +373,17 @@ def test_running_statistics_are_tagged_by_the_consuming_version() -> None:
         assert batch.metrics["reward_running_mean"] == pytest.approx(whole.mean, rel=1e-9)
         assert batch.metrics["reward_running_std"] == pytest.approx(whole.std, rel=1e-9)
         assert batch.metrics["pacer_max_ahead"] <= 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("affinity", [False, True])
+def test_group_affinity_asks_the_dispatcher_to_keep_a_group_together(affinity: bool) -> None:
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        async with pipeline(rollout, PipelineSpec(mode="sync", group_affinity=affinity)) as pipe:
+            await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        expected = [p if affinity else None for p, _, _ in rollout.calls]
+        assert rollout.affinities == expected
 
     run(main())
