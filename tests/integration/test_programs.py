@@ -86,8 +86,9 @@ def test_grpo_runs(run_dir: str) -> None:
     result = run_program(run_dir, "grpo", 4)
     assert len(result["rewards"]) == 4 and result["cursor"] == 32
     assert result["pipeline"]["consumed_samples"] == 4 * 32
-    # Sync: one batch in flight; the fifth was admitted after the fourth step, then cancelled.
-    assert result["pipeline"]["admitted_samples"] == 5 * 32
+    # Sync: one batch in flight. A fifth may be admitted after the fourth step, as the program
+    # ends, and is then cancelled.
+    assert 4 * 32 <= result["pipeline"]["admitted_samples"] <= 5 * 32
 
 
 def test_grpo_runs_in_async_mode(run_dir: str) -> None:

@@ -261,7 +261,9 @@ def test_hangs_are_detected_and_long_compute_is_not(run_dir: str, runs: list[Run
     assert code == 0, out + err
     result = run.json("driver.json")["result"]
     assert result["first"] == result["after_compute"], "a busy worker thread was taken as a hang"
-    assert result["blocked"] == "DisconnectedError"
+    # The once call fails with the connection (or, first, the peer's silence): either way the
+    # caller learns that its replica broke, and nothing retries it.
+    assert result["blocked"] in ("DisconnectedError", "PeerDeadError"), result["blocked"]
     assert result["after_block"] != result["first"]
     report = run.json("report.json")
     assert report["restarts"]["sleeper"] == 1
