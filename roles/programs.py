@@ -18,12 +18,12 @@ import logging
 from typing import Any
 
 from asyncrl.roles.learner import Scored, StepResult, TrainBatch
-from asyncrl.roles.pipeline import SamplePipeline, WeightSync
+from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
 from asyncrl.roles.prompts import Take
 from asyncrl.roles.reward import ScoreSamples
 from asyncrl.roles.rollout import Prompt, Sample, SamplingParams, WeightsUpdate
 
-__all__ = ["bc", "grpo", "ppo"]
+__all__ = ["bc", "grpo", "learn", "ppo"]
 
 log = logging.getLogger("asyncrl.programs")
 
@@ -89,32 +89,10 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
     async with pipe:
         for step in range(status["step"], cfg["steps"]):
             batch = await pipe.next_batch()
-            samples = [s.sample for s in batch.samples]
-            if algorithm == "ppo":
-                values = await ctx.critic.call("values", samples, list[list[float]])
-                for scored, v in zip(batch.samples, values, strict=True):
-                    scored.values = v
-            if "reference" in ctx.roles:
-                refs = await ctx.reference.call("logprobs", samples, list[list[float]])
-                for scored, ref in zip(batch.samples, refs, strict=True):
-                    scored.ref_logprobs = ref
-            result = await ctx.learner.call(
-                "train_step",
-                TrainBatch(
-                    batch.samples,
-                    algorithm=algorithm,
-                    keep={"cursor": batch.cursor},
-                    lr=cfg["lr"],
-                    correction=spec.correction,
-                    importance_cap=spec.importance_cap,
-                ),
-                StepResult,
-            )
+            result = await learn(ctx, batch, algorithm=algorithm, lr=cfg["lr"])
             # Sync mode: every replica holds the new weights before the next batch is admitted.
             await weights.push()
             pipe.advance(result.version)
-            if algorithm == "ppo":
-                await ctx.critic.call("train_step", batch.samples)
             mean = sum(s.reward for s in batch.samples) / max(1, len(batch.samples))
             rewards_seen.append(mean)
             log.info(
@@ -132,6 +110,44 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         "cursor": pipe.cursor,
         "pipeline": dict(pipe.metrics),
     }
+
+
+async def learn(
+    ctx: Any, batch: Batch, *, algorithm: str, lr: float = 0.0, timeout: float = 300.0
+) -> StepResult:
+    """One learner step on a pipeline batch.
+
+    PPO first asks the critic for values, and a ``reference`` role (when the run has one) gives
+    the log-probs of the KL term; the learner then trains with the manifest's off-policy
+    correction and keeps the prompt cursor with its next checkpoint; PPO's critic takes its own
+    step last.
+    """
+    spec = ctx.pipeline
+    samples = [s.sample for s in batch.samples]
+    if algorithm == "ppo":
+        values = await ctx.critic.call("values", samples, list[list[float]], timeout=timeout)
+        for scored, v in zip(batch.samples, values, strict=True):
+            scored.values = v
+    if "reference" in ctx.roles:
+        refs = await ctx.reference.call("logprobs", samples, list[list[float]], timeout=timeout)
+        for scored, ref in zip(batch.samples, refs, strict=True):
+            scored.ref_logprobs = ref
+    result: StepResult = await ctx.learner.call(
+        "train_step",
+        TrainBatch(
+            batch.samples,
+            algorithm=algorithm,
+            keep={"cursor": batch.cursor},
+            lr=lr,
+            correction=spec.correction,
+            importance_cap=spec.importance_cap,
+        ),
+        StepResult,
+        timeout=timeout,
+    )
+    if algorithm == "ppo":
+        await ctx.critic.call("train_step", batch.samples, timeout=timeout)
+    return result
 
 
 async def bc(ctx: Any) -> dict[str, Any]:

@@ -22,8 +22,9 @@ import sys
 import time
 from typing import Any
 
-from asyncrl.roles.learner import Scored, StepResult, TrainBatch
+from asyncrl.roles.learner import Scored, TrainBatch
 from asyncrl.roles.pipeline import SamplePipeline, WeightSync
+from asyncrl.roles.programs import learn
 from asyncrl.roles.prompts import Take
 from asyncrl.roles.reward import ScoreRequest
 from asyncrl.roles.rollout import (
@@ -166,33 +167,10 @@ async def main(ctx: Any) -> dict[str, Any]:
     async with pipe:
         for rl_step in range(1, cfg["rl_steps"] + 1):
             batch = await pipe.next_batch()
-            samples = [s.sample for s in batch.samples]
-            if "critic" in ctx.roles:
-                values = await ctx.critic.call("values", samples, list[list[float]], timeout=300)
-                for scored, v in zip(batch.samples, values, strict=True):
-                    scored.values = v
-            if "reference" in ctx.roles:
-                refs = await ctx.reference.call("logprobs", samples, list[list[float]], timeout=300)
-                for scored, ref in zip(batch.samples, refs, strict=True):
-                    scored.ref_logprobs = ref
-            result = await ctx.learner.call(
-                "train_step",
-                TrainBatch(
-                    batch.samples,
-                    algorithm=algorithm,
-                    keep={"cursor": batch.cursor},
-                    lr=cfg["rl_lr"],
-                    correction=spec.correction,
-                    importance_cap=spec.importance_cap,
-                ),
-                StepResult,
-                timeout=300,
-            )
+            result = await learn(ctx, batch, algorithm=algorithm, lr=cfg["rl_lr"])
             # Sync mode: every replica holds the new weights before the next batch is admitted.
             await weights.push()
             pipe.advance(result.version)
-            if "critic" in ctx.roles:
-                await ctx.critic.call("train_step", batch.samples, timeout=300)
             samples_consumed += result.consumed
             staleness_max = max(staleness_max, batch.metrics["staleness_max"])
             reward_mean = sum(s.reward for s in batch.samples) / len(batch.samples)
