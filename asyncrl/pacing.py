@@ -200,12 +200,7 @@ class Pacer:
             self._changed.clear()
             await self._changed.wait()
         self.admitted += n
-        self.max_ahead = max(
-            self.max_ahead,
-            self.admitted
-            - self.wasted
-            - (self.version - self.start_version + self.eta + 1) * self.batch,
-        )
+        self.max_ahead = max(self.max_ahead, self.overprovision - self.room())
 
     def advance(self, version: int) -> None:
         """The learner reached ``version``: the window moves on."""

@@ -216,6 +216,7 @@ class SamplePipeline:
         )
         self.metrics: Counter[str] = Counter()
         self.running: dict[int, Moments] = {}  # consuming version -> reward moments
+        self._running_total = Moments(0, 0.0, 0.0)  # all of them merged
         self._groups: dict[str, _Group] = {}
         self._ready: deque[_Group] = deque()
         self._ready_event = asyncio.Event()
@@ -418,20 +419,18 @@ class SamplePipeline:
             raise EOFError("the prompts ran out: no more groups to hand out")
         self.metrics["consumed_samples"] += len(samples)
         self.metrics["batches"] += 1
-        rewards = Moments.of([s.reward for s in samples])
         if self.spec.running_stats:
+            rewards = Moments.of([s.reward for s in samples])
             self.running[version] = self.running.get(version, Moments(0, 0.0, 0.0)).merge(rewards)
+            self._running_total = self._running_total.merge(rewards)
         metrics: dict[str, float] = {k: float(v) for k, v in self.metrics.items()}
         metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
         metrics.update({f"reducer_{k}": float(v) for k, v in self.reducer.metrics.items()})
         metrics["pacer_room"] = float(self.pacer.room())
         metrics["pacer_max_ahead"] = float(self.pacer.max_ahead)
         if self.spec.running_stats:
-            total = Moments(0, 0.0, 0.0)
-            for m in self.running.values():
-                total = total.merge(m)
-            metrics["reward_running_mean"] = total.mean
-            metrics["reward_running_std"] = total.std
+            metrics["reward_running_mean"] = self._running_total.mean
+            metrics["reward_running_std"] = self._running_total.std
         return Batch(samples, version, ages, self.cursor, metrics)
 
     async def _next_ready(self) -> _Group | None:

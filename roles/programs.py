@@ -23,7 +23,7 @@ from asyncrl.roles.prompts import Take
 from asyncrl.roles.reward import ScoreSamples
 from asyncrl.roles.rollout import Prompt, Sample, SamplingParams, WeightsUpdate
 
-__all__ = ["bc", "grpo", "learn", "ppo"]
+__all__ = ["PromptFeed", "bc", "grpo", "learn", "ppo"]
 
 log = logging.getLogger("asyncrl.programs")
 
@@ -62,15 +62,10 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         start = await ctx.learner.call("weights", None, WeightsUpdate)
         await ctx.reference.broadcast("set_weights", start)
     await ctx.rollout.broadcast("sync", None, int)
-    answers: dict[str, str] = {}
-
-    async def feed(cursor: int, n: int) -> list[Prompt]:
-        prompts = await ctx.prompts.call("take", Take(cursor, n), list[Prompt])
-        answers.update({p.id: p.answer for p in prompts})
-        return prompts  # type: ignore[no-any-return]
+    feed = PromptFeed(ctx.prompts)
 
     async def score(samples: list[Sample]) -> list[float]:
-        request = ScoreSamples(samples, [answers[s.prompt_id] for s in samples])
+        request = ScoreSamples(samples, [feed.answers[s.prompt_id] for s in samples])
         return await ctx.reward.call("score_samples", request, list[float])  # type: ignore[no-any-return]
 
     pipe = SamplePipeline(
@@ -110,6 +105,19 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         "cursor": pipe.cursor,
         "pipeline": dict(pipe.metrics),
     }
+
+
+class PromptFeed:
+    """The prompt source as a ``SamplePipeline`` feed; keeps each prompt's answer for the reward."""
+
+    def __init__(self, prompts: Any) -> None:
+        self.prompts = prompts  # the prompt source's handle
+        self.answers: dict[str, str] = {}
+
+    async def __call__(self, cursor: int, n: int) -> list[Prompt]:
+        taken: list[Prompt] = await self.prompts.call("take", Take(cursor, n), list[Prompt])
+        self.answers.update({p.id: p.answer for p in taken})
+        return taken
 
 
 async def learn(

@@ -24,8 +24,7 @@ from typing import Any
 
 from asyncrl.roles.learner import Scored, TrainBatch
 from asyncrl.roles.pipeline import SamplePipeline, WeightSync
-from asyncrl.roles.programs import learn
-from asyncrl.roles.prompts import Take
+from asyncrl.roles.programs import PromptFeed, learn
 from asyncrl.roles.reward import ScoreRequest
 from asyncrl.roles.rollout import (
     GenerateBatch,
@@ -135,16 +134,11 @@ async def main(ctx: Any) -> dict[str, Any]:
         await ctx.reference.broadcast("set_weights", start, timeout=120)
     status = await ctx.learner.call("status", None)
     await sync_weights()
-    answers: dict[str, str] = {}
-
-    async def feed(cursor: int, n: int) -> list[Prompt]:
-        prompts = await ctx.prompts.call("take", Take(cursor, n), list[Prompt])
-        answers.update({p.id: p.answer for p in prompts})
-        return prompts  # type: ignore[no-any-return]
+    feed = PromptFeed(ctx.prompts)
 
     async def score(samples: list[Sample]) -> list[float]:
         texts = [tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        request = ScoreRequest(texts, [answers[s.prompt_id] for s in samples])
+        request = ScoreRequest(texts, [feed.answers[s.prompt_id] for s in samples])
         return await ctx.reward.call("score", request, list[float])  # type: ignore[no-any-return]
 
     spec = ctx.pipeline
