@@ -289,6 +289,8 @@ class Group:
             del self._homes[next(iter(self._homes))]
 
     def _steal(self) -> None:
+        if not any(r.soft for r in self.replicas):
+            return  # nothing is waiting for a particular replica: the usual case
         for thief in sorted(self.replicas, key=lambda r: -r.free):
             while thief.free > 0:
                 victim = max(self.replicas, key=lambda r: len(r.soft) if r is not thief else -1)
