@@ -3,6 +3,9 @@
 ``TimedRollout`` answers each one-sample ``generate`` after ``duration_s``; it appends
 ``start <prompt> <k>`` and ``done <prompt> <k>`` lines to ``served-<replica>.txt`` in the run
 directory, so a test can tell which replica had which sample, and which never finished there.
+Once the test creates ``freeze`` in the run directory, replica ``freeze_replica`` (first
+incarnation only) stops itself with SIGSTOP at the start of its next sample, so the freeze always
+lands mid-sample.
 
 ``program`` drives ``SamplePipeline`` in the manifest's mode with a local prompt feed and a
 local reward, and stands in for the learner by advancing the version after each batch. It
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 from typing import Any
 
 import msgspec
@@ -26,11 +30,14 @@ from asyncrl.roles.rollout import GenerateBatch, Prompt, Sample, SamplingParams
 class TimedRollout(Role):
     class Config(msgspec.Struct):
         duration_s: float = 0.02
+        freeze_replica: int = -1
 
     async def setup(self) -> None:
         path = os.path.join(self.ctx.run_dir, f"served-{self.ctx.replica}.txt")
         self.log = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the process
         self.version = 0
+        first = self.ctx.incarnation == 0
+        self.may_freeze = first and self.ctx.replica == self.config.freeze_replica
 
     @endpoint(Delivery.IDEMPOTENT)
     async def generate(self, batch: GenerateBatch) -> list[Sample]:
@@ -38,6 +45,8 @@ class TimedRollout(Role):
         for request in batch.requests:
             sid = f"{request.prompt.id} {request.sample_index}"
             self.log.write(f"start {sid}\n")
+            if self.may_freeze and os.path.exists(os.path.join(self.ctx.run_dir, "freeze")):
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen until the supervisor kills it
             await asyncio.sleep(self.config.duration_s)
             self.log.write(f"done {sid}\n")
             out.append(
@@ -88,10 +97,6 @@ async def program(ctx: Any) -> dict[str, Any]:
                 keys.append(f"{s.sample.prompt_id} {s.sample.sample_index}")
             groups += [[prompt, n] for prompt, n in sizes.items()]
             pipe.advance(step + 1)
-            if step == 0:
-                # Tell the test that samples are flowing through both replicas.
-                with open(os.path.join(ctx.run_dir, "flowing"), "w") as f:
-                    f.write("1")
     return {
         "groups": groups,
         "keys": keys,

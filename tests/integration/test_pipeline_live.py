@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 
 import pytest
@@ -37,7 +35,7 @@ roles:
     class: tests.integration.straggler:TimedRollout
     replicas: 2
     capacity: 2
-    config: {{duration_s: 0.05}}
+    config: {{duration_s: 0.05, freeze_replica: 1}}
     supervision: {{heartbeat_interval_s: 0.2, liveness: 5, backoff_initial_s: 0.05}}
 pipeline:
   mode: async
@@ -54,22 +52,6 @@ def _served(run_dir: str, replica: int) -> list[tuple[str, str]]:
         return []
 
 
-def _pid(run_dir: str, process: str) -> int:
-    with open(os.path.join(run_dir, "logs", "agent.jsonl")) as f:
-        for line in f:
-            event = json.loads(line)
-            if event.get("event") == "started" and event.get("process") == process:
-                return int(event["pid"])
-    raise AssertionError(f"no start of {process} in the agent's log")
-
-
-def _wait_for(condition: object, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def run_with_a_frozen_replica(run_dir: str, straggler: str) -> dict:  # type: ignore[type-arg]
     path = os.path.join(run_dir, "m.yaml")
     with open(path, "w") as f:
@@ -82,12 +64,18 @@ def run_with_a_frozen_replica(run_dir: str, straggler: str) -> dict:  # type: ig
         text=True,
     )
     try:
-        _wait_for(lambda: os.path.exists(os.path.join(run_dir, "flowing")), "the first batch")
-        # Freeze replica 1 in the middle of a sample.
-        _wait_for(
-            lambda: (_served(run_dir, 1) or [("", "")])[-1][0] == "start", "a sample on replica 1"
-        )
-        os.kill(_pid(run_dir, "rollout[1]"), signal.SIGSTOP)
+        # Once the supervisor hears replica 1 (a stop before that is a slow start, left to the
+        # startup timeout), replica 1 stops itself with SIGSTOP at the start of its next sample.
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if all(n in line for n in ("serving", "[asyncrl.supervisor]", "process=rollout[1]")):
+                break
+        else:
+            raise AssertionError("the run ended before replica 1 was heard:\n" + "".join(seen))
+        with open(os.path.join(run_dir, "freeze"), "w") as f:
+            f.write("now")
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
