@@ -37,7 +37,7 @@ from asyncrl.manifest import Supervision
 from asyncrl.spec import EXIT_CONFIG
 from asyncrl.transport import ChannelOptions, Client, PeerEvent, TransportError, sweep
 
-__all__ = ["ChildSpec", "ExitInfo", "RunReport", "Supervisor", "format_report"]
+__all__ = ["ChildSpec", "ExitInfo", "ProcessInfo", "RunReport", "Supervisor", "format_report"]
 
 STDERR_TAIL_LINES = 20
 
@@ -72,6 +72,22 @@ class ExitInfo(msgspec.Struct, frozen=True):
     def describe(self) -> str:
         how = f"killed by {self.signal}" if self.signal else f"exit code {self.code}"
         return f"{self.role}[{self.replica}] incarnation {self.incarnation} (pid {self.pid}): {how}"
+
+
+class ProcessInfo(msgspec.Struct, frozen=True):
+    """One supervised process as it is now (for fault injection and status displays)."""
+
+    role: str
+    replica: int
+    kind: str
+    incarnation: int
+    pid: int | None
+    alive: bool
+    serving: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}[{self.replica}]"
 
 
 class RunReport(msgspec.Struct):
@@ -161,6 +177,21 @@ class Supervisor:
         self._report.restarts = self._restart_counts()
         self._report.served = served
         return self._report
+
+    def processes(self) -> list[ProcessInfo]:
+        """Every supervised process, in start order, with its current incarnation and pid."""
+        return [
+            ProcessInfo(
+                c.spec.name,
+                c.spec.replica,
+                c.spec.kind,
+                c.incarnation,
+                c.proc.pid if c.proc is not None else None,
+                c.alive,
+                c.serving,
+            )
+            for c in self._children
+        ]
 
     def stop(self, reason: str = "interrupted") -> None:
         """End the run (a signal arrived): every process is stopped in order."""
