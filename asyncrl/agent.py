@@ -17,11 +17,24 @@ import msgspec
 
 from asyncrl import logs
 from asyncrl.manifest import Manifest, RoleSpec, resolve_run_dir
-from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.spec import (
+    SPEC_ENV,
+    SPEC_FILE_ENV,
+    GroupInfo,
+    ProcessSpec,
+    spec_path,
+    write_private,
+    write_spec,
+)
 from asyncrl.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry
 
-__all__ = ["build_children", "run_manifest", "summary"]
+__all__ = ["CONFIG_ENV_MAX", "build_children", "run_manifest", "summary"]
+
+CONFIG_ENV_MAX = 16 * 1024
+"""The largest ``config`` (as JSON, in bytes) a command role also gets in ``ASYNCRL_CONFIG``;
+a larger one is only in the file named by ``ASYNCRL_CONFIG_FILE``. Linux refuses a single
+environment string over 128 KiB, and the whole environment shares the argument space."""
 
 
 def _thread_env(threads: int) -> dict[str, str]:
@@ -39,7 +52,10 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
     for name, role in manifest.roles.items():
         endpoints = [registry.endpoint(name, i) for i in range(role.replicas)]
         groups[name] = GroupInfo(
-            endpoints, role.supervision.heartbeat_interval_s, role.supervision.liveness
+            endpoints,
+            role.supervision.heartbeat_interval_s,
+            role.supervision.liveness,
+            delivery=dict(role.endpoints),
         )
         for replica, endpoint in enumerate(endpoints):
             children.append(
@@ -76,7 +92,7 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
             **run.env,
             **driver.env,
             **_thread_env(driver.threads),
-            SPEC_ENV: msgspec.json.encode(spec).decode(),
+            **_spec_env(spec),
             "PYTHONUNBUFFERED": "1",
         }
         return [sys.executable, "-m", "asyncrl.process"], env
@@ -101,6 +117,11 @@ def _role_launcher(
         config = dict(role.config)
         if role.command:
             argv = list(role.command)
+            config_json = json.dumps(config)
+            config_file = spec_path(run_dir, name, replica, incarnation, ".config")
+            write_private(config_file, config_json.encode())
+            if incarnation > 0:
+                _remove(spec_path(run_dir, name, replica, incarnation - 1, ".config"))
             env.update(
                 {
                     "ASYNCRL_ENDPOINT": endpoint,
@@ -109,11 +130,13 @@ def _role_launcher(
                     "ASYNCRL_INCARNATION": str(incarnation),
                     "ASYNCRL_RUN": run.name,
                     "ASYNCRL_RUN_DIR": run_dir,
-                    "ASYNCRL_CONFIG": json.dumps(config),
+                    "ASYNCRL_CONFIG_FILE": config_file,
                     "ASYNCRL_CAPACITY": str(role.capacity),
                     "ASYNCRL_PARENT_PID": str(parent_pid),
                 }
             )
+            if len(config_json.encode()) <= CONFIG_ENV_MAX:
+                env["ASYNCRL_CONFIG"] = config_json
             return argv, env
         spec = ProcessSpec(
             kind="role",
@@ -132,10 +155,27 @@ def _role_launcher(
             liveness=role.supervision.liveness,
             parent_pid=parent_pid,
         )
-        env[SPEC_ENV] = msgspec.json.encode(spec).decode()
+        env.update(_spec_env(spec))
         return [sys.executable, "-m", "asyncrl.process"], env
 
     return launch
+
+
+def _spec_env(spec: ProcessSpec) -> dict[str, str]:
+    """The environment that hands ``spec`` to its process: the path of its file and, while the
+    spec is small, the spec itself in ``ASYNCRL_SPEC`` for a process entry that reads only that."""
+    env = {SPEC_FILE_ENV: write_spec(spec)}
+    encoded = msgspec.json.encode(spec)
+    if len(encoded) <= CONFIG_ENV_MAX:
+        env[SPEC_ENV] = encoded.decode()
+    return env
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 async def run_manifest(manifest: Manifest, run_dir: str | None = None) -> RunReport:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import stat
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -84,6 +86,17 @@ Name = Annotated[
         pattern=f"^{_NAME}$", extra={"expected": "a name of letters, digits, '_' and '-'"}
     ),
 ]
+Method = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^[A-Za-z][A-Za-z0-9_.-]*$",
+        extra={
+            "expected": "a method name of letters, digits, '_', '.' and '-' that starts with a "
+            "letter (names starting with '_' belong to the runtime)"
+        },
+    ),
+]
+DeliveryClass = Literal["idempotent", "once", "latest"]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Env = dict[str, str]
@@ -161,6 +174,9 @@ class RoleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
         config: free-form settings given to the role, which validates them against its own
             Config type in its own process.
         supervision: the restart policy and liveness timing of the replicas.
+        endpoints: the delivery class of each method (``idempotent``, ``once`` or ``latest``),
+            for a role that does not describe itself (an external command that does not answer
+            ``_describe``); what ``_describe`` answers wins over it.
     """
 
     cls: ClassRef | None = msgspec.field(default=None, name="class")
@@ -172,6 +188,7 @@ class RoleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     env: Env = {}
     config: dict[str, Any] = {}
     supervision: Supervision = msgspec.field(default_factory=Supervision)
+    endpoints: dict[Method, DeliveryClass] = {}
 
 
 class DriverSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -286,7 +303,9 @@ def _check_straggler(value: dict[Any, Any], path: str, problems: list[str]) -> N
 def _credit(problem: str, overrides: Sequence[str]) -> str:
     """Name the ``--set`` behind a problem, since the file does not show that value."""
     keys = [(o.partition("=")[0].strip(), o) for o in overrides if "=" in o]
-    found = [(key, o) for key, o in keys if key and problem.startswith((key + ":", key + "."))]
+    found = [
+        (key, o) for key, o in keys if key and problem.startswith((key + ":", key + ".", key + "["))
+    ]
     if not found:
         return problem
     _, override = max(reversed(found), key=lambda f: len(f[0]))  # the last of the deepest
@@ -381,11 +400,21 @@ def _apply_override(raw: Any, text: str, problems: list[str]) -> None:
             node = node.setdefault(part, {})
 
 
-def parse_manifest(text: str, source: str = "<string>", overrides: Sequence[str] = ()) -> Manifest:
+def parse_manifest(
+    text: str,
+    source: str = "<string>",
+    overrides: Sequence[str] = (),
+    *,
+    cwd: str | None = None,
+) -> Manifest:
     """Validate manifest ``text`` after applying ``overrides`` (``key=value`` strings).
 
-    ``source`` names the text in the error message. Raises ``ManifestError`` listing every
-    problem, and ``TypeError`` when ``overrides`` is one string instead of a list of them.
+    ``source`` names the text in the error message. With ``cwd``, the first argument of each
+    role's ``command`` must name an executable, as the node agent will start it from ``cwd``:
+    a path (it has a '/') relative to ``cwd``, or a bare name looked up on the role's ``PATH``
+    (the agent's, or the one ``run.env`` or the role's ``env`` set). Without ``cwd``, commands
+    are not looked up. Raises ``ManifestError`` listing every problem, and ``TypeError`` when
+    ``overrides`` is one string instead of a list of them.
     """
     if isinstance(overrides, str):
         raise TypeError(f"overrides is a list of 'key=value' strings, got one: {overrides!r}")
@@ -398,6 +427,8 @@ def parse_manifest(text: str, source: str = "<string>", overrides: Sequence[str]
         _apply_override(raw if usable else {}, override, problems)
     if usable:
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
+        if cwd is not None:
+            _check_executables(clean, cwd, found)
         problems += [_credit(problem, overrides) for problem in found]
     if problems:
         raise ManifestError(source, problems)
@@ -407,8 +438,13 @@ def parse_manifest(text: str, source: str = "<string>", overrides: Sequence[str]
         raise ManifestError(source, [f"{TOP}: {exc}"]) from exc
 
 
-def load_manifest(path: str, overrides: Sequence[str] = ()) -> Manifest:
+def load_manifest(
+    path: str, overrides: Sequence[str] = (), *, check_commands: bool = True
+) -> Manifest:
     """Read and validate the manifest at ``path``; see ``parse_manifest``.
+
+    With ``check_commands`` (the default), each ``command`` role's executable must exist as
+    the node agent resolves it: from the current directory, where the agent starts its roles.
 
     Raises ``ManifestError`` listing every problem, or naming why the file cannot be read.
     """
@@ -420,4 +456,61 @@ def load_manifest(path: str, overrides: Sequence[str] = ()) -> Manifest:
         raise ManifestError(
             path, [f"{TOP}: cannot read the file ({reason}); check the path"]
         ) from exc
-    return parse_manifest(text, path, overrides)
+    return parse_manifest(text, path, overrides, cwd=os.getcwd() if check_commands else None)
+
+
+def _check_executables(clean: Any, cwd: str, problems: list[str]) -> None:
+    """Report each role whose ``command[0]`` names no executable, as the agent would start it."""
+    if not isinstance(clean, dict) or not isinstance(clean.get("roles"), dict):
+        return
+    run = clean.get("run")
+    run_env = run.get("env") if isinstance(run, dict) else None
+    for name, role in clean["roles"].items():
+        if not isinstance(role, dict):
+            continue
+        command = role.get("command")
+        where = f"{join(join('roles', name), 'command')}[0]"
+        if not isinstance(command, list) or not command or not isinstance(command[0], str):
+            continue  # a problem of its own already, or no command at all
+        if any(p.startswith((where.removesuffix("[0]") + ":", where + ":")) for p in problems):
+            continue
+        env = {**os.environ}
+        for extra in (run_env, role.get("env")):
+            if isinstance(extra, dict):
+                env.update({k: v for k, v in extra.items() if isinstance(v, str)})
+        problem = _executable_problem(command[0], cwd, env.get("PATH", os.defpath))
+        if problem:
+            problems.append(f"{where}: {problem}")
+
+
+def _executable_problem(program: str, cwd: str, path: str) -> str | None:
+    """Why ``program`` cannot be started from ``cwd`` with ``PATH`` ``path``, or None."""
+    if not program:
+        return "the program is an empty string; give the executable to run"
+    if "/" not in program:
+        # A relative PATH entry (or an empty one) is taken from the directory of the agent.
+        path = os.pathsep.join(os.path.join(cwd, d or ".") for d in path.split(os.pathsep))
+        if shutil.which(program, path=path) is not None:
+            return None
+        return (
+            f"no executable {program!r} found on PATH; install it, give its path (such as "
+            f"'./{program}' for one in {cwd}), or add its folder to PATH in run.env or the "
+            "role's env"
+        )
+    full = os.path.normpath(os.path.join(cwd, program))
+    shown = repr(program) if full == program else f"{program!r} ({full})"
+    try:
+        mode = os.stat(full).st_mode
+    except OSError:
+        return (
+            f"no executable {shown}: the file does not exist; fix the path (a relative path "
+            "is taken from the directory the run starts in) or give it as an absolute path"
+        )
+    if stat.S_ISDIR(mode):
+        return f"{shown} is a directory, not an executable; name the program inside it"
+    if not os.access(full, os.X_OK):
+        return (
+            f"{shown} is not executable; make it executable (chmod +x) or start it through "
+            f"its interpreter, such as [python3, {program}]"
+        )
+    return None

@@ -1,29 +1,67 @@
-"""What the supervisor tells a process it starts: one ProcessSpec, as JSON in ``ASYNCRL_SPEC``.
+"""What the supervisor tells a process it starts: one ProcessSpec, as JSON in a private file.
+
+The node agent writes each incarnation's spec to ``<run_dir>/specs/<name>.<replica>.<n>.json``
+(``write_spec``) and passes its path in ``ASYNCRL_SPEC_FILE``; the process reads it back with
+``load_spec_from_env``. A file, not the environment itself: Linux refuses a single environment
+string over 128 KiB (``E2BIG``, "Argument list too long"), and a run's ``config`` may be larger.
+``ASYNCRL_SPEC`` (the spec as JSON in the environment) is still read, for compatibility.
 
 Importing this module imports neither torch nor user code: the node agent builds specs.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["EXIT_CONFIG", "SPEC_ENV", "GroupInfo", "ProcessSpec"]
+__all__ = [
+    "EXIT_CONFIG",
+    "SPEC_DIR",
+    "SPEC_ENV",
+    "SPEC_FILE_ENV",
+    "GroupInfo",
+    "ProcessSpec",
+    "load_spec_from_env",
+    "spec_path",
+    "write_private",
+    "write_spec",
+]
 
 SPEC_ENV = "ASYNCRL_SPEC"
+"""The spec as JSON in the environment: read for compatibility, no longer written."""
+
+SPEC_FILE_ENV = "ASYNCRL_SPEC_FILE"
+"""The path of the spec file, written by the node agent."""
+
+SPEC_DIR = "specs"
+"""The folder of the run directory that holds the spec files (private: 0700)."""
 
 EXIT_CONFIG = 78
 """Exit status of a process whose configuration is wrong (EX_CONFIG): restarting cannot help, so
 the supervisor stops the run with a report instead of spending restarts."""
 
+DeliveryName = Literal["idempotent", "once", "latest"]
+
 
 class GroupInfo(msgspec.Struct, frozen=True):
-    """A role group as the driver sees it: the endpoint of each replica, and its timing."""
+    """A role group as the driver sees it.
+
+    Attributes:
+        endpoints: the address of each replica.
+        heartbeat_interval_s: seconds between pings.
+        liveness: missed pings after which a replica is dead.
+        delivery: the delivery class of each method as the manifest declares it
+            (``roles.<name>.endpoints``); what a replica's ``_describe`` answers wins over it.
+    """
 
     endpoints: list[str]
     heartbeat_interval_s: float = 1.0
     liveness: int = 3
+    delivery: dict[str, DeliveryName] = {}
 
 
 class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,3 +106,81 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     parent_pid: int = 0
     groups: dict[str, GroupInfo] = {}
     pipeline: dict[str, Any] = {}
+
+
+def spec_path(run_dir: str, name: str, replica: int, incarnation: int, suffix: str = "") -> str:
+    """Where incarnation ``incarnation`` of ``name``.``replica`` finds its spec file."""
+    file = f"{name}.{replica}.{incarnation}{suffix}.json"
+    return os.path.join(run_dir, SPEC_DIR, file)
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, readable by this user only.
+
+    The folder is created private (0700) whatever the umask; the file appears complete or not
+    at all (written to a temporary file beside it, then renamed). Raises ``OSError``.
+    """
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")  # mkstemp creates it 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_spec(spec: ProcessSpec) -> str:
+    """Write ``spec`` to its file in the run directory; return the path.
+
+    The previous incarnation's file is removed: that process has exited, and a restart loop
+    must not fill the folder.
+    """
+    path = spec_path(spec.run_dir, spec.name, spec.replica, spec.incarnation)
+    write_private(path, msgspec.json.encode(spec))
+    if spec.incarnation > 0:
+        old = spec_path(spec.run_dir, spec.name, spec.replica, spec.incarnation - 1)
+        try:
+            os.unlink(old)
+        except FileNotFoundError:
+            pass
+    return path
+
+
+def load_spec_from_env(environ: Mapping[str, str] | None = None) -> ProcessSpec:
+    """The spec of this process: read from the file named by ``ASYNCRL_SPEC_FILE``, or else
+    decoded from ``ASYNCRL_SPEC``.
+
+    Raises:
+        SystemExit: with a message, when neither variable is set, the file cannot be read, or
+            its content is not a spec; the process cannot start without one.
+    """
+    env = os.environ if environ is None else environ
+    path = env.get(SPEC_FILE_ENV)
+    raw: bytes | str | None
+    if path:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise SystemExit(
+                f"asyncrl.process: cannot read the spec file {path!r} named by {SPEC_FILE_ENV} "
+                f"({exc.strerror}); it is written by the node agent, which must still be running"
+            ) from exc
+        where = f"the spec file {path!r}"
+    else:
+        raw = env.get(SPEC_ENV)
+        where = SPEC_ENV
+    if raw is None:
+        raise SystemExit(
+            f"asyncrl.process is started by the supervisor, with {SPEC_FILE_ENV} "
+            f"(or {SPEC_ENV}) set"
+        )
+    try:
+        return msgspec.json.decode(raw, type=ProcessSpec)
+    except msgspec.DecodeError as exc:
+        raise SystemExit(f"asyncrl.process: {where} is not a valid spec: {exc}") from exc

@@ -25,6 +25,7 @@ from asyncrl.manifest import (
     parse_manifest,
     resolve_run_dir,
 )
+from asyncrl.pacing import PipelineSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,6 +72,10 @@ roles:
   learner:
     class: hf-learner
 """
+
+
+# The pipeline section grows; its first nine keys are fixed.
+_PIPELINE_KEYS = [f.encode_name for f in msgspec.structs.fields(PipelineSpec)]
 
 
 def _problems(text: str, overrides: list[str] | None = None) -> list[str]:
@@ -266,7 +271,7 @@ def test_unknown_keys_suggest_the_nearest_one() -> None:
     ]
     assert _problems(MINIMAL + "    xyz: 1\n") == [
         "roles.rollout.xyz: unknown key; expected one of 'class', 'command', 'replicas', "
-        "'capacity', 'threads', 'placement', 'env', 'config', 'supervision'"
+        "'capacity', 'threads', 'placement', 'env', 'config', 'supervision', 'endpoints'"
     ]
 
 
@@ -319,7 +324,8 @@ def test_pipeline_section_problems_are_reported_with_their_paths() -> None:
         "pipeline.straggler.deadline_s: policy 'emit' needs a deadline > 0 (seconds from a "
         "group's admission to its release); set it, or use policy 'wait'",
         "pipeline.bogus: unknown key; expected one of 'mode', 'eta', 'over_eta', 'correction', "
-        "'importance_cap', 'overprovision', 'group_affinity', 'straggler', 'running_stats'",
+        "'importance_cap', 'overprovision', 'group_affinity', 'straggler', 'running_stats'"
+        + "".join(f", {key!r}" for key in _PIPELINE_KEYS[9:]),
     ]
 
 
@@ -543,3 +549,188 @@ def test_the_error_report_in_the_docs_is_what_the_code_prints() -> None:
     with pytest.raises(ManifestError) as info:
         parse_manifest(bad, "bad.yaml", overrides)
     assert str(info.value) + "\n" == report
+
+
+def test_a_missing_executable_is_a_problem_naming_the_role(tmp_path: pathlib.Path) -> None:
+    """The agent starts commands from its current directory, with the role's PATH."""
+    tool = tmp_path / "bin" / "tool"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    plain = tmp_path / "plain.sh"
+    plain.write_text("#!/bin/sh\n")
+    plain.chmod(0o644)
+    text = (
+        "run: {name: r, program: p}\nroles:\n"
+        "  gone: {command: no-such-asyncrl-tool --flag}\n"
+        "  rel: {command: [./bin/tool]}\n"
+        "  missing: {command: [bin/nope, x]}\n"
+        "  plain: {command: [./plain.sh]}\n"
+        "  folder: {command: [bin]}\n"
+        "  onpath: {command: [tool], env: {PATH: bin}}\n"
+        "  absent: {command: [tool]}\n"
+    )
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text, "m.yaml", cwd=str(tmp_path))
+    assert info.value.problems == [
+        "roles.gone.command[0]: no executable 'no-such-asyncrl-tool' found on PATH; install it, "
+        f"give its path (such as './no-such-asyncrl-tool' for one in {tmp_path}), or add its "
+        "folder to PATH in run.env or the role's env",
+        f"roles.missing.command[0]: no executable 'bin/nope' ({tmp_path}/bin/nope): the file "
+        "does not exist; fix the path (a relative path is taken from the directory the run "
+        "starts in) or give it as an absolute path",
+        f"roles.plain.command[0]: './plain.sh' ({tmp_path}/plain.sh) is not executable; make it "
+        "executable (chmod +x) or start it through its interpreter, such as [python3, "
+        "./plain.sh]",
+        "roles.folder.command[0]: no executable 'bin' found on PATH; install it, give its path "
+        f"(such as './bin' for one in {tmp_path}), or add its folder to PATH in run.env or the "
+        "role's env",
+        "roles.absent.command[0]: no executable 'tool' found on PATH; install it, give its path "
+        f"(such as './tool' for one in {tmp_path}), or add its folder to PATH in run.env or the "
+        "role's env",
+    ]
+    # Without a directory to resolve from, commands are not looked up.
+    assert parse_manifest(text).roles["gone"].command == ("no-such-asyncrl-tool", "--flag")
+
+
+def test_load_manifest_looks_commands_up_from_the_current_directory(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text("run: {name: r, program: p}\nroles:\n  ext: {command: ./role.sh}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(str(path), ["roles.more.command=xyz-asyncrl-absent"])
+    assert info.value.problems == [
+        f"roles.ext.command[0]: no executable './role.sh' ({tmp_path}/role.sh): the file does "
+        "not exist; fix the path (a relative path is taken from the directory the run starts "
+        "in) or give it as an absolute path",
+        "roles.more.command[0]: no executable 'xyz-asyncrl-absent' found on PATH; install it, "
+        f"give its path (such as './xyz-asyncrl-absent' for one in {tmp_path}), or add its "
+        "folder to PATH in run.env or the role's env (from --set "
+        "roles.more.command=xyz-asyncrl-absent)",
+    ]
+    (tmp_path / "role.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "role.sh").chmod(0o755)
+    assert load_manifest(str(path)).roles["ext"].command == ("./role.sh",)
+    assert load_manifest(str(path), ["roles.x.command=no-such"], check_commands=False)
+
+
+def test_endpoints_declare_delivery_classes() -> None:
+    text = (
+        "run: {name: r, program: p}\nroles:\n"
+        "  ext: {command: [python3], endpoints: {score: idempotent, train: once, w.set: latest}}\n"
+    )
+    assert parse_manifest(text).roles["ext"].endpoints == {
+        "score": "idempotent",
+        "train": "once",
+        "w.set": "latest",
+    }
+    assert parse_manifest(MINIMAL).roles["rollout"].endpoints == {}
+    bad = text.replace("train: once", "train: onse, _describe: once, x: [once]")
+    assert _problems(bad) == [
+        "roles.ext.endpoints.train: expected one of 'idempotent', 'latest', 'once', got 'onse'; "
+        "did you mean 'once'?",
+        "roles.ext.endpoints._describe: invalid key; use a method name of letters, digits, '_', "
+        "'.' and '-' that starts with a letter (names starting with '_' belong to the runtime)",
+        "roles.ext.endpoints.x: expected one of 'idempotent', 'latest', 'once', got a list",
+    ]
+
+
+# -- from a manifest to processes: the spec travels in a file ------------------------------------
+
+BIG = "x" * 200_000  # over Linux's 128 KiB limit on one environment string
+
+READ_SPEC = (
+    "from asyncrl.spec import load_spec_from_env\n"
+    "s = load_spec_from_env()\n"
+    "print(s.kind, s.name, s.incarnation, len(s.config['blob']), sorted(s.groups))\n"
+)
+READ_CONFIG = (
+    "import json, os\n"
+    "c = json.load(open(os.environ['ASYNCRL_CONFIG_FILE']))\n"
+    "print('command', len(c['blob']), 'ASYNCRL_CONFIG' in os.environ)\n"
+)
+
+
+def test_a_large_config_reaches_every_process_through_a_spec_file(run_dir: str) -> None:
+    from asyncrl.agent import build_children
+    from asyncrl.spec import SPEC_FILE_ENV
+
+    text = (
+        "run: {name: big, program: a:b}\n"
+        "roles:\n"
+        "  role: {class: a:B}\n"
+        f"  ext: {{command: [{sys.executable}, -c, {READ_CONFIG!r}]}}\n"
+    )
+    manifest = parse_manifest(
+        text,
+        overrides=[
+            f"run.config.blob={BIG}",
+            f"roles.role.config.blob={BIG}",
+            f"roles.ext.config.blob={BIG}",
+        ],
+    )
+    children = build_children(manifest, run_dir, parent_pid=os.getpid())
+    outputs = []
+    for child in children:
+        argv, env = child.argv_env(1)
+        assert max(len(k) + len(v) for k, v in env.items()) < 1024
+        if child.kind != "command":
+            argv = [sys.executable, "-c", READ_SPEC]  # the spec as asyncrl.process reads it
+            path = env[SPEC_FILE_ENV]
+            assert path == os.path.join(run_dir, "specs", f"{child.name}.0.1.json")
+            assert os.stat(path).st_mode & 0o777 == 0o600
+        out = subprocess.run(
+            argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+        assert out.returncode == 0, out.stderr
+        outputs.append(out.stdout)
+    assert outputs == [
+        "role role 1 200000 []\n",
+        "command 200000 False\n",
+        "driver driver 1 200000 ['ext', 'role']\n",
+    ]
+    assert os.stat(os.path.join(run_dir, "specs")).st_mode & 0o777 == 0o700
+    # The next incarnation replaces the previous one's files.
+    for child in children:
+        child.argv_env(2)
+    assert sorted(os.listdir(os.path.join(run_dir, "specs"))) == [
+        "driver.0.2.json",
+        "ext.0.2.config.json",
+        "role.0.2.json",
+    ]
+
+
+def test_a_small_config_is_also_in_the_environment_of_a_command(run_dir: str) -> None:
+    from asyncrl.agent import build_children
+
+    text = "run: {name: r, program: a:b}\nroles: {ext: {command: x, config: {k: 1}}}\n"
+    (child, _) = build_children(parse_manifest(text), run_dir, parent_pid=1)
+    _, env = child.argv_env(0)
+    assert env["ASYNCRL_CONFIG"] == '{"k": 1}'
+    with open(env["ASYNCRL_CONFIG_FILE"]) as f:
+        assert f.read() == '{"k": 1}'
+
+
+def test_load_spec_from_env_reads_the_file_or_the_old_variable(tmp_path: pathlib.Path) -> None:
+    from asyncrl.spec import ProcessSpec, load_spec_from_env, write_spec
+
+    spec = ProcessSpec(kind="role", name="r", endpoint="ipc://x", run="n", run_dir=str(tmp_path))
+    path = write_spec(spec)
+    assert load_spec_from_env({"ASYNCRL_SPEC_FILE": path}) == spec
+    legacy = msgspec.json.encode(spec).decode()
+    assert load_spec_from_env({"ASYNCRL_SPEC": legacy}) == spec
+    with pytest.raises(SystemExit) as info:
+        load_spec_from_env({})
+    assert str(info.value) == (
+        "asyncrl.process is started by the supervisor, with ASYNCRL_SPEC_FILE (or ASYNCRL_SPEC) set"
+    )
+    gone = str(tmp_path / "gone.json")
+    with pytest.raises(SystemExit) as info:
+        load_spec_from_env({"ASYNCRL_SPEC_FILE": gone})
+    assert str(info.value) == (
+        f"asyncrl.process: cannot read the spec file {gone!r} named by ASYNCRL_SPEC_FILE "
+        "(No such file or directory); it is written by the node agent, which must still be "
+        "running"
+    )
