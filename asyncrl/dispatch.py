@@ -11,7 +11,11 @@ that replica, waiting in its soft queue while it is full. An idle replica steals
 longest soft queue of the others (the newest work first, so the owner keeps what it reaches
 next), so a preference never leaves a slot empty; each theft is counted as ``stolen``.
 
-Failures follow each endpoint's delivery class (read from the replica's ``_describe``):
+Failures follow each endpoint's delivery class. A replica states them when it answers the
+built-in ``_describe`` (every Python role does); a role that does not (an external command) has
+the classes its manifest declares (``roles.<name>.endpoints``, carried in ``GroupInfo.delivery``).
+When both exist, ``_describe`` wins for each method it names. A method neither names is ``once``:
+
 
 - idempotent: a request whose replica died, hung or restarted runs again, preferably on another
   replica; if none is up it waits for a restarted one. Only its deadline limits this, so waiting
@@ -131,7 +135,7 @@ class Group:
         self.startup_timeout_s = startup_timeout_s
         self.replicas = [_Replica(i, ep) for i, ep in enumerate(info.endpoints)]
         self.queue: deque[Work] = deque()
-        self.delivery: dict[str, Delivery] = {}
+        self.delivery: dict[str, Delivery] = {m: Delivery(d) for m, d in info.delivery.items()}
         self.stats: Counter[str] = Counter()
         self._homes: dict[Any, int] = {}  # affinity key -> the replica it prefers
         self._tasks: set[asyncio.Task[None]] = set()
@@ -184,10 +188,23 @@ class Group:
         except RemoteError as exc:
             if exc.code != ErrorCode.UNKNOWN_METHOD:
                 raise
-            # An external role need not describe itself; its endpoints are then 'once'.
+            # An external role need not describe itself; its endpoints then have the classes
+            # the manifest declares, and the others are 'once'.
             info = {}
         for method, delivery in info.get("endpoints", {}).items():
-            self.delivery[method] = Delivery(delivery)
+            described = Delivery(delivery)
+            declared = self.info.delivery.get(method)
+            if declared is not None and declared != described:
+                log.warning(
+                    "%s.%d: %r is %s by its _describe, %s by the manifest; %s applies",
+                    self.name,
+                    replica.index,
+                    method,
+                    described.value,
+                    declared,
+                    described.value,
+                )
+            self.delivery[method] = described
         self._ready.set()
 
     def _on_credit(self, replica: _Replica, slots: int) -> None:

@@ -49,7 +49,8 @@ class FakeReplica:
     starts; ``calls`` records ``(method, payload, attempt)``.
 
     Credit is advertised as soon as the server is bound, or, with ``credit_on_connect``, to each
-    client as its handshake arrives.
+    client as its handshake arrives. With ``describe=False`` it does not answer ``_describe``, as
+    an external role need not.
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class FakeReplica:
         hold: Callable[[str, Any], bool] = lambda method, payload: False,
         tokens: asyncio.Queue[None] | None = None,
         credit_on_connect: bool = False,
+        describe: bool = True,
     ) -> None:
         self.index = index
         self.capacity = capacity
@@ -88,14 +90,15 @@ class FakeReplica:
             self.server.add(method, self._handler(method))
         self.server.add("index", self._index)
         self.server.add("fail", self._fail)
-        describe = {
+        description = {
             "role": "g",
             "replica": index,
             "incarnation": incarnation,
             "pid": os.getpid(),
             "endpoints": ENDPOINTS,
         }
-        self.server.add("_describe", lambda payload, call: describe)
+        if describe:
+            self.server.add("_describe", lambda payload, call: description)
 
     async def start(self) -> FakeReplica:
         await self.server.start()
@@ -136,10 +139,17 @@ class FakeReplica:
 
 @asynccontextmanager
 async def dispatching(
-    endpoints: list[str], replicas: list[FakeReplica]
+    endpoints: list[str],
+    replicas: list[FakeReplica],
+    delivery: dict[str, Any] | None = None,
 ) -> AsyncIterator[tuple[Handle, Group]]:
-    """Start a dispatcher for group ``g``; yield its handle and group; close everything after."""
-    info = GroupInfo(endpoints, heartbeat_interval_s=HEARTBEAT_S, liveness=LIVENESS)
+    """Start a dispatcher for group ``g``; yield its handle and group; close everything after.
+
+    ``delivery`` is what the manifest declares (``roles.g.endpoints``).
+    """
+    info = GroupInfo(
+        endpoints, heartbeat_interval_s=HEARTBEAT_S, liveness=LIVENESS, delivery=delivery or {}
+    )
     dispatcher = Dispatcher({"g": info}, run="t", startup_timeout_s=WAIT_S)
     dispatcher.start()
     ctx = Context(dispatcher, run="t", run_dir=".", log=logging.getLogger("test"))
@@ -537,5 +547,46 @@ def test_a_replica_never_has_more_calls_than_its_credit(run_dir: str) -> None:
             assert [r.peak for r in replicas] == [2, 3]
             served = group.summary()["served"]
             assert served[0] + served[1] == 2 + 30
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("describe", "declared", "retried"),
+    [
+        (False, {"work": "idempotent"}, True),  # the manifest's declaration applies
+        (False, {}, False),  # nothing declared or described: once
+        (True, {"work": "once"}, True),  # _describe wins over the manifest
+    ],
+    ids=["declared", "undeclared", "described-wins"],
+)
+def test_the_manifest_declares_delivery_for_a_replica_that_does_not_describe_itself(
+    run_dir: str, describe: bool, declared: dict[str, Any], retried: bool
+) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        entered: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        replicas = [
+            await FakeReplica(
+                ep, i, capacity=1, entered=entered, hold=lambda m, p: p == "held", describe=describe
+            ).start()
+            for i, ep in enumerate(endpoints)
+        ]
+        async with dispatching(endpoints, replicas, declared) as (g, group):
+            await ready(g, group)
+            pending = asyncio.ensure_future(g.call("work", "held", timeout=WAIT_S))
+            doomed, _ = await asyncio.wait_for(entered.get(), WAIT_S)
+            other = replicas[1 - doomed]
+            other.gate.set()  # the re-run answers at once
+            await replicas[doomed].server.close()
+            if retried:
+                assert await asyncio.wait_for(pending, WAIT_S) == [1 - doomed, "held"]
+                assert other.calls == [("work", "held", 1)]
+                assert group.stats["retries"] == 1
+            else:
+                with pytest.raises(DisconnectedError):
+                    await asyncio.wait_for(pending, WAIT_S)
+                assert other.calls == []
+                assert group.stats["retries"] == 0
 
     run(main())
