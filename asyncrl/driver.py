@@ -5,6 +5,12 @@ cannot stall the supervisor. The driver binds an inbox like every role (heartbea
 one dispatcher for all role groups, and when the program returns it writes ``driver.json`` in the
 run directory (the result, if it is JSON, and the dispatcher's counts) and exits with status 0,
 which ends the run.
+
+An exception raised by the program is not a crash: the driver exits with ``EXIT_PROGRAM`` and the
+supervisor fails the run once, with the traceback. A crash of the driver process (SIGKILL, OOM)
+is restarted, and the program resumes from what the run checkpointed (``ctx.incarnation`` > 0).
+A program that makes no progress for ``pipeline.stall_timeout_s`` fails the run the same way,
+with what it waited for (``asyncrl.watchdog``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -23,11 +30,13 @@ import msgspec
 
 from asyncrl import logs
 from asyncrl.dispatch import Dispatcher
+from asyncrl.errors import ConfigProblem
+from asyncrl.exits import EXIT_PROGRAM, EXIT_STOPPED
 from asyncrl.handles import Context
 from asyncrl.pacing import PipelineSpec
-from asyncrl.process import ConfigProblem
 from asyncrl.spec import ProcessSpec
 from asyncrl.transport import ChannelOptions, Server
+from asyncrl.watchdog import Watchdog
 
 __all__ = ["Program", "load_program", "serve_driver"]
 
@@ -66,7 +75,12 @@ def load_program(target: str) -> Program:
 
 
 async def serve_driver(spec: ProcessSpec) -> int:
-    """Run the program; return the process's exit status (0: the program finished)."""
+    """Run the program; return the process's exit status (see ``asyncrl.exits``).
+
+    0: the program finished. ``EXIT_STOPPED``: stopped before it finished (never success).
+    ``EXIT_PROGRAM``: the program raised, or stalled; the run fails once, with the traceback
+    written to stderr and ``driver.json``.
+    """
     log = logs.get_logger("asyncrl.driver")
     program = load_program(spec.target)
     stop = asyncio.Event()
@@ -84,6 +98,8 @@ async def serve_driver(spec: ProcessSpec) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    pipeline = msgspec.convert(spec.pipeline, PipelineSpec)
+    watchdog = Watchdog(pipeline.stall_timeout_s)
     dispatcher = Dispatcher(spec.groups, run=spec.run)
     dispatcher.start()
     ctx = Context(
@@ -92,29 +108,44 @@ async def serve_driver(spec: ProcessSpec) -> int:
         run_dir=spec.run_dir,
         log=log,
         config=spec.config,
-        pipeline=msgspec.convert(spec.pipeline, PipelineSpec),
+        pipeline=pipeline,
+        watchdog=watchdog,
+        incarnation=spec.incarnation,
     )
-    log.info("program started", program=spec.target)
+    log.info("program started", program=spec.target, resumed=spec.incarnation > 0)
     program_task = loop.create_task(program(ctx))
     stop_task = loop.create_task(stop.wait())
+    watch_task = loop.create_task(watchdog.run())
     try:
-        await asyncio.wait({program_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {program_task, stop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
-        stop_task.cancel()
+        for task in (stop_task, watch_task):
+            task.cancel()
         if not program_task.done():
             program_task.cancel()
-            await asyncio.gather(program_task, return_exceptions=True)
+        await asyncio.gather(program_task, stop_task, watch_task, return_exceptions=True)
         summary = dispatcher.summary()
         await dispatcher.close()
         await server.close()
+    stalled = watch_task.exception() if watch_task.done() and not watch_task.cancelled() else None
+    if stalled is not None:
+        _write(spec.run_dir, {"finished": False, "error": str(stalled), "dispatch": summary})
+        print(f"the run stalled: {stalled}", file=sys.stderr, flush=True)
+        log.error("stalled", error=str(stalled))
+        return EXIT_PROGRAM
     if program_task.cancelled():
         log.info("program stopped before it finished")
-        _write(spec.run_dir, {"finished": False, "dispatch": summary})
-        return 0
+        _write(spec.run_dir, {"finished": False, "stopped": True, "dispatch": summary})
+        return EXIT_STOPPED
     exc = program_task.exception()
     if exc is not None:
-        _write(spec.run_dir, {"finished": False, "error": repr(exc), "dispatch": summary})
-        raise exc
+        text = "".join(traceback.format_exception(exc))
+        _write(spec.run_dir, {"finished": False, "error": text, "dispatch": summary})
+        print(f"the control-flow program raised:\n{text}", file=sys.stderr, flush=True)
+        log.error("program raised", error=repr(exc))
+        return EXIT_PROGRAM
     result = program_task.result()
     _write(spec.run_dir, {"finished": True, "result": _jsonable(result), "dispatch": summary})
     log.info("program finished")

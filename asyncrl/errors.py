@@ -19,7 +19,9 @@
     │       ├── UnknownKindError        an envelope kind this side does not know
     │       ├── MessageTooLargeError    a message over the configured size limit
     │       └── TensorDescriptorError   tensor descriptors that disagree with the bytes
-    └── ManifestError                   a manifest with problems; lists every one, with its path
+    ├── ManifestError                   a manifest with problems; lists every one, with its path
+    ├── ConfigProblem                   a process cannot start with its configuration (exit 78)
+    └── StallError                      a run made no progress for too long; says on whom it waits
 
 The transport defines its branch itself, since it may not import the runtime; this module is where
 the runtime's own errors join the same root. ``retryable`` is True on errors after which the same
@@ -50,6 +52,7 @@ __all__ = [
     "AsyncrlError",
     "BrokenError",
     "ClosedError",
+    "ConfigProblem",
     "DeadlineExceededError",
     "DecodeError",
     "DisconnectedError",
@@ -62,6 +65,7 @@ __all__ = [
     "ProtocolError",
     "ProtocolVersionError",
     "RemoteError",
+    "StallError",
     "TensorDescriptorError",
     "TornReadError",
     "TransportError",
@@ -86,6 +90,21 @@ class ManifestError(AsyncrlError):
 
     def __reduce__(self) -> tuple[type[ManifestError], tuple[str, list[str]]]:
         return (type(self), (self.source, self.problems))
+
+
+class ConfigProblem(AsyncrlError):
+    """A process cannot start because of its configuration (a program or class that does not
+    import, a config the role rejects). The process exits with ``EXIT_CONFIG``, and the
+    supervisor fails the run at once: restarting cannot help."""
+
+
+class StallError(AsyncrlError):
+    """The run made no progress for its stall timeout (or can provably make none).
+
+    The message says what the program waits for and on whom: the calls in flight, by role,
+    replica and age, and the sample pipeline's state. The driver fails the run with it rather
+    than hang.
+    """
 
 
 class WeightsGoneError(BrokenError):

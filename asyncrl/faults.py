@@ -1,6 +1,6 @@
 """Fault injection for tests of recovery: a plan in the ``ASYNCRL_FAULTS`` environment variable.
 
-The one fault so far is the hardest case for delivery: the replica has done the work but dies
+``kill_before_reply`` is the hardest case for delivery: the replica has done the work but dies
 before it replies, so the caller cannot tell whether the work happened. In a manifest::
 
     roles:
@@ -11,6 +11,10 @@ before it replies, so the caller cannot tell whether the work happened. In a man
 
 kills the process with SIGKILL after every 40th completed ``work`` call, in each of its first 3
 incarnations (so the run ends).
+
+``kill_at`` kills the process at a named point inside a role's own code, reached through
+``FaultPlan.at(point)``: the learner names ``checkpoint_write`` (half of a checkpoint written,
+not yet renamed into place) and ``after_checkpoint`` (a step saved, its reply not yet sent).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections import Counter
 
 import msgspec
 
-__all__ = ["FAULTS_ENV", "FaultPlan", "KillBeforeReply"]
+__all__ = ["FAULTS_ENV", "FaultPlan", "KillAt", "KillBeforeReply"]
 
 FAULTS_ENV = "ASYNCRL_FAULTS"
 
@@ -32,8 +36,15 @@ class KillBeforeReply(msgspec.Struct, frozen=True):
     incarnations: int = 1
 
 
+class KillAt(msgspec.Struct, frozen=True):
+    point: str
+    every: int = 1
+    incarnations: int = 1
+
+
 class _Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kill_before_reply: KillBeforeReply | None = None
+    kill_at: KillAt | None = None
 
 
 class FaultPlan:
@@ -61,4 +72,13 @@ class FaultPlan:
             return
         self._done[method] += 1
         if self._done[method] % kill.every == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def at(self, point: str) -> None:
+        """Called by a role at a named point of its own work (see the module)."""
+        kill = self._plan.kill_at
+        if kill is None or kill.point != point or self._incarnation >= kill.incarnations:
+            return
+        self._done[f"at:{point}"] += 1
+        if self._done[f"at:{point}"] % kill.every == 0:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -19,6 +19,7 @@ from typing import Any
 
 from asyncrl.dispatch import Dispatcher, Group, Work
 from asyncrl.pacing import PipelineSpec
+from asyncrl.watchdog import Watchdog
 
 __all__ = ["Context", "Handle"]
 
@@ -28,8 +29,12 @@ DEFAULT_TIMEOUT_S = 60.0
 class Handle:
     """Calls into one role group."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, watchdog: Watchdog | None = None) -> None:
         self._group = group
+        self._watchdog = watchdog
+        self._in_flight: dict[Work, float] = {}  # work -> when it was submitted
+        if watchdog is not None:
+            watchdog.watch(f"role {group.name}", self.describe_in_flight)
 
     @property
     def name(self) -> str:
@@ -51,7 +56,7 @@ class Handle:
         affinity: Any = None,
     ) -> Work:
         loop = asyncio.get_running_loop()
-        return Work(
+        work = Work(
             method,
             payload,
             reply_type,
@@ -62,6 +67,30 @@ class Handle:
             target=target,
             affinity=affinity,
         )
+        self._in_flight[work] = loop.time()
+        work.future.add_done_callback(functools.partial(self._settled, work))
+        return work
+
+    def _settled(self, work: Work, future: asyncio.Future[Any]) -> None:
+        self._in_flight.pop(work, None)
+        if self._watchdog is not None and not future.cancelled() and future.exception() is None:
+            self._watchdog.progress()
+
+    def describe_in_flight(self) -> str:
+        """The calls in flight to this group, oldest first: method, replica, age."""
+        if not self._in_flight:
+            return ""
+        now = asyncio.get_running_loop().time()
+        calls: dict[tuple[str, str], list[float]] = {}
+        for work, since in self._in_flight.items():
+            where = "any replica" if work.target is None else f"replica {work.target}"
+            state = "sent to" if work.sent else "queued for"
+            calls.setdefault((work.method, f"{state} {where}"), []).append(now - since)
+        parts = [
+            f"{len(ages)} x {method} ({where}, oldest {max(ages):.0f} s)"
+            for (method, where), ages in sorted(calls.items(), key=lambda kv: -max(kv[1]))
+        ]
+        return "; ".join(parts)
 
     async def call(
         self,
@@ -158,7 +187,10 @@ class Context:
 
     ``ctx.rollout`` and ``ctx["rollout"]`` are the same handle; ``ctx.config`` is the manifest's
     ``run.config``; ``ctx.pipeline`` its ``pipeline`` section (``asyncrl.pacing.PipelineSpec``);
-    ``ctx.run_dir`` is where the program writes its outputs.
+    ``ctx.run_dir`` is where the program writes its outputs; ``ctx.watchdog`` fails the run
+    when nothing progresses for ``pipeline.stall_timeout_s`` (a program may ``watch`` its own
+    waits, so the failure says on what it waited); ``ctx.incarnation`` is the driver's restart
+    count (0 on a fresh start: a program resumes from its checkpoint when it is not).
     """
 
     def __init__(
@@ -170,13 +202,19 @@ class Context:
         log: Any,
         config: dict[str, Any] | None = None,
         pipeline: PipelineSpec | None = None,
+        watchdog: Watchdog | None = None,
+        incarnation: int = 0,
     ) -> None:
         self.run = run
         self.run_dir = run_dir
         self.log = log
         self.config = config or {}
         self.pipeline = pipeline or PipelineSpec()
-        self.roles = {name: Handle(group) for name, group in dispatcher.groups.items()}
+        self.watchdog = watchdog or Watchdog(0)
+        self.incarnation = incarnation
+        self.roles = {
+            name: Handle(group, self.watchdog) for name, group in dispatcher.groups.items()
+        }
 
     def __getitem__(self, name: str) -> Handle:
         try:

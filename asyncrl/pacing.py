@@ -98,6 +98,9 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             prefix caching); an idle replica still steals them.
         straggler: when a group with late samples is released.
         running_stats: keep streaming, version-tagged reward statistics for the metrics.
+        stall_timeout_s: seconds without any call completing after which the driver fails the
+            run, saying what it waited for and on whom (0: never). Raise it when one learner
+            step or one generation legitimately takes longer.
     """
 
     mode: Annotated[
@@ -118,6 +121,7 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     group_affinity: bool = False
     straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
     running_stats: bool = False
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
 
     def __post_init__(self) -> None:
         problem = straggler_problem(self.straggler.policy, self.straggler.deadline_s)
@@ -203,7 +207,19 @@ class Pacer:
         self.max_ahead = max(self.max_ahead, self.overprovision - self.room())
 
     def advance(self, version: int) -> None:
-        """The learner reached ``version``: the window moves on."""
+        """The learner reached ``version``: the window moves on.
+
+        Raises:
+            ValueError: ``version`` is below the one already reached: the learner lost steps it
+                had acknowledged (it restarted from an older checkpoint). Pacing cannot hold
+                from there, and waiting would stall the run, so the caller must fail or resume.
+        """
+        if version < self.version:
+            raise ValueError(
+                f"the learner's version went back from {self.version} to {version}: it lost "
+                f"steps it had acknowledged (restarted from an older checkpoint). Keep the "
+                f"learner's 'durable: true' (the default), or resume the run from its checkpoint"
+            )
         if version > self.version:
             self.version = version
             self._changed.set()

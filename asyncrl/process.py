@@ -25,19 +25,16 @@ from typing import Any
 import msgspec
 
 from asyncrl import logs
+from asyncrl.errors import ConfigProblem
 from asyncrl.faults import FaultPlan
 from asyncrl.role import Role, RoleContext, endpoints_of
 from asyncrl.spec import EXIT_CONFIG, SPEC_ENV, ProcessSpec
 from asyncrl.transport import Call, ChannelOptions, Entry, LocalRegistry, Server
 from asyncrl.transport import run as run_loop
 
-__all__ = ["load_role_class", "main", "serve_role"]
+__all__ = ["ConfigProblem", "load_role_class", "main", "serve_role"]
 
 _PR_SET_PDEATHSIG = 1
-
-
-class ConfigProblem(Exception):
-    """The process cannot start because of its configuration; exits with EXIT_CONFIG."""
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -226,4 +223,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # ``python -m asyncrl.process`` runs this file as ``__main__``: call the canonical module's
+    # main, so that every class (ConfigProblem among them) is the one the rest of asyncrl
+    # imports, and ``except`` clauses match what the driver and roles raise.
+    from asyncrl.process import main as _main
+
+    _main()

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import msgspec
 
 from asyncrl import logs
+from asyncrl.exits import EXIT_PROGRAM
 from asyncrl.manifest import Supervision
 from asyncrl.spec import EXIT_CONFIG
 from asyncrl.transport import ChannelOptions, Client, PeerEvent, TransportError, sweep
@@ -114,6 +115,8 @@ class _Child:
     restarting: bool = False
     restart_times: collections.deque[float] = field(default_factory=collections.deque)
     restarts: int = 0
+    streak: int = 0  # restarts in a row: the backoff's exponent
+    served_at: float | None = None  # when this incarnation was first heard
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -214,6 +217,7 @@ class Supervisor:
     async def _spawn(self, child: _Child) -> None:
         child.incarnation += 1
         child.serving = False
+        child.served_at = None
         child.hung = False
         child.expected_exit = False
         child.exited = asyncio.Event()
@@ -228,9 +232,7 @@ class Supervisor:
                 stderr=stderr,
                 start_new_session=True,
             )
-        self._log.info(
-            "started", process=child.label, pid=child.proc.pid, incarnation=child.incarnation
-        )
+        self._log.info("started", process=child.label, **self._identity(child))
         self._own(self._watch(child, child.proc))
         if child.client is None:
             self._own(self._heartbeats(child))
@@ -283,9 +285,10 @@ class Supervisor:
         if event.kind in ("connected", "restarted"):
             if event.incarnation == child.incarnation and not child.serving:
                 child.serving = True
+                child.served_at = time.monotonic()
                 if self._observer is not None:
                     self._observer("serving", child.label, child.incarnation)
-                self._log.info("serving", process=child.label, incarnation=child.incarnation)
+                self._log.info("serving", process=child.label, **self._identity(child))
         elif event.kind == "dead" and child.serving and child.alive and not self._stopping:
             self._log.error("hung: missed heartbeats", process=child.label, detail=event.detail)
             child.hung = True
@@ -312,11 +315,28 @@ class Supervisor:
         self._log.error(
             "process failed",
             process=child.label,
+            **self._identity(child, proc.pid),
             reason=info.reason,
             code=info.code,
             signal=info.signal,
         )
+        if child.spec.kind == "driver" and code == EXIT_PROGRAM:
+            # The program raised (or stalled): running it again would fail the same way.
+            self._finish(
+                RunReport("failed", "the control-flow program raised; its traceback follows", info)
+            )
+            return
         await self._recover(child, info)
+
+    def _identity(self, child: _Child, pid: int | None = None) -> dict[str, Any]:
+        """Log fields naming the child (not the agent that writes the line)."""
+        return {
+            "role": child.spec.name,
+            "replica": child.spec.replica,
+            "incarnation": child.incarnation,
+            "pid": pid if pid is not None else (child.proc.pid if child.proc else None),
+            "agent_pid": os.getpid(),
+        }
 
     def _exit_info(self, child: _Child, pid: int, code: int) -> ExitInfo:
         sig = signal.Signals(-code).name if code < 0 else None
@@ -324,6 +344,8 @@ class Supervisor:
             reason = "hung (missed heartbeats or startup timeout) and was killed"
         elif code == EXIT_CONFIG:
             reason = "configuration error"
+        elif code == EXIT_PROGRAM and child.spec.kind == "driver":
+            reason = "the control-flow program raised"
         elif sig:
             reason = f"killed by {sig}"
         else:
@@ -372,9 +394,12 @@ class Supervisor:
                 )
             )
             return
-        backoff = min(
-            policy.backoff_initial_s * 2 ** len(child.restart_times), policy.backoff_max_s
-        )
+        # Doubles with each restart in a row; an incarnation that served for backoff_max_s or
+        # longer ends the row, so its successor starts again from backoff_initial_s.
+        if child.served_at is not None and now - child.served_at >= policy.backoff_max_s:
+            child.streak = 0
+        backoff = min(policy.backoff_initial_s * 2**child.streak, policy.backoff_max_s)
+        child.streak += 1
         child.restart_times.append(now)
         # Members another failure is already restarting are left to that restart.
         group = [c for c in self._restart_set(child) if c is child or not c.restarting]
@@ -393,7 +418,11 @@ class Supervisor:
             member.restarting = False
             member.restarts += 1
             self._log.info(
-                "restarting", process=member.label, after_s=backoff, restarts=member.restarts
+                "restarting",
+                process=member.label,
+                **self._identity(member),
+                after_s=backoff,
+                restarts=member.restarts,
             )
             await self._spawn(member)
 

@@ -6,10 +6,25 @@ the LR schedule; the policy version then goes up by one. Every sample's stable i
 learner's ledger of consumed ids, and a sample already consumed is skipped, so a batch re-sent
 after a crash is never trained on twice.
 
+**A step it acknowledged is never lost** (``durable: true``, the default). Before ``train_step``
+replies, the step is on disk: its line in the step log (``RUN_DIR/ledger/<role>.<replica>.steps
+.jsonl``: step, version, the ids it consumed; fsynced) and then a checkpoint. A learner killed at
+any point restarts at its last acknowledged step, or at the step it finished but could not
+acknowledge; a caller that lost the reply re-sends the batch with the same ``TrainBatch.id``
+and gets that step's result back instead of a second step. So nothing that saw a version (the
+pacer, rollout weights, the program's counters) ever has to roll back. This costs one checkpoint
+per step, cheap for small models; with ``durable: false`` checkpoints follow ``checkpoint_every``
+and a restart loses the steps after the last one, which the program sees as a version that went
+back (``asyncrl.pacing.Pacer.advance`` fails the run rather than stall it).
+
 Checkpoints hold the model, the optimizer and scheduler, every RNG, the policy version, the step,
-the ledger and whatever the program asks to keep with them (the data position). They are written
-to a temporary directory and renamed into place, so a crash mid-write leaves the previous one
-intact; ``setup`` resumes from the latest, exactly.
+the last step's result and whatever the program asks to keep with them (its resume state). The
+ledger is the step log, read back up to the checkpoint's step. A checkpoint is written into a
+temporary directory, fsynced, and renamed into place, so a crash mid-write leaves the previous one
+intact (a leftover ``.tmp`` is never loaded); ``setup`` resumes from the latest, exactly.
+
+Endpoints that write files (``export``) write only inside the run directory, or under the
+``write_paths`` the manifest allows.
 
 Log-probs are computed with left padding and position ids derived from the attention mask, the
 same convention as the rollout engine, so the learner's recompute of a sample equals its
@@ -18,6 +33,7 @@ behaviour log-probs under the same weights.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -28,6 +44,7 @@ import msgspec
 import numpy as np
 import torch
 
+from asyncrl.faults import FaultPlan
 from asyncrl.pacing import percentiles, staleness
 from asyncrl.reduce import Moments
 from asyncrl.role import Delivery, Role, endpoint
@@ -74,6 +91,10 @@ class TrainBatch(msgspec.Struct):
             proximal policy of ``decoupled`` is the current one, so its trust region is never
             active: it is then an importance-weighted policy gradient, like ``tis``.
         importance_cap: the cap of ``decoupled`` and ``tis``.
+        id: the batch's stable id, chosen by the caller (e.g. ``"rl-17"``). A batch re-sent
+            with the id of the learner's last step is answered with that step's result and not
+            trained again: re-send it when a ``train_step`` call failed without a reply. Empty:
+            no such check (the ledger still skips consumed samples).
     """
 
     samples: list[Scored]
@@ -83,14 +104,27 @@ class TrainBatch(msgspec.Struct):
     lr: float = 0.0
     correction: Literal["clip", "decoupled", "tis"] = "clip"
     importance_cap: float = 2.0
+    id: str = ""
 
 
 class StepResult(msgspec.Struct):
+    """What one ``train_step`` did.
+
+    Attributes:
+        version: the policy version after the step.
+        step: the learner's step count after it.
+        consumed: samples trained on.
+        skipped: samples of the batch already consumed before (by the ledger).
+        metrics: losses, gradient norm, learning rate, reward mean, staleness.
+        replayed: the batch's id was the last step's: this is that step's result, re-sent.
+    """
+
     version: int
     step: int
     consumed: int
     skipped: int
     metrics: dict[str, float]
+    replayed: bool = False
 
 
 def batch_moments(values: list[float]) -> Moments:
@@ -158,6 +192,15 @@ def _aligned(values: list[list[float]], target: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _fsync_dir(path: str) -> None:
+    """Make a rename or a new file in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     numpy_state: tuple[Any, ...] = tuple(np.random.get_state(legacy=True))
@@ -208,6 +251,8 @@ class Learner(Role):
         aggregation: str = "token_mean"
         micro_batch_tokens: int = 8192
         checkpoint_every: int = 0
+        durable: bool = True
+        write_paths: list[str] = []
         publish_weights: bool = True
         keep_checkpoints: int = 2
         pad_id: int = 0
@@ -227,11 +272,18 @@ class Learner(Role):
         self.step = 0
         self.consumed: set[tuple[str, int]] = set()
         self.keep: dict[str, Any] = {}
+        self.last: dict[str, Any] = {}  # the last step: its batch id and result
+        self.faults = FaultPlan.from_env(self.ctx.incarnation)
         self.checkpoints = self.ctx.path("checkpoints")
         os.makedirs(self.checkpoints, exist_ok=True)
+        self.step_log = os.path.join(
+            self.ctx.run_dir, "ledger", f"{self.ctx.name}.{self.ctx.replica}.steps.jsonl"
+        )
+        os.makedirs(os.path.dirname(self.step_log), exist_ok=True)
         latest = self._latest_checkpoint()
         if latest is not None:
             await self.ctx.offload(self._load, latest)
+        await self.ctx.offload(self._read_step_log)
         self.store: WeightStore | None = None
         if cfg.publish_weights:
             # Rollout replicas on this host read the weights from shared memory (a seqlock
@@ -289,6 +341,8 @@ class Learner(Role):
             "step": self.step,
             "consumed": len(self.consumed),
             "keep": self.keep,
+            "last": self.last,
+            "durable": self.config.durable,
         }
 
     # -- compute (worker thread) ------------------------------------------------------------
@@ -325,6 +379,11 @@ class Learner(Role):
 
     def _train_step(self, batch: TrainBatch) -> StepResult:
         cfg = self.config
+        if batch.id and batch.id == self.last.get("id"):
+            # Re-sent after a failure that lost the reply: the step happened; say what it did.
+            result = msgspec.convert(self.last["result"], StepResult)
+            result.replayed = True
+            return result
         algorithm = batch.algorithm or cfg.algorithm
         fresh = [
             s
@@ -362,19 +421,25 @@ class Learner(Role):
             self.scheduler.step()
             self.step += 1
             self.version += 1
-            for s in fresh:
-                self.consumed.add((s.sample.prompt_id, s.sample.sample_index))
-            if self.store is not None:
-                self.store.publish(self.model.state_dict(), self.version)
+            ids = [(s.sample.prompt_id, s.sample.sample_index) for s in fresh]
+            self.consumed.update(ids)
             metrics["reward_mean"] = float(np.mean([s.reward for s in fresh]))
             if algorithm != "bc":
                 # Measured against the version that consumed them: the one before this step.
                 ages = [staleness(self.version - 1, s.sample.versions) for s in fresh]
                 metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
         self.keep.update(batch.keep)
-        if cfg.checkpoint_every and self.step and self.step % cfg.checkpoint_every == 0 and fresh:
-            self._save()
-        return StepResult(self.version, self.step, len(fresh), skipped, metrics)
+        result = StepResult(self.version, self.step, len(fresh), skipped, metrics)
+        if fresh:
+            self.last = {"id": batch.id, "result": msgspec.to_builtins(result)}
+            self._log_step(ids, skipped)
+            periodic = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+            if cfg.durable or periodic:
+                self._save()
+            self.faults.at("after_checkpoint")
+            if self.store is not None:
+                self.store.publish(self.model.state_dict(), self.version)
+        return result
 
     def _micro_batches(self, samples: list[Scored]) -> list[list[int]]:
         budget = self.config.micro_batch_tokens
@@ -517,11 +582,17 @@ class Learner(Role):
 
     # -- checkpoints ----------------------------------------------------------------------
 
+    def _checkpoint_names(self) -> list[str]:
+        """Complete checkpoints, oldest first (a ``.tmp`` directory is a write that died)."""
+        names = [
+            n
+            for n in os.listdir(self.checkpoints)
+            if n.startswith("step-") and n[len("step-") :].isdigit()
+        ]
+        return sorted(names, key=lambda n: int(n[len("step-") :]))
+
     def _latest_checkpoint(self) -> str | None:
-        names = sorted(
-            (n for n in os.listdir(self.checkpoints) if n.startswith("step-")),
-            key=lambda n: int(n.split("-")[1]),
-        )
+        names = self._checkpoint_names()
         return os.path.join(self.checkpoints, names[-1]) if names else None
 
     def _save(self) -> str:
@@ -529,28 +600,29 @@ class Learner(Role):
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "version": self.version,
-                "step": self.step,
-                "consumed": sorted(self.consumed),
-                "keep": self.keep,
-                "rng": _rng_state(),
-            },
-            os.path.join(tmp, "state.pt"),
-        )
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "version": self.version,
+                    "step": self.step,
+                    "keep": self.keep,
+                    "last": json.dumps(self.last),
+                    "rng": _rng_state(),
+                },
+                f,
+            )
+            f.flush()
+            self.faults.at("checkpoint_write")
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        names = sorted(
-            n
-            for n in os.listdir(self.checkpoints)
-            if n.startswith("step-") and not n.endswith(".tmp")
-        )
-        for old in names[: -self.config.keep_checkpoints]:
+        _fsync_dir(self.checkpoints)
+        for old in self._checkpoint_names()[: -max(1, self.config.keep_checkpoints)]:
             shutil.rmtree(os.path.join(self.checkpoints, old), ignore_errors=True)
         return final
 
@@ -562,12 +634,83 @@ class Learner(Role):
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         self.step = state["step"]
-        self.consumed = {(p, int(i)) for p, i in state["consumed"]}
         self.keep = state["keep"]
+        self.last = json.loads(state.get("last", "{}"))
         _set_rng_state(state["rng"])
 
+    # -- the step log: the ledger of consumed ids, one fsynced line per step ----------------
+
+    def _log_step(self, ids: list[tuple[str, int]], skipped: int) -> None:
+        record = {
+            "step": self.step,
+            "version": self.version,
+            "ids": ids,
+            "skipped": skipped,
+            "incarnation": self.ctx.incarnation,
+            "phase": str(self.keep.get("phase", "")),
+        }
+        with open(self.step_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _read_step_log(self) -> None:
+        """The ledger from the step log, up to the restored step. Lines past it are steps that
+        never became durable (the learner died between the log and the checkpoint, or, with
+        ``durable: false``, after the last checkpoint); they are cut, and will be trained
+        again."""
+        self.consumed = set()
+        if not os.path.exists(self.step_log):
+            return
+        kept: list[str] = []
+        cut = 0
+        with open(self.step_log) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    cut += 1  # a line torn by a crash mid-write
+                    continue
+                if record["step"] > self.step:
+                    cut += 1
+                    continue
+                kept.append(line if line.endswith("\n") else line + "\n")
+                self.consumed.update((p, int(i)) for p, i in record["ids"])
+        if cut:
+            self.ctx.log.warning(
+                f"step log: cut {cut} line(s) past the restored step {self.step}: steps that "
+                f"never became durable, to be trained again"
+            )
+            tmp = self.step_log + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.step_log)
+
+    def _writable(self, path: str) -> str:
+        """``path``, resolved, if it lies in the run directory or a configured write path.
+
+        Raises:
+            PermissionError: it lies elsewhere.
+        """
+        real = os.path.realpath(path)
+        roots = [self.ctx.run_dir, *self.config.write_paths]
+        for root in roots:
+            base = os.path.realpath(root)
+            if real == base or real.startswith(base + os.sep):
+                if real == base:
+                    break  # never replace a root itself
+                return real
+        raise PermissionError(
+            f"{self.ctx.name}: refusing to write {path!r}: it is outside the run directory "
+            f"{self.ctx.run_dir!r} and the configured write_paths {self.config.write_paths}; "
+            f"write inside the run directory, or add its parent to roles.{self.ctx.name}"
+            f".config.write_paths in the manifest"
+        )
+
     def _export(self, path: str) -> str:
-        path = os.path.abspath(path)
+        path = self._writable(path)
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)

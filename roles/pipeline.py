@@ -22,9 +22,16 @@ run this same code:
    with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
 
 Every admitted sample ends up consumed or counted as waste (``metrics``); nothing is silently
-lost. ``cursor`` is the first prompt index not yet settled (consumed or wasted): kept with a
-checkpoint, it is where a resumed run admits again, and the learner's ledger skips any sample it
-already consumed.
+lost. ``cursor`` is the first prompt index not yet settled (consumed or wasted). Each batch
+carries ``resume``: the cursor, the indices past it already settled, and the counters as of that
+batch without the groups still in flight. Kept with the learner's step (``TrainBatch.keep``), it
+is where a resumed pipeline starts (``SamplePipeline(..., resume=...)``): it admits again from
+the cursor, skips what was settled, and counts on from there, so a resumed run generates every
+unsettled group once more and consumes nothing twice.
+
+No silent stall: when no sample is in flight, no group is ready and the pacer has no room (the
+learner's version does not move), ``next_batch`` raises ``StallError`` at once, saying so; and
+``describe()`` tells the driver's watchdog what the pipeline waits for.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from asyncrl.errors import StallError
 from asyncrl.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
 from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
 from asyncrl.roles.learner import Scored
@@ -139,6 +147,8 @@ class Batch(msgspec.Struct):
         staleness: per sample, in order.
         cursor: the first prompt index not yet consumed or wasted (where a resumed run starts).
         metrics: the pipeline's counters so far, and this batch's staleness p50/p99/max.
+        resume: what a pipeline resumed after this batch's learner step needs (keep it with
+            the step: ``TrainBatch.keep``; pass it back as ``SamplePipeline(resume=...)``).
     """
 
     samples: list[Scored]
@@ -146,6 +156,7 @@ class Batch(msgspec.Struct):
     staleness: list[int]
     cursor: int
     metrics: dict[str, float]
+    resume: dict[str, Any] = {}
 
 
 @dataclass(eq=False)
@@ -157,6 +168,7 @@ class _Group:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     advantages: dict[int, float] = field(default_factory=dict)
     outcome: str = ""
+    generated: int = 0
 
 
 class SamplePipeline:
@@ -183,8 +195,10 @@ class SamplePipeline:
         group_size: int,
         start_version: int = 0,
         start_cursor: int = 0,
+        resume: dict[str, Any] | None = None,
         normalize_std: bool = True,
         timeout: float = 600.0,
+        watchdog: Any = None,
     ) -> None:
         if group_size < 1 or batch_size < group_size:
             raise ValueError(
@@ -214,7 +228,11 @@ class SamplePipeline:
             k_min=min(straggler.k_min, group_size),
             on_late=self._on_late,
         )
-        self.metrics: Counter[str] = Counter()
+        resume = resume or {}
+        start_cursor = int(resume.get("cursor", start_cursor))
+        self.metrics: Counter[str] = Counter(
+            {k: int(v) for k, v in resume.get("pipeline", {}).items()}
+        )
         self.running: dict[int, Moments] = {}  # consuming version -> reward moments
         self._running_total = Moments(0, 0.0, 0.0)  # all of them merged
         self._groups: dict[str, _Group] = {}
@@ -222,6 +240,9 @@ class SamplePipeline:
         self._ready_event = asyncio.Event()
         self._next_index = start_cursor  # the next prompt to admit
         self._fetched = start_cursor  # the next prompt to ask the feed for
+        self._skip = {int(i) for i in resume.get("settled", [])}  # settled before a resume
+        self._settled_past: set[int] = set()  # settled indices past the cursor
+        self._fetching = False
         self._unsettled: dict[int, None] = {}  # admitted, not consumed or wasted, in order
         self._prompts: deque[Prompt] = deque()
         self._exhausted = False
@@ -229,6 +250,8 @@ class SamplePipeline:
         self._tasks: set[asyncio.Task[None]] = set()
         self._to_score: list[tuple[_Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
+        if watchdog is not None:
+            watchdog.watch("sample pipeline", self.describe)
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -275,12 +298,24 @@ class SamplePipeline:
             self._start(prompt)
 
     async def _next_prompt(self) -> Prompt | None:
-        if not self._prompts:
-            n = max(1, self.batch_size // self.group_size)
-            fetched = await self.feed(self._fetched, n)
-            self._fetched += len(fetched)
-            self._prompts.extend(fetched)
-        return self._prompts.popleft() if self._prompts else None
+        while True:
+            if not self._prompts:
+                n = max(1, self.batch_size // self.group_size)
+                self._fetching = True
+                try:
+                    fetched = await self.feed(self._fetched, n)
+                finally:
+                    self._fetching = False
+                self._fetched += len(fetched)
+                self._prompts.extend(fetched)
+            if not self._prompts:
+                return None
+            prompt = self._prompts.popleft()
+            if self._next_index in self._skip:  # consumed before the run resumed
+                self._skip.discard(self._next_index)
+                self._next_index += 1
+                continue
+            return prompt
 
     def _start(self, prompt: Prompt) -> None:
         index = self._next_index
@@ -316,6 +351,7 @@ class SamplePipeline:
             self.metrics["resumed"] += 1
             request = GenerateRequest(group.prompt, k, self.params, partial=sample)
         self.metrics["generated_samples"] += 1
+        group.generated += 1
         self._to_score.append((group, k, sample))
         if self._scoring is None or self._scoring.done():
             self._scoring = asyncio.get_running_loop().create_task(self._score_pending())
@@ -372,11 +408,58 @@ class SamplePipeline:
         self._groups.pop(group.key, None)
         self._unsettled.pop(group.index, None)
         self.reducer.forget(group.key)
+        self._settled_past.add(group.index)
+        cursor = self.cursor
+        self._settled_past = {i for i in self._settled_past if i >= cursor}
 
     @property
     def cursor(self) -> int:
         """The first prompt index not yet consumed or wasted."""
         return next(iter(self._unsettled), self._next_index)
+
+    @property
+    def in_flight(self) -> int:
+        """Samples admitted and not yet consumed or wasted."""
+        return len(self._unsettled) * self.group_size
+
+    def resume_state(self) -> dict[str, Any]:
+        """What a pipeline resumed from here needs: the cursor, the indices past it already
+        settled, and the counters without the groups still in flight (they are admitted and
+        generated again on resume)."""
+        unsettled = [g for g in self._groups.values() if g.index in self._unsettled]
+        counters = Counter(self.metrics)
+        counters["admitted_groups"] -= len(unsettled)
+        counters["admitted_samples"] -= len(unsettled) * self.group_size
+        counters["generated_samples"] -= sum(g.generated for g in unsettled)
+        return {
+            "cursor": self.cursor,
+            "settled": sorted(self._settled_past),
+            "pipeline": {k: int(v) for k, v in counters.items()},
+        }
+
+    def describe(self) -> str:
+        """What the pipeline waits for now, for the watchdog's report."""
+        generating = sum(1 for g in self._groups.values() for t in g.tasks if not t.done())
+        return (
+            f"{len(self._groups)} group(s) admitted and unsettled, {generating} sample(s) "
+            f"generating, {len(self._to_score)} waiting to be scored, {len(self._ready)} "
+            f"group(s) ready; pacer at learner version {self.pacer.version}, room "
+            f"{self.pacer.room()} sample(s) (a group needs {self.group_size}); prompts "
+            f"{'exhausted' if self._exhausted else 'available'}"
+        )
+
+    def _stuck(self) -> bool:
+        """Nothing can make the next group ready: nothing generates, scores or fetches, and the
+        pacer admits nothing until the learner's version moves, which waits on this batch."""
+        if self._ready or self._exhausted or self._fetching or self._to_score:
+            return False
+        if self._scoring is not None and not self._scoring.done():
+            return False
+        if any(not t.done() for g in self._groups.values() for t in g.tasks):
+            return False
+        if self.reducer.pending() and self.spec.straggler.deadline_s:
+            return False
+        return self.pacer.room() < self.group_size
 
     # -- consumption --------------------------------------------------------------------
 
@@ -431,7 +514,7 @@ class SamplePipeline:
         if self.spec.running_stats:
             metrics["reward_running_mean"] = self._running_total.mean
             metrics["reward_running_std"] = self._running_total.std
-        return Batch(samples, version, ages, self.cursor, metrics)
+        return Batch(samples, version, ages, self.cursor, metrics, self.resume_state())
 
     async def _next_ready(self) -> _Group | None:
         while not self._ready:
@@ -440,5 +523,15 @@ class SamplePipeline:
             if self._exhausted and not self._groups:
                 return None
             self._ready_event.clear()
+            if self._stuck():
+                # Give the admission loop one turn: it may just have been woken.
+                await asyncio.sleep(0)
+                if self._stuck():
+                    raise StallError(
+                        f"the sample pipeline cannot make progress: {self.describe()}. The "
+                        f"learner's version must move for the pacer to admit more; call "
+                        f"advance(version) after each learner step"
+                    )
+                continue
             await self._ready_event.wait()
         return self._ready.popleft()

@@ -8,8 +8,11 @@ for the KL term when present. Settings come from the manifest's ``run.config``; 
 flow (sync or async mode, the staleness bound η, the straggler policy) from its ``pipeline``
 section, through ``asyncrl.roles.pipeline.SamplePipeline``: the same program runs both modes.
 
-A restarted driver resumes at the learner's version and at the prompt cursor its last step kept,
-so pacing still holds and the learner's ledger skips anything already consumed.
+A restarted driver resumes, never replays: each learner step keeps the program's position with
+it (``TrainBatch.keep``: the pipeline's resume state, the phase), durably, before it is
+acknowledged, so a restarted program reads it back from the learner's ``status`` and goes on
+from the step after. A ``train_step`` whose reply was lost (the learner died) is re-sent with the
+same batch id: the learner answers with the step it already took, or takes it if it had not.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from asyncrl.errors import BrokenError
 from asyncrl.roles.learner import Scored, StepResult, TrainBatch
 from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
 from asyncrl.roles.prompts import Take
 from asyncrl.roles.reward import ScoreSamples
 from asyncrl.roles.rollout import Prompt, Sample, SamplingParams, WeightsUpdate
 
-__all__ = ["PromptFeed", "bc", "grpo", "learn", "ppo"]
+__all__ = ["PromptFeed", "bc", "grpo", "learn", "ppo", "resend"]
 
 log = logging.getLogger("asyncrl.programs")
 
@@ -63,6 +67,7 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         await ctx.reference.broadcast("set_weights", start)
     await ctx.rollout.broadcast("sync", None, int)
     feed = PromptFeed(ctx.prompts)
+    keep = status["keep"]
 
     async def score(samples: list[Sample]) -> list[float]:
         request = ScoreSamples(samples, [feed.answers[s.prompt_id] for s in samples])
@@ -77,14 +82,17 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         batch_size=cfg["prompts_per_step"] * cfg["group_size"],
         group_size=cfg["group_size"],
         start_version=status["version"],
-        start_cursor=int(status["keep"].get("cursor", 0)),
+        resume=keep.get("resume") or {"cursor": int(keep.get("cursor", 0))},
+        watchdog=ctx.watchdog,
     )
     weights = WeightSync(ctx.rollout, wait=spec.mode == "sync")
     rewards_seen: list[float] = []
     async with pipe:
         for step in range(status["step"], cfg["steps"]):
             batch = await pipe.next_batch()
-            result = await learn(ctx, batch, algorithm=algorithm, lr=cfg["lr"])
+            result = await learn(
+                ctx, batch, algorithm=algorithm, lr=cfg["lr"], id=f"{algorithm}-{step + 1}"
+            )
             # Sync mode: every replica holds the new weights before the next batch is admitted.
             await weights.push()
             pipe.advance(result.version)
@@ -103,7 +111,7 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         "steps": cfg["steps"],
         "rewards": rewards_seen,
         "cursor": pipe.cursor,
-        "pipeline": dict(pipe.metrics),
+        "pipeline": {**pipe.metrics, "in_flight_at_end": pipe.in_flight},
     }
 
 
@@ -120,15 +128,58 @@ class PromptFeed:
         return taken
 
 
+async def resend(
+    handle: Any,
+    method: str,
+    payload: Any,
+    reply_type: Any = Any,
+    *,
+    timeout: float = 300.0,
+    attempts: int = 20,
+) -> Any:
+    """Call a once endpoint whose request is safe to send again, and send it again when the
+    replica broke with it in flight (died, hung, restarted) rather than fail the run.
+
+    Use it only where the role makes a repeat harmless: ``train_step`` with a ``TrainBatch.id``
+    (the learner answers a repeat with the step it took), ``checkpoint``.
+
+    Raises:
+        BrokenError: the call broke ``attempts`` times in a row.
+        DeadlineExceededError, RemoteError: as ``Handle.call``.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return await handle.call(method, payload, reply_type, timeout=timeout)
+        except BrokenError as exc:
+            if attempt == attempts:
+                raise
+            log.warning(
+                "%s.%s broke in flight (%s); sending it again (attempt %d)",
+                handle.name,
+                method,
+                exc,
+                attempt + 1,
+            )
+    raise AssertionError("unreachable")
+
+
 async def learn(
-    ctx: Any, batch: Batch, *, algorithm: str, lr: float = 0.0, timeout: float = 300.0
+    ctx: Any,
+    batch: Batch,
+    *,
+    algorithm: str,
+    lr: float = 0.0,
+    timeout: float = 300.0,
+    id: str = "",
+    keep: dict[str, Any] | None = None,
 ) -> StepResult:
     """One learner step on a pipeline batch.
 
     PPO first asks the critic for values, and a ``reference`` role (when the run has one) gives
     the log-probs of the KL term; the learner then trains with the manifest's off-policy
-    correction and keeps the prompt cursor with its next checkpoint; PPO's critic takes its own
-    step last.
+    correction, keeping the pipeline's resume state (and ``keep``) with the step; PPO's critic
+    takes its own step last. With an ``id``, a step whose reply was lost to a learner crash is
+    sent again and counted once (``resend``).
     """
     spec = ctx.pipeline
     samples = [s.sample for s in batch.samples]
@@ -140,19 +191,21 @@ async def learn(
         refs = await ctx.reference.call("logprobs", samples, list[list[float]], timeout=timeout)
         for scored, ref in zip(batch.samples, refs, strict=True):
             scored.ref_logprobs = ref
-    result: StepResult = await ctx.learner.call(
-        "train_step",
-        TrainBatch(
-            batch.samples,
-            algorithm=algorithm,
-            keep={"cursor": batch.cursor},
-            lr=lr,
-            correction=spec.correction,
-            importance_cap=spec.importance_cap,
-        ),
-        StepResult,
-        timeout=timeout,
+    train = TrainBatch(
+        batch.samples,
+        algorithm=algorithm,
+        keep={"cursor": batch.cursor, "resume": batch.resume, **(keep or {})},
+        lr=lr,
+        correction=spec.correction,
+        importance_cap=spec.importance_cap,
+        id=id,
     )
+    if id:
+        result: StepResult = await resend(
+            ctx.learner, "train_step", train, StepResult, timeout=timeout
+        )
+    else:
+        result = await ctx.learner.call("train_step", train, StepResult, timeout=timeout)
     if algorithm == "ppo":
         await ctx.critic.call("train_step", batch.samples, timeout=timeout)
     return result
@@ -167,10 +220,15 @@ async def bc(ctx: Any) -> dict[str, Any]:
     for step in range(status["step"], cfg["steps"]):
         demos = await ctx.prompts.call("demonstrations", Take(cursor, cfg["batch"]), list[Sample])
         cursor += len(demos)
-        result = await ctx.learner.call(
+        result = await resend(
+            ctx.learner,
             "train_step",
             TrainBatch(
-                [Scored(d) for d in demos], algorithm="bc", keep={"cursor": cursor}, lr=cfg["lr"]
+                [Scored(d) for d in demos],
+                algorithm="bc",
+                keep={"cursor": cursor},
+                lr=cfg["lr"],
+                id=f"bc-{step + 1}",
             ),
             StepResult,
         )

@@ -49,6 +49,8 @@ from asyncrl.weights import WeightReader, handle_path, read_handle
 if TYPE_CHECKING:
     from .engine import HFEngine
 
+_REOPEN_POLL_S = 0.1
+
 __all__ = [
     "GenerateBatch",
     "GenerateRequest",
@@ -205,6 +207,8 @@ class Rollout(Role):
                 (the learner); ``sync`` reads from it, and a replica that starts or restarts
                 loads its latest weights before taking any work. Empty: weights only come
                 through ``set_weights``.
+            weights_wait_s: how long a starting replica waits for the publisher's store when
+                it is gone (the publisher is restarting) before it fails.
         """
 
         model_path: str = ""
@@ -215,6 +219,7 @@ class Rollout(Role):
         interrupt_on_weights: bool = False
         dtype: str = "float32"
         weights_from: str = ""
+        weights_wait_s: float = 300.0
 
         def __post_init__(self) -> None:
             if bool(self.model_path) == bool(self.model_config):
@@ -253,22 +258,43 @@ class Rollout(Role):
         self._waiting: deque[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = deque()
         self._batching: asyncio.Task[None] | None = None
         self._reader: WeightReader | None = None
+        self._loaded_from = ""  # the store whose weights the engine holds
         if cfg.weights_from:
             # Before any credit is advertised: a restarted replica starts from the current
-            # weights, not from the initial ones.
-            await self._sync()
+            # weights, not from the initial ones, waiting for a publisher that restarts too.
+            await self._sync(wait_s=cfg.weights_wait_s)
             await self._apply_if_idle()
 
-    async def _sync(self) -> None:
+    async def _sync(self, *, wait_s: float = 0.0) -> None:
+        """Load the newest weights the publisher left in shared memory, if newer than ours.
+
+        A store the publisher replaced (it restarted) is reopened, and its weights are loaded
+        whatever their version: they are the publisher's state now, even if its version is not
+        above ours. With ``wait_s`` > 0 (a replica starting while the publisher restarts), wait
+        that long for a live store before giving up.
+
+        Raises:
+            WeightsGoneError: ``wait_s`` passed and the publisher's store is still gone.
+        """
         path = handle_path(self.ctx.run_dir, self.config.weights_from)
-        for _ in range(2):  # the second try reopens a store the publisher replaced
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
             if self._reader is None:
                 handle = read_handle(path)
                 if handle is None:
-                    return  # nothing published yet
-                self._reader = WeightReader(handle)
+                    return  # nothing published yet: the initial weights are the publisher's
+                try:
+                    self._reader = WeightReader(handle)
+                except WeightsGoneError:
+                    if asyncio.get_running_loop().time() >= deadline:
+                        if wait_s:
+                            raise
+                        return  # the publisher is restarting: keep ours until the next sync
+                    await asyncio.sleep(_REOPEN_POLL_S)
+                    continue
+            since = self.engine.version if self._reader.name == self._loaded_from else -1
             try:
-                got = await self.ctx.offload(self._reader.read_if_newer, self.engine.version)
+                got = await self.ctx.offload(self._reader.read_if_newer, since)
             except (WeightsGoneError, NothingPublishedError):
                 self._reader.close()
                 self._reader = None
@@ -276,6 +302,7 @@ class Rollout(Role):
             if got is not None:
                 version, state = got
                 self.engine.set_weights(state, version)
+            self._loaded_from = self._reader.name
             return
 
     @endpoint(Delivery.LATEST)
