@@ -21,6 +21,7 @@ from .errors import ClosedError, ProtocolError
 from .options import ChannelOptions
 from .protocol import PROTOCOL_VERSION, Envelope, Kind
 from .pump import Pump
+from .ratelog import RateLimitedLog
 from .sockets import bind, connect
 
 __all__ = ["Publisher", "Subscriber"]
@@ -119,10 +120,12 @@ class Subscriber:
             max_message_bytes=self.options.max_message_bytes,
         )
         self.stats: Counter[str] = Counter()
+        self._log = RateLimitedLog(log, f"subscriber {endpoint}")
 
     async def start(self) -> None:
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, self.options.recv_hwm)
         for topic in self.topics:
             # The topic frame is matched by prefix; subscribing to the exact frame bytes and
@@ -177,7 +180,9 @@ class Subscriber:
             payload = self.codec.decode_payload(env, frames[1:], type_)
         except ProtocolError as exc:
             self.stats["bad_input"] += 1
-            log.warning("subscriber %s dropped a message: %s", self.endpoint, exc)
+            self._log.warning(
+                "bad input", topic, "subscriber %s dropped a message: %s", self.endpoint, exc
+            )
             return
         key = f"{topic}"
         self.stats["received"] += 1

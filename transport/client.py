@@ -6,8 +6,12 @@ reply, a ``RemoteError`` (the server's error reply), a ``DeadlineExceededError``
 ``ClosedError`` (this client was closed).
 
 The client reconnects by itself when the server restarts on the same endpoint. It learns of the
-restart from a socket monitor, handshakes again, and reports the new incarnation in a
+restart from a socket monitor, handshakes again (retrying until the new incarnation answers or
+the client is closed, however long its start-up blocks), and reports the new incarnation in a
 ``PeerEvent``.
+
+A client created with ``control=True`` presents the run's control secret in its handshake, which
+authorises its control messages (``send_stop``); see ``control.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .codec import Codec
+from .control import control_secret
 from .errors import (
     ClosedError,
     DeadlineExceededError,
@@ -51,6 +56,7 @@ from .protocol import (
     Release,
 )
 from .pump import Pump
+from .ratelog import RateLimitedLog
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import connect
 
@@ -59,6 +65,13 @@ __all__ = ["Client", "PeerEvent"]
 log = logging.getLogger("asyncrl.transport.client")
 
 _TIMER_SLACK_S = 0.001  # loop timers may fire up to a millisecond early
+
+REHANDSHAKE_BACKOFF_MAX_S = 5.0
+"""The longest wait between two handshake tries after a reconnect that failed at once."""
+
+
+def _env_secret() -> str | None:
+    return control_secret()
 
 
 class _Pending:
@@ -91,6 +104,13 @@ class Client:
         context: the zmq context; the process-wide instance by default.
         on_event: called with each PeerEvent.
         on_credit: called with the slot count of each CREDIT the server sends.
+        control: present the run's control secret in the handshake, so that the server accepts
+            this client's control messages (``send_stop``). Only the supervisor's clients set it.
+        control_secret: the secret to present; by default ``ASYNCRL_CONTROL_SECRET`` from the
+            environment.
+
+    Raises:
+        ValueError: ``control_secret`` is given without ``control=True``.
     """
 
     def __init__(
@@ -104,7 +124,13 @@ class Client:
         context: zmq.Context[Any] | None = None,
         on_event: Callable[[PeerEvent], None] | None = None,
         on_credit: Callable[[int], None] | None = None,
+        control: bool = False,
+        control_secret: str | None = None,
     ) -> None:
+        if control_secret is not None and not control:
+            raise ValueError(
+                "control_secret is presented only by a client created with control=True"
+            )
         self.endpoint = endpoint
         self.name = name
         self.identity = identity or f"{name}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
@@ -113,6 +139,10 @@ class Client:
         self._context = context or zmq.Context.instance()
         self._on_event = on_event
         self._on_credit = on_credit
+        self.control = control
+        self._secret = (control_secret or _env_secret()) if control else None
+        self._rehandshaking: asyncio.Task[None] | None = None
+        self._log = RateLimitedLog(log, f"client {name}")
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._pump: Pump | None = None
@@ -156,6 +186,7 @@ class Client:
         sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
         sock.setsockopt(zmq.RCVHWM, self.options.recv_hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, 10)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -208,6 +239,7 @@ class Client:
             self._pool.close()
         if self.codec.shm_reader is not None:
             self.codec.shm_reader.close()
+        self._log.flush(force=True)
 
     @property
     def alive(self) -> bool:
@@ -287,7 +319,14 @@ class Client:
         )
 
     def send_stop(self) -> None:
-        """Ask the server to stop cleanly (a STOP control message; no answer)."""
+        """Ask the server to stop cleanly (a STOP control message; no answer when it is obeyed).
+
+        A server with a control secret obeys only a client created with ``control=True`` that
+        holds the same secret; otherwise it answers ERROR ``unauthorized`` (logged here).
+
+        Raises:
+            ClosedError: the client is closed or not connected.
+        """
         self._send(Envelope(PROTOCOL_VERSION, Kind.STOP, incarnation=self.incarnation))
 
     # -- receiving ------------------------------------------------------------------------
@@ -304,7 +343,14 @@ class Client:
             return
         except ProtocolError as exc:
             self.stats["bad_input"] += 1
-            log.warning("client %s dropped a message from %s: %s", self.name, self.endpoint, exc)
+            self._log.warning(
+                "bad input",
+                self.endpoint,
+                "client %s dropped a message from %s: %s",
+                self.name,
+                self.endpoint,
+                exc,
+            )
             return
         self.peer_incarnation = env.incarnation
         self._heard()
@@ -319,7 +365,9 @@ class Client:
                     credit = self.codec.decode_payload(env, frames, Credit)
                 except ProtocolError as exc:
                     self.stats["bad_input"] += 1
-                    log.warning("client %s: bad credit: %s", self.name, exc)
+                    self._log.warning(
+                        "bad credit", self.endpoint, "client %s: bad credit: %s", self.name, exc
+                    )
                     return
                 self._on_credit(credit.slots)
         elif kind == Kind.RELEASE:
@@ -343,9 +391,14 @@ class Client:
             return
         if pending.fut.done():
             return
+        server = self.server
         try:
             value = self.codec.decode_payload(
-                env, frames, pending.reply_type, self._release_callback()
+                env,
+                frames,
+                pending.reply_type,
+                self._release_callback(),
+                allow_shm=server is not None and bool(server.host) and server.host == self._host,
             )
         except ProtocolError as exc:
             self.stats["bad_input"] += 1
@@ -362,7 +415,9 @@ class Client:
         pending = self._pending.pop(env.id, None)
         if pending is None:
             self.stats["orphan_errors"] += 1
-            log.warning(
+            self._log.warning(
+                f"error reply {info.code}",
+                self.endpoint,
                 "client %s: error reply from %s: [%s] %s",
                 self.name,
                 self.endpoint,
@@ -395,15 +450,45 @@ class Client:
             )
             self._emit("disconnected", f"{count} requests failed")
         elif event == zmq.EVENT_CONNECTED and self._connected_once and not self._closed:
+            if self._rehandshaking is not None and not self._rehandshaking.done():
+                return  # the running one keeps trying until the server answers
             task = asyncio.get_running_loop().create_task(self._rehandshake())
+            self._rehandshaking = task
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _rehandshake(self) -> None:
-        try:
-            await self._handshake(self.options.dead_after_s)
-        except TransportError as exc:
-            log.warning("client %s: handshake after reconnect failed: %s", self.name, exc)
+        """Handshake again after a reconnect, until it succeeds or the client is closed.
+
+        A restarted server may block its loop for a while as it starts (imports, loading a
+        checkpoint), so a try that gets no answer within liveness x interval is simply sent
+        again. Tries that fail at once (an error reply) are spaced out, up to
+        ``REHANDSHAKE_BACKOFF_MAX_S`` apart.
+        """
+        backoff = self.options.heartbeat_interval_s
+        tries = 0
+        while not self._closed:
+            tries += 1
+            started = time.monotonic()
+            try:
+                await self._handshake(self.options.dead_after_s)
+                return
+            except ClosedError:
+                return
+            except TransportError as exc:
+                self.stats["rehandshake_failures"] += 1
+                self._log.warning(
+                    "handshake retry",
+                    self.endpoint,
+                    "client %s: handshake %d after reconnect to %s failed, trying again: %s",
+                    self.name,
+                    tries,
+                    self.endpoint,
+                    exc,
+                )
+                if time.monotonic() - started < self.options.dead_after_s / 2:
+                    await asyncio.sleep(backoff)  # an immediate failure: do not spin
+                    backoff = min(backoff * 2, REHANDSHAKE_BACKOFF_MAX_S)
 
     async def _handshake(self, timeout: float) -> Hello:
         hello = Hello(
@@ -414,6 +499,7 @@ class Client:
             host=self._host,
             shm=self.codec.shm_reader is not None,
             run=self.options.run,
+            control=self._secret or "",
         )
         assert self._pump is not None
         request_id = next(self._ids)
@@ -430,6 +516,8 @@ class Client:
             )
         )
         welcome: Hello = await fut
+        if welcome.version != PROTOCOL_VERSION:
+            raise ProtocolVersionError(PROTOCOL_VERSION, welcome.version, self.endpoint)
         previous = self.server
         self.server = welcome
         self._use_shm = bool(self.options.shm and welcome.shm and welcome.host == self._host)

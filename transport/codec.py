@@ -36,7 +36,18 @@ from .errors import (
     TensorDescriptorError,
     UnknownKindError,
 )
-from .protocol import PROTOCOL_VERSION, TENSOR_EXT, Envelope, Kind, RawEnvelope, TensorDesc, Where
+from .protocol import (
+    MAX_DIM,
+    MAX_DIMS,
+    PROTOCOL_VERSION,
+    TENSOR_EXT,
+    Envelope,
+    EnvelopeHead,
+    Kind,
+    RawEnvelope,
+    TensorDesc,
+    Where,
+)
 from .shm import ShmPool, ShmReader
 
 __all__ = ["Codec", "Frames", "torch_dtypes"]
@@ -50,11 +61,12 @@ _torch_dtypes: dict[str, torch.dtype] | None = None
 
 
 def _torch() -> Any:
-    """The torch module, imported on first use.
+    """The torch module, imported on first use by a local caller (never because of a peer).
 
     A process that never meets a tensor (the node agent) never imports torch: a payload can hold
-    a torch tensor only if torch is already imported, and a torch descriptor arriving in a process
-    without torch imports it then.
+    a torch tensor only if torch is already imported. A torch descriptor arriving in a process
+    without torch is refused (see ``_itemsize``), since importing torch would block the event
+    loop for a second or more on a peer's say-so.
     """
     import torch
 
@@ -123,7 +135,8 @@ class Codec:
         self.shm_reader = shm_reader
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._raw_decoder = msgspec.msgpack.Decoder(RawEnvelope)
-        self._any_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder()
+        self._head_decoder = msgspec.msgpack.Decoder(EnvelopeHead)
+        self._int_decoder = msgspec.msgpack.Decoder(int)
         self._decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
         # Per-message state of the encode and decode hooks.
         self._frames: list[Any] = []
@@ -310,24 +323,34 @@ class Codec:
             )
         return env
 
-    def _version_of(self, frame: Any) -> int | None:
+    def _head(self, frame: Any) -> tuple[int | None, int | None]:
+        """(version, id) of a frame that failed validation, each None when it is not an int.
+
+        Only the first three positions are read; the rest is skipped without being built, so a
+        frame that is large or deep costs no memory here.
+        """
         try:
-            raw = self._any_decoder.decode(frame)
-        except (msgspec.DecodeError, RecursionError):
+            head = self._head_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return None, None
+        return self._raw_int(head.version), self._raw_int(head.id)
+
+    def _raw_int(self, raw: msgspec.Raw) -> int | None:
+        try:
+            value: int = self._int_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        if isinstance(raw, list) and raw and type(raw[0]) is int:
-            return raw[0]
-        return None
+        return value
+
+    def _version_of(self, frame: Any) -> int | None:
+        return self._head(frame)[0]
 
     def salvage_id(self, frames: Frames) -> int:
         """The id of an envelope that failed validation, when it can still be read (else 0)."""
-        try:
-            raw = self._any_decoder.decode(frames[0]) if frames else None
-        except (msgspec.DecodeError, RecursionError):
+        if not frames:
             return 0
-        if isinstance(raw, list) and len(raw) > 2 and isinstance(raw[2], int):
-            return raw[2] if 0 <= raw[2] < 1 << 64 else 0
-        return 0
+        request_id = self._head(frames[0])[1]
+        return request_id if request_id is not None and 0 <= request_id < 1 << 64 else 0
 
     def decode_payload(
         self,
@@ -335,22 +358,27 @@ class Codec:
         frames: Frames,
         type_: Any = Any,
         on_release: Callable[[int], None] | None = None,
+        *,
+        allow_shm: bool = True,
     ) -> Any:
         """Decode ``env.payload`` as ``type_``, rebuilding its tensors from ``frames``.
 
         ``on_release(slot)`` is called (from whichever thread drops the last reference) once no
-        tensor views a shared-memory slot any longer.
+        tensor views a shared-memory slot any longer. ``allow_shm=False`` refuses shared-memory
+        descriptors: the receiver passes it for a peer that has not handshaken from this host.
 
         Raises:
             DecodeError: the payload does not decode as ``type_``.
-            TensorDescriptorError: a descriptor disagrees with the bytes it points to.
+            TensorDescriptorError: a descriptor disagrees with the bytes it points to, names a
+                library this process has not imported, or uses shared memory that is refused.
+                ``reason`` says which, for the receiver's counters.
         """
         decoder = self._decoders.get(type_)
         if decoder is None:
             decoder = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook, dec_hook=_dec_hook)
             self._decoders[type_] = decoder
         if env.tensors:
-            self._check_descs(env, frames)
+            self._check_descs(env, frames, allow_shm)
         self._in_env, self._in_frames, self._on_release = env, frames, on_release
         try:
             return decoder.decode(env.payload)
@@ -364,11 +392,18 @@ class Codec:
         finally:
             self._in_env, self._in_frames, self._on_release = None, (), None
 
-    def _check_descs(self, env: RawEnvelope, frames: Frames) -> None:
+    def _check_descs(self, env: RawEnvelope, frames: Frames, allow_shm: bool) -> None:
         for i, d in enumerate(env.tensors):
+            if len(d.shape) > MAX_DIMS:
+                raise TensorDescriptorError(
+                    f"tensor {i} ({d.lib} {d.dtype}): shape has {len(d.shape)} dimensions, over "
+                    f"the limit of {MAX_DIMS}"
+                )
             where = f"tensor {i} ({d.lib} {d.dtype} {d.shape})"
             if any(s < 0 for s in d.shape):
                 raise TensorDescriptorError(f"{where}: negative dimension in shape")
+            if any(s > MAX_DIM for s in d.shape):
+                raise TensorDescriptorError(f"{where}: a dimension is over the limit of 2**63 - 1")
             itemsize = _itemsize(d, where)
             expected = _shape_nbytes(d.shape, itemsize)
             if expected != d.nbytes:
@@ -387,7 +422,15 @@ class Codec:
             elif d.where == Where.SHM:
                 if self.shm_reader is None:
                     raise TensorDescriptorError(
-                        f"{where}: sent through shared memory, which this receiver refused"
+                        f"{where}: sent through shared memory, which this receiver refused",
+                        reason="shm_refused",
+                    )
+                if not allow_shm:
+                    raise TensorDescriptorError(
+                        f"{where}: sent through shared memory by a peer that has not handshaken "
+                        f"from this host; send HANDSHAKE (with shm and this host's id) first, "
+                        f"or send the bytes inline or as a frame",
+                        reason="shm_refused",
                     )
                 actual = d.nbytes
             else:
@@ -435,7 +478,7 @@ class Codec:
             if self._on_release is not None:
                 weakref.finalize(buf, self._on_release, d.slot)
         if d.lib == "torch":
-            torch = _torch()
+            torch = sys.modules["torch"]  # _itemsize checked that it is imported
             dtype = torch_dtypes()[d.dtype]
             if d.nbytes == 0:
                 return torch.empty(d.shape, dtype=dtype)
@@ -451,6 +494,13 @@ class Codec:
 
 def _itemsize(d: TensorDesc, where: str) -> int:
     if d.lib == "torch":
+        if "torch" not in sys.modules:
+            raise TensorDescriptorError(
+                f"{where}: library 'torch' is not imported in this process, and a receiver "
+                f"does not import a library because a peer asked; send a numpy array, or "
+                f"import torch in the receiving process before it serves",
+                reason="library_not_imported",
+            )
         dtype = torch_dtypes().get(d.dtype)
         if dtype is None:
             raise TensorDescriptorError(f"{where}: unknown torch dtype {d.dtype!r}")

@@ -172,4 +172,14 @@ class MessageTooLargeError(ProtocolError):
 
 
 class TensorDescriptorError(ProtocolError):
-    """A tensor descriptor disagrees with the bytes that came with it."""
+    """A tensor descriptor disagrees with the bytes that came with it, or cannot be accepted.
+
+    Attributes:
+        reason: a short code for the receiver's counters when the descriptor is well formed but
+            refused (``shm_refused``: shared memory this receiver does not take from this peer;
+            ``library_not_imported``: a library the process has not imported); "" otherwise.
+    """
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        self.reason = reason
+        super().__init__(message)

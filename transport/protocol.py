@@ -12,11 +12,16 @@ the payloads the transport itself needs (handshake, errors, credit, slot release
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 __all__ = [
+    "CONTROL_KINDS",
+    "MAX_CREDIT",
+    "MAX_DIMS",
+    "MAX_RELEASE_SLOTS",
+    "MAX_TENSORS",
     "PROTOCOL_VERSION",
     "TENSOR_EXT",
     "Credit",
@@ -51,6 +56,26 @@ class Kind(enum.IntEnum):
     STOP = 9  # control: the receiver should stop cleanly
     RELEASE = 10  # receiver -> sender: Release, shared-memory slots it no longer reads
     MESSAGE = 11  # one-way stream or broadcast message; ``method`` names its topic
+
+
+CONTROL_KINDS = frozenset({Kind.STOP})
+"""Kinds that control the receiving process. A server accepts them only from a peer that proved,
+in its HANDSHAKE, that it holds the run's control secret (see docs/protocol.md, Control)."""
+
+MAX_TENSORS = 1 << 16
+"""The most tensor descriptors one envelope may carry; more is refused as ``decode_error``."""
+
+MAX_DIMS = 64
+"""The most dimensions a tensor's shape may have (numpy's limit)."""
+
+MAX_DIM = (1 << 63) - 1
+"""The largest size of one dimension."""
+
+MAX_RELEASE_SLOTS = 1 << 16
+"""The most slot ids one RELEASE may carry."""
+
+MAX_CREDIT = 1 << 20
+"""The most request slots one CREDIT may advertise."""
 
 
 class Where(enum.IntEnum):
@@ -114,14 +139,26 @@ class RawEnvelope(msgspec.Struct, array_like=True):
     incarnation: int = 0
     trace: str = ""
     payload: msgspec.Raw = msgspec.Raw(b"\xc0")
-    tensors: list[TensorDesc] = []
+    tensors: Annotated[list[TensorDesc], msgspec.Meta(max_length=MAX_TENSORS)] = []
+
+
+class EnvelopeHead(msgspec.Struct, array_like=True):
+    """The first three positions of an envelope, left undecoded: what a receiver reads from a
+    frame that failed validation (to name the version, or salvage the id) without building the
+    rest of it in memory."""
+
+    version: msgspec.Raw = msgspec.Raw(b"\xc0")
+    kind: msgspec.Raw = msgspec.Raw(b"\xc0")
+    id: msgspec.Raw = msgspec.Raw(b"\xc0")
 
 
 class Hello(msgspec.Struct, omit_defaults=True):
     """Payload of HANDSHAKE and WELCOME: who is speaking and what it can do.
 
     ``host`` identifies the machine (hostname and boot id); shared memory is used only between
-    peers that report the same host and both set ``shm``.
+    peers that report the same host and both set ``shm``. ``control`` is the run's control secret,
+    sent only by a client created with ``control=True`` (the supervisor's); it authorises control
+    messages (STOP) from that client. A server never sends it.
     """
 
     version: int
@@ -131,6 +168,7 @@ class Hello(msgspec.Struct, omit_defaults=True):
     host: str = ""
     shm: bool = False
     run: str = ""
+    control: str = ""
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):
@@ -155,15 +193,16 @@ class ErrorCode:
     DEADLINE = "deadline_exceeded"
     HANDLER = "handler_error"
     BAD_REPLY = "bad_reply"
+    UNAUTHORIZED = "unauthorized"
 
 
 class Credit(msgspec.Struct):
     """Payload of CREDIT: the number of requests the server can take now."""
 
-    slots: int
+    slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_CREDIT)]
 
 
 class Release(msgspec.Struct):
     """Payload of RELEASE: shared-memory slots of the sender that the receiver no longer reads."""
 
-    slots: list[int]
+    slots: Annotated[list[int], msgspec.Meta(max_length=MAX_RELEASE_SLOTS)]

@@ -28,6 +28,8 @@ __all__ = ["Pump"]
 
 log = logging.getLogger("asyncrl.transport.pump")
 
+_LOGGED_ERRORS = 5  # handling errors logged with their traceback, then one in _LOG_EVERY
+_LOG_EVERY = 1000
 _MAX_BATCH = 512  # messages read per wake-up before yielding to other callbacks
 # Plain ints: pyzmq's constants are enum members, and enum arithmetic costs microseconds a call.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -189,8 +191,12 @@ class Pump:
                     self._on_message(frames)
                 except Exception:
                     # A bug in one message's handling must not stop the reading of the others.
+                    # Only the first few are logged in full: a peer may trigger it at will.
                     self.errors += 1
-                    log.exception("dropped a message whose handling raised")
+                    if self.errors <= _LOGGED_ERRORS or self.errors % _LOG_EVERY == 0:
+                        log.exception(
+                            "dropped a message whose handling raised (%d so far)", self.errors
+                        )
                 if self.closed or self.paused:
                     return
             else:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import msgspec
 
-from .sockets import IPC_PATH_MAX
+from .sockets import IPC_PATH_MAX, make_private_dir
 
 __all__ = ["Entry", "LocalRegistry", "Registry"]
 
@@ -67,7 +67,12 @@ class LocalRegistry:
 
     Sockets live in ``<run_dir>/sockets``. When that path is too long for an ipc socket, they live
     in a short directory under the system temp dir, named by a hash of ``run_dir``, so the
-    endpoints stay stable for the whole run.
+    endpoints stay stable for the whole run. Either directory is made private (0700) whatever
+    the umask.
+
+    Raises:
+        TransportError: the socket directory is a symlink or belongs to another user (someone
+            created it first under the system temp dir).
     """
 
     def __init__(self, run_dir: str) -> None:
@@ -79,7 +84,7 @@ class LocalRegistry:
             socket_dir = os.path.join(tempfile.gettempdir(), f"asyncrl-{digest}")
         self.socket_dir = socket_dir
         os.makedirs(self._entries_dir, exist_ok=True)
-        os.makedirs(self.socket_dir, exist_ok=True)
+        make_private_dir(self.socket_dir)
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(Entry)
 

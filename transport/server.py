@@ -6,7 +6,12 @@ the loop: it must be quick) or a coroutine function (run as a task the server ow
 
 Bad input never stops the server. A frame that fails to decode, an unknown kind, a message over
 the size limit, or tensor descriptors that disagree with the bytes are dropped, counted in
-``stats`` and logged; the sender gets an error reply, since a ROUTER always knows who sent what.
+``stats`` and logged (the first few of each kind, then a summary line per interval); the sender
+gets an error reply, since a ROUTER always knows who sent what.
+
+Control messages (STOP) are accepted only from a peer that presented the run's control secret in
+its handshake (see ``control.py``). Shared-memory tensors are accepted only from a peer that
+handshook from this host.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import msgspec
 import zmq
 
 from .codec import Codec
+from .control import CONTROL_SECRET_ENV, control_secret, secret_matches
 from .errors import (
     ClosedError,
     DecodeError,
@@ -39,6 +45,7 @@ from .errors import (
 from .events import EventKind, PeerEvent
 from .options import ChannelOptions
 from .protocol import (
+    CONTROL_KINDS,
     PROTOCOL_VERSION,
     Credit,
     Envelope,
@@ -50,8 +57,9 @@ from .protocol import (
     Release,
 )
 from .pump import Pump
+from .ratelog import RateLimitedLog
 from .shm import ShmPool, ShmReader, host_id
-from .sockets import bind
+from .sockets import bind, ipc_path, socket_id, unlink_if_same
 
 __all__ = ["Call", "Handler", "PeerInfo", "Server"]
 
@@ -80,6 +88,8 @@ class PeerInfo:
     last_heard: float
     hello: Hello | None = None
     shm: bool = False
+    shm_in: bool = False  # may send this server shared-memory tensors (handshook from this host)
+    control: bool = False  # presented the run's control secret in its handshake
 
 
 @dataclass(slots=True)
@@ -105,9 +115,12 @@ class Server:
         incarnation: the process's restart count, stamped on every envelope it sends.
         options: thresholds, limits and heartbeat timing.
         context: the zmq context; the process-wide instance by default.
-        on_stop: called when a STOP control message arrives.
+        on_stop: called when an authorised STOP control message arrives.
         on_event: called with a PeerEvent when a client handshakes (``connected``) and when one
             goes silent for liveness x interval (``dead``; its shared-memory slots are freed).
+        control_secret: the run's control secret; by default ``ASYNCRL_CONTROL_SECRET`` from the
+            environment. With a secret, STOP is accepted only from a client that presented it;
+            without one, only on an ipc or inproc endpoint (private to this user).
     """
 
     def __init__(
@@ -120,6 +133,7 @@ class Server:
         context: zmq.Context[Any] | None = None,
         on_stop: Callable[[], None] | None = None,
         on_event: Callable[[PeerEvent], None] | None = None,
+        control_secret: str | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.name = name
@@ -128,6 +142,10 @@ class Server:
         self._context = context or zmq.Context.instance()
         self._on_stop = on_stop
         self._on_event = on_event
+        self._secret = control_secret or _env_secret()
+        self._socket_id: tuple[int, int] | None = None
+        self._sweep_due = 0.0
+        self._log = RateLimitedLog(log, f"server {name}")
         self._credit: int | None = None
         self._methods: dict[str, _Method] = {}
         self._peers: dict[bytes, PeerInfo] = {}
@@ -173,7 +191,10 @@ class Server:
         sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
         sock.setsockopt(zmq.RCVHWM, self.options.recv_hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        # zmq drops the connection of a peer whose frame exceeds this, before it is buffered.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         self.endpoint = bind(sock, self.endpoint)
+        self._socket_id = socket_id(self.endpoint)
         self._pump = Pump(sock, self._on_message, routed=True, on_send_error=self._on_send_error)
         self._schedule_sweep()
         log.debug("server %s serving on %s", self.name, self.endpoint)
@@ -187,7 +208,9 @@ class Server:
         await self.close()
 
     async def close(self) -> None:
-        """Cancel running handlers, close the socket with linger 0, unlink shared memory."""
+        """Cancel running handlers, close the socket with linger 0, unlink shared memory and the
+        ipc socket file (only if it is still the one this server bound: a restarted incarnation
+        may have rebound the same path)."""
         if self._closed:
             return
         self._closed = True
@@ -200,10 +223,12 @@ class Server:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._pump is not None:
             self._pump.close()
+            unlink_if_same(self.endpoint, self._socket_id)
         if self._pool is not None:
             self._pool.close()
         if self.codec.shm_reader is not None:
             self.codec.shm_reader.close()
+        self._log.flush(force=True)
 
     # -- what the owner can ask -----------------------------------------------------------
 
@@ -279,10 +304,8 @@ class Server:
             self._handshake(peer, env, msg)
         elif kind == Kind.RELEASE:
             self._release(peer, env, msg)
-        elif kind == Kind.STOP:
-            self.stats["stops"] += 1
-            if self._on_stop is not None:
-                self._on_stop()
+        elif kind in CONTROL_KINDS:
+            self._control(peer, env)
         else:
             self.stats["unexpected_kind"] += 1
             self._error(
@@ -318,7 +341,11 @@ class Server:
             return
         try:
             payload = self.codec.decode_payload(
-                env, msg, method.request_type, self._release_callback(identity)
+                env,
+                msg,
+                method.request_type,
+                self._release_callback(identity),
+                allow_shm=peer.shm_in,
             )
         except ProtocolError as exc:
             self._bad_input(identity, msg, exc, env.id)
@@ -348,7 +375,14 @@ class Server:
 
     def _handler_failed(self, call: Call, exc: Exception) -> None:
         self.stats["handler_errors"] += 1
-        log.warning("server %s: handler %r failed: %r", self.name, call.method, exc)
+        self._log.warning(
+            f"handler {call.method!r} failure",
+            _peer_name(call.peer),
+            "server %s: handler %r failed: %r",
+            self.name,
+            call.method,
+            exc,
+        )
         self._error(
             call.peer,
             call.id,
@@ -386,6 +420,45 @@ class Server:
         else:
             self.stats["replies"] += 1
 
+    def _control(self, peer: PeerInfo, env: RawEnvelope) -> None:
+        name = Kind(env.kind).name
+        refusal = self._control_refusal(peer)
+        if refusal:
+            self.stats["control_refused"] += 1
+            self._log.warning(
+                "control refused",
+                _peer_name(peer.identity),
+                "server %s refused %s from %r: %s",
+                self.name,
+                name,
+                peer.identity,
+                refusal,
+            )
+            self._error(peer.identity, env.id, ErrorCode.UNAUTHORIZED, f"{name} refused: {refusal}")
+            return
+        if env.kind == Kind.STOP:
+            self.stats["stops"] += 1
+            if self._on_stop is not None:
+                self._on_stop()
+
+    def _control_refusal(self, peer: PeerInfo) -> str:
+        """Why a control message from ``peer`` is refused, or "" when it is authorised."""
+        if self._secret is not None:
+            if peer.control:
+                return ""
+            return (
+                f"control messages are accepted only from a client that presented the run's "
+                f"control secret in its HANDSHAKE (Hello.control, from {CONTROL_SECRET_ENV}); "
+                f"create the client with control=True in a process that has the secret"
+            )
+        if ipc_path(self.endpoint) is not None or self.endpoint.startswith("inproc://"):
+            return ""
+        return (
+            f"{self.name} has no control secret ({CONTROL_SECRET_ENV} is unset) and listens on "
+            f"{self.endpoint}, where any local user can connect; set {CONTROL_SECRET_ENV} in "
+            f"both processes and create the client with control=True"
+        )
+
     def _handshake(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
         try:
             hello = self.codec.decode_payload(env, msg, Hello)
@@ -397,8 +470,31 @@ class Server:
             err = ProtocolVersionError(PROTOCOL_VERSION, hello.version, hello.name)
             self._error(peer.identity, env.id, ErrorCode.PROTOCOL_VERSION, str(err))
             return
+        if hello.control and self._secret is not None:
+            if not secret_matches(self._secret, hello.control):
+                self.stats["control_refused"] += 1
+                self._log.warning(
+                    "control secret",
+                    _peer_name(peer.identity),
+                    "server %s refused a handshake from %r: wrong control secret",
+                    self.name,
+                    peer.identity,
+                )
+                self._error(
+                    peer.identity,
+                    env.id,
+                    ErrorCode.UNAUTHORIZED,
+                    f"the control secret presented by {hello.name or 'this client'} is not "
+                    f"{self.name}'s; both processes must inherit the same {CONTROL_SECRET_ENV} "
+                    f"(set by the node agent for the whole run)",
+                )
+                return
+            self.stats["control_handshakes"] += 1
         peer.hello = hello
-        peer.shm = bool(self._pool is not None and hello.shm and hello.host == self._host)
+        peer.control = bool(hello.control) and self._secret is not None
+        same_host = bool(hello.host) and hello.host == self._host
+        peer.shm = bool(self._pool is not None and hello.shm and same_host)
+        peer.shm_in = same_host and self.codec.shm_reader is not None
         self.stats["handshakes"] += 1
         self._emit(peer, "connected", f"{hello.name}, pid {hello.pid}")
         welcome = Hello(
@@ -535,7 +631,17 @@ class Server:
     ) -> None:
         code = _CODES.get(type(exc), ErrorCode.DECODE)
         self.stats[code] += 1
-        log.warning("server %s dropped a message from %r: %s", self.name, identity, exc)
+        reason = getattr(exc, "reason", "")
+        if reason:
+            self.stats[reason] += 1
+        self._log.warning(
+            code,
+            _peer_name(identity),
+            "server %s dropped a message from %r: %s",
+            self.name,
+            identity,
+            exc,
+        )
         if not identity:
             return
         if request_id is None:
@@ -546,11 +652,20 @@ class Server:
 
     def _schedule_sweep(self) -> None:
         loop = asyncio.get_running_loop()
+        self._sweep_due = time.monotonic() + self.options.heartbeat_interval_s
         self._sweeper = loop.call_later(self.options.heartbeat_interval_s, self._sweep)
 
     def _sweep(self) -> None:
         limit = self.options.dead_after_s
         now = time.monotonic()
+        self._log.flush()
+        if now - self._sweep_due > self.options.heartbeat_interval_s:
+            # The loop was blocked: what the clients sent meanwhile still waits in the socket,
+            # so their silence is this server's own. Look again once the inbox has been read,
+            # rather than forget peers (and their handshakes) that are alive.
+            self.stats["sweeps_deferred"] += 1
+            self._schedule_sweep()
+            return
         for identity in [i for i, p in self._peers.items() if now - p.last_heard > limit]:
             self.stats["peers_expired"] += 1
             peer = self._peers[identity]
@@ -569,6 +684,14 @@ class Server:
         self._peers.pop(identity, None)
         if self._pool is not None:
             self._pool.release_peer(identity)
+
+
+def _env_secret() -> str | None:
+    return control_secret()
+
+
+def _peer_name(identity: bytes) -> str:
+    return identity[:64].decode(errors="replace")
 
 
 _CODES: dict[type[ProtocolError], str] = {

@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import socket
+import stat
 import threading
 import weakref
 from collections import OrderedDict
@@ -275,9 +276,14 @@ class ShmPool:
 class ShmReader:
     """The receiver's side: maps segments by name, read in place, with a bounded cache.
 
+    A segment is mapped only when its name is an asyncrl segment name (no ``/``, no ``..``), and
+    the file is a regular file of this user, opened without following a symlink, so a peer cannot
+    make the reader map another file through a link planted in ``/dev/shm``.
+
     Raises:
-        ValueError: for a segment name that is not an asyncrl segment, or a range outside it.
-        OSError: when the segment no longer exists.
+        ValueError: for a segment name that is not an asyncrl segment, a range outside it, or a
+            file that is not a regular file of this user.
+        OSError: when the segment no longer exists, or is a symlink (ELOOP).
     """
 
     def __init__(self, directory: str = SHM_DIR, max_cached: int = 64) -> None:
@@ -302,10 +308,19 @@ class ShmReader:
         return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset)
 
     def _map(self, segment: str) -> mmap.mmap:
-        fd = os.open(os.path.join(self.directory, segment), os.O_RDWR)
+        # O_NONBLOCK: a FIFO planted under a segment's name must not block the open.
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(os.path.join(self.directory, segment), flags)
         try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"shared-memory segment {segment} is not a regular file")
+            if st.st_uid != os.getuid():
+                raise ValueError(
+                    f"shared-memory segment {segment} belongs to uid {st.st_uid}, not to this "
+                    f"user ({os.getuid()}); peers that share memory run as the same user"
+                )
+            mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         self._maps[segment] = mm

@@ -3,19 +3,33 @@
 By default an endpoint is ``ipc://`` or TCP on the loopback interface. Binding a TCP endpoint on
 another interface exposes an unauthenticated socket to the network, so it needs
 ``allow_remote=True``.
+
+An ipc socket is private to the user that binds it, whatever the umask: directories ``bind``
+creates are mode 0700, and the socket file itself is made 0600 (connecting to a Unix socket needs
+write permission on its file).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import stat
 from typing import Any
 
 import zmq
 
 from .errors import TransportError
 
-__all__ = ["IPC_PATH_MAX", "bind", "check_endpoint", "connect"]
+__all__ = [
+    "IPC_PATH_MAX",
+    "bind",
+    "check_endpoint",
+    "connect",
+    "ipc_path",
+    "make_private_dir",
+    "socket_id",
+    "unlink_if_same",
+]
 
 IPC_PATH_MAX = 107
 """The longest ipc socket path the operating system accepts (sun_path, less the final NUL)."""
@@ -55,24 +69,108 @@ def check_endpoint(endpoint: str, *, allow_remote: bool = False) -> None:
         )
 
 
+def ipc_path(endpoint: str) -> str | None:
+    """The socket file of an ``ipc://`` endpoint, or None for any other scheme."""
+    if endpoint.startswith("ipc://"):
+        return endpoint[len("ipc://") :]
+    return None
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` (and missing parents) and make it 0700, whatever the umask.
+
+    Raises:
+        TransportError: ``path`` is a symlink, not a directory, or belongs to another user, so
+            sockets in it would not be private.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise TransportError(
+            f"socket directory {path!r} is a symlink or not a directory; remove it, or use "
+            f"another run directory"
+        )
+    if st.st_uid != os.getuid():
+        raise TransportError(
+            f"socket directory {path!r} belongs to uid {st.st_uid}, not to this user "
+            f"({os.getuid()}), so its sockets would not be private; remove it, or use another "
+            f"run directory"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The directories ``os.makedirs(path)`` would create, outermost first."""
+    missing = []
+    while path and not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing[::-1]
+
+
 def bind(sock: zmq.Socket[Any], endpoint: str, *, allow_remote: bool = False) -> str:
     """Bind ``sock`` to ``endpoint`` and return the address actually bound.
 
-    For ipc the parent directory is created. A leftover socket file of a dead process at the same
-    path is replaced, which is what lets a restarted process rebind its stable endpoint.
+    For ipc, missing parent directories are created with mode 0700 (a directory that already
+    exists is left as it is), and the socket file is made 0600, so that no other user can
+    connect. A leftover socket file of a dead process at the same path is replaced, which is
+    what lets a restarted process rebind its stable endpoint.
 
     Raises:
         TransportError: the endpoint is malformed, not local, or cannot be bound.
     """
     check_endpoint(endpoint, allow_remote=allow_remote)
-    if endpoint.startswith("ipc://"):
-        os.makedirs(os.path.dirname(endpoint[len("ipc://") :]) or ".", exist_ok=True)
+    path = ipc_path(endpoint)
+    if path is not None:
+        try:
+            for directory in _missing_dirs(os.path.dirname(os.path.abspath(path))):
+                make_private_dir(directory)
+        except OSError as exc:
+            raise TransportError(f"cannot create the directory of {endpoint}: {exc}") from exc
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
         raise TransportError(f"cannot bind {endpoint}: {exc.strerror}") from exc
+    if path is not None:
+        try:
+            os.chmod(path, 0o600)
+        except OSError as exc:
+            sock.unbind(endpoint)
+            raise TransportError(f"cannot make {endpoint} private: {exc}") from exc
     bound = sock.getsockopt(zmq.LAST_ENDPOINT)
     return bound.decode() if isinstance(bound, bytes) else str(bound)
+
+
+def socket_id(endpoint: str) -> tuple[int, int] | None:
+    """(device, inode) of an ipc endpoint's socket file, or None (not ipc, or no file)."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def unlink_if_same(endpoint: str, bound: tuple[int, int] | None) -> bool:
+    """Unlink the socket file of ``endpoint`` if it is still the file ``bound`` identifies.
+
+    A restarted incarnation may have rebound the same path meanwhile; its file has another
+    inode and is left alone. Returns True when the file was removed.
+    """
+    path = ipc_path(endpoint)
+    if path is None or bound is None or socket_id(endpoint) != bound:
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def connect(sock: zmq.Socket[Any], endpoint: str, *, allow_remote: bool = False) -> None:

@@ -23,6 +23,7 @@ from .errors import ClosedError, ProtocolError
 from .options import ChannelOptions
 from .protocol import PROTOCOL_VERSION, Envelope, Kind
 from .pump import Pump
+from .ratelog import RateLimitedLog
 from .sockets import bind, connect
 
 __all__ = ["StreamReceiver", "StreamSender"]
@@ -35,6 +36,8 @@ def _socket(context: zmq.Context[Any] | None, kind: int, options: ChannelOptions
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, options.send_hwm)
     sock.setsockopt(zmq.RCVHWM, options.recv_hwm)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
     return sock
 
 
@@ -160,6 +163,7 @@ class StreamReceiver:
             max_message_bytes=self.options.max_message_bytes,
         )
         self.stats: Counter[str] = Counter()
+        self._log = RateLimitedLog(log, f"stream {endpoint}")
 
     async def start(self) -> str:
         sock = _socket(self._context, zmq.PULL, self.options)
@@ -233,7 +237,9 @@ class StreamReceiver:
             payload = self.codec.decode_payload(env, frames, self.type)
         except ProtocolError as exc:
             self.stats["bad_input"] += 1
-            log.warning("stream %s dropped a message: %s", self.endpoint, exc)
+            self._log.warning(
+                "bad input", "", "stream %s dropped a message: %s", self.endpoint, exc
+            )
             return
         self.stats["received"] += 1
         self._queue.append(payload)
