@@ -1,6 +1,13 @@
 """The ``asyncrl`` command line.
 
-- ``asyncrl run MANIFEST [--set KEY=VALUE]... [--run-dir DIR]``: run a manifest on this machine.
+- ``asyncrl run MANIFEST [--set KEY=VALUE]... [--run-dir DIR] [--overwrite]``: run a manifest on
+  this machine; the resolved manifest is saved as ``RUN_DIR/manifest.json``. A run directory that
+  already holds a run is refused unless ``--overwrite`` (start afresh) is given.
+- ``asyncrl run --resume RUN_DIR``: run the manifest saved in ``RUN_DIR`` again, in ``RUN_DIR``,
+  after all its processes were killed: the roles and the program resume from what they kept.
+- ``asyncrl chaos MANIFEST [--kill-every 5s] [--roles rollout,reward] [--stop-every D --stop-for D]
+  [--seed S] [--json] [--no-baseline] [--set KEY=VALUE]... [--run-dir DIR] [--overwrite]``: run a
+  manifest undisturbed, then again while killing and freezing replicas, and print an accounting.
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
 - ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
@@ -45,20 +52,145 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     raise AssertionError(args.name)
 
 
-def _run(args: argparse.Namespace, rest: list[str]) -> int:
-    from asyncrl.agent import run_manifest, summary
-    from asyncrl.manifest import ManifestError, load_manifest, resolve_run_dir
-    from asyncrl.transport import run
+def _load(path: str, overrides: list[str]) -> Any:
+    """The manifest at ``path`` with ``overrides``, or ``None`` after printing its problems."""
+    from asyncrl.manifest import ManifestError, load_manifest
 
     try:
-        manifest = load_manifest(args.manifest, args.set)
+        return load_manifest(path, overrides)
     except ManifestError as exc:
         print(exc, file=sys.stderr)
-        return 2
-    run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
+        return None
+
+
+def _fail(message: str) -> int:
+    print(f"asyncrl: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | None:
+    """Make ``run_dir`` ready for a new run: ``None``, or why it cannot be used."""
+    from asyncrl.rundir import RunDirError, clear_run, run_markers
+
+    found = run_markers(run_dir)
+    if not found:
+        return None
+    if not overwrite:
+        resume = f"use 'asyncrl run --resume {run_dir}' to continue it or " if resume_hint else ""
+        return (
+            f"{run_dir} already holds a run ({', '.join(found)}); "
+            f"{resume}add --overwrite to delete it and start afresh"
+        )
+    try:
+        clear_run(run_dir)
+    except (RunDirError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def _run(args: argparse.Namespace, rest: list[str]) -> int:
+    from asyncrl.agent import run_manifest, summary
+    from asyncrl.manifest import ManifestError, resolve_run_dir
+    from asyncrl.rundir import (
+        MANIFEST_FILE,
+        RunDirError,
+        load_saved_manifest,
+        manifest_differences,
+        save_manifest,
+    )
+    from asyncrl.transport import run
+
+    if args.resume:
+        run_dir = os.path.abspath(args.resume)
+        if args.overwrite:
+            return _fail("--resume continues a run and --overwrite deletes it; give one of them")
+        if args.set:
+            return _fail(
+                f"--set cannot change a resumed run; it runs the manifest saved in "
+                f"{os.path.join(run_dir, MANIFEST_FILE)} (edit that file to change it)"
+            )
+        if args.run_dir and os.path.abspath(args.run_dir) != run_dir:
+            return _fail(f"--run-dir {args.run_dir} differs from --resume {args.resume}; drop it")
+        try:
+            manifest = load_saved_manifest(run_dir)
+        except RunDirError as exc:
+            return _fail(str(exc))
+        except ManifestError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        if args.manifest:
+            given = _load(args.manifest, [])
+            if given is None:
+                return 2
+            differences = manifest_differences(manifest, given)
+            if differences:
+                return _fail(
+                    f"{args.manifest} differs from the manifest {run_dir} was started with "
+                    f"(at {', '.join(differences)}); a resumed run keeps its manifest: drop "
+                    "MANIFEST, or start a new run with --overwrite"
+                )
+    else:
+        if not args.manifest:
+            return _fail("give a MANIFEST to run, or --resume RUN_DIR to continue a run")
+        manifest = _load(args.manifest, args.set)
+        if manifest is None:
+            return 2
+        run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
+        problem = _claim(run_dir, args.overwrite)
+        if problem:
+            return _fail(problem)
+        save_manifest(manifest, run_dir)
     report = run(run_manifest(manifest, run_dir))
     print(summary(report, manifest, run_dir), flush=True)
     return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
+
+
+def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
+    from asyncrl.chaos import (
+        ChaosPlan,
+        budget_overrides,
+        budgets,
+        check_roles,
+        run_chaos,
+    )
+    from asyncrl.manifest import resolve_run_dir
+
+    if args.stop_every is None and args.kill_every is None:
+        return _fail("nothing to do: give --kill-every or --stop-every")
+    plain = _load(args.manifest, args.set)
+    if plain is None:
+        return 2
+    try:
+        roles = check_roles(plain, args.roles.split(","))
+    except ValueError as exc:
+        return _fail(str(exc))
+    plan = ChaosPlan(
+        roles=tuple(roles),
+        kill_every=args.kill_every,
+        stop_every=args.stop_every,
+        stop_for=args.stop_for,
+        seed=args.seed,
+    )
+    # The chaos budgets first, so that the user's own --set, after them, wins.
+    manifest = _load(args.manifest, [*budget_overrides(plain, plan), *args.set])
+    if manifest is None:
+        return 2
+    print("restart budgets for the chaos run:", file=sys.stderr)
+    for role, budget in budgets(manifest, plan.roles).items():
+        print(
+            f"  {role}: {budget['max_restarts']} restarts in {budget['period_s']:g} s, "
+            f"backoff {budget['backoff_initial_s']:g} s doubling to {budget['backoff_max_s']:g} s",
+            file=sys.stderr,
+        )
+    run_dir = (
+        os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest) + "-chaos"
+    )
+    parts = ["chaos"] if args.no_baseline else ["undisturbed", "chaos"]
+    for part in parts:
+        problem = _claim(os.path.join(run_dir, part), args.overwrite, resume_hint=False)
+        if problem:
+            return _fail(problem)
+    return run_chaos(manifest, run_dir, plan, baseline=not args.no_baseline, as_json=args.json)
 
 
 def _version(args: argparse.Namespace, rest: list[str]) -> int:
@@ -66,6 +198,24 @@ def _version(args: argparse.Namespace, rest: list[str]) -> int:
 
     print(f"asyncrl {__version__} (wire protocol {PROTOCOL_VERSION})")
     return 0
+
+
+def _run_dir_options(
+    parser: argparse.ArgumentParser, default: str = "the manifest's run_dir"
+) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a manifest value, e.g. --set roles.rollout.replicas=4",
+    )
+    parser.add_argument("--run-dir", help=f"where the run writes (default: {default})")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete what an earlier run left in the run directory and start afresh",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,16 +231,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.set_defaults(func=_bench)
     run = sub.add_parser("run", help="run a manifest on this machine (the embedded default)")
-    run.add_argument("manifest", help="the role manifest (YAML); see docs/manifest.md")
+    run.add_argument("manifest", nargs="?", help="the role manifest (YAML); see docs/manifest.md")
+    _run_dir_options(run)
     run.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a manifest value, e.g. --set roles.rollout.replicas=4",
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR with the manifest saved there (MANIFEST, if given, "
+        "must be the same)",
     )
-    run.add_argument("--run-dir", help="where the run writes (default: the manifest's run_dir)")
     run.set_defaults(func=_run)
+    chaos = sub.add_parser(
+        "chaos", help="run a manifest while killing its processes, and account for the damage"
+    )
+    chaos.add_argument("manifest", help="the role manifest (YAML); see docs/manifest.md")
+    _run_dir_options(chaos, default="the manifest's run_dir + '-chaos'")
+    from asyncrl.chaos import add_arguments
+
+    add_arguments(chaos)
+    chaos.set_defaults(func=_chaos)
     version = sub.add_parser("version", help="print the package and wire-protocol versions")
     version.set_defaults(func=_version)
     args, rest = parser.parse_known_args(argv)

@@ -1,0 +1,476 @@
+"""What a run did to its samples and steps, read back from the files it left: the accounting that
+``asyncrl chaos`` prints.
+
+Everything here is a pure function of files in run directories, so it is tested with files
+written by hand. The files, each optional:
+
+- ``ledger/<role>.<replica>.steps.jsonl``: one line per learner step,
+  ``{"step", "version", "ids": [[prompt_id, sample_index], ...], "skipped", "incarnation",
+  "phase"}``;
+- ``summary.json``: the program's summary, with ``accuracy_final``, ``learner_steps``,
+  ``samples_consumed`` and ``pipeline`` (``admitted_samples``, ``generated_samples``,
+  ``consumed_samples``, ``wasted_samples``, ``in_flight_at_end``, ...);
+- ``report.json``: the supervisor's report (status, restarts per role, failed exits);
+- ``driver.json``: the driver's record (``dispatch``: per role ``served`` and ``retries``);
+- ``chaos.json``: written by ``asyncrl chaos`` beside them: wall time, kills, stops and the
+  supervisor's ``exited``/``serving`` events with their times.
+
+A figure whose file or field is missing is ``None`` (printed as ``unknown``), and the reason is
+kept under ``unknown``: never a made-up 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+from typing import Any
+
+__all__ = [
+    "CHAOS_FILE",
+    "account",
+    "format_accounting",
+    "ledger_figures",
+    "percentile",
+    "read_steps",
+    "recoveries",
+    "run_figures",
+]
+
+CHAOS_FILE = "chaos.json"
+"""What ``asyncrl chaos`` saw of one run (wall time, kills, stops, supervisor events)."""
+
+LEDGER_DIR = "ledger"
+STEPS_SUFFIX = ".steps.jsonl"
+
+
+_COUNTERS = frozenset(
+    {"admitted_groups", "admitted_samples", "generated_samples", "consumed_samples"}
+    | {"wasted_samples"}
+)
+"""The pipeline's counters (a ``collections.Counter``, which leaves out the ones still at 0).
+``in_flight_at_end`` and ``scored_samples`` are not counters: missing, they are unknown."""
+
+
+def _read_json(path: str) -> Any:
+    """The JSON in ``path``, or ``None`` when it is missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_steps(run_dir: str) -> dict[str, list[dict[str, Any]]] | None:
+    """The learner's step records by ``<role>.<replica>``, in file order.
+
+    ``None`` when the run has no ``ledger/`` step log at all. A line that is not a JSON object
+    with an integer ``step`` (a learner killed mid-write leaves a partial last line) is skipped
+    and counted under the key ``""`` as ``{"bad_line": n}`` records.
+    """
+    folder = os.path.join(run_dir, LEDGER_DIR)
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(STEPS_SUFFIX))
+    except OSError:
+        return None
+    if not names:
+        return None
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        records: list[dict[str, Any]] = []
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    out.setdefault("", []).append({"bad_line": n, "file": name})
+                    continue
+                records.append(record)
+        out[name[: -len(STEPS_SUFFIX)]] = records
+    return out
+
+
+def ledger_figures(steps: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Repeated and skipped steps, and samples consumed more than once, from the step records.
+
+    - ``steps_repeated``: step numbers recorded more than once by the same learner replica;
+    - ``steps_skipped``: numbers in ``1..max(step)`` a replica never recorded;
+    - ``duplicates_consumed``: sample ids consumed more than once, in any steps of any replica
+      (BC demonstrations that are re-used carry distinct ids, so every id counts);
+    - ``duplicate_consumptions``: the consumptions beyond the first, summed over those ids;
+    - ``ids_consumed`` / ``ids_consumed_rl``: distinct ids consumed, in all steps / in steps
+      whose phase is ``rl`` (``None`` when no record names its phase);
+    - ``learner_steps``: the highest step recorded by any replica.
+    """
+    counts: collections.Counter[tuple[Any, ...]] = collections.Counter()
+    rl_ids: set[tuple[Any, ...]] = set()
+    phased = False
+    repeated = skipped = top = records_n = 0
+    bad = len(steps.get("", []))
+    for key, records in steps.items():
+        if key == "":
+            continue
+        numbers = collections.Counter(int(r["step"]) for r in records)
+        repeated += sum(1 for c in numbers.values() if c > 1)
+        highest = max(numbers, default=0)
+        skipped += sum(1 for s in range(1, highest + 1) if s not in numbers)
+        top = max(top, highest)
+        records_n += len(records)
+        for record in records:
+            phase = record.get("phase") or ""
+            phased = phased or bool(phase)
+            for sample_id in record.get("ids") or []:
+                ident = tuple(sample_id) if isinstance(sample_id, list) else (sample_id,)
+                counts[ident] += 1
+                if phase == "rl":
+                    rl_ids.add(ident)
+    return {
+        "learner_steps": top,
+        "step_records": records_n,
+        "bad_lines": bad,
+        "steps_repeated": repeated,
+        "steps_skipped": skipped,
+        "duplicates_consumed": sum(1 for c in counts.values() if c > 1),
+        "duplicate_consumptions": sum(c - 1 for c in counts.values() if c > 1),
+        "ids_consumed": len(counts),
+        "ids_consumed_rl": len(rl_ids) if phased else None,
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``; ``None`` if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def recoveries(chaos: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """Time to recover from each failure the supervisor reported: from its ``exited`` event to
+    the next ``serving`` event of the same process, in ms, with p50/p99/max overall and per
+    role; failures never followed by ``serving`` are counted as ``unrecovered``."""
+    events = chaos.get("events") or []
+    by_role: dict[str, list[float]] = collections.defaultdict(list)
+    unrecovered = 0
+    for failure in report.get("exits") or []:
+        label = f"{failure['role']}[{failure['replica']}]"
+        incarnation = failure["incarnation"]
+        exited = next(
+            (
+                e["t"]
+                for e in events
+                if e["kind"] == "exited" and e["label"] == label and e["incarnation"] == incarnation
+            ),
+            None,
+        )
+        serving = next(
+            (
+                e["t"]
+                for e in events
+                if e["kind"] == "serving"
+                and e["label"] == label
+                and e["incarnation"] > incarnation
+                and exited is not None
+                and e["t"] >= exited
+            ),
+            None,
+        )
+        if exited is None or serving is None:
+            unrecovered += 1
+            continue
+        by_role[failure["role"]].append((serving - exited) * 1e3)
+    every = [ms for times in by_role.values() for ms in times]
+    return {
+        "recoveries": len(every),
+        "unrecovered": unrecovered,
+        "recover_ms_p50": percentile(every, 50),
+        "recover_ms_p99": percentile(every, 99),
+        "recover_ms_max": max(every, default=None),
+        "recover_ms_by_role": {
+            role: {
+                "n": len(times),
+                "p50": percentile(times, 50),
+                "p99": percentile(times, 99),
+                "max": max(times),
+            }
+            for role, times in sorted(by_role.items())
+        },
+    }
+
+
+def _count(events: list[dict[str, Any]]) -> dict[str, int]:
+    counts = collections.Counter(e["role"] for e in events)
+    return {"total": len(events), **dict(sorted(counts.items()))}
+
+
+def run_figures(run_dir: str) -> dict[str, Any]:
+    """Everything one run directory tells about the run; missing figures are ``None``, with the
+    reason under ``unknown``."""
+    unknown: dict[str, str] = {}
+    out: dict[str, Any] = {}
+    report = _read_json(os.path.join(run_dir, "report.json"))
+    summary = _read_json(os.path.join(run_dir, "summary.json"))
+    driver = _read_json(os.path.join(run_dir, "driver.json"))
+    chaos = _read_json(os.path.join(run_dir, CHAOS_FILE))
+
+    if isinstance(report, dict):
+        out["status"] = report.get("status")
+        out["completed"] = report.get("status") == "completed"
+        out["reason"] = report.get("reason")
+        out["restarts"] = dict(report.get("restarts") or {})
+    else:
+        out.update(status=None, completed=None, reason=None, restarts=None)
+        unknown["completed"] = unknown["restarts"] = "no report.json"
+
+    if isinstance(chaos, dict):
+        out["wall_s"] = chaos.get("wall_s")
+        out["kills"] = _count(chaos.get("kills") or [])
+        out["stops"] = _count(chaos.get("stops") or [])
+        if isinstance(report, dict):
+            out.update(recoveries(chaos, report))
+    else:
+        out.update(wall_s=None, kills=None, stops=None)
+        unknown["kills"] = unknown["wall_s"] = f"no {CHAOS_FILE}"
+    for key in ("recover_ms_p50", "recover_ms_p99", "recover_ms_max", "recover_ms_by_role"):
+        if key not in out:
+            out[key] = None
+            unknown[key] = f"needs report.json and {CHAOS_FILE}"
+
+    pipeline = summary.get("pipeline") if isinstance(summary, dict) else None
+    if not isinstance(summary, dict):
+        unknown["summary"] = "no summary.json (the program did not write one)"
+        summary = {}
+    out["accuracy"] = summary.get("accuracy_final")
+    if out["accuracy"] is None and isinstance(driver, dict):
+        result = driver.get("result")
+        if isinstance(result, dict):
+            out["accuracy"] = result.get("accuracy_final")
+    if out["accuracy"] is None:
+        unknown["accuracy"] = "neither summary.json nor driver.json's result has accuracy_final"
+    out["samples_consumed_program"] = summary.get("samples_consumed")
+    pipe: dict[str, Any] = pipeline if isinstance(pipeline, dict) else {}
+    if not pipe:
+        unknown["pipeline"] = "summary.json has no pipeline counters"
+    for key, name in (
+        ("admitted_groups", "prompts_admitted"),
+        ("admitted_samples", "samples_admitted"),
+        ("generated_samples", "samples_generated"),
+        ("scored_samples", "samples_scored"),
+        ("consumed_samples", "samples_consumed"),
+        ("wasted_samples", "samples_wasted"),
+        ("in_flight_at_end", "in_flight_at_end"),
+    ):
+        out[name] = pipe.get(key)
+        if out[name] is None and pipe and key in _COUNTERS:
+            out[name] = 0  # a counter the run never incremented
+        elif out[name] is None and pipe:
+            unknown[name] = f"summary.json's pipeline has no {key}"
+    parts = [out[k] for k in ("samples_admitted", "samples_consumed", "samples_wasted")]
+    parts.append(out["in_flight_at_end"])
+    if all(isinstance(p, int | float) for p in parts):
+        admitted, consumed, wasted, in_flight = parts
+        out["samples_lost"] = admitted - consumed - wasted - in_flight
+    else:
+        out["samples_lost"] = None
+        unknown["samples_lost"] = (
+            "needs the pipeline's admitted_samples, consumed_samples, wasted_samples and "
+            "in_flight_at_end in summary.json"
+        )
+
+    steps = read_steps(run_dir)
+    ledger_keys = (
+        "learner_steps",
+        "steps_repeated",
+        "steps_skipped",
+        "duplicates_consumed",
+        "duplicate_consumptions",
+        "ids_consumed",
+        "ids_consumed_rl",
+    )
+    if steps is None:
+        for key in ledger_keys:
+            out[key] = None
+        unknown["ledger"] = f"no {LEDGER_DIR}/*{STEPS_SUFFIX} (the learner kept no step log)"
+        out["ledger_bad_lines"] = None
+    else:
+        figures = ledger_figures(steps)
+        for key in ledger_keys:
+            out[key] = figures[key]
+        out["ledger_bad_lines"] = figures["bad_lines"]
+    if out["learner_steps"] is None and summary.get("learner_steps") is not None:
+        out["learner_steps"] = summary["learner_steps"]
+    # The pipeline counts what the program handed to the learner; the ledger, what the learner
+    # trained on. In the RL phase they must agree.
+    ledger_rl = out["ids_consumed_rl"]
+    if steps is not None and ledger_rl is None:
+        ledger_rl = out["ids_consumed"]
+        out["consumed_basis"] = "all steps (the step log names no phase)"
+    else:
+        out["consumed_basis"] = "rl steps"
+    out["samples_consumed_ledger"] = ledger_rl
+    if out["samples_consumed"] is not None and ledger_rl is not None:
+        out["consistent"] = out["samples_consumed"] == ledger_rl
+    else:
+        out["consistent"] = None
+        unknown["consistent"] = "needs the pipeline's consumed_samples and the learner's step log"
+
+    dispatch = driver.get("dispatch") if isinstance(driver, dict) else None
+    if isinstance(dispatch, dict):
+        out["dispatch"] = {
+            role: {
+                "served": sum((counts.get("served") or {}).values()),
+                "retries": counts.get("retries", 0),
+            }
+            for role, counts in dispatch.items()
+            if isinstance(counts, dict)
+        }
+    else:
+        out["dispatch"] = None
+        unknown["dispatch"] = "no driver.json with dispatch counts"
+    out["unknown"] = unknown
+    return out
+
+
+_TOP = (
+    "completed",
+    "kills",
+    "stops",
+    "restarts",
+    "samples_lost",
+    "duplicates_consumed",
+    "duplicate_consumptions",
+    "steps_repeated",
+    "steps_skipped",
+    "learner_steps",
+    "recoveries",
+    "unrecovered",
+    "recover_ms_p50",
+    "recover_ms_p99",
+    "recover_ms_max",
+    "recover_ms_by_role",
+    "prompts_admitted",
+    "samples_admitted",
+    "samples_generated",
+    "samples_scored",
+    "samples_consumed",
+    "samples_wasted",
+    "in_flight_at_end",
+    "samples_consumed_program",
+    "samples_consumed_ledger",
+    "consumed_basis",
+    "consistent",
+    "dispatch",
+)
+
+
+_UNDISTURBED = (
+    "completed",
+    "status",
+    "samples_lost",
+    "duplicates_consumed",
+    "steps_repeated",
+    "steps_skipped",
+    "learner_steps",
+    "samples_consumed",
+    "samples_consumed_ledger",
+    "consistent",
+    "restarts",
+    "dispatch",
+)
+
+
+def account(chaos_dir: str, undisturbed_dir: str | None) -> dict[str, Any]:
+    """The accounting of a chaos run in ``chaos_dir`` next to an undisturbed run of the same
+    manifest in ``undisturbed_dir`` (``None``: there was none).
+
+    The chaos run's figures are at the top level (see ``run_figures``), with
+    ``accuracy_undisturbed``, ``accuracy_chaos``, ``wall_s_undisturbed``, ``wall_s_chaos``,
+    ``slowdown`` and the undisturbed run's own figures under ``undisturbed``. Every missing
+    figure is ``None`` and its reason is under ``unknown``.
+    """
+    chaos = run_figures(chaos_dir)
+    unknown = {k: v for k, v in chaos["unknown"].items()}
+    out: dict[str, Any] = {key: chaos.get(key) for key in _TOP}
+    if "recoveries" not in chaos:
+        out["recoveries"] = out["unrecovered"] = None
+    out["status"] = chaos["status"]
+    out["reason"] = chaos["reason"]
+    out["accuracy_chaos"] = chaos["accuracy"]
+    out["wall_s_chaos"] = chaos["wall_s"]
+    if undisturbed_dir is None:
+        base: dict[str, Any] = {}
+        unknown["undisturbed"] = "no undisturbed run (--no-baseline)"
+    else:
+        base = run_figures(undisturbed_dir)
+        out["undisturbed"] = {key: base.get(key) for key in _UNDISTURBED}
+        for key, why in base["unknown"].items():
+            unknown[f"undisturbed.{key}"] = why
+    out["accuracy_undisturbed"] = base.get("accuracy")
+    out["wall_s_undisturbed"] = base.get("wall_s")
+    a, b = out["accuracy_chaos"], out["accuracy_undisturbed"]
+    out["accuracy_delta"] = a - b if a is not None and b is not None else None
+    w, u = out["wall_s_chaos"], out["wall_s_undisturbed"]
+    out["slowdown"] = w / u if w is not None and u else None
+    out["unknown"] = unknown
+    return out
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unknown"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_show(v)}" for k, v in value.items()) or "none"
+    return str(value)
+
+
+def format_accounting(acc: dict[str, Any]) -> str:
+    """The accounting as a person reads it: one figure a line, ``unknown`` where it is."""
+    rows = [
+        ("chaos run completed", acc.get("completed")),
+        ("  how it ended", acc.get("reason")),
+        ("kills", acc.get("kills")),
+        ("stops (SIGSTOP/SIGCONT)", acc.get("stops")),
+        ("restarts", acc.get("restarts")),
+        ("time to recover p50 (ms)", acc.get("recover_ms_p50")),
+        ("time to recover p99 (ms)", acc.get("recover_ms_p99")),
+        ("time to recover max (ms)", acc.get("recover_ms_max")),
+        ("failures never recovered", acc.get("unrecovered")),
+        ("prompts admitted", acc.get("prompts_admitted")),
+        ("samples generated", acc.get("samples_generated")),
+        ("samples scored", acc.get("samples_scored")),
+        ("samples consumed (pipeline)", acc.get("samples_consumed")),
+        ("samples consumed (learner log)", acc.get("samples_consumed_ledger")),
+        ("  pipeline and log agree", acc.get("consistent")),
+        ("samples wasted", acc.get("samples_wasted")),
+        ("samples lost", acc.get("samples_lost")),
+        ("samples consumed twice", acc.get("duplicates_consumed")),
+        ("learner steps", acc.get("learner_steps")),
+        ("learner steps repeated", acc.get("steps_repeated")),
+        ("learner steps skipped", acc.get("steps_skipped")),
+        ("accuracy, undisturbed", acc.get("accuracy_undisturbed")),
+        ("accuracy, chaos", acc.get("accuracy_chaos")),
+        ("wall time undisturbed (s)", acc.get("wall_s_undisturbed")),
+        ("wall time chaos (s)", acc.get("wall_s_chaos")),
+        ("slowdown", acc.get("slowdown")),
+    ]
+    lines = [f"{label:<32}{_show(value)}" for label, value in rows]
+    for role, figures in (acc.get("recover_ms_by_role") or {}).items():
+        lines.append(
+            f"  recover {role:<22}n {figures['n']}, p50 {figures['p50']:.0f} ms, "
+            f"max {figures['max']:.0f} ms"
+        )
+    unknown = acc.get("unknown") or {}
+    if unknown:
+        lines.append("unknown figures, and why:")
+        lines += [f"  {key}: {why}" for key, why in unknown.items()]
+    return "\n".join(lines)
