@@ -10,6 +10,10 @@ Read it top to bottom; it uses only the handles of the runtime:
 3. held-out greedy accuracy at the plateau and at the end, a plot, ``summary.json``,
    ``heldout.jsonl`` and the final policy in Hugging Face format in ``final/``.
 
+A restarted driver resumes where the learner's last acknowledged step left it (the phase and the
+pipeline's position travel with each step), and ``history.jsonl`` grows as the run goes, so
+nothing is trained or measured twice.
+
 Settings come from the manifest's ``run.config`` (``ctx.config``).
 """
 
@@ -22,9 +26,9 @@ import sys
 import time
 from typing import Any
 
-from asyncrl.roles.learner import Scored, TrainBatch
+from asyncrl.roles.learner import Scored, StepResult, TrainBatch
 from asyncrl.roles.pipeline import SamplePipeline, WeightSync
-from asyncrl.roles.programs import PromptFeed, learn
+from asyncrl.roles.programs import PromptFeed, learn, resend
 from asyncrl.roles.reward import ScoreRequest
 from asyncrl.roles.rollout import (
     GenerateBatch,
@@ -59,11 +63,18 @@ async def main(ctx: Any) -> dict[str, Any]:
     cfg = {**DEFAULTS, **ctx.config}
     from transformers import AutoTokenizer
 
+    plot = _plotting_available()  # checked now: a missing package must not fail the end
     tok = AutoTokenizer.from_pretrained(cfg["tokenizer"])
     eos = tok.eos_token_id
-    started = time.monotonic()
-    rng = random.Random(cfg["seed"])
-    history: list[dict[str, Any]] = []
+
+    # Resume, never replay: the learner keeps the program's position with every step it
+    # acknowledges, and history.jsonl holds what was measured so far.
+    status = await ctx.learner.call("status", None)
+    keep = status["keep"]
+    history = _History(os.path.join(ctx.run_dir, "history.jsonl"), fresh=status["step"] == 0)
+    started = time.monotonic() - history.wall_s
+    if status["step"]:
+        _progress(f"resuming at learner step {status['step']} ({keep.get('phase', 'bc')} phase)")
 
     heldout = data.heldout()
     data.write_jsonl(os.path.join(ctx.run_dir, "heldout.jsonl"), heldout)
@@ -104,36 +115,49 @@ async def main(ctx: Any) -> dict[str, Any]:
         return correct / len(heldout_prompts)
 
     # 1. Behaviour cloning until the held-out accuracy plateaus.
-    best, stale, step = -1.0, 0, 0
-    while stale < cfg["bc_patience"] and step < cfg["bc_max_steps"]:
-        for _ in range(cfg["bc_eval_every"]):
+    step = status["step"]
+    if keep.get("phase", "bc") == "bc":
+        while True:
+            stale = _since_best([h["accuracy"] for h in history.phase("bc")])
+            evaluated = any(h["step"] == step for h in history.phase("bc"))
+            if step and step % cfg["bc_eval_every"] == 0 and not evaluated:
+                acc = await accuracy()
+                history.add(
+                    {"phase": "bc", "step": step, "accuracy": acc, "wall_s": _since(started)}
+                )
+                _progress(f"BC step {step}: held-out accuracy {acc:.3f}")
+                continue
+            if stale >= cfg["bc_patience"] or step >= cfg["bc_max_steps"]:
+                break
+            # Each step's demonstrations are drawn from its own seeded stream, so a resumed
+            # run draws what the interrupted one would have.
+            rng = random.Random(f"{cfg['seed']}-bc-{step}")
             batch = rng.sample(demos, min(cfg["bc_batch"], len(demos)))
             # BC samples are re-used every epoch: give each use its own id for the ledger.
             uses = [Scored(_reuse(d, step)) for d in batch]
-            bc = TrainBatch(uses, algorithm="bc", lr=cfg["bc_lr"])
-            await ctx.learner.call("train_step", bc, timeout=300)
-            step += 1
-        acc = await accuracy()
-        history.append(
-            {"phase": "bc", "step": step, "accuracy": acc, "wall_s": time.monotonic() - started}
-        )
-        _progress(f"BC step {step}: held-out accuracy {acc:.3f}")
-        if acc > best + 0.01:
-            best, stale = acc, 0
-        else:
-            stale += 1
-    accuracy_before_rl = await accuracy()
-    await ctx.learner.call("checkpoint", {"phase": "bc", "cursor": 0})
-    _progress(f"BC plateau: held-out accuracy {accuracy_before_rl:.3f} after {step} steps")
+            bc = TrainBatch(
+                uses, algorithm="bc", lr=cfg["bc_lr"], keep={"phase": "bc"}, id=f"bc-{step + 1}"
+            )
+            result = await resend(ctx.learner, "train_step", bc, StepResult)
+            step = result.step
+        accuracy_before_rl = await accuracy()
+        keep = {"phase": "rl", "bc_steps": step, "accuracy_before_rl": accuracy_before_rl}
+        keep.update(rl_started_wall=_since(started), cursor=0)
+        await resend(ctx.learner, "checkpoint", keep, str)
+        _progress(f"BC plateau: held-out accuracy {accuracy_before_rl:.3f} after {step} steps")
+    accuracy_before_rl = keep["accuracy_before_rl"]
+    bc_steps = keep["bc_steps"]
 
     # 2. RL (GRPO, or PPO with a critic) on fresh prompts, BC coefficient 0, through the
     #    sample pipeline: sync or async mode, as the manifest's pipeline section says.
     algorithm = cfg["algorithm"]
+    status = await ctx.learner.call("status", None)
+    done = status["step"] - bc_steps  # RL steps the learner has taken
     if "reference" in ctx.roles:  # the KL term is measured against the BC policy
         start = await ctx.learner.call("weights", None, WeightsUpdate, timeout=120)
         await ctx.reference.broadcast("set_weights", start, timeout=120)
-    status = await ctx.learner.call("status", None)
     await sync_weights()
+    history.recover_rl_step(done, status["last"])
     feed = PromptFeed(ctx.prompts)
 
     async def score(samples: list[Sample]) -> list[float]:
@@ -152,65 +176,164 @@ async def main(ctx: Any) -> dict[str, Any]:
         batch_size=cfg["prompts_per_step"] * cfg["group_size"],
         group_size=cfg["group_size"],
         start_version=status["version"],
+        resume=status["keep"].get("resume"),
+        watchdog=ctx.watchdog,
     )
     weights = WeightSync(ctx.rollout, wait=spec.mode == "sync")
-    rl_started = time.monotonic()
-    samples_consumed = 0
-    acc = accuracy_before_rl
-    staleness_max = 0.0
+    accs = [h["accuracy"] for h in history.phase("rl") if "accuracy" in h]
+    acc = accs[-1] if accs else accuracy_before_rl
     async with pipe:
-        for rl_step in range(1, cfg["rl_steps"] + 1):
+        if done and done % cfg["rl_eval_every"] == 0 and "accuracy" not in history.last("rl"):
+            acc = await accuracy()  # the interrupted run had not measured it yet
+            history.amend_last("rl", accuracy=acc)
+        for rl_step in range(done + 1, cfg["rl_steps"] + 1):
             batch = await pipe.next_batch()
-            result = await learn(ctx, batch, algorithm=algorithm, lr=cfg["rl_lr"])
+            result = await learn(
+                ctx, batch, algorithm=algorithm, lr=cfg["rl_lr"], id=f"rl-{rl_step}"
+            )
             # Sync mode: every replica holds the new weights before the next batch is admitted.
             await weights.push()
             pipe.advance(result.version)
-            samples_consumed += result.consumed
-            staleness_max = max(staleness_max, batch.metrics["staleness_max"])
             reward_mean = sum(s.reward for s in batch.samples) / len(batch.samples)
             entry: dict[str, Any] = {
                 "phase": "rl",
                 "step": rl_step,
                 "reward": reward_mean,
-                "wall_s": time.monotonic() - started,
+                "wall_s": _since(started),
                 "staleness_max": batch.metrics["staleness_max"],
             }
             if rl_step % cfg["rl_eval_every"] == 0 or rl_step == cfg["rl_steps"]:
                 acc = await accuracy()
                 entry["accuracy"] = acc
-            history.append(entry)
+            history.add(entry)
             _bar(algorithm.upper(), rl_step, cfg["rl_steps"], reward_mean, acc)
-    await weights.close()
-    pipeline_metrics = dict(pipe.metrics)
+        await weights.close()
+        pipeline_metrics = {**pipe.metrics, "in_flight_at_end": pipe.in_flight}
 
-    accuracy_final = acc if history[-1].get("accuracy") is not None else await accuracy()
+    last = history.last("rl")
+    accuracy_final = last["accuracy"] if "accuracy" in last else await accuracy()
     final_dir = await ctx.learner.call("export", os.path.join(ctx.run_dir, "final"))
     status = await ctx.learner.call("status", None)
+    rl_wall = max(1e-9, _since(started) - float(keep.get("rl_started_wall", 0.0)))
+    rl = history.phase("rl")
     summary = {
         "accuracy_before_rl": accuracy_before_rl,
         "accuracy_final": accuracy_final,
         "rl_gain": accuracy_final - accuracy_before_rl,
-        "wall_s": time.monotonic() - started,
+        "wall_s": _since(started),
         "learner_steps": status["step"],
-        "samples_consumed": samples_consumed,
-        "samples_per_s": samples_consumed / max(1e-9, time.monotonic() - rl_started),
+        "samples_consumed": pipeline_metrics.get("consumed_samples", 0),
+        "samples_per_s": pipeline_metrics.get("consumed_samples", 0) / rl_wall,
         "restarts": _restarts(ctx.run_dir),
+        "driver_incarnation": ctx.incarnation,
         "mode": ctx.pipeline.mode,
-        "staleness_max": staleness_max,
+        "staleness_max": max((h.get("staleness_max", 0) for h in rl), default=0),
         "pipeline": pipeline_metrics,
         "final": final_dir,
         "config": cfg,
     }
     with open(os.path.join(ctx.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    with open(os.path.join(ctx.run_dir, "history.jsonl"), "w") as f:
-        f.writelines(json.dumps(h) + "\n" for h in history)
-    _plot(history, os.path.join(ctx.run_dir, "progress.png"))
+    if plot:
+        _plot(history.entries, os.path.join(ctx.run_dir, "progress.png"))
     _progress(
         f"held-out accuracy: {accuracy_before_rl:.3f} at the BC plateau, "
         f"{accuracy_final:.3f} after {algorithm.upper()}"
     )
     return {k: summary[k] for k in ("accuracy_before_rl", "accuracy_final", "learner_steps")}
+
+
+class _History:
+    """``history.jsonl``, appended as the run goes, so a resumed program has what came before.
+
+    Args:
+        path: the file.
+        fresh: a new run (the learner has taken no step): start the file afresh.
+    """
+
+    def __init__(self, path: str, *, fresh: bool) -> None:
+        self.path = path
+        self.entries: list[dict[str, Any]] = []
+        if fresh:
+            open(path, "w").close()
+        elif os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        self.entries.append(json.loads(line))
+                    except ValueError:
+                        pass  # a line cut short by a crash
+            self._rewrite()
+
+    @property
+    def wall_s(self) -> float:
+        return float(self.entries[-1]["wall_s"]) if self.entries else 0.0
+
+    def phase(self, phase: str) -> list[dict[str, Any]]:
+        return [h for h in self.entries if h["phase"] == phase]
+
+    def last(self, phase: str) -> dict[str, Any]:
+        entries = self.phase(phase)
+        return entries[-1] if entries else {}
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.entries.append(entry)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def amend_last(self, phase: str, **values: Any) -> None:
+        self.last(phase).update(values)
+        self._rewrite()
+
+    def recover_rl_step(self, done: int, last: dict[str, Any]) -> None:
+        """The driver may have died after the learner's step ``done`` and before its entry was
+        written: write it from the learner's record of its last step."""
+        if done and self.last("rl").get("step", 0) < done:
+            metrics = last.get("result", {}).get("metrics", {})
+            self.add(
+                {
+                    "phase": "rl",
+                    "step": done,
+                    "reward": metrics.get("reward_mean", float("nan")),
+                    "wall_s": self.wall_s,
+                    "staleness_max": metrics.get("staleness_max", 0),
+                }
+            )
+
+    def _rewrite(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(h) + "\n" for h in self.entries)
+        os.replace(tmp, self.path)
+
+
+def _since_best(accuracies: list[float]) -> int:
+    """Evaluations since the held-out accuracy last improved on the best by 0.01."""
+    best, stale = -1.0, 0
+    for acc in accuracies:
+        if acc > best + 0.01:
+            best, stale = acc, 0
+        else:
+            stale += 1
+    return stale
+
+
+def _since(started: float) -> float:
+    return time.monotonic() - started
+
+
+def _plotting_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(
+            "matplotlib is not installed, so progress.png will not be written; install it "
+            "with: pip install 'asyncrl[examples]'",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    return True
 
 
 def _chunks(items: list[Any], size: int) -> list[GenerateBatch]:
