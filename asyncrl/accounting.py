@@ -230,12 +230,13 @@ def run_figures(run_dir: str) -> dict[str, Any]:
 
     if isinstance(chaos, dict):
         out["wall_s"] = chaos.get("wall_s")
+        out["program_s"] = chaos.get("program_s")
         out["kills"] = _count(chaos.get("kills") or [])
         out["stops"] = _count(chaos.get("stops") or [])
         if isinstance(report, dict):
             out.update(recoveries(chaos, report))
     else:
-        out.update(wall_s=None, kills=None, stops=None)
+        out.update(wall_s=None, program_s=None, kills=None, stops=None)
         unknown["kills"] = unknown["wall_s"] = f"no {CHAOS_FILE}"
     for key in ("recover_ms_p50", "recover_ms_p99", "recover_ms_max", "recover_ms_by_role"):
         if key not in out:
@@ -391,8 +392,10 @@ def account(chaos_dir: str, undisturbed_dir: str | None) -> dict[str, Any]:
 
     The chaos run's figures are at the top level (see ``run_figures``), with
     ``accuracy_undisturbed``, ``accuracy_chaos``, ``wall_s_undisturbed``, ``wall_s_chaos``,
-    ``slowdown`` and the undisturbed run's own figures under ``undisturbed``. Every missing
-    figure is ``None`` and its reason is under ``unknown``.
+    ``program_s_undisturbed``, ``program_s_chaos`` (start to the driver's exit), ``slowdown``
+    (of the program time, or of the wall time where that is unknown) and the undisturbed run's
+    own figures under ``undisturbed``. Every missing figure is ``None`` and its reason is under
+    ``unknown``.
     """
     chaos = run_figures(chaos_dir)
     unknown = {k: v for k, v in chaos["unknown"].items()}
@@ -415,7 +418,13 @@ def account(chaos_dir: str, undisturbed_dir: str | None) -> dict[str, Any]:
     out["wall_s_undisturbed"] = base.get("wall_s")
     a, b = out["accuracy_chaos"], out["accuracy_undisturbed"]
     out["accuracy_delta"] = a - b if a is not None and b is not None else None
-    w, u = out["wall_s_chaos"], out["wall_s_undisturbed"]
+    out["program_s_chaos"] = chaos.get("program_s")
+    out["program_s_undisturbed"] = base.get("program_s")
+    # The slowdown of the program (start to the driver's exit), which leaves out how long the
+    # shutdown took; the full wall times are beside it.
+    w, u = out["program_s_chaos"], out["program_s_undisturbed"]
+    if w is None or not u:
+        w, u = out["wall_s_chaos"], out["wall_s_undisturbed"]
     out["slowdown"] = w / u if w is not None and u else None
     out["unknown"] = unknown
     return out
@@ -461,7 +470,9 @@ def format_accounting(acc: dict[str, Any]) -> str:
         ("accuracy, chaos", acc.get("accuracy_chaos")),
         ("wall time undisturbed (s)", acc.get("wall_s_undisturbed")),
         ("wall time chaos (s)", acc.get("wall_s_chaos")),
-        ("slowdown", acc.get("slowdown")),
+        ("program time undisturbed (s)", acc.get("program_s_undisturbed")),
+        ("program time chaos (s)", acc.get("program_s_chaos")),
+        ("slowdown (program time)", acc.get("slowdown")),
     ]
     lines = [f"{label:<32}{_show(value)}" for label, value in rows]
     for role, figures in (acc.get("recover_ms_by_role") or {}).items():

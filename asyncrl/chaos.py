@@ -310,7 +310,7 @@ async def supervise(manifest: Manifest, run_dir: str, plan: ChaosPlan | None, sa
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
-    started = time.monotonic()
+    started = disruptor.t0 = time.monotonic()
     try:
         async with asyncio.TaskGroup() as tasks:
             chaos = tasks.create_task(disruptor.run()) if plan is not None else None
@@ -324,8 +324,14 @@ async def supervise(manifest: Manifest, run_dir: str, plan: ChaosPlan | None, sa
             loop.remove_signal_handler(sig)
     wall = time.monotonic() - started
     _write_json(os.path.join(run_dir, "report.json"), msgspec.to_builtins(report))
+    driver_exits = [
+        e["t"] for e in disruptor.events if e["kind"] == "exited" and e["label"] == f"{DRIVER}[0]"
+    ]
     record = {
         "wall_s": wall,
+        # until the driver's last exit: without the shutdown, whose length depends on which
+        # processes were restarting when the program finished
+        "program_s": max(driver_exits, default=None),
         "plan": None if plan is None else msgspec.to_builtins(plan.__dict__),
         "kills": disruptor.kills,
         "stops": disruptor.stops,

@@ -333,6 +333,7 @@ def make_run(
         os.path.join(run_dir, "chaos.json"),
         {
             "wall_s": wall_s,
+            "program_s": wall_s - 2.0,  # the shutdown took 2 s
             "kills": [{"role": "rollout", "label": "rollout[0]"}] * kills,
             "stops": [],
             "events": events,
@@ -405,7 +406,8 @@ def test_account_of_a_clean_chaos_run(tmp_path: Any) -> None:
     assert acc["accuracy_undisturbed"] == 0.9
     assert acc["accuracy_chaos"] == 0.85
     assert acc["accuracy_delta"] == pytest.approx(-0.05)
-    assert acc["slowdown"] == 1.5
+    assert acc["slowdown"] == 13.0 / 8.0  # of the program time, not of the wall time
+    assert (acc["wall_s_chaos"], acc["wall_s_undisturbed"]) == (15.0, 10.0)
     assert acc["prompts_admitted"] == 4
     assert acc["samples_generated"] == 9
     assert acc["samples_scored"] is None
