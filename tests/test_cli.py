@@ -1,0 +1,165 @@
+"""``asyncrl run``: the saved manifest, a run directory already used, ``--overwrite`` and
+``--resume``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from asyncrl import cli
+from asyncrl.manifest import load_manifest
+from asyncrl.rundir import (
+    RunDirError,
+    clear_run,
+    load_saved_manifest,
+    manifest_differences,
+    run_markers,
+    save_manifest,
+)
+from tests.conftest import ROOT
+
+HELLO = os.path.join(ROOT, "examples", "hello", "manifest.yaml")
+
+
+def error(capsys: pytest.CaptureFixture[str]) -> str:
+    return capsys.readouterr().err
+
+
+# -- the run directory ---------------------------------------------------------------------
+
+
+def test_saved_manifest_round_trips(tmp_path: Any) -> None:
+    manifest = load_manifest(HELLO, ["roles.splitter.replicas=3", "run.config.x=[1, 2]"])
+    path = save_manifest(manifest, str(tmp_path))
+    assert path == os.path.join(tmp_path, "manifest.json")
+    assert os.listdir(tmp_path) == ["manifest.json"]  # no temporary file left
+    assert load_saved_manifest(str(tmp_path)) == manifest
+    assert manifest_differences(manifest, load_manifest(HELLO)) == [
+        "run.config.x",
+        "roles.splitter.replicas",
+    ]
+
+
+def test_run_markers(tmp_path: Any) -> None:
+    assert run_markers(str(tmp_path)) == []
+    assert run_markers(os.path.join(tmp_path, "missing")) == []
+    os.makedirs(os.path.join(tmp_path, "roles", "learner.0", "checkpoints"))
+    with open(os.path.join(tmp_path, "report.json"), "w") as f:
+        f.write("{}")
+    assert run_markers(str(tmp_path)) == ["report.json", "roles"]
+
+
+def test_clear_run_empties_the_directory_but_never_a_project(tmp_path: Any) -> None:
+    run = os.path.join(tmp_path, "run")
+    os.makedirs(os.path.join(run, "checkpoints", "step-1"))
+    with open(os.path.join(run, "report.json"), "w") as f:
+        f.write("{}")
+    os.symlink(str(tmp_path), os.path.join(run, "link"))
+    clear_run(run)
+    assert os.listdir(run) == []
+    assert os.listdir(tmp_path) == ["run"]  # the link went, not what it points at
+    project = os.path.join(tmp_path, "project")
+    os.makedirs(os.path.join(project, ".git"))
+    with pytest.raises(RunDirError, match="it is a git checkout, not a run directory"):
+        clear_run(project)
+    assert os.listdir(project) == [".git"]
+    with pytest.raises(RunDirError, match="it holds the current directory"):
+        clear_run(os.path.dirname(os.getcwd()))
+
+
+# -- the command line, without processes ---------------------------------------------------
+
+
+def test_run_refuses_a_used_run_dir(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    run = str(tmp_path)
+    with open(os.path.join(run, "report.json"), "w") as f:
+        f.write("{}")
+    assert cli.main(["run", HELLO, "--run-dir", run]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: {run} already holds a run (report.json); use 'asyncrl run --resume "
+        f"{run}' to continue it or add --overwrite to delete it and start afresh\n"
+    )
+    assert os.listdir(run) == ["report.json"]  # untouched
+
+
+def test_run_needs_a_manifest_or_resume(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run"]) == 2
+    assert error(capsys) == (
+        "asyncrl: error: give a MANIFEST to run, or --resume RUN_DIR to continue a run\n"
+    )
+
+
+def test_resume_refusals(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    run = str(tmp_path)
+    assert cli.main(["run", "--resume", run]) == 2
+    assert "holds no saved manifest (manifest.json)" in error(capsys)
+    assert cli.main(["run", "--resume", os.path.join(run, "nope")]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: cannot resume {run}/nope: no such directory; check the path\n"
+    )
+    save_manifest(load_manifest(HELLO, ["roles.splitter.replicas=3"]), run)
+    assert cli.main(["run", "--resume", run, "--overwrite"]) == 2
+    assert "--resume continues a run and --overwrite deletes it" in error(capsys)
+    assert cli.main(["run", "--resume", run, "--set", "run.name=x"]) == 2
+    assert error(capsys) == (
+        "asyncrl: error: --set cannot change a resumed run; it runs the manifest saved in "
+        f"{run}/manifest.json (edit that file to change it)\n"
+    )
+    assert cli.main(["run", HELLO, "--resume", run]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: {HELLO} differs from the manifest {run} was started with (at "
+        "roles.splitter.replicas); a resumed run keeps its manifest: drop MANIFEST, or start "
+        "a new run with --overwrite\n"
+    )
+    assert cli.main(["run", "--resume", run, "--run-dir", "/elsewhere"]) == 2
+    assert "--run-dir /elsewhere differs from --resume" in error(capsys)
+
+
+# -- real runs -----------------------------------------------------------------------------
+
+
+def asyncrl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+def test_run_saves_its_manifest_and_resume_runs_it_again(run_dir: str) -> None:
+    first = asyncrl("run", HELLO, "--run-dir", run_dir, "--set", "roles.splitter.replicas=3")
+    assert first.returncode == 0, first.stdout + first.stderr
+    saved = load_saved_manifest(run_dir)
+    assert saved.roles["splitter"].replicas == 3
+    again = asyncrl("run", HELLO, "--run-dir", run_dir)
+    assert again.returncode == 2
+    assert f"{run_dir} already holds a run" in again.stderr
+    resumed = asyncrl("run", "--resume", run_dir)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # the --set of the first run holds without being given again
+    assert "splitter: 3 replica(s), restarts 0" in resumed.stdout
+    assert f"run directory: {run_dir}" in resumed.stdout
+    with open(os.path.join(run_dir, "driver.json")) as f:
+        assert json.load(f)["finished"] is True
+
+
+@pytest.mark.slow
+def test_overwrite_starts_afresh(run_dir: str) -> None:
+    os.makedirs(os.path.join(run_dir, "checkpoints"))
+    stale = os.path.join(run_dir, "checkpoints", "step-00000009")
+    with open(stale, "w") as f:
+        f.write("old")
+    out = asyncrl("run", HELLO, "--run-dir", run_dir, "--overwrite")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not os.path.exists(stale)
+    with open(os.path.join(run_dir, "driver.json")) as f:
+        assert json.load(f)["result"] == [["the", 4], ["dog", 3], ["fox", 3]]
+    assert load_saved_manifest(run_dir) == load_manifest(HELLO)
