@@ -235,3 +235,40 @@ def test_learner_killed_in_a_checkpoint_write_and_before_a_reply(run_dir: str) -
     with open(os.path.join(run_dir, "logs", "learner.0.jsonl")) as f:
         cut = [json.loads(line) for line in f if "step log: cut" in line]
     assert cut and "restored step 19" in cut[0]["event"]
+
+
+def test_a_run_that_stops_progressing_fails_saying_on_what_it_waits(run_dir: str) -> None:
+    with open(os.path.join(run_dir, "flow.py"), "w") as f:
+        f.write(
+            textwrap.dedent(
+                """
+                import asyncio
+
+                async def main(ctx):
+                    await ctx.prompts.call("take", {"cursor": 0, "n": 1})
+                    await asyncio.Event().wait()  # a bug: waits on nothing that will happen
+                """
+            )
+        )
+    manifest = os.path.join(run_dir, "m.yaml")
+    with open(manifest, "w") as f:
+        f.write(
+            textwrap.dedent(
+                f"""
+                run: {{name: stall, program: {run_dir}/flow.py:main}}
+                pipeline: {{stall_timeout_s: 2}}
+                roles:
+                  prompts:
+                    class: asyncrl.roles.prompts:PromptSource
+                    config: {{generator: examples.arith.data:rl_prompts,
+                              tokenizer_path: examples/arith/tokenizer}}
+                """
+            )
+        )
+    proc = start(manifest, run_dir)
+    out = finish(proc, 120)
+    assert proc.returncode == 1, out
+    report = read_json(run_dir, "report.json")
+    assert report["status"] == "failed" and report["restarts"].get("driver", 0) == 0
+    assert any("the run stalled: no progress for" in x for x in report["failure"]["stderr_tail"])
+    assert "no progress for" in read_json(run_dir, "driver.json")["error"]

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncrl.errors import StallError
 from asyncrl.pacing import PipelineSpec, StragglerSpec
 from asyncrl.reduce import Moments
 from asyncrl.roles import algorithms as alg
@@ -385,5 +386,71 @@ def test_group_affinity_asks_the_dispatcher_to_keep_a_group_together(affinity: b
             await asyncio.wait_for(pipe.next_batch(), WAIT_S)
         expected = [p if affinity else None for p, _, _ in rollout.calls]
         assert rollout.affinities == expected
+
+    run(main())
+
+
+def test_a_pipeline_that_cannot_progress_says_so_at_once() -> None:
+    """Sync mode without advance(): the pacer never has room again, nothing is in flight; the
+    next batch raises StallError naming the pacer instead of waiting forever."""
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        async with pipeline(rollout, PipelineSpec(mode="sync")) as pipe:
+            await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            with pytest.raises(StallError) as err:
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert "pacer at learner version 0, room 0 sample(s)" in str(err.value)
+        assert "call advance(version) after each learner step" in str(err.value)
+
+    run(main())
+
+
+def test_a_waiting_pipeline_is_not_a_stall() -> None:
+    """Samples still generating: next_batch waits for them, it does not raise."""
+
+    async def main() -> None:
+        rollout = FakeRollout()
+        async with pipeline(rollout, PipelineSpec(mode="sync")) as pipe:
+            sids = await started(rollout, B)
+            waiting = asyncio.ensure_future(pipe.next_batch())
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            assert "8 sample(s) generating" in pipe.describe()
+            for sid in sids:
+                rollout.release(sid)
+            batch = await asyncio.wait_for(waiting, WAIT_S)
+        assert len(batch.samples) == B
+
+    run(main())
+
+
+def test_a_resumed_pipeline_admits_from_the_cursor_and_skips_what_was_settled() -> None:
+    """Async, eta 1: complete the second batch's groups before the first's; the resume state of
+    the first batch consumed (the later groups) lists them, and a pipeline built from it admits
+    the unsettled groups again, skips the settled ones, and counts on from there."""
+
+    async def main() -> None:
+        rollout = FakeRollout()
+        async with pipeline(rollout, PipelineSpec(mode="async", eta=1)) as pipe:
+            sids = await started(rollout, 2 * B)
+            for sid in sids[B:]:  # groups p2 and p3 complete first
+                rollout.release(sid)
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert {s.sample.prompt_id for s in first.samples} == {"p2", "p3"}
+        resume = first.resume
+        assert resume["cursor"] == 0 and resume["settled"] == [2, 3]
+        assert resume["pipeline"]["consumed_samples"] == B
+        assert resume["pipeline"]["admitted_samples"] == B  # p0, p1 are in flight: not counted
+
+        again = FakeRollout(auto=True)
+        async with pipeline(again, PipelineSpec(mode="async", eta=1), resume=resume) as pipe:
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert {s.sample.prompt_id for s in batch.samples} == {"p0", "p1"}
+            pipe.advance(1)
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert {s.sample.prompt_id for s in batch.samples} == {"p4", "p5"}
+        assert all(call[0] not in ("p2", "p3") for call in again.calls)
+        assert pipe.metrics["consumed_samples"] == 3 * B
 
     run(main())
