@@ -28,7 +28,7 @@ from asyncrl import logs
 from asyncrl.errors import ConfigProblem
 from asyncrl.faults import FaultPlan
 from asyncrl.role import Role, RoleContext, endpoints_of
-from asyncrl.spec import EXIT_CONFIG, SPEC_ENV, ProcessSpec
+from asyncrl.spec import EXIT_CONFIG, ProcessSpec, load_spec_from_env
 from asyncrl.transport import Call, ChannelOptions, Entry, LocalRegistry, Server
 from asyncrl.transport import run as run_loop
 
@@ -190,11 +190,9 @@ def _handler(
 
 
 def main() -> None:
-    """Entry point: read the spec from the environment and serve."""
-    raw = os.environ.get(SPEC_ENV)
-    if raw is None:
-        sys.exit(f"asyncrl.process is started by the supervisor, with {SPEC_ENV} set")
-    spec = msgspec.json.decode(raw, type=ProcessSpec)
+    """Entry point: read the spec the supervisor wrote (``asyncrl.spec.load_spec_from_env``)
+    and serve."""
+    spec = load_spec_from_env()
     die_with_parent(spec.parent_pid)
     set_threads(spec.threads)
     logs.configure(
