@@ -1,11 +1,12 @@
 """Fuzzing a live server: random and mutated frames from a raw DEALER, then a call that must work.
 
-The server runs in its own process (tests/helpers/echo_server.py). After every example the same
-DEALER sends a correct ``add`` request and waits for its reply: one connection is FIFO, so by then
-the server has handled the fuzzed message. The answers to fuzzed messages are drained without
-judging whether they come (the server may drop bad input silently), only that they are valid
-envelopes. At the end the server is stopped with SIGTERM and its ``STATS`` line must count every
-bad input exactly as this side's own codec classifies it.
+The server runs in its own process (tests/helpers/echo_server.py), with a control secret in its
+environment that the fuzzer never presents: every STOP it sends must be refused. After every
+example the same DEALER sends a correct ``add`` request and waits for its reply: one connection is
+FIFO, so by then the server has handled the fuzzed message. The answers to fuzzed messages are
+drained without judging whether they come (the server may drop bad input silently), only that
+they are valid envelopes. At the end the server is stopped with SIGTERM and its ``STATS`` line
+must count every bad input exactly as this side's own codec classifies it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hypothesis import strategies as st
 
 from asyncrl.transport import ChannelOptions, Client, run
 from asyncrl.transport.codec import Codec
+from asyncrl.transport.control import CONTROL_SECRET_ENV
 from asyncrl.transport.errors import (
     DecodeError,
     MessageTooLargeError,
@@ -48,6 +50,8 @@ from asyncrl.transport.protocol import (
     Kind,
     RawEnvelope,
     Release,
+    TensorDesc,
+    Where,
 )
 from asyncrl.transport.shm import ShmReader
 from tests.conftest import ServerProcess, start_server_process
@@ -163,7 +167,7 @@ def _judge(codec: Codec, frames: list[bytes]) -> list[str] | None:
     type_: Any = None
     counts = []
     if env.kind == Kind.STOP:
-        return None
+        return ["control_refused"]  # the fuzzer never presents the control secret
     if env.kind == Kind.REQUEST:
         if env.method in STALLING:
             return None
@@ -179,7 +183,8 @@ def _judge(codec: Codec, frames: list[bytes]) -> list[str] | None:
         type_ = Release
     if type_ is not None:
         try:
-            codec.decode_payload(env, frames, type_)
+            # The fuzzer never handshakes from the server's host: shared memory is refused.
+            codec.decode_payload(env, frames, type_, allow_shm=False)
         except ProtocolError as exc:
             counts.append(BAD_INPUT_CODES[type(exc)])
     return counts
@@ -235,7 +240,7 @@ PAYLOADS = st.one_of(
     st.builds(Hello, version=st.integers(0, 3), name=st.text(max_size=5), shm=st.booleans()),
     st.builds(Release, slots=st.lists(INTS, max_size=3)),
 )
-KINDS = st.sampled_from([k for k in Kind if k != Kind.STOP])
+KINDS = st.sampled_from(list(Kind))
 METHODS = st.sampled_from(["add", "echo", "sum", "fail", "nope", "", "ADD"]) | st.text(max_size=8)
 DEADLINES = st.sampled_from([0.0, 1.0, -1.0, 1e12, math.inf, -math.inf, math.nan])
 
@@ -303,7 +308,9 @@ DESC_VALUES = [
     st.sampled_from([0, 1, 2, 3, 255, -1]),  # where
     st.binary(max_size=64),  # data
     st.sampled_from([-1, 0, 1, 2, 99]),  # frame
-    st.sampled_from(["", "../etc/passwd", "asyncrl.fuzz-none.1.0.1", "/dev/shm/x"]),  # segment
+    st.sampled_from(
+        ["", "../etc/passwd", "../../etc/passwd", "asyncrl.fuzz-none.1.0.1", "/dev/shm/x", ".."]
+    ),  # segment
     st.integers(-1, 2**64 - 1),  # offset
     INTS,  # slot
 ]
@@ -433,6 +440,19 @@ def _encoded(env: Envelope, *extra: bytes) -> list[bytes]:
     return [*(bytes(frame) for frame in Codec().encode(env)), *extra]
 
 
+def _shm_request(segment: str) -> list[bytes]:
+    """A request whose tensor claims to sit in shared memory at ``segment``."""
+    env = Envelope(
+        PROTOCOL_VERSION,
+        Kind.REQUEST,
+        11,
+        "echo",
+        payload=_ref(0),
+        tensors=[TensorDesc("numpy", "|u1", [4], 4, Where.SHM, segment=segment, slot=1)],
+    )
+    return [msgspec.msgpack.encode(env)]
+
+
 def _bad_descriptor() -> list[bytes]:
     frames = _encoded(Envelope(PROTOCOL_VERSION, Kind.REQUEST, 4, "sum", payload=torch.ones(3)))
     env = msgspec.msgpack.decode(frames[0])
@@ -443,8 +463,14 @@ def _bad_descriptor() -> list[bytes]:
 # -- the tests ----------------------------------------------------------------------------
 
 
-def test_the_server_survives_fuzzed_input(run_dir: str) -> None:
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+
+def test_the_server_survives_fuzzed_input(run_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     run_name = os.path.basename(run_dir)
+    monkeypatch.setenv(CONTROL_SECRET_ENV, "the fuzzer never sees this")
     server = start_server_process(
         f"ipc://{run_dir}/fuzz.sock",
         "--run",
@@ -457,6 +483,7 @@ def test_the_server_survives_fuzzed_input(run_dir: str) -> None:
     try:
         with raw_peer(server.endpoint) as peer:
             peer.check()  # the server answers before any fuzz
+            rss_before = _rss_kib(server.pid)
 
             @settings(
                 max_examples=150,
@@ -472,6 +499,9 @@ def test_the_server_survives_fuzzed_input(run_dir: str) -> None:
             @example(frames=_encoded(Envelope(PROTOCOL_VERSION, Kind.PING, 5), bytes(1 << 16)))
             @example(frames=_bad_descriptor())
             @example(frames=_encoded(Envelope(PROTOCOL_VERSION, Kind.REQUEST, 6, "nope")))
+            @example(frames=[b"\x92\x01\x09"])  # the two-byte STOP
+            @example(frames=_shm_request("../../etc/passwd"))
+            @example(frames=_shm_request("asyncrl.fuzz.1.0.1"))
             def fuzz(frames: list[bytes]) -> None:
                 counts = _judge(judge, frames)
                 assume(counts is not None)
@@ -481,6 +511,7 @@ def test_the_server_survives_fuzzed_input(run_dir: str) -> None:
                 expected.update(counts)
 
             fuzz()
+            rss_after = _rss_kib(server.pid)
 
         async def call_add() -> int:
             options = ChannelOptions(run=run_name, shm=False)
@@ -508,7 +539,11 @@ def test_the_server_survives_fuzzed_input(run_dir: str) -> None:
     assert stats["requests"] == expected["requests"] + checks + 1
     assert stats["unknown_method"] == expected["unknown_method"]
     assert stats["stops"] == 0
+    assert expected["control_refused"] > 0
+    assert stats["control_refused"] == expected["control_refused"]
     assert stats["replies"] >= checks + 1
+    # Nothing the fuzzer sent stayed in memory: at most a few MiB of caches and arenas.
+    assert rss_after - rss_before < 32 * 1024, (rss_before, rss_after)
 
 
 def test_a_bad_message_is_answered_with_its_id_and_code(server_process: ServerProcess) -> None:
