@@ -4,7 +4,11 @@
   ``await call("train_step", batch)`` through a handle to a supervised learner process, against
   a plain single-process PyTorch loop doing the same forward, loss, backward, clipping and AdamW
   step on the same model and batch. Both use one torch thread, both are measured in this run;
-  medians over ``--steps`` steps. The target is at most 10% overhead.
+  medians over ``--steps`` steps. The target is at most 10% overhead. That learner does not
+  checkpoint (``durable: false``).
+- durable step: the same step on a second learner with ``durable: true`` (the default: the step
+  is on disk, fsynced, before the reply), interleaved step by step with the first, so the
+  ratio is the price of never losing an acknowledged step.
 - rollout: tokens per second of a supervised rollout replica generating a batch, through a
   handle.
 """
@@ -100,7 +104,11 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
     specs = {
         "learner": (
             "asyncrl.roles.learner:Learner",
-            {"model_config": MODEL, "lr": 1e-3, "publish_weights": False},
+            {"model_config": MODEL, "lr": 1e-3, "publish_weights": False, "durable": False},
+        ),
+        "durable": (
+            "asyncrl.roles.learner:Learner",
+            {"model_config": MODEL, "lr": 1e-3, "publish_weights": False, "durable": True},
         ),
         "rollout": ("asyncrl.roles.rollout:Rollout", {"model_config": MODEL, "max_batch": 256}),
     }
@@ -115,15 +123,17 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
     ctx = Context(dispatcher, run="bench", run_dir=run_dir, log=None)
     out: dict[str, Any] = {}
     try:
-        times = []
+        times: dict[str, list[float]] = {"learner": [], "durable": []}
         for step in range(steps + 2):
             batch = TrainBatch(_batch(samples_per_step, step), algorithm="grpo")
-            t0 = time.perf_counter()
-            result = await ctx.learner.call("train_step", batch, StepResult, timeout=300)
-            if step >= 2:
-                times.append(time.perf_counter() - t0)
-            assert result.consumed == samples_per_step
-        out["learner_step_ms"] = times
+            for name, series in times.items():
+                t0 = time.perf_counter()
+                result = await ctx[name].call("train_step", batch, StepResult, timeout=300)
+                if step >= 2:
+                    series.append(time.perf_counter() - t0)
+                assert result.consumed == samples_per_step
+        out["learner_step_ms"] = times["learner"]
+        out["durable_step_ms"] = times["durable"]
         params = SamplingParams(max_new_tokens=16, temperature=1.0)
         requests = [
             GenerateRequest(Prompt(f"p{i}", [2 + i % 10, 12, 3, 13]), 0, params, seed=i)
@@ -156,11 +166,14 @@ def measure(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     plain = _plain_steps(samples_per_step, steps)
     handle_ms = statistics.median(remote["learner_step_ms"]) * 1e3
+    durable_ms = statistics.median(remote["durable_step_ms"]) * 1e3
     plain_ms = statistics.median(plain) * 1e3
     return {
         "learner_step_ms_p50": handle_ms,
         "plain_step_ms_p50": plain_ms,
         "learner_overhead_ratio": handle_ms / plain_ms,
+        "durable_step_ms_p50": durable_ms,
+        "durable_ratio": durable_ms / handle_ms,
         "rollout_tokens_per_s": remote["rollout_tokens_per_s"],
         "samples_per_step": samples_per_step,
         "steps": steps,
@@ -178,6 +191,8 @@ def format_table(f: dict[str, Any]) -> str:
             f"{'train_step through a handle (p50)':<36}{f['learner_step_ms_p50']:>11.1f} ms",
             f"{'plain PyTorch step (p50)':<36}{f['plain_step_ms_p50']:>11.1f} ms",
             f"{'  handle / plain':<36}{f['learner_overhead_ratio']:>13.2f}x   <= 1.1  {met}",
+            f"{'durable train_step (p50)':<36}{f['durable_step_ms_p50']:>11.1f} ms",
+            f"{'  durable / not durable':<36}{f['durable_ratio']:>13.2f}x",
             f"{'rollout tokens per second':<36}{f['rollout_tokens_per_s']:>14,.0f}",
         ]
     )

@@ -127,4 +127,7 @@ def test_learner_benchmark_json() -> None:
     assert figures["learner_overhead_ratio"] == pytest.approx(
         figures["learner_step_ms_p50"] / figures["plain_step_ms_p50"]
     )
+    assert figures["durable_ratio"] == pytest.approx(
+        figures["durable_step_ms_p50"] / figures["learner_step_ms_p50"]
+    )
     assert figures["rollout_tokens_per_s"] > 0
