@@ -273,6 +273,7 @@ class Supervisor:
                 name=f"supervisor->{child.label}",
                 options=options,
                 on_event=functools.partial(self._on_peer, child),
+                control=True,  # only the supervisor may stop its processes
             )
             child.client = client
             try:
