@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from asyncrl import logs
+from asyncrl.janitor import Janitor, sweep_run
 from asyncrl.manifest import Manifest, RoleSpec, resolve_run_dir
 from asyncrl.spec import (
     SPEC_ENV,
@@ -186,13 +187,31 @@ async def run_manifest(manifest: Manifest, run_dir: str | None = None) -> RunRep
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     logs.configure(role="agent", json_path=os.path.join(run_dir, "logs", "agent.jsonl"))
     log = logs.get_logger("asyncrl.agent")
-    children = build_children(manifest, run_dir, parent_pid=os.getpid())
-    supervisor = Supervisor(children, run=manifest.run.name, log_dir=os.path.join(run_dir, "logs"))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
-    log.info("run started", run=manifest.run.name, run_dir=run_dir, processes=len(children))
-    report = await supervisor.run()
+    run = manifest.run.name
+    socket_dir = LocalRegistry(run_dir).socket_dir
+    # Started before any other process, so that a SIGKILLed agent leaves nothing behind.
+    janitor = Janitor.start(run, socket_dir, run_dir)
+    try:
+        children = build_children(manifest, run_dir, parent_pid=os.getpid())
+        supervisor: Supervisor | None = None
+
+        def observe(event: str, label: str, incarnation: int) -> None:
+            if supervisor is not None:
+                janitor.watch(p.pid for p in supervisor.processes() if p.pid is not None)
+
+        supervisor = Supervisor(
+            children, run=run, log_dir=os.path.join(run_dir, "logs"), observer=observe
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
+        log.info("run started", run=run, run_dir=run_dir, processes=len(children))
+        report = await supervisor.run()
+    finally:
+        removed = sweep_run(run, socket_dir, run_dir=run_dir)
+        if removed:
+            log.info("swept", removed=removed)
+        janitor.finish()
     with open(os.path.join(run_dir, "report.json"), "wb") as f:
         f.write(msgspec.json.format(msgspec.json.encode(report)))
     return report
