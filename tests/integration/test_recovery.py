@@ -272,3 +272,68 @@ def test_a_run_that_stops_progressing_fails_saying_on_what_it_waits(run_dir: str
     assert report["status"] == "failed" and report["restarts"].get("driver", 0) == 0
     assert any("the run stalled: no progress for" in x for x in report["failure"]["stderr_tail"])
     assert "no progress for" in read_json(run_dir, "driver.json")["error"]
+
+
+STOPPABLE = """
+import asyncio
+import os
+
+
+async def main(ctx):
+    if ctx.incarnation == 0:
+        open(os.path.join(ctx.run_dir, "ready"), "w").close()
+        await asyncio.Event().wait()
+    return "resumed"
+"""
+
+
+def test_a_stopped_driver_never_reads_as_success(run_dir: str) -> None:
+    """A STOP from a peer without the run's control secret is refused; a SIGTERM from outside
+    stops the driver before its program finished, which is a crash to restart, never a
+    completed run."""
+    import msgspec
+    import zmq
+
+    with open(os.path.join(run_dir, "flow.py"), "w") as f:
+        f.write(STOPPABLE)
+    manifest = os.path.join(run_dir, "m.yaml")
+    with open(manifest, "w") as f:
+        f.write(
+            textwrap.dedent(
+                f"""
+                run: {{name: stopped, program: {run_dir}/flow.py:main}}
+                driver: {{supervision: {json.dumps(FAST)}}}
+                roles:
+                  prompts:
+                    class: asyncrl.roles.prompts:PromptSource
+                    config: {{generator: examples.arith.data:rl_prompts,
+                              tokenizer_path: examples/arith/tokenizer}}
+                """
+            )
+        )
+    proc = start(manifest, run_dir)
+    _wait_for(lambda: os.path.exists(os.path.join(run_dir, "ready")), proc, "the program", 60)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        dealer.connect(f"ipc://{run_dir}/sockets/driver.0")
+        dealer.send(msgspec.msgpack.encode([1, 9]))  # a bare STOP, from no supervisor
+        driver_log = os.path.join(run_dir, "logs", "driver.0.jsonl")
+
+        def refused() -> bool:
+            with open(driver_log) as f:
+                return "control refused" in f.read()
+
+        _wait_for(refused, proc, "the driver to refuse the STOP", 30)
+    finally:
+        dealer.close(linger=0)
+        context.term()
+    os.kill(_driver_pid(run_dir), signal.SIGTERM)
+    out = finish(proc, 120)
+    assert proc.returncode == 0, out
+    report = read_json(run_dir, "report.json")
+    assert report["status"] == "completed"
+    assert report["restarts"]["driver"] == 1
+    assert report["exits"][0]["code"] == 75  # stopped before it finished: EXIT_STOPPED
+    driver = read_json(run_dir, "driver.json")
+    assert driver["finished"] is True and driver["result"] == "resumed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from typing import Any
 
@@ -284,3 +285,76 @@ def test_whitening_moments_merge_across_data_parallel_ranks(tmp_path: Any) -> No
         assert int(count) == 5
         assert float(mean) == pytest.approx(expected.mean, rel=1e-12)
         assert float(m2) == pytest.approx(expected.m2, rel=1e-12)
+
+
+def test_a_durable_step_is_never_lost_and_a_resent_batch_is_not_trained_twice(
+    tmp_path: Any,
+) -> None:
+    """durable (the default): each step is on disk before the reply. A learner rebuilt from the
+    run directory after any step is exactly where the first one was; the batch re-sent with
+    the same id gets the step's result back (replayed) and trains nothing; the step log holds
+    every step once, with the ids it consumed."""
+
+    def batch(step: int) -> TrainBatch:
+        samples = [
+            Scored(sample(f"p{step}", [2, 3, 13], [4 + step, 1], i), float(i)) for i in (0, 1)
+        ]
+        return TrainBatch(samples, algorithm="grpo", keep={"phase": "rl"}, id=f"rl-{step}")
+
+    first = make(tmp_path, lr=0.01)
+    results = [first._train_step(batch(step)) for step in range(3)]
+    restarted = make(tmp_path, lr=0.01)  # a new incarnation, from the run directory
+    assert (restarted.step, restarted.version) == (3, 3)
+    again = restarted._train_step(batch(2))  # its reply was lost: re-sent
+    assert again.replayed and (again.step, again.version, again.consumed) == (3, 3, 2)
+    assert again.metrics == results[-1].metrics
+    assert restarted.step == 3
+    for a, b in zip(
+        first.model.state_dict().values(), restarted.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b)
+    with open(tmp_path / "ledger" / "learner.0.steps.jsonl") as f:
+        log = [json.loads(line) for line in f]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    assert log[2]["ids"] == [["p2", 0], ["p2", 1]] and log[2]["phase"] == "rl"
+
+
+def test_a_torn_checkpoint_and_an_orphan_log_line_are_never_loaded(tmp_path: Any) -> None:
+    """A crash inside a checkpoint write leaves step-N.tmp and a step-log line for step N: the
+    restarted learner loads step N-1, ignores the .tmp, and cuts the line (step N is then
+    trained again, once)."""
+    learner = make(tmp_path, lr=0.01)
+    for step in range(2):
+        learner._train_step(
+            TrainBatch([Scored(sample(f"p{step}", [2, 3], [4, 1]), 1.0)], algorithm="grpo")
+        )
+    checkpoints = tmp_path / "roles" / "learner.0" / "checkpoints"
+    (checkpoints / "step-00000003.tmp").mkdir()
+    (checkpoints / "step-00000003.tmp" / "state.pt").write_bytes(b"half a checkpo")
+    with open(tmp_path / "ledger" / "learner.0.steps.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "version": 3, "ids": [["p9", 0]], "skipped": 0}) + "\n")
+        f.write('{"step": 4, "vers')  # torn by the crash
+    restarted = make(tmp_path, lr=0.01)
+    assert restarted.step == 2 and ("p9", 0) not in restarted.consumed
+    with open(tmp_path / "ledger" / "learner.0.steps.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
+def test_export_writes_only_inside_the_run_directory(tmp_path: Any) -> None:
+    run_dir = tmp_path / "run"
+    learner = make(run_dir)
+    inside = learner._export(str(run_dir / "final"))
+    assert os.path.exists(os.path.join(inside, "config.json"))
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("precious")
+    with pytest.raises(PermissionError, match=r"refusing to write .* outside the run directory"):
+        learner._export(str(outside))
+    os.symlink(outside, run_dir / "link")
+    with pytest.raises(PermissionError):
+        learner._export(str(run_dir / "link"))  # a link out of the run directory
+    with pytest.raises(PermissionError):
+        learner._export(str(run_dir))  # never the run directory itself
+    assert (outside / "keep.txt").read_text() == "precious"
+    allowed = make(tmp_path / "run2", write_paths=[str(outside)])
+    assert allowed._export(str(outside / "model")) == str(outside / "model")
