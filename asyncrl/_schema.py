@@ -127,6 +127,8 @@ def _fix(t: mi.Type, value: Any) -> str:
     )
     if value is None and may_be_empty:
         return "; write {} for an empty mapping, or remove the key"
+    if value is None and isinstance(t, mi.StrType) and not t.min_length and not t.pattern:
+        return '; write "" for an empty string, or remove the key'
     if isinstance(value, str) and isinstance(t, mi.IntType | mi.FloatType):
         try:
             number = int(value) if isinstance(t, mi.IntType) else float(value)

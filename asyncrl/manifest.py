@@ -300,8 +300,14 @@ def _check_straggler(value: dict[Any, Any], path: str, problems: list[str]) -> N
         problems.append(f"{join(path, 'deadline_s')}: {problem}")
 
 
-def _credit(problem: str, overrides: Sequence[str]) -> str:
-    """Name the ``--set`` behind a problem, since the file does not show that value."""
+def _credit(problem: str, overrides: Sequence[str], created: Sequence[tuple[str, str]]) -> str:
+    """Name the ``--set`` behind a problem, since the file does not show that value.
+
+    ``created`` holds (path, override) for each mapping an override created.
+    """
+    for path, override in created:
+        if problem.startswith(path + ":"):
+            return f"{problem} (from --set {override}, which created it)"
     keys = [(o.partition("=")[0].strip(), o) for o in overrides if "=" in o]
     found = [
         (key, o) for key, o in keys if key and problem.startswith((key + ":", key + ".", key + "["))
@@ -336,7 +342,20 @@ def _load_yaml(text: str, problems: list[str]) -> tuple[bool, Any]:
             cm = exc.context_mark
             line = f" at line {cm.line + 1}" if cm and mark and cm.line != mark.line else ""
             context = f" ({exc.context}{line})"
-        problems.append(f"{where}: {what}{context}; fix the YAML syntax there")
+        tag = re.match(r"could not determine a constructor for the tag '(.*)'", what or "")
+        if tag:
+            tag_name = tag[1].replace("tag:yaml.org,2002:", "!!")
+            problems.append(
+                f"{where}: the tag {tag_name!r} is not plain YAML (tags that build Python "
+                "objects are refused); remove the tag and write the value itself"
+            )
+        elif "'\\t'" in (what or ""):
+            problems.append(
+                f"{where}: a tab character, which YAML does not allow in indentation; "
+                "indent with spaces"
+            )
+        else:
+            problems.append(f"{where}: {what}{context}; fix the YAML syntax there")
     except yaml.YAMLError as exc:
         problems.append(f"{TOP}: {exc}; fix the YAML syntax")
     finally:
@@ -368,8 +387,13 @@ def _find_duplicates(node: Any, problems: list[str], seen: set[int]) -> None:
             _find_duplicates(item, problems, seen)
 
 
-def _apply_override(raw: Any, text: str, problems: list[str]) -> None:
-    """Apply one ``key=value`` to ``raw``, creating mappings on the way; report a bad one."""
+def _apply_override(
+    raw: Any, text: str, problems: list[str], created: list[tuple[str, str]]
+) -> None:
+    """Apply one ``key=value`` to ``raw``, creating mappings on the way; report a bad one.
+
+    Each mapping created is added to ``created`` as (its path, ``text``).
+    """
     label = f"--set {text}"
     key, sep, value_text = text.partition("=")
     parts = key.strip().split(".")
@@ -397,6 +421,8 @@ def _apply_override(raw: Any, text: str, problems: list[str]) -> None:
         if depth == len(parts) - 1:
             node[part] = value
         else:
+            if part not in node:
+                created.append((".".join(parts[: depth + 1]), text))
             node = node.setdefault(part, {})
 
 
@@ -409,12 +435,14 @@ def parse_manifest(
 ) -> Manifest:
     """Validate manifest ``text`` after applying ``overrides`` (``key=value`` strings).
 
-    ``source`` names the text in the error message. With ``cwd``, the first argument of each
-    role's ``command`` must name an executable, as the node agent will start it from ``cwd``:
-    a path (it has a '/') relative to ``cwd``, or a bare name looked up on the role's ``PATH``
-    (the agent's, or the one ``run.env`` or the role's ``env`` set). Without ``cwd``, commands
-    are not looked up. Raises ``ManifestError`` listing every problem, and ``TypeError`` when
-    ``overrides`` is one string instead of a list of them.
+    ``source`` names the text in the error message. With ``cwd``, what the node agent will start
+    from ``cwd`` must be there: the first argument of each role's ``command`` must name an
+    executable, a path (it has a '/') relative to ``cwd`` or a bare name looked up on the
+    role's ``PATH`` (the agent's, or the one ``run.env`` or the role's ``env`` set); and a
+    program given as ``path/to/file.py`` must be a file. Without ``cwd``, neither is looked up.
+
+    Raises ``ManifestError`` listing every problem, and ``TypeError`` when ``overrides`` is one
+    string instead of a list of them.
     """
     if isinstance(overrides, str):
         raise TypeError(f"overrides is a list of 'key=value' strings, got one: {overrides!r}")
@@ -423,13 +451,14 @@ def parse_manifest(
     if parsed and raw is None:
         problems.append(f"{TOP}: the manifest is empty; expected {_SECTIONS}")
     usable = parsed and raw is not None
+    created: list[tuple[str, str]] = []
     for override in overrides:
-        _apply_override(raw if usable else {}, override, problems)
+        _apply_override(raw if usable else {}, override, problems, created)
     if usable:
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
         if cwd is not None:
-            _check_executables(clean, cwd, found)
-        problems += [_credit(problem, overrides) for problem in found]
+            _check_files(clean, cwd, found)
+        problems += [_credit(problem, overrides, created) for problem in found]
     if problems:
         raise ManifestError(source, problems)
     try:
@@ -439,12 +468,13 @@ def parse_manifest(
 
 
 def load_manifest(
-    path: str, overrides: Sequence[str] = (), *, check_commands: bool = True
+    path: str, overrides: Sequence[str] = (), *, check_files: bool = True
 ) -> Manifest:
     """Read and validate the manifest at ``path``; see ``parse_manifest``.
 
-    With ``check_commands`` (the default), each ``command`` role's executable must exist as
-    the node agent resolves it: from the current directory, where the agent starts its roles.
+    With ``check_files`` (the default), each ``command`` role's executable and a program given
+    as a file must exist as the node agent resolves them: from the current directory, where
+    the agent starts its processes.
 
     Raises ``ManifestError`` listing every problem, or naming why the file cannot be read.
     """
@@ -456,15 +486,21 @@ def load_manifest(
         raise ManifestError(
             path, [f"{TOP}: cannot read the file ({reason}); check the path"]
         ) from exc
-    return parse_manifest(text, path, overrides, cwd=os.getcwd() if check_commands else None)
+    return parse_manifest(text, path, overrides, cwd=os.getcwd() if check_files else None)
 
 
-def _check_executables(clean: Any, cwd: str, problems: list[str]) -> None:
-    """Report each role whose ``command[0]`` names no executable, as the agent would start it."""
+def _check_files(clean: Any, cwd: str, problems: list[str]) -> None:
+    """Report a program file that does not exist, and each role whose ``command[0]`` names no
+    executable, as the agent would start them from ``cwd``."""
     if not isinstance(clean, dict) or not isinstance(clean.get("roles"), dict):
         return
     run = clean.get("run")
     run_env = run.get("env") if isinstance(run, dict) else None
+    program = run.get("program") if isinstance(run, dict) else None
+    if isinstance(program, str) and not any(p.startswith("run.program:") for p in problems):
+        problem = _program_problem(program, cwd)
+        if problem:
+            problems.append(f"run.program: {problem}")
     for name, role in clean["roles"].items():
         if not isinstance(role, dict):
             continue
@@ -481,6 +517,25 @@ def _check_executables(clean: Any, cwd: str, problems: list[str]) -> None:
         problem = _executable_problem(command[0], cwd, env.get("PATH", os.defpath))
         if problem:
             problems.append(f"{where}: {problem}")
+
+
+def _program_problem(program: str, cwd: str) -> str | None:
+    """Why the file of a ``path/to/file.py:function`` program is missing, or None.
+
+    A module is not looked up: that would import user code, which the agent never does.
+    """
+    match = _PROGRAM.fullmatch(program)
+    if match is None or not match["module"].endswith(".py"):
+        return None
+    where = match["module"]
+    full = os.path.normpath(os.path.join(cwd, where))
+    if os.path.isfile(full):
+        return None
+    shown = repr(where) if full == where else f"{where!r} ({full})"
+    return (
+        f"no program file {shown}; fix the path (a relative path is taken from the directory "
+        "the run starts in), or name a module as 'package.module:function'"
+    )
 
 
 def _executable_problem(program: str, cwd: str, path: str) -> str | None:

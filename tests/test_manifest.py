@@ -289,8 +289,8 @@ def test_yaml_syntax_error_names_line_and_column() -> None:
 
 def test_unsafe_yaml_tags_are_refused() -> None:
     assert _problems("run: !!python/object/apply:os.system [ls]\n") == [
-        "line 1, column 6: could not determine a constructor for the tag "
-        "'tag:yaml.org,2002:python/object/apply:os.system'; fix the YAML syntax there"
+        "line 1, column 6: the tag '!!python/object/apply:os.system' is not plain YAML (tags "
+        "that build Python objects are refused); remove the tag and write the value itself"
     ]
 
 
@@ -613,7 +613,7 @@ def test_load_manifest_looks_commands_up_from_the_current_directory(
     (tmp_path / "role.sh").write_text("#!/bin/sh\n")
     (tmp_path / "role.sh").chmod(0o755)
     assert load_manifest(str(path)).roles["ext"].command == ("./role.sh",)
-    assert load_manifest(str(path), ["roles.x.command=no-such"], check_commands=False)
+    assert load_manifest(str(path), ["roles.x.command=no-such"], check_files=False)
 
 
 def test_endpoints_declare_delivery_classes() -> None:
