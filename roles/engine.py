@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .rollout import GenerateRequest, Sample, SamplingParams, StopReason
+from .payloads import GenerateRequest, Sample, SamplingParams, StopReason
 
 __all__ = ["Engine", "EngineStats", "HFEngine", "left_pad", "position_ids_from_mask", "sample_seed"]
 

@@ -48,8 +48,14 @@ import msgspec
 from asyncrl.errors import StallError
 from asyncrl.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
 from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
-from asyncrl.roles.learner import Scored
-from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+from asyncrl.roles.payloads import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    Sample,
+    SamplingParams,
+    Scored,
+)
 
 __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
 

@@ -34,10 +34,9 @@ from typing import Any
 import yaml
 
 from asyncrl.pacing import percentiles
-from asyncrl.roles.learner import StepResult, TrainBatch
+from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
 from asyncrl.roles.pipeline import SamplePipeline, WeightSync
 from asyncrl.roles.pipeline_model import Workload, simulate
-from asyncrl.roles.rollout import Prompt, Sample, SamplingParams
 from asyncrl.roles.sim import work_of
 
 __all__ = [

@@ -21,11 +21,10 @@ import logging
 from typing import Any
 
 from asyncrl.errors import BrokenError
-from asyncrl.roles.learner import Scored, StepResult, TrainBatch
+from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, StepResult, TrainBatch
 from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
 from asyncrl.roles.prompts import Take
 from asyncrl.roles.reward import ScoreSamples
-from asyncrl.roles.rollout import Prompt, Sample, SamplingParams, WeightsUpdate
 
 __all__ = ["PromptFeed", "bc", "grpo", "learn", "ppo", "resend"]
 
@@ -63,6 +62,8 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         stop_token_ids=list(cfg["stop_token_ids"]),
     )
     if "reference" in ctx.roles and status["step"] == 0:
+        from asyncrl.roles.rollout import WeightsUpdate  # tensors: torch only when needed
+
         start = await ctx.learner.call("weights", None, WeightsUpdate)
         await ctx.reference.broadcast("set_weights", start)
     await ctx.rollout.broadcast("sync", None, int)

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.role import Delivery, Role, endpoint
-from asyncrl.roles.rollout import Prompt, Sample
+from asyncrl.roles.payloads import Prompt, Sample
 
 __all__ = ["PromptSource", "Take", "load_rows"]
 

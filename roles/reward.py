@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.role import Delivery, Role, endpoint
-from asyncrl.roles.rollout import Sample
+from asyncrl.roles.payloads import Sample
 
 __all__ = ["VERIFIERS", "Reward", "ScoreRequest", "ScoreSamples", "verifier"]
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -44,6 +43,14 @@ import torch
 
 from asyncrl.errors import NothingPublishedError, WeightsGoneError
 from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.roles.payloads import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    Sample,
+    SamplingParams,
+    StopReason,
+)
 from asyncrl.weights import WeightReader, handle_path, read_handle
 
 if TYPE_CHECKING:
@@ -61,115 +68,6 @@ __all__ = [
     "StopReason",
     "WeightsUpdate",
 ]
-
-
-class StopReason(enum.StrEnum):
-    """Why a sample stopped; travels as its string value in ``Sample.stop_reason``."""
-
-    STOP = "stop"  # a stop token was sampled (it is the last of token_ids); finished
-    LENGTH = "length"  # max_new_tokens were generated; finished
-    INTERRUPTED = "interrupted"  # the caller's should_interrupt() said so; resumable
-    CHUNK = "chunk"  # the engine's chunk budget for one call ran out; resumable
-
-
-class SamplingParams(msgspec.Struct):
-    """How to sample one completion.
-
-    Attributes:
-        temperature: divides the logits before sampling; 0 means greedy.
-        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
-            reaches top_p (1.0 keeps all).
-        top_k: keep the k most likely tokens (0 keeps all).
-        max_new_tokens: the most tokens the completion may have, counting those of a partial.
-        stop_token_ids: tokens that end the completion; the stop token is kept as its last
-            token. The engine knows no tokenizer: put the end-of-sequence id here.
-        greedy: take the most likely token (the argmax, first one on ties); the other fields
-            but max_new_tokens and stop_token_ids are then ignored.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    stop_token_ids: list[int] = []
-    greedy: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature: expected a float >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: expected a float in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: expected an int >= 0 (0 keeps all), got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens}")
-
-
-class Prompt(msgspec.Struct):
-    """A prompt: its stable id, its tokens, and opaque metadata for the reward verifier."""
-
-    id: str
-    token_ids: list[int]
-    text: str = ""
-    answer: str = ""
-
-
-class Sample(msgspec.Struct):
-    """One sampled completion of a prompt, possibly unfinished.
-
-    Attributes:
-        prompt_id, sample_index: the stable id (``key``); a regenerated sample replaces a lost
-            one with the same key.
-        prompt_ids: the prompt's tokens (without any completion tokens).
-        token_ids: the completion's tokens so far.
-        logprobs: ``logprobs[i]`` is the behaviour log-prob of ``token_ids[i]``: the log-softmax
-            of the raw logits (temperature 1, no top-k/top-p) under the weights of
-            ``versions[i]``, which is what the learner recomputes.
-        versions: the weights version that produced each token.
-        finished: False for a partial rollout, resumable by sending it back as
-            ``GenerateRequest.partial``.
-        stop_reason: a ``StopReason`` value.
-    """
-
-    prompt_id: str
-    sample_index: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finished: bool
-    stop_reason: str
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """The stable id: (prompt id, sample index)."""
-        return (self.prompt_id, self.sample_index)
-
-
-class GenerateRequest(msgspec.Struct):
-    """Generate (or resume) one sample.
-
-    Attributes:
-        prompt: the prompt.
-        sample_index: which sample of the prompt this is (with the prompt id, its stable id).
-        params: how to sample.
-        partial: an unfinished sample of this same (prompt, index) to continue; its tokens,
-            log-probs and versions are kept as they are.
-        seed: the sampling seed. None derives one from the replica's seed and the stable id,
-            so a re-run of the request samples the same tokens.
-    """
-
-    prompt: Prompt
-    sample_index: int
-    params: SamplingParams
-    partial: Sample | None = None
-    seed: int | None = None
-
-
-class GenerateBatch(msgspec.Struct):
-    """Requests to run together; the reply lists one Sample per request, in order."""
-
-    requests: list[GenerateRequest]
 
 
 class WeightsUpdate(msgspec.Struct):

@@ -22,9 +22,8 @@ from typing import Any
 import msgspec
 
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
-from asyncrl.roles.learner import StepResult, TrainBatch
+from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Sample, StepResult, TrainBatch
 from asyncrl.roles.pipeline_model import sample_duration
-from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Sample
 
 __all__ = ["SimLearner", "SimRollout", "prompt_index", "work_of"]
 

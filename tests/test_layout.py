@@ -159,6 +159,17 @@ def test_the_transport_imports_torch_only_when_a_tensor_needs_it() -> None:
     assert out.stdout.split() == ["False"]
 
 
+def test_stateless_roles_and_the_sample_pipeline_import_no_torch() -> None:
+    """The prompt source, the reward role and the driver's pipeline and programs restart
+    without paying for a torch import: their payloads live in a torch-free module."""
+    code = (
+        "import sys, asyncrl.roles.payloads, asyncrl.roles.prompts, asyncrl.roles.reward,"
+        "asyncrl.roles.pipeline, asyncrl.roles.programs; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
+
+
 @pytest.mark.slow
 def test_regular_install_maps_the_layers() -> None:
     """A regular (non-editable) install puts the layers under asyncrl/ too."""

@@ -1,0 +1,209 @@
+"""The payloads roles exchange: prompts, generate requests, samples, scored samples, train
+batches and step results.
+
+This module imports neither torch nor transformers, so the prompt source, the reward role and the
+driver's sample pipeline load without them (a restart of those processes then costs no torch
+import). Payloads that carry tensors (``WeightsUpdate``) live with the role that needs torch
+(``asyncrl.roles.rollout``). The roles re-export what they use, so ``from
+asyncrl.roles.rollout import Sample`` keeps working.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "GenerateBatch",
+    "GenerateRequest",
+    "Prompt",
+    "Sample",
+    "SamplingParams",
+    "Scored",
+    "StepResult",
+    "StopReason",
+    "TrainBatch",
+]
+
+
+class StopReason(enum.StrEnum):
+    """Why a sample stopped; travels as its string value in ``Sample.stop_reason``."""
+
+    STOP = "stop"  # a stop token was sampled (it is the last of token_ids); finished
+    LENGTH = "length"  # max_new_tokens were generated; finished
+    INTERRUPTED = "interrupted"  # the caller's should_interrupt() said so; resumable
+    CHUNK = "chunk"  # the engine's chunk budget for one call ran out; resumable
+
+
+class SamplingParams(msgspec.Struct):
+    """How to sample one completion.
+
+    Attributes:
+        temperature: divides the logits before sampling; 0 means greedy.
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
+            reaches top_p (1.0 keeps all).
+        top_k: keep the k most likely tokens (0 keeps all).
+        max_new_tokens: the most tokens the completion may have, counting those of a partial.
+        stop_token_ids: tokens that end the completion; the stop token is kept as its last
+            token. The engine knows no tokenizer: put the end-of-sequence id here.
+        greedy: take the most likely token (the argmax, first one on ties); the other fields
+            but max_new_tokens and stop_token_ids are then ignored.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = []
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature: expected a float >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: expected a float in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0 (0 keeps all), got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens}")
+
+
+class Prompt(msgspec.Struct):
+    """A prompt: its stable id, its tokens, and opaque metadata for the reward verifier."""
+
+    id: str
+    token_ids: list[int]
+    text: str = ""
+    answer: str = ""
+
+
+class Sample(msgspec.Struct):
+    """One sampled completion of a prompt, possibly unfinished.
+
+    Attributes:
+        prompt_id, sample_index: the stable id (``key``); a regenerated sample replaces a lost
+            one with the same key.
+        prompt_ids: the prompt's tokens (without any completion tokens).
+        token_ids: the completion's tokens so far.
+        logprobs: ``logprobs[i]`` is the behaviour log-prob of ``token_ids[i]``: the log-softmax
+            of the raw logits (temperature 1, no top-k/top-p) under the weights of
+            ``versions[i]``, which is what the learner recomputes.
+        versions: the weights version that produced each token.
+        finished: False for a partial rollout, resumable by sending it back as
+            ``GenerateRequest.partial``.
+        stop_reason: a ``StopReason`` value.
+    """
+
+    prompt_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finished: bool
+    stop_reason: str
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The stable id: (prompt id, sample index)."""
+        return (self.prompt_id, self.sample_index)
+
+
+class GenerateRequest(msgspec.Struct):
+    """Generate (or resume) one sample.
+
+    Attributes:
+        prompt: the prompt.
+        sample_index: which sample of the prompt this is (with the prompt id, its stable id).
+        params: how to sample.
+        partial: an unfinished sample of this same (prompt, index) to continue; its tokens,
+            log-probs and versions are kept as they are.
+        seed: the sampling seed. None derives one from the replica's seed and the stable id,
+            so a re-run of the request samples the same tokens.
+    """
+
+    prompt: Prompt
+    sample_index: int
+    params: SamplingParams
+    partial: Sample | None = None
+    seed: int | None = None
+
+
+class GenerateBatch(msgspec.Struct):
+    """Requests to run together; the reply lists one Sample per request, in order."""
+
+    requests: list[GenerateRequest]
+
+
+class Scored(msgspec.Struct):
+    """A sample with what the learner needs besides its tokens.
+
+    Attributes:
+        advantage: GRPO: the sample's group advantage, computed as its group was released by
+            split-mode reduction (``asyncrl.roles.pipeline``); None: the learner computes it
+            over the groups of the batch (the same value, in one shot).
+    """
+
+    sample: Sample
+    reward: float = 0.0
+    ref_logprobs: list[float] = []
+    values: list[float] = []
+    advantage: float | None = None
+
+
+class TrainBatch(msgspec.Struct):
+    """One learner step's worth of data.
+
+    Attributes:
+        samples: scored samples (GRPO, PPO) or demonstrations (BC: only their tokens matter).
+        algorithm: ``grpo``, ``ppo`` or ``bc``; empty for the configured one.
+        demos: demonstrations for the optional BC term of GRPO and PPO.
+        keep: state the program wants kept with the next checkpoint (the data position).
+        lr: the peak learning rate for this step and the next, until another is given (the
+            schedule still scales it); 0 for the configured one.
+        correction: the off-policy correction of the policy loss (GRPO, PPO): ``clip`` (PPO's
+            clipped ratio against the behaviour log-probs, the importance ratio of stale tokens
+            clipped), ``decoupled`` (PPO's trust region around the learner's current policy,
+            the behaviour policy corrected by an importance weight capped at
+            ``importance_cap``) or ``tis`` (policy gradient with truncated importance weights
+            ``min(pi / behaviour, importance_cap)``). For samples generated by the current
+            weights all three give the same gradient. With one optimizer step per batch the
+            proximal policy of ``decoupled`` is the current one, so its trust region is never
+            active: it is then an importance-weighted policy gradient, like ``tis``.
+        importance_cap: the cap of ``decoupled`` and ``tis``.
+        id: the batch's stable id, chosen by the caller (e.g. ``"rl-17"``). A batch re-sent
+            with the id of the learner's last step is answered with that step's result and not
+            trained again: re-send it when a ``train_step`` call failed without a reply. Empty:
+            no such check (the ledger still skips consumed samples).
+    """
+
+    samples: list[Scored]
+    algorithm: str = ""
+    demos: list[Sample] = []
+    keep: dict[str, Any] = {}
+    lr: float = 0.0
+    correction: Literal["clip", "decoupled", "tis"] = "clip"
+    importance_cap: float = 2.0
+    id: str = ""
+
+
+class StepResult(msgspec.Struct):
+    """What one ``train_step`` did.
+
+    Attributes:
+        version: the policy version after the step.
+        step: the learner's step count after it.
+        consumed: samples trained on.
+        skipped: samples of the batch already consumed before (by the ledger).
+        metrics: losses, gradient norm, learning rate, reward mean, staleness.
+        replayed: the batch's id was the last step's: this is that step's result, re-sent.
+    """
+
+    version: int
+    step: int
+    consumed: int
+    skipped: int
+    metrics: dict[str, float]
+    replayed: bool = False
