@@ -26,18 +26,19 @@ import sys
 import time
 from typing import Any
 
-from asyncrl.roles.learner import Scored, StepResult, TrainBatch
-from asyncrl.roles.pipeline import SamplePipeline, WeightSync
-from asyncrl.roles.programs import PromptFeed, learn, resend
-from asyncrl.roles.reward import ScoreRequest
-from asyncrl.roles.rollout import (
+from asyncrl.roles.payloads import (
     GenerateBatch,
     GenerateRequest,
     Prompt,
     Sample,
     SamplingParams,
-    WeightsUpdate,
+    Scored,
+    StepResult,
+    TrainBatch,
 )
+from asyncrl.roles.pipeline import SamplePipeline, WeightSync
+from asyncrl.roles.programs import PromptFeed, learn, resend
+from asyncrl.roles.reward import ScoreRequest
 from examples.arith import data
 
 DEFAULTS: dict[str, Any] = {
@@ -154,6 +155,8 @@ async def main(ctx: Any) -> dict[str, Any]:
     status = await ctx.learner.call("status", None)
     done = status["step"] - bc_steps  # RL steps the learner has taken
     if "reference" in ctx.roles:  # the KL term is measured against the BC policy
+        from asyncrl.roles.rollout import WeightsUpdate  # tensors: torch only when needed
+
         start = await ctx.learner.call("weights", None, WeightsUpdate, timeout=120)
         await ctx.reference.broadcast("set_weights", start, timeout=120)
     await sync_weights()
