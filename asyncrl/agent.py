@@ -19,7 +19,6 @@ from asyncrl import logs
 from asyncrl.janitor import Janitor, sweep_run
 from asyncrl.manifest import Manifest, RoleSpec, resolve_run_dir
 from asyncrl.spec import (
-    SPEC_ENV,
     SPEC_FILE_ENV,
     GroupInfo,
     ProcessSpec,
@@ -163,13 +162,9 @@ def _role_launcher(
 
 
 def _spec_env(spec: ProcessSpec) -> dict[str, str]:
-    """The environment that hands ``spec`` to its process: the path of its file and, while the
-    spec is small, the spec itself in ``ASYNCRL_SPEC`` for a process entry that reads only that."""
-    env = {SPEC_FILE_ENV: write_spec(spec)}
-    encoded = msgspec.json.encode(spec)
-    if len(encoded) <= CONFIG_ENV_MAX:
-        env[SPEC_ENV] = encoded.decode()
-    return env
+    """The environment that hands ``spec`` to its process: the path of its file (which
+    ``load_spec_from_env`` prefers to an ``ASYNCRL_SPEC`` the agent may have inherited)."""
+    return {SPEC_FILE_ENV: write_spec(spec)}
 
 
 def _remove(path: str) -> None:

@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 SPEC_ENV = "ASYNCRL_SPEC"
-"""The spec as JSON in the environment: read for compatibility, no longer written."""
+"""The spec as JSON in the environment: read for compatibility when ``ASYNCRL_SPEC_FILE`` is
+not set; the node agent no longer writes it."""
 
 SPEC_FILE_ENV = "ASYNCRL_SPEC_FILE"
 """The path of the spec file, written by the node agent."""
@@ -175,7 +176,7 @@ def load_spec_from_env(environ: Mapping[str, str] | None = None) -> ProcessSpec:
     else:
         raw = env.get(SPEC_ENV)
         where = SPEC_ENV
-    if raw is None:
+    if not raw:
         raise SystemExit(
             f"asyncrl.process is started by the supervisor, with {SPEC_FILE_ENV} "
             f"(or {SPEC_ENV}) set"

@@ -734,3 +734,24 @@ def test_load_spec_from_env_reads_the_file_or_the_old_variable(tmp_path: pathlib
         "(No such file or directory); it is written by the node agent, which must still be "
         "running"
     )
+
+
+@pytest.mark.slow
+def test_a_run_with_a_large_config_completes(run_dir: str) -> None:
+    """The whole path: ``asyncrl run`` starts the roles and the driver with 200 KB configs."""
+    with open(os.path.join(ROOT, "examples", "hello", "manifest.yaml")) as f:
+        text = f.read()
+    text = text.replace("{lowercase: true}", f"{{lowercase: true, blob: {BIG}}}")
+    text = text.replace("  program:", f"  config: {{blob: {BIG}}}\n  program:")
+    path = os.path.join(run_dir, "manifest.yaml")
+    with open(path, "w") as f:
+        f.write(text)
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert 'result: [["the", 4], ["dog", 3], ["fox", 3]]' in out.stdout
