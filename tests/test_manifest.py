@@ -702,15 +702,25 @@ def test_a_large_config_reaches_every_process_through_a_spec_file(run_dir: str) 
     ]
 
 
-def test_a_small_config_is_also_in_the_environment_of_a_command(run_dir: str) -> None:
+def test_a_command_gets_a_small_config_in_its_environment_and_the_driver_its_classes(
+    run_dir: str,
+) -> None:
     from asyncrl.agent import build_children
 
-    text = "run: {name: r, program: a:b}\nroles: {ext: {command: x, config: {k: 1}}}\n"
-    (child, _) = build_children(parse_manifest(text), run_dir, parent_pid=1)
+    text = (
+        "run: {name: r, program: a:b}\n"
+        "roles: {ext: {command: x, config: {k: 1}, endpoints: {score: idempotent}}}\n"
+    )
+    (child, driver) = build_children(parse_manifest(text), run_dir, parent_pid=1)
     _, env = child.argv_env(0)
     assert env["ASYNCRL_CONFIG"] == '{"k": 1}'
     with open(env["ASYNCRL_CONFIG_FILE"]) as f:
         assert f.read() == '{"k": 1}'
+    # The declared delivery classes reach the driver with the group.
+    from asyncrl.spec import load_spec_from_env
+
+    spec = load_spec_from_env(driver.argv_env(0)[1])
+    assert spec.groups["ext"].delivery == {"score": "idempotent"}
 
 
 def test_load_spec_from_env_reads_the_file_or_the_old_variable(tmp_path: pathlib.Path) -> None:
