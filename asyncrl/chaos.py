@@ -382,23 +382,27 @@ def run_chaos(
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    first: Any = None  # the undisturbed run's report
     redirect = _stdout_to_stderr() if as_json else contextlib.nullcontext()
     with redirect:
         if baseline:
             save_manifest(manifest, undisturbed)
             say(f"chaos: undisturbed run in {undisturbed}")
-            report = run(supervise(manifest, undisturbed, None, say))
-            say(f"chaos: undisturbed run {report.status}: {report.reason}")
-            if report.status != "completed":
-                say(
-                    "chaos: the undisturbed run did not complete, so there is nothing to "
-                    f"compare with; see {undisturbed}/logs"
-                )
-                return {"failed": 1, "interrupted": 130}.get(report.status, 1)
-        save_manifest(manifest, disturbed)
-        say(f"chaos: chaos run in {disturbed}")
-        report = run(supervise(manifest, disturbed, plan, say))
-        say(f"chaos: chaos run {report.status}: {report.reason}")
+            first = run(supervise(manifest, undisturbed, None, say))
+            say(f"chaos: undisturbed run {first.status}: {first.reason}")
+        if not baseline or first.status == "completed":
+            save_manifest(manifest, disturbed)
+            say(f"chaos: chaos run in {disturbed}")
+            report = run(supervise(manifest, disturbed, plan, say))
+            say(f"chaos: chaos run {report.status}: {report.reason}")
+    if first is not None and first.status != "completed":
+        reason = f"the undisturbed run {first.status} ({first.reason}), so there is nothing to "
+        reason += f"compare with and no chaos run was made; see {undisturbed}/logs"
+        if as_json:
+            print(json.dumps({"completed": None, "status": None, "reason": reason}), flush=True)
+        else:
+            say(f"chaos: {reason}")
+        return {"failed": 1, "interrupted": 130}.get(first.status, 1)
     accounting = account(disturbed, undisturbed if baseline else None)
     accounting["budgets"] = budgets(manifest, plan.roles)
     accounting["plan"] = msgspec.to_builtins(plan.__dict__)
@@ -417,16 +421,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ``--overwrite``)."""
     parser.add_argument(
         "--kill-every",
-        type=_duration_arg,
+        type=_duration_or_off,
         default=5.0,
         metavar="DURATION",
-        help="SIGKILL one live replica of the named roles this often (default 5s)",
+        help="SIGKILL one live replica of the named roles this often (default 5s; 'off' "
+        "kills nothing, to only freeze)",
     )
     parser.add_argument(
         "--roles",
-        default="rollout,reward",
-        help="comma-separated roles whose replicas are hit ('driver' for the driver; "
-        "default rollout,reward)",
+        help="comma-separated roles whose replicas are hit, 'driver' for the driver "
+        "(default: every role of the manifest and the driver)",
     )
     parser.add_argument(
         "--stop-every",
@@ -452,6 +456,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the undisturbed run (its figures are then unknown)",
     )
+
+
+def _duration_or_off(text: str) -> float | None:
+    return None if text.strip() == "off" else _duration_arg(text)
 
 
 def _duration_arg(text: str) -> float:

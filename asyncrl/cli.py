@@ -161,7 +161,8 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     if plain is None:
         return 2
     try:
-        roles = check_roles(plain, args.roles.split(","))
+        wanted = args.roles.split(",") if args.roles is not None else [*plain.roles, "driver"]
+        roles = check_roles(plain, wanted)
     except ValueError as exc:
         return _fail(str(exc))
     plan = ChaosPlan(
@@ -175,6 +176,10 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     manifest = _load(args.manifest, [*budget_overrides(plain, plan), *args.set])
     if manifest is None:
         return 2
+    every = f"SIGKILL every {args.kill_every:g} s" if args.kill_every else "no SIGKILL"
+    if args.stop_every:
+        every += f", SIGSTOP for {args.stop_for:g} s every {args.stop_every:g} s"
+    print(f"chaos: {every}, among the replicas of {', '.join(roles)}", file=sys.stderr)
     print("restart budgets for the chaos run:", file=sys.stderr)
     for role, budget in budgets(manifest, plan.roles).items():
         print(

@@ -517,8 +517,32 @@ def test_chaos_refuses_a_used_run_dir(tmp_path: Any, capsys: pytest.CaptureFixtu
         f"asyncrl: error: {run} already holds a run (report.json); "
         "add --overwrite to delete it and start afresh\n"
     )
-    assert "learner: 8 restarts in 30 s" not in err  # learner is not targeted by default
+    # by default every role and the driver are hit; each gets a budget for a kill every 5 s
+    assert "chaos: SIGKILL every 5 s, among the replicas of rollout, reward, learner, driver" in err
     assert "  rollout: 17 restarts in 60 s, backoff 0.05 s doubling to 1 s" in err
+    assert "  learner: 11 restarts in 30 s, backoff 0.05 s doubling to 1 s" in err
+    assert "  driver: 17 restarts in 60 s, backoff 0.05 s doubling to 1 s" in err
+
+
+def test_chaos_needs_something_to_do(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert chaos_cli(tmp_path, "--kill-every", "off") == 2
+    assert capsys.readouterr().err == (
+        "asyncrl: error: nothing to do: give --kill-every or --stop-every\n"
+    )
+
+
+def test_chaos_on_named_roles_raises_only_their_budgets(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write(os.path.join(tmp_path, "run", "chaos", "report.json"), {"status": "completed"})
+    args = ["--no-baseline", "--roles", "reward", "--kill-every", "10s", "--stop-every", "20s"]
+    assert chaos_cli(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "chaos: SIGKILL every 10 s, SIGSTOP for 5 s every 20 s, among the replicas of reward" in err
+    )
+    assert "  reward: 14 restarts in 60 s" in err  # 6 kills + 3 freezes + 5
+    assert "rollout:" not in err
 
 
 def test_pipeline_counters_left_out_at_zero_count_as_zero(tmp_path: Any) -> None:
