@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -28,6 +30,7 @@ from asyncrl.spec import (
 )
 from asyncrl.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry
+from asyncrl.transport.control import CONTROL_SECRET_ENV
 
 __all__ = ["CONFIG_ENV_MAX", "build_children", "run_manifest", "summary"]
 
@@ -174,18 +177,40 @@ def _remove(path: str) -> None:
         pass
 
 
-async def run_manifest(manifest: Manifest, run_dir: str | None = None) -> RunReport:
-    """Run ``manifest`` on this machine until its program finishes or the run fails."""
+async def run_manifest(
+    manifest: Manifest,
+    run_dir: str | None = None,
+    *,
+    observer: Callable[[str, str, int], None] | None = None,
+    beside: Callable[[Supervisor], Coroutine[Any, Any, None]] | None = None,
+    console: bool = True,
+) -> RunReport:
+    """Run ``manifest`` on this machine until its program finishes or the run fails.
+
+    Args:
+        manifest: the validated manifest.
+        run_dir: where the run writes (default: the manifest's).
+        observer: also told of every process that exits or serves (``Supervisor``'s).
+        beside: a coroutine run next to the supervisor (fault injection: ``asyncrl chaos``),
+            cancelled when the run ends.
+        console: readable log lines on the console too.
+    """
     import asyncio
 
     run_dir = os.path.abspath(run_dir) if run_dir else resolve_run_dir(manifest)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    logs.configure(role="agent", json_path=os.path.join(run_dir, "logs", "agent.jsonl"))
+    logs.configure(
+        role="agent", json_path=os.path.join(run_dir, "logs", "agent.jsonl"), console=console
+    )
     log = logs.get_logger("asyncrl.agent")
     run = manifest.run.name
+    # Only the supervisor may stop the processes of this run: every process inherits the
+    # secret, and only the supervisor's clients present it (asyncrl.transport.control).
+    os.environ[CONTROL_SECRET_ENV] = secrets.token_hex(16)
     socket_dir = LocalRegistry(run_dir).socket_dir
     # Started before any other process, so that a SIGKILLed agent leaves nothing behind.
     janitor = Janitor.start(run, socket_dir, run_dir)
+    loop = asyncio.get_running_loop()
     try:
         children = build_children(manifest, run_dir, parent_pid=os.getpid())
         supervisor: Supervisor | None = None
@@ -193,16 +218,25 @@ async def run_manifest(manifest: Manifest, run_dir: str | None = None) -> RunRep
         def observe(event: str, label: str, incarnation: int) -> None:
             if supervisor is not None:
                 janitor.watch(p.pid for p in supervisor.processes() if p.pid is not None)
+            if observer is not None:
+                observer(event, label, incarnation)
 
         supervisor = Supervisor(
             children, run=run, log_dir=os.path.join(run_dir, "logs"), observer=observe
         )
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
         log.info("run started", run=run, run_dir=run_dir, processes=len(children))
-        report = await supervisor.run()
+        async with asyncio.TaskGroup() as tasks:
+            side = tasks.create_task(beside(supervisor)) if beside is not None else None
+            try:
+                report = await supervisor.run()
+            finally:
+                if side is not None:
+                    side.cancel()
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         removed = sweep_run(run, socket_dir, run_dir=run_dir)
         if removed:
             log.info("swept", removed=removed)

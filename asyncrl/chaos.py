@@ -290,40 +290,20 @@ class Disruptor:
 async def supervise(manifest: Manifest, run_dir: str, plan: ChaosPlan | None, say: Any) -> Any:
     """Run ``manifest`` in ``run_dir`` under a supervisor in this process, disrupted by ``plan``
     (``None``: undisturbed); write ``report.json`` and ``chaos.json``; return the RunReport."""
-    from asyncrl import logs
-    from asyncrl.agent import build_children
-    from asyncrl.supervisor import Supervisor
+    from asyncrl.agent import run_manifest
 
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    logs.configure(
-        role="agent", json_path=os.path.join(run_dir, "logs", "agent.jsonl"), console=False
-    )
     disruptor = Disruptor(plan or ChaosPlan(roles=(), kill_every=None), _never, say)
-    children = build_children(manifest, run_dir, parent_pid=os.getpid())
-    supervisor = Supervisor(
-        children,
-        run=manifest.run.name,
-        log_dir=os.path.join(run_dir, "logs"),
-        observer=disruptor.observe,
-    )
-    disruptor.processes = supervisor.processes
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
+
+    async def disrupt(supervisor: Any) -> None:
+        disruptor.processes = supervisor.processes
+        if plan is not None:
+            await disruptor.run()
+
     started = disruptor.t0 = time.monotonic()
-    try:
-        async with asyncio.TaskGroup() as tasks:
-            chaos = tasks.create_task(disruptor.run()) if plan is not None else None
-            try:
-                report = await supervisor.run()
-            finally:
-                if chaos is not None:
-                    chaos.cancel()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    report = await run_manifest(
+        manifest, run_dir, observer=disruptor.observe, beside=disrupt, console=False
+    )
     wall = time.monotonic() - started
-    _write_json(os.path.join(run_dir, "report.json"), msgspec.to_builtins(report))
     driver_exits = [
         e["t"] for e in disruptor.events if e["kind"] == "exited" and e["label"] == f"{DRIVER}[0]"
     ]

@@ -61,6 +61,8 @@ __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
 
 log = logging.getLogger("asyncrl.pipeline")
 
+_RESYNC_S = 0.1  # between asks of a replica that still holds older weights
+
 PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
 """``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
 
@@ -94,10 +96,13 @@ class Broadcaster(Protocol):
 class WeightSync:
     """After each learner step, has every rollout replica load the newest weights.
 
-    In sync mode ``push`` waits for every replica (part of the barrier). In async mode it
-    returns at once and the broadcast runs in the background; the endpoint is latest-wins, so a
-    push queued behind a busy replica is replaced by the next one. A failed background push is
-    raised by the next ``push`` or by ``close``.
+    In sync mode ``push`` waits until every replica holds at least the version the learner
+    reached (part of the barrier): a replica that answers with older weights (its publisher was
+    restarting and had no store to read) is asked again until it has them, or until
+    ``timeout``. In async mode it returns at once and the broadcast runs in the background; the
+    endpoint is latest-wins, so a push queued behind a busy replica is replaced by the next one,
+    and a replica that missed a version takes the next. A failed background push is raised by
+    the next ``push`` or by ``close``.
     """
 
     def __init__(
@@ -110,16 +115,45 @@ class WeightSync:
         self._tasks: set[asyncio.Task[list[Any]]] = set()
         self._failure: BaseException | None = None
 
-    async def push(self, payload: Any = None) -> None:
+    async def push(self, payload: Any = None, *, version: int | None = None) -> None:
+        """Have every replica load the newest weights; in sync mode, wait until each holds at
+        least ``version`` (when given).
+
+        Raises:
+            StallError: sync mode, and some replica still holds older weights after
+                ``timeout`` seconds.
+            The first failure of an earlier background push.
+        """
         if self._failure is not None:
             raise self._failure
-        call = self.rollout.broadcast(self.method, payload, timeout=self.timeout)
         if self.wait:
-            await call
+            await self.ensure(version, payload)
             return
+        call = self.rollout.broadcast(self.method, payload, timeout=self.timeout)
         task = asyncio.get_running_loop().create_task(call)
         self._tasks.add(task)
         task.add_done_callback(self._done)
+
+    async def ensure(self, version: int | None, payload: Any = None) -> list[Any]:
+        """Broadcast until every replica answers with a version of at least ``version``;
+        return the versions. ``None`` asks once, whatever they answer.
+
+        Raises:
+            StallError: a replica still holds older weights after ``timeout`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while True:
+            versions = await self.rollout.broadcast(self.method, payload, timeout=self.timeout)
+            if version is None or min(int(v) for v in versions) >= version:
+                return versions
+            if loop.time() >= deadline:
+                raise StallError(
+                    f"rollout replicas hold weights versions {versions} after "
+                    f"{self.timeout:g} s, not version {version}: the publisher's store never "
+                    f"came back (is the learner restarting over and over?)"
+                )
+            await asyncio.sleep(_RESYNC_S)
 
     def _done(self, task: asyncio.Task[list[Any]]) -> None:
         self._tasks.discard(task)

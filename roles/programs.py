@@ -95,7 +95,7 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
                 ctx, batch, algorithm=algorithm, lr=cfg["lr"], id=f"{algorithm}-{step + 1}"
             )
             # Sync mode: every replica holds the new weights before the next batch is admitted.
-            await weights.push()
+            await weights.push(version=result.version)
             pipe.advance(result.version)
             mean = sum(s.reward for s in batch.samples) / max(1, len(batch.samples))
             rewards_seen.append(mean)

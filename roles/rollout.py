@@ -177,8 +177,17 @@ class Rollout(Role):
         path = handle_path(self.ctx.run_dir, self.config.weights_from)
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
+            handle = read_handle(path)
+            if (
+                self._reader is not None
+                and handle is not None
+                and (handle.segment != self._reader.name)
+            ):
+                # The publisher restarted with a new store. The old mapping still reads (a
+                # killed writer never marks its store closed), but it will never change again.
+                self._reader.close()
+                self._reader = None
             if self._reader is None:
-                handle = read_handle(path)
                 if handle is None:
                     return  # nothing published yet: the initial weights are the publisher's
                 try:

@@ -19,6 +19,7 @@ Settings come from the manifest's ``run.config`` (``ctx.config``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -62,10 +63,10 @@ DEFAULTS: dict[str, Any] = {
 
 async def main(ctx: Any) -> dict[str, Any]:
     cfg = {**DEFAULTS, **ctx.config}
-    from transformers import AutoTokenizer
-
     plot = _plotting_available()  # checked now: a missing package must not fail the end
-    tok = AutoTokenizer.from_pretrained(cfg["tokenizer"])
+    # Off the event loop: importing transformers takes seconds, and a driver whose loop is
+    # blocked that long misses its heartbeats and is restarted as hung.
+    tok = await asyncio.to_thread(_tokenizer, cfg["tokenizer"])
     eos = tok.eos_token_id
 
     # Resume, never replay: the learner keeps the program's position with every step it
@@ -97,10 +98,11 @@ async def main(ctx: Any) -> dict[str, Any]:
         for r in data.demonstrations(cfg["demos"])
     ]
 
-    async def sync_weights() -> int:
-        # The learner publishes every version in shared memory; each replica reads the newest.
-        versions = await ctx.rollout.broadcast("sync", None, int, timeout=120)
-        return min(versions)
+    async def sync_weights() -> None:
+        # The learner publishes every version in shared memory; each replica reads the newest,
+        # asked again while the learner restarts, so an evaluation never runs on old weights.
+        version = (await ctx.learner.call("status", None))["version"]
+        await WeightSync(ctx.rollout, wait=True, timeout=300).ensure(version)
 
     async def accuracy() -> float:
         await sync_weights()
@@ -195,7 +197,7 @@ async def main(ctx: Any) -> dict[str, Any]:
                 ctx, batch, algorithm=algorithm, lr=cfg["rl_lr"], id=f"rl-{rl_step}"
             )
             # Sync mode: every replica holds the new weights before the next batch is admitted.
-            await weights.push()
+            await weights.push(version=result.version)
             pipe.advance(result.version)
             reward_mean = sum(s.reward for s in batch.samples) / len(batch.samples)
             entry: dict[str, Any] = {
@@ -319,6 +321,12 @@ def _since_best(accuracies: list[float]) -> int:
         else:
             stale += 1
     return stale
+
+
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _since(started: float) -> float:

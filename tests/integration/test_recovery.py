@@ -24,7 +24,7 @@ import yaml
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SHORT = {
     "bc_max_steps": 60,
@@ -322,7 +322,7 @@ def test_a_stopped_driver_never_reads_as_success(run_dir: str) -> None:
 
         def refused() -> bool:
             with open(driver_log) as f:
-                return "control refused" in f.read()
+                return "refused STOP" in f.read()
 
         _wait_for(refused, proc, "the driver to refuse the STOP", 30)
     finally:
