@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/asyncrl run examples/arith/bc_grpo.yaml --run-dir runs/arith
+	$(BIN)/asyncrl run examples/arith/bc_grpo.yaml --run-dir runs/arith --overwrite
 
 test: setup
 	$(BIN)/python -m pytest
