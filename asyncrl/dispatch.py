@@ -33,7 +33,13 @@ import logging
 from collections import Counter, deque
 from typing import Any
 
-from asyncrl.errors import BrokenError, DeadlineExceededError, RemoteError, TransportError
+from asyncrl.errors import (
+    BrokenError,
+    DeadlineExceededError,
+    ProtocolVersionError,
+    RemoteError,
+    TransportError,
+)
 from asyncrl.role import Delivery
 from asyncrl.spec import GroupInfo
 from asyncrl.transport import ChannelOptions, Client, ErrorCode, PeerEvent
@@ -157,22 +163,36 @@ class Group:
             heartbeat_interval_s=self.info.heartbeat_interval_s,
             liveness=self.info.liveness,
         )
-        client = Client(
-            replica.endpoint,
-            name=f"driver->{self.name}.{replica.index}",
-            options=options,
-            on_credit=functools.partial(self._on_credit, replica),
-            on_event=functools.partial(self._on_event, replica),
-        )
-        replica.client = client
-        # One client for the whole run: it reconnects by itself across restarts, and a replica
-        # that is slow to come up is waited for, not hammered. Supervision decides when a
-        # start has taken too long.
-        try:
-            await client.connect(timeout=_CONNECT_TIMEOUT_S)
-        except TransportError as exc:
-            log.error("%s.%d: cannot connect: %s", self.name, replica.index, exc)
-            return
+        # One client for the whole run once connected: it reconnects by itself across
+        # restarts, and a replica that is slow to come up is waited for, not hammered.
+        # Supervision decides when a start has taken too long. A first handshake that breaks
+        # (the replica died during it) is tried again with a new client.
+        while True:
+            client = Client(
+                replica.endpoint,
+                name=f"driver->{self.name}.{replica.index}",
+                options=options,
+                on_credit=functools.partial(self._on_credit, replica),
+                on_event=functools.partial(self._on_event, replica),
+            )
+            replica.client = client
+            try:
+                await client.connect(timeout=_CONNECT_TIMEOUT_S)
+                break
+            except ProtocolVersionError as exc:
+                log.error("%s.%d: cannot connect: %s", self.name, replica.index, exc)
+                return
+            except TransportError as exc:
+                await client.close()
+                if self._closed:
+                    return
+                log.warning(
+                    "%s.%d: the first handshake broke (%s); connecting again",
+                    self.name,
+                    replica.index,
+                    exc,
+                )
+                await asyncio.sleep(_DESCRIBE_RETRY_S)
         while not self._closed:
             try:
                 await self._describe(replica)

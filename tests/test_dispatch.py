@@ -590,3 +590,28 @@ def test_the_manifest_declares_delivery_for_a_replica_that_does_not_describe_its
                 assert group.stats["retries"] == 0
 
     run(main())
+
+
+def test_a_replica_that_dies_during_the_first_handshake_is_connected_again(run_dir: str) -> None:
+    """The replica's process dies with the driver's first HANDSHAKE in flight (a restart
+    under fire, or a driver restarted while a replica is): the dispatcher connects again, and
+    the next incarnation serves its calls, rather than never hearing from that replica."""
+    import zmq
+    import zmq.asyncio
+
+    async def main() -> None:
+        endpoint = endpoints_in(run_dir, 1)
+        context = zmq.asyncio.Context()
+        doomed = context.socket(zmq.ROUTER)
+        doomed.bind(endpoint[0])
+        replicas: list[FakeReplica] = []
+        async with dispatching(endpoint, replicas) as (g, group):
+            frames = await asyncio.wait_for(doomed.recv_multipart(), WAIT_S)
+            assert len(frames) >= 2  # identity and the HANDSHAKE: it dies before it answers
+            doomed.close(linger=0)
+            replicas.append(await FakeReplica(endpoint[0], 0, capacity=1).start())
+            await ready(g, group)
+            assert await asyncio.wait_for(g.call("work", 7), WAIT_S) == [0, 7]
+        context.term()
+
+    run(main())

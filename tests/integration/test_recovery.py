@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -53,15 +54,30 @@ def arith_manifest(run_dir: str, *, learner_env: dict[str, str] | None = None) -
     return path
 
 
-def start(manifest: str, run_dir: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", manifest, "--run-dir", run_dir],
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test() -> Iterator[None]:
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()  # the agent's janitor takes its processes with it
+        proc.communicate()
+
+
+def start(manifest: str, run_dir: str, *extra: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "run", manifest, "--run-dir", run_dir, *extra],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "ASYNCRL_CONSOLE": "0"},
     )
+    _STARTED.append(proc)
+    return proc
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 600) -> str:
@@ -337,3 +353,26 @@ def test_a_stopped_driver_never_reads_as_success(run_dir: str) -> None:
     assert report["exits"][0]["code"] == 75  # stopped before it finished: EXIT_STOPPED
     driver = read_json(run_dir, "driver.json")
     assert driver["finished"] is True and driver["result"] == "resumed"
+
+
+def test_a_killed_run_resumes_with_resume(run_dir: str) -> None:
+    """SIGKILL of `asyncrl run` itself in the middle of RL (the janitor takes every process
+    with it); `asyncrl run --resume` finishes the run with every step once."""
+    proc = start(arith_manifest(run_dir), run_dir)
+    bc_steps = SHORT["bc_max_steps"]
+    _wait_for(lambda: len(steps(run_dir)) >= bc_steps + 5, proc, "RL step 5", 300)
+    proc.kill()
+    proc.communicate()
+    resumed = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "run", "--resume", run_dir],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "ASYNCRL_CONSOLE": "0"},
+    )
+    _STARTED.append(resumed)
+    out = finish(resumed)
+    assert resumed.returncode == 0, out
+    summary = assert_exact(run_dir)
+    assert summary["learner_steps"] == bc_steps + SHORT["rl_steps"]
