@@ -135,8 +135,9 @@ class Supervisor:
         children: in start order (roles in manifest order, then the driver).
         run: the run's name (shared-memory segments of dead processes are swept by it).
         log_dir: where each process's stderr goes (``<name>.<replica>.stderr``).
-        observer: called with (``"exited"`` or ``"serving"``, process label, incarnation) the
-            moment the supervisor learns it; benchmarks time recovery with it.
+        observer: called with (``"started"``, ``"serving"`` or ``"exited"``, process label,
+            incarnation) the moment the supervisor learns it: benchmarks time recovery with it,
+            and the agent's janitor learns each pid as soon as it exists.
     """
 
     def __init__(
@@ -233,6 +234,8 @@ class Supervisor:
                 start_new_session=True,
             )
         self._log.info("started", process=child.label, **self._identity(child))
+        if self._observer is not None:
+            self._observer("started", child.label, child.incarnation)
         self._own(self._watch(child, child.proc))
         if child.client is None:
             self._own(self._heartbeats(child))
