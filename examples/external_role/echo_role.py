@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hmac
 import json
 import os
 import signal
@@ -105,8 +106,18 @@ class Settings:
         endpoint = env.get("ASYNCRL_ENDPOINT", "")
         if not endpoint:
             raise ConfigError("ASYNCRL_ENDPOINT is not set; the supervisor sets it")
+        path = env.get("ASYNCRL_CONFIG_FILE")
         try:
-            config = json.loads(env.get("ASYNCRL_CONFIG") or "{}")
+            # The file always holds the config; the variable only a small one.
+            if path:
+                with open(path, encoding="utf-8") as f:
+                    raw = f.read()
+            else:
+                raw = env.get("ASYNCRL_CONFIG") or "{}"
+        except OSError as exc:
+            raise ConfigError(f"ASYNCRL_CONFIG_FILE {path!r} cannot be read: {exc}") from exc
+        try:
+            config = json.loads(raw)
         except ValueError as exc:
             raise ConfigError(f"ASYNCRL_CONFIG is not JSON: {exc}") from exc
         if not isinstance(config, dict):
@@ -305,6 +316,10 @@ class Server:
         self.inc = settings.incarnation
         self.stats: Counter[str] = Counter()
         self.stop_reason = ""
+        # Control messages (STOP) are obeyed only from a peer whose HANDSHAKE carried the run's
+        # control secret: the supervisor's.
+        self.secret = os.environ.get("ASYNCRL_CONTROL_SECRET", "")
+        self.controllers: set[bytes] = set()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -394,7 +409,19 @@ class Server:
         elif kind == HANDSHAKE:
             self.handshake(identity, env)
         elif kind == STOP:
-            self.stop_reason = "STOP"
+            if identity in self.controllers or (
+                not self.secret and self.settings.endpoint.startswith("ipc://")
+            ):
+                self.stop_reason = "STOP"
+            else:
+                self.stats["control_refused"] += 1
+                self.error(
+                    identity,
+                    request_id,
+                    "unauthorized",
+                    "STOP refused: only the supervisor (a peer that presented the run's control "
+                    "secret in its HANDSHAKE) may stop this role",
+                )
         elif kind == RELEASE:
             # This role never lends shared memory, so there is nothing to take back.
             slots = env[8].get("slots") if isinstance(env[8], dict) else None
@@ -430,6 +457,16 @@ class Server:
                 f"version {hello['version']}; run the same asyncrl protocol version on both ends",
             )
             return
+        presented = hello.get("control", "")
+        if presented:
+            if not (
+                self.secret
+                and isinstance(presented, str)
+                and hmac.compare_digest(presented.encode(), self.secret.encode())
+            ):
+                self.error(identity, request_id, "unauthorized", "wrong control secret")
+                return
+            self.controllers.add(identity)
         s = self.settings
         welcome = {
             "version": VERSION,

@@ -57,21 +57,25 @@ class Roles:
             "ASYNCRL_CAPACITY": str(CAPACITY),
         }
 
-    def spawn(self, incarnation: int = 0, config: Any = None) -> subprocess.Popen[str]:
+    def spawn(
+        self, incarnation: int = 0, config: Any = None, extra: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
         config = {"suffix": "!"} if config is None else config
         proc = subprocess.Popen(
             [sys.executable, ROLE],
             cwd=ROOT,
-            env=self.env(incarnation, config),
+            env={**self.env(incarnation, config), **(extra or {})},
             stdout=subprocess.PIPE,
             text=True,
         )
         self.procs.append(proc)
         return proc
 
-    def start(self, incarnation: int = 0) -> subprocess.Popen[str]:
+    def start(
+        self, incarnation: int = 0, extra: dict[str, str] | None = None, config: Any = None
+    ) -> subprocess.Popen[str]:
         """Start a role and wait for its READY line (it has bound its endpoint then)."""
-        proc = self.spawn(incarnation)
+        proc = self.spawn(incarnation, config, extra)
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line == "READY\n", f"the role did not start: {line!r}, exit {proc.poll()}"
@@ -339,3 +343,40 @@ def test_a_wrong_config_exits_with_ex_config(roles: Roles) -> None:
     out, _ = proc.communicate(timeout=TIMEOUT)
     assert out == ""
     assert proc.returncode == 78
+
+
+def test_stop_only_from_the_supervisor_and_the_config_from_its_file(roles: Roles) -> None:
+    """With the run's control secret set, a STOP from a client that did not present it is
+    refused (the role keeps answering); the supervisor's STOP is obeyed. The config comes from
+    ASYNCRL_CONFIG_FILE, which the agent always sets (the variable only for small configs)."""
+    path = os.path.join(roles.run_dir, "echo.config.json")
+    with open(path, "w") as f:
+        json.dump({"suffix": "?"}, f)
+    env = {"ASYNCRL_CONTROL_SECRET": "s3cret", "ASYNCRL_CONFIG_FILE": path, "ASYNCRL_CONFIG": ""}
+    proc = roles.start(extra=env, config={})
+
+    async def main() -> tuple[str, str]:
+        events: asyncio.Queue[PeerEvent] = asyncio.Queue()
+        async with Client(roles.endpoint, name="stranger") as stranger:
+            stranger.send_stop()
+            # The refusal comes back as an ERROR for the STOP's id, which no call waits on;
+            # the next call is answered, so the role is still serving.
+            first = await stranger.call("upper", "a", str)
+        supervisor = Client(
+            roles.endpoint,
+            name="supervisor",
+            control=True,
+            control_secret="s3cret",
+            on_event=events.put_nowait,
+        )
+        try:
+            await supervisor.connect(timeout=TIMEOUT)
+            second = await supervisor.call("upper", "b", str)
+            supervisor.send_stop()
+            await next_event(events, "disconnected")
+        finally:
+            await supervisor.close()
+        return first, second
+
+    assert run(main()) == ("A?", "B?")
+    assert proc.wait(timeout=TIMEOUT) == 0
