@@ -53,17 +53,25 @@ def run_program(  # type: ignore[type-arg]
     text = MANIFEST.format(program=program, steps=steps, extra=extra, pipeline=pipeline)
     with open(path, "w") as f:
         f.write(textwrap.dedent(text))
+    args = ["--run-dir", run_dir, *(a for o in overrides for a in ("--set", o))]
+    return _run(args, path, run_dir)
+
+
+def resume_program(run_dir: str, steps: int) -> dict:  # type: ignore[type-arg]
+    """Continue the run in ``run_dir`` with ``--resume``, its saved manifest asking for
+    ``steps`` steps in all (editing the saved manifest is how a resumed run changes)."""
+    saved = os.path.join(run_dir, "manifest.json")
+    with open(saved) as f:
+        manifest = json.load(f)
+    manifest["run"]["config"]["steps"] = steps
+    with open(saved, "w") as f:
+        json.dump(manifest, f)
+    return _run(["--resume", run_dir], None, run_dir)
+
+
+def _run(args: list[str], path: str | None, run_dir: str) -> dict:  # type: ignore[type-arg]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.cli",
-            "run",
-            path,
-            "--run-dir",
-            run_dir,
-            *(a for o in overrides for a in ("--set", o)),
-        ],
+        [sys.executable, "-m", "asyncrl.cli", "run", *([path] if path else []), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -114,11 +122,13 @@ def test_a_resumed_async_run_paces_from_the_checkpointed_version(run_dir: str) -
     keep = ("roles.learner.config.checkpoint_every=2",)
     first = run_program(run_dir, "grpo", 4, pipeline=pipeline, overrides=keep)
     assert len(first["rewards"]) == 4
-    second = run_program(run_dir, "grpo", 6, pipeline=pipeline, overrides=keep)
+    second = resume_program(run_dir, 6)
     # It resumed at step 4 and took two more steps ...
     assert len(second["rewards"]) == 2
-    assert second["pipeline"]["consumed_samples"] == 2 * 32
+    # The pipeline's counters go on from the resumed step: 4 batches before, 2 after.
+    assert second["pipeline"]["consumed_samples"] == 6 * 32
     # ... admitting at most eta + 1 batches past the resumed version (4), then one per step:
-    # a pacer counting from version 0 would have let (4 + 2) batches more in at once.
-    assert second["pipeline"]["admitted_samples"] <= (2 + 1 + 1) * 32
+    # a pacer counting from version 0 would have let (4 + 2) batches more in at once. The
+    # resumed counters start with the 4 batches consumed before.
+    assert second["pipeline"]["admitted_samples"] - 4 * 32 <= (2 + 1 + 1) * 32
     assert second["cursor"] >= first["cursor"] - 32
