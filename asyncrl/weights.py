@@ -103,6 +103,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Mapping
@@ -616,6 +617,8 @@ class WeightReader:
                 f"nothing published yet in weights {self.name}; wait for the learner's first "
                 f"publish, or use read_if_newer(NO_VERSION)"
             )
+        if slot > 1:
+            raise self._corrupt(f"CURRENT is {slot}, not a slot (0 or 1)")
         _fence()  # CURRENT before the slot's sequence
         seq = int(header[_W_SEQ[slot]])
         if seq & 1:
@@ -626,7 +629,17 @@ class WeightReader:
             np.copyto(dst, src)
         version = int(header[_W_VERSION[slot]])
         _fence()  # the data before the second look at the sequence
-        return version if self._unchanged(header, slot, seq) else None
+        if not self._unchanged(header, slot, seq):
+            return None
+        if version < 0:
+            raise self._corrupt(f"slot {slot} holds version {version}, complete but negative")
+        return version
+
+    def _corrupt(self, what: str) -> ValueError:
+        return ValueError(
+            f"weights segment {self.name} has a corrupt header: {what}. Only its writer (pid "
+            f"{self.handle.pid}) may write it; restart the learner to publish a fresh store"
+        )
 
     def _unchanged(self, header: np.ndarray, slot: int, seq: int) -> bool:
         """Whether the writer left ``slot`` alone since its sequence read ``seq``."""
@@ -670,13 +683,25 @@ class WeightReader:
     def _open(self) -> _Mapping:
         path = os.path.join(self.directory, self.handle.segment)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # Never through a link, never a FIFO or device: only a plain file of this user.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError as exc:
             raise WeightsGoneError(
                 self._gone_message("closed its WeightStore, or died and it was swept")
             ) from exc
+        except OSError as exc:
+            raise ValueError(
+                f"weights segment {path} cannot be opened as a plain file ({exc.strerror}); "
+                f"it is not a store a learner of this run wrote"
+            ) from exc
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise ValueError(
+                    f"weights segment {path} is not a plain file of this user; it is not a "
+                    f"store a learner of this run wrote"
+                )
+            size = info.st_size
             if size != self.handle.total_bytes:
                 raise ValueError(
                     f"weights segment {self.name} holds {size} bytes, the handle says "

@@ -21,6 +21,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncrl.errors import BrokenError, ClosedError
 from asyncrl.transport.shm import segment_name, sweep
@@ -562,3 +564,68 @@ def test_a_handle_from_another_host_is_refused(store: WeightStore, shm_dir: str)
     assert str(info.value).endswith(
         ": shared memory works on one host only; send the weights as frames"
     )
+
+
+# -- a corrupt header ----------------------------------------------------------------------------
+
+_HEADER_WORDS = list(range(18))  # every word the layout gives a meaning, and the reserved ones
+
+
+@settings(
+    max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    words=st.lists(
+        st.tuples(
+            st.sampled_from(_HEADER_WORDS),
+            st.one_of(
+                st.integers(-(2**63), 2**63 - 1),
+                st.sampled_from([-1, 0, 1, 2, 3, 41, 2**31, 2**62]),
+            ),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_a_corrupt_header_is_refused_clearly_never_crashes(
+    store: WeightStore, shm_dir: str, words: list[tuple[int, int]]
+) -> None:
+    """Random values in the header of a published store: a reader either opens and reads a
+    snapshot of the right shapes, or raises a typed error naming the segment; it never crashes,
+    hangs, indexes out of range or allocates what the header says."""
+    state = _random_state(3)
+    if store.version != 7:  # the store is shared by every example; its header is restored
+        store.publish(state, 7)
+    path = Path(shm_dir, store.name)
+    original = path.read_bytes()[:4096]
+    try:
+        with open(path, "r+b") as f:
+            for word, value in words:
+                f.seek(8 * word)
+                f.write(struct.pack("=q", value))
+        try:
+            with WeightReader(store.describe(), directory=shm_dir, max_retries=3) as reader:
+                got = reader.read_if_newer(NO_VERSION)
+        except (ValueError, TornReadError, NothingPublishedError, WeightsGoneError) as exc:
+            assert store.name in str(exc) or "segment" in str(exc)
+            return
+        if got is not None:
+            version, copied = got
+            assert version >= 0
+            assert {k: v.shape for k, v in copied.items()} == {k: v.shape for k, v in state.items()}
+    finally:
+        with open(path, "r+b") as f:
+            f.write(original)
+
+
+def test_a_reader_never_follows_a_link_to_a_segment(store: WeightStore, shm_dir: str) -> None:
+    store.publish(_random_state(1), 1)
+    handle = store.describe()
+    elsewhere = Path(shm_dir, "elsewhere")
+    elsewhere.mkdir()
+    os.replace(Path(shm_dir, store.name), elsewhere / store.name)
+    os.symlink(elsewhere / store.name, Path(shm_dir, store.name))
+    with pytest.raises(ValueError, match="cannot be opened as a plain file"):
+        WeightReader(handle, directory=shm_dir)
+    os.unlink(Path(shm_dir, store.name))
+    os.replace(elsewhere / store.name, Path(shm_dir, store.name))
