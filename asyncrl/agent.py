@@ -217,7 +217,10 @@ async def run_manifest(
 
         def observe(event: str, label: str, incarnation: int) -> None:
             if supervisor is not None:
-                janitor.watch(p.pid for p in supervisor.processes() if p.pid is not None)
+                processes = supervisor.processes()
+                janitor.watch(
+                    pid for p in processes for pid in (p.pid, p.standby_pid) if pid is not None
+                )
             if observer is not None:
                 observer(event, label, incarnation)
 

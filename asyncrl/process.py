@@ -32,7 +32,7 @@ from asyncrl.spec import EXIT_CONFIG, ProcessSpec, load_spec_from_env
 from asyncrl.transport import Call, ChannelOptions, Entry, LocalRegistry, Server
 from asyncrl.transport import run as run_loop
 
-__all__ = ["ConfigProblem", "load_role_class", "main", "serve_role"]
+__all__ = ["ConfigProblem", "load_role_class", "main", "serve_role", "wait_as_standby"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -189,12 +189,35 @@ def _handler(
     return handle
 
 
+def wait_as_standby(spec: ProcessSpec) -> bool:
+    """Be the standby of the next incarnation: import the role's modules now, then wait on
+    stdin for the supervisor's ``go``. True when told to take over; False when stdin closed
+    without it (the run ended).
+
+    Problems importing are not raised here: the real start meets them again and reports them
+    as it always does.
+    """
+    try:
+        cls = load_role_class(spec.target)
+        cls.preload(spec.config)
+    except Exception:  # reported by the real start, with the process's own error handling
+        pass
+    line = sys.stdin.readline()
+    if line.strip() != "go":
+        return False
+    # Marks where this incarnation's stderr starts, for the supervisor's failure report.
+    print(f"--- incarnation {spec.incarnation} ---", file=sys.stderr, flush=True)
+    return True
+
+
 def main() -> None:
     """Entry point: read the spec the supervisor wrote (``asyncrl.spec.load_spec_from_env``)
     and serve."""
     spec = load_spec_from_env()
     die_with_parent(spec.parent_pid)
     set_threads(spec.threads)
+    if "--standby" in sys.argv[1:] and not wait_as_standby(spec):
+        sys.exit(0)
     logs.configure(
         role=spec.name,
         replica=spec.replica,

@@ -24,7 +24,7 @@ import inspect
 import logging
 import os
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -180,6 +180,16 @@ class Role:
         if self.Config is not None and not isinstance(ctx.config, self.Config):
             ctx.config = msgspec.convert(ctx.config or {}, self.Config)
         self.config: Any = ctx.config
+
+    @classmethod
+    def preload(cls, config: Mapping[str, Any]) -> None:
+        """Import what ``setup`` will need, ahead of time, without touching any state.
+
+        A standby process (``supervision.standby`` in the manifest) calls it while it waits to
+        take over from a failed replica, so that the restart skips these imports. ``config``
+        is the manifest's raw ``config`` mapping (not yet validated). The default imports
+        nothing.
+        """
 
     async def setup(self) -> None:
         """Restore state before any request is taken; no credit is advertised until it returns."""

@@ -15,6 +15,11 @@ replica, the exit code or signal, the restarts, and the tail of its stderr.
 Every process is spawned from this event loop's thread (the parent-death signal that kills it
 with the agent is tied to that thread) in a session and process group of its own, so its own
 children die with it.
+
+With ``supervision.standby``, each replica of a role has a standby process: the next incarnation,
+started ahead (``python -m asyncrl.process --standby``), which imports the role's modules and
+waits on its stdin. A restart then writes ``go`` to it instead of starting an interpreter, and a
+new standby is started behind it.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class ProcessInfo(msgspec.Struct, frozen=True):
     pid: int | None
     alive: bool
     serving: bool
+    standby_pid: int | None = None
 
     @property
     def label(self) -> str:
@@ -115,6 +121,7 @@ class _Child:
     restarting: bool = False
     restart_times: collections.deque[float] = field(default_factory=collections.deque)
     restarts: int = 0
+    spare: asyncio.subprocess.Process | None = None  # the standby: the next incarnation
     streak: int = 0  # restarts in a row: the backoff's exponent
     served_at: float | None = None  # when this incarnation was first heard
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -193,6 +200,7 @@ class Supervisor:
                 c.proc.pid if c.proc is not None else None,
                 c.alive,
                 c.serving,
+                c.spare.pid if c.spare is not None and c.spare.returncode is None else None,
             )
             for c in self._children
         ]
@@ -222,18 +230,27 @@ class Supervisor:
         child.hung = False
         child.expected_exit = False
         child.exited = asyncio.Event()
-        argv, env = child.spec.argv_env(child.incarnation)
-        with open(child.log_path, "ab") as stderr:
-            stderr.write(f"--- incarnation {child.incarnation} ---\n".encode())
-            stderr.flush()
-            child.proc = await asyncio.create_subprocess_exec(
-                *argv,
-                env={**os.environ, **env},
-                stdin=asyncio.subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=True,
-            )
-        self._log.info("started", process=child.label, **self._identity(child))
+        spare, child.spare = child.spare, None
+        if spare is not None and await self._activate(spare):
+            child.proc = spare
+        else:
+            argv, env = child.spec.argv_env(child.incarnation)
+            with open(child.log_path, "ab") as stderr:
+                stderr.write(f"--- incarnation {child.incarnation} ---\n".encode())
+                stderr.flush()
+                child.proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    env={**os.environ, **env},
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stderr=stderr,
+                    start_new_session=True,
+                )
+        self._log.info(
+            "started",
+            process=child.label,
+            **self._identity(child),
+            standby=child.proc is spare,
+        )
         if self._observer is not None:
             self._observer("started", child.label, child.incarnation)
         self._own(self._watch(child, child.proc))
@@ -244,6 +261,55 @@ class Supervisor:
         loop.call_later(
             child.spec.policy.startup_timeout_s, self._check_started, child, incarnation
         )
+
+    async def _start_spare(self, child: _Child) -> None:
+        """Start the next incarnation as a standby: it imports, then waits for ``go``.
+
+        Started once the current incarnation serves, so that the two do not compete for the
+        CPU while the current one starts.
+        """
+        incarnation = child.incarnation + 1
+        argv, env = child.spec.argv_env(incarnation)
+        with open(child.log_path, "ab") as stderr:
+            spare = await asyncio.create_subprocess_exec(
+                *argv,
+                "--standby",
+                env={**os.environ, **env},
+                stdin=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        if self._stopping or child.spare is not None or child.incarnation + 1 != incarnation:
+            # The replica restarted (or the run ended) while this one started: not the next.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(spare.pid, signal.SIGKILL)
+            await spare.wait()
+            return
+        child.spare = spare
+        self._log.info(
+            "standby started", process=child.label, incarnation=incarnation, standby_pid=spare.pid
+        )
+        if self._observer is not None:
+            self._observer("standby", child.label, incarnation)
+
+    async def _activate(self, spare: asyncio.subprocess.Process) -> bool:
+        """Tell a standby to take over; False if it is gone (then a fresh process starts)."""
+        if spare.returncode is not None or spare.stdin is None:
+            return False
+        try:
+            spare.stdin.write(b"go\n")
+            await spare.stdin.drain()
+            spare.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
+    def _discard_spare(self, child: _Child) -> None:
+        spare, child.spare = child.spare, None
+        if spare is not None and spare.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(spare.pid, signal.SIGKILL)
+            self._own(spare.wait())
 
     def _own(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -290,6 +356,9 @@ class Supervisor:
             if event.incarnation == child.incarnation and not child.serving:
                 child.serving = True
                 child.served_at = time.monotonic()
+                policy = child.spec.policy
+                if policy.standby and child.spec.kind == "role" and child.spare is None:
+                    self._own(self._start_spare(child))
                 if self._observer is not None:
                     self._observer("serving", child.label, child.incarnation)
                 self._log.info("serving", process=child.label, **self._identity(child))
@@ -462,6 +531,8 @@ class Supervisor:
         """STOP, then SIGTERM after the shutdown timeout, then SIGKILL: driver first, then the
         roles in reverse start order, each group of replicas together."""
         self._stopping = True
+        for child in self._children:
+            self._discard_spare(child)
         order: list[list[_Child]] = []
         for child in reversed(self._children):
             if order and order[-1][0].spec.name == child.spec.name:

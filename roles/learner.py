@@ -38,6 +38,7 @@ import math
 import os
 import random
 import shutil
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -186,6 +187,10 @@ class Learner(Role):
         keep_checkpoints: int = 2
         pad_id: int = 0
         dropout: bool = False
+
+    @classmethod
+    def preload(cls, config: Mapping[str, Any]) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
     async def setup(self) -> None:
         cfg = self.config

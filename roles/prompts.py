@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -70,6 +71,12 @@ def load_rows(
     return rows
 
 
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class PromptSource(Role):
     """Serves prompts by cursor, tokenized with the run's tokenizer."""
 
@@ -80,14 +87,21 @@ class PromptSource(Role):
         tokenizer_path: str = ""
         shuffle_seed: int = 0
 
-    async def setup(self) -> None:
-        from transformers import AutoTokenizer
+    @classmethod
+    def preload(cls, config: Mapping[str, Any]) -> None:
+        if config.get("tokenizer_path"):
+            from transformers import AutoTokenizer  # noqa: F401
 
-        self.rows = load_rows(self.config.path, self.config.generator, self.config.options)
+    async def setup(self) -> None:
+        # In the worker thread: loading the data and importing transformers take seconds, and
+        # the loop must keep answering heartbeats meanwhile.
+        self.rows = await self.ctx.offload(
+            load_rows, self.config.path, self.config.generator, self.config.options
+        )
         if not self.rows:
             raise ValueError("prompt source: the dataset is empty")
         path = self.config.tokenizer_path
-        self.tokenizer = AutoTokenizer.from_pretrained(path) if path else None
+        self.tokenizer = await self.ctx.offload(_tokenizer, path) if path else None
         self._perms: dict[int, list[int]] = {}
 
     def _perm(self, epoch: int) -> list[int]:

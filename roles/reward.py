@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -86,6 +86,12 @@ class ScoreSamples(msgspec.Struct):
     answers: list[str]
 
 
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class Reward(Role):
     """Scores completions with a named verifier, or with a reward model."""
 
@@ -95,13 +101,17 @@ class Reward(Role):
         model_path: str = ""
         tokenizer_path: str = ""
 
+    @classmethod
+    def preload(cls, config: Mapping[str, Any]) -> None:
+        if config.get("tokenizer_path") or config.get("model_path"):
+            from transformers import AutoTokenizer  # noqa: F401
+
     async def setup(self) -> None:
         self.model: Any = None
         self.decoder: Any = None
         if self.config.tokenizer_path:
-            from transformers import AutoTokenizer
-
-            self.decoder = AutoTokenizer.from_pretrained(self.config.tokenizer_path)
+            # In the worker thread: importing transformers takes seconds.
+            self.decoder = await self.ctx.offload(_tokenizer, self.config.tokenizer_path)
         if self.config.model_path:
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -133,6 +133,12 @@ class Rollout(Role):
                 raise ValueError(f"dtype: expected a torch dtype name, got {self.dtype!r}")
 
     engine: HFEngine
+
+    @classmethod
+    def preload(cls, config: Mapping[str, Any]) -> None:
+        import transformers  # noqa: F401
+
+        from .engine import HFEngine  # noqa: F401
 
     async def setup(self) -> None:
         """Build the engine (load or create the model) in the worker thread."""

@@ -425,3 +425,39 @@ def test_one_for_all_restarts_the_whole_group(run_dir: str, runs: list[Run]) -> 
     assert report["restarts"]["sleeper"] == 2  # both replicas, for one failure
     assert [e["replica"] for e in report["exits"]] == [1]
     assert all(not _alive(p) for p in run.pids())
+
+
+def test_a_standby_takes_over_and_nothing_outlives_the_run(run_dir: str, runs: list[Run]) -> None:
+    """supervision.standby: the next incarnation waits, imported; a killed replica is replaced
+    by it (no new interpreter), a new standby starts behind it, and the end of the run stops
+    the standbys too."""
+    manifest = write_manifest(
+        run_dir,
+        f"""\
+        run:
+          name: standby
+          program: tests.integration.pipeline:wait_forever
+        roles:
+          sleeper:
+            class: tests.integration.pipeline:Sleeper
+            supervision: {{standby: true, {_yaml(FAST)[1:-1]}}}
+        """,
+    )
+    run = start_run(manifest, run_dir)
+    runs.append(run)
+    serving = run.wait_for("serving", "role=sleeper")
+    pid = int(serving.split("pid=")[1].split()[0])
+    ready = run.wait_for("standby started", "process=sleeper[0]", "incarnation=1")
+    standby = int(ready.split("standby_pid=")[1].split()[0])
+    os.kill(pid, signal.SIGKILL)
+    started = run.wait_for("started", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    assert "standby=True" in started and f"pid={standby}" in started
+    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    behind = run.wait_for("standby started", "process=sleeper[0]", "incarnation=2")
+    second = int(behind.split("standby_pid=")[1].split()[0])
+    assert _alive(standby) and _alive(second)
+    run.proc.send_signal(signal.SIGINT)
+    code, out, _ = run.finish()
+    assert code == 130, out
+    assert not _alive(standby) and not _alive(second)
+    assert all(not _alive(p) for p in run.pids())
