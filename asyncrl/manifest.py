@@ -282,6 +282,13 @@ def _check_role(value: dict[Any, Any], path: str, problems: list[str]) -> None:
             f"{at(path)}: neither 'class' nor 'command' is given; add 'class: module:Class' "
             "for a Python role or 'command: [program, args...]' for an external one"
         )
+    supervision = value.get("supervision")
+    if given == ["command"] and isinstance(supervision, dict) and supervision.get("standby"):
+        problems.append(
+            f"{join(join(path, 'supervision'), 'standby')}: a standby process is kept only for "
+            "roles given by 'class' (it imports the role's modules ahead); remove it for a "
+            "'command' role"
+        )
 
 
 def _check_backoff(value: dict[Any, Any], path: str, problems: list[str]) -> None:

@@ -64,7 +64,7 @@ def _no_run_outlives_its_test() -> Iterator[None]:
         proc = _STARTED.pop()
         if proc.poll() is None:
             proc.kill()  # the agent's janitor takes its processes with it
-        proc.communicate()
+            proc.communicate()
 
 
 def start(manifest: str, run_dir: str, *extra: str) -> subprocess.Popen[str]:
