@@ -396,7 +396,12 @@ class Supervisor:
         if child.spec.kind == "driver" and code == EXIT_PROGRAM:
             # The program raised (or stalled): running it again would fail the same way.
             self._finish(
-                RunReport("failed", "the control-flow program raised; its traceback follows", info)
+                RunReport(
+                    "failed",
+                    "the control-flow program raised (or the run stalled); see the tail of its "
+                    "stderr below",
+                    info,
+                )
             )
             return
         await self._recover(child, info)
@@ -418,7 +423,7 @@ class Supervisor:
         elif code == EXIT_CONFIG:
             reason = "configuration error"
         elif code == EXIT_PROGRAM and child.spec.kind == "driver":
-            reason = "the control-flow program raised"
+            reason = "the control-flow program raised, or the run stalled"
         elif sig:
             reason = f"killed by {sig}"
         else:

@@ -162,7 +162,7 @@ def test_a_program_error_fails_the_run_once(run_dir: str) -> None:
     proc = start(manifest, run_dir)
     out = finish(proc, 120)
     assert proc.returncode == 1, out
-    assert "run failed: the control-flow program raised" in out
+    assert "run failed: the control-flow program raised (or the run stalled)" in out
     assert "RuntimeError: the program's own bug" in out
     report = read_json(run_dir, "report.json")
     assert report["status"] == "failed"
