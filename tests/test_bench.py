@@ -92,9 +92,14 @@ def test_runtime_benchmark_json() -> None:
         "handle_rtt_us_p50",
         "bare_rtt_us_p50",
         "handle_overhead_ratio",
+        "standby_restart_ms_p50",
+        "standby_speedup",
     }
     assert set(figures) >= keys
     assert figures["kills"] == 2
+    assert figures["standby_speedup"] == pytest.approx(
+        figures["restart_to_serving_ms_p50"] / figures["standby_restart_ms_p50"]
+    )
     assert 0 < figures["crash_detect_ms_p50"] < figures["restart_to_serving_ms_p50"]
     assert figures["handle_overhead_ratio"] == pytest.approx(
         figures["handle_rtt_us_p50"] / figures["bare_rtt_us_p50"]

@@ -5,6 +5,9 @@ handle costs, each against its baseline measured in the same run.
 - restart to serving: from SIGKILL to the first call answered by the restarted replica, for a
   role that imports torch; its baseline is a cold ``python -c "import torch, <role module>"``,
   timed in the same run, so that restart cost cannot hide in import time;
+- restart through a standby (``supervision.standby``): the same kill and first answer for a second
+  replica whose next incarnation waits with its modules imported, interleaved kill by kill with
+  the cold restart above, which is its baseline;
 - handle overhead: a call through a handle (the dispatcher) against the transport client calling
   the same server.
 
@@ -25,6 +28,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+import msgspec
 
 from asyncrl import logs
 from asyncrl.bench.harness import role_child
@@ -66,17 +71,21 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
     )
 
     child = role_child(run_dir, "echo", ROLE, {}, policy)
+    spare = role_child(run_dir, "spare", ROLE, {}, msgspec.structs.replace(policy, standby=True))
     endpoint = child.endpoint
 
-    seen: dict[tuple[str, int], float] = {}
-    events: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+    seen: dict[tuple[str, str, int], float] = {}
+    events: dict[str, asyncio.Queue[tuple[str, int]]] = {
+        "echo[0]": asyncio.Queue(),
+        "spare[0]": asyncio.Queue(),
+    }
 
     def observe(kind: str, label: str, incarnation: int) -> None:
-        seen[(kind, incarnation)] = time.perf_counter()
-        events.put_nowait((kind, incarnation))
+        seen[(kind, label, incarnation)] = time.perf_counter()
+        events[label].put_nowait((kind, incarnation))
 
     supervisor = Supervisor(
-        [child],
+        [child, spare],
         run="bench",
         log_dir=os.path.join(run_dir, "logs"),
         observer=observe,
@@ -84,26 +93,31 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
     supervised = asyncio.get_running_loop().create_task(supervisor.run())
     out: dict[str, Any] = {}
     try:
-        async with Client(endpoint, name="bench") as client:
-            await _until(events, ("serving", 0))
-            detect, serve = [], []
+        async with (
+            Client(endpoint, name="bench") as client,
+            Client(spare.endpoint, name="bench-spare") as spare_client,
+        ):
+            await _until(events["echo[0]"], ("serving", 0))
+            await _until(events["spare[0]"], ("serving", 0))
+            detect: list[float] = []
+            serve: list[float] = []
+            serve_standby: list[float] = []
             for n in range(kills):
-                info = await client.call("_describe", None, timeout=60)
-                t0 = time.perf_counter()
-                os.kill(info["pid"], signal.SIGKILL)
-                await _until(events, ("exited", n))
-                detect.append((seen[("exited", n)] - t0) * 1e3)
-                while True:  # calls made while it restarts wait for it, or fail and go again
-                    try:
-                        info = await client.call("echo", n, timeout=60)
-                    except Exception:
-                        continue
-                    if info == n:
-                        break
-                serve.append((time.perf_counter() - t0) * 1e3)
+                # Interleaved: a cold restart, then one through a standby, each kill n.
+                t0, ms = await _restart(client, n)
+                await _until(events["echo[0]"], ("exited", n))
+                detect.append((seen[("exited", "echo[0]", n)] - t0) * 1e3)
+                serve.append(ms)
+                await _until(events["spare[0]"], ("standby", n + 1))  # the next one is ready
+                _, ms = await _restart(spare_client, n)
+                serve_standby.append(ms)
             out["crash_detect_ms_p50"] = statistics.median(detect)
             out["crash_detect_ms_max"] = max(detect)
             out["restart_to_serving_ms_p50"] = statistics.median(serve)
+            out["standby_restart_ms_p50"] = statistics.median(serve_standby)
+            out["standby_speedup"] = (
+                out["restart_to_serving_ms_p50"] / out["standby_restart_ms_p50"]
+            )
             out["kills"] = kills
             bare = []
             for _ in range(200):
@@ -132,6 +146,21 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
         supervisor.stop("benchmark done")
         await supervised
     return out
+
+
+async def _restart(client: Client, n: int) -> tuple[float, float]:
+    """SIGKILL the replica behind ``client`` (its incarnation ``n``); return when it was killed
+    (perf_counter) and the milliseconds until its next incarnation answered a call."""
+    info = await client.call("_describe", None, timeout=60)
+    t0 = time.perf_counter()
+    os.kill(info["pid"], signal.SIGKILL)
+    while True:  # calls made while it restarts wait for it, or fail and go again
+        try:
+            answer = await client.call("echo", n, timeout=60)
+        except Exception:
+            continue
+        if answer == n:
+            return t0, (time.perf_counter() - t0) * 1e3
 
 
 async def _until(events: asyncio.Queue[tuple[str, int]], wanted: tuple[str, int]) -> None:
@@ -169,6 +198,8 @@ def format_table(f: dict[str, Any]) -> str:
             f"{f['restart_to_serving_ms_p50']:.0f} ms",
             "restart_to_serving_ms_p50",
         ),
+        ("restart through a standby (p50)", f"{f['standby_restart_ms_p50']:.0f} ms", None),
+        ("  cold / standby", f"{f['standby_speedup']:.1f}x", None),
         ("cold import torch + role (p50)", f"{f['role_import_ms_p50']:.0f} ms", None),
         ("  restart - import", f"{f['restart_minus_import_ms']:.0f} ms", None),
         ("call through a handle (p50)", f"{f['handle_rtt_us_p50']:.0f} us", None),
