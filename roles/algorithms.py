@@ -28,7 +28,9 @@ __all__ = [
     "ImportanceCapMode",
     "KLKind",
     "Stats",
+    "StdKind",
     "aggregate",
+    "aggregate_weight",
     "decoupled_ppo_policy_loss",
     "entropy_from_logits",
     "gae",
@@ -40,6 +42,7 @@ __all__ = [
     "ppo_policy_loss",
     "rloo_advantages",
     "token_logprobs",
+    "token_rewards",
     "truncated_importance_weights",
     "value_loss",
     "whiten",
@@ -56,9 +59,17 @@ KLKind = Literal["k1", "k2", "k3"]
 ImportanceCapMode = Literal["truncate", "mask"]
 """What ``decoupled_ppo_policy_loss`` does with an importance weight above its cap."""
 
+StdKind = Literal["population", "unbiased"]
+"""The standard deviation GRPO divides by: over n (population) or n - 1 (unbiased)."""
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios (and log importance weights) are clamped to +-20 before ``exp``, as verl does, so
+a very stale token cannot overflow a loss; past the clamp a token sends no gradient."""
+
 _AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 _KL_KINDS: tuple[str, ...] = get_args(KLKind)
 _CAP_MODES: tuple[str, ...] = get_args(ImportanceCapMode)
+_STD_KINDS: tuple[str, ...] = get_args(StdKind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,6 +211,26 @@ def aggregate(
     return masked_mean(per_seq, nonempty)
 
 
+def aggregate_weight(mask: Tensor, mode: Aggregation) -> Tensor:
+    """What a batch's rows contribute to the denominator of ``aggregate``, as a 0-dim tensor.
+
+    ``"token_mean"`` divides by the number of valid tokens, the ``seq_mean_*`` modes by the
+    number of rows with at least one valid token. So for rows split into micro-batches
+    ``m_1 .. m_k`` of one batch ``M``::
+
+        aggregate(M) == sum_i aggregate(m_i) * aggregate_weight(m_i) / aggregate_weight(M)
+
+    which is how a learner accumulates the gradient of the whole batch over micro-batches.
+    An empty completion adds nothing in any mode.
+    """
+    _check_2d("mask", mask)
+    if mode == "token_mean":
+        return _valid(mask).sum()
+    if mode not in _AGGREGATIONS:
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {_AGGREGATIONS}")
+    return _valid(mask).any(-1).sum()
+
+
 # --------------------------------------------------------------------------------------------
 # Per-token quantities from logits
 
@@ -318,6 +349,45 @@ def gae(
     return advantages, returns
 
 
+def token_rewards(
+    rewards: Tensor,
+    mask: Tensor,
+    logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    *,
+    kl_coef: float = 0.0,
+    kl_kind: KLKind = "k1",
+) -> Tensor:
+    """Per-token rewards for ``gae``: each sequence's reward on its last valid token, minus
+    ``kl_coef * KL`` on every valid token (the KL penalty in the reward, as in InstructGPT).
+
+    Inputs: ``rewards`` [B], ``mask`` [B, T], and with ``kl_coef`` != 0 the sampled tokens'
+    ``logprobs`` and ``ref_logprobs`` [B, T] (the KL is ``kl_estimator(logprobs, ref_logprobs,
+    kl_kind)``; a row with no reference should carry ``ref_logprobs == logprobs``, which every
+    estimator maps to 0). Output: [B, T], detached, 0 at masked positions; a row with no valid
+    token gets nothing.
+    """
+    _check_2d("mask", mask)
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)} but mask has shape {tuple(mask.shape)}; "
+            "rewards must be [B] for a [B, T] mask"
+        )
+    valid = _valid(mask)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(-1)
+    out = torch.zeros(mask.shape, dtype=torch.promote_types(rewards.dtype, mask.dtype))
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = rewards.detach()[rows].to(out.dtype)
+    if kl_coef:
+        if logprobs is None or ref_logprobs is None:
+            raise ValueError("token_rewards: kl_coef != 0 needs logprobs and ref_logprobs")
+        _check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs, mask=mask)
+        kl = kl_estimator(logprobs.detach(), ref_logprobs.detach(), kl_kind)
+        out = out - kl_coef * _zero_outside(kl, valid)
+    return _zero_outside(out, valid)
+
+
 def _group_index(rewards: Tensor, group_ids: Tensor | None) -> tuple[Tensor, Tensor, int]:
     """Float rewards, each sample's dense group index [N], and the number of groups."""
     if rewards.dim() != 1:
@@ -350,6 +420,7 @@ def grpo_advantages(
     *,
     normalize_std: bool = True,
     eps: float = 1e-6,
+    std: StdKind = "population",
 ) -> Tensor:
     """GRPO's group-relative advantage of each sample (Shao et al. 2024).
 
@@ -358,20 +429,24 @@ def grpo_advantages(
     advantages [N], detached, in the rewards' float dtype (integer rewards are promoted).
 
     ``normalize_std=True``: ``(r - mean) / (std + eps)``. ``normalize_std=False``: ``r - mean``,
-    the Dr. GRPO variant (Liu et al. 2025), which drops the per-group scaling. ``std`` is the
-    population standard deviation (``unbiased=False``: divide by the group size n, not n - 1),
-    which is what split-mode reduction of (count, mean, M2) with Chan's formula yields. Note
-    that some libraries (TRL, verl) use the unbiased one; for a group of n samples theirs is
-    ``sqrt(n / (n - 1))`` times larger. A group of one sample, or of equal rewards, has
-    advantage 0.
+    the Dr. GRPO variant (Liu et al. 2025), which drops the per-group scaling. ``std="population"``
+    (the default) divides the group's squared deviations by its size n, which is what
+    split-mode reduction of (count, mean, M2) with Chan's formula yields; ``std="unbiased"``
+    divides by n - 1, as TRL and verl do (``sqrt(n / (n - 1))`` times larger). A group of one
+    sample, or of equal rewards, has advantage 0 (verl gives a lone sample its reward r: it has
+    no baseline, so 0 is the only value that does not depend on the reward's offset).
     """
     rewards, index, groups = _group_index(rewards.detach(), group_ids)
     if normalize_std:
         _check_positive("eps", eps)
-    _, mean, var = _group_moments(rewards, index, groups)
-    centred = rewards - mean
+    if std not in _STD_KINDS:
+        raise ValueError(f"unknown std {std!r}; expected one of {_STD_KINDS}")
+    count, mean, var = _group_moments(rewards, index, groups)
+    centred = torch.where(count > 1, rewards - mean, torch.zeros_like(rewards))
     if not normalize_std:
         return centred
+    if std == "unbiased":
+        var = var * count / (count - 1).clamp(min=1)
     return centred / (var.sqrt() + eps)
 
 
@@ -434,7 +509,7 @@ def _clipped_surrogate(
     valid = _valid(mask)
     # Padding may hold -inf log-probs: exp of their difference would poison the gradient even
     # where the loss is zeroed afterwards.
-    log_ratio = _zero_outside(log_ratio, valid)
+    log_ratio = _zero_outside(log_ratio, valid).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_ratio.exp()
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
@@ -585,7 +660,8 @@ def decoupled_ppo_policy_loss(
         clip_eps_high,
         dual_clip,
     )
-    log_weight = proximal_logprobs - behaviour_logprobs.detach()
+    log_weight = _zero_outside(proximal_logprobs - behaviour_logprobs.detach(), _valid(mask))
+    log_weight = log_weight.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     weight = log_weight.exp()
     if importance_cap is None:
         above_cap = torch.zeros_like(weight, dtype=torch.bool)

@@ -54,7 +54,17 @@ from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.rollout import WeightsUpdate
 from asyncrl.weights import WeightStore, handle_path, write_handle
 
-__all__ = ["Learner", "Scored", "StepResult", "TrainBatch", "build_model", "pad_batch"]
+__all__ = [
+    "Learner",
+    "Scored",
+    "StepResult",
+    "TrainBatch",
+    "build_model",
+    "gae_targets",
+    "pad_batch",
+]
+
+ALGORITHMS = ("grpo", "rloo", "ppo", "bc")
 
 
 def batch_moments(values: list[float]) -> Moments:
@@ -122,6 +132,73 @@ def _aligned(values: list[list[float]], target: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _right_aligned(rows: list[list[float]], width: int) -> torch.Tensor:
+    """``rows`` as a [B, width] float tensor, each row's values in its last columns."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, width - len(row) :] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def completion_mask(lengths: list[int]) -> torch.Tensor:
+    """[B, max length] float mask, right-aligned: row i has ``lengths[i]`` ones at its end."""
+    width = max(lengths, default=0)
+    columns = torch.arange(width)[None, :]
+    return (columns >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).float()
+
+
+def gae_targets(
+    samples: list[Scored],
+    *,
+    gamma: float,
+    lam: float,
+    kl_coef: float = 0.0,
+    kl_estimator: alg.KLKind = "k1",
+    kl_mode: str = "loss",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's GAE advantages and returns of scored samples, as the learner and critic both use.
+
+    Each sample's reward sits on its last completion token; with ``kl_mode == "reward"`` every
+    completion token also carries ``-kl_coef * KL`` (``kl_estimator`` of the behaviour against
+    the reference log-probs; a sample without reference log-probs has no penalty). Values are
+    ``Scored.values`` (0 where the sample has none). Returns ``(advantages, returns, mask)``,
+    each [B, T] right-aligned (row i's completion tokens are its last columns; T the longest
+    completion), advantages not whitened.
+    """
+    lengths = [len(s.sample.token_ids) for s in samples]
+    mask = completion_mask(lengths)
+    width = mask.shape[1]
+    logp = _right_aligned([s.sample.logprobs for s in samples], width)
+    with_ref = [s.ref_logprobs if s.ref_logprobs else s.sample.logprobs for s in samples]
+    ref = _right_aligned(with_ref, width)
+    penalty = kl_coef if kl_mode == "reward" else 0.0
+    rewards = alg.token_rewards(
+        torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        mask,
+        logp,
+        ref,
+        kl_coef=penalty,
+        kl_kind=kl_estimator,
+    )
+    values = _right_aligned([s.values or [0.0] * len(s.sample.token_ids) for s in samples], width)
+    advantages, returns = alg.gae(rewards, values, mask, gamma, lam)
+    return advantages, returns, mask
+
+
+def check_norm_len(aggregation: str, norm_len: float | None) -> None:
+    """Raise ``ValueError`` unless ``norm_len`` suits ``aggregation`` (a learner or critic
+    config's pair)."""
+    if norm_len is not None and not norm_len > 0:
+        raise ValueError(f"norm_len: expected a number > 0, got {norm_len!r}")
+    if aggregation == "seq_mean_token_sum_norm" and norm_len is None:
+        raise ValueError(
+            "norm_len: aggregation 'seq_mean_token_sum_norm' (Dr. GRPO) divides each "
+            "sequence's token sum by norm_len; set it to the sampling budget "
+            "(SamplingParams.max_new_tokens)"
+        )
+
+
 def _fsync_dir(path: str) -> None:
     """Make a rename or a new file in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -158,7 +235,7 @@ class Learner(Role):
         model_config: dict[str, Any] = {}
         tokenizer_path: str = ""
         seed: int = 0
-        algorithm: Literal["grpo", "ppo", "bc"] = "grpo"
+        algorithm: Literal["grpo", "rloo", "ppo", "bc"] = "grpo"
         lr: float = 1e-3
         betas: tuple[float, float] = (0.9, 0.999)
         weight_decay: float = 0.0
@@ -169,6 +246,7 @@ class Learner(Role):
         clip_eps: float = 0.2
         dual_clip: float | None = None
         normalize_std: bool = True
+        std: alg.StdKind = "population"
         whiten_advantages: bool = False
         kl_coef: float = 0.0
         kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -178,7 +256,8 @@ class Learner(Role):
         bc_anneal_steps: int = 0
         gamma: float = 1.0
         lam: float = 0.95
-        aggregation: str = "token_mean"
+        aggregation: alg.Aggregation = "token_mean"
+        norm_len: float | None = None
         micro_batch_tokens: int = 8192
         checkpoint_every: int = 0
         durable: bool = True
@@ -187,6 +266,9 @@ class Learner(Role):
         keep_checkpoints: int = 2
         pad_id: int = 0
         dropout: bool = False
+
+        def __post_init__(self) -> None:
+            check_norm_len(self.aggregation, self.norm_len)
 
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
@@ -319,6 +401,11 @@ class Learner(Role):
             result.replayed = True
             return result
         algorithm = batch.algorithm or cfg.algorithm
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"{self.ctx.name}: unknown algorithm {algorithm!r} in TrainBatch.algorithm; "
+                f"expected one of {ALGORITHMS} (empty for the configured one)"
+            )
         fresh = [
             s
             for s in batch.samples
@@ -334,11 +421,17 @@ class Learner(Role):
                 group["lr"] = batch.lr * self._lr_factor(self.step)
         if fresh:
             advantages = self._advantages(algorithm, fresh)
-            total_tokens = sum(max(1, len(s.sample.token_ids)) for s in fresh)
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for chunk in self._micro_batches(fresh):
-                weight = sum(max(1, len(fresh[i].sample.token_ids)) for i in chunk) / total_tokens
+            # Each micro-batch weighs what it adds to the whole batch's aggregate (its tokens
+            # for a token mean, its non-empty sequences for a sequence mean), so the summed
+            # gradient is the whole batch's.
+            mask = completion_mask([len(s.sample.token_ids) for s in fresh])
+            chunks = self._micro_batches(fresh)
+            shares = [float(alg.aggregate_weight(mask[chunk], cfg.aggregation)) for chunk in chunks]
+            total = sum(shares)
+            for chunk, share in zip(chunks, shares, strict=True):
+                weight = share / total if total else 0.0
                 loss, parts = self._loss(
                     algorithm,
                     [fresh[i] for i in chunk],
@@ -348,6 +441,7 @@ class Learner(Role):
                 (loss * weight).backward()  # type: ignore[no-untyped-call]
                 for key, value in parts.items():
                     sums[key] = sums.get(key, 0.0) + value * weight
+            sums.update(self._bc_term(batch.demos))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             lr = float(self.scheduler.get_last_lr()[0])
             metrics = {**sums, "grad_norm": float(grad_norm), "lr": lr}
@@ -389,33 +483,44 @@ class Learner(Role):
         return chunks
 
     def _advantages(self, algorithm: str, samples: list[Scored]) -> list[Any]:
+        """One advantage per sample (GRPO, RLOO), one per completion token (PPO), or None
+        (BC). GRPO uses the advantages the pipeline gave when every sample has one; RLOO always
+        computes its own over the batch's groups (samples of one prompt id)."""
+        cfg = self.config
         if algorithm == "bc":
             return [None] * len(samples)
         if algorithm == "grpo" and all(s.advantage is not None for s in samples):
             given = [float(s.advantage) for s in samples if s.advantage is not None]
             return self._whiten(given)
-        if algorithm == "grpo":
+        if algorithm in ("grpo", "rloo"):
             groups: dict[str, int] = {}
             ids = torch.tensor(
                 [groups.setdefault(s.sample.prompt_id, len(groups)) for s in samples]
             )
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            adv = alg.grpo_advantages(rewards, ids, normalize_std=self.config.normalize_std)
+            if algorithm == "rloo":
+                adv = alg.rloo_advantages(rewards, ids)
+            else:
+                adv = alg.grpo_advantages(
+                    rewards, ids, normalize_std=cfg.normalize_std, std=cfg.std
+                )
             return self._whiten([float(a) for a in adv])
-        # PPO: GAE over the critic's values, the reward on the last token.
-        out = []
-        for s in samples:
-            n = len(s.sample.token_ids)
-            rewards = torch.zeros(1, n)
-            if n:
-                rewards[0, -1] = s.reward
-            if self.config.kl_mode == "reward" and s.ref_logprobs and self.config.kl_coef:
-                logp = torch.tensor([s.sample.logprobs])
-                ref = torch.tensor([s.ref_logprobs])
-                rewards -= self.config.kl_coef * alg.kl_estimator(logp, ref, "k1")
-            values = torch.tensor([s.values or [0.0] * n], dtype=torch.float32)
-            adv, _ = alg.gae(rewards, values, torch.ones(1, n), self.config.gamma, self.config.lam)
-            out.append(adv[0].tolist())
+        # PPO: GAE over the critic's values, whitened over every completion token of the batch.
+        adv, _, mask = gae_targets(
+            samples,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            kl_mode=cfg.kl_mode,
+        )
+        width = mask.shape[1]
+        rows = [adv[i, width - len(s.sample.token_ids) :].tolist() for i, s in enumerate(samples)]
+        flat = self._whiten([a for row in rows for a in row])
+        out, start = [], 0
+        for row in rows:
+            out.append(flat[start : start + len(row)])
+            start += len(row)
         return out
 
     def _whiten(self, advantages: list[float]) -> list[float]:
@@ -426,47 +531,57 @@ class Learner(Role):
         moments = batch_moments(advantages)
         return [(a - moments.mean) / (moments.std + 1e-8) for a in advantages]
 
+    def _aggregate(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return alg.aggregate(values, mask, self.config.aggregation, self.config.norm_len)
+
     def _loss(
         self, algorithm: str, samples: list[Scored], advantages: list[Any], batch: TrainBatch
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's loss, aggregated over its own tokens (the caller weighs it)."""
         cfg = self.config
         logprobs, target, logits = self._forward_logprobs(
             [s.sample.prompt_ids for s in samples], [s.sample.token_ids for s in samples]
         )
         parts: dict[str, float] = {}
         if algorithm == "bc":
-            loss = -alg.aggregate(logprobs, target, cfg.aggregation)
+            loss = -self._aggregate(logprobs, target)
             parts["nll"] = float(loss.detach())
             return loss, parts
         behaviour = _aligned([s.sample.logprobs for s in samples], target)
-        if algorithm == "grpo":
+        if algorithm in ("grpo", "rloo"):
             adv = torch.tensor(advantages, dtype=torch.float32)[:, None].expand_as(target) * target
         else:
             adv = _aligned(advantages, target)
         loss, stats = self._policy_loss(logprobs, behaviour, adv, target, batch)
         parts["policy_loss"] = float(loss.detach())
         parts.update({k: float(v) for k, v in stats.items()})
-        if cfg.kl_coef and cfg.kl_mode == "loss" and all(s.ref_logprobs for s in samples):
+        # An empty completion needs no reference log-probs.
+        if (
+            cfg.kl_coef
+            and cfg.kl_mode == "loss"
+            and all(s.ref_logprobs or not s.sample.token_ids for s in samples)
+        ):
             ref = _aligned([s.ref_logprobs for s in samples], target)
-            kl = alg.aggregate(
-                alg.kl_estimator(logprobs, ref, cfg.kl_estimator), target, cfg.aggregation
-            )
+            kl = self._aggregate(alg.kl_estimator(logprobs, ref, cfg.kl_estimator), target)
             loss = loss + cfg.kl_coef * kl
             parts["kl"] = float(kl.detach())
         if cfg.entropy_coef:
-            entropy = alg.aggregate(alg.entropy_from_logits(logits), target, cfg.aggregation)
+            entropy = self._aggregate(alg.entropy_from_logits(logits), target)
             loss = loss - cfg.entropy_coef * entropy
             parts["entropy"] = float(entropy.detach())
-        bc_coef = self._bc_coef()
-        demos = batch.demos
-        if bc_coef and demos:
-            demo_logp, demo_target, _ = self._forward_logprobs(
-                [d.prompt_ids for d in demos], [d.token_ids for d in demos]
-            )
-            nll = -alg.aggregate(demo_logp, demo_target, cfg.aggregation)
-            loss = loss + bc_coef * nll
-            parts["bc_nll"] = float(nll.detach())
         return loss, parts
+
+    def _bc_term(self, demos: list[Sample]) -> dict[str, float]:
+        """Backpropagate the optional BC term over the batch's demonstrations, once per step."""
+        bc_coef = self._bc_coef()
+        if not (bc_coef and demos):
+            return {}
+        demo_logp, demo_target, _ = self._forward_logprobs(
+            [d.prompt_ids for d in demos], [d.token_ids for d in demos]
+        )
+        nll = -self._aggregate(demo_logp, demo_target)
+        (bc_coef * nll).backward()  # type: ignore[no-untyped-call]
+        return {"bc_nll": float(nll.detach())}
 
     def _policy_loss(
         self,
@@ -489,13 +604,14 @@ class Learner(Role):
                 cfg.dual_clip,
                 cfg.aggregation,
                 importance_cap=batch.importance_cap,
+                norm_len=cfg.norm_len,
             )
         if batch.correction == "tis":
             weight = alg.truncated_importance_weights(
                 logprobs, behaviour, batch.importance_cap, mask=target
             )
             per_token = -(weight * adv * logprobs)
-            loss = alg.aggregate(per_token, target, cfg.aggregation)
+            loss = self._aggregate(per_token, target)
             return loss, {"importance_weight_mean": alg.masked_mean(weight, target)}
         return alg.ppo_policy_loss(
             logprobs,
@@ -505,6 +621,7 @@ class Learner(Role):
             cfg.clip_eps,
             cfg.dual_clip,
             cfg.aggregation,
+            norm_len=cfg.norm_len,
         )
 
     def _bc_coef(self) -> float:

@@ -358,3 +358,58 @@ def test_export_writes_only_inside_the_run_directory(tmp_path: Any) -> None:
     assert (outside / "keep.txt").read_text() == "precious"
     allowed = make(tmp_path / "run2", write_paths=[str(outside)])
     assert allowed._export(str(outside / "model")) == str(outside / "model")
+
+
+AGGREGATIONS = [
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+]
+
+
+def _uneven_batch(learner: Learner) -> list[Scored]:
+    """Two groups whose completions have 3, 1, 0 (empty), 5, 2 and 4 tokens."""
+    rows = [
+        ("a", [2, 3, 12], [6, 7, 1], 1.0),
+        ("a", [2, 3, 12], [8], 0.0),
+        ("a", [2, 3, 12], [], 0.5),
+        ("b", [4, 13], [5, 6, 7, 8, 1], 1.0),
+        ("b", [4, 13], [9, 1], 0.0),
+        ("b", [4, 13], [10, 11, 6, 1], 0.0),
+    ]
+    out = []
+    for i, (pid, prompt, tokens, reward) in enumerate(rows):
+        # Behaviour log-probs a little off the current ones, so that no ratio is 1.
+        current = learner._logprobs([sample(pid, prompt, tokens)])[0]
+        behaviour = [lp - 0.03 * (j + 1) for j, lp in enumerate(current)]
+        out.append(Scored(sample(pid, prompt, tokens, i, behaviour), reward=reward))
+    return out
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_micro_batches_weigh_like_the_whole_batch(tmp_path: Any, aggregation: str) -> None:
+    """Token means weigh each token once (an empty completion adds none); sequence means weigh
+    each non-empty sequence 1/B: split into micro-batches, the loss and the gradient are those
+    of the whole batch."""
+    config = {
+        "lr": 0.0,
+        "grad_clip": 1e9,  # clipping to a norm would hide a wrong scale
+        "aggregation": aggregation,
+        "norm_len": 8.0,
+        "entropy_coef": 0.1,
+    }
+    whole = make(tmp_path / "whole", micro_batch_tokens=10_000, **config)
+    split = make(tmp_path / "split", micro_batch_tokens=6, **config)
+    batch = _uneven_batch(whole)
+    assert len(split._micro_batches(batch)) == 6
+    a = whole._train_step(TrainBatch(batch, algorithm="grpo")).metrics
+    b = split._train_step(TrainBatch(batch, algorithm="grpo")).metrics
+    assert abs(a["policy_loss"]) > 0.01
+    assert b["policy_loss"] == pytest.approx(a["policy_loss"], rel=1e-6, abs=1e-6)
+    assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-6, abs=1e-6)
+    for (name, x), y in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
+        assert x.grad is not None and y.grad is not None
+        torch.testing.assert_close(
+            x.grad, y.grad, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
