@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from typing import Any
 
@@ -413,3 +414,121 @@ def test_micro_batches_weigh_like_the_whole_batch(tmp_path: Any, aggregation: st
         torch.testing.assert_close(
             x.grad, y.grad, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def _grads(learner: Learner) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
+
+
+def test_dr_grpo_aggregation_divides_sequence_sums_by_norm_len(tmp_path: Any) -> None:
+    """seq_mean_token_sum_norm is seq_mean_token_sum divided by the configured norm_len."""
+    common = {"lr": 0.0, "grad_clip": 1e9, "micro_batch_tokens": 6}
+    summed = make(tmp_path / "sum", aggregation="seq_mean_token_sum", **common)
+    normed = make(tmp_path / "norm", aggregation="seq_mean_token_sum_norm", norm_len=8, **common)
+    batch = _uneven_batch(summed)
+    a = summed._train_step(TrainBatch(batch, algorithm="grpo")).metrics["policy_loss"]
+    b = normed._train_step(TrainBatch(batch, algorithm="grpo")).metrics["policy_loss"]
+    assert b == pytest.approx(a / 8, rel=1e-6)
+    torch.testing.assert_close(_grads(normed), _grads(summed) / 8, atol=1e-6, rtol=0)
+
+
+def test_dr_grpo_aggregation_needs_norm_len(tmp_path: Any) -> None:
+    import msgspec
+
+    with pytest.raises(
+        msgspec.ValidationError,
+        match=r"^norm_len: aggregation 'seq_mean_token_sum_norm' \(Dr. GRPO\) divides each "
+        r"sequence's token sum by norm_len; set it to the sampling budget "
+        r"\(SamplingParams.max_new_tokens\)$",
+    ):
+        make(tmp_path, aggregation="seq_mean_token_sum_norm")
+    with pytest.raises(msgspec.ValidationError, match=r"^norm_len: expected a number > 0, got 0"):
+        make(tmp_path, aggregation="seq_mean_token_sum_norm", norm_len=0)
+
+
+def _ppo_batch() -> list[Scored]:
+    """Three samples with critic values, rewards and reference log-probs; one is empty."""
+    rows = [
+        ([6, 7, 1], [-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5], [0.1, 0.4, 0.2], 1.0),
+        ([8, 1], [-0.3, -0.7], [-0.2, -1.7], [0.5, -0.3], 0.0),
+        ([], [], [], [], 0.5),
+    ]
+    return [
+        Scored(
+            Sample("p", i, [2, 3, 13], tokens, logp, [0] * len(tokens), True, "stop"),
+            reward=reward,
+            ref_logprobs=ref,
+            values=values,
+        )
+        for i, (tokens, logp, ref, values, reward) in enumerate(rows)
+    ]
+
+
+def test_ppo_advantages_are_whitened_over_the_batch_tokens(tmp_path: Any) -> None:
+    """gamma = lam = 1: A_t = R - V_t. Whitened over the five completion tokens, with the
+    population std the data-parallel moments give."""
+    plain = make(tmp_path / "a", algorithm="ppo", gamma=1.0, lam=1.0)
+    white = make(tmp_path / "b", algorithm="ppo", gamma=1.0, lam=1.0, whiten_advantages=True)
+    batch = _ppo_batch()
+    raw = [1.0 - 0.1, 1.0 - 0.4, 1.0 - 0.2, 0.0 - 0.5, 0.0 + 0.3]
+    got = plain._advantages("ppo", batch)
+    assert [len(row) for row in got] == [3, 2, 0]
+    assert [a for row in got for a in row] == pytest.approx(raw, abs=1e-6)
+    mean = sum(raw) / 5
+    std = (sum((a - mean) ** 2 for a in raw) / 5) ** 0.5
+    whitened = white._advantages("ppo", batch)
+    assert [len(row) for row in whitened] == [3, 2, 0]
+    flat = [a for row in whitened for a in row]
+    assert flat == pytest.approx([(a - mean) / (std + 1e-8) for a in raw], abs=1e-6)
+
+
+def test_ppo_kl_in_the_reward_uses_the_configured_estimator(tmp_path: Any) -> None:
+    """kl_mode reward, gamma = lam = 1: A_t = reward - kl_coef * sum_{t' >= t} KL_t' - V_t."""
+    learner = make(tmp_path, algorithm="ppo", gamma=1.0, lam=1.0, kl_mode="reward", kl_coef=0.5)
+    kl = [(-1.0 + 1.5), (-2.0 + 1.0), (-0.5 + 0.5)]  # k1: logp - ref
+    kl = [math.expm1(-x) + x for x in kl]  # k3 (the default): exp(ref - logp) - (ref - logp) - 1
+    values = [0.1, 0.4, 0.2]
+    expected = [1.0 - 0.5 * sum(kl[t:]) - values[t] for t in range(3)]
+    assert learner._advantages("ppo", _ppo_batch())[0] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+def test_grpo_std_convention(tmp_path: Any, std: str) -> None:
+    """Group a: rewards 1, 0, 0 (mean 1/3); group b: one sample, advantage 0."""
+    learner = make(tmp_path, std=std)
+    batch = [
+        Scored(sample("a", [2, 13], [4, 1], 0), 1.0),
+        Scored(sample("a", [2, 13], [5, 1], 1), 0.0),
+        Scored(sample("a", [2, 13], [6, 1], 2), 0.0),
+        Scored(sample("b", [2, 13], [6, 1], 0), 7.0),
+    ]
+    squares = (2 / 3) ** 2 + 2 * (1 / 3) ** 2
+    sd = (squares / (3 if std == "population" else 2)) ** 0.5
+    expected = [(2 / 3) / (sd + 1e-6), (-1 / 3) / (sd + 1e-6), (-1 / 3) / (sd + 1e-6), 0.0]
+    assert learner._advantages("grpo", batch) == pytest.approx(expected, abs=1e-6)
+
+
+def test_rloo_is_selectable(tmp_path: Any) -> None:
+    """algorithm: rloo: A_i = r_i - mean of the group's other rewards; a lone sample gets 0.
+    Given (pipeline) advantages are GRPO's and are not used."""
+    learner = make(tmp_path, algorithm="rloo", lr=0.01)
+    rewards = [1.0, 0.0, 0.5, 3.0]
+    batch = [
+        Scored(sample("a" if i < 3 else "b", [2, 13], [4 + i, 1], i), r, advantage=9.0)
+        for i, r in enumerate(rewards)
+    ]
+    assert learner._advantages("rloo", batch) == pytest.approx([0.75, -0.75, 0.0, 0.0], abs=1e-6)
+    result = learner._train_step(TrainBatch(batch))  # the configured algorithm
+    # The same step as GRPO given those advantages.
+    given = make(tmp_path / "given", lr=0.01)
+    rloo = [
+        Scored(s.sample, s.reward, advantage=a)
+        for s, a in zip(batch, [0.75, -0.75, 0, 0], strict=True)
+    ]
+    expected = given._train_step(TrainBatch(rloo, algorithm="grpo"))
+    assert result.consumed == 4
+    assert result.metrics["policy_loss"] == pytest.approx(expected.metrics["policy_loss"])
+    assert abs(result.metrics["policy_loss"]) > 0.01
+    torch.testing.assert_close(_grads(learner), _grads(given), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"unknown algorithm 'reinforce' in TrainBatch"):
+        learner._train_step(TrainBatch(batch, algorithm="reinforce"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
+from asyncrl.roles.critic import Critic, check_matches_learner
 from asyncrl.roles.learner import Learner, Scored, TrainBatch
 from asyncrl.roles.reference import Reference
 from asyncrl.roles.rollout import Sample, WeightsUpdate
@@ -142,3 +142,93 @@ def test_bc_term_anneals_to_zero(tmp_path: Any) -> None:
         metrics = learner._train_step(TrainBatch(batch, algorithm="grpo", demos=[demo])).metrics
         assert ("bc_nll" in metrics) == (coefs[-1] > 0)
     assert coefs == [0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
+
+
+def _ppo_batch() -> list[Scored]:
+    """Samples with critic values, rewards and reference log-probs; one without a reference and
+    one empty."""
+    rows = [
+        ([6, 7, 1], [-1.0, -2.0, -0.5], [-1.5, -1.0, -0.5], [0.1, 0.4, 0.2], 1.0),
+        ([8, 1], [-0.3, -0.7], [-0.2, -1.7], [0.5, -0.3], 0.0),
+        ([9, 10, 11, 1], [-0.1, -0.2, -0.3, -0.4], [], [0.0, 0.1, 0.2, 0.3], 1.0),
+        ([], [], [], [], 0.5),
+    ]
+    return [
+        Scored(
+            Sample("p", i, [2, 3, 13], tokens, logp, [0] * len(tokens), True, "stop"),
+            reward=reward,
+            ref_logprobs=ref,
+            values=values,
+        )
+        for i, (tokens, logp, ref, values, reward) in enumerate(rows)
+    ]
+
+
+KL_CONFIG = {"gamma": 0.9, "lam": 0.8, "kl_mode": "reward", "kl_coef": 0.3}
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_critic_targets_are_the_returns_of_the_learners_advantages(
+    tmp_path: Any, estimator: str
+) -> None:
+    """kl_mode reward: the critic's targets include the -kl_coef * KL penalty the learner's
+    advantages used: returns = advantages + values, token for token."""
+    config = {**KL_CONFIG, "kl_estimator": estimator}
+    learner = Learner(
+        RoleContext.local(
+            config={"model_config": MODEL, "publish_weights": False, "algorithm": "ppo", **config},
+            run_dir=str(tmp_path),
+        )
+    )
+    asyncio.run(learner.setup())
+    critic = Critic(RoleContext.local(config={"model_config": MODEL, **config}))
+    asyncio.run(critic.setup())
+    batch = _ppo_batch()
+    advantages = learner._advantages("ppo", batch)
+    old, returns = critic._targets(batch)
+    width = returns.shape[1]
+    for i, s in enumerate(batch):
+        n = len(s.sample.token_ids)
+        expected = [a + v for a, v in zip(advantages[i], s.values, strict=True)]
+        assert returns[i, width - n :].tolist() == pytest.approx(expected, abs=1e-6)
+        assert old[i, width - n :].tolist() == pytest.approx(s.values, abs=1e-6)
+    # The penalty is there: the second sample's last return is its reward, 0, minus 0.3 * KL
+    # at its last token, where log(ref / policy) = -1.7 + 0.7.
+    assert returns[1, -1].item() == pytest.approx(-0.3 * _kl(-1.0, estimator), abs=1e-6)
+    check_matches_learner(config, config)
+
+
+def _kl(log_ratio: float, estimator: str) -> float:
+    """A KL estimate from x = log(ref / policy), by hand."""
+    import math
+
+    x = log_ratio
+    return {"k1": -x, "k2": 0.5 * x * x, "k3": math.expm1(x) - x}[estimator]
+
+
+def test_critic_and_learner_return_settings_must_match() -> None:
+    check_matches_learner({"kl_mode": "loss", "kl_coef": 0.1}, {})  # no penalty in the reward
+    with pytest.raises(
+        ValueError,
+        match=r"^the critic's return targets would differ from the returns the learner's "
+        r"advantages come from; set the same values in both configs: lam: learner 0.8, critic "
+        r"0.95; kl_coef: learner 0.3, critic 0.0; kl_estimator: learner 'k3', critic '-'$",
+    ):
+        check_matches_learner(KL_CONFIG, {"gamma": 0.9})
+
+
+def test_critic_dr_grpo_aggregation_divides_by_norm_len(tmp_path: Any) -> None:
+    import msgspec
+
+    def loss(**config: Any) -> float:
+        critic = Critic(RoleContext.local(config={"model_config": MODEL, "lr": 0.0, **config}))
+        asyncio.run(critic.setup())
+        return critic._train_step(_ppo_batch())["value_loss"]
+
+    summed = loss(aggregation="seq_mean_token_sum")
+    assert summed > 0.01
+    assert loss(aggregation="seq_mean_token_sum_norm", norm_len=4) == pytest.approx(
+        summed / 4, rel=1e-6
+    )
+    with pytest.raises(msgspec.ValidationError, match=r"^norm_len: aggregation"):
+        Critic(RoleContext.local(config={"aggregation": "seq_mean_token_sum_norm"}))
