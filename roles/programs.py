@@ -17,6 +17,7 @@ same batch id: the learner answers with the step it already took, or takes it if
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -136,32 +137,44 @@ async def resend(
     reply_type: Any = Any,
     *,
     timeout: float = 300.0,
-    attempts: int = 20,
+    first_pause_s: float = 0.05,
+    max_pause_s: float = 1.0,
 ) -> Any:
     """Call a once endpoint whose request is safe to send again, and send it again when the
-    replica broke with it in flight (died, hung, restarted) rather than fail the run.
+    replica broke with it in flight (died, hung, restarted, or was not reachable yet) rather
+    than fail the run; between tries it pauses, from ``first_pause_s`` doubling up to
+    ``max_pause_s``, for ``timeout`` seconds in all.
 
     Use it only where the role makes a repeat harmless: ``train_step`` with a ``TrainBatch.id``
     (the learner answers a repeat with the step it took), ``checkpoint``.
 
     Raises:
-        BrokenError: the call broke ``attempts`` times in a row.
+        BrokenError: it still broke after ``timeout`` seconds.
         DeadlineExceededError, RemoteError: as ``Handle.call``.
     """
-    for attempt in range(1, attempts + 1):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pause = first_pause_s
+    attempt = 1
+    while True:
         try:
-            return await handle.call(method, payload, reply_type, timeout=timeout)
+            return await handle.call(
+                method, payload, reply_type, timeout=max(1.0, deadline - loop.time())
+            )
         except BrokenError as exc:
-            if attempt == attempts:
+            if loop.time() + pause >= deadline:
                 raise
+            attempt += 1
             log.warning(
-                "%s.%s broke in flight (%s); sending it again (attempt %d)",
+                "%s.%s broke in flight (%s); sending it again in %.2f s (attempt %d)",
                 handle.name,
                 method,
                 exc,
-                attempt + 1,
+                pause,
+                attempt,
             )
-    raise AssertionError("unreachable")
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, max_pause_s)
 
 
 async def learn(

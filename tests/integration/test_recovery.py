@@ -39,10 +39,13 @@ BATCH = SHORT["prompts_per_step"] * SHORT["group_size"]
 FAST = {"backoff_initial_s": 0.05, "backoff_max_s": 0.5, "max_restarts": 10, "period_s": 60}
 
 
-def arith_manifest(run_dir: str, *, learner_env: dict[str, str] | None = None) -> str:
+def arith_manifest(
+    run_dir: str, *, learner_env: dict[str, str] | None = None, mode: str = "sync"
+) -> str:
     with open(os.path.join(ROOT, "examples/arith/bc_grpo.yaml")) as f:
         manifest = yaml.safe_load(f)
     manifest["run"]["config"].update(SHORT)
+    manifest["pipeline"]["mode"] = mode
     for role in manifest["roles"].values():
         role["supervision"] = dict(FAST)
     manifest["driver"] = {"supervision": dict(FAST)}
@@ -215,8 +218,11 @@ def _driver_pid(run_dir: str) -> int:
     return int(started[-1]["pid"])
 
 
-def test_driver_killed_mid_rl_resumes_without_replaying(run_dir: str) -> None:
-    proc = start(arith_manifest(run_dir), run_dir)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_driver_killed_mid_rl_resumes_without_replaying(run_dir: str, mode: str) -> None:
+    """In async mode groups past the cursor may have been consumed already: the resumed
+    pipeline skips them rather than generating and consuming them again."""
+    proc = start(arith_manifest(run_dir, mode=mode), run_dir)
     bc_steps = SHORT["bc_max_steps"]
     _wait_for(lambda: len(steps(run_dir)) >= bc_steps + 5, proc, "RL step 5", 300)
     os.kill(_driver_pid(run_dir), signal.SIGKILL)
@@ -230,7 +236,10 @@ def test_driver_killed_mid_rl_resumes_without_replaying(run_dir: str) -> None:
     assert summary["learner_steps"] == bc_steps + SHORT["rl_steps"]
 
 
-def test_learner_killed_in_a_checkpoint_write_and_before_a_reply(run_dir: str) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_learner_killed_in_a_checkpoint_write_and_before_a_reply(run_dir: str, mode: str) -> None:
+    """In async mode the rollouts keep generating, within the staleness bound, while the
+    learner is away."""
     faults = {
         # incarnation 0 dies writing its 20th checkpoint (half written, not renamed), so
         # that step was never acknowledged and is trained again; incarnation 1 dies after
@@ -238,7 +247,9 @@ def test_learner_killed_in_a_checkpoint_write_and_before_a_reply(run_dir: str) -
         "kill_at": {"point": "checkpoint_write", "every": 20, "incarnations": 1},
         "kill_before_reply": {"method": "train_step", "every": 30, "incarnations": 2},
     }
-    manifest = arith_manifest(run_dir, learner_env={"ASYNCRL_FAULTS": json.dumps(faults)})
+    manifest = arith_manifest(
+        run_dir, learner_env={"ASYNCRL_FAULTS": json.dumps(faults)}, mode=mode
+    )
     proc = start(manifest, run_dir)
     out = finish(proc)
     assert proc.returncode == 0, out
