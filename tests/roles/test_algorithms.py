@@ -705,3 +705,82 @@ def test_value_loss_errors() -> None:
 def test_public_names_resolve() -> None:
     assert sorted(alg.__all__) == alg.__all__
     assert [n for n in alg.__all__ if not hasattr(alg, n)] == []
+
+
+# --------------------------------------------------------------------------------------------
+# Conventions: GRPO's std, a group of one, the log-ratio clamp; micro-batch weights; rewards
+
+
+def test_grpo_unbiased_std_by_hand() -> None:
+    # Group 0: 1, 0, 0 -> mean 1/3, squared deviations 4/9 + 1/9 + 1/9 = 2/3; unbiased variance
+    # (2/3) / 2 = 1/3. Group 1: one sample, advantage 0 under either convention.
+    rewards = f64([1.0, 0.0, 0.0, 5.0])
+    ids = torch.tensor([0, 0, 0, 1])
+    sd = math.sqrt(1 / 3) + 1e-6
+    close(
+        alg.grpo_advantages(rewards, ids, std="unbiased"),
+        [(2 / 3) / sd, -1 / 3 / sd, -1 / 3 / sd, 0],
+    )
+    population = alg.grpo_advantages(rewards, ids, normalize_std=False)
+    close(alg.grpo_advantages(rewards, ids, normalize_std=False, std="unbiased"), population)
+    close(alg.grpo_advantages(rewards, ids), [x / (math.sqrt(2 / 9) + 1e-6) for x in population])
+    with pytest.raises(
+        ValueError,
+        match=exactly("unknown std 'sample'; expected one of ('population', 'unbiased')"),
+    ):
+        alg.grpo_advantages(rewards, std="sample")  # type: ignore[arg-type]
+
+
+def test_a_huge_log_ratio_is_clamped_to_20() -> None:
+    """A very stale token (log-ratio 100) with a negative advantage and no dual clip: the loss
+    is -A * exp(20), finite, and the clamped token sends no gradient."""
+    # float32, as the learner computes: exp(100) would overflow it to inf.
+    logprobs = torch.tensor([[0.0, 100.0]]).requires_grad_()
+    old = torch.tensor([[0.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0]])
+    loss, stats = alg.ppo_policy_loss(logprobs, old, adv, mask, 0.2)
+    # Token 0: ratio 1, loss -1. Token 1: ratio exp(20), loss -(-1) * exp(20); mean of the two.
+    assert float(loss.detach()) == pytest.approx((-1.0 + math.exp(20.0)) / 2, rel=1e-6)
+    loss.backward()
+    assert logprobs.grad is not None
+    assert logprobs.grad.tolist() == [[-0.5, 0.0]]
+    assert all(math.isfinite(float(v)) for v in stats.values())
+    # Decoupled PPO: a log importance weight of 100 is clamped the same way.
+    current = logprobs.detach().clone().requires_grad_()
+    loss, _ = alg.decoupled_ppo_policy_loss(current, current.detach(), old - 100.0, adv, mask, 0.2)
+    loss.backward()
+    assert current.grad is not None
+    assert float(loss.detach()) == pytest.approx(math.exp(20.0) * (-1.0 + 1.0) / 2, abs=1e-6)
+    assert bool(torch.isfinite(current.grad).all())
+    assert current.grad.tolist()[0] == pytest.approx([-0.5 * math.exp(20.0), 0.5 * math.exp(20.0)])
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_aggregate_weight_splits_a_batch_exactly(mode: alg.Aggregation) -> None:
+    # Rows with 3, 0 (empty) and 2 valid tokens, split as [row 0] and [rows 1, 2].
+    values = f64([[1.0, 2.0, 3.0], [9.0, 9.0, 9.0], [0.0, 4.0, 5.0]])
+    mask = f64([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    whole = alg.aggregate(values, mask, mode)
+    total = alg.aggregate_weight(mask, mode)
+    parts = [slice(0, 1), slice(1, 3)]
+    split = sum(
+        alg.aggregate(values[p], mask[p], mode) * alg.aggregate_weight(mask[p], mode) / total
+        for p in parts
+    )
+    close(split, whole)
+    assert int(total) == (5 if mode == "token_mean" else 2)
+
+
+def test_token_rewards_by_hand() -> None:
+    # Row 0: reward 1 on its last valid token (column 1; column 2 is padding); row 1: empty.
+    mask = f64([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    logp = f64([[-1.0, -2.0, NAN], [0.0, 0.0, 0.0], [0.0, -0.5, -0.5]])
+    ref = f64([[-1.5, -1.0, NAN], [0.0, 0.0, 0.0], [0.0, -0.5, -1.5]])
+    rewards = f64([1.0, 7.0, 2.0])
+    close(alg.token_rewards(rewards, mask), [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    # k1 = logp - ref: 0.5, -1.0 | - | 0.0, 1.0; times kl_coef 0.5 subtracted.
+    close(
+        alg.token_rewards(rewards, mask, logp, ref, kl_coef=0.5, kl_kind="k1"),
+        [[-0.25, 1.0 + 0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 2.0 - 0.5]],
+    )
