@@ -1,10 +1,13 @@
-"""The learner: GRPO, PPO and behaviour cloning on a Hugging Face causal LM.
+"""The learner: GRPO, RLOO, PPO and behaviour cloning on a Hugging Face causal LM.
 
 One ``train_step`` consumes a batch of scored samples (or demonstrations, for BC), splits it into
-micro-batches by a token budget, accumulates gradients, clips them and takes one AdamW step under
-the LR schedule; the policy version then goes up by one. Every sample's stable id goes into the
-learner's ledger of consumed ids, and a sample already consumed is skipped, so a batch re-sent
-after a crash is never trained on twice.
+micro-batches by a token budget, accumulates gradients (each micro-batch weighted by what it adds
+to the whole batch's aggregate, so the gradient does not depend on the split), clips them and
+takes one AdamW step under the LR schedule; the policy version then goes up by one. Every
+sample's stable id goes into the learner's ledger of consumed ids, and a sample already consumed
+is skipped, so a batch re-sent after a crash is never trained on twice. The conventions (GRPO's
+std, a group of one, the log-ratio clamp, ``norm_len``, whitening, the KL penalty in the reward)
+are in docs/algorithms.md.
 
 **A step it acknowledged is never lost** (``durable: true``, the default). Before ``train_step``
 replies, the step is on disk: its line in the step log (``RUN_DIR/ledger/<role>.<replica>.steps
