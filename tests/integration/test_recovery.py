@@ -84,7 +84,16 @@ def start(manifest: str, run_dir: str, *extra: str) -> subprocess.Popen[str]:
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 600) -> str:
+    """Wait for the run; return its console, and on failure the end of every process's
+    stderr, so that a failure explains itself."""
     out, _ = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        run_dir = proc.args[proc.args.index("--run-dir") + 1] if "--run-dir" in proc.args else ""
+        logs = os.path.join(str(run_dir), "logs")
+        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+            if name.endswith(".stderr"):
+                with open(os.path.join(logs, name), errors="replace") as f:
+                    out += f"\n--- {name} ---\n" + "".join(f.readlines()[-30:])
     return out
 
 
