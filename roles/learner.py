@@ -362,6 +362,9 @@ class Learner(Role):
             "keep": self.keep,
             "last": self.last,
             "durable": self.config.durable,
+            # How GRPO advantages are computed here: a program's sample pipeline attaches
+            # advantages computed the same way (asyncrl.roles.pipeline.group_advantages).
+            "advantages": {"normalize_std": self.config.normalize_std, "std": self.config.std},
         }
 
     # -- compute (worker thread) ------------------------------------------------------------

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -169,13 +170,27 @@ class WeightSync:
 
 
 def group_advantages(
-    rewards: list[float], moments: Moments, *, normalize_std: bool = True, eps: float = 1e-6
+    rewards: list[float],
+    moments: Moments,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    std: str = "population",
 ) -> list[float]:
     """GRPO advantages of a group's rewards from its reduced moments: ``(r - mean) / (std +
-    eps)``, or ``r - mean``; the population std, as ``algorithms.grpo_advantages`` uses."""
-    if normalize_std:
-        return [(r - moments.mean) / (moments.std + eps) for r in rewards]
-    return [r - moments.mean for r in rewards]
+    eps)``, or ``r - mean``; ``std`` is the ``population`` or ``unbiased`` one, as in
+    ``algorithms.grpo_advantages`` (docs/algorithms.md), and a group of one sample gets 0."""
+    if moments.count < 2:
+        return [0.0] * len(rewards)
+    if not normalize_std:
+        return [r - moments.mean for r in rewards]
+    if std == "unbiased":
+        sd = math.sqrt(moments.m2 / (moments.count - 1))
+    elif std == "population":
+        sd = moments.std
+    else:
+        raise ValueError(f"std: expected 'population' or 'unbiased', got {std!r}")
+    return [(r - moments.mean) / (sd + eps) for r in rewards]
 
 
 class Batch(msgspec.Struct):
@@ -237,6 +252,7 @@ class SamplePipeline:
         start_cursor: int = 0,
         resume: dict[str, Any] | None = None,
         normalize_std: bool = True,
+        std: str = "population",
         timeout: float = 600.0,
         watchdog: Any = None,
     ) -> None:
@@ -253,6 +269,7 @@ class SamplePipeline:
         self.batch_size = batch_size
         self.group_size = group_size
         self.normalize_std = normalize_std
+        self.std = std
         self.timeout = timeout
         self.pacer = Pacer(
             batch_size,
@@ -429,7 +446,9 @@ class SamplePipeline:
             self.pacer.waste(missing)
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
-        advantages = group_advantages(rewards, released.moments, normalize_std=self.normalize_std)
+        advantages = group_advantages(
+            rewards, released.moments, normalize_std=self.normalize_std, std=self.std
+        )
         group.advantages = dict(zip(ks, advantages, strict=True))
         self._ready.append(group)
         self._ready_event.set()

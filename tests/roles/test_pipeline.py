@@ -151,15 +151,20 @@ def test_advantages_equal_the_one_shot_computation_in_any_completion_order() -> 
     run(main())
 
 
-def test_group_advantages_match_grpo_without_std_too() -> None:
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+def test_group_advantages_match_grpo_without_std_too(std: str) -> None:
+    """The split-mode reduction's advantages equal the learner's one-shot ones for either std
+    convention, and a group of one sample gets 0 like there."""
     rewards = [0.0, 1.0, 1.0, 0.25, 3.0]
     moments = Moments(0, 0.0, 0.0)
     for r in reversed(rewards):
         moments = moments.merge(Moments.of([r]))
     for normalize in (True, False):
-        expected = alg.grpo_advantages(torch.tensor(rewards), normalize_std=normalize)
-        got = group_advantages(rewards, moments, normalize_std=normalize)
+        expected = alg.grpo_advantages(torch.tensor(rewards), normalize_std=normalize, std=std)
+        got = group_advantages(rewards, moments, normalize_std=normalize, std=std)
         assert torch.allclose(torch.tensor(got), expected, rtol=1e-6)
+    alone = group_advantages([0.7], Moments.of([0.7]), std=std)
+    assert alone == alg.grpo_advantages(torch.tensor([0.7]), std=std).tolist() == [0.0]
 
 
 def test_sync_mode_keeps_one_batch_in_flight_and_waits_for_the_learner() -> None:
