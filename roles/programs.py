@@ -83,7 +83,7 @@ async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
         params=params,
         batch_size=cfg["prompts_per_step"] * cfg["group_size"],
         group_size=cfg["group_size"],
-        **status["advantages"],  # computed as the learner computes them
+        **status.get("advantages", {}),  # computed as the learner computes them
         start_version=status["version"],
         resume=keep.get("resume") or {"cursor": int(keep.get("cursor", 0))},
         watchdog=ctx.watchdog,

@@ -180,7 +180,7 @@ async def main(ctx: Any) -> dict[str, Any]:
         params=params,
         batch_size=cfg["prompts_per_step"] * cfg["group_size"],
         group_size=cfg["group_size"],
-        **status["advantages"],  # computed as the learner computes them
+        **status.get("advantages", {}),  # computed as the learner computes them
         start_version=status["version"],
         resume=status["keep"].get("resume"),
         watchdog=ctx.watchdog,
