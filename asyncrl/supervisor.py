@@ -555,10 +555,15 @@ class Supervisor:
             return
         child.expected_exit = True
         timeout = child.spec.policy.shutdown_timeout_s
-        if child.client is not None:
+        signals = [signal.SIGTERM, signal.SIGKILL]
+        if child.serving and child.client is not None:
             with contextlib.suppress(TransportError):
                 child.client.send_stop()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        else:
+            # Still starting (a restart the end of the run caught): it answers no STOP yet, so
+            # waiting for one would only add a timeout. SIGTERM it at once.
+            self._kill(child, signals.pop(0))
+        for sig in signals:
             try:
                 await asyncio.wait_for(child.exited.wait(), timeout)
                 return
