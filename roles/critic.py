@@ -82,6 +82,11 @@ class Critic(Role):
             check_norm_len(self.aggregation, self.norm_len)
 
     async def setup(self) -> None:
+        # In the worker thread: importing transformers and building the model take seconds,
+        # and the loop must keep answering heartbeats meanwhile.
+        await self.ctx.offload(self._build)
+
+    def _build(self) -> None:
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         cfg = self.config

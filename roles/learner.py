@@ -279,14 +279,9 @@ class Learner(Role):
 
     async def setup(self) -> None:
         cfg = self.config
-        torch.manual_seed(cfg.seed)
-        # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
-        # differ from its behaviour log-probs under the very same weights.
-        self.model = build_model(cfg.model_path, cfg.model_config, cfg.seed).train(cfg.dropout)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        # In the worker thread, like every slow step of setup: the loop keeps answering
+        # heartbeats, so a slow start is never taken for a hang.
+        await self.ctx.offload(self._build)
         self.version = 0
         self.step = 0
         self.consumed: set[tuple[str, int]] = set()
@@ -305,13 +300,27 @@ class Learner(Role):
         await self.ctx.offload(self._read_step_log)
         self.store: WeightStore | None = None
         if cfg.publish_weights:
-            # Rollout replicas on this host read the weights from shared memory (a seqlock
-            # store); the handle in the run directory lets a restarted one find them.
-            self.store = WeightStore(
-                self.model.state_dict(), run=self.ctx.run, incarnation=self.ctx.incarnation
-            )
-            self.store.publish(self.model.state_dict(), self.version)
-            write_handle(handle_path(self.ctx.run_dir, self.ctx.name), self.store.describe())
+            await self.ctx.offload(self._open_store)
+
+    def _build(self) -> None:
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
+        # differ from its behaviour log-probs under the very same weights.
+        self.model = build_model(cfg.model_path, cfg.model_config, cfg.seed).train(cfg.dropout)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def _open_store(self) -> None:
+        # Rollout replicas on this host read the weights from shared memory (a seqlock store);
+        # the handle in the run directory lets a restarted one find them.
+        self.store = WeightStore(
+            self.model.state_dict(), run=self.ctx.run, incarnation=self.ctx.incarnation
+        )
+        self.store.publish(self.model.state_dict(), self.version)
+        write_handle(handle_path(self.ctx.run_dir, self.ctx.name), self.store.describe())
 
     async def teardown(self) -> None:
         if self.store is not None:

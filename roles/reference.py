@@ -32,11 +32,15 @@ class Reference(Role):
         cfg = self.config
         if bool(cfg.model_path) == bool(cfg.model_config):
             raise ValueError("reference: set exactly one of model_path and model_config")
+        # In the worker thread: building the model takes seconds, and the loop must keep
+        # answering heartbeats meanwhile.
         if cfg.model_path:
-            self.engine = HFEngine.from_pretrained(cfg.model_path, max_batch=cfg.max_batch)
+            self.engine = await self.ctx.offload(
+                HFEngine.from_pretrained, cfg.model_path, max_batch=cfg.max_batch
+            )
         else:
-            self.engine = HFEngine.from_config(
-                cfg.model_config, seed=cfg.seed, max_batch=cfg.max_batch
+            self.engine = await self.ctx.offload(
+                HFEngine.from_config, cfg.model_config, seed=cfg.seed, max_batch=cfg.max_batch
             )
 
     @endpoint(Delivery.IDEMPOTENT)
