@@ -483,7 +483,12 @@ def fuzz_client(run_dir: str, gen: Generator, inputs: int, batch: int) -> Result
                 result.rss_before_kib = rss_kib(proc.pid)
         if proc.poll() is None:
             result.rss_after_kib = rss_kib(proc.pid)
-        out = stop_process(proc)
+        try:
+            # Told to stop, it prints its stats and exits by itself: wait for that rather than
+            # terminate it while the "stop" reply is still on its way (a busy machine).
+            out = proc.communicate(timeout=30)[0] or ""
+        except subprocess.TimeoutExpired:
+            out = stop_process(proc)
         if "STATS " not in out:
             result.crashes += 1
             result.notes.append(f"the client did not finish cleanly: exit {proc.returncode}")
