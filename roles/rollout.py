@@ -163,6 +163,9 @@ class Rollout(Role):
         self._batching: asyncio.Task[None] | None = None
         self._reader: WeightReader | None = None
         self._loaded_from = ""  # the store whose weights the engine holds
+        # One sync at a time: concurrent sync calls (latest-wins pushes overlap) would otherwise
+        # close a reader that another one is still copying from.
+        self._syncing = asyncio.Lock()
         if cfg.weights_from:
             # Before any credit is advertised: a restarted replica starts from the current
             # weights, not from the initial ones, waiting for a publisher that restarts too.
@@ -180,6 +183,10 @@ class Rollout(Role):
         Raises:
             WeightsGoneError: ``wait_s`` passed and the publisher's store is still gone.
         """
+        async with self._syncing:
+            await self._sync_locked(wait_s)
+
+    async def _sync_locked(self, wait_s: float) -> None:
         path = handle_path(self.ctx.run_dir, self.config.weights_from)
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
