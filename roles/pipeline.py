@@ -298,7 +298,6 @@ class SamplePipeline:
         self._next_index = start_cursor  # the next prompt to admit
         self._fetched = start_cursor  # the next prompt to ask the feed for
         self._skip = {int(i) for i in resume.get("settled", [])}  # settled before a resume
-        self._settled_past: set[int] = set()  # settled indices past the cursor
         self._fetching = False
         self._unsettled: dict[int, None] = {}  # admitted, not consumed or wasted, in order
         self._prompts: deque[Prompt] = deque()
@@ -467,9 +466,6 @@ class SamplePipeline:
         self._groups.pop(group.key, None)
         self._unsettled.pop(group.index, None)
         self.reducer.forget(group.key)
-        self._settled_past.add(group.index)
-        cursor = self.cursor
-        self._settled_past = {i for i in self._settled_past if i >= cursor}
 
     @property
     def cursor(self) -> int:
@@ -492,7 +488,12 @@ class SamplePipeline:
         counters["generated_samples"] -= sum(g.generated for g in unsettled)
         return {
             "cursor": self.cursor,
-            "settled": sorted(self._settled_past),
+            # Past the cursor, every index admitted (or skipped as settled before a resume)
+            # and not unsettled is settled; so are those a resume said to skip, not reached yet.
+            "settled": [
+                *(i for i in range(self.cursor, self._next_index) if i not in self._unsettled),
+                *sorted(self._skip),
+            ],
             "pipeline": {k: int(v) for k, v in counters.items()},
         }
 
