@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import os
 import sys
@@ -26,28 +27,26 @@ from typing import Any
 
 from asyncrl import __version__
 
-BENCHMARKS = ("transport", "runtime")
+BENCHMARKS = ("transport", "runtime", "learner", "pipeline")
+"""The built-in benchmarks, each the module of that name in ``asyncrl.bench``."""
 BENCHMARK_GROUP = "asyncrl.benchmarks"
-"""Entry-point group of benchmarks that live outside the runtime (``learner`` and ``pipeline``, in
-the roles)."""
+"""Entry-point group of benchmarks that other installed packages add (a name and a
+``main(argv) -> int``); a built-in name takes precedence."""
 
 
 def _plugged_benchmarks() -> dict[str, Any]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=BENCHMARK_GROUP)}
+    plugged = importlib.metadata.entry_points(group=BENCHMARK_GROUP)
+    return {ep.name: ep for ep in plugged if ep.name not in BENCHMARKS}
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.name == "transport":
-        from asyncrl.bench import transport
-
-        return transport.main(rest)
-    if args.name == "runtime":
-        from asyncrl.bench import runtime
-
-        return runtime.main(rest)
+    if args.name in BENCHMARKS:
+        module = importlib.import_module(f"asyncrl.bench.{args.name}")
+        result: int = module.main(rest)
+        return result
     plugged = _plugged_benchmarks().get(args.name)
     if plugged is not None:
-        result: int = plugged.load()(rest)
+        result = plugged.load()(rest)
         return result
     raise AssertionError(args.name)
 

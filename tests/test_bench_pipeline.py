@@ -11,12 +11,12 @@ import sys
 import msgspec
 import pytest
 
+from asyncrl.bench.pipeline import workload
+from asyncrl.bench.pipeline_model import sample_duration, simulate
+from asyncrl.bench.sim import SimLearner, SimRollout
 from asyncrl.role import RoleContext
 from asyncrl.roles.learner import Scored, StepResult, TrainBatch
-from asyncrl.roles.pipeline_bench import workload
-from asyncrl.roles.pipeline_model import sample_duration, simulate
 from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
-from asyncrl.roles.sim import SimLearner, SimRollout
 from asyncrl.transport import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

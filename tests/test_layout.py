@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -16,19 +17,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = {"transport": "asyncrl.transport", "roles": "asyncrl.roles", "plugins": "asyncrl.plugins"}
 
 
-def _python_files(folder: str) -> list[str]:
+def _python_files(folder: str, root: str = ROOT) -> list[str]:
     out = []
-    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, folder)):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         out += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
     return sorted(out)
 
 
-def _imports(path: str) -> set[str]:
+def _imports(path: str, root: str = ROOT) -> set[str]:
     """Absolute module names imported by a file (relative imports resolved to their layer)."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
-    rel = os.path.relpath(path, ROOT).split(os.sep)
+    rel = os.path.relpath(path, root).split(os.sep)
     package = LAYERS.get(rel[0], rel[0])
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -44,13 +45,23 @@ def _imports(path: str) -> set[str]:
 
 
 def _violations(
-    folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()
+    folder: str,
+    forbidden: tuple[str, ...],
+    allowed: tuple[str, ...] = (),
+    *,
+    skip: tuple[str, ...] = (),
+    root: str = ROOT,
 ) -> list[str]:
+    """Each import of a module under ``forbidden`` (and not under ``allowed``) by a file in
+    ``folder`` of the tree at ``root``, files under the folders ``skip`` left out."""
     bad = []
-    for path in _python_files(folder):
-        for name in sorted(_imports(path)):
+    for path in _python_files(folder, root):
+        rel = os.path.relpath(path, root)
+        if rel.startswith(tuple(os.path.join(s, "") for s in skip)):
+            continue
+        for name in sorted(_imports(path, root)):
             if name.startswith(forbidden) and not name.startswith(allowed):
-                bad.append(f"{os.path.relpath(path, ROOT)} imports {name}")
+                bad.append(f"{rel} imports {name}")
     return bad
 
 
@@ -77,7 +88,16 @@ def test_transport_uses_torch_only_in_the_codec() -> None:
 
 
 def test_runtime_imports_no_roles_and_no_plugin_module() -> None:
-    assert _violations("asyncrl", ("asyncrl.roles", "asyncrl.plugins")) == []
+    """The benchmarks (``asyncrl/bench``) may import everything; the rest of the runtime may not."""
+    bench = os.path.join("asyncrl", "bench")
+    assert _violations("asyncrl", ("asyncrl.roles", "asyncrl.plugins"), skip=(bench,)) == []
+
+
+def test_only_the_cli_and_the_benchmarks_reach_the_benchmarks() -> None:
+    bad = []
+    for folder in ("transport", "roles", "plugins"):
+        bad += _violations(folder, ("asyncrl.bench",))
+    assert bad == []
 
 
 def test_roles_reach_plugins_only_through_registry_and_contract() -> None:
@@ -97,18 +117,29 @@ def test_nothing_imports_examples() -> None:
     assert bad == []
 
 
-def test_the_checker_sees_a_forbidden_import(tmp_path: object) -> None:
-    """The arrows test must be able to fail: a planted import is reported."""
-    planted = os.path.join(ROOT, "transport", "_planted_for_test.py")
-    with open(planted, "w") as f:
-        f.write("from asyncrl.roles import anything\nfrom .codec import Codec\n")
-    try:
-        assert _violations("transport", ("asyncrl",), ("asyncrl.transport",)) == [
-            "transport/_planted_for_test.py imports asyncrl.roles",
-            "transport/_planted_for_test.py imports asyncrl.roles.anything",
-        ]
-    finally:
-        os.unlink(planted)
+def test_the_checker_sees_a_forbidden_import(tmp_path: pathlib.Path) -> None:
+    """The arrows test must be able to fail: an import planted in a copy of the tree is reported,
+    and one under a skipped folder is not."""
+    for folder in ("transport", "asyncrl"):
+        shutil.copytree(
+            os.path.join(ROOT, folder),
+            tmp_path / folder,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    (tmp_path / "transport" / "_planted.py").write_text(
+        "from asyncrl.roles import anything\nfrom .codec import Codec\n"
+    )
+    (tmp_path / "asyncrl" / "bench" / "_planted.py").write_text("import asyncrl.roles.sim\n")
+    root = str(tmp_path)
+    assert _violations("transport", ("asyncrl",), ("asyncrl.transport",), root=root) == [
+        "transport/_planted.py imports asyncrl.roles",
+        "transport/_planted.py imports asyncrl.roles.anything",
+    ]
+    bench = os.path.join("asyncrl", "bench")
+    seen = _violations("asyncrl", ("asyncrl.roles",), root=root)
+    assert "asyncrl/bench/_planted.py imports asyncrl.roles.sim" in seen
+    assert _violations("asyncrl", ("asyncrl.roles",), skip=(bench,), root=root) == []
+    assert not os.path.exists(os.path.join(ROOT, "transport", "_planted.py"))
 
 
 @pytest.mark.parametrize("module", ["asyncrl.transport", "asyncrl.errors"])

@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from asyncrl.roles.pipeline_model import ModelResult, Workload, sample_duration, simulate
+from asyncrl.bench.pipeline_model import ModelResult, Workload, sample_duration, simulate
 
 
 def one_second(prompt: int, index: int) -> float:

@@ -33,11 +33,11 @@ from typing import Any
 
 import yaml
 
+from asyncrl.bench.pipeline_model import Workload, simulate
+from asyncrl.bench.sim import work_of
 from asyncrl.pacing import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
 from asyncrl.roles.pipeline import SamplePipeline, WeightSync
-from asyncrl.roles.pipeline_model import Workload, simulate
-from asyncrl.roles.sim import work_of
 
 __all__ = [
     "ROWS",
@@ -207,7 +207,7 @@ def manifest(w: Workload, mode: str, profile: str = "") -> dict[str, Any]:
     return {
         "run": {
             "name": f"bench-pipeline-{mode}",
-            "program": "asyncrl.roles.pipeline_bench:program",
+            "program": "asyncrl.bench.pipeline:program",
             "config": {
                 "batch": w.batch,
                 "group": w.group,
@@ -219,12 +219,12 @@ def manifest(w: Workload, mode: str, profile: str = "") -> dict[str, Any]:
         },
         "roles": {
             "rollout": {
-                "class": "asyncrl.roles.sim:SimRollout",
+                "class": "asyncrl.bench.sim:SimRollout",
                 "replicas": len(w.speeds),
                 "capacity": w.slots,
                 "config": {"speeds": list(w.speeds), **draws},
             },
-            "learner": {"class": "asyncrl.roles.sim:SimLearner", "config": {"step_s": w.learner_s}},
+            "learner": {"class": "asyncrl.bench.sim:SimLearner", "config": {"step_s": w.learner_s}},
         },
         "pipeline": {
             "mode": mode,

@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.bench.pipeline_model import sample_duration
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Sample, StepResult, TrainBatch
-from asyncrl.roles.pipeline_model import sample_duration
 
 __all__ = ["SimLearner", "SimRollout", "prompt_index", "work_of"]
 
