@@ -32,13 +32,15 @@ unsettled group once more and consumes nothing twice.
 No silent stall: when no sample is in flight, no group is ready and the pacer has no room (the
 learner's version does not move), ``next_batch`` raises ``StallError`` at once, saying so; and
 ``describe()`` tells the driver's watchdog what the pipeline waits for.
+
+``WeightSync`` (``asyncrl.roles.weight_sync``) and ``group_advantages``
+(``asyncrl.roles.groups``) live in modules of their own and are re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ import msgspec
 from asyncrl.errors import StallError
 from asyncrl.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
 from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
+from asyncrl.roles.groups import group_advantages
 from asyncrl.roles.payloads import (
     GenerateBatch,
     GenerateRequest,
@@ -57,12 +60,11 @@ from asyncrl.roles.payloads import (
     SamplingParams,
     Scored,
 )
+from asyncrl.roles.weight_sync import WeightSync
 
 __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
 
 log = logging.getLogger("asyncrl.pipeline")
-
-_RESYNC_S = 0.1  # between asks of a replica that still holds older weights
 
 PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
 """``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
@@ -84,113 +86,6 @@ class Caller(Protocol):
         key: Any = None,
         affinity: Any = None,
     ) -> Any: ...
-
-
-class Broadcaster(Protocol):
-    """What ``WeightSync`` needs of the rollout group's handle."""
-
-    async def broadcast(
-        self, method: str, payload: Any = None, reply_type: Any = Any, *, timeout: float = ...
-    ) -> list[Any]: ...
-
-
-class WeightSync:
-    """After each learner step, has every rollout replica load the newest weights.
-
-    In sync mode ``push`` waits until every replica holds at least the version the learner
-    reached (part of the barrier): a replica that answers with older weights (its publisher was
-    restarting and had no store to read) is asked again until it has them, or until
-    ``timeout``. In async mode it returns at once and the broadcast runs in the background; the
-    endpoint is latest-wins, so a push queued behind a busy replica is replaced by the next one,
-    and a replica that missed a version takes the next. A failed background push is raised by
-    the next ``push`` or by ``close``.
-    """
-
-    def __init__(
-        self, rollout: Broadcaster, *, wait: bool, method: str = "sync", timeout: float = 600.0
-    ) -> None:
-        self.rollout = rollout
-        self.wait = wait
-        self.method = method
-        self.timeout = timeout
-        self._tasks: set[asyncio.Task[list[Any]]] = set()
-        self._failure: BaseException | None = None
-
-    async def push(self, payload: Any = None, *, version: int | None = None) -> None:
-        """Have every replica load the newest weights; in sync mode, wait until each holds at
-        least ``version`` (when given).
-
-        Raises:
-            StallError: sync mode, and some replica still holds older weights after
-                ``timeout`` seconds.
-            The first failure of an earlier background push.
-        """
-        if self._failure is not None:
-            raise self._failure
-        if self.wait:
-            await self.ensure(version, payload)
-            return
-        call = self.rollout.broadcast(self.method, payload, timeout=self.timeout)
-        task = asyncio.get_running_loop().create_task(call)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    async def ensure(self, version: int | None, payload: Any = None) -> list[Any]:
-        """Broadcast until every replica answers with a version of at least ``version``;
-        return the versions. ``None`` asks once, whatever they answer.
-
-        Raises:
-            StallError: a replica still holds older weights after ``timeout`` seconds.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        while True:
-            versions = await self.rollout.broadcast(self.method, payload, timeout=self.timeout)
-            if version is None or min(int(v) for v in versions) >= version:
-                return versions
-            if loop.time() >= deadline:
-                raise StallError(
-                    f"rollout replicas hold weights versions {versions} after "
-                    f"{self.timeout:g} s, not version {version}: the publisher's store never "
-                    f"came back (is the learner restarting over and over?)"
-                )
-            await asyncio.sleep(_RESYNC_S)
-
-    def _done(self, task: asyncio.Task[list[Any]]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
-
-    async def close(self) -> None:
-        """Wait for the pushes in flight; raise the first that failed."""
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._failure is not None:
-            raise self._failure
-
-
-def group_advantages(
-    rewards: list[float],
-    moments: Moments,
-    *,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-    std: str = "population",
-) -> list[float]:
-    """GRPO advantages of a group's rewards from its reduced moments: ``(r - mean) / (std +
-    eps)``, or ``r - mean``; ``std`` is the ``population`` or ``unbiased`` one, as in
-    ``algorithms.grpo_advantages`` (docs/algorithms.md), and a group of one sample gets 0."""
-    if moments.count < 2:
-        return [0.0] * len(rewards)
-    if not normalize_std:
-        return [r - moments.mean for r in rewards]
-    if std == "unbiased":
-        sd = math.sqrt(moments.m2 / (moments.count - 1))
-    elif std == "population":
-        sd = moments.std
-    else:
-        raise ValueError(f"std: expected 'population' or 'unbiased', got {std!r}")
-    return [(r - moments.mean) / (sd + eps) for r in rewards]
 
 
 class Batch(msgspec.Struct):
