@@ -98,6 +98,10 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             prefix caching); an idle replica still steals them.
         straggler: when a group with late samples is released.
         running_stats: keep streaming, version-tagged reward statistics for the metrics.
+        drop_uniform: dynamic sampling (DAPO): drop a group whose rewards are all equal (it
+            carries no GRPO signal) and admit another prompt in its place, so that batches keep
+            their size; past a cap of drops per batch, such groups are kept
+            (docs/algorithms.md).
         stall_timeout_s: seconds without any call completing after which the driver fails the
             run, saying what it waited for and on whom (0: never). Raise it when one learner
             step or one generation legitimately takes longer.
@@ -121,6 +125,7 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     group_affinity: bool = False
     straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
     running_stats: bool = False
+    drop_uniform: bool = False
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
 
     def __post_init__(self) -> None:

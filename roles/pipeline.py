@@ -16,7 +16,10 @@ run this same code:
    ``Reducer`` (count, mean and M2, merged with Chan's formula in arrival order). A group is
    released the moment its last sample arrives, or at its deadline under the straggler policy;
    its advantages, ``(r - mean) / (std + eps)``, are exactly what the learner computes over the
-   same group in one shot.
+   same group in one shot. With ``drop_uniform`` (dynamic sampling, DAPO), a released group
+   whose rewards are all equal is dropped instead (no GRPO signal): counted as waste, and its
+   room goes to a fresh prompt, so batches keep their size. At most ``max_uniform_drops`` are
+   dropped per batch; past that, such groups are kept, with zero advantages.
 4. **Consumption.** ``next_batch()`` hands out whole released groups, oldest release first,
    with each sample's staleness against the learner version that will consume them; a group
    with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
@@ -65,6 +68,8 @@ from asyncrl.roles.weight_sync import WeightSync
 __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
 
 log = logging.getLogger("asyncrl.pipeline")
+
+_UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
 
 PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
 """``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
@@ -121,6 +126,23 @@ class _Group:
     generated: int = 0
 
 
+def _check_sizes(
+    batch_size: int, group_size: int, drop_uniform: bool, max_uniform_drops: int
+) -> None:
+    if group_size < 1 or batch_size < group_size:
+        raise ValueError(
+            f"batch_size ({batch_size}) must hold at least one group of group_size "
+            f"({group_size}) samples"
+        )
+    if drop_uniform and group_size < 2:
+        raise ValueError(
+            "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so "
+            "every group would be dropped; raise group_size or set drop_uniform false"
+        )
+    if max_uniform_drops < 0:
+        raise ValueError(f"max_uniform_drops: expected an int >= 0, got {max_uniform_drops}")
+
+
 class SamplePipeline:
     """Admits prompts, generates and scores their groups, and releases them with advantages.
 
@@ -131,6 +153,21 @@ class SamplePipeline:
                 batch = await pipe.next_batch()
                 result = await ctx.learner.call("train_step", TrainBatch(batch.samples, ...))
                 pipe.advance(result.version)        # the window moves on
+
+    Args:
+        rollout: the rollout group's handle; ``generate`` takes one sample per call.
+        spec: the manifest's ``pipeline`` section.
+        feed: the prompts, by index; score: one reward per sample.
+        params: sampling parameters; batch_size, group_size: samples per batch and per group.
+        start_version, start_cursor, resume: where a resumed run starts (``Batch.resume``).
+        normalize_std, std: the learner's GRPO conventions (``group_advantages``).
+        timeout: seconds per generate call; watchdog: told what the pipeline waits for.
+        drop_uniform: drop groups whose rewards are all equal (default: ``spec.drop_uniform``).
+        max_uniform_drops: the most such groups dropped per batch (default: 4 per group of
+            the batch); past it they are kept, with zero advantages, and counted.
+
+    Raises:
+        ValueError: a batch smaller than one group, or ``drop_uniform`` with groups of one.
     """
 
     def __init__(
@@ -150,12 +187,17 @@ class SamplePipeline:
         std: str = "population",
         timeout: float = 600.0,
         watchdog: Any = None,
+        drop_uniform: bool | None = None,
+        max_uniform_drops: int | None = None,
     ) -> None:
-        if group_size < 1 or batch_size < group_size:
-            raise ValueError(
-                f"batch_size ({batch_size}) must hold at least one group of group_size "
-                f"({group_size}) samples"
-            )
+        self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
+        groups_per_batch = batch_size // max(1, group_size)
+        self.max_uniform_drops = (
+            _UNIFORM_DROPS_PER_GROUP * groups_per_batch
+            if max_uniform_drops is None
+            else max_uniform_drops
+        )
+        _check_sizes(batch_size, group_size, self.drop_uniform, self.max_uniform_drops)
         self.rollout = rollout
         self.spec = spec
         self.feed = feed
@@ -197,6 +239,8 @@ class SamplePipeline:
         self._unsettled: dict[int, None] = {}  # admitted, not consumed or wasted, in order
         self._prompts: deque[Prompt] = deque()
         self._exhausted = False
+        self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
+        self._uniform_capped = False  # ... and it reached max_uniform_drops
         self._failure: BaseException | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._to_score: list[tuple[_Group, int, Sample]] = []
@@ -340,12 +384,35 @@ class SamplePipeline:
             self.pacer.waste(missing)
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
+        if self.drop_uniform and max(rewards) == min(rewards) and self._drop_uniform(group):
+            return
         advantages = group_advantages(
             rewards, released.moments, normalize_std=self.normalize_std, std=self.std
         )
         group.advantages = dict(zip(ks, advantages, strict=True))
         self._ready.append(group)
         self._ready_event.set()
+
+    def _drop_uniform(self, group: _Group) -> bool:
+        """Dynamic sampling: drop a group whose rewards are all equal, so that a fresh prompt
+        takes its room; False (keep it) once this batch has dropped ``max_uniform_drops``."""
+        if self._uniform_drops >= self.max_uniform_drops:
+            if not self._uniform_capped:
+                self._uniform_capped = True
+                log.warning(
+                    "sample pipeline: %d groups with uniform rewards dropped while filling one "
+                    "batch (max_uniform_drops); keeping such groups, with zero advantages, "
+                    "until the next batch. Is the reward constant, or the data far too hard "
+                    "or too easy?",
+                    self._uniform_drops,
+                )
+            self.metrics["groups_uniform_kept"] += 1
+            return False
+        self._uniform_drops += 1
+        self.metrics["groups_uniform_dropped"] += 1
+        self.metrics["samples_uniform_dropped"] += len(group.samples)
+        self._waste(group, len(group.samples))
+        return True
 
     def _on_late(self, key: str, part: str) -> None:
         self.metrics["late_samples"] += 1
@@ -457,6 +524,7 @@ class SamplePipeline:
             raise EOFError("the prompts ran out: no more groups to hand out")
         self.metrics["consumed_samples"] += len(samples)
         self.metrics["batches"] += 1
+        self._uniform_drops, self._uniform_capped = 0, False
         if self.spec.running_stats:
             rewards = Moments.of([s.reward for s in samples])
             self.running[version] = self.running.get(version, Moments(0, 0.0, 0.0)).merge(rewards)

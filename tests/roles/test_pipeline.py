@@ -112,16 +112,26 @@ async def score(samples: list[Sample]) -> list[float]:
 def pipeline(
     rollout: FakeRollout, spec: PipelineSpec, feed: Feed | None = None, **kwargs: Any
 ) -> SamplePipeline:
+    kwargs.setdefault("score", score)
     return SamplePipeline(
         rollout,
         spec=spec,
         feed=feed or Feed(1000),
-        score=score,
         params=SamplingParams(max_new_tokens=4),
         batch_size=B,
         group_size=G,
         **kwargs,
     )
+
+
+def uniform_for(*prompt_ids: str) -> Any:
+    """A score function: reward 1.0 for every sample of the prompts named, ``reward_of`` for
+    the others (which differs within a group)."""
+
+    async def scored(samples: list[Sample]) -> list[float]:
+        return [1.0 if s.prompt_id in prompt_ids else reward_of(s) for s in samples]
+
+    return scored
 
 
 async def started(rollout: FakeRollout, n: int) -> list[tuple[str, int]]:
@@ -459,3 +469,103 @@ def test_a_resumed_pipeline_admits_from_the_cursor_and_skips_what_was_settled() 
         assert pipe.metrics["consumed_samples"] == 3 * B
 
     run(main())
+
+
+# -- dynamic sampling ---------------------------------------------------------------------
+
+
+def test_uniform_groups_are_dropped_and_refilled_and_stay_settled_on_resume() -> None:
+    """Async, eta 1, drop_uniform: p1's rewards are all equal. It is dropped the moment it is
+    released, counted, and p4 takes its room; the batch keeps its size. The resume state lists
+    p1 as settled, so the resumed run never generates it again."""
+
+    async def main() -> None:
+        rollout = FakeRollout()
+        spec = PipelineSpec(mode="async", eta=1, drop_uniform=True)
+        async with pipeline(rollout, spec, score=uniform_for("p1")) as pipe:
+            sids = await started(rollout, 2 * B)  # p0 .. p3: the window
+            for sid in sids:
+                if sid[0] == "p1":
+                    rollout.release(sid)
+            fresh = await started(rollout, G)
+            assert {p for p, _ in fresh} == {"p4"}
+            assert pipe.pacer.room() == 0  # the refill stays within the window
+            assert (pipe.metrics["groups_uniform_dropped"], pipe.metrics["wasted_samples"]) == (
+                1,
+                G,
+            )
+            for sid in sids:
+                if sid[0] in ("p2", "p3"):
+                    rollout.release(sid)
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert {s.sample.prompt_id for s in first.samples} == {"p2", "p3"}
+        assert len(first.samples) == B
+        assert first.metrics["groups_uniform_dropped"] == 1
+        assert first.metrics["samples_uniform_dropped"] == G
+        resume = first.resume
+        assert resume["cursor"] == 0 and resume["settled"] == [1, 2, 3]
+        assert resume["pipeline"]["groups_uniform_dropped"] == 1
+        assert resume["pipeline"]["admitted_groups"] == 3  # p0 and p4 are in flight
+
+        again = FakeRollout(auto=True)
+        resumed = pipeline(again, spec, resume=resume, score=uniform_for("p1"))
+        async with resumed as pipe:
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert {s.sample.prompt_id for s in batch.samples} == {"p0", "p4"}
+        assert {call[0] for call in again.calls} == {"p0", "p4", "p5", "p6"}
+        assert pipe.metrics["groups_uniform_dropped"] == 1
+        assert pipe.metrics["consumed_samples"] == 2 * B
+
+    run(main())
+
+
+def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages() -> None:
+    """Every group uniform, at most 3 dropped per batch: the fourth and fifth groups fill the
+    batch with zero advantages instead of admitting prompts forever; the count starts again
+    with the next batch."""
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        everything = uniform_for(*(f"p{i}" for i in range(20)))
+        spec = PipelineSpec(mode="sync", drop_uniform=True)
+        async with pipeline(rollout, spec, score=everything, max_uniform_drops=3) as pipe:
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            pipe.advance(1)
+            second = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert {s.sample.prompt_id for s in first.samples} == {"p3", "p4"}
+        assert [s.advantage for s in first.samples] == [0.0] * B
+        assert {s.sample.prompt_id for s in second.samples} == {"p8", "p9"}
+        assert first.metrics["groups_uniform_dropped"] == 3
+        assert first.metrics["groups_uniform_kept"] == 2
+        assert pipe.metrics["groups_uniform_dropped"] == 6
+        assert pipe.metrics["samples_uniform_dropped"] == 6 * G
+        assert pipe.metrics["admitted_samples"] == (
+            pipe.metrics["consumed_samples"] + pipe.metrics["wasted_samples"]
+        )
+
+    run(main())
+
+
+def test_drop_uniform_off_keeps_uniform_groups_and_on_needs_groups_of_two() -> None:
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        async with pipeline(rollout, PipelineSpec(mode="sync"), score=uniform_for("p0")) as pipe:
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert {s.sample.prompt_id for s in batch.samples} == {"p0", "p1"}
+        assert pipe.metrics["groups_uniform_dropped"] == 0
+
+    run(main())
+    with pytest.raises(ValueError) as err:
+        SamplePipeline(
+            FakeRollout(),
+            spec=PipelineSpec(drop_uniform=True),
+            feed=Feed(4),
+            score=score,
+            params=SamplingParams(),
+            batch_size=B,
+            group_size=1,
+        )
+    assert str(err.value) == (
+        "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so every "
+        "group would be dropped; raise group_size or set drop_uniform false"
+    )
