@@ -20,6 +20,11 @@ With ``supervision.standby``, each replica of a role has a standby process: the 
 started ahead (``python -m asyncrl.process --standby``), which imports the role's modules and
 waits on its stdin. A restart then writes ``go`` to it instead of starting an interpreter, and a
 new standby is started behind it.
+
+Every task of the supervisor (the one watching each process, the one holding its heartbeats, a
+standby being started) belongs to one ``asyncio.TaskGroup``. A task that raises is a bug of the
+supervisor itself: it is logged with its traceback, the other tasks are cancelled, every process
+is stopped as at the end of a run, and ``run()`` raises it.
 """
 
 from __future__ import annotations
@@ -31,15 +36,15 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import msgspec
 
 from asyncrl import logs
 from asyncrl.exits import EXIT_PROGRAM
 from asyncrl.manifest import Supervision
+from asyncrl.runreport import ExitInfo, ProcessInfo, RunReport, format_report
 from asyncrl.spec import EXIT_CONFIG
 from asyncrl.transport import ChannelOptions, Client, PeerEvent, TransportError, sweep
 
@@ -61,51 +66,6 @@ class ChildSpec:
     endpoint: str
     policy: Supervision
     argv_env: Callable[[int], tuple[list[str], dict[str, str]]]
-
-
-class ExitInfo(msgspec.Struct, frozen=True):
-    """How one incarnation of a process ended."""
-
-    role: str
-    replica: int
-    incarnation: int
-    pid: int
-    code: int | None
-    signal: str | None
-    reason: str
-    stderr_tail: list[str] = []
-
-    def describe(self) -> str:
-        how = f"killed by {self.signal}" if self.signal else f"exit code {self.code}"
-        return f"{self.role}[{self.replica}] incarnation {self.incarnation} (pid {self.pid}): {how}"
-
-
-class ProcessInfo(msgspec.Struct, frozen=True):
-    """One supervised process as it is now (for fault injection and status displays)."""
-
-    role: str
-    replica: int
-    kind: str
-    incarnation: int
-    pid: int | None
-    alive: bool
-    serving: bool
-    standby_pid: int | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.role}[{self.replica}]"
-
-
-class RunReport(msgspec.Struct):
-    """How the run ended, for the summary and for tests."""
-
-    status: Literal["completed", "failed", "interrupted"]
-    reason: str
-    failure: ExitInfo | None = None
-    restarts: dict[str, int] = {}
-    exits: list[ExitInfo] = []
-    served: dict[str, int] = {}
 
 
 @dataclass(eq=False)
@@ -162,7 +122,9 @@ class Supervisor:
             _Child(c, os.path.join(log_dir, f"{c.name}.{c.replica}.stderr")) for c in children
         ]
         self._log = logs.get_logger("asyncrl.supervisor")
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._served: dict[str, int] | None = None  # set once every process is stopped
         self._done = asyncio.Event()
         self._report: RunReport | None = None
         self._exits: list[ExitInfo] = []
@@ -172,22 +134,38 @@ class Supervisor:
     # -- the run --------------------------------------------------------------------------
 
     async def run(self) -> RunReport:
-        """Start everything, supervise until the end, stop everything; return the report."""
+        """Start everything, supervise until the end, stop everything; return the report.
+
+        Raises:
+            ExceptionGroup: a task of the supervisor raised (a bug of the supervisor, logged
+                with its traceback as ``supervisor task failed``); the group holds its
+                exception. Every process was stopped first.
+        """
         try:
-            for child in self._children:
-                await self._spawn(child)
-            await self._done.wait()
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                for child in self._children:
+                    await self._spawn(child)
+                await self._done.wait()
+                await self._wind_down()
         finally:
-            served = await self._collect_served()
-            await self._stop_all()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        assert self._report is not None
+            # After a task failed, or a cancellation: the tasks are gone, not the processes.
+            await self._wind_down()
+        assert self._report is not None and self._served is not None
         self._report.exits = list(self._exits)
         self._report.restarts = self._restart_counts()
-        self._report.served = served
+        self._report.served = self._served
         return self._report
+
+    async def _wind_down(self) -> None:
+        """Count what the roles served, stop every process, cancel the tasks left; once."""
+        if self._served is not None:
+            return
+        served = await self._collect_served()
+        await self._stop_all()
+        for task in list(self._background):
+            task.cancel()
+        self._served = served
 
     def processes(self) -> list[ProcessInfo]:
         """Every supervised process, in start order, with its current incarnation and pid."""
@@ -304,17 +282,43 @@ class Supervisor:
             return False
         return True
 
-    def _discard_spare(self, child: _Child) -> None:
+    def _discard_spare(self, child: _Child) -> asyncio.subprocess.Process | None:
+        """Kill the child's standby, if it has one; return it, to be waited for."""
         spare, child.spare = child.spare, None
         if spare is not None and spare.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(spare.pid, signal.SIGKILL)
-            self._own(spare.wait())
+            return spare
+        return None
 
-    def _own(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _own(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task of the supervisor's task group, unless the group is closing
+        (the run ended, or one of its tasks failed): then it does not run."""
+        if self._tasks is None:
+            coro.close()
+            return
+        try:
+            task = self._tasks.create_task(coro)
+        except RuntimeError:  # the group is shutting down or finished
+            coro.close()
+            return
+        self._background.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        assert exc is not None
+        # The task group cancels the others and raises it from run(); say so at once.
+        self._log.error(
+            "supervisor task failed",
+            task=getattr(task.get_coro(), "__qualname__", task.get_name()),
+            error=repr(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        self._finish(RunReport("failed", f"the supervisor failed: {exc!r}"))
 
     def _check_started(self, child: _Child, incarnation: int) -> None:
         if child.incarnation == incarnation and child.alive and not child.serving:
@@ -371,9 +375,7 @@ class Supervisor:
         code = await proc.wait()
         if self._observer is not None:
             self._observer("exited", child.label, child.incarnation)
-        sweep(self.run_name, pid=proc.pid)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
+        self._reap(proc)
         child.exited.set()
         if child.proc is not proc:
             return
@@ -405,6 +407,12 @@ class Supervisor:
             )
             return
         await self._recover(child, info)
+
+    def _reap(self, proc: asyncio.subprocess.Process) -> None:
+        """Clean up after a process that exited: its shared memory, what it left in its group."""
+        sweep(self.run_name, pid=proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
     def _identity(self, child: _Child, pid: int | None = None) -> dict[str, Any]:
         """Log fields naming the child (not the agent that writes the line)."""
@@ -536,8 +544,7 @@ class Supervisor:
         """STOP, then SIGTERM after the shutdown timeout, then SIGKILL: driver first, then the
         roles in reverse start order, each group of replicas together."""
         self._stopping = True
-        for child in self._children:
-            self._discard_spare(child)
+        spares = [s for s in map(self._discard_spare, self._children) if s is not None]
         order: list[list[_Child]] = []
         for child in reversed(self._children):
             if order and order[-1][0].spec.name == child.spec.name:
@@ -546,13 +553,18 @@ class Supervisor:
                 order.append([child])
         for group in order:
             await asyncio.gather(*(self._stop_one(c) for c in group))
+        await asyncio.gather(*(spare.wait() for spare in spares))
         for child in self._children:
             if child.client is not None:
                 await child.client.close()
 
     async def _stop_one(self, child: _Child) -> None:
-        if not child.alive:
+        """Stop the child and wait for its process itself: its watcher may be gone (a task of
+        the supervisor failed)."""
+        proc = child.proc
+        if proc is None or proc.returncode is not None:
             return
+        exited = child.exited
         child.expected_exit = True
         timeout = child.spec.policy.shutdown_timeout_s
         signals = [signal.SIGTERM, signal.SIGKILL]
@@ -565,25 +577,14 @@ class Supervisor:
             self._kill(child, signals.pop(0))
         for sig in signals:
             try:
-                await asyncio.wait_for(child.exited.wait(), timeout)
-                return
+                await asyncio.wait_for(proc.wait(), timeout)
+                break
             except TimeoutError:
                 self._log.warning(
                     "did not stop in time", process=child.label, sending=signal.Signals(sig).name
                 )
                 self._kill(child, sig)
-        await child.exited.wait()
-
-
-def format_report(report: RunReport) -> str:
-    """The report as a person reads it: how the run ended, and what failed if it did."""
-    lines = [f"run {report.status}: {report.reason}"]
-    failure = report.failure
-    if failure is not None:
-        lines.append(f"  failed process: {failure.describe()}")
-        lines.append(f"  reason: {failure.reason}")
-        lines.append(f"  restarts of {failure.role}: {report.restarts.get(failure.role, 0)}")
-        if failure.stderr_tail:
-            lines.append("  last lines of its stderr:")
-            lines += [f"    | {line}" for line in failure.stderr_tail]
-    return "\n".join(lines)
+        else:
+            await proc.wait()
+        if not exited.is_set():  # its watcher did not see the exit
+            self._reap(proc)

@@ -1,0 +1,69 @@
+"""What the supervisor reports: how each process ended, each process as it is now, and how the
+run ended, with the text a person reads at the end of a run."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["ExitInfo", "ProcessInfo", "RunReport", "format_report"]
+
+
+class ExitInfo(msgspec.Struct, frozen=True):
+    """How one incarnation of a process ended."""
+
+    role: str
+    replica: int
+    incarnation: int
+    pid: int
+    code: int | None
+    signal: str | None
+    reason: str
+    stderr_tail: list[str] = []
+
+    def describe(self) -> str:
+        how = f"killed by {self.signal}" if self.signal else f"exit code {self.code}"
+        return f"{self.role}[{self.replica}] incarnation {self.incarnation} (pid {self.pid}): {how}"
+
+
+class ProcessInfo(msgspec.Struct, frozen=True):
+    """One supervised process as it is now (for fault injection and status displays)."""
+
+    role: str
+    replica: int
+    kind: str
+    incarnation: int
+    pid: int | None
+    alive: bool
+    serving: bool
+    standby_pid: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}[{self.replica}]"
+
+
+class RunReport(msgspec.Struct):
+    """How the run ended, for the summary and for tests."""
+
+    status: Literal["completed", "failed", "interrupted"]
+    reason: str
+    failure: ExitInfo | None = None
+    restarts: dict[str, int] = {}
+    exits: list[ExitInfo] = []
+    served: dict[str, int] = {}
+
+
+def format_report(report: RunReport) -> str:
+    """The report as a person reads it: how the run ended, and what failed if it did."""
+    lines = [f"run {report.status}: {report.reason}"]
+    failure = report.failure
+    if failure is not None:
+        lines.append(f"  failed process: {failure.describe()}")
+        lines.append(f"  reason: {failure.reason}")
+        lines.append(f"  restarts of {failure.role}: {report.restarts.get(failure.role, 0)}")
+        if failure.stderr_tail:
+            lines.append("  last lines of its stderr:")
+            lines += [f"    | {line}" for line in failure.stderr_tail]
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""The supervisor's own tasks: a bug in one of them fails the run loudly, and nothing outlives it.
+
+The children are tiny Python processes: one that exits at once and one that waits for a signal.
+No endpoint is bound, so no child ever serves; the supervisor's heartbeat clients keep trying
+until the run ends. Nothing here sleeps: each test waits on ``run()`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any
+
+import pytest
+import structlog
+
+from asyncrl.manifest import Supervision
+from asyncrl.runreport import ExitInfo
+from asyncrl.supervisor import ChildSpec, Supervisor
+
+WAIT_S = 30.0  # the bound on a run that should end at once
+EXITS_AT_ONCE = "pass"
+WAITS_FOR_A_SIGNAL = "import signal; signal.pause()"
+
+
+def child(run_dir: str, name: str, code: str, kind: Any = "command", replica: int = 0) -> ChildSpec:
+    def argv_env(incarnation: int) -> tuple[list[str], dict[str, str]]:
+        return [sys.executable, "-c", code], {}
+
+    policy = Supervision(startup_timeout_s=WAIT_S, shutdown_timeout_s=WAIT_S)
+    return ChildSpec(name, replica, kind, f"ipc://{run_dir}/{name}", policy, argv_env)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_fault_in_the_watch_task_fails_the_run_with_that_error(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the task group, the error was only printed when the task was garbage collected
+    ("Task exception was never retrieved"), and ``run()`` waited for ever."""
+    fault = RuntimeError("injected fault in the watch task")
+    exit_info = Supervisor._exit_info
+
+    def faulty(self: Supervisor, spec: Any, pid: int, code: int) -> ExitInfo:
+        if spec.spec.name == "crasher":
+            raise fault
+        return exit_info(self, spec, pid, code)
+
+    monkeypatch.setattr(Supervisor, "_exit_info", faulty)
+    children = [
+        child(run_dir, "waiter", WAITS_FOR_A_SIGNAL),
+        child(run_dir, "crasher", EXITS_AT_ONCE),
+    ]
+    supervisor = Supervisor(children, run="sup-test", log_dir=os.path.join(run_dir, "logs"))
+
+    async def main() -> None:
+        await asyncio.wait_for(supervisor.run(), WAIT_S)
+
+    with structlog.testing.capture_logs() as logged, pytest.raises(ExceptionGroup) as info:
+        asyncio.run(main())
+
+    assert info.value.exceptions == (fault,)
+    failures = [e for e in logged if e["event"] == "supervisor task failed"]
+    assert [(e["task"], e["error"]) for e in failures] == [
+        ("Supervisor._watch", "RuntimeError('injected fault in the watch task')")
+    ]
+    assert failures[0]["traceback"].endswith("RuntimeError: injected fault in the watch task\n")
+    assert "in _watch" in failures[0]["traceback"]
+    # The waiter was still running when the fault came: it was stopped before run() raised.
+    processes = supervisor.processes()
+    assert [(p.label, p.alive) for p in processes] == [("waiter[0]", False), ("crasher[0]", False)]
+    assert all(p.pid is not None and gone(p.pid) for p in processes)
+
+
+def test_a_finished_program_completes_the_run_and_stops_every_process(run_dir: str) -> None:
+    children = [
+        child(run_dir, "waiter", WAITS_FOR_A_SIGNAL),
+        child(run_dir, "driver", EXITS_AT_ONCE, kind="driver"),
+    ]
+    supervisor = Supervisor(children, run="sup-test", log_dir=os.path.join(run_dir, "logs"))
+
+    async def main() -> None:
+        report = await asyncio.wait_for(supervisor.run(), WAIT_S)
+        assert (report.status, report.reason) == (
+            "completed",
+            "the control-flow program finished",
+        )
+        assert (report.exits, report.restarts, report.served) == (
+            [],
+            {"waiter": 0, "driver": 0},
+            {},
+        )
+
+    asyncio.run(main())
+    processes = supervisor.processes()
+    assert [(p.label, p.incarnation, p.alive) for p in processes] == [
+        ("waiter[0]", 0, False),
+        ("driver[0]", 0, False),
+    ]
+    assert all(p.pid is not None and gone(p.pid) for p in processes)
