@@ -3,29 +3,44 @@
     AsyncrlError
     ├── TransportError                  (asyncrl.transport.errors)
     │   ├── ClosedError                 you closed it: the channel was closed on this side
-    │   ├── BrokenError                 something outside broke it; the cause is in __cause__
-    │   │   ├── PeerDeadError           the peer missed liveness x interval of heartbeats
-    │   │   ├── DisconnectedError       the connection broke with requests in flight
-    │   │   ├── PeerUnreachableError    the peer is not connected (ROUTER_MANDATORY refused)
-    │   │   └── WeightsGoneError        the weight store's writer closed it or died (weights.py)
-    │   ├── DeadlineExceededError       no answer before the request's deadline
-    │   │   └── FlushDeadlineError      contributions still unacknowledged (post.py)
-    │   ├── TornReadError               every weights read raced with the writer; retry
-    │   ├── NothingPublishedError       weights were read before any version was published
-    │   ├── RemoteError                 the peer answered with an error reply
+    │   ├── BrokenError               R something outside broke it; the cause is in __cause__
+    │   │   ├── PeerDeadError         R the peer missed liveness x interval of heartbeats
+    │   │   ├── DisconnectedError     R the connection broke with requests in flight
+    │   │   └── PeerUnreachableError  R the peer is not connected (ROUTER_MANDATORY refused)
+    │   ├── DeadlineExceededError     R no answer before the request's deadline; names the
+    │   │   │                           peer's pid and incarnation when its handshake told them
+    │   │   └── FlushDeadlineError    R contributions still unacknowledged (post.py)
+    │   ├── RemoteError               ? the peer answered with an error reply
     │   └── ProtocolError               bytes that do not follow docs/protocol.md
     │       ├── ProtocolVersionError    the peer speaks another protocol version
     │       ├── DecodeError             a frame that fails to decode
     │       ├── UnknownKindError        an envelope kind this side does not know
     │       ├── MessageTooLargeError    a message over the configured size limit
     │       └── TensorDescriptorError   tensor descriptors that disagree with the bytes
-    ├── ManifestError                   a manifest with problems; lists every one, with its path
-    ├── ConfigProblem                   a process cannot start with its configuration (exit 78)
-    └── StallError                      a run made no progress for too long; says on whom it waits
+    ├── RoleDeadError                 F a role is gone for good: past its restart budget, or the
+    │                                   run is shutting down; nothing will answer it again
+    ├── WeightsError                    the shared-memory weight store (weights.py)
+    │   ├── WeightsGoneError          R the store's writer closed it or died; open the new one
+    │   ├── TornReadError             R every weights read raced with the writer; retry
+    │   └── NothingPublishedError     R weights were read before any version was published
+    ├── ConfigError                   F the run's configuration is wrong; restarting cannot help
+    │   ├── ManifestError             F a manifest with problems; lists every one, with its path
+    │   └── ConfigProblem             F a process cannot start with its configuration (exit 78)
+    └── StallError                    F a run made no progress for too long; says on whom it waits
+
+Recoverable (R) errors have ``retryable`` True: the same request may succeed later or elsewhere,
+since a replica that died, went silent or restarted comes back under supervision. Fatal (F)
+errors end the run or the caller's use of what failed: retrying cannot help. ``RemoteError`` (?)
+carries what the peer said (``retryable`` as the remote exception's own). Unmarked errors are not
+retried either: this side closed what it used (``ClosedError``), or the bytes were wrong
+(``ProtocolError``).
+
+The two "dead" errors differ as vLLM's ``EngineGenerateError`` and ``EngineDeadError`` do:
+``PeerDeadError`` says one process went silent and its calls failed, and the supervisor restarts
+it; ``RoleDeadError`` says the role will not come back in this run.
 
 The transport defines its branch itself, since it may not import the runtime; this module is where
-the runtime's own errors join the same root. ``retryable`` is True on errors after which the same
-request may succeed later or elsewhere.
+the runtime's own errors join the same root.
 """
 
 from __future__ import annotations
@@ -52,6 +67,7 @@ __all__ = [
     "AsyncrlError",
     "BrokenError",
     "ClosedError",
+    "ConfigError",
     "ConfigProblem",
     "DeadlineExceededError",
     "DecodeError",
@@ -65,16 +81,82 @@ __all__ = [
     "ProtocolError",
     "ProtocolVersionError",
     "RemoteError",
+    "RoleDeadError",
     "StallError",
     "TensorDescriptorError",
     "TornReadError",
     "TransportError",
     "UnknownKindError",
+    "WeightsError",
     "WeightsGoneError",
 ]
 
 
-class ManifestError(AsyncrlError):
+class RoleDeadError(AsyncrlError):
+    """A role is gone for good: nothing will answer it again in this run.
+
+    The supervisor gave up on it past its restart budget, or the run is shutting down (the
+    driver closed its connections with the call still queued or in flight). Fatal, unlike
+    ``PeerDeadError`` and ``DisconnectedError``, after which the replica is restarted and the
+    call may run again: let it end the program.
+
+    Attributes:
+        role: the role's name.
+        replica: the replica, or None when the whole role is gone.
+        reason: why it is gone.
+    """
+
+    def __init__(self, role: str, reason: str, replica: int | None = None) -> None:
+        self.role = role
+        self.replica = replica
+        self.reason = reason
+        where = role if replica is None else f"{role}[{replica}]"
+        super().__init__(
+            f"role {where} is dead: {reason}; nothing will answer it again in this run, so "
+            f"retrying cannot help. The run's report says why it ended."
+        )
+
+    def __reduce__(self) -> tuple[type[RoleDeadError], tuple[str, str, int | None]]:
+        return (type(self), (self.role, self.reason, self.replica))
+
+
+class WeightsError(AsyncrlError):
+    """Something went wrong with the shared-memory weight store (``asyncrl.weights``).
+
+    A runtime error, not a transport one: the store is memory shared on one host, not a channel.
+    """
+
+
+class WeightsGoneError(WeightsError):
+    """The writer closed its store, or died and its segment was swept.
+
+    Ask the learner for a fresh ``WeightsHandle`` and open a new ``WeightReader``. When the
+    segment file was missing, the ``FileNotFoundError`` is in ``__cause__``.
+    """
+
+    retryable = True
+
+
+class TornReadError(WeightsError):
+    """Every attempt to copy a complete snapshot raced with the writer; the next call may succeed.
+
+    The contents of an ``into`` dict passed to the failed ``read`` are undefined.
+    """
+
+    retryable = True
+
+
+class NothingPublishedError(WeightsError):
+    """``read`` was called before the writer published any version."""
+
+    retryable = True
+
+
+class ConfigError(AsyncrlError):
+    """The run's configuration is wrong: fix it, since restarting cannot help."""
+
+
+class ManifestError(ConfigError):
     """A manifest that cannot be read or has problems; the message lists every one of them.
 
     Attributes:
@@ -92,7 +174,7 @@ class ManifestError(AsyncrlError):
         return (type(self), (self.source, self.problems))
 
 
-class ConfigProblem(AsyncrlError):
+class ConfigProblem(ConfigError):
     """A process cannot start because of its configuration (a program or class that does not
     import, a config the role rejects). The process exits with ``EXIT_CONFIG``, and the
     supervisor fails the run at once: restarting cannot help."""
@@ -105,23 +187,6 @@ class StallError(AsyncrlError):
     replica and age, and the sample pipeline's state. The driver fails the run with it rather
     than hang.
     """
-
-
-class WeightsGoneError(BrokenError):
-    """The writer closed its store, or died and its segment was swept.
-
-    Ask the learner for a fresh ``WeightsHandle`` and open a new ``WeightReader``. When the
-    segment file was missing, the ``FileNotFoundError`` is in ``__cause__``.
-    """
-
-
-class TornReadError(TransportError):
-    """Every attempt to copy a complete snapshot raced with the writer; the next call may succeed.
-
-    The contents of an ``into`` dict passed to the failed ``read`` are undefined.
-    """
-
-    retryable = True
 
 
 class FlushDeadlineError(DeadlineExceededError):
@@ -139,9 +204,3 @@ class FlushDeadlineError(DeadlineExceededError):
             f"unacknowledged after {timeout_s:.3f} s; the reducer is down, hung or unreachable "
             f"(they are still being re-sent). Raise the timeout or check the reducer's process.",
         )
-
-
-class NothingPublishedError(TransportError):
-    """``read`` was called before the writer published any version."""
-
-    retryable = True

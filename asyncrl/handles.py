@@ -14,16 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
 from asyncrl.dispatch import Dispatcher, Group, Work
+from asyncrl.errors import RoleDeadError
 from asyncrl.pacing import PipelineSpec
 from asyncrl.watchdog import Watchdog
 
 __all__ = ["Context", "Handle"]
 
 DEFAULT_TIMEOUT_S = 60.0
+
+SHUTTING_DOWN = (
+    "the run is shutting down (the driver closed its connections with this call still queued "
+    "or in flight)"
+)
+"""Why a call fails with ``RoleDeadError`` when the dispatcher closes under it."""
 
 
 class Handle:
@@ -111,10 +118,11 @@ class Handle:
             DeadlineExceededError: no reply within ``timeout`` seconds (names role and replica).
             RemoteError: the role raised; ``code`` and ``remote_type`` say what.
             BrokenError: a once endpoint's replica died with the call in flight.
+            RoleDeadError: the run is shutting down; nothing will answer the call.
         """
         work = self._work(method, payload, reply_type, timeout, key=key, affinity=affinity)
         self._group.submit(work)
-        return await work.future
+        return await self._outcome(work.future, [work])
 
     async def broadcast(
         self,
@@ -124,13 +132,17 @@ class Handle:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> list[Any]:
-        """Call ``method`` on every replica; return the replies in replica order."""
+        """Call ``method`` on every replica; return the replies in replica order.
+
+        Raises:
+            The first error of any replica, as ``call`` does.
+        """
         works = [
             self._work(method, payload, reply_type, timeout, target=i) for i in range(self.replicas)
         ]
         for work in works:
             self._group.submit(work)
-        return list(await asyncio.gather(*(w.future for w in works)))
+        return list(await self._outcome(asyncio.gather(*(w.future for w in works)), works))
 
     async def map(
         self,
@@ -167,11 +179,30 @@ class Handle:
         try:
             for _ in range(len(works)):
                 work = await done.get()
+                if _closed_under(work):
+                    raise RoleDeadError(self.name, SHUTTING_DOWN)
                 yield work.key, work.future.result()
         finally:
             for work in works:
                 if not work.future.done():
                     work.future.cancel()
+
+    async def _outcome(self, waiting: Awaitable[Any], works: list[Work]) -> Any:
+        """What ``waiting`` (the futures of ``works``) gives; ``RoleDeadError`` when the
+        dispatcher cancelled one of them as it closed, not the caller."""
+        try:
+            return await waiting
+        except asyncio.CancelledError:
+            if any(_closed_under(work) for work in works):
+                raise RoleDeadError(self.name, SHUTTING_DOWN) from None
+            raise
+
+
+def _closed_under(work: Work) -> bool:
+    """Whether ``work`` was cancelled by its owner (the dispatcher, as it closed) while the task
+    waiting for it was not itself being cancelled."""
+    task = asyncio.current_task()
+    return work.future.cancelled() and (task is None or task.cancelling() == 0)
 
 
 def _put(queue: asyncio.Queue[Work], work: Work, future: asyncio.Future[Any]) -> None:

@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.errors import BrokenError, ClosedError
+from asyncrl.errors import ClosedError, TransportError, WeightsError
 from asyncrl.transport.shm import segment_name, sweep
 from asyncrl.weights import (
     NO_VERSION,
@@ -528,7 +528,8 @@ def test_close_unlinks_and_mapped_readers_fail_clearly(shm_dir: str) -> None:
         with pytest.raises(WeightsGoneError) as info:
             call()
         assert str(info.value) == gone
-        assert isinstance(info.value, BrokenError) and info.value.retryable
+        assert isinstance(info.value, WeightsError) and info.value.retryable
+        assert not isinstance(info.value, TransportError)  # shared memory, not a channel
     reader.close()
 
     with pytest.raises(WeightsGoneError) as info:

@@ -75,7 +75,7 @@ def _env_secret() -> str | None:
 
 
 class _Pending:
-    __slots__ = ("deadline", "fut", "method", "reply_type", "timeout")
+    __slots__ = ("deadline", "fut", "method", "peer", "reply_type", "timeout")
 
     def __init__(
         self,
@@ -84,12 +84,14 @@ class _Pending:
         reply_type: Any,
         method: str,
         timeout: float,
+        peer: Hello | None = None,
     ) -> None:
         self.fut = fut
         self.deadline = deadline  # on the loop's clock
         self.reply_type = reply_type
         self.method = method
         self.timeout = timeout
+        self.peer = peer  # the server's handshake when the request was sent; None if none yet
 
 
 class Client:
@@ -286,7 +288,10 @@ class Client:
         frames = self.codec.encode(env, peer=b"", use_shm=self._use_shm)
         loop = self._pump.loop
         fut: asyncio.Future[Any] = loop.create_future()
-        self._track(request_id, _Pending(fut, loop.time() + timeout, reply_type, method, timeout))
+        self._track(
+            request_id,
+            _Pending(fut, loop.time() + timeout, reply_type, method, timeout, self.server),
+        )
         try:
             self._pump.send(frames)
         except TransportError:
@@ -592,9 +597,7 @@ class Client:
                 del self._pending[request_id]
                 if not pending.fut.done():
                     self.stats["deadlines"] += 1
-                    pending.fut.set_exception(
-                        DeadlineExceededError(self.endpoint, pending.method, pending.timeout)
-                    )
+                    pending.fut.set_exception(_deadline_error(self.endpoint, pending))
             elif pending.deadline < earliest:
                 earliest = pending.deadline
         if earliest < math.inf and not self._closed:
@@ -654,3 +657,14 @@ class Client:
         if self._pump is None or self._closed:
             raise ClosedError(f"client {self.name} is closed or not connected")
         self._pump.send(self.codec.encode(env))
+
+
+def _deadline_error(endpoint: str, pending: _Pending) -> DeadlineExceededError:
+    """The request's deadline passed; it names the server's pid and incarnation when a handshake
+    had told them before the request was sent."""
+    peer = pending.peer
+    if peer is None:
+        return DeadlineExceededError(endpoint, pending.method, pending.timeout)
+    return DeadlineExceededError(
+        endpoint, pending.method, pending.timeout, pid=peer.pid, incarnation=peer.incarnation
+    )

@@ -10,7 +10,8 @@ the same root, so a caller catches ``AsyncrlError`` for everything asyncrl raise
         │   ├── PeerDeadError           the peer missed liveness x interval of heartbeats
         │   ├── DisconnectedError       the connection broke with requests in flight
         │   └── PeerUnreachableError    the peer is not connected (ROUTER_MANDATORY refused)
-        ├── DeadlineExceededError       no answer before the request's deadline
+        ├── DeadlineExceededError       no answer before the request's deadline; names the
+        │                               peer's pid and incarnation when its handshake told them
         ├── RemoteError                 the peer answered with an error reply
         └── ProtocolError               bytes that do not follow docs/protocol.md
             ├── ProtocolVersionError    the peer speaks another protocol version
@@ -101,17 +102,34 @@ class DeadlineExceededError(TransportError):
         peer: the endpoint the request went to.
         method: the endpoint method that was called.
         timeout_s: the time the request was given.
+        pid: the process id of the peer the request went to, from its handshake; None when it
+            was not known (no handshake had been answered yet).
+        incarnation: that peer's restart count, from the same handshake; None when not known.
     """
 
     retryable = True
 
-    def __init__(self, peer: str, method: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        peer: str,
+        method: str,
+        timeout_s: float,
+        *,
+        pid: int | None = None,
+        incarnation: int | None = None,
+    ) -> None:
         self.peer = peer
         self.method = method
         self.timeout_s = timeout_s
+        self.pid = pid
+        self.incarnation = incarnation
+        known = [f"pid {pid}"] if pid is not None else []
+        if incarnation is not None:
+            known.append(f"incarnation {incarnation}")
+        who = f"the peer ({', '.join(known)})" if known else "the peer"
         super().__init__(
             f"request {method!r} to {peer} got no answer within its deadline of {timeout_s:.3f} s; "
-            f"the peer is slow, hung or gone. Raise the timeout if the work is legitimately long."
+            f"{who} is slow, hung or gone. Raise the timeout if the work is legitimately long."
         )
 
 

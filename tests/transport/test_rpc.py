@@ -98,7 +98,12 @@ def test_errors_name_what_went_wrong(run_dir: str) -> None:
                 await client.call("wait", 5.0, timeout=0.05)
             assert deadline.value.method == "wait"
             assert deadline.value.peer == server.endpoint
-            assert "within its deadline of 0.050 s" in str(deadline.value)
+            assert (deadline.value.pid, deadline.value.incarnation) == (os.getpid(), 0)
+            assert str(deadline.value) == (
+                f"request 'wait' to {server.endpoint} got no answer within its deadline of "
+                f"0.050 s; the peer (pid {os.getpid()}, incarnation 0) is slow, hung or gone. "
+                f"Raise the timeout if the work is legitimately long."
+            )
             # The server keeps serving after all of that.
             assert await client.call("double", Point(1, 1), Point) == Point(2, 2)
         await server.close()
@@ -233,6 +238,13 @@ def test_restart_on_the_same_endpoint(server_process: ServerProcess, run_dir: st
                     event = await asyncio.wait_for(events.get(), 10)
                 assert (event.kind, event.incarnation) == ("restarted", 1)
                 assert await client.call("add", {"a": 4, "b": 5}) == 9
+                # A deadline names the process that took the request: the new incarnation.
+                with pytest.raises(DeadlineExceededError) as deadline:
+                    await client.call("sleep", 30.0, timeout=0.05)
+                assert (deadline.value.pid, deadline.value.incarnation) == (restarted.pid, 1)
+                assert f"the peer (pid {restarted.pid}, incarnation 1) is slow" in str(
+                    deadline.value
+                )
             finally:
                 restarted.stop()
 
@@ -308,8 +320,15 @@ def test_the_server_reports_clients_that_go_silent(run_dir: str) -> None:
 def test_connecting_to_nobody_times_out_and_closes_at_once(run_dir: str) -> None:
     async def main() -> None:
         client = Client(f"ipc://{run_dir}/nobody")
-        with pytest.raises(DeadlineExceededError, match="'handshake'"):
+        with pytest.raises(DeadlineExceededError) as deadline:
             await client.connect(timeout=0.1)
+        # Nobody answered a handshake, so no pid or incarnation is known to name.
+        assert (deadline.value.pid, deadline.value.incarnation) == (None, None)
+        assert str(deadline.value) == (
+            f"request 'handshake' to {client.endpoint} got no answer within its deadline of "
+            f"0.100 s; the peer is slow, hung or gone. Raise the timeout if the work is "
+            f"legitimately long."
+        )
         await client.close()
 
     run(main())
