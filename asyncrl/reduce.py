@@ -35,17 +35,17 @@ Contributions from other processes arrive through ``asyncrl.post`` (``Poster``, 
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from asyncrl.clock import MONOTONIC, Clock, Timer
 
 __all__ = ["Moments", "Outcome", "Reducer", "Released", "Straggler"]
 
@@ -145,15 +145,15 @@ class Released:
 class _Round:
     __slots__ = ("deadline_s", "expected", "key", "moments", "opened", "overdue", "parts", "timer")
 
-    def __init__(self, key: str, expected: int, deadline_s: float | None) -> None:
+    def __init__(self, key: str, expected: int, deadline_s: float | None, opened: float) -> None:
         self.key = key
         self.expected = expected
         self.deadline_s = deadline_s
         self.moments = Moments(0, 0.0, 0.0)
         self.parts: set[str] = set()
-        self.opened = time.monotonic()
+        self.opened = opened
         self.overdue = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Timer | None = None
 
 
 _COUNTERS = (
@@ -172,8 +172,9 @@ _COUNTERS = (
 class Reducer:
     """Merges contributions into rounds and releases each round once.
 
-    One reducer per process, used from its event loop: deadlines are loop timers, so a reducer
-    with deadlines must be used while a loop runs (one without needs none).
+    One reducer per process, used from its event loop: deadlines are timers of its clock, by
+    default the loop's, so a reducer with deadlines must then be used while a loop runs (one
+    without needs none).
 
     Args:
         on_release: called with each ``Released``, synchronously from ``add`` or the deadline
@@ -185,6 +186,8 @@ class Reducer:
         k_min: for ``emit``, the fewest parts a partial round is released with.
         on_late: called with ``(key, part)`` for each part that arrives after its round was
             released; errors are logged and counted like those of ``on_release``.
+        clock: what deadlines and ``waited_s`` are measured on (``asyncrl.clock``; a test
+            passes a ``FakeClock``).
 
     Raises:
         ValueError: ``k_min`` under 1, ``deadline_s`` not positive, or ``emit``/``drop``
@@ -199,6 +202,7 @@ class Reducer:
         deadline_s: float | None = None,
         k_min: int = 1,
         on_late: Callable[[str, str], None] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
         policy = Straggler(policy)
         if k_min < 1:
@@ -214,6 +218,7 @@ class Reducer:
         self.k_min = k_min
         self._on_release = on_release
         self._on_late = on_late
+        self.clock = clock
         self._open: dict[str, _Round] = {}
         self._released: set[str] = set()
         self._counts: Counter[str] = Counter()
@@ -245,10 +250,9 @@ class Reducer:
         _check_deadline(deadline_s, f"round {key!r}: deadline_s")
         if deadline_s is None:
             deadline_s = self.deadline_s
-        round_ = _Round(key, expected, deadline_s)
+        round_ = _Round(key, expected, deadline_s, self.clock.now())
         if deadline_s is not None:
-            loop = asyncio.get_running_loop()
-            round_.timer = loop.call_later(deadline_s, self._deadline, round_)
+            round_.timer = self.clock.call_later(deadline_s, self._deadline, round_)
         self._open[key] = round_
         self._counts["opened"] += 1
 
@@ -350,7 +354,7 @@ class Reducer:
             frozenset(round_.parts),
             round_.expected,
             outcome,
-            time.monotonic() - round_.opened,
+            self.clock.now() - round_.opened,
         )
         self._call(self._on_release, released)
 

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.errors import StallError
 from asyncrl.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
 from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
@@ -165,6 +166,7 @@ class SamplePipeline:
         drop_uniform: drop groups whose rewards are all equal (default: ``spec.drop_uniform``).
         max_uniform_drops: the most such groups dropped per batch (default: 4 per group of
             the batch); past it they are kept, with zero advantages, and counted.
+        clock: what straggler deadlines run on (a test passes a ``FakeClock``).
 
     Raises:
         ValueError: a batch smaller than one group, or ``drop_uniform`` with groups of one.
@@ -189,6 +191,7 @@ class SamplePipeline:
         watchdog: Any = None,
         drop_uniform: bool | None = None,
         max_uniform_drops: int | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
         groups_per_batch = batch_size // max(1, group_size)
@@ -221,6 +224,7 @@ class SamplePipeline:
             deadline_s=straggler.deadline_s or None,
             k_min=min(straggler.k_min, group_size),
             on_late=self._on_late,
+            clock=clock,
         )
         resume = resume or {}
         start_cursor = int(resume.get("cursor", start_cursor))

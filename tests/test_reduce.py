@@ -16,12 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.clock import FakeClock
 from asyncrl.errors import ClosedError, DeadlineExceededError, FlushDeadlineError
 from asyncrl.post import Contribution, Poster, serve_reducer
 from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
 from asyncrl.transport import Call, ChannelOptions, Server, run
 
-DEADLINE_S = 0.05
+DEADLINE_S = 0.05  # a poster's flush deadline (real time)
+DUE_S = 0.5  # a round's deadline on the fake clock (exact in binary, so sums are exact)
 WAIT_S = 5.0
 
 values = st.lists(
@@ -140,10 +142,12 @@ def _collect() -> tuple[list[Released], Callable[[Released], None]]:
 
 
 def test_a_round_completes_when_every_part_is_merged() -> None:
+    clock = FakeClock(100.0)
     released, on_release = _collect()
-    reducer = Reducer(on_release)
+    reducer = Reducer(on_release, clock=clock)
     reducer.open("g", 3)
     assert reducer.add("g", "a", Moments.of([1.0, 2.0]))
+    clock.advance(1.5)
     assert reducer.add("g", "b", Moments.of([3.0]))
     assert released == [] and reducer.pending() == ["g"]
     assert reducer.add("g", "c", Moments.of([4.0]))
@@ -155,7 +159,7 @@ def test_a_round_completes_when_every_part_is_merged() -> None:
         3,
         Outcome.COMPLETE,
     )
-    assert 0.0 <= r.waited_s < WAIT_S
+    assert r.waited_s == 1.5
     assert reducer.pending() == []
     assert reducer.metrics == {
         "opened": 1,
@@ -259,7 +263,7 @@ def test_a_failing_callback_leaves_the_reducer_consistent() -> None:
     assert reducer.metrics["late"] == 1 and reducer.metrics["complete"] == 1
 
 
-# -- Reducer: deadlines on a real loop ----------------------------------------------------
+# -- Reducer: deadlines, on a fake clock ---------------------------------------------------
 
 
 class _Releases:
@@ -280,121 +284,144 @@ class _Releases:
 
 
 def test_emit_releases_partial_at_the_deadline_with_k_min_parts() -> None:
-    async def main() -> None:
-        got = _Releases()
-        reducer = Reducer(
-            got, policy=Straggler.EMIT, deadline_s=DEADLINE_S, k_min=2, on_late=got.on_late
-        )
-        reducer.open("g", 4)
-        reducer.add("g", "a", Moments.of([1.0]))
-        reducer.add("g", "b", Moments.of([3.0]))
-        r = await got.next()
-        assert (r.key, r.outcome, r.parts, r.moments) == (
-            "g",
-            Outcome.PARTIAL,
-            frozenset("ab"),
-            Moments(2, 2.0, 2.0),
-        )
-        assert r.waited_s >= DEADLINE_S - 0.002
-        assert not reducer.add("g", "c", Moments.of([5.0]))
-        assert got.late == [("g", "c")]
-        m = reducer.metrics
-        assert (m["partial"], m["overdue"], m["late"], m["open_rounds"]) == (1, 0, 1, 0)
-
-    run(main())
+    clock = FakeClock()
+    released, on_release = _collect()
+    late: list[tuple[str, str]] = []
+    reducer = Reducer(
+        on_release,
+        policy=Straggler.EMIT,
+        deadline_s=DUE_S,
+        k_min=2,
+        on_late=lambda k, p: late.append((k, p)),
+        clock=clock,
+    )
+    reducer.open("g", 4)
+    reducer.add("g", "a", Moments.of([1.0]))
+    reducer.add("g", "b", Moments.of([3.0]))
+    clock.advance(DUE_S - 0.125)
+    assert released == []
+    clock.advance(0.125)
+    (r,) = released
+    assert (r.key, r.outcome, r.parts, r.moments, r.waited_s) == (
+        "g",
+        Outcome.PARTIAL,
+        frozenset("ab"),
+        Moments(2, 2.0, 2.0),
+        DUE_S,
+    )
+    assert not reducer.add("g", "c", Moments.of([5.0]))
+    assert late == [("g", "c")]
+    m = reducer.metrics
+    assert (m["partial"], m["overdue"], m["late"], m["open_rounds"]) == (1, 0, 1, 0)
 
 
 def test_emit_short_of_k_min_waits_for_the_k_min_th_part() -> None:
-    async def main() -> None:
-        got = _Releases()
-        reducer = Reducer(got, policy=Straggler.EMIT, deadline_s=DEADLINE_S, k_min=2)
-        reducer.open("slow", 3)
-        reducer.open("fast", 2, deadline_s=60.0)
-        reducer.add("slow", "a", Moments.of([1.0]))
-        await asyncio.sleep(DEADLINE_S * 2)  # the deadline has to pass
-        assert reducer.metrics["overdue"] == 1
-        assert reducer.pending() == ["slow", "fast"]  # 'fast' has a later deadline of its own
-        assert reducer.add("slow", "b", Moments.of([2.0]))
-        r = got.queue.get_nowait()
-        assert (r.key, r.outcome, r.parts, r.moments.count) == (
-            "slow",
-            Outcome.PARTIAL,
-            frozenset("ab"),
-            2,
-        )
-        reducer.add("fast", "a", Moments.of([1.0]))
-        reducer.add("fast", "b", Moments.of([1.0]))
-        assert got.queue.get_nowait().outcome == Outcome.COMPLETE
-        assert reducer.metrics["partial"] == 1 and reducer.metrics["complete"] == 1
-        reducer.close()
-
-    run(main())
+    clock = FakeClock()
+    released, on_release = _collect()
+    reducer = Reducer(on_release, policy=Straggler.EMIT, deadline_s=DUE_S, k_min=2, clock=clock)
+    reducer.open("slow", 3)
+    reducer.open("fast", 2, deadline_s=60.0)
+    reducer.add("slow", "a", Moments.of([1.0]))
+    clock.advance(2 * DUE_S)
+    assert reducer.metrics["overdue"] == 1 and released == []
+    assert reducer.pending() == ["slow", "fast"]  # 'fast' has a later deadline of its own
+    assert reducer.add("slow", "b", Moments.of([2.0]))
+    (r,) = released
+    assert (r.key, r.outcome, r.parts, r.moments.count, r.waited_s) == (
+        "slow",
+        Outcome.PARTIAL,
+        frozenset("ab"),
+        2,
+        2 * DUE_S,
+    )
+    reducer.add("fast", "a", Moments.of([1.0]))
+    reducer.add("fast", "b", Moments.of([1.0]))
+    assert [r.outcome for r in released] == [Outcome.PARTIAL, Outcome.COMPLETE]
+    assert reducer.metrics["partial"] == 1 and reducer.metrics["complete"] == 1
+    reducer.close()
 
 
 def test_emit_prefers_complete_when_every_part_arrives_in_time() -> None:
-    async def main() -> None:
-        got = _Releases()
-        reducer = Reducer(got, policy=Straggler.EMIT, deadline_s=DEADLINE_S, k_min=1)
-        reducer.add("g", "a", Moments.of([1.0]), expected=2)  # opened with the default deadline
-        reducer.add("g", "b", Moments.of([2.0]))
-        assert got.queue.get_nowait().outcome == Outcome.COMPLETE
-        await asyncio.sleep(DEADLINE_S * 2)  # its timer was cancelled: nothing more happens
-        assert got.queue.empty()
-        assert reducer.metrics["partial"] == 0 and reducer.metrics["overdue"] == 0
-
-    run(main())
+    clock = FakeClock()
+    released, on_release = _collect()
+    reducer = Reducer(on_release, policy=Straggler.EMIT, deadline_s=DUE_S, k_min=1, clock=clock)
+    reducer.add("g", "a", Moments.of([1.0]), expected=2)  # opened with the default deadline
+    reducer.add("g", "b", Moments.of([2.0]))
+    assert [r.outcome for r in released] == [Outcome.COMPLETE]
+    assert clock.timers == 0  # its deadline was cancelled
+    clock.advance(2 * DUE_S)
+    assert len(released) == 1
+    assert reducer.metrics["partial"] == 0 and reducer.metrics["overdue"] == 0
 
 
 def test_drop_releases_dropped_at_the_deadline() -> None:
-    async def main() -> None:
-        got = _Releases()
-        reducer = Reducer(got, policy=Straggler.DROP, deadline_s=DEADLINE_S, on_late=got.on_late)
-        reducer.add("g", "a", Moments.of([1.0]), expected=3)
-        r = await got.next()
-        assert (r.key, r.outcome, r.parts, r.moments, r.expected) == (
-            "g",
-            Outcome.DROPPED,
-            frozenset("a"),
-            Moments(1, 1.0, 0.0),
-            3,
-        )
-        assert not reducer.add("g", "b", Moments.of([1.0]))
-        assert got.late == [("g", "b")]
-        assert reducer.metrics["dropped"] == 1
-
-    run(main())
+    clock = FakeClock()
+    released, on_release = _collect()
+    late: list[tuple[str, str]] = []
+    reducer = Reducer(
+        on_release,
+        policy=Straggler.DROP,
+        deadline_s=DUE_S,
+        on_late=lambda k, p: late.append((k, p)),
+        clock=clock,
+    )
+    reducer.add("g", "a", Moments.of([1.0]), expected=3)
+    clock.advance(DUE_S)
+    (r,) = released
+    assert (r.key, r.outcome, r.parts, r.moments, r.expected, r.waited_s) == (
+        "g",
+        Outcome.DROPPED,
+        frozenset("a"),
+        Moments(1, 1.0, 0.0),
+        3,
+        DUE_S,
+    )
+    assert not reducer.add("g", "b", Moments.of([1.0]))
+    assert late == [("g", "b")]
+    assert reducer.metrics["dropped"] == 1
 
 
 def test_wait_keeps_waiting_past_the_deadline_then_completes() -> None:
-    async def main() -> None:
-        got = _Releases()
-        reducer = Reducer(got, policy=Straggler.WAIT, deadline_s=DEADLINE_S)
-        reducer.open("g", 2)
-        reducer.open("h", 2, deadline_s=DEADLINE_S / 2)
-        reducer.add("g", "a", Moments.of([1.0]))
-        await asyncio.sleep(DEADLINE_S * 2)  # both deadlines have to pass
-        assert reducer.pending() == ["g", "h"]
-        assert reducer.metrics["overdue"] == 2  # once per round
-        await asyncio.sleep(DEADLINE_S)
-        assert reducer.metrics["overdue"] == 2
-        reducer.add("g", "b", Moments.of([3.0]))
-        r = got.queue.get_nowait()
-        assert (r.outcome, r.moments) == (Outcome.COMPLETE, Moments(2, 2.0, 2.0))
-        assert r.waited_s >= 3 * DEADLINE_S - 0.002
-        assert reducer.pending() == ["h"]
-
-    run(main())
+    clock = FakeClock()
+    released, on_release = _collect()
+    reducer = Reducer(on_release, policy=Straggler.WAIT, deadline_s=DUE_S, clock=clock)
+    reducer.open("g", 2)
+    reducer.open("h", 2, deadline_s=DUE_S / 2)
+    reducer.add("g", "a", Moments.of([1.0]))
+    clock.advance(DUE_S / 2)
+    assert reducer.metrics["overdue"] == 1  # h's deadline came first
+    clock.advance(DUE_S / 2)
+    assert reducer.pending() == ["g", "h"]
+    assert reducer.metrics["overdue"] == 2  # once per round
+    clock.advance(DUE_S)
+    assert reducer.metrics["overdue"] == 2 and released == []
+    reducer.add("g", "b", Moments.of([3.0]))
+    (r,) = released
+    assert (r.outcome, r.moments, r.waited_s) == (Outcome.COMPLETE, Moments(2, 2.0, 2.0), 2 * DUE_S)
+    assert reducer.pending() == ["h"]
 
 
 def test_close_cancels_the_deadlines() -> None:
+    clock = FakeClock()
+    released, on_release = _collect()
+    reducer = Reducer(on_release, policy=Straggler.DROP, deadline_s=DUE_S, clock=clock)
+    reducer.open("g", 2)
+    reducer.close()
+    assert clock.timers == 0
+    clock.advance(2 * DUE_S)
+    assert released == []
+    assert reducer.pending() == ["g"] and reducer.metrics["dropped"] == 0
+
+
+def test_deadlines_run_on_the_event_loop_by_default() -> None:
+    """The default clock is the real one: a deadline is a timer of the running loop."""
+
     async def main() -> None:
         got = _Releases()
-        reducer = Reducer(got, policy=Straggler.DROP, deadline_s=DEADLINE_S)
+        reducer = Reducer(got, policy=Straggler.DROP, deadline_s=0.001)
         reducer.open("g", 2)
-        reducer.close()
-        await asyncio.sleep(DEADLINE_S * 2)
-        assert got.queue.empty()
-        assert reducer.pending() == ["g"] and reducer.metrics["dropped"] == 0
+        r = await got.next()
+        assert r.outcome == Outcome.DROPPED and r.waited_s >= 0.001
 
     run(main())
 

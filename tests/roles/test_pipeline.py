@@ -1,19 +1,21 @@
 """SamplePipeline in one process: a fake rollout whose samples finish when the test says so.
 
 Each generate call waits on the test's release of that sample (an event), so the order in which
-samples complete is chosen by the test, and nothing sleeps to let time pass (but for straggler
-deadlines, which are time by definition).
+samples complete is chosen by the test; straggler deadlines run on a fake clock, so nothing sleeps
+to let time pass.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+from asyncrl.clock import FakeClock
 from asyncrl.errors import StallError
 from asyncrl.pacing import PipelineSpec, StragglerSpec
 from asyncrl.reduce import Moments
@@ -23,6 +25,7 @@ from asyncrl.roles.rollout import GenerateBatch, Prompt, Sample, SamplingParams
 from asyncrl.transport import run
 
 WAIT_S = 10.0
+DUE_S = 0.5  # a straggler deadline, on the fake clock
 G = 4  # group size
 B = 8  # batch size: two groups
 
@@ -136,6 +139,15 @@ def uniform_for(*prompt_ids: str) -> Any:
 
 async def started(rollout: FakeRollout, n: int) -> list[tuple[str, int]]:
     return [await asyncio.wait_for(rollout.started.get(), WAIT_S) for _ in range(n)]
+
+
+async def until(condition: Callable[[], bool], turns: int = 1000) -> None:
+    """Let the loop run until ``condition`` holds; fail after ``turns`` turns without it."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"not reached after {turns} turns of the loop")
 
 
 def test_advantages_equal_the_one_shot_computation_in_any_completion_order() -> None:
@@ -298,13 +310,18 @@ def test_stale_groups_are_kept_for_correction_under_correct() -> None:
 def test_a_straggler_follows_the_policy(policy: str) -> None:
     async def main() -> None:
         rollout = FakeRollout()
-        straggler = StragglerSpec(policy=policy, deadline_s=0.05 if policy != "wait" else 0.0)
-        async with pipeline(rollout, PipelineSpec(mode="sync", straggler=straggler)) as pipe:
+        clock = FakeClock()
+        straggler = StragglerSpec(policy=policy, deadline_s=DUE_S)
+        spec = PipelineSpec(mode="sync", straggler=straggler)
+        async with pipeline(rollout, spec, clock=clock) as pipe:
             sids = await started(rollout, B)  # p0 and p1
             stuck = ("p0", 3)
             for sid in sids:
                 if sid != stuck:
                     rollout.release(sid)
+            await until(lambda: pipe.reducer.metrics["contributions"] == B - 1)
+            assert pipe.metrics["groups_complete"] == 1  # p1; p0 waits for its last sample
+            clock.advance(DUE_S)
             if policy == "drop":
                 # p0 is dropped at its deadline and a fresh prompt takes its room.
                 fresh = await started(rollout, G)
@@ -312,8 +329,8 @@ def test_a_straggler_follows_the_policy(policy: str) -> None:
                 for sid in fresh:
                     rollout.release(sid)
             elif policy == "wait":
-                await asyncio.sleep(0.1)
-                assert pipe.metrics["groups_complete"] == 1  # p1; p0 still waits
+                assert pipe.reducer.metrics["overdue"] == 1
+                assert pipe.metrics["groups_complete"] == 1  # p0 still waits
                 rollout.release(stuck)
             batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
             groups = {s.sample.prompt_id for s in batch.samples}
@@ -337,7 +354,6 @@ def test_a_straggler_follows_the_policy(policy: str) -> None:
                 assert pipe.metrics["groups_complete"] == 2
                 assert pipe.metrics["wasted_samples"] == 0
                 assert len(batch.samples) == B
-            assert pipe.reducer.metrics["overdue" if policy == "wait" else "opened"] >= 0
 
     run(main())
 
@@ -569,3 +585,31 @@ def test_drop_uniform_off_keeps_uniform_groups_and_on_needs_groups_of_two() -> N
         "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so every "
         "group would be dropped; raise group_size or set drop_uniform false"
     )
+
+
+def test_a_partial_group_with_uniform_rewards_is_dropped_whole() -> None:
+    """Straggler policy emit and drop_uniform: p0 is emitted at its deadline with three samples
+    of equal reward; it is dropped (its missing sample is waste too), and p2 takes its room."""
+
+    async def main() -> None:
+        rollout = FakeRollout()
+        clock = FakeClock()
+        straggler = StragglerSpec(policy="emit", deadline_s=DUE_S)
+        spec = PipelineSpec(mode="sync", straggler=straggler, drop_uniform=True)
+        async with pipeline(rollout, spec, score=uniform_for("p0"), clock=clock) as pipe:
+            for sid in await started(rollout, B):
+                if sid != ("p0", 3):
+                    rollout.release(sid)
+            await until(lambda: pipe.reducer.metrics["contributions"] == B - 1)
+            clock.advance(DUE_S)
+            fresh = await started(rollout, G)
+            assert {p for p, _ in fresh} == {"p2"}
+            for sid in fresh:
+                rollout.release(sid)
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert {s.sample.prompt_id for s in batch.samples} == {"p1", "p2"}
+        m = pipe.metrics
+        assert (m["groups_partial"], m["groups_uniform_dropped"]) == (1, 1)
+        assert (m["samples_uniform_dropped"], m["wasted_samples"]) == (G - 1, G)
+
+    run(main())
