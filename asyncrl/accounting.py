@@ -218,7 +218,20 @@ def run_figures(run_dir: str) -> dict[str, Any]:
     summary = _read_json(os.path.join(run_dir, "summary.json"))
     driver = _read_json(os.path.join(run_dir, "driver.json"))
     chaos = _read_json(os.path.join(run_dir, CHAOS_FILE))
+    _report_figures(report, out, unknown)
+    _chaos_figures(chaos, report, out, unknown)
+    summary = _pipeline_figures(summary, driver, out, unknown)
+    _ledger_figures(run_dir, summary, out, unknown)
+    _dispatch_figures(driver, out, unknown)
+    out["unknown"] = unknown
+    return out
 
+
+# Each of the following adds its figures to ``out``, and why any is None to ``unknown``.
+
+
+def _report_figures(report: Any, out: dict[str, Any], unknown: dict[str, str]) -> None:
+    """From the supervisor's report: status, reason, restarts per role."""
     if isinstance(report, dict):
         out["status"] = report.get("status")
         out["completed"] = report.get("status") == "completed"
@@ -228,6 +241,10 @@ def run_figures(run_dir: str) -> dict[str, Any]:
         out.update(status=None, completed=None, reason=None, restarts=None)
         unknown["completed"] = unknown["restarts"] = "no report.json"
 
+
+def _chaos_figures(chaos: Any, report: Any, out: dict[str, Any], unknown: dict[str, str]) -> None:
+    """From what ``asyncrl chaos`` saw: wall time, kills, stops and (with the report) the times
+    to recover."""
     if isinstance(chaos, dict):
         out["wall_s"] = chaos.get("wall_s")
         out["program_s"] = chaos.get("program_s")
@@ -243,6 +260,12 @@ def run_figures(run_dir: str) -> dict[str, Any]:
             out[key] = None
             unknown[key] = f"needs report.json and {CHAOS_FILE}"
 
+
+def _pipeline_figures(
+    summary: Any, driver: Any, out: dict[str, Any], unknown: dict[str, str]
+) -> dict[str, Any]:
+    """From the program's summary (or the driver's result): the accuracy and the pipeline's
+    counters, and the samples lost by them. Returns the summary, ``{}`` when there is none."""
     pipeline = summary.get("pipeline") if isinstance(summary, dict) else None
     if not isinstance(summary, dict):
         unknown["summary"] = "no summary.json (the program did not write one)"
@@ -283,25 +306,34 @@ def run_figures(run_dir: str) -> dict[str, Any]:
             "needs the pipeline's admitted_samples, consumed_samples, wasted_samples and "
             "in_flight_at_end in summary.json"
         )
+    return summary
 
+
+_LEDGER_KEYS = (
+    "learner_steps",
+    "steps_repeated",
+    "steps_skipped",
+    "duplicates_consumed",
+    "duplicate_consumptions",
+    "ids_consumed",
+    "ids_consumed_rl",
+)
+
+
+def _ledger_figures(
+    run_dir: str, summary: dict[str, Any], out: dict[str, Any], unknown: dict[str, str]
+) -> None:
+    """From the learner's step log: steps repeated or skipped, duplicates, and whether what the
+    learner trained on agrees with the pipeline's count (already in ``out``)."""
     steps = read_steps(run_dir)
-    ledger_keys = (
-        "learner_steps",
-        "steps_repeated",
-        "steps_skipped",
-        "duplicates_consumed",
-        "duplicate_consumptions",
-        "ids_consumed",
-        "ids_consumed_rl",
-    )
     if steps is None:
-        for key in ledger_keys:
+        for key in _LEDGER_KEYS:
             out[key] = None
         unknown["ledger"] = f"no {LEDGER_DIR}/*{STEPS_SUFFIX} (the learner kept no step log)"
         out["ledger_bad_lines"] = None
     else:
         figures = ledger_figures(steps)
-        for key in ledger_keys:
+        for key in _LEDGER_KEYS:
             out[key] = figures[key]
         out["ledger_bad_lines"] = figures["bad_lines"]
     if out["learner_steps"] is None and summary.get("learner_steps") is not None:
@@ -321,6 +353,9 @@ def run_figures(run_dir: str) -> dict[str, Any]:
         out["consistent"] = None
         unknown["consistent"] = "needs the pipeline's consumed_samples and the learner's step log"
 
+
+def _dispatch_figures(driver: Any, out: dict[str, Any], unknown: dict[str, str]) -> None:
+    """From the driver's record: calls served and retried, per role."""
     dispatch = driver.get("dispatch") if isinstance(driver, dict) else None
     if isinstance(dispatch, dict):
         out["dispatch"] = {
@@ -334,8 +369,6 @@ def run_figures(run_dir: str) -> dict[str, Any]:
     else:
         out["dispatch"] = None
         unknown["dispatch"] = "no driver.json with dispatch counts"
-    out["unknown"] = unknown
-    return out
 
 
 _TOP = (
