@@ -661,6 +661,125 @@ def test_decoupled_ppo_errors() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# GSPO: the sequence-level importance ratio
+
+
+def test_sequence_log_ratio_by_hand() -> None:
+    log_ratio = f64([[0.3, -0.1, 0.4, NAN], [0.2, INF, -INF, -0.6]]).requires_grad_()
+    mask = f64([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0]])
+    out = alg.sequence_log_ratio(log_ratio, mask)
+    # Row 0: (0.3 - 0.1 + 0.4) / 3 = 0.2; row 1: (0.2 - 0.6) / 2 = -0.2; 0 where masked.
+    close(out, [[0.2, 0.2, 0.2, 0.0], [-0.2, 0.0, 0.0, -0.2]])
+    out[:, 0].sum().backward()
+    assert log_ratio.grad is not None
+    close(log_ratio.grad, [[1 / 3, 1 / 3, 1 / 3, 0.0], [1 / 2, 0.0, 0.0, 1 / 2]])
+
+
+def gspo_case() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Row 0: token ratios 2, 0.5, 1.21 (A = 1); row 1: 1.44, 1 (A = -1), then padding."""
+    old = f64([[-1.0, -1.0, -1.0], [-1.0, -1.0, 0.0]])
+    ratios = [[2.0, 0.5, 1.21], [1.44, 1.0, 1.0]]
+    logprobs = old + f64([[math.log(r) for r in row] for row in ratios])
+    logprobs[1, 2] = -INF
+    advantages = f64([[1.0, 1.0, 1.0], [-1.0, -1.0, NAN]])
+    mask = f64([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return logprobs.requires_grad_(), old, advantages, mask
+
+
+def test_gspo_clips_the_sequence_ratio_by_hand() -> None:
+    logprobs, old, advantages, mask = gspo_case()
+    # s_0 = (2 * 0.5 * 1.21) ** (1/3) = 1.0656 > 1.05: clipped for A > 0, loss -1.05 on each of
+    # its tokens; s_1 = (1.44 * 1) ** (1/2) = 1.2, A < 0: max(1.2, 1.05) = 1.2, unclipped.
+    s0, s1 = 1.21 ** (1 / 3), 1.2
+    assert s0 > 1.05
+    loss, stats = alg.ppo_policy_loss(
+        logprobs, old, advantages, mask, 0.05, None, "seq_mean_token_mean", importance="sequence"
+    )
+    close(loss, (-1.05 + s1) / 2)
+    close(stats["clip_fraction"], 3 / 5)
+    # approx_kl stays the token-level estimate.
+    ratios = (2.0, 0.5, 1.21, 1.44, 1.0)
+    close(stats["approx_kl"], sum(r - 1 - math.log(r) for r in ratios) / 5)
+    loss.backward()
+    assert logprobs.grad is not None
+    # Row 0 is clipped: no gradient. Row 1: d s_1 / d logp_t = s_1 / 2, times 1/2 (two rows).
+    close(logprobs.grad, [[0.0, 0.0, 0.0], [s1 / 4, s1 / 4, 0.0]])
+    # token_mean weighs each sequence's loss by its length.
+    loss, _ = alg.ppo_policy_loss(
+        logprobs, old, advantages, mask, 0.05, None, "token_mean", importance="sequence"
+    )
+    close(loss, (3 * -1.05 + 2 * s1) / 5)
+    # Token level: max(-2, -1.05), max(-.5, -.95), max(-1.21, -1.05); max(1.44, 1.05), 1.
+    loss, _ = alg.ppo_policy_loss(logprobs, old, advantages, mask, 0.05, None, "token_mean")
+    close(loss, (-1.05 - 0.5 - 1.05 + 1.44 + 1.0) / 5)
+    assert s0 != pytest.approx(1.0)
+
+
+def test_gspo_in_decoupled_ppo_is_gspo_when_proximal_is_behaviour() -> None:
+    logprobs, old, advantages, mask = gspo_case()
+    ppo, _ = alg.ppo_policy_loss(
+        logprobs, old, advantages, mask, 0.05, None, "seq_mean_token_mean", importance="sequence"
+    )
+    dec, stats = alg.decoupled_ppo_policy_loss(
+        logprobs,
+        old,
+        old.clone(),
+        advantages,
+        mask,
+        0.05,
+        None,
+        "seq_mean_token_mean",
+        importance="sequence",
+    )
+    close(dec, ppo)
+    close(stats["clip_fraction"], 3 / 5)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_token_and_sequence_importance_coincide_on_one_token_sequences(aggregation: str) -> None:
+    """One valid token per row (padding around it): the sequence ratio is the token's."""
+    gen = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 3, generator=gen, dtype=torch.float64) * 2
+    new = old + torch.randn(4, 3, generator=gen, dtype=torch.float64) * 0.4
+    behaviour = old - torch.rand(4, 3, generator=gen, dtype=torch.float64) * 0.5
+    advantages = torch.randn(4, 3, generator=gen, dtype=torch.float64)
+    mask = torch.zeros(4, 3, dtype=torch.float64)
+    mask[torch.arange(4), torch.tensor([0, 2, 1, 2])] = 1.0
+    agg: alg.Aggregation = aggregation  # type: ignore[assignment]
+    for loss_fn in (
+        lambda x, level: alg.ppo_policy_loss(
+            x, old, advantages, mask, 0.1, 2.0, agg, importance=level
+        ),
+        lambda x, level: alg.decoupled_ppo_policy_loss(
+            x, old, behaviour, advantages, mask, 0.1, 2.0, agg, importance=level
+        ),
+    ):
+        a, b = new.clone().requires_grad_(), new.clone().requires_grad_()
+        token, token_stats = loss_fn(a, "token")
+        sequence, sequence_stats = loss_fn(b, "sequence")
+        close(sequence, token)
+        for key in token_stats:
+            close(sequence_stats[key], token_stats[key])
+        token.backward()
+        sequence.backward()
+        assert a.grad is not None and b.grad is not None
+        assert a.grad.abs().sum() > 0
+        close(b.grad, a.grad)
+
+
+def test_sequence_importance_errors() -> None:
+    x = torch.zeros(1, 3)
+    with pytest.raises(
+        ValueError, match=exactly("unknown importance 'seq'; expected one of ('token', 'sequence')")
+    ):
+        alg.ppo_policy_loss(x, x, x, x, 0.2, importance="seq")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=shape_error("log_ratio", (1, 3), "mask", (1, 2))):
+        alg.sequence_log_ratio(x, torch.zeros(1, 2))
+    with pytest.raises(ValueError, match=r"^log_ratio must be a \[B, T\] tensor, got shape"):
+        alg.sequence_log_ratio(torch.zeros(3), torch.zeros(3))
+
+
+# --------------------------------------------------------------------------------------------
 # value_loss
 
 
