@@ -9,7 +9,8 @@ handle costs, each against its baseline measured in the same run.
   replica whose next incarnation waits with its modules imported, interleaved kill by kill with
   the cold restart above, which is its baseline;
 - handle overhead: a call through a handle (the dispatcher) against the transport client calling
-  the same server.
+  the same server, in alternating blocks of calls (bare, handle, bare, ...), so that noise from
+  the rest of the machine falls on both sides alike.
 
 Medians over ``--kills`` kills (at least 10) and over thousands of calls.
 """
@@ -49,6 +50,10 @@ TARGETS = {
     "restart_to_serving_ms_p50": "<= role_import_ms_p50 + 1000 ms",
     "handle_overhead_ratio": "<= 1.3",
 }
+BLOCK = 50
+"""Calls in a row of one kind in the handle-overhead figure; bare and handle blocks alternate."""
+WARMUP_CALLS = 200
+"""Untimed calls each way before the handle-overhead figure."""
 
 
 def _import_ms(runs: int) -> list[float]:
@@ -69,83 +74,110 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
         backoff_max_s=0.0,
         heartbeat_interval_s=1.0,
     )
-
     child = role_child(run_dir, "echo", ROLE, {}, policy)
     spare = role_child(run_dir, "spare", ROLE, {}, msgspec.structs.replace(policy, standby=True))
-    endpoint = child.endpoint
-
-    seen: dict[tuple[str, str, int], float] = {}
-    events: dict[str, asyncio.Queue[tuple[str, int]]] = {
-        "echo[0]": asyncio.Queue(),
-        "spare[0]": asyncio.Queue(),
-    }
-
-    def observe(kind: str, label: str, incarnation: int) -> None:
-        seen[(kind, label, incarnation)] = time.perf_counter()
-        events[label].put_nowait((kind, incarnation))
-
+    lives = _Lives(["echo[0]", "spare[0]"])
     supervisor = Supervisor(
-        [child, spare],
-        run="bench",
-        log_dir=os.path.join(run_dir, "logs"),
-        observer=observe,
+        [child, spare], run="bench", log_dir=os.path.join(run_dir, "logs"), observer=lives
     )
     supervised = asyncio.get_running_loop().create_task(supervisor.run())
-    out: dict[str, Any] = {}
     try:
         async with (
-            Client(endpoint, name="bench") as client,
+            Client(child.endpoint, name="bench") as client,
             Client(spare.endpoint, name="bench-spare") as spare_client,
         ):
-            await _until(events["echo[0]"], ("serving", 0))
-            await _until(events["spare[0]"], ("serving", 0))
-            detect: list[float] = []
-            serve: list[float] = []
-            serve_standby: list[float] = []
-            for n in range(kills):
-                # Interleaved: a cold restart, then one through a standby, each kill n.
-                t0, ms = await _restart(client, n)
-                await _until(events["echo[0]"], ("exited", n))
-                detect.append((seen[("exited", "echo[0]", n)] - t0) * 1e3)
-                serve.append(ms)
-                await _until(events["spare[0]"], ("standby", n + 1))  # the next one is ready
-                _, ms = await _restart(spare_client, n)
-                serve_standby.append(ms)
-            out["crash_detect_ms_p50"] = statistics.median(detect)
-            out["crash_detect_ms_max"] = max(detect)
-            out["restart_to_serving_ms_p50"] = statistics.median(serve)
-            out["standby_restart_ms_p50"] = statistics.median(serve_standby)
-            out["standby_speedup"] = (
-                out["restart_to_serving_ms_p50"] / out["standby_restart_ms_p50"]
-            )
-            out["kills"] = kills
-            bare = []
-            for _ in range(200):
-                await client.call("echo", 1)
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                await client.call("echo", 1)
-                bare.append((time.perf_counter() - t0) * 1e6)
-            out["bare_rtt_us_p50"] = statistics.median(bare)
-        dispatcher = Dispatcher({"echo": GroupInfo([endpoint])}, run="bench")
-        dispatcher.start()
-        ctx = Context(dispatcher, run="bench", run_dir=run_dir, log=None)
-        try:
-            for _ in range(200):
-                await ctx.echo.call("echo", 1)
-            via_handle = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                await ctx.echo.call("echo", 1)
-                via_handle.append((time.perf_counter() - t0) * 1e6)
-        finally:
-            await dispatcher.close()
-        out["handle_rtt_us_p50"] = statistics.median(via_handle)
-        out["handle_overhead_ratio"] = out["handle_rtt_us_p50"] / out["bare_rtt_us_p50"]
+            await lives.until("echo[0]", ("serving", 0))
+            await lives.until("spare[0]", ("serving", 0))
+            out = await _restarts(lives, client, spare_client, kills)
+            dispatcher = Dispatcher({"echo": GroupInfo([child.endpoint])}, run="bench")
+            dispatcher.start()
+            try:
+                ctx = Context(dispatcher, run="bench", run_dir=run_dir, log=None)
+                out.update(await _handle_overhead(client, ctx, calls))
+            finally:
+                await dispatcher.close()
     finally:
         supervisor.stop("benchmark done")
         await supervised
     return out
+
+
+class _Lives:
+    """The supervisor's observer: when each replica entered each state of each incarnation
+    (``perf_counter``), and a queue per replica of its ``(state, incarnation)`` events."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.seen: dict[tuple[str, str, int], float] = {}
+        self.events: dict[str, asyncio.Queue[tuple[str, int]]] = {
+            label: asyncio.Queue() for label in labels
+        }
+
+    def __call__(self, kind: str, label: str, incarnation: int) -> None:
+        self.seen[(kind, label, incarnation)] = time.perf_counter()
+        self.events[label].put_nowait((kind, incarnation))
+
+    async def until(self, label: str, wanted: tuple[str, int]) -> None:
+        """Return once ``label`` reports ``wanted``; raise ``TimeoutError`` after 120 s without
+        an event."""
+        while await asyncio.wait_for(self.events[label].get(), 120) != wanted:
+            pass
+
+
+async def _restarts(
+    lives: _Lives, client: Client, spare_client: Client, kills: int
+) -> dict[str, Any]:
+    """Kill the cold replica and the one with a standby ``kills`` times each, interleaved kill
+    by kill; the crash-detection and restart figures."""
+    detect: list[float] = []
+    serve: list[float] = []
+    serve_standby: list[float] = []
+    for n in range(kills):
+        t0, ms = await _restart(client, n)
+        await lives.until("echo[0]", ("exited", n))
+        detect.append((lives.seen[("exited", "echo[0]", n)] - t0) * 1e3)
+        serve.append(ms)
+        await lives.until("spare[0]", ("standby", n + 1))  # the next one is ready
+        _, ms = await _restart(spare_client, n)
+        serve_standby.append(ms)
+    cold, standby = statistics.median(serve), statistics.median(serve_standby)
+    return {
+        "crash_detect_ms_p50": statistics.median(detect),
+        "crash_detect_ms_max": max(detect),
+        "restart_to_serving_ms_p50": cold,
+        "standby_restart_ms_p50": standby,
+        "standby_speedup": cold / standby,
+        "kills": kills,
+    }
+
+
+async def _handle_overhead(client: Client, ctx: Context, calls: int) -> dict[str, Any]:
+    """``calls`` round trips of the same echo call each way, bare (``client``, the transport)
+    and through a handle (``ctx``, the dispatcher), in alternating blocks of ``BLOCK`` calls, so
+    that whatever else loads the machine falls on both alike; their medians and ratio."""
+
+    async def bare() -> None:
+        await client.call("echo", 1)
+
+    async def handle() -> None:
+        await ctx.echo.call("echo", 1)
+
+    ways = {"bare": bare, "handle": handle}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for call in ways.values():  # warm-up
+        for _ in range(WARMUP_CALLS):
+            await call()
+    for done in range(0, calls, BLOCK):
+        for name, call in ways.items():
+            for _ in range(min(BLOCK, calls - done)):
+                t0 = time.perf_counter()
+                await call()
+                times[name].append((time.perf_counter() - t0) * 1e6)
+    bare_us, handle_us = statistics.median(times["bare"]), statistics.median(times["handle"])
+    return {
+        "bare_rtt_us_p50": bare_us,
+        "handle_rtt_us_p50": handle_us,
+        "handle_overhead_ratio": handle_us / bare_us,
+    }
 
 
 async def _restart(client: Client, n: int) -> tuple[float, float]:
@@ -161,11 +193,6 @@ async def _restart(client: Client, n: int) -> tuple[float, float]:
             continue
         if answer == n:
             return t0, (time.perf_counter() - t0) * 1e3
-
-
-async def _until(events: asyncio.Queue[tuple[str, int]], wanted: tuple[str, int]) -> None:
-    while await asyncio.wait_for(events.get(), 120) != wanted:
-        pass
 
 
 def measure(*, kills: int = 10, calls: int = 3000) -> dict[str, Any]:
