@@ -615,3 +615,36 @@ def test_a_replica_that_dies_during_the_first_handshake_is_connected_again(run_d
         context.term()
 
     run(main())
+
+
+def test_a_fault_while_connecting_fails_every_call_with_it(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The connections belong to the dispatcher's task group: a bug in one of them reaches the
+    program through its calls, rather than leave it waiting on a replica never described."""
+    fault = RuntimeError("injected fault while connecting")
+
+    async def faulty(self: Group, index: int, client: Any) -> None:
+        raise fault
+
+    monkeypatch.setattr(Group, "_describe", faulty)
+
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 1)
+        replicas = [await FakeReplica(endpoints[0], 0, capacity=1).start()]
+        async with dispatching(endpoints, replicas) as (g, group):
+            with pytest.raises(ExceptionGroup) as info:
+                await asyncio.wait_for(group.wait_ready(), WAIT_S)
+            assert info.value.exceptions == (fault,)
+            with pytest.raises(ExceptionGroup) as info:
+                await asyncio.wait_for(g.call("work", 1), WAIT_S)
+            assert info.value.exceptions == (fault,)
+            assert group.stats["failures"] == 1
+
+    with caplog.at_level(logging.ERROR, logger="asyncrl.dispatch"):
+        run(main())
+    errors = [r for r in caplog.records if r.name == "asyncrl.dispatch"]
+    assert [r.getMessage() for r in errors] == [
+        "the dispatcher failed while connecting; every call fails with this"
+    ]
+    assert errors[0].exc_info is not None and errors[0].exc_info[1].exceptions == (fault,)
