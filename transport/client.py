@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
 import time
 import uuid
@@ -34,7 +33,6 @@ from .codec import Codec
 from .control import control_secret
 from .errors import (
     ClosedError,
-    DeadlineExceededError,
     DisconnectedError,
     PeerDeadError,
     ProtocolError,
@@ -43,6 +41,7 @@ from .errors import (
     TransportError,
 )
 from .events import EventKind, PeerEvent
+from .inflight import InFlight, Pending
 from .options import ChannelOptions
 from .protocol import (
     PROTOCOL_VERSION,
@@ -57,6 +56,7 @@ from .protocol import (
 )
 from .pump import Pump
 from .ratelog import RateLimitedLog
+from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import connect
 
@@ -64,34 +64,12 @@ __all__ = ["Client", "PeerEvent"]
 
 log = logging.getLogger("asyncrl.transport.client")
 
-_TIMER_SLACK_S = 0.001  # loop timers may fire up to a millisecond early
-
 REHANDSHAKE_BACKOFF_MAX_S = 5.0
 """The longest wait between two handshake tries after a reconnect that failed at once."""
 
 
 def _env_secret() -> str | None:
     return control_secret()
-
-
-class _Pending:
-    __slots__ = ("deadline", "fut", "method", "peer", "reply_type", "timeout")
-
-    def __init__(
-        self,
-        fut: asyncio.Future[Any],
-        deadline: float,
-        reply_type: Any,
-        method: str,
-        timeout: float,
-        peer: Hello | None = None,
-    ) -> None:
-        self.fut = fut
-        self.deadline = deadline  # on the loop's clock
-        self.reply_type = reply_type
-        self.method = method
-        self.timeout = timeout
-        self.peer = peer  # the server's handshake when the request was sent; None if none yet
 
 
 class Client:
@@ -146,12 +124,10 @@ class Client:
         self._rehandshaking: asyncio.Task[None] | None = None
         self._log = RateLimitedLog(log, f"client {name}")
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._in_flight = InFlight(self._expired)
         self._pump: Pump | None = None
         self._monitor: Pump | None = None
         self._ticker: asyncio.TimerHandle | None = None
-        self._deadline_timer: asyncio.TimerHandle | None = None
-        self._deadline_at = math.inf
         self._closed = False
         self._alive = True
         self._connected_once = False
@@ -159,7 +135,7 @@ class Client:
         self._host = host_id()
         self._pool: ShmPool | None = None
         self._use_shm = False
-        self._releases: list[int] = []
+        self._releases = Releases(self._send_release, lambda: self._closed)
         self._tasks: set[asyncio.Task[None]] = set()
         self.server: Hello | None = None
         self.peer_incarnation = -1  # stamped on the last message the server sent
@@ -217,13 +193,12 @@ class Client:
         self._closed = True
         if self._ticker is not None:
             self._ticker.cancel()
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
+        self._in_flight.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._fail_all(
+        self._in_flight.fail_all(
             lambda p: ClosedError(
                 f"client {self.name} was closed with request {p.method!r} to {self.endpoint} "
                 f"in flight"
@@ -251,7 +226,7 @@ class Client:
     @property
     def pending(self) -> int:
         """Requests sent and not yet answered."""
-        return len(self._pending)
+        return len(self._in_flight)
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -288,14 +263,14 @@ class Client:
         frames = self.codec.encode(env, peer=b"", use_shm=self._use_shm)
         loop = self._pump.loop
         fut: asyncio.Future[Any] = loop.create_future()
-        self._track(
+        self._in_flight.add(
             request_id,
-            _Pending(fut, loop.time() + timeout, reply_type, method, timeout, self.server),
+            Pending(fut, loop.time() + timeout, reply_type, method, timeout, self.server),
         )
         try:
             self._pump.send(frames)
         except TransportError:
-            self._pending.pop(request_id)
+            self._in_flight.pop(request_id)
             self._release_own(self.codec.last_slots)
             raise
         return fut
@@ -342,7 +317,7 @@ class Client:
         except ProtocolVersionError as exc:
             # The server speaks another version: whatever it answered, the request fails.
             self.stats["bad_input"] += 1
-            pending = self._pending.pop(self.codec.salvage_id(frames), None)
+            pending = self._in_flight.pop(self.codec.salvage_id(frames))
             if pending is not None and not pending.fut.done():
                 pending.fut.set_exception(ProtocolVersionError(exc.ours, exc.theirs, self.endpoint))
             return
@@ -386,13 +361,13 @@ class Client:
             self.stats["unexpected_kind"] += 1
 
     def _reply(self, env: RawEnvelope, frames: list[Any]) -> None:
-        pending = self._pending.pop(env.id, None)
+        pending = self._in_flight.pop(env.id)
         if pending is None:
             # Answered after its deadline, or a duplicate: its shared memory still goes back.
             self.stats["late_replies"] += 1
             slots = [d.slot for d in env.tensors if d.where == 2]
             if slots:
-                self._queue_releases(slots)
+                self._releases.queue(b"", slots)
             return
         if pending.fut.done():
             return
@@ -402,7 +377,7 @@ class Client:
                 env,
                 frames,
                 pending.reply_type,
-                self._release_callback(),
+                self._releases.callback(b""),
                 allow_shm=server is not None and bool(server.host) and server.host == self._host,
             )
         except ProtocolError as exc:
@@ -417,7 +392,7 @@ class Client:
         except ProtocolError as exc:
             self.stats["bad_input"] += 1
             info = ErrorInfo(ErrorCode.DECODE, f"undecodable error reply: {exc}")
-        pending = self._pending.pop(env.id, None)
+        pending = self._in_flight.pop(env.id)
         if pending is None:
             self.stats["orphan_errors"] += 1
             self._log.warning(
@@ -446,8 +421,8 @@ class Client:
         event = parse_monitor_message([f.bytes for f in frames])["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self.stats["disconnects"] += 1
-            count = len(self._pending)
-            self._fail_all(
+            count = len(self._in_flight)
+            self._in_flight.fail_all(
                 lambda p: DisconnectedError(
                     f"the connection to {self.endpoint} broke with request {p.method!r} in flight; "
                     f"the server exited or restarted, so the request may or may not have run"
@@ -510,7 +485,9 @@ class Client:
         request_id = next(self._ids)
         loop = self._pump.loop
         fut: asyncio.Future[Any] = loop.create_future()
-        self._track(request_id, _Pending(fut, loop.time() + timeout, Hello, "handshake", timeout))
+        self._in_flight.add(
+            request_id, Pending(fut, loop.time() + timeout, Hello, "handshake", timeout)
+        )
         self._send(
             Envelope(
                 PROTOCOL_VERSION,
@@ -558,7 +535,7 @@ class Client:
         # only the connect timeout applies, so a slow start is not mistaken for a hang.
         if self._alive and self._connected_once and silent > limit:
             self._alive = False
-            self._fail_all(lambda p: PeerDeadError(self.endpoint, silent, limit))
+            self._in_flight.fail_all(lambda p: PeerDeadError(self.endpoint, silent, limit))
             if self._pool is not None:
                 self._pool.release_peer(b"")
             self._emit("dead", f"silent for {silent:.3f} s")
@@ -574,40 +551,9 @@ class Client:
             self._alive = True
             self._emit("alive")
 
-    # One timer for all deadlines, armed for the earliest: a timer per request would cost more
-    # than the rest of a call's bookkeeping together.
-
-    def _track(self, request_id: int, pending: _Pending) -> None:
-        self._pending[request_id] = pending
-        if self._deadline_timer is None or pending.deadline < self._deadline_at:
-            self._arm(pending.deadline)
-
-    def _arm(self, when: float) -> None:
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
-        self._deadline_at = when
-        self._deadline_timer = asyncio.get_running_loop().call_at(when, self._expire_due)
-
-    def _expire_due(self) -> None:
-        self._deadline_timer = None
-        now = asyncio.get_running_loop().time() + _TIMER_SLACK_S
-        earliest = math.inf
-        for request_id, pending in list(self._pending.items()):
-            if pending.deadline <= now:
-                del self._pending[request_id]
-                if not pending.fut.done():
-                    self.stats["deadlines"] += 1
-                    pending.fut.set_exception(_deadline_error(self.endpoint, pending))
-            elif pending.deadline < earliest:
-                earliest = pending.deadline
-        if earliest < math.inf and not self._closed:
-            self._arm(earliest)
-
-    def _fail_all(self, make: Callable[[_Pending], TransportError]) -> None:
-        pending, self._pending = self._pending, {}
-        for p in pending.values():
-            if not p.fut.done():
-                p.fut.set_exception(make(p))
+    def _expired(self, pending: Pending) -> None:
+        self.stats["deadlines"] += 1
+        pending.fut.set_exception(pending.deadline_error(self.endpoint))
 
     def _emit(self, kind: EventKind, detail: str = "") -> None:
         incarnation = self.server.incarnation if self.server is not None else -1
@@ -621,50 +567,17 @@ class Client:
             for slot in slots:
                 self._pool.release(slot)
 
-    def _release_callback(self) -> Callable[[int], None]:
-        loop = asyncio.get_running_loop()
-
-        def release(slot: int) -> None:
-            if not self._closed:
-                try:
-                    loop.call_soon_threadsafe(self._queue_releases, [slot])
-                except RuntimeError:
-                    pass  # the loop is closed: the server reclaims its slots itself
-
-        return release
-
-    def _queue_releases(self, slots: list[int]) -> None:
-        if not self._releases and self._pump is not None:
-            self._pump.loop.call_soon(self._flush_releases)
-        self._releases.extend(slots)
-
-    def _flush_releases(self) -> None:
-        slots, self._releases = self._releases, []
-        if slots and not self._closed:
-            try:
-                self._send(
-                    Envelope(
-                        PROTOCOL_VERSION,
-                        Kind.RELEASE,
-                        incarnation=self.incarnation,
-                        payload=Release(slots),
-                    )
-                )
-            except TransportError:
-                pass
+    def _send_release(self, peer: bytes, slots: list[int]) -> None:
+        self._send(
+            Envelope(
+                PROTOCOL_VERSION,
+                Kind.RELEASE,
+                incarnation=self.incarnation,
+                payload=Release(slots),
+            )
+        )
 
     def _send(self, env: Envelope) -> None:
         if self._pump is None or self._closed:
             raise ClosedError(f"client {self.name} is closed or not connected")
         self._pump.send(self.codec.encode(env))
-
-
-def _deadline_error(endpoint: str, pending: _Pending) -> DeadlineExceededError:
-    """The request's deadline passed; it names the server's pid and incarnation when a handshake
-    had told them before the request was sent."""
-    peer = pending.peer
-    if peer is None:
-        return DeadlineExceededError(endpoint, pending.method, pending.timeout)
-    return DeadlineExceededError(
-        endpoint, pending.method, pending.timeout, pid=peer.pid, incarnation=peer.incarnation
-    )
