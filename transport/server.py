@@ -2,7 +2,8 @@
 
 Requests are dispatched by method name to handlers registered with ``add``. A handler receives the
 decoded payload and a ``Call`` describing the request; it may be a plain function (run inline on
-the loop: it must be quick) or a coroutine function (run as a task the server owns).
+the loop: it must be quick) or a coroutine function (run as a task the server owns). What the
+server knows of its clients is kept in ``peers.py``; who it admits, in ``admission.py``.
 
 Bad input never stops the server. A frame that fails to decode, an unknown kind, a message over
 the size limit, or tensor descriptors that disagree with the bytes are dropped, counted in
@@ -17,20 +18,19 @@ handshook from this host.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
 
+from .admission import control_refusal, handshake_refusal
 from .codec import Codec
-from .control import CONTROL_SECRET_ENV, control_secret, secret_matches
+from .control import control_secret
 from .errors import (
     ClosedError,
     DecodeError,
@@ -43,7 +43,9 @@ from .errors import (
     UnknownKindError,
 )
 from .events import EventKind, PeerEvent
+from .handlers import Call, Handler, Method, Methods
 from .options import ChannelOptions
+from .peers import PeerInfo, Peers
 from .protocol import (
     CONTROL_KINDS,
     PROTOCOL_VERSION,
@@ -58,51 +60,13 @@ from .protocol import (
 )
 from .pump import Pump
 from .ratelog import RateLimitedLog
+from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
-from .sockets import bind, ipc_path, socket_id, unlink_if_same
+from .sockets import bind, socket_id, unlink_if_same
 
 __all__ = ["Call", "Handler", "PeerInfo", "Server"]
 
 log = logging.getLogger("asyncrl.transport.server")
-
-Handler = Callable[[Any, "Call"], Any]
-"""``handler(payload, call) -> reply``, or a coroutine function with the same signature."""
-
-
-class Call(msgspec.Struct, frozen=True):
-    """What a handler knows about the request it serves (a Struct: cheap to build per call)."""
-
-    peer: bytes
-    id: int
-    method: str
-    attempt: int
-    deadline: float
-    trace: str
-
-
-@dataclass(slots=True)
-class PeerInfo:
-    """What the server knows about one connected client."""
-
-    identity: bytes
-    last_heard: float
-    hello: Hello | None = None
-    shm: bool = False
-    shm_in: bool = False  # may send this server shared-memory tensors (handshook from this host)
-    control: bool = False  # presented the run's control secret in its handshake
-
-
-@dataclass(slots=True)
-class _Method:
-    handler: Handler
-    request_type: Any
-    is_async: bool
-
-
-@dataclass
-class _Releases:
-    pending: dict[bytes, list[int]] = field(default_factory=dict)
-    scheduled: bool = False
 
 
 class Server:
@@ -144,15 +108,12 @@ class Server:
         self._on_event = on_event
         self._secret = control_secret or _env_secret()
         self._socket_id: tuple[int, int] | None = None
-        self._sweep_due = 0.0
         self._log = RateLimitedLog(log, f"server {name}")
         self._credit: int | None = None
-        self._methods: dict[str, _Method] = {}
-        self._peers: dict[bytes, PeerInfo] = {}
+        self._methods = Methods(name)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._releases = _Releases()
+        self._releases = Releases(self._send_release, lambda: self._closed)
         self._pump: Pump | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
         self._host = host_id()
         self._pool = (
@@ -168,15 +129,23 @@ class Server:
             shm_reader=ShmReader() if self.options.shm else None,
         )
         self.stats: Counter[str] = Counter()
+        self._peers = Peers(
+            self.options,
+            self._pool,
+            self.stats,
+            on_sweep=self._log.flush,
+            on_dead=self._on_dead,
+        )
 
     # -- set-up ---------------------------------------------------------------------------
 
     def add(self, method: str, handler: Handler, request_type: Any = Any) -> None:
-        """Serve ``method`` with ``handler``; its payload is decoded as ``request_type``."""
-        if method in self._methods:
-            raise ValueError(f"method {method!r} is already served by {self.name}")
-        is_async = inspect.iscoroutinefunction(handler)
-        self._methods[method] = _Method(handler, request_type, is_async)
+        """Serve ``method`` with ``handler``; its payload is decoded as ``request_type``.
+
+        Raises:
+            ValueError: ``method`` is served already.
+        """
+        self._methods.add(method, handler, request_type)
 
     async def start(self) -> str:
         """Bind the inbox and start serving; returns the bound endpoint.
@@ -196,7 +165,7 @@ class Server:
         self.endpoint = bind(sock, self.endpoint)
         self._socket_id = socket_id(self.endpoint)
         self._pump = Pump(sock, self._on_message, routed=True, on_send_error=self._on_send_error)
-        self._schedule_sweep()
+        self._peers.start()
         log.debug("server %s serving on %s", self.name, self.endpoint)
         return self.endpoint
 
@@ -214,8 +183,7 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        self._peers.close()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -235,7 +203,7 @@ class Server:
     @property
     def peers(self) -> dict[bytes, PeerInfo]:
         """Clients heard from within liveness x interval, by routing id."""
-        return self._peers
+        return self._peers.table
 
     @property
     def shm_pool(self) -> ShmPool | None:
@@ -252,7 +220,7 @@ class Server:
         A role calls this once its state is restored, so that no work reaches it earlier.
         """
         self._credit = slots
-        for identity in list(self._peers):
+        for identity in list(self._peers.table):
             self._send_quietly(
                 identity,
                 Envelope(
@@ -286,12 +254,7 @@ class Server:
         except ProtocolError as exc:
             self._bad_input(identity, msg, exc)
             return
-        peer = self._peers.get(identity)
-        now = time.monotonic()
-        if peer is None:
-            peer = self._peers[identity] = PeerInfo(identity, now)
-        else:
-            peer.last_heard = now
+        peer = self._peers.heard(identity)
         kind = env.kind
         if kind == Kind.REQUEST:
             self._request(peer, env, msg)
@@ -321,12 +284,11 @@ class Server:
         method = self._methods.get(env.method)
         if method is None:
             self.stats["unknown_method"] += 1
-            known = ", ".join(sorted(self._methods)) or "none"
             self._error(
                 identity,
                 env.id,
                 ErrorCode.UNKNOWN_METHOD,
-                f"{self.name} has no method {env.method!r}; it serves: {known}",
+                self._methods.unknown(env.method),
             )
             return
         if env.deadline and env.deadline < time.time():
@@ -344,7 +306,7 @@ class Server:
                 env,
                 msg,
                 method.request_type,
-                self._release_callback(identity),
+                self._releases.callback(identity),
                 allow_shm=peer.shm_in,
             )
         except ProtocolError as exc:
@@ -363,7 +325,7 @@ class Server:
             return
         self._reply(call, result)
 
-    async def _run_async(self, method: _Method, payload: Any, call: Call) -> None:
+    async def _run_async(self, method: Method, payload: Any, call: Call) -> None:
         try:
             result = await method.handler(payload, call)
         except asyncio.CancelledError:
@@ -422,7 +384,7 @@ class Server:
 
     def _control(self, peer: PeerInfo, env: RawEnvelope) -> None:
         name = Kind(env.kind).name
-        refusal = self._control_refusal(peer)
+        refusal = control_refusal(peer.control, self._secret, self.endpoint, self.name)
         if refusal:
             self.stats["control_refused"] += 1
             self._log.warning(
@@ -441,38 +403,16 @@ class Server:
             if self._on_stop is not None:
                 self._on_stop()
 
-    def _control_refusal(self, peer: PeerInfo) -> str:
-        """Why a control message from ``peer`` is refused, or "" when it is authorised."""
-        if self._secret is not None:
-            if peer.control:
-                return ""
-            return (
-                f"control messages are accepted only from a client that presented the run's "
-                f"control secret in its HANDSHAKE (Hello.control, from {CONTROL_SECRET_ENV}); "
-                f"create the client with control=True in a process that has the secret"
-            )
-        if ipc_path(self.endpoint) is not None or self.endpoint.startswith("inproc://"):
-            return ""
-        return (
-            f"{self.name} has no control secret ({CONTROL_SECRET_ENV} is unset) and listens on "
-            f"{self.endpoint}, where any local user can connect; set {CONTROL_SECRET_ENV} in "
-            f"both processes and create the client with control=True"
-        )
-
     def _handshake(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
         try:
             hello = self.codec.decode_payload(env, msg, Hello)
         except ProtocolError as exc:
             self._bad_input(peer.identity, msg, exc, env.id)
             return
-        if hello.version != PROTOCOL_VERSION:
-            self.stats["version_mismatch"] += 1
-            err = ProtocolVersionError(PROTOCOL_VERSION, hello.version, hello.name)
-            self._error(peer.identity, env.id, ErrorCode.PROTOCOL_VERSION, str(err))
-            return
-        if hello.control and self._secret is not None:
-            if not secret_matches(self._secret, hello.control):
-                self.stats["control_refused"] += 1
+        refusal = handshake_refusal(hello, self._secret, self.name)
+        if refusal is not None:
+            self.stats[refusal.counter] += 1
+            if refusal.code == ErrorCode.UNAUTHORIZED:
                 self._log.warning(
                     "control secret",
                     _peer_name(peer.identity),
@@ -480,15 +420,9 @@ class Server:
                     self.name,
                     peer.identity,
                 )
-                self._error(
-                    peer.identity,
-                    env.id,
-                    ErrorCode.UNAUTHORIZED,
-                    f"the control secret presented by {hello.name or 'this client'} is not "
-                    f"{self.name}'s; both processes must inherit the same {CONTROL_SECRET_ENV} "
-                    f"(set by the node agent for the whole run)",
-                )
-                return
+            self._error(peer.identity, env.id, refusal.code, refusal.message)
+            return
+        if hello.control and self._secret is not None:
             self.stats["control_handshakes"] += 1
         peer.hello = hello
         peer.control = bool(hello.control) and self._secret is not None
@@ -537,42 +471,16 @@ class Server:
             for slot in release.slots:
                 self._pool.release(slot, peer.identity)
 
-    # -- shared-memory slots this server's replies lent to its clients ----------------------
-
-    def _release_callback(self, identity: bytes) -> Callable[[int], None]:
-        loop = asyncio.get_running_loop()
-
-        def release(slot: int) -> None:
-            if not self._closed:
-                try:
-                    loop.call_soon_threadsafe(self._queue_release, identity, slot)
-                except RuntimeError:
-                    pass  # the loop is closed: the sender reclaims its slots itself
-
-        return release
-
-    def _queue_release(self, identity: bytes, slot: int) -> None:
-        self._releases.pending.setdefault(identity, []).append(slot)
-        if not self._releases.scheduled:
-            self._releases.scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_releases)
-
-    def _flush_releases(self) -> None:
-        pending, self._releases.pending = self._releases.pending, {}
-        self._releases.scheduled = False
-        for identity, slots in pending.items():
-            try:
-                self._send(
-                    identity,
-                    Envelope(
-                        PROTOCOL_VERSION,
-                        Kind.RELEASE,
-                        incarnation=self.incarnation,
-                        payload=Release(slots),
-                    ),
-                )
-            except TransportError:
-                pass  # the client is gone; it reclaims its own slots
+    def _send_release(self, identity: bytes, slots: list[int]) -> None:
+        self._send(
+            identity,
+            Envelope(
+                PROTOCOL_VERSION,
+                Kind.RELEASE,
+                incarnation=self.incarnation,
+                payload=Release(slots),
+            ),
+        )
 
     # -- sending and failures -------------------------------------------------------------
 
@@ -593,12 +501,12 @@ class Server:
             self._pump.send(frames)
         except PeerUnreachableError:
             self.stats["unreachable"] += 1
-            self._forget(frames[0])
+            self._peers.forget(frames[0])
             raise
 
     def _on_send_error(self, frames: list[Any], exc: TransportError) -> None:
         self.stats["unreachable"] += 1
-        self._forget(frames[0])
+        self._peers.forget(frames[0])
 
     def _error(
         self,
@@ -648,42 +556,16 @@ class Server:
             request_id = self.codec.salvage_id(msg)
         self._error(identity, request_id, code, str(exc))
 
-    # -- peers that went silent -----------------------------------------------------------
+    # -- peers ---------------------------------------------------------------------------
 
-    def _schedule_sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._sweep_due = time.monotonic() + self.options.heartbeat_interval_s
-        self._sweeper = loop.call_later(self.options.heartbeat_interval_s, self._sweep)
-
-    def _sweep(self) -> None:
-        limit = self.options.dead_after_s
-        now = time.monotonic()
-        self._log.flush()
-        if now - self._sweep_due > self.options.heartbeat_interval_s:
-            # The loop was blocked: what the clients sent meanwhile still waits in the socket,
-            # so their silence is this server's own. Look again once the inbox has been read,
-            # rather than forget peers (and their handshakes) that are alive.
-            self.stats["sweeps_deferred"] += 1
-            self._schedule_sweep()
-            return
-        for identity in [i for i, p in self._peers.items() if now - p.last_heard > limit]:
-            self.stats["peers_expired"] += 1
-            peer = self._peers[identity]
-            self._forget(identity)
-            self._emit(peer, "dead", f"silent for {now - peer.last_heard:.3f} s")
-        if not self._closed:
-            self._schedule_sweep()
+    def _on_dead(self, peer: PeerInfo, silent_s: float) -> None:
+        self._emit(peer, "dead", f"silent for {silent_s:.3f} s")
 
     def _emit(self, peer: PeerInfo, kind: EventKind, detail: str) -> None:
         if self._on_event is not None:
             incarnation = peer.hello.incarnation if peer.hello is not None else -1
             name = peer.identity.decode(errors="replace")
             self._on_event(PeerEvent(name, kind, incarnation, detail))
-
-    def _forget(self, identity: bytes) -> None:
-        self._peers.pop(identity, None)
-        if self._pool is not None:
-            self._pool.release_peer(identity)
 
 
 def _env_secret() -> str | None:
