@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
 from asyncrl.dispatch import Dispatcher, Group, Work
-from asyncrl.errors import RoleDeadError
+from asyncrl.errors import ClosedError, RoleDeadError
 from asyncrl.pacing import PipelineSpec
 from asyncrl.watchdog import Watchdog
 
@@ -30,7 +30,8 @@ SHUTTING_DOWN = (
     "the run is shutting down (the driver closed its connections with this call still queued "
     "or in flight)"
 )
-"""Why a call fails with ``RoleDeadError`` when the dispatcher closes under it."""
+"""Why a call fails with ``RoleDeadError`` when the dispatcher closes under it: a queued call is
+cancelled by it, one in flight fails with the ``ClosedError`` of the client it went through."""
 
 
 class Handle:
@@ -179,9 +180,7 @@ class Handle:
         try:
             for _ in range(len(works)):
                 work = await done.get()
-                if _closed_under(work):
-                    raise RoleDeadError(self.name, SHUTTING_DOWN)
-                yield work.key, work.future.result()
+                yield work.key, await self._outcome(work.future, [work])
         finally:
             for work in works:
                 if not work.future.done():
@@ -189,13 +188,16 @@ class Handle:
 
     async def _outcome(self, waiting: Awaitable[Any], works: list[Work]) -> Any:
         """What ``waiting`` (the futures of ``works``) gives; ``RoleDeadError`` when the
-        dispatcher cancelled one of them as it closed, not the caller."""
+        dispatcher closed under one of them (cancelled it, not the caller, or closed the client
+        it was in flight on)."""
         try:
             return await waiting
         except asyncio.CancelledError:
             if any(_closed_under(work) for work in works):
                 raise RoleDeadError(self.name, SHUTTING_DOWN) from None
             raise
+        except ClosedError as exc:
+            raise RoleDeadError(self.name, SHUTTING_DOWN) from exc
 
 
 def _closed_under(work: Work) -> bool:

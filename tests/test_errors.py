@@ -15,6 +15,7 @@ from asyncrl.dispatch import Dispatcher
 from asyncrl.errors import (
     AsyncrlError,
     BrokenError,
+    ClosedError,
     ConfigError,
     ConfigProblem,
     DeadlineExceededError,
@@ -30,7 +31,7 @@ from asyncrl.errors import (
 )
 from asyncrl.handles import Context
 from asyncrl.spec import GroupInfo
-from asyncrl.transport import run
+from asyncrl.transport import Call, ChannelOptions, Server, run
 
 WAIT_S = 10.0
 
@@ -130,5 +131,39 @@ def test_a_caller_cancelling_its_own_call_still_gets_cancelled_error(run_dir: st
         with pytest.raises(asyncio.CancelledError):
             await task
         await dispatcher.close()
+
+    run(main())
+
+
+def test_a_call_in_flight_when_the_dispatcher_closes_fails_with_role_dead(run_dir: str) -> None:
+    """The dispatcher closes the client the call went through: the caller learns that the role
+    is gone for good, with the client's ClosedError as the cause."""
+
+    async def main() -> None:
+        entered, gate = asyncio.Event(), asyncio.Event()
+
+        async def work(payload: Any, call: Call) -> Any:
+            entered.set()
+            await gate.wait()
+            return payload
+
+        server = Server(f"ipc://{run_dir}/g0", options=ChannelOptions(run="t"))
+        server.add("_describe", lambda payload, call: {"endpoints": {"work": "idempotent"}})
+        server.add("work", work)
+        await server.start()
+        server.set_credit(1)
+        info = GroupInfo([server.endpoint])
+        dispatcher = Dispatcher({"g": info}, run="t", startup_timeout_s=WAIT_S)
+        dispatcher.start()
+        ctx = Context(dispatcher, run="t", run_dir=run_dir, log=logging.getLogger("t"))
+        task = asyncio.ensure_future(ctx.g.call("work", 1, timeout=3600))
+        await asyncio.wait_for(entered.wait(), WAIT_S)
+        await dispatcher.close()
+        with pytest.raises(RoleDeadError) as err:
+            await asyncio.wait_for(task, WAIT_S)
+        assert str(err.value) == SHUTDOWN
+        assert isinstance(err.value.__cause__, ClosedError)
+        gate.set()
+        await server.close()
 
     run(main())
