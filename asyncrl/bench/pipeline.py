@@ -28,7 +28,8 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -37,7 +38,7 @@ from asyncrl.bench.pipeline_model import Workload, simulate
 from asyncrl.bench.sim import work_of
 from asyncrl.pacing import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
-from asyncrl.roles.pipeline import SamplePipeline, WeightSync
+from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
 
 __all__ = [
     "ROWS",
@@ -76,6 +77,54 @@ def reward(sample: Sample) -> float:
     return float(zlib.crc32(f"{sample.prompt_id}/{sample.sample_index}".encode()) & 1)
 
 
+@dataclass
+class _Window:
+    """What the measured steps add up to: the consumed samples' work and staleness, and where
+    the driver's loop spent the window (``time.time`` and ``time.process_time`` at its ends)."""
+
+    draws: tuple[float, float, int]
+    """``sigma``, ``mean_s`` and ``seed`` of the draws, to know the work of a consumed sample."""
+    profile: str
+    """A path to write a cProfile of the window to; empty: none."""
+    profiler: cProfile.Profile | None = field(init=False, default=None)
+    works: list[float] = field(default_factory=list)
+    ages: list[int] = field(default_factory=list)
+    wait_s: float = 0.0
+    train_s: float = 0.0
+    push_s: float = 0.0
+    t0: float = 0.0
+    cpu0: float = 0.0
+    t1: float = 0.0
+    cpu1: float = 0.0
+    before: dict[str, int] = field(default_factory=dict)
+    """The pipeline's counters when the window opened."""
+
+    def __post_init__(self) -> None:
+        self.profiler = cProfile.Profile() if self.profile else None
+
+    def open(self, metrics: Mapping[str, int]) -> None:
+        self.t0, self.cpu0, self.before = time.time(), time.process_time(), dict(metrics)
+        if self.profiler is not None:
+            self.profiler.enable()
+
+    def add(self, taken: Batch, began: float, got: float, trained: float) -> None:
+        """One measured step: ``taken`` waited for from ``began`` to ``got``, trained until
+        ``trained``, and its version pushed until now."""
+        self.wait_s += got - began
+        self.train_s += trained - got
+        self.push_s += time.time() - trained
+        self.works += [
+            work_of(s.sample.prompt_id, s.sample.sample_index, *self.draws) for s in taken.samples
+        ]
+        self.ages += taken.staleness
+
+    def close(self) -> None:
+        self.t1, self.cpu1 = time.time(), time.process_time()
+        if self.profiler is not None:
+            self.profiler.disable()
+            self.profiler.dump_stats(self.profile)
+
+
 async def program(ctx: Any) -> dict[str, Any]:
     """Drive ``SamplePipeline`` against ``SimRollout`` and ``SimLearner``; measure the window.
 
@@ -90,11 +139,36 @@ async def program(ctx: Any) -> dict[str, Any]:
     (awaited in sync mode only); ``driver_cpu_fraction``: the driver's CPU time over the window.
     """
     cfg = ctx.config
-    batch, group = int(cfg["batch"]), int(cfg["group"])
     warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
     draws = (float(cfg["sigma"]), float(cfg["mean_s"]), int(cfg["seed"]))
-    spec = ctx.pipeline
-    profiler = cProfile.Profile() if cfg.get("profile") else None
+    window = _Window(draws, cfg.get("profile") or "")
+    pipe, weights = await _pipeline(ctx)
+    async with pipe:
+        if warmup == 0:
+            window.open(pipe.metrics)
+        for step in range(warmup + steps):
+            began = time.time()
+            taken = await pipe.next_batch()
+            got = time.time()
+            result = await ctx.learner.call("train_step", TrainBatch(taken.samples), StepResult)
+            trained = time.time()
+            pipe.advance(result.version)
+            await weights.push(result.version)
+            if step >= warmup:
+                window.add(taken, began, got, trained)
+            if step + 1 == warmup:
+                window.open(pipe.metrics)
+        window.close()
+        metrics = dict(pipe.metrics)
+    await weights.close()
+    usage = await ctx.rollout.broadcast("usage", [window.t0, window.t1], dict[str, float])
+    return _figures(ctx.pipeline.mode, steps, window, metrics, usage)
+
+
+async def _pipeline(ctx: Any) -> tuple[SamplePipeline, WeightSync]:
+    """The sample pipeline of ``ctx``'s manifest, started at the learner's version (which the
+    rollout replicas are told first), and the version pushes its mode makes."""
+    cfg, spec = ctx.config, ctx.pipeline
 
     async def feed(cursor: int, n: int) -> list[Prompt]:
         return [Prompt(f"p{i}", [1, 2, 3]) for i in range(cursor, cursor + n)]
@@ -110,70 +184,35 @@ async def program(ctx: Any) -> dict[str, Any]:
         feed=feed,
         score=score,
         params=SamplingParams(max_new_tokens=1),
-        batch_size=batch,
-        group_size=group,
+        batch_size=int(cfg["batch"]),
+        group_size=int(cfg["group"]),
         start_version=status["version"],
     )
-    weights = WeightSync(ctx.rollout, wait=spec.mode == "sync", method="set_version")
-    works: list[float] = []
-    ages: list[int] = []
-    wait_s = train_s = push_s = 0.0
-    t0 = cpu0 = 0.0
-    before: dict[str, float] = {}
+    return pipe, WeightSync(ctx.rollout, wait=spec.mode == "sync", method="set_version")
 
-    def start_window() -> None:
-        nonlocal t0, cpu0, before
-        t0, cpu0, before = time.time(), time.process_time(), dict(pipe.metrics)
-        if profiler is not None:
-            profiler.enable()
 
-    async with pipe:
-        if warmup == 0:
-            start_window()
-        for step in range(warmup + steps):
-            began = time.time()
-            taken = await pipe.next_batch()
-            got = time.time()
-            result = await ctx.learner.call("train_step", TrainBatch(taken.samples), StepResult)
-            trained = time.time()
-            pipe.advance(result.version)
-            await weights.push(result.version)
-            if step >= warmup:
-                wait_s += got - began
-                train_s += trained - got
-                push_s += time.time() - trained
-                works += [
-                    work_of(s.sample.prompt_id, s.sample.sample_index, *draws)
-                    for s in taken.samples
-                ]
-                ages += taken.staleness
-            if step + 1 == warmup:
-                start_window()
-        t1, cpu1 = time.time(), time.process_time()
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(cfg["profile"])
-        metrics = dict(pipe.metrics)
-    await weights.close()
-    usage = await ctx.rollout.broadcast("usage", [t0, t1], dict[str, float])
-
-    window = t1 - t0
-    consumed_work = sum(works)
+def _figures(
+    mode: str, steps: int, w: _Window, metrics: dict[str, Any], usage: list[dict[str, float]]
+) -> dict[str, Any]:
+    """The program's result (see ``program``) from its window of ``steps`` steps, the
+    pipeline's counters at its end, and the replicas' ``usage`` over it."""
+    window = w.t1 - w.t0
+    consumed_work = sum(w.works)
     capacity = sum(u["slots"] * u["speed"] for u in usage)
     dispatched = sum(u["started"] for u in usage)
     dispatched_work = sum(u["work_s"] for u in usage)
-    wasted = metrics.get("wasted_samples", 0) - before.get("wasted_samples", 0)
-    stale = percentiles(ages)
+    wasted = metrics.get("wasted_samples", 0) - w.before.get("wasted_samples", 0)
+    stale = percentiles(w.ages)
     return {
-        "mode": spec.mode,
+        "mode": mode,
         "window_s": window,
         "window_steps": steps,
-        "samples_per_s": len(works) / window,
+        "samples_per_s": len(w.works) / window,
         "work_per_s": consumed_work / window,
         "efficiency": consumed_work / (capacity * window),
         "idle": [u["idle"] for u in usage],
         "speeds": [u["speed"] for u in usage],
-        "consumed_samples": len(works),
+        "consumed_samples": len(w.works),
         "consumed_work": consumed_work,
         "dispatched_samples": int(dispatched),
         "dispatched_work": dispatched_work,
@@ -182,12 +221,12 @@ async def program(ctx: Any) -> dict[str, Any]:
         "staleness_p50": int(stale["p50"]),
         "staleness_p99": int(stale["p99"]),
         "staleness_max": int(stale["max"]),
-        "mean_consumed_s": consumed_work / len(works),
+        "mean_consumed_s": consumed_work / len(w.works),
         "mean_dispatched_s": dispatched_work / dispatched if dispatched else 0.0,
-        "batch_wait_s": wait_s,
-        "train_call_s": train_s,
-        "push_s": push_s,
-        "driver_cpu_fraction": (cpu1 - cpu0) / window,
+        "batch_wait_s": w.wait_s,
+        "train_call_s": w.train_s,
+        "push_s": w.push_s,
+        "driver_cpu_fraction": (w.cpu1 - w.cpu0) / window,
         "load_avg_1m": os.getloadavg()[0],
         "pipeline": metrics,
     }
