@@ -1,9 +1,129 @@
 """asyncrl: an asynchronous actor-model runtime for RL post-training of language models.
 
-Importing this package is cheap: it imports neither torch nor zmq. The layers import as
+What a user needs is importable from here::
+
+    import asyncio
+
+    import asyncrl
+    from asyncrl import Delivery, Role, endpoint
+
+    class Doubler(Role):                              # a role: a plain class with endpoints
+        @endpoint(Delivery.IDEMPOTENT)
+        async def double(self, x: int) -> int:
+            return 2 * x
+
+    async def main(ctx: asyncrl.Context) -> int:      # the control-flow program
+        return await ctx.doubler.call("double", 21)
+
+    manifest = asyncrl.load_manifest("manifest.yaml")   # raises ManifestError, every problem
+    report = asyncio.run(asyncrl.run_manifest(manifest))
+
+and every error asyncrl raises (``asyncrl.errors`` draws their tree). The layers import as
 ``asyncrl.transport``, ``asyncrl.roles`` and ``asyncrl.plugins``.
+
+Importing this package is cheap: it imports neither torch nor zmq. Each name is imported from
+its module the first time it is used.
 """
+
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from asyncrl.agent import run_manifest
+    from asyncrl.errors import (
+        AsyncrlError,
+        BrokenError,
+        ClosedError,
+        ConfigError,
+        ConfigProblem,
+        DeadlineExceededError,
+        DecodeError,
+        DisconnectedError,
+        FlushDeadlineError,
+        ManifestError,
+        MessageTooLargeError,
+        NothingPublishedError,
+        PeerDeadError,
+        PeerUnreachableError,
+        ProtocolError,
+        ProtocolVersionError,
+        RemoteError,
+        RoleDeadError,
+        StallError,
+        TensorDescriptorError,
+        TornReadError,
+        TransportError,
+        UnknownKindError,
+        WeightsError,
+        WeightsGoneError,
+    )
+    from asyncrl.handles import Context, Handle
+    from asyncrl.manifest import Manifest, load_manifest
+    from asyncrl.role import Delivery, Role, RoleContext, endpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "AsyncrlError",
+    "BrokenError",
+    "ClosedError",
+    "ConfigError",
+    "ConfigProblem",
+    "Context",
+    "DeadlineExceededError",
+    "DecodeError",
+    "Delivery",
+    "DisconnectedError",
+    "FlushDeadlineError",
+    "Handle",
+    "Manifest",
+    "ManifestError",
+    "MessageTooLargeError",
+    "NothingPublishedError",
+    "PeerDeadError",
+    "PeerUnreachableError",
+    "ProtocolError",
+    "ProtocolVersionError",
+    "RemoteError",
+    "Role",
+    "RoleContext",
+    "RoleDeadError",
+    "StallError",
+    "TensorDescriptorError",
+    "TornReadError",
+    "TransportError",
+    "UnknownKindError",
+    "WeightsError",
+    "WeightsGoneError",
+    "__version__",
+    "endpoint",
+    "load_manifest",
+    "run_manifest",
+]
+
+_HOMES = {
+    "Context": "asyncrl.handles",
+    "Delivery": "asyncrl.role",
+    "Handle": "asyncrl.handles",
+    "Manifest": "asyncrl.manifest",
+    "Role": "asyncrl.role",
+    "RoleContext": "asyncrl.role",
+    "endpoint": "asyncrl.role",
+    "load_manifest": "asyncrl.manifest",
+    "run_manifest": "asyncrl.agent",
+}
+"""Where each public name that is not an error lives; every error lives in ``asyncrl.errors``."""
+
+
+def __getattr__(name: str) -> typing.Any:
+    """Import a public name from its module on first use (PEP 562), and keep it here."""
+    if name not in __all__ or name.startswith("__"):
+        raise AttributeError(f"module 'asyncrl' has no attribute {name!r}")
+    module = importlib.import_module(_HOMES.get(name, "asyncrl.errors"))
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
