@@ -28,12 +28,17 @@ and the generation goes on, its KV cache computed partly under the old weights. 
 started with are pending: its unfinished samples come back ``interrupted``, every token of them
 of the old version, and the caller resumes them (here or on another replica) under the new
 weights, whose prefill recomputes the whole cache.
+
+A replica owns one batching task, from ``setup`` to ``teardown``, and the reader of the
+publisher's weights; ``teardown`` cancels the one (with the generate calls it runs or holds) and
+closes the other once no sync is copying from it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import traceback
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -42,7 +47,7 @@ import msgspec
 import torch
 
 from asyncrl.errors import NothingPublishedError, WeightsGoneError
-from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.payloads import (
     GenerateBatch,
     GenerateRequest,
@@ -134,6 +139,21 @@ class Rollout(Role):
 
     engine: HFEngine
 
+    def __init__(self, ctx: RoleContext) -> None:
+        super().__init__(ctx)
+        # Generations running now: while one runs, new weights wait for it to apply them
+        # between steps, rather than queueing an apply behind it in the worker thread.
+        self._generating = 0
+        self._waiting: deque[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = deque()
+        self._pending = asyncio.Event()  # set when a call joins _waiting
+        self._batcher: asyncio.Task[None] | None = None  # runs _run_batches from setup on
+        self._torn_down = False
+        self._reader: WeightReader | None = None
+        self._loaded_from = ""  # the store whose weights the engine holds
+        # One sync at a time: concurrent sync calls (latest-wins pushes overlap) would otherwise
+        # close a reader that another one is still copying from.
+        self._syncing = asyncio.Lock()
+
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
         import transformers  # noqa: F401
@@ -141,7 +161,8 @@ class Rollout(Role):
         from .engine import HFEngine  # noqa: F401
 
     async def setup(self) -> None:
-        """Build the engine (load or create the model) in the worker thread."""
+        """Build the engine (load or create the model) in the worker thread, load the
+        publisher's latest weights (with ``weights_from``), and start batching."""
         from .engine import HFEngine
 
         cfg = self.config
@@ -156,21 +177,31 @@ class Rollout(Role):
             self.engine = await self.ctx.offload(HFEngine.from_pretrained, cfg.model_path, **kwargs)
         else:
             self.engine = await self.ctx.offload(HFEngine.from_config, cfg.model_config, **kwargs)
-        # Generations running now: while one runs, new weights wait for it to apply them
-        # between steps, rather than queueing an apply behind it in the worker thread.
-        self._generating = 0
-        self._waiting: deque[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = deque()
-        self._batching: asyncio.Task[None] | None = None
-        self._reader: WeightReader | None = None
-        self._loaded_from = ""  # the store whose weights the engine holds
-        # One sync at a time: concurrent sync calls (latest-wins pushes overlap) would otherwise
-        # close a reader that another one is still copying from.
-        self._syncing = asyncio.Lock()
         if cfg.weights_from:
             # Before any credit is advertised: a restarted replica starts from the current
             # weights, not from the initial ones, waiting for a publisher that restarts too.
             await self._sync(wait_s=cfg.weights_wait_s)
             await self._apply_if_idle()
+        self._batcher = asyncio.get_running_loop().create_task(
+            self._run_batches(), name=f"{self.ctx.name}[{self.ctx.replica}] batching"
+        )
+        self._batcher.add_done_callback(self._batching_stopped)
+
+    async def teardown(self) -> None:
+        """Stop batching, cancelling the generate calls it runs or holds, and close the weight
+        reader once no sync is copying from it."""
+        self._torn_down = True
+        batcher = self._batcher
+        if batcher is not None:
+            batcher.cancel()
+            await asyncio.wait({batcher})
+        for _, future in self._waiting:
+            future.cancel()
+        self._waiting.clear()
+        async with self._syncing:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
 
     async def _sync(self, *, wait_s: float = 0.0) -> None:
         """Load the newest weights the publisher left in shared memory, if newer than ours.
@@ -246,52 +277,96 @@ class Rollout(Role):
             ValueError: a request the engine cannot run (empty prompt, a partial of another
                 sample, a sequence longer than the model's positions).
         """
+        batcher = self._batcher
+        if self._torn_down or batcher is None or batcher.done():
+            raise RuntimeError(self._refusal())
         future: asyncio.Future[list[Sample]] = asyncio.get_running_loop().create_future()
         self._waiting.append((batch.requests, future))
-        if self._batching is None or self._batching.done():
-            self._batching = asyncio.get_running_loop().create_task(self._run_batches())
+        self._pending.set()
         return await future
+
+    def _refusal(self) -> str:
+        where = f"rollout {self.ctx.name}[{self.ctx.replica}]"
+        if self._torn_down:
+            return f"{where} was torn down; it takes no more generate calls"
+        if self._batcher is None:
+            return f"{where} is not set up; call setup() before generate"
+        return f"{where} stopped batching; see the error its generate calls failed with"
 
     async def _run_batches(self) -> None:
         """Run the generate calls waiting now as one engine batch, up to ``max_batch``
         sequences; calls that arrive meanwhile form the next batch. So a replica with many
-        slots decodes its one-sample calls together (continuous batching, call by call)."""
-        while self._waiting:
-            calls: list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = []
-            size = 0
-            while self._waiting and (
-                not calls or size + len(self._waiting[0][0]) <= self.config.max_batch
-            ):
-                requests, future = self._waiting.popleft()
-                if not future.done():  # its caller may have gone
-                    calls.append((requests, future))
-                    size += len(requests)
-            if not calls:
-                continue
-            try:
-                samples = await self._generate([r for requests, _ in calls for r in requests])
-            except ValueError:
-                # One call's bad request must not fail the others: run each on its own.
-                for requests, future in calls:
-                    try:
-                        result = await self._generate(requests)
-                    except ValueError as exc:
+        slots decodes its one-sample calls together (continuous batching, call by call).
+
+        An error of the engine fails the calls of its batch, and the next batch runs; a
+        cancellation (``teardown``) cancels the calls of the batch running.
+        """
+        while True:
+            await self._pending.wait()
+            self._pending.clear()
+            while self._waiting:
+                calls = self._next_batch()
+                try:
+                    await self._run_batch(calls)
+                except asyncio.CancelledError:
+                    for _, future in calls:
+                        future.cancel()
+                    raise
+                except Exception as exc:
+                    for _, future in calls:
                         if not future.done():
                             future.set_exception(exc)
-                    else:
-                        if not future.done():
-                            future.set_result(result)
-                continue
-            except BaseException as exc:
-                for _, future in calls:
+
+    def _next_batch(self) -> list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]]:
+        calls: list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = []
+        size = 0
+        while self._waiting and (
+            not calls or size + len(self._waiting[0][0]) <= self.config.max_batch
+        ):
+            requests, future = self._waiting.popleft()
+            if not future.done():  # its caller may have gone
+                calls.append((requests, future))
+                size += len(requests)
+        return calls
+
+    async def _run_batch(
+        self, calls: list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]]
+    ) -> None:
+        if not calls:
+            return
+        try:
+            samples = await self._generate([r for requests, _ in calls for r in requests])
+        except ValueError:
+            # One call's bad request must not fail the others: run each on its own.
+            for requests, future in calls:
+                try:
+                    result = await self._generate(requests)
+                except ValueError as exc:
                     if not future.done():
                         future.set_exception(exc)
-                raise
-            start = 0
-            for requests, future in calls:
-                if not future.done():
-                    future.set_result(samples[start : start + len(requests)])
-                start += len(requests)
+                else:
+                    if not future.done():
+                        future.set_result(result)
+            return
+        start = 0
+        for requests, future in calls:
+            if not future.done():
+                future.set_result(samples[start : start + len(requests)])
+            start += len(requests)
+
+    def _batching_stopped(self, batcher: asyncio.Task[None]) -> None:
+        """The batching task ended: by ``teardown``, or by a bug, whose error then goes to
+        every call still waiting (a later one is refused)."""
+        error = None if batcher.cancelled() else batcher.exception()
+        if error is None:
+            return
+        # One string: the context's log is structlog's in a process, the stdlib's in a test.
+        trace = "".join(traceback.format_exception(error))
+        self.ctx.log.error(f"rollout batching failed: {error!r}\n{trace}")
+        for _, future in self._waiting:
+            if not future.done():
+                future.set_exception(error)
+        self._waiting.clear()
 
     async def _generate(self, requests: list[GenerateRequest]) -> list[Sample]:
         should_interrupt = self._weights_changed() if self.config.interrupt_on_weights else None

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from asyncrl.errors import ClosedError
 from asyncrl.role import Delivery, RoleContext, endpoints_of
 from asyncrl.roles.engine import HFEngine
 from asyncrl.roles.rollout import (
@@ -24,6 +25,7 @@ from asyncrl.roles.rollout import (
 )
 from asyncrl.transport.codec import Codec
 from asyncrl.transport.protocol import PROTOCOL_VERSION, Envelope, Kind
+from asyncrl.weights import WeightStore, handle_path, write_handle
 
 torch.set_num_threads(1)
 
@@ -286,5 +288,111 @@ def test_a_bad_call_does_not_fail_the_calls_batched_with_it() -> None:
         assert isinstance(results[1], ValueError) and "no tokens" in str(results[1])
         assert results[0] == results[2]
         assert isinstance(results[0], list) and len(results[0]) == 3
+
+    run(scenario)
+
+
+class HeldEngine:
+    """Holds the role's next generation between two decode steps until ``go`` is set, and
+    then makes it raise ``error`` if one is given; ``ended`` is set when that generation
+    returns or raises in the worker thread."""
+
+    def __init__(self, role: Rollout, error: Exception | None = None) -> None:
+        self.reached = asyncio.Event()
+        self.go = threading.Event()
+        self.ended = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._error = error
+        self._held = False
+        self._generate = role.engine.generate
+        role.engine.on_step = self._on_step
+        role.engine.generate = self._tracked  # type: ignore[method-assign]
+
+    def _on_step(self, steps: int) -> None:  # in the worker thread
+        if self._held:
+            return
+        self._held = True
+        self._loop.call_soon_threadsafe(self.reached.set)
+        if not self.go.wait(timeout=60):
+            raise TimeoutError("the test never let the generation go on")
+        if self._error is not None:
+            raise self._error
+
+    def _tracked(self, *args: Any, **kwargs: Any) -> list[Sample]:
+        try:
+            return self._generate(*args, **kwargs)
+        finally:
+            if self._held:
+                self.ended.set()
+
+
+def test_teardown_cancels_the_calls_leaves_no_task_and_closes_the_reader(tmp_path: Any) -> None:
+    async def scenario() -> None:
+        store = WeightStore(new_state(), run="rollout-teardown")
+        try:
+            store.publish(new_state(), 1)
+            write_handle(handle_path(str(tmp_path), "learner"), store.describe())
+            role = Rollout(
+                RoleContext.local(
+                    config={"model_config": MODEL, "weights_from": "learner"},
+                    run_dir=str(tmp_path),
+                    name="rollout",
+                    run="rollout-teardown",
+                )
+            )
+            await role.setup()
+            assert await role.version(None) == 1
+            reader = role._reader
+            assert reader is not None
+            held = HeldEngine(role)
+            running = asyncio.create_task(role.generate(prompts_batch()))
+            await held.reached.wait()
+            waiting = asyncio.create_task(role.generate(prompts_batch()))
+            await asyncio.sleep(0)  # one loop turn: the second call joins the queue
+            assert len(role._waiting) == 1
+
+            await role.teardown()
+
+            await asyncio.wait({running, waiting})
+            assert running.cancelled() and waiting.cancelled()
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+            assert role._reader is None
+            with pytest.raises(ClosedError) as info:
+                reader.version()
+            assert str(info.value) == (
+                f"weight reader of {reader.name} is closed; open a new WeightReader"
+            )
+            with pytest.raises(RuntimeError) as refused:
+                await role.generate(prompts_batch())
+            assert str(refused.value) == (
+                "rollout rollout[0] was torn down; it takes no more generate calls"
+            )
+            held.go.set()  # the worker thread finishes the generation nobody waits for
+            assert await asyncio.to_thread(held.ended.wait, 60)
+            role.ctx.close()
+        finally:
+            store.close()
+
+    run(scenario)
+
+
+def test_an_engine_error_fails_its_batch_and_the_calls_waiting_still_run() -> None:
+    async def scenario() -> None:
+        reference = await started(seed=3)
+        expected = await reference.generate(prompts_batch())
+        await reference.teardown()
+        role = await started(seed=3)
+        held = HeldEngine(role, RuntimeError("the engine broke"))
+        failing = asyncio.create_task(role.generate(prompts_batch()))
+        await held.reached.wait()
+        waiting = asyncio.create_task(role.generate(prompts_batch()))
+        await asyncio.sleep(0)  # one loop turn: the second call joins the queue
+        held.go.set()
+        with pytest.raises(RuntimeError) as info:
+            await failing
+        assert str(info.value) == "the engine broke"
+        assert await waiting == expected
+        await role.teardown()
+        assert asyncio.all_tasks() == {asyncio.current_task()}
 
     run(scenario)
