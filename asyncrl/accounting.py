@@ -269,15 +269,15 @@ def _pipeline_figures(
     pipeline = summary.get("pipeline") if isinstance(summary, dict) else None
     if not isinstance(summary, dict):
         unknown["summary"] = "no summary.json (the program did not write one)"
-        summary = {}
-    out["accuracy"] = summary.get("accuracy_final")
+    found: dict[str, Any] = summary if isinstance(summary, dict) else {}
+    out["accuracy"] = found.get("accuracy_final")
     if out["accuracy"] is None and isinstance(driver, dict):
         result = driver.get("result")
         if isinstance(result, dict):
             out["accuracy"] = result.get("accuracy_final")
     if out["accuracy"] is None:
         unknown["accuracy"] = "neither summary.json nor driver.json's result has accuracy_final"
-    out["samples_consumed_program"] = summary.get("samples_consumed")
+    out["samples_consumed_program"] = found.get("samples_consumed")
     pipe: dict[str, Any] = pipeline if isinstance(pipeline, dict) else {}
     if not pipe:
         unknown["pipeline"] = "summary.json has no pipeline counters"
@@ -306,7 +306,7 @@ def _pipeline_figures(
             "needs the pipeline's admitted_samples, consumed_samples, wasted_samples and "
             "in_flight_at_end in summary.json"
         )
-    return summary
+    return found
 
 
 _LEDGER_KEYS = (
