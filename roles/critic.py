@@ -8,10 +8,17 @@ log-probs token for token.
 
 ``train_step`` computes the returns from each sample's reward (on its last token) and the values
 recorded when the sample was scored (``Scored.values``), with the learner's own function
-(``asyncrl.roles.learner.gae_targets``), and takes one clipped value-loss step. The returns must be
-the ones the learner's advantages came from, so the settings that shape them (``gamma``, ``lam``,
-and with ``kl_mode: reward`` the per-token penalty ``-kl_coef * KL`` with ``kl_estimator``) mirror
-the learner's config; ``check_matches_learner`` says where two configs disagree.
+(``asyncrl.roles.batching.gae_targets``), once for the whole batch, and then takes
+``ppo_epochs x mini_batches`` clipped value-loss steps, as the learner does with its policy
+(verl's critic the same): each epoch shuffles the samples into ``mini_batches`` mini-batches
+(seeded by ``seed``, the critic's step and the epoch) and each mini-batch makes one AdamW step.
+The targets and the old values that the value clip is taken around stay those of the batch
+across every step. The defaults (one epoch, one mini-batch) take one step per batch.
+
+The returns must be the ones the learner's advantages came from, so the settings that shape
+them (``gamma``, ``lam``, and with ``kl_mode: reward`` the per-token penalty ``-kl_coef * KL``
+with ``kl_estimator``) mirror the learner's config; ``check_matches_learner`` says where two
+configs disagree. The epochs and mini-batches need not match the learner's.
 """
 
 from __future__ import annotations
@@ -24,7 +31,14 @@ import torch
 
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles import algorithms as alg
-from asyncrl.roles.learner import Scored, check_norm_len, gae_targets, pad_batch
+from asyncrl.roles.batching import (
+    check_norm_len,
+    gae_targets,
+    mean_over_steps,
+    mini_batch_indices,
+    pad_batch,
+)
+from asyncrl.roles.payloads import Scored
 from asyncrl.roles.rollout import Sample
 
 __all__ = ["RETURN_SETTINGS", "Critic", "check_matches_learner"]
@@ -63,6 +77,23 @@ class Critic(Role):
     """Serves per-token values and learns them."""
 
     class Config(msgspec.Struct, forbid_unknown_fields=True):
+        """The critic's settings (``roles.<name>.config`` in the manifest).
+
+        Attributes:
+            model_path: a local Hugging Face model directory; empty: build from model_config.
+            model_config: ``AutoConfig.for_model`` keywords for a model built from scratch.
+            seed: seeds the model's initialisation and the mini-batch shuffle.
+            lr: AdamW's learning rate.
+            grad_clip: the gradient's maximum norm, at every optimizer step.
+            gamma, lam, kl_coef, kl_estimator, kl_mode: the return settings; they must be the
+                learner's (``check_matches_learner``).
+            clip_eps: the value clip around the values recorded at scoring (None: no clip).
+            aggregation, norm_len: how per-token losses become one number, as the learner's.
+            ppo_epochs: passes over each batch (>= 1).
+            mini_batches: optimizer steps per pass (>= 1, at most the batch's samples).
+            pad_id: the token id of padding.
+        """
+
         model_path: str = ""
         model_config: dict[str, Any] = {}
         seed: int = 0
@@ -76,10 +107,15 @@ class Critic(Role):
         clip_eps: float | None = 0.2
         aggregation: alg.Aggregation = "token_mean"
         norm_len: float | None = None
+        ppo_epochs: int = 1
+        mini_batches: int = 1
         pad_id: int = 0
 
         def __post_init__(self) -> None:
             check_norm_len(self.aggregation, self.norm_len)
+            for name in ("ppo_epochs", "mini_batches"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
 
     async def setup(self) -> None:
         # In the worker thread: importing transformers and building the model take seconds,
@@ -145,12 +181,45 @@ class Critic(Role):
         return old, returns
 
     def _train_step(self, batch: list[Scored]) -> dict[str, float]:
+        """``ppo_epochs x mini_batches`` value-loss steps on the batch; the metrics averaged
+        over the steps, and their count.
+
+        Raises:
+            ValueError: the batch holds fewer samples than ``mini_batches``.
+        """
         cfg = self.config
-        values, mask = self._values([s.sample for s in batch])
+        if len(batch) < cfg.mini_batches:
+            raise ValueError(
+                f"{self.ctx.name}: a batch of {len(batch)} samples cannot be split into "
+                f"mini_batches={cfg.mini_batches}; send batches of at least {cfg.mini_batches} "
+                f"samples or lower roles.{self.ctx.name}.config.mini_batches"
+            )
         old, returns = self._targets(batch)
-        # The targets cover the completions only; the values' columns end where they end.
-        values = values[:, mask.shape[1] - returns.shape[1] :]
-        mask = mask[:, mask.shape[1] - returns.shape[1] :]
+        steps = []
+        for epoch in range(cfg.ppo_epochs):
+            split = mini_batch_indices(
+                len(batch), cfg.mini_batches, seed=cfg.seed, step=self.step, epoch=epoch
+            )
+            for part in split:
+                steps.append(
+                    self._optimizer_step([batch[i] for i in part], old[part], returns[part])
+                )
+        self.step += 1
+        return {**mean_over_steps(steps), "optimizer_steps": float(len(steps))}
+
+    def _optimizer_step(
+        self, samples: list[Scored], old: torch.Tensor, returns: torch.Tensor
+    ) -> dict[str, float]:
+        """One clipped value-loss step on a mini-batch; ``old`` and ``returns`` are its rows of
+        the batch's [B, T] right-aligned targets."""
+        cfg = self.config
+        values, mask = self._values([s.sample for s in samples])
+        # The targets' columns end where the completions end; the mini-batch's longest
+        # completion may be shorter than the batch's.
+        width = max(len(s.sample.token_ids) for s in samples)
+        old, returns = old[:, old.shape[1] - width :], returns[:, returns.shape[1] - width :]
+        values = values[:, mask.shape[1] - width :]
+        mask = mask[:, mask.shape[1] - width :]
         loss, stats = alg.value_loss(
             values, old, returns, mask, cfg.clip_eps, cfg.aggregation, norm_len=cfg.norm_len
         )
@@ -158,7 +227,6 @@ class Critic(Role):
         loss.backward()  # type: ignore[no-untyped-call]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
-        self.step += 1
         return {
             "value_loss": float(loss.detach()),
             "grad_norm": float(grad_norm),

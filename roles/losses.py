@@ -215,6 +215,26 @@ def truncated_importance_weights(
     return zero_outside(zero_outside(log_weight, valid).exp().clamp(max=cap), valid)
 
 
+def _behaviour_weights(
+    proximal_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    importance_cap: float | None,
+    cap_mode: ImportanceCapMode,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Decoupled PPO's per-token log weight log(proximal / behaviour) (clamped), its weight
+    after the cap, and where it was above the cap; 0 and False at masked positions."""
+    log_weight = zero_outside(proximal_logprobs - behaviour_logprobs, valid_positions(mask))
+    log_weight = log_weight.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weight = log_weight.exp()
+    if importance_cap is None:
+        return log_weight, weight, torch.zeros_like(weight, dtype=torch.bool)
+    above_cap = weight > importance_cap
+    if cap_mode == "truncate":
+        return log_weight, weight.clamp(max=importance_cap), above_cap
+    return log_weight, torch.where(above_cap, torch.zeros_like(weight), weight), above_cap
+
+
 def decoupled_ppo_policy_loss(
     logprobs: Tensor,
     proximal_logprobs: Tensor,
@@ -278,19 +298,9 @@ def decoupled_ppo_policy_loss(
         dual_clip,
         importance,
     )
-    log_weight = zero_outside(
-        proximal_logprobs - behaviour_logprobs.detach(), valid_positions(mask)
+    log_weight, weight, above_cap = _behaviour_weights(
+        proximal_logprobs, behaviour_logprobs.detach(), mask, importance_cap, cap_mode
     )
-    log_weight = log_weight.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    weight = log_weight.exp()
-    if importance_cap is None:
-        above_cap = torch.zeros_like(weight, dtype=torch.bool)
-    else:
-        above_cap = weight > importance_cap
-        if cap_mode == "truncate":
-            weight = weight.clamp(max=importance_cap)
-        else:
-            weight = torch.where(above_cap, torch.zeros_like(weight), weight)
     loss = aggregate(per_token * weight, mask, aggregation, norm_len)
     with torch.no_grad():
         stats = {

@@ -230,8 +230,8 @@ def test_stale_samples_are_weighted_by_their_importance(tmp_path: Any) -> None:
             [p.grad.flatten() for p in fresh.model.parameters() if p.grad is not None]
         )
     assert not torch.allclose(grads["clip"], grads["decoupled"])
-    # One optimizer step per batch: decoupled PPO's proximal policy is the current one, so it
-    # weighs each token like truncated importance sampling does.
+    # One optimizer step per batch (the default): decoupled PPO's proximal policy is the current
+    # one, so it weighs each token like truncated importance sampling does.
     torch.testing.assert_close(grads["decoupled"], grads["tis"], atol=1e-6, rtol=1e-4)
 
 

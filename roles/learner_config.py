@@ -1,0 +1,122 @@
+"""The learner's settings, validated when the role starts: ``roles.<name>.config`` of a
+``asyncrl.roles.learner:Learner`` role in the manifest, also ``Learner.Config``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from asyncrl.roles import algorithms as alg
+from asyncrl.roles.batching import check_norm_len
+
+__all__ = ["LearnerConfig"]
+
+
+def _check_at_least_one(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The learner's settings (``roles.<name>.config`` in the manifest).
+
+    Attributes:
+        model_path: a local Hugging Face model directory; empty: build from model_config.
+        model_config: ``AutoConfig.for_model`` keywords for a model built from scratch.
+        tokenizer_path: a tokenizer saved beside the model by ``export``.
+        seed: seeds the model's initialisation, torch's RNG and the mini-batch shuffle.
+        algorithm: ``grpo``, ``rloo``, ``ppo`` or ``bc``, for a batch that names none.
+        lr: AdamW's peak learning rate (``TrainBatch.lr`` overrides it).
+        betas: AdamW's betas.
+        weight_decay: AdamW's decoupled weight decay.
+        grad_clip: the gradient's maximum norm, at every optimizer step.
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay after the warm-up.
+        warmup_steps: optimizer steps of linear warm-up (a batch takes ppo_epochs x
+            mini_batches optimizer steps).
+        total_steps: optimizer steps over which ``linear`` and ``cosine`` decay.
+        clip_eps: PPO's clip range below 1: the ratio is clipped to ``1 - clip_eps``.
+        clip_eps_high: the clip range above 1 (``1 + clip_eps_high``); None: clip_eps.
+            Larger than clip_eps for DAPO's clip-higher. With ``importance: sequence``
+            (GSPO) both are typically about a thousand times smaller: 3e-4 and 4e-4.
+        dual_clip: caps the loss of a token with a negative advantage at ``dual_clip *
+            |A|`` (> 1); None: no dual clip.
+        importance: ``token``: each token's ratio is clipped; ``sequence`` (GSPO): each
+            token carries its sequence's ratio, ``exp`` of the mean log-ratio over the
+            sequence's tokens, clipped at the sequence level. Applies to the clipped ratio
+            of the ``clip`` and ``decoupled`` corrections, not to ``tis`` weights.
+        normalize_std: GRPO divides each group's centred rewards by its std (False: Dr.
+            GRPO's plain centring).
+        std: GRPO's std, ``population`` (over n) or ``unbiased`` (over n - 1).
+        whiten_advantages: whiten the advantages over the batch's samples (GRPO, RLOO) or
+            completion tokens (PPO).
+        kl_coef: the weight of the KL to the reference (0: none).
+        kl_estimator: ``k1``, ``k2`` or ``k3``, Schulman's estimators of that KL.
+        kl_mode: ``loss`` (a term of the loss) or ``reward`` (PPO: in the per-token reward).
+        entropy_coef: the weight of the entropy bonus (0: none).
+        bc_coef: the weight of a BC term on the batch's demonstrations, at every optimizer
+            step (0: none).
+        bc_anneal_steps: batches over which bc_coef decays linearly to 0 (0: constant).
+        gamma: PPO's discount.
+        lam: PPO's GAE lambda.
+        aggregation: how per-token losses become one number (``alg.aggregate``).
+        norm_len: the constant of ``seq_mean_token_sum_norm`` (Dr. GRPO): the sampling
+            budget, required by that aggregation.
+        micro_batch_tokens: prompt and completion tokens per forward and backward pass.
+        ppo_epochs: passes over each batch (>= 1). BC takes one pass whatever it says.
+        mini_batches: optimizer steps per pass, each on an equal share of the batch's
+            shuffled samples (>= 1, at most the batch's samples). BC takes one.
+        checkpoint_every: steps (batches) between checkpoints, when not durable (0: none).
+        durable: every acknowledged step is on disk before the reply.
+        write_paths: directories besides the run directory that ``export`` may write.
+        publish_weights: publish every version to the shared-memory weight store.
+        keep_checkpoints: the newest checkpoints kept.
+        pad_id: the token id of padding.
+        dropout: keep the model's dropout on while training (off: the learner's log-probs
+            of a sample equal its behaviour log-probs under the same weights).
+    """
+
+    model_path: str = ""
+    model_config: dict[str, Any] = {}
+    tokenizer_path: str = ""
+    seed: int = 0
+    algorithm: Literal["grpo", "rloo", "ppo", "bc"] = "grpo"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    importance: alg.Importance = "token"
+    normalize_std: bool = True
+    std: alg.StdKind = "population"
+    whiten_advantages: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    entropy_coef: float = 0.0
+    bc_coef: float = 0.0
+    bc_anneal_steps: int = 0
+    gamma: float = 1.0
+    lam: float = 0.95
+    aggregation: alg.Aggregation = "token_mean"
+    norm_len: float | None = None
+    micro_batch_tokens: int = 8192
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    checkpoint_every: int = 0
+    durable: bool = True
+    write_paths: list[str] = []
+    publish_weights: bool = True
+    keep_checkpoints: int = 2
+    pad_id: int = 0
+    dropout: bool = False
+
+    def __post_init__(self) -> None:
+        check_norm_len(self.aggregation, self.norm_len)
+        _check_at_least_one("ppo_epochs", self.ppo_epochs)
+        _check_at_least_one("mini_batches", self.mini_batches)
