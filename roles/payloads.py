@@ -18,6 +18,7 @@ import msgspec
 __all__ = [
     "GenerateBatch",
     "GenerateRequest",
+    "LearnerStatus",
     "Prompt",
     "Sample",
     "SamplingParams",
@@ -208,3 +209,26 @@ class StepResult(msgspec.Struct):
     skipped: int
     metrics: dict[str, float]
     replayed: bool = False
+
+
+class LearnerStatus(msgspec.Struct):
+    """What the learner's ``status`` endpoint says.
+
+    Attributes:
+        version: the policy version it serves (one per acknowledged step).
+        step: learner steps taken.
+        consumed: samples trained on so far (each counted once).
+        keep: the program's position, kept with the last step (``TrainBatch.keep``).
+        last: the last step: its batch ``id`` and its ``result`` (a ``StepResult`` as a dict).
+        durable: every acknowledged step is on disk before its reply.
+        advantages: how it computes GRPO advantages (``normalize_std``, ``std``), so a
+            program's sample pipeline computes them the same way.
+    """
+
+    version: int
+    step: int
+    consumed: int = 0
+    keep: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    durable: bool = False
+    advantages: dict[str, Any] = {}

@@ -1,12 +1,18 @@
-"""Built-in control-flow programs: GRPO, PPO and behaviour cloning.
+"""Built-in control-flow programs (GRPO, RLOO, PPO, BC) and the one RL loop they share.
 
-Each is a short async function, readable top to bottom, that uses only the runtime's handles;
-copy one and change it. They expect these roles (by these names): ``prompts`` (PromptSource),
-``rollout`` (Rollout with ``weights_from: learner``), ``reward`` (Reward with a
-``tokenizer_path``) and ``learner`` (Learner); PPO also ``critic``, and a ``reference`` is used
-for the KL term when present. Settings come from the manifest's ``run.config``; the sample
-flow (sync or async mode, the staleness bound η, the straggler policy) from its ``pipeline``
-section, through ``asyncrl.roles.pipeline.SamplePipeline``: the same program runs both modes.
+Each program is a short async function, readable top to bottom, over the typed clients of
+``asyncrl.roles.clients``; copy one and change it. They expect these roles (by these names):
+``prompts`` (PromptSource), ``rollout`` (Rollout with ``weights_from: learner``), ``reward``
+(Reward with a ``tokenizer_path``) and ``learner`` (Learner); PPO also ``critic``, and a
+``reference`` is used for the KL term when present. Settings come from the manifest's
+``run.config`` (``DEFAULTS`` lists them); the sample flow (sync or async mode, the staleness
+bound η, the straggler policy, dynamic sampling) from its ``pipeline`` section, through
+``asyncrl.roles.pipeline.SamplePipeline``: the same program runs both modes.
+
+``rl_loop`` is the RL loop itself, for programs of your own (the arith example's is one): it
+samples through the pipeline, trains, moves the weights to the rollout replicas, evaluates
+every ``eval_every`` steps when given an ``evaluate`` hook, stops early at a wall-clock
+``budget_s``, and reports each step to an ``on_step`` callback.
 
 A restarted driver resumes, never replays: each learner step keeps the program's position with
 it (``TrainBatch.keep``: the pipeline's resume state, the phase), durably, before it is
@@ -17,19 +23,35 @@ same batch id: the learner answers with the step it already took, or takes it if
 
 from __future__ import annotations
 
-import asyncio
+import inspect
 import logging
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
 
-from asyncrl.errors import BrokenError
+from asyncrl.handles import Context
+from asyncrl.roles.clients import RLContext, resend
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, StepResult, TrainBatch
 from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
-from asyncrl.roles.prompts import Take
-from asyncrl.roles.reward import ScoreSamples
 
-__all__ = ["PromptFeed", "bc", "grpo", "learn", "ppo", "resend"]
+__all__ = [
+    "DEFAULTS",
+    "PromptFeed",
+    "RLLoop",
+    "RLStep",
+    "bc",
+    "grpo",
+    "learn",
+    "ppo",
+    "resend",
+    "rl_loop",
+    "rloo",
+]
 
 log = logging.getLogger("asyncrl.programs")
+
+Correction = Literal["clip", "decoupled", "tis"]
 
 DEFAULTS: dict[str, Any] = {
     "steps": 100,  # learner steps
@@ -39,147 +61,225 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 16,
     "stop_token_ids": [],
     "lr": 0.0,  # 0: the learner's configured learning rate
+    "budget_s": 0.0,  # wall-clock budget of the RL loop in seconds; 0: none
     "batch": 64,  # BC: demonstrations per step
 }
 
 
-async def grpo(ctx: Any) -> dict[str, Any]:
+async def grpo(ctx: Context) -> dict[str, Any]:
     """Sample a group per prompt, score it, take one GRPO step; repeat."""
-    return await _rl(ctx, "grpo")
+    return await _builtin(RLContext.of(ctx), "grpo")
 
 
-async def ppo(ctx: Any) -> dict[str, Any]:
+async def rloo(ctx: Context) -> dict[str, Any]:
+    """As ``grpo``, with RLOO's leave-one-out baseline (the learner computes it)."""
+    return await _builtin(RLContext.of(ctx), "rloo")
+
+
+async def ppo(ctx: Context) -> dict[str, Any]:
     """Sample, score, ask the critic for values, take one PPO step and one critic step."""
-    return await _rl(ctx, "ppo")
+    return await _builtin(RLContext.of(ctx), "ppo")
 
 
-async def _rl(ctx: Any, algorithm: str) -> dict[str, Any]:
-    cfg = {**DEFAULTS, **ctx.config}
-    spec = ctx.pipeline  # sync or async mode, eta, straggler policy: the manifest's pipeline
-    status = await ctx.learner.call("status", None)
-    params = SamplingParams(
-        temperature=cfg["temperature"],
-        max_new_tokens=cfg["max_new_tokens"],
-        stop_token_ids=list(cfg["stop_token_ids"]),
-    )
-    if "reference" in ctx.roles and status["step"] == 0:
-        from asyncrl.roles.rollout import WeightsUpdate  # tensors: torch only when needed
-
-        start = await ctx.learner.call("weights", None, WeightsUpdate)
-        await ctx.reference.broadcast("set_weights", start)
-    await ctx.rollout.broadcast("sync", None, int)
-    feed = PromptFeed(ctx.prompts)
-    keep = status["keep"]
+async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
+    cfg = {**DEFAULTS, **rl.config}
+    status = await rl.learner.status()
+    feed = PromptFeed(rl)
 
     async def score(samples: list[Sample]) -> list[float]:
-        request = ScoreSamples(samples, [feed.answers[s.prompt_id] for s in samples])
-        return await ctx.reward.call("score_samples", request, list[float])  # type: ignore[no-any-return]
+        return await rl.reward.score_samples(samples, [feed.answers[s.prompt_id] for s in samples])
 
+    def report(step: RLStep) -> None:
+        log.info(
+            "%s step %d: reward %.3f, version %d, staleness max %d",
+            algorithm,
+            step.step,
+            step.reward,
+            step.result.version,
+            step.batch.metrics["staleness_max"],
+        )
+
+    loop = RLLoop(
+        algorithm=algorithm,
+        steps=int(cfg["steps"]),
+        prompts_per_step=int(cfg["prompts_per_step"]),
+        group_size=int(cfg["group_size"]),
+        params=SamplingParams(
+            temperature=cfg["temperature"],
+            max_new_tokens=cfg["max_new_tokens"],
+            stop_token_ids=list(cfg["stop_token_ids"]),
+        ),
+        lr=float(cfg["lr"]),
+        budget_s=float(cfg["budget_s"]),
+        id_prefix=f"{algorithm}-",
+    )
+    rewards: list[float] = []
+
+    def on_step(step: RLStep) -> None:
+        rewards.append(step.reward)
+        report(step)
+
+    out = await rl_loop(rl, loop, feed=feed, score=score, done=status.step, on_step=on_step)
+    return {**out, "rewards": rewards}
+
+
+@dataclass
+class RLLoop:
+    """What ``rl_loop`` runs.
+
+    Attributes:
+        algorithm: ``grpo``, ``rloo`` or ``ppo`` (PPO needs a ``critic`` role).
+        steps: the RL step to reach (a resumed loop goes on from where it was).
+        prompts_per_step: prompts per batch; each is sampled ``group_size`` times.
+        group_size: samples per prompt (GRPO's group).
+        params: sampling parameters of the rollouts.
+        lr: the learner's peak learning rate for these steps; 0 keeps its configured one.
+        id_prefix: batch ids are ``<id_prefix><step>``: unique in the run, so a step re-sent
+            after a learner crash is counted once.
+        keep: more of the program's state to keep with every step (``TrainBatch.keep``).
+        evaluate: a held-out evaluation, run every ``eval_every`` steps and after the last.
+        eval_every: steps between evaluations; 0 evaluates only after the last step.
+        budget_s: stop after the first step that ends past this many seconds of the loop's
+            wall-clock time; 0: no budget.
+    """
+
+    algorithm: str
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    params: SamplingParams
+    lr: float = 0.0
+    id_prefix: str = "rl-"
+    keep: dict[str, Any] = field(default_factory=dict)
+    evaluate: Callable[[], Awaitable[float]] | None = None
+    eval_every: int = 0
+    budget_s: float = 0.0
+
+
+@dataclass
+class RLStep:
+    """One step of ``rl_loop``, as its ``on_step`` callback sees it.
+
+    Attributes:
+        step: the RL step number, from 1.
+        batch: the pipeline's batch (samples, rewards, staleness metrics).
+        result: the learner's reply.
+        reward: the batch's mean reward.
+        evaluation: the ``evaluate`` hook's value when this step ran it, else None.
+        last: no step follows (the last step, or the budget ran out).
+    """
+
+    step: int
+    batch: Batch
+    result: StepResult
+    reward: float
+    evaluation: float | None = None
+    last: bool = False
+
+
+Scorer = Callable[[list[Sample]], Awaitable[list[float]]]
+OnStep = Callable[[RLStep], Awaitable[None] | None]
+
+
+async def rl_loop(
+    rl: RLContext,
+    loop: RLLoop,
+    *,
+    feed: PromptFeed,
+    score: Scorer,
+    done: int = 0,
+    on_step: OnStep | None = None,
+) -> dict[str, Any]:
+    """RL from step ``done + 1`` to ``loop.steps``: sample, score, train, move the weights.
+
+    Args:
+        rl: the run's typed context.
+        loop: what to run.
+        feed: the prompts (``PromptFeed`` over the prompt source, or any pipeline feed).
+        score: rewards for a group's samples.
+        done: RL steps already taken (a resumed program's count).
+        on_step: called after each step (history, progress, logs); may be async.
+
+    Returns:
+        ``steps`` (the last step taken), ``stopped_by_budget``, ``wall_s`` and the pipeline's
+        metrics (``pipeline``).
+    """
+    status = await rl.learner.status()
+    if rl.reference is not None and done == 0:  # the KL term is measured against the start
+        await rl.reference.set_weights(await rl.learner.weights())
+    await rl.rollout.sync()
     pipe = SamplePipeline(
-        ctx.rollout,
-        spec=spec,
+        rl.rollout.handle,
+        spec=rl.pipeline,
         feed=feed,
         score=score,
-        params=params,
-        batch_size=cfg["prompts_per_step"] * cfg["group_size"],
-        group_size=cfg["group_size"],
-        **status.get("advantages", {}),  # computed as the learner computes them
-        start_version=status["version"],
-        resume=keep.get("resume") or {"cursor": int(keep.get("cursor", 0))},
-        watchdog=ctx.watchdog,
+        params=loop.params,
+        batch_size=loop.prompts_per_step * loop.group_size,
+        group_size=loop.group_size,
+        **status.advantages,  # computed as the learner computes them
+        start_version=status.version,
+        resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
+        watchdog=rl.watchdog,
     )
-    weights = WeightSync(ctx.rollout, wait=spec.mode == "sync")
-    rewards_seen: list[float] = []
+    weights = WeightSync(rl.rollout.handle, wait=rl.pipeline.mode == "sync")
+    started = time.monotonic()
+    step, out_of_budget = done, False
     async with pipe:
-        for step in range(status["step"], cfg["steps"]):
+        while step < loop.steps and not out_of_budget:
+            step += 1
             batch = await pipe.next_batch()
             result = await learn(
-                ctx, batch, algorithm=algorithm, lr=cfg["lr"], id=f"{algorithm}-{step + 1}"
+                rl, batch, algorithm=loop.algorithm, lr=loop.lr, id=f"{loop.id_prefix}{step}"
             )
             # Sync mode: every replica holds the new weights before the next batch is admitted.
             await weights.push(version=result.version)
             pipe.advance(result.version)
+            out_of_budget = bool(loop.budget_s) and time.monotonic() - started >= loop.budget_s
+            last = step == loop.steps or out_of_budget
+            evaluation = None
+            if loop.evaluate is not None and (
+                last or (loop.eval_every and step % loop.eval_every == 0)
+            ):
+                await weights.ensure(result.version)  # evaluate the weights just trained
+                evaluation = await loop.evaluate()
             mean = sum(s.reward for s in batch.samples) / max(1, len(batch.samples))
-            rewards_seen.append(mean)
-            log.info(
-                "%s step %d: reward %.3f, version %d, staleness max %d",
-                algorithm,
-                step + 1,
-                mean,
-                result.version,
-                batch.metrics["staleness_max"],
-            )
-    await weights.close()
+            if on_step is not None:
+                outcome = on_step(RLStep(step, batch, result, mean, evaluation, last))
+                if inspect.isawaitable(outcome):
+                    await outcome
+        await weights.close()
+        metrics = {**pipe.metrics, "in_flight_at_end": pipe.in_flight}
+    if out_of_budget and step < loop.steps:
+        log.info(
+            "RL stopped at step %d of %d: its %.0f s budget ran out",
+            step,
+            loop.steps,
+            loop.budget_s,
+        )
     return {
-        "steps": cfg["steps"],
-        "rewards": rewards_seen,
+        "steps": step,
+        "stopped_by_budget": out_of_budget and step < loop.steps,
+        "wall_s": time.monotonic() - started,
         "cursor": pipe.cursor,
-        "pipeline": {**pipe.metrics, "in_flight_at_end": pipe.in_flight},
+        "pipeline": metrics,
     }
 
 
 class PromptFeed:
     """The prompt source as a ``SamplePipeline`` feed; keeps each prompt's answer for the reward."""
 
-    def __init__(self, prompts: Any) -> None:
-        self.prompts = prompts  # the prompt source's handle
+    def __init__(self, rl: RLContext) -> None:
+        self.prompts = rl.prompts
         self.answers: dict[str, str] = {}
 
     async def __call__(self, cursor: int, n: int) -> list[Prompt]:
-        taken: list[Prompt] = await self.prompts.call("take", Take(cursor, n), list[Prompt])
+        taken = await self.prompts.take(cursor, n)
         self.answers.update({p.id: p.answer for p in taken})
         return taken
 
 
-async def resend(
-    handle: Any,
-    method: str,
-    payload: Any,
-    reply_type: Any = Any,
-    *,
-    timeout: float = 300.0,
-    first_pause_s: float = 0.05,
-    max_pause_s: float = 1.0,
-) -> Any:
-    """Call a once endpoint whose request is safe to send again, and send it again when the
-    replica broke with it in flight (died, hung, restarted, or was not reachable yet) rather
-    than fail the run; between tries it pauses, from ``first_pause_s`` doubling up to
-    ``max_pause_s``, for ``timeout`` seconds in all.
-
-    Use it only where the role makes a repeat harmless: ``train_step`` with a ``TrainBatch.id``
-    (the learner answers a repeat with the step it took), ``checkpoint``.
-
-    Raises:
-        BrokenError: it still broke after ``timeout`` seconds.
-        DeadlineExceededError, RemoteError: as ``Handle.call``.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    pause = first_pause_s
-    attempt = 1
-    while True:
-        try:
-            return await handle.call(
-                method, payload, reply_type, timeout=max(1.0, deadline - loop.time())
-            )
-        except BrokenError as exc:
-            if loop.time() + pause >= deadline:
-                raise
-            attempt += 1
-            log.warning(
-                "%s.%s broke in flight (%s); sending it again in %.2f s (attempt %d)",
-                handle.name,
-                method,
-                exc,
-                pause,
-                attempt,
-            )
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, max_pause_s)
-
-
 async def learn(
-    ctx: Any,
+    rl: RLContext,
     batch: Batch,
     *,
     algorithm: str,
@@ -195,15 +295,20 @@ async def learn(
     correction, keeping the pipeline's resume state (and ``keep``) with the step; PPO's critic
     takes its own step last. With an ``id``, a step whose reply was lost to a learner crash is
     sent again and counted once (``resend``).
+
+    Raises:
+        ValueError: PPO without a ``critic`` role.
     """
-    spec = ctx.pipeline
+    spec = rl.pipeline
     samples = [s.sample for s in batch.samples]
     if algorithm == "ppo":
-        values = await ctx.critic.call("values", samples, list[list[float]], timeout=timeout)
+        if rl.critic is None:
+            raise ValueError("algorithm 'ppo' needs a role named 'critic' in the manifest")
+        values = await rl.critic.values(samples, timeout=timeout)
         for scored, v in zip(batch.samples, values, strict=True):
             scored.values = v
-    if "reference" in ctx.roles:
-        refs = await ctx.reference.call("logprobs", samples, list[list[float]], timeout=timeout)
+    if rl.reference is not None:
+        refs = await rl.reference.logprobs(samples, timeout=timeout)
         for scored, ref in zip(batch.samples, refs, strict=True):
             scored.ref_logprobs = ref
     train = TrainBatch(
@@ -211,42 +316,34 @@ async def learn(
         algorithm=algorithm,
         keep={"cursor": batch.cursor, "resume": batch.resume, **(keep or {})},
         lr=lr,
-        correction=spec.correction,
+        correction=cast(Correction, spec.correction),  # validated by the manifest
         importance_cap=spec.importance_cap,
         id=id,
     )
-    if id:
-        result: StepResult = await resend(
-            ctx.learner, "train_step", train, StepResult, timeout=timeout
-        )
-    else:
-        result = await ctx.learner.call("train_step", train, StepResult, timeout=timeout)
-    if algorithm == "ppo":
-        await ctx.critic.call("train_step", batch.samples, timeout=timeout)
+    result = await rl.learner.train_step(train, timeout=timeout)
+    if algorithm == "ppo" and rl.critic is not None:
+        await rl.critic.train_step(batch.samples, timeout=timeout)
     return result
 
 
-async def bc(ctx: Any) -> dict[str, Any]:
+async def bc(ctx: Context) -> dict[str, Any]:
     """Behaviour cloning on the prompt source's answers as demonstrations."""
-    cfg = {**DEFAULTS, **ctx.config}
-    status = await ctx.learner.call("status", None)
-    cursor = int(status["keep"].get("cursor", 0))
+    rl = RLContext.of(ctx)
+    cfg = {**DEFAULTS, **rl.config}
+    status = await rl.learner.status()
+    cursor = int(status.keep.get("cursor", 0))
     losses: list[float] = []
-    for step in range(status["step"], cfg["steps"]):
-        demos = await ctx.prompts.call("demonstrations", Take(cursor, cfg["batch"]), list[Sample])
+    for step in range(status.step, cfg["steps"]):
+        demos = await rl.prompts.demonstrations(cursor, cfg["batch"])
         cursor += len(demos)
-        result = await resend(
-            ctx.learner,
-            "train_step",
-            TrainBatch(
-                [Scored(d) for d in demos],
-                algorithm="bc",
-                keep={"cursor": cursor},
-                lr=cfg["lr"],
-                id=f"bc-{step + 1}",
-            ),
-            StepResult,
+        batch = TrainBatch(
+            [Scored(d) for d in demos],
+            algorithm="bc",
+            keep={"cursor": cursor},
+            lr=cfg["lr"],
+            id=f"bc-{step + 1}",
         )
+        result = await rl.learner.train_step(batch)
         losses.append(result.metrics.get("nll", float("nan")))
         log.info("bc step %d: nll %.4f", step + 1, losses[-1])
     return {"steps": cfg["steps"], "nll": losses, "cursor": cursor}

@@ -27,19 +27,12 @@ import sys
 import time
 from typing import Any
 
-from asyncrl.roles.payloads import (
-    GenerateBatch,
-    GenerateRequest,
-    Prompt,
-    Sample,
-    SamplingParams,
-    Scored,
-    StepResult,
-    TrainBatch,
-)
-from asyncrl.roles.pipeline import SamplePipeline, WeightSync
-from asyncrl.roles.programs import PromptFeed, learn, resend
-from asyncrl.roles.reward import ScoreRequest
+from asyncrl.handles import Context
+from asyncrl.roles.clients import RLContext
+from asyncrl.roles.evaluation import greedy_accuracy
+from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
+from asyncrl.roles.pipeline import WeightSync
+from asyncrl.roles.programs import PromptFeed, RLLoop, RLStep, rl_loop
 from examples.arith import data
 
 DEFAULTS: dict[str, Any] = {
@@ -50,7 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "bc_eval_every": 100,  # BC steps between held-out evaluations
     "bc_patience": 3,  # evaluations without improvement that end BC
     "bc_max_steps": 1500,
-    "algorithm": "grpo",  # or "ppo" (needs a critic role)
+    "algorithm": "grpo",  # or "rloo", or "ppo" (needs a critic role)
     "rl_steps": 1500,
     "rl_lr": 1e-3,
     "prompts_per_step": 32,
@@ -61,35 +54,78 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-async def main(ctx: Any) -> dict[str, Any]:
-    cfg = {**DEFAULTS, **ctx.config}
-    plot = _plotting_available()  # checked now: a missing package must not fail the end
-    # Off the event loop: importing transformers takes seconds, and a driver whose loop is
-    # blocked that long misses its heartbeats and is restarted as hung.
-    tok = await asyncio.to_thread(_tokenizer, cfg["tokenizer"])
-    eos = tok.eos_token_id
+async def main(ctx: Context) -> dict[str, Any]:
+    run = await Run.start(RLContext.of(ctx), {**DEFAULTS, **ctx.config})
+    if run.phase == "bc":
+        await behaviour_cloning(run)
+    await reinforce(run)
+    return await report(run)
 
-    # Resume, never replay: the learner keeps the program's position with every step it
-    # acknowledges, and history.jsonl holds what was measured so far.
-    status = await ctx.learner.call("status", None)
-    keep = status["keep"]
-    history = _History(os.path.join(ctx.run_dir, "history.jsonl"), fresh=status["step"] == 0)
-    started = time.monotonic() - history.wall_s
-    if status["step"]:
-        _progress(f"resuming at learner step {status['step']} ({keep.get('phase', 'bc')} phase)")
 
-    heldout = data.heldout()
-    data.write_jsonl(os.path.join(ctx.run_dir, "heldout.jsonl"), heldout)
-    heldout_prompts = [
-        Prompt(r["id"], tok.encode(r["prompt"]), r["prompt"], r["answer"]) for r in heldout
-    ]
-    by_id = {p.id: p.answer for p in heldout_prompts}
+class Run:
+    """What the three phases share: the roles, the settings, the tokenizer, the held-out set,
+    the history so far and where the learner is."""
+
+    def __init__(self, rl: RLContext, cfg: dict[str, Any], tok: Any, keep: dict[str, Any]) -> None:
+        self.rl, self.cfg, self.tok, self.keep = rl, cfg, tok, keep
+        self.eos = int(tok.eos_token_id)
+        self.plot = False
+        self.history = _History(os.path.join(rl.run_dir, "history.jsonl"), fresh=True)
+        self.started = time.monotonic()
+        self.heldout: list[Prompt] = []
+        self.pipeline: dict[str, Any] = {}  # the sample pipeline's metrics, once RL ran
+
+    @classmethod
+    async def start(cls, rl: RLContext, cfg: dict[str, Any]) -> Run:
+        plot = _plotting_available()  # checked now: a missing package must not fail the end
+        # Off the event loop: importing transformers takes seconds, and a driver whose loop is
+        # blocked that long misses its heartbeats and is restarted as hung.
+        tok = await asyncio.to_thread(_tokenizer, cfg["tokenizer"])
+        # Resume, never replay: the learner keeps the program's position with every step it
+        # acknowledges, and history.jsonl holds what was measured so far.
+        status = await rl.learner.status()
+        run = cls(rl, cfg, tok, status.keep)
+        run.plot = plot
+        run.history = _History(os.path.join(rl.run_dir, "history.jsonl"), fresh=status.step == 0)
+        run.started = time.monotonic() - run.history.wall_s
+        if status.step:
+            _progress(f"resuming at learner step {status.step} ({run.phase} phase)")
+        rows = data.heldout()
+        data.write_jsonl(os.path.join(rl.run_dir, "heldout.jsonl"), rows)
+        run.heldout = [
+            Prompt(r["id"], tok.encode(r["prompt"]), r["prompt"], r["answer"]) for r in rows
+        ]
+        return run
+
+    @property
+    def phase(self) -> str:
+        return str(self.keep.get("phase", "bc"))
+
+    def wall(self) -> float:
+        return time.monotonic() - self.started
+
+    async def accuracy(self) -> float:
+        """Held-out greedy accuracy of the weights the learner holds now."""
+        status = await self.rl.learner.status()
+        await WeightSync(self.rl.rollout.handle, wait=True, timeout=300).ensure(status.version)
+        return await greedy_accuracy(
+            self.rl,
+            self.heldout,
+            max_new_tokens=5,
+            stop_token_ids=[self.eos],
+            decode=lambda ids: self.tok.decode(ids, skip_special_tokens=True),
+        )
+
+
+async def behaviour_cloning(run: Run) -> None:
+    """BC on a small, fixed set of demonstrations until held-out accuracy stops improving."""
+    cfg, tok, history = run.cfg, run.tok, run.history
     demos = [
         Sample(
             r["id"],
             0,
             tok.encode(r["prompt"]),
-            [*tok.encode(r["answer"]), eos],
+            [*tok.encode(r["answer"]), run.eos],
             [],
             [],
             True,
@@ -97,154 +133,116 @@ async def main(ctx: Any) -> dict[str, Any]:
         )
         for r in data.demonstrations(cfg["demos"])
     ]
+    step = (await run.rl.learner.status()).step
+    while True:
+        stale = _since_best([h["accuracy"] for h in history.phase("bc")])
+        evaluated = any(h["step"] == step for h in history.phase("bc"))
+        if step and step % cfg["bc_eval_every"] == 0 and not evaluated:
+            acc = await run.accuracy()
+            history.add({"phase": "bc", "step": step, "accuracy": acc, "wall_s": run.wall()})
+            _progress(f"BC step {step}: held-out accuracy {acc:.3f}")
+            continue
+        if stale >= cfg["bc_patience"] or step >= cfg["bc_max_steps"]:
+            break
+        # Each step's demonstrations are drawn from its own seeded stream, so a resumed run
+        # draws what the interrupted one would have.
+        rng = random.Random(f"{cfg['seed']}-bc-{step}")
+        batch = rng.sample(demos, min(cfg["bc_batch"], len(demos)))
+        # BC samples are re-used every epoch: give each use its own id for the ledger.
+        uses = [Scored(_reuse(d, step)) for d in batch]
+        bc = TrainBatch(
+            uses, algorithm="bc", lr=cfg["bc_lr"], keep={"phase": "bc"}, id=f"bc-{step + 1}"
+        )
+        step = (await run.rl.learner.train_step(bc)).step
+    accuracy = await run.accuracy()
+    run.keep = {"phase": "rl", "bc_steps": step, "accuracy_before_rl": accuracy, "cursor": 0}
+    run.keep["rl_started_wall"] = run.wall()
+    await run.rl.learner.checkpoint(run.keep)
+    _progress(f"BC plateau: held-out accuracy {accuracy:.3f} after {step} steps")
 
-    async def sync_weights() -> None:
-        # The learner publishes every version in shared memory; each replica reads the newest,
-        # asked again while the learner restarts, so an evaluation never runs on old weights.
-        version = (await ctx.learner.call("status", None))["version"]
-        await WeightSync(ctx.rollout, wait=True, timeout=300).ensure(version)
 
-    async def accuracy() -> float:
-        await sync_weights()
-        greedy = SamplingParams(greedy=True, max_new_tokens=5, stop_token_ids=[eos])
-        requests = [GenerateRequest(p, 0, greedy) for p in heldout_prompts]
-        correct = 0
-        chunks = _chunks(requests, 250)
-        async for _, samples in ctx.rollout.map("generate", chunks, list[Sample], timeout=600):
-            texts = [tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-            answers = [by_id[s.prompt_id] for s in samples]
-            scores = await ctx.reward.call("score", ScoreRequest(texts, answers), list[float])
-            correct += int(sum(scores))
-        return correct / len(heldout_prompts)
-
-    # 1. Behaviour cloning until the held-out accuracy plateaus.
-    step = status["step"]
-    if keep.get("phase", "bc") == "bc":
-        while True:
-            stale = _since_best([h["accuracy"] for h in history.phase("bc")])
-            evaluated = any(h["step"] == step for h in history.phase("bc"))
-            if step and step % cfg["bc_eval_every"] == 0 and not evaluated:
-                acc = await accuracy()
-                history.add(
-                    {"phase": "bc", "step": step, "accuracy": acc, "wall_s": _since(started)}
-                )
-                _progress(f"BC step {step}: held-out accuracy {acc:.3f}")
-                continue
-            if stale >= cfg["bc_patience"] or step >= cfg["bc_max_steps"]:
-                break
-            # Each step's demonstrations are drawn from its own seeded stream, so a resumed
-            # run draws what the interrupted one would have.
-            rng = random.Random(f"{cfg['seed']}-bc-{step}")
-            batch = rng.sample(demos, min(cfg["bc_batch"], len(demos)))
-            # BC samples are re-used every epoch: give each use its own id for the ledger.
-            uses = [Scored(_reuse(d, step)) for d in batch]
-            bc = TrainBatch(
-                uses, algorithm="bc", lr=cfg["bc_lr"], keep={"phase": "bc"}, id=f"bc-{step + 1}"
-            )
-            result = await resend(ctx.learner, "train_step", bc, StepResult)
-            step = result.step
-        accuracy_before_rl = await accuracy()
-        keep = {"phase": "rl", "bc_steps": step, "accuracy_before_rl": accuracy_before_rl}
-        keep.update(rl_started_wall=_since(started), cursor=0)
-        await resend(ctx.learner, "checkpoint", keep, str)
-        _progress(f"BC plateau: held-out accuracy {accuracy_before_rl:.3f} after {step} steps")
-    accuracy_before_rl = keep["accuracy_before_rl"]
-    bc_steps = keep["bc_steps"]
-
-    # 2. RL (GRPO, or PPO with a critic) on fresh prompts, BC coefficient 0, through the
-    #    sample pipeline: sync or async mode, as the manifest's pipeline section says.
-    algorithm = cfg["algorithm"]
-    status = await ctx.learner.call("status", None)
-    done = status["step"] - bc_steps  # RL steps the learner has taken
-    if "reference" in ctx.roles:  # the KL term is measured against the BC policy
-        from asyncrl.roles.rollout import WeightsUpdate  # tensors: torch only when needed
-
-        start = await ctx.learner.call("weights", None, WeightsUpdate, timeout=120)
-        await ctx.reference.broadcast("set_weights", start, timeout=120)
-    await sync_weights()
-    history.recover_rl_step(done, status["last"])
-    feed = PromptFeed(ctx.prompts)
+async def reinforce(run: Run) -> None:
+    """GRPO (or RLOO, or PPO with a critic) from the BC checkpoint on fresh prompts, through
+    the sample pipeline in the manifest's mode, with the BC coefficient at 0."""
+    cfg, rl, history = run.cfg, run.rl, run.history
+    status = await rl.learner.status()
+    done = status.step - int(run.keep["bc_steps"])  # RL steps the learner has taken
+    history.recover_rl_step(done, status.last)
+    if done and done % cfg["rl_eval_every"] == 0 and "accuracy" not in history.last("rl"):
+        history.amend_last("rl", accuracy=await run.accuracy())  # not measured before the crash
+    feed = PromptFeed(rl)
 
     async def score(samples: list[Sample]) -> list[float]:
-        texts = [tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        request = ScoreRequest(texts, [feed.answers[s.prompt_id] for s in samples])
-        return await ctx.reward.call("score", request, list[float])  # type: ignore[no-any-return]
+        texts = [run.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        return await rl.reward.score(texts, [feed.answers[s.prompt_id] for s in samples])
 
-    spec = ctx.pipeline
-    params = SamplingParams(temperature=cfg["temperature"], max_new_tokens=5, stop_token_ids=[eos])
-    pipe = SamplePipeline(
-        ctx.rollout,
-        spec=spec,
-        feed=feed,
-        score=score,
-        params=params,
-        batch_size=cfg["prompts_per_step"] * cfg["group_size"],
-        group_size=cfg["group_size"],
-        **status.get("advantages", {}),  # computed as the learner computes them
-        start_version=status["version"],
-        resume=status["keep"].get("resume"),
-        watchdog=ctx.watchdog,
-    )
-    weights = WeightSync(ctx.rollout, wait=spec.mode == "sync")
     accs = [h["accuracy"] for h in history.phase("rl") if "accuracy" in h]
-    acc = accs[-1] if accs else accuracy_before_rl
-    async with pipe:
-        if done and done % cfg["rl_eval_every"] == 0 and "accuracy" not in history.last("rl"):
-            acc = await accuracy()  # the interrupted run had not measured it yet
-            history.amend_last("rl", accuracy=acc)
-        for rl_step in range(done + 1, cfg["rl_steps"] + 1):
-            batch = await pipe.next_batch()
-            result = await learn(
-                ctx, batch, algorithm=algorithm, lr=cfg["rl_lr"], id=f"rl-{rl_step}"
-            )
-            # Sync mode: every replica holds the new weights before the next batch is admitted.
-            await weights.push(version=result.version)
-            pipe.advance(result.version)
-            reward_mean = sum(s.reward for s in batch.samples) / len(batch.samples)
-            entry: dict[str, Any] = {
-                "phase": "rl",
-                "step": rl_step,
-                "reward": reward_mean,
-                "wall_s": _since(started),
-                "staleness_max": batch.metrics["staleness_max"],
-            }
-            if rl_step % cfg["rl_eval_every"] == 0 or rl_step == cfg["rl_steps"]:
-                acc = await accuracy()
-                entry["accuracy"] = acc
-            history.add(entry)
-            _bar(algorithm.upper(), rl_step, cfg["rl_steps"], reward_mean, acc)
-        await weights.close()
-        pipeline_metrics = {**pipe.metrics, "in_flight_at_end": pipe.in_flight}
+    shown = {"accuracy": accs[-1] if accs else run.keep["accuracy_before_rl"]}
+    name = cfg["algorithm"].upper()
 
+    def on_step(step: RLStep) -> None:
+        entry: dict[str, Any] = {
+            "phase": "rl",
+            "step": step.step,
+            "reward": step.reward,
+            "wall_s": run.wall(),
+            "staleness_max": step.batch.metrics["staleness_max"],
+        }
+        if step.evaluation is not None:
+            entry["accuracy"] = shown["accuracy"] = step.evaluation
+        history.add(entry)
+        _bar(name, step.step, cfg["rl_steps"], step.reward, shown["accuracy"])
+
+    loop = RLLoop(
+        algorithm=cfg["algorithm"],
+        steps=cfg["rl_steps"],
+        prompts_per_step=cfg["prompts_per_step"],
+        group_size=cfg["group_size"],
+        params=SamplingParams(
+            temperature=cfg["temperature"], max_new_tokens=5, stop_token_ids=[run.eos]
+        ),
+        lr=cfg["rl_lr"],
+        id_prefix="rl-",
+        evaluate=run.accuracy,
+        eval_every=cfg["rl_eval_every"],
+    )
+    run.pipeline = (await rl_loop(rl, loop, feed=feed, score=score, done=done, on_step=on_step))[
+        "pipeline"
+    ]
+
+
+async def report(run: Run) -> dict[str, Any]:
+    """Held-out accuracy before and after RL, ``summary.json``, the plot, the final policy."""
+    rl, history, keep = run.rl, run.history, run.keep
     last = history.last("rl")
-    accuracy_final = last["accuracy"] if "accuracy" in last else await accuracy()
-    final_dir = await ctx.learner.call("export", os.path.join(ctx.run_dir, "final"))
-    status = await ctx.learner.call("status", None)
-    rl_wall = max(1e-9, _since(started) - float(keep.get("rl_started_wall", 0.0)))
-    rl = history.phase("rl")
+    accuracy_final = last["accuracy"] if "accuracy" in last else await run.accuracy()
+    final_dir = await rl.learner.export(os.path.join(rl.run_dir, "final"))
+    status = await rl.learner.status()
+    rl_wall = max(1e-9, run.wall() - float(keep.get("rl_started_wall", 0.0)))
+    consumed = run.pipeline.get("consumed_samples", 0)
     summary = {
-        "accuracy_before_rl": accuracy_before_rl,
+        "accuracy_before_rl": keep["accuracy_before_rl"],
         "accuracy_final": accuracy_final,
-        "rl_gain": accuracy_final - accuracy_before_rl,
-        "wall_s": _since(started),
-        "learner_steps": status["step"],
-        "samples_consumed": pipeline_metrics.get("consumed_samples", 0),
-        "samples_per_s": pipeline_metrics.get("consumed_samples", 0) / rl_wall,
-        "restarts": _restarts(ctx.run_dir),
-        "driver_incarnation": ctx.incarnation,
-        "mode": ctx.pipeline.mode,
-        "staleness_max": max((h.get("staleness_max", 0) for h in rl), default=0),
-        "pipeline": pipeline_metrics,
+        "rl_gain": accuracy_final - keep["accuracy_before_rl"],
+        "wall_s": run.wall(),
+        "learner_steps": status.step,
+        "samples_consumed": consumed,
+        "samples_per_s": consumed / rl_wall,
+        "restarts": _restarts(rl.run_dir),
+        "driver_incarnation": rl.incarnation,
+        "mode": rl.pipeline.mode,
+        "staleness_max": max((h.get("staleness_max", 0) for h in history.phase("rl")), default=0),
+        "pipeline": run.pipeline,
         "final": final_dir,
-        "config": cfg,
+        "config": run.cfg,
     }
-    with open(os.path.join(ctx.run_dir, "summary.json"), "w") as f:
+    with open(os.path.join(rl.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    if plot:
-        _plot(history.entries, os.path.join(ctx.run_dir, "progress.png"))
+    if run.plot:
+        _plot(history.entries, os.path.join(rl.run_dir, "progress.png"))
     _progress(
-        f"held-out accuracy: {accuracy_before_rl:.3f} at the BC plateau, "
-        f"{accuracy_final:.3f} after {algorithm.upper()}"
+        f"held-out accuracy: {summary['accuracy_before_rl']:.3f} at the BC plateau, "
+        f"{accuracy_final:.3f} after {run.cfg['algorithm'].upper()}"
     )
     return {k: summary[k] for k in ("accuracy_before_rl", "accuracy_final", "learner_steps")}
 
@@ -346,10 +344,6 @@ def _plotting_available() -> bool:
         )
         return False
     return True
-
-
-def _chunks(items: list[Any], size: int) -> list[GenerateBatch]:
-    return [GenerateBatch(items[i : i + size]) for i in range(0, len(items), size)]
 
 
 def _reuse(demo: Sample, step: int) -> Sample:

@@ -1,0 +1,306 @@
+"""Typed handles for the built-in roles, and the typed context a built-in program takes.
+
+A control-flow program may call any role through its generic handle
+(``ctx.learner.call("status", None)``), which is what a custom role needs. For the built-in
+roles these clients say the same in types a checker sees:
+
+    async def main(ctx: Context) -> dict[str, Any]:
+        rl = RLContext.of(ctx)
+        status = await rl.learner.status()            # LearnerStatus
+        result = await rl.learner.train_step(batch)   # StepResult, re-sent if the learner died
+
+Each client wraps one ``asyncrl.handles.Handle`` (``.handle``) and adds nothing but types and,
+where the role makes a repeat harmless, re-sending (``resend``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.errors import BrokenError
+from asyncrl.handles import Context, Handle
+from asyncrl.pacing import PipelineSpec
+from asyncrl.roles.payloads import (
+    GenerateBatch,
+    LearnerStatus,
+    Prompt,
+    Sample,
+    Scored,
+    StepResult,
+    TrainBatch,
+)
+from asyncrl.roles.prompts import Take
+from asyncrl.roles.reward import ScoreRequest, ScoreSamples
+from asyncrl.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from asyncrl.roles.rollout import WeightsUpdate
+
+__all__ = [
+    "CriticClient",
+    "LearnerClient",
+    "PromptsClient",
+    "RLContext",
+    "ReferenceClient",
+    "RewardClient",
+    "RolloutClient",
+    "resend",
+]
+
+log = logging.getLogger("asyncrl.programs")
+
+LONG_S = 300.0
+"""Timeout of calls that train, checkpoint or move weights: each may take minutes on a big model."""
+
+
+async def resend(
+    handle: Handle,
+    method: str,
+    payload: Any,
+    reply_type: Any = Any,
+    *,
+    timeout: float = LONG_S,
+    first_pause_s: float = 0.05,
+    max_pause_s: float = 1.0,
+) -> Any:
+    """Call a once endpoint whose request is safe to send again, and send it again when the
+    replica broke with it in flight (died, hung, restarted, or was not reachable yet) rather
+    than fail the run; between tries it pauses, from ``first_pause_s`` doubling up to
+    ``max_pause_s``, for ``timeout`` seconds in all.
+
+    Use it only where the role makes a repeat harmless: ``train_step`` with a ``TrainBatch.id``
+    (the learner answers a repeat with the step it took), ``checkpoint``.
+
+    Raises:
+        BrokenError: it still broke after ``timeout`` seconds.
+        DeadlineExceededError, RemoteError: as ``Handle.call``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pause = first_pause_s
+    attempt = 1
+    while True:
+        try:
+            return await handle.call(
+                method, payload, reply_type, timeout=max(1.0, deadline - loop.time())
+            )
+        except BrokenError as exc:
+            if loop.time() + pause >= deadline:
+                raise
+            attempt += 1
+            log.warning(
+                "%s.%s broke in flight (%s); sending it again in %.2f s (attempt %d)",
+                handle.name,
+                method,
+                exc,
+                pause,
+                attempt,
+            )
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, max_pause_s)
+
+
+class LearnerClient:
+    """The learner (``asyncrl.roles.learner.Learner``)."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def status(self) -> LearnerStatus:
+        """Its version, step, the program's kept position and its last step."""
+        reply: LearnerStatus = await self.handle.call("status", None, LearnerStatus)
+        return reply
+
+    async def train_step(self, batch: TrainBatch, *, timeout: float = LONG_S) -> StepResult:
+        """One step. A batch with an ``id`` is re-sent when the learner died with it in flight,
+        and counted once (the learner answers a repeat with the step it took)."""
+        if batch.id:
+            result: StepResult = await resend(
+                self.handle, "train_step", batch, StepResult, timeout=timeout
+            )
+        else:
+            result = await self.handle.call("train_step", batch, StepResult, timeout=timeout)
+        return result
+
+    async def checkpoint(self, keep: dict[str, Any]) -> str:
+        """Keep ``keep`` with a checkpoint written now; return its path."""
+        path: str = await resend(self.handle, "checkpoint", keep, str)
+        return path
+
+    async def export(self, path: str) -> str:
+        """Write the policy in Hugging Face format under ``path`` (inside the run directory)."""
+        out: str = await self.handle.call("export", path, str, timeout=LONG_S)
+        return out
+
+    async def weights(self) -> WeightsUpdate:
+        """The current weights, with their version (tensors: loads torch in this process)."""
+        from asyncrl.roles.rollout import WeightsUpdate
+
+        update: WeightsUpdate = await self.handle.call(
+            "weights", None, WeightsUpdate, timeout=LONG_S
+        )
+        return update
+
+    async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-token log-probs of the samples' completions under the current policy."""
+        out: list[list[float]] = await self.handle.call(
+            "logprobs", samples, list[list[float]], timeout=LONG_S
+        )
+        return out
+
+
+class RolloutClient:
+    """The rollout replicas (``asyncrl.roles.rollout.Rollout``)."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def generate(self, batch: GenerateBatch, *, timeout: float = LONG_S) -> list[Sample]:
+        """One completion per request, in order, on whichever replica has room."""
+        out: list[Sample] = await self.handle.call("generate", batch, list[Sample], timeout=timeout)
+        return out
+
+    async def generate_all(
+        self, batches: list[GenerateBatch], *, timeout: float = LONG_S
+    ) -> AsyncIterator[list[Sample]]:
+        """Each batch's samples, as each batch completes, spread over the replicas."""
+        async for _, samples in self.handle.map("generate", batches, list[Sample], timeout=timeout):
+            yield samples
+
+    async def sync(self) -> list[int]:
+        """Every replica loads the newest published weights; their versions."""
+        versions: list[int] = await self.handle.broadcast("sync", None, int, timeout=LONG_S)
+        return versions
+
+
+class RewardClient:
+    """The reward role (``asyncrl.roles.reward.Reward``)."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def score(self, completions: list[str], answers: list[str]) -> list[float]:
+        """One reward per completion text, checked against its answer."""
+        request = ScoreRequest(completions, answers)
+        out: list[float] = await self.handle.call("score", request, list[float])
+        return out
+
+    async def score_samples(self, samples: list[Sample], answers: list[str]) -> list[float]:
+        """One reward per sample, decoded with the role's tokenizer."""
+        request = ScoreSamples(samples, answers)
+        out: list[float] = await self.handle.call("score_samples", request, list[float])
+        return out
+
+
+class PromptsClient:
+    """The prompt source (``asyncrl.roles.prompts.PromptSource``)."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def take(self, cursor: int, n: int) -> list[Prompt]:
+        """Prompts ``cursor`` to ``cursor + n`` (a pure function of the cursor)."""
+        out: list[Prompt] = await self.handle.call("take", Take(cursor, n), list[Prompt])
+        return out
+
+    async def demonstrations(self, cursor: int, n: int) -> list[Sample]:
+        """The same prompts with their answers as completions: demonstrations for BC."""
+        out: list[Sample] = await self.handle.call("demonstrations", Take(cursor, n), list[Sample])
+        return out
+
+
+class CriticClient:
+    """The critic (``asyncrl.roles.critic.Critic``): PPO's value model."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def values(self, samples: list[Sample], *, timeout: float = LONG_S) -> list[list[float]]:
+        """A value per completion token of each sample."""
+        out: list[list[float]] = await self.handle.call(
+            "values", samples, list[list[float]], timeout=timeout
+        )
+        return out
+
+    async def train_step(self, batch: list[Scored], *, timeout: float = LONG_S) -> dict[str, float]:
+        """One value-loss step on the scored samples; its metrics."""
+        out: dict[str, float] = await self.handle.call(
+            "train_step", batch, dict[str, float], timeout=timeout
+        )
+        return out
+
+
+class ReferenceClient:
+    """The reference policy (``asyncrl.roles.reference.Reference``) of the KL term."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def logprobs(
+        self, samples: list[Sample], *, timeout: float = LONG_S
+    ) -> list[list[float]]:
+        """Per-token log-probs of the samples' completions under the reference policy."""
+        out: list[list[float]] = await self.handle.call(
+            "logprobs", samples, list[list[float]], timeout=timeout
+        )
+        return out
+
+    async def set_weights(self, update: WeightsUpdate) -> list[int]:
+        """Every replica takes these weights as the reference."""
+        versions: list[int] = await self.handle.broadcast(
+            "set_weights", update, int, timeout=LONG_S
+        )
+        return versions
+
+
+class RLContext:
+    """A built-in RL program's typed view of its run: a client per built-in role, and the
+    run's facts (``config``, ``pipeline``, ``run_dir``, ``watchdog``, ``incarnation``).
+
+    ``prompts``, ``rollout``, ``reward`` and ``learner`` are required; ``critic`` and
+    ``reference`` are None when the run has none. ``ctx`` is the generic context underneath,
+    for custom roles.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.learner = LearnerClient(ctx["learner"])
+        self.rollout = RolloutClient(ctx["rollout"])
+        self.reward = RewardClient(ctx["reward"])
+        self.prompts = PromptsClient(ctx["prompts"])
+        self.critic = CriticClient(ctx.roles["critic"]) if "critic" in ctx.roles else None
+        self.reference = (
+            ReferenceClient(ctx.roles["reference"]) if "reference" in ctx.roles else None
+        )
+
+    @classmethod
+    def of(cls, ctx: Context) -> RLContext:
+        """The typed view of ``ctx``.
+
+        Raises:
+            KeyError: the run lacks one of the required roles (the message names them all).
+        """
+        return cls(ctx)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.ctx.config
+
+    @property
+    def pipeline(self) -> PipelineSpec:
+        return self.ctx.pipeline
+
+    @property
+    def run_dir(self) -> str:
+        return self.ctx.run_dir
+
+    @property
+    def watchdog(self) -> Watchdog:
+        return self.ctx.watchdog
+
+    @property
+    def incarnation(self) -> int:
+        return self.ctx.incarnation
