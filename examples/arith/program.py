@@ -30,7 +30,7 @@ from typing import Any
 from asyncrl.handles import Context
 from asyncrl.roles.clients import RLContext
 from asyncrl.roles.evaluation import greedy_accuracy
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
+from asyncrl.roles.payloads import LearnerStatus, Prompt, Sample, SamplingParams, Scored, TrainBatch
 from asyncrl.roles.pipeline import WeightSync
 from asyncrl.roles.programs import PromptFeed, RLLoop, RLStep, rl_loop
 from examples.arith import data
@@ -66,13 +66,21 @@ class Run:
     """What the three phases share: the roles, the settings, the tokenizer, the held-out set,
     the history so far and where the learner is."""
 
-    def __init__(self, rl: RLContext, cfg: dict[str, Any], tok: Any, keep: dict[str, Any]) -> None:
-        self.rl, self.cfg, self.tok, self.keep = rl, cfg, tok, keep
+    def __init__(
+        self, rl: RLContext, cfg: dict[str, Any], tok: Any, status: LearnerStatus, plot: bool
+    ) -> None:
+        self.rl, self.cfg, self.tok, self.plot = rl, cfg, tok, plot
+        self.keep = status.keep
         self.eos = int(tok.eos_token_id)
-        self.plot = False
-        self.history = _History(os.path.join(rl.run_dir, "history.jsonl"), fresh=True)
-        self.started = time.monotonic()
-        self.heldout: list[Prompt] = []
+        # A new run (the learner has taken no step) starts the history afresh; a resumed one
+        # goes on from the wall time it had reached.
+        self.history = _History(os.path.join(rl.run_dir, "history.jsonl"), fresh=status.step == 0)
+        self.started = time.monotonic() - self.history.wall_s
+        rows = data.heldout()
+        data.write_jsonl(os.path.join(rl.run_dir, "heldout.jsonl"), rows)
+        self.heldout = [
+            Prompt(r["id"], tok.encode(r["prompt"]), r["prompt"], r["answer"]) for r in rows
+        ]
         self.pipeline: dict[str, Any] = {}  # the sample pipeline's metrics, once RL ran
 
     @classmethod
@@ -84,17 +92,9 @@ class Run:
         # Resume, never replay: the learner keeps the program's position with every step it
         # acknowledges, and history.jsonl holds what was measured so far.
         status = await rl.learner.status()
-        run = cls(rl, cfg, tok, status.keep)
-        run.plot = plot
-        run.history = _History(os.path.join(rl.run_dir, "history.jsonl"), fresh=status.step == 0)
-        run.started = time.monotonic() - run.history.wall_s
+        run = cls(rl, cfg, tok, status, plot)
         if status.step:
             _progress(f"resuming at learner step {status.step} ({run.phase} phase)")
-        rows = data.heldout()
-        data.write_jsonl(os.path.join(rl.run_dir, "heldout.jsonl"), rows)
-        run.heldout = [
-            Prompt(r["id"], tok.encode(r["prompt"]), r["prompt"], r["answer"]) for r in rows
-        ]
         return run
 
     @property
