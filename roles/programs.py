@@ -32,7 +32,15 @@ from typing import Any, Literal, cast
 
 from asyncrl.handles import Context
 from asyncrl.roles.clients import RLContext, resend
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, StepResult, TrainBatch
+from asyncrl.roles.payloads import (
+    LearnerStatus,
+    Prompt,
+    Sample,
+    SamplingParams,
+    Scored,
+    StepResult,
+    TrainBatch,
+)
 from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
 
 __all__ = [
@@ -208,19 +216,7 @@ async def rl_loop(
     if rl.reference is not None and done == 0:  # the KL term is measured against the start
         await rl.reference.set_weights(await rl.learner.weights())
     await rl.rollout.sync()
-    pipe = SamplePipeline(
-        rl.rollout.handle,
-        spec=rl.pipeline,
-        feed=feed,
-        score=score,
-        params=loop.params,
-        batch_size=loop.prompts_per_step * loop.group_size,
-        group_size=loop.group_size,
-        **status.advantages,  # computed as the learner computes them
-        start_version=status.version,
-        resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
-        watchdog=rl.watchdog,
-    )
+    pipe = _pipeline(rl, loop, feed, score, status)
     weights = WeightSync(rl.rollout.handle, wait=rl.pipeline.mode == "sync")
     started = time.monotonic()
     step, out_of_budget = done, False
@@ -263,6 +259,25 @@ async def rl_loop(
         "cursor": pipe.cursor,
         "pipeline": metrics,
     }
+
+
+def _pipeline(
+    rl: RLContext, loop: RLLoop, feed: PromptFeed, score: Scorer, status: LearnerStatus
+) -> SamplePipeline:
+    """The sample pipeline of ``rl_loop``, resumed where the learner's last step left it."""
+    return SamplePipeline(
+        rl.rollout.handle,
+        spec=rl.pipeline,
+        feed=feed,
+        score=score,
+        params=loop.params,
+        batch_size=loop.prompts_per_step * loop.group_size,
+        group_size=loop.group_size,
+        **status.advantages,  # computed as the learner computes them
+        start_version=status.version,
+        resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
+        watchdog=rl.watchdog,
+    )
 
 
 class PromptFeed:
