@@ -9,12 +9,29 @@ registers one. Built in:
 - ``format``: 1.0 when the completion matches the ``pattern`` of the role's config (a regular
   expression that must match the whole stripped completion).
 
+A verifier of your own lives in a module of yours; list that module in the role's ``imports``
+and the role imports it in ``setup``, before it looks the verifier up (the role runs in its own
+process, which imports nothing of the program's)::
+
+    # mytask/verify.py
+    from asyncrl.roles.reward import verifier
+
+    @verifier("last_line")
+    def last_line(completion: str, answer: str, options: dict) -> float:
+        return float(completion.strip().splitlines()[-1:] == [answer])
+
+    # manifest
+    reward:
+      class: asyncrl.roles.reward:Reward
+      config: {verifier: last_line, imports: [mytask.verify]}
+
 With ``model_path`` set, the role scores with a sequence-classification model instead
 (``AutoModelForSequenceClassification``, one logit: the reward).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -22,10 +39,19 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.errors import ConfigProblem
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.payloads import Sample
 
-__all__ = ["VERIFIERS", "Reward", "ScoreRequest", "ScoreSamples", "verifier"]
+__all__ = [
+    "VERIFIERS",
+    "Reward",
+    "ScoreRequest",
+    "ScoreSamples",
+    "check_verifier",
+    "import_verifiers",
+    "verifier",
+]
 
 Verifier = Callable[[str, str, dict[str, Any]], float]
 VERIFIERS: dict[str, Verifier] = {}
@@ -86,6 +112,37 @@ class ScoreSamples(msgspec.Struct):
     answers: list[str]
 
 
+def import_verifiers(modules: list[str], role: str = "reward") -> None:
+    """Import ``modules``, whose ``@verifier`` decorators register their verifiers.
+
+    Raises:
+        ConfigProblem: a module does not import; the message names it and the error.
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # any failure of user code at import is a configuration error
+            raise ConfigProblem(
+                f"{role}: cannot import {module!r}, named in imports ({type(exc).__name__}: "
+                f"{exc}); check the module path and that it is importable from the run's "
+                "working directory"
+            ) from exc
+
+
+def check_verifier(name: str, modules: list[str], role: str = "reward") -> None:
+    """Raise ``ConfigProblem`` when no verifier is registered as ``name``, naming those that are
+    and the modules imported to find it."""
+    if name in VERIFIERS:
+        return
+    known = ", ".join(sorted(VERIFIERS))
+    imported = ", ".join(repr(m) for m in modules) if modules else "none"
+    raise ConfigProblem(
+        f"{role}: unknown verifier {name!r}; registered: {known} (modules imported from "
+        f"imports: {imported}); register it with @verifier({name!r}) in a module and list "
+        "that module in the role's imports"
+    )
+
+
 def _tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -96,19 +153,41 @@ class Reward(Role):
     """Scores completions with a named verifier, or with a reward model."""
 
     class Config(msgspec.Struct, forbid_unknown_fields=True):
+        """The reward role's settings (``roles.<name>.config`` in the manifest).
+
+        Attributes:
+            verifier: the name of the registered verifier that scores completions: ``exact``,
+                ``numeric``, ``format`` or one that a module of ``imports`` registers.
+            imports: modules imported at setup, before the verifier is looked up; their
+                ``@verifier("name")`` decorators register verifiers of your own.
+            options: passed to the verifier as its third argument (``tolerance`` of
+                ``numeric``, ``pattern`` of ``format``).
+            model_path: a sequence-classification reward model (one logit) to score with
+                instead of a verifier; empty: the verifier scores.
+            tokenizer_path: the tokenizer that decodes sampled tokens for ``score_samples``
+                (the policy's tokenizer).
+        """
+
         verifier: str = "exact"
+        imports: list[str] = []
         options: dict[str, Any] = {}
         model_path: str = ""
         tokenizer_path: str = ""
 
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
+        imports = config.get("imports")
+        if isinstance(imports, list) and all(isinstance(m, str) for m in imports):
+            import_verifiers(imports)
         if config.get("tokenizer_path") or config.get("model_path"):
             from transformers import AutoTokenizer  # noqa: F401
 
     async def setup(self) -> None:
         self.model: Any = None
         self.decoder: Any = None
+        if self.config.imports:
+            # In the worker thread: a user's module may import heavy libraries.
+            await self.ctx.offload(import_verifiers, self.config.imports, self.ctx.name)
         if self.config.tokenizer_path:
             # In the worker thread: importing transformers takes seconds.
             self.decoder = await self.ctx.offload(_tokenizer, self.config.tokenizer_path)
@@ -119,11 +198,8 @@ class Reward(Role):
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 self.config.model_path, num_labels=1
             ).eval()
-        elif self.config.verifier not in VERIFIERS:
-            known = ", ".join(sorted(VERIFIERS))
-            raise ValueError(
-                f"reward: unknown verifier {self.config.verifier!r}; registered: {known}"
-            )
+        else:
+            check_verifier(self.config.verifier, self.config.imports, self.ctx.name)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def score(self, request: ScoreRequest) -> list[float]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from asyncrl.errors import ConfigProblem
 from asyncrl.role import RoleContext
 from asyncrl.roles.prompts import PromptSource, Take, load_rows
-from asyncrl.roles.reward import Reward, ScoreRequest
+from asyncrl.roles.reward import VERIFIERS, Reward, ScoreRequest
 
 TOKENIZER = "examples/arith/tokenizer"
 
@@ -38,10 +41,71 @@ def test_verifiers() -> None:
 
 
 def test_bad_reward_requests_are_refused() -> None:
-    with pytest.raises(ValueError, match="unknown verifier 'nope'; registered: exact, format"):
-        score({"verifier": "nope"}, [], [])
     with pytest.raises(ValueError, match="got 2 completions and 1 answers"):
         score({"verifier": "exact"}, ["1", "2"], ["1"])
+
+
+def test_an_unknown_verifier_is_a_configuration_error_naming_what_is_known() -> None:
+    with pytest.raises(ConfigProblem) as info:
+        score({"verifier": "nope"}, [], [])
+    assert str(info.value) == (
+        "role: unknown verifier 'nope'; registered: exact, format, numeric (modules imported "
+        "from imports: none); register it with @verifier('nope') in a module and list that "
+        "module in the role's imports"
+    )
+
+
+VERIFIER_MODULE = """\
+from asyncrl.roles.reward import verifier
+
+
+@verifier("last_word")
+def last_word(completion, answer, options):
+    words = completion.split()
+    return float(bool(words) and words[-1] == answer)
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A module of the user's, ``mytask_verify``, importable; the verifiers it registers are
+    forgotten afterwards."""
+    (tmp_path / "mytask_verify.py").write_text(VERIFIER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mytask_verify", raising=False)
+    saved = dict(VERIFIERS)
+    yield "mytask_verify"
+    VERIFIERS.clear()
+    VERIFIERS.update(saved)
+
+
+def test_a_verifier_of_your_own_is_imported_from_the_modules_named_in_imports(
+    user_module: str,
+) -> None:
+    assert "last_word" not in VERIFIERS
+    config = {"verifier": "last_word", "imports": [user_module]}
+    assert score(config, ["so it is 052", "052 it is", ""], ["052"] * 3) == [1.0, 0.0, 0.0]
+
+
+def test_a_verifier_missing_from_the_imported_modules_names_them(user_module: str) -> None:
+    with pytest.raises(ConfigProblem) as info:
+        score({"verifier": "lastword", "imports": [user_module]}, [], [])
+    assert str(info.value) == (
+        "role: unknown verifier 'lastword'; registered: exact, format, last_word, numeric "
+        "(modules imported from imports: 'mytask_verify'); register it with "
+        "@verifier('lastword') in a module and list that module in the role's imports"
+    )
+
+
+def test_a_module_in_imports_that_does_not_import_is_named() -> None:
+    with pytest.raises(ConfigProblem) as info:
+        score({"verifier": "x", "imports": ["no_such_module_here"]}, [], [])
+    assert str(info.value) == (
+        "role: cannot import 'no_such_module_here', named in imports (ModuleNotFoundError: "
+        "No module named 'no_such_module_here'); check the module path and that it is "
+        "importable from the run's working directory"
+    )
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
 
 
 def test_prompts_are_a_pure_function_of_the_cursor(tmp_path: Any) -> None:
