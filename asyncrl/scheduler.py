@@ -366,10 +366,15 @@ class Scheduler:
         retryable = isinstance(exc, BrokenError) or (isinstance(exc, RemoteError) and exc.retryable)
         loop = asyncio.get_running_loop()
         if isinstance(exc, DeadlineExceededError):
+            # Named by group and replica; the pid and incarnation that had the call stay.
             self._fail(
                 work,
                 DeadlineExceededError(
-                    f"{self.name}[{replica.index}] ({replica.endpoint})", work.method, work.timeout
+                    f"{self.name}[{replica.index}] ({replica.endpoint})",
+                    work.method,
+                    work.timeout,
+                    pid=exc.pid,
+                    incarnation=exc.incarnation,
                 ),
             )
         elif retryable and delivery != Delivery.ONCE and loop.time() < work.deadline:

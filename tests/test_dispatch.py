@@ -492,10 +492,11 @@ def test_a_deadline_in_flight_names_the_group_and_replica(run_dir: str) -> None:
             with pytest.raises(DeadlineExceededError) as err:
                 await asyncio.wait_for(g.call("work", 1, timeout=0.2), WAIT_S)
             assert err.value.peer == f"g[0] ({endpoints[0]})"
+            assert (err.value.pid, err.value.incarnation) == (os.getpid(), 0)
             assert str(err.value) == (
                 f"request 'work' to g[0] ({endpoints[0]}) got no answer within its deadline of "
-                f"0.200 s; the peer is slow, hung or gone. Raise the timeout if the work is "
-                f"legitimately long."
+                f"0.200 s; the peer (pid {os.getpid()}, incarnation 0) is slow, hung or gone. "
+                f"Raise the timeout if the work is legitimately long."
             )
             assert replica.calls == [("work", 1, 0)]
             assert group.stats["retries"] == 0

@@ -354,6 +354,31 @@ def test_a_deadline_with_no_replica_up_names_the_group() -> None:
     run(scenario)
 
 
+def test_a_deadline_in_flight_names_the_replica_and_keeps_the_pid_and_incarnation() -> None:
+    async def scenario() -> None:
+        scheduler, (a, b) = scheduler_with(1, 1)
+        work = submit(scheduler, "work", "x", timeout=5.0)
+        a.sent[0].reply.set_exception(
+            DeadlineExceededError("ipc://g0", "work", 5.0, pid=4242, incarnation=3)
+        )
+        with pytest.raises(DeadlineExceededError) as info:
+            await work.future
+        assert (info.value.peer, info.value.pid, info.value.incarnation) == (
+            "g[0] (ipc://g0)",
+            4242,
+            3,
+        )
+        assert str(info.value) == (
+            "request 'work' to g[0] (ipc://g0) got no answer within its deadline of 5.000 s; "
+            "the peer (pid 4242, incarnation 3) is slow, hung or gone. Raise the timeout if the "
+            "work is legitimately long."
+        )
+        # Its deadline is spent: it is not run again elsewhere.
+        assert (b.sent, scheduler.stats["retries"], scheduler.stats["failures"]) == ([], 0, 1)
+
+    run(scenario)
+
+
 def test_once_its_owner_failed_every_queued_and_later_call_fails_with_the_error() -> None:
     async def scenario() -> None:
         scheduler, _ = scheduler_with(0, 0)
