@@ -178,14 +178,16 @@ class Reducer:
 
     Args:
         on_release: called with each ``Released``, synchronously from ``add`` or the deadline
-            timer. If it raises, the error is logged and counted (``callback_errors``); the round
-            stays released.
+            timer. If it raises, the error is counted (``callback_errors``) and handed to
+            ``on_error``, or logged without one; the round stays released.
         policy: what a round that reaches its deadline incomplete becomes.
         deadline_s: seconds from a round's opening to its deadline; None for no deadline (only
             ``wait`` allows that). ``open`` may override it per round.
         k_min: for ``emit``, the fewest parts a partial round is released with.
         on_late: called with ``(key, part)`` for each part that arrives after its round was
             released; errors are logged and counted like those of ``on_release``.
+        on_error: called with each exception ``on_release`` or ``on_late`` raises (an owner
+            that raises it where it can be handled: ``SamplePipeline``); None: logged.
         clock: what deadlines and ``waited_s`` are measured on (``asyncrl.clock``; a test
             passes a ``FakeClock``).
 
@@ -202,6 +204,7 @@ class Reducer:
         deadline_s: float | None = None,
         k_min: int = 1,
         on_late: Callable[[str, str], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
         clock: Clock = MONOTONIC,
     ) -> None:
         policy = Straggler(policy)
@@ -218,6 +221,7 @@ class Reducer:
         self.k_min = k_min
         self._on_release = on_release
         self._on_late = on_late
+        self._on_error = on_error
         self.clock = clock
         self._open: dict[str, _Round] = {}
         self._released: set[str] = set()
@@ -361,9 +365,13 @@ class Reducer:
     def _call(self, callback: Callable[..., None], *args: Any) -> None:
         try:
             callback(*args)
-        except Exception:
+        except Exception as exc:
             self._counts["callback_errors"] += 1
-            log.exception("reducer: %s raised on %r", getattr(callback, "__name__", callback), args)
+            if self._on_error is not None:
+                self._on_error(exc)
+                return
+            name = getattr(callback, "__name__", callback)
+            log.exception("reducer: %s raised on %r", name, args)
 
 
 def _check_deadline(deadline_s: float | None, what: str) -> None:

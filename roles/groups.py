@@ -1,17 +1,50 @@
-"""A GRPO group's advantages from its reduced reward moments.
+"""A GRPO group in the sample pipeline: its state, its advantages, whether it carries signal.
 
-The sample pipeline (``asyncrl.roles.pipeline``) releases a group with the moments its reducer
-merged (count, mean, M2); ``group_advantages`` turns them into the group's advantages exactly as
-the learner's one-shot ``grpo_advantages`` would (docs/algorithms.md).
+The sample pipeline (``asyncrl.roles.pipeline``) keeps one ``Group`` per admitted prompt and
+releases it with the moments its reducer merged (count, mean, M2); ``group_advantages`` turns
+them into the group's advantages exactly as the learner's one-shot ``grpo_advantages`` would
+(docs/algorithms.md), and ``uniform`` says whether its rewards carry no GRPO signal at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from asyncrl.reduce import Moments
+from asyncrl.roles.payloads import Prompt, Sample
 
-__all__ = ["group_advantages"]
+__all__ = ["Group", "group_advantages", "uniform"]
+
+
+@dataclass(eq=False)
+class Group:
+    """One admitted prompt's group, as the pipeline tracks it.
+
+    Attributes:
+        key: the prompt's id (the reducer's round); index: its place in the prompt feed.
+        samples: sample index -> (sample, reward), as they are scored.
+        tasks: one generating task per sample.
+        advantages: sample index -> advantage, set on release.
+        outcome: how the reducer released it ("" while it is not).
+        generated: samples finished generating.
+    """
+
+    key: str
+    index: int
+    prompt: Prompt
+    samples: dict[int, tuple[Sample, float]] = field(default_factory=dict)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    advantages: dict[int, float] = field(default_factory=dict)
+    outcome: str = ""
+    generated: int = 0
+
+
+def uniform(rewards: Sequence[float]) -> bool:
+    """All the rewards are exactly equal: every advantage is 0, the group sends no gradient."""
+    return max(rewards) == min(rewards)
 
 
 def group_advantages(

@@ -24,6 +24,11 @@ run this same code:
    with each sample's staleness against the learner version that will consume them; a group
    with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
 
+The pipeline owns its background work (admission, one task per sample, scoring) in one
+``asyncio.TaskGroup`` (``asyncrl.background``): the first error of any of it, or of a group's
+release, cancels the rest and is raised by ``next_batch`` (or by ``close``, if no
+``next_batch`` raised it).
+
 Every admitted sample ends up consumed or counted as waste (``metrics``); nothing is silently
 lost. ``cursor`` is the first prompt index not yet settled (consumed or wasted). Each batch
 carries ``resume``: the cursor, the indices past it already settled, and the counters as of that
@@ -46,16 +51,16 @@ import asyncio
 import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 
+from asyncrl.background import Background
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.errors import StallError
 from asyncrl.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
 from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
-from asyncrl.roles.groups import group_advantages
+from asyncrl.roles.groups import Group, group_advantages, uniform
 from asyncrl.roles.payloads import (
     GenerateBatch,
     GenerateRequest,
@@ -115,20 +120,8 @@ class Batch(msgspec.Struct):
     resume: dict[str, Any] = {}
 
 
-@dataclass(eq=False)
-class _Group:
-    key: str
-    index: int
-    prompt: Prompt
-    samples: dict[int, tuple[Sample, float]] = field(default_factory=dict)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    advantages: dict[int, float] = field(default_factory=dict)
-    outcome: str = ""
-    generated: int = 0
-
-
-def _check_sizes(
-    batch_size: int, group_size: int, drop_uniform: bool, max_uniform_drops: int
+def _check_args(
+    batch_size: int, group_size: int, std: str, drop_uniform: bool, max_uniform_drops: int
 ) -> None:
     if group_size < 1 or batch_size < group_size:
         raise ValueError(
@@ -140,6 +133,8 @@ def _check_sizes(
             "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so "
             "every group would be dropped; raise group_size or set drop_uniform false"
         )
+    if std not in ("population", "unbiased"):
+        raise ValueError(f"std: expected 'population' or 'unbiased', got {std!r}")
     if max_uniform_drops < 0:
         raise ValueError(f"max_uniform_drops: expected an int >= 0, got {max_uniform_drops}")
 
@@ -169,7 +164,8 @@ class SamplePipeline:
         clock: what straggler deadlines run on (a test passes a ``FakeClock``).
 
     Raises:
-        ValueError: a batch smaller than one group, or ``drop_uniform`` with groups of one.
+        ValueError: a batch smaller than one group, an unknown ``std``, or ``drop_uniform``
+            with groups of one.
     """
 
     def __init__(
@@ -200,7 +196,7 @@ class SamplePipeline:
             if max_uniform_drops is None
             else max_uniform_drops
         )
-        _check_sizes(batch_size, group_size, self.drop_uniform, self.max_uniform_drops)
+        _check_args(batch_size, group_size, std, self.drop_uniform, self.max_uniform_drops)
         self.rollout = rollout
         self.spec = spec
         self.feed = feed
@@ -217,15 +213,11 @@ class SamplePipeline:
             start_version=start_version,
             overprovision=spec.window_overprovision,
         )
-        straggler = spec.straggler
-        self.reducer = Reducer(
-            self._on_release,
-            policy=Straggler(straggler.policy),
-            deadline_s=straggler.deadline_s or None,
-            k_min=min(straggler.k_min, group_size),
-            on_late=self._on_late,
-            clock=clock,
-        )
+        self._ready_event = asyncio.Event()
+        # Samples, scoring and admission run here; its first error is next_batch's to raise.
+        self._background = Background("sample pipeline", on_stop=self._ready_event.set)
+        self._raised: BaseException | None = None  # the failure next_batch raised
+        self.reducer = self._reducer(clock)
         resume = resume or {}
         start_cursor = int(resume.get("cursor", start_cursor))
         self.metrics: Counter[str] = Counter(
@@ -233,9 +225,8 @@ class SamplePipeline:
         )
         self.running: dict[int, Moments] = {}  # consuming version -> reward moments
         self._running_total = Moments(0, 0.0, 0.0)  # all of them merged
-        self._groups: dict[str, _Group] = {}
-        self._ready: deque[_Group] = deque()
-        self._ready_event = asyncio.Event()
+        self._groups: dict[str, Group] = {}
+        self._ready: deque[Group] = deque()
         self._next_index = start_cursor  # the next prompt to admit
         self._fetched = start_cursor  # the next prompt to ask the feed for
         self._skip = {int(i) for i in resume.get("settled", [])}  # settled before a resume
@@ -245,43 +236,57 @@ class SamplePipeline:
         self._exhausted = False
         self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
         self._uniform_capped = False  # ... and it reached max_uniform_drops
-        self._failure: BaseException | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._to_score: list[tuple[_Group, int, Sample]] = []
+        self._to_score: list[tuple[Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
         if watchdog is not None:
             watchdog.watch("sample pipeline", self.describe)
 
+    def _reducer(self, clock: Clock) -> Reducer:
+        """The reducer of the groups' rewards, under the manifest's straggler policy; an error
+        in its callbacks fails the pipeline's background work (next_batch raises it)."""
+        straggler = self.spec.straggler
+        return Reducer(
+            self._on_release,
+            policy=Straggler(straggler.policy),
+            deadline_s=straggler.deadline_s or None,
+            k_min=min(straggler.k_min, self.group_size),
+            on_late=self._on_late,
+            on_error=self._background.fail,
+            clock=clock,
+        )
+
     # -- life cycle ---------------------------------------------------------------------
 
     async def __aenter__(self) -> SamplePipeline:
-        self._spawn(self._admit_loop())
+        await self._background.start()
+        self._background.spawn(self._admit_loop())
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.close(raise_failure=exc is None)
 
-    async def close(self) -> None:
-        """Stop admitting and cancel every sample in flight."""
-        tasks = [*self._tasks, *(t for g in self._groups.values() for t in g.tasks)]
-        if self._scoring is not None:
-            tasks.append(self._scoring)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def close(self, *, raise_failure: bool = True) -> None:
+        """Stop admitting, cancel every sample in flight and wait until they are done.
+
+        Raises:
+            The first error of a background task (a generate or score call, the release of a
+            group) that ``next_batch`` has not raised yet, unless ``raise_failure`` is false
+            (then it is logged: the caller is raising another error already).
+        """
+        failure = await self._background.close()
         self.reducer.close()
+        if failure is None or failure is self._raised:
+            return
+        if raise_failure:
+            self._raised = failure
+            raise failure
+        log.error("sample pipeline: a background task had failed", exc_info=failure)
 
-    def _spawn(self, coro: Any) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
-        return task
-
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
-            self._ready_event.set()
+    def _check_failure(self) -> None:
+        failure = self._background.failure
+        if failure is not None:
+            self._raised = failure
+            raise failure
 
     # -- admission ----------------------------------------------------------------------
 
@@ -319,20 +324,20 @@ class SamplePipeline:
     def _start(self, prompt: Prompt) -> None:
         index = self._next_index
         self._next_index += 1
-        group = _Group(prompt.id, index, prompt)
+        group = Group(prompt.id, index, prompt)
         self._groups[group.key] = group
         self._unsettled[index] = None
         self.reducer.open(group.key, self.group_size)
         self.metrics["admitted_groups"] += 1
         self.metrics["admitted_samples"] += self.group_size
-        loop = asyncio.get_running_loop()
-        group.tasks = [loop.create_task(self._sample(group, k)) for k in range(self.group_size)]
-        for task in group.tasks:
-            task.add_done_callback(self._finished)
+        for k in range(self.group_size):
+            task = self._background.spawn(self._sample(group, k))
+            if task is not None:
+                group.tasks.append(task)
 
     # -- one sample ---------------------------------------------------------------------
 
-    async def _sample(self, group: _Group, k: int) -> None:
+    async def _sample(self, group: Group, k: int) -> None:
         request = GenerateRequest(group.prompt, k, self.params)
         affinity = group.key if self.spec.group_affinity else None
         while True:
@@ -353,8 +358,7 @@ class SamplePipeline:
         group.generated += 1
         self._to_score.append((group, k, sample))
         if self._scoring is None or self._scoring.done():
-            self._scoring = asyncio.get_running_loop().create_task(self._score_pending())
-            self._scoring.add_done_callback(self._finished)
+            self._scoring = self._background.spawn(self._score_pending())
 
     async def _score_pending(self) -> None:
         """Score every sample that finished meanwhile in one call, then post each reward."""
@@ -388,7 +392,7 @@ class SamplePipeline:
             self.pacer.waste(missing)
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
-        if self.drop_uniform and max(rewards) == min(rewards) and self._drop_uniform(group):
+        if self.drop_uniform and uniform(rewards) and self._drop_uniform(group):
             return
         advantages = group_advantages(
             rewards, released.moments, normalize_std=self.normalize_std, std=self.std
@@ -397,7 +401,7 @@ class SamplePipeline:
         self._ready.append(group)
         self._ready_event.set()
 
-    def _drop_uniform(self, group: _Group) -> bool:
+    def _drop_uniform(self, group: Group) -> bool:
         """Dynamic sampling: drop a group whose rewards are all equal, so that a fresh prompt
         takes its room; False (keep it) once this batch has dropped ``max_uniform_drops``."""
         if self._uniform_drops >= self.max_uniform_drops:
@@ -421,14 +425,14 @@ class SamplePipeline:
     def _on_late(self, key: str, part: str) -> None:
         self.metrics["late_samples"] += 1
 
-    def _waste(self, group: _Group, n: int) -> None:
+    def _waste(self, group: Group, n: int) -> None:
         """Drop a whole group: its samples are waste, and its room goes to a fresh prompt."""
         self.metrics["wasted_samples"] += n
         self.metrics["wasted_tokens"] += sum(len(s.token_ids) for s, _ in group.samples.values())
         self.pacer.waste(n)
         self._settle(group)
 
-    def _settle(self, group: _Group) -> None:
+    def _settle(self, group: Group) -> None:
         self._groups.pop(group.key, None)
         self._unsettled.pop(group.index, None)
         self.reducer.forget(group.key)
@@ -499,7 +503,9 @@ class SamplePipeline:
         unless a group was emitted partial under the straggler policy.
 
         Raises:
-            The first error of a generate or score call (after the dispatcher's retries).
+            The first error of a background task: a generate call (after the dispatcher's
+                retries), the feed, the score function, the release of a group. The other
+                tasks are cancelled then, and every later call raises it again.
             EOFError: the prompts ran out and nothing is left to hand out.
         """
         version = self.pacer.version
@@ -543,10 +549,10 @@ class SamplePipeline:
             metrics["reward_running_std"] = self._running_total.std
         return Batch(samples, version, ages, self.cursor, metrics, self.resume_state())
 
-    async def _next_ready(self) -> _Group | None:
+    async def _next_ready(self) -> Group | None:
+        self._check_failure()
         while not self._ready:
-            if self._failure is not None:
-                raise self._failure
+            self._check_failure()
             if self._exhausted and not self._groups:
                 return None
             self._ready_event.clear()

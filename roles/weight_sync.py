@@ -8,12 +8,16 @@ broadcast runs in the background. Used by the control-flow programs next to the
 
 from __future__ import annotations
 
-import asyncio
+import logging
 from typing import Any, Protocol
 
+from asyncrl.background import Background
+from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.errors import StallError
 
 __all__ = ["Broadcaster", "WeightSync"]
+
+log = logging.getLogger("asyncrl.weight_sync")
 
 _RESYNC_S = 0.1  # between asks of a replica that still holds older weights
 
@@ -34,19 +38,42 @@ class WeightSync:
     restarting and had no store to read) is asked again until it has them, or until
     ``timeout``. In async mode it returns at once and the broadcast runs in the background; the
     endpoint is latest-wins, so a push queued behind a busy replica is replaced by the next one,
-    and a replica that missed a version takes the next. A failed background push is raised by
-    the next ``push`` or by ``close``.
+    and a replica that missed a version takes the next.
+
+    The background pushes run in one ``asyncio.TaskGroup`` (``asyncrl.background``): the first
+    that fails cancels the others, and is raised by the next ``push`` or by ``close`` (which
+    waits for the pushes in flight). Use it as an async context manager, or call ``close``.
+
+    Args:
+        rollout: the rollout group's handle.
+        wait: sync mode (wait for every replica) or async mode (push in the background).
+        method: the rollout endpoint that loads the newest weights and answers its version.
+        timeout: seconds for one broadcast, and for ``ensure`` to see the version.
+        clock: what ``ensure`` waits on between asks (a test passes a ``FakeClock``).
     """
 
     def __init__(
-        self, rollout: Broadcaster, *, wait: bool, method: str = "sync", timeout: float = 600.0
+        self,
+        rollout: Broadcaster,
+        *,
+        wait: bool,
+        method: str = "sync",
+        timeout: float = 600.0,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.rollout = rollout
         self.wait = wait
         self.method = method
         self.timeout = timeout
-        self._tasks: set[asyncio.Task[list[Any]]] = set()
-        self._failure: BaseException | None = None
+        self.clock = clock
+        self._background = Background("weight sync")
+        self._raised: BaseException | None = None  # the failure push raised already
+
+    async def __aenter__(self) -> WeightSync:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.close(raise_failure=exc is None)
 
     async def push(self, payload: Any = None, *, version: int | None = None) -> None:
         """Have every replica load the newest weights; in sync mode, wait until each holds at
@@ -57,15 +84,18 @@ class WeightSync:
                 ``timeout`` seconds.
             The first failure of an earlier background push.
         """
-        if self._failure is not None:
-            raise self._failure
+        failure = self._background.failure
+        if failure is not None:
+            self._raised = failure
+            raise failure
         if self.wait:
             await self.ensure(version, payload)
             return
-        call = self.rollout.broadcast(self.method, payload, timeout=self.timeout)
-        task = asyncio.get_running_loop().create_task(call)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
+        await self._background.start()
+        self._background.spawn(self._broadcast(payload))
+
+    async def _broadcast(self, payload: Any) -> None:
+        await self.rollout.broadcast(self.method, payload, timeout=self.timeout)
 
     async def ensure(self, version: int | None, payload: Any = None) -> list[Any]:
         """Broadcast until every replica answers with a version of at least ``version``;
@@ -74,28 +104,30 @@ class WeightSync:
         Raises:
             StallError: a replica still holds older weights after ``timeout`` seconds.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
+        deadline = self.clock.now() + self.timeout
         while True:
             versions = await self.rollout.broadcast(self.method, payload, timeout=self.timeout)
             if version is None or min(int(v) for v in versions) >= version:
                 return versions
-            if loop.time() >= deadline:
+            if self.clock.now() >= deadline:
                 raise StallError(
                     f"rollout replicas hold weights versions {versions} after "
                     f"{self.timeout:g} s, not version {version}: the publisher's store never "
                     f"came back (is the learner restarting over and over?)"
                 )
-            await asyncio.sleep(_RESYNC_S)
+            await self.clock.sleep(_RESYNC_S)
 
-    def _done(self, task: asyncio.Task[list[Any]]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
+    async def close(self, *, raise_failure: bool = True) -> None:
+        """Wait for the pushes in flight.
 
-    async def close(self) -> None:
-        """Wait for the pushes in flight; raise the first that failed."""
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._failure is not None:
-            raise self._failure
+        Raises:
+            The first push that failed, unless ``push`` raised it already or
+            ``raise_failure`` is false (then it is logged: the caller is raising another error).
+        """
+        failure = await self._background.close(cancel=False)
+        if failure is None or failure is self._raised:
+            return
+        if raise_failure:
+            self._raised = failure
+            raise failure
+        log.error("weight sync: a background push had failed", exc_info=failure)

@@ -263,6 +263,30 @@ def test_a_failing_callback_leaves_the_reducer_consistent() -> None:
     assert reducer.metrics["late"] == 1 and reducer.metrics["complete"] == 1
 
 
+def test_a_failing_callback_goes_to_on_error_when_there_is_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An owner that raises callback errors where they can be handled gets each one; nothing
+    is logged, and the count is kept all the same."""
+
+    def explode(r: Released) -> None:
+        raise TypeError(f"consumer broke on {r.key}")
+
+    def late(key: str, part: str) -> None:
+        raise ValueError(f"late part {part} of {key}")
+
+    errors: list[Exception] = []
+    reducer = Reducer(explode, on_late=late, on_error=errors.append)
+    assert reducer.add("g", "a", Moments.of([1.0]), expected=1)
+    assert not reducer.add("g", "b", Moments.of([1.0]))
+    assert [(type(e), str(e)) for e in errors] == [
+        (TypeError, "consumer broke on g"),
+        (ValueError, "late part b of g"),
+    ]
+    assert reducer.metrics["callback_errors"] == 2
+    assert caplog.records == []
+
+
 # -- Reducer: deadlines, on a fake clock ---------------------------------------------------
 
 

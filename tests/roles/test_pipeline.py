@@ -613,3 +613,81 @@ def test_a_partial_group_with_uniform_rewards_is_dropped_whole() -> None:
         assert (m["samples_uniform_dropped"], m["wasted_samples"]) == (G - 1, G)
 
     run(main())
+
+
+# -- failures in the background -----------------------------------------------------------
+
+
+def test_an_error_in_the_score_function_is_raised_by_next_batch_and_stops_the_rest() -> None:
+    """A programming error in the score function: next_batch raises it, the samples still
+    generating are cancelled, later calls raise it again, and closing does not raise it twice."""
+
+    async def broken(samples: list[Sample]) -> list[float]:
+        raise TypeError("score() cannot read a Sample")
+
+    async def main() -> None:
+        rollout = FakeRollout()
+        async with pipeline(rollout, PipelineSpec(mode="async", eta=1), score=broken) as pipe:
+            sids = await started(rollout, 2 * B)
+            rollout.release(sids[0])  # one sample is scored; the others keep generating
+            with pytest.raises(TypeError) as err:
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert str(err.value) == "score() cannot read a Sample"
+            await until(lambda: rollout.in_flight == 0)  # the other samples were cancelled
+            with pytest.raises(TypeError):
+                await pipe.next_batch()
+        assert pipe.metrics["generated_samples"] == 1
+
+    run(main())
+
+
+class BrokenRelease(SamplePipeline):
+    """A pipeline whose release of a group raises: the release runs in the reducer's callback,
+    outside any task, and must reach next_batch all the same."""
+
+    def _on_release(self, released: Any) -> None:
+        raise TypeError(f"cannot release {released.key}")
+
+
+def test_an_error_in_the_release_of_a_group_is_raised_by_next_batch() -> None:
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        pipe = BrokenRelease(
+            rollout,
+            spec=PipelineSpec(mode="sync"),
+            feed=Feed(100),
+            score=score,
+            params=SamplingParams(max_new_tokens=4),
+            batch_size=B,
+            group_size=G,
+        )
+        async with pipe:
+            with pytest.raises(TypeError) as err:
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert str(err.value) == "cannot release p0"
+        # p1 completes in the same scoring call, before the cancellation lands: both counted.
+        assert pipe.reducer.metrics["callback_errors"] == 2
+
+    run(main())
+
+
+def test_a_failure_no_next_batch_raised_is_raised_on_closing() -> None:
+    """The score fails after the last batch was handed out: leaving the pipeline raises it."""
+    failed = asyncio.Event()
+
+    async def fails_after_p1(samples: list[Sample]) -> list[float]:
+        if any(s.prompt_id not in ("p0", "p1") for s in samples):
+            failed.set()
+            raise TypeError("score() cannot read a Sample")
+        return [reward_of(s) for s in samples]
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        with pytest.raises(TypeError) as err:
+            async with pipeline(rollout, PipelineSpec(mode="sync"), score=fails_after_p1) as pipe:
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                pipe.advance(1)
+                await asyncio.wait_for(failed.wait(), WAIT_S)
+        assert str(err.value) == "score() cannot read a Sample"
+
+    run(main())

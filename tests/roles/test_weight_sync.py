@@ -1,4 +1,5 @@
-"""Learner -> rollout through the shared-memory weight store, and log-prob agreement across them.
+"""Learner -> rollout through the shared-memory weight store, and log-prob agreement across them;
+``WeightSync``'s waits and background pushes against a fake rollout group, on a fake clock.
 
 The behaviour log-probs the rollout records must equal the learner's recompute of the same tokens
 under the same weights, to 1e-4 in fp32, for a batch with left padding.
@@ -9,8 +10,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import torch
 
+from asyncrl.clock import FakeClock
+from asyncrl.errors import StallError
 from asyncrl.role import RoleContext
 from asyncrl.roles.learner import Learner, Scored, TrainBatch
 from asyncrl.roles.rollout import (
@@ -21,6 +25,10 @@ from asyncrl.roles.rollout import (
     Sample,
     SamplingParams,
 )
+from asyncrl.roles.weight_sync import WeightSync
+from asyncrl.transport import run
+
+WAIT_S = 10.0
 
 MODEL = {
     "model_type": "gpt2",
@@ -88,3 +96,108 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
         await learner.teardown()
 
     asyncio.run(go())
+
+
+class FakeGroup:
+    """A rollout group's ``broadcast``: answers the versions scripted, one list per call, or
+    waits for the test's gate, or raises what the test set for that call."""
+
+    def __init__(self, answers: list[list[int]]) -> None:
+        self.answers = answers
+        self.calls: list[Any] = []
+        self.gates: dict[int, asyncio.Event] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.cancelled: list[int] = []
+        self.cancel_seen = asyncio.Event()
+
+    async def broadcast(
+        self, method: str, payload: Any = None, reply_type: Any = Any, *, timeout: float = 0.0
+    ) -> list[Any]:
+        n = len(self.calls)
+        self.calls.append(payload)
+        try:
+            if n in self.gates:
+                await self.gates[n].wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(n)
+            self.cancel_seen.set()
+            raise
+        if n in self.errors:
+            raise self.errors[n]
+        return self.answers[min(n, len(self.answers) - 1)]
+
+
+def test_sync_mode_asks_again_until_every_replica_holds_the_version() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        group = FakeGroup([[1, 2], [1, 2], [2, 3]])
+        sync = WeightSync(group, wait=True, timeout=5.0, clock=clock)
+        push = asyncio.ensure_future(sync.push(version=2))
+        for asks in (1, 2):
+            await clock.wait_for_timers(1)  # asked, and waiting before the next ask
+            assert len(group.calls) == asks and not push.done()
+            clock.advance(0.1)
+        await asyncio.wait_for(push, WAIT_S)
+        assert len(group.calls) == 3 and clock.now() == 0.2
+        await sync.close()
+
+    run(main())
+
+
+def test_sync_mode_gives_up_after_its_timeout_naming_the_versions() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        sync = WeightSync(FakeGroup([[1, 1]]), wait=True, timeout=0.25, clock=clock)
+        ensure = asyncio.ensure_future(sync.ensure(2))
+        while not ensure.done():
+            await clock.wait_for_timers(1)
+            clock.advance(0.125)
+            await asyncio.sleep(0)
+        with pytest.raises(StallError) as err:
+            await ensure
+        assert str(err.value) == (
+            "rollout replicas hold weights versions [1, 1] after 0.25 s, not version 2: the "
+            "publisher's store never came back (is the learner restarting over and over?)"
+        )
+        assert clock.now() == 0.25
+
+    run(main())
+
+
+def test_a_failed_background_push_cancels_the_others_and_is_raised_once() -> None:
+    """Async mode: push 0 hangs, push 1 fails. The failure cancels push 0, the next push raises
+    it, and closing afterwards does not raise it again."""
+
+    async def main() -> None:
+        group = FakeGroup([[0, 0]])
+        group.gates[0] = asyncio.Event()
+        group.errors[1] = TypeError("sync() takes no 'payload'")
+        async with WeightSync(group, wait=False) as sync:
+            await sync.push("v1")
+            await sync.push("v2")
+            await asyncio.wait_for(group.cancel_seen.wait(), WAIT_S)
+            assert group.cancelled == [0]
+            with pytest.raises(TypeError) as err:
+                await sync.push("v3")
+            assert str(err.value) == "sync() takes no 'payload'"
+        assert group.calls == ["v1", "v2"]
+
+    run(main())
+
+
+def test_close_waits_for_the_pushes_in_flight_and_raises_a_failure_not_raised_yet() -> None:
+    async def main() -> None:
+        group = FakeGroup([[0, 0]])
+        group.gates[0] = asyncio.Event()
+        group.errors[0] = RuntimeError("replica 1 refused the weights")
+        sync = WeightSync(group, wait=False)
+        await sync.push()
+        closing = asyncio.ensure_future(sync.close())
+        await asyncio.sleep(0)
+        assert not closing.done()  # the push is waited for, not cancelled
+        group.gates[0].set()
+        with pytest.raises(RuntimeError, match="replica 1 refused the weights"):
+            await asyncio.wait_for(closing, WAIT_S)
+        assert group.cancelled == []
+
+    run(main())
