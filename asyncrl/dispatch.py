@@ -173,12 +173,13 @@ class Group:
         self._ready.set()
 
     async def close(self) -> None:
-        """Close every client, then cancel the calls still queued."""
+        """Fail the calls still queued with ``RoleDeadError``, then close every client: the
+        calls in flight on it fail so too (``Scheduler.close``)."""
         self._closed = True
+        self.scheduler.close()  # first: nothing queued is sent to a client as it closes
         for client in self._clients:
             if client is not None:
                 await client.close()
-        self.scheduler.close()
 
 
 class Dispatcher:
@@ -220,7 +221,8 @@ class Dispatcher:
             group.fail(exc)
 
     async def close(self) -> None:
-        """Stop connecting, close every client, cancel the calls still queued."""
+        """Stop connecting and close every group: every call queued, in flight or made
+        afterwards fails with ``RoleDeadError``."""
         if self._owner is not None:
             self._owner.cancel()
             await asyncio.wait({self._owner})  # its failure, if any, went to the calls

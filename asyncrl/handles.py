@@ -7,7 +7,8 @@
             ...
 
 Independent calls run concurrently (``asyncio.gather``, or ``map``). Every call goes through the
-one credit-based dispatcher, so a fast replica takes more work and nothing waits at a barrier.
+one credit-based dispatcher, so a fast replica takes more work and nothing waits at a barrier;
+where it goes and what becomes of it when it fails is ``asyncrl.scheduler``.
 """
 
 from __future__ import annotations
@@ -20,18 +21,12 @@ from typing import Any
 from asyncrl.dispatch import Dispatcher, Group, Work
 from asyncrl.errors import ClosedError, RoleDeadError
 from asyncrl.pacing import PipelineSpec
+from asyncrl.scheduler import SHUTTING_DOWN
 from asyncrl.watchdog import Watchdog
 
 __all__ = ["Context", "Handle"]
 
 DEFAULT_TIMEOUT_S = 60.0
-
-SHUTTING_DOWN = (
-    "the run is shutting down (the driver closed its connections with this call still queued "
-    "or in flight)"
-)
-"""Why a call fails with ``RoleDeadError`` when the dispatcher closes under it: a queued call is
-cancelled by it, one in flight fails with the ``ClosedError`` of the client it went through."""
 
 
 class Handle:
@@ -113,7 +108,7 @@ class Handle:
         """Call ``method`` on whichever replica has room; return its reply.
 
         Calls with the same ``affinity`` key prefer the replica the first of them went to
-        (an idle replica still steals them; see ``asyncrl.dispatch``).
+        (an idle replica still steals them; see ``asyncrl.scheduler``).
 
         Raises:
             DeadlineExceededError: no reply within ``timeout`` seconds (names role and replica).
@@ -123,7 +118,7 @@ class Handle:
         """
         work = self._work(method, payload, reply_type, timeout, key=key, affinity=affinity)
         self._group.submit(work)
-        return await self._outcome(work.future, [work])
+        return await self._outcome(work.future)
 
     async def broadcast(
         self,
@@ -143,7 +138,7 @@ class Handle:
         ]
         for work in works:
             self._group.submit(work)
-        return list(await self._outcome(asyncio.gather(*(w.future for w in works)), works))
+        return list(await self._outcome(asyncio.gather(*(w.future for w in works))))
 
     async def map(
         self,
@@ -180,31 +175,20 @@ class Handle:
         try:
             for _ in range(len(works)):
                 work = await done.get()
-                yield work.key, await self._outcome(work.future, [work])
+                yield work.key, await self._outcome(work.future)
         finally:
             for work in works:
                 if not work.future.done():
                     work.future.cancel()
 
-    async def _outcome(self, waiting: Awaitable[Any], works: list[Work]) -> Any:
-        """What ``waiting`` (the futures of ``works``) gives; ``RoleDeadError`` when the
-        dispatcher closed under one of them (cancelled it, not the caller, or closed the client
-        it was in flight on)."""
+    async def _outcome(self, waiting: Awaitable[Any]) -> Any:
+        """What ``waiting`` (the futures of calls) gives. The scheduler itself fails calls
+        with ``RoleDeadError`` once the dispatcher closes; a ``ClosedError`` that still reaches
+        here (a client closed under a call) means the same."""
         try:
             return await waiting
-        except asyncio.CancelledError:
-            if any(_closed_under(work) for work in works):
-                raise RoleDeadError(self.name, SHUTTING_DOWN) from None
-            raise
         except ClosedError as exc:
             raise RoleDeadError(self.name, SHUTTING_DOWN) from exc
-
-
-def _closed_under(work: Work) -> bool:
-    """Whether ``work`` was cancelled by its owner (the dispatcher, as it closed) while the task
-    waiting for it was not itself being cancelled."""
-    task = asyncio.current_task()
-    return work.future.cancelled() and (task is None or task.cancelling() == 0)
 
 
 def _put(queue: asyncio.Queue[Work], work: Work, future: asyncio.Future[Any]) -> None:

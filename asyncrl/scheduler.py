@@ -26,6 +26,10 @@ name is ``once``):
 - once: never retried; the caller gets the typed error.
 - latest: like idempotent, and a queued call is replaced by a newer one to the same method and
   target; both callers get the newer call's result.
+
+Once ``close`` is called (the run is shutting down), every call still queued, every later one,
+and every call in flight that ends afterwards fails with ``RoleDeadError`` (``SHUTTING_DOWN``):
+nothing will answer it again.
 """
 
 from __future__ import annotations
@@ -37,14 +41,28 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from asyncrl.errors import BrokenError, DeadlineExceededError, RemoteError, TransportError
+from asyncrl.errors import (
+    BrokenError,
+    ClosedError,
+    DeadlineExceededError,
+    RemoteError,
+    RoleDeadError,
+    TransportError,
+)
 from asyncrl.role import Delivery
 
-__all__ = ["Replica", "ReplicaClient", "Scheduler", "Work"]
+__all__ = ["SHUTTING_DOWN", "Replica", "ReplicaClient", "Scheduler", "Work"]
 
 log = logging.getLogger("asyncrl.dispatch")
 
 _MAX_HOMES = 65536
+
+SHUTTING_DOWN = (
+    "the run is shutting down (the driver closed its connections with this call still queued "
+    "or in flight)"
+)
+"""Why a call fails with ``RoleDeadError`` once its scheduler is closed: queued then, made
+afterwards, or in flight on a client that closed (its ``ClosedError`` is then the cause)."""
 
 
 class ReplicaClient(Protocol):
@@ -218,12 +236,21 @@ class Scheduler:
             replica.soft.clear()
 
     def close(self) -> None:
-        """Cancel every queued call; calls in flight end with their clients."""
+        """The run is shutting down: fail every queued call, and every later one, with
+        ``RoleDeadError`` (``SHUTTING_DOWN``). A call in flight fails so when it ends (its
+        client closes under it), and is never re-queued."""
         self._closed = True
         for work in self._queued():
-            if work.timer is not None:
-                work.timer.cancel()
-            work.future.cancel()
+            self._fail(work, self._shutting_down())
+        self.queue.clear()
+        for replica in self.replicas:
+            replica.queue.clear()
+            replica.soft.clear()
+
+    def _shutting_down(self, cause: BaseException | None = None) -> RoleDeadError:
+        error = RoleDeadError(self.name, SHUTTING_DOWN)
+        error.__cause__ = cause
+        return error
 
     def _queued(self) -> list[Work]:
         return [*self.queue, *(w for r in self.replicas for w in (*r.queue, *r.soft))]
@@ -231,10 +258,14 @@ class Scheduler:
     # -- work -----------------------------------------------------------------------------
 
     def submit(self, work: Work) -> None:
-        """Queue ``work``; it is sent as soon as a replica has a free slot."""
+        """Queue ``work``; it is sent as soon as a replica has a free slot. Once the owner
+        failed, or the scheduler is closed, it fails at once instead."""
         self.stats["calls"] += 1
         if self._failure is not None:
             self._fail(work, self._failure)
+            return
+        if self._closed:
+            self._fail(work, self._shutting_down())
             return
         loop = asyncio.get_running_loop()
         work.timer = loop.call_at(work.deadline, self._expire, work)
@@ -364,7 +395,7 @@ class Scheduler:
     def _retry_or_fail(self, replica: Replica, work: Work, exc: BaseException) -> None:
         delivery = self.delivery.get(work.method, Delivery.ONCE)
         retryable = isinstance(exc, BrokenError) or (isinstance(exc, RemoteError) and exc.retryable)
-        loop = asyncio.get_running_loop()
+        again = retryable and delivery != Delivery.ONCE
         if isinstance(exc, DeadlineExceededError):
             # Named by group and replica; the pid and incarnation that had the call stay.
             self._fail(
@@ -377,7 +408,10 @@ class Scheduler:
                     incarnation=exc.incarnation,
                 ),
             )
-        elif retryable and delivery != Delivery.ONCE and loop.time() < work.deadline:
+        elif self._closed and (again or isinstance(exc, ClosedError)):
+            # It would run again, or its client closed under it: nothing will answer it now.
+            self._fail(work, self._shutting_down(exc))
+        elif again and asyncio.get_running_loop().time() < work.deadline:
             self.stats["retries"] += 1
             work.attempt += 1
             work.avoid = replica.index

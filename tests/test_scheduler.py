@@ -14,7 +14,13 @@ from typing import Any, TypeVar
 
 import pytest
 
-from asyncrl.errors import ClosedError, DeadlineExceededError, DisconnectedError, RemoteError
+from asyncrl.errors import (
+    ClosedError,
+    DeadlineExceededError,
+    DisconnectedError,
+    RemoteError,
+    RoleDeadError,
+)
 from asyncrl.role import Delivery
 from asyncrl.scheduler import Scheduler, Work
 
@@ -392,5 +398,70 @@ def test_once_its_owner_failed_every_queued_and_later_call_fails_with_the_error(
             assert info.value is failure
         assert scheduler.stats["failures"] == 3
         assert not scheduler.queue and not scheduler.replicas[1].queue
+
+    run(scenario)
+
+
+SHUTTING_DOWN = (
+    "role g is dead: the run is shutting down (the driver closed its connections with this call "
+    "still queued or in flight); nothing will answer it again in this run, so retrying cannot "
+    "help. The run's report says why it ended."
+)
+
+
+def test_closing_fails_queued_and_later_calls_with_role_dead() -> None:
+    async def scenario() -> None:
+        scheduler, (a, _) = scheduler_with(1, 0)
+        submit(scheduler, "work", "held", affinity="k")  # takes replica 0's only slot
+        queued = [
+            submit(scheduler, "work", "preferring", affinity="k"),
+            submit(scheduler, "work", "shared"),
+            submit(scheduler, "work", "aimed", target=1),
+        ]
+        assert [w.payload for w in scheduler.replicas[0].soft] == ["preferring"]
+        assert [w.payload for w in scheduler.queue] == ["shared"]
+        assert [w.payload for w in scheduler.replicas[1].queue] == ["aimed"]
+        scheduler.close()
+        later = submit(scheduler, "work", "late")
+        for work in (*queued, later):
+            with pytest.raises(RoleDeadError) as info:
+                await work.future
+            assert str(info.value) == SHUTTING_DOWN
+            assert (info.value.role, info.value.replica) == ("g", None)
+            assert info.value.__cause__ is None
+            assert work.timer is None or work.timer.cancelled()
+        assert scheduler.stats["failures"] == 4
+        assert not scheduler.queue and not any(r.queue or r.soft for r in scheduler.replicas)
+        assert a.payloads() == ["held"]
+
+    run(scenario)
+
+
+def test_after_closing_a_call_in_flight_is_never_sent_again() -> None:
+    """Its client closing under it, or a broken connection that would re-run it, fails it
+    with RoleDeadError (the error as its cause); an answer still reaches its caller."""
+
+    async def scenario() -> None:
+        scheduler, (a, b) = scheduler_with(4, 4)
+        works = [submit(scheduler, "work", n) for n in range(4)]
+        assert (a.payloads(), b.payloads()) == ([0, 2], [1, 3])
+        scheduler.close()
+        closed = ClosedError("client driver->g.0 was closed")
+        broken = DisconnectedError("the connection to ipc://g1 broke")
+        refused = RemoteError("handler_error", "bad payload 2", remote_type="ValueError")
+        a.sent[0].reply.set_exception(closed)
+        b.sent[0].reply.set_exception(broken)
+        a.sent[1].reply.set_exception(refused)
+        b.answer(1)
+        for work, cause in ((works[0], closed), (works[1], broken)):
+            with pytest.raises(RoleDeadError) as info:
+                await work.future
+            assert str(info.value) == SHUTTING_DOWN
+            assert info.value.__cause__ is cause
+        with pytest.raises(RemoteError) as remote:
+            await works[2].future
+        assert remote.value is refused
+        assert await works[3].future == [3]
+        assert (len(a.sent), len(b.sent), scheduler.stats["retries"]) == (2, 2, 0)
 
     run(scenario)
