@@ -157,6 +157,7 @@ def _role_launcher(
             heartbeat_interval_s=role.supervision.heartbeat_interval_s,
             liveness=role.supervision.liveness,
             parent_pid=parent_pid,
+            model=msgspec.to_builtins(manifest.model),
         )
         env.update(_spec_env(spec))
         return [sys.executable, "-m", "asyncrl.process"], env

@@ -1,9 +1,10 @@
 """The role manifest: the YAML file that says which roles a run has and how to run them.
 
-A manifest names the control-flow program (``run``), sets up the driver process (``driver``) and
+A manifest names the control-flow program (``run``), sets up the driver process (``driver``),
+says once which model and tokenizer the roles load (``model``, ``asyncrl.model_section``) and
 lists the roles (``roles``): for each, its class or external command, replicas, capacity, CPU
 threads, placement, environment, free-form config and restart policy. docs/manifest.md is the
-reference.
+reference. Reading the YAML and applying overrides is ``asyncrl.manifest_yaml``.
 
 ``load_manifest`` reads one, applies ``--set key=value`` overrides and validates it. Validation
 walks the raw YAML against the Structs below (``asyncrl._schema``, through ``msgspec.inspect``),
@@ -25,10 +26,11 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 
-from asyncrl._schema import TOP, StructCheck, at, describe, join, validate
+from asyncrl._schema import TOP, StructCheck, at, join, validate
 from asyncrl.errors import ManifestError
+from asyncrl.manifest_yaml import apply_override, credit, load_yaml
+from asyncrl.model_section import ModelSpec, model_problem
 from asyncrl.pacing import PipelineSpec, StragglerSpec, straggler_problem
 from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
@@ -36,6 +38,7 @@ __all__ = [
     "DriverSpec",
     "Manifest",
     "ManifestError",
+    "ModelSpec",
     "Placement",
     "RoleSpec",
     "RunSpec",
@@ -245,6 +248,9 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
         run: the run's name, directory, control-flow program and environment.
         driver: the driver process that runs the control-flow program.
         roles: the roles by name, in the order of the file.
+        model: the model and tokenizer every role inherits (``asyncrl.model_section``): each
+            value fills ``model_path``, ``model_config`` or ``tokenizer_path`` of a role whose
+            Config declares that field and whose config does not set it.
         pipeline: how samples flow from rollout to the learner: sync or async mode, the
             staleness bound and the straggler policy (``asyncrl.pacing.PipelineSpec``); the
             control-flow program reads it as ``ctx.pipeline``.
@@ -252,6 +258,15 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
 
     run: RunSpec
     driver: DriverSpec = msgspec.field(default_factory=DriverSpec)
+    model: Annotated[
+        ModelSpec,
+        msgspec.Meta(
+            extra={
+                "expected": "a mapping with the keys 'path', 'config' and 'tokenizer', such as "
+                "{path: checkpoints/base, tokenizer: checkpoints/base}"
+            }
+        ),
+    ] = msgspec.field(default_factory=ModelSpec)
     pipeline: PipelineSpec = msgspec.field(default_factory=PipelineSpec)
     roles: Annotated[
         dict[Name, RoleSpec],
@@ -270,7 +285,9 @@ def resolve_run_dir(manifest: Manifest) -> str:
     return os.path.abspath(os.path.expanduser(manifest.run.run_dir))
 
 
-_SECTIONS = "a mapping with the sections 'run', 'roles' and, optionally, 'driver' and 'pipeline'"
+_SECTIONS = (
+    "a mapping with the sections 'run', 'roles' and, optionally, 'driver', 'model' and 'pipeline'"
+)
 
 
 def _check_role(value: dict[Any, Any], path: str, problems: list[str]) -> None:
@@ -312,130 +329,18 @@ def _check_straggler(value: dict[Any, Any], path: str, problems: list[str]) -> N
         problems.append(f"{join(path, 'deadline_s')}: {problem}")
 
 
-def _credit(problem: str, overrides: Sequence[str], created: Sequence[tuple[str, str]]) -> str:
-    """Name the ``--set`` behind a problem, since the file does not show that value.
-
-    ``created`` holds (path, override) for each mapping an override created.
-    """
-    for path, override in created:
-        if problem.startswith(path + ":"):
-            return f"{problem} (from --set {override}, which created it)"
-    keys = [(o.partition("=")[0].strip(), o) for o in overrides if "=" in o]
-    found = [
-        (key, o) for key, o in keys if key and problem.startswith((key + ":", key + ".", key + "["))
-    ]
-    if not found:
-        return problem
-    _, override = max(reversed(found), key=lambda f: len(f[0]))  # the last of the deepest
-    return f"{problem} (from --set {override})"
+def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    problem = model_problem(value, at(path))
+    if problem:
+        problems.append(problem)
 
 
 _STRUCT_CHECKS: dict[type, StructCheck] = {
+    ModelSpec: _check_model,
     RoleSpec: _check_role,
     Supervision: _check_backoff,
     StragglerSpec: _check_straggler,
 }
-
-
-def _load_yaml(text: str, problems: list[str]) -> tuple[bool, Any]:
-    """Parse ``text``; report syntax errors and duplicate keys. Returns (parsed, data)."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _find_duplicates(node, problems, set())
-        return True, (None if node is None else loader.construct_document(node))
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else TOP
-        what = exc.problem or exc.context
-        context = ""
-        if exc.context and exc.problem:
-            cm = exc.context_mark
-            line = f" at line {cm.line + 1}" if cm and mark and cm.line != mark.line else ""
-            context = f" ({exc.context}{line})"
-        tag = re.match(r"could not determine a constructor for the tag '(.*)'", what or "")
-        if tag:
-            tag_name = tag[1].replace("tag:yaml.org,2002:", "!!")
-            problems.append(
-                f"{where}: the tag {tag_name!r} is not plain YAML (tags that build Python "
-                "objects are refused); remove the tag and write the value itself"
-            )
-        elif "'\\t'" in (what or ""):
-            problems.append(
-                f"{where}: a tab character, which YAML does not allow in indentation; "
-                "indent with spaces"
-            )
-        else:
-            problems.append(f"{where}: {what}{context}; fix the YAML syntax there")
-    except yaml.YAMLError as exc:
-        problems.append(f"{TOP}: {exc}; fix the YAML syntax")
-    finally:
-        loader.dispose()
-    return False, None
-
-
-def _find_duplicates(node: Any, problems: list[str], seen: set[int]) -> None:
-    """Report keys given twice in one mapping, which YAML loaders silently resolve to the last."""
-    if id(node) in seen:
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        first: dict[tuple[str, str], int] = {}
-        for key, item in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                mark = key.start_mark
-                if (key.tag, key.value) in first:
-                    problems.append(
-                        f"line {mark.line + 1}, column {mark.column + 1}: duplicate key "
-                        f"{key.value!r}, first given at line {first[key.tag, key.value]}; "
-                        "remove one of them"
-                    )
-                first.setdefault((key.tag, key.value), mark.line + 1)
-            _find_duplicates(key, problems, seen)
-            _find_duplicates(item, problems, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _find_duplicates(item, problems, seen)
-
-
-def _apply_override(
-    raw: Any, text: str, problems: list[str], created: list[tuple[str, str]]
-) -> None:
-    """Apply one ``key=value`` to ``raw``, creating mappings on the way; report a bad one.
-
-    Each mapping created is added to ``created`` as (its path, ``text``).
-    """
-    label = f"--set {text}"
-    key, sep, value_text = text.partition("=")
-    parts = key.strip().split(".")
-    if not sep:
-        problems.append(f"{label}: no '=' in it; write key=value, e.g. roles.rollout.replicas=4")
-        return
-    if not all(parts):
-        problems.append(f"{label}: empty key; write a dotted path, e.g. roles.rollout.replicas=4")
-        return
-    try:
-        value = yaml.safe_load(value_text)
-    except yaml.YAMLError as exc:
-        what = getattr(exc, "problem", None) or exc
-        problems.append(f"{label}: the value is not valid YAML ({what}); quote it")
-        return
-    node = raw
-    for depth, part in enumerate(parts):
-        if not isinstance(node, dict):
-            where = ".".join(parts[:depth]) or "the top level"
-            problems.append(
-                f"{label}: {where} is {describe(node)}, not a mapping; "
-                "set keys only inside mappings"
-            )
-            return
-        if depth == len(parts) - 1:
-            node[part] = value
-        else:
-            if part not in node:
-                created.append((".".join(parts[: depth + 1]), text))
-            node = node.setdefault(part, {})
 
 
 def parse_manifest(
@@ -459,18 +364,18 @@ def parse_manifest(
     if isinstance(overrides, str):
         raise TypeError(f"overrides is a list of 'key=value' strings, got one: {overrides!r}")
     problems: list[str] = []
-    parsed, raw = _load_yaml(text, problems)
+    parsed, raw = load_yaml(text, problems)
     if parsed and raw is None:
         problems.append(f"{TOP}: the manifest is empty; expected {_SECTIONS}")
     usable = parsed and raw is not None
     created: list[tuple[str, str]] = []
     for override in overrides:
-        _apply_override(raw if usable else {}, override, problems, created)
+        apply_override(raw if usable else {}, override, problems, created)
     if usable:
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
         if cwd is not None:
             _check_files(clean, cwd, found)
-        problems += [_credit(problem, overrides, created) for problem in found]
+        problems += [credit(problem, overrides, created) for problem in found]
     if problems:
         raise ManifestError(source, problems)
     try:

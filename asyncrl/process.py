@@ -27,6 +27,7 @@ import msgspec
 from asyncrl import logs
 from asyncrl.errors import ConfigProblem
 from asyncrl.faults import FaultPlan
+from asyncrl.model_section import inherited_config
 from asyncrl.role import Role, RoleContext, endpoints_of
 from asyncrl.spec import EXIT_CONFIG, ProcessSpec, load_spec_from_env
 from asyncrl.transport import Call, ChannelOptions, Entry, LocalRegistry, Server
@@ -106,7 +107,7 @@ async def serve_role(spec: ProcessSpec) -> None:
         incarnation=spec.incarnation,
         run=spec.run,
         run_dir=spec.run_dir,
-        config=spec.config,
+        config=inherited_config(spec.config, cls.Config, spec.model),
         threads=spec.threads,
         device=spec.device,
         capacity=spec.capacity,
@@ -199,7 +200,7 @@ def wait_as_standby(spec: ProcessSpec) -> bool:
     """
     try:
         cls = load_role_class(spec.target)
-        cls.preload(spec.config)
+        cls.preload(inherited_config(spec.config, cls.Config, spec.model))
     except Exception:  # reported by the real start, with the process's own error handling
         pass
     line = sys.stdin.readline()

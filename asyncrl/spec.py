@@ -88,6 +88,8 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         parent_pid: the node agent's pid; the process exits if its parent is not this one.
         groups: for the driver: every role group, by name.
         pipeline: for the driver: the manifest's ``pipeline`` section.
+        model: for a role: the manifest's ``model`` section, which fills the fields of the
+            role's Config that its config leaves unset (``asyncrl.model_section``).
     """
 
     kind: Literal["role", "driver", "command"]
@@ -107,6 +109,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     parent_pid: int = 0
     groups: dict[str, GroupInfo] = {}
     pipeline: dict[str, Any] = {}
+    model: dict[str, Any] = {}
 
 
 def spec_path(run_dir: str, name: str, replica: int, incarnation: int, suffix: str = "") -> str:

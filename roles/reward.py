@@ -35,7 +35,7 @@ import importlib
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -163,10 +163,14 @@ class Reward(Role):
             options: passed to the verifier as its third argument (``tolerance`` of
                 ``numeric``, ``pattern`` of ``format``).
             model_path: a sequence-classification reward model (one logit) to score with
-                instead of a verifier; empty: the verifier scores.
+                instead of a verifier; empty: the verifier scores. Never taken from the
+                manifest's ``model`` section: the policy is not a reward model.
             tokenizer_path: the tokenizer that decodes sampled tokens for ``score_samples``
-                (the policy's tokenizer).
+                (the policy's tokenizer); the manifest's ``model.tokenizer`` when not set.
         """
+
+        # What the manifest's ``model`` section fills: the tokenizer only.
+        inherits: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
 
         verifier: str = "exact"
         imports: list[str] = []

@@ -8,6 +8,7 @@ import pickle
 import re
 import subprocess
 import sys
+from typing import ClassVar
 
 import msgspec
 import pytest
@@ -17,6 +18,7 @@ from asyncrl.manifest import (
     DriverSpec,
     Manifest,
     ManifestError,
+    ModelSpec,
     Placement,
     RoleSpec,
     RunSpec,
@@ -25,6 +27,7 @@ from asyncrl.manifest import (
     parse_manifest,
     resolve_run_dir,
 )
+from asyncrl.model_section import inherited_config
 from asyncrl.pacing import PipelineSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -305,12 +308,94 @@ def test_duplicate_keys_are_problems() -> None:
 def test_top_level_must_be_a_mapping() -> None:
     assert _problems("- run\n- roles\n") == [
         "(top level): expected a mapping with the sections 'run', 'roles' and, optionally, "
-        "'driver' and 'pipeline', got a list"
+        "'driver', 'model' and 'pipeline', got a list"
     ]
     assert _problems("# nothing yet\n") == [
         "(top level): the manifest is empty; expected a mapping with the sections 'run', "
-        "'roles' and, optionally, 'driver' and 'pipeline'"
+        "'roles' and, optionally, 'driver', 'model' and 'pipeline'"
     ]
+
+
+TWO_ROLES = "run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n"
+
+
+def test_the_model_section_is_typed_and_optional() -> None:
+    assert parse_manifest(TWO_ROLES).model == ModelSpec(path="", config={}, tokenizer="")
+    text = TWO_ROLES + "model: {config: &m {model_type: gpt2, n_layer: 2}, tokenizer: tok}\n"
+    assert parse_manifest(text).model == ModelSpec(
+        config={"model_type": "gpt2", "n_layer": 2}, tokenizer="tok"
+    )
+    overridden = parse_manifest(TWO_ROLES, overrides=["model.path=ckpt/step-50"])
+    assert overridden.model == ModelSpec(path="ckpt/step-50")
+
+
+def test_model_section_problems_are_reported_with_their_paths() -> None:
+    text = TWO_ROLES + "model: {pth: ckpt, tokenizer: 3}\n"
+    assert _problems(text) == [
+        "model.pth: unknown key; did you mean 'path'?",
+        "model.tokenizer: expected a string, got 3; quote it: '3'",
+    ]
+    text = TWO_ROLES + "model: {path: ckpt, config: {model_type: gpt2}}\n"
+    assert _problems(text) == [
+        "model: both 'path' and 'config' are given; keep one (a checkpoint to load, or a "
+        "config for random weights)"
+    ]
+    assert _problems(TWO_ROLES + "model: ckpt\n") == [
+        "model: expected a mapping with the keys 'path', 'config' and 'tokenizer', such as "
+        "{path: checkpoints/base, tokenizer: checkpoints/base}, got 'ckpt'"
+    ]
+
+
+class _PolicyConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model_path: str = ""
+    model_config: dict[str, object] = {}
+    tokenizer_path: str = ""
+    lr: float = 1e-3
+
+
+class _TokenizerOnly(msgspec.Struct):
+    inherits: ClassVar[tuple[str, ...]] = ("tokenizer_path",)
+    model_path: str = ""  # a model of its own: not the policy
+    tokenizer_path: str = ""
+
+
+MODEL = {"path": "ckpt", "config": {}, "tokenizer": "tok"}
+
+
+def test_a_role_inherits_the_model_fields_its_config_declares_and_leaves_unset() -> None:
+    assert inherited_config({"lr": 0.1}, _PolicyConfig, MODEL) == {
+        "lr": 0.1,
+        "model_path": "ckpt",
+        "tokenizer_path": "tok",
+    }
+    # Its own value wins; an empty value in the section fills nothing.
+    assert inherited_config({"tokenizer_path": "mine"}, _PolicyConfig, MODEL) == {
+        "tokenizer_path": "mine",
+        "model_path": "ckpt",
+    }
+    assert inherited_config({}, _PolicyConfig, {"path": "", "config": {}, "tokenizer": ""}) == {}
+    # A role without a Config, or one that declares none of the fields, gets nothing.
+    assert inherited_config({"a": 1}, None, MODEL) == {"a": 1}
+    assert inherited_config({}, Placement, MODEL) == {}
+
+
+def test_model_path_and_model_config_are_one_choice() -> None:
+    built = {"model_config": {"model_type": "gpt2"}}
+    assert inherited_config(built, _PolicyConfig, MODEL) == {**built, "tokenizer_path": "tok"}
+    random_weights = {"path": "", "config": {"model_type": "gpt2"}, "tokenizer": ""}
+    assert inherited_config({"model_path": "own"}, _PolicyConfig, random_weights) == {
+        "model_path": "own"
+    }
+    assert inherited_config({}, _PolicyConfig, random_weights) == {
+        "model_config": {"model_type": "gpt2"}
+    }
+
+
+def test_a_config_that_lists_inherits_takes_only_those_fields() -> None:
+    assert inherited_config({}, _TokenizerOnly, MODEL) == {"tokenizer_path": "tok"}
+    assert msgspec.convert(inherited_config({}, _TokenizerOnly, MODEL), _TokenizerOnly) == (
+        _TokenizerOnly(model_path="", tokenizer_path="tok")
+    )
 
 
 def test_pipeline_section_problems_are_reported_with_their_paths() -> None:
@@ -541,6 +626,37 @@ def test_the_complete_example_in_the_docs_is_valid() -> None:
     assert example is not None
     manifest = parse_manifest(example.group(1))
     assert manifest.role_names() == ["prompts", "rollout", "reward", "learner"]
+
+
+def test_the_model_section_in_the_docs_fills_the_built_in_roles_as_its_table_says() -> None:
+    from asyncrl.process import load_role_class
+
+    section = _doc().split("## model\n", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    manifest = parse_manifest("run: {name: x, program: a:b}\n" + example)
+    model = msgspec.to_builtins(manifest.model)
+    filled = {}
+    for name, role in manifest.roles.items():
+        config_type = load_role_class(role.cls or "").Config
+        config = inherited_config(role.config, config_type, model)
+        filled[name] = sorted(set(config) - set(role.config))
+        msgspec.convert(config, config_type)  # what the role's process does with it
+    assert filled == {
+        "prompts": ["tokenizer_path"],
+        "rollout": ["model_path"],
+        "reward": ["tokenizer_path"],
+        "learner": ["model_path", "tokenizer_path"],
+    }
+    rows = [
+        "| `PromptSource` | `tokenizer_path` |",
+        "| `Rollout`, `Reference`, `Critic` | `model_path` (or `model_config`) |",
+        "| `Learner` | `model_path` (or `model_config`) and `tokenizer_path` |",
+        "| `Reward` | `tokenizer_path` |",
+    ]
+    assert [row for row in rows if row in section] == rows
+    for cls in ("reference:Reference", "critic:Critic"):
+        config_type = load_role_class(f"asyncrl.roles.{cls}").Config
+        assert inherited_config({}, config_type, model) == {"model_path": "checkpoints/qwen-0.5b"}
 
 
 def test_the_error_report_in_the_docs_is_what_the_code_prints() -> None:

@@ -20,22 +20,22 @@ run:
   program: asyncrl.roles.programs:{program}
   config: {{steps: {steps}, prompts_per_step: 8, group_size: 4, max_new_tokens: 5,
            stop_token_ids: [1], batch: 32, lr: 0.003}}
+model:  # every role below inherits the model, or its tokenizer, from here
+  config: {{model_type: gpt2, vocab_size: 14, n_positions: 16, n_embd: 32, n_layer: 1,
+           n_head: 2, eos_token_id: 1, pad_token_id: 0}}
+  tokenizer: examples/arith/tokenizer
 roles:
   prompts:
     class: asyncrl.roles.prompts:PromptSource
-    config: {{generator: "examples.arith.data:rl_prompts",
-             tokenizer_path: examples/arith/tokenizer}}
+    config: {{generator: "examples.arith.data:rl_prompts"}}
   rollout:
     class: asyncrl.roles.rollout:Rollout
-    config: {{model_config: &model {{model_type: gpt2, vocab_size: 14, n_positions: 16,
-             n_embd: 32, n_layer: 1, n_head: 2, eos_token_id: 1, pad_token_id: 0}},
-             weights_from: learner}}
+    config: {{weights_from: learner}}
   reward:
     class: asyncrl.roles.reward:Reward
-    config: {{verifier: exact, tokenizer_path: examples/arith/tokenizer}}
+    config: {{verifier: exact}}
   learner:
     class: asyncrl.roles.learner:Learner
-    config: {{model_config: *model}}
   {extra}
 {pipeline}
 """
@@ -112,7 +112,7 @@ def test_grpo_runs_in_async_mode(run_dir: str) -> None:
 
 
 def test_ppo_runs_with_a_critic(run_dir: str) -> None:
-    critic = "critic: {class: 'asyncrl.roles.critic:Critic', config: {model_config: *model}}"
+    critic = "critic: {class: 'asyncrl.roles.critic:Critic'}"
     result = run_program(run_dir, "ppo", 3, critic)
     assert len(result["rewards"]) == 3
 
