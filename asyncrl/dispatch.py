@@ -77,7 +77,8 @@ class Group:
 
     async def connect(self, index: int) -> None:
         """Connect to replica ``index`` and learn its delivery classes; return once it has
-        described itself (or cannot be spoken to: another protocol version)."""
+        described itself, or once it cannot be spoken to (another protocol version): calls
+        aimed at it then fail with ``RoleDeadError`` (``Scheduler.lose``)."""
         options = ChannelOptions(
             run=self.run,
             heartbeat_interval_s=self.info.heartbeat_interval_s,
@@ -101,7 +102,12 @@ class Group:
                 await client.connect(timeout=_CONNECT_TIMEOUT_S)
                 break
             except ProtocolVersionError as exc:
+                # It can never be spoken to: calls aimed at it fail now rather than at their
+                # deadline, and the others go to the rest of the group.
                 log.error("%s.%d: cannot connect: %s", self.name, index, exc)
+                self.scheduler.lose(index, str(exc))
+                if self.scheduler.all_lost() is not None:
+                    self._ready.set()  # none will describe itself: wait_ready says why
                 return
             except TransportError as exc:
                 await client.close()
@@ -162,10 +168,14 @@ class Group:
 
         Raises:
             ExceptionGroup: connecting failed (see ``Dispatcher``).
+            RoleDeadError: no replica can be spoken to (each speaks another protocol version).
         """
         await self._ready.wait()
         if self.scheduler.failure is not None:
             raise self.scheduler.failure
+        dead = self.scheduler.all_lost()
+        if dead is not None:
+            raise dead
 
     def fail(self, exc: BaseException) -> None:
         """Connecting failed: every queued call and every later one fails with ``exc``."""

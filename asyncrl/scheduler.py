@@ -27,9 +27,11 @@ name is ``once``):
 - latest: like idempotent, and a queued call is replaced by a newer one to the same method and
   target; both callers get the newer call's result.
 
-Once ``close`` is called (the run is shutting down), every call still queued, every later one,
-and every call in flight that ends afterwards fails with ``RoleDeadError`` (``SHUTTING_DOWN``):
-nothing will answer it again.
+A replica that can never be spoken to (it speaks another protocol version) is *lost*
+(``lose``): work aimed at it fails with ``RoleDeadError`` naming it, and other work goes to the
+rest of the group. Once ``close`` is called (the run is shutting down), every call still queued,
+every later one, and every call in flight that its client's closing ends or that would run again
+fails with ``RoleDeadError`` (``SHUTTING_DOWN``): nothing will answer it now.
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class Replica:
         "incarnation",
         "index",
         "inflight",
+        "lost",
         "queue",
         "served",
         "soft",
@@ -161,10 +164,11 @@ class Replica:
         self.queue: deque[Work] = deque()  # work aimed at this replica
         self.soft: deque[Work] = deque()  # work that prefers this replica; others may steal it
         self.served = 0
+        self.lost: str | None = None  # why it can never be spoken to, once it cannot
 
     @property
     def free(self) -> int:
-        return self.credit - self.inflight if self.alive else 0
+        return self.credit - self.inflight if self.alive and self.lost is None else 0
 
 
 class Scheduler:
@@ -225,6 +229,31 @@ class Scheduler:
             replica.alive = True
             self.pump()
 
+    def lose(self, index: int, reason: str) -> None:
+        """Replica ``index`` can never be spoken to (it speaks another protocol version; it
+        was never connected, so it took no work): work aimed at it fails with ``RoleDeadError``
+        naming it and ``reason``, now and later, and other work goes to the rest of the group.
+        Once every replica is lost, every call fails so."""
+        replica = self.replicas[index]
+        replica.lost = reason
+        self.stats["replicas_lost"] += 1
+        for work in replica.queue:
+            self._fail(work, RoleDeadError(self.name, reason, index))
+        replica.queue.clear()
+        dead = self.all_lost()
+        if dead is not None:
+            for work in self.queue:
+                self._fail(work, dead)
+            self.queue.clear()
+        self.pump()
+
+    def all_lost(self) -> RoleDeadError | None:
+        """The error of a group none of whose replicas can be spoken to; None while one can."""
+        if any(r.lost is None for r in self.replicas):
+            return None
+        reasons = "; ".join(f"replica {r.index}: {r.lost}" for r in self.replicas)
+        return RoleDeadError(self.name, f"none of its replicas can be spoken to ({reasons})")
+
     def fail_all(self, exc: BaseException) -> None:
         """The owner broke (a bug): fail every queued call with ``exc``, and every later one."""
         self._failure = exc
@@ -267,6 +296,10 @@ class Scheduler:
         if self._closed:
             self._fail(work, self._shutting_down())
             return
+        lost = self._lost_for(work)
+        if lost is not None:
+            self._fail(work, lost)
+            return
         loop = asyncio.get_running_loop()
         work.timer = loop.call_at(work.deadline, self._expire, work)
         queue = self.queue if work.target is None else self.replicas[work.target].queue
@@ -277,6 +310,14 @@ class Scheduler:
                 _chain(work.future, older)
         queue.append(work)
         self.pump()
+
+    def _lost_for(self, work: Work) -> RoleDeadError | None:
+        """The error ``work`` fails with at once because its replica, or every replica, is
+        lost; None when some replica it may go to is not."""
+        if work.target is not None:
+            reason = self.replicas[work.target].lost
+            return None if reason is None else RoleDeadError(self.name, reason, work.target)
+        return self.all_lost()
 
     def pump(self) -> None:
         """Send queued work to replicas with free slots: work aimed at a replica first, then

@@ -22,10 +22,11 @@ from asyncrl.errors import (
     DeadlineExceededError,
     DisconnectedError,
     RemoteError,
+    RoleDeadError,
 )
 from asyncrl.handles import Context, Handle
 from asyncrl.spec import GroupInfo
-from asyncrl.transport import Call, ChannelOptions, PeerEvent, Server, run
+from asyncrl.transport import PROTOCOL_VERSION, Call, ChannelOptions, PeerEvent, Server, run
 
 HEARTBEAT_S = 0.1
 LIVENESS = 30  # 3 s of silence before a peer is dead: no test here waits that long
@@ -613,6 +614,53 @@ def test_a_replica_that_dies_during_the_first_handshake_is_connected_again(run_d
             replicas.append(await FakeReplica(endpoint[0], 0, capacity=1).start())
             await ready(g, group)
             assert await asyncio.wait_for(g.call("work", 7), WAIT_S) == [0, 7]
+        context.term()
+
+    run(main())
+
+
+def test_calls_aimed_at_a_replica_of_another_protocol_version_fail_at_once(run_dir: str) -> None:
+    """Replica 1 answers the handshake in version 2: it can never be spoken to, so what is aimed
+    at it (broadcast's share) fails with RoleDeadError naming it, not at its deadline; the rest
+    of the group serves as usual."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 2)
+        context = zmq.asyncio.Context()
+        other_version = context.socket(zmq.ROUTER)
+        other_version.bind(endpoints[1])
+        replicas = [await FakeReplica(endpoints[0], 0, capacity=1).start()]
+        async with dispatching(endpoints, replicas) as (g, group):
+            identity, envelope = await asyncio.wait_for(other_version.recv_multipart(), WAIT_S)
+            waiting = asyncio.ensure_future(g.broadcast("index", timeout=3600))
+            await asyncio.sleep(0)  # one loop turn: its calls are queued, one for each replica
+            assert group.stats["calls"] == 2
+            request_id = msgspec.msgpack.decode(envelope)[2]
+            await other_version.send_multipart(
+                [identity, msgspec.msgpack.encode([2, 2, request_id])]
+            )
+            mismatch = (
+                f"protocol version mismatch: this side speaks version {PROTOCOL_VERSION}, the "
+                f"peer {endpoints[1]} speaks version 2; run the same asyncrl protocol version on "
+                f"both ends"
+            )
+            dead = (
+                f"role g[1] is dead: {mismatch}; nothing will answer it again in this run, so "
+                "retrying cannot help. The run's report says why it ended."
+            )
+            with pytest.raises(RoleDeadError) as err:
+                await asyncio.wait_for(waiting, WAIT_S)
+            assert (str(err.value), err.value.replica) == (dead, 1)
+            with pytest.raises(RoleDeadError) as err:
+                await asyncio.wait_for(g.broadcast("index", timeout=3600), WAIT_S)
+            assert str(err.value) == dead
+            await asyncio.wait_for(group.wait_ready(), WAIT_S)
+            assert await asyncio.wait_for(g.call("work", 7), WAIT_S) == [0, 7]
+            assert group.stats["replicas_lost"] == 1
+        other_version.close(linger=0)
         context.term()
 
     run(main())

@@ -465,3 +465,59 @@ def test_after_closing_a_call_in_flight_is_never_sent_again() -> None:
         assert (len(a.sent), len(b.sent), scheduler.stats["retries"]) == (2, 2, 0)
 
     run(scenario)
+
+
+MISMATCH = (
+    "protocol version mismatch: this side speaks version 1, the peer ipc://g1 speaks version 2; "
+    "run the same asyncrl protocol version on both ends"
+)
+
+
+def test_calls_aimed_at_a_replica_that_cannot_be_spoken_to_fail_at_once() -> None:
+    """A replica of another protocol version is lost: what is aimed at it fails with
+    RoleDeadError naming it, now and later, rather than wait for its deadline."""
+
+    async def scenario() -> None:
+        scheduler, (a, b) = scheduler_with(0, 0)
+        aimed = submit(scheduler, "work", "aimed", target=1)
+        shared = submit(scheduler, "work", "shared")
+        scheduler.lose(1, MISMATCH)
+        later = submit(scheduler, "work", "later", target=1)
+        for work in (aimed, later):
+            with pytest.raises(RoleDeadError) as info:
+                await work.future
+            assert (info.value.role, info.value.replica) == ("g", 1)
+            assert str(info.value) == (
+                f"role g[1] is dead: {MISMATCH}; nothing will answer it again in this run, so "
+                "retrying cannot help. The run's report says why it ended."
+            )
+        # The rest of the group still takes the other work.
+        assert [w.payload for w in scheduler.queue] == ["shared"]
+        scheduler.credit(0, 1, incarnation=0)
+        a.answer(0)
+        assert await shared.future == ["shared"]
+        assert b.sent == []
+        assert (scheduler.stats["replicas_lost"], scheduler.stats["failures"]) == (1, 2)
+
+    run(scenario)
+
+
+def test_once_no_replica_can_be_spoken_to_every_call_fails() -> None:
+    async def scenario() -> None:
+        scheduler, _ = scheduler_with(0, 0)
+        queued = submit(scheduler, "work", "queued")
+        scheduler.lose(0, "protocol version mismatch (replica 0)")
+        assert scheduler.all_lost() is None and list(scheduler.queue) == [queued]
+        scheduler.lose(1, "protocol version mismatch (replica 1)")
+        later = submit(scheduler, "work", "later")
+        for work in (queued, later):
+            with pytest.raises(RoleDeadError) as info:
+                await work.future
+            assert (info.value.role, info.value.replica) == ("g", None)
+            assert info.value.reason == (
+                "none of its replicas can be spoken to (replica 0: protocol version mismatch "
+                "(replica 0); replica 1: protocol version mismatch (replica 1))"
+            )
+        assert not scheduler.queue
+
+    run(scenario)
