@@ -19,6 +19,19 @@ from asyncrl._schema import TOP, describe
 __all__ = ["apply_override", "credit", "load_yaml"]
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading exponent floats as YAML 1.2 does: ``lr: 3e-4`` is the
+    number 0.0003, not the string "3e-4" (YAML 1.1 wants ``3.0e-4``), so a learning rate
+    written the usual way reaches the role as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def credit(problem: str, overrides: Sequence[str], created: Sequence[tuple[str, str]]) -> str:
     """Name the ``--set`` behind a problem, since the file does not show that value.
 
@@ -39,7 +52,7 @@ def credit(problem: str, overrides: Sequence[str], created: Sequence[tuple[str, 
 
 def load_yaml(text: str, problems: list[str]) -> tuple[bool, Any]:
     """Parse ``text``; report syntax errors and duplicate keys. Returns (parsed, data)."""
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is not None:
@@ -116,7 +129,7 @@ def apply_override(
         problems.append(f"{label}: empty key; write a dotted path, e.g. roles.rollout.replicas=4")
         return
     try:
-        value = yaml.safe_load(value_text)
+        value = yaml.load(value_text, Loader=_Loader)  # a safe loader
     except yaml.YAMLError as exc:
         what = getattr(exc, "problem", None) or exc
         problems.append(f"{label}: the value is not valid YAML ({what}); quote it")
