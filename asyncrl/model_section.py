@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["FIELDS", "ModelSpec", "inherited_config", "model_problem"]
+__all__ = ["FIELDS", "ModelSpec", "inherited_config", "inherited_fields", "model_problem"]
 
 FIELDS: dict[str, str] = {
     "path": "model_path",
@@ -68,8 +68,9 @@ def model_problem(value: Mapping[Any, Any], path: str) -> str | None:
     return None
 
 
-def _declared(config_type: type) -> set[str]:
-    """The fields of ``config_type`` that the model section may fill."""
+def inherited_fields(config_type: type) -> set[str]:
+    """The fields of ``config_type`` that the model section may fill: those of ``FIELDS`` it
+    declares, or of its class variable ``inherits`` when it has one."""
     fields = set(getattr(config_type, "__struct_fields__", ()))
     if not fields:
         hints = getattr(config_type, "__annotations__", {})
@@ -98,7 +99,7 @@ def inherited_config(
     out = dict(config)
     if config_type is None:
         return out
-    declared = _declared(config_type)
+    declared = inherited_fields(config_type)
     chosen = any(name in config for name in _ONE_CHOICE)
     for key, field in FIELDS.items():
         value = model.get(key)

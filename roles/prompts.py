@@ -81,6 +81,22 @@ class PromptSource(Role):
     """Serves prompts by cursor, tokenized with the run's tokenizer."""
 
     class Config(msgspec.Struct, forbid_unknown_fields=True):
+        """The prompt source's settings (``roles.<name>.config`` in the manifest).
+
+        Attributes:
+            path: a ``.jsonl`` or ``.parquet`` file of rows with ``prompt``, ``answer`` and
+                optionally ``id`` (the row number when missing); give exactly one of
+                ``path`` and ``generator``.
+            generator: or ``module:function``, called with ``options`` as keywords, that
+                returns the rows (``module`` alone calls its ``rows``).
+            options: the generator's keyword arguments.
+            tokenizer_path: the tokenizer that encodes each prompt's text into its token ids
+                (the policy's); the manifest's ``model.tokenizer`` when not set. Needed for
+                ``demonstrations``; without one prompts carry no token ids.
+            shuffle_seed: seeds each epoch's permutation of the rows (``take`` is a pure
+                function of the cursor and this seed).
+        """
+
         path: str = ""
         generator: str = ""
         options: dict[str, Any] = {}

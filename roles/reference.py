@@ -23,6 +23,20 @@ class Reference(Role):
     """Serves reference log-probs of sampled completions."""
 
     class Config(msgspec.Struct, forbid_unknown_fields=True):
+        """The reference role's settings (``roles.<name>.config`` in the manifest).
+
+        Attributes:
+            model_path: a directory or hub name loaded with ``from_pretrained``: the frozen
+                reference policy; set exactly one of ``model_path`` and ``model_config``
+                (the manifest's ``model`` section fills one when neither is set).
+            model_config: or a transformers config as a mapping (``model_type`` plus fields),
+                built with random weights seeded by ``seed``, whose weights then come once
+                through ``set_weights`` (the built-in programs send the learner's when RL
+                starts).
+            seed: seeds the random weights of a model built from ``model_config``.
+            max_batch: the most sequences one forward pass scores; more run in turns.
+        """
+
         model_path: str = ""
         model_config: dict[str, Any] = {}
         seed: int = 0
