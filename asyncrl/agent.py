@@ -195,6 +195,11 @@ async def run_manifest(
         beside: a coroutine run next to the supervisor (fault injection: ``asyncrl chaos``),
             cancelled when the run ends.
         console: readable log lines on the console too.
+
+    Returns:
+        How the run ended, also written to ``RUN_DIR/report.json``. A fault of the supervisor
+        itself (one of its tasks raised: a bug) fails the run: every process is stopped and the
+        report is ``failed``, its reason naming the error and where its traceback is.
     """
     import asyncio
 
@@ -235,6 +240,9 @@ async def run_manifest(
             side = tasks.create_task(beside(supervisor)) if beside is not None else None
             try:
                 report = await supervisor.run()
+            except Exception as exc:  # an ExceptionGroup: the supervisor's own task failed
+                report = _supervisor_failed(exc, run_dir)
+                log.error("run failed", reason=report.reason)
             finally:
                 if side is not None:
                     side.cancel()
@@ -248,6 +256,27 @@ async def run_manifest(
     with open(os.path.join(run_dir, "report.json"), "wb") as f:
         f.write(msgspec.json.format(msgspec.json.encode(report)))
     return report
+
+
+def _supervisor_failed(exc: Exception, run_dir: str) -> RunReport:
+    """The report of a run whose supervisor raised ``exc``, after it stopped every process."""
+    errors = "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(exc))
+    where = os.path.join(run_dir, "logs", "agent.jsonl")
+    return RunReport(
+        status="failed",
+        reason=(
+            f"the supervisor itself failed ({errors}); every process was stopped. This is a bug "
+            f"of asyncrl, not of the run: the traceback is in {where} ('supervisor task "
+            f"failed'); please report it with that traceback"
+        ),
+    )
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The errors inside ``exc``, its nested exception groups flattened."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 def summary(report: RunReport, manifest: Manifest, run_dir: str) -> str:

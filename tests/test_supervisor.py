@@ -8,8 +8,11 @@ until the run ends. Nothing here sleeps: each test waits on ``run()`` itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
 import sys
+import textwrap
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ import structlog
 from asyncrl.manifest import Supervision
 from asyncrl.runreport import ExitInfo
 from asyncrl.supervisor import ChildSpec, Supervisor
+from tests.conftest import ROOT
 
 WAIT_S = 30.0  # the bound on a run that should end at once
 EXITS_AT_ONCE = "pass"
@@ -105,3 +109,69 @@ def test_a_finished_program_completes_the_run_and_stops_every_process(run_dir: s
         ("driver[0]", 0, False),
     ]
     assert all(p.pid is not None and gone(p.pid) for p in processes)
+
+
+FAULTY_AGENT = """
+import sys
+
+from asyncrl import cli
+from asyncrl.supervisor import Supervisor
+
+exit_info = Supervisor._exit_info
+
+
+def faulty(self, spec, pid, code):
+    if spec.spec.name == "crasher":
+        raise RuntimeError("injected fault in the watch task")
+    return exit_info(self, spec, pid, code)
+
+
+Supervisor._exit_info = faulty
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_asyncrl_run_reports_a_fault_in_the_supervisor_and_exits_non_zero(run_dir: str) -> None:
+    """``asyncrl run`` with the fault of the first test injected: the run still ends with a
+    report (status failed, the error named) and exit status 1, not a bare traceback."""
+    manifest = os.path.join(run_dir, "manifest.yaml")
+    run = os.path.join(run_dir, "run")
+    with open(manifest, "w") as f:
+        f.write(
+            textwrap.dedent(
+                f"""\
+                run:
+                  name: sup-fault
+                  program: tests.integration.pipeline:wait_forever
+                roles:
+                  sleeper:
+                    class: tests.integration.pipeline:Sleeper
+                  crasher:
+                    command: [{json.dumps(sys.executable)}, -c, pass]
+                """
+            )
+        )
+    out = subprocess.run(
+        [sys.executable, "-c", FAULTY_AGENT, "run", manifest, "--run-dir", run],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    reason = (
+        "the supervisor itself failed (RuntimeError: injected fault in the watch task); every "
+        "process was stopped. This is a bug of asyncrl, not of the run: the traceback is in "
+        f"{run}/logs/agent.jsonl ('supervisor task failed'); please report it with that "
+        "traceback"
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"run failed: {reason}\n" in out.stdout
+    assert "Traceback" not in out.stderr
+    with open(os.path.join(run, "report.json")) as f:
+        report = json.load(f)
+    assert (report["status"], report["reason"]) == ("failed", reason)
+    with open(os.path.join(run, "logs", "agent.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    (failure,) = [e for e in events if e["event"] == "supervisor task failed"]
+    assert failure["traceback"].endswith("RuntimeError: injected fault in the watch task\n")
