@@ -9,6 +9,12 @@ Each program is a short async function, readable top to bottom, over the typed c
 bound η, the straggler policy, dynamic sampling) from its ``pipeline`` section, through
 ``asyncrl.roles.pipeline.SamplePipeline``: the same program runs both modes.
 
+A role named ``heldout`` (a second PromptSource, over held-out prompts) turns on evaluation in
+``grpo``, ``rloo`` and ``ppo``: every ``eval_every`` steps and after the last, the rollout
+replicas decode all its prompts greedily with the weights just trained, the reward role scores
+them (``asyncrl.roles.evaluation.greedy_accuracy``), and the accuracy is logged and returned as
+``heldout``: ``[{"step": s, "accuracy": a}, ...]``.
+
 ``rl_loop`` is the RL loop itself, for programs of your own (the arith example's is one): it
 samples through the pipeline, trains, moves the weights to the rollout replicas, evaluates
 every ``eval_every`` steps when given an ``evaluate`` hook, stops early at a wall-clock
@@ -31,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from asyncrl.handles import Context
-from asyncrl.roles.clients import RLContext, resend
+from asyncrl.roles.clients import PromptsClient, RLContext, resend
+from asyncrl.roles.evaluation import greedy_accuracy
 from asyncrl.roles.payloads import (
     LearnerStatus,
     Prompt,
@@ -70,6 +77,7 @@ DEFAULTS: dict[str, Any] = {
     "stop_token_ids": [],
     "lr": 0.0,  # 0: the learner's configured learning rate
     "budget_s": 0.0,  # wall-clock budget of the RL loop in seconds; 0: none
+    "eval_every": 0,  # steps between held-out evaluations (a `heldout` role); 0: after the last
     "batch": 64,  # BC: demonstrations per step
 }
 
@@ -93,11 +101,42 @@ async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
     cfg = {**DEFAULTS, **rl.config}
     status = await rl.learner.status()
     feed = PromptFeed(rl)
+    params = SamplingParams(
+        temperature=cfg["temperature"],
+        max_new_tokens=cfg["max_new_tokens"],
+        stop_token_ids=list(cfg["stop_token_ids"]),
+    )
 
     async def score(samples: list[Sample]) -> list[float]:
         return await rl.reward.score_samples(samples, [feed.answers[s.prompt_id] for s in samples])
 
-    def report(step: RLStep) -> None:
+    heldout: list[Prompt] = []
+    if "heldout" in rl.ctx.roles:  # all its prompts, once (epoch 0 of its permutation)
+        source = PromptsClient(rl.ctx.roles["heldout"])
+        heldout = await source.take(0, await source.handle.call("size", None, int))
+
+    async def evaluate() -> float:
+        return await greedy_accuracy(
+            rl, heldout, max_new_tokens=params.max_new_tokens, stop_token_ids=params.stop_token_ids
+        )
+
+    loop = RLLoop(
+        algorithm=algorithm,
+        steps=int(cfg["steps"]),
+        prompts_per_step=int(cfg["prompts_per_step"]),
+        group_size=int(cfg["group_size"]),
+        params=params,
+        lr=float(cfg["lr"]),
+        budget_s=float(cfg["budget_s"]),
+        id_prefix=f"{algorithm}-",
+        evaluate=evaluate if heldout else None,
+        eval_every=int(cfg["eval_every"]),
+    )
+    rewards: list[float] = []
+    accuracies: list[dict[str, Any]] = []
+
+    def on_step(step: RLStep) -> None:
+        rewards.append(step.reward)
         log.info(
             "%s step %d: reward %.3f, version %d, staleness max %d",
             algorithm,
@@ -106,29 +145,18 @@ async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
             step.result.version,
             step.batch.metrics["staleness_max"],
         )
-
-    loop = RLLoop(
-        algorithm=algorithm,
-        steps=int(cfg["steps"]),
-        prompts_per_step=int(cfg["prompts_per_step"]),
-        group_size=int(cfg["group_size"]),
-        params=SamplingParams(
-            temperature=cfg["temperature"],
-            max_new_tokens=cfg["max_new_tokens"],
-            stop_token_ids=list(cfg["stop_token_ids"]),
-        ),
-        lr=float(cfg["lr"]),
-        budget_s=float(cfg["budget_s"]),
-        id_prefix=f"{algorithm}-",
-    )
-    rewards: list[float] = []
-
-    def on_step(step: RLStep) -> None:
-        rewards.append(step.reward)
-        report(step)
+        if step.evaluation is not None:
+            accuracies.append({"step": step.step, "accuracy": step.evaluation})
+            log.info(
+                "%s step %d: held-out accuracy %.3f (%d prompts, greedy)",
+                algorithm,
+                step.step,
+                step.evaluation,
+                len(heldout),
+            )
 
     out = await rl_loop(rl, loop, feed=feed, score=score, done=status.step, on_step=on_step)
-    return {**out, "rewards": rewards}
+    return {**out, "rewards": rewards, **({"heldout": accuracies} if heldout else {})}
 
 
 @dataclass

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from examples.arith.data import heldout, write_jsonl
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -90,9 +91,22 @@ def test_bc_lowers_the_loss(run_dir: str) -> None:
     assert sum(last) < 0.6 * sum(first)
 
 
-def test_grpo_runs(run_dir: str) -> None:
-    result = run_program(run_dir, "grpo", 4)
+def test_grpo_runs_and_evaluates_the_heldout_prompts(run_dir: str) -> None:
+    path = os.path.join(run_dir, "heldout.jsonl")
+    write_jsonl(path, heldout()[:24])
+    role = f"heldout: {{class: 'asyncrl.roles.prompts:PromptSource', config: {{path: {path}}}}}"
+    result = run_program(run_dir, "grpo", 4, role, overrides=("run.config.eval_every=3",))
     assert len(result["rewards"]) == 4 and result["cursor"] == 32
+    # Every 3 steps and after the last, greedy accuracy over all 24 held-out prompts.
+    assert [h["step"] for h in result["heldout"]] == [3, 4]
+    for h in result["heldout"]:
+        assert 0.0 <= h["accuracy"] <= 1.0 and (h["accuracy"] * 24) == round(h["accuracy"] * 24)
+    with open(os.path.join(run_dir, "logs", "driver.0.jsonl")) as f:
+        logged = [json.loads(line)["event"] for line in f]
+    assert (
+        sum("held-out accuracy" in event and "(24 prompts, greedy)" in event for event in logged)
+        == 2
+    )
     assert result["pipeline"]["consumed_samples"] == 4 * 32
     # Sync: one batch in flight. A fifth may be admitted after the fourth step, as the program
     # ends, and is then cancelled.
@@ -115,6 +129,7 @@ def test_ppo_runs_with_a_critic(run_dir: str) -> None:
     critic = "critic: {class: 'asyncrl.roles.critic:Critic'}"
     result = run_program(run_dir, "ppo", 3, critic)
     assert len(result["rewards"]) == 3
+    assert "heldout" not in result  # no heldout role: no evaluation
 
 
 def test_a_resumed_async_run_paces_from_the_checkpointed_version(run_dir: str) -> None:
