@@ -8,8 +8,7 @@
     │   │   ├── DisconnectedError     R the connection broke with requests in flight
     │   │   └── PeerUnreachableError  R the peer is not connected (ROUTER_MANDATORY refused)
     │   ├── DeadlineExceededError     R no answer before the request's deadline; names the
-    │   │   │                           peer's pid and incarnation when its handshake told them
-    │   │   └── FlushDeadlineError    R contributions still unacknowledged (post.py)
+    │   │                               peer's pid and incarnation when its handshake told them
     │   ├── RemoteError               ? the peer answered with an error reply
     │   └── ProtocolError               bytes that do not follow docs/protocol.md
     │       ├── ProtocolVersionError    the peer speaks another protocol version
@@ -72,7 +71,6 @@ __all__ = [
     "DeadlineExceededError",
     "DecodeError",
     "DisconnectedError",
-    "FlushDeadlineError",
     "ManifestError",
     "MessageTooLargeError",
     "NothingPublishedError",
@@ -187,20 +185,3 @@ class StallError(AsyncrlError):
     replica and age, and the sample pipeline's state. The driver fails the run with it rather
     than hang.
     """
-
-
-class FlushDeadlineError(DeadlineExceededError):
-    """Contributions were still unacknowledged when ``Poster.flush`` gave up.
-
-    Attributes:
-        pending: how many were unacknowledged.
-    """
-
-    def __init__(self, peer: str, method: str, timeout_s: float, pending: int) -> None:
-        super().__init__(peer, method, timeout_s)
-        self.pending = pending
-        self.args = (
-            f"{pending} contribution{'' if pending == 1 else 's'} to {method!r} at {peer} still "
-            f"unacknowledged after {timeout_s:.3f} s; the reducer is down, hung or unreachable "
-            f"(they are still being re-sent). Raise the timeout or check the reducer's process.",
-        )

@@ -30,7 +30,9 @@ released exactly once, by calling ``on_release`` with a ``Released``:
 A part that arrives after its round was released is *late*: it is refused and reported to
 ``on_late``. The reducer remembers released keys for that until ``forget(key)``.
 
-Contributions from other processes arrive through ``asyncrl.post`` (``Poster``, ``serve_reducer``).
+The reducer lives with whoever consumes the released rounds (the driver's sample pipeline), and the
+contributions reach it as the replies of the calls that computed them: the dispatcher re-runs an
+idempotent call whose replica died, and the part id makes a second reply harmless.
 """
 
 from __future__ import annotations

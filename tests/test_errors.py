@@ -19,7 +19,6 @@ from asyncrl.errors import (
     ConfigError,
     ConfigProblem,
     DeadlineExceededError,
-    FlushDeadlineError,
     ManifestError,
     NothingPublishedError,
     PeerDeadError,
@@ -80,8 +79,6 @@ def test_deadline_names_pid_and_incarnation_only_when_known() -> None:
         "request 'work' to ipc://x got no answer within its deadline of 0.250 s; the peer is "
         "slow, hung or gone. Raise the timeout if the work is legitimately long."
     )
-    flush = FlushDeadlineError("ipc://r", "post", 1.0, 2)
-    assert (flush.pid, flush.incarnation, flush.pending) == (None, None, 2)
 
 
 SHUTDOWN = (

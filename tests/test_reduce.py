@@ -17,12 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.clock import FakeClock
-from asyncrl.errors import ClosedError, DeadlineExceededError, FlushDeadlineError
-from asyncrl.post import Contribution, Poster, serve_reducer
 from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
-from asyncrl.transport import Call, ChannelOptions, Server, run
+from asyncrl.transport import run
 
-DEADLINE_S = 0.05  # a poster's flush deadline (real time)
 DUE_S = 0.5  # a round's deadline on the fake clock (exact in binary, so sums are exact)
 WAIT_S = 5.0
 
@@ -124,13 +121,11 @@ def test_merge_with_an_empty_side_returns_the_other() -> None:
     assert Moments.of([1.0, 2.0]).merge(Moments.of([3.0, 4.0])) == Moments(4, 2.5, 5.0)
 
 
-def test_moments_and_contributions_travel_as_arrays() -> None:
+def test_moments_travel_as_arrays() -> None:
     m = Moments(3, 1.5, 0.25)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(m)) == [3, 1.5, 0.25]
-    c = Contribution("g1", "r0", m, 4, "rollout.0")
-    wire = msgspec.msgpack.encode(c)
-    assert msgspec.msgpack.decode(wire) == ["g1", "r0", [3, 1.5, 0.25], 4, "rollout.0"]
-    assert msgspec.msgpack.decode(wire, type=Contribution) == c
+    wire = msgspec.msgpack.encode(m)
+    assert msgspec.msgpack.decode(wire) == [3, 1.5, 0.25]
+    assert msgspec.msgpack.decode(wire, type=Moments) == m
 
 
 # -- Reducer: rounds without deadlines ----------------------------------------------------
@@ -446,95 +441,5 @@ def test_deadlines_run_on_the_event_loop_by_default() -> None:
         reducer.open("g", 2)
         r = await got.next()
         assert r.outcome == Outcome.DROPPED and r.waited_s >= 0.001
-
-    run(main())
-
-
-# -- posting in one process ---------------------------------------------------------------
-
-
-def test_a_poster_is_acknowledged_and_duplicates_are_harmless(run_dir: str) -> None:
-    async def main() -> None:
-        got = _Releases()
-        reducer = Reducer(got)
-        server = Server(f"ipc://{run_dir}/r", options=ChannelOptions(run="reduce"))
-        server.add("contribute", serve_reducer(reducer), Contribution)
-        await server.start()
-        poster = Poster(server.endpoint, name="p", options=ChannelOptions(run="reduce"))
-        poster.post(Contribution("g", "a", Moments.of([1.0]), 2, "p"))  # before connecting
-        assert poster.pending == 1
-        await poster.connect()
-        poster.post(Contribution("g", "b", Moments.of([3.0]), 2, "p"))
-        poster.post(Contribution("g", "b", Moments.of([3.0]), 2, "p"))  # still pending: ignored
-        await poster.flush(WAIT_S)
-        assert poster.pending == 0
-        r = await got.next()
-        assert (r.outcome, r.moments) == (Outcome.COMPLETE, Moments(2, 2.0, 2.0))
-        poster.post(Contribution("g", "a", Moments.of([1.0]), 2, "p"))  # late now
-        await poster.flush(WAIT_S)
-        assert (poster.stats["merged"], poster.stats["refused"], poster.stats["acked"]) == (2, 1, 3)
-        # A handler called twice with one part (a re-send) merges it once.
-        handler = serve_reducer(reducer)
-        call = Call(b"x", 1, "contribute", 1, 0.0, "")
-        assert handler(["k", "a", [1, 1.0, 0.0], 2, "p"], call) is True  # decoded from a list
-        assert handler(Contribution("k", "a", Moments(1, 1.0, 0.0), 2, "p"), call) is False
-        assert reducer.metrics["duplicates"] == 1
-        await poster.close()
-        with pytest.raises(ClosedError, match="poster p is closed"):
-            poster.post(Contribution("g", "c", Moments.of([1.0]), 2, "p"))
-        await server.close()
-
-    run(main())
-
-
-def test_flush_names_how_many_are_unacknowledged(run_dir: str) -> None:
-    async def main() -> None:
-        hold = asyncio.Event()
-
-        async def never(payload: Any, call: Any) -> bool:
-            await hold.wait()
-            return True
-
-        server = Server(f"ipc://{run_dir}/r", options=ChannelOptions(run="reduce"))
-        server.add("contribute", never, Contribution)
-        await server.start()
-        poster = Poster(server.endpoint, options=ChannelOptions(run="reduce"), timeout_s=WAIT_S)
-        await poster.connect()
-        for part in "ab":
-            poster.post(Contribution("g", part, Moments.of([1.0]), 2, "p"))
-        with pytest.raises(FlushDeadlineError) as err:
-            await poster.flush(DEADLINE_S)
-        assert isinstance(err.value, DeadlineExceededError)
-        assert err.value.pending == 2
-        assert str(err.value) == (
-            f"2 contributions to 'contribute' at {server.endpoint} still unacknowledged after "
-            f"0.050 s; the reducer is down, hung or unreachable (they are still being re-sent). "
-            f"Raise the timeout or check the reducer's process."
-        )
-        waiting = asyncio.ensure_future(poster.flush(WAIT_S))
-        await asyncio.sleep(0)
-        await poster.close()
-        with pytest.raises(ClosedError, match="poster poster was closed with 2 contributions"):
-            await waiting
-        assert poster.pending == 2
-        await server.close()
-
-    run(main())
-
-
-def test_a_rejected_contribution_is_not_retried(run_dir: str) -> None:
-    async def main() -> None:
-        reducer = Reducer(lambda r: None)
-        server = Server(f"ipc://{run_dir}/r", options=ChannelOptions(run="reduce"))
-        server.add("contribute", serve_reducer(reducer), Contribution)
-        await server.start()
-        async with Poster(server.endpoint, options=ChannelOptions(run="reduce")) as poster:
-            poster.post(Contribution("g", "a", Moments.of([1.0]), 0, "p"))
-            await poster.flush(WAIT_S)
-            ((c, exc),) = poster.rejected
-            assert c.part == "a" and exc.code == "handler_error"
-            assert "round 'g': expected must be at least 1, got 0" in str(exc)
-            assert poster.stats["rejected"] == 1 and poster.stats["resends"] == 0
-        await server.close()
 
     run(main())
