@@ -16,8 +16,9 @@
     │       ├── UnknownKindError        an envelope kind this side does not know
     │       ├── MessageTooLargeError    a message over the configured size limit
     │       └── TensorDescriptorError   tensor descriptors that disagree with the bytes
-    ├── RoleDeadError                 F a role is gone for good: past its restart budget, or the
-    │                                   run is shutting down; nothing will answer it again
+    ├── RoleDeadError                 F a role (or a replica) is gone for good: past its restart
+    │                                   budget, the run is shutting down, or it speaks another
+    │                                   protocol version; nothing will answer it again
     ├── WeightsError                    the shared-memory weight store (weights.py)
     │   ├── WeightsGoneError          R the store's writer closed it or died; open the new one
     │   ├── TornReadError             R every weights read raced with the writer; retry
@@ -93,8 +94,9 @@ __all__ = [
 class RoleDeadError(AsyncrlError):
     """A role is gone for good: nothing will answer it again in this run.
 
-    The supervisor gave up on it past its restart budget, or the run is shutting down (the
-    driver closed its connections with the call still queued or in flight). Fatal, unlike
+    The supervisor gave up on it past its restart budget, the run is shutting down (the
+    driver closed its connections with the call still queued or in flight), or the replica the
+    call was aimed at speaks another protocol version (``replica`` names it). Fatal, unlike
     ``PeerDeadError`` and ``DisconnectedError``, after which the replica is restarted and the
     call may run again: let it end the program.
 
