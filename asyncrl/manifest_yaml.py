@@ -19,7 +19,7 @@ from asyncrl._schema import TOP, describe
 __all__ = ["apply_override", "credit", "load_yaml"]
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type hints
     """PyYAML's safe loader, reading exponent floats as YAML 1.2 does: ``lr: 3e-4`` is the
     number 0.0003, not the string "3e-4" (YAML 1.1 wants ``3.0e-4``), so a learning rate
     written the usual way reaches the role as a float."""
