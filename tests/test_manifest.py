@@ -659,6 +659,30 @@ def test_the_model_section_in_the_docs_fills_the_built_in_roles_as_its_table_say
         assert inherited_config({}, config_type, model) == {"model_path": "checkpoints/qwen-0.5b"}
 
 
+def test_the_sizing_section_quotes_the_arith_example_as_it_is() -> None:
+    from asyncrl.roles.rollout import Rollout
+
+    section = _doc().split("## Sizing capacity, max_batch and threads\n", 1)[1]
+    text = " ".join(section.split("\n## ", 1)[0].split())
+    manifest = load_manifest(os.path.join(ROOT, "examples", "arith", "bc_grpo.yaml"))
+    rollout, learner = manifest.roles["rollout"], manifest.roles["learner"]
+    prompts, group = manifest.run.config["prompts_per_step"], manifest.run.config["group_size"]
+    default = {f.name: f.default for f in msgspec.structs.fields(Rollout.Config)}["max_batch"]
+    assert "max_batch" not in rollout.config
+    batch, eta = prompts * group, manifest.pipeline.eta
+    times = "\N{MULTIPLICATION SIGN}"
+    quoted = [
+        f"`prompts_per_step` {prompts} {times} `group_size` {group} = {batch} samples",
+        f"{'one' if rollout.replicas == 1 else rollout.replicas} rollout replica with "
+        f"`capacity: {rollout.capacity}`, "
+        f"`max_batch` {default} (the default) and `threads: {rollout.threads}`; the learner "
+        f"with `threads: {learner.threads}`; η = {eta}.",
+        f"admits up to ({eta} + 1) {times} {batch} = {(eta + 1) * batch} samples",
+        f"a step is {batch // default} turns of {default}.",
+    ]
+    assert [q for q in quoted if q not in text] == []
+
+
 def test_the_error_report_in_the_docs_is_what_the_code_prints() -> None:
     section = _doc().split("## What an error report looks like\n", 1)[1]
     bad, command, report = re.findall(r"```\w*\n(.*?)```", section, re.S)[:3]
