@@ -18,8 +18,10 @@ What a user needs is importable from here::
     manifest = asyncrl.load_manifest("manifest.yaml")   # raises ManifestError, every problem
     report = asyncio.run(asyncrl.run_manifest(manifest))
 
-and every error asyncrl raises (``asyncrl.errors`` draws their tree). The layers import as
-``asyncrl.transport``, ``asyncrl.roles`` and ``asyncrl.plugins``.
+the ``Ledger`` a role that consumes results keeps so that it counts each one once, across its own
+restarts (idempotent calls are delivered at least once), and every error asyncrl raises
+(``asyncrl.errors`` draws their tree). The layers import as ``asyncrl.transport``,
+``asyncrl.roles`` and ``asyncrl.plugins``.
 
 Importing this package is cheap: it imports neither torch nor zmq. Each name is imported from
 its module the first time it is used.
@@ -57,6 +59,7 @@ if typing.TYPE_CHECKING:
         WeightsGoneError,
     )
     from asyncrl.handles import Context, Handle
+    from asyncrl.ledger import Ledger
     from asyncrl.manifest import Manifest, load_manifest
     from asyncrl.role import Delivery, Role, RoleContext, endpoint
 
@@ -74,6 +77,7 @@ __all__ = [
     "Delivery",
     "DisconnectedError",
     "Handle",
+    "Ledger",
     "Manifest",
     "ManifestError",
     "MessageTooLargeError",
@@ -103,6 +107,7 @@ _HOMES = {
     "Context": "asyncrl.handles",
     "Delivery": "asyncrl.role",
     "Handle": "asyncrl.handles",
+    "Ledger": "asyncrl.ledger",
     "Manifest": "asyncrl.manifest",
     "Role": "asyncrl.role",
     "RoleContext": "asyncrl.role",

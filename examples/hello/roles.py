@@ -34,19 +34,27 @@ class Splitter(Role):
 
 class Counter(Role):
     async def setup(self) -> None:
-        # Restored before any work arrives: a restarted counter still knows which lines it
-        # counted, so a re-sent line is not counted twice.
+        # Restored before any work arrives: each line counted is in the ledger with its words,
+        # so a restarted counter counts them again from there and refuses a re-sent line.
         self.seen = Ledger(self.ctx.path("lines.jsonl"))
         self.counts: dict[str, int] = {}
+        for _, words in self.seen.items():
+            self._count(words)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def add(self, words: Words) -> bool:
-        if not self.seen.add(words.id):
+        if not self.seen.add(words.id, words.words):  # the line's id and its effect, at once
             return False
-        for word in words.words:
-            self.counts[word] = self.counts.get(word, 0) + 1
+        self._count(words.words)
         return True
+
+    def _count(self, words: list[str]) -> None:
+        for word in words:
+            self.counts[word] = self.counts.get(word, 0) + 1
 
     @endpoint(Delivery.IDEMPOTENT)
     async def top(self, n: int) -> list[tuple[str, int]]:
         return sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+    async def teardown(self) -> None:
+        self.seen.close()
