@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 
-from examples.arith.data import heldout, write_jsonl
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -93,7 +92,9 @@ def test_bc_lowers_the_loss(run_dir: str) -> None:
 
 def test_grpo_runs_and_evaluates_the_heldout_prompts(run_dir: str) -> None:
     path = os.path.join(run_dir, "heldout.jsonl")
-    write_jsonl(path, heldout()[:24])
+    with open(path, "w") as f:  # 24 additions in the arith example's form: "07+45=" -> "052"
+        for a, b in zip(range(3, 99, 4), range(90, 18, -3), strict=True):
+            f.write(json.dumps({"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"}) + "\n")
     role = f"heldout: {{class: 'asyncrl.roles.prompts:PromptSource', config: {{path: {path}}}}}"
     result = run_program(run_dir, "grpo", 4, role, overrides=("run.config.eval_every=3",))
     assert len(result["rewards"]) == 4 and result["cursor"] == 32
