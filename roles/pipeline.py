@@ -107,7 +107,9 @@ class Batch(msgspec.Struct):
         version: the learner version that consumes them (the one staleness is measured against).
         staleness: per sample, in order.
         cursor: the first prompt index not yet consumed or wasted (where a resumed run starts).
-        metrics: the pipeline's counters so far, and this batch's staleness p50/p99/max.
+        metrics: the pipeline's counters so far, this batch's staleness p50/p99/max, and
+            ``reward_scored_mean``: the mean reward of every group scored since the last
+            batch, the uniform groups dynamic sampling dropped included.
         resume: what a pipeline resumed after this batch's learner step needs (keep it with
             the step: ``TrainBatch.keep``; pass it back as ``SamplePipeline(resume=...)``).
     """
@@ -118,6 +120,13 @@ class Batch(msgspec.Struct):
     cursor: int
     metrics: dict[str, float]
     resume: dict[str, Any] = {}
+
+
+def _max_drops(batch_size: int, group_size: int, given: int | None) -> int:
+    """``max_uniform_drops``: as given, or ``_UNIFORM_DROPS_PER_GROUP`` per group of a batch."""
+    if given is not None:
+        return given
+    return _UNIFORM_DROPS_PER_GROUP * (batch_size // max(1, group_size))
 
 
 def _check_args(
@@ -190,12 +199,7 @@ class SamplePipeline:
         clock: Clock = MONOTONIC,
     ) -> None:
         self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
-        groups_per_batch = batch_size // max(1, group_size)
-        self.max_uniform_drops = (
-            _UNIFORM_DROPS_PER_GROUP * groups_per_batch
-            if max_uniform_drops is None
-            else max_uniform_drops
-        )
+        self.max_uniform_drops = _max_drops(batch_size, group_size, max_uniform_drops)
         _check_args(batch_size, group_size, std, self.drop_uniform, self.max_uniform_drops)
         self.rollout = rollout
         self.spec = spec
@@ -236,6 +240,7 @@ class SamplePipeline:
         self._exhausted = False
         self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
         self._uniform_capped = False  # ... and it reached max_uniform_drops
+        self._scored = (0.0, 0)  # sum and count of rewards released since the last batch
         self._to_score: list[tuple[Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
         if watchdog is not None:
@@ -392,6 +397,7 @@ class SamplePipeline:
             self.pacer.waste(missing)
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
+        self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
         if self.drop_uniform and uniform(rewards) and self._drop_uniform(group):
             return
         advantages = group_advantages(
@@ -535,6 +541,8 @@ class SamplePipeline:
         self.metrics["consumed_samples"] += len(samples)
         self.metrics["batches"] += 1
         self._uniform_drops, self._uniform_capped = 0, False
+        scored_sum, scored_n = self._scored
+        self._scored = (0.0, 0)
         if self.spec.running_stats:
             rewards = Moments.of([s.reward for s in samples])
             self.running[version] = self.running.get(version, Moments(0, 0.0, 0.0)).merge(rewards)
@@ -542,6 +550,11 @@ class SamplePipeline:
         metrics: dict[str, float] = {k: float(v) for k, v in self.metrics.items()}
         metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
         metrics.update({f"reducer_{k}": float(v) for k, v in self.reducer.metrics.items()})
+        # The policy's reward: over every group scored since the last batch, uniform ones that
+        # dynamic sampling dropped included (the batch's own mean leaves them out).
+        metrics["reward_scored_mean"] = (
+            scored_sum / scored_n if scored_n else sum(s.reward for s in samples) / len(samples)
+        )
         metrics["pacer_room"] = float(self.pacer.room())
         metrics["pacer_max_ahead"] = float(self.pacer.max_ahead)
         if self.spec.running_stats:

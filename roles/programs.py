@@ -200,7 +200,8 @@ class RLStep:
         step: the RL step number, from 1.
         batch: the pipeline's batch (samples, rewards, staleness metrics).
         result: the learner's reply.
-        reward: the batch's mean reward.
+        reward: the policy's mean reward: over every group scored for this batch, the
+            uniform ones dynamic sampling dropped included (``reward_scored_mean``).
         evaluation: the ``evaluate`` hook's value when this step ran it, else None.
         last: no step follows (the last step, or the budget ran out).
     """
@@ -266,7 +267,7 @@ async def rl_loop(
             ):
                 await weights.ensure(result.version)  # evaluate the weights just trained
                 evaluation = await loop.evaluate()
-            mean = sum(s.reward for s in batch.samples) / max(1, len(batch.samples))
+            mean = batch.metrics["reward_scored_mean"]
             if on_step is not None:
                 outcome = on_step(RLStep(step, batch, result, mean, evaluation, last))
                 if inspect.isawaitable(outcome):

@@ -562,6 +562,25 @@ def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages() -> None:
     run(main())
 
 
+def test_the_scored_reward_counts_the_dropped_groups_and_the_batch_mean_does_not() -> None:
+    """Sync, drop_uniform: p0 and p1 score 1.0 throughout and are dropped; p2 and p3 fill the
+    batch. ``reward_scored_mean`` is the mean over all four groups scored for it (the
+    policy's reward), the batch's own mean only over the two it kept."""
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        spec = PipelineSpec(mode="sync", drop_uniform=True)
+        async with pipeline(rollout, spec, score=uniform_for("p0", "p1")) as pipe:
+            batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        kept = [s.reward for s in batch.samples]
+        assert {s.sample.prompt_id for s in batch.samples} == {"p2", "p3"}
+        assert batch.metrics["groups_uniform_dropped"] == 2
+        assert batch.metrics["reward_scored_mean"] == pytest.approx((2 * G + sum(kept)) / (4 * G))
+        assert sum(kept) / len(kept) < batch.metrics["reward_scored_mean"]
+
+    run(main())
+
+
 def test_drop_uniform_off_keeps_uniform_groups_and_on_needs_groups_of_two() -> None:
     async def main() -> None:
         rollout = FakeRollout(auto=True)
