@@ -68,7 +68,7 @@ from asyncrl.roles.batching import (
 from asyncrl.roles.checkpoints import CheckpointDir, StepLog, rng_state, set_rng_state
 from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.objective import batch_advantages, bc_coef, micro_batch_loss
-from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
+from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.rollout import WeightsUpdate
 from asyncrl.weights import WeightStore, handle_path, write_handle
 
@@ -198,18 +198,18 @@ class Learner(Role):
         return await self.ctx.offload(self._export, path)
 
     @endpoint(Delivery.IDEMPOTENT)
-    async def status(self, _: Any) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "step": self.step,
-            "consumed": len(self.consumed),
-            "keep": self.keep,
-            "last": self.last,
-            "durable": self.config.durable,
+    async def status(self, _: Any) -> LearnerStatus:
+        return LearnerStatus(
+            version=self.version,
+            step=self.step,
+            consumed=len(self.consumed),
+            keep=self.keep,
+            last=self.last,
+            durable=self.config.durable,
             # How GRPO advantages are computed here: a program's sample pipeline attaches
             # advantages computed the same way (asyncrl.roles.pipeline.group_advantages).
-            "advantages": {"normalize_std": self.config.normalize_std, "std": self.config.std},
-        }
+            advantages={"normalize_std": self.config.normalize_std, "std": self.config.std},
+        )
 
     # -- compute (worker thread) ------------------------------------------------------------
 

@@ -8,11 +8,13 @@ import math
 import os
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.learner import Learner, Scored, TrainBatch, pad_batch
+from asyncrl.roles.payloads import LearnerStatus
 from asyncrl.roles.rollout import Sample
 
 MODEL = {
@@ -318,6 +320,12 @@ def test_a_durable_step_is_never_lost_and_a_resent_batch_is_not_trained_twice(
         log = [json.loads(line) for line in f]
     assert [r["step"] for r in log] == [1, 2, 3]
     assert log[2]["ids"] == [["p2", 0], ["p2", 1]] and log[2]["phase"] == "rl"
+    status = run(restarted.status(None))
+    assert isinstance(status, LearnerStatus)
+    assert (status.version, status.step, status.consumed) == (3, 3, 6)
+    assert status.keep == {"phase": "rl"} and status.last["id"] == "rl-2" and status.durable
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(status), type=LearnerStatus)
+    assert wire == status  # what a program's typed client decodes
 
 
 def test_a_torn_checkpoint_and_an_orphan_log_line_are_never_loaded(tmp_path: Any) -> None:
