@@ -253,3 +253,15 @@ def test_regular_install_maps_the_layers() -> None:
             env=env,
         )
         assert out.stdout.strip() == os.path.join(target, "asyncrl", "transport", "__init__.py")
+
+
+def test_no_module_over_600_lines_and_no_function_over_80() -> None:
+    """STYLE.md's sizes, kept: ``tools/sizes.py`` lists every file and function past them."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "sizes.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (0, ""), out.stdout
