@@ -18,7 +18,9 @@ them (``asyncrl.roles.evaluation.greedy_accuracy``), and the accuracy is logged 
 ``rl_loop`` is the RL loop itself, for programs of your own (the arith example's is one): it
 samples through the pipeline, trains, moves the weights to the rollout replicas, evaluates
 every ``eval_every`` steps when given an ``evaluate`` hook, stops early at a wall-clock
-``budget_s``, and reports each step to an ``on_step`` callback.
+``budget_s``, and reports each step to an ``on_step`` callback. It writes every step to
+``RUN_DIR/metrics.jsonl`` (and TensorBoard) and shows a progress display itself
+(``asyncrl.roles.metrics``).
 
 A restarted driver resumes, never replays: each learner step keeps the program's position with
 it (``TrainBatch.keep``: the pipeline's resume state, the phase), durably, before it is
@@ -39,6 +41,7 @@ from typing import Any, Literal, cast
 from asyncrl.handles import Context
 from asyncrl.roles.clients import PromptsClient, RLContext, resend
 from asyncrl.roles.evaluation import greedy_accuracy
+from asyncrl.roles.metrics import StepReport
 from asyncrl.roles.payloads import (
     LearnerStatus,
     Prompt,
@@ -226,8 +229,14 @@ async def rl_loop(
     score: Scorer,
     done: int = 0,
     on_step: OnStep | None = None,
+    display: bool = True,
 ) -> dict[str, Any]:
     """RL from step ``done + 1`` to ``loop.steps``: sample, score, train, move the weights.
+
+    Every step is reported without code of the caller's (``asyncrl.roles.metrics``): a line of
+    ``RUN_DIR/metrics.jsonl`` (reward, accuracy, the learner's metrics, staleness, throughput,
+    where the time went, restarts), TensorBoard scalars when it is installed, and the progress
+    display. A resumed loop appends to the file, never writing a step twice.
 
     Args:
         rl: the run's typed context.
@@ -236,6 +245,7 @@ async def rl_loop(
         score: rewards for a group's samples.
         done: RL steps already taken (a resumed program's count).
         on_step: called after each step (history, progress, logs); may be async.
+        display: show the progress display (a live bar on a terminal, plain lines elsewhere).
 
     Returns:
         ``steps`` (the last step taken), ``stopped_by_budget``, ``wall_s`` and the pipeline's
@@ -245,33 +255,33 @@ async def rl_loop(
     if rl.reference is not None and done == 0:  # the KL term is measured against the start
         await rl.reference.set_weights(await rl.learner.weights())
     await rl.rollout.sync()
-    pipe = _pipeline(rl, loop, feed, score, status)
+    title = loop.algorithm.upper()
+    report = StepReport(rl.run_dir, title, loop.steps, done=done, learner=status, display=display)
+    pipe = _pipeline(rl, loop, feed, report.scorer(score), status)
     weights = WeightSync(rl.rollout.handle, wait=rl.pipeline.mode == "sync")
     started = time.monotonic()
     step, out_of_budget = done, False
-    async with pipe:
+    async with report, pipe:
         while step < loop.steps and not out_of_budget:
             step += 1
             batch = await pipe.next_batch()
+            report.lap("batch")
             result = await learn(
                 rl, batch, algorithm=loop.algorithm, lr=loop.lr, id=f"{loop.id_prefix}{step}"
             )
+            report.lap("learn")
             # Sync mode: every replica holds the new weights before the next batch is admitted.
             await weights.push(version=result.version)
             pipe.advance(result.version)
+            report.lap("weights")
             out_of_budget = bool(loop.budget_s) and time.monotonic() - started >= loop.budget_s
             last = step == loop.steps or out_of_budget
-            evaluation = None
-            if loop.evaluate is not None and (
-                last or (loop.eval_every and step % loop.eval_every == 0)
-            ):
-                await weights.ensure(result.version)  # evaluate the weights just trained
-                evaluation = await loop.evaluate()
+            evaluation = await _evaluate(loop, weights, result.version, step, last)
+            report.lap("eval")
             mean = batch.metrics["reward_scored_mean"]
-            if on_step is not None:
-                outcome = on_step(RLStep(step, batch, result, mean, evaluation, last))
-                if inspect.isawaitable(outcome):
-                    await outcome
+            rl_step = RLStep(step, batch, result, mean, evaluation, last)
+            report.record(rl_step)
+            await _call(on_step, rl_step)
         await weights.close()
         metrics = {**pipe.metrics, "in_flight_at_end": pipe.in_flight}
     if out_of_budget and step < loop.steps:
@@ -288,6 +298,24 @@ async def rl_loop(
         "cursor": pipe.cursor,
         "pipeline": metrics,
     }
+
+
+async def _call(on_step: OnStep | None, step: RLStep) -> None:
+    """``on_step(step)``, awaited when it is async."""
+    if on_step is not None:
+        outcome = on_step(step)
+        if inspect.isawaitable(outcome):
+            await outcome
+
+
+async def _evaluate(
+    loop: RLLoop, weights: WeightSync, version: int, step: int, last: bool
+) -> float | None:
+    """``loop.evaluate`` of the weights just trained, when step ``step`` is due one."""
+    if loop.evaluate is None or not (last or (loop.eval_every and step % loop.eval_every == 0)):
+        return None
+    await weights.ensure(version)
+    return await loop.evaluate()
 
 
 def _pipeline(

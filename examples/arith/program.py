@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from asyncrl.handles import Context
+from asyncrl.progress import say
 from asyncrl.roles.clients import RLContext
 from asyncrl.roles.evaluation import greedy_accuracy
 from asyncrl.roles.payloads import LearnerStatus, Prompt, Sample, SamplingParams, Scored, TrainBatch
@@ -94,7 +95,7 @@ class Run:
         status = await rl.learner.status()
         run = cls(rl, cfg, tok, status, plot)
         if status.step:
-            _progress(f"resuming at learner step {status.step} ({run.phase} phase)")
+            say(f"resuming at learner step {status.step} ({run.phase} phase)")
         return run
 
     @property
@@ -140,7 +141,7 @@ async def behaviour_cloning(run: Run) -> None:
         if step and step % cfg["bc_eval_every"] == 0 and not evaluated:
             acc = await run.accuracy()
             history.add({"phase": "bc", "step": step, "accuracy": acc, "wall_s": run.wall()})
-            _progress(f"BC step {step}: held-out accuracy {acc:.3f}")
+            say(f"BC step {step}: held-out accuracy {acc:.3f}")
             continue
         if stale >= cfg["bc_patience"] or step >= cfg["bc_max_steps"]:
             break
@@ -158,7 +159,7 @@ async def behaviour_cloning(run: Run) -> None:
     run.keep = {"phase": "rl", "bc_steps": step, "accuracy_before_rl": accuracy, "cursor": 0}
     run.keep["rl_started_wall"] = run.wall()
     await run.rl.learner.checkpoint(run.keep)
-    _progress(f"BC plateau: held-out accuracy {accuracy:.3f} after {step} steps")
+    say(f"BC plateau: held-out accuracy {accuracy:.3f} after {step} steps")
 
 
 async def reinforce(run: Run) -> None:
@@ -176,10 +177,6 @@ async def reinforce(run: Run) -> None:
         texts = [run.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
         return await rl.reward.score(texts, [feed.answers[s.prompt_id] for s in samples])
 
-    accs = [h["accuracy"] for h in history.phase("rl") if "accuracy" in h]
-    shown = {"accuracy": accs[-1] if accs else run.keep["accuracy_before_rl"]}
-    name = cfg["algorithm"].upper()
-
     def on_step(step: RLStep) -> None:
         entry: dict[str, Any] = {
             "phase": "rl",
@@ -189,9 +186,8 @@ async def reinforce(run: Run) -> None:
             "staleness_max": step.batch.metrics["staleness_max"],
         }
         if step.evaluation is not None:
-            entry["accuracy"] = shown["accuracy"] = step.evaluation
+            entry["accuracy"] = step.evaluation
         history.add(entry)
-        _bar(name, step.step, cfg["rl_steps"], step.reward, shown["accuracy"])
 
     loop = RLLoop(
         algorithm=cfg["algorithm"],
@@ -240,7 +236,7 @@ async def report(run: Run) -> dict[str, Any]:
         json.dump(summary, f, indent=2)
     if run.plot:
         _plot(history.entries, os.path.join(rl.run_dir, "progress.png"))
-    _progress(
+    say(
         f"held-out accuracy: {summary['accuracy_before_rl']:.3f} at the BC plateau, "
         f"{accuracy_final:.3f} after {run.cfg['algorithm'].upper()}"
     )
@@ -360,22 +356,6 @@ def _restarts(run_dir: str) -> int:
             return sum(1 for line in f if '"event": "restarting"' in line)
     except OSError:
         return 0
-
-
-def _progress(text: str) -> None:
-    print(f"\r{text}".ljust(80), flush=True)
-
-
-def _bar(name: str, step: int, total: int, reward: float, accuracy: float) -> None:
-    width = 30
-    done = int(width * step / total)
-    sys.stdout.write(
-        f"\r{name} [{'#' * done}{'.' * (width - done)}] {step}/{total} "
-        f"reward {reward:.3f} held-out {accuracy:.3f}"
-    )
-    sys.stdout.flush()
-    if step == total:
-        sys.stdout.write("\n")
 
 
 def _plot(history: list[dict[str, Any]], path: str) -> None:
