@@ -67,7 +67,16 @@ from asyncrl.roles.batching import (
 )
 from asyncrl.roles.checkpoints import CheckpointDir, StepLog, rng_state, set_rng_state
 from asyncrl.roles.learner_config import LearnerConfig
-from asyncrl.roles.objective import batch_advantages, bc_coef, micro_batch_loss
+from asyncrl.roles.objective import ALGORITHMS as _ALGORITHMS
+from asyncrl.roles.objective import (
+    Forward,
+    MicroBatch,
+    Objective,
+    batch_advantages,
+    bc_coef,
+    nll,
+    objective_for,
+)
 from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.rollout import WeightsUpdate
 from asyncrl.weights import WeightStore, handle_path, write_handle
@@ -84,7 +93,8 @@ __all__ = [
     "pad_batch",
 ]
 
-ALGORITHMS = ("grpo", "rloo", "ppo", "bc")
+ALGORITHMS = tuple(_ALGORITHMS)
+"""The algorithms a ``TrainBatch`` may name (``asyncrl.roles.objective.ALGORITHMS``)."""
 
 
 def build_model(model_path: str, model_config: dict[str, Any], seed: int) -> Any:
@@ -213,9 +223,7 @@ class Learner(Role):
 
     # -- compute (worker thread) ------------------------------------------------------------
 
-    def _forward_logprobs(
-        self, prompts: list[list[int]], completions: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> Forward:
         input_ids, attention, positions, target = pad_batch(
             prompts, completions, self.config.pad_id
         )
@@ -225,7 +233,7 @@ class Learner(Role):
             .float()
         )
         logprobs = alg.token_logprobs(logits, input_ids[:, 1:])
-        return logprobs, target, logits
+        return Forward(logprobs, target, logits)
 
     def _logprobs(self, samples: list[Sample]) -> list[list[float]]:
         self.model.eval()
@@ -249,7 +257,7 @@ class Learner(Role):
             result = msgspec.convert(self.last["result"], StepResult)
             result.replayed = True
             return result
-        algorithm = self._check_batch(batch)
+        objective = self._objective(batch)
         fresh = [
             s
             for s in batch.samples
@@ -264,13 +272,13 @@ class Learner(Role):
                 group["initial_lr"] = batch.lr
                 group["lr"] = batch.lr * self._lr_factor(self.scheduler.last_epoch)
         if fresh:
-            metrics = self._train(algorithm, fresh, batch)
+            metrics = self._train(objective, fresh, batch)
             self.step += 1
             self.version += 1
             ids = [(s.sample.prompt_id, s.sample.sample_index) for s in fresh]
             self.consumed.update(ids)
             metrics["reward_mean"] = float(np.mean([s.reward for s in fresh]))
-            if algorithm != "bc":
+            if objective.algorithm.rl:
                 # Measured against the version that consumed them: the one before this step.
                 ages = [staleness(self.version - 1, s.sample.versions) for s in fresh]
                 metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
@@ -287,11 +295,13 @@ class Learner(Role):
                 self.store.publish(self.model.state_dict(), self.version)
         return result
 
-    def _check_batch(self, batch: TrainBatch) -> str:
-        """The batch's algorithm, once it is known to suit this learner.
+    def _objective(self, batch: TrainBatch) -> Objective:
+        """The batch's objective (``objective.objective_for``), once its algorithm is known to
+        suit this learner.
 
         Raises:
-            ValueError: an unknown algorithm, or fewer samples than ``mini_batches``.
+            ValueError: an unknown algorithm or correction, or fewer samples than
+                ``mini_batches``.
         """
         cfg = self.config
         algorithm = batch.algorithm or cfg.algorithm
@@ -300,25 +310,28 @@ class Learner(Role):
                 f"{self.ctx.name}: unknown algorithm {algorithm!r} in TrainBatch.algorithm; "
                 f"expected one of {ALGORITHMS} (empty for the configured one)"
             )
-        if algorithm != "bc" and 0 < len(batch.samples) < cfg.mini_batches:
+        objective = objective_for(cfg, algorithm, batch.correction, batch.importance_cap)
+        if objective.algorithm.rl and 0 < len(batch.samples) < cfg.mini_batches:
             raise ValueError(
                 f"{self.ctx.name}: a batch of {len(batch.samples)} samples cannot be split into "
                 f"mini_batches={cfg.mini_batches}; send batches of at least {cfg.mini_batches} "
                 f"samples or lower roles.{self.ctx.name}.config.mini_batches"
             )
-        return algorithm
+        return objective
 
-    def _train(self, algorithm: str, fresh: list[Scored], batch: TrainBatch) -> dict[str, float]:
+    def _train(
+        self, objective: Objective, fresh: list[Scored], batch: TrainBatch
+    ) -> dict[str, float]:
         """The advantages over the whole batch, then ``ppo_epochs x mini_batches`` optimizer
         steps (one for BC); returns the metrics averaged over the steps, and their count."""
         cfg = self.config
-        advantages = self._advantages(algorithm, fresh)
+        advantages = objective.advantages(cfg, fresh)
         epochs, parts = 1, 1
-        if algorithm != "bc":
+        if objective.algorithm.rl:
             # Samples the ledger skipped may leave fewer than mini_batches: one each, then.
             epochs, parts = cfg.ppo_epochs, min(cfg.mini_batches, len(fresh))
         proximal = None
-        if batch.correction == "decoupled" and algorithm != "bc" and epochs * parts > 1:
+        if objective.needs_proximal and epochs * parts > 1:
             proximal = self._proximal_logprobs(fresh)
         steps = []
         for epoch in range(epochs):
@@ -328,11 +341,11 @@ class Learner(Role):
             for part in split:
                 steps.append(
                     self._optimizer_step(
-                        algorithm,
+                        objective,
                         [fresh[i] for i in part],
                         [advantages[i] for i in part],
                         None if proximal is None else [proximal[i] for i in part],
-                        batch,
+                        batch.demos,
                     )
                 )
         return {**mean_over_steps(steps), "optimizer_steps": float(len(steps))}
@@ -347,11 +360,11 @@ class Learner(Role):
 
     def _optimizer_step(
         self,
-        algorithm: str,
+        objective: Objective,
         samples: list[Scored],
         advantages: list[Any],
         proximal: list[list[float]] | None,
-        batch: TrainBatch,
+        demos: list[Sample],
     ) -> dict[str, float]:
         """One optimizer and scheduler step on a mini-batch; returns its metrics.
 
@@ -369,16 +382,15 @@ class Learner(Role):
         for chunk, share in zip(chunks, shares, strict=True):
             weight = share / total if total else 0.0
             loss, parts = self._loss(
-                algorithm,
+                objective,
                 [samples[i] for i in chunk],
                 [advantages[i] for i in chunk],
                 None if proximal is None else [proximal[i] for i in chunk],
-                batch,
             )
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
-        sums.update(self._bc_term(batch.demos))
+        sums.update(self._bc_term(demos))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
@@ -396,19 +408,16 @@ class Learner(Role):
 
     def _loss(
         self,
-        algorithm: str,
+        objective: Objective,
         samples: list[Scored],
         advantages: list[Any],
         proximal: list[list[float]] | None,
-        batch: TrainBatch,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """One micro-batch's forward pass and loss (``objective.micro_batch_loss``)."""
+        """One micro-batch's forward pass and its loss under ``objective``."""
         forward = self._forward_logprobs(
             [s.sample.prompt_ids for s in samples], [s.sample.token_ids for s in samples]
         )
-        return micro_batch_loss(
-            self.config, algorithm, batch, samples, advantages, proximal, forward
-        )
+        return objective(MicroBatch(samples, advantages, proximal, forward))
 
     def _bc_term(self, demos: list[Sample]) -> dict[str, float]:
         """Backpropagate the optional BC term over the batch's demonstrations, once per
@@ -419,9 +428,9 @@ class Learner(Role):
         demo_logp, demo_target, _ = self._forward_logprobs(
             [d.prompt_ids for d in demos], [d.token_ids for d in demos]
         )
-        nll = -alg.aggregate(demo_logp, demo_target, self.config.aggregation, self.config.norm_len)
-        (coef * nll).backward()  # type: ignore[no-untyped-call]
-        return {"bc_nll": float(nll.detach())}
+        loss = nll(self.config, demo_logp, demo_target)
+        (coef * loss).backward()  # type: ignore[no-untyped-call]
+        return {"bc_nll": float(loss.detach())}
 
     # -- durable state ----------------------------------------------------------------------
 

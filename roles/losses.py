@@ -3,6 +3,7 @@ weights and PPO's clipped value loss. Conventions as in ``asyncrl.roles.algorith
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -95,6 +96,22 @@ def sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return zero_outside(per_row[:, None].expand_as(log_ratio), valid_positions(mask))
 
 
+def _token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    return sequence_log_ratio(log_ratio, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+_CLIPPED_LOG_RATIO: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": _token_log_ratio,
+    "sequence": _sequence_log_ratio,
+}
+"""The log-ratio PPO clips at each ``Importance`` level, from the masked per-token log-ratios
+(0 at masked positions); clamped to +-``LOG_RATIO_CLAMP`` after the sequence's mean."""
+
+
 def _clipped_surrogate(
     log_ratio: Tensor,
     advantages: Tensor,
@@ -111,12 +128,8 @@ def _clipped_surrogate(
     # Padding may hold -inf log-probs: exp of their difference would poison the gradient even
     # where the loss is zeroed afterwards.
     log_ratio = zero_outside(log_ratio, valid)
-    token_log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if importance == "sequence":
-        log_ratio = sequence_log_ratio(log_ratio, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    else:
-        log_ratio = token_log_ratio
-    ratio = log_ratio.exp()
+    token_log_ratio = _token_log_ratio(log_ratio, mask)
+    ratio = _CLIPPED_LOG_RATIO[importance](log_ratio, mask).exp()
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + high)

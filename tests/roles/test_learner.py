@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -14,6 +15,18 @@ import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.learner import Learner, Scored, TrainBatch, pad_batch
+from asyncrl.roles.learner_config import LearnerConfig
+from asyncrl.roles.objective import (
+    ALGORITHMS,
+    Decoupled,
+    Entropy,
+    Imitation,
+    KLPenalty,
+    MicroBatch,
+    PolicyGradient,
+    TruncatedImportance,
+    objective_for,
+)
 from asyncrl.roles.payloads import LearnerStatus
 from asyncrl.roles.rollout import Sample
 
@@ -540,3 +553,67 @@ def test_rloo_is_selectable(tmp_path: Any) -> None:
     torch.testing.assert_close(_grads(learner), _grads(given), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match=r"unknown algorithm 'reinforce' in TrainBatch"):
         learner._train_step(TrainBatch(batch, algorithm="reinforce"))
+
+
+def test_the_objective_is_composed_once_from_the_config_and_the_batch(tmp_path: Any) -> None:
+    """Each piece is chosen by name from a registry: the algorithm, the policy loss of the
+    correction, and the (coefficient, term) pieces; unknown names list the known ones."""
+    cfg = LearnerConfig(kl_coef=0.1, entropy_coef=0.02, importance="sequence")
+    decoupled = objective_for(cfg, "grpo", "decoupled", 1.5)
+    assert decoupled.algorithm is ALGORITHMS["grpo"]
+    assert isinstance(decoupled.loss, PolicyGradient)
+    assert decoupled.loss.policy == Decoupled(cfg, 1.5)
+    assert decoupled.needs_proximal
+    assert decoupled.terms == ((0.1, KLPenalty(cfg)), (-0.02, Entropy(cfg)))
+    tis = objective_for(cfg, "ppo", "tis", 2.0)
+    assert tis.loss == PolicyGradient(TruncatedImportance(cfg, 2.0), ALGORITHMS["ppo"])
+    assert not tis.needs_proximal
+    assert objective_for(LearnerConfig(), "rloo", "clip", 2.0).terms == ()
+    reward_kl = LearnerConfig(kl_coef=0.1, kl_mode="reward", algorithm="ppo")
+    assert objective_for(reward_kl, "ppo", "clip", 2.0).terms == ()  # in the rewards instead
+    bc = objective_for(cfg, "bc", "clip", 2.0)
+    assert (bc.loss, bc.terms, bc.needs_proximal) == (Imitation(cfg), (), False)
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown correction 'ppo'; expected one of \('clip', 'decoupled', 'tis'\)$",
+    ):
+        objective_for(cfg, "grpo", "ppo", 2.0)
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown algorithm 'reinforce'; expected one of \('grpo', 'rloo', 'ppo', 'bc'\)$",
+    ):
+        objective_for(cfg, "reinforce", "clip", 2.0)
+    learner = make(tmp_path)
+    with pytest.raises(ValueError, match=r"^unknown correction 'ppo'; expected one of"):
+        learner._train_step(TrainBatch(_group(learner, "p"), correction="ppo"))  # type: ignore[arg-type]
+
+
+def test_a_term_composes_into_the_loss_with_its_coefficient(tmp_path: Any) -> None:
+    """An objective's loss is its main piece plus each coefficient times its term, in order;
+    a term that does not apply to a micro-batch (None) is left out of the loss and parts."""
+
+    class Constant:
+        def __init__(self, name: str, value: float | None) -> None:
+            self.name, self.value = name, value
+
+        def __call__(self, micro: MicroBatch) -> torch.Tensor | None:
+            return None if self.value is None else torch.tensor(self.value)
+
+    learner = make(tmp_path)
+    group = _group(learner, "p")
+    plain = objective_for(learner.config, "grpo", "clip", 2.0)
+    advantages = plain.advantages(learner.config, group)
+    forward = learner._forward_logprobs(
+        [s.sample.prompt_ids for s in group], [s.sample.token_ids for s in group]
+    )
+    micro = MicroBatch(group, advantages, None, forward)
+    base, base_parts = plain(micro)
+    terms = (
+        (2.0, Constant("two", 0.25)),
+        (-1.0, Constant("skipped", None)),
+        (-3.0, Constant("x", 1.0)),
+    )
+    loss, parts = dataclasses.replace(plain, terms=terms)(micro)
+    assert torch.equal(loss, base + 2.0 * torch.tensor(0.25) + -3.0 * torch.tensor(1.0))
+    assert float(loss.detach()) == pytest.approx(float(base.detach()) - 2.5)
+    assert parts == {**base_parts, "two": 0.25, "x": 1.0}
