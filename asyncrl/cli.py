@@ -13,6 +13,9 @@
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
 - ``asyncrl bench pipeline [--json] [--quick]``: sync against async mode on simulated generation,
   each against a discrete-event model of the same draws.
+- ``asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG figures of the runs' per-step metrics
+  (reward, accuracy, throughput, staleness, time), several runs on one figure; in the first
+  run's ``plots/`` unless ``--out`` (``asyncrl.plots``; matplotlib is the ``plot`` extra).
 - ``asyncrl version``: the package and wire-protocol versions.
 """
 
@@ -197,6 +200,18 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     return run_chaos(manifest, run_dir, plan, baseline=not args.no_baseline, as_json=args.json)
 
 
+def _plot(args: argparse.Namespace, rest: list[str]) -> int:
+    from asyncrl.plots import plot_runs
+
+    try:
+        written = plot_runs(args.run_dirs, args.out)
+    except (OSError, ValueError, ImportError) as exc:
+        return _fail(str(exc))
+    for path in written:
+        print(path)
+    return 0
+
+
 def _version(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.transport.protocol import PROTOCOL_VERSION
 
@@ -253,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(chaos)
     chaos.set_defaults(func=_chaos)
+    plot = sub.add_parser(
+        "plot", help="draw runs' metrics (reward, accuracy, throughput, staleness) as PNGs"
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs to draw, together")
+    plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
+    plot.set_defaults(func=_plot)
     version = sub.add_parser("version", help="print the package and wire-protocol versions")
     version.set_defaults(func=_version)
     args, rest = parser.parse_known_args(argv)

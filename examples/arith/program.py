@@ -390,3 +390,10 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    # Every RL step's metrics, drawn as `asyncrl plot RUN_DIR` draws them, in RUN_DIR/plots/.
+    from asyncrl.plots import plot_runs
+
+    try:
+        plot_runs([os.path.dirname(path)])
+    except (OSError, ValueError) as exc:  # no RL step was taken
+        print(f"no plots of the RL steps: {exc}", file=sys.stderr, flush=True)
