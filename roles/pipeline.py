@@ -15,11 +15,13 @@ run this same code:
 3. **Split-mode reduction.** Each scored sample posts its reward to its group's round of a
    ``Reducer`` (count, mean and M2, merged with Chan's formula in arrival order). A group is
    released the moment its last sample arrives, or at its deadline under the straggler policy;
-   its advantages, ``(r - mean) / (std + eps)``, are exactly what the learner computes over the
-   same group in one shot. With ``drop_uniform`` (dynamic sampling, DAPO), a released group
-   whose rewards are all equal is dropped instead (no GRPO signal): counted as waste, and its
-   room goes to a fresh prompt, so batches keep their size. At most ``max_uniform_drops`` are
-   dropped per batch; past that, such groups are kept, with zero advantages.
+   its advantages, ``(r - mean) / (std + eps)`` from the rewards it holds, come from the
+   function the learner calls when a batch has none (``group_advantages``), so they are
+   exactly what the learner computes over the same group. With ``drop_uniform`` (dynamic
+   sampling, DAPO), a released group whose rewards are all equal is dropped instead (no GRPO
+   signal): counted as waste, and its room goes to a fresh prompt, so batches keep their size.
+   At most ``max_uniform_drops`` are dropped per batch; past that, such groups are kept, with
+   zero advantages.
 4. **Consumption.** ``next_batch()`` hands out whole released groups, oldest release first,
    with each sample's staleness against the learner version that will consume them; a group
    with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
@@ -400,9 +402,7 @@ class SamplePipeline:
         self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
         if self.drop_uniform and uniform(rewards) and self._drop_uniform(group):
             return
-        advantages = group_advantages(
-            rewards, released.moments, normalize_std=self.normalize_std, std=self.std
-        )
+        advantages = group_advantages(rewards, normalize_std=self.normalize_std, std=self.std)
         group.advantages = dict(zip(ks, advantages, strict=True))
         self._ready.append(group)
         self._ready_event.set()
@@ -515,8 +515,7 @@ class SamplePipeline:
             EOFError: the prompts ran out and nothing is left to hand out.
         """
         version = self.pacer.version
-        samples: list[Scored] = []
-        ages: list[int] = []
+        taken: list[tuple[int, int, Scored, int]] = []  # (prompt index, sample index, ., age)
         admitted = 0  # the samples admitted for the groups taken: a partial group counts whole
         while admitted < self.batch_size:
             group = await self._next_ready()
@@ -532,10 +531,15 @@ class SamplePipeline:
                 self.metrics["groups_over_eta_corrected"] += 1
             for k in sorted(group.samples):
                 sample, reward = group.samples[k]
-                samples.append(Scored(sample, reward, advantage=group.advantages[k]))
-            ages += group_ages
+                scored = Scored(sample, reward, advantage=group.advantages[k])
+                taken.append((group.index, k, scored, staleness(version, sample.versions)))
             admitted += self.group_size
             self._settle(group)
+        # In prompt order, not release order: the learner sums the same samples in the same
+        # order whichever finished first, so a sync run is repeatable to the bit.
+        taken.sort(key=lambda t: (t[0], t[1]))
+        samples = [t[2] for t in taken]
+        ages = [t[3] for t in taken]
         if not samples:
             raise EOFError("the prompts ran out: no more groups to hand out")
         self.metrics["consumed_samples"] += len(samples)
