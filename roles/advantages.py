@@ -3,26 +3,19 @@ per-token rewards GAE walks. Conventions as in ``asyncrl.roles.algorithms``."""
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 from torch import Tensor
 
 from asyncrl.roles.estimators import KLKind, kl_estimator
+from asyncrl.roles.groups import StdKind, grouped_advantages
 from asyncrl.roles.masked import (
     check_2d,
-    check_positive,
     check_same_shape,
     valid_positions,
     zero_outside,
 )
 
 __all__ = ["StdKind", "gae", "grpo_advantages", "rloo_advantages", "token_rewards"]
-
-StdKind = Literal["population", "unbiased"]
-"""The standard deviation GRPO divides by: over n (population) or n - 1 (unbiased)."""
-
-_STD_KINDS: tuple[str, ...] = get_args(StdKind)
 
 
 def gae(
@@ -142,32 +135,26 @@ def grpo_advantages(
     eps: float = 1e-6,
     std: StdKind = "population",
 ) -> Tensor:
-    """GRPO's group-relative advantage of each sample (Shao et al. 2024).
+    """GRPO's group-relative advantage of each sample (Shao et al. 2024), on tensors.
 
     Inputs: scalar ``rewards`` [N], and ``group_ids`` [N] (integers; groups may have any size
     and their samples any order). Without ``group_ids`` all N rewards form one group. Output:
     advantages [N], detached, in the rewards' float dtype (integer rewards are promoted).
 
-    ``normalize_std=True``: ``(r - mean) / (std + eps)``. ``normalize_std=False``: ``r - mean``,
-    the Dr. GRPO variant (Liu et al. 2025), which drops the per-group scaling. ``std="population"``
-    (the default) divides the group's squared deviations by its size n, which is what
-    split-mode reduction of (count, mean, M2) with Chan's formula yields; ``std="unbiased"``
-    divides by n - 1, as TRL and verl do (``sqrt(n / (n - 1))`` times larger). A group of one
-    sample, or of equal rewards, has advantage 0 (verl gives a lone sample its reward r: it has
-    no baseline, so 0 is the only value that does not depend on the reward's offset).
+    Each group's advantages are ``groups.group_advantages`` of its rewards, the function the
+    sample pipeline calls (computed in double precision, then cast): ``normalize_std=True``
+    gives ``(r - mean) / (std + eps)``, ``normalize_std=False`` gives ``r - mean``, the Dr. GRPO
+    variant (Liu et al. 2025), which drops the per-group scaling. ``std="population"`` (the
+    default) divides the group's squared deviations by its size n; ``std="unbiased"`` divides
+    by n - 1, as TRL and verl do (``sqrt(n / (n - 1))`` times larger). A group of one sample,
+    or of equal rewards, has advantage 0 (verl gives a lone sample its reward r: it has no
+    baseline, so 0 is the only value that does not depend on the reward's offset).
     """
-    rewards, index, groups = _group_index(rewards.detach(), group_ids)
-    if normalize_std:
-        check_positive("eps", eps)
-    if std not in _STD_KINDS:
-        raise ValueError(f"unknown std {std!r}; expected one of {_STD_KINDS}")
-    count, mean, var = _group_moments(rewards, index, groups)
-    centred = torch.where(count > 1, rewards - mean, torch.zeros_like(rewards))
-    if not normalize_std:
-        return centred
-    if std == "unbiased":
-        var = var * count / (count - 1).clamp(min=1)
-    return centred / (var.sqrt() + eps)
+    rewards, index, _ = _group_index(rewards.detach(), group_ids)
+    advantages = grouped_advantages(
+        index.tolist(), rewards.tolist(), normalize_std=normalize_std, eps=eps, std=std
+    )
+    return torch.tensor(advantages, dtype=rewards.dtype, device=rewards.device)
 
 
 def rloo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:

@@ -20,7 +20,9 @@ This module gathers the public names of four, each about one idea, so that
 
 - ``asyncrl.roles.masked``: masked sums, means, variance, whitening and the aggregations.
 - ``asyncrl.roles.estimators``: the chosen tokens' log-probs, the entropy, the KL estimators.
-- ``asyncrl.roles.advantages``: GAE, GRPO and RLOO advantages, per-token rewards.
+- ``asyncrl.roles.advantages``: GAE, GRPO and RLOO advantages, per-token rewards; GRPO's
+  group by group through ``asyncrl.roles.groups.group_advantages``, the function the sample
+  pipeline calls too.
 - ``asyncrl.roles.losses``: PPO's clipped surrogate (token- or sequence-level ratio), decoupled
   PPO, truncated importance weights, the value loss.
 """

@@ -35,6 +35,7 @@ import torch
 
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.batching import aligned, batch_moments, gae_targets
+from asyncrl.roles.groups import grouped_advantages
 from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.payloads import Scored
 
@@ -117,13 +118,17 @@ def _rewards(samples: list[Scored]) -> torch.Tensor:
 
 def _grpo(cfg: LearnerConfig, samples: list[Scored]) -> list[Any]:
     """The advantages the pipeline gave, when every sample has one; else GRPO's over the
-    batch's groups (samples of one prompt id)."""
+    batch's groups (samples of one prompt id), computed by the very function the pipeline
+    calls on each group it releases (``groups.group_advantages``), so both are the same."""
     if all(s.advantage is not None for s in samples):
         return _whiten(cfg, [float(s.advantage) for s in samples if s.advantage is not None])
-    adv = alg.grpo_advantages(
-        _rewards(samples), _group_ids(samples), normalize_std=cfg.normalize_std, std=cfg.std
+    adv = grouped_advantages(
+        [s.sample.prompt_id for s in samples],
+        [s.reward for s in samples],
+        normalize_std=cfg.normalize_std,
+        std=cfg.std,
     )
-    return _whiten(cfg, [float(a) for a in adv])
+    return _whiten(cfg, adv)
 
 
 def _rloo(cfg: LearnerConfig, samples: list[Scored]) -> list[Any]:

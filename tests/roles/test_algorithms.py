@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from asyncrl.roles import algorithms as alg
+from asyncrl.roles.groups import group_advantages, grouped_advantages
 
 NAN = math.nan
 INF = math.inf
@@ -404,6 +406,41 @@ def test_grpo_promotes_integer_rewards() -> None:
     out = alg.grpo_advantages(torch.tensor([1, 0]), normalize_std=False)
     assert out.dtype == torch.get_default_dtype()
     assert out.tolist() == [0.5, -0.5]
+
+
+def test_grpo_tensors_and_lists_take_the_one_group_function() -> None:
+    """``grpo_advantages`` on tensors, ``grouped_advantages`` on a batch's lists and
+    ``group_advantages`` on one group are one computation: equal to the bit, in any order."""
+    rewards = [0.1, 0.7, 0.1, 0.3, 2.0, 0.25, 0.25, 0.25, 1.0 / 3.0]
+    keys = ["a", "b", "a", "b", "c", "d", "d", "d", "b"]
+    for std in ("population", "unbiased"):
+        for normalize in (True, False):
+            kw: dict[str, Any] = {"normalize_std": normalize, "std": std}
+            batch = grouped_advantages(keys, rewards, **kw)
+            for key in set(keys):
+                index = [i for i, k in enumerate(keys) if k == key]
+                group = group_advantages([rewards[i] for i in index], **kw)
+                assert [batch[i] for i in index] == group
+                # Any order of the group's rewards gives each one the same advantage.
+                backwards = group_advantages([rewards[i] for i in reversed(index)], **kw)
+                assert backwards == group[::-1]
+            ids = torch.tensor([ord(k) for k in keys])
+            assert alg.grpo_advantages(f64(rewards), ids, **kw).tolist() == batch
+            assert batch[4] == 0.0 and batch[5:8] == [0.0, 0.0, 0.0]  # one; uniform
+    assert group_advantages([]) == [] and grouped_advantages([], []) == []
+    with pytest.raises(ValueError, match=exactly("eps must be > 0, got 0.0")):
+        group_advantages([1.0, 0.0], eps=0.0)
+    with pytest.raises(ValueError, match=exactly("2 keys for 1 rewards; expected one each")):
+        grouped_advantages(["a", "b"], [1.0])
+
+
+def test_uniform_groups_get_exactly_zero_whatever_the_rounding() -> None:
+    """Equal rewards whose mean is not exactly representable still give 0, in float32 too."""
+    for n in range(1, 12):
+        assert group_advantages([0.1] * n) == [0.0] * n
+        assert group_advantages([0.1] * n, normalize_std=False, std="unbiased") == [0.0] * n
+        out = alg.grpo_advantages(torch.full((n,), 0.1, dtype=torch.float32))
+        assert out.dtype == torch.float32 and out.tolist() == [0.0] * n
 
 
 def test_rloo_by_hand() -> None:

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -20,6 +21,9 @@ from asyncrl.errors import StallError
 from asyncrl.pacing import PipelineSpec, StragglerSpec
 from asyncrl.reduce import Moments
 from asyncrl.roles import algorithms as alg
+from asyncrl.roles.learner_config import LearnerConfig
+from asyncrl.roles.objective import batch_advantages
+from asyncrl.roles.payloads import Scored
 from asyncrl.roles.pipeline import SamplePipeline, group_advantages
 from asyncrl.roles.rollout import GenerateBatch, Prompt, Sample, SamplingParams
 from asyncrl.transport import run
@@ -175,18 +179,63 @@ def test_advantages_equal_the_one_shot_computation_in_any_completion_order() -> 
 
 @pytest.mark.parametrize("std", ["population", "unbiased"])
 def test_group_advantages_match_grpo_without_std_too(std: str) -> None:
-    """The split-mode reduction's advantages equal the learner's one-shot ones for either std
+    """The pipeline's advantages equal the learner's one-shot ones for either std
     convention, and a group of one sample gets 0 like there."""
     rewards = [0.0, 1.0, 1.0, 0.25, 3.0]
-    moments = Moments(0, 0.0, 0.0)
-    for r in reversed(rewards):
-        moments = moments.merge(Moments.of([r]))
     for normalize in (True, False):
         expected = alg.grpo_advantages(torch.tensor(rewards), normalize_std=normalize, std=std)
-        got = group_advantages(rewards, moments, normalize_std=normalize, std=std)
+        got = group_advantages(rewards, normalize_std=normalize, std=std)
         assert torch.allclose(torch.tensor(got), expected, rtol=1e-6)
-    alone = group_advantages([0.7], Moments.of([0.7]), std=std)
+    alone = group_advantages([0.7], std=std)
     assert alone == alg.grpo_advantages(torch.tensor([0.7]), std=std).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("std", ["population", "unbiased"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_pipeline_and_the_learner_compute_identical_advantages(
+    std: str, normalize: bool
+) -> None:
+    """The advantages the pipeline attaches are, to the bit, those the learner computes over
+    the same samples sent without them: groups completed in a random order, a uniform group
+    whose mean 0.1 is not a binary fraction, and groups of one sample."""
+
+    async def scored(samples: list[Sample]) -> list[float]:
+        return [0.1 if s.prompt_id == "p1" else 3 * reward_of(s) - 1 for s in samples]
+
+    async def batches(group_size: int, order_seed: int) -> list[Scored]:
+        rollout = FakeRollout()
+        spec = PipelineSpec(mode="async", eta=1)
+        async with SamplePipeline(
+            rollout,
+            spec=spec,
+            feed=Feed(1000),
+            params=SamplingParams(max_new_tokens=4),
+            batch_size=2 * group_size,
+            group_size=group_size,
+            score=scored,
+            normalize_std=normalize,
+            std=std,
+        ) as pipe:
+            sids = await started(rollout, 4 * group_size)
+            random.Random(order_seed).shuffle(sids)
+            for sid in sids:
+                rollout.release(sid)
+            got = [await asyncio.wait_for(pipe.next_batch(), WAIT_S) for _ in range(2)]
+        return [s for b in got for s in b.samples]
+
+    config = LearnerConfig(normalize_std=normalize, std=std)  # type: ignore[arg-type]
+    for group_size, seed in [(G, 7), (G, 8), (1, 7)]:
+        samples = run(batches(group_size, seed))
+        given = [s.advantage for s in samples]
+        bare = [msgspec.structs.replace(s, advantage=None) for s in samples]
+        assert batch_advantages(config, "grpo", bare) == given
+        assert batch_advantages(config, "grpo", bare[::-1]) == given[::-1]
+        if group_size == 1:
+            assert given == [0.0] * len(samples)
+        else:
+            assert [s.advantage for s in samples if s.sample.prompt_id == "p1"] == [0.0] * G
+            others = [s.advantage for s in samples if s.sample.prompt_id != "p1"]
+            assert others and 0.0 not in others
 
 
 def test_sync_mode_keeps_one_batch_in_flight_and_waits_for_the_learner() -> None:
