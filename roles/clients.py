@@ -24,9 +24,11 @@ from asyncrl.errors import BrokenError
 from asyncrl.handles import Context, Handle
 from asyncrl.pacing import PipelineSpec
 from asyncrl.roles.payloads import (
+    CriticStepResult,
     GenerateBatch,
     LearnerStatus,
     Prompt,
+    RolloutStats,
     Sample,
     Scored,
     StepResult,
@@ -175,6 +177,11 @@ class RolloutClient:
         versions: list[int] = await self.handle.broadcast("sync", None, int, timeout=LONG_S)
         return versions
 
+    async def stats(self) -> list[RolloutStats]:
+        """What each replica's engine computed since it started, one per replica."""
+        out: list[RolloutStats] = await self.handle.broadcast("stats", None, RolloutStats)
+        return out
+
 
 class RewardClient:
     """The reward role (``asyncrl.roles.reward.Reward``)."""
@@ -225,10 +232,11 @@ class CriticClient:
         )
         return out
 
-    async def train_step(self, batch: list[Scored], *, timeout: float = LONG_S) -> dict[str, float]:
-        """One value-loss step on the scored samples; its metrics."""
-        out: dict[str, float] = await self.handle.call(
-            "train_step", batch, dict[str, float], timeout=timeout
+    async def train_step(self, batch: list[Scored], *, timeout: float = LONG_S) -> CriticStepResult:
+        """``ppo_epochs x mini_batches`` value-loss steps on the scored samples; their
+        metrics."""
+        out: CriticStepResult = await self.handle.call(
+            "train_step", batch, CriticStepResult, timeout=timeout
         )
         return out
 

@@ -13,7 +13,9 @@ recorded when the sample was scored (``Scored.values``), with the learner's own 
 (verl's critic the same): each epoch shuffles the samples into ``mini_batches`` mini-batches
 (seeded by ``seed``, the critic's step and the epoch) and each mini-batch makes one AdamW step.
 The targets and the old values that the value clip is taken around stay those of the batch
-across every step. The defaults (one epoch, one mini-batch) take one step per batch.
+across every step. The defaults (one epoch, one mini-batch) take one step per batch. It replies
+with a ``CriticStepResult``: the step count, the optimizer steps taken and the loss figures
+averaged over them (a fixed set, so typed fields rather than the learner's open metrics dict).
 
 The returns must be the ones the learner's advantages came from, so the settings that shape
 them (``gamma``, ``lam``, and with ``kl_mode: reward`` the per-token penalty ``-kl_coef * KL``
@@ -38,7 +40,7 @@ from asyncrl.roles.batching import (
     mini_batch_indices,
     pad_batch,
 )
-from asyncrl.roles.payloads import Scored
+from asyncrl.roles.payloads import CriticStepResult, Scored
 from asyncrl.roles.rollout import Sample
 
 __all__ = ["RETURN_SETTINGS", "Critic", "check_matches_learner"]
@@ -159,7 +161,7 @@ class Critic(Role):
         return await self.ctx.offload(compute)
 
     @endpoint(Delivery.ONCE)
-    async def train_step(self, batch: list[Scored]) -> dict[str, float]:
+    async def train_step(self, batch: list[Scored]) -> CriticStepResult:
         return await self.ctx.offload(self._train_step, batch)
 
     def _targets(self, batch: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +182,7 @@ class Critic(Role):
                 old[i, mask.shape[1] - len(s.values) :] = torch.tensor(s.values)
         return old, returns
 
-    def _train_step(self, batch: list[Scored]) -> dict[str, float]:
+    def _train_step(self, batch: list[Scored]) -> CriticStepResult:
         """``ppo_epochs x mini_batches`` value-loss steps on the batch; the metrics averaged
         over the steps, and their count.
 
@@ -205,7 +207,14 @@ class Critic(Role):
                     self._optimizer_step([batch[i] for i in part], old[part], returns[part])
                 )
         self.step += 1
-        return {**mean_over_steps(steps), "optimizer_steps": float(len(steps))}
+        means = mean_over_steps(steps)
+        return CriticStepResult(
+            step=self.step,
+            optimizer_steps=len(steps),
+            value_loss=means["value_loss"],
+            value_clip_fraction=means["value_clip_fraction"],
+            grad_norm=means["grad_norm"],
+        )
 
     def _optimizer_step(
         self, samples: list[Scored], old: torch.Tensor, returns: torch.Tensor

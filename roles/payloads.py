@@ -16,10 +16,12 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "CriticStepResult",
     "GenerateBatch",
     "GenerateRequest",
     "LearnerStatus",
     "Prompt",
+    "RolloutStats",
     "Sample",
     "SamplingParams",
     "Scored",
@@ -232,3 +234,39 @@ class LearnerStatus(msgspec.Struct):
     last: dict[str, Any] = {}
     durable: bool = False
     advantages: dict[str, Any] = {}
+
+
+class CriticStepResult(msgspec.Struct):
+    """What one critic ``train_step`` did; each loss figure is the mean over its optimizer
+    steps.
+
+    Attributes:
+        step: the critic's step count (batches trained on) after it.
+        optimizer_steps: the optimizer steps it took (``ppo_epochs x mini_batches``).
+        value_loss: PPO's clipped value loss.
+        value_clip_fraction: the share of tokens where the clipped value's error set the loss.
+        grad_norm: the gradient's norm before clipping.
+    """
+
+    step: int
+    optimizer_steps: int
+    value_loss: float
+    value_clip_fraction: float
+    grad_norm: float
+
+
+class RolloutStats(msgspec.Struct):
+    """What a rollout replica's engine computed since it started (its ``stats`` endpoint); a
+    restarted replica counts from 0.
+
+    Attributes:
+        forward_passes: model forwards (prefills, decode steps and scores).
+        prefill_tokens: real (not padding) tokens fed to generation prefills.
+        tokens_generated: tokens sampled and recorded in a sample.
+        weight_switches: pending weights loaded into the model.
+    """
+
+    forward_passes: int = 0
+    prefill_tokens: int = 0
+    tokens_generated: int = 0
+    weight_switches: int = 0

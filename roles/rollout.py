@@ -13,7 +13,7 @@ default) and answers these endpoints:
 - ``sync(None) -> int``, latest-wins: load the newest weights the publisher named by
   ``weights_from`` left in shared memory; applied as ``set_weights`` applies them.
 - ``version(None) -> int``, idempotent: the weights version active now.
-- ``stats(None) -> dict[str, int]``, idempotent: what this replica's engine computed since it
+- ``stats(None) -> RolloutStats``, idempotent: what this replica's engine computed since it
   started (``forward_passes``, ``prefill_tokens``, ``tokens_generated``, ``weight_switches``), so
   a caller can check from outside that a resumed sample regenerated nothing.
 
@@ -52,6 +52,7 @@ from asyncrl.roles.payloads import (
     GenerateBatch,
     GenerateRequest,
     Prompt,
+    RolloutStats,
     Sample,
     SamplingParams,
     StopReason,
@@ -401,11 +402,11 @@ class Rollout(Role):
         return self.engine.version
 
     @endpoint(Delivery.IDEMPOTENT)
-    async def stats(self, _: None) -> dict[str, int]:
-        """What this replica's engine computed since it started (``EngineStats``, by field:
-        forward_passes, prefill_tokens, tokens_generated, weight_switches). A restarted
-        replica counts from 0; read during a generation, the counters may be a step apart."""
-        return dataclasses.asdict(self.engine.stats)
+    async def stats(self, _: None) -> RolloutStats:
+        """What this replica's engine computed since it started (its ``EngineStats``). A
+        restarted replica counts from 0; read during a generation, the counters may be a step
+        apart."""
+        return RolloutStats(**dataclasses.asdict(self.engine.stats))
 
     def _weights_changed(self) -> Callable[[], bool]:
         """A ``should_interrupt`` for one generate call: True once the weights pending or

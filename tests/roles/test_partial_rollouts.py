@@ -21,6 +21,7 @@ import torch
 
 from asyncrl.role import Delivery, RoleContext, endpoints_of
 from asyncrl.roles.engine import HFEngine
+from asyncrl.roles.payloads import RolloutStats
 from asyncrl.roles.rollout import (
     GenerateBatch,
     GenerateRequest,
@@ -115,10 +116,10 @@ def test_the_stats_endpoint_is_idempotent_and_counts_by_field() -> None:
     assert (spec.delivery, spec.request_type, spec.reply_type) == (
         Delivery.IDEMPOTENT,
         type(None),
-        dict[str, int],
+        RolloutStats,
     )
 
-    async def scenario() -> tuple[dict[str, int], dict[str, int]]:
+    async def scenario() -> tuple[RolloutStats, RolloutStats]:
         role = await started()
         try:
             before = await role.stats(None)
@@ -128,14 +129,15 @@ def test_the_stats_endpoint_is_idempotent_and_counts_by_field() -> None:
             role.ctx.close()
 
     before, after = run(scenario)
-    assert before == {
-        "forward_passes": 0,
-        "prefill_tokens": 0,
-        "tokens_generated": 0,
-        "weight_switches": 0,
-    }
+    assert before == RolloutStats(
+        forward_passes=0, prefill_tokens=0, tokens_generated=0, weight_switches=0
+    )
     # One prefill and three decode steps; the prompt's tokens were the prefill.
-    assert after == {
+    assert after == RolloutStats(
+        forward_passes=4, prefill_tokens=5, tokens_generated=4, weight_switches=0
+    )
+    # On the wire it is a map by field, so a caller may still decode it as a dict.
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(after), type=dict[str, int]) == {
         "forward_passes": 4,
         "prefill_tokens": 5,
         "tokens_generated": 4,
@@ -174,8 +176,8 @@ def test_chunks_alternate_between_replicas_and_nothing_is_regenerated() -> None:
     final = parts[-1]
     assert final.versions == [0] * n
     # Each replica sampled only its own chunks: 3 + 3 on A, 3 + 2 on B.
-    assert [s["tokens_generated"] for s in stats] == [6, 5]
-    assert sum(s["tokens_generated"] for s in stats) == len(final.token_ids)
+    assert [s.tokens_generated for s in stats] == [6, 5]
+    assert sum(s.tokens_generated for s in stats) == len(final.token_ids)
     # Seeds are per token position, so the chunked sample is the uninterrupted one.
     assert final.token_ids == reference.token_ids
     assert_close(final.logprobs, reference.logprobs)
@@ -234,8 +236,8 @@ def test_new_weights_interrupt_and_the_sample_resumes_elsewhere_under_them() -> 
     assert (len(final.token_ids), final.finished, final.stop_reason) == (n, True, "length")
     assert final.versions == [0] * k + [1] * (n - k)
     assert_kept(partial, final)
-    assert stats_a["tokens_generated"] + stats_b["tokens_generated"] == n
-    assert (stats_a["tokens_generated"], stats_a["weight_switches"]) == (k, 1)
+    assert stats_a.tokens_generated + stats_b.tokens_generated == n
+    assert (stats_a.tokens_generated, stats_a.weight_switches) == (k, 1)
     # The resume's prefill recomputed the cache under version 1: no token mixes versions, so
     # each part equals a plain recompute under its own weights.
     old = HFEngine.from_config(MODEL, seed=SEED).score([PROMPT.token_ids], [final.token_ids])[0]
@@ -253,7 +255,7 @@ def test_without_interrupt_on_weights_the_update_switches_mid_generation() -> No
     assert (len(sample.token_ids), sample.finished, sample.stop_reason) == (n, True, "length")
     assert sample.versions == [0] * k + [1] * (n - k)
     assert_kept(interrupted, sample)  # the same first k tokens, before the update
-    assert (stats["tokens_generated"], stats["weight_switches"]) == (n, 1)
+    assert (stats.tokens_generated, stats.weight_switches) == (n, 1)
 
 
 def test_weights_from_sync_interrupt_and_the_sample_resumes_on_the_same_replica(
@@ -297,7 +299,7 @@ def test_weights_from_sync_interrupt_and_the_sample_resumes_on_the_same_replica(
     )
     assert (final.finished, final.versions) == (True, [0] * k + [1] * (n - k))
     assert_kept(partial, final)
-    assert (stats["tokens_generated"], stats["weight_switches"]) == (n, 1)
+    assert (stats.tokens_generated, stats.weight_switches) == (n, 1)
 
 
 def test_interrupt_on_weights_is_off_by_default() -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import pytest
 import torch
 
 from asyncrl.role import RoleContext
+from asyncrl.roles.clients import CriticClient
 from asyncrl.roles.critic import Critic, check_matches_learner
 from asyncrl.roles.learner import Learner, Scored, TrainBatch
+from asyncrl.roles.payloads import CriticStepResult
 from asyncrl.roles.reference import Reference
 from asyncrl.roles.rollout import Sample, WeightsUpdate
 
@@ -73,7 +76,7 @@ def test_critic_values_line_up_and_learn_the_return(tmp_path: Any) -> None:
             scored = [
                 Scored(s, reward=1.0, values=v) for s, v in zip(samples, current, strict=True)
             ]
-            losses.append((await critic.train_step(scored))["value_loss"])
+            losses.append((await critic.train_step(scored)).value_loss)
         assert losses[-1] < losses[0] * 0.1
         final = await critic.values(samples)
         # gamma = 1: the return of every token is the final reward, 1.0.
@@ -218,12 +221,10 @@ def test_critic_and_learner_return_settings_must_match() -> None:
 
 
 def test_critic_dr_grpo_aggregation_divides_by_norm_len(tmp_path: Any) -> None:
-    import msgspec
-
     def loss(**config: Any) -> float:
         critic = Critic(RoleContext.local(config={"model_config": MODEL, "lr": 0.0, **config}))
         asyncio.run(critic.setup())
-        return critic._train_step(_ppo_batch())["value_loss"]
+        return critic._train_step(_ppo_batch()).value_loss
 
     summed = loss(aggregation="seq_mean_token_sum")
     assert summed > 0.01
@@ -232,3 +233,32 @@ def test_critic_dr_grpo_aggregation_divides_by_norm_len(tmp_path: Any) -> None:
     )
     with pytest.raises(msgspec.ValidationError, match=r"^norm_len: aggregation"):
         Critic(RoleContext.local(config={"aggregation": "seq_mean_token_sum_norm"}))
+
+
+class WireHandle:
+    """A handle on a role in this process whose replies go through msgpack, as on the wire."""
+
+    def __init__(self, role: Any) -> None:
+        self.role = role
+        self.name = "critic"
+
+    async def call(self, method: str, payload: Any, reply_type: Any = Any, **_: Any) -> Any:
+        reply = await getattr(self.role, method)(payload)
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=reply_type)
+
+
+def test_the_critic_replies_to_train_step_with_a_typed_result() -> None:
+    async def go() -> tuple[CriticStepResult, CriticStepResult]:
+        critic = Critic(
+            RoleContext.local(config={"model_config": MODEL, "ppo_epochs": 2, "mini_batches": 2})
+        )
+        await critic.setup()
+        client = CriticClient(cast(Any, WireHandle(critic)))
+        first = await client.train_step(_ppo_batch())
+        return first, await client.train_step(_ppo_batch())
+
+    first, second = asyncio.run(go())
+    assert isinstance(first, CriticStepResult)
+    assert (first.step, first.optimizer_steps, second.step) == (1, 4, 2)
+    assert first.value_loss > 0.01 and first.grad_norm > 0.0
+    assert 0.0 <= first.value_clip_fraction <= 1.0
