@@ -334,20 +334,26 @@ class Learner(Role):
         if objective.needs_proximal and epochs * parts > 1:
             proximal = self._proximal_logprobs(fresh)
         steps = []
-        for epoch in range(epochs):
-            split = mini_batch_indices(
-                len(fresh), parts, seed=cfg.seed, step=self.step, epoch=epoch
-            )
-            for part in split:
-                steps.append(
-                    self._optimizer_step(
-                        objective,
-                        [fresh[i] for i in part],
-                        [advantages[i] for i in part],
-                        None if proximal is None else [proximal[i] for i in part],
-                        batch.demos,
-                    )
+        # BC on a few demonstrations memorises them unless dropout is on (``bc_dropout``); RL
+        # steps keep it as ``dropout`` says, so their log-probs are the sampler's.
+        self.model.train(cfg.dropout or (cfg.bc_dropout and not objective.algorithm.rl))
+        try:
+            for epoch in range(epochs):
+                split = mini_batch_indices(
+                    len(fresh), parts, seed=cfg.seed, step=self.step, epoch=epoch
                 )
+                for part in split:
+                    steps.append(
+                        self._optimizer_step(
+                            objective,
+                            [fresh[i] for i in part],
+                            [advantages[i] for i in part],
+                            None if proximal is None else [proximal[i] for i in part],
+                            batch.demos,
+                        )
+                    )
+        finally:
+            self.model.train(cfg.dropout)
         return {**mean_over_steps(steps), "optimizer_steps": float(len(steps))}
 
     def _proximal_logprobs(self, samples: list[Scored]) -> list[list[float]]:

@@ -74,6 +74,8 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         pad_id: the token id of padding.
         dropout: keep the model's dropout on while training (off: the learner's log-probs
             of a sample equal its behaviour log-probs under the same weights).
+        bc_dropout: keep the model's dropout on in behaviour-cloning steps only: with a few
+            hundred demonstrations, BC without it can memorise them and stop generalising.
     """
 
     model_path: str = ""
@@ -115,6 +117,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     keep_checkpoints: int = 2
     pad_id: int = 0
     dropout: bool = False
+    bc_dropout: bool = False
 
     def __post_init__(self) -> None:
         check_norm_len(self.aggregation, self.norm_len)

@@ -617,3 +617,28 @@ def test_a_term_composes_into_the_loss_with_its_coefficient(tmp_path: Any) -> No
     assert torch.equal(loss, base + 2.0 * torch.tensor(0.25) + -3.0 * torch.tensor(1.0))
     assert float(loss.detach()) == pytest.approx(float(base.detach()) - 2.5)
     assert parts == {**base_parts, "two": 0.25, "x": 1.0}
+
+
+def test_bc_dropout_acts_in_bc_steps_only(tmp_path: Any) -> None:
+    """bc_dropout: a BC step trains with dropout (its update differs from one without), an RL
+    step is bit-identical to one without it, and the model is left in eval mode either way, so
+    the learner's log-probs stay the sampler's."""
+    model = {**MODEL, "resid_pdrop": 0.5, "embd_pdrop": 0.5, "attn_pdrop": 0.5}
+    demos = [Scored(sample(f"d{i}", [2, 3, 13], [4 + i, 5, 1])) for i in range(4)]
+    rl = [Scored(sample("p", [2, 3, 13], [4 + i, 1], i), float(i)) for i in range(4)]
+    plain = make(tmp_path / "plain", lr=0.01, model_config=model)
+    dropped = make(tmp_path / "dropped", lr=0.01, model_config=model, bc_dropout=True)
+    for learner in (plain, dropped):
+        learner._train_step(TrainBatch(demos, algorithm="bc"))
+        assert not learner.model.training
+    after_bc = [p.clone() for p in dropped.model.parameters()]
+    assert any(
+        not torch.equal(a, b) for a, b in zip(plain.model.parameters(), after_bc, strict=True)
+    )
+    again = make(tmp_path / "again", lr=0.01, model_config=model, bc_dropout=True)
+    reference = make(tmp_path / "reference", lr=0.01, model_config=model)
+    for learner in (again, reference):
+        learner._train_step(TrainBatch(rl, algorithm="grpo"))
+        assert not learner.model.training
+    for a, b in zip(again.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(a, b)
