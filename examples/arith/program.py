@@ -86,7 +86,9 @@ class Run:
 
     @classmethod
     async def start(cls, rl: RLContext, cfg: dict[str, Any]) -> Run:
-        plot = _plotting_available()  # checked now: a missing package must not fail the end
+        # Checked now (a missing package must not fail the end), and off the event loop like
+        # every slow step here: a driver whose loop is blocked for seconds misses heartbeats.
+        plot = await asyncio.to_thread(_plotting_available)
         # Off the event loop: importing transformers takes seconds, and a driver whose loop is
         # blocked that long misses its heartbeats and is restarted as hung.
         tok = await asyncio.to_thread(_tokenizer, cfg["tokenizer"])
@@ -235,7 +237,7 @@ async def report(run: Run) -> dict[str, Any]:
     with open(os.path.join(rl.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if run.plot:
-        _plot(history.entries, os.path.join(rl.run_dir, "progress.png"))
+        await asyncio.to_thread(_plot, history.entries, os.path.join(rl.run_dir, "progress.png"))
     say(
         f"held-out accuracy: {summary['accuracy_before_rl']:.3f} at the BC plateau, "
         f"{accuracy_final:.3f} after {run.cfg['algorithm'].upper()}"
