@@ -42,7 +42,8 @@ DEFAULTS: dict[str, Any] = {
     "bc_batch": 50,
     "bc_lr": 3e-3,
     "bc_eval_every": 100,  # BC steps between held-out evaluations
-    "bc_patience": 3,  # evaluations without improvement that end BC
+    "bc_patience": 3,  # evaluations without improvement that end BC ...
+    "bc_min_steps": 800,  # ... but not before this: with dropout, BC may start slowly
     "bc_max_steps": 1500,
     "algorithm": "grpo",  # or "rloo", or "ppo" (needs a critic role)
     "rl_steps": 1500,
@@ -145,7 +146,8 @@ async def behaviour_cloning(run: Run) -> None:
             history.add({"phase": "bc", "step": step, "accuracy": acc, "wall_s": run.wall()})
             say(f"BC step {step}: held-out accuracy {acc:.3f}")
             continue
-        if stale >= cfg["bc_patience"] or step >= cfg["bc_max_steps"]:
+        plateau = stale >= cfg["bc_patience"] and step >= cfg["bc_min_steps"]
+        if plateau or step >= cfg["bc_max_steps"]:
             break
         # Each step's demonstrations are drawn from its own seeded stream, so a resumed run
         # draws what the interrupted one would have.
