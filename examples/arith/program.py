@@ -5,8 +5,9 @@ Read it top to bottom; it uses only the handles of the runtime:
 1. BC on a small, fixed set of demonstrations, until held-out accuracy stops improving (the
    plateau: limited by the demonstrations);
 2. GRPO from that checkpoint on fresh prompts, with the BC coefficient at 0 (pure RL: limited
-   only by the verifier), through the sample pipeline in the manifest's mode (``sync`` by
-   default; ``--set pipeline.mode=async`` overlaps generation with training);
+   only by the verifier), through the sample pipeline in the manifest's mode (``async`` in
+   ``bc_grpo.yaml``; ``--set pipeline.mode=sync`` waits for each step's weights), with the
+   manifest's dynamic sampling;
 3. held-out greedy accuracy at the plateau and at the end, a plot, ``summary.json``,
    ``heldout.jsonl`` and the final policy in Hugging Face format in ``final/``.
 
@@ -46,7 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "bc_min_steps": 800,  # ... but not before this: with dropout, BC may start slowly
     "bc_max_steps": 1500,
     "algorithm": "grpo",  # or "rloo", or "ppo" (needs a critic role)
-    "rl_steps": 1500,
+    "rl_steps": 300,
     "rl_lr": 1e-3,
     "prompts_per_step": 32,
     "group_size": 8,
