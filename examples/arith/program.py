@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from asyncrl.handles import Context
+from asyncrl.metrics import Restarts
 from asyncrl.progress import say
 from asyncrl.roles.clients import RLContext
 from asyncrl.roles.evaluation import greedy_accuracy
@@ -113,6 +114,10 @@ class Run:
         """Held-out greedy accuracy of the weights the learner holds now."""
         status = await self.rl.learner.status()
         await WeightSync(self.rl.rollout.handle, wait=True, timeout=300).ensure(status.version)
+        return await self.greedy()
+
+    async def greedy(self) -> float:
+        """Held-out greedy accuracy of the weights the rollout replicas hold."""
         return await greedy_accuracy(
             self.rl,
             self.heldout,
@@ -204,7 +209,7 @@ async def reinforce(run: Run) -> None:
         ),
         lr=cfg["rl_lr"],
         id_prefix="rl-",
-        evaluate=run.accuracy,
+        evaluate=run.greedy,  # rl_loop syncs the replicas to the step's weights first
         eval_every=cfg["rl_eval_every"],
     )
     run.pipeline = (await rl_loop(rl, loop, feed=feed, score=score, done=done, on_step=on_step))[
@@ -229,7 +234,7 @@ async def report(run: Run) -> dict[str, Any]:
         "learner_steps": status.step,
         "samples_consumed": consumed,
         "samples_per_s": consumed / rl_wall,
-        "restarts": _restarts(rl.run_dir),
+        "restarts": Restarts(rl.run_dir)(),
         "driver_incarnation": rl.incarnation,
         "mode": rl.pipeline.mode,
         "staleness_max": max((h.get("staleness_max", 0) for h in history.phase("rl")), default=0),
@@ -351,16 +356,6 @@ def _reuse(demo: Sample, step: int) -> Sample:
     return Sample(
         f"{demo.prompt_id}#bc{step}", 0, demo.prompt_ids, demo.token_ids, [], [], True, "stop"
     )
-
-
-def _restarts(run_dir: str) -> int:
-    """Restarts so far, counted from the supervisor's log (the program runs under it)."""
-    path = os.path.join(run_dir, "logs", "agent.jsonl")
-    try:
-        with open(path) as f:
-            return sum(1 for line in f if '"event": "restarting"' in line)
-    except OSError:
-        return 0
 
 
 def _plot(history: list[dict[str, Any]], path: str) -> None:
