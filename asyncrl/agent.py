@@ -68,7 +68,9 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
                     "command" if role.command else "role",
                     endpoint,
                     role.supervision,
-                    _role_launcher(manifest, role, name, replica, endpoint, run_dir, parent_pid),
+                    _role_launcher(
+                        manifest, role, name, replica, endpoint, run_dir, parent_pid, groups
+                    ),
                 )
             )
     driver = manifest.driver
@@ -112,7 +114,10 @@ def _role_launcher(
     endpoint: str,
     run_dir: str,
     parent_pid: int,
+    groups: dict[str, GroupInfo],
 ) -> Any:
+    """The launcher of one role replica. ``groups`` is filled as the manifest's roles are read,
+    so by the first launch it holds every group."""
     run = manifest.run
 
     def launch(incarnation: int) -> tuple[list[str], dict[str, str]]:
@@ -157,6 +162,8 @@ def _role_launcher(
             heartbeat_interval_s=role.supervision.heartbeat_interval_s,
             liveness=role.supervision.liveness,
             parent_pid=parent_pid,
+            replicas=role.replicas,
+            groups=groups,
             model=msgspec.to_builtins(manifest.model),
         )
         env.update(_spec_env(spec))

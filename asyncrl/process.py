@@ -111,6 +111,8 @@ async def serve_role(spec: ProcessSpec) -> None:
         threads=spec.threads,
         device=spec.device,
         capacity=spec.capacity,
+        replicas=spec.replicas,
+        groups=dict(spec.groups),
         log=log,
     )
     try:

@@ -125,6 +125,9 @@ class RoleContext:
         threads: CPU threads this process may use for compute.
         device: the placement's device string.
         capacity: requests one replica works on at once.
+        replicas: how many replicas the role has (a data-parallel group's world size).
+        groups: every role group of the run by name (``asyncrl.spec.GroupInfo``: endpoints as
+            seen from this node), for a role that calls another.
     """
 
     name: str = "role"
@@ -136,6 +139,8 @@ class RoleContext:
     threads: int = 1
     device: str = "cpu"
     capacity: int = 1
+    replicas: int = 1
+    groups: dict[str, Any] = field(default_factory=dict)
     log: Any = field(default_factory=lambda: logging.getLogger("asyncrl.role"))
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
 

@@ -86,7 +86,9 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         heartbeat_interval_s: seconds between pings.
         liveness: missed pings after which a peer is dead.
         parent_pid: the node agent's pid; the process exits if its parent is not this one.
-        groups: for the driver: every role group, by name.
+        replicas: how many replicas the role has (a data-parallel group's world size).
+        groups: every role group, by name, with endpoints as seen from this process's node (the
+            driver calls them; a role may call another, e.g. a relay its publisher).
         pipeline: for the driver: the manifest's ``pipeline`` section.
         model: for a role: the manifest's ``model`` section, which fills the fields of the
             role's Config that its config leaves unset (``asyncrl.model_section``).
@@ -107,6 +109,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_interval_s: float = 1.0
     liveness: int = 3
     parent_pid: int = 0
+    replicas: int = 1
     groups: dict[str, GroupInfo] = {}
     pipeline: dict[str, Any] = {}
     model: dict[str, Any] = {}

@@ -828,7 +828,7 @@ def test_a_large_config_reaches_every_process_through_a_spec_file(run_dir: str) 
         assert out.returncode == 0, out.stderr
         outputs.append(out.stdout)
     assert outputs == [
-        "role role 1 200000 []\n",
+        "role role 1 200000 ['ext', 'role']\n",  # roles see every group too
         "command 200000 False\n",
         "driver driver 1 200000 ['ext', 'role']\n",
     ]
