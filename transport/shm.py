@@ -30,7 +30,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["SHM_DIR", "ShmPool", "ShmReader", "Slot", "host_id", "segment_name", "sweep"]
+__all__ = [
+    "HOST_ID_ENV",
+    "SHM_DIR",
+    "ShmPool",
+    "ShmReader",
+    "Slot",
+    "host_id",
+    "segment_name",
+    "sweep",
+]
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "asyncrl"
@@ -40,11 +49,26 @@ _HEADROOM = 64 << 20  # leave this much of /dev/shm free for everyone else
 _SEQ = itertools.count(1)  # shared by every pool of the process, so names never collide
 
 
+HOST_ID_ENV = "ASYNCRL_HOST_ID"
+"""An environment variable that splits one machine into simulated hosts: when set (not empty),
+``host_id()`` adds its value, so two processes on one machine with different values act as two
+hosts. They exchange no shared-memory descriptors (tensor frames travel inline over the socket)
+and a ``WeightReader`` refuses the other's weight store. Tests and one-machine rehearsals of a
+multi-node run set it per simulated node; on real hosts it can stay unset."""
+
+
 def host_id(directory: str = SHM_DIR) -> str:
-    """Who shares this process's shared memory: host name, boot id and the shm mount.
+    """Who shares this process's shared memory: host name, boot id and the shm mount, and the
+    value of ``ASYNCRL_HOST_ID`` when that is set (``<real id>#<value>``).
 
     Two processes may exchange shared-memory descriptors only when their host ids are equal.
     """
+    real = _real_host_id(directory)
+    override = os.environ.get(HOST_ID_ENV, "")
+    return f"{real}#{override}" if override else real
+
+
+def _real_host_id(directory: str) -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

@@ -23,7 +23,15 @@ import pytest
 import torch
 
 from asyncrl.transport import ChannelOptions, Client, run
-from asyncrl.transport.shm import SHM_DIR, ShmPool, ShmReader, segment_name, sweep
+from asyncrl.transport.shm import (
+    HOST_ID_ENV,
+    SHM_DIR,
+    ShmPool,
+    ShmReader,
+    host_id,
+    segment_name,
+    sweep,
+)
 from tests.conftest import ServerProcess, start_server_process
 
 MIB = 1 << 20
@@ -436,3 +444,47 @@ def test_a_killed_sender_is_swept(run_dir: str) -> None:
             server.stop(signal.SIGKILL)
         sweep(run_name, pid=server.pid)
     assert _segments(run_name) == []
+
+
+def test_the_host_id_override_splits_one_machine_into_hosts(
+    monkeypatch: pytest.MonkeyPatch, shm_dir: str
+) -> None:
+    monkeypatch.delenv(HOST_ID_ENV, raising=False)
+    real = host_id(shm_dir)
+    monkeypatch.setenv(HOST_ID_ENV, "node-1")
+    assert host_id(shm_dir) == f"{real}#node-1"
+    monkeypatch.setenv(HOST_ID_ENV, "")  # empty: not set
+    assert host_id(shm_dir) == real
+
+
+def test_processes_with_other_host_ids_send_tensors_inline_not_by_shared_memory(
+    monkeypatch: pytest.MonkeyPatch, run_dir: str
+) -> None:
+    """The same pair on one machine shares memory (the control); with different host ids each
+    side sends its tensor as frames over the socket, and no segment of the run is made."""
+    run_name = os.path.basename(run_dir)
+    big = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: over the shm threshold
+
+    async def echo_twice(endpoint: str) -> tuple[bool, list[str]]:
+        async with Client(endpoint, options=ChannelOptions(run=run_name)) as client:
+            back = await client.call("echo", big, torch.Tensor)
+            assert torch.equal(back, big)
+            shared = client._use_shm
+            return shared, _segments(run_name)
+
+    for server_host, client_host, shared in (
+        ("node-0", "node-0", True),
+        ("node-1", "node-0", False),
+    ):
+        monkeypatch.setenv(HOST_ID_ENV, server_host)  # inherited by the server process
+        server = start_server_process(f"ipc://{run_dir}/{server_host}.sock", "--run", run_name)
+        monkeypatch.setenv(HOST_ID_ENV, client_host)
+        try:
+            used, segments = run(echo_twice(server.endpoint))
+            assert used is shared
+            owners = sorted({_pid_of(name) for name in segments})
+            assert owners == (sorted([os.getpid(), server.pid]) if shared else [])
+        finally:
+            server.stop(signal.SIGTERM)
+            sweep(run_name, pid=server.pid)
+            sweep(run_name, pid=os.getpid())
