@@ -31,6 +31,16 @@ its tokens, log-probs and versions, and only generates what remains of ``max_new
 Seeds: the uniform number that picks token ``t`` of a sample is drawn from a ``torch.Generator``
 seeded by (request seed, t) alone. So a request is reproducible whatever else is in the batch,
 and an interrupted-then-resumed sample draws the same numbers as an uninterrupted one.
+
+Batch invariance: the float rounding of a row's logits depends on the shapes of the forward that
+computed them (a CPU matrix product picks its blocking by shape), so the same request decoded in
+batches of other sizes, or beside a longer prompt, gets log-probs that differ in the last bits
+(about 2e-7 on the arith model), and a learner trained on them drifts from run to run. With
+``batch_invariant`` every forward has the same shapes: each batch is filled up to ``max_batch``
+rows with finished copies of its first row, and prompts are left-padded to the model's positions
+minus the batch's ``max_new_tokens``. A row's tokens and log-probs then do not depend on what else
+was in its batch or where it sat (the rollout tests check this bit for bit), at the cost of always
+decoding ``max_batch`` rows of full width.
 """
 
 from __future__ import annotations
@@ -104,10 +114,15 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def left_pad(
-    seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"
+    seqs: Sequence[Sequence[int]],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    *,
+    width: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of ``seqs`` left-padded to the longest, as int64 tensors."""
-    width = max(len(s) for s in seqs)
+    """Token ids and attention mask of ``seqs`` left-padded to the longest (or to ``width``,
+    when that is longer), as int64 tensors."""
+    width = max(width, *(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -184,6 +199,8 @@ class HFEngine:
         seed: seeds requests that bring no seed (see ``sample_seed``).
         max_batch: the most sequences one forward takes; more requests run in turns.
         chunk_tokens: the most new tokens a sample gets per ``generate`` call (0: no budget).
+        batch_invariant: decode every batch with the same shapes, so that a row's result does
+            not depend on the rest of its batch (see the module docstring).
         version: the version of the model's initial weights.
         on_step: called in the generating thread after each decode step but the last, with the
             number of steps done; for tracing and tests.
@@ -198,6 +215,7 @@ class HFEngine:
         seed: int = 0,
         max_batch: int = 64,
         chunk_tokens: int = 0,
+        batch_invariant: bool = False,
         version: int = 0,
         on_step: Callable[[int], None] | None = None,
     ) -> None:
@@ -210,6 +228,7 @@ class HFEngine:
         self.seed = seed
         self.max_batch = max_batch
         self.chunk_tokens = chunk_tokens
+        self.batch_invariant = batch_invariant
         self.on_step = on_step
         self.stats = EngineStats()
         self._version = version
@@ -226,6 +245,11 @@ class HFEngine:
         self._max_positions: int | None = getattr(config, "max_position_embeddings", None)
         pad = getattr(config, "pad_token_id", None)
         self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self._vocab else 0
+        if batch_invariant and self._max_positions is None:
+            raise ValueError(
+                "batch_invariant: the model's config has no max_position_embeddings to pad "
+                "prompts to; turn batch_invariant off for this model"
+            )
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> HFEngine:
@@ -394,12 +418,22 @@ class HFEngine:
 
     def _decode(self, rows: list[_Row], should_interrupt: Callable[[], bool] | None) -> bool:
         """Generate for ``rows`` until all finish or the loop is cut; True if interrupted."""
-        ids, mask = left_pad([row.context for row in rows], self._pad_id, self.device)
+        real, width = len(rows), 0
+        if self.batch_invariant:
+            # Finished copies of the first row: decoded along, never recorded.
+            first = rows[0]
+            rows = rows + [
+                _Row(first.request, first.seed, reason=StopReason.LENGTH, done=True)
+                for _ in range(self.max_batch - real)
+            ]
+            assert self._max_positions is not None  # checked in __init__
+            width = self._max_positions - max(row.params.max_new_tokens for row in rows)
+        ids, mask = left_pad([row.context for row in rows], self._pad_id, self.device, width=width)
         positions = position_ids_from_mask(mask)
         inputs, cache = ids, None
         generators = [torch.Generator() for _ in rows]
         with self._lock:
-            self.stats.prefill_tokens += int(mask.sum())
+            self.stats.prefill_tokens += int(mask[:real].sum())
         steps = 0
         while True:
             logits, cache, version = self._forward(

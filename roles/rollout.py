@@ -102,6 +102,11 @@ class Rollout(Role):
             max_batch: the most sequences one forward pass decodes; larger batches run in turns.
             chunk_tokens: the most new tokens a sample gets per call before it comes back
                 unfinished (0: no budget).
+            batch_invariant: decode every batch with the same shapes (``max_batch`` rows,
+                prompts padded to the model's positions minus ``max_new_tokens``), so a
+                sample's tokens and log-probs do not depend on the requests it was batched
+                with: what makes a sync-mode run repeatable, at the cost of always decoding
+                full batches.
             interrupt_on_weights: stop a generation in progress as soon as new weights (from
                 ``set_weights`` or ``sync``) are pending, rather than switching to them between
                 two steps; its unfinished samples come back with stop reason ``interrupted``,
@@ -120,6 +125,7 @@ class Rollout(Role):
         seed: int = 0
         max_batch: int = 64
         chunk_tokens: int = 0
+        batch_invariant: bool = False
         interrupt_on_weights: bool = False
         dtype: str = "float32"
         weights_from: str = ""
@@ -173,6 +179,7 @@ class Rollout(Role):
             "seed": cfg.seed,
             "max_batch": cfg.max_batch,
             "chunk_tokens": cfg.chunk_tokens,
+            "batch_invariant": cfg.batch_invariant,
         }
         if cfg.model_path:
             self.engine = await self.ctx.offload(HFEngine.from_pretrained, cfg.model_path, **kwargs)

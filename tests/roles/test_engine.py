@@ -172,6 +172,43 @@ def test_a_seed_reproduces_a_sample_whatever_shares_its_batch() -> None:
     assert [s.token_ids for s in other] != [s.token_ids for s in together]
 
 
+def shuffled_batches(target: GenerateRequest, rounds: int = 4) -> list[list[GenerateRequest]]:
+    """Batches of different sizes and contents, each holding ``target`` at another place."""
+    others = [request(10 + i, p, seed=100 + i, max_new_tokens=8) for i, p in enumerate(PROMPTS)]
+    others += [request(20 + i, [i + 1] * (i + 2), seed=200 + i, max_new_tokens=8) for i in range(9)]
+    out = []
+    for k in range(rounds):
+        chosen = others[: 2 + 3 * k]
+        where = (5 * k) % (len(chosen) + 1)
+        out.append([*chosen[:where], target, *chosen[where:]])
+    return out
+
+
+def test_batch_invariant_decoding_gives_a_row_the_same_bits_in_any_batch() -> None:
+    target = request(0, PROMPTS[1], seed=5, max_new_tokens=8)
+    engine = make_engine(batch_invariant=True, max_batch=16)
+    alone = engine.generate([target])[0]
+    for reqs in shuffled_batches(target):
+        got = next(s for s in engine.generate(reqs) if s.prompt_id == "p0")
+        assert (got.token_ids, got.logprobs) == (alone.token_ids, alone.logprobs)
+    # Without it the same row's log-probs change in their last bits with the batch's shapes:
+    # what made two sync-mode runs of one seed drift apart.
+    plain = make_engine(max_batch=16)
+    first = plain.generate([target])[0]
+    rows = [
+        next(s for s in plain.generate(r) if s.prompt_id == "p0") for r in shuffled_batches(target)
+    ]
+    assert any(s.logprobs != first.logprobs for s in rows)
+    assert max(max_diff(s.logprobs, first.logprobs) for s in rows) < 1e-5
+
+
+def test_batch_invariant_needs_the_models_positions() -> None:
+    model = make_engine().model
+    model.config.max_position_embeddings = None
+    with pytest.raises(ValueError, match="batch_invariant: the model's config has no"):
+        HFEngine(model, batch_invariant=True)
+
+
 def test_without_a_seed_the_stable_id_and_engine_seed_decide() -> None:
     reqs = [request(1, PROMPTS[1], index=k, max_new_tokens=12) for k in range(3)]
     a = make_engine(seed=0).generate(reqs)
