@@ -31,11 +31,13 @@ __all__ = [
 ]
 
 
-def batch_moments(values: list[float]) -> Moments:
-    """The moments of ``values``, merged over every data-parallel rank when torch.distributed
-    is initialised (one all-gather of three numbers per rank, merged with Chan's formula)."""
+def batch_moments(values: list[float], *, gather: bool = False) -> Moments:
+    """The moments of ``values``; with ``gather``, merged over every rank of the initialised
+    torch.distributed group, for ranks that each hold a part of the batch (one all-gather of
+    three numbers per rank, merged with Chan's formula). Data-parallel learners do not gather:
+    each holds the whole batch (``asyncrl.roles.data_parallel``)."""
     moments = Moments.of(values)
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not (gather and torch.distributed.is_available() and torch.distributed.is_initialized()):
         return moments
     world = torch.distributed.get_world_size()
     mine = torch.tensor([moments.count, moments.mean, moments.m2], dtype=torch.float64)

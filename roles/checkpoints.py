@@ -87,6 +87,25 @@ class CheckpointDir:
         names = self.names()
         return os.path.join(self.path, names[-1]) if names else None
 
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        return [int(n[len(_PREFIX) :]) for n in self.names()]
+
+    def at(self, step: int) -> str | None:
+        """The complete checkpoint of ``step``'s directory, or None."""
+        path = os.path.join(self.path, f"{_PREFIX}{step:08d}")
+        return path if step in self.steps() else None
+
+    def drop_after(self, step: int) -> list[int]:
+        """Remove the checkpoints past ``step`` (a timeline the learner went back from);
+        returns their steps."""
+        dropped = [s for s in self.steps() if s > step]
+        for s in dropped:
+            shutil.rmtree(os.path.join(self.path, f"{_PREFIX}{s:08d}"), ignore_errors=True)
+        if dropped:
+            fsync_dir(self.path)
+        return dropped
+
     def save(self, step: int, state: dict[str, Any]) -> str:
         """Write ``state`` as the checkpoint of ``step``, atomically; drop the oldest beyond
         ``keep``. Returns the checkpoint's directory."""

@@ -106,7 +106,13 @@ async def resend(
 
 
 class LearnerClient:
-    """The learner (``asyncrl.roles.learner.Learner``)."""
+    """The learner (``asyncrl.roles.learner.Learner``).
+
+    With data-parallel replicas (``replicas`` > 1), ``train_step`` and ``checkpoint`` go to
+    every replica (each trains its share of the batch and keeps its own checkpoints) and their
+    replies are merged; the other calls go to any one replica, since the replicas' weights and
+    state are the same.
+    """
 
     def __init__(self, handle: Handle) -> None:
         self.handle = handle
@@ -118,7 +124,17 @@ class LearnerClient:
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = LONG_S) -> StepResult:
         """One step. A batch with an ``id`` is re-sent when the learner died with it in flight,
-        and counted once (the learner answers a repeat with the step it took)."""
+        and counted once (the learner answers a repeat with the step it took).
+
+        Raises:
+            DataParallelError: data-parallel replicas answered with different versions or
+                steps (the message lists each replica's).
+        """
+        if self.handle.replicas > 1:
+            results: list[StepResult] = await self._every(
+                "train_step", batch, StepResult, timeout, again=bool(batch.id)
+            )
+            return _agreed(self.handle.name, results)
         if batch.id:
             result: StepResult = await resend(
                 self.handle, "train_step", batch, StepResult, timeout=timeout
@@ -128,9 +144,43 @@ class LearnerClient:
         return result
 
     async def checkpoint(self, keep: dict[str, Any]) -> str:
-        """Keep ``keep`` with a checkpoint written now; return its path."""
+        """Keep ``keep`` with a checkpoint written now; return its path (replica 0's, with
+        data-parallel replicas: each writes its own)."""
+        if self.handle.replicas > 1:
+            paths: list[str] = await self._every("checkpoint", keep, str, LONG_S, again=True)
+            return paths[0]
         path: str = await resend(self.handle, "checkpoint", keep, str)
         return path
+
+    async def _every(
+        self, method: str, payload: Any, reply_type: Any, timeout: float, *, again: bool
+    ) -> list[Any]:
+        """``method`` on every replica, their replies in replica order; with ``again``, sent
+        again to every replica when one broke with it in flight (``resend``'s pauses), which
+        the learner makes harmless: the whole group restarts from its checkpoints, and a
+        replica that already took the step answers with it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pause = 0.05
+        while True:
+            try:
+                replies: list[Any] = await self.handle.broadcast(
+                    method, payload, reply_type, timeout=max(1.0, deadline - loop.time())
+                )
+                return replies
+            except BrokenError as exc:
+                if not again or loop.time() + pause >= deadline:
+                    raise
+                log.warning(
+                    "%s.%s broke in flight on a replica (%s); sending it to every replica "
+                    "again in %.2f s",
+                    self.handle.name,
+                    method,
+                    exc,
+                    pause,
+                )
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
 
     async def export(self, path: str) -> str:
         """Write the policy in Hugging Face format under ``path`` (inside the run directory)."""
@@ -152,6 +202,28 @@ class LearnerClient:
             "logprobs", samples, list[list[float]], timeout=LONG_S
         )
         return out
+
+
+def _agreed(name: str, results: list[StepResult]) -> StepResult:
+    """Replica 0's result, once every data-parallel replica is known to have reached the same
+    version and step (their metrics are reduced over the group, so they agree too).
+
+    Raises:
+        DataParallelError: the replicas disagree.
+    """
+    first = results[0]
+    if any((r.version, r.step) != (first.version, first.step) for r in results):
+        # Imported here: it loads torch, which a driver that never sees a mismatch need not.
+        from asyncrl.roles.data_parallel import DataParallelError
+
+        table = ", ".join(
+            f"replica {i}: version {r.version} step {r.step}" for i, r in enumerate(results)
+        )
+        raise DataParallelError(
+            f"{name}: the data-parallel replicas answered train_step with different versions "
+            f"({table}); they must restart together (supervision.strategy: one_for_all)"
+        )
+    return first
 
 
 class RolloutClient:

@@ -33,6 +33,15 @@ with them (its resume state). The ledger is the step log, read back up to the ch
 Endpoints that write files (``export``) write only inside the run directory, or under the
 ``write_paths`` the manifest allows.
 
+**Data-parallel replicas** (``replicas: K`` with ``supervision.strategy: one_for_all``) form
+one torch.distributed group (``asyncrl.roles.data_parallel``): each rank gets the whole batch,
+trains on its token-balanced share of each mini-batch, and the gradients are summed over the ranks
+before each optimizer step, so their parameters stay bit-identical and the step is the one a
+single learner takes on the whole batch. Replica 0 alone publishes weights; each rank keeps its
+own step log and checkpoints (ranks may sit on hosts that share no disk), and on a restart they
+agree on the newest checkpoint all of them hold. ``LearnerClient`` broadcasts ``train_step`` and
+``checkpoint`` to every replica.
+
 Log-probs are computed with left padding and position ids derived from the attention mask, the
 same convention as the rollout engine (``asyncrl.roles.batching``), so the learner's recompute
 of a sample equals its behaviour log-probs under the same weights.
@@ -66,6 +75,15 @@ from asyncrl.roles.batching import (
     pad_batch,
 )
 from asyncrl.roles.checkpoints import CheckpointDir, StepLog, rng_state, set_rng_state
+from asyncrl.roles.data_parallel import (
+    DataParallel,
+    agree_checkpoint,
+    check_restored,
+    fingerprint,
+    join_role,
+    rank_chunks,
+    share_out,
+)
 from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.objective import (
@@ -131,20 +149,33 @@ class Learner(Role):
         self.keep: dict[str, Any] = {}
         self.last: dict[str, Any] = {}  # the last step: its batch id and result
         self.faults = FaultPlan.from_env(self.ctx.incarnation)
-        self.checkpoints = CheckpointDir(
-            self.ctx.path("checkpoints"), cfg.keep_checkpoints, self.faults
-        )
+        self.dp: DataParallel | None = None
+        keep = cfg.keep_checkpoints
+        if self.ctx.replicas > 1:
+            self.dp = await self.ctx.offload(
+                join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s
+            )
+            keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
+        self.checkpoints = CheckpointDir(self.ctx.path("checkpoints"), keep, self.faults)
         self.step_log = StepLog(
             os.path.join(
                 self.ctx.run_dir, "ledger", f"{self.ctx.name}.{self.ctx.replica}.steps.jsonl"
             )
         )
-        latest = self.checkpoints.latest()
+        if self.dp is None:
+            latest = self.checkpoints.latest()
+        else:
+            latest = await self.ctx.offload(agree_checkpoint, self.dp, self.checkpoints)
         if latest is not None:
             await self.ctx.offload(self._load, latest)
         await self.ctx.offload(self._read_step_log)
+        if self.dp is not None:
+            await self.ctx.offload(
+                check_restored, self.dp, self.model, self.step, self.version, self.consumed
+            )
         self.store: WeightStore | None = None
-        if cfg.publish_weights:
+        # One rank publishes: the ranks' weights are the same, bit for bit.
+        if cfg.publish_weights and self.ctx.replica == 0:
             await self.ctx.offload(self._open_store)
 
     def _build(self) -> None:
@@ -170,6 +201,8 @@ class Learner(Role):
     async def teardown(self) -> None:
         if self.store is not None:
             self.store.close()
+        if self.dp is not None:
+            await self.ctx.offload(self.dp.close)
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.config
@@ -258,6 +291,13 @@ class Learner(Role):
             result.replayed = True
             return result
         objective = self._objective(batch)
+        if self.dp is not None:
+            ids = [(s.sample.prompt_id, s.sample.sample_index) for s in batch.samples]
+            self.dp.check_same(
+                "the batch",
+                [self.step, self.version, fingerprint(batch.id, ids, batch.lr, batch.algorithm)],
+                ["step", "version", "batch"],
+            )
         fresh = [
             s
             for s in batch.samples
@@ -290,6 +330,9 @@ class Learner(Role):
             every = self.config.checkpoint_every
             if self.config.durable or (every and self.step % every == 0):
                 self._save()
+            if self.dp is not None:
+                # No rank publishes nor replies before every rank has the step on disk.
+                self.dp.barrier("the step's checkpoint on every rank")
             self.faults.at("after_checkpoint")
             if self.store is not None:
                 self.store.publish(self.model.state_dict(), self.version)
@@ -354,15 +397,22 @@ class Learner(Role):
                     )
         finally:
             self.model.train(cfg.dropout)
+        if self.dp is not None:
+            steps = self.dp.sum_metrics(steps)
         return {**mean_over_steps(steps), "optimizer_steps": float(len(steps))}
 
     def _proximal_logprobs(self, samples: list[Scored]) -> list[list[float]]:
         """Decoupled PPO's proximal policy: the log-probs of ``samples`` under the weights at
-        the start of the batch, before its first optimizer step (no gradient)."""
+        the start of the batch, before its first optimizer step (no gradient). Data-parallel
+        ranks compute their token-balanced shares and gather them."""
+        shares, rank = share_out(samples, self.dp)
+        mine = [samples[i] for i in shares[rank]]
         out: list[list[float]] = []
-        for chunk in micro_batches(samples, self.config.micro_batch_tokens):
-            out += self._logprobs([samples[i].sample for i in chunk])
-        return out
+        for chunk in micro_batches(mine, self.config.micro_batch_tokens) if mine else []:
+            out += self._logprobs([mine[i].sample for i in chunk])
+        if self.dp is None:
+            return out
+        return self.dp.gather_rows(out, shares, [len(s.sample.token_ids) for s in samples])
 
     def _optimizer_step(
         self,
@@ -382,9 +432,8 @@ class Learner(Role):
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         mask = completion_mask([len(s.sample.token_ids) for s in samples])
-        chunks = self._micro_batches(samples)
+        chunks, total = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
         shares = [float(alg.aggregate_weight(mask[chunk], cfg.aggregation)) for chunk in chunks]
-        total = sum(shares)
         for chunk, share in zip(chunks, shares, strict=True):
             weight = share / total if total else 0.0
             loss, parts = self._loss(
@@ -396,7 +445,10 @@ class Learner(Role):
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
-        sums.update(self._bc_term(demos))
+        if self.dp is None or self.dp.rank == 0:  # once: the reduction sums the ranks' grads
+            sums.update(self._bc_term(demos))
+        if self.dp is not None:
+            self.dp.all_reduce_grads(self.model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()

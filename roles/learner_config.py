@@ -76,6 +76,10 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             of a sample equal its behaviour log-probs under the same weights).
         bc_dropout: keep the model's dropout on in behaviour-cloning steps only: with a few
             hundred demonstrations, BC without it can memorise them and stop generalising.
+        dist_backend: the torch.distributed backend of data-parallel replicas (``replicas``
+            > 1): empty: ``gloo`` on CPU, ``nccl`` on a CUDA device.
+        dist_timeout_s: the longest data-parallel replicas wait for each other, to form
+            their group or in a collective, before failing with a ``DataParallelError``.
     """
 
     model_path: str = ""
@@ -118,8 +122,12 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     pad_id: int = 0
     dropout: bool = False
     bc_dropout: bool = False
+    dist_backend: str = ""
+    dist_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_norm_len(self.aggregation, self.norm_len)
         _check_at_least_one("ppo_epochs", self.ppo_epochs)
         _check_at_least_one("mini_batches", self.mini_batches)
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s: expected a number > 0, got {self.dist_timeout_s!r}")

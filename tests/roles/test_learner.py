@@ -271,7 +271,7 @@ from asyncrl.roles.learner import batch_moments
 rank, path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
 values = [[1.0, 2.0, 3.0], [10.0, -4.0]][rank]
-m = batch_moments(values)
+m = batch_moments(values, gather=True)
 print(m.count, repr(m.mean), repr(m.m2))
 dist.destroy_process_group()
 """
