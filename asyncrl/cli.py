@@ -16,6 +16,8 @@
 - ``asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG figures of the runs' per-step metrics
   (reward, accuracy, throughput, staleness, time), several runs on one figure; in the first
   run's ``plots/`` unless ``--out`` (``asyncrl.plots``; matplotlib is the ``plot`` extra).
+- ``asyncrl keys generate DIR [--force]``: the Curve key pairs of a run across hosts
+  (``asyncrl.keys``), to copy to every node and name in the manifest's ``security.curve_keys``.
 - ``asyncrl version``: the package and wire-protocol versions.
 """
 
@@ -212,6 +214,25 @@ def _plot(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace, rest: list[str]) -> int:
+    from asyncrl.errors import AsyncrlError
+    from asyncrl.keys import generate
+
+    try:
+        written = generate(args.directory, force=args.force)
+    except AsyncrlError as exc:
+        return _fail(str(exc))
+    directory = os.path.dirname(written[0])
+    for path in written:
+        print(f"wrote {path}")
+    print(
+        f"Copy {directory} to the same path on every node of the run, keeping the secret files "
+        f"private (rsync -a {directory}/ NODE:{directory}/), and name it in the manifest:\n"
+        f"  security:\n    curve_keys: {directory}"
+    )
+    return 0
+
+
 def _version(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.transport.protocol import PROTOCOL_VERSION
 
@@ -274,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs to draw, together")
     plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
     plot.set_defaults(func=_plot)
+    keys = sub.add_parser("keys", help="Curve keys for runs across hosts")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    generate = keys_sub.add_parser(
+        "generate", help="write a run's server and client key pairs into DIR (0700, secrets 0600)"
+    )
+    generate.add_argument("directory", metavar="DIR", help="where the key files go")
+    generate.add_argument("--force", action="store_true", help="replace keys already in DIR")
+    generate.set_defaults(func=_keys)
     version = sub.add_parser("version", help="print the package and wire-protocol versions")
     version.set_defaults(func=_version)
     args, rest = parser.parse_known_args(argv)

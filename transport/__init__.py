@@ -2,12 +2,14 @@
 
 Typed messages over ZeroMQ: the envelope and codec (tensors as zero-copy frames, shared memory on
 one host), request/reply, one-way streams, broadcast, heartbeats and discovery. It knows nothing
-of RL or roles; the wire protocol is documented in docs/protocol.md.
+of RL or roles; the wire protocol is documented in docs/protocol.md. Across hosts, tcp endpoints
+use CurveZMQ when ``use_curve`` is given the run's keys (``curve.py``).
 """
 
 from .broadcast import Publisher, Subscriber
 from .client import Client
 from .codec import Codec
+from .curve import CurveKeys, load_keys, use_curve
 from .errors import (
     AsyncrlError,
     BrokenError,
@@ -45,6 +47,7 @@ __all__ = [
     "Client",
     "ClosedError",
     "Codec",
+    "CurveKeys",
     "DeadlineExceededError",
     "DecodeError",
     "DisconnectedError",
@@ -75,6 +78,8 @@ __all__ = [
     "TensorDescriptorError",
     "TransportError",
     "UnknownKindError",
+    "load_keys",
     "run",
     "sweep",
+    "use_curve",
 ]

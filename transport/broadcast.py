@@ -17,12 +17,12 @@ from typing import Any
 import zmq
 
 from .codec import Codec
+from .curve import CurveSetting, ServerGuard, open_endpoint
 from .errors import ClosedError, ProtocolError
 from .options import ChannelOptions
 from .protocol import PROTOCOL_VERSION, Envelope, Kind
 from .pump import Pump
 from .ratelog import RateLimitedLog
-from .sockets import bind, connect
 
 __all__ = ["Publisher", "Subscriber"]
 
@@ -30,7 +30,13 @@ log = logging.getLogger("asyncrl.transport.broadcast")
 
 
 class Publisher:
-    """Publishes typed values by topic to every connected Subscriber."""
+    """Publishes typed values by topic to every connected Subscriber.
+
+    Args:
+        endpoint: where to bind.
+        curve: Curve on a tcp endpoint (the server key pair): keys, False (never), or None (the
+            process-wide default of ``use_curve``).
+    """
 
     def __init__(
         self,
@@ -39,9 +45,12 @@ class Publisher:
         incarnation: int = 0,
         options: ChannelOptions | None = None,
         context: zmq.Context[Any] | None = None,
+        curve: CurveSetting = None,
     ) -> None:
         self.endpoint = endpoint
         self.incarnation = incarnation
+        self._curve = curve
+        self._guard: ServerGuard | None = None
         self.options = options or ChannelOptions()
         self._context = context or zmq.Context.instance()
         self._pump: Pump | None = None
@@ -55,7 +64,9 @@ class Publisher:
         sock = self._context.socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
-        self.endpoint = bind(sock, self.endpoint)
+        self.endpoint, self._guard = open_endpoint(
+            sock, self.endpoint, self._curve, binds=True, name=f"publisher {self.endpoint}"
+        )
         self._pump = Pump(sock, None)
         return self.endpoint
 
@@ -89,6 +100,8 @@ class Publisher:
         if self._pump is not None:
             self._pump.close()
             self._pump = None
+        if self._guard is not None:
+            self._guard.close()
 
 
 class Subscriber:
@@ -97,6 +110,7 @@ class Subscriber:
     Args:
         endpoint: the publisher's endpoint.
         topics: topic name -> payload type. Only these topics are received.
+        curve: Curve on a tcp endpoint (the client key pair): keys, False, or None (default).
     """
 
     def __init__(
@@ -106,9 +120,11 @@ class Subscriber:
         *,
         options: ChannelOptions | None = None,
         context: zmq.Context[Any] | None = None,
+        curve: CurveSetting = None,
     ) -> None:
         self.endpoint = endpoint
         self.topics = dict(topics)
+        self._curve = curve
         self.options = options or ChannelOptions()
         self._context = context or zmq.Context.instance()
         self._pump: Pump | None = None
@@ -131,7 +147,7 @@ class Subscriber:
             # The topic frame is matched by prefix; subscribing to the exact frame bytes and
             # checking equality on arrival keeps "w" from receiving "weights".
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        connect(sock, self.endpoint)
+        open_endpoint(sock, self.endpoint, self._curve, binds=False, name="subscriber")
         self._changed = asyncio.Event()
         self._pump = Pump(sock, self._on_message)
 

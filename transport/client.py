@@ -12,6 +12,10 @@ the client is closed, however long its start-up blocks), and reports the new inc
 
 A client created with ``control=True`` presents the run's control secret in its handshake, which
 authorises its control messages (``send_stop``); see ``control.py``.
+
+On tcp with Curve on (``curve.py``) the client presents the run's client key and checks the
+server's. A server that refuses the ZeroMQ handshake (keys or mechanism differ) fails the requests
+in flight, the handshake included, with a ``TransportError`` that says why.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .codec import Codec
-from .control import control_secret
+from .control import control_secret as env_secret
+from .curve import CurveSetting, handshake_refusal, secure_client
 from .errors import (
     ClosedError,
     DisconnectedError,
@@ -68,10 +73,6 @@ REHANDSHAKE_BACKOFF_MAX_S = 5.0
 """The longest wait between two handshake tries after a reconnect that failed at once."""
 
 
-def _env_secret() -> str | None:
-    return control_secret()
-
-
 class Client:
     """Calls methods of the server at ``endpoint``.
 
@@ -88,6 +89,7 @@ class Client:
             this client's control messages (``send_stop``). Only the supervisor's clients set it.
         control_secret: the secret to present; by default ``ASYNCRL_CONTROL_SECRET`` from the
             environment.
+        curve: Curve on a tcp endpoint: keys, False (never), or None (``use_curve``'s default).
 
     Raises:
         ValueError: ``control_secret`` is given without ``control=True``.
@@ -106,6 +108,7 @@ class Client:
         on_credit: Callable[[int], None] | None = None,
         control: bool = False,
         control_secret: str | None = None,
+        curve: CurveSetting = None,
     ) -> None:
         if control_secret is not None and not control:
             raise ValueError(
@@ -120,7 +123,9 @@ class Client:
         self._on_event = on_event
         self._on_credit = on_credit
         self.control = control
-        self._secret = (control_secret or _env_secret()) if control else None
+        self._curve = curve
+        self._keyed = False  # Curve is on (set by connect)
+        self._secret = (control_secret or env_secret()) if control else None
         self._rehandshaking: asyncio.Task[None] | None = None
         self._log = RateLimitedLog(log, f"client {name}")
         self._ids = itertools.count(1)
@@ -167,10 +172,12 @@ class Client:
         sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, 10)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._monitor = Pump(monitor, self._on_monitor)
+        self._keyed = secure_client(sock, self.endpoint, self._curve)
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        self._monitor = Pump(sock.get_monitor_socket(events), self._on_monitor)
         try:
-            connect(sock, self.endpoint)
+            connect(sock, self.endpoint, allow_remote=self._keyed)
         except TransportError:
             self._monitor.close()
             sock.close(linger=0)
@@ -418,6 +425,11 @@ class Client:
         )
 
     def _on_monitor(self, frames: list[Any]) -> None:
+        refusal = handshake_refusal(frames, self.endpoint, keyed=self._keyed)
+        if refusal is not None:
+            self.stats["refused"] += 1
+            self._in_flight.fail_all(lambda p: refusal())
+            return
         event = parse_monitor_message([f.bytes for f in frames])["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self.stats["disconnects"] += 1

@@ -12,7 +12,8 @@ gets an error reply, since a ROUTER always knows who sent what.
 
 Control messages (STOP) are accepted only from a peer that presented the run's control secret in
 its handshake (see ``control.py``). Shared-memory tensors are accepted only from a peer that
-handshook from this host.
+handshook from this host. On tcp with Curve on (``curve.py``), only peers holding an authorized
+client key complete the ZeroMQ handshake at all.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import zmq
 
 from .admission import control_refusal, handshake_refusal
 from .codec import Codec
-from .control import control_secret
+from .control import control_secret as env_secret
+from .curve import CurveSetting, ServerGuard, secure_server
 from .errors import (
     ClosedError,
     DecodeError,
@@ -85,6 +87,7 @@ class Server:
         control_secret: the run's control secret; by default ``ASYNCRL_CONTROL_SECRET`` from the
             environment. With a secret, STOP is accepted only from a client that presented it;
             without one, only on an ipc or inproc endpoint (private to this user).
+        curve: Curve on a tcp endpoint: keys, False (never), or None (``use_curve``'s default).
     """
 
     def __init__(
@@ -98,15 +101,18 @@ class Server:
         on_stop: Callable[[], None] | None = None,
         on_event: Callable[[PeerEvent], None] | None = None,
         control_secret: str | None = None,
+        curve: CurveSetting = None,
     ) -> None:
         self.endpoint = endpoint
+        self._curve = curve
+        self._guard: ServerGuard | None = None
         self.name = name
         self.incarnation = incarnation
         self.options = options or ChannelOptions()
         self._context = context or zmq.Context.instance()
         self._on_stop = on_stop
         self._on_event = on_event
-        self._secret = control_secret or _env_secret()
+        self._secret = control_secret or env_secret()
         self._socket_id: tuple[int, int] | None = None
         self._log = RateLimitedLog(log, f"server {name}")
         self._credit: int | None = None
@@ -162,7 +168,14 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         # zmq drops the connection of a peer whose frame exceeds this, before it is buffered.
         sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
-        self.endpoint = bind(sock, self.endpoint)
+        try:  # the ZAP handler is up before the socket binds: without one, any key gets in
+            self._guard = secure_server(sock, self.endpoint, self._curve, self.name, self.stats)
+            self.endpoint = bind(sock, self.endpoint, allow_remote=self._guard is not None)
+        except TransportError:
+            sock.close(linger=0)
+            if self._guard is not None:
+                self._guard.close()
+            raise
         self._socket_id = socket_id(self.endpoint)
         self._pump = Pump(sock, self._on_message, routed=True, on_send_error=self._on_send_error)
         self._peers.start()
@@ -192,6 +205,8 @@ class Server:
         if self._pump is not None:
             self._pump.close()
             unlink_if_same(self.endpoint, self._socket_id)
+        if self._guard is not None:
+            self._guard.close()  # after the socket: the ZAP handler outlives it
         if self._pool is not None:
             self._pool.close()
         if self.codec.shm_reader is not None:
@@ -566,10 +581,6 @@ class Server:
             incarnation = peer.hello.incarnation if peer.hello is not None else -1
             name = peer.identity.decode(errors="replace")
             self._on_event(PeerEvent(name, kind, incarnation, detail))
-
-
-def _env_secret() -> str | None:
-    return control_secret()
 
 
 def _peer_name(identity: bytes) -> str:

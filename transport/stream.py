@@ -19,12 +19,12 @@ from typing import Any
 import zmq
 
 from .codec import Codec
+from .curve import CurveSetting, ServerGuard, open_endpoint
 from .errors import ClosedError, ProtocolError
 from .options import ChannelOptions
 from .protocol import PROTOCOL_VERSION, Envelope, Kind
 from .pump import Pump
 from .ratelog import RateLimitedLog
-from .sockets import bind, connect
 
 __all__ = ["StreamReceiver", "StreamSender"]
 
@@ -48,6 +48,8 @@ class StreamSender:
         endpoint: the receiver's endpoint (or this sender's, with ``bind=True``).
         topic: stamped on each message (``Envelope.method``).
         bind: bind instead of connect (one sender, many receivers).
+        curve: Curve on a tcp endpoint (the binding end serves with the server key pair, the
+            connecting end presents the client key pair): keys, False, or None (``use_curve``).
     """
 
     def __init__(
@@ -59,9 +61,12 @@ class StreamSender:
         incarnation: int = 0,
         options: ChannelOptions | None = None,
         context: zmq.Context[Any] | None = None,
+        curve: CurveSetting = None,
     ) -> None:
         self.endpoint = endpoint
         self.topic = topic
+        self._curve = curve
+        self._guard: ServerGuard | None = None
         self.incarnation = incarnation
         self.options = options or ChannelOptions()
         self._bind = bind
@@ -75,10 +80,9 @@ class StreamSender:
 
     async def start(self) -> str:
         sock = _socket(self._context, zmq.PUSH, self.options)
-        if self._bind:
-            self.endpoint = bind(sock, self.endpoint)
-        else:
-            connect(sock, self.endpoint)
+        self.endpoint, self._guard = open_endpoint(
+            sock, self.endpoint, self._curve, binds=self._bind, name=f"stream {self.endpoint}"
+        )
         self._pump = Pump(sock, None)
         return self.endpoint
 
@@ -125,6 +129,8 @@ class StreamSender:
         if self._pump is not None:
             self._pump.close()
             self._pump = None
+        if self._guard is not None:
+            self._guard.close()
 
 
 class StreamReceiver:
@@ -134,6 +140,7 @@ class StreamReceiver:
         endpoint: where to bind (or, with ``bind=False``, the sender to connect to).
         type_: the payload type; messages that do not decode as it are dropped and counted.
         capacity: the most decoded messages held; past it, reading stops until some are taken.
+        curve: Curve on a tcp endpoint, as for ``StreamSender``.
     """
 
     def __init__(
@@ -145,6 +152,7 @@ class StreamReceiver:
         bind: bool = True,
         options: ChannelOptions | None = None,
         context: zmq.Context[Any] | None = None,
+        curve: CurveSetting = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -154,6 +162,8 @@ class StreamReceiver:
         self.options = options or ChannelOptions()
         self._bind = bind
         self._context = context
+        self._curve = curve
+        self._guard: ServerGuard | None = None
         self._pump: Pump | None = None
         self._queue: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -167,10 +177,14 @@ class StreamReceiver:
 
     async def start(self) -> str:
         sock = _socket(self._context, zmq.PULL, self.options)
-        if self._bind:
-            self.endpoint = bind(sock, self.endpoint)
-        else:
-            connect(sock, self.endpoint)
+        self.endpoint, self._guard = open_endpoint(
+            sock,
+            self.endpoint,
+            self._curve,
+            binds=self._bind,
+            name=f"stream {self.endpoint}",
+            stats=self.stats,
+        )
         self._pump = Pump(sock, self._on_message)
         return self.endpoint
 
@@ -208,6 +222,8 @@ class StreamReceiver:
         self._closed = True
         if self._pump is not None:
             self._pump.close()
+        if self._guard is not None:
+            self._guard.close()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(ClosedError("stream receiver closed"))
 
