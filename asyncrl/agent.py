@@ -13,13 +13,14 @@ import secrets
 import signal
 import sys
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from asyncrl import logs
 from asyncrl.janitor import Janitor, sweep_run
-from asyncrl.manifest import Manifest, RoleSpec, resolve_run_dir
+from asyncrl.manifest import Manifest, ManifestError, RoleSpec, node_problems, resolve_run_dir
 from asyncrl.spec import (
     SPEC_FILE_ENV,
     GroupInfo,
@@ -32,7 +33,7 @@ from asyncrl.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry
 from asyncrl.transport.control import CONTROL_SECRET_ENV
 
-__all__ = ["CONFIG_ENV_MAX", "build_children", "run_manifest", "summary"]
+__all__ = ["CONFIG_ENV_MAX", "NodeView", "build_children", "run_manifest", "summary"]
 
 CONFIG_ENV_MAX = 16 * 1024
 """The largest ``config`` (as JSON, in bytes) a command role also gets in ``ASYNCRL_CONFIG``;
@@ -46,21 +47,69 @@ def _thread_env(threads: int) -> dict[str, str]:
     }
 
 
-def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list[ChildSpec]:
-    """One ChildSpec per replica of every role, in manifest order, then the driver."""
+@dataclass(frozen=True)
+class NodeView:
+    """This node's part of a launch over several nodes (``asyncrl.launch``).
+
+    Attributes:
+        node: this node's index (the torchrun node rank).
+        tcp: the tcp endpoint of every role replica of the launch, by (role, replica); empty
+            on one machine, where everything is ipc.
+        span_env: environment of the replicas of roles that span several nodes (the store and
+            key prefix a data-parallel group meets through).
+        curve_keys: the folder of CurveZMQ keys of every tcp socket; empty: no Curve.
+        bind_host: the host this node's replicas bind their tcp endpoints on, when it is not
+            the one published (``0.0.0.0``: every interface); empty: the published one.
+    """
+
+    node: int = 0
+    tcp: dict[tuple[str, int], str] = field(default_factory=dict)
+    span_env: dict[str, str] = field(default_factory=dict)
+    curve_keys: str = ""
+    bind_host: str = ""
+
+    def bind_endpoint(self, role: str, replica: int) -> str:
+        """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or ""."""
+        published = self.tcp.get((role, replica), "")
+        if not published or not self.bind_host:
+            return published
+        return f"tcp://{self.bind_host}:{published.rsplit(':', 1)[1]}"
+
+
+def build_children(
+    manifest: Manifest, run_dir: str, *, parent_pid: int, view: NodeView | None = None
+) -> list[ChildSpec]:
+    """One ChildSpec per replica placed on this node, in manifest order, then (on node 0) the
+    driver. ``view`` is this node's part of a launch over several nodes; None on one machine.
+
+    Every process's ``groups`` hold each replica's endpoint as seen from this node: ipc for a
+    replica of this node, tcp for one of another node (an external command's replicas bind
+    tcp only in a launch over several nodes, so everyone reaches them there).
+    """
+    view = view or NodeView()
     registry = LocalRegistry(run_dir)
-    run = manifest.run
     children: list[ChildSpec] = []
     groups: dict[str, GroupInfo] = {}
+    keys = view.curve_keys or manifest.security.curve_keys
     for name, role in manifest.roles.items():
-        endpoints = [registry.endpoint(name, i) for i in range(role.replicas)]
+        where = [role.placement.node_of(i) for i in range(role.replicas)]
+        endpoints = [
+            registry.endpoint(name, i)
+            if node == view.node and not (role.command and view.tcp)
+            else view.tcp[(name, i)]
+            for i, node in enumerate(where)
+        ]
         groups[name] = GroupInfo(
             endpoints,
             role.supervision.heartbeat_interval_s,
             role.supervision.liveness,
             delivery=dict(role.endpoints),
         )
+        span = view.span_env if len(set(where)) > 1 else {}
         for replica, endpoint in enumerate(endpoints):
+            if where[replica] != view.node:
+                continue
+            local = _Local(endpoint, view.bind_endpoint(name, replica), keys, span)
             children.append(
                 ChildSpec(
                     name,
@@ -69,12 +118,22 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
                     endpoint,
                     role.supervision,
                     _role_launcher(
-                        manifest, role, name, replica, endpoint, run_dir, parent_pid, groups
+                        manifest, role, name, replica, local, run_dir, parent_pid, groups
                     ),
                 )
             )
-    driver = manifest.driver
-    endpoint = registry.endpoint("driver", 0)
+    if view.node != 0:
+        return children
+    children.append(_driver_child(manifest, run_dir, parent_pid, groups, keys))
+    return children
+
+
+def _driver_child(
+    manifest: Manifest, run_dir: str, parent_pid: int, groups: dict[str, GroupInfo], keys: str
+) -> ChildSpec:
+    """The driver's ChildSpec (node 0 only)."""
+    run, driver = manifest.run, manifest.driver
+    endpoint = LocalRegistry(run_dir).endpoint("driver", 0)
 
     def driver_launcher(incarnation: int) -> tuple[list[str], dict[str, str]]:
         spec = ProcessSpec(
@@ -92,6 +151,7 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
             groups=groups,
             config=dict(run.config),
             pipeline=msgspec.to_builtins(manifest.pipeline),
+            curve_keys=keys,
         )
         env = {
             **run.env,
@@ -102,8 +162,17 @@ def build_children(manifest: Manifest, run_dir: str, *, parent_pid: int) -> list
         }
         return [sys.executable, "-m", "asyncrl.process"], env
 
-    children.append(ChildSpec("driver", 0, "driver", endpoint, driver.supervision, driver_launcher))
-    return children
+    return ChildSpec("driver", 0, "driver", endpoint, driver.supervision, driver_launcher)
+
+
+@dataclass(frozen=True)
+class _Local:
+    """How one replica of this node is reached and what it is given beyond its role's spec."""
+
+    endpoint: str  # what it binds and its supervisor calls: ipc, or tcp for a command role
+    tcp: str  # the tcp endpoint it also binds for other nodes (a Python role), or ""
+    curve_keys: str
+    env: dict[str, str]
 
 
 def _role_launcher(
@@ -111,7 +180,7 @@ def _role_launcher(
     role: RoleSpec,
     name: str,
     replica: int,
-    endpoint: str,
+    local: _Local,
     run_dir: str,
     parent_pid: int,
     groups: dict[str, GroupInfo],
@@ -119,9 +188,16 @@ def _role_launcher(
     """The launcher of one role replica. ``groups`` is filled as the manifest's roles are read,
     so by the first launch it holds every group."""
     run = manifest.run
+    endpoint = local.endpoint
 
     def launch(incarnation: int) -> tuple[list[str], dict[str, str]]:
-        env = {**run.env, **role.env, **_thread_env(role.threads), "PYTHONUNBUFFERED": "1"}
+        env = {
+            **run.env,
+            **role.env,
+            **local.env,
+            **_thread_env(role.threads),
+            "PYTHONUNBUFFERED": "1",
+        }
         config = dict(role.config)
         if role.command:
             argv = list(role.command)
@@ -165,6 +241,8 @@ def _role_launcher(
             replicas=role.replicas,
             groups=groups,
             model=msgspec.to_builtins(manifest.model),
+            tcp_endpoint="" if local.tcp == endpoint else local.tcp,
+            curve_keys=local.curve_keys,
         )
         env.update(_spec_env(spec))
         return [sys.executable, "-m", "asyncrl.process"], env
@@ -192,8 +270,14 @@ async def run_manifest(
     observer: Callable[[str, str, int], None] | None = None,
     beside: Callable[[Supervisor], Coroutine[Any, Any, None]] | None = None,
     console: bool = True,
+    view: NodeView | None = None,
 ) -> RunReport:
     """Run ``manifest`` on this machine until its program finishes or the run fails.
+
+    On one machine (``view`` None) every role must be on node 0. In a launch over several
+    nodes (``asyncrl.launch``), ``view`` says which node this is: the agent runs only the
+    replicas placed there (and the driver on node 0), and ``beside`` ends the run when the
+    launch does (``Supervisor.end``).
 
     Args:
         manifest: the validated manifest.
@@ -202,14 +286,22 @@ async def run_manifest(
         beside: a coroutine run next to the supervisor (fault injection: ``asyncrl chaos``),
             cancelled when the run ends.
         console: readable log lines on the console too.
+        view: this node's part of a launch over several nodes.
 
     Returns:
         How the run ended, also written to ``RUN_DIR/report.json``. A fault of the supervisor
         itself (one of its tasks raised: a bug) fails the run: every process is stopped and the
         report is ``failed``, its reason naming the error and where its traceback is.
+
+    Raises:
+        ManifestError: on one machine, a role is placed on another node than 0.
     """
     import asyncio
 
+    if view is None:
+        problems = node_problems(manifest, 1)
+        if problems:
+            raise ManifestError(manifest.run.name, problems)
     run_dir = os.path.abspath(run_dir) if run_dir else resolve_run_dir(manifest)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     logs.configure(
@@ -225,21 +317,8 @@ async def run_manifest(
     janitor = Janitor.start(run, socket_dir, run_dir)
     loop = asyncio.get_running_loop()
     try:
-        children = build_children(manifest, run_dir, parent_pid=os.getpid())
-        supervisor: Supervisor | None = None
-
-        def observe(event: str, label: str, incarnation: int) -> None:
-            if supervisor is not None:
-                processes = supervisor.processes()
-                janitor.watch(
-                    pid for p in processes for pid in (p.pid, p.standby_pid) if pid is not None
-                )
-            if observer is not None:
-                observer(event, label, incarnation)
-
-        supervisor = Supervisor(
-            children, run=run, log_dir=os.path.join(run_dir, "logs"), observer=observe
-        )
+        children = build_children(manifest, run_dir, parent_pid=os.getpid(), view=view)
+        supervisor = _supervisor(children, run, run_dir, janitor, observer)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
         log.info("run started", run=run, run_dir=run_dir, processes=len(children))
@@ -263,6 +342,31 @@ async def run_manifest(
     with open(os.path.join(run_dir, "report.json"), "wb") as f:
         f.write(msgspec.json.format(msgspec.json.encode(report)))
     return report
+
+
+def _supervisor(
+    children: list[ChildSpec],
+    run: str,
+    run_dir: str,
+    janitor: Janitor,
+    observer: Callable[[str, str, int], None] | None,
+) -> Supervisor:
+    """The run's supervisor, which tells the janitor every pid it starts, then ``observer``."""
+    supervisor: Supervisor | None = None
+
+    def observe(event: str, label: str, incarnation: int) -> None:
+        if supervisor is not None:
+            processes = supervisor.processes()
+            janitor.watch(
+                pid for p in processes for pid in (p.pid, p.standby_pid) if pid is not None
+            )
+        if observer is not None:
+            observer(event, label, incarnation)
+
+    supervisor = Supervisor(
+        children, run=run, log_dir=os.path.join(run_dir, "logs"), observer=observe
+    )
+    return supervisor
 
 
 def _supervisor_failed(exc: Exception, run_dir: str) -> RunReport:

@@ -39,11 +39,14 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "ModelSpec",
+    "NetworkSpec",
     "Placement",
     "RoleSpec",
     "RunSpec",
+    "SecuritySpec",
     "Supervision",
     "load_manifest",
+    "node_problems",
     "parse_manifest",
     "resolve_run_dir",
 ]
@@ -154,16 +157,26 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     standby: bool = False
 
 
+NodeIndex = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Placement(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Where each replica of a role runs.
 
     Attributes:
-        node: the index of the node (the torchrun node rank); 0 on one machine.
+        node: the index of the node (the torchrun node rank) of every replica; 0 on one machine.
+        nodes: the nodes the replicas are spread over, round-robin (replica ``i`` runs on
+            ``nodes[i % len(nodes)]``); given instead of ``node``.
         device: the device the replica computes on, as the hardware plugin names it.
     """
 
-    node: Annotated[int, msgspec.Meta(ge=0)] = 0
+    node: NodeIndex = 0
+    nodes: list[NodeIndex] = []
     device: Device = "cpu"
+
+    def node_of(self, replica: int) -> int:
+        """The node that runs replica ``replica``."""
+        return self.nodes[replica % len(self.nodes)] if self.nodes else self.node
 
 
 class RoleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -213,6 +226,31 @@ class DriverSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     supervision: Supervision = msgspec.field(default_factory=Supervision)
 
 
+class NetworkSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the replicas of a launch over several nodes are reached from other nodes.
+
+    Attributes:
+        address: the address (``10.0.0.5``) or network interface (``eth0``) the replicas of each
+            node bind tcp on, for the other nodes; empty: the address of the node that routes to
+            ``MASTER_ADDR``. ``0.0.0.0`` binds every interface (only when asked for: it exposes
+            the replicas to every network the node is on). On one machine nothing binds tcp.
+    """
+
+    address: str = ""
+
+
+class SecuritySpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Authentication and encryption of the tcp endpoints between nodes.
+
+    Attributes:
+        curve_keys: the folder of CurveZMQ key files (``asyncrl keys generate DIR``), relative
+            to the manifest file's folder or absolute; every tcp endpoint then uses CurveZMQ.
+            Empty: no Curve (ipc on one machine needs none).
+    """
+
+    curve_keys: str = ""
+
+
 class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """The run as a whole.
 
@@ -254,6 +292,8 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
         pipeline: how samples flow from rollout to the learner: sync or async mode, the
             staleness bound and the straggler policy (``asyncrl.pacing.PipelineSpec``); the
             control-flow program reads it as ``ctx.pipeline``.
+        network: where the replicas bind tcp for the other nodes of a launch over several.
+        security: the CurveZMQ keys of the tcp endpoints.
     """
 
     run: RunSpec
@@ -268,6 +308,8 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
         ),
     ] = msgspec.field(default_factory=ModelSpec)
     pipeline: PipelineSpec = msgspec.field(default_factory=PipelineSpec)
+    network: NetworkSpec = msgspec.field(default_factory=NetworkSpec)
+    security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
     roles: Annotated[
         dict[Name, RoleSpec],
         msgspec.Meta(
@@ -323,6 +365,24 @@ def _check_backoff(value: dict[Any, Any], path: str, problems: list[str]) -> Non
 _DEFAULT_SUPERVISION = Supervision()
 
 
+def _check_placement(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    nodes = value.get("nodes")
+    if "node" in value and nodes:
+        problems.append(
+            f"{join(path, 'nodes')}: both 'node' and 'nodes' are given; keep 'node' for one "
+            "node or 'nodes' to spread the replicas over several"
+        )
+    if isinstance(nodes, list):
+        seen: set[Any] = set()
+        for i, node in enumerate(nodes):
+            if node in seen and isinstance(node, int):
+                problems.append(
+                    f"{join(path, 'nodes')}[{i}]: node {node} is listed twice; list each node "
+                    "once (the replicas go round-robin over the list)"
+                )
+            seen.add(node)
+
+
 def _check_straggler(value: dict[Any, Any], path: str, problems: list[str]) -> None:
     problem = straggler_problem(value.get("policy", "wait"), value.get("deadline_s", 0.0))
     if problem:
@@ -337,6 +397,7 @@ def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:
 
 _STRUCT_CHECKS: dict[type, StructCheck] = {
     ModelSpec: _check_model,
+    Placement: _check_placement,
     RoleSpec: _check_role,
     Supervision: _check_backoff,
     StragglerSpec: _check_straggler,
@@ -349,6 +410,7 @@ def parse_manifest(
     overrides: Sequence[str] = (),
     *,
     cwd: str | None = None,
+    nodes: int | None = None,
 ) -> Manifest:
     """Validate manifest ``text`` after applying ``overrides`` (``key=value`` strings).
 
@@ -357,6 +419,8 @@ def parse_manifest(
     executable, a path (it has a '/') relative to ``cwd`` or a bare name looked up on the
     role's ``PATH`` (the agent's, or the one ``run.env`` or the role's ``env`` set); and a
     program given as ``path/to/file.py`` must be a file. Without ``cwd``, neither is looked up.
+    With ``nodes`` (the number of nodes of the launch: 1 for ``asyncrl run``), every replica
+    must be placed on one of them (``node_problems``).
 
     Raises ``ManifestError`` listing every problem, and ``TypeError`` when ``overrides`` is one
     string instead of a list of them.
@@ -379,19 +443,56 @@ def parse_manifest(
     if problems:
         raise ManifestError(source, problems)
     try:
-        return msgspec.convert(clean, Manifest)
+        manifest = msgspec.convert(clean, Manifest)
     except msgspec.ValidationError as exc:  # the walk above should have caught it
         raise ManifestError(source, [f"{TOP}: {exc}"]) from exc
+    if nodes is not None:
+        found = node_problems(manifest, nodes)
+        if found:
+            raise ManifestError(source, [credit(p, overrides, created) for p in found])
+    return manifest
+
+
+def node_problems(manifest: Manifest, nodes: int) -> list[str]:
+    """Each role placed on a node that a launch of ``nodes`` nodes does not have, with its path.
+
+    ``nodes`` is 1 for ``asyncrl run`` (one machine, node 0), whose problems say to launch with
+    torchrun and ``asyncrl.launch`` instead.
+    """
+    problems = []
+    for name, role in manifest.roles.items():
+        path = join(join("roles", name), "placement")
+        wanted = [(f"{join(path, 'nodes')}[{i}]", n) for i, n in enumerate(role.placement.nodes)]
+        for where, node in wanted or [(join(path, "node"), role.placement.node)]:
+            if node < nodes:
+                continue
+            if nodes == 1:
+                problems.append(
+                    f"{where}: node {node}, but 'asyncrl run' runs on one machine (node 0); "
+                    "launch on several nodes with 'torchrun --nnodes=N ... -m asyncrl.launch "
+                    "MANIFEST' (docs/multinode.md), or place the role on node 0"
+                )
+            else:
+                problems.append(
+                    f"{where}: node {node} but the launch has {nodes} nodes (--nnodes); place "
+                    f"the role on nodes 0 to {nodes - 1}, or launch with --nnodes={node + 1}"
+                )
+    return problems
 
 
 def load_manifest(
-    path: str, overrides: Sequence[str] = (), *, check_files: bool = True
+    path: str,
+    overrides: Sequence[str] = (),
+    *,
+    check_files: bool = True,
+    nodes: int | None = None,
 ) -> Manifest:
-    """Read and validate the manifest at ``path``; see ``parse_manifest``.
+    """Read and validate the manifest at ``path``; see ``parse_manifest`` (and its ``nodes``).
 
     With ``check_files`` (the default), each ``command`` role's executable and a program given
     as a file must exist as the node agent resolves them: from the current directory, where
-    the agent starts its processes.
+    the agent starts its processes. A relative ``security.curve_keys`` is taken from the
+    manifest file's folder, and made absolute.
 
     Raises ``ManifestError`` listing every problem, or naming why the file cannot be read.
     """
@@ -403,7 +504,15 @@ def load_manifest(
         raise ManifestError(
             path, [f"{TOP}: cannot read the file ({reason}); check the path"]
         ) from exc
-    return parse_manifest(text, path, overrides, cwd=os.getcwd() if check_files else None)
+    manifest = parse_manifest(
+        text, path, overrides, cwd=os.getcwd() if check_files else None, nodes=nodes
+    )
+    keys = manifest.security.curve_keys
+    if keys and not os.path.isabs(keys):
+        keys = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), keys))
+        security = msgspec.structs.replace(manifest.security, curve_keys=keys)
+        manifest = msgspec.structs.replace(manifest, security=security)
+    return manifest
 
 
 def _check_files(clean: Any, cwd: str, problems: list[str]) -> None:

@@ -33,7 +33,14 @@ from asyncrl.spec import EXIT_CONFIG, ProcessSpec, load_spec_from_env
 from asyncrl.transport import Call, ChannelOptions, Entry, LocalRegistry, Server
 from asyncrl.transport import run as run_loop
 
-__all__ = ["ConfigProblem", "load_role_class", "main", "serve_role", "wait_as_standby"]
+__all__ = [
+    "ConfigProblem",
+    "load_role_class",
+    "main",
+    "serve_role",
+    "use_curve_keys",
+    "wait_as_standby",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -125,18 +132,10 @@ async def serve_role(spec: ProcessSpec) -> None:
     options = ChannelOptions(
         run=spec.run, heartbeat_interval_s=spec.heartbeat_interval_s, liveness=spec.liveness
     )
-    server = Server(
-        spec.endpoint,
-        name=f"{spec.name}.{spec.replica}",
-        incarnation=spec.incarnation,
-        options=options,
-        on_stop=stop.set,
-    )
+    servers = _servers(spec, options, stop.set)
     ready = asyncio.Event()
     faults = FaultPlan.from_env(spec.incarnation)
     endpoints = endpoints_of(cls)
-    for ep in endpoints.values():
-        server.add(ep.name, _handler(role, ep.attr, ep.name, ready, stats, faults), ep.request_type)
     describe = {
         "role": spec.name,
         "replica": spec.replica,
@@ -144,27 +143,62 @@ async def serve_role(spec: ProcessSpec) -> None:
         "pid": os.getpid(),
         "endpoints": {n: e.delivery.value for n, e in endpoints.items()},
     }
-    server.add("_describe", lambda payload, call: describe)
-    server.add("_stats", lambda payload, call: dict(stats))
+    for server in servers:
+        for ep in endpoints.values():
+            handler = _handler(role, ep.attr, ep.name, ready, stats, faults)
+            server.add(ep.name, handler, ep.request_type)
+        server.add("_describe", lambda payload, call: describe)
+        server.add("_stats", lambda payload, call: dict(stats))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    LocalRegistry(spec.run_dir).register(
-        Entry(spec.name, spec.replica, spec.endpoint, os.getpid(), spec.incarnation)
-    )
-    log.info("started", endpoint=spec.endpoint, cls=spec.target)
     try:
+        for server in servers:
+            await server.start()
+        LocalRegistry(spec.run_dir).register(
+            Entry(spec.name, spec.replica, spec.endpoint, os.getpid(), spec.incarnation)
+        )
+        log.info("started", endpoint=spec.endpoint, tcp=spec.tcp_endpoint, cls=spec.target)
         await role.setup()
         ready.set()
-        server.set_credit(spec.capacity)
+        for server in servers:
+            server.set_credit(spec.capacity)
         log.info("serving", capacity=spec.capacity)
         await stop.wait()
         log.info("stopping", served=stats["served"])
         await role.teardown()
     finally:
-        await server.close()
+        for server in servers:
+            await server.close()
         ctx.close()
+
+
+def _servers(spec: ProcessSpec, options: ChannelOptions, on_stop: Any) -> list[Server]:
+    """The replica's inboxes: its stable endpoint, and in a launch over several nodes its tcp
+    endpoint for callers on other nodes (without shared memory: none is shared across hosts;
+    the same port for every incarnation)."""
+    name = f"{spec.name}.{spec.replica}"
+    servers = [
+        Server(
+            spec.endpoint,
+            name=name,
+            incarnation=spec.incarnation,
+            options=options,
+            on_stop=on_stop,
+        )
+    ]
+    if spec.tcp_endpoint:
+        remote = msgspec.structs.replace(options, shm=False)
+        servers.append(
+            Server(
+                spec.tcp_endpoint,
+                name=name,
+                incarnation=spec.incarnation,
+                options=remote,
+                on_stop=on_stop,
+            )
+        )
+    return servers
 
 
 def _handler(
@@ -190,6 +224,28 @@ def _handler(
         return result
 
     return handle
+
+
+def use_curve_keys(folder: str) -> None:
+    """Make every tcp socket of this process use CurveZMQ with the keys in ``folder``
+    (``asyncrl.transport.curve``); nothing when ``folder`` is empty.
+
+    Raises:
+        ConfigProblem: the keys cannot be loaded, or this installation has no Curve support.
+    """
+    if not folder:
+        return
+    try:
+        curve = importlib.import_module("asyncrl.transport.curve")
+    except ImportError as exc:
+        raise ConfigProblem(
+            f"security.curve_keys: {folder!r} is set, but this installation of asyncrl has no "
+            f"CurveZMQ support ({exc}); remove security.curve_keys or update asyncrl"
+        ) from exc
+    try:
+        curve.use_curve(curve.load_keys(folder))
+    except Exception as exc:
+        raise ConfigProblem(f"security.curve_keys: {exc}") from exc
 
 
 def wait_as_standby(spec: ProcessSpec) -> bool:
@@ -229,6 +285,7 @@ def main() -> None:
         console=logs.console_wanted(),
     )
     try:
+        use_curve_keys(spec.curve_keys)
         if spec.kind == "driver":
             from asyncrl.driver import serve_driver
 

@@ -92,6 +92,10 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         pipeline: for the driver: the manifest's ``pipeline`` section.
         model: for a role: the manifest's ``model`` section, which fills the fields of the
             role's Config that its config leaves unset (``asyncrl.model_section``).
+        tcp_endpoint: in a launch over several nodes, the tcp endpoint the replica also binds,
+            for callers on other nodes (the same port for every incarnation); empty otherwise.
+        curve_keys: the folder of CurveZMQ keys every tcp socket of the process uses; empty:
+            no Curve.
     """
 
     kind: Literal["role", "driver", "command"]
@@ -113,6 +117,8 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     groups: dict[str, GroupInfo] = {}
     pipeline: dict[str, Any] = {}
     model: dict[str, Any] = {}
+    tcp_endpoint: str = ""
+    curve_keys: str = ""
 
 
 def spec_path(run_dir: str, name: str, replica: int, incarnation: int, suffix: str = "") -> str:

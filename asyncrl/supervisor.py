@@ -187,6 +187,11 @@ class Supervisor:
         """End the run (a signal arrived): every process is stopped in order."""
         self._finish(RunReport("interrupted", reason))
 
+    def end(self, report: RunReport) -> None:
+        """End the run as ``report`` says, decided elsewhere (another node of the launch ended
+        it, or stopped answering): every process is stopped in order. Ignored once ended."""
+        self._finish(report)
+
     def _finish(self, report: RunReport) -> None:
         if self._report is None:
             self._report = report
