@@ -7,7 +7,10 @@ Each program is a short async function, readable top to bottom, over the typed c
 ``reference`` is used for the KL term when present. Settings come from the manifest's
 ``run.config`` (``DEFAULTS`` lists them); the sample flow (sync or async mode, the staleness
 bound η, the straggler policy, dynamic sampling) from its ``pipeline`` section, through
-``asyncrl.roles.pipeline.SamplePipeline``: the same program runs both modes.
+``asyncrl.roles.pipeline.SamplePipeline``: the same program runs both modes. A run over several
+hosts has a weight relay per host without the learner (``asyncrl.roles.relay``), named by
+``run.config.relays`` or simply called ``relay``: after each step the weights go to the relays
+first, then to the rollout replicas (``weight_sync``).
 
 A role named ``heldout`` (a second PromptSource, over held-out prompts) turns on evaluation in
 ``grpo``, ``rloo`` and ``ppo``: every ``eval_every`` steps and after the last, the rollout
@@ -52,6 +55,7 @@ from asyncrl.roles.payloads import (
     TrainBatch,
 )
 from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
+from asyncrl.roles.weight_sync import relay_groups
 
 __all__ = [
     "DEFAULTS",
@@ -65,6 +69,7 @@ __all__ = [
     "resend",
     "rl_loop",
     "rloo",
+    "weight_sync",
 ]
 
 log = logging.getLogger("asyncrl.programs")
@@ -82,6 +87,7 @@ DEFAULTS: dict[str, Any] = {
     "budget_s": 0.0,  # wall-clock budget of the RL loop in seconds; 0: none
     "eval_every": 0,  # steps between held-out evaluations (a `heldout` role); 0: after the last
     "batch": 64,  # BC: demonstrations per step
+    "relays": None,  # relay roles pushed to before the rollouts; None: the role `relay`, if any
 }
 
 
@@ -254,11 +260,11 @@ async def rl_loop(
     status = await rl.learner.status()
     if rl.reference is not None and done == 0:  # the KL term is measured against the start
         await rl.reference.set_weights(await rl.learner.weights())
-    await rl.rollout.sync()
+    weights = weight_sync(rl)
+    await weights.ensure(None)  # relays first, then every replica loads the newest weights
     title = loop.algorithm.upper()
     report = StepReport(rl.run_dir, title, loop.steps, done=done, learner=status, display=display)
     pipe = _pipeline(rl, loop, feed, report.scorer(score), status)
-    weights = WeightSync(rl.rollout.handle, wait=rl.pipeline.mode == "sync")
     started = time.monotonic()
     step, out_of_budget = done, False
     async with report, pipe:
@@ -298,6 +304,19 @@ async def rl_loop(
         "cursor": pipe.cursor,
         "pipeline": metrics,
     }
+
+
+def weight_sync(rl: RLContext, **kwargs: Any) -> WeightSync:
+    """The run's ``WeightSync``: the rollout group, after the relay groups (``relay_groups``:
+    ``run.config.relays``, or the role named ``relay``), in the pipeline's mode (sync mode
+    waits); ``kwargs`` go to ``WeightSync`` (``wait``, ``timeout``).
+
+    Raises:
+        ValueError: ``run.config.relays`` names a role the run lacks.
+    """
+    relays = [rl.ctx[name] for name in relay_groups(rl.config, rl.ctx.roles)]
+    kwargs.setdefault("wait", rl.pipeline.mode == "sync")
+    return WeightSync(rl.rollout.handle, relays=relays, **kwargs)
 
 
 async def _call(on_step: OnStep | None, step: RLStep) -> None:

@@ -4,18 +4,24 @@
 from the weight store; in sync mode it waits until every replica holds it, in async mode the
 broadcast runs in the background. Used by the control-flow programs next to the
 ``SamplePipeline`` (``asyncrl.roles.pipeline``).
+
+Across hosts, the rollout replicas of a host without the learner read a per-host relay's store
+(``asyncrl.roles.relay``). ``WeightSync`` then pushes to the relay groups first and to the
+rollout group after, in sync and in async mode alike, so a replica that syncs never finds its
+host's store older than the version pushed. ``relay_groups`` says which roles are relays.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from asyncrl.background import Background
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.errors import StallError
 
-__all__ = ["Broadcaster", "WeightSync"]
+__all__ = ["Broadcaster", "WeightSync", "relay_groups"]
 
 log = logging.getLogger("asyncrl.weight_sync")
 
@@ -44,12 +50,18 @@ class WeightSync:
     that fails cancels the others, and is raised by the next ``push`` or by ``close`` (which
     waits for the pushes in flight). Use it as an async context manager, or call ``close``.
 
+    With ``relays``, every push and ``ensure`` first has each relay group hold the version
+    (their ``sync``, asked again like a replica that lags), then the rollout group: a rollout
+    replica on a relay's host never reads a version older than the relay's.
+
     Args:
         rollout: the rollout group's handle.
         wait: sync mode (wait for every replica) or async mode (push in the background).
         method: the rollout endpoint that loads the newest weights and answers its version.
         timeout: seconds for one broadcast, and for ``ensure`` to see the version.
         clock: what ``ensure`` waits on between asks (a test passes a ``FakeClock``).
+        relays: the handles of the relay groups (``relay_groups``), pushed to first.
+        relay_method: the relays' endpoint that pulls the newest version and answers it.
     """
 
     def __init__(
@@ -60,8 +72,12 @@ class WeightSync:
         method: str = "sync",
         timeout: float = 600.0,
         clock: Clock = MONOTONIC,
+        relays: Sequence[Broadcaster] = (),
+        relay_method: str = "sync",
     ) -> None:
         self.rollout = rollout
+        self.relays = tuple(relays)
+        self.relay_method = relay_method
         self.wait = wait
         self.method = method
         self.timeout = timeout
@@ -95,25 +111,45 @@ class WeightSync:
         self._background.spawn(self._broadcast(payload))
 
     async def _broadcast(self, payload: Any) -> None:
+        for relay in self.relays:
+            await relay.broadcast(self.relay_method, None, timeout=self.timeout)
         await self.rollout.broadcast(self.method, payload, timeout=self.timeout)
 
     async def ensure(self, version: int | None, payload: Any = None) -> list[Any]:
         """Broadcast until every replica answers with a version of at least ``version``;
-        return the versions. ``None`` asks once, whatever they answer.
+        return the rollout replicas' versions. ``None`` asks once, whatever they answer. The
+        relays, when there are any, are brought to ``version`` first.
 
         Raises:
-            StallError: a replica still holds older weights after ``timeout`` seconds.
+            StallError: a relay or a replica still holds older weights after ``timeout``
+                seconds.
         """
         deadline = self.clock.now() + self.timeout
+        for relay in self.relays:
+            await self._reach(relay, self.relay_method, None, version, deadline, "relays")
+        return await self._reach(
+            self.rollout, self.method, payload, version, deadline, "rollout replicas"
+        )
+
+    async def _reach(
+        self,
+        group: Broadcaster,
+        method: str,
+        payload: Any,
+        version: int | None,
+        deadline: float,
+        what: str,
+    ) -> list[Any]:
+        """Broadcast ``method`` to ``group`` until each answers at least ``version``."""
         while True:
-            versions = await self.rollout.broadcast(self.method, payload, timeout=self.timeout)
+            versions = await group.broadcast(method, payload, timeout=self.timeout)
             if version is None or min(int(v) for v in versions) >= version:
                 return versions
             if self.clock.now() >= deadline:
                 raise StallError(
-                    f"rollout replicas hold weights versions {versions} after "
-                    f"{self.timeout:g} s, not version {version}: the publisher's store never "
-                    f"came back (is the learner restarting over and over?)"
+                    f"{what} hold weights versions {versions} after {self.timeout:g} s, not "
+                    f"version {version}: the publisher's store never came back (is the "
+                    f"learner restarting over and over?)"
                 )
             await self.clock.sleep(_RESYNC_S)
 
@@ -131,3 +167,31 @@ class WeightSync:
             self._raised = failure
             raise failure
         log.error("weight sync: a background push had failed", exc_info=failure)
+
+
+def relay_groups(config: Mapping[str, Any], roles: Mapping[str, Any]) -> list[str]:
+    """The names of the run's relay groups, which ``WeightSync`` pushes to first.
+
+    ``config["relays"]`` (the manifest's ``run.config.relays``) lists them; when it is absent,
+    a role named ``relay`` is the relay, if the run has one.
+
+    Args:
+        config: the program's config (the manifest's ``run.config``).
+        roles: the run's role groups by name (``Context.roles``).
+
+    Raises:
+        ValueError: ``relays`` is not a list of names, or names a role the run lacks.
+    """
+    names = config.get("relays")
+    if names is None:
+        return ["relay"] if "relay" in roles else []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"run.config.relays: expected a list of role names, got {names!r}")
+    missing = [n for n in names if n not in roles]
+    if missing:
+        known = ", ".join(sorted(roles)) or "none"
+        raise ValueError(
+            f"run.config.relays: no role named {', '.join(map(repr, missing))} in the run "
+            f"(roles: {known}); list the relay roles, or remove relays"
+        )
+    return list(names)

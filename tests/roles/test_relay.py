@@ -24,11 +24,13 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.errors import ConfigProblem
+from asyncrl.clock import FakeClock
+from asyncrl.errors import ConfigProblem, StallError
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.relay import Relay, RelayStatus
 from asyncrl.roles.rollout import Rollout, WeightsUpdate
+from asyncrl.roles.weight_sync import WeightSync, relay_groups
 from asyncrl.spec import SPEC_FILE_ENV, GroupInfo, ProcessSpec, write_spec
 from asyncrl.transport import Client, run
 from asyncrl.transport.shm import HOST_ID_ENV, sweep
@@ -341,3 +343,109 @@ def test_config_and_a_missing_source_are_refused() -> None:
         "roles.relay.config.source: the run has no role 'learner' (roles: none); name the role "
         "that publishes the weights"
     )
+
+
+class Group:
+    """A role group's ``broadcast`` that logs each call as ``(group, method)`` in a shared log
+    and answers the versions scripted, one list per call (the last one repeats)."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]], answers: list[list[int]]) -> None:
+        self.name = name
+        self.log = log
+        self.answers = answers
+        self.asked = 0
+
+    async def broadcast(
+        self, method: str, payload: Any = None, reply_type: Any = Any, *, timeout: float = 0.0
+    ) -> list[Any]:
+        self.log.append((self.name, method))
+        self.asked += 1
+        return self.answers[min(self.asked - 1, len(self.answers) - 1)]
+
+
+def test_sync_mode_brings_the_relays_to_the_version_before_any_rollout_is_asked() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        log: list[tuple[str, str]] = []
+        relays = [Group("relay", log, [[1], [2]]), Group("relay2", log, [[3]])]
+        rollout = Group("rollout", log, [[2, 3]])
+        sync = WeightSync(rollout, wait=True, timeout=5.0, clock=clock, relays=relays)
+        push = asyncio.ensure_future(sync.push(version=2))
+        await clock.wait_for_timers(1)  # relay 1 still holds version 1: asked again later
+        assert log == [("relay", "sync")]
+        clock.advance(0.1)
+        await asyncio.wait_for(push, 10.0)
+        assert log == [
+            ("relay", "sync"),
+            ("relay", "sync"),
+            ("relay2", "sync"),
+            ("rollout", "sync"),
+        ]
+        await sync.close()
+
+    run(main())
+
+
+def test_async_mode_pushes_to_the_relays_then_the_rollouts_in_the_background() -> None:
+    async def main() -> None:
+        log: list[tuple[str, str]] = []
+        rollout = Group("rollout", log, [[0]])
+        relay = Group("relay", log, [[0]])
+        async with WeightSync(rollout, wait=False, relays=[relay], relay_method="pull") as sync:
+            await sync.push()
+            await sync.push()
+        assert log == [("relay", "pull"), ("rollout", "sync")] * 2
+
+    run(main())
+
+
+def test_a_relay_that_never_reaches_the_version_stalls_the_push_by_name() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        log: list[tuple[str, str]] = []
+        relay = Group("relay", log, [[1]])
+        sync = WeightSync(
+            Group("rollout", log, [[2]]), wait=True, timeout=0.25, clock=clock, relays=[relay]
+        )
+        ensure = asyncio.ensure_future(sync.ensure(2))
+        while not ensure.done():
+            await clock.wait_for_timers(1)
+            clock.advance(0.125)
+            await asyncio.sleep(0)
+        with pytest.raises(StallError) as err:
+            await ensure
+        assert str(err.value) == (
+            "relays hold weights versions [1] after 0.25 s, not version 2: the publisher's "
+            "store never came back (is the learner restarting over and over?)"
+        )
+        assert ("rollout", "sync") not in log
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("config", "roles", "names"),
+    [
+        ({}, {"learner", "rollout"}, []),
+        ({}, {"learner", "rollout", "relay"}, ["relay"]),
+        ({"relays": None}, {"relay"}, ["relay"]),
+        ({"relays": []}, {"relay"}, []),
+        ({"relays": ["relay-b", "relay-a"]}, {"relay-a", "relay-b"}, ["relay-b", "relay-a"]),
+    ],
+)
+def test_relay_groups_come_from_the_config_or_the_role_named_relay(
+    config: dict[str, Any], roles: set[str], names: list[str]
+) -> None:
+    assert relay_groups(config, dict.fromkeys(roles)) == names
+
+
+def test_relay_groups_refuse_what_names_no_relay() -> None:
+    with pytest.raises(ValueError) as err:
+        relay_groups({"relays": ["relay", "relay1"]}, {"relay": None, "learner": None})
+    assert str(err.value) == (
+        "run.config.relays: no role named 'relay1' in the run (roles: learner, relay); list the "
+        "relay roles, or remove relays"
+    )
+    with pytest.raises(ValueError) as err:
+        relay_groups({"relays": "relay"}, {"relay": None})
+    assert str(err.value) == "run.config.relays: expected a list of role names, got 'relay'"
