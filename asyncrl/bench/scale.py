@@ -1,33 +1,27 @@
 """``asyncrl bench scale``: how the driver's own cost grows with the number of rollout replicas.
 
-The driver is one asyncio process that sees every sample. Each row of this benchmark runs the
-real driver side (``Dispatcher``, a ``Handle``, ``SamplePipeline`` with its pacer and split-mode
-reducer, the background weight-version broadcast of ``WeightSync``) against ``n`` simulated
-rollout replicas, for n in 1, 4, 16, 64 and 256. Each replica is a transport ``Server`` at its
-own ipc endpoint, serving ``ScaleRollout`` (``sim.SimRollout``: a sample is a fixed sleep of
-``gen_ms``, ``slots`` at once); the replicas are spread over up to ``--hosts`` helper
-processes, so that 256 replicas do not need 256 interpreters. The learner is instant (its step
-is the driver's ``pipe.advance``), so nothing but the runtime limits the rate.
+Each row runs the real driver side (``Dispatcher``, a ``Handle``, ``SamplePipeline`` with its
+pacer and split-mode reducer, ``WeightSync``'s background version broadcast after every batch)
+against n simulated rollout replicas (1, 4, 16, 64, 256), in a fresh driver process. A replica
+is a transport ``Server`` at its own ipc endpoint serving ``ScaleRollout`` (``sim.SimRollout``:
+a sample is a fixed sleep of ``--gen-ms``, ``--slots`` at once); the replicas are spread over
+up to ``--hosts`` helper processes. The learner is instant (``pipe.advance`` after each batch)
+and the pacer admits up to ``ETA + 1`` batches of ``max(n x slots, GROUP)`` samples, so the
+driver always has work queued. After every replica answered, the driver idles ``--idle``
+seconds (``driver_idle_cpu_fraction``: what heartbeats cost), warms up, and measures a window:
 
-Each row runs in a fresh driver process, so its CPU and memory are its own. After every
-replica has answered, the driver idles for ``IDLE_S`` (its CPU then is what heartbeats cost),
-warms up for ``WARMUP_S``, then measures a window of ``--window`` seconds:
-
-- ``samples_per_s``: samples the pipeline handed out (consumed) per second, next to
-  ``ideal_samples_per_s`` = n x slots / gen time (the replicas' capacity);
-- ``driver_cpu_s_per_1k``: the driver process's CPU seconds (all its threads, ZeroMQ's I/O
-  thread included) per 1,000 consumed samples; ``driver_cpu_fraction``: its share of a core;
-  ``driver_ceiling_samples_per_s`` = 1,000 / ``driver_cpu_s_per_1k``: what one core could serve
-  at this replica count;
-- ``dispatch_ms_p50`` / ``_p99`` / ``_max``: the *turnaround* of a slot. For every sample that
-  started in the window, the time from the end of the sample that last held its slot to its own
-  start, on the replica's clock: the reply's trip to the driver, the driver handling it, and
-  the next request's trip back. The driver always has work queued (the pacer admits up to
-  ``ETA + 1`` batches of ``max(n x slots, GROUP)`` samples), so this is dispatch, not waiting
-  for work;
-- ``driver_rss_mb`` (at the end of the window) and ``driver_peak_rss_mb`` (the process's peak);
-- ``hosts_cpu_fraction``: the helper processes' CPU share over the window (when it nears the
-  machine's free cores, the replicas, not the driver, were the limit).
+- ``samples_per_s`` consumed, next to ``ideal_samples_per_s`` = n x slots / generation time;
+- ``driver_cpu_s_per_1k``: the driver's CPU seconds (every thread, ZeroMQ's I/O thread
+  included) per 1,000 samples; ``driver_loop_cpu_s_per_1k``: its event-loop thread's alone,
+  the serial part, whose inverse is ``driver_ceiling_samples_per_s`` (one core's worth);
+  ``driver_loop_busy_fraction``: the loop thread's run plus run-queue wait time over the window
+  (near 1: saturated, even where a busy machine gave it less than a core);
+- ``dispatch_ms_p50`` / ``_p99`` / ``_max``: slot turnaround (``turnarounds``), from a sample's
+  end to the start of the next in its slot on the replica's clock: the reply's trip, the
+  driver's handling, the next request's trip;
+- ``driver_rss_mb`` at the end of the window and ``driver_peak_rss_mb``;
+- ``hosts_cpu_fraction`` and ``hosts_busy_max`` (the busiest helper's loop, as the driver's):
+  near 1, the simulated replicas, not the driver, were the limit.
 """
 
 from __future__ import annotations
@@ -60,7 +54,15 @@ from asyncrl.roles.pipeline import SamplePipeline, WeightSync
 from asyncrl.spec import GroupInfo
 from asyncrl.transport import Call, ChannelOptions, LocalRegistry, Server, run
 
-__all__ = ["ScaleRollout", "format_table", "main", "measure", "measure_row", "turnarounds"]
+__all__ = [
+    "ScaleRollout",
+    "format_table",
+    "main",
+    "measure",
+    "measure_row",
+    "project",
+    "turnarounds",
+]
 
 ROWS = (1, 4, 16, 64, 256)
 QUICK_ROWS = (1, 4)
@@ -74,10 +76,9 @@ ETA = 2
 """The pipeline's staleness bound: up to ETA + 1 batches in flight keep the driver's queue full."""
 HOSTS = 4
 """The most helper processes the replicas are spread over."""
-WINDOW_S = 6.0
-WARMUP_S = 1.5
-IDLE_S = 2.0
-QUICK = {"window_s": 0.6, "warmup_s": 0.3, "idle_s": 0.2}
+TIMES = {"window": 6.0, "warmup": 1.5, "idle": 2.0}
+"""Seconds a row measures, warms up before, and idles (for the heartbeats' cost) before that."""
+QUICK_TIMES = {"window": 0.6, "warmup": 0.3, "idle": 0.2}
 ROW_TIMEOUT_S = 180.0
 RUN = "bench-scale"
 
@@ -144,6 +145,13 @@ def _handler(method: Any) -> Any:
     return handle
 
 
+def _constant(value: dict[str, Any]) -> Any:
+    def answer(payload: Any, call: Call) -> dict[str, Any]:
+        return value
+
+    return answer
+
+
 async def _serve_host(spec: HostSpec) -> None:
     """Serve ``spec``'s replicas until stdin closes (the driver ended or closed it)."""
     config = ScaleRollout.Config(speeds=[1.0] * spec.replicas, sigma=0.0, mean_s=spec.gen_s)
@@ -171,7 +179,7 @@ async def _serve_host(spec: HostSpec) -> None:
             "pid": os.getpid(),
             "endpoints": {n: e.delivery.value for n, e in methods.items()},
         }
-        server.add("_describe", lambda payload, call, d=described: d)
+        server.add("_describe", _constant(described))
         await server.start()
         server.set_credit(spec.slots)
         servers.append(server)
@@ -216,15 +224,20 @@ def _start_hosts(
     return procs
 
 
-def _cpu_of(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` used so far (Linux ``/proc``)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    return total / tick
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` used so far (``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _schedstat(pid: int) -> tuple[float, float]:
+    """Seconds the main thread of ``pid`` ran, and waited on a run queue, so far
+    (``/proc/<pid>/schedstat``). Their sum over a window is how much of it the thread wanted a
+    core: near 1, it was saturated, even on a machine too busy to give it one."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        ran, waited, _ = f.read().split()
+    return int(ran) / 1e9, int(waited) / 1e9
 
 
 def _rss_mb() -> float:
@@ -234,17 +247,29 @@ def _rss_mb() -> float:
 
 
 @dataclass
-class _Window:
-    """The measured window: wall and CPU times at its ends, samples consumed in it."""
+class _Mark:
+    """The clocks at one end of the measured window."""
 
-    t0: float = 0.0
-    t1: float = 0.0
-    wall0: float = 0.0
-    wall1: float = 0.0
-    cpu0: float = 0.0
-    cpu1: float = 0.0
-    hosts0: float = 0.0
-    hosts1: float = 0.0
+    t: float  # time.monotonic()
+    wall: float  # time.time(), the replicas' clock
+    cpu: float  # the driver's CPU, every thread
+    loop: tuple[float, float]  # the driver's event-loop thread: ran, waited
+    hosts: list[tuple[float, tuple[float, float]]]  # each helper: CPU, and its loop's schedstat
+
+    @classmethod
+    def now(cls, pids: list[int]) -> _Mark:
+        hosts = [(_cpu_of(p), _schedstat(p)) for p in pids]
+        return cls(
+            time.monotonic(), time.time(), time.process_time(), _schedstat(os.getpid()), hosts
+        )
+
+
+@dataclass
+class _Window:
+    """The measured window: its two ends, and the samples and steps consumed in it."""
+
+    start: _Mark | None = None
+    end: _Mark | None = None
     consumed: int = 0
     steps: int = 0
 
@@ -277,11 +302,13 @@ async def _drive(n: int, slots: int, gen_s: float, times: dict[str, float], host
         ctx = Context(dispatcher, run=RUN, run_dir=run_dir, log=None)
         await ctx.rollout.broadcast("set_version", 0, int, timeout=ROW_TIMEOUT_S)
         cpu0 = time.process_time()
-        await asyncio.sleep(times["idle_s"])
-        idle_cpu = (time.process_time() - cpu0) / times["idle_s"]
+        await asyncio.sleep(times["idle"])
+        idle_cpu = (time.process_time() - cpu0) / times["idle"]
         w = await _pipeline_window(ctx, n, slots, times, pids)
-        turn = await ctx.rollout.broadcast("turnaround", [w.wall0, w.wall1], list[float])
-        usage = await ctx.rollout.broadcast("usage", [w.wall0, w.wall1], dict[str, float])
+        assert w.start is not None and w.end is not None
+        edges = [w.start.wall, w.end.wall]
+        turn = await ctx.rollout.broadcast("turnaround", edges, list[float])
+        usage = await ctx.rollout.broadcast("usage", edges, dict[str, float])
     finally:
         await dispatcher.close()
         for proc in procs:
@@ -317,20 +344,10 @@ async def _pipeline_window(
     w = _Window()
     async with WeightSync(ctx.rollout, wait=False, method="set_version") as weights, pipe:
         start = time.monotonic()
-        version = await _consume(pipe, weights, 0, start + times["warmup_s"], None)
-        w.t0, w.wall0, w.cpu0, w.hosts0 = (
-            time.monotonic(),
-            time.time(),
-            time.process_time(),
-            _cpu_of(pids),
-        )
-        await _consume(pipe, weights, version, w.t0 + times["window_s"], w)
-        w.t1, w.wall1, w.cpu1, w.hosts1 = (
-            time.monotonic(),
-            time.time(),
-            time.process_time(),
-            _cpu_of(pids),
-        )
+        version = await _consume(pipe, weights, 0, start + times["warmup"], None)
+        w.start = _Mark.now(pids)
+        await _consume(pipe, weights, version, w.start.t + times["window"], w)
+        w.end = _Mark.now(pids)
     return w
 
 
@@ -343,11 +360,15 @@ def _row_figures(
     turn: list[list[float]],
     usage: list[dict[str, float]],
 ) -> dict[str, Any]:
-    span = w.t1 - w.t0
-    cpu = w.cpu1 - w.cpu0
-    per_1k = 1e3 * cpu / w.consumed
+    """One row's figures (see the module docstring) from its window and the replicas' reports."""
+    assert w.start is not None and w.end is not None
+    a, b = w.start, w.end
+    span = b.t - a.t
     gaps = percentiles(g * 1e3 for replica in turn for g in replica)
-    rss = _rss_mb()
+    hosts_busy = [
+        (b1 - b0 + w1 - w0) / span
+        for (_, (b0, w0)), (_, (b1, w1)) in zip(a.hosts, b.hosts, strict=True)
+    ]
     return {
         "replicas": n,
         "slots": slots,
@@ -360,25 +381,45 @@ def _row_figures(
         "efficiency": w.consumed / span / (n * slots / gen_s),
         "dispatched_per_s": sum(u["started"] for u in usage) / span,
         "replica_idle_mean": sum(u["idle"] for u in usage) / n,
-        "driver_cpu_s_per_1k": per_1k,
-        "driver_cpu_fraction": cpu / span,
-        "driver_ceiling_samples_per_s": 1e3 / per_1k,
-        "driver_idle_cpu_fraction": idle_cpu,
+        **_driver_figures(w, idle_cpu),
         "dispatch_ms_p50": gaps["p50"],
         "dispatch_ms_p99": gaps["p99"],
         "dispatch_ms_max": gaps["max"],
         "dispatch_count": sum(len(r) for r in turn),
+        "hosts": len(a.hosts),
+        "hosts_cpu_fraction": sum(
+            c1 - c0 for (c0, _), (c1, _) in zip(a.hosts, b.hosts, strict=True)
+        )
+        / span,
+        "hosts_busy_max": max(hosts_busy),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _driver_figures(w: _Window, idle_cpu: float) -> dict[str, float]:
+    """What the driver process spent over window ``w``, and its memory now."""
+    assert w.start is not None and w.end is not None
+    a, b = w.start, w.end
+    span = b.t - a.t
+    cpu = b.cpu - a.cpu
+    loop_cpu, loop_wait = b.loop[0] - a.loop[0], b.loop[1] - a.loop[1]
+    rss = _rss_mb()
+    return {
+        "driver_cpu_s_per_1k": 1e3 * cpu / w.consumed,
+        "driver_cpu_fraction": cpu / span,
+        "driver_loop_cpu_s_per_1k": 1e3 * loop_cpu / w.consumed,
+        "driver_loop_busy_fraction": (loop_cpu + loop_wait) / span,
+        "driver_ceiling_samples_per_s": w.consumed / loop_cpu,
+        "driver_idle_cpu_fraction": idle_cpu,
         "driver_rss_mb": rss,
         "driver_peak_rss_mb": max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "hosts_cpu_fraction": (w.hosts1 - w.hosts0) / span,
-        "load_avg_1m": os.getloadavg()[0],
     }
 
 
 def _row_main(args: argparse.Namespace) -> int:
     """``--row N``: measure one row in this (fresh) process; print its figures as JSON."""
     logs.configure(role="bench-scale", console=False)
-    times = {"window_s": args.window, "warmup_s": args.warmup, "idle_s": args.idle}
+    times = {name: getattr(args, name) for name in TIMES}
     figures = run(_drive(args.row, args.slots, args.gen_ms / 1e3, times, args.hosts))
     print(json.dumps(figures))
     return 0
@@ -392,19 +433,18 @@ def measure_row(
     *,
     slots: int = SLOTS,
     gen_ms: float = GEN_MS,
-    window_s: float = WINDOW_S,
-    warmup_s: float = WARMUP_S,
-    idle_s: float = IDLE_S,
     hosts: int = HOSTS,
+    times: dict[str, float] = TIMES,
 ) -> dict[str, Any]:
-    """The figures of one row (``n`` replicas), measured in a fresh driver process.
+    """The figures of one row (``n`` replicas), measured in a fresh driver process; ``times``
+    as ``TIMES``.
 
     Raises:
         RuntimeError: the row's process failed; the message holds the end of its output.
     """
     cmd = [sys.executable, "-m", "asyncrl.bench.scale", "--row", str(n), "--slots", str(slots)]
-    cmd += ["--gen-ms", str(gen_ms), "--window", str(window_s), "--warmup", str(warmup_s)]
-    cmd += ["--idle", str(idle_s), "--hosts", str(hosts)]
+    cmd += ["--gen-ms", str(gen_ms), "--hosts", str(hosts)]
+    cmd += [arg for name, value in times.items() for arg in (f"--{name}", str(value))]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
@@ -417,8 +457,9 @@ def measure_row(
 
 
 def project(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Fit the driver's CPU per sample as ``fixed + per_replica x n`` (least squares over the
-    rows) and solve where one driver core is fully busy at the rows' per-replica rate.
+    """Fit the CPU per sample of the driver's event-loop thread (its serial part: ZeroMQ's I/O
+    thread runs beside it) as ``fixed + per_replica x n``, least squares over the rows, and
+    solve where that thread is fully busy at the rows' per-replica rate.
 
     Returns ``cpu_us_per_sample_fixed``, ``cpu_us_per_sample_per_replica``,
     ``replica_rate_per_s`` (slots / generation time) and ``one_core_limit_replicas``: the n at
@@ -426,12 +467,11 @@ def project(rows: list[dict[str, Any]]) -> dict[str, float]:
     per-replica term, noise on few rows, is taken as 0; infinite when the cost never reaches it).
     """
     xs = [float(r["replicas"]) for r in rows]
-    ys = [r["driver_cpu_s_per_1k"] * 1e3 for r in rows]  # microseconds per sample
+    ys = [r["driver_loop_cpu_s_per_1k"] * 1e3 for r in rows]  # microseconds per sample
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mean_x) ** 2 for x in xs)
-    slope = (
-        sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    )
+    cov = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    slope = cov / var if var else 0.0
     fixed = mean_y - slope * mean_x
     rate = rows[0]["slots"] / (rows[0]["gen_ms"] / 1e3)
     # n * rate * (fixed + slope * n) * 1e-6 = 1  ->  slope*rate*n^2 + fixed*rate*n - 1e6 = 0
@@ -455,6 +495,25 @@ def measure(replicas: list[int], **row: Any) -> dict[str, Any]:
     return {"rows": rows, "projection": project(rows), "cpus": os.cpu_count()}
 
 
+_COLUMNS = (
+    # (heading, width, key, format)
+    ("replicas", 8, "replicas", "d"),
+    ("ideal/s", 8, "ideal_samples_per_s", ".0f"),
+    ("samples/s", 10, "samples_per_s", ".0f"),
+    ("eff", 5, "efficiency", ".2f"),
+    ("cpu s/1k", 9, "driver_cpu_s_per_1k", ".3f"),
+    ("loop s/1k", 10, "driver_loop_cpu_s_per_1k", ".3f"),
+    ("loop busy", 10, "driver_loop_busy_fraction", ".2f"),
+    ("ceiling/s", 10, "driver_ceiling_samples_per_s", ".0f"),
+    ("idle cpu", 9, "driver_idle_cpu_fraction", ".3f"),
+    ("p50 ms", 8, "dispatch_ms_p50", ".1f"),
+    ("p99 ms", 8, "dispatch_ms_p99", ".1f"),
+    ("rss MB", 7, "driver_rss_mb", ".0f"),
+    ("peak", 6, "driver_peak_rss_mb", ".0f"),
+    ("host busy", 10, "hosts_busy_max", ".2f"),
+)
+
+
 def format_table(figures: dict[str, Any]) -> str:
     """The figures of ``measure`` as a readable table."""
     rows = figures["rows"]
@@ -463,28 +522,20 @@ def format_table(figures: dict[str, Any]) -> str:
         "asyncrl scale benchmark: the real driver (dispatcher, sample pipeline, reducer, weight "
         "broadcast) against simulated rollout replicas",
         f"{first['slots']} slots a replica, {first['gen_ms']:.0f} ms a sample, groups of "
-        f"{GROUP}, eta {ETA}, instant learner; {os.cpu_count()} CPUs, "
-        f"window {first['window_s']:.1f} s",
+        f"{GROUP}, eta {ETA}, instant learner; {figures['cpus']} CPUs, "
+        f"{first['window_s']:.1f} s windows. p50/p99: slot turnaround (dispatch latency); "
+        "loop: the driver's event-loop thread (busy: ran + waited for a core)",
         "",
-        f"{'replicas':>8}{'ideal/s':>9}{'samples/s':>10}{'eff':>6}{'cpu s/1k':>9}"
-        f"{'cpu':>6}{'ceiling/s':>10}{'idle cpu':>9}{'disp p50':>9}{'p99 ms':>8}"
-        f"{'rss MB':>8}{'peak':>7}{'hosts cpu':>10}",
+        "".join(f"{head:>{width}}" for head, width, _, _ in _COLUMNS),
     ]
     for r in rows:
-        lines.append(
-            f"{r['replicas']:>8}{r['ideal_samples_per_s']:>9.0f}{r['samples_per_s']:>10.0f}"
-            f"{r['efficiency']:>6.2f}{r['driver_cpu_s_per_1k']:>9.3f}"
-            f"{r['driver_cpu_fraction']:>6.2f}{r['driver_ceiling_samples_per_s']:>10.0f}"
-            f"{r['driver_idle_cpu_fraction']:>9.3f}{r['dispatch_ms_p50']:>9.2f}"
-            f"{r['dispatch_ms_p99']:>8.2f}{r['driver_rss_mb']:>8.0f}"
-            f"{r['driver_peak_rss_mb']:>7.0f}{r['hosts_cpu_fraction']:>10.2f}"
-        )
+        lines.append("".join(f"{r[key]:>{width}{fmt}}" for _, width, key, fmt in _COLUMNS))
     p = figures["projection"]
     lines += [
         "",
-        f"driver CPU per sample ~ {p['cpu_us_per_sample_fixed']:.0f} us + "
+        f"driver loop CPU per sample ~ {p['cpu_us_per_sample_fixed']:.0f} us + "
         f"{p['cpu_us_per_sample_per_replica']:.2f} us x replicas; at "
-        f"{p['replica_rate_per_s']:.0f} samples/s a replica one driver core is full at "
+        f"{p['replica_rate_per_s']:.0f} samples/s a replica, one driver core is full at "
         f"~{p['one_core_limit_replicas']:.0f} replicas",
     ]
     return "\n".join(lines)
@@ -505,9 +556,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--slots", type=int, default=SLOTS, help="slots a replica")
     parser.add_argument("--gen-ms", type=float, default=GEN_MS, help="milliseconds a sample")
-    parser.add_argument("--window", type=float, help=f"measured seconds a row ({WINDOW_S})")
-    parser.add_argument("--warmup", type=float, help=f"warm-up seconds a row ({WARMUP_S})")
-    parser.add_argument("--idle", type=float, help=f"idle seconds a row ({IDLE_S})")
+    parser.add_argument("--window", type=float, help=f"measured seconds a row ({TIMES['window']})")
+    parser.add_argument("--warmup", type=float, help=f"warm-up seconds a row ({TIMES['warmup']})")
+    parser.add_argument("--idle", type=float, help=f"idle seconds a row ({TIMES['idle']})")
     parser.add_argument("--hosts", type=int, default=HOSTS, help="helper processes, at most")
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
@@ -519,12 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.host:
         return _host_main()
-    defaults = (
-        QUICK if args.quick else {"window_s": WINDOW_S, "warmup_s": WARMUP_S, "idle_s": IDLE_S}
-    )
-    args.window = args.window if args.window is not None else defaults["window_s"]
-    args.warmup = args.warmup if args.warmup is not None else defaults["warmup_s"]
-    args.idle = args.idle if args.idle is not None else defaults["idle_s"]
+    for name, default in (QUICK_TIMES if args.quick else TIMES).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.slots < 1 or args.hosts < 1 or not args.gen_ms > 0:
         parser.error("--slots and --hosts must be >= 1 and --gen-ms > 0")
     if not (args.window > 0 and args.warmup >= 0 and args.idle > 0):
@@ -534,15 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     replicas = args.replicas or list(QUICK_ROWS if args.quick else ROWS)
     if any(n < 1 for n in replicas):
         parser.error(f"--replicas must be >= 1, got {replicas}")
-    figures = measure(
-        replicas,
-        slots=args.slots,
-        gen_ms=args.gen_ms,
-        window_s=args.window,
-        warmup_s=args.warmup,
-        idle_s=args.idle,
-        hosts=args.hosts,
-    )
+    times = {name: getattr(args, name) for name in TIMES}
+    figures = measure(replicas, slots=args.slots, gen_ms=args.gen_ms, hosts=args.hosts, times=times)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 
