@@ -1,0 +1,249 @@
+"""A run over two simulated nodes: two torchrun processes on 127.0.0.1, ``--nnodes=2``.
+
+Node 1 acts as another host: ``ASYNCRL_HOST_ID=node1`` in its torchrun environment (its
+children inherit it), so no shared memory crosses the boundary and its replicas are reached
+over tcp. The run is the hello example's roles with a program (written by the test) that sends
+30 lines, stops at a gate file after 15, and writes a summary: the counter's ledger counts each
+line once, so the result is exact (10 times the hello example's) only if no line was counted
+twice or lost, across a restarted role or a restarted worker group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+EXPECTED = [["the", 40], ["dog", 30], ["fox", 30]]
+"""The hello example's top three words, for its three lines sent ten times each."""
+
+PROGRAM = """\
+import asyncio, json, os
+
+from examples.hello.roles import Line, Words
+
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "the dog sleeps and the fox runs",
+    "a fox is quick and a dog is lazy",
+]
+
+
+async def main(ctx):
+    lines = [Line(i, TEXT[i % 3]) for i in range(30)]
+    for start in range(0, 30, 5):
+        async for _, words in ctx.splitter.map("split", lines[start:start + 5], Words):
+            await ctx.counter.call("add", words)
+        if start + 5 == 15:
+            with open(os.path.join(ctx.run_dir, "progress"), "w") as f:
+                f.write(str(ctx.incarnation))
+            while not os.path.exists(ctx.config["gate"]):
+                await asyncio.sleep(0.05)
+    top = await ctx.counter.call("top", 3)
+    with open(os.path.join(ctx.run_dir, "summary.json"), "w") as f:
+        json.dump({"top": top}, f)
+    return top
+"""
+
+MANIFEST = """\
+run:
+  name: twonodes
+  program: {program}:main
+  config: {{gate: {gate}}}
+roles:
+  splitter:
+    class: examples.hello.roles:Splitter
+    replicas: 2
+    placement: {{node: 1}}
+    supervision: {{backoff_initial_s: 0.05}}
+  counter:
+    class: examples.hello.roles:Counter
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(what: str, ready: Callable[[], bool], timeout: float, logs: Callable[[], str]) -> None:
+    """Wait until ``ready()`` (a file the run writes), or fail with the nodes' output."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:g} s for {what}\n{logs()}")
+        time.sleep(0.05)
+
+
+def _json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class TwoNodes:
+    """Two torchrun processes (node ranks 0 and 1) running ``asyncrl.launch`` on one manifest."""
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        self.run_dir = os.path.join(tmp, "run")
+        self.gate = os.path.join(tmp, "gate")
+        program = os.path.join(tmp, "program.py")
+        with open(program, "w") as f:
+            f.write(PROGRAM)
+        self.manifest = os.path.join(tmp, "manifest.yaml")
+        with open(self.manifest, "w") as f:
+            f.write(MANIFEST.format(program=program, gate=self.gate))
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        port = _free_port()
+        for node in (0, 1):
+            env = {**os.environ, "PYTHONPATH": ROOT}
+            if node == 1:
+                env["ASYNCRL_HOST_ID"] = "node1"
+            out = open(os.path.join(self.tmp, f"node{node}.log"), "wb")  # noqa: SIM115
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        TORCHRUN,
+                        "--nnodes=2",
+                        "--nproc-per-node=1",
+                        f"--node-rank={node}",
+                        "--master-addr=127.0.0.1",
+                        f"--master-port={port}",
+                        "--max-restarts=1",
+                        "--monitor-interval=0.1",
+                        "-m",
+                        "asyncrl.launch",
+                        self.manifest,
+                        "--run-dir",
+                        self.run_dir,
+                        "--agent-liveness=10",
+                        "--join-timeout=60",
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            out.close()
+
+    def logs(self) -> str:
+        text = []
+        for node in (0, 1):
+            with open(os.path.join(self.tmp, f"node{node}.log"), errors="replace") as f:
+                text.append(f"--- node {node} ---\n" + f.read()[-6000:])
+        return "\n".join(text)
+
+    def path(self, node: int, *parts: str) -> str:
+        base = self.run_dir if node == 0 else os.path.join(self.run_dir, f"node-{node}")
+        return os.path.join(base, *parts)
+
+    def wait(self, what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
+        _wait(what, ready, timeout, self.logs)
+
+    def finish(self, timeout: float = 90.0) -> list[int]:
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the launch did not end within {timeout:g} s\n{self.logs()}")
+        return codes
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def nodes(tmp_path: Any) -> Iterator[TwoNodes]:
+    launch = TwoNodes(str(tmp_path))
+    try:
+        yield launch
+    finally:
+        launch.kill()
+
+
+def _check_completed(nodes: TwoNodes) -> None:
+    assert _json(nodes.path(0, "driver.json"))["result"] == EXPECTED
+    assert _json(nodes.path(0, "report.json"))["status"] == "completed"
+    assert _json(nodes.path(1, "report.json"))["status"] == "completed"
+    assert _json(nodes.path(0, "summary.json")) == {"top": EXPECTED, "nodes": 2}
+
+
+@pytest.mark.slow
+def test_a_run_over_two_nodes_completes_with_its_roles_on_node_1(nodes: TwoNodes) -> None:
+    with open(nodes.gate, "w"):
+        pass
+    nodes.start()
+    assert nodes.finish() == [0, 0], nodes.logs()
+    _check_completed(nodes)
+    splitters = [_json(nodes.path(1, "registry", f"splitter.{i}.json")) for i in (0, 1)]
+    assert [s["endpoint"].startswith("ipc://") for s in splitters] == [True, True]
+    spec = _json(nodes.path(0, "specs", "driver.0.0.json"))
+    tcp = spec["groups"]["splitter"]["endpoints"]
+    assert [ep.startswith("tcp://127.0.0.1:") for ep in tcp] == [True, True]
+    assert spec["groups"]["counter"]["endpoints"][0].startswith("ipc://")
+    seen_from_1 = _json(nodes.path(1, "specs", "splitter.0.0.json"))
+    assert seen_from_1["groups"]["counter"]["endpoints"][0].startswith("tcp://127.0.0.1:")
+    assert seen_from_1["groups"]["splitter"]["endpoints"][0].startswith("ipc://")
+    assert seen_from_1["tcp_endpoint"] == tcp[0]
+    assert not os.path.exists(nodes.path(1, "registry", "counter.0.json"))
+    assert _json(nodes.path(1, "launch.json"))["attempt"] == 0
+
+
+@pytest.mark.slow
+def test_a_role_killed_on_node_1_is_restarted_there_and_the_run_completes(
+    nodes: TwoNodes,
+) -> None:
+    nodes.start()
+    nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
+    victim = _json(nodes.path(1, "registry", "splitter.0.json"))
+    os.kill(victim["pid"], signal.SIGKILL)
+    entry = nodes.path(1, "registry", "splitter.0.json")
+    nodes.wait("splitter[0] restarted", lambda: (_json(entry) or {}).get("incarnation") == 1)
+    with open(nodes.gate, "w"):
+        pass
+    assert nodes.finish() == [0, 0], nodes.logs()
+    _check_completed(nodes)
+    assert _json(nodes.path(1, "report.json"))["restarts"] == {"splitter": 1}
+
+
+@pytest.mark.slow
+def test_node_1_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
+    nodes: TwoNodes,
+) -> None:
+    nodes.start()
+    nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
+    agent = _json(nodes.path(1, "launch.json"))
+    assert agent["attempt"] == 0
+    os.kill(agent["pid"], signal.SIGKILL)
+
+    def both_in_attempt_1() -> bool:
+        return all((_json(nodes.path(n, "launch.json")) or {}).get("attempt") == 1 for n in (0, 1))
+
+    nodes.wait("both nodes in attempt 1", both_in_attempt_1, timeout=90)
+    with open(nodes.gate, "w"):
+        pass
+    assert nodes.finish() == [0, 0], nodes.logs()
+    _check_completed(nodes)
