@@ -906,3 +906,90 @@ def test_a_run_with_a_large_config_completes(run_dir: str) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert 'result: [["the", 4], ["dog", 3], ["fox", 3]]' in out.stdout
+
+
+PLACED = """\
+run: {name: demo, program: flow}
+roles:
+  rollout:
+    class: mypkg:Rollout
+    replicas: 3
+    placement: {nodes: [1, 0]}
+  learner:
+    class: mypkg:Learner
+    placement: {node: 1}
+"""
+
+
+def test_placement_nodes_spread_replicas_round_robin() -> None:
+    manifest = parse_manifest(PLACED)
+    rollout = manifest.roles["rollout"].placement
+    assert [rollout.node_of(i) for i in range(3)] == [1, 0, 1]
+    assert [manifest.roles["learner"].placement.node_of(i) for i in range(2)] == [1, 1]
+    assert parse_manifest(PLACED, nodes=2) == manifest
+
+
+def test_a_node_the_launch_does_not_have_is_a_problem_with_its_path() -> None:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(PLACED, "m.yaml", ["roles.rollout.placement.nodes=[0, 3]"], nodes=2)
+    assert info.value.problems == [
+        "roles.rollout.placement.nodes[1]: node 3 but the launch has 2 nodes (--nnodes); place "
+        "the role on nodes 0 to 1, or launch with --nnodes=4 "
+        "(from --set roles.rollout.placement.nodes=[0, 3])",
+    ]
+
+
+def test_asyncrl_run_refuses_roles_off_node_0_and_names_the_launcher() -> None:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(PLACED, "m.yaml", nodes=1)
+    fix = (
+        "but 'asyncrl run' runs on one machine (node 0); launch on several nodes with 'torchrun "
+        "--nnodes=N ... -m asyncrl.launch MANIFEST' (docs/multinode.md), or place the role on "
+        "node 0"
+    )
+    assert info.value.problems == [
+        f"roles.rollout.placement.nodes[0]: node 1, {fix}",
+        f"roles.learner.placement.node: node 1, {fix}",
+    ]
+
+
+def test_run_manifest_refuses_roles_off_node_0_before_starting_anything(
+    tmp_path: pathlib.Path,
+) -> None:
+    import asyncio
+
+    from asyncrl.agent import run_manifest
+
+    manifest = parse_manifest(PLACED)
+    with pytest.raises(ManifestError) as info:
+        asyncio.run(run_manifest(manifest, str(tmp_path / "run")))
+    assert [p.split(":")[0] for p in info.value.problems] == [
+        "roles.rollout.placement.nodes[0]",
+        "roles.learner.placement.node",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_placement_node_and_nodes_exclude_each_other_and_nodes_are_listed_once() -> None:
+    text = PLACED.replace("{nodes: [1, 0]}", "{node: 0, nodes: [1, 1, -1]}")
+    assert _problems(text) == [
+        "roles.rollout.placement.nodes[2]: expected an integer >= 0, got -1",
+        "roles.rollout.placement.nodes: both 'node' and 'nodes' are given; keep 'node' for one "
+        "node or 'nodes' to spread the replicas over several",
+        "roles.rollout.placement.nodes[1]: node 1 is listed twice; list each node once (the "
+        "replicas go round-robin over the list)",
+    ]
+
+
+def test_network_and_security_sections(tmp_path: pathlib.Path) -> None:
+    text = PLACED + "network: {address: eth0}\nsecurity: {curve_keys: keys}\n"
+    manifest = parse_manifest(text)
+    assert manifest.network.address == "eth0"
+    assert manifest.security.curve_keys == "keys"
+    (tmp_path / "m.yaml").write_text(text)
+    loaded = load_manifest(str(tmp_path / "m.yaml"), check_files=False)
+    assert loaded.security.curve_keys == str(tmp_path / "keys")
+    assert parse_manifest(PLACED).security.curve_keys == ""
+    assert _problems(PLACED + "network: {adress: eth0}\n") == [
+        "network.adress: unknown key; did you mean 'address'?"
+    ]
