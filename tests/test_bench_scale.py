@@ -99,6 +99,7 @@ def test_scale_benchmark_quick_json() -> None:
     rows = figures["rows"]
     assert [r["replicas"] for r in rows] == [1, 4]
     assert [r["hosts"] for r in rows] == [1, 2]
+    assert [r["gc"] for r in rows] == [True, True]
     for r in rows:
         assert set(r) >= KEYS
         ideal = r["replicas"] * 4 / 0.05

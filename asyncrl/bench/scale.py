@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import resource
@@ -54,15 +55,7 @@ from asyncrl.roles.pipeline import SamplePipeline, WeightSync
 from asyncrl.spec import GroupInfo
 from asyncrl.transport import Call, ChannelOptions, LocalRegistry, Server, run
 
-__all__ = [
-    "ScaleRollout",
-    "format_table",
-    "main",
-    "measure",
-    "measure_row",
-    "project",
-    "turnarounds",
-]
+__all__ = ["ScaleRollout", "format_table", "main", "measure", "project", "turnarounds"]
 
 ROWS = (1, 4, 16, 64, 256)
 QUICK_ROWS = (1, 4)
@@ -420,8 +413,10 @@ def _row_main(args: argparse.Namespace) -> int:
     """``--row N``: measure one row in this (fresh) process; print its figures as JSON."""
     logs.configure(role="bench-scale", console=False)
     times = {name: getattr(args, name) for name in TIMES}
+    if args.no_gc:
+        gc.disable()
     figures = run(_drive(args.row, args.slots, args.gen_ms / 1e3, times, args.hosts))
-    print(json.dumps(figures))
+    print(json.dumps(figures | {"gc": not args.no_gc}))
     return 0
 
 
@@ -435,9 +430,10 @@ def measure_row(
     gen_ms: float = GEN_MS,
     hosts: int = HOSTS,
     times: dict[str, float] = TIMES,
+    no_gc: bool = False,
 ) -> dict[str, Any]:
     """The figures of one row (``n`` replicas), measured in a fresh driver process; ``times``
-    as ``TIMES``.
+    as ``TIMES``; ``no_gc``: with Python's cyclic garbage collector off in the driver.
 
     Raises:
         RuntimeError: the row's process failed; the message holds the end of its output.
@@ -445,6 +441,7 @@ def measure_row(
     cmd = [sys.executable, "-m", "asyncrl.bench.scale", "--row", str(n), "--slots", str(slots)]
     cmd += ["--gen-ms", str(gen_ms), "--hosts", str(hosts)]
     cmd += [arg for name, value in times.items() for arg in (f"--{name}", str(value))]
+    cmd += ["--no-gc"] if no_gc else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
@@ -523,8 +520,8 @@ def format_table(figures: dict[str, Any]) -> str:
         "broadcast) against simulated rollout replicas",
         f"{first['slots']} slots a replica, {first['gen_ms']:.0f} ms a sample, groups of "
         f"{GROUP}, eta {ETA}, instant learner; {figures['cpus']} CPUs, "
-        f"{first['window_s']:.1f} s windows. p50/p99: slot turnaround (dispatch latency); "
-        "loop: the driver's event-loop thread (busy: ran + waited for a core)",
+        f"{first['window_s']:.1f} s windows{'' if first['gc'] else ', no GC'}. p50/p99: slot "
+        "turnaround; loop: the driver's event-loop thread (busy: ran + waited for a core)",
         "",
         "".join(f"{head:>{width}}" for head, width, _, _ in _COLUMNS),
     ]
@@ -560,6 +557,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, help=f"warm-up seconds a row ({TIMES['warmup']})")
     parser.add_argument("--idle", type=float, help=f"idle seconds a row ({TIMES['idle']})")
     parser.add_argument("--hosts", type=int, default=HOSTS, help="helper processes, at most")
+    parser.add_argument("--no-gc", action="store_true", help="no cyclic GC in the driver")
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -583,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 for n in replicas):
         parser.error(f"--replicas must be >= 1, got {replicas}")
     times = {name: getattr(args, name) for name in TIMES}
-    figures = measure(replicas, slots=args.slots, gen_ms=args.gen_ms, hosts=args.hosts, times=times)
+    options = {"slots": args.slots, "gen_ms": args.gen_ms, "hosts": args.hosts, "no_gc": args.no_gc}
+    figures = measure(replicas, times=times, **options)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 
