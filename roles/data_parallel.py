@@ -37,6 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # re-exported from C10d
+    FileStore,
+    PrefixStore,
+    TCPStore,
+)
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.role import RoleContext
@@ -118,17 +123,15 @@ def _store(name: str, run_dir: str, generation: int, timeout_s: float) -> tuple[
                 f"{name}: {STORE_ENV}={address!r} is not HOST:PORT; the launcher sets it to "
                 f"the address of torchrun's store"
             )
-        client = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timeout, wait_for_workers=False
-        )
+        client = TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
         prefix = f"{os.environ.get(PREFIX_ENV, '')}/{name}/{generation}"
-        return dist.PrefixStore(prefix, client), f"tcp store {address} under {prefix!r}"
+        return PrefixStore(prefix, client), f"tcp store {address} under {prefix!r}"
     folder = os.path.join(run_dir, "dist")
     os.makedirs(folder, exist_ok=True)
     # The agent's pid tells this launch from an earlier one in the same run directory
     # (``--resume``); the generation tells this attempt from the group's earlier ones.
     path = os.path.join(folder, f"{name}.{os.getppid()}.{generation}.store")
-    store = dist.FileStore(path, -1)
+    store = FileStore(path, -1)
     store.set_timeout(timeout)
     return store, f"file store {path}"
 
@@ -188,7 +191,7 @@ class DataParallel:
             _remove_stale(run_dir, name, where)
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore("pg", store),
+            store=PrefixStore("pg", store),
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -214,11 +217,11 @@ class DataParallel:
         try:
             return fn(*args)
         except Exception as exc:
-            self.broken = f"{what}: {exc}".splitlines()[0]
+            self.broken = f"{type(exc).__name__}: {exc}".splitlines()[0]
             raise DataParallelError(
-                f"{self.name}: rank {self.rank} of {self.world}: {what} did not complete within "
-                f"{self.timeout_s:g} s ({type(exc).__name__}): a rank died, or did not take "
-                f"part; every replica must get every train_step and checkpoint (LearnerClient "
+                f"{self.name}: rank {self.rank} of {self.world}: {what} failed ({self.broken}; "
+                f"the timeout is {self.timeout_s:g} s): a rank died, or did not take part; "
+                f"every replica must get every train_step and checkpoint (LearnerClient "
                 f"broadcasts them; a plain call reaches one replica only)"
             ) from exc
 

@@ -183,7 +183,8 @@ class Learner(Role):
         torch.manual_seed(cfg.seed)
         # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
         # differ from its behaviour log-probs under the very same weights.
-        self.model = build_model(cfg.model_path, cfg.model_config, cfg.seed).train(cfg.dropout)
+        model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
+        self.model = model.to(getattr(torch, cfg.dtype)).train(cfg.dropout)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -260,11 +261,11 @@ class Learner(Role):
         input_ids, attention, positions, target = pad_batch(
             prompts, completions, self.config.pad_id
         )
-        logits = (
-            self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions)
-            .logits[:, :-1]
-            .float()
-        )
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions
+        ).logits[:, :-1]
+        # At least float32 (a bf16 model's logits are widened); a float64 model keeps float64.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logprobs = alg.token_logprobs(logits, input_ids[:, 1:])
         return Forward(logprobs, target, logits)
 

@@ -78,6 +78,9 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             hundred demonstrations, BC without it can memorise them and stop generalising.
         dist_backend: the torch.distributed backend of data-parallel replicas (``replicas``
             > 1): empty: ``gloo`` on CPU, ``nccl`` on a CUDA device.
+        dtype: the parameters' dtype while training: ``float32``, or ``float64`` where
+            rounding must not hide a difference (the data-parallel equivalence test); the
+            weights are published in it.
         dist_timeout_s: the longest data-parallel replicas wait for each other, to form
             their group or in a collective, before failing with a ``DataParallelError``.
     """
@@ -123,6 +126,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     dropout: bool = False
     bc_dropout: bool = False
     dist_backend: str = ""
+    dtype: Literal["float32", "float64"] = "float32"
     dist_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
