@@ -98,7 +98,7 @@ def _json(path: str) -> Any:
 class TwoNodes:
     """Two torchrun processes (node ranks 0 and 1) running ``asyncrl.launch`` on one manifest."""
 
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, extra: str = "") -> None:
         self.tmp = tmp
         self.run_dir = os.path.join(tmp, "run")
         self.gate = os.path.join(tmp, "gate")
@@ -107,7 +107,7 @@ class TwoNodes:
             f.write(PROGRAM)
         self.manifest = os.path.join(tmp, "manifest.yaml")
         with open(self.manifest, "w") as f:
-            f.write(MANIFEST.format(program=program, gate=self.gate))
+            f.write(MANIFEST.format(program=program, gate=self.gate) + extra)
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
@@ -192,7 +192,20 @@ def _check_completed(nodes: TwoNodes) -> None:
 
 
 @pytest.mark.slow
-def test_a_run_over_two_nodes_completes_with_its_roles_on_node_1(nodes: TwoNodes) -> None:
+def test_a_run_over_two_nodes_completes_with_its_roles_on_node_1(tmp_path: Any) -> None:
+    """With CurveZMQ keys (security.curve_keys, relative to the manifest): every tcp socket
+    between the nodes authenticates, and the run is the same."""
+    from asyncrl.keys import generate
+
+    generate(str(tmp_path / "keys"))
+    launch = TwoNodes(str(tmp_path), extra="security: {curve_keys: keys}\n")
+    try:
+        _run_over_two_nodes(launch)
+    finally:
+        launch.kill()
+
+
+def _run_over_two_nodes(nodes: TwoNodes) -> None:
     with open(nodes.gate, "w"):
         pass
     nodes.start()
@@ -208,6 +221,8 @@ def test_a_run_over_two_nodes_completes_with_its_roles_on_node_1(nodes: TwoNodes
     assert seen_from_1["groups"]["counter"]["endpoints"][0].startswith("tcp://127.0.0.1:")
     assert seen_from_1["groups"]["splitter"]["endpoints"][0].startswith("ipc://")
     assert seen_from_1["tcp_endpoint"] == tcp[0]
+    assert seen_from_1["curve_keys"] == os.path.join(nodes.tmp, "keys")
+    assert spec["curve_keys"] == os.path.join(nodes.tmp, "keys")
     assert not os.path.exists(nodes.path(1, "registry", "counter.0.json"))
     assert _json(nodes.path(1, "launch.json"))["attempt"] == 0
 
