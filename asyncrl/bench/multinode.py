@@ -1,0 +1,241 @@
+"""``asyncrl bench multinode``: what running over several hosts costs.
+
+Weight sync, on one machine split into two simulated hosts (``ASYNCRL_HOST_ID``: no shared
+memory between them, tcp only across):
+
+- node 0: a learner (``publish_weights``, not durable) and a rollout replica reading its store;
+- node 1 (its own run directory): a relay (``asyncrl.roles.relay``) whose source is the learner,
+  and a rollout replica reading the relay's store.
+
+Every round, one behaviour-cloning ``train_step`` makes a new version (not timed); then, in an
+order that alternates from round to round, the two syncs are timed from the driver's side:
+
+- local: the node-0 replica's ``sync`` (it copies the version out of the learner's
+  shared-memory store and loads it into its model);
+- cross-host: the relay's ``sync`` (it asks the learner's version, pulls the weights over tcp as
+  tensor frames, republishes them into node 1's store), then the node-1 replica's ``sync``:
+  exactly what ``WeightSync`` does after a step.
+
+Each is checked to end at the round's version. Medians over ``--rounds`` rounds (after one
+untimed round), for two models built from configs (no download): the arith example's GPT-2
+(``ARITH``, the model of ``examples/arith``) and a ~100M-parameter GPT-2 (``GPT2_100M``).
+Every process uses one torch thread. Other engineers' figures of ``asyncrl bench multinode``
+join the same JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+
+from asyncrl import logs
+from asyncrl.dispatch import Dispatcher
+from asyncrl.handles import Context
+from asyncrl.manifest import Supervision
+from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
+from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.transport import run
+from asyncrl.transport.control import CONTROL_SECRET_ENV
+from asyncrl.transport.shm import HOST_ID_ENV
+
+__all__ = ["ARITH", "GPT2_100M", "main", "measure", "parameters", "weight_sync"]
+
+ARITH: dict[str, Any] = {
+    "model_type": "gpt2",
+    "vocab_size": 14,
+    "n_positions": 16,
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 4,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+"""The arith example's model (``examples/arith/bc_grpo.yaml``'s ``model_config``)."""
+
+GPT2_100M: dict[str, Any] = {
+    "model_type": "gpt2",
+    "vocab_size": 18432,
+    "n_positions": 64,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+"""A GPT-2 of 99.3M parameters: GPT-2 small (12 layers of width 768) with an 18k vocabulary."""
+
+RUN = "bench_multinode"
+_ROLES = {
+    # name: (node, class, config on top of the model)
+    "learner": (0, "asyncrl.roles.learner:Learner", {"lr": 1e-4, "durable": False}),
+    "rollout0": (0, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
+    "relay": (1, "asyncrl.roles.relay:Relay", {"source": "learner"}),
+    "rollout1": (1, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[ChildSpec]:
+    """The four roles, each on its node: its run directory and its host id."""
+    endpoints = {name: f"tcp://127.0.0.1:{_free_port()}" for name in _ROLES}
+    groups = {name: GroupInfo([e]) for name, e in endpoints.items()}
+    children = []
+    for name, (node, target, extra) in _ROLES.items():
+        config = dict(extra) if target.endswith(":Relay") else {"model_config": model, **extra}
+        spec = ProcessSpec(
+            kind="role",
+            name=name,
+            target=target,
+            endpoint=endpoints[name],
+            run=RUN,
+            run_dir=os.path.join(base, f"node-{node}"),
+            config=config,
+            parent_pid=os.getpid(),
+            groups=groups,
+        )
+
+        def launch(incarnation: int, spec: ProcessSpec = spec) -> tuple[list[str], dict[str, str]]:
+            env = {
+                SPEC_ENV: msgspec.json.encode(
+                    msgspec.structs.replace(spec, incarnation=incarnation)
+                ).decode(),
+                "OMP_NUM_THREADS": "1",
+                logs.CONSOLE_ENV: "0",
+                HOST_ID_ENV: spec.run_dir.rsplit(os.sep, 1)[-1],
+            }
+            return [sys.executable, "-m", "asyncrl.process"], env
+
+        children.append(ChildSpec(name, 0, "role", endpoints[name], policy, launch))
+    return children
+
+
+def _demo(step: int, vocab: int) -> TrainBatch:
+    """A one-demonstration BC batch: a new version per step at little cost."""
+    prompt = [2 + (step + i) % (vocab - 2) for i in range(4)]
+    sample = Sample(f"d{step}", 0, prompt, [3 + step % (vocab - 3), 1], [], [], True, "stop")
+    return TrainBatch([Scored(sample)], algorithm="bc", id=f"bench-{step}")
+
+
+async def _timed(ctx: Context, names: tuple[str, ...], version: int) -> float:
+    """Seconds for the ``sync`` of ``names`` in turn; each must end at ``version``."""
+    t0 = time.perf_counter()
+    for name in names:
+        got = await ctx[name].call("sync", None, int, timeout=600)
+        if got != version:
+            raise RuntimeError(f"{name} synced to version {got}, expected {version}")
+    return time.perf_counter() - t0
+
+
+async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    # As the node agent does: tcp endpoints take STOP only from a holder of the run's secret.
+    os.environ.setdefault(CONTROL_SECRET_ENV, secrets.token_hex(16))
+    policy = Supervision(startup_timeout_s=600.0)
+    children = _children(base, model, policy)
+    supervisor = Supervisor(children, run=RUN, log_dir=os.path.join(base, "logs"))
+    supervised = asyncio.get_running_loop().create_task(supervisor.run())
+    dispatcher = Dispatcher({c.name: GroupInfo([c.endpoint]) for c in children}, run=RUN)
+    dispatcher.start()
+    ctx = Context(dispatcher, run=RUN, run_dir=base, log=None)
+    paths = {"local": ("rollout0",), "cross_host": ("relay", "rollout1")}
+    times: dict[str, list[float]] = {"local": [], "cross_host": []}
+    try:
+        for step in range(1, rounds + 2):
+            batch = _demo(step, int(model["vocab_size"]))
+            result = await ctx.learner.call("train_step", batch, StepResult, timeout=600)
+            order = list(paths) if step % 2 else list(reversed(paths))
+            for kind in order:
+                seconds = await _timed(ctx, paths[kind], result.version)
+                if step > 1:  # the first round warms up
+                    times[kind].append(seconds)
+    finally:
+        await dispatcher.close()
+        supervisor.stop("benchmark done")
+        await supervised
+    return times
+
+
+def weight_sync(model: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Median local and cross-host sync times of ``model`` over ``rounds`` rounds, in ms."""
+    base = tempfile.mkdtemp(prefix="arl-mn-")
+    try:
+        times = run(_rounds(base, model, rounds))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return {kind: statistics.median(series) * 1e3 for kind, series in times.items()}
+
+
+def parameters(model: dict[str, Any]) -> int:
+    """The parameter count of a GPT-2 built from ``model`` (tied embeddings counted once)."""
+    d, layers = int(model["n_embd"]), int(model["n_layer"])
+    embeddings = (int(model["vocab_size"]) + int(model["n_positions"])) * d
+    block = 12 * d * d + 13 * d  # attention 4d² + 4d, MLP 8d² + 5d, two layer norms 4d
+    return embeddings + layers * block + 2 * d
+
+
+def measure(*, rounds: int = 10, rounds_100m: int = 5) -> dict[str, Any]:
+    """The weight-sync figures (see the module docstring)."""
+    logs.configure(role="bench", console=False)
+    arith = weight_sync(ARITH, rounds)
+    big = weight_sync(GPT2_100M, rounds_100m)
+    return {
+        "weight_sync_ms_p50_local": arith["local"],
+        "weight_sync_ms_p50_cross_host": arith["cross_host"],
+        "weight_sync_100m_ms_p50_local": big["local"],
+        "weight_sync_100m_ms_p50_cross_host": big["cross_host"],
+        "weight_sync_arith_params": parameters(ARITH),
+        "weight_sync_100m_params": parameters(GPT2_100M),
+        "weight_sync_rounds": rounds,
+        "weight_sync_100m_rounds": rounds_100m,
+    }
+
+
+def format_table(f: dict[str, Any]) -> str:
+    rows = [
+        ("arith model", f["weight_sync_arith_params"], "weight_sync_ms_p50"),
+        ("GPT-2 100M", f["weight_sync_100m_params"], "weight_sync_100m_ms_p50"),
+    ]
+    lines = [
+        "asyncrl multinode benchmark: weight sync after a step (p50), two simulated hosts",
+        "",
+        f"{'model':<14}{'parameters':>14}{'local (shm)':>16}{'cross-host (relay)':>22}",
+    ]
+    for label, params, key in rows:
+        local, cross = f[f"{key}_local"], f[f"{key}_cross_host"]
+        lines.append(f"{label:<14}{params:>14,}{local:>13.1f} ms{cross:>19.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl bench multinode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds, arith model")
+    parser.add_argument("--rounds-100m", type=int, default=5, help="timed rounds, 100M model")
+    args = parser.parse_args(argv)
+    figures = measure(rounds=max(1, args.rounds), rounds_100m=max(1, args.rounds_100m))
+    print(json.dumps(figures) if args.json else format_table(figures))
+    return 0
