@@ -283,8 +283,11 @@ async def _consume(
     return version
 
 
-async def _drive(n: int, slots: int, gen_s: float, times: dict[str, float], hosts: int) -> Any:
-    """One row, in this process: the figures of the module docstring, as a dict."""
+async def _drive(
+    n: int, slots: int, gen_s: float, times: dict[str, float], hosts: int
+) -> dict[str, Any]:
+    """One row in this process: start the helpers, wait for every replica, measure the idle
+    driver and the pipeline's window, stop the helpers; the figures of the module docstring."""
     run_dir = tempfile.mkdtemp(prefix="arl-sc-")  # short: ipc socket paths live under it
     endpoints = [LocalRegistry(run_dir).endpoint("rollout", i) for i in range(n)]
     procs = _start_hosts(endpoints, slots, gen_s, run_dir, hosts)
