@@ -80,7 +80,7 @@ GPT2_100M: dict[str, Any] = {
 """A GPT-2 of 99.3M parameters: GPT-2 small (12 layers of width 768) with an 18k vocabulary."""
 
 RUN = "bench_multinode"
-_ROLES = {
+_ROLES: dict[str, tuple[int, str, dict[str, Any]]] = {
     # name: (node, class, config on top of the model)
     "learner": (0, "asyncrl.roles.learner:Learner", {"lr": 1e-4, "durable": False}),
     "rollout0": (0, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
