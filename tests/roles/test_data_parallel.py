@@ -206,3 +206,48 @@ def test_a_rank_that_never_arrives_is_named(tmp_path: Any) -> None:
         in message
     )
     assert "this is rank 0" in message and f"{tmp_path}/dist/learner." in message
+
+
+def _ledgers(run_dir: str) -> list[list[dict[str, Any]]]:
+    logs = []
+    for rank in range(2):
+        with open(os.path.join(run_dir, "ledger", f"learner.{rank}.steps.jsonl")) as f:
+            logs.append([json.loads(line) for line in f])
+    return logs
+
+
+@pytest.mark.slow
+def test_a_run_with_two_data_parallel_learners_survives_their_crash(run_dir: str) -> None:
+    """``asyncrl run`` with ``roles.learner.replicas: 2`` under ``one_for_all``: GRPO on the
+    arithmetic task through the real runtime. Each rank dies writing its second checkpoint (the
+    first to die takes the other with it, which may by then have saved that step): the group
+    restarts, the ranks agree on the newest checkpoint both hold, the batch re-sent is trained
+    once, and the run completes with both ranks' weights the same."""
+    from tests.integration.test_programs import run_program
+
+    faults = {"kill_at": {"point": "checkpoint_write", "every": 2, "incarnations": 1}}
+    overrides = (
+        "roles.learner.replicas=2",
+        "roles.learner.supervision.strategy=one_for_all",
+        f"roles.learner.env.ASYNCRL_FAULTS='{json.dumps(faults)}'",
+    )
+    result = run_program(run_dir, "grpo", 3, overrides=overrides)
+    assert len(result["rewards"]) == 3
+    with open(os.path.join(run_dir, "report.json")) as f:
+        assert json.load(f)["restarts"]["learner"] == 2  # each replica once, together
+    logs = _ledgers(run_dir)
+    assert [[r["step"] for r in log] for log in logs] == [[1, 2, 3]] * 2
+    assert [r["ids"] for r in logs[0]] == [r["ids"] for r in logs[1]]
+    assert len({tuple(i) for r in logs[0] for i in r["ids"]}) == 3 * 32
+    assert [r["incarnation"] for r in logs[0]] == [0, 1, 1]
+    assert result["pipeline"]["consumed_samples"] == 3 * 32
+    states = [
+        torch.load(
+            os.path.join(
+                run_dir, "roles", f"learner.{r}", "checkpoints", "step-00000003", "state.pt"
+            ),
+            weights_only=True,
+        )["model"]
+        for r in range(2)
+    ]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
