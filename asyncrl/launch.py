@@ -175,8 +175,10 @@ def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
     from asyncrl.rundir import RunDirError, clear_run, run_markers
 
     os.makedirs(directory, exist_ok=True)
-    if not fresh or args.resume:
+    if not fresh:
         return ""
+    if args.resume:
+        return "" if run_markers(directory) else f"--resume: {directory} holds no run to resume"
     found = [m for m in run_markers(directory) if m != "launch.json"]
     if not found:
         return ""
@@ -199,6 +201,8 @@ async def _prepare(a: _Attempt, args: argparse.Namespace, timeout_s: float) -> s
     claimed = a.keys.claimed(a.attempt)
     if a.node == 0:
         problem = _claim(args, a.run_dir, a.attempt == 0)
+        if not problem and args.resume:
+            problem = _same_manifest(a.manifest, a.run_dir)
         if not problem and a.attempt == 0 and not args.resume:
             save_manifest(a.manifest, a.run_dir)
         await a.store.set(claimed, problem or "ok")
@@ -208,6 +212,23 @@ async def _prepare(a: _Attempt, args: argparse.Namespace, timeout_s: float) -> s
     if verdict != "ok":
         return f"node 0 could not use the run directory: {verdict}"
     return _claim(args, a.dir, a.attempt == 0)
+
+
+def _same_manifest(manifest: Manifest, run_dir: str) -> str:
+    """ "" when ``manifest`` is the one the run in ``run_dir`` was started with, else why not."""
+    from asyncrl.rundir import RunDirError, load_saved_manifest, manifest_differences
+
+    try:
+        saved = load_saved_manifest(run_dir)
+    except (RunDirError, ManifestError) as exc:
+        return str(exc)
+    differences = manifest_differences(saved, manifest)
+    if differences:
+        return (
+            f"--resume: the manifest (with --set) differs from the one {run_dir} was started "
+            f"with, at {', '.join(differences)}; a resumed run keeps its manifest"
+        )
+    return ""
 
 
 async def _discover(a: _Attempt, timeout_s: float) -> NodeView:

@@ -367,7 +367,8 @@ _DEFAULT_SUPERVISION = Supervision()
 
 def _check_placement(value: dict[Any, Any], path: str, problems: list[str]) -> None:
     nodes = value.get("nodes")
-    if "node" in value and nodes:
+    # node 0 is the default, which a saved manifest (manifest.json) writes out beside nodes.
+    if value.get("node", 0) != 0 and nodes:
         problems.append(
             f"{join(path, 'nodes')}: both 'node' and 'nodes' are given; keep 'node' for one "
             "node or 'nodes' to spread the replicas over several"

@@ -971,7 +971,7 @@ def test_run_manifest_refuses_roles_off_node_0_before_starting_anything(
 
 
 def test_placement_node_and_nodes_exclude_each_other_and_nodes_are_listed_once() -> None:
-    text = PLACED.replace("{nodes: [1, 0]}", "{node: 0, nodes: [1, 1, -1]}")
+    text = PLACED.replace("{nodes: [1, 0]}", "{node: 2, nodes: [1, 1, -1]}")
     assert _problems(text) == [
         "roles.rollout.placement.nodes[2]: expected an integer >= 0, got -1",
         "roles.rollout.placement.nodes: both 'node' and 'nodes' are given; keep 'node' for one "
@@ -979,6 +979,14 @@ def test_placement_node_and_nodes_exclude_each_other_and_nodes_are_listed_once()
         "roles.rollout.placement.nodes[1]: node 1 is listed twice; list each node once (the "
         "replicas go round-robin over the list)",
     ]
+
+
+def test_a_saved_manifest_with_nodes_loads_again(tmp_path: pathlib.Path) -> None:
+    from asyncrl.rundir import load_saved_manifest, save_manifest
+
+    manifest = parse_manifest(PLACED)
+    save_manifest(manifest, str(tmp_path))
+    assert load_saved_manifest(str(tmp_path)) == manifest
 
 
 def test_network_and_security_sections(tmp_path: pathlib.Path) -> None:
