@@ -14,13 +14,13 @@ order that alternates from round to round, the two syncs are timed from the driv
   shared-memory store and loads it into its model);
 - cross-host: the relay's ``sync`` (it asks the learner's version, pulls the weights over tcp as
   tensor frames, republishes them into node 1's store), then the node-1 replica's ``sync``:
-  exactly what ``WeightSync`` does after a step.
+  exactly what ``WeightSync`` does after a step; the relay's part is reported on its own
+  (``relay_pull``).
 
 Each is checked to end at the round's version. Medians over ``--rounds`` rounds (after one
 untimed round), for two models built from configs (no download): the arith example's GPT-2
 (``ARITH``, the model of ``examples/arith``) and a ~100M-parameter GPT-2 (``GPT2_100M``).
-Every process uses one torch thread. Other engineers' figures of ``asyncrl bench multinode``
-join the same JSON object.
+Every process uses one torch thread.
 """
 
 from __future__ import annotations
@@ -137,14 +137,16 @@ def _demo(step: int, vocab: int) -> TrainBatch:
     return TrainBatch([Scored(sample)], algorithm="bc", id=f"bench-{step}")
 
 
-async def _timed(ctx: Context, names: tuple[str, ...], version: int) -> float:
-    """Seconds for the ``sync`` of ``names`` in turn; each must end at ``version``."""
-    t0 = time.perf_counter()
+async def _timed(ctx: Context, names: tuple[str, ...], version: int) -> list[float]:
+    """Seconds for the ``sync`` of each of ``names``, in turn; each must end at ``version``."""
+    seconds = []
     for name in names:
+        t0 = time.perf_counter()
         got = await ctx[name].call("sync", None, int, timeout=600)
+        seconds.append(time.perf_counter() - t0)
         if got != version:
             raise RuntimeError(f"{name} synced to version {got}, expected {version}")
-    return time.perf_counter() - t0
+    return seconds
 
 
 async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, list[float]]:
@@ -158,7 +160,7 @@ async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, li
     dispatcher.start()
     ctx = Context(dispatcher, run=RUN, run_dir=base, log=None)
     paths = {"local": ("rollout0",), "cross_host": ("relay", "rollout1")}
-    times: dict[str, list[float]] = {"local": [], "cross_host": []}
+    times: dict[str, list[float]] = {"local": [], "cross_host": [], "relay_pull": []}
     try:
         for step in range(1, rounds + 2):
             batch = _demo(step, int(model["vocab_size"]))
@@ -167,7 +169,9 @@ async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, li
             for kind in order:
                 seconds = await _timed(ctx, paths[kind], result.version)
                 if step > 1:  # the first round warms up
-                    times[kind].append(seconds)
+                    times[kind].append(sum(seconds))
+                    if kind == "cross_host":
+                        times["relay_pull"].append(seconds[0])
     finally:
         await dispatcher.close()
         supervisor.stop("benchmark done")
@@ -176,7 +180,8 @@ async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, li
 
 
 def weight_sync(model: dict[str, Any], rounds: int) -> dict[str, float]:
-    """Median local and cross-host sync times of ``model`` over ``rounds`` rounds, in ms."""
+    """Median sync times of ``model`` over ``rounds`` rounds, in ms: ``local``,
+    ``cross_host``, and the relay's part of it, ``relay_pull``."""
     base = tempfile.mkdtemp(prefix="arl-mn-")
     try:
         times = run(_rounds(base, model, rounds))
@@ -203,6 +208,8 @@ def measure(*, rounds: int = 10, rounds_100m: int = 5) -> dict[str, Any]:
         "weight_sync_ms_p50_cross_host": arith["cross_host"],
         "weight_sync_100m_ms_p50_local": big["local"],
         "weight_sync_100m_ms_p50_cross_host": big["cross_host"],
+        "weight_sync_ms_p50_relay_pull": arith["relay_pull"],
+        "weight_sync_100m_ms_p50_relay_pull": big["relay_pull"],
         "weight_sync_arith_params": parameters(ARITH),
         "weight_sync_100m_params": parameters(GPT2_100M),
         "weight_sync_rounds": rounds,
@@ -218,11 +225,11 @@ def format_table(f: dict[str, Any]) -> str:
     lines = [
         "asyncrl multinode benchmark: weight sync after a step (p50), two simulated hosts",
         "",
-        f"{'model':<14}{'parameters':>14}{'local (shm)':>16}{'cross-host (relay)':>22}",
+        f"{'model':<14}{'parameters':>14}{'local (shm)':>14}{'cross-host':>14}{'relay pull':>14}",
     ]
     for label, params, key in rows:
-        local, cross = f[f"{key}_local"], f[f"{key}_cross_host"]
-        lines.append(f"{label:<14}{params:>14,}{local:>13.1f} ms{cross:>19.1f} ms")
+        local, cross, pull = (f[f"{key}_{k}"] for k in ("local", "cross_host", "relay_pull"))
+        lines.append(f"{label:<14}{params:>14,}{local:>11.1f} ms{cross:>11.1f} ms{pull:>11.1f} ms")
     return "\n".join(lines)
 
 
