@@ -5,13 +5,17 @@ children inherit it), so no shared memory crosses the boundary and its replicas 
 over tcp. The run is the hello example's roles with a program (written by the test) that sends
 30 lines, stops at a gate file after 15, and writes a summary: the counter's ledger counts each
 line once, so the result is exact (10 times the hello example's) only if no line was counted
-twice or lost, across a restarted role or a restarted worker group.
+twice or lost, across a restarted role or a restarted worker group. Where root and ``ip netns``
+allow it, one test runs node 1 in a network namespace of its own (a veth pair, off the
+loopback, so with Curve) and a mount namespace with its own /dev/shm; it skips, saying why,
+elsewhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,21 +114,25 @@ class TwoNodes:
             f.write(MANIFEST.format(program=program, gate=self.gate) + extra)
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self) -> None:
+    def start(self, master: str = "127.0.0.1", node1: list[str] | None = None) -> None:
+        """Start both nodes; ``node1`` prefixes node 1's command (another namespace), which
+        otherwise gets ``ASYNCRL_HOST_ID=node1``."""
         port = _free_port()
         for node in (0, 1):
             env = {**os.environ, "PYTHONPATH": ROOT}
-            if node == 1:
+            if node == 1 and node1 is None:
                 env["ASYNCRL_HOST_ID"] = "node1"
+            prefix = (node1 or []) if node == 1 else []
             out = open(os.path.join(self.tmp, f"node{node}.log"), "wb")  # noqa: SIM115
             self.procs.append(
                 subprocess.Popen(
                     [
+                        *prefix,
                         TORCHRUN,
                         "--nnodes=2",
                         "--nproc-per-node=1",
                         f"--node-rank={node}",
-                        "--master-addr=127.0.0.1",
+                        f"--master-addr={master}",
                         f"--master-port={port}",
                         "--max-restarts=1",
                         "--monitor-interval=0.1",
@@ -284,3 +292,79 @@ def test_node_1_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
         pass
     assert nodes.finish() == [0, 0], nodes.logs()
     _check_completed(nodes)
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespace() -> Iterator[tuple[str, str, str]]:
+    """A network namespace joined to this one by a veth pair: (name, our address, its address).
+
+    Skips, with the reason, where the machine does not allow it (not root, no ``ip`` or
+    ``unshare``, no permission to create namespaces or links).
+    """
+    if os.geteuid() != 0:
+        pytest.skip("a network namespace needs root")
+    missing = [tool for tool in ("ip", "unshare") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"a network namespace needs {' and '.join(missing)}, not installed")
+    tag = f"{os.getpid() % 100000}"
+    name, here, there = f"asyncrl-t{tag}", f"vA{tag}", f"vB{tag}"
+    net = f"10.213.{os.getpid() % 200 + 20}"
+    try:
+        _sh("ip", "netns", "add", name)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        pytest.skip(f"cannot create a network namespace: {getattr(exc, 'stderr', exc)!r}")
+
+    def remove() -> None:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+    inside = ("ip", "netns", "exec", name)
+    try:
+        _sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
+        _sh("ip", "link", "set", there, "netns", name)
+        _sh("ip", "addr", "add", f"{net}.1/30", "dev", here)
+        _sh("ip", "link", "set", here, "up")
+        _sh(*inside, "ip", "addr", "add", f"{net}.2/30", "dev", there)
+        _sh(*inside, "ip", "link", "set", there, "up")
+        _sh(*inside, "ip", "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        remove()
+        pytest.skip(f"cannot join a network namespace to this one: {exc.stderr!r}")
+    try:
+        yield name, f"{net}.1", f"{net}.2"
+    finally:
+        remove()
+
+
+@pytest.mark.slow
+def test_node_1_in_its_own_network_and_mount_namespace(
+    tmp_path: Any, namespace: tuple[str, str, str]
+) -> None:
+    """Node 1 as a host of its own: another network stack (reached over a veth pair, off the
+    loopback, so only with Curve) and its own /dev/shm (a private mount namespace)."""
+    from asyncrl.keys import generate
+
+    name, here, there = namespace
+    generate(str(tmp_path / "keys"))
+    nodes = TwoNodes(str(tmp_path), extra="security: {curve_keys: keys}\n")
+    with open(nodes.gate, "w"):
+        pass
+    own_shm = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
+    private = ["unshare", "--mount", "--propagation", "private", "sh", "-c", own_shm, "sh"]
+    try:
+        nodes.start(master=here, node1=["ip", "netns", "exec", name, *private])
+        assert nodes.finish() == [0, 0], nodes.logs()
+        _check_completed(nodes)
+        driver = _json(nodes.path(0, "specs", "driver.0.0.json"))
+        assert [ep.split(":")[1] for ep in driver["groups"]["splitter"]["endpoints"]] == [
+            f"//{there}",
+            f"//{there}",
+        ]
+        splitter = _json(nodes.path(1, "specs", "splitter.0.0.json"))
+        assert splitter["groups"]["counter"]["endpoints"][0].startswith(f"tcp://{here}:")
+    finally:
+        nodes.kill()
