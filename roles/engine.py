@@ -45,20 +45,18 @@ decoding ``max_batch`` rows of full width.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from .payloads import GenerateRequest, Sample, SamplingParams, StopReason
+from .engine_rows import Row, check_tokens, prepare_row, sample_seed, step_seed
+from .payloads import GenerateRequest, Sample, StopReason
 
 __all__ = ["Engine", "EngineStats", "HFEngine", "left_pad", "position_ids_from_mask", "sample_seed"]
-
-_MASK64 = (1 << 64) - 1
 
 
 class Engine(Protocol):
@@ -130,58 +128,6 @@ def left_pad(
             ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
             mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
-
-
-def sample_seed(base: int, prompt_id: str, sample_index: int) -> int:
-    """The seed of a request that brings none: a hash of the engine seed and the stable id, so a
-    request that runs again, here or on another replica, samples the same tokens."""
-    key = f"{base}\x00{prompt_id}\x00{sample_index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
-def _step_seed(seed: int, t: int) -> int:
-    """splitmix64 of (seed, t): the generator seed for token ``t`` of a sample."""
-    x = (seed + (t + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
-
-
-@dataclass
-class _Row:
-    """One sample being generated: its request and what it has so far."""
-
-    request: GenerateRequest
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    reason: str = ""
-    done: bool = False  # finished: stopped or out of max_new_tokens
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    def finish(self, reason: str) -> None:
-        self.reason, self.done = reason, True
-
-    @property
-    def context(self) -> list[int]:
-        return [*self.request.prompt.token_ids, *self.tokens]
-
-    def sample(self) -> Sample:
-        prompt = self.request.prompt
-        return Sample(
-            prompt.id,
-            self.request.sample_index,
-            list(prompt.token_ids),
-            self.tokens,
-            self.logprobs,
-            self.versions,
-            finished=self.done,
-            stop_reason=str(self.reason),
-        )
 
 
 class HFEngine:
@@ -370,60 +316,17 @@ class HFEngine:
                 interrupted = self._decode(group, should_interrupt)
         return [row.sample() for row in rows]
 
-    def _row(self, request: GenerateRequest) -> _Row:
-        prompt, params = request.prompt, request.params
-        where = f"request {prompt.id!r}#{request.sample_index}"
-        if not prompt.token_ids:
-            raise ValueError(f"{where}: the prompt has no tokens")
-        self._check_tokens(prompt.token_ids, where)
-        if self._max_positions is not None:
-            total = len(prompt.token_ids) + params.max_new_tokens
-            if total > self._max_positions:
-                raise ValueError(
-                    f"{where}: prompt ({len(prompt.token_ids)}) + max_new_tokens "
-                    f"({params.max_new_tokens}) = {total} tokens, over the model's "
-                    f"{self._max_positions} positions; shorten the prompt or max_new_tokens"
-                )
-        seed = request.seed
-        if seed is None:
-            seed = sample_seed(self.seed, prompt.id, request.sample_index)
-        row = _Row(request, seed)
-        partial = request.partial
-        if partial is not None:
-            if partial.key != (prompt.id, request.sample_index):
-                raise ValueError(f"{where}: the partial is sample {partial.key}, not this one")
-            if partial.prompt_ids != prompt.token_ids:
-                raise ValueError(f"{where}: the partial's prompt_ids differ from the prompt's")
-            if not len(partial.token_ids) == len(partial.logprobs) == len(partial.versions):
-                raise ValueError(
-                    f"{where}: the partial has {len(partial.token_ids)} tokens, "
-                    f"{len(partial.logprobs)} logprobs and {len(partial.versions)} versions"
-                )
-            self._check_tokens(partial.token_ids, where)
-            row.tokens, row.logprobs = list(partial.token_ids), list(partial.logprobs)
-            row.versions = list(partial.versions)
-            if partial.finished:
-                row.finish(partial.stop_reason)
-                return row
-        if len(row.tokens) >= params.max_new_tokens:
-            row.finish(StopReason.LENGTH)
-        return row
+    def _row(self, request: GenerateRequest) -> Row:
+        return prepare_row(request, self._vocab, self._max_positions, self.seed)
 
-    def _check_tokens(self, ids: Sequence[int], where: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self._vocab]
-        if bad:
-            raise ValueError(
-                f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self._vocab})"
-            )
-
-    def _decode(self, rows: list[_Row], should_interrupt: Callable[[], bool] | None) -> bool:
+    def _decode(self, rows: list[Row], should_interrupt: Callable[[], bool] | None) -> bool:
         """Generate for ``rows`` until all finish or the loop is cut; True if interrupted."""
         real, width = len(rows), 0
         if self.batch_invariant:
             # Finished copies of the first row: decoded along, never recorded.
             first = rows[0]
             rows = rows + [
-                _Row(first.request, first.seed, reason=StopReason.LENGTH, done=True)
+                Row(first.request, first.seed, reason=StopReason.LENGTH, done=True)
                 for _ in range(self.max_batch - real)
             ]
             assert self._max_positions is not None  # checked in __init__
@@ -502,7 +405,7 @@ class HFEngine:
         return logits, getattr(out, self._cache_kw, None), version
 
     def _choose(
-        self, logits: torch.Tensor, rows: list[_Row], generators: list[torch.Generator]
+        self, logits: torch.Tensor, rows: list[Row], generators: list[torch.Generator]
     ) -> tuple[list[int], list[float]]:
         """The next token of each row and its behaviour log-prob (raw logits, temperature 1)."""
         vocab = logits.shape[-1]
@@ -517,7 +420,7 @@ class HFEngine:
             if g or row.done:
                 uniform.append(0.0)
             else:
-                gen.manual_seed(_step_seed(row.seed, len(row.tokens)))
+                gen.manual_seed(step_seed(row.seed, len(row.tokens)))
                 uniform.append(float(torch.rand((), generator=gen, dtype=torch.float64)))
 
         scaled = logits / torch.tensor(temps, device=dev)[:, None]
@@ -563,7 +466,7 @@ class HFEngine:
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             if not prompt:
                 raise ValueError(f"score: prompt {i} has no tokens")
-            self._check_tokens([*prompt, *completion], f"score: sequence {i}")
+            check_tokens([*prompt, *completion], self._vocab, f"score: sequence {i}")
         out: list[list[float]] = []
         for at in range(0, len(prompts), self.max_batch):
             out += self._score_group(
