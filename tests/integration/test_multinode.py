@@ -368,3 +368,113 @@ def test_node_1_in_its_own_network_and_mount_namespace(
         assert splitter["groups"]["counter"]["endpoints"][0].startswith(f"tcp://{here}:")
     finally:
         nodes.kill()
+
+
+# -- the launch's pieces, in-process (fast) ------------------------------------------------------
+
+
+def test_launch_env_reads_what_torchrun_sets_and_names_what_is_missing() -> None:
+    from asyncrl.launch import LaunchEnv
+
+    env = {
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "LOCAL_WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    assert LaunchEnv.from_environ(env) == LaunchEnv(1, 2, "10.0.0.1", 29500, "", True)
+    assert LaunchEnv.from_environ({**env, "TORCHELASTIC_RUN_ID": "job7"}).run_id == "job7"
+    with pytest.raises(ValueError) as info:
+        LaunchEnv.from_environ({"GROUP_RANK": "0", "MASTER_PORT": "1"})
+    assert str(info.value).startswith(
+        "GROUP_WORLD_SIZE, MASTER_ADDR not set: asyncrl.launch runs under torchrun"
+    )
+    with pytest.raises(ValueError) as info:
+        LaunchEnv.from_environ({**env, "LOCAL_WORLD_SIZE": "4"})
+    assert "pass --nproc-per-node=1" in str(info.value)
+
+
+def test_launch_outside_torchrun_says_how_to_start_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncrl.launch import main
+
+    for var in ("GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        assert var not in os.environ
+    assert main(["examples/hello/manifest.yaml"]) == 2
+    assert "asyncrl.launch runs under torchrun" in capsys.readouterr().err
+
+
+def test_node_address_routes_to_the_master_and_never_binds_everything_unasked() -> None:
+    from asyncrl.store_registry import node_address
+
+    assert node_address("", "127.0.0.1") == ("127.0.0.1", "127.0.0.1")
+    assert node_address("0.0.0.0", "127.0.0.1") == ("0.0.0.0", "127.0.0.1")
+    assert node_address("10.1.2.3", "127.0.0.1") == ("10.1.2.3", "10.1.2.3")
+    assert node_address("lo", "127.0.0.1") == ("127.0.0.1", "127.0.0.1")
+    with pytest.raises(ValueError) as info:
+        node_address("nosuchif0", "127.0.0.1")
+    assert str(info.value).startswith(
+        "network.address: 'nosuchif0' is neither an IP address nor a network interface"
+    )
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    from asyncrl.store_registry import free_ports
+
+    ports = free_ports("127.0.0.1", 5)
+    assert len(set(ports)) == 5
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_launch_keys_keep_each_attempt_apart() -> None:
+    from asyncrl.store_registry import LaunchKeys
+
+    keys = LaunchKeys("job7")
+    assert keys.prefix(2) == "asyncrl/job7/2"
+    assert keys.endpoints(2, 1) == "asyncrl/job7/2/endpoints/1"
+    assert keys.stop(0) != keys.stop(1)
+    assert keys.final == "asyncrl/job7/final"
+
+
+def test_store_client_against_a_real_tcpstore() -> None:
+    import asyncio
+
+    from asyncrl.store_registry import StoreClient, StoreError
+
+    async def scenario() -> None:
+        master = StoreClient("127.0.0.1", _free_port(), is_master=True, timeout_s=5)
+        await master.connect()
+        client = StoreClient("127.0.0.1", master.port, timeout_s=5)
+        await client.connect()
+        assert await client.peek("a") is None
+        assert await client.set_once("a", "first") == "first"
+        assert await master.set_once("a", "second") == "first"
+        assert await client.add("n", 1) == 1
+        assert await master.add("n", 1) == 2
+        await master.set("k", "v")
+        await client.wait_for(["a", "k"], 1.0)
+        assert await client.get("k") == "v"
+        with pytest.raises(StoreError) as info:
+            await client.wait_for(["a", "missing"], 0.3, why="a test waits")
+        assert str(info.value) == (
+            f"waited 0.3 s for missing in the store at 127.0.0.1:{master.port}: a test waits"
+        )
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_store_names_the_torchrun_options() -> None:
+    import asyncio
+
+    from asyncrl.store_registry import StoreClient, StoreError
+
+    port = _free_port()
+    client = StoreClient("127.0.0.1", port, timeout_s=0.5)
+    with pytest.raises(StoreError) as info:
+        asyncio.run(client.connect())
+    assert str(info.value).startswith(f"cannot reach torchrun's store at 127.0.0.1:{port} (")
+    assert "check --master-addr/--master-port (or --rdzv-endpoint)" in str(info.value)
