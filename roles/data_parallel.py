@@ -147,12 +147,14 @@ class DataParallel:
         rank: this replica's index in the group.
         world: the group's size.
         timeout_s: the longest any rendezvous or collective may wait.
+        device: where the collectives' own tensors live (``cuda`` for ``nccl``).
     """
 
     name: str
     rank: int
     world: int
     timeout_s: float
+    device: str = "cpu"
     broken: str = ""
     _closed: bool = field(default=False, repr=False)
 
@@ -196,7 +198,8 @@ class DataParallel:
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        return cls(name, rank, world, timeout_s)
+        device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+        return cls(name, rank, world, timeout_s, device)
 
     def close(self) -> None:
         """Leave the group (once)."""
@@ -227,10 +230,10 @@ class DataParallel:
 
     def all_gather_ints(self, what: str, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same count on each), in rank order."""
-        mine = torch.tensor(list(values), dtype=torch.int64)
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         out = [torch.zeros_like(mine) for _ in range(self.world)]
         self._run(what, dist.all_gather, out, mine)
-        return [t.tolist() for t in out]
+        return [t.cpu().tolist() for t in out]
 
     def check_same(self, what: str, values: Sequence[int], labels: Sequence[str]) -> None:
         """Raise unless every rank holds the same ``values`` (named by ``labels``).
@@ -255,7 +258,7 @@ class DataParallel:
 
     def barrier(self, what: str) -> None:
         """Return once every rank got here."""
-        self._run(what, dist.all_reduce, torch.zeros(1))
+        self._run(what, dist.all_reduce, torch.zeros(1, device=self.device))
 
     def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sum every parameter's gradient over the ranks, in place, in one collective per
@@ -266,14 +269,18 @@ class DataParallel:
             by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, group in by_dtype.items():
             flat = [
-                torch.zeros(p.numel(), dtype=dtype) if p.grad is None else p.grad.reshape(-1)
+                torch.zeros(p.numel(), dtype=dtype, device=p.device)
+                if p.grad is None
+                else p.grad.reshape(-1)
                 for p in group
             ]
-            flags = torch.tensor([p.grad is not None for p in group], dtype=dtype)
+            flags = torch.tensor(
+                [p.grad is not None for p in group], dtype=dtype, device=group[0].device
+            )
             buffer = torch.cat([*flat, flags])
             self._run("the gradient all-reduce", dist.all_reduce, buffer)
             start = 0
-            for p, has in zip(group, buffer[-len(group) :].tolist(), strict=True):
+            for p, has in zip(group, buffer[-len(group) :].cpu().tolist(), strict=True):
                 n = p.numel()
                 p.grad = buffer[start : start + n].view_as(p).clone() if has else None
                 start += n
@@ -285,12 +292,13 @@ class DataParallel:
         width = max(max(s[0] for s in sizes), 1)
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        mine = mine.to(self.device)
         out = [torch.zeros_like(mine) for _ in range(self.world)]
         self._run("the metric names", dist.all_gather, out, mine)
         union: set[str] = set()
         for (size,), t in zip(sizes, out, strict=True):
             if size:
-                union.update(bytes(t[:size].tolist()).decode().split("\n"))
+                union.update(bytes(t[:size].cpu().tolist()).decode().split("\n"))
         return sorted(union)
 
     def sum_metrics(self, steps: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -304,7 +312,9 @@ class DataParallel:
                 if name in step:
                     values[i, j] = step[name]
                     values[i, len(names) + j] = 1.0
+        values = values.to(self.device)
         self._run("the metrics' all-reduce", dist.all_reduce, values)
+        values = values.cpu()
         out = []
         for i, step in enumerate(steps):
             merged = {k: v for k, v in step.items() if k in GLOBAL_METRICS}
@@ -325,8 +335,10 @@ class DataParallel:
         flat = torch.zeros(width, dtype=torch.float64)
         values = [v for row in mine for v in row]
         flat[: len(values)] = torch.tensor(values, dtype=torch.float64)
+        flat = flat.to(self.device)
         out = [torch.zeros_like(flat) for _ in range(self.world)]
         self._run("the proximal log-probs' all-gather", dist.all_gather, out, flat)
+        out = [t.cpu() for t in out]
         rows: list[list[float]] = [[] for _ in lengths]
         for share, t in zip(shares, out, strict=True):
             start = 0
@@ -378,10 +390,13 @@ def state_checksum(model: torch.nn.Module) -> int:
     return crc & 0x7FFFFFFF
 
 
-def join_role(ctx: RoleContext, backend: str, timeout_s: float) -> DataParallel:
+def join_role(
+    ctx: RoleContext, backend: str, timeout_s: float, model: torch.nn.Module
+) -> DataParallel:
     """``DataParallel.join`` for a replica of a role: its name, replica and replicas, run
-    directory and incarnation (the generation). ``backend`` empty: ``nccl`` on a CUDA device,
-    ``gloo`` otherwise."""
+    directory and incarnation (the generation). ``backend`` empty: ``nccl`` when ``model``'s
+    parameters are on a CUDA device, ``gloo`` otherwise."""
+    on_cuda = next(model.parameters()).is_cuda
     return DataParallel.join(
         name=ctx.name,
         rank=ctx.replica,
@@ -389,7 +404,7 @@ def join_role(ctx: RoleContext, backend: str, timeout_s: float) -> DataParallel:
         run_dir=ctx.run_dir,
         generation=ctx.incarnation,
         timeout_s=timeout_s,
-        backend=backend or ("nccl" if ctx.device.startswith("cuda") else "gloo"),
+        backend=backend or ("nccl" if on_cuda else "gloo"),
     )
 
 

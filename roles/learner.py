@@ -153,7 +153,7 @@ class Learner(Role):
         keep = cfg.keep_checkpoints
         if self.ctx.replicas > 1:
             self.dp = await self.ctx.offload(
-                join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s
+                join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.model
             )
             keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
         self.checkpoints = CheckpointDir(self.ctx.path("checkpoints"), keep, self.faults)

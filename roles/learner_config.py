@@ -77,7 +77,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         bc_dropout: keep the model's dropout on in behaviour-cloning steps only: with a few
             hundred demonstrations, BC without it can memorise them and stop generalising.
         dist_backend: the torch.distributed backend of data-parallel replicas (``replicas``
-            > 1): empty: ``gloo`` on CPU, ``nccl`` on a CUDA device.
+            > 1): empty: ``nccl`` when the model is on a CUDA device, else ``gloo``.
         dtype: the parameters' dtype while training: ``float32``, or ``float64`` where
             rounding must not hide a difference (the data-parallel equivalence test); the
             weights are published in it.

@@ -11,6 +11,10 @@
   ratio is the price of never losing an acknowledged step.
 - rollout: tokens per second of a supervised rollout replica generating a batch, through a
   handle.
+- data-parallel step (``--data-parallel``; ``measure_data_parallel``): the same GRPO step through
+  ``LearnerClient.train_step`` on a learner of one replica and on a data-parallel learner of two
+  (gloo, ``one_for_all``), interleaved step by step: ``dp1_step_ms_p50`` and
+  ``dp2_step_ms_p50``. Each replica has one torch thread, so two replicas use two cores.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from asyncrl import logs
@@ -34,13 +40,14 @@ from asyncrl.dispatch import Dispatcher
 from asyncrl.handles import Context
 from asyncrl.manifest import Supervision
 from asyncrl.roles import algorithms as alg
+from asyncrl.roles.clients import LearnerClient
 from asyncrl.roles.learner import Scored, StepResult, TrainBatch, build_model, pad_batch
 from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
-from asyncrl.spec import GroupInfo
-from asyncrl.supervisor import Supervisor
+from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.supervisor import ChildSpec, Supervisor
 from asyncrl.transport import LocalRegistry, run
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "measure_data_parallel"]
 
 MODEL: dict[str, Any] = {
     "model_type": "gpt2",
@@ -180,6 +187,89 @@ def measure(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
     }
 
 
+def _replicas(
+    run_dir: str, name: str, replicas: int, config: dict[str, Any], policy: Supervision
+) -> list[ChildSpec]:
+    """The ``replicas`` replicas of a learner role named ``name``, quiet, one thread each."""
+    registry = LocalRegistry(run_dir)
+    children = []
+    for replica in range(replicas):
+        endpoint = registry.endpoint(name, replica)
+
+        def launch(incarnation: int, replica: int = replica, endpoint: str = endpoint) -> Any:
+            spec = ProcessSpec(
+                kind="role",
+                name=name,
+                replica=replica,
+                replicas=replicas,
+                incarnation=incarnation,
+                target="asyncrl.roles.learner:Learner",
+                endpoint=endpoint,
+                run="bench",
+                run_dir=run_dir,
+                config=config,
+                parent_pid=os.getpid(),
+            )
+            env = {
+                SPEC_ENV: msgspec.json.encode(spec).decode(),
+                "OMP_NUM_THREADS": "1",
+                logs.CONSOLE_ENV: "0",
+            }
+            return [sys.executable, "-m", "asyncrl.process"], env
+
+        children.append(ChildSpec(name, replica, "role", endpoint, policy, launch))
+    return children
+
+
+async def _data_parallel(run_dir: str, samples_per_step: int, steps: int) -> dict[str, list[float]]:
+    registry = LocalRegistry(run_dir)
+    policy = Supervision(startup_timeout_s=300.0, strategy="one_for_all")
+    config = {"model_config": MODEL, "lr": 1e-3, "publish_weights": False, "durable": False}
+    sizes = {"dp1": 1, "dp2": 2}
+    children = [c for n, k in sizes.items() for c in _replicas(run_dir, n, k, config, policy)]
+    supervisor = Supervisor(children, run="bench", log_dir=os.path.join(run_dir, "logs"))
+    supervised = asyncio.get_running_loop().create_task(supervisor.run())
+    groups = {n: GroupInfo([registry.endpoint(n, r) for r in range(k)]) for n, k in sizes.items()}
+    dispatcher = Dispatcher(groups, run="bench")
+    dispatcher.start()
+    ctx = Context(dispatcher, run="bench", run_dir=run_dir, log=None)
+    times: dict[str, list[float]] = {name: [] for name in sizes}
+    try:
+        for step in range(steps + 2):
+            batch = TrainBatch(_batch(samples_per_step, step), algorithm="grpo")
+            for name, series in times.items():
+                t0 = time.perf_counter()
+                result = await LearnerClient(ctx[name]).train_step(batch)
+                if step >= 2:  # two warm-up steps
+                    series.append(time.perf_counter() - t0)
+                assert result.consumed == samples_per_step
+    finally:
+        await dispatcher.close()
+        supervisor.stop("benchmark done")
+        await supervised
+    return times
+
+
+def measure_data_parallel(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
+    """One GRPO step through ``LearnerClient`` on one learner replica and on two data-parallel
+    replicas (see the module docstring); medians in milliseconds and their ratio."""
+    tmp = tempfile.mkdtemp(prefix="arl-dp-")
+    try:
+        logs.configure(role="bench", console=False)
+        times = run(_data_parallel(tmp, samples_per_step, steps))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dp1 = statistics.median(times["dp1"]) * 1e3
+    dp2 = statistics.median(times["dp2"]) * 1e3
+    return {
+        "dp1_step_ms_p50": dp1,
+        "dp2_step_ms_p50": dp2,
+        "dp2_speedup": dp1 / dp2,
+        "dp_samples_per_step": samples_per_step,
+        "dp_steps": steps,
+    }
+
+
 def format_table(f: dict[str, Any]) -> str:
     met = "met" if f["learner_overhead_ratio"] <= 1.1 else "MISSED"
     return "\n".join(
@@ -207,7 +297,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (>= 1)")
     parser.add_argument("--samples", type=int, default=256, help="samples per step")
+    parser.add_argument(
+        "--data-parallel",
+        action="store_true",
+        help="measure dp1_step_ms_p50 and dp2_step_ms_p50 instead",
+    )
     args = parser.parse_args(argv)
+    if args.data_parallel:
+        figures = measure_data_parallel(samples_per_step=args.samples, steps=max(1, args.steps))
+        print(json.dumps(figures) if args.json else format_dp_table(figures))
+        return 0
     figures = measure(samples_per_step=args.samples, steps=max(1, args.steps))
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
+
+
+def format_dp_table(f: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"asyncrl data-parallel learner benchmark ({f['dp_samples_per_step']} samples a "
+            f"step, {f['dp_steps']} steps, 1 torch thread per replica)",
+            "",
+            f"{'train_step, 1 replica (p50)':<36}{f['dp1_step_ms_p50']:>11.1f} ms",
+            f"{'train_step, 2 replicas (p50)':<36}{f['dp2_step_ms_p50']:>11.1f} ms",
+            f"{'  speed-up':<36}{f['dp2_speedup']:>13.2f}x",
+        ]
+    )

@@ -251,3 +251,20 @@ def test_a_run_with_two_data_parallel_learners_survives_their_crash(run_dir: str
         for r in range(2)
     ]
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+@pytest.mark.slow
+def test_the_data_parallel_benchmark_measures_both_groups() -> None:
+    from asyncrl.bench.learner import measure_data_parallel
+
+    figures = measure_data_parallel(samples_per_step=8, steps=1)
+    assert set(figures) == {
+        "dp1_step_ms_p50",
+        "dp2_step_ms_p50",
+        "dp2_speedup",
+        "dp_samples_per_step",
+        "dp_steps",
+    }
+    assert figures["dp1_step_ms_p50"] > 0 and figures["dp2_step_ms_p50"] > 0
+    assert figures["dp2_speedup"] == figures["dp1_step_ms_p50"] / figures["dp2_step_ms_p50"]
+    assert (figures["dp_samples_per_step"], figures["dp_steps"]) == (8, 1)
