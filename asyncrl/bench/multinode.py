@@ -80,6 +80,9 @@ GPT2_100M: dict[str, Any] = {
 """A GPT-2 of 99.3M parameters: GPT-2 small (12 layers of width 768) with an 18k vocabulary."""
 
 RUN = "bench_multinode"
+LIVENESS = 20
+"""Missed heartbeats (of 1 s) before a process is taken as hung: on a loaded machine, copying
+100M parameters starves a process's event loop for seconds."""
 _ROLES: dict[str, tuple[int, str, dict[str, Any]]] = {
     # name: (node, class, config on top of the model)
     "learner": (0, "asyncrl.roles.learner:Learner", {"lr": 1e-4, "durable": False}),
@@ -99,7 +102,7 @@ def _free_port() -> int:
 def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[ChildSpec]:
     """The four roles, each on its node: its run directory and its host id."""
     endpoints = {name: f"tcp://127.0.0.1:{_free_port()}" for name in _ROLES}
-    groups = {name: GroupInfo([e]) for name, e in endpoints.items()}
+    groups = {name: GroupInfo([e], liveness=LIVENESS) for name, e in endpoints.items()}
     children = []
     for name, (node, target, extra) in _ROLES.items():
         config = dict(extra) if target.endswith(":Relay") else {"model_config": model, **extra}
@@ -113,6 +116,7 @@ def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[Chi
             config=config,
             parent_pid=os.getpid(),
             groups=groups,
+            liveness=LIVENESS,
         )
 
         def launch(incarnation: int, spec: ProcessSpec = spec) -> tuple[list[str], dict[str, str]]:
@@ -152,11 +156,12 @@ async def _timed(ctx: Context, names: tuple[str, ...], version: int) -> list[flo
 async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, list[float]]:
     # As the node agent does: tcp endpoints take STOP only from a holder of the run's secret.
     os.environ.setdefault(CONTROL_SECRET_ENV, secrets.token_hex(16))
-    policy = Supervision(startup_timeout_s=600.0)
+    policy = Supervision(startup_timeout_s=600.0, liveness=LIVENESS)
     children = _children(base, model, policy)
     supervisor = Supervisor(children, run=RUN, log_dir=os.path.join(base, "logs"))
     supervised = asyncio.get_running_loop().create_task(supervisor.run())
-    dispatcher = Dispatcher({c.name: GroupInfo([c.endpoint]) for c in children}, run=RUN)
+    groups = {c.name: GroupInfo([c.endpoint], liveness=LIVENESS) for c in children}
+    dispatcher = Dispatcher(groups, run=RUN)
     dispatcher.start()
     ctx = Context(dispatcher, run=RUN, run_dir=base, log=None)
     paths = {"local": ("rollout0",), "cross_host": ("relay", "rollout1")}

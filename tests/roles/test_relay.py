@@ -24,6 +24,7 @@ import msgspec
 import pytest
 import torch
 
+from asyncrl.bench import multinode
 from asyncrl.clock import FakeClock
 from asyncrl.errors import ConfigProblem, StallError
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
@@ -449,3 +450,21 @@ def test_relay_groups_refuse_what_names_no_relay() -> None:
     with pytest.raises(ValueError) as err:
         relay_groups({"relays": "relay"}, {"relay": None})
     assert str(err.value) == "run.config.relays: expected a list of role names, got 'relay'"
+
+
+def test_the_benchmarks_parameter_count_is_the_built_models() -> None:
+    from asyncrl.roles.learner import build_model
+
+    model = build_model("", multinode.ARITH, 0)
+    assert multinode.parameters(multinode.ARITH) == sum(p.numel() for p in model.parameters())
+    assert multinode.parameters(multinode.GPT2_100M) == 99_260_928
+
+
+@pytest.mark.slow
+def test_the_benchmark_syncs_both_paths_to_each_rounds_version() -> None:
+    """Two rounds of ``asyncrl bench multinode``'s weight sync on the arith model: every sync
+    must end at the round's version (the benchmark raises otherwise)."""
+    figures = multinode.weight_sync(multinode.ARITH, 1)
+    assert sorted(figures) == ["cross_host", "local", "relay_pull"]
+    assert 0 < figures["relay_pull"] < figures["cross_host"]
+    assert figures["local"] > 0
