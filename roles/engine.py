@@ -60,11 +60,36 @@ __all__ = ["Engine", "EngineStats", "HFEngine", "left_pad", "position_ids_from_m
 
 
 class Engine(Protocol):
-    """What the rollout role needs from an engine."""
+    """What the rollout role needs from an engine: ``HFEngine`` here, ``VLLMEngine`` in
+    ``asyncrl.roles.vllm_engine``. ``set_weights`` may be called from any thread while
+    ``generate`` runs in another.
+
+    Attributes:
+        stats: what the engine computed since it was built.
+        on_step: called in the generating thread after each decode step that leaves rows
+            unfinished, with the number of steps done (tracing, tests).
+    """
+
+    stats: EngineStats
+    on_step: Callable[[int], None] | None
 
     @property
     def version(self) -> int:
         """The weights version active now."""
+        ...
+
+    @property
+    def has_pending_weights(self) -> bool:
+        """Whether weights set by ``set_weights`` still wait to be loaded."""
+        ...
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version of the weights waiting to be loaded, or None."""
+        ...
+
+    def apply_pending(self) -> int:
+        """Load pending weights now, if any; return the version active after."""
         ...
 
     def generate(

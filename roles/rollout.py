@@ -1,7 +1,9 @@
 """The rollout role and its payload types: prompts in, sampled completions out.
 
-A rollout replica owns one engine (``asyncrl.roles.engine``; Hugging Face transformers by
-default) and answers these endpoints:
+A rollout replica owns one engine, chosen by ``engine`` in its config: ``hf``, the default, runs
+our own transformers decode loop (``asyncrl.roles.engine``); ``vllm`` runs vLLM
+(``asyncrl.roles.vllm_engine``, with the ``vllm`` extra installed; docs/rollout_engines.md). It
+answers these endpoints:
 
 - ``generate(GenerateBatch) -> list[Sample]``, idempotent: each request names one sample by its
   stable id ``(prompt id, sample index)``; running it again (on this or another replica with the
@@ -60,9 +62,10 @@ from asyncrl.roles.payloads import (
 from asyncrl.weights import WeightReader, handle_path, read_handle
 
 if TYPE_CHECKING:
-    from .engine import HFEngine
+    from .engine import Engine
 
 _REOPEN_POLL_S = 0.1
+ENGINES = ("hf", "vllm")
 
 __all__ = [
     "GenerateBatch",
@@ -95,6 +98,8 @@ class Rollout(Role):
         """The rollout role's config (the manifest's ``config`` mapping).
 
         Attributes:
+            engine: which engine decodes: ``hf`` (transformers with our own loop, the
+                reference) or ``vllm`` (vLLM, with the ``vllm`` extra installed).
             model_path: a directory or hub name loaded with ``from_pretrained``.
             model_config: or a transformers config as a dict (``model_type`` plus fields),
                 built with random weights seeded by ``seed`` (tests, benchmarks).
@@ -106,7 +111,7 @@ class Rollout(Role):
                 prompts padded to the model's positions minus ``max_new_tokens``), so a
                 sample's tokens and log-probs do not depend on the requests it was batched
                 with: what makes a sync-mode run repeatable, at the cost of always decoding
-                full batches.
+                full batches. ``hf`` only.
             interrupt_on_weights: stop a generation in progress as soon as new weights (from
                 ``set_weights`` or ``sync``) are pending, rather than switching to them between
                 two steps; its unfinished samples come back with stop reason ``interrupted``,
@@ -118,7 +123,15 @@ class Rollout(Role):
                 through ``set_weights``.
             weights_wait_s: how long a starting replica waits for the publisher's store when
                 it is gone (the publisher is restarting) before it fails.
+            kv_cache_gib: ``vllm``: memory reserved for the KV cache, in GiB (host memory on
+                CPU); 0 sizes it by ``memory_fraction`` instead.
+            memory_fraction: ``vllm`` with ``kv_cache_gib`` 0: the fraction of the device's
+                memory vLLM takes (its ``gpu_memory_utilization``; on CPU, of host memory).
+            enforce_eager: ``vllm``: run the model eagerly; false lets vLLM compile it, which
+                takes minutes on a few CPU cores.
         """
+
+        engine: str = "hf"
 
         model_path: str = ""
         model_config: dict[str, Any] = {}
@@ -130,6 +143,9 @@ class Rollout(Role):
         dtype: str = "float32"
         weights_from: str = ""
         weights_wait_s: float = 300.0
+        kv_cache_gib: float = 1.0
+        memory_fraction: float = 0.5
+        enforce_eager: bool = True
 
         def __post_init__(self) -> None:
             if bool(self.model_path) == bool(self.model_config):
@@ -143,8 +159,23 @@ class Rollout(Role):
                 raise ValueError(f"chunk_tokens: expected an int >= 0, got {self.chunk_tokens}")
             if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
                 raise ValueError(f"dtype: expected a torch dtype name, got {self.dtype!r}")
+            if self.engine not in ENGINES:
+                raise ValueError(
+                    f"engine: expected one of {', '.join(ENGINES)}, got {self.engine!r}"
+                )
+            if self.engine == "vllm" and self.batch_invariant:
+                raise ValueError(
+                    "batch_invariant: only the hf engine offers it; set engine: hf or turn "
+                    "batch_invariant off"
+                )
+            if self.kv_cache_gib < 0:
+                raise ValueError(f"kv_cache_gib: expected a float >= 0, got {self.kv_cache_gib}")
+            if not 0.0 < self.memory_fraction <= 1.0:
+                raise ValueError(
+                    f"memory_fraction: expected a float in (0, 1], got {self.memory_fraction}"
+                )
 
-    engine: HFEngine
+    engine: Engine
 
     def __init__(self, ctx: RoleContext) -> None:
         super().__init__(ctx)
@@ -167,28 +198,23 @@ class Rollout(Role):
 
         from .engine import HFEngine  # noqa: F401
 
+        if config.get("engine") == "vllm":
+            from .vllm_engine import import_vllm
+
+            import_vllm()
+
     async def setup(self) -> None:
         """Build the engine (load or create the model) in the worker thread, load the
-        publisher's latest weights (with ``weights_from``), and start batching."""
-        from .engine import HFEngine
+        publisher's latest weights (with ``weights_from``), and start batching.
 
-        cfg = self.config
-        kwargs: dict[str, Any] = {
-            "device": self.ctx.device,
-            "dtype": getattr(torch, cfg.dtype),
-            "seed": cfg.seed,
-            "max_batch": cfg.max_batch,
-            "chunk_tokens": cfg.chunk_tokens,
-            "batch_invariant": cfg.batch_invariant,
-        }
-        if cfg.model_path:
-            self.engine = await self.ctx.offload(HFEngine.from_pretrained, cfg.model_path, **kwargs)
-        else:
-            self.engine = await self.ctx.offload(HFEngine.from_config, cfg.model_config, **kwargs)
-        if cfg.weights_from:
+        Raises:
+            ConfigProblem: ``engine: vllm`` without vLLM installed.
+        """
+        self.engine = await self.ctx.offload(build_engine, self.config, self.ctx.device)
+        if self.config.weights_from:
             # Before any credit is advertised: a restarted replica starts from the current
             # weights, not from the initial ones, waiting for a publisher that restarts too.
-            await self._sync(wait_s=cfg.weights_wait_s)
+            await self._sync(wait_s=self.config.weights_wait_s)
             await self._apply_if_idle()
         self._batcher = asyncio.get_running_loop().create_task(
             self._run_batches(), name=f"{self.ctx.name}[{self.ctx.replica}] batching"
@@ -210,6 +236,9 @@ class Rollout(Role):
             if self._reader is not None:
                 self._reader.close()
                 self._reader = None
+        close = getattr(getattr(self, "engine", None), "close", None)
+        if close is not None:
+            close()
 
     async def _sync(self, *, wait_s: float = 0.0) -> None:
         """Load the newest weights the publisher left in shared memory, if newer than ours.
@@ -430,3 +459,38 @@ class Rollout(Role):
     async def _apply_if_idle(self) -> None:
         if self._generating == 0 and self.engine.has_pending_weights:
             await self.ctx.offload(self.engine.apply_pending)
+
+
+def build_engine(cfg: Rollout.Config, device: str) -> Engine:
+    """The engine ``cfg`` names, over its checkpoint or a model built from its config.
+
+    Raises:
+        ConfigProblem: ``engine: vllm`` without vLLM installed.
+    """
+    kwargs: dict[str, Any] = {
+        "dtype": getattr(torch, cfg.dtype),
+        "seed": cfg.seed,
+        "max_batch": cfg.max_batch,
+        "chunk_tokens": cfg.chunk_tokens,
+    }
+    factory: Any
+    if cfg.engine == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        # vLLM places the model itself (the visible accelerator, or the CPU build's host).
+        kwargs |= {
+            "kv_cache_gib": cfg.kv_cache_gib,
+            "memory_fraction": cfg.memory_fraction,
+            "enforce_eager": cfg.enforce_eager,
+        }
+        factory = VLLMEngine
+    else:
+        from .engine import HFEngine
+
+        kwargs |= {"device": device, "batch_invariant": cfg.batch_invariant}
+        factory = HFEngine
+    if cfg.model_path:
+        engine: Engine = factory.from_pretrained(cfg.model_path, **kwargs)
+    else:
+        engine = factory.from_config(cfg.model_config, **kwargs)
+    return engine
