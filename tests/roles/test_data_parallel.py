@@ -160,16 +160,16 @@ def test_two_ranks_take_one_learners_step_with_identical_parameters(tmp_path: An
     # One learner on the whole batch: the same losses and update, to float rounding.
     one, metrics = _one_learner(tmp_path)
     moved = max(float((one[k] - params[0][k]).abs().max()) for k in one)
-    assert moved < 1e-6
+    assert moved < 1e-10
     start = Learner(RoleContext.local(config=dict(CONFIG), run_dir=str(tmp_path / "init")))
     asyncio.run(start.setup())
     assert max(float((one[k] - v).abs().max()) for k, v in start.model.state_dict().items()) > 1e-3
     assert [(r["version"], r["consumed"]) for r in ranks[0]["results"]] == [(1, 6), (2, 6), (3, 6)]
     for dp, single in zip(ranks[0]["results"], metrics, strict=True):
         assert dp["optimizer_steps"] == 4.0
-        assert set(single) <= set(dp)
+        assert set(single) == set(dp) - {"version", "consumed"}
         for key, value in single.items():
-            assert dp[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            assert dp[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     # Rank 1 lost its last checkpoint: both resume from step 2, the newest both hold; rank 0
     # dropped its step 3 (another timeline), and retraining batch 3 gives the same weights.
     for r in ranks:
