@@ -102,8 +102,9 @@ def _json(path: str) -> Any:
 class TwoNodes:
     """Two torchrun processes (node ranks 0 and 1) running ``asyncrl.launch`` on one manifest."""
 
-    def __init__(self, tmp: str, extra: str = "") -> None:
+    def __init__(self, tmp: str, extra: str = "", options: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        self.options = options or ("--agent-liveness=10", "--join-timeout=60")
         self.run_dir = os.path.join(tmp, "run")
         self.gate = os.path.join(tmp, "gate")
         program = os.path.join(tmp, "program.py")
@@ -141,8 +142,7 @@ class TwoNodes:
                         self.manifest,
                         "--run-dir",
                         self.run_dir,
-                        "--agent-liveness=10",
-                        "--join-timeout=60",
+                        *self.options,
                     ],
                     cwd=ROOT,
                     env=env,
@@ -275,12 +275,17 @@ def test_a_role_killed_on_node_1_is_restarted_there_and_the_run_completes(
 
 
 @pytest.mark.slow
-def test_node_1_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
-    nodes: TwoNodes,
+@pytest.mark.parametrize("victim", [1, 0])
+def test_an_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
+    nodes: TwoNodes, victim: int
 ) -> None:
+    """Node 1's agent: its restarted worker finds the attempt joined, node 0 ends it. Node 0's
+    agent (and the driver with it): its restarted worker starts the next attempt, node 1 sees it.
+    Either way both nodes move to attempt 1, and the program resumes (the counter's ledger
+    refuses the lines it counted before)."""
     nodes.start()
     nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
-    agent = _json(nodes.path(1, "launch.json"))
+    agent = _json(nodes.path(victim, "launch.json"))
     assert agent["attempt"] == 0
     os.kill(agent["pid"], signal.SIGKILL)
 
@@ -292,6 +297,37 @@ def test_node_1_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
         pass
     assert nodes.finish() == [0, 0], nodes.logs()
     _check_completed(nodes)
+    why = {1: "the agent of node 1 restarted", 0: "node 0 started attempt 1: its agent restarted"}[
+        victim
+    ]
+    survivor = os.path.join(nodes.tmp, f"node{1 - victim}.log")
+    with open(survivor) as f:
+        assert f"{why}; exiting so that torchrun starts the group again" in f.read()
+
+
+@pytest.mark.slow
+def test_a_node_lost_for_good_fails_the_run_after_the_join_timeout(tmp_path: Any) -> None:
+    """Node 1's torchrun and everything under it killed: node 0 sees no heartbeat, ends its
+    attempt, is restarted by torchrun, waits --join-timeout for node 1, and fails."""
+    nodes = TwoNodes(str(tmp_path), options=("--agent-liveness=3", "--join-timeout=6"))
+    try:
+        nodes.start()
+        nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
+        agent = _json(nodes.path(1, "launch.json"))["pid"]
+        os.killpg(nodes.procs[1].pid, signal.SIGKILL)  # torchrun, so that nothing restarts
+        nodes.procs[1].wait()
+        os.kill(agent, signal.SIGKILL)  # its worker has a session of its own
+        try:
+            code = nodes.procs[0].wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 0 did not give up on node 1\n{nodes.logs()}")
+        assert code == 1, nodes.logs()
+        with open(os.path.join(nodes.tmp, "node0.log")) as f:
+            log = f.read()
+        assert "the agent of node 1 sent no heartbeat for " in log
+        assert "waited 6 s for asyncrl/twonodes/1/endpoints/1 in the store at " in log
+    finally:
+        nodes.kill()
 
 
 def _sh(*argv: str) -> None:
