@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from asyncrl.agent import NodeView, run_manifest
+from asyncrl.agent import NodeView, run_manifest, summary
 from asyncrl.errors import ManifestError
 from asyncrl.manifest import Manifest, load_manifest, resolve_run_dir
 from asyncrl.runreport import RunReport
@@ -394,7 +394,10 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     report = await run_manifest(
         manifest, a.dir, beside=_Watch(a, args.agent_liveness), view=view, console=True
     )
-    return await _finish(a, report, args.join_timeout)
+    code = await _finish(a, report, args.join_timeout)
+    if env.node == 0 and not a.restart:
+        print(summary(report, manifest, a.dir), flush=True)
+    return code
 
 
 def _write_launch(a: _Attempt) -> None:
