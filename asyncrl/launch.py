@@ -35,6 +35,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from asyncrl.agent import NodeView, run_manifest, summary
 from asyncrl.errors import ManifestError
 from asyncrl.manifest import Manifest, load_manifest, resolve_run_dir
@@ -334,15 +336,33 @@ async def _finish(a: _Attempt, report: RunReport, timeout_s: float) -> int:
         await store.set_once(keys.stop(a.attempt), said)
         if report.status != "interrupted":
             await store.set_once(keys.final, said)
-    await store.set(keys.done(a.attempt, a.node), "1")
+    counts = {"restarts": report.restarts, "served": report.served}
+    await store.set(keys.done(a.attempt, a.node), json.dumps(counts))
     if a.node == 0:
-        others = [keys.done(a.attempt, n) for n in range(1, a.env.nodes)]
-        try:
-            await store.wait_for(others, timeout_s, why="the other nodes stop their roles")
-        except StoreError as exc:
-            _say(a.node, str(exc))
+        await _gather_counts(a, report, timeout_s)
         _add_nodes(a)
     return EXIT_CODES[report.status]
+
+
+async def _gather_counts(a: _Attempt, report: RunReport, timeout_s: float) -> None:
+    """Wait for the other nodes to stop their roles; add their restarts and served requests
+    to node 0's report (and its report.json), so that it covers the whole run."""
+    others = [a.keys.done(a.attempt, n) for n in range(1, a.env.nodes)]
+    try:
+        await a.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
+    except StoreError as exc:
+        _say(a.node, str(exc))
+    for key in others:
+        said = await a.store.peek(key)
+        if said is None:
+            continue
+        counts = json.loads(said)
+        for field in ("restarts", "served"):
+            mine = getattr(report, field)
+            for role, n in counts[field].items():
+                mine[role] = mine.get(role, 0) + n
+    with open(os.path.join(a.dir, "report.json"), "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(report)))
 
 
 def _add_nodes(a: _Attempt) -> None:

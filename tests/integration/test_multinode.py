@@ -271,7 +271,11 @@ def test_a_role_killed_on_node_1_is_restarted_there_and_the_run_completes(
         pass
     assert nodes.finish() == [0, 0], nodes.logs()
     _check_completed(nodes)
-    assert _json(nodes.path(1, "report.json"))["restarts"] == {"splitter": 1}
+    node1 = _json(nodes.path(1, "report.json"))
+    assert node1["restarts"] == {"splitter": 1}
+    whole = _json(nodes.path(0, "report.json"))  # node 0's covers every node
+    assert whole["restarts"] == {"counter": 0, "driver": 0, "splitter": 1}
+    assert whole["served"]["splitter"] == node1["served"]["splitter"] > 0
 
 
 @pytest.mark.slow
