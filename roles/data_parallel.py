@@ -220,10 +220,11 @@ class DataParallel:
         try:
             return fn(*args)
         except Exception as exc:
-            self.broken = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            first = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.broken = f"rank {self.rank}: {what} failed ({first})"
             raise DataParallelError(
-                f"{self.name}: rank {self.rank} of {self.world}: {what} failed ({self.broken}; "
-                f"the timeout is {self.timeout_s:g} s): a rank died, or did not take part; "
+                f"{self.name}: {self.broken} in a group of {self.world} (the timeout is "
+                f"{self.timeout_s:g} s): a rank died, or did not take part; "
                 f"every replica must get every train_step and checkpoint (LearnerClient "
                 f"broadcasts them; a plain call reaches one replica only)"
             ) from exc

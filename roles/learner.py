@@ -77,6 +77,7 @@ from asyncrl.roles.batching import (
 from asyncrl.roles.checkpoints import CheckpointDir, StepLog, rng_state, set_rng_state
 from asyncrl.roles.data_parallel import (
     DataParallel,
+    DataParallelError,
     agree_checkpoint,
     check_restored,
     fingerprint,
@@ -221,7 +222,15 @@ class Learner(Role):
 
     @endpoint(Delivery.ONCE)
     async def train_step(self, batch: TrainBatch) -> StepResult:
-        return await self.ctx.offload(self._train_step, batch)
+        try:
+            return await self.ctx.offload(self._train_step, batch)
+        except DataParallelError:
+            if self.dp is not None and self.dp.broken:
+                # A broken group never mends in place: exit, so that the supervisor restarts the
+                # whole group (one_for_all) and the caller re-sends the batch to it.
+                self.ctx.log.error(f"{self.ctx.name}: exiting: {self.dp.broken}")
+                os._exit(1)
+            raise
 
     @endpoint(Delivery.IDEMPOTENT)
     async def weights(self, _: Any) -> WeightsUpdate:

@@ -268,3 +268,44 @@ def test_the_data_parallel_benchmark_measures_both_groups() -> None:
     assert figures["dp1_step_ms_p50"] > 0 and figures["dp2_step_ms_p50"] > 0
     assert figures["dp2_speedup"] == figures["dp1_step_ms_p50"] / figures["dp2_step_ms_p50"]
     assert (figures["dp_samples_per_step"], figures["dp_steps"]) == (8, 1)
+
+
+BROKEN_SCRIPT = """
+import os, sys
+from asyncrl.roles.data_parallel import DataParallel, DataParallelError
+rank, run_dir = int(sys.argv[1]), sys.argv[2]
+dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=run_dir, generation=0,
+                       timeout_s=20)
+if rank == 1:
+    os._exit(3)  # dies with the group formed
+for attempt in range(2):
+    try:
+        dp.barrier("the test's barrier")
+    except DataParallelError as exc:
+        print(exc)
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_with_a_dead_rank_breaks_the_group_for_good(tmp_path: Any) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BROKEN_SCRIPT, str(rank), str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 3], outs[0][1][-2000:]
+    first, again = outs[0][0].splitlines()
+    assert first.startswith("learner: rank 0: the test's barrier failed (RuntimeError: "), first
+    assert first.endswith(
+        "in a group of 2 (the timeout is 20 s): a rank died, or did not take part; every "
+        "replica must get every train_step and checkpoint (LearnerClient broadcasts them; a "
+        "plain call reaches one replica only)"
+    )
+    assert again.startswith("learner: rank 0: the data-parallel group broke earlier (rank 0: ")
+    assert again.endswith("); the group must restart")
