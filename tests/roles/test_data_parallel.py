@@ -309,3 +309,48 @@ def test_a_collective_with_a_dead_rank_breaks_the_group_for_good(tmp_path: Any) 
     )
     assert again.startswith("learner: rank 0: the data-parallel group broke earlier (rank 0: ")
     assert again.endswith("); the group must restart")
+
+
+class FakeGroup:
+    """A learner group of two replicas as ``LearnerClient`` sees it: a first broadcast of
+    ``breaks`` fails as a replica dying in flight would; then the replicas answer ``replies``."""
+
+    name = "learner"
+    replicas = 2
+
+    def __init__(self, replies: list[Any], breaks: int = 0) -> None:
+        self.replies = replies
+        self.breaks = breaks
+        self.sent: list[tuple[str, Any]] = []
+
+    async def broadcast(self, method: str, payload: Any, reply_type: Any, *, timeout: float) -> Any:
+        from asyncrl.errors import DisconnectedError
+
+        self.sent.append((method, payload))
+        if self.breaks:
+            self.breaks -= 1
+            raise DisconnectedError("learner.1 died with the call in flight")
+        return self.replies
+
+
+def test_learner_client_broadcasts_to_data_parallel_replicas_and_checks_them() -> None:
+    from asyncrl.roles.clients import LearnerClient
+    from asyncrl.roles.payloads import StepResult
+
+    batch = TrainBatch([], id="b7")
+    same = [StepResult(3, 3, 6, 0, {"loss": 0.5}), StepResult(3, 3, 6, 0, {"loss": 0.5})]
+    group = FakeGroup(same, breaks=1)
+    result = asyncio.run(LearnerClient(group).train_step(batch))  # type: ignore[arg-type]
+    assert result == same[0]
+    assert group.sent == [("train_step", batch)] * 2  # re-sent to both after the break
+    apart = [StepResult(3, 3, 6, 0, {}), StepResult(2, 2, 6, 0, {})]
+    with pytest.raises(DataParallelError) as caught:
+        asyncio.run(LearnerClient(FakeGroup(apart)).train_step(batch))  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "learner: the data-parallel replicas answered train_step with different versions "
+        "(replica 0: version 3 step 3, replica 1: version 2 step 2); they must restart "
+        "together (supervision.strategy: one_for_all)"
+    )
+    paths = FakeGroup(["run/roles/learner.0/checkpoints/step-00000003", "other"])
+    assert asyncio.run(LearnerClient(paths).checkpoint({"cursor": 4})) == paths.replies[0]  # type: ignore[arg-type]
+    assert paths.sent == [("checkpoint", {"cursor": 4})]
