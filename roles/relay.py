@@ -18,6 +18,9 @@ therefore read the relay's store exactly as they read the learner's on the learn
   back (a learner that lost steps) gets a new store, which the rollouts reopen.
 - The relay restarting: ``setup`` pulls the newest version into a new store and rewrites the
   handle, so the host's rollouts move to it at their next ``sync``.
+- Every ``poll_s`` seconds (1 by default) the relay also syncs by itself, which costs one
+  ``status`` call when nothing is new: a program that pushes to the rollouts only still gets
+  the new versions to this host, a poll later.
 - On the source's own host (the same ``asyncrl.transport.shm.host_id``), the relay copies
   nothing and writes nothing: the rollouts there read the learner's store itself, and ``sync``
   only answers the source's version. A one-machine rehearsal of a multi-node run gives each
@@ -87,6 +90,9 @@ class Relay(Role):
             timeout_s: seconds for one call to the source (a pull of large weights included).
             source_wait_s: how long a source that does not answer (restarting) is tried again
                 before ``sync`` fails with ``StallError``.
+            poll_s: seconds between two syncs the relay makes by itself, so that the host
+                catches up with a program that pushes to the rollouts only (0: none; pushes
+                to the relay first are what keep a replica from ever finding an older version).
         """
 
         source: str = "learner"
@@ -94,6 +100,7 @@ class Relay(Role):
         version_method: str = "status"
         timeout_s: float = 300.0
         source_wait_s: float = 300.0
+        poll_s: float = 1.0
 
         def __post_init__(self) -> None:
             if not self.source:
@@ -101,6 +108,8 @@ class Relay(Role):
             for name in ("timeout_s", "source_wait_s"):
                 if getattr(self, name) <= 0:
                     raise ValueError(f"{name}: expected a number > 0, got {getattr(self, name)}")
+            if self.poll_s < 0:
+                raise ValueError(f"poll_s: expected a number >= 0, got {self.poll_s}")
 
     def __init__(self, ctx: RoleContext) -> None:
         super().__init__(ctx)
@@ -112,6 +121,7 @@ class Relay(Role):
         self._endpoint = ""
         self._options = ChannelOptions(run=ctx.run)
         self._lock = asyncio.Lock()  # one sync at a time; a queued one finds the version held
+        self._poller: asyncio.Task[None] | None = None  # from setup to teardown, with poll_s
 
     async def setup(self) -> None:
         """Connect to the source and republish its newest version (a restarted relay too).
@@ -136,6 +146,20 @@ class Relay(Role):
         self._endpoint = group.endpoints[0]
         await self._retrying(self._connect, "connect to")
         await self.sync(None)
+        if cfg.poll_s:
+            self._poller = asyncio.get_running_loop().create_task(
+                self._poll(), name=f"{self.ctx.name}[{self.ctx.replica}] polling"
+            )
+
+    async def _poll(self) -> None:
+        """Sync every ``poll_s`` seconds; a failure is logged and the next poll tries again
+        (the source may be gone for longer than ``source_wait_s``)."""
+        while True:
+            await asyncio.sleep(self.config.poll_s)
+            try:
+                await self.sync(None)
+            except Exception as exc:  # logged; the next poll tries again
+                self.ctx.log.warning(f"relay {self.ctx.name}: polling its source failed: {exc!r}")
 
     async def _connect(self) -> None:
         """A connected client of the source; a try that failed leaves nothing open."""
@@ -153,7 +177,11 @@ class Relay(Role):
         self._client = client
 
     async def teardown(self) -> None:
-        """Close the client and the store (mapped readers see it closed and keep their copy)."""
+        """Stop polling, close the client and the store (mapped readers see it closed and keep
+        their copy)."""
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.wait({self._poller})
         if self._client is not None:
             await self._client.close()
         async with self._lock:

@@ -87,7 +87,8 @@ _ROLES: dict[str, tuple[int, str, dict[str, Any]]] = {
     # name: (node, class, config on top of the model)
     "learner": (0, "asyncrl.roles.learner:Learner", {"lr": 1e-4, "durable": False}),
     "rollout0": (0, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
-    "relay": (1, "asyncrl.roles.relay:Relay", {"source": "learner"}),
+    # No polling: every pull is one the timed sync makes.
+    "relay": (1, "asyncrl.roles.relay:Relay", {"source": "learner", "poll_s": 0}),
     "rollout1": (1, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
 }
 

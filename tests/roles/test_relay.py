@@ -205,7 +205,7 @@ def test_a_relay_carries_a_real_learners_weights_to_another_host_version_by_vers
     torch.set_num_threads(1)
     learner_config = {"model_config": MODEL, "seed": 1, "lr": 0.05}
     hosts.start("learner", "asyncrl.roles.learner:Learner", 0, learner_config)
-    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, {"source": "learner"})
+    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, {"source": "learner", "poll_s": 0})
     demos = [
         Sample("d", 0, [2, 3, 12, 4, 5, 13], [6, 7, 1], [], [], True, "stop"),
         Sample("e", 0, [3, 12, 13], [8, 1], [], [], True, "stop"),
@@ -260,7 +260,7 @@ def test_one_pull_per_version_and_restarts_of_relay_and_source(
 ) -> None:
     monkeypatch.setenv(HOST_ID_ENV, "node-1")
     publisher = "tests.roles.test_relay:Publisher"
-    relay_config = {"source": "learner", "source_wait_s": 60.0}
+    relay_config = {"source": "learner", "source_wait_s": 60.0, "poll_s": 0}
     hosts.start("learner", publisher, 0, {"seed": 7})
     hosts.start("relay", "asyncrl.roles.relay:Relay", 1, relay_config)
 
@@ -334,9 +334,40 @@ def test_a_relay_on_the_sources_host_copies_nothing(hosts: Hosts) -> None:
     run(main())
 
 
+@pytest.mark.slow
+def test_a_relay_that_is_not_pushed_to_catches_up_by_polling(
+    hosts: Hosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(HOST_ID_ENV, "node-1")
+    hosts.start("learner", "tests.roles.test_relay:Publisher", 0, {"seed": 5})
+    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, {"source": "learner", "poll_s": 0.1})
+
+    async def main() -> None:
+        source = await _client(hosts.endpoints["learner"])
+        relay = await _client(hosts.endpoints["relay"])
+        try:
+            assert (await relay.call("status", None, RelayStatus)).version == 0
+            assert await source.call("bump") == 1
+            deadline = asyncio.get_running_loop().time() + 30.0
+            while (await relay.call("status", None, RelayStatus)).version != 1:
+                assert asyncio.get_running_loop().time() < deadline, "the relay never polled"
+                await asyncio.sleep(0.05)
+            _, version, got = _read_relayed(hosts)
+            assert version == 1
+            _assert_same(got, state_of(5, 1))
+            assert await source.call("pulled_count", None, int) == 2
+        finally:
+            await source.close()
+            await relay.close()
+
+    run(main())
+
+
 def test_config_and_a_missing_source_are_refused() -> None:
     with pytest.raises(msgspec.ValidationError, match="source_wait_s: expected a number > 0"):
         Relay(RoleContext.local(config={"source_wait_s": 0}))
+    with pytest.raises(msgspec.ValidationError, match="poll_s: expected a number >= 0, got -1"):
+        Relay(RoleContext.local(config={"poll_s": -1}))
     relay = Relay(RoleContext.local(config={"source": "learner"}, name="relay"))
     with pytest.raises(ConfigProblem) as caught:
         run(relay.setup())
