@@ -29,6 +29,7 @@ connected only with Curve on, since it would otherwise expose an unauthenticated
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import logging
@@ -41,7 +42,6 @@ from typing import Any, Literal
 
 import zmq
 import zmq.auth
-from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
@@ -82,6 +82,8 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where libzmq asks a context's ZAP handler (RFC 27) about each connecting Curve peer."""
 _GENERATE = "make them with 'asyncrl keys generate DIR' and copy DIR to every node"
 
 
@@ -227,64 +229,91 @@ class _Domain:
     owners: dict[int, tuple[str, Counter[str]]] = field(default_factory=dict)
 
 
-class _Authenticator(AsyncioAuthenticator):
-    """pyzmq's asyncio ZAP handler, with asyncrl's domains and a logged, counted refusal."""
+class _ZapHandler:
+    """The ZAP handler (RFC 27) of one zmq context: admits Curve clients by domain and key.
+
+    libzmq asks it about every peer that connects to a Curve socket of the context, over
+    ``ZAP_ENDPOINT``. It is a ROUTER driven by a ``Pump`` on the loop, so it answers in the
+    callback and stops at once. (pyzmq's ``AsyncioAuthenticator`` removes its reader only when its
+    task is next scheduled, by file descriptor number: a handler started in between, for the next
+    Curve socket, may get the same number and go deaf.)
+
+    Raises:
+        TransportError: another ZAP handler already serves the context.
+    """
 
     def __init__(self, context: zmq.Context[Any]) -> None:
-        super().__init__(context, log=logging.getLogger("asyncrl.transport.zap"))
-        self.domains: dict[str, _Domain] = {}
-        self._address = ""
-        self._ratelog = RateLimitedLog(log, "zap")
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        # The frames are (version, request id, domain, address, ...): keep the peer's address
-        # for the refusal's log line. Messages are handled one at a time.
-        self._address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
-        await super().handle_zap_message(msg)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """Whether the client key ``key`` (Z85) may connect to the sockets of ``domain``."""
-        entry = self.domains.get(domain)
-        if entry is not None and key in entry.authorized:
-            return True
-        owners = entry.owners.values() if entry is not None else ()
-        names = ", ".join(sorted(name for name, _ in owners)) or domain
-        for _, stats in owners:
-            stats["curve_refused_key"] += 1
-        self._ratelog.warning(
-            "curve key refused",
-            self._address,
-            "%s refused a Curve client from %s: its public key %s is not an authorized client "
-            "key; the peer needs the run's key directory (asyncrl keys generate)",
-            names,
-            self._address,
-            key.decode(errors="replace"),
-        )
-        return False
-
-
-_authenticators: dict[int, tuple[zmq.Context[Any], _Authenticator, Counter[str]]] = {}
-
-
-def _acquire(context: zmq.Context[Any], domain: str, keys: CurveKeys) -> _Authenticator:
-    held = _authenticators.get(id(context))
-    if held is None:
-        auth = _Authenticator(context)
+        sock = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
         try:
-            auth.start()
+            sock.bind(ZAP_ENDPOINT)
         except zmq.ZMQError as exc:
+            sock.close(linger=0)
             raise TransportError(
                 f"cannot start the Curve ZAP handler on this zmq context: {exc.strerror} "
                 f"(another ZAP handler already serves it)"
             ) from exc
-        auth.configure_curve_callback("*", credentials_provider=auth)
-        held = (context, auth, Counter())
+        self.domains: dict[str, _Domain] = {}
+        self._ratelog = RateLimitedLog(log, "zap")
+        self._pump = Pump(sock, self._request, routed=True)
+
+    def _request(self, frames: list[Any]) -> None:
+        # [routing id, b"", version, request id, domain, address, identity, mechanism, creds...]
+        parts = [f.bytes for f in frames[1:]]
+        if len(parts) < 7:
+            return  # not a ZAP request: libzmq never sends one this short
+        _, version, request_id, domain, address, _, mechanism, *credentials = parts
+        status, text, user = self._decide(version, domain, address, mechanism, credentials)
+        self._pump.send([frames[0], b"", b"1.0", request_id, status, text, user, b""])
+
+    def _decide(
+        self, version: bytes, domain: bytes, address: bytes, mechanism: bytes, creds: list[bytes]
+    ) -> tuple[bytes, bytes, bytes]:
+        """(status code, status text, user id) of one request: 200 with the key as user id,
+        or 400."""
+        if version != b"1.0":
+            return b"400", b"Invalid version", b""
+        if mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
+            return b"400", b"Only CURVE clients are admitted", b""
+        key = z85.encode(creds[0])
+        entry = self.domains.get(domain.decode(errors="replace"))
+        if entry is not None and key in entry.authorized:
+            return b"200", b"OK", key
+        owners = entry.owners.values() if entry is not None else ()
+        for _, stats in owners:
+            stats["curve_refused_key"] += 1
+        peer = address.decode(errors="replace")
+        self._ratelog.warning(
+            "curve key refused",
+            peer,
+            "%s refused a Curve client from %s: its public key %s is not an authorized client "
+            "key; the peer needs the run's key directory (asyncrl keys generate)",
+            ", ".join(sorted(name for name, _ in owners)) or domain.decode(errors="replace"),
+            peer,
+            key.decode(),
+        )
+        return b"400", b"Unknown key", b""
+
+    def close(self) -> None:
+        """Stop answering and free ``ZAP_ENDPOINT`` now (an unbind frees an inproc address at
+        once; a close frees it later, on zmq's reaper thread)."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._pump.sock.unbind(ZAP_ENDPOINT)
+        self._pump.close()
+
+
+_authenticators: dict[int, tuple[zmq.Context[Any], _ZapHandler, Counter[str]]] = {}
+
+
+def _acquire(context: zmq.Context[Any], domain: str, keys: CurveKeys) -> _ZapHandler:
+    held = _authenticators.get(id(context))
+    if held is None:
+        held = (context, _ZapHandler(context), Counter())
         _authenticators[id(context)] = held
     _, auth, refs = held
     refs[domain] += 1
     if domain not in auth.domains:
         auth.domains[domain] = _Domain(keys.authorized_clients)
-        auth.configure_curve_callback(domain, credentials_provider=auth)
     return auth
 
 
@@ -297,10 +326,9 @@ def _release(context: zmq.Context[Any], domain: str) -> None:
     if refs[domain] <= 0:
         del refs[domain]
         auth.domains.pop(domain, None)
-        auth.credentials_providers.pop(domain, None)
     if not refs:
         del _authenticators[id(context)]
-        auth.stop()
+        auth.close()
 
 
 def active_handlers() -> int:
