@@ -123,7 +123,15 @@ def _store(name: str, run_dir: str, generation: int, timeout_s: float) -> tuple[
                 f"{name}: {STORE_ENV}={address!r} is not HOST:PORT; the launcher sets it to "
                 f"the address of torchrun's store"
             )
-        client = TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+        try:
+            client = TCPStore(
+                host, int(port), is_master=False, timeout=timeout, wait_for_workers=False
+            )
+        except Exception as exc:  # torch raises RuntimeError or DistNetworkError
+            raise DataParallelError(
+                f"{name}: cannot reach the store at {STORE_ENV}={address} within "
+                f"{timeout_s:g} s ({exc}); check that the launch's node 0 is up"
+            ) from exc
         prefix = f"{os.environ.get(PREFIX_ENV, '')}/{name}/{generation}"
         return PrefixStore(prefix, client), f"tcp store {address} under {prefix!r}"
     folder = os.path.join(run_dir, "dist")

@@ -70,7 +70,8 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         durable: every acknowledged step is on disk before the reply.
         write_paths: directories besides the run directory that ``export`` may write.
         publish_weights: publish every version to the shared-memory weight store.
-        keep_checkpoints: the newest checkpoints kept.
+        keep_checkpoints: the newest checkpoints kept (at least 2 with data-parallel replicas:
+            a rank may have to go back one to meet the others after a crash).
         pad_id: the token id of padding.
         dropout: keep the model's dropout on while training (off: the learner's log-probs
             of a sample equal its behaviour log-probs under the same weights).

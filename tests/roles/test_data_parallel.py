@@ -354,3 +354,52 @@ def test_learner_client_broadcasts_to_data_parallel_replicas_and_checks_them() -
     paths = FakeGroup(["run/roles/learner.0/checkpoints/step-00000003", "other"])
     assert asyncio.run(LearnerClient(paths).checkpoint({"cursor": 4})) == paths.replies[0]  # type: ignore[arg-type]
     assert paths.sent == [("checkpoint", {"cursor": 4})]
+
+
+JOIN_SCRIPT = """
+import sys
+from asyncrl.roles.data_parallel import DataParallel
+rank = int(sys.argv[1])
+dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=sys.argv[2], generation=4,
+                       timeout_s=30)
+print(dp.all_gather_ints("the test's gather", [10 + rank]))
+dp.close()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_meet_in_the_launchs_tcp_store_under_its_prefix(tmp_path: Any) -> None:
+    import datetime
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    env = {
+        **os.environ,
+        "ASYNCRL_DIST_STORE": f"127.0.0.1:{store.port}",
+        "ASYNCRL_DIST_PREFIX": "asyncrl/run7/0",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOIN_SCRIPT, str(rank), str(tmp_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert [out.strip() for out, _ in outs] == ["[[10], [11]]"] * 2
+    # Arrivals were written under the launch's prefix, the role and the generation; no file.
+    assert store.get("asyncrl/run7/0/learner/4/arrived/1") == str(procs[1].pid).encode()
+    assert not os.path.exists(tmp_path / "dist")
