@@ -40,6 +40,7 @@ ROLES: dict[str, str] = {
     "reference": "asyncrl.roles.reference:Reference",
     "critic": "asyncrl.roles.critic:Critic",
     "learner": "asyncrl.roles.learner:Learner",
+    "relay": "asyncrl.roles.relay:Relay",
 }
 """The built-in roles: the name the built-in programs expect, and the class."""
 

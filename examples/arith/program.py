@@ -34,8 +34,7 @@ from asyncrl.progress import say
 from asyncrl.roles.clients import RLContext
 from asyncrl.roles.evaluation import greedy_accuracy
 from asyncrl.roles.payloads import LearnerStatus, Prompt, Sample, SamplingParams, Scored, TrainBatch
-from asyncrl.roles.pipeline import WeightSync
-from asyncrl.roles.programs import PromptFeed, RLLoop, RLStep, rl_loop
+from asyncrl.roles.programs import PromptFeed, RLLoop, RLStep, rl_loop, weight_sync
 from examples.arith import data
 
 DEFAULTS: dict[str, Any] = {
@@ -113,7 +112,7 @@ class Run:
     async def accuracy(self) -> float:
         """Held-out greedy accuracy of the weights the learner holds now."""
         status = await self.rl.learner.status()
-        await WeightSync(self.rl.rollout.handle, wait=True, timeout=300).ensure(status.version)
+        await weight_sync(self.rl, wait=True, timeout=300).ensure(status.version)
         return await self.greedy()
 
     async def greedy(self) -> float:
