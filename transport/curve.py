@@ -29,6 +29,7 @@ connected only with Curve on, since it would otherwise expose an unauthenticated
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import hashlib
@@ -294,12 +295,19 @@ class _ZapHandler:
         )
         return b"400", b"Unknown key", b""
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop that answers."""
+        return self._pump.loop
+
     def close(self) -> None:
         """Stop answering and free ``ZAP_ENDPOINT`` now (an unbind frees an inproc address at
         once; a close frees it later, on zmq's reaper thread)."""
         with contextlib.suppress(zmq.ZMQError):
             self._pump.sock.unbind(ZAP_ENDPOINT)
-        self._pump.close()
+        with contextlib.suppress(RuntimeError):  # a closed loop cannot remove its reader
+            self._pump.close()
+        self._pump.sock.close(linger=0)
 
 
 _authenticators: dict[int, tuple[zmq.Context[Any], _ZapHandler, Counter[str]]] = {}
@@ -307,6 +315,15 @@ _authenticators: dict[int, tuple[zmq.Context[Any], _ZapHandler, Counter[str]]] =
 
 def _acquire(context: zmq.Context[Any], domain: str, keys: CurveKeys) -> _ZapHandler:
     held = _authenticators.get(id(context))
+    if held is not None and held[1].loop.is_closed():
+        # Sockets of a finished loop were never closed: a new handler, on this loop, takes over
+        # their domains and references, so that closing them later still counts.
+        log.warning("a Curve ZAP handler outlived its event loop; starting a new one")
+        held[1].close()
+        stale = held[1].domains
+        held = (context, _ZapHandler(context), held[2])
+        held[1].domains.update(stale)
+        _authenticators[id(context)] = held
     if held is None:
         held = (context, _ZapHandler(context), Counter())
         _authenticators[id(context)] = held

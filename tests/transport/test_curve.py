@@ -365,3 +365,27 @@ def test_authorized_keys_and_secrets_kept_out_of_repr(tmp_path: Any) -> None:
         f"CurveKeys(directory={directory!r}, server_public={keys.server_public!r}, "
         f"client_public={keys.client_public!r}, authorized_clients=2)"
     )
+
+
+def test_a_handler_left_behind_by_a_finished_loop_is_replaced(keys: CurveKeys) -> None:
+    """A server never closed, its loop gone: the next loop's Curve server still gets answers."""
+    left: list[Server] = []
+
+    async def leave() -> None:
+        left.append(await _server(curve=keys))
+
+    async def serve() -> None:
+        server = await _server(curve=keys)
+        async with Client(server.endpoint, options=OPTIONS, curve=keys) as client:
+            assert await client.call("echo", "answered", timeout=5) == "answered"
+        await server.close()
+
+    run(leave())
+    assert active_handlers() == 1
+    run(serve())
+    assert active_handlers() == 1  # the leaked server still holds the new handler
+    left[0]._closed = True  # its loop is gone: close its socket and release it by hand
+    assert left[0]._pump is not None and left[0]._guard is not None
+    left[0]._pump.sock.close(linger=0)
+    left[0]._guard.close()
+    assert active_handlers() == 0
