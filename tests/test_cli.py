@@ -1,5 +1,5 @@
 """``asyncrl run``: the saved manifest, a run directory already used, ``--overwrite`` and
-``--resume``."""
+``--resume``; ``asyncrl keys generate``."""
 
 from __future__ import annotations
 
@@ -163,3 +163,50 @@ def test_overwrite_starts_afresh(run_dir: str) -> None:
     with open(os.path.join(run_dir, "driver.json")) as f:
         assert json.load(f)["result"] == [["the", 4], ["dog", 3], ["fox", 3]]
     assert load_saved_manifest(run_dir) == load_manifest(HELLO)
+
+
+# -- asyncrl keys generate -------------------------------------------------------------------
+
+
+def test_keys_generate_writes_private_key_pairs_and_keeps_them(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncrl.transport import load_keys
+
+    directory = str(tmp_path / "keys")
+    names = ["server.key", "server.key_secret", "client.key", "client.key_secret"]
+    assert cli.main(["keys", "generate", directory]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:4] == [f"wrote {os.path.join(directory, name)}" for name in names]
+    assert out[4:] == [
+        f"Copy {directory} to the same path on every node of the run, keeping the secret files "
+        f"private (rsync -a {directory}/ NODE:{directory}/), and name it in the manifest:",
+        "  security:",
+        f"    curve_keys: {directory}",
+    ]
+    assert sorted(os.listdir(directory)) == sorted(names)  # no staging directory left
+    modes = {name: os.stat(os.path.join(directory, name)).st_mode & 0o777 for name in names}
+    assert modes == {
+        "server.key": 0o644,
+        "server.key_secret": 0o600,
+        "client.key": 0o644,
+        "client.key_secret": 0o600,
+    }
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    keys = load_keys(directory)
+    assert keys.server_public != keys.client_public
+    assert keys.authorized_clients == frozenset({keys.client_public})
+
+    assert cli.main(["keys", "generate", directory]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: {directory} already holds Curve keys (server.key, server.key_secret, "
+        "client.key, client.key_secret); add --force to replace them (then copy the directory "
+        "to every node again)\n"
+    )
+    assert load_keys(directory) == keys  # refused: nothing was touched
+
+    assert cli.main(["keys", "generate", directory, "--force"]) == 0
+    capsys.readouterr()
+    replaced = load_keys(directory)
+    assert replaced.server_public != keys.server_public
+    assert replaced.client_secret != keys.client_secret
