@@ -83,8 +83,9 @@ def build_children(
     driver. ``view`` is this node's part of a launch over several nodes; None on one machine.
 
     Every process's ``groups`` hold each replica's endpoint as seen from this node: ipc for a
-    replica of this node, tcp for one of another node (an external command's replicas bind
-    tcp only in a launch over several nodes, so everyone reaches them there).
+    replica of this node, tcp for one of another node. An external command binds one endpoint:
+    on node 0 its ipc one (the driver's node reaches it; it speaks no Curve, which tcp between
+    hosts needs), on another node its tcp one (reachable off one machine only without Curve).
     """
     view = view or NodeView()
     registry = LocalRegistry(run_dir)
@@ -95,7 +96,7 @@ def build_children(
         where = [role.placement.node_of(i) for i in range(role.replicas)]
         endpoints = [
             registry.endpoint(name, i)
-            if node == view.node and not (role.command and view.tcp)
+            if node == view.node and not (role.command and view.tcp and node != 0)
             else view.tcp[(name, i)]
             for i, node in enumerate(where)
         ]
