@@ -26,7 +26,11 @@
     ├── ConfigError                   F the run's configuration is wrong; restarting cannot help
     │   ├── ManifestError             F a manifest with problems; lists every one, with its path
     │   └── ConfigProblem             F a process cannot start with its configuration (exit 78)
-    └── StallError                    F a run made no progress for too long; says on whom it waits
+    ├── StallError                    F a run made no progress for too long; says on whom it waits
+    ├── StoreError                      the launch's store (torchrun's TCPStore) unreachable, or a
+    │                                   key late (asyncrl.store_registry)
+    └── DataParallelError             R a data-parallel learner's ranks could not work as one
+                                        group (asyncrl.roles.data_parallel); the group restarts
 
 Recoverable (R) errors have ``retryable`` True: the same request may succeed later or elsewhere,
 since a replica that died, went silent or restarted comes back under supervision. Fatal (F)
