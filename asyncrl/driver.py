@@ -83,6 +83,12 @@ async def serve_driver(spec: ProcessSpec) -> int:
     """
     log = logs.get_logger("asyncrl.driver")
     program = load_program(spec.target)
+    if spec.incarnation > 0 and _finished(spec.run_dir):
+        # Killed after its program finished (its exit was slow to come, and heartbeats had
+        # stopped with its inbox): the result is in driver.json. Running the program again would
+        # replay nothing and overwrite that result with an empty one.
+        log.info("program already finished; its result stands", incarnation=spec.incarnation)
+        return 0
     stop = asyncio.Event()
     options = ChannelOptions(
         run=spec.run, heartbeat_interval_s=spec.heartbeat_interval_s, liveness=spec.liveness
@@ -158,6 +164,15 @@ def _jsonable(value: Any) -> Any:
     except (TypeError, ValueError):
         return repr(value)
     return value
+
+
+def _finished(run_dir: str) -> bool:
+    """Whether ``driver.json`` in ``run_dir`` records a program that finished."""
+    try:
+        with open(os.path.join(run_dir, "driver.json")) as f:
+            return bool(json.load(f).get("finished"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _write(run_dir: str, data: dict[str, Any]) -> None:
