@@ -14,6 +14,12 @@ Every figure comes from two processes over ipc, on the public API at both ends:
   reply. A plain memcpy of the same tensor, in the same run, is the baseline.
 
 Each process uses one torch thread, so that the copy baseline and the transfers copy alike.
+
+``--curve`` measures instead what CurveZMQ costs over tcp on the loopback interface: one peer
+process serves the same methods on two tcp endpoints, one plain and one with Curve, and the
+measuring process alternates between them round by round (the order flipped each round), for the
+round trip p50, pipelined calls/s and a 64 MiB tensor as frames; each figure is the median of its
+rounds.
 """
 
 from __future__ import annotations
@@ -39,18 +45,20 @@ import zmq
 from asyncrl.transport import (
     ChannelOptions,
     Client,
+    CurveKeys,
     Envelope,
     Kind,
     Server,
     StreamReceiver,
     StreamSender,
+    load_keys,
     run,
 )
 from asyncrl.transport.codec import Codec
 from asyncrl.transport.loop import loop_name
 from asyncrl.transport.protocol import PROTOCOL_VERSION
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "measure_curve"]
 
 WINDOW = 256
 TENSOR_BYTES = 64 << 20
@@ -111,6 +119,22 @@ async def _peer_stream(endpoint: str, count: int) -> None:
         sys.stdin.readline()
 
 
+async def _peer_tcp_servers(keys_dir: str, run_id: str) -> None:
+    """A plain and a Curve server of the same methods on tcp; they stop when stdin closes."""
+    options = ChannelOptions(run=run_id, shm=False)
+    servers = []
+    for curve in (False, load_keys(keys_dir)):
+        server = Server("tcp://127.0.0.1:0", name="bench", options=options, curve=curve)
+        server.add("echo", _echo, Small)
+        server.add("checksum", _checksum, torch.Tensor)
+        await server.start()
+        servers.append(server)
+    print("READY", *(server.endpoint for server in servers), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    for server in servers:
+        await server.close()
+
+
 def _peer_raw(endpoint: str, count: int, frame: bytes) -> None:
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 10_000)
@@ -144,6 +168,8 @@ def _peer_main(argv: list[str]) -> None:
         _peer_raw(endpoint, int(rest[0]), bytes.fromhex(rest[1]))
     elif kind == "raw-echo":
         _peer_raw_echo(endpoint)
+    elif kind == "tcp":
+        run(_peer_tcp_servers(endpoint, rest[0]))
     else:
         raise SystemExit(f"unknown peer kind {kind!r}")
 
@@ -181,29 +207,10 @@ async def _rpc_figures(endpoint: str, run_id: str, calls: int, tensor_iters: int
     async with Client(endpoint, options=ChannelOptions(run=run_id)) as client:
         for _ in range(500):
             await client.call("echo", msg, Small)
-        times = []
-        clock = time.perf_counter
-        for _ in range(calls):
-            t0 = clock()
-            await client.call("echo", msg, Small)
-            times.append(clock() - t0)
+        times = await _round_trips(client, calls)
         out["rtt_p50_us"] = _pct(times, 0.50) * 1e6
         out["rtt_p99_us"] = _pct(times, 0.99) * 1e6
-
-        rates = []
-        for _ in range(3):
-            total = calls * 4
-            t0 = clock()
-            window: set[asyncio.Future[Any]] = set()
-            sent = 0
-            while sent < total or window:
-                while sent < total and len(window) < WINDOW:
-                    window.add(client.call_future("echo", msg, Small))
-                    sent += 1
-                done, window = await asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    fut.result()
-            rates.append(total / (clock() - t0))
+        rates = [await _pipelined_rate(client, calls * 4) for _ in range(3)]
         out["rpc_calls_per_s"] = statistics.median(rates)
 
         out["tensor_shm_gbps"] = await _tensor_rate(client, tensor_iters)
@@ -212,6 +219,112 @@ async def _rpc_figures(endpoint: str, run_id: str, calls: int, tensor_iters: int
         out["tensor_frames_gbps"] = await _tensor_rate(client, tensor_iters)
         client.send_stop()
     return out
+
+
+async def _round_trips(client: Client, calls: int) -> list[float]:
+    """Seconds of each of ``calls`` sequential calls of ``echo``."""
+    msg = Small(1, 0.5, "x")
+    times = []
+    clock = time.perf_counter
+    for _ in range(calls):
+        t0 = clock()
+        await client.call("echo", msg, Small)
+        times.append(clock() - t0)
+    return times
+
+
+async def _pipelined_rate(client: Client, total: int) -> float:
+    """Calls/s of ``total`` calls of ``echo`` with ``WINDOW`` in flight."""
+    msg = Small(1, 0.5, "x")
+    t0 = time.perf_counter()
+    window: set[asyncio.Future[Any]] = set()
+    sent = 0
+    while sent < total or window:
+        while sent < total and len(window) < WINDOW:
+            window.add(client.call_future("echo", msg, Small))
+            sent += 1
+        done, window = await asyncio.wait(window, return_when=asyncio.FIRST_COMPLETED)
+        for fut in done:
+            fut.result()
+    return total / (time.perf_counter() - t0)
+
+
+async def _curve_figures(
+    endpoints: list[str], keys: CurveKeys, rounds: int, calls: int, tensor_iters: int
+) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {}
+    options = ChannelOptions(run="bench-curve", shm=False)
+    async with (
+        Client(endpoints[0], options=options, curve=False) as plain,
+        Client(endpoints[1], options=options, curve=keys) as curve,
+    ):
+        clients = {"tcp": plain, "curve": curve}
+        for client in clients.values():
+            await _round_trips(client, 500)  # warm-up
+        for i in range(rounds):
+            for name in list(clients)[:: 1 if i % 2 == 0 else -1]:
+                client = clients[name]
+                rtt = _pct(await _round_trips(client, calls), 0.5) * 1e6
+                samples.setdefault(f"{name}_rtt_p50_us", []).append(rtt)
+                rate = await _pipelined_rate(client, calls * 4)
+                samples.setdefault(f"{name}_calls_per_s", []).append(rate)
+                gbps = await _tensor_rate(client, tensor_iters)
+                samples.setdefault(f"{name}_tensor_gbps", []).append(gbps)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in samples.items()}
+    out["curve_rtt_over_tcp"] = out["curve_rtt_p50_us"] / out["tcp_rtt_p50_us"]
+    out["curve_rate_over_tcp"] = out["curve_calls_per_s"] / out["tcp_calls_per_s"]
+    out["curve_tensor_over_tcp"] = out["curve_tensor_gbps"] / out["tcp_tensor_gbps"]
+    out["rounds"] = rounds
+    return out
+
+
+def measure_curve(*, quick: bool = False) -> dict[str, Any]:
+    """Plain tcp against tcp with Curve, interleaved round by round (see the module docstring).
+
+    Returns medians over the rounds of ``{tcp,curve}_rtt_p50_us``, ``{tcp,curve}_calls_per_s``,
+    ``{tcp,curve}_tensor_gbps``, and the ratios ``curve_*_over_tcp``.
+    """
+    from asyncrl.keys import generate
+
+    torch.set_num_threads(1)
+    rounds, calls, tensor_iters = (3, 500, 2) if quick else (7, 3000, 3)
+    tmp = tempfile.mkdtemp(prefix="arl-bench-")
+    try:
+        generate(os.path.join(tmp, "keys"))
+        with _peer("tcp", os.path.join(tmp, "keys"), f"bench{os.getpid()}") as proc:
+            assert proc.stdout is not None
+            ready, *endpoints = proc.stdout.readline().split()
+            if ready != "READY":
+                raise RuntimeError("the benchmark's server process did not start")
+            keys = load_keys(os.path.join(tmp, "keys"))
+            figures = run(_curve_figures(endpoints, keys, rounds, calls, tensor_iters))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    figures["loop"] = run(_loop_name())
+    figures["cpus"] = os.cpu_count()
+    return figures
+
+
+def format_curve_table(f: dict[str, Any]) -> str:
+    """The Curve figures beside plain tcp's, with the ratios."""
+    lines = [
+        f"asyncrl transport over tcp, plain and with Curve ({f['cpus']} CPUs, {f['loop']}, "
+        f"medians of {f['rounds']} interleaved rounds)",
+        "",
+        f"{'figure':<28}{'tcp':>16}{'tcp + Curve':>16}{'ratio':>10}",
+    ]
+    for label, key, unit, ratio in [
+        ("round trip p50", "rtt_p50_us", "us", "curve_rtt_over_tcp"),
+        ("pipelined request/reply", "calls_per_s", "calls/s", "curve_rate_over_tcp"),
+        ("64 MiB tensor, frames", "tensor_gbps", "GB/s", "curve_tensor_over_tcp"),
+    ]:
+        plain, curve = f[f"tcp_{key}"], f[f"curve_{key}"]
+        fmt = "{:,.2f} " if unit == "GB/s" else "{:,.0f} "
+        lines.append(
+            f"{label:<28}{fmt.format(plain) + unit:>16}{fmt.format(curve) + unit:>16}"
+            f"{f[ratio]:>9.2f}x"
+        )
+    return "\n".join(lines)
 
 
 async def _tensor_rate(client: Client, iters: int) -> float:
@@ -383,7 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke test)")
+    parser.add_argument(
+        "--curve", action="store_true", help="plain tcp against tcp with Curve, interleaved"
+    )
     args = parser.parse_args(argv)
+    if args.curve:
+        figures = measure_curve(quick=args.quick)
+        print(json.dumps(figures) if args.json else format_curve_table(figures))
+        return 0
     figures = measure(quick=args.quick)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0

@@ -4,11 +4,14 @@ what travels is encrypted, and ipc stays as it was."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import select
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +35,7 @@ from asyncrl.transport import (
     use_curve,
 )
 from asyncrl.transport.curve import active_handlers, current, resolve
+from tests.conftest import ROOT
 
 OPTIONS = ChannelOptions(run="curve", heartbeat_interval_s=0.2)
 TCP = "tcp://127.0.0.1:0"
@@ -389,3 +393,24 @@ def test_a_handler_left_behind_by_a_finished_loop_is_replaced(keys: CurveKeys) -
     left[0]._pump.sock.close(linger=0)
     left[0]._guard.close()
     assert active_handlers() == 0
+
+
+@pytest.mark.slow
+def test_the_curve_benchmark_measures_both(tmp_path: Any) -> None:
+    """``asyncrl bench transport --curve --quick --json``: both rows, and the ratios they give."""
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "bench", "transport", "--curve", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=True,
+    )
+    figures = json.loads(out.stdout)
+    for name in ("tcp", "curve"):
+        for key in ("rtt_p50_us", "calls_per_s", "tensor_gbps"):
+            assert figures[f"{name}_{key}"] > 0, (name, key)
+    assert figures["curve_rate_over_tcp"] == pytest.approx(
+        figures["curve_calls_per_s"] / figures["tcp_calls_per_s"]
+    )
+    assert figures["rounds"] == 3
