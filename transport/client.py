@@ -14,8 +14,8 @@ A client created with ``control=True`` presents the run's control secret in its 
 authorises its control messages (``send_stop``); see ``control.py``.
 
 On tcp with Curve on (``curve.py``) the client presents the run's client key and checks the
-server's. A server that refuses the ZeroMQ handshake (keys or mechanism differ) fails the requests
-in flight, the handshake included, with a ``TransportError`` that says why.
+server's. A server that refuses the ZeroMQ handshake (its client key or the mechanism differs)
+fails the requests in flight, the handshake included, with a ``TransportError`` that says why.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ class Client:
         sock.setsockopt(zmq.RECONNECT_IVL, 10)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
         self._keyed = secure_client(sock, self.endpoint, self._curve)
-        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
         self._monitor = Pump(sock.get_monitor_socket(events), self._on_monitor)
         try:
             connect(sock, self.endpoint, allow_remote=self._keyed)

@@ -78,11 +78,9 @@ CLIENT = "client"
 AUTHORIZED_DIR = "authorized"
 """Sub-directory of further authorized client public keys (``*.key``), optional."""
 
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
+# Handshakes that failed on what a side said (a ZAP refusal, a protocol error): a connection that
+# merely dropped mid-handshake (a peer restarting) reports EVENT_HANDSHAKE_FAILED_NO_DETAIL.
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 """Where libzmq asks a context's ZAP handler (RFC 27) about each connecting Curve peer."""
 _GENERATE = "make them with 'asyncrl keys generate DIR' and copy DIR to every node"
@@ -487,6 +485,8 @@ def _cause(event: int, value: int, *, keyed: bool) -> str:
             f"Curve authentication failed (ZAP status {value}): the client's public key is not "
             f"one the server authorizes"
         )
+    if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return "the Curve handshake does not decrypt: the peer holds another server public key"
     if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return (
             "the security mechanisms differ: one side uses Curve and the other does not"
@@ -494,13 +494,18 @@ def _cause(event: int, value: int, *, keyed: bool) -> str:
             else "the security mechanisms differ: the server requires Curve and this side has "
             "no keys"
         )
-    return f"the ZeroMQ handshake failed (event {event}, value {value}); keys or mechanism differ"
+    return f"the ZeroMQ handshake failed (protocol error {value}); keys or mechanism differ"
 
 
 def handshake_refusal(
     frames: list[Any], endpoint: str, *, keyed: bool
 ) -> Callable[[], TransportError] | None:
     """From a connecting socket's monitor message: a maker of the refusal error, or None.
+
+    Only what the server said counts (a ZAP refusal, a protocol error such as a mechanism
+    mismatch): a connection that merely dropped during the handshake (a server restarting) is
+    not a refusal, so a client holding the wrong server key, which the server just drops, sees
+    its calls time out instead.
 
     Args:
         frames: the monitor message.

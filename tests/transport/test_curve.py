@@ -24,6 +24,8 @@ from asyncrl.transport import (
     ChannelOptions,
     Client,
     CurveKeys,
+    DeadlineExceededError,
+    DisconnectedError,
     Publisher,
     Server,
     StreamReceiver,
@@ -130,6 +132,14 @@ def test_a_keyed_client_is_served_and_peers_without_the_right_keys_are_refused(
             assert server.stats["requests"] == 3
             assert server.stats["curve_refused"] >= 2
             assert server.stats["curve_refused_key"] >= 1
+        # A client holding another server key is dropped by the server in the handshake: to it,
+        # the connection broke (it cannot tell from a restart), or its calls time out.
+        other = CurveKeys(stranger.server_public, b"", keys.client_public, keys.client_secret)
+        lost = Client(endpoint, name="lost", options=OPTIONS, curve=other)
+        with pytest.raises((DisconnectedError, DeadlineExceededError)):
+            await lost.connect(timeout=0.5)
+        await lost.close()
+        assert server.stats["handshakes"] == 1
         async with Client(endpoint, options=OPTIONS, curve=keys) as again:
             assert await again.call("echo", "still", timeout=5) == "still"
         await server.close()
@@ -139,6 +149,13 @@ def test_a_keyed_client_is_served_and_peers_without_the_right_keys_are_refused(
     lines = [r.getMessage() for r in caplog.records]
     mismatch = [line for line in lines if "refused a peer: the security mechanisms differ" in line]
     assert mismatch and mismatch[0].startswith("echo on tcp://127.0.0.1:")
+    assert any(
+        line.endswith(
+            "refused a peer: the Curve handshake does not decrypt: the peer holds another server "
+            "public key"
+        )
+        for line in lines
+    )
     key = stranger.client_public.decode()
     assert (
         f"echo refused a Curve client from 127.0.0.1: its public key {key} is not an authorized "
