@@ -19,9 +19,14 @@ The group is formed in the role's compute thread, never on its event loop (``joi
 - otherwise through a ``FileStore`` in ``RUN_DIR/dist/``, named by the role, the node agent's
   process id and the generation, so a file from an earlier run or attempt is never read.
 
-The generation is the replica's incarnation: under ``one_for_all`` one supervisor restarts every
-replica of the group together, so their incarnations move in step. A rank that never arrives ends
-the wait after ``timeout_s`` with a ``DataParallelError`` naming the group and the missing ranks.
+On one node the generation is the replica's incarnation: under ``one_for_all`` one supervisor
+restarts every replica of the group together, so their incarnations move in step. Across nodes
+each node's agent restarts its own replicas, and a rank that crashed before it joined has a higher
+incarnation than its peers; there the generation is how many times this rank joined before, counted
+in the store (``joins/<rank>``). A rank that dies makes the others' next collective fail, they
+leave and join again, so every rank's count moves by one per group restart. A rank that never
+arrives ends the wait after ``timeout_s`` with a ``DataParallelError`` naming the group and the
+missing ranks.
 """
 
 from __future__ import annotations
@@ -112,8 +117,11 @@ def fingerprint(*parts: Any) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def _store(name: str, run_dir: str, generation: int, timeout_s: float) -> tuple[Any, str]:
-    """The rendezvous store of this group and generation, and where it is (for errors)."""
+def _store(
+    name: str, run_dir: str, generation: int, timeout_s: float, rank: int = 0
+) -> tuple[Any, str]:
+    """The rendezvous store of this group and generation, and where it is (for errors).
+    With the launch's store, the generation is this rank's count of earlier joins instead."""
     timeout = datetime.timedelta(seconds=timeout_s)
     address = os.environ.get(STORE_ENV, "")
     if address:
@@ -132,7 +140,9 @@ def _store(name: str, run_dir: str, generation: int, timeout_s: float) -> tuple[
                 f"{name}: cannot reach the store at {STORE_ENV}={address} within "
                 f"{timeout_s:g} s ({exc}); check that the launch's node 0 is up"
             ) from exc
-        prefix = f"{os.environ.get(PREFIX_ENV, '')}/{name}/{generation}"
+        base = f"{os.environ.get(PREFIX_ENV, '')}/{name}"
+        joined = int(client.add(f"{base}/joins/{rank}", 1)) - 1
+        prefix = f"{base}/{joined}"
         return PrefixStore(prefix, client), f"tcp store {address} under {prefix!r}"
     folder = os.path.join(run_dir, "dist")
     os.makedirs(folder, exist_ok=True)
@@ -185,7 +195,7 @@ class DataParallel:
             DataParallelError: not every rank arrived within ``timeout_s`` (the message names
                 the missing ones), or the store is unusable.
         """
-        store, where = _store(name, run_dir, generation, timeout_s)
+        store, where = _store(name, run_dir, generation, timeout_s, rank)
         store.set(f"arrived/{rank}", str(os.getpid()))
         keys = [f"arrived/{r}" for r in range(world)]
         try:

@@ -400,6 +400,39 @@ def test_ranks_meet_in_the_launchs_tcp_store_under_its_prefix(tmp_path: Any) -> 
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert [out.strip() for out, _ in outs] == ["[[10], [11]]"] * 2
-    # Arrivals were written under the launch's prefix, the role and the generation; no file.
-    assert store.get("asyncrl/run7/0/learner/4/arrived/1") == str(procs[1].pid).encode()
+    # Arrivals were written under the launch's prefix, the role and the generation (each rank's
+    # first join: 0, whatever its incarnation); no file.
+    assert store.get("asyncrl/run7/0/learner/0/arrived/1") == str(procs[1].pid).encode()
     assert not os.path.exists(tmp_path / "dist")
+
+
+def test_across_nodes_the_generation_counts_a_ranks_joins_not_its_incarnation(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datetime
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from asyncrl.roles.data_parallel import _store
+
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    monkeypatch.setenv("ASYNCRL_DIST_STORE", f"127.0.0.1:{store.port}")
+    monkeypatch.setenv("ASYNCRL_DIST_PREFIX", "asyncrl/run7/0")
+    where = [
+        _store("learner", str(tmp_path), inc, 30.0, rank)[1]
+        for inc, rank in [(0, 0), (3, 1), (1, 0), (4, 1)]
+    ]
+    # Rank 1 crashed three times before it first joined: its incarnation is 3, its generation 0.
+    assert [w.rpartition(" under ")[2] for w in where] == [
+        "'asyncrl/run7/0/learner/0'",
+        "'asyncrl/run7/0/learner/0'",
+        "'asyncrl/run7/0/learner/1'",
+        "'asyncrl/run7/0/learner/1'",
+    ]
