@@ -234,6 +234,12 @@ class Learner(Role):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def weights(self, _: Any) -> WeightsUpdate:
+        # In the compute thread, after any step in progress: a copy taken on the event loop
+        # could hold half-updated parameters under the old version (a relay pulls while the
+        # learner trains), and copying a large model there would stall heartbeats.
+        return await self.ctx.offload(self._weights)
+
+    def _weights(self) -> WeightsUpdate:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return WeightsUpdate(self.version, state)
 
