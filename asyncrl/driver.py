@@ -83,10 +83,7 @@ async def serve_driver(spec: ProcessSpec) -> int:
     """
     log = logs.get_logger("asyncrl.driver")
     program = load_program(spec.target)
-    if spec.incarnation > 0 and _finished(spec.run_dir):
-        # Killed after its program finished (its exit was slow to come, and heartbeats had
-        # stopped with its inbox): the result is in driver.json. Running the program again would
-        # replay nothing and overwrite that result with an empty one.
+    if spec.incarnation > 0 and _finished(spec.run_dir):  # see _finished
         log.info("program already finished; its result stands", incarnation=spec.incarnation)
         return 0
     stop = asyncio.Event()
@@ -167,7 +164,12 @@ def _jsonable(value: Any) -> Any:
 
 
 def _finished(run_dir: str) -> bool:
-    """Whether ``driver.json`` in ``run_dir`` records a program that finished."""
+    """Whether ``driver.json`` in ``run_dir`` records a program that finished.
+
+    A driver can be killed after its program finished: its inbox (which answers heartbeats)
+    closes before the process exits, and on a loaded machine the exit can take longer than the
+    liveness. Its next incarnation keeps that result rather than run the program again, which
+    would replay nothing and overwrite the result with an empty one."""
     try:
         with open(os.path.join(run_dir, "driver.json")) as f:
             return bool(json.load(f).get("finished"))
