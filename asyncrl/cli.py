@@ -13,6 +13,10 @@
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
 - ``asyncrl bench pipeline [--json] [--quick]``: sync against async mode on simulated generation,
   each against a discrete-event model of the same draws.
+- ``asyncrl bench scale [--json] [--quick]``: the driver against 1 to 256 simulated rollout
+  replicas: samples/s, driver CPU per sample, dispatch latency, memory (docs/scaling.md).
+- ``asyncrl bench multinode [--json]``: weight sync on one host against across two simulated
+  hosts, the shortened main job on one node against two, one learner against two data-parallel.
 - ``asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG figures of the runs' per-step metrics
   (reward, accuracy, throughput, staleness, time), several runs on one figure; in the first
   run's ``plots/`` unless ``--out`` (``asyncrl.plots``; matplotlib is the ``plot`` extra).
@@ -32,7 +36,7 @@ from typing import Any
 
 from asyncrl import __version__
 
-BENCHMARKS = ("transport", "runtime", "learner", "pipeline")
+BENCHMARKS = ("transport", "runtime", "learner", "pipeline", "scale", "multinode")
 """The built-in benchmarks, each the module of that name in ``asyncrl.bench``."""
 BENCHMARK_GROUP = "asyncrl.benchmarks"
 """Entry-point group of benchmarks that other installed packages add (a name and a
@@ -61,7 +65,7 @@ def _load(path: str, overrides: list[str]) -> Any:
     from asyncrl.manifest import ManifestError, load_manifest
 
     try:
-        return load_manifest(path, overrides)
+        return load_manifest(path, overrides, nodes=1)  # asyncrl.launch takes more nodes
     except ManifestError as exc:
         print(exc, file=sys.stderr)
         return None
@@ -144,7 +148,11 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         if problem:
             return _fail(problem)
         save_manifest(manifest, run_dir)
-    report = run(run_manifest(manifest, run_dir))
+    try:
+        report = run(run_manifest(manifest, run_dir))
+    except ManifestError as exc:  # e.g. a resumed multi-node manifest: asyncrl.launch runs it
+        print(exc, file=sys.stderr)
+        return 2
     print(summary(report, manifest, run_dir), flush=True)
     return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
 

@@ -30,7 +30,16 @@ from asyncrl.faults import FaultPlan
 from asyncrl.model_section import inherited_config
 from asyncrl.role import Role, RoleContext, endpoints_of
 from asyncrl.spec import EXIT_CONFIG, ProcessSpec, load_spec_from_env
-from asyncrl.transport import Call, ChannelOptions, Entry, LocalRegistry, Server
+from asyncrl.transport import (
+    Call,
+    ChannelOptions,
+    Entry,
+    LocalRegistry,
+    Server,
+    TransportError,
+    load_keys,
+    use_curve,
+)
 from asyncrl.transport import run as run_loop
 
 __all__ = [
@@ -231,20 +240,13 @@ def use_curve_keys(folder: str) -> None:
     (``asyncrl.transport.curve``); nothing when ``folder`` is empty.
 
     Raises:
-        ConfigProblem: the keys cannot be loaded, or this installation has no Curve support.
+        ConfigProblem: the keys cannot be loaded (the message names the file).
     """
     if not folder:
         return
     try:
-        curve = importlib.import_module("asyncrl.transport.curve")
-    except ImportError as exc:
-        raise ConfigProblem(
-            f"security.curve_keys: {folder!r} is set, but this installation of asyncrl has no "
-            f"CurveZMQ support ({exc}); remove security.curve_keys or update asyncrl"
-        ) from exc
-    try:
-        curve.use_curve(curve.load_keys(folder))
-    except Exception as exc:
+        use_curve(load_keys(folder))
+    except TransportError as exc:
         raise ConfigProblem(f"security.curve_keys: {exc}") from exc
 
 

@@ -210,3 +210,17 @@ def test_keys_generate_writes_private_key_pairs_and_keeps_them(
     replaced = load_keys(directory)
     assert replaced.server_public != keys.server_public
     assert replaced.client_secret != keys.client_secret
+
+
+def test_run_refuses_a_manifest_that_places_roles_off_node_0(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = os.path.join(ROOT, "examples", "arith", "multinode.yaml")
+    assert cli.main(["run", manifest, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"manifest {manifest} has 3 problems:\n")
+    assert (
+        "  roles.relay.placement.node: node 1, but 'asyncrl run' runs on one machine (node 0); "
+        "launch on several nodes with 'torchrun --nnodes=N ... -m asyncrl.launch MANIFEST'"
+    ) in err
+    assert not os.path.exists(tmp_path / "run")
