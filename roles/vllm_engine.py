@@ -160,6 +160,11 @@ class VLLMEngine:
             **memory,
         )
         self._vllm = vllm
+        # vLLM's CPU attention plans its work for the OpenMP thread count of the thread that
+        # builds a step's metadata and checks it where it runs; a worker thread starts with the
+        # OpenMP default, not this thread's count. Each call sets this count in its own thread
+        # (through torch._C: vLLM replaces torch.set_num_threads with a no-op).
+        self._threads = torch.get_num_threads()
         self._version = version
         self._lock = threading.RLock()  # the engine, its version and the stats
         self._pending_lock = threading.Lock()  # only the pending slot: set_weights never waits
@@ -239,8 +244,13 @@ class VLLMEngine:
     def apply_pending(self) -> int:
         """Load pending weights now, if any; return the version active after."""
         with self._lock:
+            self._use_threads()
             self._apply_pending_locked()
             return self._version
+
+    def _use_threads(self) -> None:
+        """Give the calling thread the engine's thread count (see ``__init__``)."""
+        torch._C.set_num_threads(self._threads)
 
     def _apply_pending_locked(self) -> None:
         with self._pending_lock:
@@ -274,6 +284,7 @@ class VLLMEngine:
         todo = [row for row in rows if not row.done]
         if todo:
             with self._lock:
+                self._use_threads()
                 self._decode(todo, should_interrupt)
         return [row.sample() for row in rows]
 
@@ -391,6 +402,7 @@ class VLLMEngine:
         seqs = [[*prompts[i], *completions[i]] for i in todo]
         inputs = [self._vllm.inputs.TokensPrompt(prompt_token_ids=s) for s in seqs]
         with self._lock:
+            self._use_threads()
             self._apply_pending_locked()
             results = self._llm.generate(inputs, sampling, use_tqdm=False)
             self.stats.forward_passes += 1

