@@ -136,3 +136,21 @@ def test_learner_benchmark_json() -> None:
         figures["durable_step_ms_p50"] / figures["learner_step_ms_p50"]
     )
     assert figures["rollout_tokens_per_s"] > 0
+
+
+def test_the_multinode_benchmarks_manifest_runs_on_one_node_with_its_overrides() -> None:
+    """The one-node half of ``asyncrl bench multinode`` runs the two-node example moved to node
+    0; both halves take the shortened settings. (The runs themselves are the multi-node tests'.)"""
+    from asyncrl.bench.multinode_runs import MANIFEST, ONE_NODE, SHORT
+    from asyncrl.manifest import ManifestError, load_manifest
+
+    path = os.path.join(ROOT, MANIFEST)
+    with pytest.raises(ManifestError, match=r"roles\.rollout\.placement\.node: node 1, but"):
+        load_manifest(path, list(SHORT), nodes=1)
+    one = load_manifest(path, [*SHORT, *ONE_NODE], nodes=1)
+    two = load_manifest(path, list(SHORT), nodes=2)
+    assert {r.placement.node for r in one.roles.values()} == {0}
+    assert set(one.roles["learner"].placement.nodes) == {0}
+    assert two.roles["learner"].placement.nodes == [0, 1]
+    assert one.run.config["rl_steps"] == two.run.config["rl_steps"] == 6
+    assert one.run.config["bc_max_steps"] == two.run.config["bc_max_steps"] == 40

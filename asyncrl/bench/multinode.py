@@ -21,6 +21,10 @@ Each is checked to end at the round's version. Medians over ``--rounds`` rounds 
 untimed round), for two models built from configs (no download): the arith example's GPT-2
 (``ARITH``, the model of ``examples/arith``) and a ~100M-parameter GPT-2 (``GPT2_100M``).
 Every process uses one torch thread.
+
+Then the shortened main job on one node against two (``asyncrl.bench.multinode_runs``:
+``one_node_wall_s``, ``two_node_wall_s``), and a GRPO step on one learner against two
+data-parallel ones (``dp1_step_ms_p50``, ``dp2_step_ms_p50``; ``asyncrl.bench.learner``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 import msgspec
 
 from asyncrl import logs
+from asyncrl.bench.multinode_runs import MANIFEST, wall_times
 from asyncrl.dispatch import Dispatcher
 from asyncrl.handles import Context
 from asyncrl.manifest import Supervision
@@ -204,12 +209,28 @@ def parameters(model: dict[str, Any]) -> int:
     return embeddings + layers * block + 2 * d
 
 
-def measure(*, rounds: int = 10, rounds_100m: int = 5) -> dict[str, Any]:
-    """The weight-sync figures (see the module docstring)."""
+def measure(
+    *, rounds: int = 10, rounds_100m: int = 5, wall_rounds: int = 1, dp_steps: int = 10
+) -> dict[str, Any]:
+    """The weight-sync figures (see the module docstring), then, unless their counts are 0,
+    one node against two on a shortened main job (``multinode_runs``) and one learner against
+    two data-parallel ones (``asyncrl.bench.learner.measure_data_parallel``)."""
     logs.configure(role="bench", console=False)
     arith = weight_sync(ARITH, rounds)
     big = weight_sync(GPT2_100M, rounds_100m)
-    return {
+    more: dict[str, Any] = {}
+    if wall_rounds:
+        if not os.path.exists(MANIFEST):
+            raise SystemExit(
+                f"asyncrl bench multinode: {MANIFEST} not found here; run it from an asyncrl "
+                f"checkout, or pass --wall-rounds 0"
+            )
+        more.update(wall_times(os.getcwd(), wall_rounds))
+    if dp_steps:
+        from asyncrl.bench.learner import measure_data_parallel
+
+        more.update(measure_data_parallel(steps=dp_steps))
+    return more | {
         "weight_sync_ms_p50_local": arith["local"],
         "weight_sync_ms_p50_cross_host": arith["cross_host"],
         "weight_sync_100m_ms_p50_local": big["local"],
@@ -236,6 +257,20 @@ def format_table(f: dict[str, Any]) -> str:
     for label, params, key in rows:
         local, cross, pull = (f[f"{key}_{k}"] for k in ("local", "cross_host", "relay_pull"))
         lines.append(f"{label:<14}{params:>14,}{local:>11.1f} ms{cross:>11.1f} ms{pull:>11.1f} ms")
+    if "one_node_wall_s" in f:
+        lines += [
+            "",
+            f"shortened main job (40 BC + 6 RL steps), wall time, median of {f['wall_rounds']}:",
+            f"  one node {f['one_node_wall_s']:.1f} s, two simulated nodes "
+            f"{f['two_node_wall_s']:.1f} s (two/one {f['two_node_ratio']:.2f})",
+        ]
+    if "dp1_step_ms_p50" in f:
+        lines += [
+            "",
+            f"GRPO step of {f['dp_samples_per_step']} samples (p50 of {f['dp_steps']}): one "
+            f"learner {f['dp1_step_ms_p50']:.1f} ms, two data-parallel "
+            f"{f['dp2_step_ms_p50']:.1f} ms (speed-up {f['dp2_speedup']:.2f})",
+        ]
     return "\n".join(lines)
 
 
@@ -248,7 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds, arith model")
     parser.add_argument("--rounds-100m", type=int, default=5, help="timed rounds, 100M model")
+    parser.add_argument(
+        "--wall-rounds", type=int, default=1, help="one-node/two-node runs of each (0: none)"
+    )
+    parser.add_argument(
+        "--dp-steps", type=int, default=10, help="timed data-parallel learner steps (0: none)"
+    )
     args = parser.parse_args(argv)
-    figures = measure(rounds=max(1, args.rounds), rounds_100m=max(1, args.rounds_100m))
+    figures = measure(
+        rounds=max(1, args.rounds),
+        rounds_100m=max(1, args.rounds_100m),
+        wall_rounds=max(0, args.wall_rounds),
+        dp_steps=max(0, args.dp_steps),
+    )
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
