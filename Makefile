@@ -70,6 +70,8 @@ bench: setup
 	$(BIN)/asyncrl bench runtime
 	$(BIN)/asyncrl bench learner
 	$(BIN)/asyncrl bench pipeline
+	$(BIN)/asyncrl bench scale
+	$(BIN)/asyncrl bench multinode
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis
