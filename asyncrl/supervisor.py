@@ -183,6 +183,17 @@ class Supervisor:
             for c in self._children
         ]
 
+    def status(self) -> list[dict[str, Any]]:
+        """Every process now, in start order (``asyncrl status``): its ``ProcessInfo`` fields,
+        ``restarts``, and ``heartbeat_age_s``: seconds since its supervisor's client last heard
+        it (any message resets the client's liveness clock); None while it does not serve."""
+        now, rows = time.monotonic(), list[dict[str, Any]]()
+        for info, c in zip(self.processes(), self._children, strict=True):
+            heard = c.client._last_heard if c.client is not None and c.serving else None
+            row = {f: getattr(info, f) for f in info.__struct_fields__}
+            rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": heard and now - heard})
+        return rows
+
     def stop(self, reason: str = "interrupted") -> None:
         """End the run (a signal arrived): every process is stopped in order."""
         self._finish(RunReport("interrupted", reason))
@@ -246,11 +257,8 @@ class Supervisor:
         )
 
     async def _start_spare(self, child: _Child) -> None:
-        """Start the next incarnation as a standby: it imports, then waits for ``go``.
-
-        Started once the current incarnation serves, so that the two do not compete for the
-        CPU while the current one starts.
-        """
+        """Start the next incarnation as a standby (it imports, then waits for ``go``), once the
+        current one serves, so that the two do not compete for the CPU while it starts."""
         incarnation = child.incarnation + 1
         argv, env = child.spec.argv_env(incarnation)
         with open(child.log_path, "ab") as stderr:
@@ -327,11 +335,8 @@ class Supervisor:
 
     def _check_started(self, child: _Child, incarnation: int) -> None:
         if child.incarnation == incarnation and child.alive and not child.serving:
-            self._log.error(
-                "startup timeout",
-                process=child.label,
-                timeout_s=child.spec.policy.startup_timeout_s,
-            )
+            timeout_s = child.spec.policy.startup_timeout_s
+            self._log.error("startup timeout", process=child.label, timeout_s=timeout_s)
             child.hung = True
             self._kill(child, signal.SIGKILL)
 
@@ -564,8 +569,7 @@ class Supervisor:
                 await child.client.close()
 
     async def _stop_one(self, child: _Child) -> None:
-        """Stop the child and wait for its process itself: its watcher may be gone (a task of
-        the supervisor failed)."""
+        """Stop the child; wait for its process itself (its watcher may be gone: a bug)."""
         proc = child.proc
         if proc is None or proc.returncode is not None:
             return
