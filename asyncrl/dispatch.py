@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -31,12 +32,52 @@ from asyncrl.scheduler import Replica, Scheduler, Work
 from asyncrl.spec import GroupInfo
 from asyncrl.transport import ChannelOptions, Client, ErrorCode, PeerEvent
 
-__all__ = ["Dispatcher", "Group", "Work"]
+__all__ = ["Busy", "Dispatcher", "Group", "Work"]
 
 log = logging.getLogger("asyncrl.dispatch")
 
 _CONNECT_TIMEOUT_S = 7 * 24 * 3600.0
 _DESCRIBE_RETRY_S = 1.0
+
+
+class Busy:
+    """The time one replica had at least one call of the driver in flight.
+
+    It wraps the replica's client (a ``ReplicaClient``): every call is counted from when it is
+    sent to when its future settles, whatever the outcome. ``busy_s()`` is what the idle
+    fraction of a role in the per-step metrics (``asyncrl.metrics.IdleFractions``) comes from.
+
+    Args:
+        client: the replica's client.
+        clock: seconds (a test may pass a fake one).
+    """
+
+    def __init__(self, client: Any, clock: Any = time.monotonic) -> None:
+        self.client = client
+        self.clock = clock
+        self.inflight = 0
+        self._busy = 0.0
+        self._since = 0.0
+
+    def call_future(
+        self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any
+    ) -> Any:
+        """The client's ``call_future``, counted while it is in flight."""
+        fut = self.client.call_future(method, payload, reply_type, **kw)
+        if self.inflight == 0:
+            self._since = self.clock()
+        self.inflight += 1
+        fut.add_done_callback(self._settled)
+        return fut
+
+    def _settled(self, _: Any) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._busy += self.clock() - self._since
+
+    def busy_s(self) -> float:
+        """Seconds with a call in flight so far, the current stretch included."""
+        return self._busy + (self.clock() - self._since if self.inflight else 0.0)
 
 
 class Group:
@@ -51,6 +92,7 @@ class Group:
             name, info.endpoints, {m: Delivery(d) for m, d in info.delivery.items()}
         )
         self._clients: list[Client | None] = [None] * len(info.endpoints)
+        self.busy = [Busy(None) for _ in info.endpoints]
         self._ready = asyncio.Event()
         self._closed = False
 
@@ -72,6 +114,30 @@ class Group:
 
     def summary(self) -> dict[str, Any]:
         return self.scheduler.summary()
+
+    def status(self) -> dict[str, Any]:
+        """The group now, for ``asyncrl status``: ``queued`` (calls waiting for any replica),
+        the scheduler's counters, and per replica its connection, the incarnation it last
+        heard, its credit (slots it offers), calls in flight and queued for it, calls served,
+        and seconds busy."""
+        return {
+            "queued": len(self.scheduler.queue),
+            "counters": dict(self.stats),
+            "replicas": [
+                {
+                    "replica": r.index,
+                    "endpoint": r.endpoint,
+                    "connected": r.alive,
+                    "incarnation": r.incarnation,
+                    "credit": r.credit,
+                    "inflight": r.inflight,
+                    "queued": len(r.queue) + len(r.soft),
+                    "served": r.served,
+                    "busy_s": round(self.busy[r.index].busy_s(), 3),
+                }
+                for r in self.replicas
+            ],
+        }
 
     # -- connections ----------------------------------------------------------------------
 
@@ -97,7 +163,8 @@ class Group:
                 on_event=functools.partial(self._on_event, index),
             )
             self._clients[index] = client
-            self.scheduler.attach(index, client)
+            self.busy[index].client = client
+            self.scheduler.attach(index, self.busy[index])
             try:
                 await client.connect(timeout=_CONNECT_TIMEOUT_S)
                 break
@@ -240,3 +307,13 @@ class Dispatcher:
 
     def summary(self) -> dict[str, Any]:
         return {name: g.summary() for name, g in self.groups.items()}
+
+    def status(self) -> dict[str, Any]:
+        """Every group's ``Group.status``, by role name."""
+        return {name: g.status() for name, g in self.groups.items()}
+
+    def busy(self) -> dict[str, tuple[float, int]]:
+        """Per role: the seconds its replicas were busy so far (summed), and its replica count."""
+        return {
+            name: (sum(b.busy_s() for b in g.busy), len(g.busy)) for name, g in self.groups.items()
+        }

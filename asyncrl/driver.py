@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import logs
+from asyncrl import logs, metrics
 from asyncrl.dispatch import Dispatcher
 from asyncrl.errors import ConfigProblem
 from asyncrl.exits import EXIT_PROGRAM, EXIT_STOPPED
@@ -105,6 +105,7 @@ async def serve_driver(spec: ProcessSpec) -> int:
     watchdog = Watchdog(pipeline.stall_timeout_s)
     dispatcher = Dispatcher(spec.groups, run=spec.run)
     dispatcher.start()
+    server.add("status", _status(spec, dispatcher))
     ctx = Context(
         dispatcher,
         run=spec.run,
@@ -153,6 +154,24 @@ async def serve_driver(spec: ProcessSpec) -> int:
     _write(spec.run_dir, {"finished": True, "result": _jsonable(result), "dispatch": summary})
     log.info("program finished")
     return 0
+
+
+def _status(spec: ProcessSpec, dispatcher: Dispatcher) -> Callable[[Any, Any], dict[str, Any]]:
+    """The handler of ``status`` (``asyncrl status``; a plain call, not control): the program,
+    this incarnation, the step and version of the last metrics record written (``step`` and
+    ``version`` are None before the first), and each role group's ``Group.status``."""
+
+    def status(_payload: Any, _call: Any) -> dict[str, Any]:
+        last = metrics.latest()
+        return {
+            "program": spec.target,
+            "incarnation": spec.incarnation,
+            "step": last.get("step"),
+            "version": last.get("version"),
+            "roles": dispatcher.status(),
+        }
+
+    return status
 
 
 def _jsonable(value: Any) -> Any:

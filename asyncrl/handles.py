@@ -20,6 +20,7 @@ from typing import Any
 
 from asyncrl.dispatch import Dispatcher, Group, Work
 from asyncrl.errors import ClosedError, RoleDeadError
+from asyncrl.metrics import IdleFractions
 from asyncrl.pacing import PipelineSpec
 from asyncrl.scheduler import SHUTTING_DOWN
 from asyncrl.watchdog import Watchdog
@@ -207,7 +208,9 @@ class Context:
     ``ctx.run_dir`` is where the program writes its outputs; ``ctx.watchdog`` fails the run
     when nothing progresses for ``pipeline.stall_timeout_s`` (a program may ``watch`` its own
     waits, so the failure says on what it waited); ``ctx.incarnation`` is the driver's restart
-    count (0 on a fresh start: a program resumes from its checkpoint when it is not).
+    count (0 on a fresh start: a program resumes from its checkpoint when it is not);
+    ``ctx.idle()`` is each role's idle fraction since the previous ``ctx.idle()`` (a step's,
+    when the program calls it once a step; ``asyncrl.metrics.IdleFractions``).
     """
 
     def __init__(
@@ -232,6 +235,12 @@ class Context:
         self.roles = {
             name: Handle(group, self.watchdog) for name, group in dispatcher.groups.items()
         }
+        self._idle = IdleFractions(dispatcher.busy)
+
+    def idle(self) -> dict[str, float]:
+        """Each role's idle fraction since the previous call: the share of the time in which
+        its replicas had no call of this program in flight, averaged over its replicas."""
+        return self._idle()
 
     def __getitem__(self, name: str) -> Handle:
         try:

@@ -12,6 +12,13 @@ scalar under ``RUN_DIR/tensorboard/``, tagged by its group (``reward/mean``), at
 through ``torch.utils.tensorboard.SummaryWriter``; a resumed loop purges the steps it will write
 again. Without it, one log line says how to install it, and nothing else changes.
 
+``IdleFractions`` gives each role's idle fraction over a step: the share of the time since the
+step before in which its replicas had no call of the driver in flight (``asyncrl.dispatch.Busy``),
+averaged over the replicas. ``ctx.idle()`` is it for a control-flow program.
+
+``latest()`` is the last record written in this process: the driver answers ``asyncrl status``
+with its step and version.
+
 ``Restarts`` counts the restarts the supervisor logged so far (``RUN_DIR/logs/agent.jsonl``),
 reading only what was appended since it last looked.
 """
@@ -24,14 +31,17 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
     "METRICS_FILE",
     "TENSORBOARD_DIR",
     "TENSORBOARD_INSTALL",
+    "IdleFractions",
     "MetricsLog",
     "Restarts",
+    "latest",
     "read_metrics",
     "scalars",
 ]
@@ -45,6 +55,13 @@ TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_INSTALL = "pip install 'asyncrl[tensorboard]'"
 """What installs the TensorBoard writer (and viewer)."""
 _FLUSH_S = 10  # TensorBoard's writer flushes its queue at least this often
+_latest: dict[str, Any] = {}  # the last record any MetricsLog of this process wrote
+
+
+def latest() -> dict[str, Any]:
+    """A copy of the last record written in this process by any ``MetricsLog``; {} before
+    the first."""
+    return dict(_latest)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -156,6 +173,8 @@ class MetricsLog:
         written as null."""
         record = _finite(record)
         self.records.append(record)
+        _latest.clear()
+        _latest.update(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._writer is not None:
@@ -223,3 +242,37 @@ class Restarts:
             if event == self.EVENT:
                 self.count += 1
         return self.count
+
+
+class IdleFractions:
+    """Each role's idle fraction since the previous call (the first: since it was made).
+
+    Args:
+        busy: per role, the seconds its replicas were busy so far (summed) and its replica
+            count (``asyncrl.dispatch.Dispatcher.busy``).
+        clock: seconds, the clock ``busy`` counts in (a test may pass a fake one).
+    """
+
+    def __init__(
+        self,
+        busy: Callable[[], dict[str, tuple[float, int]]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.busy = busy
+        self.clock = clock
+        self._then = clock()
+        self._before = {name: b for name, (b, _) in busy().items()}
+
+    def __call__(self) -> dict[str, float]:
+        """Per role: 1 - (busy seconds of its replicas) / (replicas x seconds elapsed), in
+        [0, 1], rounded to 4 places; an empty dict when no time passed."""
+        now, busy = self.clock(), self.busy()
+        elapsed, self._then = now - self._then, now
+        before, self._before = self._before, {name: b for name, (b, _) in busy.items()}
+        if elapsed <= 0:
+            return {}
+        return {
+            name: round(min(1.0, max(0.0, 1.0 - (b - before.get(name, 0.0)) / (n * elapsed))), 4)
+            for name, (b, n) in busy.items()
+            if n
+        }
