@@ -64,6 +64,7 @@ from .ratelog import RateLimitedLog
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import connect
+from .tracing import current as tracer
 
 __all__ = ["Client", "PeerEvent"]
 
@@ -151,6 +152,7 @@ class Client:
             shm_reader=ShmReader() if self.options.shm else None,
         )
         self.stats: Counter[str] = Counter()
+        self._tracer = tracer()  # None unless tracing is on
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -280,6 +282,8 @@ class Client:
             self._in_flight.pop(request_id)
             self._release_own(self.codec.last_slots)
             raise
+        if self._tracer is not None:
+            self._tracer.call(self, env, frames, fut)
         return fut
 
     async def call(

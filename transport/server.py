@@ -65,6 +65,7 @@ from .ratelog import RateLimitedLog
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import bind, socket_id, unlink_if_same
+from .tracing import current as tracer
 
 __all__ = ["Call", "Handler", "PeerInfo", "Server"]
 
@@ -142,6 +143,7 @@ class Server:
             on_sweep=self._log.flush,
             on_dead=self._on_dead,
         )
+        self._tracer = tracer(name, incarnation)  # None unless tracing is on
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -238,12 +240,7 @@ class Server:
         for identity in list(self._peers.table):
             self._send_quietly(
                 identity,
-                Envelope(
-                    PROTOCOL_VERSION,
-                    Kind.CREDIT,
-                    incarnation=self.incarnation,
-                    payload=Credit(slots),
-                ),
+                self._envelope(Kind.CREDIT, payload=Credit(slots)),
             )
 
     def send_credit(self, peer: bytes, slots: int) -> None:
@@ -328,6 +325,8 @@ class Server:
             self._bad_input(identity, msg, exc, env.id)
             return
         call = Call(identity, env.id, env.method, env.attempt, env.deadline, env.trace)
+        if self._tracer is not None:
+            self._tracer.serving(call, msg, env.tensors)
         if method.is_async:
             task = asyncio.get_running_loop().create_task(self._run_async(method, payload, call))
             self._tasks.add(task)
@@ -352,6 +351,8 @@ class Server:
 
     def _handler_failed(self, call: Call, exc: Exception) -> None:
         self.stats["handler_errors"] += 1
+        if self._tracer is not None:
+            self._tracer.served(call)
         self._log.warning(
             f"handler {call.method!r} failure",
             _peer_name(call.peer),
@@ -370,6 +371,8 @@ class Server:
         )
 
     def _reply(self, call: Call, result: Any) -> None:
+        if self._tracer is not None:
+            self._tracer.served(call)
         if self._closed:
             return
         peer = self._peers.get(call.peer)
@@ -457,23 +460,12 @@ class Server:
         )
         self._send_quietly(
             peer.identity,
-            Envelope(
-                PROTOCOL_VERSION,
-                Kind.WELCOME,
-                env.id,
-                incarnation=self.incarnation,
-                payload=welcome,
-            ),
+            self._envelope(Kind.WELCOME, env.id, welcome),
         )
         if self._credit is not None:
             self._send_quietly(
                 peer.identity,
-                Envelope(
-                    PROTOCOL_VERSION,
-                    Kind.CREDIT,
-                    incarnation=self.incarnation,
-                    payload=Credit(self._credit),
-                ),
+                self._envelope(Kind.CREDIT, payload=Credit(self._credit)),
             )
 
     def _release(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
@@ -489,15 +481,16 @@ class Server:
     def _send_release(self, identity: bytes, slots: list[int]) -> None:
         self._send(
             identity,
-            Envelope(
-                PROTOCOL_VERSION,
-                Kind.RELEASE,
-                incarnation=self.incarnation,
-                payload=Release(slots),
-            ),
+            self._envelope(Kind.RELEASE, payload=Release(slots)),
         )
 
     # -- sending and failures -------------------------------------------------------------
+
+    def _envelope(self, kind: Kind, request_id: int = 0, payload: Any = None) -> Envelope:
+        """An envelope of ``kind`` from this server (stamped with its incarnation)."""
+        return Envelope(
+            PROTOCOL_VERSION, kind, request_id, incarnation=self.incarnation, payload=payload
+        )
 
     def _send(self, identity: bytes, env: Envelope) -> None:
         self._pump_send([identity, *self.codec.encode(env)])
@@ -533,13 +526,7 @@ class Server:
         type_: str = "",
         retryable: bool = False,
     ) -> None:
-        env = Envelope(
-            PROTOCOL_VERSION,
-            Kind.ERROR,
-            request_id,
-            incarnation=self.incarnation,
-            payload=ErrorInfo(code, message, type_, retryable),
-        )
+        env = self._envelope(Kind.ERROR, request_id, ErrorInfo(code, message, type_, retryable))
         try:
             self._send(identity, env)
         except TransportError:

@@ -1,0 +1,216 @@
+"""The transport's trace recorder: when on, every call this process makes or serves is recorded.
+
+Tracing is on in a process whose environment names a directory in ``ASYNCRL_TRACE_DIR`` (or after
+``install``). Each ``Client`` and ``Server`` asks ``current()`` once, when it is built, and keeps
+the answer: with tracing off that is ``None``, and the hot path pays one ``is not None`` test.
+
+The recorder appends to ``DIR/<host>-<pid>.jsonl``, one JSON array per line:
+
+- ``["process", label, incarnation, pid, host, offset_ns]``: who wrote the file; ``offset_ns`` is
+  wall clock minus the monotonic clock, sampled at start, which aligns the processes' clocks
+  (``CLOCK_MONOTONIC`` is shared by every process of one host; hosts align on their wall clocks);
+- ``["call", method, server, identity, request_id, start_ns, end_ns, bytes]``: a call this process
+  made, from send to its outcome (reply, error, deadline, disconnect); ``identity`` is the
+  client's routing id, which the server sees too, so the two ends of a call meet on
+  ``(identity, request_id)``;
+- ``["serve", method, identity, request_id, start_ns, end_ns, bytes]``: a request this process
+  served, from its arrival to its reply or error;
+- ``["span", name, thread, start_ns, end_ns, args]``: work inside the process (``span``).
+
+Times are monotonic nanoseconds; ``bytes`` counts the message's frames and its shared-memory
+tensors. Events are kept in memory and written at least once a second, every ``FLUSH_EVENTS``
+events, and at exit, so a process that is killed loses at most its last second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+
+__all__ = ["TRACE_DIR_ENV", "Recorder", "current", "install", "uninstall"]
+
+TRACE_DIR_ENV = "ASYNCRL_TRACE_DIR"
+"""The environment variable that turns tracing on: the directory the per-process files go to."""
+
+FLUSH_EVENTS = 4096
+"""Events kept in memory before they are written."""
+
+FLUSH_NS = 1_000_000_000
+"""The longest time events are kept in memory (when more arrive)."""
+
+_clock = time.monotonic_ns
+
+
+def clock_offset_ns(samples: int = 7) -> int:
+    """Wall clock minus monotonic clock in ns, from the tightest of ``samples`` brackets."""
+    best: tuple[int, int] | None = None
+    for _ in range(samples):
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall - (before + after) // 2)
+    assert best is not None
+    return best[1]
+
+
+def frames_bytes(frames: list[Any]) -> int:
+    """The bytes of a message's frames (bytes, memoryviews or ``zmq.Frame``)."""
+    total = 0
+    for frame in frames:
+        total += frame.nbytes if isinstance(frame, memoryview) else len(frame)
+    return total
+
+
+def shm_bytes(tensors: list[Any]) -> int:
+    """The bytes of the tensors (``TensorDesc``) that travel through shared memory."""
+    return sum(d.nbytes for d in tensors if d.where == 2) if tensors else 0
+
+
+class Recorder:
+    """Records this process's calls and spans into ``directory/<host>-<pid>.jsonl``.
+
+    Args:
+        directory: where the file goes; created if missing.
+        label: what the process is (``rollout.0``); the first server built names it if empty.
+        incarnation: the process's restart count.
+    """
+
+    def __init__(self, directory: str, label: str = "", incarnation: int = 0) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.path = os.path.join(directory, f"{self.host}-{self.pid}.jsonl")
+        self.label = label
+        self.incarnation = incarnation
+        self.offset_ns = clock_offset_ns()
+        self._events: collections.deque[list[Any]] = collections.deque()
+        self._serving: dict[tuple[bytes, int], tuple[int, int]] = {}
+        self._flushed = _clock()
+        self._written_label: tuple[str, int] | None = None
+        self._lock = threading.Lock()
+        self._encode = msgspec.json.Encoder().encode
+
+    def name(self, label: str, incarnation: int) -> None:
+        """Name the process, unless it is named already (the first server's name wins)."""
+        if not self.label:
+            self.label = label
+            self.incarnation = incarnation
+
+    # -- the transport's hooks -----------------------------------------------------------
+
+    def call(self, client: Any, env: Any, frames: list[Any], fut: Any) -> None:
+        """``client`` sent the request ``env`` (an ``Envelope``, encoded as ``frames``); its end
+        is recorded when ``fut`` is done."""
+        start = _clock()
+        size = frames_bytes(frames) + shm_bytes(env.tensors)
+        server = client.server.name if client.server is not None else client.endpoint
+        head = ["call", env.method, server, client.identity, env.id, start]
+
+        def done(_: Any) -> None:
+            self._add([*head, _clock(), size])
+
+        fut.add_done_callback(done)
+
+    def serving(self, call: Any, frames: list[Any], tensors: list[Any]) -> None:
+        """A server took request ``call`` (a ``Call``) of ``frames``, whose tensor descriptors
+        are ``tensors``."""
+        size = frames_bytes(frames) + shm_bytes(tensors)
+        self._serving[(call.peer, call.id)] = (_clock(), size)
+
+    def served(self, call: Any) -> None:
+        """A server answered ``call`` (with its reply or an error)."""
+        began = self._serving.pop((call.peer, call.id), None)
+        if began is not None:
+            self._add(["serve", call.method, call.peer, call.id, began[0], _clock(), began[1]])
+
+    # -- spans -----------------------------------------------------------------------------
+
+    @contextmanager
+    def span(self, name: str, **args: Any) -> Iterator[dict[str, Any]]:
+        """Record the time the ``with`` block takes as ``name``; the yielded dict is its args,
+        which the block may add to (sizes known only at the end)."""
+        start = _clock()
+        try:
+            yield args
+        finally:
+            thread = threading.current_thread().name
+            self._add(["span", name, thread, start, _clock(), args])
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _add(self, event: list[Any]) -> None:
+        self._events.append(event)
+        if len(self._events) >= FLUSH_EVENTS or event[-2] - self._flushed > FLUSH_NS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the events kept in memory (safe from any thread)."""
+        with self._lock:
+            self._flushed = _clock()
+            lines = []
+            if self._written_label != (self.label, self.incarnation):
+                self._written_label = (self.label, self.incarnation)
+                head = ["process", self.label, self.incarnation, self.pid, self.host]
+                lines.append(self._encode([*head, self.offset_ns]))
+            events = self._events
+            while events:
+                lines.append(self._encode(_jsonable(events.popleft())))
+            if not lines:
+                return
+            with open(self.path, "ab") as f:
+                f.write(b"\n".join(lines) + b"\n")
+
+
+def _jsonable(event: list[Any]) -> list[Any]:
+    """Routing ids are bytes: written as text (they are ``name:pid:hex``)."""
+    return [e.decode(errors="replace") if isinstance(e, bytes) else e for e in event]
+
+
+_recorder: Recorder | None = None
+_checked = False
+
+
+def current(label: str = "", incarnation: int = 0) -> Recorder | None:
+    """This process's recorder, or None when tracing is off.
+
+    The first call reads ``ASYNCRL_TRACE_DIR``; a ``label`` names the process if it is not named
+    yet (servers pass theirs).
+    """
+    global _recorder, _checked
+    if not _checked:
+        _checked = True
+        directory = os.environ.get(TRACE_DIR_ENV, "")
+        if directory and _recorder is None:
+            install(Recorder(directory))
+    if _recorder is not None and label:
+        _recorder.name(label, incarnation)
+    return _recorder
+
+
+def install(recorder: Recorder) -> Recorder:
+    """Make ``recorder`` this process's: clients and servers built from now on record into it.
+    It is flushed at exit."""
+    global _recorder, _checked
+    _recorder, _checked = recorder, True
+    atexit.register(recorder.flush)
+    return recorder
+
+
+def uninstall() -> Recorder | None:
+    """Stop recording for clients and servers built from now on; returns the recorder (flushed).
+    Those built earlier keep recording into it."""
+    global _recorder, _checked
+    recorder, _recorder, _checked = _recorder, None, True
+    if recorder is not None:
+        recorder.flush()
+    return recorder
