@@ -1,0 +1,72 @@
+"""``torch.distributed`` collectives with a timeout that names the ranks that did not arrive.
+
+Each collective is numbered in this process; before it starts, the rank marks its arrival in
+the group's store (``asyncrl/<collective>/<n>/<rank>``). When the collective does not complete
+in time, the ranks whose mark is missing are the ones that never came, and the error names them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.plugins.errors import CollectiveTimeoutError
+
+__all__ = ["TorchCommunication"]
+
+
+def _default_store() -> Any:
+    """The default group's store, or None where torch does not expose it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private function: absent or failing on another torch
+        return None
+
+
+class TorchCommunication:
+    """The collectives of the ``Communication`` contract over ``torch.distributed``.
+
+    Args:
+        backend: the backend name the group is formed with (``gloo``, ``nccl``, a vendor's).
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._count = 0
+
+    def _run(self, name: str, timeout_s: float, start: Any) -> None:
+        """``start()`` (an ``async_op`` collective), waited for at most ``timeout_s``."""
+        self._count += 1
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = _default_store()
+        prefix = f"asyncrl/{name}/{self._count}"
+        if store is not None:
+            store.set(f"{prefix}/{rank}", "1")
+        try:
+            work = start()
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            missing: list[int] = []
+            if store is not None:
+                try:
+                    missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+                except Exception:  # the store itself may be gone with the rank that held it
+                    missing = []
+            raise CollectiveTimeoutError(name, missing, timeout_s, rank) from exc
+
+    def all_reduce(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
+        self._run("all_reduce", timeout_s, lambda: dist.all_reduce(tensor, async_op=True))
+
+    def all_gather(self, tensor: torch.Tensor, *, timeout_s: float) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        self._run("all_gather", timeout_s, lambda: dist.all_gather(out, tensor, async_op=True))
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float) -> None:
+        self._run("broadcast", timeout_s, lambda: dist.broadcast(tensor, src, async_op=True))
+
+    def barrier(self, *, timeout_s: float) -> None:
+        self._run("barrier", timeout_s, lambda: dist.barrier(async_op=True))

@@ -1,0 +1,111 @@
+"""``torch.compile`` with sequence-length bucketing, and an eager fallback.
+
+A compiled graph is specialised to its input shapes. Sequence lengths change every step, so each
+input is padded (with zeros, at the end of the sequence dimension) to the smallest bucket that
+holds it and the output cut back: one graph per bucket, compiled once. That is right for
+functions whose output at a position does not depend on later positions (causal attention,
+norms, per-token log-probs), which is what a training step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BucketCompiler", "BucketedFunction"]
+
+
+class BucketedFunction:
+    """``fn`` run through one compiled graph per bucket, or eagerly.
+
+    Attributes:
+        compiles: how many graphs were compiled (one per bucket and input shape seen).
+        eager: whether it runs eagerly (asked for, or compilation failed).
+        error: why compilation failed, when it did.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        buckets: Sequence[int],
+        dim: int,
+        compile_fn: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] | None,
+    ) -> None:
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"buckets: expected sizes >= 1, got {list(buckets)!r}")
+        self.fn = fn
+        self.buckets = sorted(buckets)
+        self.dim = dim
+        self.compiles = 0
+        self.eager = compile_fn is None
+        self.error = ""
+        self._compiled = None if compile_fn is None else compile_fn(fn)
+        self._seen: set[tuple[tuple[int, ...], ...]] = set()
+
+    def bucket(self, length: int) -> int:
+        """The smallest bucket that holds ``length``.
+
+        Raises:
+            ValueError: ``length`` is over the largest bucket.
+        """
+        for b in self.buckets:
+            if b >= length:
+                return b
+        raise ValueError(
+            f"sequence length {length} is over the largest bucket {self.buckets[-1]}; "
+            f"add a larger bucket"
+        )
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        length = args[0].shape[self.dim]
+        if self.eager or self._compiled is None:
+            return self.fn(*args)
+        size = self.bucket(length)
+        padded = [self._pad(a, size) for a in args]
+        shapes = tuple(tuple(a.shape) for a in padded)
+        try:
+            out = self._compiled(*padded)
+        except Exception as exc:  # no compiler toolchain, an unsupported op: run eagerly
+            self.eager, self.error = True, f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return self.fn(*args)
+        if shapes not in self._seen:
+            self._seen.add(shapes)
+            self.compiles += 1
+        return out.narrow(self.dim, 0, length)
+
+    def _pad(self, tensor: torch.Tensor, size: int) -> torch.Tensor:
+        extra = size - tensor.shape[self.dim]
+        if extra == 0:
+            return tensor
+        dim = self.dim % tensor.dim()
+        pad: list[int] = [0, 0] * (tensor.dim() - 1 - dim) + [0, extra]
+        return F.pad(tensor, pad)
+
+
+class BucketCompiler:
+    """The ``Compiler`` contract over ``torch.compile``.
+
+    Args:
+        backend: ``torch.compile``'s backend (``inductor``, ``aot_eager``, a vendor's).
+        enabled: False: every function runs eagerly.
+        options: more keywords for ``torch.compile``.
+    """
+
+    def __init__(self, backend: str = "inductor", enabled: bool = True, **options: Any) -> None:
+        self.backend = backend
+        self.enabled = enabled
+        self.options = options
+
+    def compile(
+        self, fn: Callable[..., torch.Tensor], *, buckets: Sequence[int], dim: int = 1
+    ) -> BucketedFunction:
+        def compile_fn(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            compiled: Callable[..., torch.Tensor] = torch.compile(
+                f, backend=self.backend, dynamic=False, **self.options
+            )
+            return compiled
+
+        return BucketedFunction(fn, buckets, dim, compile_fn if self.enabled else None)
