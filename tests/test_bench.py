@@ -59,7 +59,9 @@ def test_unknown_benchmark_is_refused() -> None:
         cwd=ROOT,
     )
     assert out.returncode == 2
-    choices = "'transport', 'runtime', 'learner', 'pipeline'"
+    from asyncrl.cli import BENCHMARKS, _plugged_benchmarks
+
+    choices = ", ".join(repr(name) for name in [*BENCHMARKS, *sorted(_plugged_benchmarks())])
     assert f"invalid choice: 'nope' (choose from {choices})" in out.stderr
 
 

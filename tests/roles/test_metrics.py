@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 from typing import Any, cast
 
 import msgspec
@@ -93,6 +94,8 @@ class FakeRL:
         self.critic = None
         self.pipeline = PipelineSpec(mode="sync")
         self.watchdog = None
+        self.config: dict[str, Any] = {}  # no relays: run.config.relays unset, no role "relay"
+        self.ctx = SimpleNamespace(roles={"learner": None, "rollout": None})
 
 
 async def feed(cursor: int, n: int) -> list[Prompt]:
