@@ -20,6 +20,9 @@
 - ``asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG figures of the runs' per-step metrics
   (reward, accuracy, throughput, staleness, time), several runs on one figure; in the first
   run's ``plots/`` unless ``--out`` (``asyncrl.plots``; matplotlib is the ``plot`` extra).
+- ``asyncrl run --trace ...``: also record every call between processes and the spans inside
+  roles into ``RUN_DIR/trace.json`` (``asyncrl.trace``); ``asyncrl trace view RUN_DIR`` writes
+  ``RUN_DIR/trace.html``, the control-flow graph and who waited on whom (``asyncrl.trace_view``).
 - ``asyncrl keys generate DIR [--force]``: the Curve key pairs of a run across hosts
   (``asyncrl.keys``), to copy to every node and name in the manifest's ``security.curve_keys``.
 - ``asyncrl version``: the package and wire-protocol versions.
@@ -148,12 +151,18 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         if problem:
             return _fail(problem)
         save_manifest(manifest, run_dir)
+    if args.trace:
+        from asyncrl.trace import enable, merge_and_tell
+
+        enable(run_dir)
     try:
         report = run(run_manifest(manifest, run_dir))
     except ManifestError as exc:  # e.g. a resumed multi-node manifest: asyncrl.launch runs it
         print(exc, file=sys.stderr)
         return 2
     print(summary(report, manifest, run_dir), flush=True)
+    if args.trace:
+        merge_and_tell(run_dir)
     return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
 
 
@@ -222,6 +231,17 @@ def _plot(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _trace(args: argparse.Namespace, rest: list[str]) -> int:
+    from asyncrl.errors import AsyncrlError
+    from asyncrl.trace_view import write_page
+
+    try:
+        print(write_page(args.run_dir))
+    except AsyncrlError as exc:
+        return _fail(str(exc))
+    return 0
+
+
 def _keys(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.errors import AsyncrlError
     from asyncrl.keys import generate
@@ -287,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         help="continue the run in RUN_DIR with the manifest saved there (MANIFEST, if given, "
         "must be the same)",
     )
+    run.add_argument(
+        "--trace", action="store_true", help="record every call as RUN_DIR/trace.json (Perfetto)"
+    )
     run.set_defaults(func=_run)
     chaos = sub.add_parser(
         "chaos", help="run a manifest while killing its processes, and account for the damage"
@@ -303,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs to draw, together")
     plot.add_argument("--out", metavar="DIR", help="where the PNGs go (default: RUN_DIR/plots)")
     plot.set_defaults(func=_plot)
+    trace = sub.add_parser("trace", help="look at a traced run (asyncrl run --trace)")
+    view = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    page = view.add_parser("view", help="write RUN_DIR/trace.html: the control-flow graph")
+    page.add_argument("run_dir", metavar="RUN_DIR", help="a run made with asyncrl run --trace")
+    page.set_defaults(func=_trace)
     keys = sub.add_parser("keys", help="Curve keys for runs across hosts")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     generate = keys_sub.add_parser(

@@ -276,14 +276,14 @@ class Client:
             request_id,
             Pending(fut, loop.time() + timeout, reply_type, method, timeout, self.server),
         )
+        if self._tracer is not None:  # before the send: a reply may come before we run again
+            self._tracer.call(self, env, frames, fut)
         try:
             self._pump.send(frames)
         except TransportError:
             self._in_flight.pop(request_id)
             self._release_own(self.codec.last_slots)
             raise
-        if self._tracer is not None:
-            self._tracer.call(self, env, frames, fut)
         return fut
 
     async def call(
