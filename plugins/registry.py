@@ -19,6 +19,7 @@ import os
 from importlib.metadata import entry_points
 from typing import Any
 
+import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 import asyncrl
@@ -32,7 +33,18 @@ from asyncrl.plugins.contract import (
 )
 from asyncrl.plugins.errors import PluginError
 
-__all__ = ["BUILTIN", "ENV", "GROUP", "choose", "current", "load", "registered"]
+__all__ = [
+    "BUILTIN",
+    "DTYPES",
+    "ENV",
+    "GROUP",
+    "choose",
+    "current",
+    "device_for",
+    "dtype_for",
+    "load",
+    "registered",
+]
 
 GROUP = "asyncrl.plugins"
 """The entry-point group plugins register under."""
@@ -140,3 +152,47 @@ def choose(name: str = "", environ: Any = None) -> str:
 def current() -> Plugin:
     """This process's plugin (chosen by ``choose()`` once, then kept)."""
     return load(choose())
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""The dtypes a role's ``dtype`` setting may name (empty: the plugin's)."""
+
+
+def device_for(placement: str, plugin: Plugin | None = None) -> torch.device:
+    """The torch device of a role placed on ``placement`` (the manifest's ``placement.device``:
+    ``cpu``, or the plugin's kind with an optional index, ``cuda:1``).
+
+    Raises:
+        PluginError: ``placement`` names another kind of device than the plugin's.
+    """
+    plugin = current() if plugin is None else plugin
+    kind, _, index = placement.partition(":")
+    if kind == "cpu" and plugin.device.kind != "cpu":
+        return torch.device("cpu")
+    if kind != plugin.device.kind:
+        raise PluginError(
+            f"placement.device {placement!r} is not a device of the {plugin.name!r} plugin "
+            f"(its devices are '{plugin.device.kind}' or '{plugin.device.kind}:N'); fix the "
+            f"placement or choose another plugin (run.plugin or {ENV})"
+        )
+    return plugin.device.select(int(index) if index else 0)
+
+
+def dtype_for(name: str, device: torch.device, plugin: Plugin | None = None) -> torch.dtype:
+    """The dtype a role computes in: ``name`` (a key of ``DTYPES``); empty: the plugin's
+    dtype on the plugin's device, float32 on the host.
+
+    Raises:
+        ValueError: ``name`` is not a key of ``DTYPES``.
+    """
+    if name:
+        if name not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)} or '', got {name!r}")
+        return DTYPES[name]
+    plugin = current() if plugin is None else plugin
+    return plugin.dtype if device.type == plugin.device.kind else torch.float32

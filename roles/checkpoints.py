@@ -131,7 +131,11 @@ class CheckpointDir:
     def load(path: str) -> dict[str, Any]:
         """The state saved in the checkpoint directory ``path``."""
         # weights_only: a checkpoint holds tensors and plain values, never pickled objects.
-        state: dict[str, Any] = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+        # On the host: a checkpoint written on one device (cuda) loads on any other; the
+        # learner's load_state_dict then moves and casts each tensor to its own parameters.
+        state: dict[str, Any] = torch.load(
+            os.path.join(path, "state.pt"), map_location="cpu", weights_only=True
+        )
         return state
 
 

@@ -31,6 +31,8 @@ from typing import Any, Literal
 import msgspec
 import torch
 
+from asyncrl.plugins.registry import current as current_plugin
+from asyncrl.plugins.registry import device_for, dtype_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.batching import (
@@ -94,6 +96,9 @@ class Critic(Role):
             ppo_epochs: passes over each batch (>= 1).
             mini_batches: optimizer steps per pass (>= 1, at most the batch's samples).
             pad_id: the token id of padding.
+            dtype: the value model's dtype: empty: the hardware plugin's (``float32`` on
+                cpu, ``bfloat16`` on cuda); or ``float32``, ``bfloat16``, ``float16``,
+                ``float64``. Values and their loss are computed in float32 whatever it is.
         """
 
         model_path: str = ""
@@ -112,6 +117,7 @@ class Critic(Role):
         ppo_epochs: int = 1
         mini_batches: int = 1
         pad_id: int = 0
+        dtype: Literal["", "float32", "float64", "bfloat16", "float16"] = ""
 
         def __post_init__(self) -> None:
             check_norm_len(self.aggregation, self.norm_len)
@@ -128,21 +134,29 @@ class Critic(Role):
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         cfg = self.config
+        # Device, dtype and RNG seeding come from the hardware plugin registry.
+        plugin = current_plugin()
+        self.device = device_for(self.ctx.device, plugin)
         auto: Any = AutoModelForTokenClassification  # its class methods are untyped
         if cfg.model_path:
-            self.model = auto.from_pretrained(cfg.model_path, num_labels=1)
+            model = auto.from_pretrained(cfg.model_path, num_labels=1)
         elif cfg.model_config:
-            torch.manual_seed(cfg.seed)
-            self.model = auto.from_config(AutoConfig.for_model(**cfg.model_config, num_labels=1))
+            plugin.device.manual_seed(cfg.seed)
+            model = auto.from_config(AutoConfig.for_model(**cfg.model_config, num_labels=1))
         else:
             raise ValueError("critic: set model_path or model_config")
+        dtype = dtype_for(cfg.dtype, self.device, plugin)
+        self.model = model.to(device=self.device, dtype=dtype)
         self.model.train(False)  # no dropout: values must not depend on the call
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         self.step = 0
 
     def _values(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, attention, positions, target = pad_batch(
-            [s.prompt_ids for s in samples], [s.token_ids for s in samples], self.config.pad_id
+        input_ids, attention, positions, target = (
+            t.to(self.device)
+            for t in pad_batch(
+                [s.prompt_ids for s in samples], [s.token_ids for s in samples], self.config.pad_id
+            )
         )
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions)
         return out.logits[:, :-1, 0].float(), target
@@ -227,6 +241,7 @@ class Critic(Role):
         # completion may be shorter than the batch's.
         width = max(len(s.sample.token_ids) for s in samples)
         old, returns = old[:, old.shape[1] - width :], returns[:, returns.shape[1] - width :]
+        old, returns = old.to(values.device), returns.to(values.device)
         values = values[:, mask.shape[1] - width :]
         mask = mask[:, mask.shape[1] - width :]
         loss, stats = alg.value_loss(

@@ -49,6 +49,7 @@ from torch.distributed import (  # type: ignore[attr-defined]  # re-exported fro
 )
 
 from asyncrl.errors import AsyncrlError
+from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import RoleContext
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.batching import micro_batches
@@ -187,6 +188,7 @@ class DataParallel:
         generation: int,
         timeout_s: float,
         backend: str = "gloo",
+        device: str = "cpu",
     ) -> DataParallel:
         """Form the group (blocking: call it in the compute thread) and return this rank's
         handle on it.
@@ -216,7 +218,6 @@ class DataParallel:
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
         return cls(name, rank, world, timeout_s, device)
 
     def close(self) -> None:
@@ -413,9 +414,11 @@ def join_role(
     ctx: RoleContext, backend: str, timeout_s: float, model: torch.nn.Module
 ) -> DataParallel:
     """``DataParallel.join`` for a replica of a role: its name, replica and replicas, run
-    directory and incarnation (the generation). ``backend`` empty: ``nccl`` when ``model``'s
-    parameters are on a CUDA device, ``gloo`` otherwise."""
-    on_cuda = next(model.parameters()).is_cuda
+    directory and incarnation (the generation). ``backend`` empty: the hardware plugin's
+    (``asyncrl.plugins.registry``) when ``model``'s parameters are on the plugin's device,
+    ``gloo`` when they are on the host. Collective buffers go to the parameters' device."""
+    device = next(model.parameters()).device
+    plugin = current_plugin()
     return DataParallel.join(
         name=ctx.name,
         rank=ctx.replica,
@@ -423,7 +426,8 @@ def join_role(
         run_dir=ctx.run_dir,
         generation=ctx.incarnation,
         timeout_s=timeout_s,
-        backend=backend or ("nccl" if on_cuda else "gloo"),
+        backend=backend or (plugin.comm.backend if device.type == plugin.device.kind else "gloo"),
+        device=str(device),
     )
 
 

@@ -62,6 +62,8 @@ import torch
 
 from asyncrl.faults import FaultPlan
 from asyncrl.pacing import percentiles, staleness
+from asyncrl.plugins.registry import current as current_plugin
+from asyncrl.plugins.registry import device_for, dtype_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.batching import (
@@ -181,11 +183,16 @@ class Learner(Role):
 
     def _build(self) -> None:
         cfg = self.config
-        torch.manual_seed(cfg.seed)
+        # The hardware comes from the plugin registry: the device of this replica's placement,
+        # the dtype (the plugin's unless the config names one), the RNGs and the operators.
+        self.plugin = current_plugin()
+        self.device = device_for(self.ctx.device, self.plugin)
+        self.dtype = dtype_for(cfg.dtype, self.device, self.plugin)
+        self.plugin.device.manual_seed(cfg.seed)
         # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
         # differ from its behaviour log-probs under the very same weights.
         model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
-        self.model = model.to(getattr(torch, cfg.dtype)).train(cfg.dropout)
+        self.model = model.to(device=self.device, dtype=self.dtype).train(cfg.dropout)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -273,15 +280,15 @@ class Learner(Role):
     # -- compute (worker thread) ------------------------------------------------------------
 
     def _forward_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> Forward:
-        input_ids, attention, positions, target = pad_batch(
-            prompts, completions, self.config.pad_id
+        input_ids, attention, positions, target = (
+            t.to(self.device) for t in pad_batch(prompts, completions, self.config.pad_id)
         )
         logits = self.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions
         ).logits[:, :-1]
         # At least float32 (a bf16 model's logits are widened); a float64 model keeps float64.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        logprobs = alg.token_logprobs(logits, input_ids[:, 1:])
+        logprobs = self.plugin.ops.logprobs(logits, input_ids[:, 1:])
         return Forward(logprobs, target, logits)
 
     def _logprobs(self, samples: list[Sample]) -> list[list[float]]:

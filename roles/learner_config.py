@@ -78,10 +78,12 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         bc_dropout: keep the model's dropout on in behaviour-cloning steps only: with a few
             hundred demonstrations, BC without it can memorise them and stop generalising.
         dist_backend: the torch.distributed backend of data-parallel replicas (``replicas``
-            > 1): empty: ``nccl`` when the model is on a CUDA device, else ``gloo``.
-        dtype: the parameters' dtype while training: ``float32``, or ``float64`` where
-            rounding must not hide a difference (the data-parallel equivalence test); the
-            weights are published in it.
+            > 1): empty: the hardware plugin's (``gloo`` on cpu, ``nccl`` on cuda).
+        dtype: the parameters' dtype while training: empty: the hardware plugin's
+            (``float32`` on cpu, ``bfloat16`` on cuda; float32 for a role placed on the
+            host); ``float32``, ``bfloat16``, ``float16``, or ``float64`` where rounding must
+            not hide a difference (the data-parallel equivalence test); the weights are
+            published in it.
         dist_timeout_s: the longest data-parallel replicas wait for each other, to form
             their group or in a collective, before failing with a ``DataParallelError``.
     """
@@ -127,7 +129,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     dropout: bool = False
     bc_dropout: bool = False
     dist_backend: str = ""
-    dtype: Literal["float32", "float64"] = "float32"
+    dtype: Literal["", "float32", "float64", "bfloat16", "float16"] = ""
     dist_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:

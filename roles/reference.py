@@ -8,10 +8,11 @@ padding, positions from the attention mask) as the behaviour log-probs and the l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
+from asyncrl.plugins.registry import device_for, dtype_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.engine import HFEngine
 from asyncrl.roles.rollout import Sample, WeightsUpdate
@@ -35,26 +36,37 @@ class Reference(Role):
                 starts).
             seed: seeds the random weights of a model built from ``model_config``.
             max_batch: the most sequences one forward pass scores; more run in turns.
+            dtype: the reference model's dtype: empty: the hardware plugin's (``float32`` on
+                cpu, ``bfloat16`` on cuda); or ``float32``, ``bfloat16``, ``float16``,
+                ``float64``.
         """
 
         model_path: str = ""
         model_config: dict[str, Any] = {}
         seed: int = 0
         max_batch: int = 256
+        dtype: Literal["", "float32", "float64", "bfloat16", "float16"] = ""
 
     async def setup(self) -> None:
         cfg = self.config
         if bool(cfg.model_path) == bool(cfg.model_config):
             raise ValueError("reference: set exactly one of model_path and model_config")
+        # The device and dtype come from the hardware plugin registry.
+        device = device_for(self.ctx.device)
+        hardware = {"device": device, "dtype": dtype_for(cfg.dtype, device)}
         # In the worker thread: building the model takes seconds, and the loop must keep
         # answering heartbeats meanwhile.
         if cfg.model_path:
             self.engine = await self.ctx.offload(
-                HFEngine.from_pretrained, cfg.model_path, max_batch=cfg.max_batch
+                HFEngine.from_pretrained, cfg.model_path, max_batch=cfg.max_batch, **hardware
             )
         else:
             self.engine = await self.ctx.offload(
-                HFEngine.from_config, cfg.model_config, seed=cfg.seed, max_batch=cfg.max_batch
+                HFEngine.from_config,
+                cfg.model_config,
+                seed=cfg.seed,
+                max_batch=cfg.max_batch,
+                **hardware,
             )
 
     @endpoint(Delivery.IDEMPOTENT)

@@ -111,6 +111,74 @@ def test_roles_reach_plugins_only_through_registry_and_contract() -> None:
     assert bad == []
 
 
+def test_the_plugin_arrow_fails_on_a_planted_import(tmp_path: pathlib.Path) -> None:
+    """A role importing a plugin module (not the registry or the contract) is reported."""
+    shutil.copytree(
+        os.path.join(ROOT, "roles"),
+        tmp_path / "roles",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    (tmp_path / "roles" / "_planted.py").write_text(
+        "from asyncrl.plugins.cuda import CudaPlugin\n"
+        "from asyncrl.plugins.registry import current\n"
+        "import asyncrl.plugins.cpu\n"
+    )
+    allowed = ("asyncrl.plugins.registry", "asyncrl.plugins.contract")
+    bad = _violations("roles", ("asyncrl.plugins",), allowed, root=str(tmp_path))
+    assert bad == [
+        "roles/_planted.py imports asyncrl.plugins.cpu",
+        "roles/_planted.py imports asyncrl.plugins.cuda",
+        "roles/_planted.py imports asyncrl.plugins.cuda.CudaPlugin",
+    ]
+
+
+HARDWARE_NAMES = ("cuda", "nccl")
+"""Names of one vendor's hardware that role code may not spell out: it asks the plugin."""
+
+
+def _raw_hardware(path: str) -> list[str]:
+    """Each use of ``torch.cuda`` or a string literal naming CUDA hardware in ``path``'s code
+    (docstrings and comments left out)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in HARDWARE_NAMES:
+            found.append(f"{os.path.basename(path)}:{node.lineno} .{node.attr}")
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docs
+            and any(name in node.value.lower() for name in HARDWARE_NAMES)
+        ):
+            found.append(f"{os.path.basename(path)}:{node.lineno} {node.value!r}")
+    return sorted(found)
+
+
+PLUGIN_ROLES = ("learner.py", "reference.py", "critic.py", "data_parallel.py", "checkpoints.py")
+"""The roles that take their hardware from the plugin registry (issue 13)."""
+
+
+def test_roles_name_no_vendor_hardware(tmp_path: pathlib.Path) -> None:
+    """The learner, reference and critic reach the device only through the plugin; the check
+    sees a planted ``torch.cuda`` and a planted ``"nccl"``."""
+    bad = [h for f in PLUGIN_ROLES for h in _raw_hardware(os.path.join(ROOT, "roles", f))]
+    assert bad == []
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        '"""Docs may say cuda."""\nimport torch\nx = torch.cuda.is_available()\ny = "nccl"\n'
+    )
+    assert _raw_hardware(str(planted)) == ["planted.py:3 .cuda", "planted.py:4 'nccl'"]
+
+
 EXAMPLE_TESTS = {"tests/test_ledger.py"}
 """Tests that unit-test an example's own code (the hello counter's ledger): the only files
 outside ``examples/`` allowed to import it."""
