@@ -7,6 +7,7 @@ role and driver processes it starts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -29,8 +30,9 @@ from asyncrl.spec import (
     write_private,
     write_spec,
 )
+from asyncrl.status import AgentStatus
 from asyncrl.supervisor import ChildSpec, RunReport, Supervisor, format_report
-from asyncrl.transport import LocalRegistry
+from asyncrl.transport import LocalRegistry, TransportError, load_keys
 from asyncrl.transport.control import CONTROL_SECRET_ENV
 
 __all__ = ["CONFIG_ENV_MAX", "NodeView", "build_children", "run_manifest", "summary"]
@@ -60,6 +62,8 @@ class NodeView:
         curve_keys: the folder of CurveZMQ keys of every tcp socket; empty: no Curve.
         bind_host: the host this node's replicas bind their tcp endpoints on, when it is not
             the one published (``0.0.0.0``: every interface); empty: the published one.
+        agents: the tcp endpoint of every node agent's status server (``asyncrl status``),
+            by node; empty on one machine.
     """
 
     node: int = 0
@@ -67,10 +71,12 @@ class NodeView:
     span_env: dict[str, str] = field(default_factory=dict)
     curve_keys: str = ""
     bind_host: str = ""
+    agents: dict[int, str] = field(default_factory=dict)
 
     def bind_endpoint(self, role: str, replica: int) -> str:
-        """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or ""."""
-        published = self.tcp.get((role, replica), "")
+        """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or "";
+        ``role`` "": the status server of node ``replica``'s agent."""
+        published = self.tcp.get((role, replica), "") if role else self.agents.get(replica, "")
         if not published or not self.bind_host:
             return published
         return f"tcp://{self.bind_host}:{published.rsplit(':', 1)[1]}"
@@ -297,8 +303,6 @@ async def run_manifest(
     Raises:
         ManifestError: on one machine, a role is placed on another node than 0.
     """
-    import asyncio
-
     if view is None:
         problems = node_problems(manifest, 1)
         if problems:
@@ -325,12 +329,14 @@ async def run_manifest(
         log.info("run started", run=run, run_dir=run_dir, processes=len(children))
         async with asyncio.TaskGroup() as tasks:
             side = tasks.create_task(beside(supervisor)) if beside is not None else None
+            status = tasks.create_task(_serve_status(supervisor, manifest, run_dir, view, log))
             try:
                 report = await supervisor.run()
             except Exception as exc:  # an ExceptionGroup: the supervisor's own task failed
                 report = _supervisor_failed(exc, run_dir)
                 log.error("run failed", reason=report.reason)
             finally:
+                status.cancel()
                 if side is not None:
                     side.cancel()
     finally:
@@ -368,6 +374,47 @@ def _supervisor(
         children, run=run, log_dir=os.path.join(run_dir, "logs"), observer=observe
     )
     return supervisor
+
+
+async def _serve_status(
+    supervisor: Supervisor, manifest: Manifest, run_dir: str, view: NodeView | None, log: Any
+) -> None:
+    """Serve the agent's status endpoint (``asyncrl status``) until cancelled. One that cannot
+    be bound is logged, and the run goes on without it."""
+    status = _status_server(supervisor, manifest, run_dir, view or NodeView(), log)
+    try:
+        await status.start()
+        await asyncio.Event().wait()
+    except TransportError as exc:
+        log.error("asyncrl status cannot reach this agent", error=str(exc))
+    finally:
+        await status.close()
+
+
+def _status_server(
+    supervisor: Supervisor, manifest: Manifest, run_dir: str, view: NodeView, log: Any
+) -> AgentStatus:
+    """The agent's status endpoint: ipc in its run directory; in a launch over several nodes,
+    also tcp, asking the other nodes' agents (with the launch's Curve keys; keys that do not
+    load leave only the ipc endpoint, answering for this node)."""
+    tcp, curve = view.bind_endpoint("", view.node), None
+    keys = view.curve_keys or manifest.security.curve_keys
+    if tcp and keys:
+        try:
+            curve = load_keys(keys)
+        except TransportError as exc:
+            log.error("status over tcp is off: the Curve keys do not load", error=str(exc))
+            tcp = ""
+    return AgentStatus(
+        supervisor.status,
+        run=manifest.run.name,
+        run_dir=run_dir,
+        node=view.node,
+        driver=LocalRegistry(run_dir).endpoint("driver", 0) if view.node == 0 else "",
+        tcp=tcp,
+        peers={n: ep for n, ep in view.agents.items() if n != view.node and tcp},
+        curve=curve,
+    )
 
 
 def _supervisor_failed(exc: Exception, run_dir: str) -> RunReport:

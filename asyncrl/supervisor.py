@@ -190,8 +190,9 @@ class Supervisor:
         now, rows = time.monotonic(), list[dict[str, Any]]()
         for info, c in zip(self.processes(), self._children, strict=True):
             heard = c.client._last_heard if c.client is not None and c.serving else None
+            age = None if heard is None else round(now - heard, 3)
             row = {f: getattr(info, f) for f in info.__struct_fields__}
-            rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": heard and now - heard})
+            rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": age})
         return rows
 
     def stop(self, reason: str = "interrupted") -> None:
