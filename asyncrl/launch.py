@@ -13,6 +13,8 @@ also runs the driver. docs/multinode.md is the guide; in short:
   waits for every other node's before it starts anything. A replica binds its ipc endpoint for
   its own node and its tcp port for the others; each process's ``groups`` hold what its node
   sees (ipc for the same node, tcp otherwise).
+- Status: each agent also publishes the tcp endpoint of its status server; ``asyncrl status``
+  given any node's run directory asks that node's agent, which asks the others (``asyncrl.status``).
 - Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R (two nodes on one machine never
   collide). Each writes ``launch.json`` (node, attempt, pid) there.
 - The end: when the driver ends (or a node's supervisor gives up), its agent writes how the run
@@ -50,6 +52,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between two heartbeats of a node agent in the store (and checks of the others')."""
 EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 130}
 EXIT_USAGE = 2
+_AGENTS = "agent.sock"
+"""Under this name, which no role can have, each node publishes its agent's status endpoint."""
 
 
 @dataclass(frozen=True)
@@ -242,9 +246,10 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         for i in range(role.replicas)
         if role.placement.node_of(i) == a.node
     ]
-    ports = free_ports(bind_host, len(mine))
-    published: dict[str, dict[str, str]] = {}
-    for (name, i), port in zip(mine, ports, strict=True):
+    # One more port: this agent's status server, which the other agents ask (asyncrl.status).
+    ports = free_ports(bind_host, len(mine) + 1)
+    published: dict[str, dict[str, str]] = {_AGENTS: {str(a.node): f"tcp://{host}:{ports[-1]}"}}
+    for (name, i), port in zip(mine, ports, strict=False):
         published.setdefault(name, {})[str(i)] = f"tcp://{host}:{port}"
     await a.store.set(a.keys.heartbeat(a.attempt, a.node), "0")
     await a.store.set(a.keys.endpoints(a.attempt, a.node), json.dumps(published))
@@ -254,6 +259,7 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
     for key in every:
         for name, replicas in json.loads(await a.store.get(key)).items():
             tcp.update({(name, int(i)): ep for i, ep in replicas.items()})
+    agents = {node: tcp.pop((name, node)) for name, node in list(tcp) if name == _AGENTS}
     prefix = a.keys.prefix(a.attempt).removeprefix("asyncrl/")
     return NodeView(
         node=a.node,
@@ -264,6 +270,7 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         },
         curve_keys=a.manifest.security.curve_keys,
         bind_host=bind_host if bind_host != host else "",
+        agents=agents,
     )
 
 
