@@ -1,0 +1,248 @@
+"""asyncrl status in-process: agent status servers, the CLI's answers, busy time and idle
+fractions (a live run is tests/integration/test_status_live.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from asyncrl.dispatch import Busy
+from asyncrl.metrics import IdleFractions
+from asyncrl.status import AgentStatus, NotRunning, agent_endpoint, ask, format_status, main
+from asyncrl.transport import Server
+
+
+def sync(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """``test`` run in a fresh event loop (the fixtures it names still reach it)."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.futures: list[asyncio.Future[Any]] = []
+
+    def call_future(
+        self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any
+    ) -> Any:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.futures.append(fut)
+        return fut
+
+
+@sync
+async def test_busy_counts_the_time_with_a_call_in_flight() -> None:
+    clock, client = Clock(), FakeClient()
+    busy = Busy(client, clock)
+    first = busy.call_future("m", timeout=1.0)
+    clock.now += 2.0
+    second = busy.call_future("m")
+    clock.now += 1.0
+    first.set_result(1)
+    await asyncio.sleep(0)  # done callbacks run on the next turn of the loop
+    assert (busy.inflight, busy.busy_s()) == (1, 3.0)
+    clock.now += 0.5
+    second.set_exception(RuntimeError("failed calls count too"))
+    await asyncio.sleep(0)
+    clock.now += 4.0  # idle
+    assert (busy.inflight, busy.busy_s()) == (0, 3.5)
+    assert second.exception() is not None
+
+
+def test_idle_fractions_per_role_since_the_previous_call() -> None:
+    clock = Clock()
+    busy = {"rollout": (0.0, 2), "learner": (0.0, 1)}
+    idle = IdleFractions(lambda: dict(busy), clock)
+    clock.now += 10.0
+    busy.update(rollout=(15.0, 2), learner=(2.5, 1))
+    assert idle() == {"rollout": 0.25, "learner": 0.75}
+    clock.now += 5.0
+    busy.update(rollout=(25.0, 2), learner=(2.5, 1))
+    assert idle() == {"rollout": 0.0, "learner": 1.0}
+    assert idle() == {}  # no time passed
+
+
+PROCESSES = [
+    {
+        "role": "splitter",
+        "replica": 0,
+        "kind": "role",
+        "incarnation": 2,
+        "pid": 4242,
+        "alive": True,
+        "serving": True,
+        "standby_pid": None,
+        "restarts": 2,
+        "heartbeat_age_s": 0.25,
+    },
+    {
+        "role": "driver",
+        "replica": 0,
+        "kind": "driver",
+        "incarnation": 0,
+        "pid": 4243,
+        "alive": True,
+        "serving": False,
+        "standby_pid": None,
+        "restarts": 0,
+        "heartbeat_age_s": None,
+    },
+]
+REPLICA = {
+    "replica": 0,
+    "endpoint": "ipc://x",
+    "connected": True,
+    "incarnation": 2,
+    "credit": 4,
+    "inflight": 3,
+    "queued": 5,
+    "served": 17,
+    "busy_s": 12.5,
+}
+DRIVER = {
+    "program": "p:main",
+    "incarnation": 0,
+    "step": 7,
+    "version": 6,
+    "roles": {"splitter": {"queued": 9, "counters": {}, "replicas": [REPLICA]}},
+}
+
+
+async def _driver(endpoint: str) -> Server:
+    server = Server(endpoint, name="driver")
+    server.add("status", lambda payload, call: DRIVER)
+    await server.start()
+    return server
+
+
+@sync
+async def test_the_agent_answers_with_its_processes_and_the_drivers_status(run_dir: str) -> None:
+    driver = await _driver(f"ipc://{run_dir}/driver.0")
+    agent = AgentStatus(
+        lambda: PROCESSES, run="r", run_dir=run_dir, driver=f"ipc://{run_dir}/driver.0"
+    )
+    await agent.start()
+    try:
+        found = await ask(run_dir)
+    finally:
+        await agent.close()
+        await driver.close()
+    assert found == {
+        "run": "r",
+        "run_dir": run_dir,
+        "nodes": [{"node": 0, "agent_pid": os.getpid(), "processes": PROCESSES, "driver": DRIVER}],
+    }
+    lines = format_status(found, width=140).splitlines()
+    assert lines[0] == f"run r in {run_dir}"
+    assert lines[1] == (
+        "driver incarnation 0 running p:main: step 7, version 6; calls waiting for any "
+        "replica: splitter 9"
+    )
+    assert lines[3].split() == [
+        "0",
+        "splitter",
+        "0",
+        "2",
+        "4242",
+        "serving",
+        "2",
+        "0.25",
+        "4",
+        "3",
+        "5",
+        "17",
+        "12.5",
+    ]
+    assert lines[4].split() == ["0", "driver", "0", "0", "4243", "starting", "0", *["-"] * 6]
+
+
+@sync
+async def test_a_driver_that_does_not_answer_is_named(run_dir: str) -> None:
+    gone = f"ipc://{run_dir}/driver.0"
+    agent = AgentStatus(lambda: [], run="r", run_dir=run_dir, driver=gone, timeout_s=0.2)
+    answer = await agent.node_status()
+    assert answer["driver"]["error"].startswith(f"{gone} did not answer 'status': ")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@sync
+async def test_any_nodes_agent_answers_for_every_node(tmp_path: Any) -> None:
+    dirs = [str(tmp_path / "0"), str(tmp_path / "0" / "node-1")]
+    tcp = [f"tcp://127.0.0.1:{_port()}" for _ in range(3)]
+    agents = [
+        AgentStatus(
+            lambda n=n: [{**PROCESSES[0], "replica": n}],
+            run="r",
+            run_dir=dirs[n],
+            node=n,
+            tcp=tcp[n],
+            peers={m: tcp[m] for m in (0, 1, 2) if m != n},
+            timeout_s=0.5,
+        )
+        for n in (0, 1)
+    ]
+    for agent in agents:
+        await agent.start()
+    try:
+        from_1 = await ask(dirs[1])
+        from_0 = await ask(dirs[0])
+    finally:
+        for agent in agents:
+            await agent.close()
+    for found in (from_0, from_1):
+        assert [n["node"] for n in found["nodes"]] == [0, 1, 2]
+        assert [p["replica"] for n in found["nodes"][:2] for p in n["processes"]] == [0, 1]
+        assert found["nodes"][2]["error"].startswith(f"{tcp[2]} did not answer 'node_status'")
+    assert from_1["run_dir"] == dirs[1]
+
+
+@sync
+async def test_no_agent_means_the_run_is_not_running(tmp_path: Any) -> None:
+    run_dir = str(tmp_path)
+    with pytest.raises(NotRunning) as caught:
+        await ask(run_dir, 0.2)
+    assert str(caught.value) == (
+        f"no agent answers at {agent_endpoint(run_dir)}; the run is not running; it left no "
+        f"report ({run_dir}/report.json does not exist)"
+    )
+    with open(os.path.join(run_dir, "report.json"), "w") as f:
+        f.write("{}")
+    open(agent_endpoint(run_dir).removeprefix("ipc://"), "w").close()  # left by a killed agent
+    with pytest.raises(NotRunning) as caught:
+        await ask(run_dir, 0.2)
+    assert str(caught.value) == (
+        f"no agent answers at {agent_endpoint(run_dir)}; the run is not running; its last "
+        f"report is {run_dir}/report.json"
+    )
+
+
+def test_the_command_says_what_is_wrong_and_exits_1(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "missing")
+    assert main([missing]) == 1
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"{missing} is not a directory; give the run directory of a run\n")
