@@ -39,7 +39,7 @@ from asyncrl.transport import ChannelOptions, Client, LocalRegistry, Server, Tra
 __all__ = [
     "AGENT_SOCKET",
     "AgentStatus",
-    "NotRunning",
+    "NotRunningError",
     "agent_endpoint",
     "ask",
     "format_status",
@@ -176,7 +176,7 @@ def _node(answer: dict[str, Any]) -> int:
     return int(answer.get("node", 0))
 
 
-class NotRunning(AsyncrlError):
+class NotRunningError(AsyncrlError):
     """No agent answers for the run directory: the run is not running (the message says
     where it asked and where the run's last report is)."""
 
@@ -198,11 +198,11 @@ async def ask(run_dir: str, timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Any]:
     """The whole run's status from the first agent that answers for ``run_dir``.
 
     Raises:
-        NotRunning: ``run_dir`` is no directory, or no agent answers for it.
+        NotRunningError: ``run_dir`` is no directory, or no agent answers for it.
     """
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
-        raise NotRunning(f"{run_dir} is not a directory; give the run directory of a run")
+        raise NotRunningError(f"{run_dir} is not a directory; give the run directory of a run")
     tried: list[str] = []
     for directory in _candidates(run_dir):
         endpoint = agent_endpoint(directory)
@@ -223,7 +223,7 @@ async def ask(run_dir: str, timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Any]:
         if os.path.exists(report)
         else f"it left no report ({report} does not exist)"
     )
-    raise NotRunning(f"no agent answers at {', '.join(tried)}; the run is not running; {last}")
+    raise NotRunningError(f"no agent answers at {', '.join(tried)}; the run is not running; {last}")
 
 
 def rows(status: dict[str, Any]) -> list[dict[str, Any]]:
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         status = asyncio.run(ask(args.run_dir, args.timeout))
-    except NotRunning as exc:
+    except NotRunningError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     if args.json:

@@ -14,7 +14,7 @@ import pytest
 
 from asyncrl.dispatch import Busy
 from asyncrl.metrics import IdleFractions
-from asyncrl.status import AgentStatus, NotRunning, agent_endpoint, ask, format_status, main
+from asyncrl.status import AgentStatus, NotRunningError, agent_endpoint, ask, format_status, main
 from asyncrl.transport import Server
 
 
@@ -222,7 +222,7 @@ async def test_any_nodes_agent_answers_for_every_node(tmp_path: Any) -> None:
 @sync
 async def test_no_agent_means_the_run_is_not_running(tmp_path: Any) -> None:
     run_dir = str(tmp_path)
-    with pytest.raises(NotRunning) as caught:
+    with pytest.raises(NotRunningError) as caught:
         await ask(run_dir, 0.2)
     assert str(caught.value) == (
         f"no agent answers at {agent_endpoint(run_dir)}; the run is not running; it left no "
@@ -231,7 +231,7 @@ async def test_no_agent_means_the_run_is_not_running(tmp_path: Any) -> None:
     with open(os.path.join(run_dir, "report.json"), "w") as f:
         f.write("{}")
     open(agent_endpoint(run_dir).removeprefix("ipc://"), "w").close()  # left by a killed agent
-    with pytest.raises(NotRunning) as caught:
+    with pytest.raises(NotRunningError) as caught:
         await ask(run_dir, 0.2)
     assert str(caught.value) == (
         f"no agent answers at {agent_endpoint(run_dir)}; the run is not running; its last "
