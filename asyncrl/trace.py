@@ -21,6 +21,7 @@ their wall clocks, as well as NTP keeps them.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -94,35 +95,74 @@ class ProcessTrace:
 
 
 def load(directory: str) -> list[ProcessTrace]:
-    """The per-process files in ``directory``, read; files with no events are left out.
+    """The per-process files in ``directory``, read, each call and request served matched with
+    its end; files with no events are left out.
 
-    A line cut short (a process killed while it wrote) is skipped.
+    A call with no answer ends when it was served, or else at its start (``no_answer``). A line
+    cut short (a process killed while it wrote) is skipped.
     """
     out = []
     for entry in sorted(os.listdir(directory)):
-        if not entry.endswith(".jsonl"):
-            continue
-        proc: ProcessTrace | None = None
-        with open(os.path.join(directory, entry), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                kind = event[0]
-                if kind == "process":
-                    label, incarnation, pid, host, offset = event[1:6]
-                    if proc is None:
-                        proc = ProcessTrace(label, incarnation, pid, host, offset)
-                    else:
-                        proc.label, proc.incarnation = label, incarnation
-                elif proc is not None:
-                    {"call": proc.calls, "serve": proc.serves, "span": proc.spans}[kind].append(
-                        event
-                    )
-        if proc is not None and (proc.calls or proc.serves or proc.spans):
-            out.append(proc)
+        if entry.endswith(".jsonl"):
+            proc = _load_file(os.path.join(directory, entry))
+            if proc is not None and (proc.calls or proc.serves or proc.spans):
+                out.append(proc)
+    served_end = {(e[2], e[3]): e[5] for p in out for e in p.serves}
+    for p in out:
+        for e in p.calls:
+            if e[6] is None:
+                e[6] = max(e[5], served_end.get((e[3], e[4]), e[5]))
+                e.append("no_answer")
     return out
+
+
+def _load_file(path: str) -> ProcessTrace | None:
+    """One process's file: calls as ``[call, method, server, identity, id, start, end, bytes]``,
+    serves as ``[serve, method, identity, id, start, end, bytes]``, spans as written."""
+    proc: ProcessTrace | None = None
+    calls: dict[tuple[str, int], list[Any]] = {}
+    serves: dict[tuple[str, int], list[Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            kind = event[0]
+            if kind == "process":
+                label, incarnation, pid, host, offset = event[1:6]
+                if proc is None:
+                    proc = ProcessTrace(label, incarnation, pid, host, offset)
+                else:
+                    proc.label, proc.incarnation = label, incarnation
+            elif proc is None:
+                continue
+            elif kind == "call":
+                _, method, server, identity, rid, start, size = event
+                call = ["call", method, server, _text(identity), rid, start, None, size]
+                calls[(identity, rid)] = call
+                proc.calls.append(call)
+            elif kind == "reply" and (event[1], event[2]) in calls:
+                calls.pop((event[1], event[2]))[6] = event[3]
+            elif kind == "serve":
+                _, method, identity, rid, start, size = event
+                serve = ["serve", method, _text(identity), rid, start, None, size]
+                serves[(identity, rid)] = serve
+            elif kind == "served" and (event[1], event[2]) in serves:
+                serve = serves.pop((event[1], event[2]))
+                serve[5] = event[3]
+                proc.serves.append(serve)
+            elif kind == "span":
+                proc.spans.append(event)
+    return proc
+
+
+def _text(identity: str) -> str:
+    """A routing id as written (base64 of ``name:pid:hex``), as text."""
+    try:
+        return base64.b64decode(identity).decode(errors="replace")
+    except ValueError:
+        return identity
 
 
 def _lanes(intervals: list[tuple[int, int]]) -> list[int]:
@@ -157,11 +197,13 @@ def _host_offsets(procs: list[ProcessTrace]) -> dict[str, int]:
 def chrome_trace(procs: list[ProcessTrace]) -> dict[str, Any]:
     """The processes' events as one Chrome trace (see the module docstring)."""
     offsets = _host_offsets(procs)
-    starts = [e[-3] + offsets[p.host] for p in procs for e in (*p.calls, *p.serves, *p.spans)]
+    starts = [
+        _bounds(e)[0] + offsets[p.host] for p in procs for e in (*p.calls, *p.serves, *p.spans)
+    ]
     t0 = min(starts) if starts else 0
     events: list[dict[str, Any]] = []
-    serving: dict[tuple[str, int], tuple[int, int, int]] = {}  # (identity, id) -> pid, tid, ts
-    placed: list[tuple[int, int, int, list[Any]]] = []  # calls: pid, tid, ts, event
+    serving: dict[tuple[str, int], tuple[int, int, float]] = {}  # (identity, id) -> pid, tid, ts
+    placed: list[tuple[int, int, float, list[Any]]] = []  # calls: pid, tid, ts, event
     table = []
     for index, p in enumerate(procs):
         pid = index + 1
@@ -171,14 +213,15 @@ def chrome_trace(procs: list[ProcessTrace]) -> dict[str, Any]:
         events.append(_meta("process_name", pid, 0, name))
         events.append(_meta("process_labels", pid, 0, f"pid {p.pid} on {p.host}", "labels"))
         for kind, items in (("serve", p.serves), ("call", p.calls), ("span", p.spans)):
-            lanes = _lanes([(e[-3], e[-2]) for e in items])
+            bounds = [_bounds(e) for e in items]
+            lanes = _lanes(bounds)
             for lane in sorted(set(lanes)):
                 tid = _LANE_BASE[kind] + lane
                 events.append(_meta("thread_name", pid, tid, f"{kind} {lane}"))
-            for e, lane in zip(items, lanes, strict=True):
+            for e, lane, (start, end) in zip(items, lanes, bounds, strict=True):
                 tid = _LANE_BASE[kind] + lane
-                ts = (e[-3] + shift) / 1000
-                events.append(_complete(kind, e, pid, tid, ts, (e[-2] - e[-3]) / 1000))
+                ts = (start + shift) / 1000
+                events.append(_complete(kind, e, pid, tid, ts, (end - start) / 1000))
                 if kind == "serve":
                     serving[(e[2], e[3])] = (pid, tid, ts)
                 elif kind == "call":
@@ -195,6 +238,12 @@ def chrome_trace(procs: list[ProcessTrace]) -> dict[str, Any]:
         events.append({**common, "ph": "f", "bp": "e", "pid": s_pid, "tid": s_tid, "ts": s_ts})
     other = {"asyncrl": {"processes": table, "t0_wall_ns": t0, "flows": flows}}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _bounds(e: list[Any]) -> tuple[int, int]:
+    """The start and end (monotonic ns) of a call, a request served or a span."""
+    at = {"call": 5, "serve": 4, "span": 3}[e[0]]
+    return e[at], e[at + 1]
 
 
 def _process_row(pid: int, p: ProcessTrace) -> dict[str, Any]:
@@ -216,6 +265,8 @@ def _meta(name: str, pid: int, tid: int, value: str, key: str = "name") -> dict[
 def _complete(kind: str, e: list[Any], pid: int, tid: int, ts: float, dur: float) -> dict[str, Any]:
     if kind == "call":
         args = {"server": e[2], "identity": e[3], "request_id": e[4], "bytes": e[7]}
+        if len(e) > 8:
+            args["outcome"] = e[8]
     elif kind == "serve":
         args = {"caller": e[2], "request_id": e[3], "bytes": e[6]}
     else:

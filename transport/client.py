@@ -277,7 +277,7 @@ class Client:
             Pending(fut, loop.time() + timeout, reply_type, method, timeout, self.server),
         )
         if self._tracer is not None:  # before the send: a reply may come before we run again
-            self._tracer.call(self, env, frames, fut)
+            self._tracer.call(self, env, frames)
         try:
             self._pump.send(frames)
         except TransportError:
@@ -346,6 +346,8 @@ class Client:
         self.peer_incarnation = env.incarnation
         self._heard()
         kind = env.kind
+        if self._tracer is not None and (kind == Kind.REPLY or kind == Kind.ERROR):
+            self._tracer.answered(self, env)
         if kind == Kind.REPLY or kind == Kind.WELCOME:
             self._reply(env, frames)
         elif kind == Kind.ERROR:
@@ -584,14 +586,9 @@ class Client:
                 self._pool.release(slot)
 
     def _send_release(self, peer: bytes, slots: list[int]) -> None:
-        self._send(
-            Envelope(
-                PROTOCOL_VERSION,
-                Kind.RELEASE,
-                incarnation=self.incarnation,
-                payload=Release(slots),
-            )
-        )
+        env = Envelope(PROTOCOL_VERSION, Kind.RELEASE, incarnation=self.incarnation)
+        env.payload = Release(slots)
+        self._send(env)
 
     def _send(self, env: Envelope) -> None:
         if self._pump is None or self._closed:

@@ -9,23 +9,24 @@ The recorder appends to ``DIR/<host>-<pid>.jsonl``, one JSON array per line:
 - ``["process", label, incarnation, pid, host, offset_ns]``: who wrote the file; ``offset_ns`` is
   wall clock minus the monotonic clock, sampled at start, which aligns the processes' clocks
   (``CLOCK_MONOTONIC`` is shared by every process of one host; hosts align on their wall clocks);
-- ``["call", method, server, identity, request_id, start_ns, end_ns, bytes]``: a call this process
-  made, from send to its outcome (reply, error, deadline, disconnect); ``identity`` is the
-  client's routing id, which the server sees too, so the two ends of a call meet on
-  ``(identity, request_id)``;
-- ``["serve", method, identity, request_id, start_ns, end_ns, bytes]``: a request this process
-  served, from its arrival to its reply or error;
+- ``["call", method, server, identity, request_id, start_ns, bytes]``: a request this process
+  sent; ``identity`` is the client's routing id (base64), which the server sees too, so the two
+  ends of a call meet on ``(identity, request_id)``;
+- ``["reply", identity, request_id, end_ns]``: its answer (a reply or an error) arrived; a call
+  with none ended otherwise (deadline, disconnect, close);
+- ``["serve", method, identity, request_id, start_ns, bytes]``: a request this process took;
+- ``["served", identity, request_id, end_ns]``: its reply or error was sent;
 - ``["span", name, thread, start_ns, end_ns, args]``: work inside the process (``span``).
 
 Times are monotonic nanoseconds; ``bytes`` counts the message's frames and its shared-memory
-tensors. Events are kept in memory and written at least once a second, every ``FLUSH_EVENTS``
-events, and at exit, so a process that is killed loses at most its last second.
+tensors. The hooks only append a tuple: ends are matched to starts when the files are merged
+(``asyncrl.trace``). Events are written at least once a second while calls go on, every
+``FLUSH_EVENTS`` events, and at exit, so a process that is killed loses at most its last second.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import os
 import socket
 import threading
@@ -79,6 +80,9 @@ def shm_bytes(tensors: list[Any]) -> int:
 class Recorder:
     """Records this process's calls and spans into ``directory/<host>-<pid>.jsonl``.
 
+    The transport's hooks run on the event loop's thread and only append a tuple; spans may
+    come from any thread. The file is written from the loop's thread (and at exit).
+
     Args:
         directory: where the file goes; created if missing.
         label: what the process is (``rollout.0``); the first server built names it if empty.
@@ -93,12 +97,11 @@ class Recorder:
         self.label = label
         self.incarnation = incarnation
         self.offset_ns = clock_offset_ns()
-        self._events: collections.deque[list[Any]] = collections.deque()
-        self._serving: dict[tuple[bytes, int], tuple[int, int]] = {}
+        self._events: list[tuple[Any, ...]] = []
         self._flushed = _clock()
         self._written_label: tuple[str, int] | None = None
         self._lock = threading.Lock()
-        self._encode = msgspec.json.Encoder().encode
+        self._encode_lines = msgspec.json.Encoder().encode_lines
 
     def name(self, label: str, incarnation: int) -> None:
         """Name the process, unless it is named already (the first server's name wins)."""
@@ -108,30 +111,35 @@ class Recorder:
 
     # -- the transport's hooks -----------------------------------------------------------
 
-    def call(self, client: Any, env: Any, frames: list[Any], fut: Any) -> None:
-        """``client`` sent the request ``env`` (an ``Envelope``, encoded as ``frames``); its end
-        is recorded when ``fut`` is done."""
-        start = _clock()
-        size = frames_bytes(frames) + shm_bytes(env.tensors)
+    def call(self, client: Any, env: Any, frames: list[Any]) -> None:
+        """``client`` is sending the request ``env`` (an ``Envelope``) as ``frames``."""
+        size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
+        if env.tensors:
+            size += shm_bytes(env.tensors)
         server = client.server.name if client.server is not None else client.endpoint
-        head = ["call", env.method, server, client.identity, env.id, start]
+        self._events.append(("call", env.method, server, client.identity, env.id, _clock(), size))
 
-        def done(_: Any) -> None:
-            self._add([*head, _clock(), size])
-
-        fut.add_done_callback(done)
+    def answered(self, client: Any, env: Any) -> None:
+        """``client`` got the answer ``env`` (a reply or an error) to its request ``env.id``."""
+        now = _clock()
+        self._events.append(("reply", client.identity, env.id, now))
+        if now - self._flushed > FLUSH_NS or len(self._events) > FLUSH_EVENTS:
+            self.flush()
 
     def serving(self, call: Any, frames: list[Any], tensors: list[Any]) -> None:
         """A server took request ``call`` (a ``Call``) of ``frames``, whose tensor descriptors
         are ``tensors``."""
-        size = frames_bytes(frames) + shm_bytes(tensors)
-        self._serving[(call.peer, call.id)] = (_clock(), size)
+        size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
+        if tensors:
+            size += shm_bytes(tensors)
+        self._events.append(("serve", call.method, call.peer, call.id, _clock(), size))
 
     def served(self, call: Any) -> None:
         """A server answered ``call`` (with its reply or an error)."""
-        began = self._serving.pop((call.peer, call.id), None)
-        if began is not None:
-            self._add(["serve", call.method, call.peer, call.id, began[0], _clock(), began[1]])
+        now = _clock()
+        self._events.append(("served", call.peer, call.id, now))
+        if now - self._flushed > FLUSH_NS or len(self._events) > FLUSH_EVENTS:
+            self.flush()
 
     # -- spans -----------------------------------------------------------------------------
 
@@ -143,37 +151,24 @@ class Recorder:
         try:
             yield args
         finally:
-            thread = threading.current_thread().name
-            self._add(["span", name, thread, start, _clock(), args])
+            event = ("span", name, threading.current_thread().name, start, _clock(), args)
+            with self._lock:
+                self._events.append(event)
 
     # -- writing ---------------------------------------------------------------------------
 
-    def _add(self, event: list[Any]) -> None:
-        self._events.append(event)
-        if len(self._events) >= FLUSH_EVENTS or event[-2] - self._flushed > FLUSH_NS:
-            self.flush()
-
     def flush(self) -> None:
-        """Write the events kept in memory (safe from any thread)."""
+        """Write the events kept in memory. Called on the loop's thread, or at exit."""
         with self._lock:
+            events, self._events = self._events, []
             self._flushed = _clock()
-            lines = []
             if self._written_label != (self.label, self.incarnation):
                 self._written_label = (self.label, self.incarnation)
-                head = ["process", self.label, self.incarnation, self.pid, self.host]
-                lines.append(self._encode([*head, self.offset_ns]))
-            events = self._events
-            while events:
-                lines.append(self._encode(_jsonable(events.popleft())))
-            if not lines:
-                return
+                head = ("process", self.label, self.incarnation, self.pid, self.host)
+                events.insert(0, (*head, self.offset_ns))
+        if events:
             with open(self.path, "ab") as f:
-                f.write(b"\n".join(lines) + b"\n")
-
-
-def _jsonable(event: list[Any]) -> list[Any]:
-    """Routing ids are bytes: written as text (they are ``name:pid:hex``)."""
-    return [e.decode(errors="replace") if isinstance(e, bytes) else e for e in event]
+                f.write(self._encode_lines(events))
 
 
 _recorder: Recorder | None = None

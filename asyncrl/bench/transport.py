@@ -3,7 +3,9 @@
 Every figure comes from two processes over ipc, on the public API at both ends:
 
 - round trip: sequential ``Client.call`` of a small payload; p50 and p99;
-- pipelined request/reply: calls/s with ``WINDOW`` requests in flight;
+- pipelined request/reply: calls/s with ``WINDOW`` requests in flight; and the same with tracing
+  on at both ends (``rpc_calls_per_s_traced``, ``trace_overhead``), the two interleaved round by
+  round against one server process;
 - stream: msgs/s of a small typed message, timed at the receiver after decoding;
 - raw: the same envelope bytes over synchronous pyzmq PUSH/PULL (and DEALER/ROUTER for the round
   trip) with no asyncrl layer, timed the same way: the baselines the stream and the round trip are
@@ -53,6 +55,7 @@ from asyncrl.transport import (
     StreamSender,
     load_keys,
     run,
+    tracing,
 )
 from asyncrl.transport.codec import Codec
 from asyncrl.transport.loop import loop_name
@@ -61,6 +64,11 @@ from asyncrl.transport.protocol import PROTOCOL_VERSION
 __all__ = ["main", "measure", "measure_curve"]
 
 WINDOW = 256
+ROUNDS = 10
+"""Rounds of the pipelined figure, traced and not, interleaved: on a busy machine the rate
+drifts, and a ratio of neighbours cancels the drift."""
+TRACED = "-traced"
+"""The suffix of the endpoint the peer serves with tracing on."""
 TENSOR_BYTES = 64 << 20
 
 
@@ -81,6 +89,7 @@ class Checksum(msgspec.Struct):
 TARGETS: dict[str, tuple[float, str]] = {
     "rtt_p50_us": (150.0, "<="),
     "rpc_calls_per_s": (25_000.0, ">="),
+    "trace_overhead": (0.05, "<="),
     "stream_msgs_per_s": (200_000.0, ">="),
     "shm_over_memcpy": (0.4, ">="),
 }
@@ -98,13 +107,24 @@ def _echo(payload: Any, call: Any) -> Any:
 
 
 async def _peer_server(endpoint: str, run_id: str) -> None:
+    """Serves on ``endpoint``, and with tracing on (into ``endpoint``'s folder) on
+    ``endpoint + TRACED``."""
     stopped = asyncio.Event()
-    server = Server(endpoint, name="bench", options=ChannelOptions(run=run_id), on_stop=stopped.set)
+    options = ChannelOptions(run=run_id)
+    server = Server(endpoint, name="bench", options=options, on_stop=stopped.set)
     server.add("echo", _echo, Small)
     server.add("checksum", _checksum, torch.Tensor)
-    async with server:
+    tracing.install(tracing.Recorder(_trace_dir(endpoint), "bench-server"))
+    traced = Server(endpoint + TRACED, name="bench-traced", options=options)
+    tracing.uninstall()
+    traced.add("echo", _echo, Small)
+    async with server, traced:
         print("READY", flush=True)
         await stopped.wait()
+
+
+def _trace_dir(endpoint: str) -> str:
+    return os.path.join(os.path.dirname(endpoint.removeprefix("ipc://")), "trace")
 
 
 async def _peer_stream(endpoint: str, count: int) -> None:
@@ -210,8 +230,7 @@ async def _rpc_figures(endpoint: str, run_id: str, calls: int, tensor_iters: int
         times = await _round_trips(client, calls)
         out["rtt_p50_us"] = _pct(times, 0.50) * 1e6
         out["rtt_p99_us"] = _pct(times, 0.99) * 1e6
-        rates = [await _pipelined_rate(client, calls * 4) for _ in range(3)]
-        out["rpc_calls_per_s"] = statistics.median(rates)
+        out.update(await _traced_and_not(client, endpoint, run_id, calls * 2))
 
         out["tensor_shm_gbps"] = await _tensor_rate(client, tensor_iters)
         out["shm_used"] = client._use_shm
@@ -219,6 +238,32 @@ async def _rpc_figures(endpoint: str, run_id: str, calls: int, tensor_iters: int
         out["tensor_frames_gbps"] = await _tensor_rate(client, tensor_iters)
         client.send_stop()
     return out
+
+
+async def _traced_and_not(
+    client: Client, endpoint: str, run_id: str, total: int
+) -> dict[str, float]:
+    """Pipelined calls/s without tracing (``client``) and with it at both ends (a traced
+    client of the traced server), round by round, the order flipped each round: the medians of
+    each, and the cost of tracing as 1 - the median of each round's traced/untraced ratio."""
+    tracing.install(tracing.Recorder(_trace_dir(endpoint), "bench-client"))
+    traced = Client(endpoint + TRACED, options=ChannelOptions(run=run_id))
+    tracing.uninstall()
+    plain: list[float] = []
+    with_trace: list[float] = []
+    async with traced:
+        for _ in range(50):
+            await traced.call("echo", Small(1, 0.5, "x"), Small)
+        for i in range(ROUNDS):
+            pair = [(client, plain), (traced, with_trace)]
+            for who, rates in pair if i % 2 == 0 else pair[::-1]:
+                rates.append(await _pipelined_rate(who, total))
+    ratios = [t / p for t, p in zip(with_trace, plain, strict=True)]
+    return {
+        "rpc_calls_per_s": statistics.median(plain),
+        "rpc_calls_per_s_traced": statistics.median(with_trace),
+        "trace_overhead": 1 - statistics.median(ratios),
+    }
 
 
 async def _round_trips(client: Client, calls: int) -> list[float]:
@@ -465,6 +510,8 @@ def format_table(f: dict[str, Any]) -> str:
         ("raw pyzmq DEALER/ROUTER p50", f"{f['raw_rtt_p50_us']:.0f} us", None),
         ("  round trip / raw", f"{f['rtt_over_raw']:.2f}x", None),
         ("pipelined request/reply", f"{f['rpc_calls_per_s']:,.0f} calls/s", "rpc_calls_per_s"),
+        ("  the same, traced", f"{f['rpc_calls_per_s_traced']:,.0f} calls/s", None),
+        ("  cost of tracing", f"{100 * f['trace_overhead']:.1f}%", "trace_overhead"),
         ("stream (after decode)", f"{f['stream_msgs_per_s']:,.0f} msgs/s", "stream_msgs_per_s"),
         ("raw pyzmq PUSH/PULL", f"{f['raw_zmq_msgs_per_s']:,.0f} msgs/s", None),
         ("  stream / raw", f"{f['stream_over_raw']:.2f}x", None),
