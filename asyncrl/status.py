@@ -50,7 +50,8 @@ AGENT_SOCKET = "agent.sock"
 """The file name of a node agent's status endpoint in its run directory's socket folder (no
 role replica's endpoint, ``<role>.<replica>``, can have this name)."""
 ASK_TIMEOUT_S = 3.0
-"""Seconds one process (an agent, the driver, another node's agent) has to answer."""
+"""Seconds the driver has to answer its agent; another node's agent has twice that (it may wait
+on its own driver), and the agent asked by ``asyncrl status`` three times."""
 
 Rows = Callable[[], list[dict[str, Any]]]
 
@@ -134,7 +135,9 @@ class AgentStatus:
 
     async def _status(self, _payload: Any, _call: Any) -> dict[str, Any]:
         nodes = await asyncio.gather(
-            self.node_status(), *(self._ask(ep, "node_status") for ep in self.peers.values())
+            self.node_status(),
+            # Another node's agent may itself wait timeout_s for its driver.
+            *(self._ask(ep, "node_status", 2 * self.timeout_s) for ep in self.peers.values()),
         )
         for node, answer in zip(self.peers, nodes[1:], strict=True):
             answer.setdefault("node", node)
@@ -151,10 +154,10 @@ class AgentStatus:
             "processes": self.processes(),
         }
         if self.driver:
-            answer["driver"] = await self._ask(self.driver, "status")
+            answer["driver"] = await self._ask(self.driver, "status", self.timeout_s)
         return answer
 
-    async def _ask(self, endpoint: str, method: str) -> dict[str, Any]:
+    async def _ask(self, endpoint: str, method: str, timeout_s: float) -> dict[str, Any]:
         """``method``'s answer from the server at ``endpoint``, or ``{"error": why}``. One
         client per endpoint is kept: it reconnects by itself across restarts."""
         client = self._clients.get(endpoint)
@@ -162,9 +165,9 @@ class AgentStatus:
             if client is None:
                 name = f"status.{self.node}"
                 client = Client(endpoint, name=name, options=self._options(), curve=self.curve)
-                await client.connect(timeout=self.timeout_s)
+                await client.connect(timeout=timeout_s)
                 self._clients[endpoint] = client
-            answer = await client.call(method, None, timeout=self.timeout_s)
+            answer = await client.call(method, None, timeout=timeout_s)
         except TransportError as exc:
             if client is not None and self._clients.get(endpoint) is not client:
                 await client.close()  # never connected: the next question starts afresh
@@ -212,7 +215,8 @@ async def ask(run_dir: str, timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Any]:
         client = Client(endpoint, name="asyncrl-status", options=ChannelOptions(shm=False))
         try:
             await client.connect(timeout=timeout_s)
-            return dict(await client.call("status", None, timeout=timeout_s))
+            # The agent waits up to timeout_s for its driver, and twice that for other nodes.
+            return dict(await client.call("status", None, timeout=3 * timeout_s))
         except TransportError:
             continue  # a socket left by an agent that was killed
         finally:
@@ -323,7 +327,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (or RUN_DIR/node-R)")
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.add_argument(
-        "--timeout", type=float, default=ASK_TIMEOUT_S, help="seconds to wait for an answer"
+        "--timeout",
+        type=float,
+        default=ASK_TIMEOUT_S,
+        help=f"seconds the driver has to answer (other nodes twice that; {ASK_TIMEOUT_S:g})",
     )
     return parser
 
