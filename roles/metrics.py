@@ -20,13 +20,13 @@ its own. Each step is one record of ``RUN_DIR/metrics.jsonl`` (written by
 - ``time_s``: the step's seconds since the previous step's record (``step``), and their parts:
   ``batch`` (waiting for the batch), ``learn`` (the learner's step with the critic's and the
   reference's calls), ``weights`` (moving them to the rollout replicas), ``eval``;
-- ``idle``: ``learner``, the share of the step in which the learner had no work from the loop;
+- ``idle``: per role, the share of the step in which its replicas had no call of the driver in
+  flight, averaged over its replicas (``ctx.idle()``, ``asyncrl.metrics.IdleFractions``);
 - ``restarts``: the restarts the supervisor logged so far (``asyncrl.metrics.Restarts``);
 - ``pipeline``: the sample pipeline's counters so far (samples admitted, generated, wasted,
   groups dropped, ...).
 
-The idle time of the other roles is not measured: the loop sees calls, not how busy a replica
-is inside; it would take the scheduler's time with calls in flight per replica.
+A call one role makes to another directly, without the driver, does not count as busy.
 
 A step the learner took while the driver was down, whose record was never written, is written
 when the loop resumes, from the learner's record of its last step (``recovered: true``, with the
@@ -80,6 +80,8 @@ class StepReport:
         learner: the learner's status when the loop starts (its last step, to recover a step
             whose record the driver never wrote).
         display: show the progress display.
+        idle: each role's idle fraction since its previous call (``ctx.idle``); without it,
+            only the learner's, from the loop's own laps.
         clock: seconds, for the step's times (a test may pass a fake one).
     """
 
@@ -93,6 +95,7 @@ class StepReport:
         learner: LearnerStatus,
         display: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        idle: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.log = MetricsLog(run_dir, done=done)
         self.restarts = Restarts(run_dir)
@@ -100,6 +103,7 @@ class StepReport:
         self.done = done
         self.learner = learner
         self.clock = clock
+        self.idle = idle
         self.generated_tokens = 0  # completion tokens of the samples scored so far
         self.accuracy: float | None = None  # the last held-out accuracy
         self._laps: dict[str, float] = {}
@@ -164,7 +168,10 @@ class StepReport:
                 "tokens_trained_per_s": sum(len(s.sample.token_ids) for s in samples) / interval,
             },
             "time_s": {"step": interval, **{k: self._laps.get(k, 0.0) for k in LAPS}},
-            "idle": {"learner": max(0.0, 1.0 - self._laps.get("learn", 0.0) / interval)},
+            "idle": {
+                "learner": max(0.0, 1.0 - self._laps.get("learn", 0.0) / interval),
+                **(self.idle() if self.idle is not None else {}),
+            },
             "restarts": self.restarts(),
             "pipeline": {k: v for k, v in metrics.items() if not k.startswith("staleness_")},
         }

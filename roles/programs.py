@@ -263,7 +263,9 @@ async def rl_loop(
     weights = weight_sync(rl)
     await weights.ensure(None)  # relays first, then every replica loads the newest weights
     title = loop.algorithm.upper()
-    report = StepReport(rl.run_dir, title, loop.steps, done=done, learner=status, display=display)
+    report = StepReport(
+        rl.run_dir, title, loop.steps, done=done, learner=status, display=display, idle=rl.ctx.idle
+    )
     pipe = _pipeline(rl, loop, feed, report.scorer(score), status)
     started = time.monotonic()
     step, out_of_budget = done, False

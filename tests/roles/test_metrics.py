@@ -95,7 +95,9 @@ class FakeRL:
         self.pipeline = PipelineSpec(mode="sync")
         self.watchdog = None
         self.config: dict[str, Any] = {}  # no relays: run.config.relays unset, no role "relay"
-        self.ctx = SimpleNamespace(roles={"learner": None, "rollout": None})
+        self.ctx = SimpleNamespace(
+            roles={"learner": None, "rollout": None}, idle=lambda: {"rollout": 0.25}
+        )
 
 
 async def feed(cursor: int, n: int) -> list[Prompt]:
@@ -170,6 +172,7 @@ def test_every_step_is_one_line_of_metrics(tmp_path: Any) -> None:
         assert r["throughput"]["tokens_trained_per_s"] * step_s == pytest.approx(6)
         assert r["throughput"]["tokens_generated_per_s"] * step_s == pytest.approx(6)
         assert r["idle"]["learner"] == pytest.approx(1 - r["time_s"]["learn"] / step_s)
+        assert r["idle"]["rollout"] == 0.25
     assert [r["learner"]["loss"] for r in got] == pytest.approx([0.1, 0.2, 0.3])
     assert got[0]["learner"]["grad_norm"] == 1.0 and got[0]["learner"]["lr"] == 1e-3
     walls = [r["wall_s"] for r in got]
