@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import os
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from asyncrl.transport import tracing
 from asyncrl.transport.tracing import TRACE_DIR_ENV
@@ -43,8 +44,12 @@ __all__ = [
     "merge_and_tell",
     "span",
     "trace_dir",
+    "traced",
     "validate",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 TRACE_FILE = "trace.json"
 """The merged trace, in the run directory."""
@@ -379,3 +384,19 @@ def merge_and_tell(run_dir: str) -> str | None:
             flush=True,
         )
     return path
+
+
+def traced(name: str, fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn``, recorded as the span ``name`` each time it runs when tracing is on; ``fn``
+    itself when it is off. For work handed to a compute thread:
+    ``await ctx.offload(traced("generation", engine.generate), requests)``."""
+    recorder = tracing.current()
+    if recorder is None:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with recorder.span(name):
+            return fn(*args, **kwargs)
+
+    return run

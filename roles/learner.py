@@ -100,6 +100,7 @@ from asyncrl.roles.objective import (
 )
 from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.rollout import WeightsUpdate
+from asyncrl.trace import traced
 from asyncrl.weights import WeightStore, handle_path, write_handle
 
 __all__ = [
@@ -230,7 +231,7 @@ class Learner(Role):
     @endpoint(Delivery.ONCE)
     async def train_step(self, batch: TrainBatch) -> StepResult:
         try:
-            return await self.ctx.offload(self._train_step, batch)
+            return await self.ctx.offload(traced("training step", self._train_step), batch)
         except DataParallelError:
             if self.dp is not None and self.dp.broken:
                 # A broken group never mends in place: exit, so that the supervisor restarts the
@@ -244,7 +245,7 @@ class Learner(Role):
         # In the compute thread, after any step in progress: a copy taken on the event loop
         # could hold half-updated parameters under the old version (a relay pulls while the
         # learner trains), and copying a large model there would stall heartbeats.
-        return await self.ctx.offload(self._weights)
+        return await self.ctx.offload(traced("weight copy", self._weights))
 
     def _weights(self) -> WeightsUpdate:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -257,7 +258,7 @@ class Learner(Role):
     @endpoint(Delivery.ONCE)
     async def checkpoint(self, keep: dict[str, Any]) -> str:
         self.keep.update(keep)
-        return await self.ctx.offload(self._save)
+        return await self.ctx.offload(traced("checkpoint", self._save))
 
     @endpoint(Delivery.IDEMPOTENT)
     async def export(self, path: str) -> str:
@@ -352,13 +353,13 @@ class Learner(Role):
             self._log_step(ids, skipped)
             every = self.config.checkpoint_every
             if self.config.durable or (every and self.step % every == 0):
-                self._save()
+                traced("checkpoint", self._save)()
             if self.dp is not None:
                 # No rank publishes nor replies before every rank has the step on disk.
                 self.dp.barrier("the step's checkpoint on every rank")
             self.faults.at("after_checkpoint")
             if self.store is not None:
-                self.store.publish(self.model.state_dict(), self.version)
+                traced("weight publish", self.store.publish)(self.model.state_dict(), self.version)
         return result
 
     def _objective(self, batch: TrainBatch) -> Objective:

@@ -42,6 +42,7 @@ import msgspec
 from asyncrl.errors import ConfigProblem
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.payloads import Sample
+from asyncrl.trace import span, traced
 
 __all__ = [
     "VERIFIERS",
@@ -213,12 +214,14 @@ class Reward(Role):
                 f"{len(request.answers)} answers; give one answer per completion"
             )
         if self.model is not None:
-            return await self.ctx.offload(self._model_scores, request.completions)
+            return await self.ctx.offload(
+                traced("scoring", self._model_scores), request.completions
+            )
         fn = VERIFIERS[self.config.verifier]
         options = self.config.options
-        return [
-            fn(c, a, options) for c, a in zip(request.completions, request.answers, strict=True)
-        ]
+        with span("scoring", completions=len(request.completions)):
+            pairs = zip(request.completions, request.answers, strict=True)
+            return [fn(c, a, options) for c, a in pairs]
 
     @endpoint(Delivery.IDEMPOTENT)
     async def score_samples(self, request: ScoreSamples) -> list[float]:

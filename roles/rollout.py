@@ -59,6 +59,7 @@ from asyncrl.roles.payloads import (
     SamplingParams,
     StopReason,
 )
+from asyncrl.trace import traced
 from asyncrl.weights import WeightReader, handle_path, read_handle
 
 if TYPE_CHECKING:
@@ -282,7 +283,9 @@ class Rollout(Role):
                     continue
             since = self.engine.version if self._reader.name == self._loaded_from else -1
             try:
-                got = await self.ctx.offload(self._reader.read_if_newer, since)
+                got = await self.ctx.offload(
+                    traced("weight read", self._reader.read_if_newer), since
+                )
             except (WeightsGoneError, NothingPublishedError):
                 self._reader.close()
                 self._reader = None
@@ -410,7 +413,9 @@ class Rollout(Role):
         self._generating += 1
         try:
             samples = await self.ctx.offload(
-                self.engine.generate, requests, should_interrupt=should_interrupt
+                traced("generation", self.engine.generate),
+                requests,
+                should_interrupt=should_interrupt,
             )
         finally:
             self._generating -= 1

@@ -8,10 +8,8 @@ reply, a ``RemoteError`` (the server's error reply), a ``DeadlineExceededError``
 The client reconnects by itself when the server restarts on the same endpoint. It learns of the
 restart from a socket monitor, handshakes again (retrying until the new incarnation answers or
 the client is closed, however long its start-up blocks), and reports the new incarnation in a
-``PeerEvent``.
-
-A client created with ``control=True`` presents the run's control secret in its handshake, which
-authorises its control messages (``send_stop``); see ``control.py``.
+``PeerEvent``. A client created with ``control=True`` presents the run's control secret in its
+handshake, which authorises its control messages (``send_stop``); see ``control.py``.
 
 On tcp with Curve on (``curve.py``) the client presents the run's client key and checks the
 server's. A server that refuses the ZeroMQ handshake (its client key or the mechanism differs)
