@@ -23,6 +23,9 @@
 - ``asyncrl run --trace ...``: also record every call between processes and the spans inside
   roles into ``RUN_DIR/trace.json`` (``asyncrl.trace``); ``asyncrl trace view RUN_DIR`` writes
   ``RUN_DIR/trace.html``, the control-flow graph and who waited on whom (``asyncrl.trace_view``).
+- ``asyncrl status RUN_DIR [--json] [--timeout S]``: ask a running run what it is doing: every
+  process with its incarnation, restarts and last heartbeat, each replica's credit and queue,
+  the step and version, on every node (``asyncrl.status``, docs/status.md).
 - ``asyncrl keys generate DIR [--force]``: the Curve key pairs of a run across hosts
   (``asyncrl.keys``), to copy to every node and name in the manifest's ``security.curve_keys``.
 - ``asyncrl version``: the package and wire-protocol versions.
@@ -286,6 +289,12 @@ def _run_dir_options(
     )
 
 
+def _status(args: argparse.Namespace, rest: list[str]) -> int:
+    from asyncrl.status import main as status_main
+
+    return status_main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``asyncrl`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -331,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     page = view.add_parser("view", help="write RUN_DIR/trace.html: the control-flow graph")
     page.add_argument("run_dir", metavar="RUN_DIR", help="a run made with asyncrl run --trace")
     page.set_defaults(func=_trace)
+    status = sub.add_parser(
+        "status", help="ask a running run what it is doing (docs/status.md)", add_help=False
+    )
+    status.set_defaults(func=_status)
     keys = sub.add_parser("keys", help="Curve keys for runs across hosts")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     generate = keys_sub.add_parser(
@@ -342,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     version = sub.add_parser("version", help="print the package and wire-protocol versions")
     version.set_defaults(func=_version)
     args, rest = parser.parse_known_args(argv)
-    if rest and args.func is not _bench:
+    if rest and args.func not in (_bench, _status):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     result: int = args.func(args, rest)
     return result

@@ -27,6 +27,8 @@
     │   ├── ManifestError             F a manifest with problems; lists every one, with its path
     │   └── ConfigProblem             F a process cannot start with its configuration (exit 78)
     ├── StallError                    F a run made no progress for too long; says on whom it waits
+    ├── NotRunningError                 asyncrl status: no agent answers for the run directory
+    │                                   (asyncrl.status)
     ├── StoreError                      the launch's store (torchrun's TCPStore) unreachable, or a
     │                                   key late (asyncrl.store_registry)
     └── DataParallelError             R a data-parallel learner's ranks could not work as one

@@ -189,7 +189,7 @@ class Supervisor:
         it (any message resets the client's liveness clock); None while it does not serve."""
         now, rows = time.monotonic(), list[dict[str, Any]]()
         for info, c in zip(self.processes(), self._children, strict=True):
-            heard = c.client._last_heard if c.client is not None and c.serving else None
+            heard = c.client.last_heard if c.client is not None and c.serving else None
             age = None if heard is None else round(now - heard, 3)
             row = {f: getattr(info, f) for f in info.__struct_fields__}
             rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": age})

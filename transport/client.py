@@ -231,6 +231,11 @@ class Client:
         return self._alive
 
     @property
+    def last_heard(self) -> float:
+        """When (``time.monotonic()``) the server was last heard: any message resets it."""
+        return self._last_heard
+
+    @property
     def pending(self) -> int:
         """Requests sent and not yet answered."""
         return len(self._in_flight)
