@@ -7,7 +7,7 @@ in time, the ranks whose mark is missing are the ones that never came, and the e
 
 from __future__ import annotations
 
-import datetime
+import time
 from typing import Any
 
 import torch
@@ -24,6 +24,25 @@ def _default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # a private function: absent or failing on another torch
         return None
+
+
+def _wait(work: Any, timeout_s: float) -> None:
+    """Wait for ``work`` (an ``async_op`` handle) at most ``timeout_s``, then raise its error.
+
+    Polls ``is_completed``: gloo's ``wait`` ignores its timeout argument, so a rank that never
+    comes would otherwise hold this one for the whole group's timeout.
+
+    Raises:
+        TimeoutError: the work did not complete in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"not complete after {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+    work.wait()
 
 
 class TorchCommunication:
@@ -46,8 +65,7 @@ class TorchCommunication:
         if store is not None:
             store.set(f"{prefix}/{rank}", "1")
         try:
-            work = start()
-            work.wait(datetime.timedelta(seconds=timeout_s))
+            _wait(start(), timeout_s)
         except Exception as exc:
             missing: list[int] = []
             if store is not None:

@@ -176,11 +176,13 @@ class Compiled(Protocol):
 
     Attributes:
         compiles: how many graphs were compiled so far.
-        eager: whether it fell back to eager execution.
+        eager: whether it runs eagerly (asked for, or compilation failed).
+        error: why compilation failed, when it did (else empty).
     """
 
     compiles: int
     eager: bool
+    error: str
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor: ...
 

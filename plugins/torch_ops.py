@@ -98,9 +98,9 @@ class ReferenceOps:
 
 
 class FastOps(ReferenceOps):
-    """torch's fused kernels: SDPA, ``F.rms_norm``, ``F.layer_norm``; log-probs and entropy
-    in chunks of rows, so the full [N, V] log-softmax is never held at once; sampling sorts
-    only the top-k."""
+    """torch's fused kernels: SDPA, ``F.rms_norm``, ``F.layer_norm``; log-probs as the chosen
+    logit minus the logsumexp (no [N, V] log-softmax at all) and entropy in chunks of rows;
+    sampling sorts only the top-k."""
 
     chunk_rows = 1024
     """Rows (positions) per chunk of the log-prob and entropy kernels."""
@@ -140,10 +140,10 @@ class FastOps(ReferenceOps):
         flat = logits.reshape(-1, logits.shape[-1])
         parts = []
         for f in torch.split(flat, self.chunk_rows):
-            neg_logp = f.logsumexp(-1, keepdim=True) - f
-            p = (-neg_logp).exp()
+            logp = torch.log_softmax(f, dim=-1)
+            p = logp.exp()
             # A -inf logit (a masked token) has p == 0 and adds nothing.
-            parts.append((p * neg_logp.masked_fill(p == 0, 0)).sum(-1))
+            parts.append(-(p * logp.masked_fill(p == 0, 0)).sum(-1))
         return torch.cat(parts).reshape(logits.shape[:-1])
 
     def sampling_probs(

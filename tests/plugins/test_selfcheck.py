@@ -1,0 +1,90 @@
+"""``asyncrl selfcheck``: a deliberately broken operator is reported under the operators layer
+and the command exits 1; the JSON shape; an unavailable device is skipped with the reason; the
+communication layer across 2 processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.plugins import registry, selfcheck
+from asyncrl.plugins.cuda import CudaPlugin
+from asyncrl.plugins.selfcheck_comm import run_collectives
+from tests.plugins.broken import BrokenPlugin
+
+
+@pytest.fixture
+def broken_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    found = {**registry.registered(), "broken": "tests.plugins.broken:plugin"}
+    monkeypatch.setattr(registry, "registered", lambda: found)
+
+
+def test_a_broken_operator_fails_its_layer_and_the_command(
+    broken_registered: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = selfcheck.main(["--plugin", "broken", "--json", "--layers", "operators", "memory"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert (report["plugin"], report["ok"]) == ("broken", False)
+    assert [(layer["name"], layer["ok"]) for layer in report["layers"]] == [
+        ("operators", False),
+        ("memory", True),
+    ]
+    failed = [c["name"] for c in report["layers"][0]["checks"] if not c["ok"]]
+    assert failed == ["rms_norm"]
+    (rms,) = [c for c in report["layers"][0]["checks"] if c["name"] == "rms_norm"]
+    assert rms["max_error"] > 1e-2 and set(rms) == {"name", "ok", "max_error", "speed", "detail"}
+
+
+def test_the_table_names_the_failing_layer(broken_registered: None) -> None:
+    report = selfcheck.run(BrokenPlugin(), ["operators"])
+    text = selfcheck.table(report)
+    assert text.splitlines()[0] == "asyncrl selfcheck: plugin broken"
+    assert text.splitlines()[-1] == "FAILED: operators"
+    (row,) = [line for line in text.splitlines() if " rms_norm " in line]
+    assert " NO (err " in row
+
+
+def test_the_cpu_plugin_passes_the_quick_layers() -> None:
+    report = selfcheck.run(registry.load("cpu"), ["operators", "memory", "checkpoints"])
+    assert [(layer.name, layer.ok) for layer in report.layers] == [
+        ("operators", True),
+        ("memory", True),
+        ("checkpoints", True),
+    ]
+
+
+def test_end_to_end_and_eager_compilation_pass() -> None:
+    report = selfcheck.run(BrokenPlugin(), ["compilation", "end_to_end"])
+    names = [[c.name for c in layer.checks] for layer in report.layers]
+    assert names == [["bucketed compile"], ["behaviour cloning learns", "GRPO raises the reward"]]
+    assert report.layers[0].checks[0].detail == "eager fallback (compilation off)"
+    assert report.ok
+
+
+def test_an_unavailable_device_is_skipped_with_the_reason() -> None:
+    plugin = CudaPlugin()
+    if plugin.device.available():
+        pytest.skip("a CUDA device is available here")
+    report = selfcheck.run(plugin, ["operators"])
+    assert report.ok is False
+    assert report.layers[0].skipped == "cuda: no cuda device available in this process"
+
+
+def test_an_unknown_plugin_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert selfcheck.main(["--plugin", "nope", "--layers", "memory"]) == 2
+    assert capsys.readouterr().err.startswith("asyncrl selfcheck: no hardware plugin named 'nope'")
+
+
+@pytest.mark.slow
+def test_each_collective_across_two_processes() -> None:
+    checks = run_collectives("cpu", "gloo", timeout=30.0)
+    assert [(c["name"], c["ok"]) for c in checks] == [
+        ("all_reduce", True),
+        ("all_gather", True),
+        ("broadcast", True),
+        ("barrier", True),
+        ("timeout names the missing rank", True),
+    ]
+    assert checks[-1]["detail"].startswith("barrier: rank(s) [1] did not arrive within 1 s")
