@@ -197,8 +197,16 @@ def install(recorder: Recorder) -> Recorder:
     It is flushed at exit."""
     global _recorder, _checked
     _recorder, _checked = recorder, True
-    atexit.register(recorder.flush)
+    atexit.register(_flush_at_exit, recorder)
     return recorder
+
+
+def _flush_at_exit(recorder: Recorder) -> None:
+    """At exit, write what is left; a folder removed meanwhile (a benchmark's) is no error."""
+    try:
+        recorder.flush()
+    except FileNotFoundError:
+        pass
 
 
 def uninstall() -> Recorder | None:
