@@ -1,6 +1,7 @@
 """examples/plugin_template: installed as its own package (into a scratch directory, not the
-shared environment), discovered through its entry point, and passing the self-check on CPU (its collectives are
-asyncrl's, checked with the cpu plugin; compilation is left to ``asyncrl selfcheck``, slow on CPU)."""
+shared environment), discovered through its entry point, and passing the self-check on CPU.
+Its collectives are asyncrl's, checked with the cpu plugin; compilation is left to ``asyncrl
+selfcheck`` itself, being slow on CPU."""
 
 from __future__ import annotations
 
