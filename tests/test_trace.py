@@ -287,3 +287,40 @@ def test_page_renders_in_chromium(tmp_path: Any) -> None:
     assert drawn_pixels(png, 130, 650) > 20_000  # nodes, edges, bars, labels
     assert drawn_pixels(png, 735, 840) > 2_000  # the process rows and their bars
     assert drawn_pixels(png, 1300, 1400) < 100  # and below the page, nothing
+
+
+async def _bench_rounds(directory: str) -> dict[str, float]:
+    from asyncrl.bench import transport as bench
+
+    endpoint = f"ipc://{directory}/bench"
+    options = ChannelOptions(run="t")
+    plain = Server(endpoint, name="bench", options=options)
+    tracing.install(tracing.Recorder(os.path.join(directory, "trace"), "bench-server"))
+    traced = Server(endpoint + bench.TRACED, name="bench-traced", options=options)
+    tracing.uninstall()
+    for server in (plain, traced):
+        server.add("echo", bench._echo, bench.Small)
+    async with plain, traced, Client(endpoint, options=options) as client:
+        figures = await bench._traced_and_not(client, endpoint, "t", 300)
+    assert plain._tracer is None and client._tracer is None
+    return figures
+
+
+def test_bench_measures_traced_and_untraced_calls(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[tracing.Recorder] = []
+    install = tracing.install
+    monkeypatch.setattr(tracing, "install", lambda r: install(made.append(r) or r))
+    figures = run(_bench_rounds(str(tmp_path)))
+    assert set(figures) == {"rpc_calls_per_s", "rpc_calls_per_s_traced", "trace_overhead"}
+    assert figures["rpc_calls_per_s"] > 0 and figures["rpc_calls_per_s_traced"] > 0
+    for recorder in made:
+        recorder.flush()
+    # only the traced pair recorded (the server's and the client's recorders, one file each):
+    # 50 warm-up calls and ROUNDS rounds of 300
+    procs = {p.label: p for p in trace.load(str(tmp_path / "trace"))}
+    assert set(procs) == {"bench-server", "bench-client"}
+    server, client = procs["bench-server"], procs["bench-client"]
+    assert len(server.serves) == len(client.calls) == 50 + 10 * 300
+    assert server.calls == client.serves == []

@@ -4,7 +4,7 @@ Tracing is on in a process whose environment names a directory in ``ASYNCRL_TRAC
 ``install``). Each ``Client`` and ``Server`` asks ``current()`` once, when it is built, and keeps
 the answer: with tracing off that is ``None``, and the hot path pays one ``is not None`` test.
 
-The recorder appends to ``DIR/<host>-<pid>.jsonl``, one JSON array per line:
+The recorder appends to ``DIR/<host>-<pid>-<n>.jsonl``, one JSON array per line:
 
 - ``["process", label, incarnation, pid, host, offset_ns]``: who wrote the file; ``offset_ns`` is
   wall clock minus the monotonic clock, sampled at start, which aligns the processes' clocks
@@ -27,6 +27,7 @@ tensors. The hooks only append a tuple: ends are matched to starts when the file
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import socket
 import threading
@@ -49,6 +50,7 @@ FLUSH_NS = 1_000_000_000
 """The longest time events are kept in memory (when more arrive)."""
 
 _clock = time.monotonic_ns
+_serial = itertools.count()  # a process may hold several recorders (a benchmark does)
 
 
 def clock_offset_ns(samples: int = 7) -> int:
@@ -78,7 +80,7 @@ def shm_bytes(tensors: list[Any]) -> int:
 
 
 class Recorder:
-    """Records this process's calls and spans into ``directory/<host>-<pid>.jsonl``.
+    """Records this process's calls and spans into ``directory/<host>-<pid>-<n>.jsonl``.
 
     The transport's hooks run on the event loop's thread and only append a tuple; spans may
     come from any thread. The file is written from the loop's thread (and at exit).
@@ -93,7 +95,7 @@ class Recorder:
         os.makedirs(directory, exist_ok=True)
         self.host = socket.gethostname()
         self.pid = os.getpid()
-        self.path = os.path.join(directory, f"{self.host}-{self.pid}.jsonl")
+        self.path = os.path.join(directory, f"{self.host}-{self.pid}-{next(_serial)}.jsonl")
         self.label = label
         self.incarnation = incarnation
         self.offset_ns = clock_offset_ns()
