@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -330,3 +331,18 @@ def test_a_bad_call_fails_alone_in_the_rollout(
     good, bad = run(scenario)
     assert isinstance(good, list) and len(good[0].token_ids) == 5
     assert isinstance(bad, ValueError) and str(bad) == "request 'bad'#0: the prompt has no tokens"
+
+
+def test_bench_rollout_prints_both_engines_as_one_json_object(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from asyncrl.roles.engine_bench import main
+
+    assert main(["--json", "--quick", "--only", "arith"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["models"]
+    assert (row["name"], row["params"]) == ("arith", 400640)
+    assert row["hf_tokens_per_s"] > 0 and row["vllm_tokens_per_s"] > 0
+    # The ratio of the unrounded rates, rounded: within a rounding step of the printed ones'.
+    ratio = row["vllm_tokens_per_s"] / row["hf_tokens_per_s"]
+    assert abs(row["vllm_over_hf"] - ratio) <= 0.01 + 1e-9
+    assert row["hf_weight_swap_ms_p50"] > 0 and row["vllm_weight_swap_ms_p50"] > 0
