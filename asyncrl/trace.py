@@ -122,7 +122,7 @@ def load(directory: str) -> list[ProcessTrace]:
 
 
 def _load_file(path: str) -> ProcessTrace | None:
-    """One process's file: calls as ``[call, method, server, identity, id, start, end, bytes]``,
+    """One process's file: calls as ``[call, method, endpoint, identity, id, start, end, bytes]``,
     serves as ``[serve, method, identity, id, start, end, bytes]``, spans as written."""
     proc: ProcessTrace | None = None
     calls: dict[tuple[str, int], list[Any]] = {}
@@ -143,8 +143,8 @@ def _load_file(path: str) -> ProcessTrace | None:
             elif proc is None:
                 continue
             elif kind == "call":
-                _, method, server, identity, rid, start, size = event
-                call = ["call", method, server, _text(identity), rid, start, None, size]
+                _, method, endpoint, identity, rid, start, size = event
+                call = ["call", method, endpoint, _text(identity), rid, start, None, size]
                 calls[(identity, rid)] = call
                 proc.calls.append(call)
             elif kind == "reply" and (event[1], event[2]) in calls:
@@ -269,7 +269,7 @@ def _meta(name: str, pid: int, tid: int, value: str, key: str = "name") -> dict[
 
 def _complete(kind: str, e: list[Any], pid: int, tid: int, ts: float, dur: float) -> dict[str, Any]:
     if kind == "call":
-        args = {"server": e[2], "identity": e[3], "request_id": e[4], "bytes": e[7]}
+        args = {"endpoint": e[2], "identity": e[3], "request_id": e[4], "bytes": e[7]}
         if len(e) > 8:
             args["outcome"] = e[8]
     elif kind == "serve":

@@ -123,7 +123,7 @@ def analyse(doc: dict[str, Any]) -> Analysis:
         callee_pid = served.get((args["identity"], args["request_id"]))
         callee = procs.get(callee_pid, {}) if callee_pid is not None else {}
         caller = procs.get(pid, {})
-        callee_label = callee.get("label") or args["server"].rsplit("/", 1)[-1]
+        callee_label = callee.get("label") or args["endpoint"].rsplit("/", 1)[-1]
         if callee_pid == pid:
             kind = "process"
         elif callee and callee.get("host") != caller.get("host"):

@@ -65,10 +65,11 @@ def test_calls_are_recorded_at_both_ends_and_merged(
     assert (proc.label, proc.incarnation, proc.pid) == ("test.0", 2, os.getpid())
     identity = client.identity.decode()
     # the handshake is id 1; calls are 2, 3, 4
+    endpoint = f"ipc://{tmp_path}/s"
     assert [(c[1], c[2], c[3], c[4]) for c in proc.calls] == [
-        ("split", "splitter.0", identity, 2),
-        ("split", "splitter.0", identity, 3),
-        ("fail", "splitter.0", identity, 4),
+        ("split", endpoint, identity, 2),
+        ("split", endpoint, identity, 3),
+        ("fail", endpoint, identity, 4),
     ]
     assert [(s[1], s[2], s[3]) for s in proc.serves] == [
         ("split", identity, 2),

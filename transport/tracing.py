@@ -9,9 +9,9 @@ The recorder appends to ``DIR/<host>-<pid>-<n>.jsonl``, one JSON array per line:
 - ``["process", label, incarnation, pid, host, offset_ns]``: who wrote the file; ``offset_ns`` is
   wall clock minus the monotonic clock, sampled at start, which aligns the processes' clocks
   (``CLOCK_MONOTONIC`` is shared by every process of one host; hosts align on their wall clocks);
-- ``["call", method, server, identity, request_id, start_ns, bytes]``: a request this process
-  sent; ``identity`` is the client's routing id (base64), which the server sees too, so the two
-  ends of a call meet on ``(identity, request_id)``;
+- ``["call", method, endpoint, identity, request_id, start_ns, bytes]``: a request this process
+  sent to the server at ``endpoint``; ``identity`` is the client's routing id (base64), which
+  the server sees too, so the two ends of a call meet on ``(identity, request_id)``;
 - ``["reply", identity, request_id, end_ns]``: its answer (a reply or an error) arrived; a call
   with none ended otherwise (deadline, disconnect, close);
 - ``["serve", method, identity, request_id, start_ns, bytes]``: a request this process took;
@@ -20,13 +20,14 @@ The recorder appends to ``DIR/<host>-<pid>-<n>.jsonl``, one JSON array per line:
 
 Times are monotonic nanoseconds; ``bytes`` counts the message's frames and its shared-memory
 tensors. The hooks only append a tuple: ends are matched to starts when the files are merged
-(``asyncrl.trace``). Events are written at least once a second while calls go on, every
-``FLUSH_EVENTS`` events, and at exit, so a process that is killed loses at most its last second.
+(``asyncrl.trace``). A thread of the recorder writes the events out every ``FLUSH_S`` seconds,
+and at exit, so a process that is killed loses at most its last half second.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import os
 import socket
@@ -43,11 +44,8 @@ __all__ = ["TRACE_DIR_ENV", "Recorder", "current", "install", "uninstall"]
 TRACE_DIR_ENV = "ASYNCRL_TRACE_DIR"
 """The environment variable that turns tracing on: the directory the per-process files go to."""
 
-FLUSH_EVENTS = 4096
-"""Events kept in memory before they are written."""
-
-FLUSH_NS = 1_000_000_000
-"""The longest time events are kept in memory (when more arrive)."""
+FLUSH_S = 0.5
+"""How often the recorder's thread writes the events recorded since it last did."""
 
 _clock = time.monotonic_ns
 _serial = itertools.count()  # a process may hold several recorders (a benchmark does)
@@ -82,8 +80,8 @@ def shm_bytes(tensors: list[Any]) -> int:
 class Recorder:
     """Records this process's calls and spans into ``directory/<host>-<pid>-<n>.jsonl``.
 
-    The transport's hooks run on the event loop's thread and only append a tuple; spans may
-    come from any thread. The file is written from the loop's thread (and at exit).
+    The hooks only append a tuple to a deque (safe from any thread); a daemon thread of the
+    recorder writes them out every ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
 
     Args:
         directory: where the file goes; created if missing.
@@ -99,11 +97,14 @@ class Recorder:
         self.label = label
         self.incarnation = incarnation
         self.offset_ns = clock_offset_ns()
-        self._events: list[tuple[Any, ...]] = []
-        self._flushed = _clock()
+        self._events: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._append = self._events.append
         self._written_label: tuple[str, int] | None = None
         self._lock = threading.Lock()
         self._encode_lines = msgspec.json.Encoder().encode_lines
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_often, name="trace-writer", daemon=True)
+        self._writer.start()
 
     def name(self, label: str, incarnation: int) -> None:
         """Name the process, unless it is named already (the first server's name wins)."""
@@ -118,15 +119,11 @@ class Recorder:
         size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
         if env.tensors:
             size += shm_bytes(env.tensors)
-        server = client.server.name if client.server is not None else client.endpoint
-        self._events.append(("call", env.method, server, client.identity, env.id, _clock(), size))
+        self._append(("call", env.method, client.endpoint, client.identity, env.id, _clock(), size))
 
     def answered(self, client: Any, env: Any) -> None:
         """``client`` got the answer ``env`` (a reply or an error) to its request ``env.id``."""
-        now = _clock()
-        self._events.append(("reply", client.identity, env.id, now))
-        if now - self._flushed > FLUSH_NS or len(self._events) > FLUSH_EVENTS:
-            self.flush()
+        self._append(("reply", client.identity, env.id, _clock()))
 
     def serving(self, call: Any, frames: list[Any], tensors: list[Any]) -> None:
         """A server took request ``call`` (a ``Call``) of ``frames``, whose tensor descriptors
@@ -134,14 +131,11 @@ class Recorder:
         size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
         if tensors:
             size += shm_bytes(tensors)
-        self._events.append(("serve", call.method, call.peer, call.id, _clock(), size))
+        self._append(("serve", call.method, call.peer, call.id, _clock(), size))
 
     def served(self, call: Any) -> None:
         """A server answered ``call`` (with its reply or an error)."""
-        now = _clock()
-        self._events.append(("served", call.peer, call.id, now))
-        if now - self._flushed > FLUSH_NS or len(self._events) > FLUSH_EVENTS:
-            self.flush()
+        self._append(("served", call.peer, call.id, _clock()))
 
     # -- spans -----------------------------------------------------------------------------
 
@@ -153,24 +147,34 @@ class Recorder:
         try:
             yield args
         finally:
-            event = ("span", name, threading.current_thread().name, start, _clock(), args)
-            with self._lock:
-                self._events.append(event)
+            self._append(("span", name, threading.current_thread().name, start, _clock(), args))
 
     # -- writing ---------------------------------------------------------------------------
 
+    def _write_often(self) -> None:
+        while not self._stop.wait(FLUSH_S):
+            try:
+                self.flush()
+            except OSError:
+                return  # the folder is gone (a benchmark's): nothing more can be written
+
+    def close(self) -> None:
+        """Stop the writer thread and write what is left."""
+        self._stop.set()
+        self.flush()
+
     def flush(self) -> None:
-        """Write the events kept in memory. Called on the loop's thread, or at exit."""
+        """Write the events recorded so far (from any thread)."""
         with self._lock:
-            events, self._events = self._events, []
-            self._flushed = _clock()
+            events = self._events
+            lines = [events.popleft() for _ in range(len(events))]
             if self._written_label != (self.label, self.incarnation):
                 self._written_label = (self.label, self.incarnation)
                 head = ("process", self.label, self.incarnation, self.pid, self.host)
-                events.insert(0, (*head, self.offset_ns))
-        if events:
-            with open(self.path, "ab") as f:
-                f.write(self._encode_lines(events))
+                lines.insert(0, (*head, self.offset_ns))
+            if lines:
+                with open(self.path, "ab") as f:
+                    f.write(self._encode_lines(lines))
 
 
 _recorder: Recorder | None = None
@@ -206,16 +210,14 @@ def install(recorder: Recorder) -> Recorder:
 def _flush_at_exit(recorder: Recorder) -> None:
     """At exit, write what is left; a folder removed meanwhile (a benchmark's) is no error."""
     try:
-        recorder.flush()
+        recorder.close()
     except FileNotFoundError:
         pass
 
 
 def uninstall() -> Recorder | None:
-    """Stop recording for clients and servers built from now on; returns the recorder (flushed).
-    Those built earlier keep recording into it."""
+    """Stop recording for clients and servers built from now on; returns the recorder. Those
+    built earlier keep recording into it."""
     global _recorder, _checked
     recorder, _recorder, _checked = _recorder, None, True
-    if recorder is not None:
-        recorder.flush()
     return recorder

@@ -57,7 +57,7 @@ def test_traced_hello_run_and_its_page(run_dir: str) -> None:
     }
     for e in calls:
         callee = table[serves[(e["args"]["identity"], e["args"]["request_id"])]]
-        assert callee["label"] == e["args"]["server"].rsplit("/", 1)[-1]
+        assert callee["label"] == e["args"]["endpoint"].rsplit("/", 1)[-1]
     starts = [e for e in doc["traceEvents"] if e["ph"] == "s" and e["pid"] == driver]
     assert len(starts) == len(calls)
 
