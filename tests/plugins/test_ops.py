@@ -34,7 +34,7 @@ def test_fast_matches_reference() -> None:
     torch.testing.assert_close(FAST.entropy(logits), REF.entropy(logits))
 
 
-def test_chunked_logprobs_are_the_learners_to_the_bit() -> None:
+def test_logprobs_are_the_learners_to_the_bit_and_chunked_entropy_matches() -> None:
     ops = FastOps()
     ops.chunk_rows = 4
     logits = torch.randn(3, 7, 11, generator=_gen()) * 5
