@@ -314,7 +314,13 @@ def test_bench_measures_traced_and_untraced_calls(
     install = tracing.install
     monkeypatch.setattr(tracing, "install", lambda r: install(made.append(r) or r))
     figures = run(_bench_rounds(str(tmp_path)))
-    assert set(figures) == {"rpc_calls_per_s", "rpc_calls_per_s_traced", "trace_overhead"}
+    assert set(figures) == {
+        "rpc_calls_per_s",
+        "rpc_calls_per_s_traced",
+        "trace_overhead",
+        "client_cpu_us_per_call",
+        "client_cpu_us_per_call_traced",
+    }
     assert figures["rpc_calls_per_s"] > 0 and figures["rpc_calls_per_s_traced"] > 0
     for recorder in made:
         recorder.flush()

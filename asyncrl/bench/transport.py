@@ -245,24 +245,30 @@ async def _traced_and_not(
 ) -> dict[str, float]:
     """Pipelined calls/s without tracing (``client``) and with it at both ends (a traced
     client of the traced server), round by round, the order flipped each round: the medians of
-    each, and the cost of tracing as 1 - their ratio."""
+    each, and the cost of tracing as 1 - their ratio. Also the CPU time this process spends
+    per call, traced and not, which another load on the machine disturbs less."""
     tracing.install(tracing.Recorder(_trace_dir(endpoint), "bench-client"))
     traced = Client(endpoint + TRACED, options=ChannelOptions(run=run_id))
     tracing.uninstall()
     plain: list[float] = []
     with_trace: list[float] = []
+    cpu: dict[bool, list[float]] = {False: [], True: []}  # this process's CPU us per call
     async with traced:
         for _ in range(50):
             await traced.call("echo", Small(1, 0.5, "x"), Small)
         for i in range(ROUNDS):
             pair = [(client, plain), (traced, with_trace)]
             for who, rates in pair if i % 2 == 0 else pair[::-1]:
+                started = time.process_time()
                 rates.append(await _pipelined_rate(who, total))
+                cpu[who is traced].append((time.process_time() - started) / total * 1e6)
     untraced, traced_rate = statistics.median(plain), statistics.median(with_trace)
     return {
         "rpc_calls_per_s": untraced,
         "rpc_calls_per_s_traced": traced_rate,
         "trace_overhead": 1 - traced_rate / untraced,
+        "client_cpu_us_per_call": statistics.median(cpu[False]),
+        "client_cpu_us_per_call_traced": statistics.median(cpu[True]),
     }
 
 
@@ -512,6 +518,8 @@ def format_table(f: dict[str, Any]) -> str:
         ("pipelined request/reply", f"{f['rpc_calls_per_s']:,.0f} calls/s", "rpc_calls_per_s"),
         ("  the same, traced", f"{f['rpc_calls_per_s_traced']:,.0f} calls/s", None),
         ("  cost of tracing", f"{100 * f['trace_overhead']:.1f}%", "trace_overhead"),
+        ("  client CPU per call", f"{f['client_cpu_us_per_call']:.1f} us", None),
+        ("  the same, traced", f"{f['client_cpu_us_per_call_traced']:.1f} us", None),
         ("stream (after decode)", f"{f['stream_msgs_per_s']:,.0f} msgs/s", "stream_msgs_per_s"),
         ("raw pyzmq PUSH/PULL", f"{f['raw_zmq_msgs_per_s']:,.0f} msgs/s", None),
         ("  stream / raw", f"{f['stream_over_raw']:.2f}x", None),
