@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -112,15 +113,18 @@ def requests() -> list[GenerateRequest]:
 def learner_logprobs(samples: list[Sample], seed: int) -> list[list[float]]:
     """The learner's own recompute, in float32, of ``samples`` under the weights of ``seed``."""
 
-    async def main() -> list[list[float]]:
-        learner = Learner(RoleContext.local(config={"model_config": MODEL, "seed": seed}))
+    async def main(run_dir: str) -> list[list[float]]:
+        config = {"model_config": MODEL, "seed": seed}
+        learner = Learner(RoleContext.local(config=config, run_dir=run_dir))
         await learner.setup()
         try:
             return await learner.logprobs(samples)
         finally:
             learner.ctx.close()
 
-    return asyncio.run(main())
+    # The learner publishes its weights under its run directory: a scratch one.
+    with tempfile.TemporaryDirectory() as run_dir:
+        return asyncio.run(main(run_dir))
 
 
 def worst(a: list[list[float]], b: list[list[float]]) -> float:
