@@ -21,7 +21,6 @@ their wall clocks, as well as NTP keeps them.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import json
@@ -30,6 +29,8 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
+
+import msgspec
 
 from asyncrl.transport import tracing
 from asyncrl.transport.tracing import TRACE_DIR_ENV
@@ -108,7 +109,7 @@ def load(directory: str) -> list[ProcessTrace]:
     """
     out = []
     for entry in sorted(os.listdir(directory)):
-        if entry.endswith(".jsonl"):
+        if entry.endswith(".trace"):
             proc = _load_file(os.path.join(directory, entry))
             if proc is not None and (proc.calls or proc.serves or proc.spans):
                 out.append(proc)
@@ -127,47 +128,60 @@ def _load_file(path: str) -> ProcessTrace | None:
     proc: ProcessTrace | None = None
     calls: dict[tuple[str, int], list[Any]] = {}
     serves: dict[tuple[str, int], list[Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            kind = event[0]
-            if kind == "process":
-                label, incarnation, pid, host, offset = event[1:6]
-                if proc is None:
-                    proc = ProcessTrace(label, incarnation, pid, host, offset)
-                else:
-                    proc.label, proc.incarnation = label, incarnation
-            elif proc is None:
-                continue
-            elif kind == "call":
-                _, method, endpoint, identity, rid, start, size = event
-                call = ["call", method, endpoint, _text(identity), rid, start, None, size]
-                calls[(identity, rid)] = call
-                proc.calls.append(call)
-            elif kind == "reply" and (event[1], event[2]) in calls:
-                calls.pop((event[1], event[2]))[6] = event[3]
-            elif kind == "serve":
-                _, method, identity, rid, start, size = event
-                serve = ["serve", method, _text(identity), rid, start, None, size]
-                serves[(identity, rid)] = serve
-            elif kind == "served" and (event[1], event[2]) in serves:
-                serve = serves.pop((event[1], event[2]))
-                serve[5] = event[3]
-                proc.serves.append(serve)
-            elif kind == "span":
-                proc.spans.append(event)
+    for event in _events(path):
+        kind = event[0]
+        if kind == "process":
+            label, incarnation, pid, host, offset = event[1:6]
+            if proc is None:
+                proc = ProcessTrace(label, incarnation, pid, host, offset)
+            else:
+                proc.label, proc.incarnation = label, incarnation
+        elif proc is None:
+            continue
+        elif kind == "call":
+            _, method, endpoint, identity, rid, start, size = event
+            call = ["call", method, endpoint, _text(identity), rid, start, None, size]
+            calls[(identity, rid)] = call
+            proc.calls.append(call)
+        elif kind == "reply" and (event[1], event[2]) in calls:
+            calls.pop((event[1], event[2]))[6] = event[3]
+        elif kind == "serve":
+            _, method, identity, rid, start, size = event
+            serve = ["serve", method, _text(identity), rid, start, None, size]
+            serves[(identity, rid)] = serve
+        elif kind == "served" and (event[1], event[2]) in serves:
+            serve = serves.pop((event[1], event[2]))
+            serve[5] = event[3]
+            proc.serves.append(serve)
+        elif kind == "span":
+            proc.spans.append(event)
     return proc
 
 
-def _text(identity: str) -> str:
-    """A routing id as written (base64 of ``name:pid:hex``), as text."""
-    try:
-        return base64.b64decode(identity).decode(errors="replace")
-    except ValueError:
-        return identity
+def _events(path: str) -> Iterator[list[Any]]:
+    """The events of one file, chunk by chunk; a chunk cut short (a process killed while it
+    wrote) ends the file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    at = 0
+    while at + 4 <= len(data):
+        size = int.from_bytes(data[at : at + 4], "little")
+        if at + 4 + size > len(data):
+            return
+        try:
+            chunk = _decode(data[at + 4 : at + 4 + size])
+        except msgspec.DecodeError:
+            return
+        at += 4 + size
+        yield from chunk
+
+
+_decode = msgspec.msgpack.Decoder(list[list[Any]]).decode
+
+
+def _text(identity: bytes) -> str:
+    """A routing id as written (``name:pid:hex``), as text."""
+    return identity.decode(errors="replace")
 
 
 def _lanes(intervals: list[tuple[int, int]]) -> list[int]:
@@ -289,7 +303,7 @@ def _complete(kind: str, e: list[Any], pid: int, tid: int, ts: float, dur: float
 
 
 def merge(run_dir: str) -> str | None:
-    """Merge ``RUN_DIR/trace/*.jsonl`` into ``RUN_DIR/trace.json``; returns its path, or None
+    """Merge ``RUN_DIR/trace/*.trace`` into ``RUN_DIR/trace.json``; returns its path, or None
     when the run recorded no trace."""
     directory = trace_dir(run_dir)
     if not os.path.isdir(directory):

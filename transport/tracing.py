@@ -4,13 +4,14 @@ Tracing is on in a process whose environment names a directory in ``ASYNCRL_TRAC
 ``install``). Each ``Client`` and ``Server`` asks ``current()`` once, when it is built, and keeps
 the answer: with tracing off that is ``None``, and the hot path pays one ``is not None`` test.
 
-The recorder appends to ``DIR/<host>-<pid>-<n>.jsonl``, one JSON array per line:
+The recorder appends to ``DIR/<host>-<pid>-<n>.trace`` chunks of events: each a 4-byte
+little-endian length, then a MessagePack array of events, each event an array:
 
 - ``["process", label, incarnation, pid, host, offset_ns]``: who wrote the file; ``offset_ns`` is
   wall clock minus the monotonic clock, sampled at start, which aligns the processes' clocks
   (``CLOCK_MONOTONIC`` is shared by every process of one host; hosts align on their wall clocks);
 - ``["call", method, endpoint, identity, request_id, start_ns, bytes]``: a request this process
-  sent to the server at ``endpoint``; ``identity`` is the client's routing id (base64), which
+  sent to the server at ``endpoint``; ``identity`` is the client's routing id (bytes), which
   the server sees too, so the two ends of a call meet on ``(identity, request_id)``;
 - ``["reply", identity, request_id, end_ns]``: its answer (a reply or an error) arrived; a call
   with none ended otherwise (deadline, disconnect, close);
@@ -27,7 +28,6 @@ and at exit, so a process that is killed loses at most its last half second.
 from __future__ import annotations
 
 import atexit
-import collections
 import itertools
 import os
 import socket
@@ -78,10 +78,10 @@ def shm_bytes(tensors: list[Any]) -> int:
 
 
 class Recorder:
-    """Records this process's calls and spans into ``directory/<host>-<pid>-<n>.jsonl``.
+    """Records this process's calls and spans into ``directory/<host>-<pid>-<n>.trace``.
 
-    The hooks only append a tuple to a deque (safe from any thread); a daemon thread of the
-    recorder writes them out every ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
+    The hooks only append a tuple to a list (from any thread); a daemon thread of the recorder
+    writes them out every ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
 
     Args:
         directory: where the file goes; created if missing.
@@ -93,15 +93,16 @@ class Recorder:
         os.makedirs(directory, exist_ok=True)
         self.host = socket.gethostname()
         self.pid = os.getpid()
-        self.path = os.path.join(directory, f"{self.host}-{self.pid}-{next(_serial)}.jsonl")
+        self.path = os.path.join(directory, f"{self.host}-{self.pid}-{next(_serial)}.trace")
         self.label = label
         self.incarnation = incarnation
         self.offset_ns = clock_offset_ns()
-        self._events: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._append = self._events.append
+        self._events: list[tuple[Any, ...]] = []
+        self._previous: list[tuple[Any, ...]] = []  # the list last written, and how much of it
+        self._previous_written = 0
         self._written_label: tuple[str, int] | None = None
         self._lock = threading.Lock()
-        self._encode_lines = msgspec.json.Encoder().encode_lines
+        self._encode = msgspec.msgpack.Encoder().encode
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_often, name="trace-writer", daemon=True)
         self._writer.start()
@@ -119,11 +120,13 @@ class Recorder:
         size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
         if env.tensors:
             size += shm_bytes(env.tensors)
-        self._append(("call", env.method, client.endpoint, client.identity, env.id, _clock(), size))
+        self._events.append(
+            ("call", env.method, client.endpoint, client.identity, env.id, _clock(), size)
+        )
 
     def answered(self, client: Any, env: Any) -> None:
         """``client`` got the answer ``env`` (a reply or an error) to its request ``env.id``."""
-        self._append(("reply", client.identity, env.id, _clock()))
+        self._events.append(("reply", client.identity, env.id, _clock()))
 
     def serving(self, call: Any, frames: list[Any], tensors: list[Any]) -> None:
         """A server took request ``call`` (a ``Call``) of ``frames``, whose tensor descriptors
@@ -131,11 +134,11 @@ class Recorder:
         size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
         if tensors:
             size += shm_bytes(tensors)
-        self._append(("serve", call.method, call.peer, call.id, _clock(), size))
+        self._events.append(("serve", call.method, call.peer, call.id, _clock(), size))
 
     def served(self, call: Any) -> None:
         """A server answered ``call`` (with its reply or an error)."""
-        self._append(("served", call.peer, call.id, _clock()))
+        self._events.append(("served", call.peer, call.id, _clock()))
 
     # -- spans -----------------------------------------------------------------------------
 
@@ -147,7 +150,9 @@ class Recorder:
         try:
             yield args
         finally:
-            self._append(("span", name, threading.current_thread().name, start, _clock(), args))
+            self._events.append(
+                ("span", name, threading.current_thread().name, start, _clock(), args)
+            )
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -164,17 +169,25 @@ class Recorder:
         self.flush()
 
     def flush(self) -> None:
-        """Write the events recorded so far (from any thread)."""
+        """Write the events recorded so far (from any thread).
+
+        The hooks append without a lock: one that fetched the list just before it was swapped
+        appends to the old one, so what the old list gained since it was written goes first.
+        """
         with self._lock:
-            events = self._events
-            lines = [events.popleft() for _ in range(len(events))]
+            events, self._events = self._events, []
+            batch = self._previous[self._previous_written :]
+            count = len(events)
+            batch.extend(events[:count])
+            self._previous, self._previous_written = events, count
             if self._written_label != (self.label, self.incarnation):
                 self._written_label = (self.label, self.incarnation)
                 head = ("process", self.label, self.incarnation, self.pid, self.host)
-                lines.insert(0, (*head, self.offset_ns))
-            if lines:
+                batch.insert(0, (*head, self.offset_ns))
+            if batch:
+                chunk = self._encode(batch)
                 with open(self.path, "ab") as f:
-                    f.write(self._encode_lines(lines))
+                    f.write(len(chunk).to_bytes(4, "little") + chunk)
 
 
 _recorder: Recorder | None = None
