@@ -57,7 +57,7 @@ class Usage:
     busy: float = 0.0
     waiting: float = 0.0
     idle: float = 0.0
-    waited_on: dict[str, float] = field(default_factory=dict)
+    waited_on: dict[str, float] = field(default_factory=dict)  # callee -> time with a call open
 
 
 @dataclass
@@ -140,8 +140,10 @@ def analyse(doc: dict[str, Any]) -> Analysis:
         w = _union([(s, e) for s, e, _, _ in waits[pid]])
         usage = Usage(busy=_length(b), waiting=_minus(w, b))
         usage.idle = max(0.0, end - usage.busy - usage.waiting)
+        on: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for s, e, who, _ in waits[pid]:
-            usage.waited_on[who] = usage.waited_on.get(who, 0.0) + (e - s)
+            on[who].append((s, e))
+        usage.waited_on = {who: _length(_union(spans)) for who, spans in on.items()}
         p["usage"] = usage
         roles[p["role"]].append(p)
     for _, callee_role, _ in list(edges):
