@@ -39,6 +39,7 @@ def recorder(tmp_path: Any) -> Iterator[tracing.Recorder]:
         yield rec
     finally:
         tracing.uninstall()
+        rec.close()
 
 
 async def _traced_calls(directory: str) -> tuple[Client, Server]:
@@ -323,7 +324,7 @@ def test_bench_measures_traced_and_untraced_calls(
     }
     assert figures["rpc_calls_per_s"] > 0 and figures["rpc_calls_per_s_traced"] > 0
     for recorder in made:
-        recorder.flush()
+        recorder.close()
     # only the traced pair recorded (the server's and the client's recorders, one file each):
     # 50 warm-up calls and ROUNDS rounds of 300
     procs = {p.label: p for p in trace.load(str(tmp_path / "trace"))}
