@@ -19,7 +19,9 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 # The tests that run an engine: the vLLM ones skip where vLLM is not installed.
 ENGINE_TESTS := tests/roles/test_vllm_engine.py tests/roles/test_engine.py \
-	tests/roles/test_rollout.py tests/roles/test_partial_rollouts.py
+	tests/roles/test_rollout.py tests/roles/test_partial_rollouts.py \
+	tests/integration/test_arith.py::test_grpo_with_vllm_rollouts_raises_the_reward \
+	tests/integration/test_arith.py::test_vllm_rollouts_with_learning_rate_zero_do_not
 
 .PHONY: setup run test test-fast lint format bench clean setup-vllm test-vllm
 

@@ -33,6 +33,17 @@ class ServerProcess:
         return out
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Every test starts from the same environment: a run started in-process sets variables
+    (the agent's control secret, a trace directory) that would otherwise reach the processes of
+    later tests, e.g. an echo server that then refuses a STOP without the secret."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def start_server_process(endpoint: str, *args: str) -> ServerProcess:
     """Start tests/helpers/echo_server.py and wait for its READY line (no sleeping)."""
     cmd = [sys.executable, "-m", "tests.helpers.echo_server", endpoint, *args]

@@ -6,6 +6,7 @@ assertion the first one passes, which proves the assertion measures learning.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +17,9 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+# A shortened run takes about 100 s on an idle 2-core machine: over the suite's 120 s default on a
+# loaded one.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SHORT = [
     "run.config.bc_max_steps=300",
@@ -88,3 +91,20 @@ def test_grpo_raises_the_reward(run_dir: str, mode: str) -> None:
 def test_the_same_run_with_learning_rate_zero_does_not(run_dir: str) -> None:
     history = run_example(run_dir, ZERO_LR)
     assert not reward_rises(history)
+
+
+VLLM = ["roles.rollout.config.engine=vllm"]
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed here; make test-vllm runs it (pip install 'asyncrl[vllm]')",
+)
+
+
+@needs_vllm
+def test_grpo_with_vllm_rollouts_raises_the_reward(run_dir: str) -> None:
+    assert reward_rises(run_example(run_dir, VLLM))
+
+
+@needs_vllm
+def test_vllm_rollouts_with_learning_rate_zero_do_not(run_dir: str) -> None:
+    assert not reward_rises(run_example(run_dir, VLLM + ZERO_LR))

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # two whole runs, about 100 s idle
 
 SHORT = [
     "roles.rollout.replicas=2",
