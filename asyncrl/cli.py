@@ -295,6 +295,13 @@ def _status(args: argparse.Namespace, rest: list[str]) -> int:
     return status_main(rest)
 
 
+def _selfcheck(args: argparse.Namespace, rest: list[str]) -> int:
+    """``asyncrl selfcheck [--plugin NAME] [--json] [--layers ...]``, reached by module name:
+    the runtime imports no plugin module (docs/plugins.md)."""
+    selfcheck: Any = importlib.import_module("asyncrl.plugins.selfcheck")
+    return int(selfcheck.main(rest))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``asyncrl`` console script; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -352,10 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("directory", metavar="DIR", help="where the key files go")
     generate.add_argument("--force", action="store_true", help="replace keys already in DIR")
     generate.set_defaults(func=_keys)
+    selfcheck = sub.add_parser(
+        "selfcheck", help="check a hardware plugin layer by layer (docs/plugins.md)", add_help=False
+    )
+    selfcheck.set_defaults(func=_selfcheck)
     version = sub.add_parser("version", help="print the package and wire-protocol versions")
     version.set_defaults(func=_version)
     args, rest = parser.parse_known_args(argv)
-    if rest and args.func not in (_bench, _status):
+    if rest and args.func not in (_bench, _status, _selfcheck):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     result: int = args.func(args, rest)
     return result

@@ -10,10 +10,8 @@ reference. Reading the YAML and applying overrides is ``asyncrl.manifest_yaml``.
 walks the raw YAML against the Structs below (``asyncrl._schema``, through ``msgspec.inspect``),
 collects every problem and raises one ``ManifestError`` that lists them all, each as
 ``<path>: <what is wrong>; <how to fix>``. Only a manifest without problems becomes a ``Manifest``.
-
-This module imports neither torch nor user code, since the node agent loads manifests. A role
-validates its own ``config`` in its own process.
-"""
+It imports neither torch nor user code (the node agent loads it); a role validates its own
+``config`` in its own process."""
 
 from __future__ import annotations
 
@@ -263,6 +261,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         env: environment variables of every process of the run.
         config: free-form settings of the control-flow program, which reads them as
             ``ctx.config``.
+        plugin: the hardware plugin of every process (``ASYNCRL_PLUGIN``); empty: detected.
     """
 
     name: Name
@@ -270,8 +269,11 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     program: Program
     env: Env = {}
     config: dict[str, Any] = {}
+    plugin: str = ""
 
     def __post_init__(self) -> None:
+        if self.plugin:
+            msgspec.structs.force_setattr(self, "env", {"ASYNCRL_PLUGIN": self.plugin, **self.env})
         if not self.run_dir:
             msgspec.structs.force_setattr(self, "run_dir", f"runs/{self.name}")
         match = _PROGRAM.fullmatch(self.program)

@@ -1001,3 +1001,13 @@ def test_network_and_security_sections(tmp_path: pathlib.Path) -> None:
     assert _problems(PLACED + "network: {adress: eth0}\n") == [
         "network.adress: unknown key; did you mean 'address'?"
     ]
+
+
+def test_run_plugin_reaches_every_process_as_asyncrl_plugin() -> None:
+    text = "run: {name: p, program: a:b, plugin: cuda, env: {X: '1'}}\nroles: {r: {class: a:B}}\n"
+    manifest = parse_manifest(text)
+    assert manifest.run.plugin == "cuda"
+    assert manifest.run.env == {"ASYNCRL_PLUGIN": "cuda", "X": "1"}
+    # An explicit ASYNCRL_PLUGIN in run.env wins over the field.
+    text = text.replace("X: '1'", "ASYNCRL_PLUGIN: cpu")
+    assert parse_manifest(text).run.env == {"ASYNCRL_PLUGIN": "cpu"}
