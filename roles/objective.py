@@ -162,7 +162,12 @@ def _none(cfg: LearnerConfig, samples: list[Scored]) -> list[Any]:
 
 
 def _per_sample(advantages: list[Any], target: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(advantages, dtype=torch.float32)[:, None].expand_as(target) * target
+    return (
+        torch.tensor(advantages, dtype=torch.float32, device=target.device)[:, None].expand_as(
+            target
+        )
+        * target
+    )
 
 
 @dataclass(frozen=True)
