@@ -76,8 +76,9 @@ def one_node(root: str, tmp: str) -> float:
     return time.perf_counter() - start
 
 
-def two_nodes(root: str, tmp: str) -> float:
-    """Seconds for the shortened manifest on two simulated nodes (torchrun, 127.0.0.1)."""
+def two_nodes(root: str, tmp: str, overrides: tuple[str, ...] = SHORT) -> float:
+    """Seconds for the manifest with ``overrides`` (the shortened one by default) on two
+    simulated nodes (torchrun, 127.0.0.1); the run directory is ``tmp/two``."""
     run_dir = os.path.join(tmp, "two")
     shutil.rmtree(run_dir, ignore_errors=True)
     port = _free_port()
@@ -99,7 +100,7 @@ def two_nodes(root: str, tmp: str) -> float:
             MANIFEST,
             "--run-dir",
             run_dir,
-            *_sets(SHORT),
+            *_sets(overrides),
         ]
         logs.append(os.path.join(tmp, f"node{node}.log"))
         with open(logs[-1], "wb") as out:
