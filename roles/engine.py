@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .engine_rows import Row, check_tokens, prepare_row, sample_seed, step_seed
+from .engine_rows import Row, check_tokens, check_weights, prepare_row, sample_seed, step_seed
 from .payloads import GenerateRequest, Sample, StopReason
 
 __all__ = ["Engine", "EngineStats", "HFEngine", "left_pad", "position_ids_from_mask", "sample_seed"]
@@ -281,17 +281,7 @@ class HFEngine:
         Raises:
             ValueError: a name the model does not have or a shape that differs, all listed.
         """
-        problems = []
-        for name, tensor in state.items():
-            shape = self._shapes.get(name)
-            if shape is None:
-                problems.append(f"{name}: not a tensor of the model")
-            elif tuple(tensor.shape) != shape:
-                problems.append(f"{name}: shape {tuple(tensor.shape)}, the model has {shape}")
-        if problems:
-            raise ValueError(
-                f"weights version {version} do not fit the model: " + "; ".join(problems)
-            )
+        check_weights(state, self._shapes, version)
         with self._pending_lock:
             self._pending = (dict(state), version)
 

@@ -1,4 +1,5 @@
-"""What every engine does with a request before decoding it: check it, seed it, resume it.
+"""What every engine does with a request before decoding it: check it, seed it, resume it;
+and with new weights before taking them (``check_weights``).
 
 A ``Row`` is one sample being generated: its request, its sampling seed, and the tokens,
 behaviour log-probs and versions it has so far (those of its partial when it resumes one).
@@ -9,12 +10,13 @@ share it, so they refuse the same requests with the same messages and resume par
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .payloads import GenerateRequest, Sample, SamplingParams, StopReason
 
-__all__ = ["Row", "check_tokens", "prepare_row", "sample_seed", "step_seed"]
+__all__ = ["Row", "check_tokens", "check_weights", "prepare_row", "sample_seed", "step_seed"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -124,3 +126,19 @@ def check_tokens(ids: Sequence[int], vocab: int, where: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+
+def check_weights(
+    state: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], version: int
+) -> None:
+    """Raise ValueError listing every tensor of ``state`` (weights ``version``) whose name is
+    not in ``shapes`` (the model's tensors) or whose shape differs."""
+    problems = []
+    for name, tensor in state.items():
+        shape = shapes.get(name)
+        if shape is None:
+            problems.append(f"{name}: not a tensor of the model")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, the model has {shape}")
+    if problems:
+        raise ValueError(f"weights version {version} do not fit the model: " + "; ".join(problems))

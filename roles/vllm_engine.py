@@ -49,7 +49,7 @@ import torch
 from asyncrl.errors import ConfigProblem
 
 from .engine import EngineStats
-from .engine_rows import Row, check_tokens, prepare_row, step_seed
+from .engine_rows import Row, check_tokens, check_weights, prepare_row, step_seed
 from .payloads import GenerateRequest, Sample, StopReason
 
 __all__ = ["VLLM_EXTRA_HINT", "VLLMEngine", "import_vllm"]
@@ -227,17 +227,7 @@ class VLLMEngine:
         Raises:
             ValueError: a name the model does not have or a shape that differs, all listed.
         """
-        problems = []
-        for name, tensor in state.items():
-            shape = self._shapes.get(name)
-            if shape is None:
-                problems.append(f"{name}: not a tensor of the model")
-            elif tuple(tensor.shape) != shape:
-                problems.append(f"{name}: shape {tuple(tensor.shape)}, the model has {shape}")
-        if problems:
-            raise ValueError(
-                f"weights version {version} do not fit the model: " + "; ".join(problems)
-            )
+        check_weights(state, self._shapes, version)
         with self._pending_lock:
             self._pending = (dict(state), version)
 

@@ -35,7 +35,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from typing import Any
 import msgspec
 
 from asyncrl import logs
-from asyncrl.bench.multinode_runs import MANIFEST, wall_times
+from asyncrl.bench.multinode_runs import MANIFEST, free_port, wall_times
 from asyncrl.dispatch import Dispatcher
 from asyncrl.handles import Context
 from asyncrl.manifest import Supervision
@@ -98,16 +97,9 @@ _ROLES: dict[str, tuple[int, str, dict[str, Any]]] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[ChildSpec]:
     """The four roles, each on its node: its run directory and its host id."""
-    endpoints = {name: f"tcp://127.0.0.1:{_free_port()}" for name in _ROLES}
+    endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in _ROLES}
     groups = {name: GroupInfo([e], liveness=LIVENESS) for name, e in endpoints.items()}
     children = []
     for name, (node, target, extra) in _ROLES.items():

@@ -22,7 +22,7 @@ import time
 
 from asyncrl.transport.shm import HOST_ID_ENV
 
-__all__ = ["MANIFEST", "ONE_NODE", "SHORT", "wall_times"]
+__all__ = ["MANIFEST", "ONE_NODE", "SHORT", "free_port", "wall_times"]
 
 MANIFEST = os.path.join("examples", "arith", "multinode.yaml")
 SHORT = (
@@ -43,7 +43,8 @@ ONE_NODE = (
 TIMEOUT_S = 900.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A tcp port free on the loopback interface now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -81,7 +82,7 @@ def two_nodes(root: str, tmp: str, overrides: tuple[str, ...] = SHORT) -> float:
     simulated nodes (torchrun, 127.0.0.1); the run directory is ``tmp/two``."""
     run_dir = os.path.join(tmp, "two")
     shutil.rmtree(run_dir, ignore_errors=True)
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     start = time.perf_counter()
     for node in (0, 1):
