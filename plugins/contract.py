@@ -35,12 +35,16 @@ class MemoryStats(msgspec.Struct, frozen=True):
         reserved: held by this process's caching allocator (allocated plus cache).
         peak: the most ``allocated`` since the last reset.
         total: the device's capacity (0 when unknown).
+        available: free on the device now, for every process together (0 when unknown).
+        limit: this process's share set by ``Device.limit_memory`` (0: none set).
     """
 
     allocated: int
     reserved: int
     peak: int
     total: int
+    available: int = 0
+    limit: int = 0
 
 
 @runtime_checkable
@@ -81,6 +85,16 @@ class Device(Protocol):
 
     def release_cache(self) -> None:
         """Give cached, unused memory back (a role going idle calls it)."""
+        ...
+
+    def limit_memory(self, fraction: float) -> None:
+        """Hold this process to ``fraction`` (0 < fraction <= 1) of the current device's
+        memory, where the device can enforce it; ``memory().limit`` reports the budget either
+        way. Two roles sharing a device each set their share (``placement.memory_fraction``).
+
+        Raises:
+            ValueError: ``fraction`` is not in (0, 1].
+        """
         ...
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:

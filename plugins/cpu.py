@@ -1,10 +1,23 @@
-"""The built-in ``cpu`` plugin: torch on the host, gloo collectives, float32 training."""
+"""The built-in ``cpu`` plugin: torch on the host, gloo collectives, float32 training.
+
+Memory on the host is the process's resident set (torch has no allocator of its own to ask
+there). ``release_cache`` collects garbage and then asks glibc to return its free heap to the
+system (``malloc_trim``), which is what makes a freed buffer leave the resident set.
+``limit_memory`` records a budget and reports usage against it, but does not enforce it: the
+only per-process limit Linux offers, ``RLIMIT_AS``, caps address space, not memory, and torch's
+thread pools and allocator arenas reserve far more address space than they touch, so a process
+under it fails at random allocations long before it uses its share.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import gc
 import os
 import resource
+from collections.abc import Callable
 
 import torch
 
@@ -14,7 +27,21 @@ from asyncrl.plugins.contract import MemoryStats
 from asyncrl.plugins.profiling import TraceProfiler
 from asyncrl.plugins.torch_ops import FastOps, ReferenceOps
 
-__all__ = ["CpuDevice", "CpuPlugin", "plugin"]
+__all__ = ["CpuDevice", "CpuPlugin", "check_fraction", "host_memory", "plugin"]
+
+
+def check_fraction(fraction: float) -> float:
+    """``fraction`` when it is a memory share (0 < fraction <= 1).
+
+    Raises:
+        ValueError: it is not.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(
+            f"memory fraction must be in (0, 1], got {fraction!r}; it is the share of the "
+            f"device's memory this process may use (placement.memory_fraction)"
+        )
+    return float(fraction)
 
 
 def _rss() -> int:
@@ -26,9 +53,65 @@ def _rss() -> int:
         return 0
 
 
+def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """The fields of ``/proc/meminfo`` in bytes ({} where it is missing)."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    unit = 1024 if fields[1:] == ["kB"] else 1
+                    out[key] = int(fields[0]) * unit
+    except OSError:
+        return {}
+    return out
+
+
+def _cgroup_limit(root: str = "/sys/fs/cgroup") -> tuple[int, int]:
+    """This container's memory limit and use (cgroup v2), or (0, 0) where there is none."""
+    try:
+        with open(os.path.join(root, "memory.max")) as f:
+            raw = f.read().strip()
+        with open(os.path.join(root, "memory.current")) as f:
+            used = int(f.read().strip())
+    except (OSError, ValueError):
+        return 0, 0
+    return (int(raw), used) if raw.isdigit() else (0, 0)
+
+
+def host_memory() -> tuple[int, int]:
+    """The host's memory as this process can use it, in bytes: (total, available); a cgroup
+    limit (a container's) lowers both."""
+    info = _meminfo()
+    total = info.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = info.get("MemAvailable", 0)
+    limit, used = _cgroup_limit()
+    if limit:
+        total, available = min(total, limit), min(available, max(0, limit - used))
+    return total, available
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None on another C library)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
 class CpuDevice:
     """The host as the device. Memory is the process's resident set: on CPU, torch has no
-    allocator of its own to ask."""
+    allocator of its own to ask; the peak is the resident set's high-water mark."""
+
+    def __init__(self) -> None:
+        self.fraction = 0.0
 
     kind = "cpu"
     visible_env = ""
@@ -51,13 +134,28 @@ class CpuDevice:
         torch.manual_seed(seed)
 
     def memory(self) -> MemoryStats:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total, available = host_memory()
         rss = _rss()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return MemoryStats(allocated=rss, reserved=rss, peak=max(peak, rss), total=total)
+        return MemoryStats(
+            allocated=rss,
+            reserved=rss,
+            peak=max(peak, rss),
+            total=total,
+            available=available,
+            limit=int(self.fraction * total),
+        )
 
     def release_cache(self) -> None:
         gc.collect()
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+
+    def limit_memory(self, fraction: float) -> None:
+        """Record ``fraction`` of the host's memory as this process's budget (not enforced:
+        see the module's docstring)."""
+        self.fraction = check_fraction(fraction)
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

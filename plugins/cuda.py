@@ -13,6 +13,7 @@ import torch
 from asyncrl.plugins.collectives import TorchCommunication
 from asyncrl.plugins.compiling import BucketCompiler
 from asyncrl.plugins.contract import MemoryStats
+from asyncrl.plugins.cpu import check_fraction
 from asyncrl.plugins.profiling import TraceProfiler
 from asyncrl.plugins.torch_ops import FastOps, ReferenceOps
 
@@ -24,6 +25,9 @@ class CudaDevice:
 
     kind = "cuda"
     visible_env = "CUDA_VISIBLE_DEVICES"
+
+    def __init__(self) -> None:
+        self.fractions: dict[int, float] = {}
 
     def available(self) -> bool:
         return torch.cuda.is_available()
@@ -49,15 +53,27 @@ class CudaDevice:
 
     def memory(self) -> MemoryStats:
         index = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
         return MemoryStats(
             allocated=torch.cuda.memory_allocated(index),
             reserved=torch.cuda.memory_reserved(index),
             peak=torch.cuda.max_memory_allocated(index),
-            total=torch.cuda.get_device_properties(index).total_memory,
+            total=total,
+            available=free,
+            limit=int(self.fractions.get(index, 0.0) * total),
         )
 
     def release_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def limit_memory(self, fraction: float) -> None:
+        """Cap this process's caching allocator on the current device at ``fraction`` of its
+        memory (``torch.cuda.set_per_process_memory_fraction``): an allocation past it raises
+        ``torch.OutOfMemoryError`` in this process, leaving the other roles' share alone. Memory
+        outside the allocator (the CUDA context, NCCL's buffers) is not counted."""
+        index = torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(check_fraction(fraction), index)
+        self.fractions[index] = fraction
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.is_pinned() else tensor.pin_memory()

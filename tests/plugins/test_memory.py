@@ -1,0 +1,162 @@
+"""Memory statistics, budgets and cache release of the built-in plugins (colocation)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrl.plugins import cpu, cuda
+from asyncrl.plugins.contract import Device, MemoryStats
+from asyncrl.roles.device_report import device_of, device_status
+
+MIB = 2**20
+
+
+def _vm_rss() -> int:
+    """VmRSS of /proc/self/status in bytes: a second reading of the resident set."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_cpu_memory_is_the_resident_set_and_the_hosts_memory() -> None:
+    dev = cpu.CpuDevice()
+    before = _vm_rss()
+    mem = dev.memory()
+    after = _vm_rss()
+    assert before - 4 * MIB <= mem.allocated <= after + 4 * MIB
+    assert mem.reserved == mem.allocated <= mem.peak
+    info = cpu._meminfo()
+    assert mem.total == info["MemTotal"] > 0
+    assert 0 < mem.available <= mem.total
+    assert mem.limit == 0
+    assert isinstance(dev, Device)
+
+
+def test_meminfo_and_a_cgroup_limit_are_read_from_their_files(tmp_path: pathlib.Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  1000 kB\nMemAvailable:   600 kB\nHugePages_Total:  3\n")
+    assert cpu._meminfo(str(meminfo)) == {
+        "MemTotal": 1024000,
+        "MemAvailable": 614400,
+        "HugePages_Total": 3,
+    }
+    assert cpu._meminfo(str(tmp_path / "missing")) == {}
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("4096\n")
+    assert cpu._cgroup_limit(str(tmp_path)) == (0, 0)
+    (tmp_path / "memory.max").write_text("65536\n")
+    assert cpu._cgroup_limit(str(tmp_path)) == (65536, 4096)
+    assert cpu._cgroup_limit(str(tmp_path / "none")) == (0, 0)
+
+
+def test_a_cpu_budget_is_recorded_and_reported_against_the_hosts_total() -> None:
+    dev = cpu.CpuDevice()
+    dev.limit_memory(0.25)
+    mem = dev.memory()
+    assert mem.limit == int(0.25 * mem.total)
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError) as err:
+            dev.limit_memory(bad)
+        assert str(err.value) == (
+            f"memory fraction must be in (0, 1], got {bad!r}; it is the share of the "
+            "device's memory this process may use (placement.memory_fraction)"
+        )
+    assert dev.memory().limit == int(0.25 * mem.total)
+
+
+_RELEASE = """
+import gc, json, torch
+from asyncrl.plugins.cpu import CpuDevice
+dev = CpuDevice()
+rss = lambda: dev.memory().allocated
+t = torch.ones(8 * 2**18); del t   # an 8 MiB free raises glibc's mmap threshold past 1 MiB
+base = rss()
+held = [torch.ones(2**18) for _ in range(256)]   # 256 tensors of 1 MiB, from the heap
+keep = torch.ones(2**18)   # above them, so the freed heap cannot shrink from its top
+grown = rss()
+del held; gc.collect()
+freed = rss()
+dev.release_cache()
+print(json.dumps({"grown": grown - base, "freed": freed - base, "released": rss() - base}))
+"""
+
+
+def test_release_cache_gives_freed_heap_back_to_the_system() -> None:
+    """Freed tensors stay resident in glibc's heap until ``release_cache`` trims it."""
+    out = subprocess.run(
+        [sys.executable, "-c", _RELEASE], capture_output=True, text=True, timeout=60, check=True
+    )
+    got = {k: v / MIB for k, v in json.loads(out.stdout).items()}
+    assert got["grown"] >= 250, got
+    assert got["freed"] >= 250, got  # free() alone keeps it resident
+    assert got["released"] <= 16, got
+
+
+class _FakeCuda:
+    """The torch.cuda functions the plugin calls, on a 1000-byte device with 600 free."""
+
+    def __init__(self) -> None:
+        self.fraction: tuple[float, int] | None = None
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        values: dict[str, Any] = {
+            "current_device": lambda: 1,
+            "mem_get_info": lambda i: (600, 1000) if i == 1 else (0, 0),
+            "memory_allocated": lambda i: 300 if i == 1 else -1,
+            "memory_reserved": lambda i: 350 if i == 1 else -1,
+            "max_memory_allocated": lambda i: 320 if i == 1 else -1,
+            "set_per_process_memory_fraction": self.set_fraction,
+        }
+        for name, fn in values.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def set_fraction(self, fraction: float, index: int) -> None:
+        self.fraction = (fraction, index)
+
+
+def test_cuda_memory_and_budget_use_torch_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    dev = cuda.CudaDevice()
+    assert dev.memory() == MemoryStats(
+        allocated=300, reserved=350, peak=320, total=1000, available=600, limit=0
+    )
+    dev.limit_memory(0.4)
+    assert fake.fraction == (0.4, 1)
+    assert dev.memory().limit == 400
+    with pytest.raises(ValueError, match=r"memory fraction must be in \(0, 1\], got 2"):
+        dev.limit_memory(2)
+    assert fake.fraction == (0.4, 1)
+
+
+def test_device_status_reports_the_hosts_memory_for_a_role_on_the_host() -> None:
+    status = device_status(torch.device("cpu"))
+    assert sorted(status) == ["device", "memory"]
+    assert status["device"] == "cpu"
+    assert sorted(status["memory"]) == [
+        "allocated",
+        "available",
+        "limit",
+        "peak",
+        "reserved",
+        "total",
+    ]
+    assert status["memory"]["allocated"] > 0
+
+
+def test_device_of_refuses_a_device_of_another_kind() -> None:
+    plugin = cpu.CpuPlugin()
+    assert device_of("cpu", plugin) is plugin.device
+    with pytest.raises(ValueError) as err:
+        device_of("cuda:0", plugin)
+    assert str(err.value) == (
+        "device 'cuda:0' is not a device of the 'cpu' plugin (its kind is 'cpu') nor the "
+        "host; place the role on one of those"
+    )
