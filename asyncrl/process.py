@@ -4,6 +4,12 @@ It owns what no role should write again: the event loop (uvloop when installed),
 (a transport Server at the replica's stable endpoint), heartbeats (answered by that server from
 the loop), logging, the CPU thread count, and clean shutdown on STOP, SIGTERM or SIGINT.
 
+Beside the role's endpoints the inbox answers three built-in methods: ``_describe`` (the
+endpoints and their delivery classes), ``_stats`` (calls served and failed, for the run's
+report) and ``_status`` (what ``asyncrl status`` shows of the replica: calls per method,
+seconds busy in its handlers, calls in flight, since when it runs, and the role's own
+``Role.status()`` under ``"role"``).
+
 Start-up order matters: the inbox binds first, so heartbeats flow while the role restores its
 state in ``setup()``; credit is advertised only after ``setup()`` returns, so no work arrives
 before the role is ready.
@@ -15,11 +21,14 @@ import asyncio
 import ctypes
 import importlib
 import importlib.metadata
+import inspect
 import os
 import signal
 import sys
+import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -44,9 +53,11 @@ from asyncrl.transport import run as run_loop
 
 __all__ = [
     "ConfigProblem",
+    "Tally",
     "load_role_class",
     "main",
     "serve_role",
+    "status_answer",
     "use_curve_keys",
     "wait_as_standby",
 ]
@@ -75,6 +86,89 @@ def set_threads(threads: int) -> None:
             torch.set_num_interop_threads(threads)
         except RuntimeError:
             pass  # only settable before the first parallel work; the OMP variable covers it
+
+
+class Tally:
+    """What the process wrapper measures of its role's handlers, answered by ``_status``.
+
+    It counts every call of an endpoint from when its handler starts (after ``setup()``) to
+    when it returns or raises, whoever called it: the driver, another role, a relay. So a role
+    called only by other roles is seen busy too, which the driver's dispatcher cannot see.
+
+    Args:
+        clock: monotonic seconds (a test may pass a fake one).
+        wall: wall-clock seconds since the epoch (``started_at``).
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time
+    ) -> None:
+        self.clock = clock
+        self.calls: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.handler_s: dict[str, float] = {}
+        self.inflight = 0
+        self.started_at = wall()
+        self._start = clock()
+        self._busy = 0.0
+        self._since = 0.0
+
+    def begin(self) -> float:
+        """Count a call as started; returns its start time for ``end``."""
+        now = self.clock()
+        if self.inflight == 0:
+            self._since = now
+        self.inflight += 1
+        return now
+
+    def end(self, method: str, started: float, ok: bool) -> None:
+        """Count the call of ``method`` started at ``started`` as ended (``ok``: it returned;
+        otherwise it raised or was cancelled)."""
+        now = self.clock()
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._busy += now - self._since
+        self.handler_s[method] = self.handler_s.get(method, 0.0) + now - started
+        (self.calls if ok else self.errors)[method] += 1
+
+    def busy_s(self) -> float:
+        """Seconds with at least one call in a handler so far, the current stretch included
+        (overlapping calls count once)."""
+        return self._busy + (self.clock() - self._since if self.inflight else 0.0)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counts as plain data: ``calls`` and ``errors`` (per method), ``handler_s`` (the
+        seconds of each method's calls, summed: overlapping calls each count), ``busy_s``,
+        ``inflight``, ``started_at`` (wall clock) and ``uptime_s``."""
+        return {
+            "calls": dict(self.calls),
+            "errors": dict(self.errors),
+            "handler_s": {m: round(s, 6) for m, s in self.handler_s.items()},
+            "busy_s": round(self.busy_s(), 6),
+            "inflight": self.inflight,
+            "started_at": self.started_at,
+            "uptime_s": round(self.clock() - self._start, 6),
+        }
+
+
+def status_answer(identity: dict[str, Any], tally: Tally, role: Role) -> dict[str, Any]:
+    """The answer of the built-in ``_status`` method: ``identity`` (process, replica,
+    incarnation, pid), the tally's counts, and under ``"role"`` what ``role.status()``
+    reports. A ``status()`` that raises or answers something other than a mapping of plain
+    data gives ``{"error": why}`` there; the rest of the answer stands."""
+    try:
+        if inspect.iscoroutinefunction(role.status):
+            raise TypeError(
+                "status is an async method (an endpoint?), not the Role.status() hook; give "
+                "the endpoint another method name and keep its wire name with "
+                "@endpoint(name='status')"
+            )
+        facts = msgspec.to_builtins(role.status())
+        if not isinstance(facts, dict):
+            raise TypeError(f"status() must return a dict, got {type(facts).__name__}")
+    except Exception as exc:  # a role's bug must not hide the process's own counts
+        facts = {"error": f"{type(role).__name__}.status() failed: {type(exc).__name__}: {exc}"}
+    return {**identity, **tally.snapshot(), "role": facts}
 
 
 def load_role_class(target: str) -> type[Role]:
@@ -152,12 +246,20 @@ async def serve_role(spec: ProcessSpec) -> None:
         "pid": os.getpid(),
         "endpoints": {n: e.delivery.value for n, e in endpoints.items()},
     }
+    tally = Tally()
+    identity = {
+        "process": f"{spec.name}.{spec.replica}",
+        "replica": spec.replica,
+        "incarnation": spec.incarnation,
+        "pid": os.getpid(),
+    }
     for server in servers:
         for ep in endpoints.values():
-            handler = _handler(role, ep.attr, ep.name, ready, stats, faults)
+            handler = _handler(role, ep.attr, ep.name, ready, stats, tally, faults)
             server.add(ep.name, handler, ep.request_type)
         server.add("_describe", lambda payload, call: describe)
         server.add("_stats", lambda payload, call: dict(stats))
+        server.add("_status", lambda payload, call: status_answer(identity, tally, role))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -216,6 +318,7 @@ def _handler(
     name: str,
     ready: asyncio.Event,
     stats: Counter[str],
+    tally: Tally,
     faults: FaultPlan,
 ) -> Any:
     method = getattr(role, attr)
@@ -223,11 +326,15 @@ def _handler(
     async def handle(payload: Any, call: Call) -> Any:
         if not ready.is_set():
             await ready.wait()
+        started, ok = tally.begin(), False
         try:
             result = await method(payload)
+            ok = True
         except Exception:
             stats["errors"] += 1
             raise
+        finally:
+            tally.end(name, started, ok)
         stats["served"] += 1
         faults.after_work(name)
         return result

@@ -196,6 +196,19 @@ class Role:
         nothing.
         """
 
+    def status(self) -> dict[str, Any]:
+        """Live facts this role reports to ``asyncrl status``, e.g. its device memory.
+
+        The process wrapper answers them under the key ``"role"`` of its built-in ``_status``
+        method, beside what it measures itself (calls served, seconds busy, calls in flight).
+        Called on the event loop, so it must be quick: read counters, never compute. The
+        values must be plain data (numbers, strings, lists, dicts, or msgspec Structs). A
+        ``"memory"`` entry with the fields of ``asyncrl.plugins.contract.MemoryStats``
+        (``allocated``, ``reserved``, ``peak``, ``total``, in bytes) shows as the memory column
+        of ``asyncrl status``. The default reports nothing: ``{}``.
+        """
+        return {}
+
     async def setup(self) -> None:
         """Restore state before any request is taken; no credit is advertised until it returns."""
 
