@@ -3,8 +3,9 @@
 A manifest names the control-flow program (``run``), sets up the driver process (``driver``),
 says once which model and tokenizer the roles load (``model``, ``asyncrl.model_section``) and
 lists the roles (``roles``): for each, its class or external command, replicas, capacity, CPU
-threads, placement, environment, free-form config and restart policy. docs/manifest.md is the
-reference. Reading the YAML and applying overrides is ``asyncrl.manifest_yaml``.
+threads, placement (``asyncrl.placement``: node, device, a share of the device's memory),
+environment, free-form config and restart policy. docs/manifest.md is the reference. Reading
+the YAML and applying overrides is ``asyncrl.manifest_yaml``.
 
 ``load_manifest`` reads one, applies ``--set key=value`` overrides and validates it. Validation
 walks the raw YAML against the Structs below (``asyncrl._schema``, through ``msgspec.inspect``),
@@ -30,6 +31,7 @@ from asyncrl.errors import ManifestError
 from asyncrl.manifest_yaml import apply_override, credit, load_yaml
 from asyncrl.model_section import ModelSpec, model_problem
 from asyncrl.pacing import PipelineSpec, StragglerSpec, straggler_problem
+from asyncrl.placement import Placement, check_placement, sharing_problems
 from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 __all__ = [
@@ -104,13 +106,6 @@ DeliveryClass = Literal["idempotent", "once", "latest"]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Env = dict[str, str]
-Device = Annotated[
-    str,
-    msgspec.Meta(
-        pattern=r"^[A-Za-z][A-Za-z0-9_]*(:[0-9]+)?$",
-        extra={"expected": "'cpu', 'cuda', 'cuda:N' or another plugin's device string"},
-    ),
-]
 Program = Annotated[str, msgspec.Meta(extra={"expected": _PROGRAM_FORM, "check": _check_program})]
 ClassRef = Annotated[str, msgspec.Meta(extra={"check": _check_class})]
 Command = Annotated[
@@ -153,28 +148,6 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     startup_timeout_s: Seconds = 120.0
     shutdown_timeout_s: Seconds = 5.0
     standby: bool = False
-
-
-NodeIndex = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class Placement(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Where each replica of a role runs.
-
-    Attributes:
-        node: the index of the node (the torchrun node rank) of every replica; 0 on one machine.
-        nodes: the nodes the replicas are spread over, round-robin (replica ``i`` runs on
-            ``nodes[i % len(nodes)]``); given instead of ``node``.
-        device: the device the replica computes on, as the hardware plugin names it.
-    """
-
-    node: NodeIndex = 0
-    nodes: list[NodeIndex] = []
-    device: Device = "cpu"
-
-    def node_of(self, replica: int) -> int:
-        """The node that runs replica ``replica``."""
-        return self.nodes[replica % len(self.nodes)] if self.nodes else self.node
 
 
 class RoleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -367,25 +340,6 @@ def _check_backoff(value: dict[Any, Any], path: str, problems: list[str]) -> Non
 _DEFAULT_SUPERVISION = Supervision()
 
 
-def _check_placement(value: dict[Any, Any], path: str, problems: list[str]) -> None:
-    nodes = value.get("nodes")
-    # node 0 is the default, which a saved manifest (manifest.json) writes out beside nodes.
-    if value.get("node", 0) != 0 and nodes:
-        problems.append(
-            f"{join(path, 'nodes')}: both 'node' and 'nodes' are given; keep 'node' for one "
-            "node or 'nodes' to spread the replicas over several"
-        )
-    if isinstance(nodes, list):
-        seen: set[Any] = set()
-        for i, node in enumerate(nodes):
-            if node in seen and isinstance(node, int):
-                problems.append(
-                    f"{join(path, 'nodes')}[{i}]: node {node} is listed twice; list each node "
-                    "once (the replicas go round-robin over the list)"
-                )
-            seen.add(node)
-
-
 def _check_straggler(value: dict[Any, Any], path: str, problems: list[str]) -> None:
     problem = straggler_problem(value.get("policy", "wait"), value.get("deadline_s", 0.0))
     if problem:
@@ -398,9 +352,14 @@ def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:
         problems.append(problem)
 
 
+def _check_sharing(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    problems += sharing_problems(value.get("roles"), join(path, "roles"))
+
+
 _STRUCT_CHECKS: dict[type, StructCheck] = {
+    Manifest: _check_sharing,
     ModelSpec: _check_model,
-    Placement: _check_placement,
+    Placement: check_placement,
     RoleSpec: _check_role,
     Supervision: _check_backoff,
     StragglerSpec: _check_straggler,
