@@ -82,6 +82,10 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         config: the role's config mapping from the manifest.
         threads: CPU threads for compute.
         device: the placement's device.
+        memory_fraction: the placement's share of the device's memory (0: no limit), which
+            the role applies through its plugin (``Device.limit_memory``).
+        release_when_idle: the placement's ``release_when_idle``: the role gives its cached
+            device memory back when it goes idle.
         capacity: requests one replica works on at once.
         heartbeat_interval_s: seconds between pings.
         liveness: missed pings after which a peer is dead.
@@ -109,6 +113,8 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     config: dict[str, Any] = {}
     threads: int = 1
     device: str = "cpu"
+    memory_fraction: float = 0.0
+    release_when_idle: bool = False
     capacity: int = 1
     heartbeat_interval_s: float = 1.0
     liveness: int = 3
