@@ -329,7 +329,10 @@ async def run_manifest(
         log.info("run started", run=run, run_dir=run_dir, processes=len(children))
         async with asyncio.TaskGroup() as tasks:
             side = tasks.create_task(beside(supervisor)) if beside is not None else None
-            status = tasks.create_task(_serve_status(supervisor, manifest, run_dir, view, log))
+            replicas = {(c.name, c.replica): c.endpoint for c in children if c.kind == "role"}
+            status = tasks.create_task(
+                _serve_status(supervisor, manifest, run_dir, view, replicas, log)
+            )
             try:
                 report = await supervisor.run()
             except Exception as exc:  # an ExceptionGroup: the supervisor's own task failed
@@ -377,11 +380,18 @@ def _supervisor(
 
 
 async def _serve_status(
-    supervisor: Supervisor, manifest: Manifest, run_dir: str, view: NodeView | None, log: Any
+    supervisor: Supervisor,
+    manifest: Manifest,
+    run_dir: str,
+    view: NodeView | None,
+    replicas: dict[tuple[str, int], str],
+    log: Any,
 ) -> None:
-    """Serve the agent's status endpoint (``asyncrl status``) until cancelled. One that cannot
-    be bound is logged, and the run goes on without it."""
+    """Serve the agent's status endpoint (``asyncrl status``) until cancelled; ``replicas``:
+    the inbox of every Python role replica of this node, asked its own ``_status``. One that
+    cannot be bound is logged, and the run goes on without it."""
     status = _status_server(supervisor, manifest, run_dir, view or NodeView(), log)
+    status.replicas = replicas
     try:
         await status.start()
         await asyncio.Event().wait()

@@ -11,6 +11,11 @@ agent answers with:
   its incarnation, the current step and version (from the last per-step metrics record), and,
   per role group, the calls queued for any replica and per replica its credit, calls in flight
   and queued, calls served and seconds busy (``Dispatcher.status``);
+- each serving Python role replica of the node, asked by the agent: its own ``_status``
+  (``asyncrl.process``): calls answered per method and seconds busy in its handlers, whoever
+  called it (the driver, another role, a relay), and what the role reports of itself
+  (``Role.status()``, e.g. its device memory). A replica that does not answer within
+  ``REPLICA_TIMEOUT_S`` is shown with the reason; it never holds up the answer;
 - in a launch over several nodes (``asyncrl.launch``), the same of every other node. Each agent
   also binds its status endpoint on a tcp port, published in the launch's store next to the
   replicas' endpoints (Curve applies as to every tcp socket of the launch), and asks the others
@@ -53,6 +58,10 @@ ASK_TIMEOUT_S = 3.0
 """Seconds the driver has to answer its agent; another node's agent has twice that (it may wait
 on its own driver), and the agent asked by ``asyncrl status`` three times."""
 
+REPLICA_TIMEOUT_S = 1.0
+"""Seconds each role replica has to answer the agent's ``_status`` (it answers from its event
+loop, which compute never holds)."""
+
 Rows = Callable[[], list[dict[str, Any]]]
 
 
@@ -75,6 +84,9 @@ class AgentStatus:
         timeout_s: seconds the driver and each other agent have to answer.
         curve: the Curve keys of the tcp endpoint and of the clients to the other agents
             (``asyncrl.transport.CurveKeys``), or None: the process's default.
+        replicas: the inbox endpoint of every Python role replica of this node, by (role,
+            replica): each serving one is asked its own ``_status`` (``asyncrl.process``).
+        replica_timeout_s: seconds each replica has to answer its ``_status``.
     """
 
     def __init__(
@@ -89,6 +101,8 @@ class AgentStatus:
         peers: dict[int, str] | None = None,
         timeout_s: float = ASK_TIMEOUT_S,
         curve: Any = None,
+        replicas: dict[tuple[str, int], str] | None = None,
+        replica_timeout_s: float = REPLICA_TIMEOUT_S,
     ) -> None:
         self.processes = processes
         self.run = run
@@ -99,6 +113,8 @@ class AgentStatus:
         self.peers = dict(peers or {})
         self.timeout_s = timeout_s
         self.curve = curve
+        self.replicas = dict(replicas or {})
+        self.replica_timeout_s = replica_timeout_s
         self.endpoint = agent_endpoint(run_dir)
         self._servers: list[Server] = []
         self._clients: dict[str, Client] = {}
@@ -147,15 +163,35 @@ class AgentStatus:
         return await self.node_status()
 
     async def node_status(self) -> dict[str, Any]:
-        """This node: its index, agent pid, processes, and (node 0) the driver's answer."""
+        """This node: its index, agent pid, processes, and (node 0) the driver's answer.
+
+        Each serving Python role replica of the node is asked its own ``_status`` at the same
+        time (``replica_timeout_s``); its answer, or ``{"error": why}``, is the process row's
+        ``status``. A replica that does not answer delays the answer by that timeout at most.
+        """
+        processes = self.processes()
         answer: dict[str, Any] = {
             "node": self.node,
             "agent_pid": os.getpid(),
-            "processes": self.processes(),
+            "processes": processes,
         }
+        asks = [self._replica_status(row) for row in processes]
         if self.driver:
-            answer["driver"] = await self._ask(self.driver, "status", self.timeout_s)
+            driver, *_ = await asyncio.gather(
+                self._ask(self.driver, "status", self.timeout_s), *asks
+            )
+            answer["driver"] = driver
+        else:
+            await asyncio.gather(*asks)
         return answer
+
+    async def _replica_status(self, row: dict[str, Any]) -> None:
+        """Set ``row["status"]`` to the replica's own ``_status`` answer, if it is a serving
+        Python role of this node."""
+        endpoint = self.replicas.get((row["role"], row["replica"]))
+        if endpoint is None or row["kind"] != "role" or not row["serving"]:
+            return
+        row["status"] = await self._ask(endpoint, "_status", self.replica_timeout_s)
 
     async def _ask(self, endpoint: str, method: str, timeout_s: float) -> dict[str, Any]:
         """``method``'s answer from the server at ``endpoint``, or ``{"error": why}``. One
@@ -231,8 +267,9 @@ async def ask(run_dir: str, timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Any]:
 
 
 def rows(status: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per process of the run (every node), the driver's view of the replica (credit,
-    calls in flight and queued, served, busy seconds) joined to the role replicas."""
+    """One row per process of the run (every node): the agent's view, the driver's view of the
+    replica (credit, calls in flight and queued, served, ``driver_busy_s``) and the replica's
+    own count (``calls``, ``busy_s``, ``memory``: what its ``_status`` answered)."""
     driver: dict[str, Any] = next((n["driver"] for n in status["nodes"] if "driver" in n), {})
     replicas = {
         (role, r["replica"]): r
@@ -243,13 +280,44 @@ def rows(status: dict[str, Any]) -> list[dict[str, Any]]:
     for node in status["nodes"]:
         for p in node.get("processes", []):
             seen = replicas.get((p["role"], p["replica"]), {}) if p["kind"] != "driver" else {}
-            out.append({"node": node.get("node", 0), **p, **_seen(seen)})
+            own = _own(p.get("status", {}))
+            out.append({"node": node.get("node", 0), **p, **_seen(seen), **own})
     return out
 
 
 def _seen(replica: dict[str, Any]) -> dict[str, Any]:
-    keys = ("credit", "inflight", "queued", "served", "busy_s")
-    return {k: replica[k] for k in keys if k in replica}
+    keys = ("credit", "inflight", "queued", "served")
+    found = {k: replica[k] for k in keys if k in replica}
+    if "busy_s" in replica:
+        found["driver_busy_s"] = replica["busy_s"]
+    return found
+
+
+def _own(answer: dict[str, Any]) -> dict[str, Any]:
+    """What a replica's ``_status`` answer puts in its row: calls answered (every method),
+    seconds busy in its handlers, and its device memory (``allocated/total``) if it reports
+    one."""
+    if not answer or "error" in answer:
+        return {}
+    own: dict[str, Any] = {"calls": sum(answer["calls"].values()), "busy_s": answer["busy_s"]}
+    memory = answer.get("role", {}).get("memory")
+    if isinstance(memory, dict) and "allocated" in memory:
+        total = memory.get("total") or 0
+        used = _bytes(memory["allocated"])
+        own["memory"] = f"{used}/{_bytes(total)}" if total else used
+    return own
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes for a person: 512B, 3.0K, 1.5M, 80.0G."""
+    if n < 1024:
+        return f"{n}B"
+    value = n / 1024
+    for unit in ("K", "M"):
+        if value < 1024:
+            return f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}G"
 
 
 def _state(row: dict[str, Any]) -> str:
@@ -268,6 +336,10 @@ def _heading(status: dict[str, Any]) -> list[str]:
     for node in status["nodes"]:
         if "error" in node:
             lines.append(f"node {node.get('node')}: {node['error']}")
+        for p in node.get("processes", []):
+            error = p.get("status", {}).get("error")
+            if error:
+                lines.append(f"{p['role']}[{p['replica']}] on node {_node(node)}: {error}")
         driver = node.get("driver")
         if driver is None:
             continue
@@ -296,7 +368,9 @@ COLUMNS = (
     ("inflight", "in flight", ""),
     ("queued", "queued", ""),
     ("served", "served", ""),
+    ("calls", "calls", ""),
     ("busy_s", "busy s", ".1f"),
+    ("memory", "memory", ""),
 )
 """The table's columns: the row's key, the header, the number format."""
 

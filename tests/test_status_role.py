@@ -12,7 +12,8 @@ import msgspec
 from asyncrl.process import Tally, serve_role, status_answer
 from asyncrl.role import Role, RoleContext, endpoint
 from asyncrl.spec import ProcessSpec
-from asyncrl.transport import Client, LocalRegistry
+from asyncrl.status import AgentStatus, ask, format_status
+from asyncrl.transport import Client, LocalRegistry, Server
 
 START_S = 20.0
 
@@ -175,3 +176,76 @@ def test_an_endpoint_method_named_status_is_reported_not_called() -> None:
         "(an endpoint?), not the Role.status() hook; give the endpoint another method name and "
         "keep its wire name with @endpoint(name='status')"
     }
+
+
+PROCESS = {
+    "role": "reference",
+    "replica": 0,
+    "kind": "role",
+    "incarnation": 1,
+    "pid": 4242,
+    "alive": True,
+    "serving": True,
+    "standby_pid": None,
+    "restarts": 1,
+    "heartbeat_age_s": 0.5,
+}
+OWN = {
+    "process": "reference.0",
+    "replica": 0,
+    "incarnation": 1,
+    "pid": 4242,
+    "calls": {"logprobs": 40, "ping": 2},
+    "errors": {},
+    "handler_s": {"logprobs": 30.25, "ping": 0.001},
+    "busy_s": 12.75,
+    "inflight": 1,
+    "started_at": 1700000000.0,
+    "uptime_s": 60.0,
+    "role": {
+        "memory": {"allocated": 3 * 2**30 // 2, "reserved": 0, "peak": 0, "total": 80 * 2**30}
+    },
+}
+
+
+def test_the_agent_asks_each_serving_replica_and_names_one_that_does_not_answer(
+    tmp_path: Any,
+) -> None:
+    asyncio.run(_agent_asks(str(tmp_path)))
+
+
+async def _agent_asks(run_dir: str) -> None:
+    served = Server(f"ipc://{run_dir}/reference.0", name="reference.0")
+    served.add("_status", lambda payload, call: OWN)
+    await served.start()
+    silent = f"ipc://{run_dir}/critic.0"  # nothing binds it
+    processes = [
+        PROCESS,
+        {**PROCESS, "role": "critic", "incarnation": 0, "pid": 4243, "restarts": 0},
+        {**PROCESS, "role": "rollout", "serving": False, "pid": 4244},
+    ]
+    agent = AgentStatus(
+        lambda: [dict(p) for p in processes],
+        run="r",
+        run_dir=run_dir,
+        replicas={
+            ("reference", 0): served.endpoint,
+            ("critic", 0): silent,
+            ("rollout", 0): f"ipc://{run_dir}/rollout.0",
+        },
+        replica_timeout_s=0.3,
+    )
+    await agent.start()
+    try:
+        found = await ask(run_dir)
+    finally:
+        await agent.close()
+        await served.close()
+    reference, critic, rollout = found["nodes"][0]["processes"]
+    assert reference["status"] == OWN
+    assert critic["status"]["error"].startswith(f"{silent} did not answer '_status': ")
+    assert "status" not in rollout  # not serving: not asked
+    lines = format_status(found, width=160).splitlines()
+    assert lines[1] == f"critic[0] on node 0: {critic['status']['error']}"
+    assert lines[3].split()[-4:] == ["-", "42", "12.8", "1.5G/80.0G"]
+    assert lines[4].split()[-4:] == ["-", "-", "-", "-"]

@@ -72,6 +72,18 @@ def processes(found: dict[str, Any]) -> list[tuple[int, str, int, int, bool, int
     ]
 
 
+def own_calls(found: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per role, the calls its replicas answered by method, as each replica counted them."""
+    calls: dict[str, dict[str, int]] = {}
+    for node in found["nodes"]:
+        for p in node["processes"]:
+            if "status" in p:
+                per_role = calls.setdefault(p["role"], {})
+                for method, n in p["status"]["calls"].items():
+                    per_role[method] = per_role.get(method, 0) + n
+    return calls
+
+
 def test_status_of_a_running_run_a_restart_and_the_end(run_dir: str) -> None:
     program = os.path.join(run_dir, "program.py")
     with open(program, "w") as f:
@@ -105,6 +117,10 @@ def test_status_of_a_running_run_a_restart_and_the_end(run_dir: str) -> None:
         assert [(r["credit"], r["inflight"], r["queued"]) for r in splitters] == [(1, 0, 0)] * 2
         assert sum(r["served"] for r in splitters) == 1
         assert driver["roles"]["splitter"]["queued"] == 0
+        # Each replica's own count, asked by the agent: the one split, and no call yet to the
+        # counter; the driver is no role and is not asked.
+        assert own_calls(found) == {"splitter": {"split": 1}, "counter": {}}
+        assert "status" not in found["nodes"][0]["processes"][3]
         ages = [p["heartbeat_age_s"] for p in found["nodes"][0]["processes"]]
         assert all(0 <= age < 10 for age in ages), ages
         text = status(run_dir)
@@ -151,6 +167,7 @@ def test_status_from_node_1_shows_both_nodes_over_curve(tmp_path: Any) -> None:
             ]
             roles = found["nodes"][0]["driver"]["roles"]
             assert sum(r["served"] for r in roles["splitter"]["replicas"]) == 15
+            assert own_calls(found) == {"counter": {"add": 15}, "splitter": {"split": 15}}
         with open(nodes.gate, "w"):
             pass
         assert nodes.finish() == [0, 0], nodes.logs()
