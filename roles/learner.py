@@ -50,9 +50,7 @@ of a sample equals its behaviour log-probs under the same weights.
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,6 +86,7 @@ from asyncrl.roles.data_parallel import (
     share_out,
 )
 from asyncrl.roles.learner_config import LearnerConfig
+from asyncrl.roles.learner_export import export_pretrained, writable
 from asyncrl.roles.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.objective import (
     Forward,
@@ -215,16 +214,7 @@ class Learner(Role):
             await self.ctx.offload(self.dp.close)
 
     def _lr_factor(self, step: int) -> float:
-        cfg = self.config
-        warmup, total = int(cfg.warmup_steps), int(cfg.total_steps)
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if cfg.lr_schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return float(self.config.lr_factor(step))
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -562,36 +552,6 @@ class Learner(Role):
                 f"never became durable, to be trained again"
             )
 
-    def _writable(self, path: str) -> str:
-        """``path``, resolved, if it lies in the run directory or a configured write path.
-
-        Raises:
-            PermissionError: it lies elsewhere.
-        """
-        real = os.path.realpath(path)
-        roots = [self.ctx.run_dir, *self.config.write_paths]
-        for root in roots:
-            base = os.path.realpath(root)
-            if real == base or real.startswith(base + os.sep):
-                if real == base:
-                    break  # never replace a root itself
-                return real
-        raise PermissionError(
-            f"{self.ctx.name}: refusing to write {path!r}: it is outside the run directory "
-            f"{self.ctx.run_dir!r} and the configured write_paths {self.config.write_paths}; "
-            f"write inside the run directory, or add its parent to roles.{self.ctx.name}"
-            f".config.write_paths in the manifest"
-        )
-
     def _export(self, path: str) -> str:
-        path = self._writable(path)
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        if self.config.tokenizer_path:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(self.config.tokenizer_path).save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        return path
+        where = writable(path, self.ctx.name, self.ctx.run_dir, self.config.write_paths)
+        return export_pretrained(self.model, where, self.config.tokenizer_path)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -138,3 +139,16 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         _check_at_least_one("mini_batches", self.mini_batches)
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s: expected a number > 0, got {self.dist_timeout_s!r}")
+
+    def lr_factor(self, step: int) -> float:
+        """The learning rate at optimizer step ``step`` as a factor of the peak: linear
+        warm-up over ``warmup_steps``, then ``lr_schedule``'s decay over ``total_steps``."""
+        warmup, total = int(self.warmup_steps), int(self.total_steps)
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if self.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if self.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
