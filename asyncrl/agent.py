@@ -329,9 +329,8 @@ async def run_manifest(
         log.info("run started", run=run, run_dir=run_dir, processes=len(children))
         async with asyncio.TaskGroup() as tasks:
             side = tasks.create_task(beside(supervisor)) if beside is not None else None
-            replicas = {(c.name, c.replica): c.endpoint for c in children if c.kind == "role"}
             status = tasks.create_task(
-                _serve_status(supervisor, manifest, run_dir, view, replicas, log)
+                _serve_status(supervisor, manifest, run_dir, view, children, log)
             )
             try:
                 report = await supervisor.run()
@@ -384,14 +383,14 @@ async def _serve_status(
     manifest: Manifest,
     run_dir: str,
     view: NodeView | None,
-    replicas: dict[tuple[str, int], str],
+    children: list[ChildSpec],
     log: Any,
 ) -> None:
-    """Serve the agent's status endpoint (``asyncrl status``) until cancelled; ``replicas``:
-    the inbox of every Python role replica of this node, asked its own ``_status``. One that
-    cannot be bound is logged, and the run goes on without it."""
+    """Serve the agent's status endpoint (``asyncrl status``) until cancelled; the inbox of
+    every Python role replica among ``children`` is asked its own ``_status``. One that cannot
+    be bound is logged, and the run goes on without it."""
     status = _status_server(supervisor, manifest, run_dir, view or NodeView(), log)
-    status.replicas = replicas
+    status.replicas = {(c.name, c.replica): c.endpoint for c in children if c.kind == "role"}
     try:
         await status.start()
         await asyncio.Event().wait()
