@@ -348,9 +348,13 @@ async def run_manifest(
         if removed:
             log.info("swept", removed=removed)
         janitor.finish()
+    _write_report(run_dir, report)
+    return report
+
+
+def _write_report(run_dir: str, report: RunReport) -> None:
     with open(os.path.join(run_dir, "report.json"), "wb") as f:
         f.write(msgspec.json.format(msgspec.json.encode(report)))
-    return report
 
 
 def _supervisor(
