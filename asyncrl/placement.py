@@ -12,7 +12,7 @@ Importing this module imports neither torch nor user code (the node agent loads 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeGuard
 
 import msgspec
 
@@ -93,7 +93,7 @@ def same_device(device: str) -> str:
     return device if ":" in device else f"{device}:0"
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

@@ -25,8 +25,8 @@ configs disagree. The epochs and mini-batches need not match the learner's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import torch
@@ -42,6 +42,7 @@ from asyncrl.roles.batching import (
     mini_batch_indices,
     pad_batch,
 )
+from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.payloads import CriticStepResult, Scored
 from asyncrl.roles.rollout import Sample
 
@@ -75,6 +76,9 @@ def check_matches_learner(learner: Mapping[str, Any], critic: Mapping[str, Any])
             "the critic's return targets would differ from the returns the learner's "
             "advantages come from; set the same values in both configs: " + "; ".join(wrong)
         )
+
+
+T = TypeVar("T")
 
 
 class Critic(Role):
@@ -125,6 +129,8 @@ class Critic(Role):
                 if getattr(self, name) < 1:
                     raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
 
+    share: DeviceShare | None = None
+
     async def setup(self) -> None:
         # In the worker thread: importing transformers and building the model take seconds,
         # and the loop must keep answering heartbeats meanwhile.
@@ -137,6 +143,8 @@ class Critic(Role):
         # Device, dtype and RNG seeding come from the hardware plugin registry.
         plugin = current_plugin()
         self.device = device_for(self.ctx.device, plugin)
+        # Before the model lands on a device it may share: the placement's memory share.
+        self.share = DeviceShare.for_role(self.ctx, self.device, plugin)
         auto: Any = AutoModelForTokenClassification  # its class methods are untyped
         if cfg.model_path:
             model = auto.from_pretrained(cfg.model_path, num_labels=1)
@@ -172,11 +180,19 @@ class Critic(Role):
                 for i, s in enumerate(samples)
             ]
 
-        return await self.ctx.offload(compute)
+        return await self.ctx.offload(self._working(compute))
 
     @endpoint(Delivery.ONCE)
     async def train_step(self, batch: list[Scored]) -> CriticStepResult:
-        return await self.ctx.offload(self._train_step, batch)
+        return await self.ctx.offload(self._working(self._train_step), batch)
+
+    def _working(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn`` as a unit of work of the device share (released after, when idle)."""
+        return fn if self.share is None else self.share.working(fn)
+
+    def status(self) -> dict[str, Any]:
+        """The device's memory and this replica's share of it, for ``asyncrl status``."""
+        return {} if self.share is None else self.share.status()
 
     def _targets(self, batch: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
         """The old values and the return targets, [B, T] right-aligned (T: the longest

@@ -1,23 +1,32 @@
-"""What a role reports of its device: its memory, as ``asyncrl status`` shows it.
+"""A role's part of its device: its memory, as ``asyncrl status`` shows it, its share of a
+device it shares with other roles, and giving cached memory back when it goes idle.
 
 A role on an accelerator asks the hardware plugin (``device.memory()``); a role on the host
 asks the ``cpu`` plugin, whichever plugin the process chose, so a host-side reference in a
 cuda run still reports its resident memory. Roles override ``Role.status()`` with
-``device_status(self.device)``; the process wrapper serves it under ``_status``.
+``device_status(self.device)``, or with ``DeviceShare.status()`` when they hold one; the
+process wrapper serves it under ``_status``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 import torch
 
 from asyncrl.plugins.contract import Device, Plugin
 from asyncrl.plugins.registry import current, load
+from asyncrl.spec import SPEC_ENV, SPEC_FILE_ENV, load_spec_from_env
 
-__all__ = ["device_of", "device_status"]
+__all__ = ["DeviceShare", "device_of", "device_status", "placement_sharing"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @functools.cache
@@ -61,3 +70,119 @@ def device_status(device: torch.device | str, plugin: Plugin | None = None) -> d
     """
     stats = device_of(device, plugin).memory()
     return {"device": str(torch.device(device)), "memory": msgspec.to_builtins(stats)}
+
+
+def placement_sharing(ctx: Any) -> tuple[float, bool]:
+    """The placement's ``memory_fraction`` (0: none) and ``release_when_idle`` of a role.
+
+    Read from the role's context when it carries them, else from the spec of this process
+    (``ProcessSpec``, which the node agent writes from the manifest's placement); a role
+    called in-process without either shares nothing: ``(0.0, False)``.
+    """
+    fraction, release = (
+        getattr(ctx, "memory_fraction", None),
+        getattr(ctx, "release_when_idle", None),
+    )
+    if fraction is None and (os.environ.get(SPEC_FILE_ENV) or os.environ.get(SPEC_ENV)):
+        spec = load_spec_from_env()
+        if (spec.name, spec.replica) == (ctx.name, ctx.replica):
+            fraction, release = spec.memory_fraction, spec.release_when_idle
+    return float(fraction or 0.0), bool(release)
+
+
+class DeviceShare:
+    """A role's part of a device other roles may share.
+
+    It applies the role's memory share once (``Device.limit_memory``), gives the device's
+    cached memory back when the role goes idle (``release_when_idle``), and reports the
+    role's memory with both (``status``).
+
+    Args:
+        device: the torch device the role computes on (already selected).
+        fraction: the share of the device's memory this process may use; 0: no limit.
+        release_when_idle: whether ``idle`` releases the cache.
+        plugin: the hardware plugin (default: this process's).
+
+    Raises:
+        ValueError: ``fraction`` is outside [0, 1], or ``device`` is not the plugin's kind nor
+            the host.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        fraction: float = 0.0,
+        release_when_idle: bool = False,
+        plugin: Plugin | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dev = device_of(self.device, plugin)
+        self.fraction = fraction
+        self.release_when_idle = release_when_idle
+        self.releases = 0
+        self.last_release: dict[str, int] = {}
+        self._busy = 0
+        self._lock = threading.Lock()
+        if fraction:
+            self.dev.limit_memory(fraction)
+
+    @classmethod
+    def for_role(
+        cls, ctx: Any, device: torch.device | str, plugin: Plugin | None = None
+    ) -> DeviceShare:
+        """The share of the role whose context is ``ctx`` (``placement_sharing``)."""
+        fraction, release = placement_sharing(ctx)
+        return cls(device, fraction, release, plugin)
+
+    def release(self) -> dict[str, int]:
+        """Give the device's cached memory back now; returns the memory this process held
+        before and after (``allocated`` and ``reserved`` in bytes), also kept for ``status``.
+        Slow-ish (a garbage collection): call it off the event loop."""
+        before = self.dev.memory()
+        self.dev.release_cache()
+        after = self.dev.memory()
+        self.releases += 1
+        self.last_release = {
+            "allocated_before": before.allocated,
+            "allocated_after": after.allocated,
+            "reserved_before": before.reserved,
+            "reserved_after": after.reserved,
+        }
+        return self.last_release
+
+    def idle(self) -> None:
+        """The role went idle: release the cache when the placement asks for it."""
+        if self.release_when_idle:
+            self.release()
+
+    def working(self, fn: Callable[P, T]) -> Callable[P, T]:
+        """``fn`` counted as a unit of work: when the last of the calls in progress returns
+        (calls may overlap), the role is idle and ``idle`` releases the cache. For a worker
+        thread (``ctx.offload``), as the release is slow-ish."""
+
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            with self._lock:
+                self._busy += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+                    last = self._busy == 0
+                if last:
+                    self.idle()
+
+        return run
+
+    def status(self) -> dict[str, Any]:
+        """``device_status`` of the device, with the share: ``memory_fraction``,
+        ``release_when_idle``, ``releases`` and ``last_release`` (``release``'s answer)."""
+        return {
+            "device": str(self.device),
+            "memory": msgspec.to_builtins(self.dev.memory()),
+            "memory_fraction": self.fraction,
+            "release_when_idle": self.release_when_idle,
+            "releases": self.releases,
+            "last_release": dict(self.last_release),
+        }

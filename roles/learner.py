@@ -85,6 +85,7 @@ from asyncrl.roles.data_parallel import (
     rank_chunks,
     share_out,
 )
+from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.learner_export import export_pretrained, writable
 from asyncrl.roles.objective import ALGORITHMS as _ALGORITHMS
@@ -136,6 +137,7 @@ class Learner(Role):
     """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
 
     Config = LearnerConfig
+    share: DeviceShare | None = None
 
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
@@ -187,6 +189,8 @@ class Learner(Role):
         # the dtype (the plugin's unless the config names one), the RNGs and the operators.
         self.plugin = current_plugin()
         self.device = device_for(self.ctx.device, self.plugin)
+        # Before the model lands on a device it may share: the placement's memory share.
+        self.share = DeviceShare.for_role(self.ctx, self.device, self.plugin)
         self.dtype = dtype_for(cfg.dtype, self.device, self.plugin)
         self.plugin.device.manual_seed(cfg.seed)
         # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
@@ -212,6 +216,10 @@ class Learner(Role):
             self.store.close()
         if self.dp is not None:
             await self.ctx.offload(self.dp.close)
+
+    def status(self) -> dict[str, Any]:
+        """The device's memory and this replica's share of it, for ``asyncrl status``."""
+        return {} if self.share is None else self.share.status()
 
     def _lr_factor(self, step: int) -> float:
         return float(self.config.lr_factor(step))
@@ -254,8 +262,9 @@ class Learner(Role):
     async def export(self, path: str) -> str:
         return await self.ctx.offload(self._export, path)
 
-    @endpoint(Delivery.IDEMPOTENT)
-    async def status(self, _: Any) -> LearnerStatus:
+    @endpoint(Delivery.IDEMPOTENT, name="status")
+    async def learner_status(self, _: Any) -> LearnerStatus:
+        """The learner's progress (version, step, ledger size): the ``status`` endpoint."""
         return LearnerStatus(
             version=self.version,
             step=self.step,
@@ -350,6 +359,8 @@ class Learner(Role):
             self.faults.at("after_checkpoint")
             if self.store is not None:
                 traced("weight publish", self.store.publish)(self.model.state_dict(), self.version)
+            if self.share is not None:  # placement.release_when_idle: the cache goes back
+                self.share.idle()
         return result
 
     def _objective(self, batch: TrainBatch) -> Objective:

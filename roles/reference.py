@@ -14,6 +14,7 @@ import msgspec
 
 from asyncrl.plugins.registry import device_for, dtype_for
 from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.engine import HFEngine
 from asyncrl.roles.rollout import Sample, WeightsUpdate
 
@@ -47,12 +48,16 @@ class Reference(Role):
         max_batch: int = 256
         dtype: Literal["", "float32", "float64", "bfloat16", "float16"] = ""
 
+    share: DeviceShare | None = None
+
     async def setup(self) -> None:
         cfg = self.config
         if bool(cfg.model_path) == bool(cfg.model_config):
             raise ValueError("reference: set exactly one of model_path and model_config")
         # The device and dtype come from the hardware plugin registry.
         device = device_for(self.ctx.device)
+        # Before the model lands on a device it may share: the placement's memory share.
+        self.share = DeviceShare.for_role(self.ctx, device)
         hardware = {"device": device, "dtype": dtype_for(cfg.dtype, device)}
         # In the worker thread: building the model takes seconds, and the loop must keep
         # answering heartbeats meanwhile.
@@ -69,10 +74,15 @@ class Reference(Role):
                 **hardware,
             )
 
+    def status(self) -> dict[str, Any]:
+        """The device's memory and this replica's share of it, for ``asyncrl status``."""
+        return {} if self.share is None else self.share.status()
+
     @endpoint(Delivery.IDEMPOTENT)
     async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        score = self.engine.score if self.share is None else self.share.working(self.engine.score)
         return await self.ctx.offload(
-            self.engine.score, [s.prompt_ids for s in samples], [s.token_ids for s in samples]
+            score, [s.prompt_ids for s in samples], [s.token_ids for s in samples]
         )
 
     @endpoint(Delivery.LATEST)

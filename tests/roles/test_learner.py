@@ -333,7 +333,7 @@ def test_a_durable_step_is_never_lost_and_a_resent_batch_is_not_trained_twice(
         log = [json.loads(line) for line in f]
     assert [r["step"] for r in log] == [1, 2, 3]
     assert log[2]["ids"] == [["p2", 0], ["p2", 1]] and log[2]["phase"] == "rl"
-    status = run(restarted.status(None))
+    status = run(restarted.learner_status(None))
     assert isinstance(status, LearnerStatus)
     assert (status.version, status.step, status.consumed) == (3, 3, 6)
     assert status.keep == {"phase": "rl"} and status.last["id"] == "rl-2" and status.durable
