@@ -1,0 +1,176 @@
+"""A role's part of a shared device, in-process: its memory share, the placement read from
+the process's spec, the release when idle, and the learner's and reference's status."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from asyncrl.plugins.cpu import CpuDevice, CpuPlugin
+from asyncrl.role import RoleContext
+from asyncrl.roles.device_report import DeviceShare, placement_sharing
+from asyncrl.roles.learner import Learner, Scored, TrainBatch
+from asyncrl.roles.reference import Reference
+from asyncrl.roles.rollout import Sample
+from asyncrl.spec import SPEC_ENV, SPEC_FILE_ENV, ProcessSpec, write_spec
+
+MODEL = {
+    "model_type": "gpt2",
+    "vocab_size": 14,
+    "n_positions": 16,
+    "n_embd": 32,
+    "n_layer": 1,
+    "n_head": 2,
+    "bos_token_id": 1,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+
+class CountingDevice(CpuDevice):
+    """The host, counting cache releases and memory limits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = 0
+
+    def release_cache(self) -> None:
+        self.released += 1
+        super().release_cache()
+
+
+def _plugin() -> tuple[CpuPlugin, CountingDevice]:
+    plugin = CpuPlugin()
+    plugin.device = CountingDevice()
+    return plugin, plugin.device
+
+
+@pytest.fixture
+def no_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SPEC_FILE_ENV, raising=False)
+    monkeypatch.delenv(SPEC_ENV, raising=False)
+
+
+def _spec_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, name: str, **fields: Any) -> None:
+    spec = ProcessSpec(kind="role", name=name, endpoint="ipc://x", run="r", run_dir=str(tmp_path))
+    monkeypatch.setenv(SPEC_FILE_ENV, write_spec(msgspec.structs.replace(spec, **fields)))
+
+
+def test_a_share_sets_the_devices_budget_and_reports_it() -> None:
+    plugin, dev = _plugin()
+    share = DeviceShare("cpu", 0.25, plugin=plugin)
+    status = share.status()
+    assert dev.fraction == 0.25
+    assert status["memory"]["limit"] == int(0.25 * status["memory"]["total"])
+    assert (status["device"], status["memory_fraction"], status["release_when_idle"]) == (
+        "cpu",
+        0.25,
+        False,
+    )
+    assert (status["releases"], status["last_release"]) == (0, {})
+    assert DeviceShare("cpu", plugin=plugin).status()["memory_fraction"] == 0.0
+    with pytest.raises(ValueError, match=r"memory fraction must be in \(0, 1\], got 1.5"):
+        DeviceShare("cpu", 1.5, plugin=plugin)
+
+
+def test_the_cache_is_released_when_the_last_overlapping_call_returns() -> None:
+    plugin, dev = _plugin()
+    share = DeviceShare("cpu", release_when_idle=True, plugin=plugin)
+    inside, leave = threading.Event(), threading.Event()
+
+    def slow() -> int:
+        inside.set()
+        assert leave.wait(10)
+        return 1
+
+    worker = threading.Thread(target=share.working(slow))
+    worker.start()
+    assert inside.wait(10)
+    assert share.working(lambda: 2)() == 2
+    assert dev.released == 0  # the slow call is still working: not idle
+    leave.set()
+    worker.join(10)
+    assert dev.released == 1
+    assert share.status()["releases"] == 1
+    assert sorted(share.status()["last_release"]) == [
+        "allocated_after",
+        "allocated_before",
+        "reserved_after",
+        "reserved_before",
+    ]
+    with pytest.raises(ZeroDivisionError):
+        share.working(lambda: 1 // 0)()
+    assert dev.released == 2  # a call that raises ends its work too
+    quiet = DeviceShare("cpu", plugin=plugin)
+    assert quiet.working(lambda: 3)() == 3
+    assert dev.released == 2  # no release_when_idle: nothing released
+
+
+def test_the_placement_is_read_from_this_process_spec(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, no_spec: None
+) -> None:
+    ctx = RoleContext.local(name="learner", replica=0)
+    assert placement_sharing(ctx) == (0.0, False)
+    _spec_env(monkeypatch, tmp_path, "learner", memory_fraction=0.4, release_when_idle=True)
+    assert placement_sharing(ctx) == (0.4, True)
+    # Another process's spec (a test calling a role in-process under a run) is not ours.
+    assert placement_sharing(RoleContext.local(name="reference")) == (0.0, False)
+
+
+def _batch(n: int) -> TrainBatch:
+    samples = [
+        Scored(Sample("p", i, [2, 3], [4, 5, 1], [0.0] * 3, [0] * 3, True, "stop"), reward=i % 2)
+        for i in range(n)
+    ]
+    return TrainBatch(samples, algorithm="grpo")
+
+
+def test_the_learner_reports_its_memory_and_releases_after_each_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, no_spec: None
+) -> None:
+    torch.set_num_threads(1)
+    _spec_env(monkeypatch, tmp_path, "learner", memory_fraction=0.5, release_when_idle=True)
+    ctx = RoleContext.local(
+        config={"model_config": MODEL, "publish_weights": False},
+        run_dir=str(tmp_path),
+        name="learner",
+    )
+    learner = Learner(ctx)
+    assert learner.status() == {}  # before setup: no device yet
+    asyncio.run(learner.setup())
+    status = learner.status()
+    assert (status["device"], status["memory_fraction"], status["releases"]) == ("cpu", 0.5, 0)
+    assert status["memory"]["limit"] == int(0.5 * status["memory"]["total"])
+    assert status["memory"]["allocated"] > 0
+    result = learner._train_step(_batch(4))
+    assert result.step == 1
+    status = learner.status()
+    assert status["releases"] == 1
+    assert status["last_release"]["allocated_before"] > 0
+    learner._train_step(_batch(4))  # the same samples: skipped, no step, nothing released
+    assert learner.status()["releases"] == 1
+
+
+def test_the_reference_reports_its_memory_and_releases_after_scoring(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, no_spec: None
+) -> None:
+    _spec_env(monkeypatch, tmp_path, "reference", release_when_idle=True)
+    reference = Reference(
+        RoleContext.local(config={"model_config": MODEL, "seed": 1}, name="reference")
+    )
+    assert reference.status() == {}
+
+    async def score() -> list[list[float]]:
+        await reference.setup()
+        sample = Sample("p", 0, [2, 3], [4, 5], [0.0] * 2, [0] * 2, True, "stop")
+        return await reference.logprobs([sample])
+
+    assert len(asyncio.run(score())[0]) == 2
+    status = reference.status()
+    assert (status["device"], status["memory_fraction"], status["releases"]) == ("cpu", 0.0, 1)
+    assert status["memory"]["allocated"] > 0
