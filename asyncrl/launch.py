@@ -17,6 +17,9 @@ also runs the driver. docs/multinode.md is the guide; in short:
   given any node's run directory asks that node's agent, which asks the others (``asyncrl.status``).
 - Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R (two nodes on one machine never
   collide). Each writes ``launch.json`` (node, attempt, pid) there.
+- Traces (``--trace``): every node records into its own ``trace`` folder; at the end node R
+  sends its files to node 0 over tcp (Curve applies), which merges every node's into
+  ``RUN_DIR/trace.json`` (``asyncrl.trace``).
 - The end: when the driver ends (or a node's supervisor gives up), its agent writes how the run
   ended under the attempt's ``stop`` key; every agent then stops its roles and exits with the
   run's status (0 completed, 1 failed, 130 interrupted).
@@ -36,6 +39,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -45,6 +49,8 @@ from asyncrl.manifest import Manifest, load_manifest, resolve_run_dir
 from asyncrl.runreport import RunReport
 from asyncrl.store_registry import LaunchKeys, StoreClient, StoreError, free_ports, node_address
 from asyncrl.supervisor import Supervisor
+from asyncrl.trace import TraceSink, enable, merge_and_tell, send_traces, trace_dir
+from asyncrl.transport import TransportError, load_keys, tracing
 
 __all__ = ["LaunchEnv", "main", "node_dir"]
 
@@ -54,6 +60,8 @@ EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 130}
 EXIT_USAGE = 2
 _AGENTS = "agent.sock"
 """Under this name, which no role can have, each node publishes its agent's status endpoint."""
+_TRACES = "trace.sink"
+"""Under this name node 0 of a traced launch publishes where the others send their traces."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,8 @@ class _Attempt:
     run_dir: str  # the run's (node 0's) directory
     ended_here: bool = True  # the run ended by this node's supervisor, not by the store
     restart: str = ""  # why this node leaves for a new attempt (another node restarted, died)
+    trace: bool = False  # --trace: record, and gather every node's trace on node 0
+    sink: str = ""  # where node 0 takes the traces (bound there, sent to elsewhere)
 
     @property
     def node(self) -> int:
@@ -246,9 +256,15 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         for i in range(role.replicas)
         if role.placement.node_of(i) == a.node
     ]
-    # One more port: this agent's status server, which the other agents ask (asyncrl.status).
-    ports = free_ports(bind_host, len(mine) + 1)
-    published: dict[str, dict[str, str]] = {_AGENTS: {str(a.node): f"tcp://{host}:{ports[-1]}"}}
+    # One more port: this agent's status server, which the other agents ask (asyncrl.status);
+    # and on node 0 of a traced launch one where the others send their traces.
+    sink = a.trace and a.node == 0
+    ports = free_ports(bind_host, len(mine) + 1 + sink)
+    agent = ports[len(mine)]
+    published: dict[str, dict[str, str]] = {_AGENTS: {str(a.node): f"tcp://{host}:{agent}"}}
+    if sink:
+        published[_TRACES] = {"0": f"tcp://{host}:{ports[-1]}"}
+        a.sink = f"tcp://{bind_host}:{ports[-1]}"
     for (name, i), port in zip(mine, ports, strict=False):
         published.setdefault(name, {})[str(i)] = f"tcp://{host}:{port}"
     await a.store.set(a.keys.heartbeat(a.attempt, a.node), "0")
@@ -260,6 +276,9 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         for name, replicas in json.loads(await a.store.get(key)).items():
             tcp.update({(name, int(i)): ep for i, ep in replicas.items()})
     agents = {node: tcp.pop((name, node)) for name, node in list(tcp) if name == _AGENTS}
+    sent_to = tcp.pop((_TRACES, 0), "")
+    if a.node != 0:
+        a.sink = sent_to
     prefix = a.keys.prefix(a.attempt).removeprefix("asyncrl/")
     return NodeView(
         node=a.node,
@@ -343,12 +362,43 @@ async def _finish(a: _Attempt, report: RunReport, timeout_s: float) -> int:
         await store.set_once(keys.stop(a.attempt), said)
         if report.status != "interrupted":
             await store.set_once(keys.final, said)
-    counts = {"restarts": report.restarts, "served": report.served}
+    counts: dict[str, Any] = {"restarts": report.restarts, "served": report.served}
+    if a.node != 0 and a.trace:
+        counts["trace"] = await _send_traces(a, timeout_s)
     await store.set(keys.done(a.attempt, a.node), json.dumps(counts))
     if a.node == 0:
         await _gather_counts(a, report, timeout_s)
         _add_nodes(a)
     return EXIT_CODES[report.status]
+
+
+async def _send_traces(a: _Attempt, timeout_s: float) -> str:
+    """Send this node's trace files to node 0 (before saying it is done, which node 0 waits
+    for); what happened, in words, for node 0 to tell."""
+    recorder = tracing.uninstall()  # the agent's own: complete its file, send untraced
+    if recorder is not None:
+        recorder.close()
+    directory = trace_dir(a.dir)
+    if not a.sink or not os.path.isdir(directory):
+        return f"nothing sent ({directory} holds no trace, or node 0 takes none)"
+    try:
+        names = await send_traces(
+            directory, a.node, a.sink, run=a.manifest.run.name, curve=_curve(a), timeout_s=timeout_s
+        )
+    except (TransportError, OSError) as exc:
+        _say(a.node, f"could not send the trace to node 0 at {a.sink}: {exc}")
+        return f"not sent to {a.sink}: {exc}"
+    return f"sent {len(names)} files"
+
+
+def _curve(a: _Attempt) -> Any:
+    """The Curve keys of the launch's tcp sockets, or None without Curve.
+
+    Raises:
+        TransportError: the keys do not load.
+    """
+    keys = a.manifest.security.curve_keys
+    return load_keys(keys) if keys else None
 
 
 async def _gather_counts(a: _Attempt, report: RunReport, timeout_s: float) -> None:
@@ -364,6 +414,8 @@ async def _gather_counts(a: _Attempt, report: RunReport, timeout_s: float) -> No
         if said is None:
             continue
         counts = json.loads(said)
+        if a.trace:
+            _say(a.node, f"trace of node {key.rsplit('/', 1)[-1]}: {counts.get('trace', '-')}")
         for field in ("restarts", "served"):
             mine = getattr(report, field)
             for role, n in counts[field].items():
@@ -403,7 +455,7 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     )
     await store.connect()
     attempt = await _join(env, store, keys, args.join_timeout)
-    a = _Attempt(env, store, keys, attempt, manifest, run_dir)
+    a = _Attempt(env, store, keys, attempt, manifest, run_dir, trace=args.trace)
     final = await store.peek(keys.final)
     if final is not None:
         said = json.loads(final)
@@ -418,13 +470,41 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     _write_launch(a)
     view = await _discover(a, args.join_timeout)
     _say(env.node, f"attempt {attempt}: {len(view.tcp)} replicas over {env.nodes} nodes; starting")
-    report = await run_manifest(
-        manifest, a.dir, beside=_Watch(a, args.agent_liveness), view=view, console=True
-    )
-    code = await _finish(a, report, args.join_timeout)
+    sink = await _start_sink(a)
+    try:
+        report = await run_manifest(
+            manifest, a.dir, beside=_Watch(a, args.agent_liveness), view=view, console=True
+        )
+        code = await _finish(a, report, args.join_timeout)
+    finally:
+        if sink is not None:
+            await sink.close()
     if env.node == 0 and not a.restart:
         print(summary(report, manifest, a.dir), flush=True)
+        if a.trace:
+            merge_and_tell(a.run_dir)
     return code
+
+
+async def _start_sink(a: _Attempt) -> TraceSink | None:
+    """With ``--trace``: turn tracing on for this node's processes, and on node 0 take the other
+    nodes' traces (``asyncrl.trace.TraceSink``; one that cannot start is said, and the run goes
+    on with node 0's trace alone)."""
+    if not a.trace:
+        return None
+    sink = None
+    if a.node == 0 and a.sink:
+        try:
+            sink = TraceSink(a.run_dir, a.env.nodes, a.sink, run=a.manifest.run.name)
+            sink.curve = _curve(a)
+            await sink.start()
+        except TransportError as exc:
+            _say(a.node, f"the other nodes' traces cannot reach node 0 ({exc})")
+            if sink is not None:
+                await sink.close()
+            sink = None
+    enable(a.dir)  # after the sink is built: the agent's own sockets are not traced
+    return sink
 
 
 def _write_launch(a: _Attempt) -> None:
@@ -456,6 +536,11 @@ def _parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue the run in the run directory (the roles and the program resume)",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="record every call between processes of every node into RUN_DIR/trace.json",
     )
     parser.add_argument(
         "--join-timeout",

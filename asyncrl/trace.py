@@ -17,6 +17,13 @@ trace-event format, which Perfetto (ui.perfetto.dev) and ``chrome://tracing`` op
 Clocks: the processes of one host share ``CLOCK_MONOTONIC``, so their events are placed on it,
 shifted by one wall-clock offset per host (the median of its processes'); hosts are aligned on
 their wall clocks, as well as NTP keeps them.
+
+Several nodes (``asyncrl.launch --trace``): node R records under its own directory
+(``RUN_DIR/node-R/trace``), and at the end sends its files to node 0 over the launch's tcp
+transport (Curve applies): ``send_traces`` to node 0's ``TraceSink``, which writes them under
+``RUN_DIR/trace/node-R/``. ``merge`` reads those beside node 0's own, so ``trace.json`` holds
+every node's processes, each with its node; a flow between two nodes or hosts has the category
+``rpc,cross_host``.
 """
 
 from __future__ import annotations
@@ -32,17 +39,20 @@ from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 
-from asyncrl.transport import tracing
+from asyncrl.transport import ChannelOptions, Client, Server, tracing
 from asyncrl.transport.tracing import TRACE_DIR_ENV
 
 __all__ = [
     "TRACE_DIR_ENV",
     "TRACE_FILE",
     "ProcessTrace",
+    "TraceChunk",
+    "TraceSink",
     "enable",
     "load",
     "merge",
     "merge_and_tell",
+    "send_traces",
     "span",
     "trace_dir",
     "traced",
@@ -84,6 +94,7 @@ class ProcessTrace:
     pid: int
     host: str
     offset_ns: int
+    node: int = 0  # the launch's node it ran on (0 on one machine)
     calls: list[list[Any]] = field(default_factory=list)
     serves: list[list[Any]] = field(default_factory=list)
     spans: list[list[Any]] = field(default_factory=list)
@@ -101,24 +112,41 @@ class ProcessTrace:
 
 
 def load(directory: str) -> list[ProcessTrace]:
-    """The per-process files in ``directory``, read, each call and request served matched with
-    its end; files with no events are left out.
+    """The per-process files in ``directory`` and, for a launch over several nodes, in its
+    ``node-R`` folders (node R's files, sent to node 0), read, each call and request served
+    matched with its end; files with no events are left out.
 
     A call with no answer ends when it was served, or else at its start (``no_answer``). A line
     cut short (a process killed while it wrote) is skipped.
     """
-    out = []
+    out = _load_dir(directory, 0)
     for entry in sorted(os.listdir(directory)):
-        if entry.endswith(".trace"):
-            proc = _load_file(os.path.join(directory, entry))
-            if proc is not None and (proc.calls or proc.serves or proc.spans):
-                out.append(proc)
+        node = _node_folder(entry)
+        if node and os.path.isdir(os.path.join(directory, entry)):
+            out += _load_dir(os.path.join(directory, entry), node)
     served_end = {(e[2], e[3]): e[5] for p in out for e in p.serves}
     for p in out:
         for e in p.calls:
             if e[6] is None:
                 e[6] = max(e[5], served_end.get((e[3], e[4]), e[5]))
                 e.append("no_answer")
+    return out
+
+
+def _node_folder(name: str) -> int:
+    """R for a folder named ``node-R`` (R >= 1), else 0."""
+    head, _, tail = name.partition("-")
+    return int(tail) if head == "node" and tail.isdigit() and int(tail) > 0 else 0
+
+
+def _load_dir(directory: str, node: int) -> list[ProcessTrace]:
+    out = []
+    for entry in sorted(os.listdir(directory)):
+        if entry.endswith(".trace"):
+            proc = _load_file(os.path.join(directory, entry))
+            if proc is not None and (proc.calls or proc.serves or proc.spans):
+                proc.node = node
+                out.append(proc)
     return out
 
 
@@ -206,31 +234,39 @@ _LANE_BASE = {"serve": 1, "call": 1001, "span": 2001}
 """Thread ids of each kind of lane: serve 1.., call 1001.., spans 2001.."""
 
 
-def _host_offsets(procs: list[ProcessTrace]) -> dict[str, int]:
-    hosts: dict[str, list[int]] = {}
+def _place(p: ProcessTrace) -> tuple[int, str]:
+    """Where a process ran: its node and host. Processes of one place share a monotonic
+    clock; two nodes are two places even on one machine (a simulated launch)."""
+    return p.node, p.host
+
+
+def _host_offsets(procs: list[ProcessTrace]) -> dict[tuple[int, str], int]:
+    places: dict[tuple[int, str], list[int]] = {}
     for p in procs:
-        hosts.setdefault(p.host, []).append(p.offset_ns)
-    return {h: int(statistics.median_low(offsets)) for h, offsets in hosts.items()}
+        places.setdefault(_place(p), []).append(p.offset_ns)
+    return {h: int(statistics.median_low(offsets)) for h, offsets in places.items()}
 
 
 def chrome_trace(procs: list[ProcessTrace]) -> dict[str, Any]:
     """The processes' events as one Chrome trace (see the module docstring)."""
     offsets = _host_offsets(procs)
     starts = [
-        _bounds(e)[0] + offsets[p.host] for p in procs for e in (*p.calls, *p.serves, *p.spans)
+        _bounds(e)[0] + offsets[_place(p)] for p in procs for e in (*p.calls, *p.serves, *p.spans)
     ]
     t0 = min(starts) if starts else 0
     events: list[dict[str, Any]] = []
     serving: dict[tuple[str, int], tuple[int, int, float]] = {}  # (identity, id) -> pid, tid, ts
     placed: list[tuple[int, int, float, list[Any]]] = []  # calls: pid, tid, ts, event
     table = []
+    several = any(p.node for p in procs)
     for index, p in enumerate(procs):
         pid = index + 1
-        shift = offsets[p.host] - t0
+        shift = offsets[_place(p)] - t0
         name = f"{p.label or 'pid ' + str(p.pid)} #{p.incarnation}"
+        where = f"pid {p.pid} on {p.host}" + (f" (node {p.node})" if several else "")
         table.append(_process_row(pid, p))
         events.append(_meta("process_name", pid, 0, name))
-        events.append(_meta("process_labels", pid, 0, f"pid {p.pid} on {p.host}", "labels"))
+        events.append(_meta("process_labels", pid, 0, where, "labels"))
         for kind, items in (("serve", p.serves), ("call", p.calls), ("span", p.spans)):
             bounds = [_bounds(e) for e in items]
             lanes = _lanes(bounds)
@@ -245,18 +281,40 @@ def chrome_trace(procs: list[ProcessTrace]) -> dict[str, Any]:
                     serving[(e[2], e[3])] = (pid, tid, ts)
                 elif kind == "call":
                     placed.append((pid, tid, ts, e))
-    flows = 0
+    flows, crossing = _flows(placed, serving, [_place(p) for p in procs])
+    events += flows
+    other = {
+        "asyncrl": {
+            "processes": table,
+            "t0_wall_ns": t0,
+            "flows": len(flows) // 2,
+            "cross_host_flows": crossing,
+        }
+    }
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _flows(
+    placed: list[tuple[int, int, float, list[Any]]],
+    serving: dict[tuple[str, int], tuple[int, int, float]],
+    places: list[tuple[int, str]],
+) -> tuple[list[dict[str, Any]], int]:
+    """A flow (start and end event) from each placed call to the request it became, and how
+    many of them cross from one node or host to another (category ``rpc,cross_host``)."""
+    events: list[dict[str, Any]] = []
+    crossing = 0
     for pid, tid, ts, e in placed:
         served = serving.get((e[3], e[4]))
         if served is None:
             continue
-        flows += 1
-        common = {"name": e[1], "cat": "rpc", "id": flows}
-        events.append({**common, "ph": "s", "pid": pid, "tid": tid, "ts": ts})
         s_pid, s_tid, s_ts = served
+        across = places[pid - 1] != places[s_pid - 1]
+        crossing += across
+        cat = "rpc,cross_host" if across else "rpc"
+        common = {"name": e[1], "cat": cat, "id": len(events) // 2 + 1}
+        events.append({**common, "ph": "s", "pid": pid, "tid": tid, "ts": ts})
         events.append({**common, "ph": "f", "bp": "e", "pid": s_pid, "tid": s_tid, "ts": s_ts})
-    other = {"asyncrl": {"processes": table, "t0_wall_ns": t0, "flows": flows}}
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+    return events, crossing
 
 
 def _bounds(e: list[Any]) -> tuple[int, int]:
@@ -274,6 +332,7 @@ def _process_row(pid: int, p: ProcessTrace) -> dict[str, Any]:
         "incarnation": p.incarnation,
         "os_pid": p.pid,
         "host": p.host,
+        "node": p.node,
     }
 
 
@@ -398,6 +457,119 @@ def merge_and_tell(run_dir: str) -> str | None:
             flush=True,
         )
     return path
+
+
+SEND_CHUNK_BYTES = 1 << 20
+"""The most bytes of a trace file one message from node R to node 0 carries."""
+
+
+class TraceChunk(msgspec.Struct, frozen=True):
+    """A piece of one of node ``node``'s trace files: ``data`` goes at ``offset`` of ``name``
+    (offset 0 starts the file afresh)."""
+
+    node: int
+    name: str
+    offset: int
+    data: bytes
+
+
+class TraceSink:
+    """Node 0's receiver of the other nodes' trace files in a traced launch, served from
+    ``start()`` to ``close()``: method ``trace_chunk`` (a ``TraceChunk``) writes into
+    ``RUN_DIR/trace/node-R/NAME`` and answers the file's size.
+
+    Args:
+        run_dir: the run's directory (node 0's).
+        nodes: the launch's number of nodes; chunks come from nodes 1 to ``nodes - 1``.
+        endpoint: the tcp endpoint to bind.
+        run: the run's name (the transport's handshake checks it).
+        curve: the Curve keys of the socket (``asyncrl.transport.CurveKeys``), or None.
+    """
+
+    def __init__(
+        self, run_dir: str, nodes: int, endpoint: str, *, run: str, curve: Any = None
+    ) -> None:
+        self.run_dir = run_dir
+        self.nodes = nodes
+        self.endpoint = endpoint
+        self.run = run
+        self.curve = curve
+        self._server: Any = None
+
+    async def start(self) -> None:
+        """Bind the endpoint and take chunks.
+
+        Raises:
+            TransportError: the endpoint cannot be bound.
+        """
+        options = ChannelOptions(run=self.run, shm=False)
+        self._server = Server(self.endpoint, name="traces.0", options=options, curve=self.curve)
+        self._server.add("trace_chunk", self._put, TraceChunk)
+        await self._server.start()
+
+    async def close(self) -> None:
+        """Stop taking chunks (idempotent)."""
+        if self._server is not None:
+            await self._server.close()
+
+    def path(self, node: int, name: str) -> str:
+        """Where node ``node``'s file ``name`` goes. Raises ValueError: ``node`` is not another
+        node of the launch, or ``name`` is not a trace file's bare name (nothing is written
+        outside the folder)."""
+        if not 1 <= node < self.nodes:
+            raise ValueError(f"trace chunk from node {node}: other nodes are 1 to {self.nodes - 1}")
+        if os.path.basename(name) != name or not name.endswith(".trace") or name[0] == ".":
+            raise ValueError(f"trace chunk from node {node}: {name!r} is no HOST-PID-N.trace")
+        return os.path.join(trace_dir(self.run_dir), f"node-{node}", name)
+
+    def _put(self, chunk: TraceChunk, _call: Any) -> int:
+        path = self.path(chunk.node, chunk.name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        size = os.path.getsize(path) if chunk.offset and os.path.exists(path) else 0
+        if chunk.offset != size:
+            raise ValueError(
+                f"trace chunk from node {chunk.node}: {chunk.name} has {size} bytes here, "
+                f"the chunk starts at {chunk.offset}; send the file again from offset 0"
+            )
+        with open(path, "ab" if chunk.offset else "wb") as f:
+            f.write(chunk.data)
+        return size + len(chunk.data)
+
+
+async def send_traces(
+    directory: str,
+    node: int,
+    endpoint: str,
+    *,
+    run: str,
+    curve: Any = None,
+    timeout_s: float = 60.0,
+) -> list[str]:
+    """Send every trace file in ``directory`` (node ``node``'s) to node 0's ``TraceSink`` at
+    ``endpoint``, in pieces of ``SEND_CHUNK_BYTES``; returns the files sent.
+
+    Raises:
+        TransportError: node 0 did not take a piece within ``timeout_s`` (``RemoteError``: it
+            refused it, saying why).
+    """
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".trace"))
+    options = ChannelOptions(run=run, shm=False)
+    client = Client(endpoint, name=f"traces.{node}", options=options, curve=curve)
+    try:
+        await client.connect(timeout=timeout_s)
+        for name in names:
+            with open(os.path.join(directory, name), "rb") as f:
+                offset = 0
+                while True:
+                    data = f.read(SEND_CHUNK_BYTES)
+                    chunk = TraceChunk(node, name, offset, data)
+                    await client.call("trace_chunk", chunk, timeout=timeout_s)
+                    offset += len(data)
+                    if len(data) < SEND_CHUNK_BYTES:
+                        break
+    finally:
+        await client.close()
+    return names
 
 
 def traced(name: str, fn: Callable[P, R]) -> Callable[P, R]:

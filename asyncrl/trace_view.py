@@ -5,9 +5,10 @@ fetched), so it opens anywhere, offline. It shows:
 
 - the graph: one node per role, one edge per (caller role, callee role, kind of link), its width
   growing with the number of calls and its label giving the count and the bytes sent. Edges
-  inside one process are dotted, across processes of one host solid, across hosts dashed (and
-  coloured apart). Under each node, a bar of its processes' time: busy (serving a request or
-  inside a span), waiting (on a call it made, and not busy) and idle (the rest of the run);
+  inside one process are dotted, across processes of one host solid, across hosts (or nodes of
+  a launch) dashed (and coloured apart). Under each node, a bar of its processes' time: busy
+  (serving a request or inside a span), waiting (on a call it made, and not busy) and idle
+  (the rest of the run);
 - the timeline: one row per process; grey where it was busy, and a bar coloured by the role it
   called wherever it waited on a call (hover for the callee, the method and the time);
 - a table of the same, with whom each process waited on longest.
@@ -102,6 +103,16 @@ def _role_of(name: str) -> str:
     return head if head and tail.isdigit() else base
 
 
+def _place(p: dict[str, Any]) -> tuple[int, str]:
+    """Where a process of the trace's table ran: its node of a launch (0 on one machine) and
+    its host; two nodes are two hosts even when simulated on one machine."""
+    return int(p.get("node", 0)), str(p.get("host", ""))
+
+
+def _where(p: dict[str, Any]) -> str:
+    return f"{p['host']} (node {p['node']})" if p.get("node") else str(p["host"])
+
+
 def analyse(doc: dict[str, Any]) -> Analysis:
     """The graph, the time of each process, and who waited on whom, from a merged trace."""
     table = doc.get("otherData", {}).get("asyncrl", {}).get("processes", [])
@@ -126,7 +137,7 @@ def analyse(doc: dict[str, Any]) -> Analysis:
         callee_label = callee.get("label") or args["endpoint"].rsplit("/", 1)[-1]
         if callee_pid == pid:
             kind = "process"
-        elif callee and callee.get("host") != caller.get("host"):
+        elif callee and _place(callee) != _place(caller):
             kind = "hosts"
         else:
             kind = "processes"
@@ -352,7 +363,7 @@ def _table(a: Analysis) -> str:
         top = sorted(u.waited_on.items(), key=lambda kv: -kv[1])[:3]
         on = ", ".join(f"{_esc(k)} {_esc(_fmt_us(v))}" for k, v in top) or "nobody"
         rows.append(
-            f"<tr><td>{_esc(p['label'])} #{p['incarnation']}</td><td>{_esc(p['host'])}</td>"
+            f"<tr><td>{_esc(p['label'])} #{p['incarnation']}</td><td>{_esc(_where(p))}</td>"
             f"<td>{p['os_pid']}</td><td>{_fmt_us(u.busy)}</td><td>{_fmt_us(u.waiting)}</td>"
             f"<td>{_fmt_us(u.idle)}</td><td>{on}</td></tr>"
         )

@@ -332,3 +332,92 @@ def test_bench_measures_traced_and_untraced_calls(
     server, client = procs["bench-server"], procs["bench-client"]
     assert len(server.serves) == len(client.calls) == 50 + 10 * 300
     assert server.calls == client.serves == []
+
+
+def _write_trace(path: str, *events: list[Any]) -> None:
+    """A per-process trace file as the recorder writes it: one length-prefixed chunk."""
+    chunk = msgspec.msgpack.encode(list(events))
+    with open(path, "wb") as f:
+        f.write(len(chunk).to_bytes(4, "little") + chunk)
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_node_1_sends_its_trace_to_node_0_which_merges_both_with_cross_host_flows(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir, node1 = str(tmp_path / "run"), str(tmp_path / "run" / "node-1" / "trace")
+    os.makedirs(trace.trace_dir(run_dir))
+    os.makedirs(node1)
+    caller = b"driver:7:ab"
+    # The same machine, the same clock: node 1's serve lies inside node 0's call.
+    _write_trace(
+        os.path.join(trace.trace_dir(run_dir), "h-7-0.trace"),
+        ["process", "driver.0", 0, 7, "h", 1000],
+        ["call", "split", "tcp://127.0.0.1:1/splitter.0", caller, 2, 10_000, 40],
+        ["reply", caller, 2, 90_000],
+    )
+    _write_trace(
+        os.path.join(node1, "h-8-0.trace"),
+        ["process", "splitter.0", 0, 8, "h", 1000],
+        ["serve", "split", caller, 2, 20_000, 40],
+        ["served", caller, 2, 80_000],
+    )
+    _write_trace(os.path.join(node1, "h-9-0.trace"))  # a process that recorded nothing
+    monkeypatch.setattr(trace, "SEND_CHUNK_BYTES", 16)  # several pieces per file
+    endpoint = f"tcp://127.0.0.1:{_port()}"
+
+    async def gather() -> list[str]:
+        sink = trace.TraceSink(run_dir, 2, endpoint, run="t")
+        await sink.start()
+        try:
+            return await trace.send_traces(node1, 1, endpoint, run="t", timeout_s=10.0)
+        finally:
+            await sink.close()
+
+    assert run(gather()) == ["h-8-0.trace", "h-9-0.trace"]
+    for name in ("h-8-0.trace", "h-9-0.trace"):
+        with open(os.path.join(node1, name), "rb") as sent:
+            with open(os.path.join(trace.trace_dir(run_dir), "node-1", name), "rb") as got:
+                assert got.read() == sent.read()
+    with open(trace.merge(run_dir) or "") as f:
+        doc = json.load(f)
+    assert trace.validate(doc) == []
+    rows = doc["otherData"]["asyncrl"]["processes"]
+    assert [(r["label"], r["node"], r["host"]) for r in rows] == [
+        ("driver.0", 0, "h"),
+        ("splitter.0", 1, "h"),
+    ]
+    flows = [(e["ph"], e["pid"], e["cat"]) for e in doc["traceEvents"] if e["ph"] in "sf"]
+    assert flows == [("s", 1, "rpc,cross_host"), ("f", 2, "rpc,cross_host")]
+    assert doc["otherData"]["asyncrl"]["cross_host_flows"] == 1
+    labels = [e["args"]["labels"] for e in doc["traceEvents"] if e["name"] == "process_labels"]
+    assert labels == ["pid 7 on h (node 0)", "pid 8 on h (node 1)"]
+    assert trace_view.analyse(doc).edges == {("driver", "splitter", "hosts"): [1, 40]}
+
+
+def test_the_sink_writes_only_trace_files_of_other_nodes_in_order(tmp_path: Any) -> None:
+    sink = trace.TraceSink(str(tmp_path), 3, "tcp://127.0.0.1:1", run="t")
+    assert sink.path(2, "h-1-0.trace") == str(tmp_path / "trace" / "node-2" / "h-1-0.trace")
+    with pytest.raises(ValueError) as bad:
+        sink.path(3, "h-1-0.trace")
+    assert str(bad.value) == "trace chunk from node 3: other nodes are 1 to 2"
+    for name in ("../h-1-0.trace", "notes.txt", ".trace"):
+        with pytest.raises(ValueError) as bad:
+            sink.path(1, name)
+        assert str(bad.value) == f"trace chunk from node 1: {name!r} is no HOST-PID-N.trace"
+    assert sink._put(trace.TraceChunk(1, "h-1-0.trace", 0, b"abc"), None) == 3
+    with pytest.raises(ValueError) as bad:
+        sink._put(trace.TraceChunk(1, "h-1-0.trace", 5, b"de"), None)
+    assert str(bad.value) == (
+        "trace chunk from node 1: h-1-0.trace has 3 bytes here, the chunk starts at 5; send "
+        "the file again from offset 0"
+    )
+    assert sink._put(trace.TraceChunk(1, "h-1-0.trace", 3, b"de"), None) == 5
+    assert sink._put(trace.TraceChunk(1, "h-1-0.trace", 0, b"x"), None) == 1  # afresh
