@@ -15,6 +15,12 @@ top-k or top-p reshape the distribution used to sample. That is the policy's own
 the token, which is what the learner recomputes (``score``) for importance weights and decoupled
 PPO; the sampling transforms are a property of the rollout, not of the policy.
 
+The operators come from the hardware plugin (``asyncrl.plugins.registry``): behaviour log-probs
+and ``score`` are its ``ops.logprobs`` (the learner's own operator, so the two agree to the bit
+on the same logits), and the distribution a token is drawn from is its ``ops.sampling_probs``.
+The draw itself stays the engine's (``draw``): an inverse CDF over that distribution, walked in
+order of falling logits, with the row's own uniform number (see Seeds).
+
 New weights (``set_weights``, from any thread) wait in a pending slot and are loaded under the
 model lock before the next forward. The generation continues with its KV cache, so keys and
 values of the tokens before the switch stay those of the old weights, as in AReaL's interruptible
@@ -53,10 +59,21 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncrl.plugins.contract import Operators
+from asyncrl.plugins.registry import current as current_plugin
+
 from .engine_rows import Row, check_tokens, check_weights, prepare_row, sample_seed, step_seed
 from .payloads import GenerateRequest, Sample, StopReason
 
-__all__ = ["Engine", "EngineStats", "HFEngine", "left_pad", "position_ids_from_mask", "sample_seed"]
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "HFEngine",
+    "draw",
+    "left_pad",
+    "position_ids_from_mask",
+    "sample_seed",
+]
 
 
 class Engine(Protocol):
@@ -155,6 +172,25 @@ def left_pad(
     return ids.to(device), mask.to(device)
 
 
+def draw(probs: torch.Tensor, uniform: Sequence[float], order: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ([N, V]: a distribution per row, zero where a token is
+    out) by inverse CDF: walking the tokens in the row's ``order`` ([N, V], a permutation of
+    the ids), the first whose cumulative probability passes the row's ``uniform`` (in [0, 1))
+    times the row's total. Tokens of zero probability are never picked, wherever they sit.
+
+    The engine walks in order of falling logits (the lower id first on a tie), so a uniform
+    picks the same token of the same logits whatever else is in the batch, as before the
+    plugin chose the probabilities.
+    """
+    walked = probs.gather(-1, order)
+    cdf = walked.cumsum(-1)
+    u = torch.tensor(list(uniform), device=cdf.device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u, right=True)
+    # Rounding may step past the last token with probability (u * total == total): take it.
+    last = (walked > 0).cumsum(-1).argmax(-1, keepdim=True)
+    return order.gather(-1, torch.minimum(pick, last)).squeeze(-1)
+
+
 class HFEngine:
     """A transformers causal LM behind the ``Engine`` protocol (see the module docstring).
 
@@ -175,6 +211,8 @@ class HFEngine:
         version: the version of the model's initial weights.
         on_step: called in the generating thread after each decode step but the last, with the
             number of steps done; for tracing and tests.
+        ops: the operators behaviour log-probs, ``score`` and sampling use; None: those of the
+            process's hardware plugin (``asyncrl.plugins.registry.current()``).
     """
 
     def __init__(
@@ -189,12 +227,14 @@ class HFEngine:
         batch_invariant: bool = False,
         version: int = 0,
         on_step: Callable[[int], None] | None = None,
+        ops: Operators | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch}")
         if chunk_tokens < 0:
             raise ValueError(f"chunk_tokens: expected an int >= 0, got {chunk_tokens}")
         self.device = torch.device(device)
+        self.ops = current_plugin().ops if ops is None else ops
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.seed = seed
         self.max_batch = max_batch
@@ -422,43 +462,34 @@ class HFEngine:
     def _choose(
         self, logits: torch.Tensor, rows: list[Row], generators: list[torch.Generator]
     ) -> tuple[list[int], list[float]]:
-        """The next token of each row and its behaviour log-prob (raw logits, temperature 1)."""
-        vocab = logits.shape[-1]
-        dev = logits.device
-        behaviour = torch.log_softmax(logits, dim=-1)
-        greedy = [row.params.greedy or row.params.temperature == 0.0 for row in rows]
-        temps = [1.0 if g else row.params.temperature for g, row in zip(greedy, rows, strict=True)]
-        top_k = [row.params.top_k if 0 < row.params.top_k < vocab else vocab for row in rows]
-        top_p = [row.params.top_p for row in rows]
-        uniform = []
-        for gen, row, g in zip(generators, rows, greedy, strict=True):
-            if g or row.done:
-                uniform.append(0.0)
-            else:
-                gen.manual_seed(step_seed(row.seed, len(row.tokens)))
-                uniform.append(float(torch.rand((), generator=gen, dtype=torch.float64)))
+        """The next token of each row and its behaviour log-prob (the plugin's ``logprobs`` of
+        the raw logits, temperature 1).
 
-        scaled = logits / torch.tensor(temps, device=dev)[:, None]
-        # Sorted descending and stable, so rank 0 is the argmax (first one on ties): top_k=1
-        # picks the greedy token.
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        sorted_logits = sorted_logits.masked_fill(
-            ranks >= torch.tensor(top_k, device=dev)[:, None], float("-inf")
-        )
-        probs = torch.softmax(sorted_logits, dim=-1)
-        p = torch.tensor(top_p, device=dev)[:, None]
-        # Nucleus: drop a token when the ones before it already reach top_p (the first stays).
-        probs = probs.masked_fill((probs.cumsum(-1) - probs > p) & (p < 1.0), 0.0)
-        cdf = probs.cumsum(-1)
-        u = torch.tensor(uniform, device=dev, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
-        pick = torch.searchsorted(cdf, u, right=True)
-        # Kept tokens are a prefix of the sorted order; rounding must not step past it.
-        pick = torch.minimum(pick, (probs > 0).sum(-1, keepdim=True) - 1)
-        sampled = order.gather(1, pick).squeeze(1)
-        chosen = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
-        chosen_logprobs = behaviour.gather(1, chosen[:, None]).squeeze(1)
-        return [int(t) for t in chosen.tolist()], [float(x) for x in chosen_logprobs.tolist()]
+        A greedy row takes the argmax. The others are drawn from the plugin's
+        ``sampling_probs`` (rows with the same temperature, top-p and top-k in one call) by
+        ``draw``, with the uniform of the row's own generator, seeded by (row seed, t)."""
+        vocab = logits.shape[-1]
+        chosen = logits.argmax(-1)
+        groups: dict[tuple[float, float, int], list[int]] = {}
+        uniform: dict[int, float] = {}
+        for i, (gen, row) in enumerate(zip(generators, rows, strict=True)):
+            params = row.params
+            if row.done or params.greedy or params.temperature == 0.0:
+                continue
+            gen.manual_seed(step_seed(row.seed, len(row.tokens)))
+            uniform[i] = float(torch.rand((), generator=gen, dtype=torch.float64))
+            top_k = params.top_k if params.top_k < vocab else 0
+            groups.setdefault((params.temperature, params.top_p, top_k), []).append(i)
+        for (temperature, top_p, top_k), index in groups.items():
+            at = torch.tensor(index, device=logits.device)
+            probs = self.ops.sampling_probs(
+                logits[at], temperature=temperature, top_p=top_p, top_k=top_k
+            )
+            # Stable, so rank 0 is the argmax (the first on ties): top_k=1 is greedy.
+            order = torch.sort(logits[at] / temperature, dim=-1, descending=True, stable=True)[1]
+            chosen[at] = draw(probs, [uniform[i] for i in index], order)
+        logprobs = self.ops.logprobs(logits, chosen)
+        return [int(t) for t in chosen.tolist()], [float(x) for x in logprobs.tolist()]
 
     def score(
         self,
@@ -500,9 +531,7 @@ class HFEngine:
         positions = position_ids_from_mask(mask)
         # Logits at the last longest+1 positions; the one at column j predicts token j + 1.
         logits, _, _ = self._forward(ids, mask, positions, None, keep=longest + 1, use_cache=False)
-        logprobs = torch.log_softmax(logits[:, :-1, :], dim=-1)
-        targets = ids[:, -longest:]
-        token_logprobs = logprobs.gather(-1, targets[..., None]).squeeze(-1)
+        token_logprobs = self.ops.logprobs(logits[:, :-1, :], ids[:, -longest:])
         return [
             token_logprobs[i, longest - len(c) :].tolist() if c else []
             for i, c in enumerate(completions)

@@ -49,7 +49,11 @@ import msgspec
 import torch
 
 from asyncrl.errors import NothingPublishedError, WeightsGoneError
+from asyncrl.plugins.contract import Plugin
+from asyncrl.plugins.registry import DTYPES, device_for, dtype_for
+from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
+from asyncrl.roles.device_report import DeviceShare, placement_sharing
 from asyncrl.roles.payloads import (
     GenerateBatch,
     GenerateRequest,
@@ -117,7 +121,8 @@ class Rollout(Role):
                 ``set_weights`` or ``sync``) are pending, rather than switching to them between
                 two steps; its unfinished samples come back with stop reason ``interrupted``,
                 to be resumed under the new weights.
-            dtype: the model's torch dtype name.
+            dtype: the model's dtype (``float32``, ``bfloat16``, ``float16``, ``float64``);
+                empty: the hardware plugin's on the plugin's device, float32 on the host.
             weights_from: the role that publishes weights in shared memory on this host
                 (the learner); ``sync`` reads from it, and a replica that starts or restarts
                 loads its latest weights before taking any work. Empty: weights only come
@@ -130,6 +135,10 @@ class Rollout(Role):
                 memory vLLM takes (its ``gpu_memory_utilization``; on CPU, of host memory).
             enforce_eager: ``vllm``: run the model eagerly; false lets vLLM compile it, which
                 takes minutes on a few CPU cores.
+            release_when_idle: give the device's cached memory back (the plugin's
+                ``device.release_cache``) each time a generation leaves no sequence running
+                and no call waiting, so a role sharing the device (the learner, in sync mode)
+                can use it; the placement's ``release_when_idle`` turns it on too.
         """
 
         engine: str = "hf"
@@ -141,12 +150,13 @@ class Rollout(Role):
         chunk_tokens: int = 0
         batch_invariant: bool = False
         interrupt_on_weights: bool = False
-        dtype: str = "float32"
+        dtype: str = ""
         weights_from: str = ""
         weights_wait_s: float = 300.0
         kv_cache_gib: float = 1.0
         memory_fraction: float = 0.5
         enforce_eager: bool = True
+        release_when_idle: bool = False
 
         def __post_init__(self) -> None:
             if bool(self.model_path) == bool(self.model_config):
@@ -158,7 +168,7 @@ class Rollout(Role):
                 raise ValueError(f"max_batch: expected an int >= 1, got {self.max_batch}")
             if self.chunk_tokens < 0:
                 raise ValueError(f"chunk_tokens: expected an int >= 0, got {self.chunk_tokens}")
-            if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            if self.dtype and self.dtype not in DTYPES:
                 raise ValueError(f"dtype: expected a torch dtype name, got {self.dtype!r}")
             if self.engine not in ENGINES:
                 raise ValueError(
@@ -192,6 +202,7 @@ class Rollout(Role):
         # One sync at a time: concurrent sync calls (latest-wins pushes overlap) would otherwise
         # close a reader that another one is still copying from.
         self._syncing = asyncio.Lock()
+        self._share: DeviceShare | None = None  # this replica's part of its device, from setup
 
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
@@ -212,6 +223,10 @@ class Rollout(Role):
             ConfigProblem: ``engine: vllm`` without vLLM installed.
         """
         self.engine = await self.ctx.offload(build_engine, self.config, self.ctx.device)
+        fraction, release = placement_sharing(self.ctx)
+        self._share = DeviceShare(
+            device_for(self.ctx.device), fraction, release or self.config.release_when_idle
+        )
         if self.config.weights_from:
             # Before any credit is advertised: a restarted replica starts from the current
             # weights, not from the initial ones, waiting for a publisher that restarts too.
@@ -325,6 +340,11 @@ class Rollout(Role):
         self._pending.set()
         return await future
 
+    def status(self) -> dict[str, Any]:
+        """This replica's device and its memory (``device_report``), with its share of the
+        device and its cache releases (``release_when_idle``); ``{}`` before ``setup``."""
+        return {} if self._share is None else self._share.status()
+
     def _refusal(self) -> str:
         where = f"rollout {self.ctx.name}[{self.ctx.replica}]"
         if self._torn_down:
@@ -339,11 +359,13 @@ class Rollout(Role):
         slots decodes its one-sample calls together (continuous batching, call by call).
 
         An error of the engine fails the calls of its batch, and the next batch runs; a
-        cancellation (``teardown``) cancels the calls of the batch running.
+        cancellation (``teardown``) cancels the calls of the batch running. With
+        ``release_when_idle``, the device's cache is released once no call is left.
         """
         while True:
             await self._pending.wait()
             self._pending.clear()
+            ran = bool(self._waiting)
             while self._waiting:
                 calls = self._next_batch()
                 try:
@@ -356,6 +378,9 @@ class Rollout(Role):
                     for _, future in calls:
                         if not future.done():
                             future.set_exception(exc)
+            share = self._share
+            if ran and share is not None and share.release_when_idle:
+                await self.ctx.offload(share.release)
 
     def _next_batch(self) -> list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]]:
         calls: list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = []
@@ -466,14 +491,20 @@ class Rollout(Role):
             await self.ctx.offload(self.engine.apply_pending)
 
 
-def build_engine(cfg: Rollout.Config, device: str) -> Engine:
-    """The engine ``cfg`` names, over its checkpoint or a model built from its config.
+def build_engine(cfg: Rollout.Config, placement: str, plugin: Plugin | None = None) -> Engine:
+    """The engine ``cfg`` names, over its checkpoint or a model built from its config, on the
+    device of ``placement`` (the manifest's ``placement.device``) in ``cfg.dtype``, both as the
+    hardware plugin (default: this process's) resolves them; the ``hf`` engine computes with the
+    plugin's operators.
 
     Raises:
         ConfigProblem: ``engine: vllm`` without vLLM installed.
+        PluginError: ``placement`` is not a device of the plugin.
     """
+    plugin = current_plugin() if plugin is None else plugin
+    device = device_for(placement, plugin)
     kwargs: dict[str, Any] = {
-        "dtype": getattr(torch, cfg.dtype),
+        "dtype": dtype_for(cfg.dtype, device, plugin),
         "seed": cfg.seed,
         "max_batch": cfg.max_batch,
         "chunk_tokens": cfg.chunk_tokens,
@@ -482,7 +513,8 @@ def build_engine(cfg: Rollout.Config, device: str) -> Engine:
     if cfg.engine == "vllm":
         from .vllm_engine import VLLMEngine
 
-        # vLLM places the model itself (the visible accelerator, or the CPU build's host).
+        # vLLM places the model itself, on the device selected above (the visible
+        # accelerator, or the host with its CPU build), and runs its own kernels.
         kwargs |= {
             "kv_cache_gib": cfg.kv_cache_gib,
             "memory_fraction": cfg.memory_fraction,
@@ -492,7 +524,7 @@ def build_engine(cfg: Rollout.Config, device: str) -> Engine:
     else:
         from .engine import HFEngine
 
-        kwargs |= {"device": device, "batch_invariant": cfg.batch_invariant}
+        kwargs |= {"device": device, "batch_invariant": cfg.batch_invariant, "ops": plugin.ops}
         factory = HFEngine
     if cfg.model_path:
         engine: Engine = factory.from_pretrained(cfg.model_path, **kwargs)

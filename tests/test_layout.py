@@ -163,13 +163,23 @@ def _raw_hardware(path: str) -> list[str]:
     return sorted(found)
 
 
-PLUGIN_ROLES = ("learner.py", "reference.py", "critic.py", "data_parallel.py", "checkpoints.py")
+PLUGIN_ROLES = (
+    "learner.py",
+    "reference.py",
+    "critic.py",
+    "data_parallel.py",
+    "checkpoints.py",
+    "rollout.py",
+    "engine.py",
+    "engine_rows.py",
+    "vllm_engine.py",
+)
 """The roles that take their hardware from the plugin registry (issue 13)."""
 
 
 def test_roles_name_no_vendor_hardware(tmp_path: pathlib.Path) -> None:
-    """The learner, reference and critic reach the device only through the plugin; the check
-    sees a planted ``torch.cuda`` and a planted ``"nccl"``."""
+    """The learner, reference, critic and rollout engines reach the device only through the
+    plugin; the check sees a planted ``torch.cuda`` and a planted ``"nccl"``."""
     bad = [h for f in PLUGIN_ROLES for h in _raw_hardware(os.path.join(ROOT, "roles", f))]
     assert bad == []
     planted = tmp_path / "planted.py"
