@@ -241,6 +241,8 @@ def _role_launcher(
             config=config,
             threads=role.threads,
             device=role.placement.device,
+            memory_fraction=role.placement.memory_fraction or 0.0,
+            release_when_idle=role.placement.release_when_idle,
             capacity=role.capacity,
             heartbeat_interval_s=role.supervision.heartbeat_interval_s,
             liveness=role.supervision.liveness,
