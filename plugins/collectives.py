@@ -1,8 +1,11 @@
 """``torch.distributed`` collectives with a timeout that names the ranks that did not arrive.
 
-Each collective is numbered in this process; before it starts, the rank marks its arrival in
-the group's store (``asyncrl/<collective>/<n>/<rank>``). When the collective does not complete
-in time, the ranks whose mark is missing are the ones that never came, and the error names them.
+Each collective is numbered in this process, from 1 in each process group (a group formed again
+after a restart counts afresh, as its restarted ranks do); before it starts, the rank marks its
+arrival in the group's store (``asyncrl/<collective>/<n>/<rank>``). When the collective does not
+complete in time, the ranks whose mark is missing are the ones that never came, and the error
+names them. A collective that fails otherwise (a peer's connection closed: it died) raises the
+backend's own error, which is not a timeout.
 """
 
 from __future__ import annotations
@@ -55,9 +58,18 @@ class TorchCommunication:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self._count = 0
+        self._group: Any = None  # the process group counted in (kept: ``is`` stays reliable)
 
     def _run(self, name: str, timeout_s: float, start: Any) -> None:
-        """``start()`` (an ``async_op`` collective), waited for at most ``timeout_s``."""
+        """``start()`` (an ``async_op`` collective), waited for at most ``timeout_s``.
+
+        Raises:
+            CollectiveTimeoutError: it did not complete in time.
+            RuntimeError: the backend's error when it failed otherwise (a peer died).
+        """
+        group = dist.group.WORLD
+        if group is not self._group:
+            self._group, self._count = group, 0
         self._count += 1
         rank, world = dist.get_rank(), dist.get_world_size()
         store = _default_store()
@@ -66,7 +78,7 @@ class TorchCommunication:
             store.set(f"{prefix}/{rank}", "1")
         try:
             _wait(start(), timeout_s)
-        except Exception as exc:
+        except TimeoutError as exc:
             missing: list[int] = []
             if store is not None:
                 try:

@@ -27,6 +27,12 @@ in the store (``joins/<rank>``). A rank that dies makes the others' next collect
 leave and join again, so every rank's count moves by one per group restart. A rank that never
 arrives ends the wait after ``timeout_s`` with a ``DataParallelError`` naming the group and the
 missing ranks.
+
+The collectives go through the hardware plugin's communication part (``plugin.comm``:
+all-reduce, all-gather, barrier), each bounded by the same ``timeout_s`` (the learner's
+``dist_timeout_s`` in the manifest); one that does not complete in time fails with the plugin's
+``CollectiveTimeoutError`` (naming the collective and the ranks that did not arrive) as the
+``DataParallelError``'s cause.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from torch.distributed import (  # type: ignore[attr-defined]  # re-exported fro
 )
 
 from asyncrl.errors import AsyncrlError
+from asyncrl.plugins.contract import Communication
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import RoleContext
 from asyncrl.roles import algorithms as alg
@@ -166,7 +173,8 @@ class DataParallel:
         rank: this replica's index in the group.
         world: the group's size.
         timeout_s: the longest any rendezvous or collective may wait.
-        device: where the collectives' own tensors live (``cuda`` for ``nccl``).
+        device: where the collectives' own tensors live (the plugin's device for its backend).
+        comm: the collectives (default: the hardware plugin's, ``registry.current().comm``).
     """
 
     name: str
@@ -174,6 +182,7 @@ class DataParallel:
     world: int
     timeout_s: float
     device: str = "cpu"
+    comm: Communication = field(default_factory=lambda: current_plugin().comm)
     broken: str = ""
     _closed: bool = field(default=False, repr=False)
 
@@ -189,6 +198,7 @@ class DataParallel:
         timeout_s: float,
         backend: str = "gloo",
         device: str = "cpu",
+        comm: Communication | None = None,
     ) -> DataParallel:
         """Form the group (blocking: call it in the compute thread) and return this rank's
         handle on it.
@@ -218,7 +228,7 @@ class DataParallel:
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        return cls(name, rank, world, timeout_s, device)
+        return cls(name, rank, world, timeout_s, device, comm or current_plugin().comm)
 
     def close(self) -> None:
         """Leave the group (once)."""
@@ -230,14 +240,15 @@ class DataParallel:
     # -- collectives ------------------------------------------------------------------------
 
     def _run(self, what: str, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, a collective; a failure breaks the group for good."""
+        """``fn(*args, timeout_s=self.timeout_s)``, a collective of ``comm``; a failure breaks
+        the group for good."""
         if self.broken:
             raise DataParallelError(
                 f"{self.name}: rank {self.rank}: the data-parallel group broke earlier "
                 f"({self.broken}); the group must restart"
             )
         try:
-            return fn(*args)
+            return fn(*args, timeout_s=self.timeout_s)
         except Exception as exc:
             first = f"{type(exc).__name__}: {exc}".splitlines()[0]
             self.broken = f"rank {self.rank}: {what} failed ({first})"
@@ -251,8 +262,7 @@ class DataParallel:
     def all_gather_ints(self, what: str, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same count on each), in rank order."""
         mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        out = [torch.zeros_like(mine) for _ in range(self.world)]
-        self._run(what, dist.all_gather, out, mine)
+        out: list[torch.Tensor] = self._run(what, self.comm.all_gather, mine)
         return [t.cpu().tolist() for t in out]
 
     def check_same(self, what: str, values: Sequence[int], labels: Sequence[str]) -> None:
@@ -278,7 +288,7 @@ class DataParallel:
 
     def barrier(self, what: str) -> None:
         """Return once every rank got here."""
-        self._run(what, dist.all_reduce, torch.zeros(1, device=self.device))
+        self._run(what, self.comm.barrier)
 
     def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sum every parameter's gradient over the ranks, in place, in one collective per
@@ -298,7 +308,7 @@ class DataParallel:
                 [p.grad is not None for p in group], dtype=dtype, device=group[0].device
             )
             buffer = torch.cat([*flat, flags])
-            self._run("the gradient all-reduce", dist.all_reduce, buffer)
+            self._run("the gradient all-reduce", self.comm.all_reduce, buffer)
             start = 0
             for p, has in zip(group, buffer[-len(group) :].cpu().tolist(), strict=True):
                 n = p.numel()
@@ -313,8 +323,7 @@ class DataParallel:
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         mine = mine.to(self.device)
-        out = [torch.zeros_like(mine) for _ in range(self.world)]
-        self._run("the metric names", dist.all_gather, out, mine)
+        out: list[torch.Tensor] = self._run("the metric names", self.comm.all_gather, mine)
         union: set[str] = set()
         for (size,), t in zip(sizes, out, strict=True):
             if size:
@@ -333,7 +342,7 @@ class DataParallel:
                     values[i, j] = step[name]
                     values[i, len(names) + j] = 1.0
         values = values.to(self.device)
-        self._run("the metrics' all-reduce", dist.all_reduce, values)
+        self._run("the metrics' all-reduce", self.comm.all_reduce, values)
         values = values.cpu()
         out = []
         for i, step in enumerate(steps):
@@ -356,8 +365,7 @@ class DataParallel:
         values = [v for row in mine for v in row]
         flat[: len(values)] = torch.tensor(values, dtype=torch.float64)
         flat = flat.to(self.device)
-        out = [torch.zeros_like(flat) for _ in range(self.world)]
-        self._run("the proximal log-probs' all-gather", dist.all_gather, out, flat)
+        out = self._run("the proximal log-probs' all-gather", self.comm.all_gather, flat)
         out = [t.cpu() for t in out]
         rows: list[list[float]] = [[] for _ in lengths]
         for share, t in zip(shares, out, strict=True):
@@ -428,6 +436,7 @@ def join_role(
         timeout_s=timeout_s,
         backend=backend or (plugin.comm.backend if device.type == plugin.device.kind else "gloo"),
         device=str(device),
+        comm=plugin.comm,
     )
 
 

@@ -436,3 +436,56 @@ def test_across_nodes_the_generation_counts_a_ranks_joins_not_its_incarnation(
         "'asyncrl/run7/0/learner/1'",
         "'asyncrl/run7/0/learner/1'",
     ]
+
+
+SKIPPING_SCRIPT = """
+import os, sys
+from asyncrl.roles.data_parallel import DataParallel, DataParallelError
+rank, run_dir = int(sys.argv[1]), sys.argv[2]
+dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=run_dir, generation=0,
+                       timeout_s=60)
+if rank == 1:
+    sys.stdin.read()  # alive but never at the barrier, until the test closes its stdin
+    os._exit(0)
+dp.timeout_s = 1.0
+try:
+    dp.barrier("the test's barrier")
+except DataParallelError as exc:
+    print(exc)
+    print(type(exc.__cause__).__name__, exc.__cause__.collective, exc.__cause__.missing)
+sys.stdout.flush()
+os._exit(0)  # rank 1 still holds the group: leave without destroying it
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_a_rank_skips_times_out_through_the_plugin_naming_that_rank(
+    tmp_path: Any,
+) -> None:
+    """The group's collectives are the plugin's (``plugin.comm``), bounded by the group's
+    timeout: a barrier rank 1 never reaches fails on rank 0 within it, naming rank 1."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SKIPPING_SCRIPT, str(rank), str(tmp_path)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        procs[1].communicate(input="", timeout=120)
+    assert procs[0].returncode == 0, err[-2000:]
+    message, cause = out.splitlines()
+    assert message == (
+        "learner: rank 0: the test's barrier failed (CollectiveTimeoutError: barrier: rank(s) "
+        "[1] did not arrive within 1 s (this is rank 0); check that process's log for a crash "
+        "or a hang, or raise dist_timeout_s in the manifest) in a group of 2 (the timeout is "
+        "1 s): a rank died, or did not take part; every replica must get every train_step and "
+        "checkpoint (LearnerClient broadcasts them; a plain call reaches one replica only)"
+    )
+    assert cause == "CollectiveTimeoutError barrier [1]"
