@@ -1,4 +1,5 @@
-"""The plugins' errors, under asyncrl's one root (``asyncrl.errors.AsyncrlError``)::
+"""The plugins' errors, under asyncrl's one root (``asyncrl.errors.AsyncrlError``; the tree of
+``asyncrl.errors`` shows them in place)::
 
 AsyncrlError
 ├── ConfigError
@@ -22,7 +23,8 @@ class PluginError(ConfigError):
 
 class CollectiveTimeoutError(AsyncrlError):
     """A collective (all-reduce, all-gather, broadcast, barrier) did not complete within its
-    timeout (``roles.<learner>.config.dist_timeout_s`` in the manifest).
+    timeout (``roles.<learner>.config.dist_timeout_s`` in the manifest). Recoverable: the
+    data-parallel group restarts (it comes as the cause of a ``DataParallelError``).
 
     Attributes:
         collective: the collective's name (``all_reduce`` ...).
