@@ -6,10 +6,11 @@ reply, a ``RemoteError`` (the server's error reply), a ``DeadlineExceededError``
 ``ClosedError`` (this client was closed).
 
 The client reconnects by itself when the server restarts on the same endpoint. It learns of the
-restart from a socket monitor, handshakes again (retrying until the new incarnation answers or
-the client is closed, however long its start-up blocks), and reports the new incarnation in a
-``PeerEvent``. A client created with ``control=True`` presents the run's control secret in its
-handshake, which authorises its control messages (``send_stop``); see ``control.py``.
+restart from a socket monitor, handshakes again (``reconnect.py``: retrying until the new
+incarnation answers or the client is closed, however long its start-up blocks), and reports the
+new incarnation in a ``PeerEvent``. A client created with ``control=True`` presents the run's
+control secret in its handshake, which authorises its control messages (``send_stop``); see
+``control.py``.
 
 On tcp with Curve on (``curve.py``) the client presents the run's client key and checks the
 server's. A server that refuses the ZeroMQ handshake (its client key or the mechanism differs)
@@ -59,17 +60,15 @@ from .protocol import (
 )
 from .pump import Pump
 from .ratelog import RateLimitedLog
+from .reconnect import rehandshake
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import connect
-from .tracing import current as tracer
+from .tracing import clock, current, nbytes
 
 __all__ = ["Client", "PeerEvent"]
 
 log = logging.getLogger("asyncrl.transport.client")
-
-REHANDSHAKE_BACKOFF_MAX_S = 5.0
-"""The longest wait between two handshake tries after a reconnect that failed at once."""
 
 
 class Client:
@@ -150,7 +149,8 @@ class Client:
             shm_reader=ShmReader() if self.options.shm else None,
         )
         self.stats: Counter[str] = Counter()
-        self._tracer = tracer()  # None unless tracing is on
+        self._tracer = current()  # None unless tracing is on
+        self._record = None if self._tracer is None else self._tracer.record
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -279,8 +279,10 @@ class Client:
             request_id,
             Pending(fut, loop.time() + timeout, reply_type, method, timeout, self.server),
         )
-        if self._tracer is not None:  # before the send: a reply may come before we run again
-            self._tracer.call(self, env, frames)
+        if self._record is not None:  # before the send: a reply may come before we run again
+            tensors = env.tensors
+            size = nbytes(frames, tensors) if tensors or len(frames) > 1 else len(frames[0])
+            self._record(("call", method, self.endpoint, self.identity, request_id, clock(), size))
         try:
             self._pump.send(frames)
         except TransportError:
@@ -349,8 +351,8 @@ class Client:
         self.peer_incarnation = env.incarnation
         self._heard()
         kind = env.kind
-        if self._tracer is not None and (kind == Kind.REPLY or kind == Kind.ERROR):
-            self._tracer.answered(self, env)
+        if self._record is not None and (kind == Kind.REPLY or kind == Kind.ERROR):
+            self._record(("reply", self.identity, env.id, clock()))
         if kind == Kind.REPLY or kind == Kind.WELCOME:
             self._reply(env, frames)
         elif kind == Kind.ERROR:
@@ -459,37 +461,20 @@ class Client:
             task.add_done_callback(self._tasks.discard)
 
     async def _rehandshake(self) -> None:
-        """Handshake again after a reconnect, until it succeeds or the client is closed.
+        """Handshake again after a reconnect, until it succeeds or the client is closed."""
+        await rehandshake(self._handshake, lambda: self._closed, self.options, self._retry)
 
-        A restarted server may block its loop for a while as it starts (imports, loading a
-        checkpoint), so a try that gets no answer within liveness x interval is simply sent
-        again. Tries that fail at once (an error reply) are spaced out, up to
-        ``REHANDSHAKE_BACKOFF_MAX_S`` apart.
-        """
-        backoff = self.options.heartbeat_interval_s
-        tries = 0
-        while not self._closed:
-            tries += 1
-            started = time.monotonic()
-            try:
-                await self._handshake(self.options.dead_after_s)
-                return
-            except ClosedError:
-                return
-            except TransportError as exc:
-                self.stats["rehandshake_failures"] += 1
-                self._log.warning(
-                    "handshake retry",
-                    self.endpoint,
-                    "client %s: handshake %d after reconnect to %s failed, trying again: %s",
-                    self.name,
-                    tries,
-                    self.endpoint,
-                    exc,
-                )
-                if time.monotonic() - started < self.options.dead_after_s / 2:
-                    await asyncio.sleep(backoff)  # an immediate failure: do not spin
-                    backoff = min(backoff * 2, REHANDSHAKE_BACKOFF_MAX_S)
+    def _retry(self, tries: int, exc: TransportError) -> None:
+        self.stats["rehandshake_failures"] += 1
+        self._log.warning(
+            "handshake retry",
+            self.endpoint,
+            "client %s: handshake %d after reconnect to %s failed, trying again: %s",
+            self.name,
+            tries,
+            self.endpoint,
+            exc,
+        )
 
     async def _handshake(self, timeout: float) -> Hello:
         hello = Hello(

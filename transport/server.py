@@ -65,7 +65,7 @@ from .ratelog import RateLimitedLog
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import bind, socket_id, unlink_if_same
-from .tracing import current as tracer
+from .tracing import clock, current, nbytes
 
 __all__ = ["Call", "Handler", "PeerInfo", "Server"]
 
@@ -143,7 +143,8 @@ class Server:
             on_sweep=self._log.flush,
             on_dead=self._on_dead,
         )
-        self._tracer = tracer(name, incarnation)  # None unless tracing is on
+        self._tracer = current(name, incarnation)  # None unless tracing is on
+        self._record = None if self._tracer is None else self._tracer.record
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -325,8 +326,9 @@ class Server:
             self._bad_input(identity, msg, exc, env.id)
             return
         call = Call(identity, env.id, env.method, env.attempt, env.deadline, env.trace)
-        if self._tracer is not None:
-            self._tracer.serving(call, msg, env.tensors)
+        if self._record is not None:
+            size = len(msg[0]) if len(msg) == 1 and not env.tensors else nbytes(msg, env.tensors)
+            self._record(("serve", env.method, identity, env.id, clock(), size))
         if method.is_async:
             task = asyncio.get_running_loop().create_task(self._run_async(method, payload, call))
             self._tasks.add(task)
@@ -351,8 +353,8 @@ class Server:
 
     def _handler_failed(self, call: Call, exc: Exception) -> None:
         self.stats["handler_errors"] += 1
-        if self._tracer is not None:
-            self._tracer.served(call)
+        if self._record is not None:
+            self._record(("served", call.peer, call.id, clock()))
         self._log.warning(
             f"handler {call.method!r} failure",
             _peer_name(call.peer),
@@ -371,8 +373,8 @@ class Server:
         )
 
     def _reply(self, call: Call, result: Any) -> None:
-        if self._tracer is not None:
-            self._tracer.served(call)
+        if self._record is not None:
+            self._record(("served", call.peer, call.id, clock()))
         if self._closed:
             return
         peer = self._peers.get(call.peer)

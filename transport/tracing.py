@@ -2,7 +2,9 @@
 
 Tracing is on in a process whose environment names a directory in ``ASYNCRL_TRACE_DIR`` (or after
 ``install``). Each ``Client`` and ``Server`` asks ``current()`` once, when it is built, and keeps
-the answer: with tracing off that is ``None``, and the hot path pays one ``is not None`` test.
+the recorder's ``record`` (or ``None``): with tracing off the hot path pays one ``is not None``
+test, and with it on one tuple and one call of ``list.append``, written inline in the client's
+and the server's hot paths (no Python frame of the recorder's).
 
 The recorder appends to ``DIR/<host>-<pid>-<n>.trace`` chunks of events: each a 4-byte
 little-endian length, then a MessagePack array of events, each event an array:
@@ -19,8 +21,9 @@ little-endian length, then a MessagePack array of events, each event an array:
 - ``["served", identity, request_id, end_ns]``: its reply or error was sent;
 - ``["span", name, thread, start_ns, end_ns, args]``: work inside the process (``span``).
 
-Times are monotonic nanoseconds; ``bytes`` counts the message's frames and its shared-memory
-tensors. The hooks only append a tuple: ends are matched to starts when the files are merged
+Times are monotonic nanoseconds (``clock``); ``bytes`` counts the message's frames and its
+shared-memory tensors (``nbytes``). An event is written after every event recorded before it, so a
+call's end follows its start in the file. Ends are matched to starts when the files are merged
 (``asyncrl.trace``). A thread of the recorder writes the events out every ``FLUSH_S`` seconds,
 and at exit, so a process that is killed loses at most its last half second.
 """
@@ -33,13 +36,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 
-__all__ = ["TRACE_DIR_ENV", "Recorder", "current", "install", "uninstall"]
+__all__ = ["TRACE_DIR_ENV", "Recorder", "clock", "current", "install", "nbytes", "uninstall"]
 
 TRACE_DIR_ENV = "ASYNCRL_TRACE_DIR"
 """The environment variable that turns tracing on: the directory the per-process files go to."""
@@ -47,7 +50,9 @@ TRACE_DIR_ENV = "ASYNCRL_TRACE_DIR"
 FLUSH_S = 0.5
 """How often the recorder's thread writes the events recorded since it last did."""
 
-_clock = time.monotonic_ns
+clock = time.monotonic_ns
+"""The clock of every event's times."""
+
 _serial = itertools.count()  # a process may hold several recorders (a benchmark does)
 
 
@@ -64,24 +69,27 @@ def clock_offset_ns(samples: int = 7) -> int:
     return best[1]
 
 
-def frames_bytes(frames: list[Any]) -> int:
-    """The bytes of a message's frames (bytes, memoryviews or ``zmq.Frame``)."""
+def nbytes(frames: list[Any], tensors: list[Any] | None) -> int:
+    """The bytes of a message: its frames (bytes, memoryviews or ``zmq.Frame``) and the tensors
+    (``TensorDesc``) of ``tensors`` that travel through shared memory.
+
+    The hot paths call it only for a message of several frames or with tensors; for one frame
+    and none, ``len(frames[0])`` is the answer.
+    """
     total = 0
     for frame in frames:
         total += frame.nbytes if isinstance(frame, memoryview) else len(frame)
+    if tensors:
+        total += sum(d.nbytes for d in tensors if d.where == 2)
     return total
-
-
-def shm_bytes(tensors: list[Any]) -> int:
-    """The bytes of the tensors (``TensorDesc``) that travel through shared memory."""
-    return sum(d.nbytes for d in tensors if d.where == 2) if tensors else 0
 
 
 class Recorder:
     """Records this process's calls and spans into ``directory/<host>-<pid>-<n>.trace``.
 
-    The hooks only append a tuple to a list (from any thread); a daemon thread of the recorder
-    writes them out every ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
+    ``record`` (the ``append`` of one list that lives as long as the recorder) takes an event
+    tuple, from any thread; a daemon thread of the recorder writes what was recorded every
+    ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
 
     Args:
         directory: where the file goes; created if missing.
@@ -98,11 +106,12 @@ class Recorder:
         self.incarnation = incarnation
         self.offset_ns = clock_offset_ns()
         self._events: list[tuple[Any, ...]] = []
-        self._previous: list[tuple[Any, ...]] = []  # the list last written, and how much of it
-        self._previous_written = 0
+        self.record: Callable[[tuple[Any, ...]], None] = self._events.append
         self._written_label: tuple[str, int] | None = None
         self._lock = threading.Lock()
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buffer = bytearray()
+        self._fd = -1  # the file, opened at the first write and kept open
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_often, name="trace-writer", daemon=True)
         self._writer.start()
@@ -113,46 +122,15 @@ class Recorder:
             self.label = label
             self.incarnation = incarnation
 
-    # -- the transport's hooks -----------------------------------------------------------
-
-    def call(self, client: Any, env: Any, frames: list[Any]) -> None:
-        """``client`` is sending the request ``env`` (an ``Envelope``) as ``frames``."""
-        size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
-        if env.tensors:
-            size += shm_bytes(env.tensors)
-        self._events.append(
-            ("call", env.method, client.endpoint, client.identity, env.id, _clock(), size)
-        )
-
-    def answered(self, client: Any, env: Any) -> None:
-        """``client`` got the answer ``env`` (a reply or an error) to its request ``env.id``."""
-        self._events.append(("reply", client.identity, env.id, _clock()))
-
-    def serving(self, call: Any, frames: list[Any], tensors: list[Any]) -> None:
-        """A server took request ``call`` (a ``Call``) of ``frames``, whose tensor descriptors
-        are ``tensors``."""
-        size = len(frames[0]) if len(frames) == 1 else frames_bytes(frames)
-        if tensors:
-            size += shm_bytes(tensors)
-        self._events.append(("serve", call.method, call.peer, call.id, _clock(), size))
-
-    def served(self, call: Any) -> None:
-        """A server answered ``call`` (with its reply or an error)."""
-        self._events.append(("served", call.peer, call.id, _clock()))
-
-    # -- spans -----------------------------------------------------------------------------
-
     @contextmanager
     def span(self, name: str, **args: Any) -> Iterator[dict[str, Any]]:
         """Record the time the ``with`` block takes as ``name``; the yielded dict is its args,
         which the block may add to (sizes known only at the end)."""
-        start = _clock()
+        start = clock()
         try:
             yield args
         finally:
-            self._events.append(
-                ("span", name, threading.current_thread().name, start, _clock(), args)
-            )
+            self.record(("span", name, threading.current_thread().name, start, clock(), args))
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -164,30 +142,40 @@ class Recorder:
                 return  # the folder is gone (a benchmark's): nothing more can be written
 
     def close(self) -> None:
-        """Stop the writer thread and write what is left."""
+        """Stop the writer thread, write what is left and close the file."""
         self._stop.set()
         self.flush()
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     def flush(self) -> None:
-        """Write the events recorded so far (from any thread).
+        """Write the events recorded so far (from any thread), as one chunk.
 
-        The hooks append without a lock: one that fetched the list just before it was swapped
-        appends to the old one, so what the old list gained since it was written goes first.
+        The list is never swapped (the hooks hold its ``append``): the events counted are
+        copied out and deleted from its front, each one C call under the GIL, so what a hook
+        appends meanwhile stays for the next chunk.
         """
         with self._lock:
-            events, self._events = self._events, []
-            batch = self._previous[self._previous_written :]
+            events = self._events
             count = len(events)
-            batch.extend(events[:count])
-            self._previous, self._previous_written = events, count
+            batch = events[:count]
+            del events[:count]
             if self._written_label != (self.label, self.incarnation):
                 self._written_label = (self.label, self.incarnation)
                 head = ("process", self.label, self.incarnation, self.pid, self.host)
                 batch.insert(0, (*head, self.offset_ns))
-            if batch:
-                chunk = self._encode(batch)
-                with open(self.path, "ab") as f:
-                    f.write(len(chunk).to_bytes(4, "little") + chunk)
+            if not batch:
+                return
+            buffer = self._buffer
+            self._encoder.encode_into(batch, buffer, 4)
+            buffer[:4] = (len(buffer) - 4).to_bytes(4, "little")
+            if self._fd < 0:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            written = os.write(self._fd, buffer)  # one write: the GIL changes hands once
+            while written < len(buffer):  # a short write (a full disk raises instead)
+                written += os.write(self._fd, buffer[written:])
 
 
 _recorder: Recorder | None = None
