@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.plugins.cpu import CpuDevice, CpuPlugin
 from asyncrl.role import RoleContext
+from asyncrl.roles.critic import Critic
 from asyncrl.roles.device_report import DeviceShare, placement_sharing
 from asyncrl.roles.learner import Learner, Scored, TrainBatch
 from asyncrl.roles.reference import Reference
@@ -174,3 +175,23 @@ def test_the_reference_reports_its_memory_and_releases_after_scoring(
     status = reference.status()
     assert (status["device"], status["memory_fraction"], status["releases"]) == ("cpu", 0.0, 1)
     assert status["memory"]["allocated"] > 0
+
+
+def test_the_critic_holds_its_share_and_releases_after_each_call(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, no_spec: None
+) -> None:
+    _spec_env(monkeypatch, tmp_path, "critic", memory_fraction=0.2, release_when_idle=True)
+    critic = Critic(RoleContext.local(config={"model_config": MODEL}, name="critic"))
+    assert critic.status() == {}
+    sample = Sample("p", 0, [2, 3], [4, 5], [0.0] * 2, [0] * 2, True, "stop")
+
+    async def work() -> None:
+        await critic.setup()
+        assert [len(v) for v in await critic.values([sample])] == [2]
+        result = await critic.train_step([Scored(sample, reward=1.0, values=[0.0, 0.0])])
+        assert result.step == 1
+
+    asyncio.run(work())
+    status = critic.status()
+    assert (status["device"], status["memory_fraction"], status["releases"]) == ("cpu", 0.2, 2)
+    assert status["memory"]["limit"] == int(0.2 * status["memory"]["total"])
