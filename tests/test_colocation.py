@@ -152,6 +152,8 @@ def test_the_learner_reports_its_memory_and_releases_after_each_step(
     assert result.step == 1
     status = learner.status()
     assert status["releases"] == 1
+    before = status["last_release"]["allocated_before"]
+    assert abs(result.metrics["memory_allocated_mib"] - before / 2**20) < 8
     assert status["last_release"]["allocated_before"] > 0
     learner._train_step(_batch(4))  # the same samples: skipped, no step, nothing released
     assert learner.status()["releases"] == 1
