@@ -215,8 +215,8 @@ class Relay(Role):
             await self.ctx.offload(self._publish, update)
             return self.version
 
-    @endpoint(Delivery.IDEMPOTENT)
-    async def status(self, _: None) -> RelayStatus:
+    @endpoint(Delivery.IDEMPOTENT, name="status")
+    async def relay_status(self, _: None) -> RelayStatus:
         """The version held, the pulls made, and whether this relay copies at all."""
         return RelayStatus(
             version=self.version,

@@ -91,7 +91,7 @@ def test_sim_learner_keeps_a_ledger_and_steps_only_on_fresh_samples() -> None:
     assert (first.version, first.step, first.consumed, first.skipped) == (1, 1, 2, 0)
     assert (second.version, second.step, second.consumed, second.skipped) == (2, 2, 1, 1)
     assert (third.version, third.step, third.consumed, third.skipped) == (2, 2, 0, 1)
-    status = run(role.status(None))
+    status = run(role.sim_status(None))
     assert status == {"version": 2, "step": 2, "consumed": 3, "keep": {}}
 
 

@@ -205,8 +205,8 @@ class SimLearner(Role):
             self.version += 1
         return StepResult(self.version, self.step, len(fresh), skipped, {})
 
-    @endpoint(Delivery.IDEMPOTENT)
-    async def status(self, _: Any) -> dict[str, Any]:
+    @endpoint(Delivery.IDEMPOTENT, name="status")
+    async def sim_status(self, _: Any) -> dict[str, Any]:
         return {
             "version": self.version,
             "step": self.step,
