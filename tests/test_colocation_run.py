@@ -1,6 +1,7 @@
-"""Two torch roles sharing one device in a real run: each reports its own memory to
-``asyncrl status``, and a role that frees a big buffer and releases its cache shows its resident
-memory drop (measured by the role, and from outside through /proc)."""
+"""Two torch roles sharing one device in a real run: each holds the memory share its placement
+gives and reports its own memory to ``asyncrl status``, and a role that frees a big buffer and
+releases its cache shows its resident memory drop (measured by the role, and from outside
+through /proc)."""
 
 from __future__ import annotations
 
@@ -168,11 +169,6 @@ def test_each_role_reports_its_own_memory_and_a_release_drops_it(run: Run) -> No
     assert reference["memory"]["allocated"] > mem["reference"]["allocated"] - 16 * MIB
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the node agent does not yet copy placement.memory_fraction and release_when_idle "
-    "into the ProcessSpec (asyncrl/agent.py)",
-)
 def test_each_role_holds_the_share_its_placement_gives(run: Run) -> None:
     found = _status(run.run_dir)
     shares = {
