@@ -100,7 +100,7 @@ class ReferenceOps:
 class FastOps(ReferenceOps):
     """torch's fused kernels: SDPA, ``F.rms_norm``, ``F.layer_norm``; log-probs as the chosen
     logit minus the logsumexp (no [N, V] log-softmax at all); entropy in chunks of rows;
-    sampling sorts only the top-k."""
+    sampling sorts only the top-k, and nothing when neither top-k nor top-p cuts."""
 
     chunk_rows = 1024
     """Rows (positions) per chunk of the log-prob and entropy kernels."""
@@ -143,6 +143,8 @@ class FastOps(ReferenceOps):
     ) -> torch.Tensor:
         _check_sampling(temperature, top_p, top_k)
         scaled = logits.float() / temperature
+        if top_p == 1 and not 0 < top_k < scaled.shape[-1]:
+            return torch.softmax(scaled, dim=-1)  # nothing is cut: no sort at all
         k = top_k or scaled.shape[-1]
         values, index = scaled.topk(min(k, scaled.shape[-1]), dim=-1)
         sorted_p = torch.softmax(values, dim=-1)

@@ -18,8 +18,8 @@ PPO; the sampling transforms are a property of the rollout, not of the policy.
 The operators come from the hardware plugin (``asyncrl.plugins.registry``): behaviour log-probs
 and ``score`` are its ``ops.logprobs`` (the learner's own operator, so the two agree to the bit
 on the same logits), and the distribution a token is drawn from is its ``ops.sampling_probs``.
-The draw itself stays the engine's (``draw``): an inverse CDF over that distribution, walked in
-order of falling logits, with the row's own uniform number (see Seeds).
+The engine hands it each row's logits in falling order, and the draw stays the engine's
+(``draw``): an inverse CDF walked in that order, with the row's own uniform number (see Seeds).
 
 New weights (``set_weights``, from any thread) wait in a pending slot and are loaded under the
 model lock before the next forward. The generation continues with its KV cache, so keys and
@@ -172,23 +172,21 @@ def left_pad(
     return ids.to(device), mask.to(device)
 
 
-def draw(probs: torch.Tensor, uniform: Sequence[float], order: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` ([N, V]: a distribution per row, zero where a token is
-    out) by inverse CDF: walking the tokens in the row's ``order`` ([N, V], a permutation of
-    the ids), the first whose cumulative probability passes the row's ``uniform`` (in [0, 1))
-    times the row's total. Tokens of zero probability are never picked, wherever they sit.
+def draw(probs: torch.Tensor, uniform: Sequence[float]) -> torch.Tensor:
+    """One column per row of ``probs`` ([N, V]: a distribution per row, zero where a token is
+    out) by inverse CDF: walking the columns in order, the first whose cumulative probability
+    passes the row's ``uniform`` (in [0, 1)) times the row's total. A column of zero
+    probability is never picked, wherever it sits.
 
-    The engine walks in order of falling logits (the lower id first on a tie), so a uniform
-    picks the same token of the same logits whatever else is in the batch, as before the
-    plugin chose the probabilities.
+    The engine's columns are the tokens in order of falling logits (the lower id first on a
+    tie), so a uniform picks the same token of the same logits whatever else is in the batch.
     """
-    walked = probs.gather(-1, order)
-    cdf = walked.cumsum(-1)
+    cdf = probs.cumsum(-1)
     u = torch.tensor(list(uniform), device=cdf.device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
     pick = torch.searchsorted(cdf, u, right=True)
-    # Rounding may step past the last token with probability (u * total == total): take it.
-    last = (walked > 0).cumsum(-1).argmax(-1, keepdim=True)
-    return order.gather(-1, torch.minimum(pick, last)).squeeze(-1)
+    # Rounding may step past the last column with probability (u * total == total): take it.
+    last = (probs > 0).cumsum(-1).argmax(-1, keepdim=True)
+    return torch.minimum(pick, last).squeeze(-1)
 
 
 class HFEngine:
@@ -482,12 +480,14 @@ class HFEngine:
             groups.setdefault((params.temperature, params.top_p, top_k), []).append(i)
         for (temperature, top_p, top_k), index in groups.items():
             at = torch.tensor(index, device=logits.device)
-            probs = self.ops.sampling_probs(
-                logits[at], temperature=temperature, top_p=top_p, top_k=top_k
-            )
-            # Stable, so rank 0 is the argmax (the first on ties): top_k=1 is greedy.
+            # The plugin gets each row's logits in falling order (stable, so rank 0 is the
+            # argmax, the first on ties: top_k=1 is greedy), and the draw walks them so.
             order = torch.sort(logits[at] / temperature, dim=-1, descending=True, stable=True)[1]
-            chosen[at] = draw(probs, [uniform[i] for i in index], order)
+            probs = self.ops.sampling_probs(
+                logits[at].gather(-1, order), temperature=temperature, top_p=top_p, top_k=top_k
+            )
+            pick = draw(probs, [uniform[i] for i in index])
+            chosen[at] = order.gather(-1, pick[:, None]).squeeze(-1)
         logprobs = self.ops.logprobs(logits, chosen)
         return [int(t) for t in chosen.tolist()], [float(x) for x in logprobs.tolist()]
 

@@ -133,14 +133,13 @@ def test_build_engine_takes_device_dtype_and_operators_from_the_plugin() -> None
     )
 
 
-def test_draw_walks_the_order_and_never_picks_a_token_without_probability() -> None:
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.25, 0.25, 0.25, 0.25]])
-    order = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]])
-    assert draw(probs, [0.0, 0.0], order).tolist() == [1, 3]
-    assert draw(probs, [0.49, 0.74], order).tolist() == [1, 1]
-    assert draw(probs, [0.5, 0.75], order).tolist() == [3, 0]
-    # u * total rounding up to the total must not step onto a token without probability.
-    assert draw(probs, [1.0, 1.0], order).tolist() == [3, 0]
+def test_draw_walks_the_columns_and_never_picks_one_without_probability() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.25, 0.25, 0.25, 0.25], [0.2, 0.2, 0.2, 0.0]])
+    assert draw(probs, [0.0, 0.0, 0.0]).tolist() == [1, 0, 0]
+    assert draw(probs, [0.49, 0.74, 0.5]).tolist() == [1, 2, 1]
+    assert draw(probs, [0.5, 0.75, 0.99]).tolist() == [3, 3, 2]
+    # u * total rounding up to the total must not step onto a column without probability.
+    assert draw(probs, [1.0, 1.0, 1.0]).tolist() == [3, 3, 2]
 
 
 def batch() -> GenerateBatch:
