@@ -64,7 +64,7 @@ from .reconnect import rehandshake
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import connect
-from .tracing import clock, current, nbytes
+from .tracing import CallEvent, ReplyEvent, clock, current, nbytes
 
 __all__ = ["Client", "PeerEvent"]
 
@@ -282,7 +282,7 @@ class Client:
         if self._record is not None:  # before the send: a reply may come before we run again
             tensors = env.tensors
             size = nbytes(frames, tensors) if tensors or len(frames) > 1 else len(frames[0])
-            self._record(("call", method, self.endpoint, self.identity, request_id, clock(), size))
+            self._record(CallEvent(method, self.endpoint, self.identity, request_id, clock(), size))
         try:
             self._pump.send(frames)
         except TransportError:
@@ -352,7 +352,7 @@ class Client:
         self._heard()
         kind = env.kind
         if self._record is not None and (kind == Kind.REPLY or kind == Kind.ERROR):
-            self._record(("reply", self.identity, env.id, clock()))
+            self._record(ReplyEvent(self.identity, env.id, clock()))
         if kind == Kind.REPLY or kind == Kind.WELCOME:
             self._reply(env, frames)
         elif kind == Kind.ERROR:

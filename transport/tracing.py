@@ -3,8 +3,8 @@
 Tracing is on in a process whose environment names a directory in ``ASYNCRL_TRACE_DIR`` (or after
 ``install``). Each ``Client`` and ``Server`` asks ``current()`` once, when it is built, and keeps
 the recorder's ``record`` (or ``None``): with tracing off the hot path pays one ``is not None``
-test, and with it on one tuple and one call of ``list.append``, written inline in the client's
-and the server's hot paths (no Python frame of the recorder's).
+test, and with it on one event struct (``CallEvent`` and its kin) and one call of ``list.append``,
+written inline in the client's and the server's hot paths (no Python frame of the recorder's).
 
 The recorder appends to ``DIR/<host>-<pid>-<n>.trace`` chunks of events: each a 4-byte
 little-endian length, then a MessagePack array of events, each event an array:
@@ -42,7 +42,19 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["TRACE_DIR_ENV", "Recorder", "clock", "current", "install", "nbytes", "uninstall"]
+__all__ = [
+    "TRACE_DIR_ENV",
+    "CallEvent",
+    "Recorder",
+    "ReplyEvent",
+    "ServeEvent",
+    "ServedEvent",
+    "clock",
+    "current",
+    "install",
+    "nbytes",
+    "uninstall",
+]
 
 TRACE_DIR_ENV = "ASYNCRL_TRACE_DIR"
 """The environment variable that turns tracing on: the directory the per-process files go to."""
@@ -69,6 +81,50 @@ def clock_offset_ns(samples: int = 7) -> int:
     return best[1]
 
 
+# The events of calls, one per hook. Structs that the garbage collector never sees (gc=False):
+# a tuple would be, and 100k tuples a second held until the next write let the collector run
+# several times as often, and promote the requests in flight to the oldest generation, whose
+# full collections in a process that imported torch take tens of milliseconds each. As array-like
+# structs tagged with their kind they encode exactly as the arrays the file format describes.
+
+
+class CallEvent(msgspec.Struct, array_like=True, gc=False, tag="call"):
+    """``["call", method, endpoint, identity, request_id, start_ns, bytes]``."""
+
+    method: str
+    endpoint: str
+    identity: bytes
+    id: int
+    start: int
+    size: int
+
+
+class ReplyEvent(msgspec.Struct, array_like=True, gc=False, tag="reply"):
+    """``["reply", identity, request_id, end_ns]``."""
+
+    identity: bytes
+    id: int
+    end: int
+
+
+class ServeEvent(msgspec.Struct, array_like=True, gc=False, tag="serve"):
+    """``["serve", method, identity, request_id, start_ns, bytes]``."""
+
+    method: str
+    identity: bytes
+    id: int
+    start: int
+    size: int
+
+
+class ServedEvent(msgspec.Struct, array_like=True, gc=False, tag="served"):
+    """``["served", identity, request_id, end_ns]``."""
+
+    identity: bytes
+    id: int
+    end: int
+
+
 def nbytes(frames: list[Any], tensors: list[Any] | None) -> int:
     """The bytes of a message: its frames (bytes, memoryviews or ``zmq.Frame``) and the tensors
     (``TensorDesc``) of ``tensors`` that travel through shared memory.
@@ -88,8 +144,8 @@ class Recorder:
     """Records this process's calls and spans into ``directory/<host>-<pid>-<n>.trace``.
 
     ``record`` (the ``append`` of one list that lives as long as the recorder) takes an event
-    tuple, from any thread; a daemon thread of the recorder writes what was recorded every
-    ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
+    (a ``CallEvent`` and its kin, or a tuple), from any thread; a daemon thread of the recorder
+    writes what was recorded every ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
 
     Args:
         directory: where the file goes; created if missing.
@@ -105,8 +161,8 @@ class Recorder:
         self.label = label
         self.incarnation = incarnation
         self.offset_ns = clock_offset_ns()
-        self._events: list[tuple[Any, ...]] = []
-        self.record: Callable[[tuple[Any, ...]], None] = self._events.append
+        self._events: list[Any] = []
+        self.record: Callable[[Any], None] = self._events.append
         self._written_label: tuple[str, int] | None = None
         self._lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
