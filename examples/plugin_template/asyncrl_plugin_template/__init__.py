@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ class TemplateDevice:
 
     kind = "cpu"
     visible_env = ""
+    fraction = 1.0  # the share of the device this process may use (limit_memory)
 
     def available(self) -> bool:
         return True
@@ -45,10 +47,20 @@ class TemplateDevice:
     def memory(self) -> MemoryStats:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * 4096
-        return MemoryStats(allocated=rss, reserved=rss, peak=rss, total=0)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return MemoryStats(
+            allocated=rss, reserved=rss, peak=rss, total=total, limit=int(self.fraction * total)
+        )
 
     def release_cache(self) -> None:
         gc.collect()
+
+    def limit_memory(self, fraction: float) -> None:
+        # Cap this process's share of your device here (cuda: set_per_process_memory_fraction);
+        # the host has no safe per-process cap, so the template records the budget it reports.
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"memory fraction must be in (0, 1], got {fraction!r}")
+        self.fraction = fraction
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
