@@ -19,10 +19,13 @@ thread, so the event loop keeps answering heartbeats.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import enum
 import inspect
 import logging
 import os
+import shutil
+import tempfile
 import typing
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -146,7 +149,14 @@ class RoleContext:
 
     @classmethod
     def local(cls, config: Any = None, **kw: Any) -> RoleContext:
-        """A context for calling a role in-process (tests, notebooks)."""
+        """A context for calling a role in-process (tests, notebooks).
+
+        Without ``run_dir``, the role's files (checkpoints, ledgers) go to a fresh temporary
+        directory, removed at exit, never into the working directory.
+        """
+        if "run_dir" not in kw:
+            kw["run_dir"] = tempfile.mkdtemp(prefix="asyncrl-local-")
+            atexit.register(shutil.rmtree, kw["run_dir"], ignore_errors=True)
         return cls(config=config, **kw)
 
     async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
