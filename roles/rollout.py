@@ -216,17 +216,20 @@ class Rollout(Role):
             import_vllm()
 
     async def setup(self) -> None:
-        """Build the engine (load or create the model) in the worker thread, load the
-        publisher's latest weights (with ``weights_from``), and start batching.
+        """Take this replica's share of its device (the placement's), build the engine (load
+        or create the model) in the worker thread, load the publisher's latest weights (with
+        ``weights_from``), and start batching.
 
         Raises:
             ConfigProblem: ``engine: vllm`` without vLLM installed.
+            PluginError: ``placement.device`` is not a device of the hardware plugin.
         """
-        self.engine = await self.ctx.offload(build_engine, self.config, self.ctx.device)
+        # Before the model lands on a device it may share: the placement's memory share.
         fraction, release = placement_sharing(self.ctx)
         self._share = DeviceShare(
             device_for(self.ctx.device), fraction, release or self.config.release_when_idle
         )
+        self.engine = await self.ctx.offload(build_engine, self.config, self.ctx.device)
         if self.config.weights_from:
             # Before any credit is advertised: a restarted replica starts from the current
             # weights, not from the initial ones, waiting for a publisher that restarts too.
