@@ -25,12 +25,17 @@
     │   └── NothingPublishedError     R weights were read before any version was published
     ├── ConfigError                   F the run's configuration is wrong; restarting cannot help
     │   ├── ManifestError             F a manifest with problems; lists every one, with its path
-    │   └── ConfigProblem             F a process cannot start with its configuration (exit 78)
+    │   ├── ConfigProblem             F a process cannot start with its configuration (exit 78)
+    │   └── PluginError               F no such hardware plugin, one that fails to load, or one
+    │                                   that does not support this asyncrl (asyncrl.plugins.errors)
     ├── StallError                    F a run made no progress for too long; says on whom it waits
     ├── NotRunningError                 asyncrl status: no agent answers for the run directory
     │                                   (asyncrl.status)
     ├── StoreError                      the launch's store (torchrun's TCPStore) unreachable, or a
     │                                   key late (asyncrl.store_registry)
+    ├── CollectiveTimeoutError        R a collective of the plugin did not complete in time;
+    │                                   names it and the ranks that did not arrive
+    │                                   (asyncrl.plugins.errors)
     └── DataParallelError             R a data-parallel learner's ranks could not work as one
                                         group (asyncrl.roles.data_parallel); the group restarts
 
@@ -46,7 +51,8 @@ The two "dead" errors differ as vLLM's ``EngineGenerateError`` and ``EngineDeadE
 it; ``RoleDeadError`` says the role will not come back in this run.
 
 The transport defines its branch itself, since it may not import the runtime; this module is where
-the runtime's own errors join the same root.
+the runtime's own errors join the same root. The hardware plugins' two errors live in
+``asyncrl.plugins.errors`` (the runtime imports no plugin module) under the same root.
 """
 
 from __future__ import annotations
