@@ -4,8 +4,8 @@
 ``asyncrl.roles.programs`` writes it) and writes, into ``RUN_DIR/plots/`` of the first run unless
 told otherwise:
 
-- ``reward.png``: the mean reward, with the band from its p10 to its p90, over steps and over
-  wall time;
+- ``reward.png``: the mean reward, with the band of its 95% interval (``ci95``; the band from
+  its p10 to its p90 for runs written before), over steps and over wall time;
 - ``accuracy.png``: held-out accuracy over steps and over wall time (when some run evaluated);
 - ``throughput.png``: samples per second, and tokens generated and trained per second;
 - ``staleness.png``: staleness p50, p99 and max, in versions;
@@ -178,16 +178,28 @@ def _reward(figure: Any, runs: list[RunMetrics]) -> bool:
     drawn = _panels(
         figure,
         runs,
-        [("reward (mean, p10 to p90)", ("reward", "mean"), x) for x in ("step", "wall_s")],
+        [("reward (mean, 95% interval)", ("reward", "mean"), x) for x in ("step", "wall_s")],
         floor=False,
     )
     for ax, x in zip(figure.axes, ("step", "wall_s"), strict=True):
         for i, run in enumerate(runs):
-            xs, low = run.series("reward", "p10", x=x)
-            _, high = run.series("reward", "p90", x=x)
-            if low and len(low) == len(high):
+            xs, low, high = _reward_band(run, x)
+            if low and len(low) == len(high) == len(xs):
                 ax.fill_between(xs, low, high, color=f"C{i % 10}", alpha=0.12, linewidth=0)
     return drawn
+
+
+def _reward_band(run: RunMetrics, x: str) -> tuple[list[float], list[float], list[float]]:
+    """The x values, low and high edges of the reward's band: the mean plus or minus ``ci95``,
+    or, for a run written before ``ci95`` was, from its p10 to its p90."""
+    xs, half = run.series("reward", "ci95", x=x)
+    _, mean = run.series("reward", "mean", x=x)
+    if half and len(half) == len(mean):
+        pairs = list(zip(mean, half, strict=True))
+        return xs, [m - h for m, h in pairs], [m + h for m, h in pairs]
+    xs, low = run.series("reward", "p10", x=x)
+    _, high = run.series("reward", "p90", x=x)
+    return xs, low, high
 
 
 def _accuracy(figure: Any, runs: list[RunMetrics]) -> bool:

@@ -8,8 +8,10 @@ its own. Each step is one record of ``RUN_DIR/metrics.jsonl`` (written by
 - ``step`` (the RL step, from 1), ``wall_s`` (seconds of the RL loop so far, across resumes),
   ``time`` (Unix time), ``version`` (the policy's, after the step);
 - ``reward``: ``mean``, over every group scored for the batch, the uniform ones that dynamic
-  sampling dropped included (the step's reward in ``RLStep``), and ``p10``, ``p50``, ``p90`` of
-  the batch's samples;
+  sampling dropped included (the step's reward in ``RLStep``); ``p10``, ``p50``, ``p90`` of
+  the batch's samples; and ``ci95``, the half-width of the 95% interval of the batch's mean
+  (1.96 standard errors: for a reward of 0 or 1 the quantiles say little, this says how sure
+  the mean is);
 - ``accuracy``: the held-out accuracy, on the steps that evaluated;
 - ``learner``: the learner's metrics of the step (its loss and loss parts, ``kl`` and
   ``entropy`` when they are computed, ``grad_norm``, ``lr``, ...);
@@ -55,6 +57,17 @@ __all__ = ["StepReport"]
 Scorer = Callable[[list[Sample]], Awaitable[list[float]]]
 LAPS = ("batch", "learn", "weights", "eval")
 """The parts of a step's time, in the order the loop takes them."""
+
+
+def ci95(values: list[float]) -> float:
+    """The half-width of the 95% interval of ``values``' mean: 1.96 times its standard error
+    (the sample standard deviation over the square root of the count); 0 for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return 1.96 * math.sqrt(variance / n)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -158,6 +171,7 @@ class StepReport:
             "reward": {
                 "mean": step.reward,
                 **{f"p{q}": quantile(rewards, q / 100) for q in (10, 50, 90)},
+                "ci95": ci95(rewards),
             },
             **({"accuracy": step.evaluation} if step.evaluation is not None else {}),
             "learner": dict(step.result.metrics),

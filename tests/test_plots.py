@@ -111,3 +111,17 @@ def test_without_matplotlib_the_command_names_the_extra(
         "with: pip install 'asyncrl[plot]'\n"
     )
     assert not os.path.exists(os.path.join(run_dir, "plots"))
+
+
+def test_the_reward_band_is_the_95_interval_of_the_mean_or_else_p10_to_p90(tmp_path: Any) -> None:
+    from asyncrl.plots import _reward_band
+
+    run = load_run(make_run(tmp_path, "old", "sync", steps=4))
+    # Records written before ci95 existed: the band runs from p10 to p90.
+    assert _reward_band(run, "step") == ([1.0, 2.0, 3.0, 4.0], [0.125, 0.25, 0.375, 0.5], [1.0] * 4)
+    for record in run.records:
+        record["reward"]["ci95"] = 0.1
+    xs, low, high = _reward_band(run, "wall_s")
+    assert xs == [2.0, 4.0, 6.0, 8.0]
+    assert low == pytest.approx([0.15, 0.4, 0.65, 0.9])
+    assert high == pytest.approx([0.35, 0.6, 0.85, 1.1])

@@ -8,6 +8,7 @@ a reward that differs within each group. Nothing sleeps: the loop runs as fast a
 from __future__ import annotations
 
 import json
+import math
 import os
 from types import SimpleNamespace
 from typing import Any, cast
@@ -159,8 +160,15 @@ def test_every_step_is_one_line_of_metrics(tmp_path: Any) -> None:
     assert [r.get("accuracy") for r in got] == [None, 0.5, 0.75]  # eval_every 2, and the last
     assert [r["restarts"] for r in got] == [1, 2, 2]
     for r in got:
-        # Rewards 0 and 1 in each group: the mean, and the nearest-rank quantiles of 0, 0, 1, 1.
-        assert r["reward"] == {"mean": 0.5, "p10": 0.0, "p50": 0.0, "p90": 1.0}
+        # Rewards 0 and 1 in each group: the mean, the nearest-rank quantiles of 0, 0, 1, 1,
+        # and 1.96 standard errors (sample std sqrt(1/3), over sqrt(4)).
+        assert r["reward"] == {
+            "mean": 0.5,
+            "p10": 0.0,
+            "p50": 0.0,
+            "p90": 1.0,
+            "ci95": pytest.approx(1.96 * math.sqrt(1 / 3) / 2),
+        }
         assert r["staleness"] == {"p50": 0.0, "p99": 0.0, "max": 0.0}
         assert r["pipeline"]["consumed_samples"] == 4 * r["step"]
         assert r["pipeline"]["reward_scored_mean"] == 0.5
