@@ -58,16 +58,27 @@ class Busy:
         self.inflight = 0
         self._busy = 0.0
         self._since = 0.0
+        self._on_settled = self._settled  # bound once, not per call
 
     def call_future(
-        self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = 30.0,
+        attempt: int = 0,
+        trace: str = "",
     ) -> Any:
-        """The client's ``call_future``, counted while it is in flight."""
-        fut = self.client.call_future(method, payload, reply_type, **kw)
+        """The client's ``call_future``, counted while it is in flight. The arguments are
+        named, not forwarded as ``**kw``: no dict is built and unpacked per call."""
+        fut = self.client.call_future(
+            method, payload, reply_type, timeout=timeout, attempt=attempt, trace=trace
+        )
         if self.inflight == 0:
             self._since = self.clock()
         self.inflight += 1
-        fut.add_done_callback(self._settled)
+        fut.add_done_callback(self._on_settled)
         return fut
 
     def _settled(self, _: Any) -> None:
