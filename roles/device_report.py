@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 import msgspec
 import torch
 
-from asyncrl.plugins.contract import Device, Plugin
+from asyncrl.plugins.contract import Device, MemoryStats, Plugin
 from asyncrl.plugins.registry import current, load
 from asyncrl.spec import SPEC_ENV, SPEC_FILE_ENV, load_spec_from_env
 
@@ -68,8 +68,18 @@ def device_status(device: torch.device | str, plugin: Plugin | None = None) -> d
     Raises:
         ValueError: as ``device_of``.
     """
-    stats = device_of(device, plugin).memory()
+    stats = _selected(device_of(device, plugin), torch.device(device)).memory()
     return {"device": str(torch.device(device)), "memory": msgspec.to_builtins(stats)}
+
+
+def _selected(dev: Device, device: torch.device) -> Device:
+    """``dev``, with ``device`` made the calling thread's current device first where it has an
+    index of the plugin's kind. The current device is per thread (CUDA's is): a role selects
+    ``cuda:1`` in its compute thread, and without this its status, asked on the event loop's
+    thread, would read device 0's memory (and open a context there)."""
+    if device.type == dev.kind and device.index is not None:
+        dev.select(device.index)
+    return dev
 
 
 def placement_sharing(ctx: Any) -> tuple[float, bool]:
@@ -124,7 +134,7 @@ class DeviceShare:
         self._busy = 0
         self._lock = threading.Lock()
         if fraction:
-            self.dev.limit_memory(fraction)
+            _selected(self.dev, self.device).limit_memory(fraction)
 
     @classmethod
     def for_role(
@@ -134,12 +144,16 @@ class DeviceShare:
         fraction, release = placement_sharing(ctx)
         return cls(device, fraction, release, plugin)
 
+    def memory(self) -> MemoryStats:
+        """This process's memory on the share's device (``Device.memory``), from any thread."""
+        return _selected(self.dev, self.device).memory()
+
     def release(self) -> dict[str, int]:
         """Give the device's cached memory back now; returns the memory this process held
         before and after (``allocated`` and ``reserved`` in bytes), also kept for ``status``.
         Slow-ish (a garbage collection): call it off the event loop."""
-        before = self.dev.memory()
-        self.dev.release_cache()
+        before = self.memory()
+        self.dev.release_cache()  # on the device memory() just made current
         after = self.dev.memory()
         self.releases += 1
         self.last_release = {
@@ -180,7 +194,7 @@ class DeviceShare:
         ``release_when_idle``, ``releases`` and ``last_release`` (``release``'s answer)."""
         return {
             "device": str(self.device),
-            "memory": msgspec.to_builtins(self.dev.memory()),
+            "memory": msgspec.to_builtins(self.memory()),
             "memory_fraction": self.fraction,
             "release_when_idle": self.release_when_idle,
             "releases": self.releases,

@@ -342,7 +342,7 @@ class Learner(Role):
             self.consumed.update(ids)
             metrics["reward_mean"] = float(np.mean([s.reward for s in fresh]))
             if self.share is not None:  # the step's footprint, before any release
-                metrics["memory_allocated_mib"] = self.share.dev.memory().allocated / 2**20
+                metrics["memory_allocated_mib"] = self.share.memory().allocated / 2**20
             if objective.algorithm.rl:
                 # Measured against the version that consumed them: the one before this step.
                 ages = [staleness(self.version - 1, s.sample.versions) for s in fresh]

@@ -14,7 +14,7 @@ import torch
 from asyncrl.plugins.cpu import CpuDevice, CpuPlugin
 from asyncrl.role import RoleContext
 from asyncrl.roles.critic import Critic
-from asyncrl.roles.device_report import DeviceShare, placement_sharing
+from asyncrl.roles.device_report import DeviceShare, device_status, placement_sharing
 from asyncrl.roles.learner import Learner, Scored, TrainBatch
 from asyncrl.roles.reference import Reference
 from asyncrl.roles.rollout import Sample
@@ -197,3 +197,73 @@ def test_the_critic_holds_its_share_and_releases_after_each_call(
     status = critic.status()
     assert (status["device"], status["memory_fraction"], status["releases"]) == ("cpu", 0.2, 2)
     assert status["memory"]["limit"] == int(0.2 * status["memory"]["total"])
+
+
+class ThreadDevices(CpuDevice):
+    """Two devices whose current one is per thread, as CUDA's is (``cudaSetDevice``): what
+    each call reads or releases is the calling thread's current device."""
+
+    kind = "meta"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+        self.limits: dict[int, float] = {}
+        self.released_on: list[int] = []
+
+    def current(self) -> int:
+        return int(getattr(self.local, "index", 0))
+
+    def count(self) -> int:
+        return 2
+
+    def select(self, index: int = 0) -> torch.device:
+        self.local.index = index
+        return torch.device("meta", index)
+
+    def memory(self) -> Any:
+        index = self.current()
+        limit = int(self.limits.get(index, 0.0) * 1000)
+        return msgspec.structs.replace(
+            super().memory(), allocated=100 + index, total=1000, limit=limit
+        )
+
+    def limit_memory(self, fraction: float) -> None:
+        self.limits[self.current()] = fraction
+
+    def release_cache(self) -> None:
+        self.released_on.append(self.current())
+
+
+def test_a_share_reads_limits_and_releases_its_own_device_from_any_thread() -> None:
+    """A role on device 1 builds its share in one worker thread, is asked its status on the
+    event loop's thread and releases in another worker: each acts on device 1, never on the
+    thread's default device 0 (where it would report another device's memory and, on cuda,
+    open a context on it)."""
+    plugin = CpuPlugin()
+    dev = plugin.device = ThreadDevices()
+    made: list[DeviceShare] = []
+
+    def build() -> None:
+        dev.select(1)  # device_for(placement) in the compute thread, as the learner does
+        made.append(DeviceShare(torch.device("meta", 1), 0.3, True, plugin=plugin))
+
+    def run(fn: Any) -> None:
+        thread = threading.Thread(target=fn)
+        thread.start()
+        thread.join(10)
+
+    run(build)
+    (share,) = made
+    assert dev.limits == {1: 0.3}
+    status = share.status()  # this thread never selected a device: its current is 0
+    assert (status["device"], status["memory"]["allocated"], status["memory"]["limit"]) == (
+        "meta:1",
+        101,
+        300,
+    )
+    assert share.memory().allocated == 101
+    run(share.working(lambda: None))
+    assert dev.released_on == [1]
+    assert share.status()["last_release"]["allocated_after"] == 101
+    assert device_status("meta:1", plugin)["memory"]["allocated"] == 101
