@@ -19,9 +19,7 @@ Everything is computed from ``RUN_DIR/trace.json`` (``asyncrl.trace``), which is
 
 from __future__ import annotations
 
-import html
 import json
-import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,22 +27,18 @@ from typing import Any
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.trace import TRACE_FILE, merge, trace_dir
+from asyncrl.trace_view_graph import WIDTH, colours, esc, fmt_us, graph_svg
 
 __all__ = ["PAGE_FILE", "TraceViewError", "Usage", "analyse", "render", "write_page"]
 
 PAGE_FILE = "trace.html"
 """The page, in the run directory."""
 
-WIDTH = 1200
-GRAPH_HEIGHT = 560
 ROW = 26
-LINK_STYLE = {  # kind of link -> (colour, dash pattern, legend)
-    "process": ("#6a1b9a", "2 5", "inside one process"),
-    "processes": ("#1565c0", "", "across processes of one host"),
-    "hosts": ("#d84315", "12 6", "across hosts"),
-}
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-BUSY, WAITING, IDLE = "#2e7d32", "#ef6c00", "#cfd8dc"
+INFRASTRUCTURE = {"agent": "the node agent"}
+"""Roles of the runtime itself, not of the program: the node agent's calls (``_stats`` at the end,
+``status`` when asked) are bookkeeping, not the control flow, so the graph leaves them out by
+default; the timeline and the table keep them."""
 
 
 class TraceViewError(AsyncrlError):
@@ -164,156 +158,9 @@ def analyse(doc: dict[str, Any]) -> Analysis:
     return Analysis(end, processes, dict(roles), dict(edges), busy, waits)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
-def _fmt_us(us: float) -> str:
-    return f"{us / 1e6:.2f} s" if us >= 1e6 else f"{us / 1e3:.1f} ms"
-
-
-def _esc(text: Any) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def _positions(roles: list[str]) -> dict[str, tuple[float, float]]:
-    """Roles on an ellipse, the first at the top."""
-    cx, cy, rx, ry = WIDTH / 2, GRAPH_HEIGHT / 2 - 10, WIDTH / 2 - 190, GRAPH_HEIGHT / 2 - 110
-    n = max(1, len(roles))
-    return {
-        r: (cx + rx * math.sin(2 * math.pi * i / n), cy - ry * math.cos(2 * math.pi * i / n))
-        for i, r in enumerate(roles)
-    }
-
-
-def _edge_svg(
-    a: tuple[float, float],
-    b: tuple[float, float],
-    key: tuple[str, str, str],
-    value: list[float],
-    bend: float,
-) -> str:
-    caller, callee, kind = key
-    colour, dash, legend = LINK_STYLE[kind]
-    count, size = value
-    width = 1.5 + 2.5 * math.log10(1 + count)
-    (x1, y1), (x2, y2) = a, b
-    if a == b:  # a role calling itself: a loop above the node
-        path = (
-            f"M{x1 - 20:.1f},{y1 - 44:.1f} C{x1 - 70:.1f},{y1 - 130:.1f} "
-            f"{x1 + 70:.1f},{y1 - 130:.1f} {x1 + 20:.1f},{y1 - 44:.1f}"
-        )
-        lx, ly = x1, y1 - 112
-    else:
-        dx, dy = x2 - x1, y2 - y1
-        dist = math.hypot(dx, dy) or 1.0
-        ux, uy = dx / dist, dy / dist
-        sx, sy, ex, ey = x1 + ux * 50, y1 + uy * 50, x2 - ux * 56, y2 - uy * 56
-        mx, my = (sx + ex) / 2 - uy * bend, (sy + ey) / 2 + ux * bend
-        path = f"M{sx:.1f},{sy:.1f} Q{mx:.1f},{my:.1f} {ex:.1f},{ey:.1f}"
-        lx, ly = (sx + 2 * mx + ex) / 4, (sy + 2 * my + ey) / 4
-    label = f"{count:.0f} calls, {_fmt_bytes(size)}"
-    title = f"{caller} -> {callee}: {label} ({legend})"
-    dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-    return (
-        f'<g class="edge {kind}"><title>{_esc(title)}</title>'
-        f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="{width:.1f}"{dash_attr} '
-        f'marker-end="url(#arrow-{kind})"/>'
-        f'<text x="{lx:.1f}" y="{ly:.1f}" class="elabel">{_esc(label)}</text></g>'
-    )
-
-
-def _node_svg(
-    role: str, procs: list[dict[str, Any]], at: tuple[float, float], span_us: float, colour: str
-) -> str:
-    x, y = at
-    busy = sum(p["usage"].busy for p in procs)
-    waiting = sum(p["usage"].waiting for p in procs)
-    total = max(1e-9, span_us * max(1, len(procs)))
-    idle = max(0.0, total - busy - waiting) if procs else 0.0
-    parts = [(busy, BUSY), (waiting, WAITING), (idle, IDLE)]
-    bar, left = [], x - 70
-    for value, fill in parts:
-        w = 140 * value / total if procs else 0
-        bar.append(
-            f'<rect x="{left:.1f}" y="{y + 52:.1f}" width="{w:.1f}" height="12" fill="{fill}"/>'
-        )
-        left += w
-    pct = [100 * v / total for v, _ in parts] if procs else [0, 0, 0]
-    text = (
-        f"busy {pct[0]:.0f}% · waiting {pct[1]:.0f}% · idle {pct[2]:.0f}%"
-        if procs
-        else "not traced"
-    )
-    replicas = f"{len(procs)} process{'es' if len(procs) != 1 else ''}"
-    title = (
-        f"{role}: {replicas}; busy {_fmt_us(busy)}, waiting {_fmt_us(waiting)}, "
-        f"idle {_fmt_us(idle)}"
-    )
-    return (
-        f'<g class="node"><title>{_esc(title)}</title>'
-        f'<circle cx="{x:.1f}" cy="{y:.1f}" r="44" fill="{colour}" fill-opacity="0.85" '
-        'stroke="#263238" stroke-width="2"/>'
-        f'<text x="{x:.1f}" y="{y - 2:.1f}" class="nname">{_esc(role)}</text>'
-        f'<text x="{x:.1f}" y="{y + 15:.1f}" class="nsub">{_esc(replicas)}</text>'
-        f'<rect x="{x - 70:.1f}" y="{y + 52:.1f}" width="140" height="12" fill="#eceff1"/>'
-        f"{''.join(bar)}"
-        f'<text x="{x:.1f}" y="{y + 78:.1f}" class="nuse">{_esc(text)}</text></g>'
-    )
-
-
-def _colours(roles: list[str]) -> dict[str, str]:
-    return {r: PALETTE[i % len(PALETTE)] for i, r in enumerate(roles)}
-
-
-def graph_svg(a: Analysis) -> str:
-    """The roles as nodes and the calls as edges (see the module docstring)."""
-    names = list(a.roles)
-    at = _positions(names)
-    colours = _colours(names)
-    markers = "".join(
-        f'<marker id="arrow-{kind}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="5" '
-        f'markerHeight="5" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
-        f'fill="{colour}"/></marker>'
-        for kind, (colour, _, _) in LINK_STYLE.items()
-    )
-    edges = []
-    seen: dict[tuple[str, str], int] = defaultdict(int)
-    for key, value in sorted(a.edges.items()):
-        pair = (key[0], key[1])
-        bend = 28.0 + 26.0 * seen[pair]
-        seen[pair] += 1
-        edges.append(_edge_svg(at[key[0]], at[key[1]], key, value, bend))
-    nodes = [_node_svg(r, a.roles[r], at[r], a.span_us, colours[r]) for r in names]
-    legend = []
-    for i, (colour, dash, text) in enumerate(LINK_STYLE.values()):
-        y = 22 + 20 * i
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        legend.append(
-            f'<line x1="14" y1="{y}" x2="64" y2="{y}" stroke="{colour}" stroke-width="3"'
-            f"{dash_attr}/>"
-            f'<text x="72" y="{y + 4}" class="legend">{_esc(text)}</text>'
-        )
-    for i, (text, fill) in enumerate((("busy", BUSY), ("waiting", WAITING), ("idle", IDLE))):
-        x = WIDTH - 260 + 80 * i
-        legend.append(
-            f'<rect x="{x}" y="14" width="14" height="12" fill="{fill}"/>'
-            f'<text x="{x + 20}" y="25" class="legend">{text}</text>'
-        )
-    return (
-        f'<svg id="graph" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" '
-        f'height="{GRAPH_HEIGHT}" viewBox="0 0 {WIDTH} {GRAPH_HEIGHT}"><defs>{markers}</defs>'
-        f"{''.join(legend)}{''.join(edges)}{''.join(nodes)}</svg>"
-    )
-
-
 def timeline_svg(a: Analysis) -> str:
     """One row per process: busy in grey, waits coloured by the role waited on."""
-    colours = _colours(list(a.roles))
+    fills = colours(list(a.roles))
     left, right, top = 190, 20, 34
     span = max(a.span_us, 1e-9)
     scale = (WIDTH - left - right) / span
@@ -324,12 +171,12 @@ def timeline_svg(a: Analysis) -> str:
         x = left + t * scale
         out.append(
             f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{height - 10}" stroke="#eceff1"/>'
-            f'<text x="{x:.1f}" y="{top - 12}" class="tick">{_esc(_fmt_us(t))}</text>'
+            f'<text x="{x:.1f}" y="{top - 12}" class="tick">{esc(fmt_us(t))}</text>'
         )
     for row, p in enumerate(a.processes):
         y = top + ROW * row
         label = f"{p['label']} #{p['incarnation']}"
-        out.append(f'<text x="{left - 8}" y="{y + 16}" class="rlabel">{_esc(label)}</text>')
+        out.append(f'<text x="{left - 8}" y="{y + 16}" class="rlabel">{esc(label)}</text>')
         out.append(
             f'<rect x="{left}" y="{y + 3}" width="{WIDTH - left - right}" height="{ROW - 6}" '
             f'fill="#fafafa" stroke="#eceff1"/>'
@@ -338,16 +185,16 @@ def timeline_svg(a: Analysis) -> str:
             w = max(1.0, (e - s) * scale)
             out.append(
                 f'<rect class="busy" x="{left + s * scale:.1f}" y="{y + 5}" width="{w:.1f}" '
-                f'height="{ROW - 10}" fill="#90a4ae"><title>busy {_esc(_fmt_us(e - s))}</title>'
+                f'height="{ROW - 10}" fill="#90a4ae"><title>busy {esc(fmt_us(e - s))}</title>'
                 "</rect>"
             )
         for s, e, callee, method in a.waits.get(p["pid"], []):
             w = max(1.0, (e - s) * scale)
-            fill = colours.get(_role_of(callee), "#616161")
-            tip = f"{p['label']} waited {_fmt_us(e - s)} on {callee} ({method})"
+            fill = fills.get(_role_of(callee), "#616161")
+            tip = f"{p['label']} waited {fmt_us(e - s)} on {callee} ({method})"
             out.append(
                 f'<rect class="wait" x="{left + s * scale:.1f}" y="{y + 8}" width="{w:.1f}" '
-                f'height="{ROW - 16}" fill="{fill}" fill-opacity="0.8"><title>{_esc(tip)}</title>'
+                f'height="{ROW - 16}" fill="{fill}" fill-opacity="0.8"><title>{esc(tip)}</title>'
                 "</rect>"
             )
     return (
@@ -361,11 +208,11 @@ def _table(a: Analysis) -> str:
     for p in a.processes:
         u: Usage = p["usage"]
         top = sorted(u.waited_on.items(), key=lambda kv: -kv[1])[:3]
-        on = ", ".join(f"{_esc(k)} {_esc(_fmt_us(v))}" for k, v in top) or "nobody"
+        on = ", ".join(f"{esc(k)} {esc(fmt_us(v))}" for k, v in top) or "nobody"
         rows.append(
-            f"<tr><td>{_esc(p['label'])} #{p['incarnation']}</td><td>{_esc(_where(p))}</td>"
-            f"<td>{p['os_pid']}</td><td>{_fmt_us(u.busy)}</td><td>{_fmt_us(u.waiting)}</td>"
-            f"<td>{_fmt_us(u.idle)}</td><td>{on}</td></tr>"
+            f"<tr><td>{esc(p['label'])} #{p['incarnation']}</td><td>{esc(_where(p))}</td>"
+            f"<td>{p['os_pid']}</td><td>{fmt_us(u.busy)}</td><td>{fmt_us(u.waiting)}</td>"
+            f"<td>{fmt_us(u.idle)}</td><td>{on}</td></tr>"
         )
     head = "<tr><th>process</th><th>host</th><th>pid</th><th>busy</th><th>waiting</th>"
     return f"<table>{head}<th>idle</th><th>waited longest on</th></tr>{''.join(rows)}</table>"
@@ -377,33 +224,53 @@ h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 18px 0 6p
 .nname { font: bold 14px sans-serif; text-anchor: middle; fill: #fff; }
 .nsub { font: 11px sans-serif; text-anchor: middle; fill: #fff; }
 .nuse, .elabel, .tick { font: 11px sans-serif; text-anchor: middle; fill: #37474f; }
-.elabel { paint-order: stroke; stroke: #fff; stroke-width: 3px; }
+.nuse { paint-order: stroke; stroke: #fff; stroke-width: 3px; }
+.note { color: #546e7a; font-size: 13px; margin: 2px 0 0; }
 .legend { font: 12px sans-serif; fill: #37474f; }
 .rlabel { font: 12px sans-serif; text-anchor: end; fill: #263238; }
 table { border-collapse: collapse; } td, th { border: 1px solid #cfd8dc; padding: 2px 8px; }
 """
 
 
-def render(doc: dict[str, Any], title: str) -> str:
-    """The page (a string) for the merged trace ``doc``."""
+def _left_out(a: Analysis) -> str:
+    """The note under the graph's heading naming the infrastructure roles it leaves out."""
+    out = [r for r in a.roles if r in INFRASTRUCTURE]
+    if not out:
+        return ""
+    calls = sum(int(v[0]) for k, v in a.edges.items() if k[0] in out or k[1] in out)
+    names = ", ".join(f"{r} ({INFRASTRUCTURE[r]})" for r in out)
+    return (
+        f"Left out of the graph: {names} and its {calls} call{'s' if calls != 1 else ''} "
+        "(status and _stats: the runtime's bookkeeping, not the program's control flow); "
+        "the timeline and the table below keep them."
+    )
+
+
+def render(doc: dict[str, Any], title: str, infrastructure: bool = False) -> str:
+    """The page (a string) for the merged trace ``doc``; ``infrastructure`` draws the runtime's
+    own roles (``INFRASTRUCTURE``) in the graph too, instead of naming them in a note."""
     a = analyse(doc)
     calls = sum(int(v[0]) for v in a.edges.values())
     summary = (
         f"{len(a.processes)} processes, {len(a.roles)} roles, {calls} calls over "
-        f"{_fmt_us(a.span_us)}. Hover over an edge, a node or a bar for its figures."
+        f"{fmt_us(a.span_us)}. Hover over an edge, a node or a bar for its figures."
     )
+    note = "" if infrastructure else _left_out(a)
+    drawn = [r for r in a.roles if infrastructure or r not in INFRASTRUCTURE]
     return (
         '<!DOCTYPE html>\n<html xmlns="http://www.w3.org/1999/xhtml"><head><meta charset="utf-8"/>'
-        f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>"
-        f"<h1>{_esc(title)}</h1><p>{_esc(summary)}</p>"
-        f"<h2>Control-flow graph</h2>{graph_svg(a)}"
-        f"<h2>Timeline: where each process waited, and on whom</h2>{timeline_svg(a)}"
+        f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>"
+        f"<h1>{esc(title)}</h1><p>{esc(summary)}</p>"
+        f"<h2>Control-flow graph</h2>{graph_svg(a, drawn)}"
+        + (f'<p class="note">{esc(note)}</p>' if note else "")
+        + f"<h2>Timeline: where each process waited, and on whom</h2>{timeline_svg(a)}"
         f"<h2>Time per process</h2>{_table(a)}</body></html>\n"
     )
 
 
-def write_page(run_dir: str) -> str:
+def write_page(run_dir: str, infrastructure: bool = False) -> str:
     """Write ``RUN_DIR/trace.html`` and return its path; merges the trace first if needed.
+    ``infrastructure`` draws the node agent in the graph too (see ``render``).
 
     Raises:
         TraceViewError: ``run_dir`` holds no trace (it was not run with ``--trace``).
@@ -416,7 +283,8 @@ def write_page(run_dir: str) -> str:
         )
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
-    page = render(doc, f"asyncrl trace of {os.path.basename(os.path.abspath(run_dir))}")
+    name = os.path.basename(os.path.abspath(run_dir))
+    page = render(doc, f"asyncrl trace of {name}", infrastructure)
     out = os.path.join(run_dir, PAGE_FILE)
     with open(out, "w", encoding="utf-8") as f:
         f.write(page)
