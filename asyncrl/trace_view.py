@@ -3,12 +3,15 @@
 The page, ``RUN_DIR/trace.html``, is self-contained (inline CSS and SVG, no script, nothing
 fetched), so it opens anywhere, offline. It shows:
 
-- the graph: one node per role, one edge per (caller role, callee role, kind of link), its width
-  growing with the number of calls and its label giving the count and the bytes sent. Edges
-  inside one process are dotted, across processes of one host solid, across hosts (or nodes of
-  a launch) dashed (and coloured apart). Under each node, a bar of its processes' time: busy
-  (serving a request or inside a span), waiting (on a call it made, and not busy) and idle
-  (the rest of the run);
+- the graph (laid out by ``asyncrl.trace_view_graph``): one node per role, one edge per (caller
+  role, callee role, kind of link), its width growing with the number of calls and its label, in
+  a box of its own that covers no node and no other label, giving the count and the bytes sent.
+  Edges inside one process are dotted, across processes of one host solid, across hosts (or
+  nodes of a launch) dashed (and coloured apart); the edges between two roles run side by side.
+  Beside each node, on its outer side, a bar of its processes' time: busy (serving a request or
+  inside a span), waiting (on a call it made, and not busy) and idle (the rest of the run). The
+  node agent (``INFRASTRUCTURE``) is left out, and a note under the graph says so, unless
+  ``infrastructure`` asks for it, drawn lighter;
 - the timeline: one row per process; grey where it was busy, and a bar coloured by the role it
   called wherever it waited on a call (hover for the callee, the method and the time);
 - a table of the same, with whom each process waited on longest.
@@ -27,7 +30,7 @@ from typing import Any
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.trace import TRACE_FILE, merge, trace_dir
-from asyncrl.trace_view_graph import WIDTH, colours, esc, fmt_us, graph_svg
+from asyncrl.trace_view_graph import INFRASTRUCTURE, WIDTH, colours, esc, fmt_us, graph_svg
 
 __all__ = ["PAGE_FILE", "TraceViewError", "Usage", "analyse", "render", "write_page"]
 
@@ -35,10 +38,6 @@ PAGE_FILE = "trace.html"
 """The page, in the run directory."""
 
 ROW = 26
-INFRASTRUCTURE = {"agent": "the node agent"}
-"""Roles of the runtime itself, not of the program: the node agent's calls (``_stats`` at the end,
-``status`` when asked) are bookkeeping, not the control flow, so the graph leaves them out by
-default; the timeline and the table keep them."""
 
 
 class TraceViewError(AsyncrlError):

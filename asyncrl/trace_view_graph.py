@@ -37,6 +37,11 @@ RADIUS = 44  # of a node's circle
 GAP = 4  # between a circle and the ends of its edges
 LANE = 14  # between parallel edges of one pair of roles
 LABEL_HEIGHT = 15
+INFRASTRUCTURE = {"agent": "the node agent"}
+"""Roles of the runtime itself, not of the program: the node agent's calls (``_stats`` at the end,
+``status`` when asked) are bookkeeping, not the control flow. The page leaves them out of the
+graph unless asked, and draws them lighter when asked; the timeline and the table keep them."""
+LIGHTER = ' opacity="0.5"'
 LEGEND_BOXES = [(10, 10, 250, 72), (WIDTH - 266, 10, WIDTH - 6, 32)]
 
 Point = tuple[float, float]
@@ -376,6 +381,10 @@ def _shares(procs: list[dict[str, Any]], span_us: float) -> tuple[float, float, 
     return busy, waiting, idle
 
 
+def _lighter(*roles: str) -> str:
+    return LIGHTER if any(r in INFRASTRUCTURE for r in roles) else ""
+
+
 def _edge_svg(e: Edge) -> str:
     caller, callee, kind = e.key
     colour, dash, legend = LINK_STYLE[kind]
@@ -383,7 +392,7 @@ def _edge_svg(e: Edge) -> str:
     arrow = " ".join(f"{x:.1f},{y:.1f}" for x, y in e.arrow)
     title = f"{caller} -> {callee}: {e.label} ({legend})"
     return (
-        f'<g class="edge {kind}"><title>{esc(title)}</title>'
+        f'<g class="edge {kind}"{_lighter(caller, callee)}><title>{esc(title)}</title>'
         f'<path d="{e.path}" fill="none" stroke="{colour}" stroke-width="{e.width:.1f}"'
         f"{dash_attr}/>"
         f'<polygon class="arrow" points="{arrow}" fill="{colour}"/></g>'
@@ -421,7 +430,7 @@ def _node_svg(n: Node, procs: list[dict[str, Any]], span_us: float, colour: str)
         f"{n.role}: {replicas}; busy {fmt_us(busy)}, waiting {fmt_us(waiting)}, idle {fmt_us(idle)}"
     )
     return (
-        f'<g class="node"><title>{esc(title)}</title>'
+        f'<g class="node"{_lighter(n.role)}><title>{esc(title)}</title>'
         f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{RADIUS}" fill="{colour}" fill-opacity="0.85" '
         'stroke="#263238" stroke-width="2"/>'
         f'<text x="{x:.1f}" y="{y - 2:.1f}" class="nname">{esc(n.role)}</text>'

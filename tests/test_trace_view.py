@@ -108,6 +108,12 @@ def test_the_graph_leaves_the_node_agent_out_and_says_so(tmp_path: Any) -> None:
     drawn = _graph(_page(tmp_path, infrastructure=True))
     names = [t.text for t in drawn.iter(f"{SVG}text") if t.get("class") == "nname"]
     assert names == ["driver", "agent", "learner", "prompts", "reward", "rollout"]
+    lighter = [
+        g.findtext(f"{SVG}text[@class='nname']")
+        for g in drawn.iter(f"{SVG}g")
+        if g.get("class") == "node" and g.get("opacity") == "0.5"
+    ]
+    assert lighter == ["agent"]
     with open(tmp_path / "trace.html") as f:
         assert 'class="note"' not in f.read()
 
