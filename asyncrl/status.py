@@ -202,7 +202,11 @@ class AgentStatus:
                 name = f"status.{self.node}"
                 client = Client(endpoint, name=name, options=self._options(), curve=self.curve)
                 await client.connect(timeout=timeout_s)
-                self._clients[endpoint] = client
+                # Questions at once each connect one; the first kept serves, the others close.
+                kept = self._clients.setdefault(endpoint, client)
+                if kept is not client:
+                    await client.close()
+                    client = kept
             answer = await client.call(method, None, timeout=timeout_s)
         except TransportError as exc:
             if client is not None and self._clients.get(endpoint) is not client:

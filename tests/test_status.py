@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import asyncrl.status as status_module
 from asyncrl.dispatch import Busy
 from asyncrl.metrics import IdleFractions
 from asyncrl.status import AgentStatus, NotRunningError, agent_endpoint, ask, format_status, main
@@ -246,3 +247,31 @@ def test_the_command_says_what_is_wrong_and_exits_1(
     assert main([missing]) == 1
     out, err = capsys.readouterr()
     assert (out, err) == ("", f"{missing} is not a directory; give the run directory of a run\n")
+
+
+@sync
+async def test_questions_at_once_to_a_new_endpoint_leave_one_client_open(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``asyncrl status`` at once both find no client for the driver yet: the one kept is
+    the only one left open (the other was closed, not leaked with its socket)."""
+    built: list[Any] = []
+
+    class Recorded(status_module.Client):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(status_module, "Client", Recorded)
+    endpoint = f"ipc://{run_dir}/driver.0"
+    driver = await _driver(endpoint)
+    agent = AgentStatus(lambda: [], run="r", run_dir=run_dir, driver=endpoint)
+    try:
+        answers = await asyncio.gather(*(agent.node_status() for _ in range(3)))
+        assert [a["driver"] for a in answers] == [DRIVER] * 3
+        assert len(built) == 3
+        assert [c for c in built if not c._closed] == [agent._clients[endpoint]]
+    finally:
+        await agent.close()
+        await driver.close()
+    assert [c._closed for c in built] == [True] * 3
