@@ -363,7 +363,8 @@ class Rollout(Role):
 
         An error of the engine fails the calls of its batch, and the next batch runs; a
         cancellation (``teardown``) cancels the calls of the batch running. With
-        ``release_when_idle``, the device's cache is released once no call is left.
+        ``release_when_idle``, the device's cache is released once no call is left (a release
+        that fails is logged, and batching goes on).
         """
         while True:
             await self._pending.wait()
@@ -383,7 +384,10 @@ class Rollout(Role):
                             future.set_exception(exc)
             share = self._share
             if ran and share is not None and share.release_when_idle:
-                await self.ctx.offload(share.release)
+                try:
+                    await self.ctx.offload(share.release)
+                except Exception as exc:  # an economy: batching goes on without it
+                    self.ctx.log.error(f"rollout cache release failed: {exc!r}; generating on")
 
     def _next_batch(self) -> list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]]:
         calls: list[tuple[list[GenerateRequest], asyncio.Future[list[Sample]]]] = []

@@ -187,3 +187,38 @@ def test_a_rollout_releases_its_cache_when_idle_only_when_asked(release: bool) -
     )
     assert set(before["memory"]) >= {"allocated", "reserved", "peak", "total"}
     assert releases == (1 if release else 0)
+
+
+def test_a_release_that_fails_is_logged_and_batching_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The cache release is an economy: when it raises, the rollout logs why and keeps
+    generating (its batching task must not die with it, refusing every later call)."""
+
+    async def scenario() -> list[int]:
+        ctx = RoleContext.local(config={"model_config": MODEL, "release_when_idle": True})
+        role = Rollout(ctx)
+        await role.setup()
+        share = role._share
+        assert share is not None
+        failed = threading.Event()
+
+        def release() -> dict[str, int]:
+            failed.set()
+            raise RuntimeError("the device said no")
+
+        share.release = release  # type: ignore[method-assign]
+        try:
+            first = await role.generate(batch())
+            assert await asyncio.to_thread(failed.wait, 30)
+            second = await role.generate(batch())
+            return [len(first), len(second)]
+        finally:
+            await role.teardown()
+            ctx.close()
+
+    assert asyncio.run(scenario()) == [3, 3]
+    assert any(
+        "rollout cache release failed: RuntimeError('the device said no')" in r.getMessage()
+        for r in caplog.records
+    )
