@@ -11,6 +11,7 @@ process wrapper serves it under ``_status``.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from asyncrl.plugins.registry import current, load
 from asyncrl.spec import SPEC_ENV, SPEC_FILE_ENV, load_spec_from_env
 
 __all__ = ["DeviceShare", "device_of", "device_status", "placement_sharing"]
+
+_log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -131,6 +134,7 @@ class DeviceShare:
         self.release_when_idle = release_when_idle
         self.releases = 0
         self.last_release: dict[str, int] = {}
+        self.release_error = ""  # why the last release that failed did
         self._busy = 0
         self._lock = threading.Lock()
         if fraction:
@@ -165,9 +169,19 @@ class DeviceShare:
         return self.last_release
 
     def idle(self) -> None:
-        """The role went idle: release the cache when the placement asks for it."""
-        if self.release_when_idle:
+        """The role went idle: release the cache when the placement asks for it. A release
+        that fails is an economy lost, not the work's failure: it is logged and reported by
+        ``status`` (``release_error``), and the work's own answer or error stands."""
+        if not self.release_when_idle:
+            return
+        try:
             self.release()
+        except Exception as exc:
+            self.release_error = f"{type(exc).__name__}: {exc}"
+            _log.warning(
+                f"cache release of {self.device} failed ({self.release_error}); the work goes "
+                "on with the cache held"
+            )
 
     def working(self, fn: Callable[P, T]) -> Callable[P, T]:
         """``fn`` counted as a unit of work: when the last of the calls in progress returns
@@ -191,7 +205,8 @@ class DeviceShare:
 
     def status(self) -> dict[str, Any]:
         """``device_status`` of the device, with the share: ``memory_fraction``,
-        ``release_when_idle``, ``releases`` and ``last_release`` (``release``'s answer)."""
+        ``release_when_idle``, ``releases``, ``last_release`` (``release``'s answer) and
+        ``release_error`` (why the last release that failed did; empty: none failed)."""
         return {
             "device": str(self.device),
             "memory": msgspec.to_builtins(self.memory()),
@@ -199,4 +214,5 @@ class DeviceShare:
             "release_when_idle": self.release_when_idle,
             "releases": self.releases,
             "last_release": dict(self.last_release),
+            "release_error": self.release_error,
         }

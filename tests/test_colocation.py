@@ -267,3 +267,27 @@ def test_a_share_reads_limits_and_releases_its_own_device_from_any_thread() -> N
     assert dev.released_on == [1]
     assert share.status()["last_release"]["allocated_after"] == 101
     assert device_status("meta:1", plugin)["memory"]["allocated"] == 101
+
+
+class RefusingDevice(CpuDevice):
+    """The host, whose cache release fails."""
+
+    def release_cache(self) -> None:
+        raise RuntimeError("the device said no")
+
+
+def test_a_release_that_fails_neither_fails_nor_hides_the_work_that_ended(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plugin = CpuPlugin()
+    plugin.device = RefusingDevice()
+    share = DeviceShare("cpu", release_when_idle=True, plugin=plugin)
+    assert share.working(lambda: 7)() == 7
+    with pytest.raises(ZeroDivisionError):
+        share.working(lambda: 1 // 0)()
+    status = share.status()
+    assert (status["releases"], status["release_error"]) == (0, "RuntimeError: the device said no")
+    assert [r.getMessage() for r in caplog.records] == [
+        "cache release of cpu failed (RuntimeError: the device said no); the work goes on "
+        "with the cache held"
+    ] * 2
