@@ -345,8 +345,8 @@ def layout(a: Analysis, roles: list[str]) -> tuple[list[Node], list[Edge]]:
         r: Node(r, at[r], at[r][1] < 275.0 - 1, _caption(a.roles[r], a.span_us)) for r in ordered
     }
     if nodes:  # centre the drawing in the height (an odd ring leaves room below)
-        top = min(n.box[1] for n in nodes.values())
-        shift = max(0.0, (GRAPH_HEIGHT - 4 - max(n.box[3] for n in nodes.values()) - top) / 2)
+        highest = min(n.box[1] for n in nodes.values())
+        shift = max(0.0, (GRAPH_HEIGHT - 4 - max(n.box[3] for n in nodes.values()) - highest) / 2)
         for n in nodes.values():
             n.at = (n.at[0], n.at[1] + shift)
     edges = [
