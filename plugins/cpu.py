@@ -69,16 +69,29 @@ def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return out
 
 
+_NO_LIMIT_V1 = 1 << 60
+"""cgroup v1 reads its page counter's maximum (about 2**63) where no limit is set."""
+
+
 def _cgroup_limit(root: str = "/sys/fs/cgroup") -> tuple[int, int]:
-    """This container's memory limit and use (cgroup v2), or (0, 0) where there is none."""
-    try:
-        with open(os.path.join(root, "memory.max")) as f:
-            raw = f.read().strip()
-        with open(os.path.join(root, "memory.current")) as f:
-            used = int(f.read().strip())
-    except (OSError, ValueError):
+    """This container's memory limit and use, or (0, 0) where there is none: cgroup v2's
+    ``memory.max`` and ``memory.current``, else cgroup v1's ``memory/memory.limit_in_bytes``
+    and ``memory/memory.usage_in_bytes``."""
+    for limit_file, used_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(os.path.join(root, limit_file)) as f:
+                raw = f.read().strip()
+            with open(os.path.join(root, used_file)) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw.isdigit() and int(raw) < _NO_LIMIT_V1:
+            return int(raw), used
         return 0, 0
-    return (int(raw), used) if raw.isdigit() else (0, 0)
+    return 0, 0
 
 
 def host_memory() -> tuple[int, int]:

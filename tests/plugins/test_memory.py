@@ -33,7 +33,8 @@ def test_cpu_memory_is_the_resident_set_and_the_hosts_memory() -> None:
     assert before - 4 * MIB <= mem.allocated <= after + 4 * MIB
     assert mem.reserved == mem.allocated <= mem.peak
     info = cpu._meminfo()
-    assert mem.total == info["MemTotal"] > 0
+    limit, _ = cpu._cgroup_limit()  # a container's limit lowers the host's total
+    assert mem.total == min(info["MemTotal"], limit or info["MemTotal"]) > 0
     assert 0 < mem.available <= mem.total
     assert mem.limit == 0
     assert isinstance(dev, Device)
@@ -54,6 +55,15 @@ def test_meminfo_and_a_cgroup_limit_are_read_from_their_files(tmp_path: pathlib.
     (tmp_path / "memory.max").write_text("65536\n")
     assert cpu._cgroup_limit(str(tmp_path)) == (65536, 4096)
     assert cpu._cgroup_limit(str(tmp_path / "none")) == (0, 0)
+    # cgroup v1 (no memory.max at the root): the memory controller's own folder; no limit
+    # there reads as the page counter's maximum.
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("4096\n")
+    assert cpu._cgroup_limit(str(v1)) == (0, 0)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("65536\n")
+    assert cpu._cgroup_limit(str(v1)) == (65536, 4096)
 
 
 def test_a_cpu_budget_is_recorded_and_reported_against_the_hosts_total() -> None:
