@@ -239,7 +239,7 @@ def _trace(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.trace_view import write_page
 
     try:
-        print(write_page(args.run_dir))
+        print(write_page(args.run_dir, infrastructure=args.infrastructure))
     except AsyncrlError as exc:
         return _fail(str(exc))
     return 0
@@ -346,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     view = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     page = view.add_parser("view", help="write RUN_DIR/trace.html: the control-flow graph")
     page.add_argument("run_dir", metavar="RUN_DIR", help="a run made with asyncrl run --trace")
+    page.add_argument(
+        "--infrastructure",
+        action="store_true",
+        help="draw the node agent in the graph too (lighter); the timeline and table show it",
+    )
     page.set_defaults(func=_trace)
     status = sub.add_parser(
         "status", help="ask a running run what it is doing (docs/status.md)", add_help=False

@@ -222,3 +222,15 @@ def test_rendered_labels_fit_their_boxes_and_cover_no_node(tmp_path: Any) -> Non
     covered = boxes["circle"] + boxes["nuse"] + boxes["nname"] + boxes["legend"]
     assert len(boxes["circle"]) == 6
     assert _overlaps(frames, covered) == []
+
+
+def test_the_command_draws_the_agent_when_asked(tmp_path: Any) -> None:
+    from asyncrl.cli import main
+
+    _page(tmp_path)
+    assert main(["trace", "view", str(tmp_path)]) == 0
+    names = [t.text for t in _graph(str(tmp_path / "trace.html")).iter(f"{SVG}text")]
+    assert "agent" not in names
+    assert main(["trace", "view", "--infrastructure", str(tmp_path)]) == 0
+    names = [t.text for t in _graph(str(tmp_path / "trace.html")).iter(f"{SVG}text")]
+    assert "agent" in names
