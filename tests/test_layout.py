@@ -286,6 +286,7 @@ def test_stateless_roles_and_the_sample_pipeline_import_no_torch() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_regular_install_maps_the_layers() -> None:
     """A regular (non-editable) install puts the layers under asyncrl/ too."""
     with tempfile.TemporaryDirectory(prefix="arl-install-") as target:
@@ -295,7 +296,7 @@ def test_regular_install_maps_the_layers() -> None:
             ROOT,
             source,
             ignore=shutil.ignore_patterns(
-                ".venv", ".git", "build", "*.egg-info", "__pycache__", ".mypy_cache", "runs"
+                ".venv*", ".git", "build", "*.egg-info", "*_cache", ".hypothesis", "runs"
             ),
         )
         subprocess.run(

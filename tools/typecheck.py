@@ -42,7 +42,10 @@ def main() -> int:
         "asyncrl",
         *sys.argv[1:],
     ]
-    return subprocess.call(cmd, cwd=tree, env={**os.environ, "MYPYPATH": tree})
+    try:
+        return subprocess.call(cmd, cwd=tree, env={**os.environ, "MYPYPATH": tree})
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)  # with its cache: ~110 MB a run otherwise kept
 
 
 if __name__ == "__main__":
