@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -170,3 +171,28 @@ def test_device_of_refuses_a_device_of_another_kind() -> None:
         "device 'cuda:0' is not a device of the 'cpu' plugin (its kind is 'cpu') nor the "
         "host; place the role on one of those"
     )
+
+
+_TEMPLATE = """
+from asyncrl_plugin_template import TemplateDevice
+dev = TemplateDevice()
+before = dev.memory()
+dev.limit_memory(0.25)
+print(before.limit, dev.memory().limit == int(0.25 * before.total) > 0)
+"""
+
+
+def test_the_plugin_templates_memory_reports_no_limit_until_one_is_set() -> None:
+    """``MemoryStats.limit`` is 0 until ``limit_memory`` sets a share, in the template too (a
+    vendor copies it)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": os.pathsep.join([str(root / "examples" / "plugin_template"), str(root)])}
+    out = subprocess.run(
+        [sys.executable, "-c", _TEMPLATE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, **env},
+    )
+    assert out.stdout.split() == ["0", "True"]

@@ -27,7 +27,7 @@ class TemplateDevice:
 
     kind = "cpu"
     visible_env = ""
-    fraction = 1.0  # the share of the device this process may use (limit_memory)
+    fraction = 0.0  # the share of the device this process may use (limit_memory; 0: none set)
 
     def available(self) -> bool:
         return True
