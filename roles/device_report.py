@@ -137,6 +137,7 @@ class DeviceShare:
         self.release_error = ""  # why the last release that failed did
         self._busy = 0
         self._lock = threading.Lock()
+        self._releasing = threading.RLock()  # one release at a time
         if fraction:
             _selected(self.dev, self.device).limit_memory(fraction)
 
@@ -155,18 +156,20 @@ class DeviceShare:
     def release(self) -> dict[str, int]:
         """Give the device's cached memory back now; returns the memory this process held
         before and after (``allocated`` and ``reserved`` in bytes), also kept for ``status``.
-        Slow-ish (a garbage collection): call it off the event loop."""
-        before = self.memory()
-        self.dev.release_cache()  # on the device memory() just made current
-        after = self.dev.memory()
-        self.releases += 1
-        self.last_release = {
-            "allocated_before": before.allocated,
-            "allocated_after": after.allocated,
-            "reserved_before": before.reserved,
-            "reserved_after": after.reserved,
-        }
-        return self.last_release
+        Slow-ish (a garbage collection): call it off the event loop. Releases run one at a
+        time."""
+        with self._releasing:
+            before = self.memory()
+            self.dev.release_cache()  # on the device memory() just made current
+            after = self.dev.memory()
+            self.releases += 1
+            self.last_release = {
+                "allocated_before": before.allocated,
+                "allocated_after": after.allocated,
+                "reserved_before": before.reserved,
+                "reserved_after": after.reserved,
+            }
+            return self.last_release
 
     def idle(self) -> None:
         """The role went idle: release the cache when the placement asks for it. A release
@@ -185,8 +188,9 @@ class DeviceShare:
 
     def working(self, fn: Callable[P, T]) -> Callable[P, T]:
         """``fn`` counted as a unit of work: when the last of the calls in progress returns
-        (calls may overlap), the role is idle and ``idle`` releases the cache. For a worker
-        thread (``ctx.offload``), as the release is slow-ish."""
+        (calls may overlap), the role is idle and ``idle`` releases the cache (not when another
+        call began while an earlier release was running). For a worker thread
+        (``ctx.offload``), as the release is slow-ish."""
 
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -199,9 +203,18 @@ class DeviceShare:
                     self._busy -= 1
                     last = self._busy == 0
                 if last:
-                    self.idle()
+                    self._idle_unless_busy()
 
         return run
+
+    def _idle_unless_busy(self) -> None:
+        """``idle``, once the release in progress (if any) is over, unless work began
+        meanwhile: that work's end releases, and the cache is not taken from under it."""
+        with self._releasing:
+            with self._lock:
+                if self._busy:
+                    return
+            self.idle()
 
     def status(self) -> dict[str, Any]:
         """``device_status`` of the device, with the share: ``memory_fraction``,

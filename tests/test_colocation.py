@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -291,3 +292,63 @@ def test_a_release_that_fails_neither_fails_nor_hides_the_work_that_ended(
         "cache release of cpu failed (RuntimeError: the device said no); the work goes on "
         "with the cache held"
     ] * 2
+
+
+class HeldDevice(CpuDevice):
+    """The host, whose cache release waits for ``go`` and records who was working then."""
+
+    def __init__(self, share_busy: Any) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.releasing = threading.Event()
+        self.busy_at_release: list[int] = []
+        self.share_busy = share_busy
+
+    def release_cache(self) -> None:
+        self.busy_at_release.append(self.share_busy())
+        self.releasing.set()
+        assert self.go.wait(10)
+
+
+def _until(done: Any) -> None:
+    """Spin (no sleep) until ``done()``, for at most 10 s."""
+    deadline = time.monotonic() + 10
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0)
+
+
+def test_releases_run_one_at_a_time_and_skip_when_work_began_meanwhile() -> None:
+    """Work X ends and its release holds; work A ends meanwhile, then work B begins before A's
+    release could start: A releases nothing (B's end will), so no release runs under B's work,
+    and X's and B's are the only two."""
+    plugin = CpuPlugin()
+    box: list[DeviceShare] = []
+    dev = HeldDevice(lambda: box[0]._busy)
+    plugin.device = dev
+    share = DeviceShare("cpu", release_when_idle=True, plugin=plugin)
+    box.append(share)
+    b_in, b_out = threading.Event(), threading.Event()
+
+    def b_work() -> None:
+        b_in.set()
+        assert b_out.wait(10)
+
+    x = threading.Thread(target=share.working(lambda: None))
+    x.start()
+    assert dev.releasing.wait(10)  # X's release is under way, held
+    a_ran = threading.Event()
+    a = threading.Thread(target=share.working(a_ran.set))
+    a.start()
+    assert a_ran.wait(10)
+    _until(lambda: share._busy == 0)  # A's work is counted ended: its release is due
+    b = threading.Thread(target=share.working(b_work))
+    b.start()
+    assert b_in.wait(10)
+    dev.go.set()  # X's release ends; A's turn comes while B works
+    x.join(10)
+    a.join(10)
+    assert share.releases == 1
+    b_out.set()
+    b.join(10)
+    assert (share.releases, dev.busy_at_release) == (2, [0, 0])
