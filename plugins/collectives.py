@@ -11,6 +11,7 @@ backend's own error, which is not a timeout.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -27,6 +28,15 @@ def _default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # a private function: absent or failing on another torch
         return None
+
+
+def _forget(store: Any, key: str) -> None:
+    """Delete this rank's mark of an ended collective: the store keeps no key per collective
+    of a long run. A store without ``delete_key`` keeps it."""
+    try:
+        store.delete_key(key)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pass
 
 
 def _wait(work: Any, timeout_s: float) -> None:
@@ -58,6 +68,7 @@ class TorchCommunication:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self._count = 0
+        self._marks: deque[str] = deque()  # this rank's marks of its last collectives
         self._group: Any = None  # the process group counted in (kept: ``is`` stays reliable)
 
     def _run(self, name: str, timeout_s: float, start: Any) -> None:
@@ -69,13 +80,16 @@ class TorchCommunication:
         """
         group = dist.group.WORLD
         if group is not self._group:
-            self._group, self._count = group, 0
+            self._group, self._count, self._marks = group, 0, deque()
         self._count += 1
         rank, world = dist.get_rank(), dist.get_world_size()
         store = _default_store()
         prefix = f"asyncrl/{name}/{self._count}"
         if store is not None:
             store.set(f"{prefix}/{rank}", "1")
+            self._marks.append(f"{prefix}/{rank}")
+            if len(self._marks) > 2:  # every rank has begun the one before, so ended this one
+                _forget(store, self._marks.popleft())
         try:
             _wait(start(), timeout_s)
         except TimeoutError as exc:

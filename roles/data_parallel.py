@@ -226,7 +226,9 @@ class DataParallel:
             store=PrefixStore("pg", store),
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            # The backend's own watchdog (NCCL's aborts the process) waits twice as long as the
+            # plugin's collectives, whose timeout names the missing ranks, so theirs comes first.
+            timeout=datetime.timedelta(seconds=2 * timeout_s),
         )
         return cls(name, rank, world, timeout_s, device, comm or current_plugin().comm)
 

@@ -156,6 +156,9 @@ def test_two_ranks_take_one_learners_step_with_identical_parameters(tmp_path: An
     # Bit for bit: the same reduced gradients met the same optimizer on both ranks.
     assert params[0].keys() == params[1].keys()
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    # The same results but each rank's own memory (its process's), which every step reports.
+    own = [[r.pop("memory_allocated_mib") for r in rank["results"]] for rank in ranks]
+    assert all(m > 0 for m in own[0] + own[1])
     assert ranks[0]["results"] == ranks[1]["results"]
     # One learner on the whole batch: the same losses and update, to float rounding.
     one, metrics = _one_learner(tmp_path)
@@ -167,7 +170,8 @@ def test_two_ranks_take_one_learners_step_with_identical_parameters(tmp_path: An
     assert [(r["version"], r["consumed"]) for r in ranks[0]["results"]] == [(1, 6), (2, 6), (3, 6)]
     for dp, single in zip(ranks[0]["results"], metrics, strict=True):
         assert dp["optimizer_steps"] == 4.0
-        assert set(single) == set(dp) - {"version", "consumed"}
+        assert set(single) == (set(dp) | {"memory_allocated_mib"}) - {"version", "consumed"}
+        single.pop("memory_allocated_mib")  # its own process's, not the ranks'
         for key, value in single.items():
             assert dp[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     # Rank 1 lost its last checkpoint: both resume from step 2, the newest both hold; rank 0
