@@ -372,6 +372,10 @@ async def _finish(a: _Attempt, report: RunReport, timeout_s: float) -> int:
     return EXIT_CODES[report.status]
 
 
+TRACE_SEND_S = 30.0
+"""The longest node R waits for node 0 to take its trace (to connect, then per piece)."""
+
+
 async def _send_traces(a: _Attempt, timeout_s: float) -> str:
     """Send this node's trace files to node 0 (before saying it is done, which node 0 waits
     for); what happened, in words, for node 0 to tell."""
@@ -379,11 +383,12 @@ async def _send_traces(a: _Attempt, timeout_s: float) -> str:
     if recorder is not None:
         recorder.close()
     directory = trace_dir(a.dir)
+    limit = min(timeout_s, TRACE_SEND_S)  # node 0 gone: the run's end is not held for long
     if not a.sink or not os.path.isdir(directory):
         return f"nothing sent ({directory} holds no trace, or node 0 takes none)"
     try:
         names = await send_traces(
-            directory, a.node, a.sink, run=a.manifest.run.name, curve=_curve(a), timeout_s=timeout_s
+            directory, a.node, a.sink, run=a.manifest.run.name, curve=_curve(a), timeout_s=limit
         )
     except (TransportError, OSError) as exc:
         _say(a.node, f"could not send the trace to node 0 at {a.sink}: {exc}")
