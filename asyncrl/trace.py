@@ -187,10 +187,12 @@ def _load_file(path: str) -> ProcessTrace | None:
 
 
 def _events(path: str) -> Iterator[list[Any]]:
-    """The events of one file, chunk by chunk; a chunk cut short (a process killed while it
-    wrote) ends the file."""
+    """The events of one file, chunk by chunk, each as an array opened by its kind's name (as
+    files of earlier versions hold them; see ``asyncrl.transport.tracing``); a chunk cut short
+    (a process killed while it wrote) or undecodable ends the file."""
     with open(path, "rb") as f:
         data = f.read()
+    channels: dict[int, tuple[str, bytes]] = {}  # a client's number -> endpoint, identity
     at = 0
     while at + 4 <= len(data):
         size = int.from_bytes(data[at : at + 4], "little")
@@ -201,10 +203,16 @@ def _events(path: str) -> Iterator[list[Any]]:
         except msgspec.DecodeError:
             return
         at += 4 + size
-        yield from chunk
+        if chunk and isinstance(chunk[0], list):
+            yield from chunk  # an array of arrays: a file of an earlier version
+        else:
+            try:
+                yield from tracing.named_events(chunk, channels)
+            except (KeyError, ValueError, TypeError):
+                return  # a kind or a channel this version does not know
 
 
-_decode = msgspec.msgpack.Decoder(list[list[Any]]).decode
+_decode = msgspec.msgpack.Decoder(list[Any]).decode
 
 
 def _text(identity: bytes) -> str:

@@ -1,6 +1,7 @@
-"""What keeps a traced call cheap: event structs the collector never sees that encode exactly as
-the file format's arrays, one list the hooks append to and the writer never swaps, and one file
-kept open."""
+"""What keeps a traced call cheap: a hook hands one short-lived tuple of scalars to one flat
+list's ``extend`` (nothing the collector counts or tracks), a client's endpoint and identity
+written once per file, the list never swapped, and one file kept open; and what the reader makes
+of the flat chunks, and of files of the earlier format (an array of arrays per chunk)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,13 @@ from typing import Any
 import msgspec
 import pytest
 
+from asyncrl import trace
 from asyncrl.transport import tracing
 from asyncrl.transport.protocol import TensorDesc, Where
-from asyncrl.transport.tracing import CallEvent, Recorder, ReplyEvent, ServedEvent, ServeEvent
+from asyncrl.transport.tracing import CALL, REPLY, SERVE, SERVED, Recorder
 
 IDENTITY = b"driver:4242:0badcafe"
-EVENTS = [
-    (CallEvent("echo", "ipc:///run/echo.0", IDENTITY, 7, 123_456_789_012, 61), 7),
-    (ReplyEvent(IDENTITY, 7, 123_456_799_999), 4),
-    (ServeEvent("echo", IDENTITY, 7, 123_456_790_000, 61), 6),
-    (ServedEvent(IDENTITY, 7, 123_456_798_000), 4),
-]
+ENDPOINT = "ipc:///run/echo.0"
 
 
 @pytest.fixture
@@ -32,7 +29,7 @@ def recorder(tmp_path: Any) -> Any:
     rec.close()
 
 
-def _chunks(path: str) -> list[list[list[Any]]]:
+def _chunks(path: str) -> list[list[Any]]:
     with open(path, "rb") as f:
         data = f.read()
     chunks, at = [], 0
@@ -54,47 +51,100 @@ def _open_files() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize(("event", "fields"), EVENTS)
-def test_an_event_encodes_as_the_array_of_its_kind(event: Any, fields: int) -> None:
-    as_array = [event.__struct_config__.tag, *msgspec.structs.astuple(event)]
-    assert len(as_array) == fields
-    assert msgspec.msgpack.encode(event) == msgspec.msgpack.encode(as_array)
+def _record_one_of_each(rec: Recorder) -> int:
+    channel = rec.channel(ENDPOINT, IDENTITY)
+    rec.record((CALL, "echo", channel, 7, 123_456_789_012, 61))
+    rec.record((REPLY, channel, 7, 123_456_799_999))
+    rec.record((SERVE, "echo", IDENTITY, 7, 123_456_790_000, 61))
+    rec.record((SERVED, IDENTITY, 7, 123_456_798_000))
+    return channel
 
 
-def test_events_of_calls_are_never_tracked_by_the_collector() -> None:
+def test_a_chunk_is_one_flat_array_with_the_channel_written_once(recorder: Recorder) -> None:
+    channel = _record_one_of_each(recorder)
+    recorder.record((REPLY, channel, 8, 5))
+    recorder.flush()
+    (chunk,) = _chunks(recorder.path)
+    assert chunk == [
+        *(0, "echo.0", 1, os.getpid(), recorder.host, recorder.offset_ns),
+        *(1, 0, ENDPOINT, IDENTITY),
+        *(2, "echo", 0, 7, 123_456_789_012, 61),
+        *(3, 0, 7, 123_456_799_999),
+        *(4, "echo", IDENTITY, 7, 123_456_790_000, 61),
+        *(5, IDENTITY, 7, 123_456_798_000),
+        *(3, 0, 8, 5),
+    ]
+
+
+def test_the_reader_names_the_events_of_flat_chunks_across_chunks(recorder: Recorder) -> None:
+    channel = _record_one_of_each(recorder)
+    recorder.flush()
+    recorder.record((REPLY, channel, 8, 5))  # its channel was defined in the chunk before
+    with recorder.span("generate", tokens=3):
+        pass
+    recorder.flush()
+    events = list(trace._events(recorder.path))
+    span = events.pop()
+    assert events == [
+        ["process", "echo.0", 1, os.getpid(), recorder.host, recorder.offset_ns],
+        ["call", "echo", ENDPOINT, IDENTITY, 7, 123_456_789_012, 61],
+        ["reply", IDENTITY, 7, 123_456_799_999],
+        ["serve", "echo", IDENTITY, 7, 123_456_790_000, 61],
+        ["served", IDENTITY, 7, 123_456_798_000],
+        ["reply", IDENTITY, 8, 5],
+    ]
+    assert span[:3] == ["span", "generate", "MainThread"] and span[5] == {"tokens": 3}
+    assert span[3] <= span[4]
+
+
+def test_files_of_the_earlier_format_still_read(tmp_path: Any) -> None:
+    events = [
+        ["process", "echo.0", 1, 42, "h", 1000],
+        ["call", "echo", ENDPOINT, IDENTITY, 7, 10, 61],
+        ["reply", IDENTITY, 7, 20],
+    ]
+    chunk = msgspec.msgpack.encode(events)
+    path = str(tmp_path / "h-42-0.trace")
+    with open(path, "wb") as f:
+        f.write(len(chunk).to_bytes(4, "little") + chunk)
+    assert list(trace._events(path)) == events
+
+
+def test_a_chunk_with_an_unknown_kind_or_channel_ends_what_is_read(tmp_path: Any) -> None:
+    assert list(tracing.named_events([3, 0, 7, 20], {0: (ENDPOINT, IDENTITY)})) == [
+        ["reply", IDENTITY, 7, 20]
+    ]
+    with pytest.raises(KeyError):
+        list(tracing.named_events([3, 9, 7, 20], {}))
+    with pytest.raises(KeyError):
+        list(tracing.named_events([17, 1, 2, 3], {}))
+    with pytest.raises(ValueError, match="a chunk ends inside an event of kind 2"):
+        list(tracing.named_events([2, "echo", 0, 7], {}))
+    rec = Recorder(str(tmp_path / "trace"), "echo.0")
+    rec.record((SERVED, IDENTITY, 1, 1))
+    rec.flush()
+    rec.record((17, 1, 2, 3))  # a kind of a later version: the reader stops there
+    rec.flush()
+    rec.close()
+    assert list(trace._events(rec.path))[-1] == ["served", IDENTITY, 1, 1]
+
+
+def test_hooks_leave_nothing_the_collector_counts_or_tracks(recorder: Recorder) -> None:
+    record = recorder.record
     gc.collect()
     gc.disable()  # no collection resets the count meanwhile
     try:
         before = gc.get_count()[0]
-        held = [CallEvent("echo", "ipc://e", IDENTITY, i, i, 1) for i in range(1000)]
+        for i in range(1000):
+            record((CALL, "echo", 0, 100_000 + i, tracing.clock(), 61))
+            record((REPLY, 0, 100_000 + i, tracing.clock()))
         counted = gc.get_count()[0] - before
     finally:
         gc.enable()
-    assert not any(gc.is_tracked(e) for e in held)
-    # a tuple per event would count 1000 allocations towards the next collection
+    assert len(recorder._events) == 1000 * 6 + 1000 * 4
+    assert not any(gc.is_tracked(e) for e in recorder._events)
+    # an event object held per event would count 2000 allocations towards the next collection
     assert counted < 10
-
-
-def test_flush_writes_what_was_recorded_as_one_chunk_and_keeps_later_events(
-    recorder: Recorder,
-) -> None:
-    record = recorder.record
-    for event, _ in EVENTS:
-        record(event)
-    recorder.flush()
-    record(ReplyEvent(IDENTITY, 8, 5))
-    recorder.flush()
-    recorder.flush()  # nothing new: no empty chunk
-    first, second = _chunks(recorder.path)
-    head = ["process", "echo.0", 1, os.getpid(), recorder.host, recorder.offset_ns]
-    assert first == [
-        head,
-        ["call", "echo", "ipc:///run/echo.0", IDENTITY, 7, 123_456_789_012, 61],
-        ["reply", IDENTITY, 7, 123_456_799_999],
-        ["serve", "echo", IDENTITY, 7, 123_456_790_000, 61],
-        ["served", IDENTITY, 7, 123_456_798_000],
-    ]
-    assert second == [["reply", IDENTITY, 8, 5]]
 
 
 def test_events_recorded_from_threads_while_flushing_are_all_written(
@@ -104,7 +154,7 @@ def test_events_recorded_from_threads_while_flushing_are_all_written(
 
     def hooks(n: int) -> None:
         for i in range(per_thread):
-            recorder.record(ServedEvent(IDENTITY, n * per_thread + i, i))
+            recorder.record((SERVED, IDENTITY, n * per_thread + i, i))
 
     workers = [threading.Thread(target=hooks, args=(n,)) for n in range(threads)]
     for worker in workers:
@@ -114,7 +164,10 @@ def test_events_recorded_from_threads_while_flushing_are_all_written(
     for worker in workers:
         worker.join()
     recorder.flush()
-    ids = [e[2] for chunk in _chunks(recorder.path) for e in chunk if e[0] == "served"]
+    events = list(trace._events(recorder.path))
+    assert events[0][0] == "process"
+    ids = [e[2] for e in events[1:] if e[0] == "served"]
+    assert len(ids) == len(events) - 1  # every chunk ended on an event's end
     assert sorted(ids) == list(range(per_thread * threads))
 
 
@@ -122,17 +175,17 @@ def test_the_file_stays_open_between_chunks_and_closes_with_the_recorder(
     tmp_path: Any,
 ) -> None:
     rec = Recorder(str(tmp_path / "trace"), "echo.0")
-    rec.record(ReplyEvent(IDENTITY, 1, 1))
+    rec.record((SERVED, IDENTITY, 1, 1))
     rec.flush()
     fd = rec._fd
-    rec.record(ReplyEvent(IDENTITY, 2, 2))
+    rec.record((SERVED, IDENTITY, 2, 2))
     rec.flush()
     assert rec._fd == fd >= 0
     assert os.readlink(f"/proc/self/fd/{fd}") == rec.path
     rec.close()
     assert rec._fd == -1
     assert rec.path not in _open_files()
-    assert [e[2] for c in _chunks(rec.path) for e in c[-1:]] == [1, 2]
+    assert [e[2] for e in trace._events(rec.path)][1:] == [1, 2]
 
 
 def test_the_bytes_of_a_message_count_its_frames_and_its_shared_memory_tensors() -> None:

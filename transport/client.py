@@ -64,7 +64,7 @@ from .reconnect import rehandshake
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import connect
-from .tracing import CallEvent, ReplyEvent, clock, current, nbytes
+from .tracing import CALL, REPLY, clock, current, nbytes
 
 __all__ = ["Client", "PeerEvent"]
 
@@ -151,6 +151,9 @@ class Client:
         self.stats: Counter[str] = Counter()
         self._tracer = current()  # None unless tracing is on
         self._record = None if self._tracer is None else self._tracer.record
+        self._channel = (
+            -1 if self._tracer is None else self._tracer.channel(endpoint, self.identity)
+        )
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -282,7 +285,7 @@ class Client:
         if self._record is not None:  # before the send: a reply may come before we run again
             tensors = env.tensors
             size = nbytes(frames, tensors) if tensors or len(frames) > 1 else len(frames[0])
-            self._record(CallEvent(method, self.endpoint, self.identity, request_id, clock(), size))
+            self._record((CALL, method, self._channel, request_id, clock(), size))
         try:
             self._pump.send(frames)
         except TransportError:
@@ -352,7 +355,7 @@ class Client:
         self._heard()
         kind = env.kind
         if self._record is not None and (kind == Kind.REPLY or kind == Kind.ERROR):
-            self._record(ReplyEvent(self.identity, env.id, clock()))
+            self._record((REPLY, self._channel, env.id, clock()))
         if kind == Kind.REPLY or kind == Kind.WELCOME:
             self._reply(env, frames)
         elif kind == Kind.ERROR:

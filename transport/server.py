@@ -65,7 +65,7 @@ from .ratelog import RateLimitedLog
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import bind, socket_id, unlink_if_same
-from .tracing import ServedEvent, ServeEvent, clock, current, nbytes
+from .tracing import SERVE, SERVED, clock, current, nbytes
 
 __all__ = ["Call", "Handler", "PeerInfo", "Server"]
 
@@ -328,7 +328,7 @@ class Server:
         call = Call(identity, env.id, env.method, env.attempt, env.deadline, env.trace)
         if self._record is not None:
             size = len(msg[0]) if len(msg) == 1 and not env.tensors else nbytes(msg, env.tensors)
-            self._record(ServeEvent(env.method, identity, env.id, clock(), size))
+            self._record((SERVE, env.method, identity, env.id, clock(), size))
         if method.is_async:
             task = asyncio.get_running_loop().create_task(self._run_async(method, payload, call))
             self._tasks.add(task)
@@ -354,7 +354,7 @@ class Server:
     def _handler_failed(self, call: Call, exc: Exception) -> None:
         self.stats["handler_errors"] += 1
         if self._record is not None:
-            self._record(ServedEvent(call.peer, call.id, clock()))
+            self._record((SERVED, call.peer, call.id, clock()))
         self._log.warning(
             f"handler {call.method!r} failure",
             _peer_name(call.peer),
@@ -374,7 +374,7 @@ class Server:
 
     def _reply(self, call: Call, result: Any) -> None:
         if self._record is not None:
-            self._record(ServedEvent(call.peer, call.id, clock()))
+            self._record((SERVED, call.peer, call.id, clock()))
         if self._closed:
             return
         peer = self._peers.get(call.peer)

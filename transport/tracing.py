@@ -3,29 +3,42 @@
 Tracing is on in a process whose environment names a directory in ``ASYNCRL_TRACE_DIR`` (or after
 ``install``). Each ``Client`` and ``Server`` asks ``current()`` once, when it is built, and keeps
 the recorder's ``record`` (or ``None``): with tracing off the hot path pays one ``is not None``
-test, and with it on one event struct (``CallEvent`` and its kin) and one call of ``list.append``,
+test, and with it on one tuple of the event's scalars and one call of ``list.extend``,
 written inline in the client's and the server's hot paths (no Python frame of the recorder's).
 
 The recorder appends to ``DIR/<host>-<pid>-<n>.trace`` chunks of events: each a 4-byte
-little-endian length, then a MessagePack array of events, each event an array:
+little-endian length, then one flat MessagePack array of scalars in which the events lie back to
+back, each opened by its kind (a small int) and as long as its kind says:
 
-- ``["process", label, incarnation, pid, host, offset_ns]``: who wrote the file; ``offset_ns`` is
+- ``0, label, incarnation, pid, host, offset_ns`` (process): who wrote the file; ``offset_ns`` is
   wall clock minus the monotonic clock, sampled at start, which aligns the processes' clocks
   (``CLOCK_MONOTONIC`` is shared by every process of one host; hosts align on their wall clocks);
-- ``["call", method, endpoint, identity, request_id, start_ns, bytes]``: a request this process
-  sent to the server at ``endpoint``; ``identity`` is the client's routing id (bytes), which
-  the server sees too, so the two ends of a call meet on ``(identity, request_id)``;
-- ``["reply", identity, request_id, end_ns]``: its answer (a reply or an error) arrived; a call
+- ``1, channel, endpoint, identity`` (channel): a client of this process, numbered ``channel``,
+  calls the server at ``endpoint`` as ``identity`` (its routing id, bytes, which the server sees
+  too); written once, before the client's calls, so that no call repeats the two;
+- ``2, method, channel, request_id, start_ns, bytes`` (call): a request this process sent; the
+  two ends of a call meet on ``(identity, request_id)``;
+- ``3, channel, request_id, end_ns`` (reply): its answer (a reply or an error) arrived; a call
   with none ended otherwise (deadline, disconnect, close);
-- ``["serve", method, identity, request_id, start_ns, bytes]``: a request this process took;
-- ``["served", identity, request_id, end_ns]``: its reply or error was sent;
-- ``["span", name, thread, start_ns, end_ns, args]``: work inside the process (``span``).
+- ``4, method, identity, request_id, start_ns, bytes`` (serve): a request this process took;
+- ``5, identity, request_id, end_ns`` (served): its reply or error was sent;
+- ``6, name, thread, start_ns, end_ns, args`` (span): work inside the process (``span``).
+
+(Files of earlier versions hold a chunk as an array of events, each an array opened by the kind's
+name, ``["call", method, endpoint, identity, request_id, start_ns, bytes]`` and so on;
+``asyncrl.trace`` reads both.)
 
 Times are monotonic nanoseconds (``clock``); ``bytes`` counts the message's frames and its
 shared-memory tensors (``nbytes``). An event is written after every event recorded before it, so a
 call's end follows its start in the file. Ends are matched to starts when the files are merged
 (``asyncrl.trace``). A thread of the recorder writes the events out every ``FLUSH_S`` seconds,
 and at exit, so a process that is killed loses at most its last half second.
+
+Why flat: a hook builds one short-lived tuple of its event and hands it to ``list.extend`` (one
+C call that copies the scalars in; the tuple is freed at once, so the garbage collector never
+counts it, and nothing the list holds is tracked by it); the writer encodes an array of scalars,
+frees no event objects, and writes a third of the bytes of arrays that repeat the endpoint and
+the identity.
 """
 
 from __future__ import annotations
@@ -43,15 +56,21 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "CALL",
+    "CHANNEL",
+    "FIELDS",
+    "KIND_NAMES",
+    "PROCESS",
+    "REPLY",
+    "SERVE",
+    "SERVED",
+    "SPAN",
     "TRACE_DIR_ENV",
-    "CallEvent",
     "Recorder",
-    "ReplyEvent",
-    "ServeEvent",
-    "ServedEvent",
     "clock",
     "current",
     "install",
+    "named_events",
     "nbytes",
     "uninstall",
 ]
@@ -81,48 +100,22 @@ def clock_offset_ns(samples: int = 7) -> int:
     return best[1]
 
 
-# The events of calls, one per hook. Structs that the garbage collector never sees (gc=False):
-# a tuple would be, and 100k tuples a second held until the next write let the collector run
-# several times as often, and promote the requests in flight to the oldest generation, whose
-# full collections in a process that imported torch take tens of milliseconds each. As array-like
-# structs tagged with their kind they encode exactly as the arrays the file format describes.
+PROCESS, CHANNEL, CALL, REPLY, SERVE, SERVED, SPAN = range(7)
+"""The kinds of events, as written (see the module docstring)."""
 
+FIELDS = {PROCESS: 6, CHANNEL: 4, CALL: 6, REPLY: 4, SERVE: 6, SERVED: 4, SPAN: 6}
+"""How many scalars each kind of event takes, its kind included."""
 
-class CallEvent(msgspec.Struct, array_like=True, gc=False, tag="call"):
-    """``["call", method, endpoint, identity, request_id, start_ns, bytes]``."""
-
-    method: str
-    endpoint: str
-    identity: bytes
-    id: int
-    start: int
-    size: int
-
-
-class ReplyEvent(msgspec.Struct, array_like=True, gc=False, tag="reply"):
-    """``["reply", identity, request_id, end_ns]``."""
-
-    identity: bytes
-    id: int
-    end: int
-
-
-class ServeEvent(msgspec.Struct, array_like=True, gc=False, tag="serve"):
-    """``["serve", method, identity, request_id, start_ns, bytes]``."""
-
-    method: str
-    identity: bytes
-    id: int
-    start: int
-    size: int
-
-
-class ServedEvent(msgspec.Struct, array_like=True, gc=False, tag="served"):
-    """``["served", identity, request_id, end_ns]``."""
-
-    identity: bytes
-    id: int
-    end: int
+KIND_NAMES = {
+    PROCESS: "process",
+    CHANNEL: "channel",
+    CALL: "call",
+    REPLY: "reply",
+    SERVE: "serve",
+    SERVED: "served",
+    SPAN: "span",
+}
+"""The name of each kind, as files of earlier versions wrote it."""
 
 
 def nbytes(frames: list[Any], tensors: list[Any] | None) -> int:
@@ -140,12 +133,42 @@ def nbytes(frames: list[Any], tensors: list[Any] | None) -> int:
     return total
 
 
+def named_events(chunk: list[Any], channels: dict[int, tuple[str, bytes]]) -> Iterator[list[Any]]:
+    """The events of one chunk as ``Recorder`` writes it, each as an array opened by its kind's
+    name (``["call", method, endpoint, identity, request_id, start_ns, bytes]``, and so on: the
+    form of earlier versions' files); ``channels`` (one per file, shared by its chunks) learns
+    the chunk's channels and names their endpoints and identities in calls and replies.
+
+    Raises:
+        KeyError: an unknown kind, or a channel not defined before its use.
+        ValueError: the chunk ends inside an event.
+    """
+    at, end = 0, len(chunk)
+    while at < end:
+        kind = chunk[at]
+        stop = at + FIELDS[kind]
+        if stop > end:
+            raise ValueError(f"a chunk ends inside an event of kind {kind}")
+        fields = chunk[at + 1 : stop]
+        at = stop
+        if kind == CHANNEL:
+            channels[fields[0]] = (fields[1], fields[2])
+        elif kind == CALL:
+            method, channel, rid, start, size = fields
+            yield ["call", method, *channels[channel], rid, start, size]
+        elif kind == REPLY:
+            yield ["reply", channels[fields[0]][1], fields[1], fields[2]]
+        else:
+            yield [KIND_NAMES[kind], *fields]
+
+
 class Recorder:
     """Records this process's calls and spans into ``directory/<host>-<pid>-<n>.trace``.
 
-    ``record`` (the ``append`` of one list that lives as long as the recorder) takes an event
-    (a ``CallEvent`` and its kin, or a tuple), from any thread; a daemon thread of the recorder
-    writes what was recorded every ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
+    ``record`` (the ``extend`` of one flat list that lives as long as the recorder) takes one
+    event as a tuple of its scalars (``(REPLY, channel, request_id, end_ns)``), from any thread;
+    ``channel`` numbers a client's endpoint and identity. A daemon thread of the recorder writes
+    what was recorded every ``FLUSH_S`` seconds, and ``flush`` does at once (at exit too).
 
     Args:
         directory: where the file goes; created if missing.
@@ -162,7 +185,8 @@ class Recorder:
         self.incarnation = incarnation
         self.offset_ns = clock_offset_ns()
         self._events: list[Any] = []
-        self.record: Callable[[Any], None] = self._events.append
+        self.record: Callable[[tuple[Any, ...]], None] = self._events.extend
+        self._channels = itertools.count()
         self._written_label: tuple[str, int] | None = None
         self._lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
@@ -178,6 +202,13 @@ class Recorder:
             self.label = label
             self.incarnation = incarnation
 
+    def channel(self, endpoint: str, identity: bytes) -> int:
+        """Number a client's ``endpoint`` and ``identity`` for its events (``CALL`` and ``REPLY``
+        name the number); records the pair, so call this before the client's first call."""
+        number = next(self._channels)
+        self.record((CHANNEL, number, endpoint, identity))
+        return number
+
     @contextmanager
     def span(self, name: str, **args: Any) -> Iterator[dict[str, Any]]:
         """Record the time the ``with`` block takes as ``name``; the yielded dict is its args,
@@ -186,7 +217,7 @@ class Recorder:
         try:
             yield args
         finally:
-            self.record(("span", name, threading.current_thread().name, start, clock(), args))
+            self.record((SPAN, name, threading.current_thread().name, start, clock(), args))
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -209,9 +240,10 @@ class Recorder:
     def flush(self) -> None:
         """Write the events recorded so far (from any thread), as one chunk.
 
-        The list is never swapped (the hooks hold its ``append``): the events counted are
+        The list is never swapped (the hooks hold its ``extend``): the scalars counted are
         copied out and deleted from its front, each one C call under the GIL, so what a hook
-        appends meanwhile stays for the next chunk.
+        adds meanwhile stays for the next chunk (an ``extend`` is one C call too: the count
+        never splits an event).
         """
         with self._lock:
             events = self._events
@@ -220,8 +252,8 @@ class Recorder:
             del events[:count]
             if self._written_label != (self.label, self.incarnation):
                 self._written_label = (self.label, self.incarnation)
-                head = ("process", self.label, self.incarnation, self.pid, self.host)
-                batch.insert(0, (*head, self.offset_ns))
+                head = (PROCESS, self.label, self.incarnation, self.pid, self.host)
+                batch[0:0] = (*head, self.offset_ns)
             if not batch:
                 return
             buffer = self._buffer
