@@ -70,6 +70,10 @@ __all__ = ["Client", "PeerEvent"]
 
 log = logging.getLogger("asyncrl.transport.client")
 
+# The kinds every answer is told apart by, as module globals: an attribute of the enum class
+# costs about 40 ns a look-up, a global a few.
+_REPLY, _ERROR, _WELCOME, _CREDIT = Kind.REPLY, Kind.ERROR, Kind.WELCOME, Kind.CREDIT
+
 
 class Client:
     """Calls methods of the server at ``endpoint``.
@@ -354,13 +358,13 @@ class Client:
         self.peer_incarnation = env.incarnation
         self._heard()
         kind = env.kind
-        if self._record is not None and (kind == Kind.REPLY or kind == Kind.ERROR):
+        if self._record is not None and kind in (_REPLY, _ERROR):
             self._record((REPLY, self._channel, env.id, clock()))
-        if kind == Kind.REPLY or kind == Kind.WELCOME:
+        if kind in (_REPLY, _WELCOME):
             self._reply(env, frames)
-        elif kind == Kind.ERROR:
+        elif kind == _ERROR:
             self._error(env, frames)
-        elif kind == Kind.CREDIT:
+        elif kind == _CREDIT:
             if self._on_credit is not None:
                 try:
                     credit = self.codec.decode_payload(env, frames, Credit)
