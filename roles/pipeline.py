@@ -77,6 +77,10 @@ __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
 
 log = logging.getLogger("asyncrl.pipeline")
 
+CAPPED_WARN_EVERY = 50
+"""The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
+then once every this many (late in a run most groups of a good policy are uniform)."""
+
 _UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
 
 PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
@@ -242,6 +246,7 @@ class SamplePipeline:
         self._exhausted = False
         self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
         self._uniform_capped = False  # ... and it reached max_uniform_drops
+        self._capped_batches = 0  # batches that reached it, in this run
         self._scored = (0.0, 0)  # sum and count of rewards released since the last batch
         self._to_score: list[tuple[Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
@@ -413,13 +418,18 @@ class SamplePipeline:
         if self._uniform_drops >= self.max_uniform_drops:
             if not self._uniform_capped:
                 self._uniform_capped = True
-                log.warning(
-                    "sample pipeline: %d groups with uniform rewards dropped while filling one "
-                    "batch (max_uniform_drops); keeping such groups, with zero advantages, "
-                    "until the next batch. Is the reward constant, or the data far too hard "
-                    "or too easy?",
-                    self._uniform_drops,
-                )
+                self._capped_batches += 1
+                if (self._capped_batches - 1) % CAPPED_WARN_EVERY == 0:  # the 1st, 51st, ...
+                    log.warning(
+                        "sample pipeline: %d groups with uniform rewards dropped while filling "
+                        "one batch (max_uniform_drops); keeping such groups, with zero "
+                        "advantages, until the next batch (%d batches so far; said again "
+                        "every %d). Is the reward constant, or the data far too hard or too "
+                        "easy? (A policy near a perfect score gets here too.)",
+                        self._uniform_drops,
+                        self._capped_batches,
+                        CAPPED_WARN_EVERY,
+                    )
             self.metrics["groups_uniform_kept"] += 1
             return False
         self._uniform_drops += 1

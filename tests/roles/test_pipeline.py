@@ -584,10 +584,12 @@ def test_uniform_groups_are_dropped_and_refilled_and_stay_settled_on_resume() ->
     run(main())
 
 
-def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages() -> None:
+def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Every group uniform, at most 3 dropped per batch: the fourth and fifth groups fill the
     batch with zero advantages instead of admitting prompts forever; the count starts again
-    with the next batch."""
+    with the next batch. The warning is given for the first capped batch, not every one."""
 
     async def main() -> None:
         rollout = FakeRollout(auto=True)
@@ -604,6 +606,8 @@ def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages() -> None:
         assert first.metrics["groups_uniform_kept"] == 2
         assert pipe.metrics["groups_uniform_dropped"] == 6
         assert pipe.metrics["samples_uniform_dropped"] == 6 * G
+        said = [r.getMessage() for r in caplog.records if "max_uniform_drops" in r.getMessage()]
+        assert len(said) == 1 and "(1 batches so far; said again every 50)" in said[0]
         assert pipe.metrics["admitted_samples"] == (
             pipe.metrics["consumed_samples"] + pipe.metrics["wasted_samples"]
         )
