@@ -28,6 +28,11 @@ its module the first time it is used.
 """
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
 import typing
 
 if typing.TYPE_CHECKING:
@@ -126,6 +131,41 @@ def __getattr__(name: str) -> typing.Any:
     value = getattr(module, name)
     globals()[name] = value
     return value
+
+
+class _SourceLayers(importlib.abc.MetaPathFinder):
+    """Finds ``asyncrl.transport``, ``asyncrl.roles`` and ``asyncrl.plugins`` beside this package
+    when it is imported from a source checkout (``transport/`` next to ``asyncrl/``, as the
+    repository lays them out): a process started in the checkout (``python -m``, torchrun) puts
+    the checkout first on ``sys.path`` and imports this package from there, even when a regular
+    install of asyncrl holds the layers under ``asyncrl/``."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def find_spec(
+        self, name: str, path: typing.Any, target: typing.Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        parent, _, layer = name.partition(".")
+        if parent != __name__ or layer not in ("transport", "roles", "plugins"):
+            return None
+        folder = os.path.join(self.root, layer)
+        return importlib.util.spec_from_file_location(
+            name, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
+        )
+
+
+def _find_source_layers() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    in_source = os.path.isfile(os.path.join(root, "transport", "__init__.py"))
+    installed = os.path.isdir(os.path.join(here, "transport"))
+    known = any(isinstance(f, _SourceLayers) for f in sys.meta_path)
+    if in_source and not installed and not known:
+        sys.meta_path.append(_SourceLayers(root))
+
+
+_find_source_layers()
 
 
 def __dir__() -> list[str]:

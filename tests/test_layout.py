@@ -9,6 +9,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 
 import pytest
@@ -332,6 +333,20 @@ def test_regular_install_maps_the_layers() -> None:
             env=env,
         )
         assert out.stdout.strip() == os.path.join(target, "asyncrl", "transport", "__init__.py")
+        # Started in a source checkout (python -m, torchrun), a process imports asyncrl from the
+        # checkout, ahead of the install: the layers beside it are found. -S keeps this venv's
+        # editable install out, so the install and its dependencies are all it has.
+        deps = sysconfig.get_paths()["purelib"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, deps])}
+        out = subprocess.run(
+            [sys.executable, "-S", "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=source,
+            env=env,
+        )
+        assert out.stdout.strip() == os.path.join(source, "transport", "__init__.py")
 
 
 def test_no_module_over_600_lines_and_no_function_over_80() -> None:
