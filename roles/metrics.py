@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.metrics import MetricsLog, Restarts
 from asyncrl.progress import Progress
+from asyncrl.reduce import Moments
 from asyncrl.roles.payloads import LearnerStatus, Sample
 
 if TYPE_CHECKING:
@@ -62,12 +63,9 @@ LAPS = ("batch", "learn", "weights", "eval")
 def ci95(values: list[float]) -> float:
     """The half-width of the 95% interval of ``values``' mean: 1.96 times its standard error
     (the sample standard deviation over the square root of the count); 0 for fewer than two."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    mean = sum(values) / n
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return 1.96 * math.sqrt(variance / n)
+    moments = Moments.of(values)
+    n = moments.count
+    return 1.96 * math.sqrt(moments.m2 / (n - 1) / n) if n >= 2 else 0.0
 
 
 def quantile(values: list[float], q: float) -> float:
