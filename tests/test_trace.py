@@ -330,7 +330,9 @@ def test_bench_measures_traced_and_untraced_calls(
     procs = {p.label: p for p in trace.load(str(tmp_path / "trace"))}
     assert set(procs) == {"bench-server", "bench-client"}
     server, client = procs["bench-server"], procs["bench-client"]
-    assert len(server.serves) == len(client.calls) == 50 + 10 * 300
+    from asyncrl.bench.transport import ROUNDS
+
+    assert len(server.serves) == len(client.calls) == 50 + ROUNDS * 300
     assert server.calls == client.serves == []
 
 

@@ -5,6 +5,7 @@ of the flat chunks, and of files of the earlier format (an array of arrays per c
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import threading
@@ -14,9 +15,9 @@ import msgspec
 import pytest
 
 from asyncrl import trace
-from asyncrl.transport import tracing
+from asyncrl.transport import ChannelOptions, Client, RemoteError, Server, run, tracing
 from asyncrl.transport.protocol import TensorDesc, Where
-from asyncrl.transport.tracing import CALL, REPLY, SERVE, SERVED, Recorder
+from asyncrl.transport.tracing import CALL, HANDLED, REPLY, SERVE, SERVED, Recorder
 
 IDENTITY = b"driver:4242:0badcafe"
 ENDPOINT = "ipc:///run/echo.0"
@@ -64,9 +65,9 @@ def test_a_chunk_is_one_flat_array_with_the_channel_written_once(recorder: Recor
     channel = _record_one_of_each(recorder)
     recorder.record((REPLY, channel, 8, 5))
     recorder.flush()
-    (chunk,) = _chunks(recorder.path)
+    head, chunk = _chunks(recorder.path)  # who wrote the file, in a chunk of its own
+    assert head == [0, "echo.0", 1, os.getpid(), recorder.host, recorder.offset_ns]
     assert chunk == [
-        *(0, "echo.0", 1, os.getpid(), recorder.host, recorder.offset_ns),
         *(1, 0, ENDPOINT, IDENTITY),
         *(2, "echo", 0, 7, 123_456_789_012, 61),
         *(3, 0, 7, 123_456_799_999),
@@ -95,6 +96,86 @@ def test_the_reader_names_the_events_of_flat_chunks_across_chunks(recorder: Reco
     ]
     assert span[:3] == ["span", "generate", "MainThread"] and span[5] == {"tokens": 3}
     assert span[3] <= span[4]
+
+
+def test_a_request_served_in_one_step_is_one_event_read_as_a_serve_and_its_served(
+    recorder: Recorder,
+) -> None:
+    recorder.record((HANDLED, "echo", IDENTITY, 7, 100, 250, 61))
+    recorder.flush()
+    assert _chunks(recorder.path)[1] == [7, "echo", IDENTITY, 7, 100, 250, 61]
+    assert list(trace._events(recorder.path))[1:] == [
+        ["serve", "echo", IDENTITY, 7, 100, 61],
+        ["served", IDENTITY, 7, 250],
+    ]
+
+
+def _kinds(path: str) -> list[int]:
+    """The kinds of a file's events, in order (its flat chunks walked event by event)."""
+    kinds = []
+    for chunk in _chunks(path):
+        at = 0
+        while at < len(chunk):
+            kinds.append(chunk[at])
+            at += tracing.FIELDS[chunk[at]]
+    return kinds
+
+
+def test_a_synchronous_handler_is_one_event_and_an_asynchronous_one_two(tmp_path: Any) -> None:
+    """Served within one step of the loop (a plain function, failing or not), a request is one
+    ``HANDLED`` event; awaited (a coroutine), a ``SERVE`` when taken and a ``SERVED`` when
+    answered, so that one still running shows in the trace."""
+
+    def now(payload: int, call: Any) -> int:
+        if payload < 0:
+            raise ValueError("negative")
+        return payload
+
+    async def later(payload: int, call: Any) -> int:
+        await asyncio.sleep(0)
+        return now(payload, call)
+
+    async def calls(directory: str) -> None:
+        options = ChannelOptions(run="t")
+        server = Server(f"ipc://{directory}/s", name="echo.0", options=options)
+        server.add("now", now, int)
+        server.add("later", later, int)
+        async with server, Client(server.endpoint, options=options) as client:
+            for method in ("now", "later"):
+                assert await client.call(method, 3, int) == 3
+                with pytest.raises(RemoteError, match="negative"):
+                    await client.call(method, -1, int)
+
+    rec = tracing.install(Recorder(str(tmp_path / "trace"), "echo.0"))
+    try:
+        run(calls(str(tmp_path)))
+    finally:
+        tracing.uninstall()
+        rec.close()
+    served = [k for k in _kinds(rec.path) if k in (SERVE, SERVED, HANDLED)]
+    assert served == [HANDLED, HANDLED, SERVE, SERVED, SERVE, SERVED]
+    (proc,) = trace.load(str(tmp_path / "trace"))
+    assert [s[1] for s in proc.serves] == ["now", "now", "later", "later"]
+    for call, serve in zip(proc.calls, proc.serves, strict=True):
+        assert call[5] <= serve[4] <= serve[5] <= call[6]  # served inside the call
+
+
+@pytest.mark.parametrize("count", [3, 15, 16, 65_535, 65_536, 70_001])
+def test_a_flush_deletes_what_it_wrote_whatever_the_array_header(
+    recorder: Recorder, count: int
+) -> None:
+    """The writer encodes the live list and reads how many scalars it took from the array's
+    header: a fixarray (up to 15), an array 16 (up to 65,535) or an array 32."""
+    recorder.flush()  # the head
+    events = [(SERVED, IDENTITY, i, i) for i in range(count // 4)]
+    for event in events:
+        recorder.record(event)
+    recorder._events.extend(range(count % 4))  # the header's count, not a whole event's
+    recorder.flush()
+    assert recorder._events == []
+    assert len(_chunks(recorder.path)[1]) == count
+    with pytest.raises(ValueError, match="no MessagePack array at byte 4"):
+        tracing._array_length(bytearray(b"\0\0\0\0\xc0"), 4)
 
 
 def test_files_of_the_earlier_format_still_read(tmp_path: Any) -> None:

@@ -73,6 +73,8 @@ log = logging.getLogger("asyncrl.transport.client")
 # The kinds every answer is told apart by, as module globals: an attribute of the enum class
 # costs about 40 ns a look-up, a global a few.
 _REPLY, _ERROR, _WELCOME, _CREDIT = Kind.REPLY, Kind.ERROR, Kind.WELCOME, Kind.CREDIT
+_ENDS = frozenset((Kind.REPLY, Kind.ERROR))
+"""The kinds that end a call (a traced reply is recorded on them)."""
 
 
 class Client:
@@ -138,7 +140,7 @@ class Client:
         self._closed = False
         self._alive = True
         self._connected_once = False
-        self._last_heard = time.monotonic()
+        self._last_heard_ns = clock()  # any message from the server sets it
         self._host = host_id()
         self._pool: ShmPool | None = None
         self._use_shm = False
@@ -240,7 +242,7 @@ class Client:
     @property
     def last_heard(self) -> float:
         """When (``time.monotonic()``) the server was last heard: any message resets it."""
-        return self._last_heard
+        return self._last_heard_ns / 1e9
 
     @property
     def pending(self) -> int:
@@ -286,10 +288,14 @@ class Client:
             request_id,
             Pending(fut, loop.time() + timeout, reply_type, method, timeout, self.server),
         )
-        if self._record is not None:  # before the send: a reply may come before we run again
-            tensors = env.tensors
-            size = nbytes(frames, tensors) if tensors or len(frames) > 1 else len(frames[0])
-            self._record((CALL, method, self._channel, request_id, clock(), size))
+        record = self._record
+        if record is not None:  # before the send: a reply may come before we run again
+            size = (
+                len(frames[0])
+                if len(frames) == 1 and not env.tensors
+                else nbytes(frames, env.tensors)
+            )
+            record((CALL, method, self._channel, request_id, clock(), size))
         try:
             self._pump.send(frames)
         except TransportError:
@@ -356,10 +362,13 @@ class Client:
             )
             return
         self.peer_incarnation = env.incarnation
-        self._heard()
+        now = self._last_heard_ns = clock()
+        if not self._alive:
+            self._revived()
         kind = env.kind
-        if self._record is not None and kind in (_REPLY, _ERROR):
-            self._record((REPLY, self._channel, env.id, clock()))
+        record = self._record
+        if record is not None and kind in _ENDS:
+            record((REPLY, self._channel, env.id, now))
         if kind in (_REPLY, _WELCOME):
             self._reply(env, frames)
         elif kind == _ERROR:
@@ -542,7 +551,7 @@ class Client:
     def _tick(self) -> None:
         if self._closed:
             return
-        silent = time.monotonic() - self._last_heard
+        silent = (clock() - self._last_heard_ns) / 1e9
         limit = self.options.dead_after_s
         # A server that never answered is not dead but not up yet: until the first handshake
         # only the connect timeout applies, so a slow start is not mistaken for a hang.
@@ -558,11 +567,9 @@ class Client:
             pass
         self._schedule_tick()
 
-    def _heard(self) -> None:
-        self._last_heard = time.monotonic()
-        if not self._alive:
-            self._alive = True
-            self._emit("alive")
+    def _revived(self) -> None:
+        self._alive = True
+        self._emit("alive")
 
     def _expired(self, pending: Pending) -> None:
         self.stats["deadlines"] += 1

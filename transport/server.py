@@ -65,7 +65,7 @@ from .ratelog import RateLimitedLog
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import bind, socket_id, unlink_if_same
-from .tracing import SERVE, SERVED, clock, current, nbytes
+from .tracing import HANDLED, SERVE, SERVED, clock, current, nbytes
 
 __all__ = ["Call", "Handler", "PeerInfo", "Server"]
 
@@ -326,19 +326,27 @@ class Server:
             self._bad_input(identity, msg, exc, env.id)
             return
         call = Call(identity, env.id, env.method, env.attempt, env.deadline, env.trace)
-        if self._record is not None:
+        record = self._record
+        if record is not None:
             size = len(msg[0]) if len(msg) == 1 and not env.tensors else nbytes(msg, env.tensors)
-            self._record((SERVE, env.method, identity, env.id, clock(), size))
+            start = clock()
         if method.is_async:
+            if record is not None:
+                record((SERVE, env.method, identity, env.id, start, size))
             task = asyncio.get_running_loop().create_task(self._run_async(method, payload, call))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
+        # Served within this step of the loop: traced, one event holds both ends.
         try:
             result = method.handler(payload, call)
         except Exception as exc:
+            if record is not None:
+                record((HANDLED, env.method, identity, env.id, start, clock(), size))
             self._handler_failed(call, exc)
             return
+        if record is not None:
+            record((HANDLED, env.method, identity, env.id, start, clock(), size))
         self._reply(call, result)
 
     async def _run_async(self, method: Method, payload: Any, call: Call) -> None:
@@ -347,14 +355,19 @@ class Server:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self._served(call)
             self._handler_failed(call, exc)
             return
+        self._served(call)
         self._reply(call, result)
+
+    def _served(self, call: Call) -> None:
+        """Record, when traced, that the awaited handler of ``call`` is done."""
+        if self._record is not None:
+            self._record((SERVED, call.peer, call.id, clock()))
 
     def _handler_failed(self, call: Call, exc: Exception) -> None:
         self.stats["handler_errors"] += 1
-        if self._record is not None:
-            self._record((SERVED, call.peer, call.id, clock()))
         self._log.warning(
             f"handler {call.method!r} failure",
             _peer_name(call.peer),
@@ -373,8 +386,6 @@ class Server:
         )
 
     def _reply(self, call: Call, result: Any) -> None:
-        if self._record is not None:
-            self._record((SERVED, call.peer, call.id, clock()))
         if self._closed:
             return
         peer = self._peers.get(call.peer)

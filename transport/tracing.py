@@ -2,7 +2,7 @@
 
 Tracing is on in a process whose environment names a directory in ``ASYNCRL_TRACE_DIR`` (or after
 ``install``). Each ``Client`` and ``Server`` asks ``current()`` once, when it is built, and keeps
-the recorder's ``record`` (or ``None``): with tracing off the hot path pays one ``is not None``
+the recorder's ``record`` (or ``None``): with tracing off each hook pays one ``is not None``
 test, and with it on one tuple of the event's scalars and one call of ``list.extend``,
 written inline in the client's and the server's hot paths (no Python frame of the recorder's).
 
@@ -22,7 +22,10 @@ back, each opened by its kind (a small int) and as long as its kind says:
   with none ended otherwise (deadline, disconnect, close);
 - ``4, method, identity, request_id, start_ns, bytes`` (serve): a request this process took;
 - ``5, identity, request_id, end_ns`` (served): its reply or error was sent;
-- ``6, name, thread, start_ns, end_ns, args`` (span): work inside the process (``span``).
+- ``6, name, thread, start_ns, end_ns, args`` (span): work inside the process (``span``);
+- ``7, method, identity, request_id, start_ns, end_ns, bytes`` (handled): a request this
+  process took and answered within one step of its loop (a synchronous handler): a serve and
+  its served in one event.
 
 (Files of earlier versions hold a chunk as an array of events, each an array opened by the kind's
 name, ``["call", method, endpoint, identity, request_id, start_ns, bytes]`` and so on;
@@ -38,7 +41,11 @@ Why flat: a hook builds one short-lived tuple of its event and hands it to ``lis
 C call that copies the scalars in; the tuple is freed at once, so the garbage collector never
 counts it, and nothing the list holds is tracked by it); the writer encodes an array of scalars,
 frees no event objects, and writes a third of the bytes of arrays that repeat the endpoint and
-the identity.
+the identity. A hook calls the ``record`` its client or server holds from a local variable
+(``record = self._record``): called as ``self._record(...)``, an instance attribute that is not
+a method, Python 3.11 looks it up through the class and the instance's dict at every call, which
+cost as much as the rest of the hook. A synchronous handler's request is one event (``HANDLED``)
+rather than two: most requests, one tuple, one ``extend`` and four scalars fewer each.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ __all__ = [
     "CALL",
     "CHANNEL",
     "FIELDS",
+    "HANDLED",
     "KIND_NAMES",
     "PROCESS",
     "REPLY",
@@ -100,10 +108,10 @@ def clock_offset_ns(samples: int = 7) -> int:
     return best[1]
 
 
-PROCESS, CHANNEL, CALL, REPLY, SERVE, SERVED, SPAN = range(7)
+PROCESS, CHANNEL, CALL, REPLY, SERVE, SERVED, SPAN, HANDLED = range(8)
 """The kinds of events, as written (see the module docstring)."""
 
-FIELDS = {PROCESS: 6, CHANNEL: 4, CALL: 6, REPLY: 4, SERVE: 6, SERVED: 4, SPAN: 6}
+FIELDS = {PROCESS: 6, CHANNEL: 4, CALL: 6, REPLY: 4, SERVE: 6, SERVED: 4, SPAN: 6, HANDLED: 7}
 """How many scalars each kind of event takes, its kind included."""
 
 KIND_NAMES = {
@@ -158,6 +166,10 @@ def named_events(chunk: list[Any], channels: dict[int, tuple[str, bytes]]) -> It
             yield ["call", method, *channels[channel], rid, start, size]
         elif kind == REPLY:
             yield ["reply", channels[fields[0]][1], fields[1], fields[2]]
+        elif kind == HANDLED:
+            method, identity, rid, start, stop_ns, size = fields
+            yield ["serve", method, identity, rid, start, size]
+            yield ["served", identity, rid, stop_ns]
         else:
             yield [KIND_NAMES[kind], *fields]
 
@@ -238,32 +250,51 @@ class Recorder:
                 self._fd = -1
 
     def flush(self) -> None:
-        """Write the events recorded so far (from any thread), as one chunk.
+        """Write the events recorded so far (from any thread), as one chunk (preceded, the
+        first time and when the process is named anew, by a chunk of its ``PROCESS`` event).
 
-        The list is never swapped (the hooks hold its ``extend``): the scalars counted are
-        copied out and deleted from its front, each one C call under the GIL, so what a hook
-        adds meanwhile stays for the next chunk (an ``extend`` is one C call too: the count
-        never splits an event).
+        The list is never swapped (the hooks hold its ``extend``) nor copied: it is encoded
+        where it lies, in one C call under the GIL, so no hook adds to it meanwhile, and the
+        scalars the array's header counts are deleted from its front; what a hook adds between
+        the two stays for the next chunk (an ``extend`` is one C call too: the count never
+        splits an event).
         """
         with self._lock:
             events = self._events
-            count = len(events)
-            batch = events[:count]
-            del events[:count]
+            buffer = self._buffer
             if self._written_label != (self.label, self.incarnation):
                 self._written_label = (self.label, self.incarnation)
                 head = (PROCESS, self.label, self.incarnation, self.pid, self.host)
-                batch[0:0] = (*head, self.offset_ns)
-            if not batch:
+                self._encoder.encode_into((*head, self.offset_ns), buffer, 4)
+                buffer[:4] = (len(buffer) - 4).to_bytes(4, "little")
+                self._write(buffer)
+            if not events:
                 return
-            buffer = self._buffer
-            self._encoder.encode_into(batch, buffer, 4)
+            # One C call under the GIL: no hook adds to the list while it is encoded, and the
+            # array's header says how many scalars it took (a hook may add more right after).
+            self._encoder.encode_into(events, buffer, 4)
+            del events[: _array_length(buffer, 4)]
             buffer[:4] = (len(buffer) - 4).to_bytes(4, "little")
-            if self._fd < 0:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            written = os.write(self._fd, buffer)  # one write: the GIL changes hands once
-            while written < len(buffer):  # a short write (a full disk raises instead)
-                written += os.write(self._fd, buffer[written:])
+            self._write(buffer)
+
+    def _write(self, buffer: bytearray) -> None:
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        written = os.write(self._fd, buffer)  # one write: the GIL changes hands once
+        while written < len(buffer):  # a short write (a full disk raises instead)
+            written += os.write(self._fd, buffer[written:])
+
+
+def _array_length(buffer: bytearray, at: int) -> int:
+    """The length of the MessagePack array whose header starts at ``buffer[at]``."""
+    head = buffer[at]
+    if head & 0xF0 == 0x90:
+        return head & 0x0F
+    if head == 0xDC:
+        return int.from_bytes(buffer[at + 1 : at + 3], "big")
+    if head == 0xDD:
+        return int.from_bytes(buffer[at + 1 : at + 5], "big")
+    raise ValueError(f"no MessagePack array at byte {at} (0x{head:02x})")
 
 
 _recorder: Recorder | None = None
