@@ -73,25 +73,62 @@ _NO_LIMIT_V1 = 1 << 60
 """cgroup v1 reads its page counter's maximum (about 2**63) where no limit is set."""
 
 
-def _cgroup_limit(root: str = "/sys/fs/cgroup") -> tuple[int, int]:
-    """This container's memory limit and use, or (0, 0) where there is none: cgroup v2's
-    ``memory.max`` and ``memory.current``, else cgroup v1's ``memory/memory.limit_in_bytes``
-    and ``memory/memory.usage_in_bytes``."""
-    for limit_file, used_file in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+def _own_cgroups(path: str) -> dict[str, str]:
+    """This process's cgroup paths from ``/proc/self/cgroup``: cgroup v2's under ``""``, each
+    cgroup v1 controller's under its name (``memory``)."""
+    out: dict[str, str] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                _, controllers, rest = line.rstrip("\n").split(":", 2)
+                for name in controllers.split(",") if controllers else [""]:
+                    out[name] = rest
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def _cgroup_limit(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> tuple[int, int]:
+    """This process's memory limit and use, or (0, 0) where there is none: the lowest limit
+    of its own cgroup and the cgroups above it (a systemd slice's, a container's), with the
+    use counted where that limit is set; cgroup v2's ``memory.max`` and ``memory.current``,
+    else cgroup v1's ``memory.limit_in_bytes`` and ``memory.usage_in_bytes`` under
+    ``memory/``. A process in a cgroup namespace sees its own cgroup as the root; a path that
+    is not under ``root`` (another mount's view) falls back to the root alone."""
+    paths = _own_cgroups(own)
+    for base, key, limit_file, used_file in (
+        (root, "", "memory.max", "memory.current"),
+        (os.path.join(root, "memory"), "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
     ):
-        try:
-            with open(os.path.join(root, limit_file)) as f:
-                raw = f.read().strip()
-            with open(os.path.join(root, used_file)) as f:
-                used = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if raw.isdigit() and int(raw) < _NO_LIMIT_V1:
-            return int(raw), used
-        return 0, 0
+        found = False
+        best = (0, 0)
+        for folder in _up_to(base, paths.get(key, "/")):
+            try:
+                with open(os.path.join(folder, limit_file)) as f:
+                    raw = f.read().strip()
+                with open(os.path.join(folder, used_file)) as f:
+                    used = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            found = True
+            if raw.isdigit() and int(raw) < _NO_LIMIT_V1 and (not best[0] or int(raw) < best[0]):
+                best = (int(raw), used)
+        if found:
+            return best
     return 0, 0
+
+
+def _up_to(base: str, path: str) -> list[str]:
+    """``base`` joined with ``path``, then each folder above it up to ``base`` itself; just
+    ``base`` when the joined folder does not exist."""
+    folder = os.path.normpath(os.path.join(base, path.lstrip("/")))
+    if not os.path.isdir(folder) or os.path.commonpath([folder, base]) != os.path.normpath(base):
+        return [base]
+    folders = [folder]
+    while folder != os.path.normpath(base):
+        folder = os.path.dirname(folder)
+        folders.append(folder)
+    return folders
 
 
 def host_memory() -> tuple[int, int]:

@@ -50,21 +50,61 @@ def test_meminfo_and_a_cgroup_limit_are_read_from_their_files(tmp_path: pathlib.
         "HugePages_Total": 3,
     }
     assert cpu._meminfo(str(tmp_path / "missing")) == {}
+    at_root = tmp_path / "self-root"
+    at_root.write_text("0::/\n")  # a cgroup namespace's view: the process's own is the root
     (tmp_path / "memory.max").write_text("max\n")
     (tmp_path / "memory.current").write_text("4096\n")
-    assert cpu._cgroup_limit(str(tmp_path)) == (0, 0)
+    assert cpu._cgroup_limit(str(tmp_path), str(at_root)) == (0, 0)
     (tmp_path / "memory.max").write_text("65536\n")
-    assert cpu._cgroup_limit(str(tmp_path)) == (65536, 4096)
-    assert cpu._cgroup_limit(str(tmp_path / "none")) == (0, 0)
+    assert cpu._cgroup_limit(str(tmp_path), str(at_root)) == (65536, 4096)
+    assert cpu._cgroup_limit(str(tmp_path / "none"), str(at_root)) == (0, 0)
     # cgroup v1 (no memory.max at the root): the memory controller's own folder; no limit
     # there reads as the page counter's maximum.
     v1 = tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)
     (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text("4096\n")
-    assert cpu._cgroup_limit(str(v1)) == (0, 0)
+    assert cpu._cgroup_limit(str(v1), str(at_root)) == (0, 0)
     (v1 / "memory" / "memory.limit_in_bytes").write_text("65536\n")
-    assert cpu._cgroup_limit(str(v1)) == (65536, 4096)
+    assert cpu._cgroup_limit(str(v1), str(at_root)) == (65536, 4096)
+
+
+def _cgroup(folder: pathlib.Path, limit: str, used: int, v1: bool = False) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = (
+        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        if v1
+        else ("memory.max", "memory.current")
+    )
+    (folder / names[0]).write_text(limit + "\n")
+    (folder / names[1]).write_text(f"{used}\n")
+
+
+def test_the_lowest_limit_of_the_process_own_cgroup_and_those_above_it_counts(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Outside a cgroup namespace (a systemd service, a batch job's slice) the limit is set on
+    the process's own cgroup or one above it, not on the root; the lowest one holds."""
+    own = tmp_path / "self"
+    own.write_text("0::/system.slice/job.service\n")
+    v2 = tmp_path / "v2"
+    v2.mkdir()  # the root of cgroup v2 has no memory.max
+    _cgroup(v2 / "system.slice", "1048576", 8192)
+    _cgroup(v2 / "system.slice" / "job.service", "max", 4096)
+    assert cpu._cgroup_limit(str(v2), str(own)) == (1048576, 8192)  # the slice's
+    _cgroup(v2 / "system.slice" / "job.service", "65536", 4096)
+    assert cpu._cgroup_limit(str(v2), str(own)) == (65536, 4096)  # the service's, lower
+    # cgroup v1: the memory controller's line names the path under memory/
+    own.write_text("5:cpu,cpuacct:/\n4:memory:/batch/job7\n0::/\n")
+    v1 = tmp_path / "v1"
+    _cgroup(v1 / "memory", "9223372036854771712", 1 << 30, v1=True)
+    _cgroup(v1 / "memory" / "batch", "9223372036854771712", 1 << 20, v1=True)
+    _cgroup(v1 / "memory" / "batch" / "job7", "131072", 2048, v1=True)
+    assert cpu._cgroup_limit(str(v1), str(own)) == (131072, 2048)
+    # a path this mount does not hold (the host's view from inside a container) reads the root
+    own.write_text("4:memory:/elsewhere/job9\n")
+    assert cpu._cgroup_limit(str(v1), str(own)) == (0, 0)
+    assert cpu._own_cgroups(str(tmp_path / "missing")) == {}
 
 
 def test_a_cpu_budget_is_recorded_and_reported_against_the_hosts_total() -> None:
