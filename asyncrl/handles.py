@@ -37,6 +37,7 @@ class Handle:
         self._group = group
         self._watchdog = watchdog
         self._in_flight: dict[Work, float] = {}  # work -> when it was submitted
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the calls
         if watchdog is not None:
             watchdog.watch(f"role {group.name}", self.describe_in_flight)
 
@@ -59,7 +60,9 @@ class Handle:
         target: int | None = None,
         affinity: Any = None,
     ) -> Work:
-        loop = asyncio.get_running_loop()
+        loop = self._loop  # asyncio.get_running_loop makes a system call (getpid) each time
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
         work = Work(
             method,
             payload,

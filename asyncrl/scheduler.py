@@ -300,7 +300,7 @@ class Scheduler:
         if lost is not None:
             self._fail(work, lost)
             return
-        loop = asyncio.get_running_loop()
+        loop = work.future.get_loop()  # no system call (get_running_loop makes one)
         work.timer = loop.call_at(work.deadline, self._expire, work)
         queue = self.queue if work.target is None else self.replicas[work.target].queue
         if self.delivery.get(work.method) == Delivery.LATEST:
@@ -394,7 +394,7 @@ class Scheduler:
             if work.timer is not None:
                 work.timer.cancel()
             return
-        loop = asyncio.get_running_loop()
+        loop = work.future.get_loop()  # no system call (get_running_loop makes one)
         remaining = work.deadline - loop.time()
         if remaining <= 0:
             self._expire(work)

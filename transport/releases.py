@@ -32,11 +32,16 @@ class Releases:
         self._closed = closed
         self._pending: dict[bytes, list[int]] = {}
         self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def callback(self, peer: bytes) -> Callable[[int], None]:
         """A release callback for tensors from ``peer``, callable from any thread; call it from
-        the event loop's thread (it captures the running loop)."""
-        loop = asyncio.get_running_loop()
+        the event loop's thread (the first call captures the running loop, which its owner's
+        socket is bound to: ``asyncio.get_running_loop`` makes a system call, ``getpid``, each
+        time, and this is called for every message received)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
 
         def release(slot: int) -> None:
             if not self._closed():

@@ -333,7 +333,8 @@ class Server:
         if method.is_async:
             if record is not None:
                 record((SERVE, env.method, identity, env.id, start, size))
-            task = asyncio.get_running_loop().create_task(self._run_async(method, payload, call))
+            assert self._pump is not None  # a request came through it
+            task = self._pump.loop.create_task(self._run_async(method, payload, call))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
@@ -350,21 +351,20 @@ class Server:
         self._reply(call, result)
 
     async def _run_async(self, method: Method, payload: Any, call: Call) -> None:
+        failed: Exception | None = None
         try:
             result = await method.handler(payload, call)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._served(call)
-            self._handler_failed(call, exc)
+            failed = exc
+        record = self._record
+        if record is not None:
+            record((SERVED, call.peer, call.id, clock()))
+        if failed is not None:
+            self._handler_failed(call, failed)
             return
-        self._served(call)
         self._reply(call, result)
-
-    def _served(self, call: Call) -> None:
-        """Record, when traced, that the awaited handler of ``call`` is done."""
-        if self._record is not None:
-            self._record((SERVED, call.peer, call.id, clock()))
 
     def _handler_failed(self, call: Call, exc: Exception) -> None:
         self.stats["handler_errors"] += 1
