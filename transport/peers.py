@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .options import ChannelOptions
 from .protocol import Hello
 from .shm import ShmPool
+from .tracing import clock
 
 __all__ = ["PeerInfo", "Peers"]
 
@@ -26,7 +27,7 @@ class PeerInfo:
     """What the server knows about one connected client."""
 
     identity: bytes
-    last_heard: float
+    heard_ns: int  # when it was last heard, on the monotonic clock in ns (``tracing.clock``)
     hello: Hello | None = None
     shm: bool = False
     shm_in: bool = False  # may send this server shared-memory tensors (handshook from this host)
@@ -65,12 +66,12 @@ class Peers:
 
     def heard(self, identity: bytes) -> PeerInfo:
         """The peer ``identity``, heard from now; a new entry if it was not known."""
-        now = time.monotonic()
+        now = clock()  # also the start of a traced request's serve
         peer = self.table.get(identity)
         if peer is None:
             peer = self.table[identity] = PeerInfo(identity, now)
         else:
-            peer.last_heard = now
+            peer.heard_ns = now
         return peer
 
     def get(self, identity: bytes) -> PeerInfo | None:
@@ -107,10 +108,11 @@ class Peers:
             self._stats["sweeps_deferred"] += 1
             self._schedule()
             return
-        for identity in [i for i, p in self.table.items() if now - p.last_heard > limit]:
+        now_ns, limit_ns = clock(), limit * 1e9
+        for identity in [i for i, p in self.table.items() if now_ns - p.heard_ns > limit_ns]:
             self._stats["peers_expired"] += 1
             peer = self.table[identity]
             self.forget(identity)
-            self._on_dead(peer, now - peer.last_heard)
+            self._on_dead(peer, (now_ns - peer.heard_ns) / 1e9)
         if not self._closed:
             self._schedule()

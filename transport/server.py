@@ -329,7 +329,7 @@ class Server:
         record = self._record
         if record is not None:
             size = len(msg[0]) if len(msg) == 1 and not env.tensors else nbytes(msg, env.tensors)
-            start = clock()
+            start = peer.heard_ns  # when the request was taken from the socket
         if method.is_async:
             if record is not None:
                 record((SERVE, env.method, identity, env.id, start, size))
