@@ -178,6 +178,28 @@ def test_a_flush_deletes_what_it_wrote_whatever_the_array_header(
         tracing._array_length(bytearray(b"\0\0\0\0\xc0"), 4)
 
 
+def test_a_span_argument_msgpack_cannot_hold_is_written_as_its_repr(recorder: Recorder) -> None:
+    """The list is encoded where it lies: an event that failed to encode would stay at its
+    front for good, and every later chunk fail behind it."""
+
+    class Shape:
+        def __repr__(self) -> str:
+            return "Shape(2, 3)"
+
+    with recorder.span("generate", shape=Shape(), tokens=3):
+        pass
+    recorder.flush()
+    with recorder.span("score"):
+        pass
+    recorder.flush()
+    spans = [e for e in trace._events(recorder.path) if e[0] == "span"]
+    assert [(s[1], s[5]) for s in spans] == [
+        ("generate", {"shape": "Shape(2, 3)", "tokens": 3}),
+        ("score", {}),
+    ]
+    assert recorder._events == []
+
+
 def test_files_of_the_earlier_format_still_read(tmp_path: Any) -> None:
     events = [
         ["process", "echo.0", 1, 42, "h", 1000],

@@ -201,7 +201,7 @@ class Recorder:
         self._channels = itertools.count()
         self._written_label: tuple[str, int] | None = None
         self._lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_as_text)
         self._buffer = bytearray()
         self._fd = -1  # the file, opened at the first write and kept open
         self._stop = threading.Event()
@@ -262,14 +262,14 @@ class Recorder:
         with self._lock:
             events = self._events
             buffer = self._buffer
+            if not events:
+                return
             if self._written_label != (self.label, self.incarnation):
                 self._written_label = (self.label, self.incarnation)
                 head = (PROCESS, self.label, self.incarnation, self.pid, self.host)
                 self._encoder.encode_into((*head, self.offset_ns), buffer, 4)
                 buffer[:4] = (len(buffer) - 4).to_bytes(4, "little")
                 self._write(buffer)
-            if not events:
-                return
             # One C call under the GIL: no hook adds to the list while it is encoded, and the
             # array's header says how many scalars it took (a hook may add more right after).
             self._encoder.encode_into(events, buffer, 4)
@@ -283,6 +283,12 @@ class Recorder:
         written = os.write(self._fd, buffer)  # one write: the GIL changes hands once
         while written < len(buffer):  # a short write (a full disk raises instead)
             written += os.write(self._fd, buffer[written:])
+
+
+def _as_text(value: Any) -> str:
+    """What a span's argument that MessagePack cannot hold (a tensor, an object) is written as:
+    its ``repr``, cut to 200 characters; the chunk is written rather than the writer stopped."""
+    return repr(value)[:200]
 
 
 def _array_length(buffer: bytearray, at: int) -> int:
