@@ -44,8 +44,9 @@ frees no event objects, and writes a third of the bytes of arrays that repeat th
 the identity. A hook calls the ``record`` its client or server holds from a local variable
 (``record = self._record``): called as ``self._record(...)``, an instance attribute that is not
 a method, Python 3.11 looks it up through the class and the instance's dict at every call, which
-cost as much as the rest of the hook. A synchronous handler's request is one event (``HANDLED``)
-rather than two: most requests, one tuple, one ``extend`` and four scalars fewer each.
+cost as much as the rest of the hook. A request a plain function answers is one event
+(``HANDLED``) rather than two: one tuple, one ``extend`` and four scalars fewer; a coroutine's
+(every role endpoint is one) stays two, so that one still running shows.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ ROUNDS = 40
 """Rounds of the pipelined figure, traced and not, interleaved, so that a machine whose load
 drifts weighs on both alike. A round's cost of tracing varies by several percent on a shared
 2-core machine: the median of 10 rounds still moved from run to run by about as much as the 5%
-it is held to, the median of 40 by about a percent."""
+it is held to (±5%), the median of 40 by about half that."""
 TRACED = "-traced"
 """The suffix of the endpoint the peer serves with tracing on."""
 TENSOR_BYTES = 64 << 20
