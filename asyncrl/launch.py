@@ -17,6 +17,9 @@ also runs the driver. docs/multinode.md is the guide; in short:
   given any node's run directory asks that node's agent, which asks the others (``asyncrl.status``).
 - Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R (two nodes on one machine never
   collide). Each writes ``launch.json`` (node, attempt, pid) there.
+- Hosts: each agent also publishes its host id; nodes that share a host share its weight store
+  (node R's ``weights`` folder links to the host's first node's, ``asyncrl.hosts``), and a node
+  that shares a host id but not the first node's folder is refused at start.
 - Traces (``--trace``): every node records into its own ``trace`` folder; at the end node R
   sends its files to node 0 over tcp (Curve applies), which merges every node's into
   ``RUN_DIR/trace.json`` (``asyncrl.trace``).
@@ -38,13 +41,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from asyncrl.agent import NodeView, run_manifest, summary
 from asyncrl.errors import ManifestError
+from asyncrl.hosts import HostRecord, announce, share
 from asyncrl.manifest import Manifest, load_manifest, resolve_run_dir
 from asyncrl.runreport import RunReport
 from asyncrl.store_registry import LaunchKeys, StoreClient, StoreError, free_ports, node_address
@@ -62,6 +66,8 @@ _AGENTS = "agent.sock"
 """Under this name, which no role can have, each node publishes its agent's status endpoint."""
 _TRACES = "trace.sink"
 """Under this name node 0 of a traced launch publishes where the others send their traces."""
+_HOSTS = "host.id"
+"""Under this name each node publishes its ``asyncrl.hosts.HostRecord`` (JSON)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ class _Attempt:
     restart: str = ""  # why this node leaves for a new attempt (another node restarted, died)
     trace: bool = False  # --trace: record, and gather every node's trace on node 0
     sink: str = ""  # where node 0 takes the traces (bound there, sent to elsewhere)
+    hosts: dict[int, HostRecord] = field(default_factory=dict)  # every node's, by rank
 
     @property
     def node(self) -> int:
@@ -261,7 +268,10 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
     sink = a.trace and a.node == 0
     ports = free_ports(bind_host, len(mine) + 1 + sink)
     agent = ports[len(mine)]
-    published: dict[str, dict[str, str]] = {_AGENTS: {str(a.node): f"tcp://{host}:{agent}"}}
+    published: dict[str, dict[str, str]] = {
+        _AGENTS: {str(a.node): f"tcp://{host}:{agent}"},
+        _HOSTS: {str(a.node): msgspec.json.encode(announce(a.dir)).decode()},
+    }
     if sink:
         published[_TRACES] = {"0": f"tcp://{host}:{ports[-1]}"}
         a.sink = f"tcp://{bind_host}:{ports[-1]}"
@@ -276,6 +286,11 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         for name, replicas in json.loads(await a.store.get(key)).items():
             tcp.update({(name, int(i)): ep for i, ep in replicas.items()})
     agents = {node: tcp.pop((name, node)) for name, node in list(tcp) if name == _AGENTS}
+    a.hosts = {
+        node: msgspec.json.decode(tcp.pop((name, node)), type=HostRecord)
+        for name, node in list(tcp)
+        if name == _HOSTS
+    }
     sent_to = tcp.pop((_TRACES, 0), "")
     if a.node != 0:
         a.sink = sent_to
@@ -421,9 +436,9 @@ async def _gather_counts(a: _Attempt, report: RunReport, timeout_s: float) -> No
         counts = json.loads(said)
         if a.trace:
             _say(a.node, f"trace of node {key.rsplit('/', 1)[-1]}: {counts.get('trace', '-')}")
-        for field in ("restarts", "served"):
-            mine = getattr(report, field)
-            for role, n in counts[field].items():
+        for counted in ("restarts", "served"):
+            mine = getattr(report, counted)
+            for role, n in counts[counted].items():
                 mine[role] = mine.get(role, 0) + n
     with open(os.path.join(a.dir, "report.json"), "wb") as f:
         f.write(msgspec.json.format(msgspec.json.encode(report)))
@@ -474,6 +489,14 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         return EXIT_USAGE
     _write_launch(a)
     view = await _discover(a, args.join_timeout)
+    problem = share(a.node, a.dir, a.hosts)
+    if problem:
+        _say(env.node, problem)
+        said = _ended("failed", problem, env.node)
+        await store.set_once(keys.stop(attempt), said)
+        await store.set_once(keys.final, said)
+        await store.set(keys.done(attempt, env.node), json.dumps({"restarts": {}, "served": {}}))
+        return EXIT_USAGE
     _say(env.node, f"attempt {attempt}: {len(view.tcp)} replicas over {env.nodes} nodes; starting")
     sink = await _start_sink(a)
     try:

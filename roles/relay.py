@@ -23,8 +23,11 @@ therefore read the relay's store exactly as they read the learner's on the learn
   the new versions to this host, a poll later.
 - On the source's own host (the same ``asyncrl.transport.shm.host_id``), the relay copies
   nothing and writes nothing: the rollouts there read the learner's store itself, and ``sync``
-  only answers the source's version. A one-machine rehearsal of a multi-node run gives each
-  simulated node its own ``ASYNCRL_HOST_ID``, so that its relay really relays.
+  only answers the source's version. That holds for another node rank on the source's host too
+  (two ranks on one machine): the launch links that node's ``weights`` folder to the host's
+  first node's (``asyncrl.hosts``), so its rollouts find the learner's handle. A one-machine
+  rehearsal gives each simulated node its own ``ASYNCRL_HOST_ID`` to make its relay really
+  relay. One host without the source needs one relay: two would republish into one name.
 
 Endpoints: ``sync(None) -> int`` (latest-wins: the version held after pulling the newest) and
 ``status(None) -> RelayStatus`` (idempotent). The control-flow programs push to the relays
