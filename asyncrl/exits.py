@@ -7,7 +7,8 @@
   program finished. Expected during the run's own shutdown; otherwise it is treated like a
   crash: the driver restarts and its program resumes. It never reads as success.
 - ``EXIT_CONFIG`` (78, EX_CONFIG, in ``asyncrl.spec``): a configuration error; the run fails at
-  once.
+  once. Among them: a program or role class that does not import, a config the role rejects,
+  and an ``ImportError`` raised in a role's ``setup`` (``asyncrl.imports`` words its message).
 - anything else, or a signal: a crash, restarted within the process's budget.
 """
 

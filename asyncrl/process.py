@@ -12,7 +12,10 @@ seconds busy in its handlers, calls in flight, since when it runs, and the role'
 
 Start-up order matters: the inbox binds first, so heartbeats flow while the role restores its
 state in ``setup()``; credit is advertised only after ``setup()`` returns, so no work arrives
-before the role is ready.
+before the role is ready. An ``ImportError`` raised in ``setup()`` (a model library missing, or
+broken by companion packages built for another torch) is a configuration error: the process
+exits with ``EXIT_CONFIG`` and is not restarted (``asyncrl.imports`` says what to install or
+uninstall).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import msgspec
 from asyncrl import logs
 from asyncrl.errors import ConfigProblem
 from asyncrl.faults import FaultPlan
+from asyncrl.imports import broken_companions, import_problem, uninstall_advice
 from asyncrl.model_section import inherited_config
 from asyncrl.role import Role, RoleContext, endpoints_of
 from asyncrl.spec import EXIT_CONFIG, ProcessSpec, load_spec_from_env
@@ -183,9 +187,11 @@ def load_role_class(target: str) -> type[Role]:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
+            advice = uninstall_advice(broken_companions()) or (
+                "check the module path and that it is importable from the run's working directory"
+            )
             raise ConfigProblem(
-                f"class {target!r}: cannot import module {module_name!r}: {exc}; check the "
-                f"module path and that it is importable from the run's working directory"
+                f"class {target!r}: cannot import module {module_name!r}: {exc}; {advice}"
             ) from exc
         cls = getattr(module, attr, None)
         if cls is None:
@@ -270,7 +276,11 @@ async def serve_role(spec: ProcessSpec) -> None:
             Entry(spec.name, spec.replica, spec.endpoint, os.getpid(), spec.incarnation)
         )
         log.info("started", endpoint=spec.endpoint, tcp=spec.tcp_endpoint, cls=spec.target)
-        await role.setup()
+        try:
+            await role.setup()
+        except ImportError as exc:  # a module missing or broken here: restarting cannot help
+            where = f"roles.{spec.name}[{spec.replica}] (pid {os.getpid()}) setup"
+            raise ConfigProblem(import_problem(exc, where)) from exc
         ready.set()
         for server in servers:
             server.set_credit(spec.capacity)
