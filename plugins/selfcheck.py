@@ -1,10 +1,14 @@
 """``asyncrl selfcheck [--plugin NAME] [--json] [--layers ...]``: what works on this hardware.
 
 Runs each layer of the plugin contract and reports it on its own, so a vendor sees which one is
-broken: communication (each collective across 2 local processes), operators (fast against
-reference: max error, speed ratio), compilation (bucketed compile against eager), memory,
-checkpoints (written under one device and dtype, loaded under another) and end to end (a tiny
-behaviour-cloning run, then a tiny GRPO run). Prints a table, or with ``--json`` one object
+broken: first the environment (torch's companion packages ``torchvision``, ``torchaudio`` and
+``torchcodec`` each absent or loading against the installed torch: wheels built for another
+torch, as vLLM's CPU build pulls in, break transformers' model imports, and the layer says what
+to uninstall; ``asyncrl.imports``), then communication (each collective across 2 local
+processes), operators (fast against reference: max error, speed ratio), compilation (bucketed
+compile against eager), memory, checkpoints (written under one device and dtype, loaded under
+another) and end to end (a tiny behaviour-cloning run, then a tiny GRPO run). Prints a table,
+or with ``--json`` one object
 ``{"plugin", "layers": [{"name", "ok", "checks": [...]}], "ok"}``. Exit status: 0 when every
 layer passed, 1 when one failed, 2 when the plugin cannot run here (unknown, refused, or its
 device unavailable: each layer is then skipped with the reason).
@@ -13,6 +17,7 @@ device unavailable: each layer is then skipped with the reason).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +25,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import torch
 
+from asyncrl.imports import COMPANIONS, broken_companions, uninstall_advice
 from asyncrl.plugins import registry
 from asyncrl.plugins.contract import Plugin
 from asyncrl.plugins.errors import PluginError
@@ -72,7 +78,25 @@ def _communication(plugin: Plugin, device: torch.device) -> list[Check]:
     ]
 
 
+def environment(plugin: Plugin, device: torch.device) -> list[Check]:
+    """One check per companion package of torch (absent, or it imports), and when any is
+    broken a last check ``uninstall`` whose detail is the command that removes them."""
+    broken = broken_companions()
+    checks = []
+    for name in COMPANIONS:
+        if name in broken:
+            checks.append(Check(name, False, detail=f"does not import: {broken[name]}"))
+        elif importlib.util.find_spec(name) is None:
+            checks.append(Check(name, True, detail="not installed (asyncrl does not need it)"))
+        else:
+            checks.append(Check(name, True, detail="imports"))
+    if broken:
+        checks.append(Check("uninstall", False, detail=uninstall_advice(broken)))
+    return checks
+
+
 LAYERS: dict[str, Callable[[Plugin, torch.device], list[Check]]] = {
+    "environment": environment,
     "communication": _communication,
     "operators": operators,
     "compilation": compilation,
@@ -86,21 +110,30 @@ LAYERS: dict[str, Callable[[Plugin, torch.device], list[Check]]] = {
 def run(plugin: Plugin, layers: Sequence[str] = tuple(LAYERS)) -> Report:
     """Run ``layers`` of the self-check on ``plugin``; a layer that raises fails with the
     error as its one check."""
-    out = []
     if not plugin.device.available():
+        # The environment needs no device: it is checked all the same.
         why = f"{plugin.name}: no {plugin.device.kind} device available in this process"
-        out = [Layer(name, False, [], skipped=why) for name in layers]
+        out = [
+            _layer(name, plugin, torch.device("cpu"))
+            if name == "environment"
+            else Layer(name, False, [], skipped=why)
+            for name in layers
+        ]
         return Report(plugin.name, out, False)
     device = plugin.device.select(0)
-    for name in layers:
-        start = time.perf_counter()
-        try:
-            checks = LAYERS[name](plugin, device)
-        except Exception as exc:
-            checks = [Check(name, False, detail=f"{type(exc).__name__}: {exc}")]
-        ok = bool(checks) and all(c.ok for c in checks)
-        out.append(Layer(name, ok, checks, seconds=time.perf_counter() - start))
+    out = [_layer(name, plugin, device) for name in layers]
     return Report(plugin.name, out, all(layer.ok for layer in out))
+
+
+def _layer(name: str, plugin: Plugin, device: torch.device) -> Layer:
+    """Run one layer; one that raises fails with the error as its one check."""
+    start = time.perf_counter()
+    try:
+        checks = LAYERS[name](plugin, device)
+    except Exception as exc:
+        checks = [Check(name, False, detail=f"{type(exc).__name__}: {exc}")]
+    ok = bool(checks) and all(c.ok for c in checks)
+    return Layer(name, ok, checks, seconds=time.perf_counter() - start)
 
 
 def _cell(check: Check) -> tuple[str, str]:
