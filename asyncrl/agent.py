@@ -32,10 +32,23 @@ from asyncrl.spec import (
 )
 from asyncrl.status import AgentStatus
 from asyncrl.supervisor import ChildSpec, RunReport, Supervisor, format_report
-from asyncrl.transport import LocalRegistry, TransportError, load_keys
+from asyncrl.transport import LocalRegistry, TransportError, load_keys, use_curve
 from asyncrl.transport.control import CONTROL_SECRET_ENV
+from asyncrl.transport.curve import current as curve_in_use
 
-__all__ = ["CONFIG_ENV_MAX", "NodeView", "build_children", "run_manifest", "summary"]
+__all__ = [
+    "CONFIG_ENV_MAX",
+    "CURVE_KEYS_ENV",
+    "NodeView",
+    "build_children",
+    "run_manifest",
+    "summary",
+]
+
+CURVE_KEYS_ENV = "ASYNCRL_CURVE_KEYS"
+"""The run's Curve key folder, given to an external command that binds a tcp endpoint (on a node
+other than 0) in a run with ``security.curve_keys``: it serves with the folder's server key and
+admits its client key (docs/protocol.md#security)."""
 
 CONFIG_ENV_MAX = 16 * 1024
 """The largest ``config`` (as JSON, in bytes) a command role also gets in ``ASYNCRL_CONFIG``;
@@ -90,8 +103,9 @@ def build_children(
 
     Every process's ``groups`` hold each replica's endpoint as seen from this node: ipc for a
     replica of this node, tcp for one of another node. An external command binds one endpoint:
-    on node 0 its ipc one (the driver's node reaches it; it speaks no Curve, which tcp between
-    hosts needs), on another node its tcp one (reachable off one machine only without Curve).
+    on node 0 its ipc one (the driver's node reaches it), on another node its tcp one, and
+    there it is given the run's Curve key folder (``ASYNCRL_CURVE_KEYS``) when the run has one:
+    every tcp socket of the launch speaks Curve, its callers and its supervisor included.
     """
     view = view or NodeView()
     registry = LocalRegistry(run_dir)
@@ -228,6 +242,8 @@ def _role_launcher(
             )
             if len(config_json.encode()) <= CONFIG_ENV_MAX:
                 env["ASYNCRL_CONFIG"] = config_json
+            if endpoint.startswith("tcp://") and local.curve_keys:
+                env[CURVE_KEYS_ENV] = os.path.abspath(local.curve_keys)
             return argv, env
         spec = ProcessSpec(
             kind="role",
@@ -323,8 +339,10 @@ async def run_manifest(
     # Started before any other process, so that a SIGKILLed agent leaves nothing behind.
     janitor = Janitor.start(run, socket_dir, run_dir)
     loop = asyncio.get_running_loop()
+    curve_before = curve_in_use()
     try:
         children = build_children(manifest, run_dir, parent_pid=os.getpid(), view=view)
+        _supervise_over_curve(children, view or NodeView(), manifest, log)
         supervisor = _supervisor(children, run, run_dir, janitor, observer)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
@@ -344,6 +362,7 @@ async def run_manifest(
                 if side is not None:
                     side.cancel()
     finally:
+        use_curve(curve_before)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         removed = sweep_run(run, socket_dir, run_dir=run_dir)
@@ -352,6 +371,21 @@ async def run_manifest(
         janitor.finish()
     _write_report(run_dir, report)
     return report
+
+
+def _supervise_over_curve(
+    children: list[ChildSpec], view: NodeView, manifest: Manifest, log: Any
+) -> None:
+    """With Curve keys, the supervisor reaches an external command that binds tcp (on a node
+    other than 0) with them: the command serves only Curve clients. Keys that do not load are
+    logged; the processes then stop with the error that names the file."""
+    keys = view.curve_keys or manifest.security.curve_keys
+    if not keys or not any(c.endpoint.startswith("tcp://") for c in children):
+        return
+    try:
+        use_curve(load_keys(keys))
+    except TransportError as exc:
+        log.error("the supervisor cannot use the Curve keys", error=str(exc))
 
 
 def _write_report(run_dir: str, report: RunReport) -> None:

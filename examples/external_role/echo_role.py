@@ -1,8 +1,9 @@
 """An external asyncrl role in plain Python: only the standard library, pyzmq and msgpack.
 
 The supervisor starts it as a manifest ``command:`` with the ``ASYNCRL_*`` environment variables
-(see README.md next to this file). It binds a ROUTER on ``ASYNCRL_ENDPOINT`` and speaks the wire
-protocol of docs/protocol.md as a server:
+(see README.md next to this file). It binds a ROUTER on ``ASYNCRL_ENDPOINT`` (with CurveZMQ
+when ``ASYNCRL_CURVE_KEYS`` names the run's key folder) and speaks the wire protocol of
+docs/protocol.md as a server:
 
 - HANDSHAKE -> WELCOME (its Hello), then a CREDIT of ``ASYNCRL_CAPACITY`` slots;
 - PING -> PONG with the same id;
@@ -33,6 +34,8 @@ from typing import Any
 
 import msgpack
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 VERSION = 1
 HANDSHAKE, WELCOME, REQUEST, REPLY, ERROR, CREDIT, PING, PONG, STOP, RELEASE, MESSAGE = range(1, 12)
@@ -100,6 +103,7 @@ class Settings:
     run_dir: str
     config: dict[str, Any]
     capacity: int
+    curve: CurveKeys | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Settings:
@@ -125,6 +129,7 @@ class Settings:
         capacity = _int_var(env, "ASYNCRL_CAPACITY", 1)
         if capacity < 1:
             raise ConfigError(f"ASYNCRL_CAPACITY must be at least 1, got {capacity}")
+        keys = env.get("ASYNCRL_CURVE_KEYS", "")
         return cls(
             endpoint=endpoint,
             role=env.get("ASYNCRL_ROLE", "echo"),
@@ -134,7 +139,37 @@ class Settings:
             run_dir=env.get("ASYNCRL_RUN_DIR", "."),
             config=config,
             capacity=capacity,
+            curve=CurveKeys.load(keys) if keys else None,
         )
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The run's Curve keys (``ASYNCRL_CURVE_KEYS``, a folder ``asyncrl keys generate`` wrote):
+    the server pair it serves with, and the client public keys it admits (the run's, and those
+    in ``authorized/``). The supervisor sets the variable when the endpoint is tcp in a run with
+    Curve on (a node other than 0): every tcp peer of the run then speaks Curve."""
+
+    public: bytes
+    secret: bytes
+    clients: frozenset[bytes]
+
+    @classmethod
+    def load(cls, folder: str) -> CurveKeys:
+        try:
+            public, secret = zmq.auth.load_certificate(os.path.join(folder, "server.key_secret"))
+            clients = {zmq.auth.load_certificate(os.path.join(folder, "client.key"))[0]}
+            if os.path.isdir(os.path.join(folder, "authorized")):
+                clients |= set(zmq.auth.load_certificates(os.path.join(folder, "authorized")))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"ASYNCRL_CURVE_KEYS {folder!r}: {exc}") from exc
+        if secret is None:
+            raise ConfigError(f"ASYNCRL_CURVE_KEYS {folder!r}: server.key_secret holds no secret")
+        return cls(public, secret, frozenset(clients))
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """pyzmq's ZAP credentials callback: admit the run's client keys only."""
+        return client_key in self.clients
 
 
 def _int_var(env: dict[str, str], name: str, default: int) -> int:
@@ -321,6 +356,7 @@ class Server:
         self.secret = os.environ.get("ASYNCRL_CONTROL_SECRET", "")
         self.controllers: set[bytes] = set()
         self.ctx = zmq.Context()
+        self.auth: ThreadAuthenticator | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -329,6 +365,17 @@ class Server:
 
     def bind(self) -> None:
         endpoint = self.settings.endpoint
+        keys = self.settings.curve
+        if keys is not None and endpoint.startswith("tcp://"):
+            # CURVE server (docs/protocol.md#security): its secret key, and a ZAP handler that
+            # refuses a client whose key is not the run's before any message reaches us.
+            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve_callback(domain="asyncrl", credentials_provider=keys)
+            self.sock.curve_secretkey = keys.secret
+            self.sock.curve_publickey = keys.public
+            self.sock.curve_server = True
+            self.sock.zap_domain = b"asyncrl"
         if endpoint.startswith("ipc://"):
             # The supervisor's socket directory may not exist yet. zmq replaces a socket file left
             # by a dead incarnation, so a restarted process binds the same path again.
@@ -337,6 +384,8 @@ class Server:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
 
     # The signal handler only records the signal. The wakeup fd wakes the poll below; a flag
