@@ -436,3 +436,23 @@ def test_the_qwen_example_is_a_tiny_qwen2_that_fits_its_tokenizer() -> None:
     auto: Any = AutoModelForCausalLM  # its class methods are untyped
     params = sum(p.numel() for p in auto.from_config(config).parameters())
     assert 5e5 < params < 2e6
+
+
+def test_the_gpu_recipe_in_the_readme_is_a_valid_manifest() -> None:
+    """The README's GPU command: the same manifest loads with its overrides, the checkpoint in
+    place of the config, for every role, and the program's tokenizer the checkpoint's."""
+    import re
+    import shlex
+
+    with open(os.path.join(ROOT, "examples", "qwen", "README.md")) as f:
+        blocks = re.findall(r"```sh\n(.*?)```", f.read(), re.S)
+    (command,) = [b for b in blocks if "model.path=" in b]
+    words = shlex.split(command.replace("\\\n", " "))
+    assert words[:3] == ["asyncrl", "run", "examples/qwen/bc_grpo.yaml"]
+    overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    manifest = load_manifest(os.path.join(ROOT, words[2]), overrides)
+    checkpoint = "Qwen/Qwen2.5-0.5B-Instruct"
+    assert (manifest.model.path, manifest.model.config) == (checkpoint, {})
+    assert manifest.model.tokenizer == manifest.run.config["tokenizer"] == checkpoint
+    assert manifest.run.env["ASYNCRL_PLUGIN"] == "cuda"
+    assert {manifest.roles[r].placement.device for r in ("rollout", "learner")} == {"cuda:0"}
