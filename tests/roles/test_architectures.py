@@ -35,6 +35,19 @@ ARCHS = ["qwen2", "qwen3", "llama"]
 TOKENIZERS = {"qwen": "examples/qwen/tokenizer", "llama": "examples/qwen/llama3_tokenizer"}
 FAMILY = {"qwen2": "qwen", "qwen3": "qwen", "llama": "llama"}
 
+LLAMA3_ROPE: dict[str, Any] = {
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+}
+"""Llama-3.1's RoPE (theta 500k, frequencies rescaled by wavelength), with an original context
+short enough that the rescaling changes some of the tiny model's frequencies."""
+
 CHAT = {
     "qwen": "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
     "assistant.<|im_end|>\n<|im_start|>user\n07+45=<|im_end|>\n<|im_start|>assistant\n",
@@ -77,6 +90,8 @@ def model_config(arch: str, tied: bool) -> dict[str, Any]:
     }
     if arch == "qwen3":
         config["head_dim"] = 16
+    if arch == "llama":
+        config.update(LLAMA3_ROPE)
     return config
 
 

@@ -381,6 +381,15 @@ def architecture(name: str) -> dict[str, Any]:
     }
     if arch == "qwen3":
         config["head_dim"] = 32
+    if arch == "llama":  # Llama-3.1's RoPE, its rescaling reaching the tiny model's frequencies
+        config["rope_theta"] = 500000.0
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
     return config
 
 
