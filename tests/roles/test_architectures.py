@@ -124,7 +124,7 @@ def grpo_batch(samples: list[Sample]) -> TrainBatch:
 
 def unstarted_learner(tmp_path: Any, arch: str, tied: bool, **config: Any) -> Learner:
     """A learner of ``arch`` (not set up), with its family's tokenizer for export, not durable
-    (no checkpoint per step)."""
+    (no checkpoint per step), publishing no weights unless ``publish_weights`` says so."""
     ctx = RoleContext.local(
         config={
             "model_config": model_config(arch, tied),
@@ -132,6 +132,7 @@ def unstarted_learner(tmp_path: Any, arch: str, tied: bool, **config: Any) -> Le
             "pad_id": tokenizer(FAMILY[arch]).pad_token_id,
             "seed": 1,
             "durable": False,
+            "publish_weights": False,
             **config,
         },
         run_dir=str(tmp_path),
@@ -234,7 +235,7 @@ def test_behaviour_logprobs_weights_and_reference_agree(
     the learner does."""
 
     async def go() -> None:
-        learner = unstarted_learner(tmp_path, arch, tied, lr=0.01)
+        learner = unstarted_learner(tmp_path, arch, tied, lr=0.01, publish_weights=True)
         await learner.setup()
         assert tied_in(learner.model) == tied
         assert learner.model.config.num_key_value_heads < learner.model.config.num_attention_heads
