@@ -11,7 +11,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -118,6 +118,7 @@ class WeightStore:
             (W_PID, self.pid),
         ):
             header[word] = value
+        self._index = {spec.name: i for i, spec in enumerate(specs)}
         self._current = -1
         self._latest = NO_VERSION
         self._lock = threading.Lock()
@@ -159,6 +160,20 @@ class WeightStore:
             if spec.name in state_dict:
                 problems += check_tensor(spec.name, state_dict[spec.name], spec, "state_dict")
         raise_problems("state_dict", problems)
+        self.publish_buckets([state_dict], version)
+
+    def publish_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """Publish ``version`` from ``buckets``, each a part of the state dict, written into
+        the free slot as it arrives: a sharded learner gathers one bucket at a time, so no
+        second full copy of the model is ever held. The slot becomes current only once every
+        name was written exactly once; readers meanwhile keep reading the other slot.
+
+        Raises:
+            ValueError: a bucket holds a name the template lacks, a name twice, or a tensor of
+                another dtype or shape (the slot is then left unpublished); names the buckets
+                never gave; or the version does not increase.
+            ClosedError: the store was closed.
+        """
         with self._lock:
             if self._map is None:
                 raise ClosedError(
@@ -169,26 +184,42 @@ class WeightStore:
                     f"version {version} does not increase: {self._name} already holds version "
                     f"{self._latest}; versions are >= 0 and grow with every publish"
                 )
-            self._write(self._map, state_dict, version)
+            self._write(self._map, buckets, version)
 
     def _write(
-        self, mapping: SegmentMap, state_dict: Mapping[str, torch.Tensor], version: int
+        self,
+        mapping: SegmentMap,
+        buckets: Iterable[Mapping[str, torch.Tensor]],
+        version: int,
     ) -> None:
         header = mapping.header
         slot = 0 if self._current < 0 else 1 - self._current
         seq = int(header[W_SEQ[slot]])
         header[W_SEQ[slot]] = seq + 1  # odd: slot is being written
         fence()  # the odd sequence before any data
+        index_of = self._index
+        written: set[int] = set()
         try:
-            for index, (spec, dst) in enumerate(
-                zip(self._handle.tensors, mapping.slots[slot], strict=True)
-            ):
-                if spec.nbytes:
-                    src = state_dict[spec.name]
-                    if src.device.type != "cpu":
-                        src = src.to("cpu")
-                    np.copyto(dst, byte_view(src))
-                self._after_tensor(slot, index)
+            for bucket in buckets:
+                problems = []
+                for name, src in bucket.items():
+                    index = index_of.get(name)
+                    if index is None or index in written:
+                        problems.append(f"{name}: {'unknown' if index is None else 'given twice'}")
+                        continue
+                    spec = self._handle.tensors[index]
+                    problems += check_tensor(name, src, spec, "bucket")
+                    if problems:
+                        continue
+                    if spec.nbytes:
+                        if src.device.type != "cpu":
+                            src = src.to("cpu")
+                        np.copyto(mapping.slots[slot][index], byte_view(src))
+                    written.add(index)
+                    self._after_tensor(slot, index)
+                raise_problems("bucket", problems)
+            missing = [s.name for i, s in enumerate(self._handle.tensors) if i not in written]
+            raise_problems("buckets", [f"{name}: never given" for name in missing])
         except BaseException:
             # Keep the sequence's parity: the slot is even again but CURRENT never points at
             # it, so no reader is sent to its half-written bytes, and one that was copying it

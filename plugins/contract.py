@@ -24,6 +24,7 @@ __all__ = [
     "Operators",
     "Plugin",
     "Profiler",
+    "Sharding",
 ]
 
 
@@ -223,6 +224,22 @@ class Profiler(Protocol):
 
     def events(self) -> Iterator[dict[str, Any]]:
         """The recorded events, oldest first."""
+        ...
+
+
+@runtime_checkable
+class Sharding(Protocol):
+    """What a sharded learner (FSDP2) needs of the hardware: an optional part of a plugin.
+    A plugin without one gets ``asyncrl.plugins.sharding.TorchSharding`` for its device kind
+    (``asyncrl.plugins.registry.sharding_for``)."""
+
+    def mesh(self, world: int) -> Any:
+        """The 1-D ``DeviceMesh`` of the default process group's ``world`` ranks."""
+        ...
+
+    def mixed_precision(self, storage: torch.dtype) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` for parameters kept in ``storage``, or None to
+        compute in ``storage`` itself."""
         ...
 
 

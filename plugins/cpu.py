@@ -25,6 +25,7 @@ from asyncrl.plugins.collectives import TorchCommunication
 from asyncrl.plugins.compiling import BucketCompiler
 from asyncrl.plugins.contract import MemoryStats
 from asyncrl.plugins.profiling import TraceProfiler
+from asyncrl.plugins.sharding import TorchSharding
 from asyncrl.plugins.torch_ops import FastOps, ReferenceOps
 
 __all__ = ["CpuDevice", "CpuPlugin", "check_fraction", "host_memory", "plugin"]
@@ -228,6 +229,7 @@ class CpuPlugin:
         self.reference_ops = ReferenceOps()
         self.compiler = BucketCompiler("inductor")
         self.profiler = TraceProfiler()
+        self.sharding = TorchSharding("cpu")
 
 
 def plugin() -> CpuPlugin:

@@ -15,6 +15,7 @@ from asyncrl.plugins.compiling import BucketCompiler
 from asyncrl.plugins.contract import MemoryStats
 from asyncrl.plugins.cpu import check_fraction
 from asyncrl.plugins.profiling import TraceProfiler
+from asyncrl.plugins.sharding import TorchSharding
 from asyncrl.plugins.torch_ops import FastOps, ReferenceOps
 
 __all__ = ["CudaDevice", "CudaPlugin", "plugin"]
@@ -96,6 +97,7 @@ class CudaPlugin:
         self.reference_ops = ReferenceOps()
         self.compiler = BucketCompiler("inductor")
         self.profiler = TraceProfiler(self._sync)
+        self.sharding = TorchSharding("cuda", torch.bfloat16)
 
     def _sync(self) -> None:
         if self.device.available():

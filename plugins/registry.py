@@ -30,6 +30,7 @@ from asyncrl.plugins.contract import (
     Operators,
     Plugin,
     Profiler,
+    Sharding,
 )
 from asyncrl.plugins.errors import PluginError
 
@@ -44,6 +45,7 @@ __all__ = [
     "dtype_for",
     "load",
     "registered",
+    "sharding_for",
 ]
 
 GROUP = "asyncrl.plugins"
@@ -196,3 +198,15 @@ def dtype_for(name: str, device: torch.device, plugin: Plugin | None = None) -> 
         return DTYPES[name]
     plugin = current() if plugin is None else plugin
     return plugin.dtype if device.type == plugin.device.kind else torch.float32
+
+
+def sharding_for(plugin: Plugin | None = None) -> Sharding:
+    """The plugin's ``sharding`` part (mesh and mixed precision of a sharded learner), or
+    ``TorchSharding`` for its device kind when it has none: the part is optional."""
+    from asyncrl.plugins.sharding import TorchSharding
+
+    plugin = current() if plugin is None else plugin
+    own = getattr(plugin, "sharding", None)
+    if isinstance(own, Sharding):
+        return own
+    return TorchSharding(plugin.device.kind)

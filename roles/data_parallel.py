@@ -444,18 +444,23 @@ def join_role(
 
 def check_restored(
     dp: DataParallel,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     step: int,
     version: int,
     consumed: set[tuple[str, int]],
 ) -> None:
-    """Raise unless every rank restored the same step, version, ledger and weights.
+    """Raise unless every rank restored the same step, version, ledger and weights (``model``
+    None: sharded ranks, each holding other shards, compare all but the weights).
 
     Raises:
         DataParallelError: they differ (each rank's values are listed).
     """
-    values = [step, version, fingerprint(sorted(consumed)), state_checksum(model)]
-    dp.check_same("the restored state", values, ["step", "version", "ledger", "weights"])
+    values = [step, version, fingerprint(sorted(consumed))]
+    labels = ["step", "version", "ledger"]
+    if model is not None:
+        values.append(state_checksum(model))
+        labels.append("weights")
+    dp.check_same("the restored state", values, labels)
 
 
 def share_out(samples: Sequence[Scored], dp: DataParallel | None) -> tuple[list[list[int]], int]:

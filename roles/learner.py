@@ -14,33 +14,17 @@ on twice. The conventions (GRPO's std, a group of one, the log-ratio clamp, ``no
 whitening, the KL penalty in the reward, decoupled PPO's proximal policy, sequence-level
 importance ratios) are in docs/algorithms.md.
 
-**A step it acknowledged is never lost** (``durable: true``, the default). Before ``train_step``
-replies, the step is on disk: its line in the step log (``RUN_DIR/ledger/<role>.<replica>.steps
-.jsonl``: step, version, the ids it consumed; fsynced) and then a checkpoint. A learner killed at
-any point restarts at its last acknowledged step, or at the step it finished but could not
-acknowledge; a caller that lost the reply re-sends the batch with the same ``TrainBatch.id``
-and gets that step's result back instead of a second step. So nothing that saw a version (the
-pacer, rollout weights, the program's counters) ever has to roll back. This costs one checkpoint
-per step, cheap for small models; with ``durable: false`` checkpoints follow ``checkpoint_every``
-and a restart loses the steps after the last one, which the program sees as a version that went
-back (``asyncrl.pacing.Pacer.advance`` fails the run rather than stall it).
+**Durable** (``durable: true``, the default): before ``train_step`` replies, the step's line in
+the step log and a checkpoint are on disk, so a restarted learner resumes at its last acknowledged
+step and a re-sent ``TrainBatch.id`` gets that step's result back (docs/reliability.md). ``export``
+writes only inside the run directory or the ``write_paths`` the manifest allows.
 
-Checkpoints (``asyncrl.roles.checkpoints``) hold the model, the optimizer and scheduler, every
-RNG, the policy version, the step, the last step's result and whatever the program asks to keep
-with them (its resume state). The ledger is the step log, read back up to the checkpoint's step.
-``setup`` resumes from the latest checkpoint, exactly.
-
-Endpoints that write files (``export``) write only inside the run directory, or under the
-``write_paths`` the manifest allows.
-
-**Data-parallel replicas** (``replicas: K`` with ``supervision.strategy: one_for_all``) form
-one torch.distributed group (``asyncrl.roles.data_parallel``): each rank gets the whole batch,
-trains on its token-balanced share of each mini-batch, and the gradients are summed over the ranks
-before each optimizer step, so their parameters stay bit-identical and the step is the one a
-single learner takes on the whole batch. Replica 0 alone publishes weights; each rank keeps its
-own step log and checkpoints (ranks may sit on hosts that share no disk), and on a restart they
-agree on the newest checkpoint all of them hold. ``LearnerClient`` broadcasts ``train_step`` and
-``checkpoint`` to every replica.
+**Replicas** (``replicas: K``, ``supervision.strategy: one_for_all``) form one torch.distributed
+group: each rank gets the whole batch and trains its token-balanced share of each mini-batch.
+They either replicate the model and all-reduce gradients (``asyncrl.roles.data_parallel``) or,
+with ``parallel: fsdp``, shard it (``asyncrl.roles.sharding``, docs/sharding.md); either way the
+step is the one a single learner takes on the whole batch. Each rank keeps its own step log and
+checkpoints; replica 0 publishes the weights (``asyncrl.roles.learner_weights``).
 
 Log-probs are computed with left padding and position ids derived from the attention mask, the
 same convention as the rollout engine (``asyncrl.roles.batching``), so the learner's recompute
@@ -61,7 +45,7 @@ import torch
 from asyncrl.faults import FaultPlan
 from asyncrl.pacing import percentiles, staleness
 from asyncrl.plugins.registry import current as current_plugin
-from asyncrl.plugins.registry import device_for, dtype_for
+from asyncrl.plugins.registry import device_for, dtype_for, sharding_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.batching import (
@@ -88,20 +72,27 @@ from asyncrl.roles.data_parallel import (
 from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.learner_export import export_pretrained, writable
+from asyncrl.roles.learner_weights import PublishedWeights
 from asyncrl.roles.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.objective import (
     Forward,
     MicroBatch,
     Objective,
     batch_advantages,
+    batch_objective,
     bc_coef,
     nll,
-    objective_for,
 )
 from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.rollout import WeightsUpdate
+from asyncrl.roles.sharding import (
+    full_tensor,
+    keep_pace,
+    load_training_state,
+    shard,
+    training_state,
+)
 from asyncrl.trace import traced
-from asyncrl.weights import WeightStore, handle_path, write_handle
 
 __all__ = [
     "Learner",
@@ -161,6 +152,8 @@ class Learner(Role):
                 join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.model
             )
             keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
+            if self.sharded:
+                await self.ctx.offload(self._shard)
         self.checkpoints = CheckpointDir(self.ctx.path("checkpoints"), keep, self.faults)
         self.step_log = StepLog(
             os.path.join(
@@ -176,12 +169,24 @@ class Learner(Role):
         await self.ctx.offload(self._read_step_log)
         if self.dp is not None:
             await self.ctx.offload(
-                check_restored, self.dp, self.model, self.step, self.version, self.consumed
+                check_restored,
+                self.dp,
+                None if self.sharded else self.model,
+                self.step,
+                self.version,
+                self.consumed,
             )
-        self.store: WeightStore | None = None
-        # One rank publishes: the ranks' weights are the same, bit for bit.
-        if cfg.publish_weights and self.ctx.replica == 0:
-            await self.ctx.offload(self._open_store)
+        # One rank publishes: the ranks' weights are the same, bit for bit (sharded ranks
+        # gather each bucket together, and the first writes it).
+        self.published = PublishedWeights(
+            self.ctx,
+            self.model,
+            dtype=self.dtype,
+            sharded=self.sharded,
+            bucket_bytes=cfg.bucket_mib * 2**20,
+            enabled=cfg.publish_weights,
+        )
+        await self.ctx.offload(self.published.open, self.template, self.version)
 
     def _build(self) -> None:
         cfg = self.config
@@ -191,29 +196,47 @@ class Learner(Role):
         self.device = device_for(self.ctx.device, self.plugin)
         # Before the model lands on a device it may share: the placement's memory share.
         self.share = DeviceShare.for_role(self.ctx, self.device, self.plugin)
+        # The dtype weights are computed and published in.
         self.dtype = dtype_for(cfg.dtype, self.device, self.plugin)
+        self.sharded = cfg.parallel == "fsdp" and self.ctx.replicas > 1
+        # Sharded ranks keep float32 parameters unless the config names a dtype, and compute
+        # in the plugin's precision (its mixed-precision policy: bf16 with float32 reduction).
+        storage = torch.float32 if self.sharded and not cfg.dtype else self.dtype
         self.plugin.device.manual_seed(cfg.seed)
         # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
         # differ from its behaviour log-probs under the very same weights.
         model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
-        self.model = model.to(device=self.device, dtype=self.dtype).train(cfg.dropout)
+        self.model = model.to(device=self.device, dtype=storage).train(cfg.dropout)
+        # The published tensors' names, dtypes and shapes, whole (sharding splits them).
+        self.template = {
+            name: torch.empty(
+                t.shape, dtype=self.dtype if t.is_floating_point() else t.dtype, device="meta"
+            )
+            for name, t in self.model.state_dict().items()
+        }
+        self._make_optimizer()
+
+    def _make_optimizer(self) -> None:
+        cfg = self.config
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
-    def _open_store(self) -> None:
-        # Rollout replicas on this host read the weights from shared memory (a seqlock store);
-        # the handle in the run directory lets a restarted one find them.
-        self.store = WeightStore(
-            self.model.state_dict(), run=self.ctx.run, incarnation=self.ctx.incarnation
+    def _shard(self) -> None:
+        """FSDP2 over the data-parallel group (``asyncrl.roles.sharding``); the optimizer is
+        made again over the sharded parameters."""
+        assert self.dp is not None
+        shard(
+            self.model,
+            sharding_for(self.plugin),
+            self.dp.world,
+            activation_checkpointing=self.config.activation_checkpointing,
         )
-        self.store.publish(self.model.state_dict(), self.version)
-        write_handle(handle_path(self.ctx.run_dir, self.ctx.name), self.store.describe())
+        self._make_optimizer()
 
     async def teardown(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        self.published.close()
         if self.dp is not None:
             await self.ctx.offload(self.dp.close)
 
@@ -246,11 +269,19 @@ class Learner(Role):
         return await self.ctx.offload(traced("weight copy", self._weights))
 
     def _weights(self) -> WeightsUpdate:
+        if self.sharded:
+            return WeightsUpdate(*self.published.read())
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return WeightsUpdate(self.version, state)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        if self.sharded:
+            # Every forward pass of a sharded model is a collective of all its ranks.
+            raise ValueError(
+                f"{self.ctx.name}: a sharded learner (parallel: fsdp) does not serve logprobs: "
+                f"a forward pass needs every rank; compute them with a reference role"
+            )
         return await self.ctx.offload(self._logprobs, samples)
 
     @endpoint(Delivery.ONCE)
@@ -313,7 +344,7 @@ class Learner(Role):
             result = msgspec.convert(self.last["result"], StepResult)
             result.replayed = True
             return result
-        objective = self._objective(batch)
+        objective = batch_objective(self.config, batch, self.ctx.name)
         if self.dp is not None:
             ids = [(s.sample.prompt_id, s.sample.sample_index) for s in batch.samples]
             self.dp.check_same(
@@ -359,35 +390,10 @@ class Learner(Role):
                 # No rank publishes nor replies before every rank has the step on disk.
                 self.dp.barrier("the step's checkpoint on every rank")
             self.faults.at("after_checkpoint")
-            if self.store is not None:
-                traced("weight publish", self.store.publish)(self.model.state_dict(), self.version)
+            traced("weight publish", self.published.publish)(self.version)
             if self.share is not None:  # placement.release_when_idle: the cache goes back
                 self.share.idle()
         return result
-
-    def _objective(self, batch: TrainBatch) -> Objective:
-        """The batch's objective (``objective.objective_for``), once its algorithm is known to
-        suit this learner.
-
-        Raises:
-            ValueError: an unknown algorithm or correction, or fewer samples than
-                ``mini_batches``.
-        """
-        cfg = self.config
-        algorithm = batch.algorithm or cfg.algorithm
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"{self.ctx.name}: unknown algorithm {algorithm!r} in TrainBatch.algorithm; "
-                f"expected one of {ALGORITHMS} (empty for the configured one)"
-            )
-        objective = objective_for(cfg, algorithm, batch.correction, batch.importance_cap)
-        if objective.algorithm.rl and 0 < len(batch.samples) < cfg.mini_batches:
-            raise ValueError(
-                f"{self.ctx.name}: a batch of {len(batch.samples)} samples cannot be split into "
-                f"mini_batches={cfg.mini_batches}; send batches of at least {cfg.mini_batches} "
-                f"samples or lower roles.{self.ctx.name}.config.mini_batches"
-            )
-        return objective
 
     def _train(
         self, objective: Objective, fresh: list[Scored], batch: TrainBatch
@@ -435,8 +441,16 @@ class Learner(Role):
         shares, rank = share_out(samples, self.dp)
         mine = [samples[i] for i in shares[rank]]
         out: list[list[float]] = []
-        for chunk in micro_batches(mine, self.config.micro_batch_tokens) if mine else []:
+        chunks = micro_batches(mine, self.config.micro_batch_tokens) if mine else []
+        for chunk in chunks:
             out += self._logprobs([mine[i].sample for i in chunk])
+        if self.sharded:
+            assert self.dp is not None
+            with torch.no_grad():
+                budget, pad = self.config.micro_batch_tokens, self.config.pad_id
+                keep_pace(
+                    self.model, samples, self.dp, budget, len(chunks), pad_id=pad, backward=False
+                )
         if self.dp is None:
             return out
         return self.dp.gather_rows(out, shares, [len(s.sample.token_ids) for s in samples])
@@ -472,11 +486,23 @@ class Learner(Role):
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
-        if self.dp is None or self.dp.rank == 0:  # once: the reduction sums the ranks' grads
+        if self.sharded:
+            assert self.dp is not None
+            budget = cfg.micro_batch_tokens
+            keep_pace(
+                self.model, samples, self.dp, budget, len(chunks), pad_id=cfg.pad_id, backward=True
+            )
+            # Every rank runs the BC term's passes (collectives), each a 1/world share of it.
+            bc = self._bc_term(demos, 1.0 / self.dp.world)
+            if self.dp.rank == 0:
+                sums.update(bc)
+        elif self.dp is None or self.dp.rank == 0:  # once: the reduction sums the ranks' grads
             sums.update(self._bc_term(demos))
-        if self.dp is not None:
+        if self.dp is not None and not self.sharded:  # sharded: FSDP reduce-scatters them
             self.dp.all_reduce_grads(self.model.parameters())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        grad_norm = full_tensor(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        )
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
@@ -504,9 +530,9 @@ class Learner(Role):
         )
         return objective(MicroBatch(samples, advantages, proximal, forward))
 
-    def _bc_term(self, demos: list[Sample]) -> dict[str, float]:
+    def _bc_term(self, demos: list[Sample], share: float = 1.0) -> dict[str, float]:
         """Backpropagate the optional BC term over the batch's demonstrations, once per
-        optimizer step."""
+        optimizer step (``share`` of it: each sharded rank backpropagates its part)."""
         coef = self._bc_coef()
         if not (coef and demos):
             return {}
@@ -514,15 +540,16 @@ class Learner(Role):
             [d.prompt_ids for d in demos], [d.token_ids for d in demos]
         )
         loss = nll(self.config, demo_logp, demo_target)
-        (coef * loss).backward()  # type: ignore[no-untyped-call]
+        (coef * share * loss).backward()  # type: ignore[no-untyped-call]
         return {"bc_nll": float(loss.detach())}
 
     # -- durable state ----------------------------------------------------------------------
 
     def _save(self) -> str:
+        # A sharded rank saves its own shards: ranks need no shared disk.
+        world = self.dp.world if self.sharded and self.dp is not None else None
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **training_state(self.model, self.optimizer, world),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "step": self.step,
@@ -534,8 +561,8 @@ class Learner(Role):
 
     def _load(self, path: str) -> None:
         state = CheckpointDir.load(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        world = self.dp.world if self.sharded and self.dp is not None else None
+        load_training_state(self.model, self.optimizer, state, world)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         self.step = state["step"]
@@ -567,4 +594,7 @@ class Learner(Role):
 
     def _export(self, path: str) -> str:
         where = writable(path, self.ctx.name, self.ctx.run_dir, self.config.write_paths)
+        if self.sharded:
+            model = self.published.whole_model()
+            return export_pretrained(model, where, self.config.tokenizer_path)
         return export_pretrained(self.model, where, self.config.tokenizer_path)

@@ -87,6 +87,13 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             published in it.
         dist_timeout_s: the longest data-parallel replicas wait for each other, to form
             their group or in a collective, before failing with a ``DataParallelError``.
+        parallel: how ``replicas`` > 1 share the model: ``replicate`` (each rank holds all of
+            it and all-reduces gradients) or ``fsdp`` (FSDP2 shards parameters, gradients and
+            optimizer state over the ranks: docs/sharding.md). One replica: no effect.
+        activation_checkpointing: with ``fsdp``, recompute each block's activations in the
+            backward pass instead of keeping them (less memory, about a third more compute).
+        bucket_mib: with ``fsdp``, the most MiB of full tensors gathered at once to publish
+            or export weights: no rank holds more than this beyond its shards.
     """
 
     model_path: str = ""
@@ -132,11 +139,15 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     dist_backend: str = ""
     dtype: Literal["", "float32", "float64", "bfloat16", "float16"] = ""
     dist_timeout_s: float = 300.0
+    parallel: Literal["replicate", "fsdp"] = "replicate"
+    activation_checkpointing: bool = False
+    bucket_mib: int = 256
 
     def __post_init__(self) -> None:
         check_norm_len(self.aggregation, self.norm_len)
         _check_at_least_one("ppo_epochs", self.ppo_epochs)
         _check_at_least_one("mini_batches", self.mini_batches)
+        _check_at_least_one("bucket_mib", self.bucket_mib)
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s: expected a number > 0, got {self.dist_timeout_s!r}")
 

@@ -37,7 +37,7 @@ from asyncrl.roles import algorithms as alg
 from asyncrl.roles.batching import aligned, batch_moments, gae_targets
 from asyncrl.roles.groups import grouped_advantages
 from asyncrl.roles.learner_config import LearnerConfig
-from asyncrl.roles.payloads import Scored
+from asyncrl.roles.payloads import Scored, TrainBatch
 
 __all__ = [
     "ALGORITHMS",
@@ -50,6 +50,7 @@ __all__ = [
     "PolicyLoss",
     "Term",
     "batch_advantages",
+    "batch_objective",
     "bc_coef",
     "nll",
     "objective_for",
@@ -473,3 +474,27 @@ def bc_coef(cfg: LearnerConfig, step: int) -> float:
     if not coef or not cfg.bc_anneal_steps:
         return coef
     return coef * max(0.0, 1.0 - step / int(cfg.bc_anneal_steps))
+
+
+def batch_objective(cfg: LearnerConfig, batch: TrainBatch, role: str) -> Objective:
+    """``batch``'s objective (``objective_for``), once its algorithm is known to suit the
+    learner ``role`` configured by ``cfg``.
+
+    Raises:
+        ValueError: an unknown algorithm or correction, or fewer samples than
+            ``mini_batches``.
+    """
+    algorithm = batch.algorithm or cfg.algorithm
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"{role}: unknown algorithm {algorithm!r} in TrainBatch.algorithm; "
+            f"expected one of {tuple(ALGORITHMS)} (empty for the configured one)"
+        )
+    objective = objective_for(cfg, algorithm, batch.correction, batch.importance_cap)
+    if objective.algorithm.rl and 0 < len(batch.samples) < cfg.mini_batches:
+        raise ValueError(
+            f"{role}: a batch of {len(batch.samples)} samples cannot be split into "
+            f"mini_batches={cfg.mini_batches}; send batches of at least {cfg.mini_batches} "
+            f"samples or lower roles.{role}.config.mini_batches"
+        )
+    return objective

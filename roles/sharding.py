@@ -1,0 +1,288 @@
+"""Sharded learners: the K replicas of a learner with ``parallel: fsdp`` shard its parameters,
+gradients and optimizer state over their group with FSDP2 (``fully_shard``).
+
+The group is the data-parallel one (``asyncrl.roles.data_parallel``): every rank receives the
+whole batch, computes the advantages over it identically and trains its token-balanced share of
+each mini-batch. What changes is where the state lives and how gradients meet:
+
+- ``shard`` wraps each transformer block, then the whole model, on the mesh the hardware plugin
+  builds (``asyncrl.plugins.registry.sharding_for``: gloo on cpu, nccl on cuda), with the
+  plugin's mixed precision (bf16 compute with float32 reduction on cuda; none on cpu). Each rank
+  then holds ``1/K`` of every parameter, of its gradient and of AdamW's two moments.
+- Gradients are reduce-scattered as sums (``set_gradient_divide_factor(1)``), as the replicated
+  learner all-reduces them, so K ranks take the step one learner takes on the whole batch.
+- Every forward pass is a collective (each block gathers its parameters), so the ranks must run
+  the same number of passes: ``lockstep_passes`` says how many, and a rank with fewer
+  micro-batches runs ``idle_pass``, a forward and backward that adds nothing to any gradient.
+- A checkpoint holds each rank's own shards (``local_state``), so ranks need no shared disk;
+  ``load_local_state`` puts them back on a group of the same size.
+- Weights leave the group bucket by bucket (``full_buckets``): every rank gathers one bucket of
+  full tensors in lockstep, the publishing rank writes it into the weight store, and the bucket
+  is dropped before the next, so no rank ever holds a second full copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from asyncrl.roles.batching import micro_batches
+from asyncrl.roles.data_parallel import DataParallel, share_out
+from asyncrl.roles.payloads import Scored
+
+__all__ = [
+    "ShardingError",
+    "blocks",
+    "full_buckets",
+    "full_tensor",
+    "idle_pass",
+    "keep_pace",
+    "load_local_state",
+    "load_training_state",
+    "local_state",
+    "lockstep_passes",
+    "shard",
+    "training_state",
+]
+
+
+class ShardingError(ValueError):
+    """A sharded checkpoint that does not fit this group (another group size or model)."""
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated transformer blocks, each sharded as one unit: the modules whose
+    class the model names in ``_no_split_modules`` (every Hugging Face causal LM does), else
+    the children of its largest ``ModuleList``; [] for a model with neither."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if found:
+        return found
+    lists = [list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return max(lists, key=len) if lists else []
+
+
+def shard(
+    model: torch.nn.Module, sharding: Any, world: int, *, activation_checkpointing: bool = False
+) -> torch.nn.Module:
+    """Shard ``model`` in place over the ``world`` ranks of the default process group: each
+    block, then the root (its embeddings, final norm and head); gradients reduce as sums.
+
+    Args:
+        model: the model, identical on every rank, in its storage dtype.
+        sharding: the plugin's sharding part (``mesh``, ``mixed_precision``).
+        world: the group's size.
+        activation_checkpointing: recompute each block's activations in the backward pass
+            instead of keeping them (Hugging Face's gradient checkpointing, non-reentrant).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if activation_checkpointing:
+        enable: Any = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise ShardingError(
+                f"activation_checkpointing: {type(model).__name__} has no "
+                f"gradient_checkpointing_enable; turn activation_checkpointing off"
+            )
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = sharding.mesh(world)
+    storage = next(model.parameters()).dtype
+    options: dict[str, Any] = {"mesh": mesh}
+    policy = sharding.mixed_precision(storage)
+    if policy is not None:
+        options["mp_policy"] = policy
+    units = [*blocks(model), model]
+    for unit in units:
+        fully_shard(unit, **options)
+    # Sums, as the replicated learner's all-reduce: each rank weighs its micro-batches by the
+    # mini-batch's global aggregate already. The factor is each unit's own; plain SUM
+    # collectives, since gloo has no pre-multiplied sum (float32 would ask for one).
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a sharded (DTensor) parameter or gradient is gathered from every rank (a
+    collective: every rank calls it, in the same order); a plain tensor is itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def lockstep_passes(samples: Sequence[Scored], dp: DataParallel, budget: int) -> int:
+    """The most micro-batches any rank runs on ``samples`` (each rank's token share, cut into
+    micro-batches of at most ``budget`` tokens): computed alike on every rank, no collective."""
+    shares, _ = share_out(samples, dp)
+    return max(
+        (len(micro_batches([samples[i] for i in share], budget)) if share else 0)
+        for share in shares
+    )
+
+
+def idle_pass(model: torch.nn.Module, pad_id: int, *, backward: bool) -> None:
+    """A forward (and with ``backward``, a backward) pass on two padding tokens whose result is
+    multiplied by zero: it takes part in the blocks' collectives and adds nothing to any
+    gradient. A rank with fewer micro-batches than the others runs it to stay in lockstep."""
+    device = next(model.parameters()).device
+    ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+    logits = model(input_ids=ids).logits
+    if backward:
+        (logits.float().sum() * 0.0).backward()
+
+
+def keep_pace(
+    model: torch.nn.Module,
+    samples: Sequence[Scored],
+    dp: DataParallel,
+    budget: int,
+    done: int,
+    *,
+    pad_id: int,
+    backward: bool,
+) -> None:
+    """After this rank's ``done`` passes over its share of ``samples``, the ``idle_pass``es
+    that bring it to ``lockstep_passes``: as many passes as the busiest rank's."""
+    for _ in range(lockstep_passes(samples, dp, budget) - done):
+        idle_pass(model, pad_id, backward=backward)
+
+
+def _local(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def local_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int
+) -> dict[str, Any]:
+    """This rank's shards of the model and of the optimizer's state, as plain tensors (what a
+    sharded checkpoint holds), with the group size they belong to."""
+    model_state = {name: _local(t).detach() for name, t in model.state_dict().items()}
+    optim = optimizer.state_dict()
+    optim["state"] = {
+        index: {key: _local(value) for key, value in entry.items()}
+        for index, entry in optim["state"].items()
+    }
+    return {"model": model_state, "optimizer": optim, "world": world}
+
+
+def load_local_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], world: int
+) -> None:
+    """Put back what ``local_state`` saved on this rank, into a model sharded over a group of
+    the same size (and the optimizer over its parameters).
+
+    Raises:
+        ShardingError: the checkpoint was written by a group of another size, or its shards do
+            not fit this model's (another model or sharding).
+    """
+    from torch.distributed.tensor import DTensor
+
+    saved_world = int(state.get("world", 0))
+    if saved_world != world:
+        raise ShardingError(
+            f"this sharded checkpoint was written by {saved_world} ranks, and this group has "
+            f"{world}; restart with replicas: {saved_world}, or start a new run from an export"
+        )
+    saved = state["model"]
+    problems = []
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            local = _local(t)
+            if name not in saved or tuple(saved[name].shape) != tuple(local.shape):
+                got = tuple(saved[name].shape) if name in saved else "missing"
+                problems.append(f"{name}: shard {tuple(local.shape)}, checkpoint {got}")
+                continue
+            local.copy_(saved[name])
+    if problems:
+        raise ShardingError(
+            "the sharded checkpoint does not fit this model: " + "; ".join(problems[:5])
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optim = dict(state["optimizer"])
+    entries: dict[Any, Any] = {}
+    for index, entry in optim["state"].items():
+        p = params[int(index)]
+        entries[index] = {
+            key: DTensor.from_local(
+                value,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+            if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
+            else value
+            for key, value in entry.items()
+        }
+    optim["state"] = entries
+    optimizer.load_state_dict(optim)
+
+
+def full_buckets(
+    model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's whole state dict, one bucket at a time: each bucket's tensors (at most
+    ``bucket_bytes`` together, or one larger tensor alone) gathered from every rank, cast to
+    ``dtype`` when given, on the host. Every rank iterates it in lockstep (each gather is a
+    collective); names that share one tensor (tied embeddings) share one gather."""
+    state = model.state_dict()
+    order: list[tuple[str, torch.Tensor]] = list(state.items())
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def gather(items: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        done: dict[int, torch.Tensor] = {}
+        for name, t in items:
+            key = id(t)
+            if key not in done:
+                whole = full_tensor(t.detach())
+                if dtype is not None and whole.is_floating_point():
+                    whole = whole.to(dtype)
+                done[key] = whole.cpu()
+            out[name] = done[key]
+        return out
+
+    for name, t in order:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield gather(bucket)
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield gather(bucket)
+
+
+def training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int | None
+) -> dict[str, Any]:
+    """The model's and the optimizer's state for a checkpoint: whole (``world`` None: not
+    sharded), or this rank's shards of a group of ``world`` ranks (``local_state``)."""
+    if world is None:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    return local_state(model, optimizer, world)
+
+
+def load_training_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    world: int | None,
+) -> None:
+    """Put back what ``training_state`` saved.
+
+    Raises:
+        ShardingError: see ``load_local_state``.
+    """
+    if world is None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        load_local_state(model, optimizer, state, world)

@@ -1,0 +1,179 @@
+"""Sharded learners (``parallel: fsdp``): two ranks in two processes (gloo, a FileStore) shard
+the model with FSDP2 and take the step one learner takes on the whole batch, and the step two
+replicated ranks take; they checkpoint their own shards, resume from them, and publish whole
+weights bucket by bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrl.role import RoleContext
+from asyncrl.roles.learner import Learner
+from asyncrl.roles.sharding import blocks
+from tests.conftest import ROOT
+from tests.roles.test_data_parallel import CONFIG, batches
+
+# Demonstrations and a BC term too: the sharded ranks share it out.
+SHARDED = {**CONFIG, "parallel": "fsdp", "bucket_mib": 1, "bc_coef": 0.1}
+
+RANK_SCRIPT = """
+import asyncio, json, shutil, sys
+import torch
+torch.set_num_threads(1)
+from asyncrl.role import RoleContext
+from asyncrl.roles.learner import Learner
+from asyncrl.roles.sharding import full_buckets
+from asyncrl.weight_reader import WeightReader
+from tests.roles.test_sharding import SHARDED, with_demos
+
+rank, run_dir, out, parallel = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+
+def whole(learner):
+    buckets = full_buckets(learner.model, 2**20)
+    return {k: v.clone() for bucket in buckets for k, v in bucket.items()}
+
+async def main():
+    def learner(incarnation):
+        config = dict(SHARDED, parallel=parallel)
+        ctx = RoleContext.local(config=config, name="learner", replica=rank, replicas=2,
+                                run_dir=run_dir, incarnation=incarnation)
+        return Learner(ctx)
+    first = learner(0)
+    await first.setup()
+    results = [await first.train_step(b) for b in with_demos()]
+    params = whole(first)
+    torch.save(params, f"{out}/{parallel}{rank}.pt")
+    published = None
+    if first.published.store is not None:
+        with WeightReader(first.published.store.describe()) as reader:
+            version, state = reader.read()
+        published = {"version": version,
+                     "same": state.keys() == params.keys()
+                     and all(torch.equal(state[k], params[k]) for k in params)}
+    await first.teardown()
+    if rank == 1:
+        # Rank 1 died after its last step's log line, before that step's checkpoint.
+        shutil.rmtree(first.checkpoints.latest())
+    second = learner(1)
+    await second.setup()
+    resumed = {"step": second.step, "version": second.version,
+               "consumed": len(second.consumed), "checkpoints": second.checkpoints.steps()}
+    again = await second.train_step(with_demos()[-1])
+    after = whole(second)
+    same = all(torch.equal(v, params[k]) for k, v in after.items())
+    await second.teardown()
+    with open(f"{out}/{parallel}{rank}.json", "w") as f:
+        json.dump({"results": [r.metrics | {"version": r.version, "consumed": r.consumed}
+                               for r in results], "published": published,
+                   "resumed": resumed, "again": again.replayed, "retrained_same": same}, f)
+
+asyncio.run(main())
+"""
+
+
+def with_demos() -> list[Any]:
+    """The data-parallel test's batches, each with two demonstrations for the BC term."""
+    out = []
+    for b in batches():
+        demos = [b.samples[0].sample, b.samples[4].sample]
+        out.append(
+            type(b)(b.samples, algorithm=b.algorithm, correction=b.correction, id=b.id, demos=demos)
+        )
+    return out
+
+
+def _two_ranks(tmp_path: Any, parallel: str) -> list[dict[str, Any]]:
+    run_dir, out = str(tmp_path / f"run-{parallel}"), str(tmp_path)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(rank), run_dir, out, parallel],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errors)
+    reports = []
+    for rank in range(2):
+        with open(os.path.join(out, f"{parallel}{rank}.json")) as f:
+            reports.append(json.load(f))
+    return reports
+
+
+def _one_learner(tmp_path: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    torch.set_num_threads(1)
+    config = dict(SHARDED, parallel="replicate")
+    ctx = RoleContext.local(config=config, name="learner", run_dir=str(tmp_path / "one"))
+    learner = Learner(ctx)
+    asyncio.run(learner.setup())
+    results = [asyncio.run(learner.train_step(b)) for b in with_demos()]
+    asyncio.run(learner.teardown())
+    return learner.model.state_dict(), [r.metrics for r in results]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_two_sharded_ranks_take_one_learners_step_and_resume_from_their_shards(
+    tmp_path: Any,
+) -> None:
+    sharded = _two_ranks(tmp_path, "fsdp")
+    params = [torch.load(tmp_path / f"fsdp{r}.pt", weights_only=True) for r in range(2)]
+    # Both ranks gathered the same whole model.
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    one, metrics = _one_learner(tmp_path)
+    assert _max_diff(one, params[0]) < 1e-10
+    # The same step as two replicated ranks, which hold the whole model each.
+    replicated = _two_ranks(tmp_path, "replicate")
+    assert _max_diff(torch.load(tmp_path / "replicate0.pt", weights_only=True), params[0]) < 1e-10
+    start = Learner(RoleContext.local(config=dict(CONFIG), run_dir=str(tmp_path / "init")))
+    asyncio.run(start.setup())
+    assert _max_diff(one, start.model.state_dict()) > 1e-3  # the steps moved the weights
+    for report in sharded:
+        assert [(r["version"], r["consumed"]) for r in report["results"]] == [
+            (1, 6),
+            (2, 6),
+            (3, 6),
+        ]
+    for fsdp, rep, single in zip(
+        sharded[0]["results"], replicated[0]["results"], metrics, strict=True
+    ):
+        assert fsdp["optimizer_steps"] == 4.0
+        for key, value in single.items():
+            if key == "memory_allocated_mib":  # each process's own
+                continue
+            assert fsdp[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+            assert fsdp[key] == pytest.approx(rep[key], rel=1e-6, abs=1e-9), key
+    # Replica 0 published every version whole, bucket by bucket; replica 1 holds no store.
+    assert sharded[0]["published"] == {"version": 3, "same": True}
+    assert sharded[1]["published"] is None
+    # Rank 1 lost its last checkpoint: both resume from step 2 from their own shards, and
+    # retraining batch 3 gives the same weights bit for bit.
+    for r in sharded:
+        assert r["resumed"] == {"step": 2, "version": 2, "consumed": 12, "checkpoints": [2]}
+        assert r["again"] is False and r["retrained_same"] is True
+
+
+def test_blocks_are_the_models_repeated_layers() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{**CONFIG["model_config"], "n_layer": 3})
+    model = AutoModelForCausalLM.from_config(config)
+    found = blocks(model)
+    assert [type(b).__name__ for b in found] == ["GPT2Block"] * 3
+    assert found == list(model.transformer.h)
+    assert blocks(torch.nn.Linear(2, 2)) == []
