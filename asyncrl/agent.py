@@ -347,20 +347,8 @@ async def run_manifest(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, supervisor.stop, f"{signal.Signals(sig).name} received")
         log.info("run started", run=run, run_dir=run_dir, processes=len(children))
-        async with asyncio.TaskGroup() as tasks:
-            side = tasks.create_task(beside(supervisor)) if beside is not None else None
-            status = tasks.create_task(
-                _serve_status(supervisor, manifest, run_dir, view, children, log)
-            )
-            try:
-                report = await supervisor.run()
-            except Exception as exc:  # an ExceptionGroup: the supervisor's own task failed
-                report = _supervisor_failed(exc, run_dir)
-                log.error("run failed", reason=report.reason)
-            finally:
-                status.cancel()
-                if side is not None:
-                    side.cancel()
+        status = _serve_status(supervisor, manifest, run_dir, view, children, log)
+        report = await _supervise(supervisor, beside, status, run_dir, log)
     finally:
         use_curve(curve_before)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -370,6 +358,35 @@ async def run_manifest(
             log.info("swept", removed=removed)
         janitor.finish()
     _write_report(run_dir, report)
+    return report
+
+
+async def _supervise(
+    supervisor: Supervisor,
+    beside: Callable[[Supervisor], Coroutine[Any, Any, None]] | None,
+    status: Coroutine[Any, Any, None],
+    run_dir: str,
+    log: Any,
+) -> RunReport:
+    """Run ``supervisor`` until the run ends, with ``beside`` (when given) and ``status`` (the
+    agent's status server) as tasks next to it, both cancelled when it ends.
+
+    Returns:
+        The supervisor's report; when the supervisor itself fails (one of its tasks raised: a
+        bug), a ``failed`` report naming the error (``_supervisor_failed``).
+    """
+    async with asyncio.TaskGroup() as tasks:
+        side = tasks.create_task(beside(supervisor)) if beside is not None else None
+        served = tasks.create_task(status)
+        try:
+            report = await supervisor.run()
+        except Exception as exc:  # an ExceptionGroup: the supervisor's own task failed
+            report = _supervisor_failed(exc, run_dir)
+            log.error("run failed", reason=report.reason)
+        finally:
+            served.cancel()
+            if side is not None:
+                side.cancel()
     return report
 
 

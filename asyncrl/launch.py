@@ -22,7 +22,7 @@ also runs the driver. docs/multinode.md is the guide; in short:
   that shares a host id but not the first node's folder is refused at start.
 - Traces (``--trace``): every node records into its own ``trace`` folder; at the end node R
   sends its files to node 0 over tcp (Curve applies), which merges every node's into
-  ``RUN_DIR/trace.json`` (``asyncrl.trace``).
+  ``RUN_DIR/trace.json`` (``asyncrl.trace_nodes``).
 - The end: when the driver ends (or a node's supervisor gives up), its agent writes how the run
   ended under the attempt's ``stop`` key; every agent then stops its roles and exits with the
   run's status (0 completed, 1 failed, 130 interrupted).
@@ -53,8 +53,8 @@ from asyncrl.manifest import Manifest, load_manifest, resolve_run_dir
 from asyncrl.runreport import RunReport
 from asyncrl.store_registry import LaunchKeys, StoreClient, StoreError, free_ports, node_address
 from asyncrl.supervisor import Supervisor
-from asyncrl.trace import TraceSink, enable, merge_and_tell, send_traces, trace_dir
-from asyncrl.transport import TransportError, load_keys, tracing
+from asyncrl.trace import merge_and_tell
+from asyncrl.trace_nodes import send_node_trace, start_node_trace
 
 __all__ = ["LaunchEnv", "main", "node_dir"]
 
@@ -379,46 +379,20 @@ async def _finish(a: _Attempt, report: RunReport, timeout_s: float) -> int:
             await store.set_once(keys.final, said)
     counts: dict[str, Any] = {"restarts": report.restarts, "served": report.served}
     if a.node != 0 and a.trace:
-        counts["trace"] = await _send_traces(a, timeout_s)
+        counts["trace"] = await send_node_trace(
+            a.node,
+            a.dir,
+            a.sink,
+            run=a.manifest.run.name,
+            curve_keys=a.manifest.security.curve_keys,
+            timeout_s=timeout_s,
+            say=_say,
+        )
     await store.set(keys.done(a.attempt, a.node), json.dumps(counts))
     if a.node == 0:
         await _gather_counts(a, report, timeout_s)
         _add_nodes(a)
     return EXIT_CODES[report.status]
-
-
-TRACE_SEND_S = 30.0
-"""The longest node R waits for node 0 to take its trace (to connect, then per piece)."""
-
-
-async def _send_traces(a: _Attempt, timeout_s: float) -> str:
-    """Send this node's trace files to node 0 (before saying it is done, which node 0 waits
-    for); what happened, in words, for node 0 to tell."""
-    recorder = tracing.uninstall()  # the agent's own: complete its file, send untraced
-    if recorder is not None:
-        recorder.close()
-    directory = trace_dir(a.dir)
-    limit = min(timeout_s, TRACE_SEND_S)  # node 0 gone: the run's end is not held for long
-    if not a.sink or not os.path.isdir(directory):
-        return f"nothing sent ({directory} holds no trace, or node 0 takes none)"
-    try:
-        names = await send_traces(
-            directory, a.node, a.sink, run=a.manifest.run.name, curve=_curve(a), timeout_s=limit
-        )
-    except (TransportError, OSError) as exc:
-        _say(a.node, f"could not send the trace to node 0 at {a.sink}: {exc}")
-        return f"not sent to {a.sink}: {exc}"
-    return f"sent {len(names)} files"
-
-
-def _curve(a: _Attempt) -> Any:
-    """The Curve keys of the launch's tcp sockets, or None without Curve.
-
-    Raises:
-        TransportError: the keys do not load.
-    """
-    keys = a.manifest.security.curve_keys
-    return load_keys(keys) if keys else None
 
 
 async def _gather_counts(a: _Attempt, report: RunReport, timeout_s: float) -> None:
@@ -498,7 +472,17 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         await store.set(keys.done(attempt, env.node), json.dumps({"restarts": {}, "served": {}}))
         return EXIT_USAGE
     _say(env.node, f"attempt {attempt}: {len(view.tcp)} replicas over {env.nodes} nodes; starting")
-    sink = await _start_sink(a)
+    sink = None
+    if a.trace:
+        sink = await start_node_trace(
+            a.node,
+            env.nodes,
+            a.dir,
+            a.sink,
+            run=manifest.run.name,
+            curve_keys=manifest.security.curve_keys,
+            say=_say,
+        )
     try:
         report = await run_manifest(
             manifest, a.dir, beside=_Watch(a, args.agent_liveness), view=view, console=True
@@ -512,27 +496,6 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         if a.trace:
             merge_and_tell(a.run_dir)
     return code
-
-
-async def _start_sink(a: _Attempt) -> TraceSink | None:
-    """With ``--trace``: turn tracing on for this node's processes, and on node 0 take the other
-    nodes' traces (``asyncrl.trace.TraceSink``; one that cannot start is said, and the run goes
-    on with node 0's trace alone)."""
-    if not a.trace:
-        return None
-    sink = None
-    if a.node == 0 and a.sink:
-        try:
-            sink = TraceSink(a.run_dir, a.env.nodes, a.sink, run=a.manifest.run.name)
-            sink.curve = _curve(a)
-            await sink.start()
-        except TransportError as exc:
-            _say(a.node, f"the other nodes' traces cannot reach node 0 ({exc})")
-            if sink is not None:
-                await sink.close()
-            sink = None
-    enable(a.dir)  # after the sink is built: the agent's own sockets are not traced
-    return sink
 
 
 def _write_launch(a: _Attempt) -> None:
