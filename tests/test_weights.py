@@ -630,3 +630,49 @@ def test_a_reader_never_follows_a_link_to_a_segment(store: WeightStore, shm_dir:
         WeightReader(handle, directory=shm_dir)
     os.unlink(Path(shm_dir, store.name))
     os.replace(elsewhere / store.name, Path(shm_dir, store.name))
+
+
+def test_buckets_publish_a_version_piece_by_piece(store: WeightStore, shm_dir: str) -> None:
+    state = _random_state(11)
+    names = list(state)
+    with WeightReader(store.describe(), directory=shm_dir) as reader:
+        store.publish(_random_state(10), 1)
+        seen = []
+
+        def buckets() -> Iterator[dict[str, torch.Tensor]]:
+            for part in (names[:2], names[2:5], names[5:]):
+                # Readers meanwhile still get the last complete version.
+                seen.append(reader.read()[0])
+                yield {name: state[name] for name in part}
+
+        store.publish_buckets(buckets(), 2)
+        assert seen == [1, 1, 1]
+        version, got = reader.read()
+    assert version == 2
+    _assert_same(got, state)
+
+
+@pytest.mark.parametrize(
+    ("parts", "problem"),
+    [
+        ([["embed.weight", "nope"]], "nope: unknown"),
+        ([["embed.weight"], ["embed.weight"]], "embed.weight: given twice"),
+        ([["embed.weight"]], "norm.weight: never given"),
+    ],
+)
+def test_bad_buckets_leave_readers_on_the_last_version(
+    store: WeightStore, shm_dir: str, parts: list[list[str]], problem: str
+) -> None:
+    first, second = _random_state(1), _random_state(2)
+    second["nope"] = torch.zeros(1)
+    store.publish(first, 1)
+    with pytest.raises(ValueError, match=problem):
+        store.publish_buckets(({n: second[n] for n in part} for part in parts), 2)
+    with WeightReader(store.describe(), directory=shm_dir) as reader:
+        version, got = reader.read()
+    assert version == 1 and store.version == 1
+    _assert_same(got, first)
+    # The slot the bad buckets half wrote is simply written again by the next publish.
+    store.publish(_random_state(3), 2)
+    with WeightReader(store.describe(), directory=shm_dir) as reader:
+        assert reader.read()[0] == 2
