@@ -150,7 +150,7 @@ class PromptSource(Role):
         eos = self.tokenizer.eos_token_id
         out = []
         for prompt in await self.take(request):
-            answer = list(self.tokenizer.encode(prompt.answer))
+            answer = list(self.tokenizer.encode(prompt.answer, add_special_tokens=False))
             tokens = [*answer, eos] if eos is not None else answer
             out.append(Sample(prompt.id, 0, prompt.token_ids, tokens, [], [], True, "stop"))
         return out

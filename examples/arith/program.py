@@ -134,7 +134,7 @@ async def behaviour_cloning(run: Run) -> None:
             r["id"],
             0,
             tok.encode(r["prompt"]),
-            [*tok.encode(r["answer"]), run.eos],
+            [*tok.encode(r["answer"], add_special_tokens=False), run.eos],
             [],
             [],
             True,

@@ -175,3 +175,28 @@ def test_a_reward_model_scores_completions(tmp_path: Any) -> None:
     scores = score({"model_path": str(tmp_path / "rm")}, ["052", "13", "052"], ["", "", ""])
     assert len(scores) == 3 and scores[0] == pytest.approx(scores[2])
     assert scores[0] != scores[1]
+
+
+def test_a_demonstrations_answer_carries_no_bos_even_where_the_tokenizer_adds_one(
+    tmp_path: Any,
+) -> None:
+    # Llama-3's tokenizer prepends <|begin_of_text|> to every encode: the prompt keeps it, the
+    # completion (the answer and the end of the turn) must not hold a second one.
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "q", "prompt": "01+02=", "answer": "003"}) + "\n")
+    llama = "examples/qwen/llama3_tokenizer"
+
+    async def go() -> list[Any]:
+        source = PromptSource(
+            RoleContext.local(config={"path": str(path), "tokenizer_path": llama})
+        )
+        await source.setup()
+        return list(await source.demonstrations(Take(0, 1)))
+
+    (demo,) = asyncio.run(go())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama)
+    assert demo.prompt_ids[0] == tok.bos_token_id
+    assert demo.token_ids == [*tok.encode("003", add_special_tokens=False), tok.eos_token_id]
+    assert tok.bos_token_id not in demo.token_ids
