@@ -315,7 +315,7 @@ class Learner(Role):
             t.to(self.device) for t in pad_batch(prompts, completions, self.config.pad_id)
         )
         logits = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
         ).logits[:, :-1]
         # At least float32 (a bf16 model's logits are widened); a float64 model keeps float64.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

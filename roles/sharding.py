@@ -79,21 +79,16 @@ def shard(
     """
     from torch.distributed.fsdp import fully_shard
 
+    found = blocks(model)
     if activation_checkpointing:
-        enable: Any = getattr(model, "gradient_checkpointing_enable", None)
-        if enable is None:
-            raise ShardingError(
-                f"activation_checkpointing: {type(model).__name__} has no "
-                f"gradient_checkpointing_enable; turn activation_checkpointing off"
-            )
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        found = _checkpointed(model, found)
     mesh = sharding.mesh(world)
     storage = next(model.parameters()).dtype
     options: dict[str, Any] = {"mesh": mesh}
     policy = sharding.mixed_precision(storage)
     if policy is not None:
         options["mp_policy"] = policy
-    units = [*blocks(model), model]
+    units = [*found, model]
     for unit in units:
         fully_shard(unit, **options)
     # Sums, as the replicated learner's all-reduce: each rank weighs its micro-batches by the
@@ -103,6 +98,35 @@ def shard(
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return model
+
+
+def _checkpointed(model: torch.nn.Module, found: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Each of ``found`` replaced in its parent by a wrapper that recomputes its activations in
+    the backward pass (non-reentrant ``torch.utils.checkpoint``); the wrappers, in order. The
+    state dict's names are unchanged. Hugging Face's own gradient checkpointing acts only in
+    training mode, and the learner trains in eval mode (dropout off), so it would do nothing.
+
+    Raises:
+        ShardingError: the model has no blocks to wrap.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    if not found:
+        raise ShardingError(
+            f"activation_checkpointing: found no transformer blocks in {type(model).__name__} "
+            f"(no _no_split_modules, no ModuleList); turn activation_checkpointing off"
+        )
+    wrapped: dict[int, torch.nn.Module] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if any(child is block for block in found) and id(child) not in wrapped:
+                wrapper = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                setattr(parent, name, wrapper)
+                wrapped[id(child)] = wrapper
+    return [wrapped[id(block)] for block in found]
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -129,7 +153,7 @@ def idle_pass(model: torch.nn.Module, pad_id: int, *, backward: bool) -> None:
     gradient. A rank with fewer micro-batches than the others runs it to stay in lockstep."""
     device = next(model.parameters()).device
     ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
-    logits = model(input_ids=ids).logits
+    logits = model(input_ids=ids, use_cache=False).logits
     if backward:
         (logits.float().sum() * 0.0).backward()
 
