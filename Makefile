@@ -74,6 +74,7 @@ bench: setup
 	$(BIN)/asyncrl bench pipeline
 	$(BIN)/asyncrl bench scale
 	$(BIN)/asyncrl bench multinode
+	$(BIN)/asyncrl bench sharding
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis
