@@ -6,20 +6,30 @@ arrival in the group's store (``asyncrl/<collective>/<n>/<rank>``). When the col
 complete in time, the ranks whose mark is missing are the ones that never came, and the error
 names them. A collective that fails otherwise (a peer's connection closed: it died) raises the
 backend's own error, which is not a timeout.
+
+``pair_group`` forms a standalone group apart from the default one (a relay and a learner that
+may already be in a data-parallel group): its ranks meet through a store of their own, and its
+collectives mark their arrivals there. On such a group a peer that dies raises ``BrokenError``
+(its cause the backend's error), so its other rank can tell the two failures apart and retry.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from asyncrl.errors import BrokenError
 from asyncrl.plugins.errors import CollectiveTimeoutError
 
-__all__ = ["TorchCommunication"]
+__all__ = ["PairGroup", "TorchCommunication"]
 
 
 def _default_store() -> Any:
@@ -35,6 +45,15 @@ def _forget(store: Any, key: str) -> None:
     of a long run. A store without ``delete_key`` keeps it."""
     try:
         store.delete_key(key)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pass
+
+
+def _release(group: Any, how: str) -> None:
+    """``group.abort()`` or ``group.shutdown()`` where the backend has it; a backend that
+    cannot is left to be collected."""
+    try:
+        getattr(group, how)()
     except (AttributeError, RuntimeError, NotImplementedError):
         pass
 
@@ -56,6 +75,53 @@ def _wait(work: Any, timeout_s: float) -> None:
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)
     work.wait()
+
+
+@dataclass(eq=False)
+class PairGroup:
+    """A standalone process group from ``TorchCommunication.pair_group``.
+
+    Attributes:
+        backend: the process group (``ProcessGroupGloo``, ``ProcessGroupNCCL``, a vendor's).
+        store: the store its ranks met through, where its collectives mark their arrivals.
+        rank, world: this rank and the group's size.
+        device: where its collectives run: tensors on the CPU are staged there (nccl: the
+            current CUDA device), one buffer reused while it is large enough.
+    """
+
+    backend: Any
+    store: Any
+    rank: int
+    world: int
+    device: torch.device
+    count: int = 0
+    marks: deque[str] = field(default_factory=deque)
+    staging: torch.Tensor | None = None
+
+
+def _form(backend: str, store: Any, rank: int, world: int, timeout_s: float, address: str) -> Any:
+    """The process group of ``backend`` over ``store``, outside the default group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        gloo: Any = dist.ProcessGroupGloo  # its options with devices are not in torch's stubs
+        options = gloo._Options()
+        options._timeout = timeout
+        device = gloo.create_device(hostname=address) if address else gloo.create_default_device()
+        options._devices = [device]
+        return gloo(store, rank, world, options)
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if backend == "nccl" and nccl is not None:
+        options = nccl.Options()
+        options._timeout = timeout
+        return nccl(store, rank, world, options)
+    plugin = getattr(dist.Backend, "_plugins", {}).get(backend.upper())
+    if plugin is None:
+        raise NotImplementedError(
+            f"pair_group: torch.distributed has no backend {backend!r} to form a standalone "
+            f"group with; register it (torch.distributed.Backend.register_backend) or give the "
+            f"plugin a Communication of its own"
+        )
+    return plugin.creator_fn(store, rank, world, timeout)
 
 
 class TorchCommunication:
@@ -101,6 +167,60 @@ class TorchCommunication:
                     missing = []
             raise CollectiveTimeoutError(name, missing, timeout_s, rank) from exc
 
+    def _run_pair(
+        self, group: PairGroup, name: str, timeout_s: float, start: Callable[[], Any]
+    ) -> None:
+        """``start()`` on ``group``, its arrival marked in the group's store, waited for at most
+        ``timeout_s``.
+
+        Raises:
+            CollectiveTimeoutError: it did not complete in time.
+            BrokenError: the backend failed otherwise: a peer died or closed its connection.
+        """
+        group.count += 1
+        prefix = f"asyncrl/{name}/{group.count}"
+        try:
+            group.store.set(f"{prefix}/{group.rank}", "1")
+            group.marks.append(f"{prefix}/{group.rank}")
+            if len(group.marks) > 2:
+                _forget(group.store, group.marks.popleft())
+            _wait(start(), timeout_s)
+        except TimeoutError as exc:
+            try:
+                ranks = range(group.world)
+                missing = [r for r in ranks if not group.store.check([f"{prefix}/{r}"])]
+            except Exception:  # the store is gone with the rank that held it
+                missing = []
+            raise CollectiveTimeoutError(name, missing, timeout_s, group.rank) from exc
+        except RuntimeError as exc:
+            raise BrokenError(
+                f"{name} on a group of {group.world} ranks (this is rank {group.rank}) broke: "
+                f"a peer died or closed its connection ({exc}); check that process's log"
+            ) from exc
+
+    @contextmanager
+    def pair_group(
+        self, store: Any, rank: int, world: int, *, timeout_s: float, address: str = ""
+    ) -> Iterator[PairGroup]:
+        formed: Any = None
+        try:
+            formed = _form(self.backend, store, rank, world, timeout_s, address)
+        except (RuntimeError, dist.DistStoreError) as exc:  # a peer that never came
+            raise CollectiveTimeoutError("pair_group", [], timeout_s, rank) from exc
+        device = torch.device("cpu")
+        if self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        group = PairGroup(formed, store, rank, world, device)
+        try:
+            yield group
+        except BaseException:
+            # A peer that died leaves the group's work waiting: abort it rather than let it
+            # hold a thread (or a device's communicator) until its timeout.
+            _release(formed, "abort")
+            raise
+        else:
+            _release(formed, "shutdown")
+
     def all_reduce(self, tensor: torch.Tensor, *, timeout_s: float) -> None:
         self._run("all_reduce", timeout_s, lambda: dist.all_reduce(tensor, async_op=True))
 
@@ -109,8 +229,29 @@ class TorchCommunication:
         self._run("all_gather", timeout_s, lambda: dist.all_gather(out, tensor, async_op=True))
         return out
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float) -> None:
-        self._run("broadcast", timeout_s, lambda: dist.broadcast(tensor, src, async_op=True))
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, timeout_s: float, group: Any = None
+    ) -> None:
+        if group is None:
+            self._run("broadcast", timeout_s, lambda: dist.broadcast(tensor, src, async_op=True))
+            return
+        assert isinstance(group, PairGroup)
+        staged = tensor
+        if tensor.device != group.device:
+            n = tensor.numel() * tensor.element_size()
+            if group.staging is None or group.staging.numel() < n:
+                group.staging = torch.empty(n, dtype=torch.uint8, device=group.device)
+            staged = group.staging[:n].view(tensor.dtype).view(tensor.shape)
+            if group.rank == src:
+                staged.copy_(tensor)
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        self._run_pair(
+            group, "broadcast", timeout_s, lambda: group.backend.broadcast([staged], options)
+        )
+        if staged is not tensor and group.rank != src:
+            tensor.copy_(staged)
 
     def barrier(self, *, timeout_s: float) -> None:
         self._run("barrier", timeout_s, lambda: dist.barrier(async_op=True))

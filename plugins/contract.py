@@ -109,7 +109,8 @@ class Device(Protocol):
 
 @runtime_checkable
 class Communication(Protocol):
-    """Collectives over the default ``torch.distributed`` group, each with a timeout.
+    """Collectives over the default ``torch.distributed`` group, or over a standalone group
+    from ``pair_group``, each with a timeout.
 
     Attributes:
         backend: the ``torch.distributed`` backend name (``gloo``, ``nccl``, a vendor's).
@@ -128,8 +129,41 @@ class Communication(Protocol):
         """Every rank's ``tensor`` (the same shape on each), in rank order."""
         ...
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float) -> None:
-        """``tensor`` of rank ``src`` into every rank's ``tensor``, in place."""
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, timeout_s: float, group: Any = None
+    ) -> None:
+        """``tensor`` of rank ``src`` into every rank's ``tensor``, in place; on ``group`` (one
+        ``pair_group`` gave) instead of the default group when given. On such a group a CPU
+        tensor is staged through the device where the backend needs one (nccl).
+
+        Raises:
+            CollectiveTimeoutError: not complete within ``timeout_s``.
+            BrokenError: on ``group``, a peer died or closed its connection (the backend's
+                error is the cause).
+        """
+        ...
+
+    def pair_group(
+        self, store: Any, rank: int, world: int, *, timeout_s: float, address: str = ""
+    ) -> AbstractContextManager[Any]:
+        """A standalone group of ``world`` ranks, apart from the default group (this process
+        may be in a data-parallel one): ``with comm.pair_group(...) as group:``, then
+        ``broadcast(..., group=group)``. A weight relay and its learner form one per transfer.
+
+        Args:
+            store: a ``torch.distributed`` store the ranks share (a ``PrefixStore`` of its own
+                per group); the group's collectives mark their arrivals in it.
+            rank: this process's rank in the group, world: the group's size.
+            timeout_s: how long every rank is waited for, here and in the backend.
+            address: this host's address the peers reach (gloo binds it); empty: the backend's
+                default.
+
+        Leaving the block releases the group; leaving it with an error aborts it, so a peer
+        that died leaves no work waiting.
+
+        Raises:
+            CollectiveTimeoutError: not every rank came within ``timeout_s``.
+        """
         ...
 
     def barrier(self, *, timeout_s: float) -> None:
