@@ -72,7 +72,7 @@ from asyncrl.roles.data_parallel import (
 from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.learner_export import export_pretrained, writable
-from asyncrl.roles.learner_weights import PublishedWeights
+from asyncrl.roles.learner_weights import PublishedWeights, WeightBroadcast
 from asyncrl.roles.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.objective import (
     Forward,
@@ -124,7 +124,7 @@ def build_model(model_path: str, model_config: dict[str, Any], seed: int) -> Any
     return auto.from_config(config)
 
 
-class Learner(Role):
+class Learner(WeightBroadcast, Role):
     """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
 
     Config = LearnerConfig

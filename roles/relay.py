@@ -29,6 +29,24 @@ therefore read the relay's store exactly as they read the learner's on the learn
   rehearsal gives each simulated node its own ``ASYNCRL_HOST_ID`` to make its relay really
   relay. One host without the source needs one relay: two would republish into one name.
 
+With ``transport: broadcast`` the weights cross through the hardware plugin's broadcast (gloo
+on CPU, NCCL on GPUs) instead of tensor frames. For each transfer the relay hosts a rendezvous
+store (a ``torch.distributed.TCPStore`` on port 0, on its address that routes to the source, or
+``broadcast_address``) and calls the source's ``broadcast_weights``
+(``asyncrl.roles.learner_weights``) with it; the two form a standalone group of two ranks
+(``Communication.pair_group``, never the default group: a data-parallel learner is in one).
+The source, rank 0, broadcasts the version its store holds: a header (version, tensor table,
+bucket sizes), then one flat uint8 buffer per bucket of at most ``bucket_mib`` (a larger
+tensor alone). The relay, rank 1, writes each bucket into its store as it comes
+(``WeightStore.publish_buckets``), so neither side holds more than one bucket beyond its
+store, and the version becomes visible only once complete. The whole transfer has the deadline
+``timeout_s``. A source that dies mid-transfer fails the relay's side with ``BrokenError`` (a
+relay that dies, the source's side: the source keeps serving), a peer that goes silent with
+``CollectiveTimeoutError``, a version the source overwrote while sending with
+``TornReadError``: all recoverable, the store stays on its last complete version, and ``sync``
+tries again as a pull does. Nothing authenticates the rendezvous store or the group's
+connections (as with ``torch.distributed`` itself): use it on a network the run trusts.
+
 Endpoints: ``sync(None) -> int`` (latest-wins: the version held after pulling the newest) and
 ``status(None) -> RelayStatus`` (idempotent). The control-flow programs push to the relays
 before the rollout replicas (``asyncrl.roles.weight_sync.WeightSync``).
@@ -37,15 +55,27 @@ before the rollout replicas (``asyncrl.roles.weight_sync.WeightSync``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import datetime
+import secrets
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
+import torch
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from asyncrl.errors import AsyncrlError, ConfigProblem, StallError
+from asyncrl.errors import AsyncrlError, ConfigProblem, StallError, TornReadError
+from asyncrl.plugins.errors import CollectiveTimeoutError
+from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
+from asyncrl.roles.learner_weights import READY, BucketTable, Rendezvous, remaining
 from asyncrl.roles.rollout import WeightsUpdate
+from asyncrl.store_registry import node_address
 from asyncrl.transport import ChannelOptions, Client
+from asyncrl.transport.codec import torch_dtypes
 from asyncrl.transport.shm import host_id
 from asyncrl.weight_layout import check_names, check_tensor
 from asyncrl.weights import NO_VERSION, WeightStore, handle_path, write_handle
@@ -55,6 +85,12 @@ __all__ = ["Relay", "RelayStatus"]
 T = TypeVar("T")
 
 _RETRY_S = 0.2  # between tries of a source that is restarting
+_READY_POLL_S = 0.005  # between two looks for the source's arrival at the rendezvous
+
+
+class _Abandoned(Exception):
+    """The source's call failed before it reached the rendezvous: stop waiting for it (its
+    error is what the transfer raises)."""
 
 
 class RelayStatus(msgspec.Struct):
@@ -78,8 +114,9 @@ class RelayStatus(msgspec.Struct):
 
 
 class Relay(Role):
-    """Pulls each new version of the source's weights once, over the transport, and republishes
-    it into this host's shared-memory store for the host's rollout replicas."""
+    """Pulls each new version of the source's weights once, over the transport or through the
+    plugin's broadcast, and republishes it into this host's shared-memory store for the host's
+    rollout replicas."""
 
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         """The relay role's config (the manifest's ``config`` mapping).
@@ -96,6 +133,16 @@ class Relay(Role):
             poll_s: seconds between two syncs the relay makes by itself, so that the host
                 catches up with a program that pushes to the rollouts only (0: none; pushes
                 to the relay first are what keep a replica from ever finding an older version).
+            transport: how a version crosses: ``pull`` (the source's ``weights_method``, as
+                tensor frames over the transport) or ``broadcast`` (the hardware plugin's
+                broadcast on a group of two with the source's ``broadcast_method``: gloo on
+                CPU, NCCL on GPUs; its deadline is ``timeout_s``).
+            broadcast_method: with ``broadcast``, the source's endpoint that sends its store to
+                a ``Rendezvous`` (the learner's ``broadcast_weights``).
+            broadcast_address: with ``broadcast``, this host's address the source reaches the
+                rendezvous store and the group at; empty: the one that routes to the source.
+            bucket_mib: with ``broadcast``, the most MiB of one bucket (a larger tensor goes
+                alone): what each side holds beyond its store.
         """
 
         source: str = "learner"
@@ -104,10 +151,16 @@ class Relay(Role):
         timeout_s: float = 300.0
         source_wait_s: float = 300.0
         poll_s: float = 1.0
+        transport: Literal["pull", "broadcast"] = "pull"
+        broadcast_method: str = "broadcast_weights"
+        broadcast_address: str = ""
+        bucket_mib: int = 256
 
         def __post_init__(self) -> None:
             if not self.source:
                 raise ValueError("source: name the role that publishes the weights (learner)")
+            if self.bucket_mib < 1:
+                raise ValueError(f"bucket_mib: expected an int >= 1, got {self.bucket_mib}")
             for name in ("timeout_s", "source_wait_s"):
                 if getattr(self, name) <= 0:
                     raise ValueError(f"{name}: expected a number > 0, got {getattr(self, name)}")
@@ -214,6 +267,9 @@ class Relay(Role):
                 return source
             if self.store is not None and source == self.store.version:
                 return source
+            if self.config.transport == "broadcast":
+                await self._retrying(self._broadcast, "receive the broadcast of")
+                return self.version
             update = await self._retrying(self._pull, "pull weights from")
             await self.ctx.offload(self._publish, update)
             return self.version
@@ -253,6 +309,134 @@ class Relay(Role):
         self.pulls += 1
         self.bytes_pulled += sum(t.numel() * t.element_size() for t in update.state.values())
         return update
+
+    def _address(self) -> str:
+        """This host's address the source reaches: ``broadcast_address``, or the one that
+        routes to the source's host (the loopback for a source over ipc)."""
+        address: str = self.config.broadcast_address
+        if address:
+            return address
+        host = urlsplit(self._endpoint).hostname if self._endpoint.startswith("tcp://") else ""
+        return node_address("", host or "127.0.0.1")[1]
+
+    async def _broadcast(self) -> int:
+        """One transfer through the plugin's broadcast: host a rendezvous store, call the
+        source's ``broadcast_method`` with it, and receive its buckets into this host's store
+        in a thread meanwhile; return the version received.
+
+        Raises:
+            BrokenError: the source died or closed its end during the transfer.
+            CollectiveTimeoutError: it did not come or answer within ``timeout_s``.
+            TornReadError: the source overwrote the version while sending it.
+            RemoteError, DisconnectedError, ...: the source's call failed before it sent.
+        """
+        cfg = self.config
+        assert self._client is not None
+        address = self._address()
+        server = TCPStore(
+            address,
+            0,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            wait_for_workers=False,
+        )
+        rendezvous = Rendezvous(
+            host=address,
+            port=server.port,
+            prefix=f"asyncrl/relay/{self.ctx.name}.{self.ctx.replica}/{secrets.token_hex(8)}",
+            timeout_s=cfg.timeout_s,
+            bucket_bytes=cfg.bucket_mib * 2**20,
+        )
+        store = PrefixStore(rendezvous.prefix, server)
+        abandon = threading.Event()
+        receiving = asyncio.ensure_future(
+            self.ctx.offload(self._receive, store, rendezvous, abandon)
+        )
+        calling = asyncio.ensure_future(
+            self._client.call(
+                cfg.broadcast_method, rendezvous, int, timeout=cfg.timeout_s + _RETRY_S
+            )
+        )
+        try:
+            await asyncio.wait({receiving, calling}, return_when=asyncio.FIRST_EXCEPTION)
+            failed = calling.exception() if calling.done() else None
+            if failed is not None:
+                abandon.set()  # a source that failed before the rendezvous never comes
+                await asyncio.wait({receiving})
+                if isinstance(receiving.exception(), _Abandoned):
+                    raise failed
+            # Every bucket arrived whole (or this raises why not): the version is complete
+            # whatever became of the call's reply.
+            return await receiving
+        finally:
+            abandon.set()
+            calling.cancel()
+            await asyncio.wait({receiving, calling})
+            # The rendezvous store (``server``) closes when this frame lets it go.
+
+    def _receive(self, store: Any, rendezvous: Rendezvous, abandon: threading.Event) -> int:
+        """Rank 1 of the transfer: wait for the source at the rendezvous, form the group,
+        receive the header and then each bucket into this host's store. Blocking."""
+        deadline = time.monotonic() + rendezvous.timeout_s
+        while not store.check([READY]):
+            if abandon.is_set():
+                raise _Abandoned
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError("rendezvous", [0], rendezvous.timeout_s, 1)
+            time.sleep(_READY_POLL_S)
+        comm = current_plugin().comm
+        left = remaining(deadline, "pair group")
+        with comm.pair_group(store, 1, 2, timeout_s=left, address=rendezvous.host) as group:
+
+            def receive(t: torch.Tensor) -> None:
+                left = remaining(deadline, "broadcast")
+                comm.broadcast(t, 0, timeout_s=left, group=group)
+
+            length = torch.zeros(1, dtype=torch.int64)
+            receive(length)
+            header = torch.empty(int(length.item()), dtype=torch.uint8)
+            receive(header)
+            table = msgspec.msgpack.decode(header.numpy().tobytes(), type=BucketTable)
+            self._publish_buckets(table, _buckets(table, receive, self.config.source))
+        self.pulls += 1
+        self.bytes_pulled += sum(spec.nbytes for spec in table.tensors)
+        return table.version
+
+    def _publish_buckets(
+        self, table: BucketTable, buckets: Iterator[dict[str, torch.Tensor]]
+    ) -> None:
+        """Write ``buckets`` into this host's store as ``table.version``, as ``_publish`` does
+        a whole update: in place when the store fits and the version is newer, else into a new
+        store that the handle then names. A bucket that fails leaves the version unpublished."""
+        store = self.store
+        if store is not None and table.version == store.version:
+            for _ in buckets:  # the source sends all of it; the version is already here
+                pass
+            return
+        layout = [(s.name, s.dtype, s.shape) for s in table.tensors]
+        if (
+            store is not None
+            and table.version > store.version
+            and layout == [(s.name, s.dtype, s.shape) for s in store.describe().tensors]
+        ):
+            store.publish_buckets(buckets, table.version)
+            return
+        dtypes = torch_dtypes()
+        template = {
+            s.name: torch.empty(s.shape, dtype=dtypes[s.dtype], device="meta")
+            for s in table.tensors
+        }
+        fresh = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
+        try:
+            fresh.publish_buckets(buckets, table.version)
+            write_handle(handle_path(self.ctx.run_dir, self.config.source), fresh.describe())
+        except BaseException:
+            fresh.close()
+            raise
+        self.store = fresh
+        if store is not None:
+            store.close()
 
     def _publish(self, update: WeightsUpdate) -> None:
         """Republish ``update`` into this host's store and point the handle at it. A first
@@ -299,6 +483,35 @@ class Relay(Role):
                         f"this host?"
                     ) from exc
             await asyncio.sleep(_RETRY_S)
+
+
+def _buckets(
+    table: BucketTable, receive: Callable[[torch.Tensor], None], source: str
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Each bucket of ``table`` as it is received, its tensors views of one reused buffer
+    (a bucket is written into the store before the next one is received).
+
+    Raises:
+        TornReadError: the source overwrote the version while it sent this bucket.
+    """
+    dtypes = torch_dtypes()
+    buffer = torch.empty(max(table.sizes, default=0) + 1, dtype=torch.uint8)
+    first = 0
+    for number, (count, size) in enumerate(zip(table.buckets, table.sizes, strict=True)):
+        chunk = buffer[: size + 1]
+        receive(chunk)
+        if chunk[size].item():
+            raise TornReadError(
+                f"{source} overwrote version {table.version} while sending bucket {number}; "
+                f"the relay asks again"
+            )
+        yield {
+            spec.name: chunk[spec.offset : spec.offset + spec.nbytes]
+            .view(dtypes[spec.dtype])
+            .view(spec.shape)
+            for spec in table.tensors[first : first + count]
+        }
+        first += count
 
 
 def _fits(store: WeightStore, update: WeightsUpdate) -> bool:
