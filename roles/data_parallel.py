@@ -421,13 +421,12 @@ def state_checksum(model: torch.nn.Module) -> int:
 
 
 def join_role(
-    ctx: RoleContext, backend: str, timeout_s: float, model: torch.nn.Module
+    ctx: RoleContext, backend: str, timeout_s: float, device: torch.device
 ) -> DataParallel:
     """``DataParallel.join`` for a replica of a role: its name, replica and replicas, run
     directory and incarnation (the generation). ``backend`` empty: the hardware plugin's
-    (``asyncrl.plugins.registry``) when ``model``'s parameters are on the plugin's device,
-    ``gloo`` when they are on the host. Collective buffers go to the parameters' device."""
-    device = next(model.parameters()).device
+    (``asyncrl.plugins.registry``) when ``device`` (the model's) is the plugin's, ``gloo``
+    when it is the host. Collective buffers go to ``device``."""
     plugin = current_plugin()
     return DataParallel.join(
         name=ctx.name,

@@ -86,9 +86,12 @@ from asyncrl.roles.objective import (
 from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.rollout import WeightsUpdate
 from asyncrl.roles.sharding import (
+    empty_pretrained,
     full_tensor,
     keep_pace,
+    load_pretrained_shards,
     load_training_state,
+    placed,
     shard,
     training_state,
 )
@@ -149,7 +152,7 @@ class Learner(WeightBroadcast, Role):
         keep = cfg.keep_checkpoints
         if self.ctx.replicas > 1:
             self.dp = await self.ctx.offload(
-                join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.model
+                join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.device
             )
             keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
             if self.sharded:
@@ -205,8 +208,12 @@ class Learner(WeightBroadcast, Role):
         self.plugin.device.manual_seed(cfg.seed)
         # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
         # differ from its behaviour log-probs under the very same weights.
-        model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
-        self.model = model.to(device=self.device, dtype=storage).train(cfg.dropout)
+        # A sharded rank builds a pretrained model empty, then reads only its own slices.
+        if self.sharded and cfg.model_path:
+            model = empty_pretrained(cfg.model_path)
+        else:
+            model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
+        self.model = placed(model, self.device, storage).train(cfg.dropout)
         # The published tensors' names, dtypes and shapes, whole (sharding splits them).
         self.template = {
             name: torch.empty(
@@ -233,6 +240,9 @@ class Learner(WeightBroadcast, Role):
             self.dp.world,
             activation_checkpointing=self.config.activation_checkpointing,
         )
+        if self.config.model_path:
+            path, rank, world = self.config.model_path, self.dp.rank, self.dp.world
+            load_pretrained_shards(self.model, path, rank, world, self.device)
         self._make_optimizer()
 
     async def teardown(self) -> None:

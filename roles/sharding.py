@@ -23,6 +23,9 @@ each mini-batch. What changes is where the state lives and how gradients meet:
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,14 +38,17 @@ from asyncrl.roles.payloads import Scored
 __all__ = [
     "ShardingError",
     "blocks",
+    "empty_pretrained",
     "full_buckets",
     "full_tensor",
     "idle_pass",
     "keep_pace",
     "load_local_state",
+    "load_pretrained_shards",
     "load_training_state",
     "local_state",
     "lockstep_passes",
+    "placed",
     "shard",
     "training_state",
 ]
@@ -310,3 +316,134 @@ def load_training_state(
         optimizer.load_state_dict(state["optimizer"])
     else:
         load_local_state(model, optimizer, state, world)
+
+
+_WRAPPED = "_checkpoint_wrapped_module."
+"""What activation checkpointing's wrapper adds to its parameters' names (not to the state
+dict's)."""
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Within the block, every parameter a module registers is moved to the ``meta`` device
+    (no memory, no initialisation cost), while buffers are made as usual: the rotary
+    embeddings' frequencies, which nothing loads, keep their values."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def empty_pretrained(model_path: str) -> Any:
+    """The causal LM of ``model_path``'s config with its parameters on the ``meta`` device:
+    what a sharded rank shards before it loads its own slices (``load_pretrained_shards``), so
+    that no rank ever holds the whole model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM  # its class methods are untyped
+    config = AutoConfig.from_pretrained(model_path)
+    with _parameters_on_meta():
+        return auto.from_config(config)
+
+
+def placed(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device`` in ``dtype`` (its floating-point tensors); a model whose
+    parameters are on ``meta`` keeps them there, cast, and moves only its buffers."""
+    if next(model.parameters()).device.type != "meta":
+        return model.to(device=device, dtype=dtype)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point():
+                module._parameters[name] = torch.nn.Parameter(p.to(dtype), p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.to(device)
+    tie: Any = getattr(model, "tie_weights", None)  # new parameters: tie them again
+    if tie is not None:
+        tie()
+    return model
+
+
+def _checkpoint_files(model_path: str) -> dict[str, str]:
+    """Each tensor name of the safetensors checkpoint in ``model_path`` and its file.
+
+    Raises:
+        ShardingError: the folder holds no safetensors checkpoint.
+    """
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return {name: os.path.join(model_path, file) for name, file in weight_map.items()}
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.exists(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise ShardingError(
+        f"{model_path}: a sharded learner loads its slices from a safetensors checkpoint "
+        f"(model.safetensors or model.safetensors.index.json), and this folder has none; "
+        f"convert it with save_pretrained(safe_serialization=True)"
+    )
+
+
+def load_pretrained_shards(
+    model: torch.nn.Module, model_path: str, rank: int, world: int, device: torch.device
+) -> None:
+    """Allocate a sharded model built by ``empty_pretrained`` on ``device`` and fill each of
+    this rank's shards from ``model_path``'s safetensors files, reading only its own rows: no
+    rank reads or holds a whole tensor it does not own. Names are matched as they are, or
+    with the model's ``base_model_prefix`` added or removed (older checkpoints).
+
+    Raises:
+        ShardingError: the checkpoint lacks a tensor, or one has another shape.
+    """
+    from safetensors import safe_open
+
+    files = _checkpoint_files(model_path)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    problems: list[str] = []
+    opened: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for wrapped, p in model.named_parameters():
+            name = wrapped.replace(_WRAPPED, "")  # the state dict's name
+            candidates = [name, name.removeprefix(prefix + "."), f"{prefix}.{name}"]
+            key = next((k for k in candidates if k in files), None)
+            if key is None:
+                problems.append(f"{name}: not in the checkpoint")
+                continue
+            if files[key] not in opened:
+                path = files[key]
+                opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+            part = opened[files[key]].get_slice(key)
+            shape = tuple(part.get_shape())
+            if shape != tuple(p.shape):
+                problems.append(f"{name}: {shape} in the checkpoint, {tuple(p.shape)} here")
+                continue
+            local = _local(p.data)
+            if local.dim() == 0 or local.shape == p.shape:
+                local.copy_(part[:] if local.dim() else part[()])
+                continue
+            rows = -(-p.shape[0] // world)  # torch.chunk's: ceil(n / world) rows a rank
+            start = min(rank * rows, p.shape[0])
+            local.copy_(part[start : start + local.shape[0]])
+    if problems:
+        raise ShardingError(
+            f"{model_path} does not fit this model: "
+            + "; ".join(problems[:5])
+            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        )

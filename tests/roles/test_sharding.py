@@ -31,6 +31,8 @@ SHARDED = {
     "activation_checkpointing": True,
 }
 
+BLOCKS = {"FSDPCheckpointWrapper", "GPT2Block", "Qwen2DecoderLayer"}
+
 RANK_SCRIPT = """
 import asyncio, json, shutil, sys
 import torch
@@ -39,9 +41,17 @@ from asyncrl.role import RoleContext
 from asyncrl.roles.learner import Learner
 from asyncrl.roles.sharding import full_buckets
 from asyncrl.weight_reader import WeightReader
-from tests.roles.test_sharding import SHARDED, with_demos
+from tests.roles.test_sharding import BLOCKS, SHARDED, with_demos
 
 rank, run_dir, out, parallel = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+extra = json.loads(sys.argv[5])
+if extra.get("model_path") and parallel == "fsdp":
+    import asyncrl.roles.learner as learner_module
+
+    def whole_model_built(*args):
+        raise AssertionError("a sharded rank built the whole pretrained model")
+
+    learner_module.build_model = whole_model_built
 
 def whole(learner):
     buckets = full_buckets(learner.model, 2**20)
@@ -49,7 +59,7 @@ def whole(learner):
 
 async def main():
     def learner(incarnation):
-        config = dict(SHARDED, parallel=parallel)
+        config = dict(SHARDED, parallel=parallel, **extra)
         ctx = RoleContext.local(config=config, name="learner", replica=rank, replicas=2,
                                 run_dir=run_dir, incarnation=incarnation)
         return Learner(ctx)
@@ -77,7 +87,7 @@ async def main():
     after = whole(second)
     same = all(torch.equal(v, params[k]) for k, v in after.items())
     await second.teardown()
-    block = type(first.model.transformer.h[0]).__name__
+    block = sorted({type(m).__name__ for m in first.model.modules()} & BLOCKS)
     with open(f"{out}/{parallel}{rank}.json", "w") as f:
         json.dump({"results": [r.metrics | {"version": r.version, "consumed": r.consumed}
                                for r in results], "published": published, "block": block,
@@ -98,11 +108,14 @@ def with_demos() -> list[Any]:
     return out
 
 
-def _two_ranks(tmp_path: Any, parallel: str) -> list[dict[str, Any]]:
+def _two_ranks(
+    tmp_path: Any, parallel: str, extra: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     run_dir, out = str(tmp_path / f"run-{parallel}"), str(tmp_path)
+    argv = [run_dir, out, parallel, json.dumps(extra or {})]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), run_dir, out, parallel],
+            [sys.executable, "-c", RANK_SCRIPT, str(rank), *argv],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -119,9 +132,11 @@ def _two_ranks(tmp_path: Any, parallel: str) -> list[dict[str, Any]]:
     return reports
 
 
-def _one_learner(tmp_path: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+def _one_learner(
+    tmp_path: Any, extra: dict[str, Any] | None = None
+) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     torch.set_num_threads(1)
-    config = dict(SHARDED, parallel="replicate")
+    config = dict(SHARDED, parallel="replicate", **(extra or {}))
     ctx = RoleContext.local(config=config, name="learner", run_dir=str(tmp_path / "one"))
     learner = Learner(ctx)
     asyncio.run(learner.setup())
@@ -166,8 +181,8 @@ def test_two_sharded_ranks_take_one_learners_step_and_resume_from_their_shards(
                 continue
             assert fsdp[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
             assert fsdp[key] == pytest.approx(rep[key], rel=1e-6, abs=1e-9), key
-    assert sharded[0]["block"] == "FSDPCheckpointWrapper"
-    assert replicated[0]["block"] == "GPT2Block"
+    assert sharded[0]["block"] == ["FSDPCheckpointWrapper", "GPT2Block"]
+    assert replicated[0]["block"] == ["GPT2Block"]
     # Replica 0 published every version whole, bucket by bucket; replica 1 holds no store.
     assert sharded[0]["published"] == {"version": 3, "same": True}
     assert sharded[1]["published"] is None
@@ -205,3 +220,35 @@ def test_two_sharded_ranks_of_a_300m_qwen2_each_hold_at_most_six_tenths_of_one_r
     assert result["parity_max_abs_diff"] is not None
     assert result["parity_max_abs_diff"] < 1e-4, result
     assert result["moved_max_abs"] > 1e-6, result
+
+
+@pytest.mark.slow
+def test_sharded_ranks_read_only_their_slices_of_a_pretrained_checkpoint(tmp_path: Any) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type="qwen2",
+        vocab_size=14,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(5)
+    path = str(tmp_path / "pretrained")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)  # model.safetensors
+    extra = {"model_path": path, "model_config": {}}
+    # The ranks' learner module refuses to build the whole model: each rank builds it empty
+    # and reads its own rows of each tensor.
+    sharded = _two_ranks(tmp_path, "fsdp", extra)
+    params = torch.load(tmp_path / "fsdp0.pt", weights_only=True)
+    one, _ = _one_learner(tmp_path, extra)
+    assert _max_diff(one, params) < 1e-10
+    start = AutoModelForCausalLM.from_pretrained(path).double().state_dict()
+    assert _max_diff(one, start) > 1e-3
+    for r in sharded:
+        assert r["resumed"] == {"step": 2, "version": 2, "consumed": 12, "checkpoints": [2]}
+        assert r["retrained_same"] is True
