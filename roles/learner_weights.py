@@ -117,16 +117,11 @@ def bucket_plan(specs: tuple[TensorSpec, ...], bucket_bytes: int) -> tuple[list[
     return counts, sizes
 
 
-def remaining(deadline: float, what: str) -> float:
-    """Seconds left before ``deadline`` (``time.monotonic``).
-
-    Raises:
-        TimeoutError: none left.
-    """
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"{what}: the transfer's deadline passed")
-    return left
+def remaining(deadline: float) -> float:
+    """Seconds left before ``deadline`` (``time.monotonic``): the timeout of a transfer's next
+    step. Never below a millisecond, so a step past the deadline still fails typed, as a
+    collective that timed out (``CollectiveTimeoutError``)."""
+    return max(deadline - time.monotonic(), 1e-3)
 
 
 class PublishedWeights:
@@ -251,17 +246,17 @@ class PublishedWeights:
                 rendezvous.port,
                 None,
                 False,
-                timeout=datetime.timedelta(seconds=remaining(deadline, "rendezvous")),
+                timeout=datetime.timedelta(seconds=remaining(deadline)),
             )
             store = PrefixStore(rendezvous.prefix, tcp)
             store.set(READY, "1")
             comm = current_plugin().comm
             address = node_address("", rendezvous.host)[1]
-            left = remaining(deadline, "pair group")
+            left = remaining(deadline)
             with comm.pair_group(store, 0, 2, timeout_s=left, address=address) as group:
 
                 def send(t: torch.Tensor) -> None:
-                    left = remaining(deadline, "broadcast")
+                    left = remaining(deadline)
                     comm.broadcast(t, 0, timeout_s=left, group=group)
 
                 send(torch.tensor([len(header)], dtype=torch.int64))

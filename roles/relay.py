@@ -31,8 +31,8 @@ therefore read the relay's store exactly as they read the learner's on the learn
 
 With ``transport: broadcast`` the weights cross through the hardware plugin's broadcast (gloo
 on CPU, NCCL on GPUs) instead of tensor frames. For each transfer the relay hosts a rendezvous
-store (a ``torch.distributed.TCPStore`` on port 0, on its address that routes to the source, or
-``broadcast_address``) and calls the source's ``broadcast_weights``
+store (a ``torch.distributed.TCPStore`` on a free port, which the source reaches at this host's
+address that routes to it, or ``broadcast_address``) and calls the source's ``broadcast_weights``
 (``asyncrl.roles.learner_weights``) with it; the two form a standalone group of two ranks
 (``Communication.pair_group``, never the default group: a data-parallel learner is in one).
 The source, rank 0, broadcasts the version its store holds: a header (version, tensor table,
@@ -44,8 +44,9 @@ store, and the version becomes visible only once complete. The whole transfer ha
 relay that dies, the source's side: the source keeps serving), a peer that goes silent with
 ``CollectiveTimeoutError``, a version the source overwrote while sending with
 ``TornReadError``: all recoverable, the store stays on its last complete version, and ``sync``
-tries again as a pull does. Nothing authenticates the rendezvous store or the group's
-connections (as with ``torch.distributed`` itself): use it on a network the run trusts.
+tries again as a pull does. Nothing authenticates the rendezvous store (torch's listens on
+every interface, for the transfer only, under a fresh random prefix) or the group's connections,
+as with ``torch.distributed`` itself: use it on a network the run trusts.
 
 Endpoints: ``sync(None) -> int`` (latest-wins: the version held after pulling the newest) and
 ``status(None) -> RelayStatus`` (idempotent). The control-flow programs push to the relays
@@ -386,11 +387,11 @@ class Relay(Role):
                 raise CollectiveTimeoutError("rendezvous", [0], rendezvous.timeout_s, 1)
             time.sleep(_READY_POLL_S)
         comm = current_plugin().comm
-        left = remaining(deadline, "pair group")
+        left = remaining(deadline)
         with comm.pair_group(store, 1, 2, timeout_s=left, address=rendezvous.host) as group:
 
             def receive(t: torch.Tensor) -> None:
-                left = remaining(deadline, "broadcast")
+                left = remaining(deadline)
                 comm.broadcast(t, 0, timeout_s=left, group=group)
 
             length = torch.zeros(1, dtype=torch.int64)
