@@ -1,21 +1,25 @@
 """``asyncrl bench multinode``: what running over several hosts costs.
 
-Weight sync, on one machine split into two simulated hosts (``ASYNCRL_HOST_ID``: no shared
+Weight sync, on one machine split into three simulated hosts (``ASYNCRL_HOST_ID``: no shared
 memory between them, tcp only across):
 
 - node 0: a learner (``publish_weights``, not durable) and a rollout replica reading its store;
 - node 1 (its own run directory): a relay (``asyncrl.roles.relay``) whose source is the learner,
-  and a rollout replica reading the relay's store.
+  and a rollout replica reading the relay's store;
+- node 2: the same with a relay of ``transport: broadcast`` (the plugin's broadcast, gloo here,
+  on a group of two with the learner, in buckets of 256 MiB).
 
 Every round, one behaviour-cloning ``train_step`` makes a new version (not timed); then, in an
-order that alternates from round to round, the two syncs are timed from the driver's side:
+order that rotates from round to round, the three syncs are timed from the driver's side:
 
 - local: the node-0 replica's ``sync`` (it copies the version out of the learner's
   shared-memory store and loads it into its model);
 - cross-host: the relay's ``sync`` (it asks the learner's version, pulls the weights over tcp as
   tensor frames, republishes them into node 1's store), then the node-1 replica's ``sync``:
   exactly what ``WeightSync`` does after a step; the relay's part is reported on its own
-  (``relay_pull``).
+  (``relay_pull``);
+- cross-host broadcast: the same on node 2, the relay receiving the learner's broadcast
+  (``relay_broadcast`` its part).
 
 Each is checked to end at the round's version. Medians over ``--rounds`` rounds (after one
 untimed round), for two models built from configs (no download): the arith example's GPT-2
@@ -94,11 +98,17 @@ _ROLES: dict[str, tuple[int, str, dict[str, Any]]] = {
     # No polling: every pull is one the timed sync makes.
     "relay": (1, "asyncrl.roles.relay:Relay", {"source": "learner", "poll_s": 0}),
     "rollout1": (1, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
+    "relay_broadcast": (
+        2,
+        "asyncrl.roles.relay:Relay",
+        {"source": "learner", "poll_s": 0, "transport": "broadcast"},
+    ),
+    "rollout2": (2, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
 }
 
 
 def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[ChildSpec]:
-    """The four roles, each on its node: its run directory and its host id."""
+    """The six roles, each on its node: its run directory and its host id."""
     endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in _ROLES}
     groups = {name: GroupInfo([e], liveness=LIVENESS) for name, e in endpoints.items()}
     children = []
@@ -162,19 +172,25 @@ async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, li
     dispatcher = Dispatcher(groups, run=RUN)
     dispatcher.start()
     ctx = Context(dispatcher, run=RUN, run_dir=base, log=None)
-    paths = {"local": ("rollout0",), "cross_host": ("relay", "rollout1")}
-    times: dict[str, list[float]] = {"local": [], "cross_host": [], "relay_pull": []}
+    paths = {
+        "local": ("rollout0",),
+        "cross_host": ("relay", "rollout1"),
+        "cross_host_broadcast": ("relay_broadcast", "rollout2"),
+    }
+    relay_part = {"cross_host": "relay_pull", "cross_host_broadcast": "relay_broadcast"}
+    times: dict[str, list[float]] = {k: [] for k in [*paths, *relay_part.values()]}
     try:
         for step in range(1, rounds + 2):
             batch = _demo(step, int(model["vocab_size"]))
             result = await ctx.learner.call("train_step", batch, StepResult, timeout=600)
-            order = list(paths) if step % 2 else list(reversed(paths))
+            kinds = list(paths)
+            order = kinds[step % 3 :] + kinds[: step % 3]  # each kind goes first in turn
             for kind in order:
                 seconds = await _timed(ctx, paths[kind], result.version)
                 if step > 1:  # the first round warms up
                     times[kind].append(sum(seconds))
-                    if kind == "cross_host":
-                        times["relay_pull"].append(seconds[0])
+                    if kind in relay_part:
+                        times[relay_part[kind]].append(seconds[0])
     finally:
         await dispatcher.close()
         supervisor.stop("benchmark done")
@@ -184,7 +200,8 @@ async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, li
 
 def weight_sync(model: dict[str, Any], rounds: int) -> dict[str, float]:
     """Median sync times of ``model`` over ``rounds`` rounds, in ms: ``local``,
-    ``cross_host``, and the relay's part of it, ``relay_pull``."""
+    ``cross_host`` and ``cross_host_broadcast``, and the relay's part of each, ``relay_pull``
+    and ``relay_broadcast``."""
     base = tempfile.mkdtemp(prefix="arl-mn-")
     try:
         times = run(_rounds(base, model, rounds))
@@ -229,6 +246,13 @@ def measure(
         "weight_sync_100m_ms_p50_cross_host": big["cross_host"],
         "weight_sync_ms_p50_relay_pull": arith["relay_pull"],
         "weight_sync_100m_ms_p50_relay_pull": big["relay_pull"],
+        "weight_sync_ms_p50_cross_host_broadcast": arith["cross_host_broadcast"],
+        "weight_sync_100m_ms_p50_cross_host_broadcast": big["cross_host_broadcast"],
+        "weight_sync_ms_p50_relay_broadcast": arith["relay_broadcast"],
+        "weight_sync_100m_ms_p50_relay_broadcast": big["relay_broadcast"],
+        # Below 1: the broadcast is faster than the tcp pull, measured in the same rounds.
+        "weight_sync_broadcast_ratio": arith["cross_host_broadcast"] / arith["cross_host"],
+        "weight_sync_100m_broadcast_ratio": big["cross_host_broadcast"] / big["cross_host"],
         "weight_sync_arith_params": parameters(ARITH),
         "weight_sync_100m_params": parameters(GPT2_100M),
         "weight_sync_rounds": rounds,
@@ -241,14 +265,17 @@ def format_table(f: dict[str, Any]) -> str:
         ("arith model", f["weight_sync_arith_params"], "weight_sync_ms_p50"),
         ("GPT-2 100M", f["weight_sync_100m_params"], "weight_sync_100m_ms_p50"),
     ]
+    kinds = ("local", "cross_host", "relay_pull", "cross_host_broadcast", "relay_broadcast")
+    heads = ("local (shm)", "cross-host", "relay pull", "broadcast", "relay bcast")
     lines = [
-        "asyncrl multinode benchmark: weight sync after a step (p50), two simulated hosts",
+        "asyncrl multinode benchmark: weight sync after a step (p50), three simulated hosts",
+        "(cross-host: the relay's tcp pull; broadcast: the plugin's, gloo here)",
         "",
-        f"{'model':<14}{'parameters':>14}{'local (shm)':>14}{'cross-host':>14}{'relay pull':>14}",
+        f"{'model':<14}{'parameters':>14}" + "".join(f"{h:>14}" for h in heads),
     ]
     for label, params, key in rows:
-        local, cross, pull = (f[f"{key}_{k}"] for k in ("local", "cross_host", "relay_pull"))
-        lines.append(f"{label:<14}{params:>14,}{local:>11.1f} ms{cross:>11.1f} ms{pull:>11.1f} ms")
+        cells = "".join(f"{f[f'{key}_{k}']:>11.1f} ms" for k in kinds)
+        lines.append(f"{label:<14}{params:>14,}{cells}")
     if "one_node_wall_s" in f:
         lines += [
             "",

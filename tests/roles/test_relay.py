@@ -492,10 +492,18 @@ def test_the_benchmarks_parameter_count_is_the_built_models() -> None:
 
 
 @pytest.mark.slow
-def test_the_benchmark_syncs_both_paths_to_each_rounds_version() -> None:
+def test_the_benchmark_syncs_every_path_to_each_rounds_version() -> None:
     """Two rounds of ``asyncrl bench multinode``'s weight sync on the arith model: every sync
-    must end at the round's version (the benchmark raises otherwise)."""
+    (local, the relay's tcp pull, the relay's broadcast) must end at the round's version (the
+    benchmark raises otherwise)."""
     figures = multinode.weight_sync(multinode.ARITH, 1)
-    assert sorted(figures) == ["cross_host", "local", "relay_pull"]
+    assert sorted(figures) == [
+        "cross_host",
+        "cross_host_broadcast",
+        "local",
+        "relay_broadcast",
+        "relay_pull",
+    ]
     assert 0 < figures["relay_pull"] < figures["cross_host"]
+    assert 0 < figures["relay_broadcast"] < figures["cross_host_broadcast"]
     assert figures["local"] > 0
