@@ -48,6 +48,7 @@ from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.plugins.registry import device_for, dtype_for, sharding_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles import algorithms as alg
+from asyncrl.roles import sharding as sh
 from asyncrl.roles.batching import (
     batch_moments,
     check_norm_len,
@@ -85,16 +86,6 @@ from asyncrl.roles.objective import (
 )
 from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.rollout import WeightsUpdate
-from asyncrl.roles.sharding import (
-    empty_pretrained,
-    full_tensor,
-    keep_pace,
-    load_pretrained_shards,
-    load_training_state,
-    placed,
-    shard,
-    training_state,
-)
 from asyncrl.trace import traced
 
 __all__ = [
@@ -210,10 +201,10 @@ class Learner(WeightBroadcast, Role):
         # differ from its behaviour log-probs under the very same weights.
         # A sharded rank builds a pretrained model empty, then reads only its own slices.
         if self.sharded and cfg.model_path:
-            model = empty_pretrained(cfg.model_path)
+            model = sh.empty_pretrained(cfg.model_path)
         else:
             model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
-        self.model = placed(model, self.device, storage).train(cfg.dropout)
+        self.model = sh.placed(model, self.device, storage).train(cfg.dropout)
         # The published tensors' names, dtypes and shapes, whole (sharding splits them).
         self.template = {
             name: torch.empty(
@@ -234,7 +225,7 @@ class Learner(WeightBroadcast, Role):
         """FSDP2 over the data-parallel group (``asyncrl.roles.sharding``); the optimizer is
         made again over the sharded parameters."""
         assert self.dp is not None
-        shard(
+        sh.shard(
             self.model,
             sharding_for(self.plugin),
             self.dp.world,
@@ -242,7 +233,7 @@ class Learner(WeightBroadcast, Role):
         )
         if self.config.model_path:
             path, rank, world = self.config.model_path, self.dp.rank, self.dp.world
-            load_pretrained_shards(self.model, path, rank, world, self.device)
+            sh.load_pretrained_shards(self.model, path, rank, world, self.device)
         self._make_optimizer()
 
     async def teardown(self) -> None:
@@ -456,11 +447,7 @@ class Learner(WeightBroadcast, Role):
             out += self._logprobs([mine[i].sample for i in chunk])
         if self.sharded:
             assert self.dp is not None
-            with torch.no_grad():
-                budget, pad = self.config.micro_batch_tokens, self.config.pad_id
-                keep_pace(
-                    self.model, samples, self.dp, budget, len(chunks), pad_id=pad, backward=False
-                )
+            sh.keep_pace(self.model, samples, self.dp, self.config, len(chunks), backward=False)
         if self.dp is None:
             return out
         return self.dp.gather_rows(out, shares, [len(s.sample.token_ids) for s in samples])
@@ -498,10 +485,7 @@ class Learner(WeightBroadcast, Role):
                 sums[key] = sums.get(key, 0.0) + value * weight
         if self.sharded:
             assert self.dp is not None
-            budget = cfg.micro_batch_tokens
-            keep_pace(
-                self.model, samples, self.dp, budget, len(chunks), pad_id=cfg.pad_id, backward=True
-            )
+            sh.keep_pace(self.model, samples, self.dp, cfg, len(chunks), backward=True)
             # Every rank runs the BC term's passes (collectives), each a 1/world share of it.
             bc = self._bc_term(demos, 1.0 / self.dp.world)
             if self.dp.rank == 0:
@@ -510,7 +494,7 @@ class Learner(WeightBroadcast, Role):
             sums.update(self._bc_term(demos))
         if self.dp is not None and not self.sharded:  # sharded: FSDP reduce-scatters them
             self.dp.all_reduce_grads(self.model.parameters())
-        grad_norm = full_tensor(
+        grad_norm = sh.full_tensor(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         )
         lr = float(self.scheduler.get_last_lr()[0])
@@ -559,7 +543,7 @@ class Learner(WeightBroadcast, Role):
         # A sharded rank saves its own shards: ranks need no shared disk.
         world = self.dp.world if self.sharded and self.dp is not None else None
         state = {
-            **training_state(self.model, self.optimizer, world),
+            **sh.training_state(self.model, self.optimizer, world),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "step": self.step,
@@ -572,7 +556,7 @@ class Learner(WeightBroadcast, Role):
     def _load(self, path: str) -> None:
         state = CheckpointDir.load(path)
         world = self.dp.world if self.sharded and self.dp is not None else None
-        load_training_state(self.model, self.optimizer, state, world)
+        sh.load_training_state(self.model, self.optimizer, state, world)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         self.step = state["step"]

@@ -33,6 +33,7 @@ import torch
 
 from asyncrl.roles.batching import micro_batches
 from asyncrl.roles.data_parallel import DataParallel, share_out
+from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.payloads import Scored
 
 __all__ = [
@@ -168,16 +169,17 @@ def keep_pace(
     model: torch.nn.Module,
     samples: Sequence[Scored],
     dp: DataParallel,
-    budget: int,
+    cfg: LearnerConfig,
     done: int,
     *,
-    pad_id: int,
     backward: bool,
 ) -> None:
-    """After this rank's ``done`` passes over its share of ``samples``, the ``idle_pass``es
-    that bring it to ``lockstep_passes``: as many passes as the busiest rank's."""
-    for _ in range(lockstep_passes(samples, dp, budget) - done):
-        idle_pass(model, pad_id, backward=backward)
+    """After this rank's ``done`` passes over its share of ``samples`` (in micro-batches of
+    ``cfg.micro_batch_tokens``), the ``idle_pass``es that bring it to ``lockstep_passes``: as
+    many passes as the busiest rank's; without ``backward``, under ``no_grad``."""
+    with contextlib.nullcontext() if backward else torch.no_grad():
+        for _ in range(lockstep_passes(samples, dp, cfg.micro_batch_tokens) - done):
+            idle_pass(model, cfg.pad_id, backward=backward)
 
 
 def _local(value: Any) -> Any:
@@ -335,7 +337,7 @@ def _parameters_on_meta() -> Iterator[None]:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
