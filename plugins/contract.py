@@ -4,7 +4,9 @@ A plugin is an object with the attributes of ``Plugin``: its device and memory (
 communication (``Communication``), operators (``Operators``: a fast set, and a reference set
 the self-check compares it with), compilation (``Compiler``) and profiling (``Profiler``). Each
 part is a ``typing.Protocol``: a vendor implements them with plain classes, inheriting nothing.
-Roles reach a plugin only through ``asyncrl.plugins.registry`` and these types (docs/plugins.md).
+A sharded learner also asks for a mesh and a precision (``Sharding``, optional). Roles reach a
+plugin only through ``asyncrl.plugins.registry`` and these types, and the errors the contract
+names (``CollectiveTimeoutError``, re-exported here) (docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 import torch
 
+from asyncrl.plugins.errors import CollectiveTimeoutError
+
 __all__ = [
+    "CollectiveTimeoutError",
     "Communication",
     "Compiler",
     "Device",

@@ -69,7 +69,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from asyncrl.errors import AsyncrlError, ConfigProblem, StallError, TornReadError
-from asyncrl.plugins.errors import CollectiveTimeoutError
+from asyncrl.plugins.contract import CollectiveTimeoutError
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.learner_weights import READY, BucketTable, Rendezvous, remaining
