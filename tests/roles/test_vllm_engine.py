@@ -408,6 +408,10 @@ def test_bench_rollout_prints_both_engines_as_one_json_object(
     ratio = row["vllm_tokens_per_s"] / row["hf_tokens_per_s"]
     assert abs(row["vllm_over_hf"] - ratio) <= 0.01 + 1e-9
     assert row["hf_weight_swap_ms_p50"] > 0 and row["vllm_weight_swap_ms_p50"] > 0
+    swap = row["vllm_weight_swap_ms_p50"] / row["hf_weight_swap_ms_p50"]
+    assert abs(row["vllm_swap_over_hf"] - swap) <= 0.01 + 1e-9
+    assert row["vllm_reload_swap_ms_p50"] > 0
+    assert (row["workload"]["swaps"], row["workload"]["rounds"]) == (5, 1)
 
 
 # -- Qwen2, Qwen3 and Llama-3 ------------------------------------------------------------------
