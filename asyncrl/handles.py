@@ -108,11 +108,13 @@ class Handle:
         timeout: float = DEFAULT_TIMEOUT_S,
         key: Any = None,
         affinity: Any = None,
+        replica: int | None = None,
     ) -> Any:
         """Call ``method`` on whichever replica has room; return its reply.
 
         Calls with the same ``affinity`` key prefer the replica the first of them went to
-        (an idle replica still steals them; see ``asyncrl.scheduler``).
+        (an idle replica still steals them; see ``asyncrl.scheduler``). ``replica`` sends the
+        call to that replica only (one that alone can answer it: a sharded learner's first).
 
         Raises:
             DeadlineExceededError: no reply within ``timeout`` seconds (names role and replica).
@@ -120,7 +122,9 @@ class Handle:
             BrokenError: a once endpoint's replica died with the call in flight.
             RoleDeadError: the run is shutting down; nothing will answer the call.
         """
-        work = self._work(method, payload, reply_type, timeout, key=key, affinity=affinity)
+        work = self._work(
+            method, payload, reply_type, timeout, key=key, affinity=affinity, target=replica
+        )
         self._group.submit(work)
         return await self._outcome(work.future)
 

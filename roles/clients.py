@@ -183,16 +183,19 @@ class LearnerClient:
                 pause = min(2 * pause, 1.0)
 
     async def export(self, path: str) -> str:
-        """Write the policy in Hugging Face format under ``path`` (inside the run directory)."""
-        out: str = await self.handle.call("export", path, str, timeout=LONG_S)
+        """Write the policy in Hugging Face format under ``path`` (inside the run directory).
+        Replica 0 answers: the publisher, the one replica whose weights are whole when the
+        replicas shard the model (``parallel: fsdp``)."""
+        out: str = await self.handle.call("export", path, str, timeout=LONG_S, replica=0)
         return out
 
     async def weights(self) -> WeightsUpdate:
-        """The current weights, with their version (tensors: loads torch in this process)."""
+        """The current weights, with their version (tensors: loads torch in this process), from
+        replica 0, as ``export``."""
         from asyncrl.roles.rollout import WeightsUpdate
 
         update: WeightsUpdate = await self.handle.call(
-            "weights", None, WeightsUpdate, timeout=LONG_S
+            "weights", None, WeightsUpdate, timeout=LONG_S, replica=0
         )
         return update
 

@@ -190,6 +190,20 @@ def test_call_returns_the_reply_and_broadcast_answers_in_replica_order(run_dir: 
     run(main())
 
 
+def test_a_call_for_one_replica_goes_to_that_replica_only(run_dir: str) -> None:
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 3)
+        replicas = [await FakeReplica(ep, i, capacity=2).start() for i, ep in enumerate(endpoints)]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await ready(g, group)
+            calls = [g.call("work", n, replica=target) for n in range(4) for target in (0, 2)]
+            replies = await asyncio.wait_for(asyncio.gather(*calls), WAIT_S)
+            assert [index for index, _ in replies] == [0, 2] * 4
+            assert [payload for _, payload in replies] == [n for n in range(4) for _ in (0, 2)]
+
+    run(main())
+
+
 def test_a_fast_replica_takes_more(run_dir: str) -> None:
     """The slow replica keeps its four calls until the fast one has done all the rest."""
 
