@@ -114,8 +114,10 @@ def buckets(
 
 def _packed_layers(model: Any) -> list[tuple[Any, bool]] | None:
     """The layers of ``model`` whose weights vLLM's CPU backend packed for its GEMM kernels,
-    each with whether the plain weight was dropped; None when one of them was packed by a
-    method the in-place path does not know how to redo (or its shapes were not recorded).
+    each with whether the plain weight was dropped; None when the in-place path cannot load
+    ``model``: a layer has a weight method other than the unquantized linear and embedding
+    ones (a quantized or MoE layer may keep its weights in a layout of its own, on any device),
+    or a dropped weight's shape was not recorded.
 
     vLLM's CPU ``process_weights_after_loading`` hands an unquantized linear layer's weight to
     a oneDNN (or sgl) handler that keeps its own packed copy and replaces ``weight`` with an
@@ -130,16 +132,19 @@ def _packed_layers(model: Any) -> list[tuple[Any, bool]] | None:
 
     layers = []
     for module in model.modules():
-        if not hasattr(module, "cpu_linear"):
-            continue
         method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
         if isinstance(method, UnquantizedLinearMethod):
+            if not hasattr(module, "cpu_linear"):
+                continue
             info = LAYERWISE_INFO.get(module)
             if info is None or "weight" not in info.restore_metadata[0]:
                 return None
             layers.append((module, True))
         elif isinstance(method, UnquantizedEmbeddingMethod):
-            layers.append((module, False))
+            if hasattr(module, "cpu_linear"):
+                layers.append((module, False))
         else:
             return None
     return layers
@@ -147,7 +152,7 @@ def _packed_layers(model: Any) -> list[tuple[Any, bool]] | None:
 
 def _can_load_in_place(worker: Any) -> bool:
     """Run on vLLM's worker: whether its model takes ``_load_in_place`` (unquantized, and every
-    packed layer of a kind ``_packed_layers`` knows)."""
+    layer's weight method one ``_packed_layers`` knows)."""
     model = worker.model_runner.get_model()
     return worker.vllm_config.quant_config is None and _packed_layers(model) is not None
 
