@@ -159,10 +159,15 @@ def _can_load_in_place(worker: Any) -> bool:
 
 def _load_in_place(worker: Any, groups: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
     """Run on vLLM's worker: load every group of (HF name, tensor) pairs with the model's own
-    ``load_weights``, then pack again the layers whose packed weights the load made stale.
+    ``load_weights``, and pack again the layers whose packed weights the load made stale.
 
-    The groups must hold every tensor of the model: a packed layer gets a fresh, uninitialised
-    plain weight for the load, which the state must fill.
+    A layer whose plain weight vLLM dropped gets it back only when its first tensor arrives,
+    and is packed (and drops it again) as soon as its last one is in: beyond the model, one
+    layer's plain weight is held at a time, not a second copy of all of them.
+
+    Raises:
+        RuntimeError: the groups left a packed layer's weight incomplete (a state must hold
+            every tensor of the model).
     """
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -170,28 +175,58 @@ def _load_in_place(worker: Any, groups: Iterator[list[tuple[str, torch.Tensor]]]
         LAYERWISE_INFO,
         _get_original_loader,
     )
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.meta import (
+        materialize_meta_tensor,
+        to_meta_tensor,
+    )
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
     model = worker.model_runner.get_model()
     layers = _packed_layers(model)
     assert layers is not None  # checked by _can_load_in_place when the engine was built
+    loaded: dict[Any, int] = {}  # a dropped layer -> elements of its weight loaded so far
+
+    def packing_loader(module: Any, original: Callable[..., Any], total: int) -> Any:
+        def load(param: Any, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            weight = module.weight
+            if weight.is_meta:
+                # It keeps this loader: a model may look its parameters up again per tensor.
+                weight = materialize_meta_tensor(param)
+                del module.weight
+                module.register_parameter("weight", weight)
+            result = original(weight, loaded_weight, *args, **kwargs)
+            loaded[module] += loaded_weight.numel()
+            if loaded[module] >= total:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=True)
+                del loaded[module]
+            return result
+
+        return load
+
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         for module, dropped in layers:
             if dropped:
                 # The parameter as the model built it (shape, loader), from the metadata vLLM
-                # recorded for reloads; a reload may have left its loader wrapped.
-                meta = restore_layer_refs(
-                    LAYERWISE_INFO[module].restore_metadata[0]["weight"], module
-                )
-                weight = materialize_meta_tensor(meta)
-                weight.weight_loader = _get_original_loader(weight)
+                # recorded for reloads (a copy: a reload may wrap that one's loader), on the
+                # meta device until its first tensor arrives.
+                recorded = LAYERWISE_INFO[module].restore_metadata[0]["weight"]
+                meta = to_meta_tensor(restore_layer_refs(recorded, module))
+                original = _get_original_loader(meta)
+                meta.weight_loader = packing_loader(module, original, meta.numel())
                 del module.weight
-                module.register_parameter("weight", weight)
+                module.register_parameter("weight", meta)
+                loaded[module] = 0
         # One pass over all groups: vLLM checks per call that a tied head's source is loaded.
         model.load_weights(itertools.chain.from_iterable(groups))
+        if loaded:
+            names = sorted(type(m).__name__ for m in loaded)
+            raise RuntimeError(
+                f"vLLM in-place load: {len(loaded)} packed layers got only part of their "
+                f"weight ({', '.join(names[:3])}, ...); the state must hold every tensor"
+            )
         for module, dropped in layers:
-            dispatch_cpu_unquantized_gemm(module, remove_weight=dropped)
+            if not dropped:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def import_vllm() -> Any:
