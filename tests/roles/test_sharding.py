@@ -151,6 +151,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # four learner processes, one after the other
 def test_two_sharded_ranks_take_one_learners_step_and_resume_from_their_shards(
     tmp_path: Any,
 ) -> None:
@@ -227,6 +228,7 @@ def test_two_sharded_ranks_of_a_300m_qwen2_each_hold_well_under_one_ranks_memory
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_sharded_ranks_read_only_their_slices_of_a_pretrained_checkpoint(tmp_path: Any) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -259,6 +261,7 @@ def test_sharded_ranks_read_only_their_slices_of_a_pretrained_checkpoint(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_run_with_two_sharded_learners_survives_their_crash(run_dir: str) -> None:
     """``asyncrl run`` with two ``parallel: fsdp`` learners under ``one_for_all``: GRPO on the
     arithmetic task through the real runtime, the rollout fed by the shards gathered bucket by
