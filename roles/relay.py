@@ -60,7 +60,7 @@ import datetime
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -428,16 +428,7 @@ class Relay(Role):
             s.name: torch.empty(s.shape, dtype=dtypes[s.dtype], device="meta")
             for s in table.tensors
         }
-        fresh = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
-        try:
-            fresh.publish_buckets(buckets, table.version)
-            write_handle(handle_path(self.ctx.run_dir, self.config.source), fresh.describe())
-        except BaseException:
-            fresh.close()
-            raise
-        self.store = fresh
-        if store is not None:
-            store.close()
+        self._replace_store(template, buckets, table.version)
 
     def _publish(self, update: WeightsUpdate) -> None:
         """Republish ``update`` into this host's store and point the handle at it. A first
@@ -449,16 +440,27 @@ class Relay(Role):
         if store is not None and update.version > store.version and _fits(store, update):
             store.publish(update.state, update.version)
             return
-        fresh = WeightStore(update.state, run=self.ctx.run, incarnation=self.ctx.incarnation)
+        self._replace_store(update.state, [update.state], update.version)
+
+    def _replace_store(
+        self,
+        template: Mapping[str, torch.Tensor],
+        buckets: Iterable[Mapping[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Publish ``version`` from ``buckets`` into a new store laid out as ``template``,
+        point the handle at it, then close the old one; a failure closes the new one and
+        keeps the old."""
+        fresh = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
         try:
-            fresh.publish(update.state, update.version)
+            fresh.publish_buckets(buckets, version)
             write_handle(handle_path(self.ctx.run_dir, self.config.source), fresh.describe())
         except BaseException:
             fresh.close()
             raise
-        self.store = fresh
-        if store is not None:
-            store.close()
+        old, self.store = self.store, fresh
+        if old is not None:
+            old.close()
 
     async def _retrying(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
         """``await attempt()``, tried again while it fails with a recoverable error (the
