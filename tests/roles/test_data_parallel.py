@@ -118,25 +118,33 @@ asyncio.run(main())
 """
 
 
-def _two_ranks(tmp_path: Any) -> list[dict[str, Any]]:
-    run_dir, out = str(tmp_path / "run"), str(tmp_path)
+def run_ranks(
+    script: str, args: list[str], report: str, *, ranks: int = 2, timeout: float = 180
+) -> list[dict[str, Any]]:
+    """Run ``script`` once per rank (``python -c script RANK *args``), each in its own
+    process, and return the JSON each wrote to ``report.format(rank=...)``."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), run_dir, out],
+            [sys.executable, "-c", script, str(rank), *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in range(2)
+        for rank in range(ranks)
     ]
-    errors = [p.communicate(timeout=180)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errors)
+    errors = [p.communicate(timeout=timeout)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * ranks, "\n".join(e[-3000:] for e in errors)
     reports = []
-    for rank in range(2):
-        with open(os.path.join(out, f"rank{rank}.json")) as f:
+    for rank in range(ranks):
+        with open(report.format(rank=rank)) as f:
             reports.append(json.load(f))
     return reports
+
+
+def _two_ranks(tmp_path: Any) -> list[dict[str, Any]]:
+    run_dir, out = str(tmp_path / "run"), str(tmp_path)
+    return run_ranks(RANK_SCRIPT, [run_dir, out], os.path.join(out, "rank{rank}.json"))
 
 
 def _one_learner(tmp_path: Any) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -18,8 +16,7 @@ import torch
 from asyncrl.role import RoleContext
 from asyncrl.roles.learner import Learner
 from asyncrl.roles.sharding import blocks
-from tests.conftest import ROOT
-from tests.roles.test_data_parallel import CONFIG, batches
+from tests.roles.test_data_parallel import CONFIG, batches, run_ranks
 
 # Demonstrations and a BC term too: the sharded ranks share it out. Activation checkpointing
 # (only sharded ranks use it) recomputes the blocks' activations to the same values.
@@ -113,23 +110,8 @@ def _two_ranks(
 ) -> list[dict[str, Any]]:
     run_dir, out = str(tmp_path / f"run-{parallel}"), str(tmp_path)
     argv = [run_dir, out, parallel, json.dumps(extra or {})]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), *argv],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errors)
-    reports = []
-    for rank in range(2):
-        with open(os.path.join(out, f"{parallel}{rank}.json")) as f:
-            reports.append(json.load(f))
-    return reports
+    report = os.path.join(out, f"{parallel}{{rank}}.json")
+    return run_ranks(RANK_SCRIPT, argv, report, timeout=300)
 
 
 def _one_learner(
