@@ -77,17 +77,25 @@ def one_node(root: str, tmp: str) -> float:
     return time.perf_counter() - start
 
 
-def two_nodes(root: str, tmp: str, overrides: tuple[str, ...] = SHORT) -> float:
+def two_nodes(
+    root: str, tmp: str, overrides: tuple[str, ...] = SHORT, *, one_host: bool = False
+) -> float:
     """Seconds for the manifest with ``overrides`` (the shortened one by default) on two
-    simulated nodes (torchrun, 127.0.0.1); the run directory is ``tmp/two``."""
+    simulated nodes (torchrun, 127.0.0.1); the run directory is ``tmp/two``. Node 1 is a host
+    of its own (``ASYNCRL_HOST_ID``) unless ``one_host``: then both nodes share this host.
+
+    Raises:
+        RuntimeError: a node exited with an error (the end of its log is in the message).
+    """
     run_dir = os.path.join(tmp, "two")
     shutil.rmtree(run_dir, ignore_errors=True)
     port = free_port()
     procs, logs = [], []
     start = time.perf_counter()
     for node in (0, 1):
-        env = {**os.environ, "PYTHONPATH": root}
-        if node == 1:
+        env = {k: v for k, v in os.environ.items() if k != HOST_ID_ENV}
+        env["PYTHONPATH"] = root
+        if node == 1 and not one_host:
             env[HOST_ID_ENV] = "node1"
         argv = [
             os.path.join(os.path.dirname(sys.executable), "torchrun"),
