@@ -65,6 +65,7 @@ from asyncrl.roles.payloads import Scored
 
 __all__ = [
     "GLOBAL_METRICS",
+    "LEARNER_HINT",
     "PREFIX_ENV",
     "STORE_ENV",
     "DataParallel",
@@ -83,6 +84,12 @@ STORE_ENV = "ASYNCRL_DIST_STORE"
 """``HOST:PORT`` of a TCPStore already serving (torchrun's); unset: a FileStore in the run dir."""
 PREFIX_ENV = "ASYNCRL_DIST_PREFIX"
 """The key prefix of this run's attempt in that store (run id and restart count)."""
+
+LEARNER_HINT = (
+    "every replica must get every train_step and checkpoint (LearnerClient broadcasts them; "
+    "a plain call reaches one replica only)"
+)
+"""What a failed collective of the learner's group says to check (``DataParallel.hint``)."""
 
 GLOBAL_METRICS = ("grad_norm", "lr")
 """Step metrics every rank computes from the reduced gradients: the same on every rank, so they
@@ -164,9 +171,9 @@ def _store(
 
 @dataclass
 class DataParallel:
-    """This rank's handle on its group: the collectives the learner needs, each bounded by
-    ``timeout_s``. Every method is called by every rank in the same order, from the role's
-    compute thread.
+    """This rank's handle on its group: the collectives a data-parallel learner or critic
+    needs, each bounded by ``timeout_s``. Every method is called by every rank in the same
+    order, by one thread at a time (the role's compute thread).
 
     Attributes:
         name: the learner role's name (in errors).
@@ -175,6 +182,9 @@ class DataParallel:
         timeout_s: the longest any rendezvous or collective may wait.
         device: where the collectives' own tensors live (the plugin's device for its backend).
         comm: the collectives (default: the hardware plugin's, ``registry.current().comm``).
+        broken: why the group broke (a collective failed); empty while it works.
+        hint: what a failed collective's error tells the reader to check (the role's own
+            rule for reaching every rank; the learner's by default).
     """
 
     name: str
@@ -184,6 +194,7 @@ class DataParallel:
     device: str = "cpu"
     comm: Communication = field(default_factory=lambda: current_plugin().comm)
     broken: str = ""
+    hint: str = LEARNER_HINT
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
@@ -256,9 +267,7 @@ class DataParallel:
             self.broken = f"rank {self.rank}: {what} failed ({first})"
             raise DataParallelError(
                 f"{self.name}: {self.broken} in a group of {self.world} (the timeout is "
-                f"{self.timeout_s:g} s): a rank died, or did not take part; "
-                f"every replica must get every train_step and checkpoint (LearnerClient "
-                f"broadcasts them; a plain call reaches one replica only)"
+                f"{self.timeout_s:g} s): a rank died, or did not take part; {self.hint}"
             ) from exc
 
     def all_gather_ints(self, what: str, values: Sequence[int]) -> list[list[int]]:
@@ -287,6 +296,20 @@ class DataParallel:
     def min_int(self, what: str, value: int) -> int:
         """The smallest ``value`` over the ranks."""
         return min(v[0] for v in self.all_gather_ints(what, [value]))
+
+    def broadcast_bytes(self, what: str, data: bytes = b"", src: int = 0) -> bytes:
+        """``src``'s ``data`` on every rank (the others pass nothing): its size, then its
+        bytes as a uint8 tensor, two broadcasts (one when it is empty)."""
+        mine = self.rank == src
+        size = torch.tensor([len(data) if mine else 0], dtype=torch.int64, device=self.device)
+        self._run(f"{what} (its size)", self.comm.broadcast, size, src)
+        n = int(size.item())
+        if not n:
+            return b""
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else None
+        buffer = (torch.empty(n, dtype=torch.uint8) if buffer is None else buffer).to(self.device)
+        self._run(what, self.comm.broadcast, buffer, src)
+        return data if mine else buffer.cpu().numpy().tobytes()
 
     def barrier(self, what: str) -> None:
         """Return once every rank got here."""
@@ -356,18 +379,22 @@ class DataParallel:
         return out
 
     def gather_rows(
-        self, mine: list[list[float]], shares: list[list[int]], lengths: Sequence[int]
+        self,
+        mine: list[list[float]],
+        shares: list[list[int]],
+        lengths: Sequence[int],
+        what: str = "the proximal log-probs' all-gather",
     ) -> list[list[float]]:
         """Rows computed in shares, put together: ``mine`` are this rank's rows (one per index
         of ``shares[rank]``, of ``lengths[index]`` values each); returns every index's row, in
-        index order, as every rank computed them."""
+        index order, as every rank computed them. ``what`` names the gather in errors."""
         totals = [sum(lengths[i] for i in share) for share in shares]
         width = max(max(totals), 1)
         flat = torch.zeros(width, dtype=torch.float64)
         values = [v for row in mine for v in row]
         flat[: len(values)] = torch.tensor(values, dtype=torch.float64)
         flat = flat.to(self.device)
-        out = self._run("the proximal log-probs' all-gather", self.comm.all_gather, flat)
+        out = self._run(what, self.comm.all_gather, flat)
         out = [t.cpu() for t in out]
         rows: list[list[float]] = [[] for _ in lengths]
         for share, t in zip(shares, out, strict=True):

@@ -27,16 +27,16 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from asyncrl.roles.batching import micro_batches
 from asyncrl.roles.data_parallel import DataParallel, share_out
-from asyncrl.roles.learner_config import LearnerConfig
 from asyncrl.roles.payloads import Scored
 
 __all__ = [
+    "PaceSettings",
     "ShardingError",
     "blocks",
     "empty_pretrained",
@@ -53,6 +53,21 @@ __all__ = [
     "shard",
     "training_state",
 ]
+
+
+class PaceSettings(Protocol):
+    """What ``keep_pace`` reads of a role's config (the learner's and the critic's have both).
+
+    Attributes:
+        micro_batch_tokens: prompt and completion tokens per forward pass.
+        pad_id: the token id of padding.
+    """
+
+    @property
+    def micro_batch_tokens(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
 
 
 class ShardingError(ValueError):
@@ -169,7 +184,7 @@ def keep_pace(
     model: torch.nn.Module,
     samples: Sequence[Scored],
     dp: DataParallel,
-    cfg: LearnerConfig,
+    cfg: PaceSettings,
     done: int,
     *,
     backward: bool,
