@@ -13,8 +13,10 @@ kills the process with SIGKILL after every 40th completed ``work`` call, in each
 incarnations (so the run ends).
 
 ``kill_at`` kills the process at a named point inside a role's own code, reached through
-``FaultPlan.at(point)``: the learner names ``checkpoint_write`` (half of a checkpoint written,
-not yet renamed into place) and ``after_checkpoint`` (a step saved, its reply not yet sent).
+``FaultPlan.at(point)``: the learner names ``mid_step`` (a step trained, nothing of it on
+disk), ``after_log`` (a step durable, its reply not yet sent), ``checkpoint_write`` (a
+checkpoint's files written, not yet marked complete: in the background with ``durable: wal``)
+and ``replay_step`` (a restarted learner replaying its write-ahead log).
 """
 
 from __future__ import annotations

@@ -14,10 +14,14 @@ on twice. The conventions (GRPO's std, a group of one, the log-ratio clamp, ``no
 whitening, the KL penalty in the reward, decoupled PPO's proximal policy, sequence-level
 importance ratios) are in docs/algorithms.md.
 
-**Durable** (``durable: true``, the default): before ``train_step`` replies, the step's line in
-the step log and a checkpoint are on disk, so a restarted learner resumes at its last acknowledged
-step and a re-sent ``TrainBatch.id`` gets that step's result back (docs/reliability.md). ``export``
-writes only inside the run directory or the ``write_paths`` the manifest allows.
+**Durable** (``durable: wal``, the default): before ``train_step`` replies, the step's batch is
+in a write-ahead log on disk, and checkpoints are written in the background every
+``checkpoint_every`` steps or ``checkpoint_every_s`` seconds; a restarted learner loads the newest
+and replays the logged steps after it, so it resumes at its last acknowledged step, bit for bit,
+and a re-sent ``TrainBatch.id`` gets that step's result back (``asyncrl.roles.journal``,
+``asyncrl.roles.learner_durable``, docs/reliability.md). ``durable: checkpoint`` writes a whole
+checkpoint before every reply instead. ``export`` writes only inside the run directory or the
+``write_paths`` the manifest allows.
 
 **Replicas** (``replicas: K``, ``supervision.strategy: one_for_all``) form one torch.distributed
 group: each rank gets the whole batch and trains its token-balanced share of each mini-batch.
@@ -33,7 +37,6 @@ of a sample equals its behaviour log-probs under the same weights.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -59,11 +62,9 @@ from asyncrl.roles.batching import (
     mini_batch_indices,
     pad_batch,
 )
-from asyncrl.roles.checkpoints import CheckpointDir, StepLog, rng_state, set_rng_state
 from asyncrl.roles.data_parallel import (
     DataParallel,
     DataParallelError,
-    agree_checkpoint,
     check_restored,
     fingerprint,
     join_role,
@@ -72,6 +73,7 @@ from asyncrl.roles.data_parallel import (
 )
 from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.learner_config import LearnerConfig
+from asyncrl.roles.learner_durable import DurableSteps
 from asyncrl.roles.learner_export import export_pretrained, writable
 from asyncrl.roles.learner_weights import PublishedWeights, WeightBroadcast
 from asyncrl.roles.objective import ALGORITHMS as _ALGORITHMS
@@ -118,7 +120,7 @@ def build_model(model_path: str, model_config: dict[str, Any], seed: int) -> Any
     return auto.from_config(config)
 
 
-class Learner(WeightBroadcast, Role):
+class Learner(DurableSteps, WeightBroadcast, Role):
     """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
 
     Config = LearnerConfig
@@ -148,19 +150,9 @@ class Learner(WeightBroadcast, Role):
             keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
             if self.sharded:
                 await self.ctx.offload(self._shard)
-        self.checkpoints = CheckpointDir(self.ctx.path("checkpoints"), keep, self.faults)
-        self.step_log = StepLog(
-            os.path.join(
-                self.ctx.run_dir, "ledger", f"{self.ctx.name}.{self.ctx.replica}.steps.jsonl"
-            )
-        )
-        if self.dp is None:
-            latest = self.checkpoints.latest()
-        else:
-            latest = await self.ctx.offload(agree_checkpoint, self.dp, self.checkpoints)
-        if latest is not None:
-            await self.ctx.offload(self._load, latest)
-        await self.ctx.offload(self._read_step_log)
+        self._open_journal(keep)
+        # The newest checkpoint, then the logged steps after it: only then does it serve.
+        await self.ctx.offload(traced("restore", self._restore))
         if self.dp is not None:
             await self.ctx.offload(
                 check_restored,
@@ -237,6 +229,7 @@ class Learner(WeightBroadcast, Role):
         self._make_optimizer()
 
     async def teardown(self) -> None:
+        await self.ctx.offload(self.journal.close)
         self.published.close()
         if self.dp is not None:
             await self.ctx.offload(self.dp.close)
@@ -285,11 +278,6 @@ class Learner(WeightBroadcast, Role):
             )
         return await self.ctx.offload(self._logprobs, samples)
 
-    @endpoint(Delivery.ONCE)
-    async def checkpoint(self, keep: dict[str, Any]) -> str:
-        self.keep.update(keep)
-        return await self.ctx.offload(traced("checkpoint", self._save))
-
     @endpoint(Delivery.IDEMPOTENT)
     async def export(self, path: str) -> str:
         return await self.ctx.offload(self._export, path)
@@ -303,7 +291,9 @@ class Learner(WeightBroadcast, Role):
             consumed=len(self.consumed),
             keep=self.keep,
             last=self.last,
-            durable=self.config.durable,
+            durable=self.journal.mode != "off",
+            replayed=self.replayed_steps,
+            restored_step=self.restored_step,
             # How GRPO advantages are computed here: a program's sample pipeline attaches
             # advantages computed the same way (asyncrl.roles.pipeline.group_advantages).
             advantages={"normalize_std": self.config.normalize_std, "std": self.config.std},
@@ -340,6 +330,7 @@ class Learner(WeightBroadcast, Role):
         return out
 
     def _train_step(self, batch: TrainBatch) -> StepResult:
+        rng = self._step_rng()
         if batch.id and batch.id == self.last.get("id"):
             # Re-sent after a failure that lost the reply: the step happened; say what it did.
             result = msgspec.convert(self.last["result"], StepResult)
@@ -383,14 +374,9 @@ class Learner(WeightBroadcast, Role):
         result = StepResult(self.version, self.step, len(fresh), skipped, metrics)
         if fresh:
             self.last = {"id": batch.id, "result": msgspec.to_builtins(result)}
-            self._log_step(ids, skipped)
-            every = self.config.checkpoint_every
-            if self.config.durable or (every and self.step % every == 0):
-                traced("checkpoint", self._save)()
-            if self.dp is not None:
-                # No rank publishes nor replies before every rank has the step on disk.
-                self.dp.barrier("the step's checkpoint on every rank")
-            self.faults.at("after_checkpoint")
+            self._durable_step(batch, ids, skipped, rng)
+            if self.replaying:
+                return result
             traced("weight publish", self.published.publish)(self.version)
             if self.share is not None:  # placement.release_when_idle: the cache goes back
                 self.share.idle()
@@ -536,55 +522,6 @@ class Learner(WeightBroadcast, Role):
         loss = nll(self.config, demo_logp, demo_target)
         (coef * share * loss).backward()  # type: ignore[no-untyped-call]
         return {"bc_nll": float(loss.detach())}
-
-    # -- durable state ----------------------------------------------------------------------
-
-    def _save(self) -> str:
-        # A sharded rank saves its own shards: ranks need no shared disk.
-        world = self.dp.world if self.sharded and self.dp is not None else None
-        state = {
-            **sh.training_state(self.model, self.optimizer, world),
-            "scheduler": self.scheduler.state_dict(),
-            "version": self.version,
-            "step": self.step,
-            "keep": self.keep,
-            "last": json.dumps(self.last),
-            "rng": rng_state(),
-        }
-        return self.checkpoints.save(self.step, state)
-
-    def _load(self, path: str) -> None:
-        state = CheckpointDir.load(path)
-        world = self.dp.world if self.sharded and self.dp is not None else None
-        sh.load_training_state(self.model, self.optimizer, state, world)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.version = state["version"]
-        self.step = state["step"]
-        self.keep = state["keep"]
-        self.last = json.loads(state.get("last", "{}"))
-        set_rng_state(state["rng"])
-
-    def _log_step(self, ids: list[tuple[str, int]], skipped: int) -> None:
-        self.step_log.append(
-            {
-                "step": self.step,
-                "version": self.version,
-                "ids": ids,
-                "skipped": skipped,
-                "incarnation": self.ctx.incarnation,
-                "phase": str(self.keep.get("phase", "")),
-            }
-        )
-
-    def _read_step_log(self) -> None:
-        """The ledger from the step log, up to the restored step; the lines past it are cut
-        (those steps will be trained again)."""
-        self.consumed, cut = self.step_log.read(self.step)
-        if cut:
-            self.ctx.log.warning(
-                f"step log: cut {cut} line(s) past the restored step {self.step}: steps that "
-                f"never became durable, to be trained again"
-            )
 
     def _export(self, path: str) -> str:
         where = writable(path, self.ctx.name, self.ctx.run_dir, self.config.write_paths)

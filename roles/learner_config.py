@@ -10,6 +10,7 @@ import msgspec
 
 from asyncrl.roles import algorithms as alg
 from asyncrl.roles.batching import check_norm_len
+from asyncrl.roles.journal import durability
 
 __all__ = ["LearnerConfig"]
 
@@ -67,8 +68,16 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         ppo_epochs: passes over each batch (>= 1). BC takes one pass whatever it says.
         mini_batches: optimizer steps per pass, each on an equal share of the batch's
             shuffled samples (>= 1, at most the batch's samples). BC takes one.
-        checkpoint_every: steps (batches) between checkpoints, when not durable (0: none).
-        durable: every acknowledged step is on disk before the reply.
+        checkpoint_every: steps (batches) between checkpoints with ``durable: wal`` or
+            ``false`` (0: none by count). With ``wal`` it bounds the steps a restart replays.
+        checkpoint_every_s: seconds between those checkpoints, whichever comes first (0: none
+            by time).
+        durable: what is on disk before a step replies (docs/reliability.md): ``wal`` (the
+            step's batch, in a write-ahead log; checkpoints in the background; a restart
+            replays the steps after the newest, bit for bit), ``checkpoint`` (a whole
+            checkpoint before every reply: small models) or ``false`` (nothing: a restarted
+            learner goes back to its last checkpoint and the run fails loudly). ``true`` is
+            ``wal``.
         write_paths: directories besides the run directory that ``export`` may write.
         publish_weights: publish every version to the shared-memory weight store.
         keep_checkpoints: the newest checkpoints kept (at least 2 with data-parallel replicas:
@@ -128,8 +137,9 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     micro_batch_tokens: int = 8192
     ppo_epochs: int = 1
     mini_batches: int = 1
-    checkpoint_every: int = 0
-    durable: bool = True
+    checkpoint_every: int = 100
+    checkpoint_every_s: float = 600.0
+    durable: bool | Literal["wal", "checkpoint"] = "wal"
     write_paths: list[str] = []
     publish_weights: bool = True
     keep_checkpoints: int = 2
@@ -148,6 +158,12 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         _check_at_least_one("ppo_epochs", self.ppo_epochs)
         _check_at_least_one("mini_batches", self.mini_batches)
         _check_at_least_one("bucket_mib", self.bucket_mib)
+        durability(self.durable)
+        if self.checkpoint_every < 0 or self.checkpoint_every_s < 0:
+            raise ValueError(
+                f"checkpoint_every, checkpoint_every_s: expected numbers >= 0, got "
+                f"{self.checkpoint_every!r}, {self.checkpoint_every_s!r}"
+            )
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s: expected a number > 0, got {self.dist_timeout_s!r}")
 

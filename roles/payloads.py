@@ -222,7 +222,10 @@ class LearnerStatus(msgspec.Struct):
         consumed: samples trained on so far (each counted once).
         keep: the program's position, kept with the last step (``TrainBatch.keep``).
         last: the last step: its batch ``id`` and its ``result`` (a ``StepResult`` as a dict).
-        durable: every acknowledged step is on disk before its reply.
+        durable: every acknowledged step is on disk before its reply (``durable: wal`` or
+            ``checkpoint``).
+        replayed: the logged steps it replayed when it last started.
+        restored_step: the step of the checkpoint it loaded when it last started (-1: none).
         advantages: how it computes GRPO advantages (``normalize_std``, ``std``), so a
             program's sample pipeline computes them the same way.
     """
@@ -234,6 +237,8 @@ class LearnerStatus(msgspec.Struct):
     last: dict[str, Any] = {}
     durable: bool = False
     advantages: dict[str, Any] = {}
+    replayed: int = 0
+    restored_step: int = -1
 
 
 class CriticStepResult(msgspec.Struct):

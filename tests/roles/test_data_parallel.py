@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
+from asyncrl.roles.checkpoints import CheckpointDir
 from asyncrl.roles.data_parallel import DataParallelError, fingerprint, token_shares
 from asyncrl.roles.learner import Learner, Scored, TrainBatch
 from asyncrl.roles.rollout import Sample
@@ -48,6 +49,9 @@ CONFIG: dict[str, Any] = {
     # Rounding of float32 sums in another order, amplified by AdamW where a gradient is near
     # zero, moves some parameters by ~1e-5 after a few steps; float64 shows the steps are equal.
     "dtype": "float64",
+    # A whole checkpoint before every reply: these tests go back one checkpoint on a rank
+    # (tests/roles/test_wal.py covers the write-ahead log).
+    "durable": "checkpoint",
 }
 STEPS = 3
 
@@ -241,6 +245,7 @@ def test_a_run_with_two_data_parallel_learners_survives_their_crash(run_dir: str
     overrides = (
         "roles.learner.replicas=2",
         "roles.learner.supervision.strategy=one_for_all",
+        "roles.learner.config.durable=checkpoint",
         f"roles.learner.env.ASYNCRL_FAULTS='{json.dumps(faults)}'",
     )
     result = run_program(run_dir, "grpo", 3, overrides=overrides)
@@ -254,11 +259,8 @@ def test_a_run_with_two_data_parallel_learners_survives_their_crash(run_dir: str
     assert [r["incarnation"] for r in logs[0]] == [0, 1, 1]
     assert result["pipeline"]["consumed_samples"] == 3 * 32
     states = [
-        torch.load(
-            os.path.join(
-                run_dir, "roles", f"learner.{r}", "checkpoints", "step-00000003", "state.pt"
-            ),
-            weights_only=True,
+        CheckpointDir.load(
+            os.path.join(run_dir, "roles", f"learner.{r}", "checkpoints", "step-00000003")
         )["model"]
         for r in range(2)
     ]

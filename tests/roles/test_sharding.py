@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
+from asyncrl.roles.checkpoints import CheckpointDir
 from asyncrl.roles.learner import Learner
 from asyncrl.roles.sharding import blocks
 from tests.roles.test_data_parallel import CONFIG, batches, run_ranks
@@ -257,6 +258,7 @@ def test_a_run_with_two_sharded_learners_survives_their_crash(run_dir: str) -> N
         "roles.learner.supervision.strategy=one_for_all",
         "roles.learner.config.parallel=fsdp",
         "roles.learner.config.bucket_mib=1",
+        "roles.learner.config.durable=checkpoint",
         f"roles.learner.env.ASYNCRL_FAULTS='{json.dumps(faults)}'",
     )
     result = run_program(run_dir, "grpo", 3, overrides=overrides)
@@ -274,11 +276,8 @@ def test_a_run_with_two_sharded_learners_survives_their_crash(run_dir: str) -> N
     assert result["pipeline"]["consumed_samples"] == 3 * 32
     # Each rank's checkpoint holds its own shards of a group of two.
     shards = [
-        torch.load(
-            os.path.join(
-                run_dir, "roles", f"learner.{r}", "checkpoints", "step-00000003", "state.pt"
-            ),
-            weights_only=True,
+        CheckpointDir.load(
+            os.path.join(run_dir, "roles", f"learner.{r}", "checkpoints", "step-00000003")
         )
         for r in range(2)
     ]
