@@ -223,7 +223,7 @@ class Pacer:
             raise ValueError(
                 f"the learner's version went back from {self.version} to {version}: it lost "
                 f"steps it had acknowledged (restarted from an older checkpoint). Keep the "
-                f"learner's 'durable: true' (the default), or resume the run from its checkpoint"
+                f"learner's 'durable: wal' (the default), or resume the run from its checkpoint"
             )
         if version > self.version:
             self.version = version

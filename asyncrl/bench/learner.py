@@ -6,9 +6,10 @@
   step on the same model and batch. Both use one torch thread, both are measured in this run;
   medians over ``--steps`` steps. The target is at most 10% overhead. That learner does not
   checkpoint (``durable: false``).
-- durable step: the same step on a second learner with ``durable: true`` (the default: the step
-  is on disk, fsynced, before the reply), interleaved step by step with the first, so the
-  ratio is the price of never losing an acknowledged step.
+- durable step: the same step on a second learner with ``durable: wal`` (the default: the
+  step's batch is in the write-ahead log, fsynced, before the reply; its checkpoints in the
+  background), interleaved step by step with the first, so the ratio is the price of never
+  losing an acknowledged step.
 - rollout: tokens per second of a supervised rollout replica generating a batch, through a
   handle.
 - data-parallel step (``--data-parallel``; ``measure_data_parallel``): the same GRPO step through
@@ -115,7 +116,7 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
         ),
         "durable": (
             "asyncrl.roles.learner:Learner",
-            {"model_config": MODEL, "lr": 1e-3, "publish_weights": False, "durable": True},
+            {"model_config": MODEL, "lr": 1e-3, "publish_weights": False, "durable": "wal"},
         ),
         "rollout": ("asyncrl.roles.rollout:Rollout", {"model_config": MODEL, "max_batch": 256}),
     }
