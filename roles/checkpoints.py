@@ -51,6 +51,8 @@ __all__ = [
 _PREFIX = "step-"
 _MARKER = "COMPLETE"
 _VALUES = "values.msgpack"
+_LEGACY = "state.pt"
+"""An earlier release's checkpoint: one file, written whole into ``step-N.tmp`` and renamed."""
 _TENSOR = "__tensor__"
 
 
@@ -177,6 +179,8 @@ class CheckpointDir:
     def _problem(self, step: int) -> str | None:
         """Why the checkpoint of ``step`` cannot be loaded, or None: it is complete."""
         where = self._dir(step)
+        if os.path.exists(os.path.join(where, _LEGACY)):
+            return None  # an earlier release's: renamed into place whole
         try:
             with open(os.path.join(where, _MARKER)) as f:
                 files = json.load(f)["files"]
@@ -288,6 +292,11 @@ class CheckpointDir:
         from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+        if os.path.exists(os.path.join(path, _LEGACY)):
+            legacy: dict[str, Any] = torch.load(
+                os.path.join(path, _LEGACY), map_location="cpu", weights_only=True
+            )
+            return legacy
         try:
             with open(os.path.join(path, _VALUES), "rb") as f:
                 values = msgspec.msgpack.decode(f.read())

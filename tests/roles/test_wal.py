@@ -294,3 +294,13 @@ def test_killed_at_every_phase_ends_with_the_parameters_of_a_run_never_killed(
         with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
             assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1)), phase
         shutil.rmtree(run_dir)
+
+
+def test_an_earlier_releases_checkpoint_still_loads(tmp_path: Any) -> None:
+    """One ``state.pt`` renamed into place whole: kept by the sweep and loaded."""
+    os.makedirs(tmp_path / "step-00000004")
+    torch.save({"step": 4, "model": {"w": torch.ones(2)}}, tmp_path / "step-00000004" / "state.pt")
+    dirs = CheckpointDir(str(tmp_path), 2, FaultPlan.from_env(0))
+    dirs.sweep()
+    assert dirs.steps() == [4]
+    assert CheckpointDir.load(dirs.latest() or "")["step"] == 4
