@@ -64,7 +64,7 @@ class Journal:
     Args:
         name: the role's name, for messages.
         checkpoints: where its checkpoints go.
-        step_log: its ledger of consumed ids.
+        step_log: its ledger of consumed ids, if it keeps one.
         wal_path: its write-ahead log's directory.
         mode: ``wal``, ``checkpoint`` or ``off``.
         every: steps between checkpoints (0: none by count).
@@ -77,7 +77,7 @@ class Journal:
         self,
         name: str,
         checkpoints: CheckpointDir,
-        step_log: StepLog,
+        step_log: StepLog | None,
         wal_path: str,
         mode: Durable,
         every: int,
@@ -158,7 +158,8 @@ class Journal:
         result: dict[str, Any],
     ) -> None:
         """Make step ``step`` durable as the mode says (the log before the reply)."""
-        self.step_log.append(record, sync=self.mode != "wal")
+        if self.step_log is not None:
+            self.step_log.append(record, sync=self.mode != "wal")
         if self.wal is not None:
             self.wal.append(StepEntry(step, batch, rng, result))
 
@@ -170,7 +171,8 @@ class Journal:
     def replayed(self, record: dict[str, Any]) -> None:
         """A replayed step: its step-log line, written again (the log past the checkpoint was
         cut when it was read)."""
-        self.step_log.append(record, sync=False)
+        if self.step_log is not None:
+            self.step_log.append(record, sync=False)
 
     def after_step(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
         """Checkpoint after step ``step`` if one is due (``state`` makes what it holds)."""
@@ -198,7 +200,8 @@ class Journal:
     def save_async(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
         """Stage the state of step ``step`` now, and write it in the background."""
         started = time.monotonic()
-        self.step_log.sync()  # the ledger's lines up to the step, durable before its marker
+        if self.step_log is not None:  # its lines up to the step, durable before the marker
+            self.step_log.sync()
         staged = self.checkpoints.stage(step, state())
         if self.wal is not None:  # the steps after it go to a segment of their own
             self.wal.begin_segment(step + 1)

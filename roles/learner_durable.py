@@ -161,6 +161,7 @@ class DurableSteps:
     def _read_step_log(self) -> None:
         """The ledger from the step log, up to the restored step; the lines past it are cut
         (those steps are replayed from the write-ahead log, or trained again)."""
+        assert self.journal.step_log is not None
         self.consumed, cut = self.journal.step_log.read(self.step)
         if cut and self.journal.wal is None:
             self.ctx.log.warning(
