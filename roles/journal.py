@@ -97,6 +97,7 @@ class Journal:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, f"{name}-checkpoint")
         self._pending: concurrent.futures.Future[str] | None = None
         self._pending_step = -1
+        self._skipped_for = -1
         self._saved_step = 0
         self._saved_at = time.monotonic()
         self.faults: FaultPlan = checkpoints.faults
@@ -189,10 +190,12 @@ class Journal:
         if self.dp is not None:  # every rank saves at the same step, or none does
             go = self.dp.min_int("whether to checkpoint", int(go)) == 1
         if not go:
-            if due:
+            if due and self._skipped_for != self._pending_step:  # once per save in progress
+                self._skipped_for = self._pending_step
                 self.log.info(
                     f"{self.name}: checkpoint of step {step} skipped: the save of step "
-                    f"{self._pending_step} is still writing (saves never pile up)"
+                    f"{self._pending_step} is still writing (saves never pile up; the next "
+                    f"one starts when it is done)"
                 )
             return
         self.save_async(step, state)
