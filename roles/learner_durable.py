@@ -196,6 +196,8 @@ class DurableSteps:
                 )
             self.last["result"] = entry.result  # what the step replied, exactly
             self.replayed_steps += 1
+        if not self.replayed_steps:  # only a keep given after the checkpoint
+            return
         self.ctx.log.info(
             f"{self.ctx.name}: replayed {self.replayed_steps} logged step(s) "
             f"({replay_summary(entries)}) after checkpoint step {max(0, self.restored_step)} in "
