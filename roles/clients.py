@@ -295,7 +295,12 @@ class PromptsClient:
 
 
 class CriticClient:
-    """The critic (``asyncrl.roles.critic.Critic``): PPO's value model."""
+    """The critic (``asyncrl.roles.critic.Critic``): PPO's value model.
+
+    Every call goes to replica 0 (``Handle.call(..., replica=0)``): with replicas (``replicas``
+    > 1, replicated or sharded with ``parallel: fsdp``) replica 0 runs each call on every rank
+    in one order (``asyncrl.roles.critic_lockstep``), and the other replicas refuse calls.
+    """
 
     def __init__(self, handle: Handle) -> None:
         self.handle = handle
@@ -303,7 +308,7 @@ class CriticClient:
     async def values(self, samples: list[Sample], *, timeout: float = LONG_S) -> list[list[float]]:
         """A value per completion token of each sample."""
         out: list[list[float]] = await self.handle.call(
-            "values", samples, list[list[float]], timeout=timeout
+            "values", samples, list[list[float]], timeout=timeout, replica=0
         )
         return out
 
@@ -311,7 +316,7 @@ class CriticClient:
         """``ppo_epochs x mini_batches`` value-loss steps on the scored samples; their
         metrics."""
         out: CriticStepResult = await self.handle.call(
-            "train_step", batch, CriticStepResult, timeout=timeout
+            "train_step", batch, CriticStepResult, timeout=timeout, replica=0
         )
         return out
 
