@@ -198,6 +198,9 @@ class DurableSteps:
             self.replayed_steps += 1
         if not self.replayed_steps:  # only a keep given after the checkpoint
             return
+        # A checkpoint of the replayed state, in the background: a learner killed again soon
+        # (a crash loop) then replays only what follows it.
+        self.journal.save_async(self.step, self._state)
         self.ctx.log.info(
             f"{self.ctx.name}: replayed {self.replayed_steps} logged step(s) "
             f"({replay_summary(entries)}) after checkpoint step {max(0, self.restored_step)} in "

@@ -161,10 +161,18 @@ def test_a_restart_replays_the_logged_steps_bit_for_bit(tmp_path: Any) -> None:
         straight.model.state_dict().items(), restarted.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
-    # The ledger holds each step once; the log keeps the steps after the older checkpoint.
+    # The ledger holds each step once. The replay was checkpointed (step 7); the log keeps
+    # the steps after the older of the two newest checkpoints (6, 7).
     with open(tmp_path / "run" / "ledger" / "learner.0.steps.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
-    assert next(e.step for e in restarted.journal.wal.entries()) == 4  # type: ignore[union-attr]
+    restarted.journal.wait()
+    assert restarted.checkpoints.steps() == [6, 7]
+    entries = restarted.journal.wal.entries()  # type: ignore[union-attr]
+    assert [(type(e).__name__, e.step) for e in entries] == [
+        ("StepEntry", 7),
+        ("KeepEntry", 7),
+        ("StepEntry", 8),
+    ]
 
 
 def test_a_damaged_newest_checkpoint_goes_back_one_and_replays_more(tmp_path: Any) -> None:
