@@ -24,6 +24,7 @@ from asyncrl.errors import BrokenError
 from asyncrl.handles import Context, Handle
 from asyncrl.pacing import PipelineSpec
 from asyncrl.roles.payloads import (
+    CriticBatch,
     CriticStepResult,
     GenerateBatch,
     LearnerStatus,
@@ -67,6 +68,7 @@ async def resend(
     timeout: float = LONG_S,
     first_pause_s: float = 0.05,
     max_pause_s: float = 1.0,
+    replica: int | None = None,
 ) -> Any:
     """Call a once endpoint whose request is safe to send again, and send it again when the
     replica broke with it in flight (died, hung, restarted, or was not reachable yet) rather
@@ -74,7 +76,8 @@ async def resend(
     ``max_pause_s``, for ``timeout`` seconds in all.
 
     Use it only where the role makes a repeat harmless: ``train_step`` with a ``TrainBatch.id``
-    (the learner answers a repeat with the step it took), ``checkpoint``.
+    (the learner answers a repeat with the step it took) or a ``CriticBatch.id``,
+    ``checkpoint``. ``replica``: send it to that replica only (``Handle.call``).
 
     Raises:
         BrokenError: it still broke after ``timeout`` seconds.
@@ -87,7 +90,11 @@ async def resend(
     while True:
         try:
             return await handle.call(
-                method, payload, reply_type, timeout=max(1.0, deadline - loop.time())
+                method,
+                payload,
+                reply_type,
+                timeout=max(1.0, deadline - loop.time()),
+                replica=replica,
             )
         except BrokenError as exc:
             if loop.time() + pause >= deadline:
@@ -312,11 +319,20 @@ class CriticClient:
         )
         return out
 
-    async def train_step(self, batch: list[Scored], *, timeout: float = LONG_S) -> CriticStepResult:
+    async def train_step(
+        self, batch: list[Scored], *, id: str = "", timeout: float = LONG_S
+    ) -> CriticStepResult:
         """``ppo_epochs x mini_batches`` value-loss steps on the scored samples; their
-        metrics."""
+        metrics. With an ``id`` (the learner's batch id), a call that broke in flight is sent
+        again, and the critic answers a repeat with the step it took."""
+        payload = CriticBatch(batch, id)
+        if id:
+            again: CriticStepResult = await resend(
+                self.handle, "train_step", payload, CriticStepResult, timeout=timeout, replica=0
+            )
+            return again
         out: CriticStepResult = await self.handle.call(
-            "train_step", batch, CriticStepResult, timeout=timeout, replica=0
+            "train_step", payload, CriticStepResult, timeout=timeout, replica=0
         )
         return out
 

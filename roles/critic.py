@@ -35,8 +35,12 @@ other ranks before it runs it; another replica refuses a call sent to it. Each r
 token-balanced share of the samples (``token_shares``): ``values`` gathers the ranks' rows,
 ``train_step`` sums their gradients, so K ranks give the values and take the step one critic
 would, within float rounding. A rank that dies, or a call that fails on any rank, breaks the
-group: every rank exits and ``one_for_all`` restarts the group. The critic keeps no checkpoint:
-a restarted group starts again from its initial weights, as a restarted single critic does.
+group: every rank exits and ``one_for_all`` restarts the group.
+
+**Durable** (``durable: wal``, the default, as the learner): each step's batch is in a
+write-ahead log before the reply, checkpoints are written in the background, and a restarted
+critic (or group) loads the newest and replays the steps after it, bit for bit
+(``asyncrl.roles.critic_durable``); a batch re-sent with its id gets the step's result back.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from asyncrl.roles.batching import (
     mini_batch_indices,
     pad_batch,
 )
+from asyncrl.roles.critic_durable import CriticDurable
 from asyncrl.roles.critic_lockstep import CriticCall, Lockstep, TrainStep, Values
 from asyncrl.roles.data_parallel import (
     DataParallel,
@@ -73,7 +78,7 @@ from asyncrl.roles.data_parallel import (
     state_checksum,
 )
 from asyncrl.roles.device_report import DeviceShare
-from asyncrl.roles.payloads import CriticStepResult, Scored
+from asyncrl.roles.payloads import CriticBatch, CriticStepResult, Scored
 from asyncrl.roles.rollout import Sample
 
 __all__ = ["RETURN_SETTINGS", "Critic", "check_matches_learner"]
@@ -117,7 +122,7 @@ def check_matches_learner(learner: Mapping[str, Any], critic: Mapping[str, Any])
 T = TypeVar("T")
 
 
-class Critic(Role):
+class Critic(CriticDurable, Role):
     """Serves per-token values and learns them. With replicas (replicated, or sharded with
     ``parallel: fsdp``), callers send every call to replica 0, which runs it on every rank in
     one order (docs/sharding.md)."""
@@ -157,6 +162,10 @@ class Critic(Role):
                 replica 0 leads every call. One replica: no effect.
             activation_checkpointing: with ``fsdp``, recompute each block's activations in the
                 backward pass instead of keeping them (less memory, about a third more compute).
+            durable, checkpoint_every, checkpoint_every_s, keep_checkpoints: as the learner's:
+                ``wal`` (a write-ahead log of each step, checkpoints in the background, a
+                restart replays), ``checkpoint`` (a whole checkpoint before every reply) or
+                ``false`` (a restart goes back to the last checkpoint).
         """
 
         model_path: str = ""
@@ -181,6 +190,10 @@ class Critic(Role):
         dist_timeout_s: float = 300.0
         parallel: Literal["replicate", "fsdp"] = "replicate"
         activation_checkpointing: bool = False
+        durable: bool | Literal["wal", "checkpoint"] = "wal"
+        checkpoint_every: int = 100
+        checkpoint_every_s: float = 600.0
+        keep_checkpoints: int = 2
 
         def __post_init__(self) -> None:
             check_norm_len(self.aggregation, self.norm_len)
@@ -208,6 +221,10 @@ class Critic(Role):
             self.dp.hint = GROUP_HINT
             if self.sharded:
                 await self.ctx.offload(self._shard)
+        self._open_journal()
+        # The newest checkpoint, then the logged steps after it: only then does it serve.
+        await self.ctx.offload(self._restore)
+        if self.dp is not None:
             await self.ctx.offload(self._check_same_start)
             self.lockstep = Lockstep(
                 self.dp,
@@ -280,6 +297,7 @@ class Critic(Role):
         os._exit(1)
 
     async def teardown(self) -> None:
+        await self.ctx.offload(self.journal.close)
         if self.lockstep is not None:
             try:
                 ended = await self.ctx.offload(self.lockstep.close, self.config.dist_timeout_s)
@@ -306,13 +324,16 @@ class Critic(Role):
         return out
 
     @endpoint(Delivery.ONCE)
-    async def train_step(self, batch: list[Scored]) -> CriticStepResult:
+    async def train_step(self, batch: CriticBatch | list[Scored]) -> CriticStepResult:
+        if not isinstance(batch, CriticBatch):
+            batch = CriticBatch(batch)
         if self.lockstep is None:
-            self._check_batch(batch)
+            self._check_batch(batch.samples)
             return await self.ctx.offload(self._working(self._train_step), batch)
         self._refuse_unless_leader("train_step")
-        self._check_batch(batch)  # before every rank has it: a refusal breaks nothing
-        result: CriticStepResult = await self.ctx.offload(self.lockstep.lead, TrainStep(batch))
+        self._check_batch(batch.samples)  # before every rank has it: a refusal breaks nothing
+        call = TrainStep(batch.samples, batch.id)
+        result: CriticStepResult = await self.ctx.offload(self.lockstep.lead, call)
         return result
 
     def _refuse_unless_leader(self, method: str) -> None:
@@ -333,7 +354,7 @@ class Critic(Role):
         self._select_device()
         if isinstance(call, Values):
             return self._values(call.samples)
-        return self._train_step(call.batch)
+        return self._train_step(CriticBatch(call.batch, call.id))
 
     def _working(self, fn: Callable[..., T]) -> Callable[..., T]:
         """``fn`` as a unit of work of the device share (released after, when idle)."""
@@ -421,14 +442,20 @@ class Critic(Role):
                 f"samples or lower roles.{self.ctx.name}.config.mini_batches"
             )
 
-    def _train_step(self, batch: list[Scored]) -> CriticStepResult:
+    def _train_step(self, critic_batch: CriticBatch | list[Scored]) -> CriticStepResult:
         """``ppo_epochs x mini_batches`` value-loss steps on the batch; the metrics averaged
-        over the steps, and their count.
+        over the steps, and their count (the last step's result, for its batch re-sent).
 
         Raises:
             ValueError: the batch holds fewer samples than ``mini_batches``.
         """
-        cfg = self.config
+        if not isinstance(critic_batch, CriticBatch):
+            critic_batch = CriticBatch(critic_batch)
+        rng = self._step_rng()
+        repeat = self._repeat(critic_batch)
+        if repeat is not None:
+            return repeat
+        cfg, batch = self.config, critic_batch.samples
         self._check_batch(batch)
         old, returns = self._targets(batch)
         steps = []
@@ -444,13 +471,15 @@ class Critic(Role):
             steps = self.dp.sum_metrics(steps)
         self.step += 1
         means = mean_over_steps(steps)
-        return CriticStepResult(
+        result = CriticStepResult(
             step=self.step,
             optimizer_steps=len(steps),
             value_loss=means["value_loss"],
             value_clip_fraction=means["value_clip_fraction"],
             grad_norm=means["grad_norm"],
         )
+        self._durable_step(critic_batch, result, rng)
+        return result
 
     def _optimizer_step(
         self, samples: list[Scored], old: torch.Tensor, returns: torch.Tensor

@@ -64,9 +64,10 @@ class Values(msgspec.Struct, tag="values", forbid_unknown_fields=True):
 
 
 class TrainStep(msgspec.Struct, tag="train_step", forbid_unknown_fields=True):
-    """``Critic.train_step`` on this batch."""
+    """``Critic.train_step`` on this batch (``id``: its ``CriticBatch.id``)."""
 
     batch: list[Scored]
+    id: str = ""
 
 
 class Idle(msgspec.Struct, tag="idle", forbid_unknown_fields=True):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from asyncrl.faults import FaultPlan
@@ -53,7 +53,7 @@ def durability(value: bool | str) -> Durable:
     raise ValueError(f"durable: expected wal, checkpoint or false, got {value!r}")
 
 
-def replay_summary(entries: list[Entry]) -> str:
+def replay_summary(entries: Sequence[Entry]) -> str:
     steps = [e.step for e in entries if isinstance(e, StepEntry)]
     return f"steps {steps[0]}..{steps[-1]}" if steps else "no step"
 

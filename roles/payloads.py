@@ -241,6 +241,20 @@ class LearnerStatus(msgspec.Struct):
     restored_step: int = -1
 
 
+class CriticBatch(msgspec.Struct):
+    """One critic step's batch.
+
+    Attributes:
+        samples: scored samples with the values recorded when they were scored.
+        id: the batch's stable id, chosen by the caller (the learner's batch id): a batch
+            re-sent with the id of the critic's last step is answered with that step's result
+            and not trained again. Empty: no such check.
+    """
+
+    samples: list[Scored]
+    id: str = ""
+
+
 class CriticStepResult(msgspec.Struct):
     """What one critic ``train_step`` did; each loss figure is the mean over its optimizer
     steps.
@@ -251,6 +265,7 @@ class CriticStepResult(msgspec.Struct):
         value_loss: PPO's clipped value loss.
         value_clip_fraction: the share of tokens where the clipped value's error set the loss.
         grad_norm: the gradient's norm before clipping.
+        replayed: the batch's id was the last step's: this is that step's result, re-sent.
     """
 
     step: int
@@ -258,6 +273,7 @@ class CriticStepResult(msgspec.Struct):
     value_loss: float
     value_clip_fraction: float
     grad_norm: float
+    replayed: bool = False
 
 
 class RolloutStats(msgspec.Struct):

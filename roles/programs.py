@@ -415,7 +415,7 @@ async def learn(
     )
     result = await rl.learner.train_step(train, timeout=timeout)
     if algorithm == "ppo" and rl.critic is not None:
-        await rl.critic.train_step(batch.samples, timeout=timeout)
+        await rl.critic.train_step(batch.samples, id=id, timeout=timeout)
     return result
 
 
