@@ -162,10 +162,13 @@ class Critic(CriticDurable, Role):
                 replica 0 leads every call. One replica: no effect.
             activation_checkpointing: with ``fsdp``, recompute each block's activations in the
                 backward pass instead of keeping them (less memory, about a third more compute).
-            durable, checkpoint_every, checkpoint_every_s, keep_checkpoints: as the learner's:
-                ``wal`` (a write-ahead log of each step, checkpoints in the background, a
-                restart replays), ``checkpoint`` (a whole checkpoint before every reply) or
-                ``false`` (a restart goes back to the last checkpoint).
+            durable: as the learner's: ``wal`` (a write-ahead log of each step, checkpoints
+                in the background, a restart replays), ``checkpoint`` (a whole checkpoint
+                before every reply) or ``false`` (a restart goes back to the last checkpoint).
+            checkpoint_every: steps between checkpoints with ``wal`` or ``false`` (0: none by
+                count); with ``wal`` it bounds the steps a restart replays.
+            checkpoint_every_s: seconds between those checkpoints, whichever comes first.
+            keep_checkpoints: the newest checkpoints kept (at least 2 with replicas).
         """
 
         model_path: str = ""
