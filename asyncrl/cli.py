@@ -19,6 +19,9 @@
   hosts, the shortened main job on one node against two, one learner against two data-parallel.
 - ``asyncrl bench sharding [--json] [--ranks 1,2]``: peak memory per rank and step time of an
   FSDP-sharded learner against one unsharded rank, on a 302M-parameter Qwen2.
+- ``asyncrl bench durability [--json] [--small] [--k K]``: a learner step with ``durable: false``,
+  ``wal`` and ``checkpoint`` on a 303M-parameter Qwen2, interleaved; a write-ahead-logged learner
+  SIGKILLed K steps past its checkpoint: time to serve again, steps replayed, weights bit-identical.
 - ``asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG figures of the runs' per-step metrics
   (reward, accuracy, throughput, staleness, time), several runs on one figure; in the first
   run's ``plots/`` unless ``--out`` (``asyncrl.plots``; matplotlib is the ``plot`` extra).
@@ -44,7 +47,16 @@ from typing import Any
 
 from asyncrl import __version__
 
-BENCHMARKS = ("transport", "runtime", "learner", "pipeline", "scale", "multinode", "sharding")
+BENCHMARKS = (
+    "transport",
+    "runtime",
+    "learner",
+    "pipeline",
+    "scale",
+    "multinode",
+    "sharding",
+    "durability",
+)
 """The built-in benchmarks, each the module of that name in ``asyncrl.bench``."""
 BENCHMARK_GROUP = "asyncrl.benchmarks"
 """Entry-point group of benchmarks that other installed packages add (a name and a

@@ -1,6 +1,6 @@
 """Benchmarks: ``asyncrl bench <name>`` runs the module ``<name>`` here (``transport``,
-``runtime``, ``learner``, ``pipeline``, ``scale``, ``multinode``), each with a
-``main(argv) -> int``.
+``runtime``, ``learner``, ``pipeline``, ``scale``, ``multinode``, ``sharding``, ``durability``),
+each with a ``main(argv) -> int``.
 
 Unlike the rest of the runtime, this package may import every layer (the roles included): a
 benchmark measures the whole stack. Nothing outside it imports it, except the command line.
