@@ -89,12 +89,9 @@ async def resend(
     attempt = 1
     while True:
         try:
+            where = {} if replica is None else {"replica": replica}
             return await handle.call(
-                method,
-                payload,
-                reply_type,
-                timeout=max(1.0, deadline - loop.time()),
-                replica=replica,
+                method, payload, reply_type, timeout=max(1.0, deadline - loop.time()), **where
             )
         except BrokenError as exc:
             if loop.time() + pause >= deadline:
