@@ -148,8 +148,9 @@ async def main():
             report["replies"] = [msgspec.to_builtins(r) for r in replies]
             while critic.lockstep.idles < 3:  # and with no call
                 await asyncio.sleep(0.01)
-            report["idles"] = critic.lockstep.idles
         await critic.ctx.offload(critic.lockstep.close)
+        # Counted once closed: a keep-alive may still go out until then.
+        report["idles"] = critic.lockstep.idles
     else:
         refused = []
         for method, payload in replica_calls():
