@@ -9,9 +9,11 @@ finished; one whose files do not match the marker is damaged. Neither is ever lo
 reader skips them with a warning and removes them. The newest ``keep`` are kept.
 
 Saving is in two halves, so that training pauses only for the first: ``stage`` copies the
-state's tensors into host buffers (page-locked where the hardware plugin pins memory), reused
-from one save to the next; ``write`` writes the staged copy (in a background thread, for an
-asynchronous save). ``save`` does both in the calling thread.
+state's tensors into host buffers; ``write`` writes the staged copy (in a background thread, for
+an asynchronous save). Page-locked buffers (where the hardware plugin pins memory: an
+accelerator's state staged to the host) are kept from one save to the next; plain host memory
+(a model trained on the host) is given back once the save is written. ``save`` writes from the
+state itself, in the calling thread, with no staged copy.
 
 The step log (``RUN_DIR/ledger/<role>.<replica>.steps.jsonl``) is the ledger of consumed sample
 ids: one JSON line per step. Read back, it is cut at the restored step: lines past it are steps
@@ -274,11 +276,19 @@ class CheckpointDir:
         fsync_dir(self.path)
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self._dir(old), ignore_errors=True)
+        if not any(b.is_pinned() for b in self._buffers.values()):
+            # Plain host memory is the training's own: give it back until the next save.
+            # Page-locked buffers are dear to make, and kept.
+            self._buffers.clear()
         return where
 
     def save(self, step: int, state: dict[str, Any]) -> str:
-        """Stage and write ``state`` as the checkpoint of ``step`` in the calling thread."""
-        return self.write(self.stage(step, state))
+        """Write ``state`` as the checkpoint of ``step`` in the calling thread, from the
+        tensors themselves (on the host; no staged copy: nothing changes them meanwhile)."""
+        tensors: dict[str, torch.Tensor] = {}
+        values = _split(state, tensors, "")
+        host = {k: t.detach().to("cpu") for k, t in tensors.items()}
+        return self.write(Staged(step, host, values))
 
     @staticmethod
     def load(path: str) -> dict[str, Any]:
