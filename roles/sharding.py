@@ -87,7 +87,12 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(
-    model: torch.nn.Module, sharding: Any, world: int, *, activation_checkpointing: bool = False
+    model: torch.nn.Module,
+    sharding: Any,
+    world: int,
+    *,
+    activation_checkpointing: bool = False,
+    host_memory: bool = True,
 ) -> torch.nn.Module:
     """Shard ``model`` in place over the ``world`` ranks of the default process group: each
     block, then the root (its embeddings, final norm and head); gradients reduce as sums.
@@ -98,6 +103,8 @@ def shard(
         world: the group's size.
         activation_checkpointing: recompute each block's activations in the backward pass
             instead of keeping them (Hugging Face's gradient checkpointing, non-reentrant).
+        host_memory: on a CPU mesh, reuse the blocks' collective buffers and give free heap
+            pages back in the backward pass (``_on_host``); off, FSDP2's own allocations.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -119,7 +126,29 @@ def shard(
     for unit in units:
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
         unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    if mesh.device_type == "cpu" and host_memory:
+        _on_host(model, found)
     return model
+
+
+def _on_host(model: torch.nn.Module, found: list[torch.nn.Module]) -> None:
+    """Host memory (``asyncrl.roles.host_buffers``): the blocks' collective buffers are kept
+    and reused, so their pages fault in once and leave no holes; the root's, allocated once a
+    step, are not kept, so that they are not held at the end of the backward pass, when the
+    root's whole tied gradient is. The heaps' free pages go back to the system in the backward
+    pass before it peaks."""
+    from asyncrl.roles.host_buffers import (
+        BufferPool,
+        PooledAllGather,
+        PooledReduceScatter,
+        release_in_backward,
+    )
+
+    pool = BufferPool()
+    for unit in found:
+        unit.set_custom_all_gather(PooledAllGather(pool))  # type: ignore[operator]
+        unit.set_custom_reduce_scatter(PooledReduceScatter(pool))  # type: ignore[operator]
+    release_in_backward(model, found)
 
 
 def _checkpointed(model: torch.nn.Module, found: list[torch.nn.Module]) -> list[torch.nn.Module]:
