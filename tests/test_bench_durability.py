@@ -57,6 +57,7 @@ def test_durability_benchmark_json_on_a_small_model() -> None:
         <= figures["step_s_off"]
         <= max(figures["step_s_off_round1"], figures["step_s_off_round2"])
     )
+    assert figures["wal_log_only_over_off"] > 0  # --steps 2: one step before the checkpoint
     # A restart imports torch and builds the model before it loads and replays.
     assert figures["recovery_s"] > figures["replay_s"] > 0
     assert figures["checkpoint_bytes"] > 12 * figures["params"]  # weights and AdamW's moments

@@ -20,10 +20,11 @@ by step with the ``off`` learner, which trains throughout and is the baseline of
    checkpoints (``checkpoint_every`` is set so that the checkpoint lands there), then ``--k``
    more steps, which only its log holds. Once that checkpoint is complete, ``wal`` is SIGKILLed;
    its supervisor restarts it, and it loads the checkpoint and replays the logged steps before
-   it serves. ``recovery_s`` is from the kill to the supervisor seeing it serve again;
-   ``replayed_steps`` and ``restored_step`` are from its ``status``. ``bit_identical``: every
-   tensor of its weights (``weights`` endpoint, SHA-256 per tensor) equals those of ``off``,
-   which took the same steps and was never killed.
+   it serves. ``recovery_s`` is from the kill until its next incarnation answers a call (the
+   learner's ``status``, which waits for ``setup``: imports, the model's build, the load and
+   the replay); ``replayed_steps`` and ``restored_step`` are from that ``status``.
+   ``bit_identical``: every tensor of its weights (as its ``export`` writes them; SHA-256 per
+   tensor) equals those of ``off``, which took the same steps and was never killed.
 2. ``wal`` stops; ``off`` and ``checkpoint`` (started now) take ``--warmup`` untimed and
    ``--steps`` timed steps on the same batches.
 
@@ -32,14 +33,17 @@ the checkpoint's staging and the steps that its background write overlapped incl
 ``step_s_checkpoint`` of the timed ``checkpoint`` steps, and ``step_s_off`` of all timed ``off``
 steps. Each ratio is taken within its round: ``wal_over_off`` is ``step_s_wal`` over the median
 of the ``off`` steps of round 1 (``step_s_off_round1``), ``checkpoint_over_off`` is
-``step_s_checkpoint`` over that of round 2 (``step_s_off_round2``).
+``step_s_checkpoint`` over that of round 2 (``step_s_off_round2``). ``wal_log_only_over_off``
+takes only the timed steps before the one that stages the checkpoint (each with the ``off``
+step of the same batch): the price of the log alone (None with ``--steps 1``).
 
 ``--json`` prints ``{"model", "params", "steps", "k", "step_s_off", "step_s_off_round1",
 "step_s_off_round2", "step_s_wal", "step_s_checkpoint", "wal_over_off", "checkpoint_over_off",
-"recovery_s", "replay_s", "replayed_steps", "restored_step", "bit_identical",
-"checkpoint_bytes", "checkpoint_stage_s", "checkpoint_write_s"}``: the last three from the
-``wal`` learner's checkpoint (bytes on disk; staging and writing seconds as its log reports
-them), ``replay_s`` as its log reports the replay (None when the line is not found).
+"wal_log_only_over_off", "recovery_s", "replay_s", "replayed_steps", "restored_step",
+"bit_identical", "checkpoint_bytes", "checkpoint_stage_s", "checkpoint_write_s"}``: the last
+three from the ``wal`` learner's checkpoint (bytes on disk; staging and writing seconds as its
+log reports them), ``replay_s`` as its log reports the replay (None when the line is not
+found).
 """
 
 from __future__ import annotations
@@ -68,9 +72,8 @@ from asyncrl.manifest import Supervision
 from asyncrl.roles.checkpoints import CheckpointDir
 from asyncrl.roles.engine_bench import QWEN2_300M
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
-from asyncrl.roles.rollout import WeightsUpdate
 from asyncrl.supervisor import Supervisor
-from asyncrl.transport import Client, run
+from asyncrl.transport import ChannelOptions, Client, TransportError, run
 
 __all__ = ["MODEL", "SMALL", "main", "measure"]
 
@@ -89,6 +92,10 @@ SMALL: dict[str, Any] = {
 LEARNER = "asyncrl.roles.learner:Learner"
 CALL_S = 600.0
 """The longest one call waits (a 303M step on a loaded core, a restart's load and replay)."""
+LIVENESS = 30
+"""Missed one-second heartbeats before a learner is taken as dead (3 by default): its
+``export`` of a 303M model was seen to leave heartbeats unanswered for over 3 s on this
+machine's disk, and the benchmark must not count that as a crash."""
 
 
 @dataclass
@@ -153,6 +160,7 @@ class _Learner:
             backoff_initial_s=0.0,
             backoff_max_s=0.0,
             startup_timeout_s=CALL_S,
+            liveness=LIVENESS,
         )
         child = role_child(run_dir, name, LEARNER, config, policy, run="durability")
         events: asyncio.Queue[tuple[str, int, float]] = asyncio.Queue()
@@ -163,7 +171,7 @@ class _Learner:
             observer=lambda kind, _, n: events.put_nowait((kind, n, time.perf_counter())),
         )
         task = asyncio.get_running_loop().create_task(supervisor.run())
-        client = Client(child.endpoint, name="bench")
+        client = Client(child.endpoint, name="bench", options=ChannelOptions(liveness=LIVENESS))
         await client.connect(timeout=CALL_S)
         learner = cls(name, run_dir, supervisor, task, client, events)
         await learner.until("serving", 0)
@@ -220,13 +228,22 @@ async def _checkpoint_complete(run_dir: str, name: str, step: int) -> str:
 
 
 async def _digest(learner: _Learner) -> tuple[dict[str, str], int]:
-    """A SHA-256 of each of the learner's weights, and how many elements they hold."""
-    update = await learner.call("weights", WeightsUpdate)
+    """A SHA-256 of each of the learner's weights, as its ``export`` writes them (into
+    ``RUN_DIR/exports/<name>``: no copy of the model crosses a socket), and how many elements
+    they hold (a tied embedding once)."""
+    from safetensors import safe_open
+
+    where = os.path.join(learner.run_dir, "exports", learner.name)
+    await learner.client.call("export", where, str, timeout=CALL_S)
     digests, count = {}, 0
-    for name, tensor in update.state.items():
-        raw = tensor.detach().contiguous().view(torch.uint8).numpy()
-        digests[name] = hashlib.sha256(memoryview(raw)).hexdigest()
-        count += int(tensor.numel())
+    for file in sorted(n for n in os.listdir(where) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(where, file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors file is not a mapping)
+                tensor = f.get_tensor(name)
+                raw = tensor.contiguous().view(torch.uint8).numpy()
+                digests[name] = hashlib.sha256(memoryview(raw)).hexdigest()
+                count += int(tensor.numel())
+    shutil.rmtree(where, ignore_errors=True)
     return digests, count
 
 
@@ -255,14 +272,23 @@ def _log_figures(run_dir: str, name: str) -> dict[str, float | None]:
 
 
 async def _kill_and_recover(wal: _Learner) -> dict[str, Any]:
-    """SIGKILL ``wal``; the seconds until its next incarnation serves, and its status."""
+    """SIGKILL ``wal``; the seconds until its next incarnation answers ``status`` (an endpoint
+    answers only once ``setup``, the load and the replay included, has returned), and what
+    that status says."""
     pid = (await wal.call("_describe", dict))["pid"]
     killed = time.perf_counter()
     os.kill(pid, signal.SIGKILL)
-    serving = await wal.until("serving", 1)
-    status = await wal.call("status", dict)
+    async with asyncio.timeout(CALL_S):
+        while True:  # a call made while it is down fails, or waits for the next incarnation
+            try:
+                status = await wal.call("status", dict)
+            except TransportError:
+                continue
+            answered = time.perf_counter()
+            if (await wal.call("_describe", dict))["pid"] != pid:
+                break
     return {
-        "recovery_s": serving - killed,
+        "recovery_s": answered - killed,
         "replayed_steps": int(status.get("replayed", -1)),
         "restored_step": int(status.get("restored_step", -1)),
     }
@@ -315,11 +341,13 @@ def measure(*, small: bool = False, steps: int = 5, warmup: int = 2, k: int = 4)
         shutil.rmtree(tmp, ignore_errors=True)
     median = statistics.median
     off1, off2 = raw.pop("times_off_1"), raw.pop("times_off_2")
-    wal, checkpoint = median(raw.pop("times_wal")), median(raw.pop("times_checkpoint"))
-    tied = plan.model["vocab_size"] * plan.model["hidden_size"]
+    wal_times = raw.pop("times_wal")
+    wal, checkpoint = median(wal_times), median(raw.pop("times_checkpoint"))
+    # The timed steps before the one that stages the checkpoint: the log's own price.
+    logged = plan.steps - 1
     figures = {
         "model": "qwen2-small" if small else QWEN2_300M.name,
-        "params": raw.pop("params") - (tied if plan.model.get("tie_word_embeddings") else 0),
+        "params": raw.pop("params"),
         "steps": plan.steps,
         "k": plan.k,
         "step_s_off": median(off1 + off2),
@@ -329,6 +357,9 @@ def measure(*, small: bool = False, steps: int = 5, warmup: int = 2, k: int = 4)
         "step_s_checkpoint": checkpoint,
         "wal_over_off": wal / median(off1),
         "checkpoint_over_off": checkpoint / median(off2),
+        "wal_log_only_over_off": (
+            median(wal_times[:logged]) / median(off1[:logged]) if logged else None
+        ),
     }
     return figures | raw
 
@@ -336,9 +367,9 @@ def measure(*, small: bool = False, steps: int = 5, warmup: int = 2, k: int = 4)
 def format_table(f: dict[str, Any]) -> str:
     """The human form: each step time with its ratio to the ``off`` baseline of its round."""
 
-    def row(label: str, seconds: float, ratio: float | None = None) -> str:
-        tail = "" if ratio is None else f"{ratio:>9.2f}x"
-        return f"{label:<44}{seconds:>9.3f} s{tail}"
+    def row(label: str, seconds: float | None, ratio: float | None = None) -> str:
+        median = f"{'':>11}" if seconds is None else f"{seconds:>9.3f} s"
+        return f"{label:<44}{median}" + ("" if ratio is None else f"{ratio:>9.2f}x")
 
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f} s"
@@ -352,6 +383,7 @@ def format_table(f: dict[str, Any]) -> str:
             f"{'train_step, call to reply':<44}{'median':>11}{'x off':>10}",
             row("durable: false (off), round 1", f["step_s_off_round1"]),
             row("durable: wal", f["step_s_wal"], f["wal_over_off"]),
+            row("  steps before the checkpoint (the log alone)", None, f["wal_log_only_over_off"]),
             row("durable: false (off), round 2", f["step_s_off_round2"]),
             row("durable: checkpoint", f["step_s_checkpoint"], f["checkpoint_over_off"]),
             "",
