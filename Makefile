@@ -75,6 +75,7 @@ bench: setup
 	$(BIN)/asyncrl bench scale
 	$(BIN)/asyncrl bench multinode
 	$(BIN)/asyncrl bench sharding
+	$(BIN)/asyncrl bench durability
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis
