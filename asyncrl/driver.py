@@ -48,7 +48,8 @@ def load_program(target: str) -> Program:
     (``:function`` defaults to ``main``).
 
     Raises:
-        ConfigProblem: it cannot be imported, or is not an async function.
+        ConfigProblem: it cannot be imported, its module raised while it was imported (any
+            exception: importing it again would raise again), or it is not an async function.
     """
     where, _, name = target.rpartition(":") if ":" in target else (target, "", "main")
     name = name or "main"
@@ -65,6 +66,14 @@ def load_program(target: str) -> Program:
             module = importlib.import_module(where)
     except (ImportError, FileNotFoundError) as exc:
         raise ConfigProblem(f"run.program {target!r}: cannot import {where!r}: {exc}") from exc
+    except ConfigProblem:
+        raise
+    except Exception as exc:  # the module's own code raised: importing again raises again
+        traceback.print_exc()  # where in the module: the message below gives only the error
+        raise ConfigProblem(
+            f"run.program {target!r}: importing {where!r} raised {type(exc).__name__}: {exc}; "
+            f"fix the module (its traceback is above)"
+        ) from exc
     fn = getattr(module, name, None)
     if fn is None or not asyncio.iscoroutinefunction(fn):
         raise ConfigProblem(

@@ -180,7 +180,10 @@ def load_role_class(target: str) -> type[Role]:
     entry-point group.
 
     Raises:
-        ConfigProblem: nothing importable answers to that name, or it is not a Role.
+        ConfigProblem: nothing importable answers to that name, its module raised while it was
+            imported (an ``ImportError`` or any other exception: importing it again would raise
+            again, so the process exits with ``EXIT_CONFIG`` and is not restarted), or it is not
+            a Role.
     """
     if ":" in target:
         module_name, _, attr = target.partition(":")
@@ -192,6 +195,12 @@ def load_role_class(target: str) -> type[Role]:
             )
             raise ConfigProblem(
                 f"class {target!r}: cannot import module {module_name!r}: {exc}; {advice}"
+            ) from exc
+        except Exception as exc:  # the module's own code raised: importing again raises again
+            traceback.print_exc()  # where in the module: the message below gives only the error
+            raise ConfigProblem(
+                f"class {target!r}: importing module {module_name!r} raised "
+                f"{type(exc).__name__}: {exc}; fix the module (its traceback is above)"
             ) from exc
         cls = getattr(module, attr, None)
         if cls is None:

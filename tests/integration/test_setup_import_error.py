@@ -73,7 +73,9 @@ roles:
 """
 
 
-def _run(tmp: str, cls: str, broken: bool = False) -> tuple[int, str, dict]:  # type: ignore[type-arg]
+def _run(  # type: ignore[type-arg]
+    tmp: str, cls: str, broken: bool = False, manifest: str = MANIFEST
+) -> tuple[int, str, dict]:
     """``asyncrl run`` of the one-role manifest; its exit code, console and report. ``broken``:
     a ``torchvision`` whose import raises is on the path."""
     with open(os.path.join(tmp, "setuproles.py"), "w") as f:
@@ -84,12 +86,12 @@ def _run(tmp: str, cls: str, broken: bool = False) -> tuple[int, str, dict]:  # 
         os.makedirs(os.path.join(tmp, "torchvision"))
         with open(os.path.join(tmp, "torchvision", "__init__.py"), "w") as f:
             f.write(BROKEN_TORCHVISION)
-    manifest = os.path.join(tmp, "manifest.yaml")
-    with open(manifest, "w") as f:
-        f.write(textwrap.dedent(MANIFEST.format(cls=cls)))
+    path = os.path.join(tmp, "manifest.yaml")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(manifest.format(cls=cls)))
     run_dir = os.path.join(tmp, "run")
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", manifest, "--run-dir", run_dir],
+        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -145,3 +147,53 @@ def test_a_companion_package_that_does_not_load_is_named_with_the_uninstall(
         "are installed; asyncrl needs none of them: uninstall them with "
         f"'{sys.executable} -m pip uninstall -y torchvision'"
     )
+
+
+RAISES_ON_IMPORT = """\
+raise RuntimeError("the module's own bug at import")
+"""
+
+FINE = """\
+import asyncio
+
+from asyncrl import Delivery, Role, endpoint
+
+
+async def wait(ctx):
+    await asyncio.Event().wait()
+
+
+class Fine(Role):
+    @endpoint(Delivery.IDEMPOTENT)
+    async def ping(self, _: None) -> int:
+        return 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("program", "cls", "who", "what"),
+    [
+        ("fineroles:wait", "raisesonimport:Anything", "model[0]", "'raisesonimport:Anything'"),
+        ("raisesonimport:main", "fineroles:Fine", "driver[0]", "run.program"),
+    ],
+)
+def test_a_module_that_raises_while_importing_is_a_configuration_error(
+    tmp_path: object, program: str, cls: str, who: str, what: str
+) -> None:
+    """A role's or the program's module that raises something other than an ``ImportError``
+    while it is imported fails the run once with 78, as a missing module does: importing it
+    again would raise again, so no restart is spent on it."""
+    tmp = str(tmp_path)
+    for name, text in (("raisesonimport.py", RAISES_ON_IMPORT), ("fineroles.py", FINE)):
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    manifest = MANIFEST.replace("setuproles:wait", program).replace("setuproles:{cls}", cls)
+    code, out, report = _run(tmp, "", manifest=manifest)
+    assert code == 1, out
+    assert f"run failed: {who} has a configuration error" in out
+    failure = report["failure"]
+    assert (failure["code"], failure["reason"]) == (78, "configuration error")
+    assert sum(report["restarts"].values()) == 0
+    [said] = [line for line in failure["stderr_tail"] if line.startswith("configuration error")]
+    assert what in said, said
+    assert "RuntimeError: the module's own bug at import" in said, said
