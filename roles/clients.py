@@ -187,7 +187,8 @@ class LearnerClient:
                 pause = min(2 * pause, 1.0)
 
     async def export(self, path: str) -> str:
-        """Write the policy in Hugging Face format under ``path`` (inside the run directory).
+        """Write the policy in Hugging Face format under ``path``: a name in ``RUN_DIR/exports``
+        (a relative path goes there) or in a folder of the learner's ``write_paths``.
         Replica 0 answers: the publisher, the one replica whose weights are whole when the
         replicas shard the model (``parallel: fsdp``)."""
         out: str = await self.handle.call("export", path, str, timeout=LONG_S, replica=0)

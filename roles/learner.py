@@ -20,8 +20,9 @@ in a write-ahead log on disk, and checkpoints are written in the background ever
 and replays the logged steps after it, so it resumes at its last acknowledged step, bit for bit,
 and a re-sent ``TrainBatch.id`` gets that step's result back (``asyncrl.roles.journal``,
 ``asyncrl.roles.learner_durable``, docs/reliability.md). ``durable: checkpoint`` writes a whole
-checkpoint before every reply instead. ``export`` writes only inside the run directory or the
-``write_paths`` the manifest allows.
+checkpoint before every reply instead. ``export`` writes only into ``RUN_DIR/exports`` (a
+relative path goes there) or the ``write_paths`` the manifest allows, never over the run's own
+state (``asyncrl.roles.learner_export``).
 
 **Replicas** (``replicas: K``, ``supervision.strategy: one_for_all``) form one torch.distributed
 group: each rank gets the whole batch and trains its token-balanced share of each mini-batch.

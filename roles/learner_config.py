@@ -78,7 +78,8 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             checkpoint before every reply: small models) or ``false`` (nothing: a restarted
             learner goes back to its last checkpoint and the run fails loudly). ``true`` is
             ``wal``.
-        write_paths: directories besides the run directory that ``export`` may write.
+        write_paths: directories besides ``RUN_DIR/exports`` that ``export`` may write into
+            (never the run's own state, even when one of them holds the run directory).
         publish_weights: publish every version to the shared-memory weight store.
         keep_checkpoints: the newest checkpoints kept (at least 2 with data-parallel replicas:
             a rank may have to go back one to meet the others after a crash).

@@ -221,7 +221,7 @@ async def report(run: Run) -> dict[str, Any]:
     rl, history, keep = run.rl, run.history, run.keep
     last = history.last("rl")
     accuracy_final = last["accuracy"] if "accuracy" in last else await run.accuracy()
-    final_dir = await rl.learner.export(os.path.join(rl.run_dir, "final"))
+    final_dir = await rl.learner.export("final")  # RUN_DIR/exports/final
     status = await rl.learner.status()
     rl_wall = max(1e-9, run.wall() - float(keep.get("rl_started_wall", 0.0)))
     consumed = run.pipeline.get("consumed_samples", 0)

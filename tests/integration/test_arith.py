@@ -84,7 +84,12 @@ def test_grpo_raises_the_reward(run_dir: str, mode: str) -> None:
     assert summary["mode"] == mode
     # Sync mode consumes only fresh samples; async stays within its bound (eta 2, corrected).
     assert summary["staleness_max"] == 0 if mode == "sync" else summary["staleness_max"] >= 0
-    for name in ("heldout.jsonl", "progress.png", "final/config.json", "final/tokenizer.json"):
+    for name in (
+        "heldout.jsonl",
+        "progress.png",
+        "exports/final/config.json",
+        "exports/final/tokenizer.json",
+    ):
         assert os.path.exists(os.path.join(run_dir, name)), name
 
 

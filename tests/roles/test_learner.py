@@ -193,7 +193,8 @@ def test_export_loads_with_transformers(tmp_path: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     learner = make(tmp_path)
-    path = learner._export(str(tmp_path / "final"))
+    path = learner._export("final")
+    assert path == str(tmp_path / "exports" / "final")
     loaded = AutoModelForCausalLM.from_pretrained(path)
     for (name, a), b in zip(
         learner.model.state_dict().items(), loaded.state_dict().values(), strict=True
@@ -365,16 +366,18 @@ def test_a_torn_checkpoint_and_an_orphan_log_line_are_never_loaded(tmp_path: Any
 def test_export_writes_only_inside_the_run_directory(tmp_path: Any) -> None:
     run_dir = tmp_path / "run"
     learner = make(run_dir)
-    inside = learner._export(str(run_dir / "final"))
+    inside = learner._export(str(run_dir / "exports" / "final"))
     assert os.path.exists(os.path.join(inside, "config.json"))
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (outside / "keep.txt").write_text("precious")
-    with pytest.raises(PermissionError, match=r"refusing to write .* outside the run directory"):
+    with pytest.raises(PermissionError, match=r"refusing to write .* it is outside .*/exports'"):
         learner._export(str(outside))
-    os.symlink(outside, run_dir / "link")
+    os.symlink(outside, run_dir / "exports" / "link")
     with pytest.raises(PermissionError):
-        learner._export(str(run_dir / "link"))  # a link out of the run directory
+        learner._export(str(run_dir / "exports" / "link"))  # a link out of the run directory
+    with pytest.raises(PermissionError, match="part of the run's own state"):
+        learner._export(str(run_dir / "roles" / "learner.0"))  # its checkpoints
     with pytest.raises(PermissionError):
         learner._export(str(run_dir))  # never the run directory itself
     assert (outside / "keep.txt").read_text() == "precious"
