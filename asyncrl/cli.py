@@ -121,7 +121,9 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.manifest import ManifestError, resolve_run_dir
     from asyncrl.rundir import (
         MANIFEST_FILE,
+        PRIVATE_UMASK,
         RunDirError,
+        claim_run_dir,
         load_saved_manifest,
         manifest_differences,
         save_manifest,
@@ -157,6 +159,11 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
                     f"(at {', '.join(differences)}); a resumed run keeps its manifest: drop "
                     "MANIFEST, or start a new run with --overwrite"
                 )
+        os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
+        try:
+            claim_run_dir(run_dir)  # private, marked, even when an earlier version started it
+        except RunDirError as exc:
+            return _fail(str(exc))
     else:
         if not args.manifest:
             return _fail("give a MANIFEST to run, or --resume RUN_DIR to continue a run")
@@ -167,7 +174,11 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         problem = _claim(run_dir, args.overwrite)
         if problem:
             return _fail(problem)
-        save_manifest(manifest, run_dir)
+        os.umask(PRIVATE_UMASK)
+        try:
+            save_manifest(manifest, run_dir)
+        except RunDirError as exc:
+            return _fail(str(exc))
     if args.trace:
         from asyncrl.trace import enable, merge_and_tell
 
@@ -192,6 +203,7 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
         run_chaos,
     )
     from asyncrl.manifest import resolve_run_dir
+    from asyncrl.rundir import PRIVATE_UMASK
 
     if args.stop_every is None and args.kill_every is None:
         return _fail("nothing to do: give --kill-every or --stop-every")
@@ -233,6 +245,7 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
         problem = _claim(os.path.join(run_dir, part), args.overwrite, resume_hint=False)
         if problem:
             return _fail(problem)
+    os.umask(PRIVATE_UMASK)  # whatever the runs create is private (docs/reliability.md)
     return run_chaos(manifest, run_dir, plan, baseline=not args.no_baseline, as_json=args.json)
 
 

@@ -552,9 +552,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m asyncrl.launch`` under torchrun; returns the exit status."""
+    from asyncrl.rundir import PRIVATE_UMASK
     from asyncrl.transport import run
 
     args = _parser().parse_args(argv)
+    os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
     if args.resume and args.overwrite:
         print("asyncrl.launch: error: give one of --resume and --overwrite", file=sys.stderr)
         return EXIT_USAGE

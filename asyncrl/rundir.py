@@ -1,8 +1,13 @@
-"""The run directory as the command line sees it: is a run already there, save its manifest,
-load it back to resume, clear it to start afresh.
+"""The run directory as the command line sees it: is a run already there, claim it for a run,
+save its manifest, load it back to resume, clear it to start afresh.
 
-``asyncrl run`` saves the resolved manifest (after ``--set``) as ``RUN_DIR/manifest.json`` before
-the first process starts, so that ``asyncrl run --resume RUN_DIR`` runs exactly the same manifest
+``asyncrl run`` claims the directory first (``claim_run_dir``): it makes it private (0700), sets
+the umask so that everything the run creates in it is private too, and writes the run marker
+``.asyncrl-run``. Only a directory carrying that marker is deleted by ``--overwrite``
+(``clear_run``), so that a mistyped ``--run-dir`` never deletes someone's folder.
+
+It then saves the resolved manifest (after ``--set``) as ``RUN_DIR/manifest.json`` before the
+first process starts, so that ``asyncrl run --resume RUN_DIR`` runs exactly the same manifest
 again in the same directory. JSON is YAML, so the saved file is itself a manifest that
 ``load_manifest`` reads and validates like any other.
 """
@@ -11,15 +16,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from typing import Any
 
 import msgspec
 
 from asyncrl.manifest import Manifest, load_manifest
+from asyncrl.safe_files import write_atomic
 
 __all__ = [
     "MANIFEST_FILE",
+    "PRIVATE_UMASK",
+    "RUN_ENTRIES",
+    "RUN_MARKER",
     "RunDirError",
+    "claim_run_dir",
     "clear_run",
     "load_saved_manifest",
     "manifest_differences",
@@ -29,6 +40,11 @@ __all__ = [
 
 MANIFEST_FILE = "manifest.json"
 """The resolved manifest of the run, saved in its run directory."""
+RUN_MARKER = ".asyncrl-run"
+"""The file ``asyncrl run`` writes at the top of every run directory it starts a run in: the
+proof ``--overwrite`` asks for before it deletes anything."""
+PRIVATE_UMASK = 0o077
+"""The umask of a run: what it creates is its user's alone (folders 0700, files 0600)."""
 
 _MARKERS = (
     MANIFEST_FILE,
@@ -42,6 +58,48 @@ _MARKERS = (
 report, the driver's record, checkpoints and role state (``roles/<name>.<replica>/``, where the
 learner keeps its checkpoints), the agent's log (left even by a run that was killed)."""
 
+_WRITTEN_BY_A_RUN = (MANIFEST_FILE, "report.json", "driver.json", "logs")
+"""What every run of an earlier version (without ``RUN_MARKER``) left at the top of its run
+directory, at least one of them: its manifest, report, driver record, logs."""
+
+RUN_ENTRIES = frozenset(
+    {
+        RUN_MARKER,
+        MANIFEST_FILE,
+        "report.json",
+        "driver.json",
+        "launch.json",
+        "accounting.json",
+        "summary.json",
+        "history.jsonl",
+        "heldout.jsonl",
+        "metrics.jsonl",
+        "trace.json",
+        "trace.html",
+        "progress.png",
+        "manifest.yaml",
+        "checkpoints",
+        "roles",
+        "ledger",
+        "logs",
+        "sockets",
+        "registry",
+        "specs",
+        "weights",
+        "exports",
+        "final",
+        "plots",
+        "tensorboard",
+        "trace",
+        "dist",
+        "undisturbed",
+        "chaos",
+    }
+)
+"""The names a run (of this or an earlier version) writes at the top of its run directory, its
+program's usual outputs included. A directory without ``RUN_MARKER`` is cleared by
+``--overwrite`` only when it holds nothing else."""
+
 
 class RunDirError(Exception):
     """The run directory cannot be used as asked; the message says why and what to do."""
@@ -52,22 +110,46 @@ def run_markers(run_dir: str) -> list[str]:
     return [m for m in _MARKERS if os.path.lexists(os.path.join(run_dir, m))]
 
 
-def save_manifest(manifest: Manifest, run_dir: str) -> str:
-    """Write ``manifest`` to ``RUN_DIR/manifest.json`` atomically; return the path.
+def claim_run_dir(run_dir: str) -> str:
+    """Make ``run_dir`` (and missing parents) a private run directory; return its path.
 
-    The file is written beside its final name, flushed to disk, then renamed over it, so a
-    reader never sees half of it.
+    The directory is created, or made, 0700 (the folders an earlier run left in it too), and
+    carries ``RUN_MARKER``. Entry points also set the process umask to ``PRIVATE_UMASK`` first,
+    so that what the run creates afterwards is private whatever the user's umask.
+
+    Raises:
+        RunDirError: ``run_dir`` is not a directory, or belongs to another user.
     """
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, MANIFEST_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(manifest)))
-        f.write(b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    st = os.stat(run_dir)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RunDirError(
+            f"cannot use {run_dir} as a run directory: it is not a directory of this user "
+            f"(uid {os.getuid()}); give another --run-dir"
+        )
+    os.chmod(run_dir, 0o700)
+    for name in sorted(RUN_ENTRIES & set(os.listdir(run_dir))):
+        path = os.path.join(run_dir, name)
+        sub = os.lstat(path)
+        if stat.S_ISDIR(sub.st_mode) and sub.st_uid == os.getuid():
+            os.chmod(path, 0o700)
+    marker = os.path.join(run_dir, RUN_MARKER)
+    if not os.path.isfile(marker) or os.path.islink(marker):
+        write_atomic(marker, b"a run directory of asyncrl: asyncrl run --overwrite clears it\n")
+    return run_dir
+
+
+def save_manifest(manifest: Manifest, run_dir: str) -> str:
+    """Claim ``run_dir`` (``claim_run_dir``), then write ``manifest`` to
+    ``RUN_DIR/manifest.json`` atomically; return the path.
+
+    The file is written into a fresh temporary file beside its final name (``O_EXCL``, never a
+    name that was there before), flushed to disk, then renamed over it, so a reader never sees
+    half of it.
+    """
+    claim_run_dir(run_dir)
+    data = msgspec.json.format(msgspec.json.encode(manifest)) + b"\n"
+    return write_atomic(os.path.join(run_dir, MANIFEST_FILE), data, fsync=True)
 
 
 def load_saved_manifest(run_dir: str) -> Manifest:
@@ -108,8 +190,13 @@ def _diff(a: Any, b: Any, path: str, depth: int) -> list[str]:
 def clear_run(run_dir: str) -> None:
     """Remove everything in ``run_dir`` so that a new run starts afresh there.
 
-    Refuses (``RunDirError``) a directory that holds the current directory, or a git checkout:
-    ``--overwrite`` on ``.`` must not delete a project.
+    Only a run directory is cleared: one that carries ``RUN_MARKER``, or, from a version that
+    wrote no marker, one that holds nothing but ``RUN_ENTRIES`` and at least a manifest, report,
+    driver record or logs of a run.
+
+    Raises:
+        RunDirError: ``run_dir`` holds the current directory, is a git checkout, or is not a
+            run directory as above; the message names what is in the way. Nothing is removed.
     """
     real = os.path.realpath(run_dir)
     cwd = os.path.realpath(os.getcwd())
@@ -125,9 +212,32 @@ def clear_run(run_dir: str) -> None:
         )
     if not os.path.isdir(real):
         return
-    for name in os.listdir(real):
+    names = sorted(os.listdir(real))
+    _check_is_a_run(run_dir, names)
+    for name in [n for n in names if n != RUN_MARKER] + [RUN_MARKER]:  # the marker last
         path = os.path.join(real, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
-        else:
+        elif os.path.lexists(path):
             os.unlink(path)
+
+
+def _check_is_a_run(run_dir: str, names: list[str]) -> None:
+    """Raise ``RunDirError`` unless ``names`` (the entries of ``run_dir``) are a run's."""
+    marker = os.path.join(run_dir, RUN_MARKER)
+    if RUN_MARKER in names and os.path.isfile(marker) and not os.path.islink(marker):
+        return
+    unknown = [n for n in names if n not in RUN_ENTRIES]
+    what = "delete it yourself if it is yours to delete, or give another --run-dir"
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if unknown[5:] else "")
+        raise RunDirError(
+            f"refusing to overwrite {run_dir}: it has no run marker ({RUN_MARKER}) and holds "
+            f"{shown}, which no run writes, so it may not be a run directory; {what}"
+        )
+    if not any(n in names for n in _WRITTEN_BY_A_RUN):
+        raise RunDirError(
+            f"refusing to overwrite {run_dir}: it has no run marker ({RUN_MARKER}) and none of "
+            f"the {', '.join(_WRITTEN_BY_A_RUN)} a run leaves, so it may not be a run "
+            f"directory; {what}"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from typing import Any
@@ -14,7 +15,9 @@ import pytest
 from asyncrl import cli
 from asyncrl.manifest import load_manifest
 from asyncrl.rundir import (
+    RUN_MARKER,
     RunDirError,
+    claim_run_dir,
     clear_run,
     load_saved_manifest,
     manifest_differences,
@@ -37,7 +40,7 @@ def test_saved_manifest_round_trips(tmp_path: Any) -> None:
     manifest = load_manifest(HELLO, ["roles.splitter.replicas=3", "run.config.x=[1, 2]"])
     path = save_manifest(manifest, str(tmp_path))
     assert path == os.path.join(tmp_path, "manifest.json")
-    assert os.listdir(tmp_path) == ["manifest.json"]  # no temporary file left
+    assert sorted(os.listdir(tmp_path)) == [RUN_MARKER, "manifest.json"]  # no temporary file
     assert load_saved_manifest(str(tmp_path)) == manifest
     assert manifest_differences(manifest, load_manifest(HELLO)) == [
         "run.config.x",
@@ -55,7 +58,7 @@ def test_run_markers(tmp_path: Any) -> None:
 
 
 def test_clear_run_empties_the_directory_but_never_a_project(tmp_path: Any) -> None:
-    run = os.path.join(tmp_path, "run")
+    run = claim_run_dir(os.path.join(tmp_path, "run"))
     os.makedirs(os.path.join(run, "checkpoints", "step-1"))
     with open(os.path.join(run, "report.json"), "w") as f:
         f.write("{}")
@@ -70,6 +73,78 @@ def test_clear_run_empties_the_directory_but_never_a_project(tmp_path: Any) -> N
     assert os.listdir(project) == [".git"]
     with pytest.raises(RunDirError, match="it holds the current directory"):
         clear_run(os.path.dirname(os.getcwd()))
+
+
+def test_save_manifest_never_writes_through_a_planted_temporary_name(tmp_path: Any) -> None:
+    """A link at the name the manifest used to be staged at (``manifest.json.<pid>.tmp``),
+    pointing out of the run directory, is neither followed nor reused."""
+    run, outside = str(tmp_path / "run"), tmp_path / "outside.txt"
+    outside.write_text("precious")
+    os.makedirs(run)
+    planted = os.path.join(run, f"manifest.json.{os.getpid()}.tmp")
+    os.symlink(outside, planted)
+    save_manifest(load_manifest(HELLO), run)
+    assert outside.read_text() == "precious"
+    assert os.path.islink(planted)
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "manifest.json", os.path.basename(planted)]
+
+
+def test_claim_makes_the_run_directory_private_and_marks_it(tmp_path: Any) -> None:
+    run = str(tmp_path / "run")
+    os.makedirs(os.path.join(run, "logs"), mode=0o777)
+    os.chmod(run, 0o777)
+    os.chmod(os.path.join(run, "logs"), 0o777)  # left so by an earlier version under umask 000
+    assert claim_run_dir(run) == run
+    assert os.stat(run).st_mode & 0o777 == 0o700
+    assert os.stat(os.path.join(run, "logs")).st_mode & 0o777 == 0o700
+    assert os.path.isfile(os.path.join(run, RUN_MARKER))
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_run(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder with a ``roles/`` (which a run writes) and a thesis (which none does) is no
+    run, and nothing in it is deleted."""
+    run = str(tmp_path)
+    os.makedirs(os.path.join(run, "roles"))
+    with open(os.path.join(run, "thesis.tex"), "w") as f:
+        f.write("precious")
+    assert cli.main(["run", HELLO, "--run-dir", run, "--overwrite"]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: refusing to overwrite {run}: it has no run marker (.asyncrl-run) and "
+        "holds thesis.tex, which no run writes, so it may not be a run directory; delete it "
+        "yourself if it is yours to delete, or give another --run-dir\n"
+    )
+    assert sorted(os.listdir(run)) == ["roles", "thesis.tex"]
+    os.unlink(os.path.join(run, "thesis.tex"))
+    assert cli.main(["run", HELLO, "--run-dir", run, "--overwrite"]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: refusing to overwrite {run}: it has no run marker (.asyncrl-run) and "
+        "none of the manifest.json, report.json, driver.json, logs a run leaves, so it may not "
+        "be a run directory; delete it yourself if it is yours to delete, or give another "
+        "--run-dir\n"
+    )
+    assert os.listdir(run) == ["roles"]
+
+
+def test_clear_run_takes_a_run_directory_of_an_earlier_version(tmp_path: Any) -> None:
+    """No marker, but only what a run writes, with its manifest and logs: a run of a version
+    that wrote no marker, cleared by --overwrite."""
+    run = str(tmp_path)
+    for folder in ["roles/learner.0", "logs", "ledger", "sockets"]:
+        os.makedirs(os.path.join(run, folder))
+    with open(os.path.join(run, "manifest.json"), "w") as f:
+        f.write("{}")
+    clear_run(run)
+    assert os.listdir(run) == []
+
+
+def test_clear_run_with_the_marker_clears_everything(tmp_path: Any) -> None:
+    run = claim_run_dir(str(tmp_path / "run"))
+    with open(os.path.join(run, "notes.txt"), "w") as f:
+        f.write("written into the run directory by the program")
+    clear_run(run)
+    assert os.listdir(run) == []
 
 
 # -- the command line, without processes ---------------------------------------------------
@@ -153,6 +228,8 @@ def test_run_saves_its_manifest_and_resume_runs_it_again(run_dir: str) -> None:
 
 @pytest.mark.slow
 def test_overwrite_starts_afresh(run_dir: str) -> None:
+    with open(os.path.join(run_dir, "report.json"), "w") as f:
+        f.write("{}")  # a run of a version that wrote no marker
     os.makedirs(os.path.join(run_dir, "checkpoints"))
     stale = os.path.join(run_dir, "checkpoints", "step-00000009")
     with open(stale, "w") as f:
@@ -163,6 +240,29 @@ def test_overwrite_starts_afresh(run_dir: str) -> None:
     with open(os.path.join(run_dir, "driver.json")) as f:
         assert json.load(f)["result"] == [["the", 4], ["dog", 3], ["fox", 3]]
     assert load_saved_manifest(run_dir) == load_manifest(HELLO)
+
+
+@pytest.mark.slow
+def test_a_run_under_umask_000_leaves_nothing_that_others_may_read(run_dir: str) -> None:
+    """The run directory and everything the run writes into it is its user's alone."""
+    os.rmdir(run_dir)
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", HELLO, "--run-dir", run_dir],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.umask(0),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    shared = []
+    for folder, dirs, files in os.walk(run_dir):
+        for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+            mode = os.lstat(name).st_mode
+            if not stat.S_ISLNK(mode) and mode & 0o077:
+                shared.append((os.path.relpath(name, run_dir), oct(mode & 0o777)))
+    assert shared == []
+    assert {"logs", "roles", "specs", "registry", RUN_MARKER} <= set(os.listdir(run_dir))
 
 
 # -- asyncrl keys generate -------------------------------------------------------------------
