@@ -397,11 +397,12 @@ def wait_as_standby(spec: ProcessSpec) -> bool:
     return True
 
 
-def main() -> None:
+def main(parent_pid: int | None = None) -> None:
     """Entry point: read the spec the supervisor wrote (``asyncrl.spec.load_spec_from_env``)
-    and serve."""
+    and serve. ``parent_pid``: the process this one dies with, when it is not the spec's (the
+    zygote, for a process it forked: ``asyncrl.zygote``)."""
     spec = load_spec_from_env()
-    die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid if parent_pid is None else parent_pid)
     set_threads(spec.threads)
     if "--standby" in sys.argv[1:] and not wait_as_standby(spec):
         sys.exit(0)

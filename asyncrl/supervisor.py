@@ -16,6 +16,10 @@ Every process is spawned from this event loop's thread (the parent-death signal 
 with the agent is tied to that thread) in a session and process group of its own, so its own
 children die with it.
 
+A restart is forked, when it can be, by the node's zygote (``asyncrl.zygote``: one process that
+imported torch and this node's roles once), which reports each fork's exit status; otherwise
+(no zygote ready yet, ``command:`` roles, ``ASYNCRL_ZYGOTE=0``) a process starts cold.
+
 With ``supervision.standby``, each replica of a role has a standby process: the next incarnation,
 started ahead (``python -m asyncrl.process --standby``), which imports the role's modules and
 waits on its stdin. A restart then writes ``go`` to it instead of starting an interpreter, and a
@@ -47,6 +51,7 @@ from asyncrl.manifest import Supervision
 from asyncrl.runreport import ExitInfo, ProcessInfo, RunReport, format_report
 from asyncrl.spec import EXIT_CONFIG
 from asyncrl.transport import ChannelOptions, Client, PeerEvent, TransportError, sweep
+from asyncrl.zygote import AnyProcess, ForkedProcess, Launcher
 
 __all__ = ["ChildSpec", "ExitInfo", "ProcessInfo", "RunReport", "Supervisor", "format_report"]
 
@@ -73,7 +78,7 @@ class _Child:
     spec: ChildSpec
     log_path: str
     incarnation: int = -1
-    proc: asyncio.subprocess.Process | None = None
+    proc: AnyProcess | None = None
     client: Client | None = None
     serving: bool = False
     hung: bool = False
@@ -105,6 +110,8 @@ class Supervisor:
         observer: called with (``"started"``, ``"serving"`` or ``"exited"``, process label,
             incarnation) the moment the supervisor learns it: benchmarks time recovery with it,
             and the agent's janitor learns each pid as soon as it exists.
+        zygote: fork restarts from a pre-imported zygote (``asyncrl.zygote``); False starts
+            every process cold.
     """
 
     def __init__(
@@ -114,6 +121,7 @@ class Supervisor:
         run: str,
         log_dir: str,
         observer: Callable[[str, str, int], None] | None = None,
+        zygote: bool = True,
     ) -> None:
         self.run_name = run
         self.log_dir = log_dir
@@ -130,6 +138,7 @@ class Supervisor:
         self._exits: list[ExitInfo] = []
         self._stopping = False
         self._observer = observer
+        self.launcher = Launcher(log_dir, enabled=zygote)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -146,6 +155,7 @@ class Supervisor:
                 self._tasks = tasks
                 for child in self._children:
                     await self._spawn(child)
+                self._own(self.launcher.run())  # after the first starts: they go first
                 await self._done.wait()
                 await self._wind_down()
         finally:
@@ -192,7 +202,8 @@ class Supervisor:
             heard = c.client.last_heard if c.client is not None and c.serving else None
             age = None if heard is None else round(now - heard, 3)
             row = {f: getattr(info, f) for f in info.__struct_fields__}
-            rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": age})
+            forked = isinstance(c.proc, ForkedProcess)
+            rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": age, "forked": forked})
         return rows
 
     def stop(self, reason: str = "interrupted") -> None:
@@ -230,22 +241,11 @@ class Supervisor:
             child.proc = spare
         else:
             argv, env = child.spec.argv_env(child.incarnation)
-            with open(child.log_path, "ab") as stderr:
-                stderr.write(f"--- incarnation {child.incarnation} ---\n".encode())
-                stderr.flush()
-                child.proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    env={**os.environ, **env},
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stderr=stderr,
-                    start_new_session=True,
-                )
-        self._log.info(
-            "started",
-            process=child.label,
-            **self._identity(child),
-            standby=child.proc is spare,
-        )
+            child.proc = await self.launcher.start(
+                argv, env, child.log_path, child.spec.kind, child.incarnation
+            )
+        how = {"standby": child.proc is spare, "forked": isinstance(child.proc, ForkedProcess)}
+        self._log.info("started", process=child.label, **self._identity(child), **how)
         if self._observer is not None:
             self._observer("started", child.label, child.incarnation)
         self._own(self._watch(child, child.proc))
@@ -382,7 +382,7 @@ class Supervisor:
             child.hung = True
             self._kill(child, signal.SIGKILL)
 
-    async def _watch(self, child: _Child, proc: asyncio.subprocess.Process) -> None:
+    async def _watch(self, child: _Child, proc: AnyProcess) -> None:
         code = await proc.wait()
         if self._observer is not None:
             self._observer("exited", child.label, child.incarnation)
@@ -419,7 +419,7 @@ class Supervisor:
             return
         await self._recover(child, info)
 
-    def _reap(self, proc: asyncio.subprocess.Process) -> None:
+    def _reap(self, proc: AnyProcess) -> None:
         """Clean up after a process that exited: its shared memory, what it left in its group."""
         sweep(self.run_name, pid=proc.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):

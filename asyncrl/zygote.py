@@ -1,0 +1,513 @@
+"""The zygote: one pre-imported process per node that forks each restarted role incarnation.
+
+A cold start of a role costs an interpreter and its imports (torch, transformers, the role's
+module): 1 to 3 s. The zygote pays them once. It is started by the supervisor after the run's
+first processes (``python -m asyncrl.zygote``), imports torch and the modules of this node's
+roles and program (and runs each role class's ``Role.preload``), and then waits. Each restart
+of a Python role or of the driver asks it to ``fork()``; the child is the new incarnation, with
+everything already imported, and runs ``asyncrl.process.main`` as a cold start would.
+
+Forking is safe only from a process with a single thread, no event loop, no zmq context and no
+device: the zygote creates none of them (it pins OpenMP and BLAS to one thread while importing,
+so that no BLAS pool starts), checks that it has exactly one thread before it says ``ready``,
+and otherwise exits: the supervisor then keeps starting processes cold.
+
+Each child, before it runs the role:
+
+- leads a session and process group of its own (the supervisor, the agent's janitor and chaos
+  kill it by that group, as they kill a cold-started one; the zygote answers a fork only once
+  the child leads its group);
+- gets the parent-death signal (SIGKILL) tied to the zygote, which has its own tied to the agent:
+  nothing outlives the agent;
+- closes the zygote's pipes, restores default signal handling, reads stdin from ``/dev/null``,
+  writes stderr to its role's log file (stdout stays the agent's, as for a cold start), and
+  replaces its environment with the one the supervisor gives (the role's threads, spec file,
+  run environment);
+- runs ``asyncrl.process.main``, which sets up logging, signals, its own zmq context and event
+  loop, and exits with the process's status.
+
+The zygote is the child's parent, not the supervisor: it reaps each child (``waitpid``) and
+reports its exit status over a pipe (``exited <pid> <status>``, the status as asyncio gives a
+``returncode``: negative for a signal). A zygote that dies takes its children with it (their
+parent-death signal); the supervisor then learns each child's end from a ``pidfd`` (reported as
+SIGKILL), starts processes cold, and starts a new zygote after ``ZYGOTE_BACKOFF_S`` (at most
+``ZYGOTE_RESTARTS`` times a run).
+
+External ``command:`` roles, and processes whose interpreter settings differ from the zygote's
+(``PYTHONPATH`` and the like in ``run.env``), always start cold. ``ASYNCRL_ZYGOTE=0`` in the
+agent's environment turns the zygote off.
+
+Protocol: the zygote's stdin carries first the JSON list of what to import (``kind``,
+``target``, ``config`` of each process), then requests, one JSON line each (``{"id", "env",
+"stderr"}``); reports
+are lines on the pipe given by ``--report-fd``: ``ready``, ``unsafe <threads>``,
+``forked <id> <pid>``, ``failed <id> <why>``, ``exited <pid> <status>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import msgspec
+
+from asyncrl import logs
+
+__all__ = ["INTERPRETER_ENV", "AnyProcess", "ForkedProcess", "Launcher", "main"]
+
+ZYGOTE_ENV = "ASYNCRL_ZYGOTE"
+"""Set to ``0`` in the agent's environment to start every process cold."""
+ZYGOTE_RESTARTS = 3
+"""How many times a run starts a new zygote after one died; then processes start cold."""
+ZYGOTE_BACKOFF_S = 1.0
+"""Seconds between a zygote's death and the start of the next."""
+FORK_TIMEOUT_S = 5.0
+"""How long the supervisor waits for a fork's answer before it starts the process cold."""
+INTERPRETER_ENV = (
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSAFEPATH",
+    "PYTHONNOUSERSITE",
+    "PYTHONHASHSEED",
+    "PYTHONOPTIMIZE",
+    "PYTHONUSERBASE",
+    "PYTHONPLATLIBDIR",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "VIRTUAL_ENV",
+)
+"""Variables read when the interpreter starts or a library loads: a process whose environment
+gives them other values than the zygote's starts cold."""
+PRELOAD = ("torch", "transformers.modeling_utils", "asyncrl.process", "asyncrl.driver")
+"""What every zygote imports before the roles' modules (each only where it is installed)."""
+_ONE_THREAD = {v: "1" for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+
+
+# -- the supervisor's side ---------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A process the zygote forked, as the supervisor sees it: ``pid``, ``returncode`` (None
+    while it runs) and ``wait()``, as an ``asyncio.subprocess.Process`` has them."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._done = asyncio.Event()
+        self._pidfd: int | None = None
+
+    async def wait(self) -> int:
+        """Wait for the process to end; return its status (negative: killed by that signal)."""
+        await self._done.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _exited(self, status: int) -> None:
+        if self.returncode is None:
+            self.returncode = status
+            self._done.set()
+        self._close_pidfd()
+
+    def _orphaned(self) -> None:
+        """Its zygote is gone, and with it the exit status: watch the pid's end through a
+        pidfd instead (its parent-death signal kills it with the zygote: SIGKILL)."""
+        if self.returncode is not None or self._pidfd is not None:
+            return
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            self._exited(-signal.SIGKILL)
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._pidfd, self._exited, -signal.SIGKILL)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+AnyProcess = asyncio.subprocess.Process | ForkedProcess
+"""A process the supervisor started: cold (an asyncio subprocess) or forked by the zygote."""
+
+
+class Launcher:
+    """Starts the supervisor's processes: forked by the zygote when it can, cold otherwise.
+
+    ``start()`` learns each Python process's role class or program from its spec file; once
+    ``run()`` is started (after the run's first processes), it keeps a zygote that imported
+    them alive until cancelled.
+
+    Args:
+        log_dir: where the zygote's stderr goes (``zygote.stderr``) beside the processes'.
+        enabled: False starts every process cold (``ASYNCRL_ZYGOTE=0`` also does).
+    """
+
+    def __init__(self, log_dir: str, *, enabled: bool = True) -> None:
+        self.log_dir = log_dir
+        self.enabled = enabled and os.environ.get(ZYGOTE_ENV, "1") != "0"
+        self.forks = 0
+        self._targets: dict[str, dict[str, Any]] = {}
+        self._proc: asyncio.subprocess.Process | None = None
+        self._env: dict[str, str] = {}
+        self.ready = asyncio.Event()
+        """Set while a zygote is ready to fork (tests and benchmarks wait on it)."""
+        self._next_id = 0
+        self._pending: dict[int, asyncio.Future[ForkedProcess]] = {}
+        self._children: dict[int, ForkedProcess] = {}
+        self._log = logs.get_logger("asyncrl.zygote")
+
+    @property
+    def pid(self) -> int | None:
+        """The zygote's pid while it runs and can fork; None otherwise."""
+        return self._proc.pid if self._proc is not None and self.ready.is_set() else None
+
+    async def start(
+        self, argv: list[str], env: Mapping[str, str], log_path: str, kind: str, incarnation: int
+    ) -> AnyProcess:
+        """Start incarnation ``incarnation`` of a process: ``argv`` with ``os.environ`` updated
+        by ``env``, stdin from ``/dev/null``, stderr appended to ``log_path`` after the line
+        ``--- incarnation N ---`` (where the supervisor's failure report starts reading it). A
+        Python role or driver (``kind``) is forked by the zygote when one is ready and its
+        interpreter settings match; anything else starts cold."""
+        with open(log_path, "ab") as stderr:
+            stderr.write(f"--- incarnation {incarnation} ---\n".encode())
+        full = {**os.environ, **env}
+        python = kind in ("role", "driver") and argv[1:] == ["-m", "asyncrl.process"]
+        if python:
+            self._learn(full)
+        if python and self.ready.is_set() and self._compatible(full):
+            forked = await self._fork(full, log_path)
+            if forked is not None:
+                return forked
+        with open(log_path, "ab") as stderr:
+            return await asyncio.create_subprocess_exec(
+                *argv,
+                env=full,
+                stdin=asyncio.subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+
+    def _learn(self, env: Mapping[str, str]) -> None:
+        """Note the role class or program named by the process's spec file, for the zygote."""
+        path = env.get("ASYNCRL_SPEC_FILE", "")
+        inline = env.get("ASYNCRL_SPEC", "")  # the older way: the spec in the environment
+        if (not path and not inline) or path in self._targets:
+            return
+        try:
+            if path:
+                with open(path, "rb") as f:
+                    spec = msgspec.json.decode(f.read())
+            else:
+                spec = msgspec.json.decode(inline)
+            key = path or f"{spec.get('name')}.{spec.get('replica')}"
+            self._targets[key] = {
+                "kind": spec.get("kind", ""),
+                "target": spec.get("target", ""),
+                "config": spec.get("config", {}),
+                "model": spec.get("model", {}),
+            }
+        except (OSError, msgspec.DecodeError):
+            pass
+
+    def _compatible(self, env: Mapping[str, str]) -> bool:
+        return all(env.get(k) == self._env.get(k) for k in INTERPRETER_ENV)
+
+    async def _fork(self, env: dict[str, str], log_path: str) -> ForkedProcess | None:
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            return None
+        self._next_id += 1
+        ident = self._next_id
+        answer = asyncio.get_running_loop().create_future()
+        self._pending[ident] = answer
+        request = json.dumps({"id": ident, "env": env, "stderr": log_path}).encode()
+        try:
+            proc.stdin.write(request + b"\n")
+            await proc.stdin.drain()
+            async with asyncio.timeout(FORK_TIMEOUT_S):
+                child = await answer
+        except (OSError, TimeoutError, ConnectionError, RuntimeError) as exc:
+            self._log.warning("zygote did not fork; starting cold", error=repr(exc))
+            return None
+        finally:
+            self._pending.pop(ident, None)
+        self.forks += 1
+        return child
+
+    async def run(self) -> None:
+        """Keep a zygote until cancelled: start it, read its reports, start another after it
+        dies (at most ``ZYGOTE_RESTARTS`` times). Cancelled: the zygote is killed (children it
+        still has die with it) and their ends are watched through pidfds."""
+        if not self.enabled or not self._targets:
+            return
+        try:
+            for attempt in range(ZYGOTE_RESTARTS + 1):
+                if attempt:
+                    await asyncio.sleep(ZYGOTE_BACKOFF_S)
+                if not await self._serve_one():
+                    return  # it cannot fork safely here: starting another would not help
+        finally:
+            await self._close()
+
+    async def _serve_one(self) -> bool:
+        """Run one zygote until it exits; False if it said forking is unsafe."""
+        read_fd, write_fd = os.pipe()
+        self._env = {**os.environ, **_ONE_THREAD, "ASYNCRL_ZYGOTE_PARENT": str(os.getpid())}
+        targets = json.dumps(list(self._targets.values()))
+        try:
+            with open(os.path.join(self.log_dir, "zygote.stderr"), "ab") as stderr:
+                self._proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "asyncrl.zygote",
+                    "--report-fd",
+                    str(write_fd),
+                    env=self._env,
+                    stdin=asyncio.subprocess.PIPE,
+                    stderr=stderr,
+                    pass_fds=(write_fd,),
+                    start_new_session=True,
+                )
+        finally:
+            os.close(write_fd)
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(targets.encode() + b"\n")  # first line: what to import
+        started = time.monotonic()
+        reader = asyncio.StreamReader()
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
+        )
+        safe = True
+        try:
+            while line := await reader.readline():
+                safe = self._report(line.decode().split(), started) and safe
+        finally:
+            transport.close()
+            self.ready.clear()
+            self._orphan_all()
+        code = await self._proc.wait()
+        if safe:
+            self._log.warning(
+                "zygote exited; starting processes cold", pid=self._proc.pid, code=code
+            )
+        self._proc = None
+        return safe
+
+    def _report(self, words: list[str], started: float) -> bool:
+        """Act on one report of the zygote; False when it says it cannot fork safely."""
+        match words:
+            case ["ready"]:
+                self.ready.set()
+                took = round(time.monotonic() - started, 3)
+                self._log.info("zygote ready", pid=self._proc.pid if self._proc else None, s=took)
+            case ["unsafe", threads]:
+                self._log.warning(
+                    "zygote not used: its imports started threads; processes start cold",
+                    threads=int(threads),
+                )
+                return False
+            case ["forked", ident, pid]:
+                # Known before its requester resumes: its "exited" may be the next line.
+                child = self._children[int(pid)] = ForkedProcess(int(pid))
+                answer = self._pending.get(int(ident))
+                if answer is not None and not answer.done():
+                    answer.set_result(child)
+                else:  # its requester gave up on it and started the process cold
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(int(pid), signal.SIGKILL)
+            case ["failed", ident, *why]:
+                answer = self._pending.get(int(ident))
+                if answer is not None and not answer.done():
+                    answer.set_exception(RuntimeError(" ".join(why)))
+            case ["exited", pid, status]:
+                child = self._children.pop(int(pid), None)
+                if child is not None:
+                    child._exited(int(status))
+        return True
+
+    def _orphan_all(self) -> None:
+        for answer in self._pending.values():
+            if not answer.done():
+                answer.set_exception(RuntimeError("the zygote exited"))
+        for child in self._children.values():
+            child._orphaned()
+        self._children.clear()
+
+    async def _close(self) -> None:
+        proc, self._proc = self._proc, None
+        self.ready.clear()
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.shield(proc.wait())
+        self._orphan_all()
+
+
+# -- the zygote process ------------------------------------------------------------------------
+
+
+def _preload(targets: list[dict[str, Any]]) -> None:
+    """Import torch, transformers' modeling code when it is installed (over a second, paid by
+    the first model a process builds), the process wrapper, and each role's module (with its
+    ``Role.preload``) or the program's module. A module that fails here fails again in the
+    child, which reports it as a cold start would."""
+    for name in PRELOAD:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    from asyncrl.model_section import inherited_config
+    from asyncrl.process import load_role_class
+
+    for t in targets:
+        target = str(t.get("target", ""))
+        try:
+            if t.get("kind") == "role" and target:
+                cls = load_role_class(target)
+                config = t.get("config") or {}
+                cls.preload(inherited_config(config, cls.Config, t.get("model") or {}))
+            elif t.get("kind") == "driver" and ":" in target:
+                where = target.rpartition(":")[0]
+                if not where.endswith(".py") and os.sep not in where:
+                    importlib.import_module(where)
+        except (Exception, SystemExit):  # reported by the child, as a cold start would
+            traceback.print_exc()
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def serve(report_fd: int) -> int:
+    """The zygote's loop: read what to import (stdin's first line), import it, then fork on
+    each request and reap and report children, until stdin closes."""
+    from asyncrl.process import die_with_parent
+
+    die_with_parent(int(os.environ.get("ASYNCRL_ZYGOTE_PARENT", "0")))
+    buffered = b""
+    while b"\n" not in buffered and (data := os.read(0, 1 << 20)):
+        buffered += data
+    first, _, buffered = buffered.partition(b"\n")
+    _preload(json.loads(first) if first.strip() else [])
+    if (threads := _threads()) != 1:
+        os.write(report_fd, f"unsafe {threads}\n".encode())
+        return 3
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    sel.register(0, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    private = [report_fd, wake_r, wake_w, sel.fileno()]
+    os.write(report_fd, b"ready\n")
+    while True:
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            _fork_one(json.loads(line), report_fd, private)
+        for key, _ in sel.select():
+            if key.fd == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _reap(report_fd)
+                continue
+            data = os.read(0, 1 << 20)
+            if not data:
+                return 0  # the supervisor is gone or done
+            buffered += data
+
+
+def _reap(report_fd: int) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        os.write(report_fd, f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _fork_one(request: dict[str, Any], report_fd: int, private: list[int]) -> None:
+    ident = int(request["id"])
+    zygote = os.getpid()
+    sys.stdout.flush()  # or the child would write what the zygote buffered again
+    sys.stderr.flush()
+    try:
+        sync_r, sync_w = os.pipe()
+        pid = os.fork()
+    except OSError as exc:
+        os.write(report_fd, f"failed {ident} {exc!r}\n".encode())
+        return
+    if pid == 0:
+        os.close(sync_r)
+        _become(request, zygote, private, sync_w)
+    os.close(sync_w)
+    os.read(sync_r, 1)  # once it leads its own group (or died trying): killpg reaches it
+    os.close(sync_r)
+    os.write(report_fd, f"forked {ident} {pid}\n".encode())
+
+
+def _become(request: dict[str, Any], zygote: int, private: list[int], sync_w: int) -> NoReturn:
+    """In the child: detach from the zygote, then run the process wrapper; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        os.write(sync_w, b"x")
+        os.close(sync_w)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in private:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(err, 2)
+        os.close(err)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [sys.argv[0]]
+        from asyncrl.process import main as process_main
+
+        process_main(parent_pid=zygote)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # the child must never return into the zygote
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> None:
+    """``python -m asyncrl.zygote --report-fd FD``; stdin: the protocol above."""
+    sys.exit(serve(int(sys.argv[2])))
+
+
+if __name__ == "__main__":
+    from asyncrl.zygote import main as _main
+
+    _main()
