@@ -129,7 +129,21 @@ class Learner(DurableSteps, WeightBroadcast, Role):
 
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+        """Import the model's class (its module, and transformers' modeling code with it),
+        without building it: most of a first build's time, 1.5 s of 1.5 s on the main job."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path, model_config = config.get("model_path"), config.get("model_config")
+        try:
+            if path:
+                found = AutoConfig.from_pretrained(path, local_files_only=True)
+            elif isinstance(model_config, Mapping) and model_config:
+                found = AutoConfig.for_model(**model_config)
+            else:
+                return
+            AutoModelForCausalLM._model_mapping[type(found)]  # imports the class's module
+        except Exception:  # setup meets the problem again, and reports it
+            return
 
     async def setup(self) -> None:
         cfg = self.config
