@@ -8,6 +8,10 @@ handle costs, each against its baseline measured in the same run.
 - restart through a standby (``supervision.standby``): the same kill and first answer for a second
   replica whose next incarnation waits with its modules imported, interleaved kill by kill with
   the cold restart above, which is its baseline;
+- restart through the zygote (the default: ``asyncrl.zygote`` forks the next incarnation from a
+  process that imported torch and the role once): the same kill and first answer for a third
+  replica, under a supervisor of its own with the zygote on (the other two run with it off),
+  interleaved kill by kill with the cold restart;
 - handle overhead: a call through a handle (the dispatcher) against the transport client calling
   the same server, in alternating blocks of calls (bare, handle, bare, ...), so that noise from
   the rest of the machine falls on both sides alike.
@@ -76,19 +80,25 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
     )
     child = role_child(run_dir, "echo", ROLE, {}, policy)
     spare = role_child(run_dir, "spare", ROLE, {}, msgspec.structs.replace(policy, standby=True))
-    lives = _Lives(["echo[0]", "spare[0]"])
+    forked = role_child(run_dir, "forked", ROLE, {}, policy)
+    lives = _Lives(["echo[0]", "spare[0]", "forked[0]"])
+    logs_dir = os.path.join(run_dir, "logs")
     supervisor = Supervisor(
-        [child, spare], run="bench", log_dir=os.path.join(run_dir, "logs"), observer=lives
+        [child, spare], run="bench", log_dir=logs_dir, observer=lives, zygote=False
     )
+    zygote = Supervisor([forked], run="bench", log_dir=logs_dir, observer=lives)
     supervised = asyncio.get_running_loop().create_task(supervisor.run())
+    supervised_zygote = asyncio.get_running_loop().create_task(zygote.run())
     try:
         async with (
             Client(child.endpoint, name="bench") as client,
             Client(spare.endpoint, name="bench-spare") as spare_client,
+            Client(forked.endpoint, name="bench-forked") as forked_client,
         ):
-            await lives.until("echo[0]", ("serving", 0))
-            await lives.until("spare[0]", ("serving", 0))
-            out = await _restarts(lives, client, spare_client, kills)
+            for label in ("echo[0]", "spare[0]", "forked[0]"):
+                await lives.until(label, ("serving", 0))
+            await asyncio.wait_for(zygote.launcher.ready.wait(), 120)
+            out = await _restarts(lives, client, spare_client, forked_client, kills)
             dispatcher = Dispatcher({"echo": GroupInfo([child.endpoint])}, run="bench")
             dispatcher.start()
             try:
@@ -98,7 +108,9 @@ async def _measure(run_dir: str, kills: int, calls: int) -> dict[str, Any]:
                 await dispatcher.close()
     finally:
         supervisor.stop("benchmark done")
+        zygote.stop("benchmark done")
         await supervised
+        await supervised_zygote
     return out
 
 
@@ -124,13 +136,14 @@ class _Lives:
 
 
 async def _restarts(
-    lives: _Lives, client: Client, spare_client: Client, kills: int
+    lives: _Lives, client: Client, spare_client: Client, forked_client: Client, kills: int
 ) -> dict[str, Any]:
-    """Kill the cold replica and the one with a standby ``kills`` times each, interleaved kill
-    by kill; the crash-detection and restart figures."""
+    """Kill the cold replica, the one with a standby and the one the zygote forks ``kills``
+    times each, interleaved kill by kill; the crash-detection and restart figures."""
     detect: list[float] = []
     serve: list[float] = []
     serve_standby: list[float] = []
+    serve_forked: list[float] = []
     for n in range(kills):
         t0, ms = await _restart(client, n)
         await lives.until("echo[0]", ("exited", n))
@@ -139,13 +152,19 @@ async def _restarts(
         await lives.until("spare[0]", ("standby", n + 1))  # the next one is ready
         _, ms = await _restart(spare_client, n)
         serve_standby.append(ms)
+        _, ms = await _restart(forked_client, n)
+        serve_forked.append(ms)
     cold, standby = statistics.median(serve), statistics.median(serve_standby)
+    forked = statistics.median(serve_forked)
     return {
         "crash_detect_ms_p50": statistics.median(detect),
         "crash_detect_ms_max": max(detect),
         "restart_to_serving_ms_p50": cold,
         "standby_restart_ms_p50": standby,
         "standby_speedup": cold / standby,
+        "zygote_restart_ms_p50": forked,
+        "zygote_restart_ms_max": max(serve_forked),
+        "zygote_speedup": cold / forked,
         "kills": kills,
     }
 
@@ -227,6 +246,8 @@ def format_table(f: dict[str, Any]) -> str:
         ),
         ("restart through a standby (p50)", f"{f['standby_restart_ms_p50']:.0f} ms", None),
         ("  cold / standby", f"{f['standby_speedup']:.1f}x", None),
+        ("restart through the zygote (p50)", f"{f['zygote_restart_ms_p50']:.0f} ms", None),
+        ("  cold / zygote", f"{f['zygote_speedup']:.1f}x", None),
         ("cold import torch + role (p50)", f"{f['role_import_ms_p50']:.0f} ms", None),
         ("  restart - import", f"{f['restart_minus_import_ms']:.0f} ms", None),
         ("call through a handle (p50)", f"{f['handle_rtt_us_p50']:.0f} us", None),
