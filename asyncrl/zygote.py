@@ -205,7 +205,9 @@ class Launcher:
         """Note the role class or program named by the process's spec file, for the zygote."""
         path = env.get("ASYNCRL_SPEC_FILE", "")
         inline = env.get("ASYNCRL_SPEC", "")  # the older way: the spec in the environment
-        if (not path and not inline) or path in self._targets:
+        # <name>.<replica>.<incarnation>.json: one entry per replica, whatever its incarnation
+        key = os.path.basename(path).rsplit(".", 2)[0] if path else ""
+        if (not path and not inline) or key in self._targets:
             return
         try:
             if path:
@@ -213,7 +215,7 @@ class Launcher:
                     spec = msgspec.json.decode(f.read())
             else:
                 spec = msgspec.json.decode(inline)
-            key = path or f"{spec.get('name')}.{spec.get('replica')}"
+                key = f"{spec.get('name')}.{spec.get('replica')}"
             self._targets[key] = {
                 "kind": spec.get("kind", ""),
                 "target": spec.get("target", ""),
@@ -258,8 +260,12 @@ class Launcher:
             for attempt in range(ZYGOTE_RESTARTS + 1):
                 if attempt:
                     await asyncio.sleep(ZYGOTE_BACKOFF_S)
-                if not await self._serve_one():
-                    return  # it cannot fork safely here: starting another would not help
+                try:
+                    if not await self._serve_one():
+                        return  # it cannot fork safely here: another would not either
+                except Exception as exc:  # the run goes on, starting its processes cold
+                    self._log.error("zygote failed", error=repr(exc))
+                    await self._close()
         finally:
             await self._close()
 
