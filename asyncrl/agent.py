@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -33,7 +32,13 @@ from asyncrl.spec import (
 from asyncrl.status import AgentStatus
 from asyncrl.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry, TransportError, load_keys, use_curve
-from asyncrl.transport.control import CONTROL_SECRET_ENV
+from asyncrl.transport.control import (
+    CONTROL_SECRET_ENV,
+    SECRET_FILE,
+    SECRET_FILE_ENV,
+    new_secret,
+    write_secret,
+)
 from asyncrl.transport.curve import current as curve_in_use
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     "CURVE_KEYS_ENV",
     "NodeView",
     "build_children",
+    "install_secret",
     "run_manifest",
     "summary",
 ]
@@ -77,6 +83,8 @@ class NodeView:
             the one published (``0.0.0.0``: every interface); empty: the published one.
         agents: the tcp endpoint of every node agent's status server (``asyncrl status``),
             by node; empty on one machine.
+        secret: the run's secret, the same on every node (node 0 makes it, the others read
+            it from the launch's store); empty: the agent makes a fresh one.
     """
 
     node: int = 0
@@ -85,6 +93,7 @@ class NodeView:
     curve_keys: str = ""
     bind_host: str = ""
     agents: dict[int, str] = field(default_factory=dict)
+    secret: str = ""
 
     def bind_endpoint(self, role: str, replica: int) -> str:
         """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or "";
@@ -332,9 +341,7 @@ async def run_manifest(
     )
     log = logs.get_logger("asyncrl.agent")
     run = manifest.run.name
-    # Only the supervisor may stop the processes of this run: every process inherits the
-    # secret, and only the supervisor's clients present it (asyncrl.transport.control).
-    os.environ[CONTROL_SECRET_ENV] = secrets.token_hex(16)
+    install_secret(run_dir, view.secret if view is not None else "")
     socket_dir = LocalRegistry(run_dir).socket_dir
     # Started before any other process, so that a SIGKILLed agent leaves nothing behind.
     janitor = Janitor.start(run, socket_dir, run_dir)
@@ -388,6 +395,27 @@ async def _supervise(
             if side is not None:
                 side.cancel()
     return report
+
+
+def install_secret(run_dir: str, secret: str = "") -> str:
+    """Give this process and every process it starts the run's secret; return its file.
+
+    The secret (``secret``, or a fresh one) goes into ``RUN_DIR/secret`` (0600), which
+    ``ASYNCRL_SECRET_FILE`` names in this process's environment, so that every server and
+    client of the run, in this process and its children, requires and presents it
+    (``asyncrl.transport.control``); a tool pointed at the run directory reads it there. The
+    secret itself is not put in the environment, and an ``ASYNCRL_CONTROL_SECRET`` inherited
+    from the shell is dropped. The file stays after the run (a tool of this process, such as
+    a launch's trace sender, still presents it); the next run replaces it.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = os.path.join(os.path.abspath(run_dir), SECRET_FILE)
+    write_secret(path, secret or new_secret())
+    os.environ[SECRET_FILE_ENV] = path
+    os.environ.pop(CONTROL_SECRET_ENV, None)
+    return path
 
 
 def _supervise_over_curve(

@@ -46,7 +46,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.agent import NodeView, run_manifest, summary
+from asyncrl.agent import NodeView, install_secret, run_manifest, summary
 from asyncrl.errors import ManifestError
 from asyncrl.hosts import HostRecord, announce, share
 from asyncrl.manifest import Manifest, load_manifest, resolve_run_dir
@@ -55,6 +55,7 @@ from asyncrl.store_registry import LaunchKeys, StoreClient, StoreError, free_por
 from asyncrl.supervisor import Supervisor
 from asyncrl.trace import merge_and_tell
 from asyncrl.trace_nodes import send_node_trace, start_node_trace
+from asyncrl.transport.control import new_secret
 
 __all__ = ["LaunchEnv", "main", "node_dir"]
 
@@ -305,7 +306,18 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         curve_keys=a.manifest.security.curve_keys,
         bind_host=bind_host if bind_host != host else "",
         agents=agents,
+        secret=await _shared_secret(a, timeout_s),
     )
+
+
+async def _shared_secret(a: _Attempt, timeout_s: float) -> str:
+    """The run's secret, the same on every node: node 0 makes one per attempt in the store and
+    the others read it, so that every node's processes serve one another."""
+    key = f"{a.keys.prefix(a.attempt)}/secret"
+    if a.node == 0:
+        return await a.store.set_once(key, new_secret())
+    await a.store.wait_for([key], timeout_s, why="node 0 makes the run's secret")
+    return await a.store.get(key)
 
 
 class _Watch:
@@ -472,6 +484,7 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         await store.set(keys.done(attempt, env.node), json.dumps({"restarts": {}, "served": {}}))
         return EXIT_USAGE
     _say(env.node, f"attempt {attempt}: {len(view.tcp)} replicas over {env.nodes} nodes; starting")
+    install_secret(a.dir, view.secret)  # the trace sink and sender below present it too
     sink = None
     if a.trace:
         sink = await start_node_trace(

@@ -40,6 +40,7 @@ from typing import Any
 
 from asyncrl.errors import AsyncrlError
 from asyncrl.transport import ChannelOptions, Client, LocalRegistry, Server, TransportError
+from asyncrl.transport.control import SECRET_FILE, read_secret
 
 __all__ = [
     "AGENT_SOCKET",
@@ -252,7 +253,13 @@ async def ask(run_dir: str, timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Any]:
         tried.append(endpoint)
         if not os.path.exists(endpoint.removeprefix("ipc://")):
             continue
-        client = Client(endpoint, name="asyncrl-status", options=ChannelOptions(shm=False))
+        secret = os.path.join(directory, SECRET_FILE)  # the agent serves only holders of it
+        client = Client(
+            endpoint,
+            name="asyncrl-status",
+            options=ChannelOptions(shm=False),
+            secret=read_secret(secret) if os.path.exists(secret) else None,
+        )
         try:
             await client.connect(timeout=timeout_s)
             # The agent waits up to timeout_s for its driver, and twice that for other nodes.

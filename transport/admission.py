@@ -1,18 +1,23 @@
-"""Whom a server admits: the checks on a HANDSHAKE (protocol version, control secret) and on a
-control message (STOP). See docs/protocol.md, Control messages; the secret itself is
-``control.py``'s.
+"""Whom a server admits: the checks on a HANDSHAKE (protocol version, the run's secret), on every
+other message (from an admitted peer only), and on a control message (STOP). See
+docs/protocol.md, Authentication; the secret itself is ``control.py``'s.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from .control import CONTROL_SECRET_ENV, secret_matches
+from .control import CONTROL_SECRET_ENV, SECRET_FILE, SECRET_FILE_ENV, secret_matches
 from .errors import ProtocolVersionError
 from .protocol import PROTOCOL_VERSION, ErrorCode, Hello
 from .sockets import ipc_path
 
-__all__ = ["Refusal", "control_refusal", "handshake_refusal"]
+__all__ = ["Gate", "Refusal", "control_refusal"]
+
+_HOW = (
+    f"run it inside the run (every process the node agent starts has {SECRET_FILE_ENV}), or "
+    f"point it at the run's secret file: {SECRET_FILE_ENV}=RUN_DIR/{SECRET_FILE}"
+)
 
 
 class Refusal(NamedTuple):
@@ -23,29 +28,88 @@ class Refusal(NamedTuple):
     message: str
 
 
-def handshake_refusal(hello: Hello, secret: str | None, server: str) -> Refusal | None:
-    """Why a server named ``server`` with control secret ``secret`` refuses ``hello``; None
-    when it admits it."""
-    if hello.version != PROTOCOL_VERSION:
-        err = ProtocolVersionError(PROTOCOL_VERSION, hello.version, hello.name)
-        return Refusal("version_mismatch", ErrorCode.PROTOCOL_VERSION, str(err))
-    if hello.control and secret is not None and not secret_matches(secret, hello.control):
-        return Refusal(
-            "control_refused",
-            ErrorCode.UNAUTHORIZED,
-            f"the control secret presented by {hello.name or 'this client'} is not "
-            f"{server}'s; both processes must inherit the same {CONTROL_SECRET_ENV} "
-            f"(set by the node agent for the whole run)",
+class Gate:
+    """Who a server serves. With the run's secret, only the peers (routing ids) whose HANDSHAKE
+    presented it; without one (outside a run), everyone.
+
+    A peer stays admitted until it handshakes again or the server closes, also when the liveness
+    sweep forgot it for a while (a blocked client is not a stranger).
+
+    Args:
+        secret: the run's secret, None outside a run.
+        server: the server's name, for messages.
+    """
+
+    def __init__(self, secret: str | None, server: str) -> None:
+        self.secret = secret
+        self._server = server
+        self._admitted: dict[bytes, bool] = {}  # routing id -> may send control messages
+
+    def admits(self, identity: bytes) -> bool:
+        """Whether the peer ``identity`` may send anything other than a HANDSHAKE."""
+        return self.secret is None or identity in self._admitted
+
+    def may_control(self, identity: bytes) -> bool:
+        """Whether the peer presented the secret under ``control`` in its handshake."""
+        return self._admitted.get(identity, False)
+
+    def handshake(self, identity: bytes, hello: Hello) -> Refusal | None:
+        """Admit the peer ``identity`` that handshook with ``hello``, or say why not (and forget
+        an earlier admission of it)."""
+        refusal = self._refusal(hello)
+        if refusal is not None:
+            self._admitted.pop(identity, None)
+            return refusal
+        control = bool(hello.control) and self.secret is not None
+        self._admitted[identity] = control
+        return None
+
+    def unadmitted(self, kind: str) -> str:
+        """The ERROR message for a ``kind`` message from a peer that was not admitted."""
+        return (
+            f"{kind} refused: {self._server} serves only the processes of its run, and this "
+            f"client has not presented the run's secret in a HANDSHAKE (Hello.secret) on this "
+            f"connection; {_HOW}"
         )
-    return None
+
+    def _refusal(self, hello: Hello) -> Refusal | None:
+        who = hello.name or "this client"
+        if hello.version != PROTOCOL_VERSION:
+            err = ProtocolVersionError(PROTOCOL_VERSION, hello.version, hello.name)
+            return Refusal("version_mismatch", ErrorCode.PROTOCOL_VERSION, str(err))
+        secret = self.secret
+        if hello.control and secret is not None and not secret_matches(secret, hello.control):
+            return Refusal(
+                "control_refused",
+                ErrorCode.UNAUTHORIZED,
+                f"the control secret presented by {who} is not {self._server}'s; both "
+                f"processes must read the same run's secret ({SECRET_FILE_ENV}, set by the "
+                f"node agent for the whole run)",
+            )
+        if secret is None or secret_matches(secret, hello.secret or hello.control):
+            return None
+        if not hello.secret:
+            return Refusal(
+                "unauthenticated",
+                ErrorCode.UNAUTHORIZED,
+                f"{self._server} serves only the processes of its run, and the HANDSHAKE of "
+                f"{who} presented no secret (Hello.secret); {_HOW}",
+            )
+        return Refusal(
+            "secret_refused",
+            ErrorCode.UNAUTHORIZED,
+            f"the secret presented by {who} is not the one of {self._server}'s run (a client "
+            f"of another run, or of an earlier run of the same directory?); point "
+            f"{SECRET_FILE_ENV} at RUN_DIR/{SECRET_FILE} of the run that serves this endpoint",
+        )
 
 
 def control_refusal(presented: bool, secret: str | None, endpoint: str, server: str) -> str:
     """Why a control message is refused, or "" when it is authorised.
 
     Args:
-        presented: the peer presented the run's control secret in its handshake.
-        secret: the server's control secret, None when it has none.
+        presented: the peer presented the run's secret under ``control`` in its handshake.
+        secret: the server's secret, None when it has none.
         endpoint: where the server listens.
         server: the server's name.
     """
@@ -54,13 +118,13 @@ def control_refusal(presented: bool, secret: str | None, endpoint: str, server: 
             return ""
         return (
             f"control messages are accepted only from a client that presented the run's "
-            f"control secret in its HANDSHAKE (Hello.control, from {CONTROL_SECRET_ENV}); "
-            f"create the client with control=True in a process that has the secret"
+            f"secret under Hello.control in its HANDSHAKE (the supervisor's); create the client "
+            f"with control=True in a process that has the run's secret ({SECRET_FILE_ENV})"
         )
     if ipc_path(endpoint) is not None or endpoint.startswith("inproc://"):
         return ""
     return (
-        f"{server} has no control secret ({CONTROL_SECRET_ENV} is unset) and listens on "
-        f"{endpoint}, where any local user can connect; set {CONTROL_SECRET_ENV} in "
-        f"both processes and create the client with control=True"
+        f"{server} has no secret (neither {SECRET_FILE_ENV} nor {CONTROL_SECRET_ENV} is set) "
+        f"and listens on {endpoint}, where any local user can connect; give both processes "
+        f"the run's secret and create the client with control=True"
     )

@@ -8,9 +8,10 @@ reply, a ``RemoteError`` (the server's error reply), a ``DeadlineExceededError``
 The client reconnects by itself when the server restarts on the same endpoint. It learns of the
 restart from a socket monitor, handshakes again (``reconnect.py``: retrying until the new
 incarnation answers or the client is closed, however long its start-up blocks), and reports the
-new incarnation in a ``PeerEvent``. A client created with ``control=True`` presents the run's
-control secret in its handshake, which authorises its control messages (``send_stop``); see
-``control.py``.
+new incarnation in a ``PeerEvent``; requests made before that handshake wait for it.
+
+Every client presents the run's secret in its handshake (``control.py``), without which a server
+of the run serves nothing; ``control=True`` also presents it as a controller (``send_stop``).
 
 On tcp with Curve on (``curve.py``) the client presents the run's client key and checks the
 server's. A server that refuses the ZeroMQ handshake (its client key or the mechanism differs)
@@ -33,7 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .codec import Codec
-from .control import control_secret as env_secret
+from .control import run_secret
 from .curve import CurveSetting, handshake_refusal, secure_client
 from .errors import (
     ClosedError,
@@ -60,7 +61,7 @@ from .protocol import (
 )
 from .pump import Pump
 from .ratelog import RateLimitedLog
-from .reconnect import rehandshake
+from .reconnect import Held, rehandshake
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
 from .sockets import connect
@@ -89,14 +90,14 @@ class Client:
         context: the zmq context; the process-wide instance by default.
         on_event: called with each PeerEvent.
         on_credit: called with the slot count of each CREDIT the server sends.
-        control: present the run's control secret in the handshake, so that the server accepts
-            this client's control messages (``send_stop``). Only the supervisor's clients set it.
-        control_secret: the secret to present; by default ``ASYNCRL_CONTROL_SECRET`` from the
-            environment.
+        control: also present the secret as a controller, so that the server accepts this
+            client's control messages (``send_stop``). Only the supervisor's clients set it.
+        secret: the run's secret to present; by default the one ``control.run_secret`` reads
+            (the file named by ``ASYNCRL_SECRET_FILE``), none outside a run.
         curve: Curve on a tcp endpoint: keys, False (never), or None (``use_curve``'s default).
 
     Raises:
-        ValueError: ``control_secret`` is given without ``control=True``.
+        TransportError: ``ASYNCRL_SECRET_FILE`` names a file that holds no readable secret.
     """
 
     def __init__(
@@ -111,13 +112,9 @@ class Client:
         on_event: Callable[[PeerEvent], None] | None = None,
         on_credit: Callable[[int], None] | None = None,
         control: bool = False,
-        control_secret: str | None = None,
+        secret: str | None = None,
         curve: CurveSetting = None,
     ) -> None:
-        if control_secret is not None and not control:
-            raise ValueError(
-                "control_secret is presented only by a client created with control=True"
-            )
         self.endpoint = endpoint
         self.name = name
         self.identity = identity or f"{name}:{os.getpid()}:{uuid.uuid4().hex[:8]}".encode()
@@ -129,7 +126,8 @@ class Client:
         self.control = control
         self._curve = curve
         self._keyed = False  # Curve is on (set by connect)
-        self._secret = (control_secret or env_secret()) if control else None
+        self._secret = secret or run_secret()
+        self._held = Held()  # requests made while the connection is broken
         self._rehandshaking: asyncio.Task[None] | None = None
         self._log = RateLimitedLog(log, f"client {name}")
         self._ids = itertools.count(1)
@@ -296,6 +294,9 @@ class Client:
                 else nbytes(frames, env.tensors)
             )
             record((CALL, method, self._channel, request_id, clock(), size))
+        if self._held.holding:  # the connection broke: sent after the next handshake
+            self._held.add(request_id, frames, list(self.codec.last_slots))
+            return fut
         try:
             self._pump.send(frames)
         except TransportError:
@@ -330,7 +331,7 @@ class Client:
     def send_stop(self) -> None:
         """Ask the server to stop cleanly (a STOP control message; no answer when it is obeyed).
 
-        A server with a control secret obeys only a client created with ``control=True`` that
+        A server with the run's secret obeys only a client created with ``control=True`` that
         holds the same secret; otherwise it answers ERROR ``unauthorized`` (logged here).
 
         Raises:
@@ -460,6 +461,7 @@ class Client:
         event = parse_monitor_message([f.bytes for f in frames])["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self.stats["disconnects"] += 1
+            self._held.start()
             count = len(self._in_flight)
             self._in_flight.fail_all(
                 lambda p: DisconnectedError(
@@ -501,7 +503,8 @@ class Client:
             host=self._host,
             shm=self.codec.shm_reader is not None,
             run=self.options.run,
-            control=self._secret or "",
+            control=(self._secret or "") if self.control else "",
+            secret=self._secret or "",
         )
         assert self._pump is not None
         request_id = next(self._ids)
@@ -531,6 +534,8 @@ class Client:
             )
             self.codec.shm_pool = self._pool
         self._connected_once = True
+        assert self._pump is not None  # the handshake came through it
+        self._held.release(self._in_flight, self._pump.send, self._release_own)
         if previous is not None and previous.incarnation != welcome.incarnation:
             if self._pool is not None:
                 self._pool.release_peer(b"")

@@ -74,6 +74,9 @@ class InFlight:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._pending
+
     def add(self, request_id: int, pending: Pending) -> None:
         """Track ``pending`` under ``request_id`` until it is popped, failed or expires."""
         self._pending[request_id] = pending

@@ -2,8 +2,9 @@
 periodic sweep that forgets those silent for longer than liveness x interval.
 
 Forgetting is not refusing: the next message from the same routing id is served normally (see
-docs/protocol.md, Heartbeats). What is lost is its handshake, so it gets no shared memory and no
-control until it handshakes again, and the shared-memory slots the server lent it are taken back.
+docs/protocol.md, Heartbeats), and a peer the server admitted (``admission.Gate``) stays admitted.
+What is lost is the rest of its handshake, so it gets no shared memory until it handshakes again,
+and the shared-memory slots the server lent it are taken back.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PeerInfo:
     hello: Hello | None = None
     shm: bool = False
     shm_in: bool = False  # may send this server shared-memory tensors (handshook from this host)
-    control: bool = False  # presented the run's control secret in its handshake
+    admitted: bool = False  # the server's Gate admits it (checked once, then remembered here)
 
 
 class Peers:

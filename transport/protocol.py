@@ -21,6 +21,7 @@ __all__ = [
     "MAX_CREDIT",
     "MAX_DIMS",
     "MAX_RELEASE_SLOTS",
+    "MAX_SECRET",
     "MAX_TENSORS",
     "PROTOCOL_VERSION",
     "TENSOR_EXT",
@@ -59,8 +60,8 @@ class Kind(enum.IntEnum):
 
 
 CONTROL_KINDS = frozenset({Kind.STOP})
-"""Kinds that control the receiving process. A server accepts them only from a peer that proved,
-in its HANDSHAKE, that it holds the run's control secret (see docs/protocol.md, Control)."""
+"""Kinds that control the receiving process. A server accepts them only from a peer that presented
+the run's secret under ``control`` in its HANDSHAKE (see docs/protocol.md, Control messages)."""
 
 MAX_TENSORS = 1 << 16
 """The most tensor descriptors one envelope may carry; more is refused as ``decode_error``."""
@@ -76,6 +77,9 @@ MAX_RELEASE_SLOTS = 1 << 16
 
 MAX_CREDIT = 1 << 20
 """The most request slots one CREDIT may advertise."""
+
+MAX_SECRET = 256
+"""The longest secret (``Hello.secret``, ``Hello.control``) a HANDSHAKE may carry."""
 
 
 class Where(enum.IntEnum):
@@ -156,9 +160,11 @@ class Hello(msgspec.Struct, omit_defaults=True):
     """Payload of HANDSHAKE and WELCOME: who is speaking and what it can do.
 
     ``host`` identifies the machine (hostname and boot id); shared memory is used only between
-    peers that report the same host and both set ``shm``. ``control`` is the run's control secret,
-    sent only by a client created with ``control=True`` (the supervisor's); it authorises control
-    messages (STOP) from that client. A server never sends it.
+    peers that report the same host and both set ``shm``. ``secret`` is the run's secret, which
+    every client of a run presents: a server of the run serves nothing else to a peer whose
+    handshake did not carry it. ``control`` is the same secret again, sent only by a client
+    created with ``control=True`` (the supervisor's); it also authorises control messages (STOP)
+    from that client. A server sends neither.
     """
 
     version: int
@@ -168,7 +174,8 @@ class Hello(msgspec.Struct, omit_defaults=True):
     host: str = ""
     shm: bool = False
     run: str = ""
-    control: str = ""
+    control: Annotated[str, msgspec.Meta(max_length=MAX_SECRET)] = ""
+    secret: Annotated[str, msgspec.Meta(max_length=MAX_SECRET)] = ""
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):

@@ -1,4 +1,5 @@
-"""Handshaking again after a reconnect: tried until the server answers or the client closes.
+"""Handshaking again after a reconnect: tried until the server answers or the client closes, with
+the requests made meanwhile held until it succeeds (``Held``).
 
 A restarted server may block its loop for a while as it starts (imports, loading a checkpoint),
 so a try that gets no answer within liveness x interval is simply sent again. Tries that fail at
@@ -11,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from .errors import ClosedError, TransportError
+from .inflight import InFlight
 from .options import ChannelOptions
 
-__all__ = ["REHANDSHAKE_BACKOFF_MAX_S", "rehandshake"]
+__all__ = ["REHANDSHAKE_BACKOFF_MAX_S", "Held", "rehandshake"]
 
 REHANDSHAKE_BACKOFF_MAX_S = 5.0
 """The longest wait between two handshake tries after a reconnect that failed at once."""
@@ -47,3 +50,50 @@ async def rehandshake(
             if time.monotonic() - started < options.dead_after_s / 2:
                 await asyncio.sleep(backoff)  # an immediate failure: do not spin
                 backoff = min(backoff * 2, REHANDSHAKE_BACKOFF_MAX_S)
+
+
+class Held:
+    """Requests made while a client's connection is broken, sent once it has handshaken again.
+
+    A server of a run refuses every request from a peer that has not presented the run's secret
+    on the connection (``admission.py``), and a restarted server has seen no handshake yet: a
+    request sent before the new handshake would be refused rather than served.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[int, list[Any], list[int]]] | None = None
+
+    @property
+    def holding(self) -> bool:
+        """True from a broken connection until the next handshake succeeds."""
+        return self._items is not None
+
+    def start(self) -> None:
+        """The connection broke: hold requests from now on."""
+        if self._items is None:
+            self._items = []
+
+    def add(self, request_id: int, frames: list[Any], slots: list[int]) -> None:
+        """Hold request ``request_id`` (its frames, and the shared-memory slots they use)."""
+        assert self._items is not None
+        self._items.append((request_id, frames, slots))
+
+    def release(
+        self,
+        in_flight: InFlight,
+        send: Callable[[list[Any]], None],
+        give_back: Callable[[list[int]], None],
+    ) -> None:
+        """The handshake succeeded: ``send`` each held request still in flight (one that cannot
+        be sent fails with the error), ``give_back`` the slots of the others; stop holding."""
+        items, self._items = self._items or [], None
+        for request_id, frames, slots in items:
+            if request_id in in_flight:
+                try:
+                    send(frames)
+                    continue
+                except TransportError as exc:
+                    pending = in_flight.pop(request_id)
+                    if pending is not None and not pending.fut.done():
+                        pending.fut.set_exception(exc)
+            give_back(slots)

@@ -10,8 +10,10 @@ the size limit, or tensor descriptors that disagree with the bytes are dropped, 
 ``stats`` and logged (the first few of each kind, then a summary line per interval); the sender
 gets an error reply, since a ROUTER always knows who sent what.
 
-Control messages (STOP) are accepted only from a peer that presented the run's control secret in
-its handshake (see ``control.py``). Shared-memory tensors are accepted only from a peer that
+A server with the run's secret (``control.py``) serves only peers whose handshake presented it,
+checked once per connection (``admission.py``): anything else from another peer is refused with
+ERROR ``unauthorized`` (PING and RELEASE are dropped, counted). STOP is accepted only from a peer
+that presented it as a controller. Shared-memory tensors are accepted only from a peer that
 handshook from this host. On tcp with Curve on (``curve.py``), only peers holding an authorized
 client key complete the ZeroMQ handshake at all.
 """
@@ -29,9 +31,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from .admission import control_refusal, handshake_refusal
+from .admission import Gate, control_refusal
 from .codec import Codec
-from .control import control_secret as env_secret
+from .control import run_secret
 from .curve import CurveSetting, ServerGuard, secure_server
 from .errors import (
     ClosedError,
@@ -85,9 +87,11 @@ class Server:
         on_stop: called when an authorised STOP control message arrives.
         on_event: called with a PeerEvent when a client handshakes (``connected``) and when one
             goes silent for liveness x interval (``dead``; its shared-memory slots are freed).
-        control_secret: the run's control secret; by default ``ASYNCRL_CONTROL_SECRET`` from the
-            environment. With a secret, STOP is accepted only from a client that presented it;
-            without one, only on an ipc or inproc endpoint (private to this user).
+        secret: the run's secret; by default the one ``control.run_secret`` reads (the file
+            named by ``ASYNCRL_SECRET_FILE``). With a secret, only clients whose handshake
+            presented it are served, and STOP only from those that presented it as controllers;
+            without one (outside a run), everyone is served, and STOP only on an ipc or inproc
+            endpoint (private to this user).
         curve: Curve on a tcp endpoint: keys, False (never), or None (``use_curve``'s default).
     """
 
@@ -101,7 +105,7 @@ class Server:
         context: zmq.Context[Any] | None = None,
         on_stop: Callable[[], None] | None = None,
         on_event: Callable[[PeerEvent], None] | None = None,
-        control_secret: str | None = None,
+        secret: str | None = None,
         curve: CurveSetting = None,
     ) -> None:
         self.endpoint = endpoint
@@ -113,7 +117,8 @@ class Server:
         self._context = context or zmq.Context.instance()
         self._on_stop = on_stop
         self._on_event = on_event
-        self._secret = control_secret or env_secret()
+        self._secret = secret or run_secret()
+        self._gate = Gate(self._secret, name)
         self._socket_id: tuple[int, int] | None = None
         self._log = RateLimitedLog(log, f"server {name}")
         self._credit: int | None = None
@@ -238,11 +243,9 @@ class Server:
         A role calls this once its state is restored, so that no work reaches it earlier.
         """
         self._credit = slots
-        for identity in list(self._peers.table):
-            self._send_quietly(
-                identity,
-                self._envelope(Kind.CREDIT, payload=Credit(slots)),
-            )
+        for identity, peer in list(self._peers.table.items()):
+            if peer.admitted:
+                self._send_quietly(identity, self._envelope(Kind.CREDIT, payload=Credit(slots)))
 
     def send_credit(self, peer: bytes, slots: int) -> None:
         """Advertise ``slots`` free request slots to ``peer``.
@@ -250,12 +253,7 @@ class Server:
         Raises:
             PeerUnreachableError: the peer is not connected.
         """
-        self._send(
-            peer,
-            Envelope(
-                PROTOCOL_VERSION, Kind.CREDIT, incarnation=self.incarnation, payload=Credit(slots)
-            ),
-        )
+        self._send(peer, self._envelope(Kind.CREDIT, payload=Credit(slots)))
 
     # -- receiving ------------------------------------------------------------------------
 
@@ -269,6 +267,11 @@ class Server:
             return
         peer = self._peers.heard(identity)
         kind = env.kind
+        if not peer.admitted and kind != Kind.HANDSHAKE:
+            if not self._gate.admits(identity):
+                self._unadmitted(peer, env)
+                return
+            peer.admitted = True
         if kind == Kind.REQUEST:
             self._request(peer, env, msg)
         elif kind == Kind.PING:
@@ -415,19 +418,11 @@ class Server:
 
     def _control(self, peer: PeerInfo, env: RawEnvelope) -> None:
         name = Kind(env.kind).name
-        refusal = control_refusal(peer.control, self._secret, self.endpoint, self.name)
+        presented = self._gate.may_control(peer.identity)
+        refusal = control_refusal(presented, self._secret, self.endpoint, self.name)
         if refusal:
-            self.stats["control_refused"] += 1
-            self._log.warning(
-                "control refused",
-                _peer_name(peer.identity),
-                "server %s refused %s from %r: %s",
-                self.name,
-                name,
-                peer.identity,
-                refusal,
-            )
-            self._error(peer.identity, env.id, ErrorCode.UNAUTHORIZED, f"{name} refused: {refusal}")
+            code, message = ErrorCode.UNAUTHORIZED, f"{name} refused: {refusal}"
+            self._refuse(peer, env.id, name, "control_refused", code, message)
             return
         if env.kind == Kind.STOP:
             self.stats["stops"] += 1
@@ -440,23 +435,15 @@ class Server:
         except ProtocolError as exc:
             self._bad_input(peer.identity, msg, exc, env.id)
             return
-        refusal = handshake_refusal(hello, self._secret, self.name)
+        refusal = self._gate.handshake(peer.identity, hello)
         if refusal is not None:
-            self.stats[refusal.counter] += 1
-            if refusal.code == ErrorCode.UNAUTHORIZED:
-                self._log.warning(
-                    "control secret",
-                    _peer_name(peer.identity),
-                    "server %s refused a handshake from %r: wrong control secret",
-                    self.name,
-                    peer.identity,
-                )
-            self._error(peer.identity, env.id, refusal.code, refusal.message)
+            peer.admitted = False
+            self._refuse(peer, env.id, "HANDSHAKE", refusal.counter, refusal.code, refusal.message)
             return
         if hello.control and self._secret is not None:
             self.stats["control_handshakes"] += 1
         peer.hello = hello
-        peer.control = bool(hello.control) and self._secret is not None
+        peer.admitted = True
         same_host = bool(hello.host) and hello.host == self._host
         peer.shm = bool(self._pool is not None and hello.shm and same_host)
         peer.shm_in = same_host and self.codec.shm_reader is not None
@@ -471,15 +458,31 @@ class Server:
             shm=self.codec.shm_reader is not None,
             run=self.options.run,
         )
-        self._send_quietly(
-            peer.identity,
-            self._envelope(Kind.WELCOME, env.id, welcome),
-        )
+        self._send_quietly(peer.identity, self._envelope(Kind.WELCOME, env.id, welcome))
         if self._credit is not None:
-            self._send_quietly(
-                peer.identity,
-                self._envelope(Kind.CREDIT, payload=Credit(self._credit)),
+            credit = self._envelope(Kind.CREDIT, payload=Credit(self._credit))
+            self._send_quietly(peer.identity, credit)
+
+    def _unadmitted(self, peer: PeerInfo, env: RawEnvelope) -> None:
+        """Refuse a message from a peer that did not present the run's secret."""
+        kind = Kind(env.kind)
+        if kind in (Kind.PING, Kind.RELEASE):  # not calls: a reconnecting client sends them
+            self.stats["unauthenticated"] += 1  # before its new handshake
+            return
+        message = self._gate.unadmitted(kind.name)
+        self._refuse(peer, env.id, kind.name, "unauthenticated", ErrorCode.UNAUTHORIZED, message)
+
+    def _refuse(
+        self, peer: PeerInfo, request_id: int, what: str, counter: str, code: str, message: str
+    ) -> None:
+        """Count, log (rate-limited) and answer a refused handshake or message."""
+        self.stats[counter] += 1
+        if code == ErrorCode.UNAUTHORIZED:
+            name = _peer_name(peer.identity)
+            self._log.warning(
+                counter, name, "server %s refused %s from %r: %s", self.name, what, name, counter
             )
+        self._error(peer.identity, request_id, code, message)
 
     def _release(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:
         try:
@@ -492,10 +495,7 @@ class Server:
                 self._pool.release(slot, peer.identity)
 
     def _send_release(self, identity: bytes, slots: list[int]) -> None:
-        self._send(
-            identity,
-            self._envelope(Kind.RELEASE, payload=Release(slots)),
-        )
+        self._send(identity, self._envelope(Kind.RELEASE, payload=Release(slots)))
 
     # -- sending and failures -------------------------------------------------------------
 

@@ -236,7 +236,9 @@ async def _rpc_figures(endpoint: str, run_id: str, calls: int, tensor_iters: int
 
         out["tensor_shm_gbps"] = await _tensor_rate(client, tensor_iters)
         out["shm_used"] = client._use_shm
-    async with Client(endpoint, options=ChannelOptions(run=run_id, shm=False)) as client:
+    # control=True: it stops the peer, as a supervisor would (a run's servers obey no other).
+    stopper = Client(endpoint, options=ChannelOptions(run=run_id, shm=False), control=True)
+    async with stopper as client:
         out["tensor_frames_gbps"] = await _tensor_rate(client, tensor_iters)
         client.send_stop()
     return out

@@ -41,6 +41,11 @@ VERSION = 1
 HANDSHAKE, WELCOME, REQUEST, REPLY, ERROR, CREDIT, PING, PONG, STOP, RELEASE, MESSAGE = range(1, 12)
 SERVER_REFUSES = {WELCOME, REPLY, ERROR, CREDIT, PONG, MESSAGE}
 KIND_NAMES = {
+    HANDSHAKE: "HANDSHAKE",
+    REQUEST: "REQUEST",
+    PING: "PING",
+    STOP: "STOP",
+    RELEASE: "RELEASE",
     WELCOME: "WELCOME",
     REPLY: "REPLY",
     ERROR: "ERROR",
@@ -351,9 +356,10 @@ class Server:
         self.inc = settings.incarnation
         self.stats: Counter[str] = Counter()
         self.stop_reason = ""
-        # Control messages (STOP) are obeyed only from a peer whose HANDSHAKE carried the run's
-        # control secret: the supervisor's.
-        self.secret = os.environ.get("ASYNCRL_CONTROL_SECRET", "")
+        # With the run's secret, only peers whose HANDSHAKE carried it are served (members), and
+        # STOP is obeyed only from those that carried it as controllers: the supervisor's.
+        self.secret = run_secret()
+        self.members: set[bytes] = set()
         self.controllers: set[bytes] = set()
         self.ctx = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
@@ -451,6 +457,19 @@ class Server:
             self.error(identity, salvaged, "decode_error", str(exc))
             return
         kind, request_id = env[1], env[2]
+        if self.secret and kind != HANDSHAKE and identity not in self.members:
+            self.stats["unauthenticated"] += 1
+            if kind not in (PING, RELEASE):  # those are dropped without an answer
+                name = KIND_NAMES.get(kind, f"kind {kind}")
+                self.error(
+                    identity,
+                    request_id,
+                    "unauthorized",
+                    f"{name} refused: {self.settings.role} serves only the processes of its run; "
+                    f"handshake first with the run's secret (Hello.secret, from the file "
+                    f"ASYNCRL_SECRET_FILE names)",
+                )
+            return
         if kind == REQUEST:
             self.request(identity, env, frames)
         elif kind == PING:
@@ -506,15 +525,25 @@ class Server:
                 f"version {hello['version']}; run the same asyncrl protocol version on both ends",
             )
             return
-        presented = hello.get("control", "")
-        if presented:
-            if not (
-                self.secret
-                and isinstance(presented, str)
-                and hmac.compare_digest(presented.encode(), self.secret.encode())
-            ):
-                self.error(identity, request_id, "unauthorized", "wrong control secret")
-                return
+        control, secret = hello.get("control", ""), hello.get("secret", "")
+        self.members.discard(identity)
+        self.controllers.discard(identity)
+        if control and not self.matches(control):
+            self.error(identity, request_id, "unauthorized", "wrong control secret")
+            return
+        if self.secret and not self.matches(secret or control):
+            self.stats["unauthenticated"] += 1
+            self.error(
+                identity,
+                request_id,
+                "unauthorized",
+                f"{self.settings.role} serves only the processes of its run: the HANDSHAKE "
+                f"presented {'a wrong' if secret else 'no'} secret (Hello.secret); read it from "
+                f"the file ASYNCRL_SECRET_FILE names (RUN_DIR/secret)",
+            )
+            return
+        self.members.add(identity)
+        if control:
             self.controllers.add(identity)
         s = self.settings
         welcome = {
@@ -529,6 +558,14 @@ class Server:
         self.stats["handshakes"] += 1
         if self.send(identity, WELCOME, request_id, welcome):
             self.send(identity, CREDIT, 0, {"slots": s.capacity})
+
+    def matches(self, presented: object) -> bool:
+        """Whether ``presented`` is the run's secret (compared in constant time)."""
+        return bool(
+            self.secret
+            and isinstance(presented, str)
+            and hmac.compare_digest(presented.encode(), self.secret.encode())
+        )
 
     def request(self, identity: bytes, env: list[Any], frames: list[bytes]) -> None:
         request_id, method, deadline = env[2], env[3], env[4]
@@ -629,6 +666,22 @@ class Server:
         self.send(identity, ERROR, request_id, info)
 
 
+def run_secret() -> str:
+    """The run's secret: the file ASYNCRL_SECRET_FILE names (0600, written by the node agent),
+    else ASYNCRL_CONTROL_SECRET; "" outside a run (then every peer is served)."""
+    path = os.environ.get("ASYNCRL_SECRET_FILE", "")
+    if not path:
+        return os.environ.get("ASYNCRL_CONTROL_SECRET", "")
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read(300).strip()
+    except OSError as exc:
+        raise ConfigError(f"ASYNCRL_SECRET_FILE {path!r} cannot be read: {exc}") from exc
+    if not secret:
+        raise ConfigError(f"ASYNCRL_SECRET_FILE {path!r} holds no secret")
+    return secret
+
+
 def log(message: str) -> None:
     print(f"echo_role: {message}", file=sys.stderr, flush=True)
 
@@ -650,10 +703,10 @@ def main() -> int:
     try:
         settings = Settings.from_env(dict(os.environ))
         role = EchoRole(settings)
+        server = Server(settings, role)
     except ConfigError as exc:
         log(f"configuration error: {exc}")
         return EXIT_CONFIG
-    server = Server(settings, role)
     # Handlers first: a SIGTERM that arrives while binding still ends in a clean exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.on_signal)

@@ -24,6 +24,7 @@ import pytest
 import zmq
 
 from asyncrl.transport import Client, Hello, PeerEvent, RemoteError, run
+from asyncrl.transport.control import write_secret
 
 pytestmark = pytest.mark.slow
 
@@ -346,9 +347,10 @@ def test_a_wrong_config_exits_with_ex_config(roles: Roles) -> None:
 
 
 def test_stop_only_from_the_supervisor_and_the_config_from_its_file(roles: Roles) -> None:
-    """With the run's control secret set, a STOP from a client that did not present it is
-    refused (the role keeps answering); the supervisor's STOP is obeyed. The config comes from
-    ASYNCRL_CONFIG_FILE, which the agent always sets (the variable only for small configs)."""
+    """With the run's secret set, a STOP from a client of the run that did not present it as a
+    controller is refused (the role keeps answering); the supervisor's STOP is obeyed. The config
+    comes from ASYNCRL_CONFIG_FILE, which the agent always sets (the variable only for small
+    configs)."""
     path = os.path.join(roles.run_dir, "echo.config.json")
     with open(path, "w") as f:
         json.dump({"suffix": "?"}, f)
@@ -357,7 +359,7 @@ def test_stop_only_from_the_supervisor_and_the_config_from_its_file(roles: Roles
 
     async def main() -> tuple[str, str]:
         events: asyncio.Queue[PeerEvent] = asyncio.Queue()
-        async with Client(roles.endpoint, name="stranger") as stranger:
+        async with Client(roles.endpoint, name="member", secret="s3cret") as stranger:
             stranger.send_stop()
             # The refusal comes back as an ERROR for the STOP's id, which no call waits on;
             # the next call is answered, so the role is still serving.
@@ -366,7 +368,7 @@ def test_stop_only_from_the_supervisor_and_the_config_from_its_file(roles: Roles
             roles.endpoint,
             name="supervisor",
             control=True,
-            control_secret="s3cret",
+            secret="s3cret",
             on_event=events.put_nowait,
         )
         try:
@@ -380,3 +382,46 @@ def test_stop_only_from_the_supervisor_and_the_config_from_its_file(roles: Roles
 
     assert run(main()) == ("A?", "B?")
     assert proc.wait(timeout=TIMEOUT) == 0
+
+
+def test_a_peer_without_the_run_secret_is_served_nothing(roles: Roles) -> None:
+    """The secret comes from the file ASYNCRL_SECRET_FILE names. A peer whose HANDSHAKE did not
+    present it gets ERROR unauthorized for every call and is served nothing; a client with the
+    secret is served."""
+    path = os.path.join(roles.run_dir, "secret")
+    write_secret(path, "s3cret")
+    proc = roles.start(extra={"ASYNCRL_SECRET_FILE": path})
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(roles.endpoint)
+        for message in (
+            [1, 3, 1, "upper", 0.0, 0, 0, "", "a", []],  # a call, no handshake
+            [1, 1, 2, "", 0.0, 0, 0, "", {"version": 1, "secret": "guess"}],
+            [1, 3, 3, "upper", 0.0, 0, 0, "", "a", []],
+        ):
+            dealer.send(msgpack.packb(message))
+            assert dealer.poll(TIMEOUT * 1000)
+            env = msgpack.unpackb(dealer.recv())
+            assert (env[1], env[2], env[8]["code"]) == (5, message[2], "unauthorized")
+        assert env[8]["message"] == (
+            "REQUEST refused: echo serves only the processes of its run; handshake first with "
+            "the run's secret (Hello.secret, from the file ASYNCRL_SECRET_FILE names)"
+        )
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+    async def main() -> str:
+        intruder = Client(roles.endpoint, name="intruder")
+        with pytest.raises(RemoteError, match="presented no secret"):
+            await intruder.connect(timeout=TIMEOUT)
+        await intruder.close()
+        async with Client(roles.endpoint, name="member", secret="s3cret") as member:
+            return str(await member.call("upper", "b", str))
+
+    assert run(main()) == "B!"
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from asyncrl.keys import generate
-from asyncrl.transport import ChannelOptions, Client, TransportError, load_keys
+from asyncrl.transport import ChannelOptions, Client, RemoteError, TransportError, load_keys
+from asyncrl.transport.control import read_secret
 from tests.conftest import ROOT
 from tests.integration.test_multinode import TORCHRUN, _free_port, _json, _wait
 
@@ -48,8 +49,8 @@ security: {{curve_keys: keys}}
 """
 
 
-async def _upper(endpoint: str, curve: Any) -> Any:
-    client = Client(endpoint, options=ChannelOptions(run="curvecmd"), curve=curve)
+async def _upper(endpoint: str, curve: Any, secret: str | None = None) -> Any:
+    client = Client(endpoint, options=ChannelOptions(run="curvecmd"), curve=curve, secret=secret)
     try:
         await client.connect(timeout=5.0)
         return await client.call("upper", "hey", timeout=5.0)
@@ -95,9 +96,15 @@ def test_an_external_role_on_node_1_serves_with_the_runs_curve_keys(tmp_path: An
             "endpoints"
         ]
         assert endpoint.startswith("tcp://127.0.0.1:")
-        assert asyncio.run(_upper(endpoint, load_keys(os.path.join(tmp, "keys")))) == "HEY!"
+        # Node 0 made the run's secret; node 1 got the same one, which its external role requires.
+        secret = read_secret(os.path.join(run_dir, "secret"))
+        assert read_secret(os.path.join(run_dir, "node-1", "secret")) == secret
+        keys = load_keys(os.path.join(tmp, "keys"))
+        assert asyncio.run(_upper(endpoint, keys, secret)) == "HEY!"
+        with pytest.raises(RemoteError, match=r"\[unauthorized\].*presented no secret"):
+            asyncio.run(_upper(endpoint, keys))  # the run's keys, but not its secret
         with pytest.raises(TransportError):  # no keys: refused in the ZeroMQ handshake
-            asyncio.run(_upper(endpoint, False))
+            asyncio.run(_upper(endpoint, False, secret))
         with open(gate, "w"):
             pass
         codes = [p.wait(120) for p in procs]

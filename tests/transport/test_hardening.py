@@ -123,30 +123,34 @@ def _server(endpoint: str, **kw: Any) -> Server:
 
 
 # -- 1. control messages only from the holder of the run's secret ------------------------------
+# (calls, from a holder of the secret only: tests/transport/test_authentication.py)
 
 
 def test_stop_is_obeyed_only_from_a_client_that_presented_the_secret(run_dir: str) -> None:
     async def main() -> None:
         stopped = asyncio.Event()
-        server = _server(f"ipc://{run_dir}/s", on_stop=stopped.set, control_secret=SECRET)
+        server = _server(f"ipc://{run_dir}/s", on_stop=stopped.set, secret=SECRET)
         await server.start()
-        # The two-byte STOP of a peer that never handshook, then a PING to know it was read.
-        answers = await exchange(server.endpoint, [[b"\x92\x01\x09"], _env(Kind.PING, 3)], 2)
-        assert [(env.kind, env.id) for env, _ in answers] == [(Kind.ERROR, 0), (Kind.PONG, 3)]
-        info = answers[0][1]
+        # An ordinary client of the run: its calls are served, its STOP is not obeyed.
+        async with Client(server.endpoint, options=ChannelOptions(shm=False), secret=SECRET) as c:
+            c.send_stop()
+            assert await c.call("add", [2, 3], int) == 5  # FIFO: the STOP was read
+            assert c.stats["orphan_errors"] == 1
+        hello = Hello(PROTOCOL_VERSION, secret=SECRET)
+        answers = await exchange(
+            server.endpoint, [_env(Kind.HANDSHAKE, 1, payload=hello), _env(Kind.STOP, 2)], 2
+        )
+        assert [(env.kind, env.id) for env, _ in answers] == [(Kind.WELCOME, 1), (Kind.ERROR, 2)]
+        info = answers[1][1]
         assert info.code == ErrorCode.UNAUTHORIZED
         assert info.message == (
             "STOP refused: control messages are accepted only from a client that presented the "
-            "run's control secret in its HANDSHAKE (Hello.control, from ASYNCRL_CONTROL_SECRET); "
-            "create the client with control=True in a process that has the secret"
+            "run's secret under Hello.control in its HANDSHAKE (the supervisor's); create the "
+            "client with control=True in a process that has the run's secret "
+            "(ASYNCRL_SECRET_FILE)"
         )
-        # An ordinary client: its calls are served, its STOP is not obeyed.
-        async with Client(server.endpoint, options=ChannelOptions(shm=False)) as plain:
-            plain.send_stop()
-            assert await plain.call("add", [2, 3], int) == 5  # FIFO: the STOP was read
-            assert plain.stats["orphan_errors"] == 1
         # A client with the wrong secret is refused at the handshake, loudly.
-        wrong = Client(server.endpoint, control=True, control_secret="guess")
+        wrong = Client(server.endpoint, control=True, secret="guess")
         with pytest.raises(RemoteError) as err:
             await wrong.connect(timeout=5)
         await wrong.close()
@@ -156,7 +160,7 @@ def test_stop_is_obeyed_only_from_a_client_that_presented_the_secret(run_dir: st
         assert server.stats["control_refused"] == 3
         assert server.stats["stops"] == 0
         # The supervisor's client holds the secret: its STOP is obeyed.
-        async with Client(server.endpoint, control=True, control_secret=SECRET) as boss:
+        async with Client(server.endpoint, control=True, secret=SECRET) as boss:
             assert await boss.call("add", [1, 1], int) == 2
             boss.send_stop()
             await asyncio.wait_for(stopped.wait(), 5)
@@ -167,7 +171,7 @@ def test_stop_is_obeyed_only_from_a_client_that_presented_the_secret(run_dir: st
     run(main())
 
 
-def test_the_secret_comes_from_the_environment_and_old_peers_still_call(
+def test_the_secret_may_still_come_from_the_environment_itself(
     run_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CONTROL_SECRET_ENV, SECRET)
@@ -176,8 +180,8 @@ def test_the_secret_comes_from_the_environment_and_old_peers_still_call(
         stopped = asyncio.Event()
         server = _server(f"ipc://{run_dir}/s", on_stop=stopped.set)
         await server.start()
-        # A peer of an older version: a Hello without the control key, then a call.
-        hello = _env(Kind.HANDSHAKE, 1, payload={"version": 1})
+        # A peer that knows the secret but not the ``secret`` key: its ``control`` admits it.
+        hello = _env(Kind.HANDSHAKE, 1, payload={"version": 1, "control": SECRET})
         answers = await exchange(server.endpoint, [hello, _env(Kind.REQUEST, 2, "add", [4, 5])], 2)
         assert [(env.kind, env.id, value) for env, value in answers][1] == (Kind.REPLY, 2, 9)
         assert answers[0][0].kind == Kind.WELCOME and "control" not in answers[0][1]
@@ -198,7 +202,8 @@ def test_without_a_secret_stop_is_refused_on_tcp_and_obeyed_on_ipc(run_dir: str)
         info = answers[0][1]
         assert (answers[0][0].id, info.code) == (4, ErrorCode.UNAUTHORIZED)
         assert info.message.startswith(
-            "STOP refused: hard has no control secret (ASYNCRL_CONTROL_SECRET is unset) and "
+            "STOP refused: hard has no secret (neither ASYNCRL_SECRET_FILE nor "
+            "ASYNCRL_CONTROL_SECRET is set) and "
             f"listens on {tcp.endpoint}, where any local user can connect"
         )
         assert not stopped.is_set()
@@ -213,11 +218,6 @@ def test_without_a_secret_stop_is_refused_on_tcp_and_obeyed_on_ipc(run_dir: str)
     run(main())
 
 
-def test_a_client_refuses_a_secret_without_control() -> None:
-    with pytest.raises(ValueError, match="only by a client created with control=True"):
-        Client("ipc:///nowhere", control_secret=SECRET)
-
-
 @pytest.mark.slow
 def test_a_role_process_ignores_a_stop_without_the_secret(
     run_dir: str, monkeypatch: pytest.MonkeyPatch
@@ -225,10 +225,11 @@ def test_a_role_process_ignores_a_stop_without_the_secret(
     monkeypatch.setenv(CONTROL_SECRET_ENV, SECRET)
     server = start_server_process(f"ipc://{run_dir}/echo.sock", "--no-shm")
     try:
-        answers = _exchange(
-            server.endpoint, [[b"\x92\x01\x09"], _env(Kind.REQUEST, 9, "add", {"a": 1, "b": 2})], 2
-        )
-        assert [(env.kind, env.id) for env, _ in answers] == [(Kind.ERROR, 0), (Kind.REPLY, 9)]
+        hello = _env(Kind.HANDSHAKE, 1, payload={"version": 1, "secret": SECRET})
+        request = _env(Kind.REQUEST, 9, "add", {"a": 1, "b": 2})
+        answers = _exchange(server.endpoint, [hello, [b"\x92\x01\x09"], request], 3)
+        kinds = [(env.kind, env.id) for env, _ in answers]
+        assert kinds == [(Kind.WELCOME, 1), (Kind.ERROR, 0), (Kind.REPLY, 9)]
         assert server.proc.poll() is None
 
         async def stop() -> None:

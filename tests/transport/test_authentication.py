@@ -1,0 +1,204 @@
+"""Every peer presents the run's secret in its handshake before any call is served, on ipc as on
+tcp; the secret comes from a 0600 file named by ASYNCRL_SECRET_FILE."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from typing import Any
+
+import pytest
+
+from asyncrl.transport import ChannelOptions, Client, PeerEvent, RemoteError, Server, run
+from asyncrl.transport.control import (
+    CONTROL_SECRET_ENV,
+    SECRET_FILE_ENV,
+    read_secret,
+    run_secret,
+    write_secret,
+)
+from asyncrl.transport.errors import TransportError
+from asyncrl.transport.protocol import PROTOCOL_VERSION, ErrorCode, Hello, Kind
+from tests.transport.test_hardening import _env, exchange, umask
+
+SECRET = "5ecret-of-the-run"
+HOW = (
+    "run it inside the run (every process the node agent starts has ASYNCRL_SECRET_FILE), or "
+    "point it at the run's secret file: ASYNCRL_SECRET_FILE=RUN_DIR/secret"
+)
+
+
+def _server(endpoint: str, calls: list[Any], **kw: Any) -> Server:
+    def add(payload: list[int], call: Any) -> int:
+        calls.append(payload)
+        return payload[0] + payload[1]
+
+    server = Server(endpoint, name="guarded", options=ChannelOptions(shm=False), **kw)
+    server.add("add", add, list[int])
+    return server
+
+
+def _unadmitted(kind: str) -> str:
+    return (
+        f"{kind} refused: guarded serves only the processes of its run, and this client has not "
+        f"presented the run's secret in a HANDSHAKE (Hello.secret) on this connection; {HOW}"
+    )
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_nothing_is_served_to_a_peer_whose_handshake_did_not_present_the_secret(
+    run_dir: str, transport: str
+) -> None:
+    endpoint = f"ipc://{run_dir}/s" if transport == "ipc" else "tcp://127.0.0.1:0"
+
+    async def main() -> None:
+        calls: list[Any] = []
+        stopped = asyncio.Event()
+        server = _server(endpoint, calls, secret=SECRET, curve=False, on_stop=stopped.set)
+        await server.start()
+        bare = Hello(PROTOCOL_VERSION, name="stranger")
+        answers = await exchange(
+            server.endpoint,
+            [
+                _env(Kind.REQUEST, 1, "add", [2, 3]),  # before any handshake
+                _env(Kind.PING, 2),  # dropped: no PONG
+                _env(Kind.STOP, 3),
+                _env(Kind.HANDSHAKE, 4, payload=bare),  # a handshake without the secret
+                _env(Kind.REQUEST, 5, "add", [2, 3]),
+            ],
+            4,
+        )
+        got = [(env.kind, env.id, info.code, info.message) for env, info in answers]
+        assert got == [
+            (Kind.ERROR, 1, ErrorCode.UNAUTHORIZED, _unadmitted("REQUEST")),
+            (Kind.ERROR, 3, ErrorCode.UNAUTHORIZED, _unadmitted("STOP")),
+            (
+                Kind.ERROR,
+                4,
+                ErrorCode.UNAUTHORIZED,
+                "guarded serves only the processes of its run, and the HANDSHAKE of stranger "
+                f"presented no secret (Hello.secret); {HOW}",
+            ),
+            (Kind.ERROR, 5, ErrorCode.UNAUTHORIZED, _unadmitted("REQUEST")),
+        ]
+        assert calls == [] and not stopped.is_set()
+        assert server.stats["unauthenticated"] == 5  # 3 messages refused, 1 PING dropped, 1 Hello
+        assert server.stats["handshakes"] == 0
+        # A client of the run presents the secret and is served.
+        async with Client(server.endpoint, secret=SECRET, curve=False) as member:
+            assert await member.call("add", [2, 3], int) == 5
+        assert calls == [[2, 3]]
+        await server.close()
+
+    run(main())
+
+
+def test_a_wrong_missing_or_oversized_secret_fails_the_connect_and_others_are_served(
+    run_dir: str,
+) -> None:
+    async def main() -> None:
+        calls: list[Any] = []
+        server = _server(f"ipc://{run_dir}/s", calls, secret=SECRET)
+        await server.start()
+        async with Client(server.endpoint, secret=SECRET) as member:
+            for secret, counter, message in [
+                (
+                    "guess",
+                    "secret_refused",
+                    "the secret presented by intruder is not the one of guarded's run (a client "
+                    "of another run, or of an earlier run of the same directory?); point "
+                    "ASYNCRL_SECRET_FILE at RUN_DIR/secret of the run that serves this endpoint",
+                ),
+                (
+                    None,
+                    "unauthenticated",
+                    "guarded serves only the processes of its run, and the HANDSHAKE of intruder "
+                    f"presented no secret (Hello.secret); {HOW}",
+                ),
+            ]:
+                intruder = Client(server.endpoint, name="intruder", secret=secret)
+                with pytest.raises(RemoteError) as err:
+                    await intruder.connect(timeout=5)
+                await intruder.close()
+                assert err.value.code == ErrorCode.UNAUTHORIZED
+                assert (
+                    str(err.value)
+                    == f"error reply from {server.endpoint} [unauthorized]: {message}"
+                )
+                assert server.stats[counter] == 1
+            huge = _env(Kind.HANDSHAKE, 1, payload={"version": 1, "secret": "x" * 257})
+            garbage = _env(Kind.HANDSHAKE, 2, payload={"version": 1, "secret": [SECRET]})
+            answers = await exchange(server.endpoint, [huge, garbage], 2)
+            assert [(env.id, info.code) for env, info in answers] == [
+                (1, ErrorCode.DECODE),
+                (2, ErrorCode.DECODE),
+            ]
+            assert await member.call("add", [1, 2], int) == 3
+        assert calls == [[1, 2]]
+        await server.close()
+
+    run(main())
+
+
+def test_the_secret_comes_from_a_private_file_the_environment_names(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = os.path.join(run_dir, "secret")
+    with umask(0):
+        write_secret(path, SECRET)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert read_secret(path) == SECRET
+    monkeypatch.setenv(CONTROL_SECRET_ENV, "the environment's, read only without a file")
+    monkeypatch.setenv(SECRET_FILE_ENV, path)
+    assert run_secret() == SECRET
+
+    async def main() -> None:
+        calls: list[Any] = []
+        server = _server(f"ipc://{run_dir}/s", calls)  # both read the file by default
+        await server.start()
+        async with Client(server.endpoint) as member:
+            assert await member.call("add", [20, 22], int) == 42
+        stranger = Client(server.endpoint, secret="the environment's, read only without a file")
+        with pytest.raises(RemoteError, match="is not the one of guarded"):
+            await stranger.connect(timeout=5)
+        await stranger.close()
+        await server.close()
+
+    run(main())
+    missing = os.path.join(run_dir, "gone")
+    monkeypatch.setenv(SECRET_FILE_ENV, missing)
+    with pytest.raises(TransportError) as err:
+        Server("ipc:///nowhere")  # never a server that silently serves everyone
+    assert str(err.value).startswith(f"cannot read the run's secret from {missing} (")
+    assert str(err.value).endswith(
+        "); ASYNCRL_SECRET_FILE must name the secret file of a running run (RUN_DIR/secret)"
+    )
+
+
+def test_a_call_made_while_the_server_restarts_waits_for_the_new_handshake(run_dir: str) -> None:
+    """The restarted server has not seen this client's handshake: a request sent before the new
+    handshake would be refused. The client holds it and sends it once the handshake succeeded."""
+
+    async def main() -> None:
+        calls: list[Any] = []
+        endpoint = f"ipc://{run_dir}/s"
+        first = _server(endpoint, calls, secret=SECRET, incarnation=0)
+        await first.start()
+        events: asyncio.Queue[PeerEvent] = asyncio.Queue()
+        client = Client(endpoint, secret=SECRET, on_event=events.put_nowait)
+        await client.connect()
+        assert (await events.get()).kind == "connected"
+        await first.close()
+        assert (await events.get()).kind == "disconnected"
+        pending = client.call_future("add", [3, 4], int, timeout=30)
+        second = _server(endpoint, calls, secret=SECRET, incarnation=1)
+        await second.start()
+        assert await pending == 7
+        assert (await events.get()).kind == "restarted"
+        assert second.stats["unauthenticated"] == 0
+        assert calls == [[3, 4]]
+        await client.close()
+        await second.close()
+
+    run(main())
