@@ -95,13 +95,23 @@ def describe(value: Any) -> str:
     return f"a {type(value).__name__} ({value})"
 
 
-def _expected(t: mi.Type) -> str:
+def _expected(t: mi.Type, value: Any = None) -> str:
+    """What ``t`` wants, as a phrase after "expected". For a number out of range, only the
+    bound it breaks: ``an integer >= 1`` for -2, ``an integer <= 4096`` for 1000000000."""
     if isinstance(t, mi.Metadata):
-        return str((t.extra or {}).get("expected") or _expected(t.type))
+        return str((t.extra or {}).get("expected") or _expected(t.type, value))
     if isinstance(t, mi.IntType | mi.FloatType):
         noun = "an integer" if isinstance(t, mi.IntType) else "a number"
-        bounds = [(op, getattr(t, name)) for op, name, _ in _BOUNDS]
-        return " ".join([noun, *(f"{op} {bound}" for op, bound in bounds if bound is not None)])
+        bounds = [(op, name, getattr(t, name), ok) for op, name, ok in _BOUNDS]
+        bounds = [b for b in bounds if b[2] is not None]
+        broken = [b for b in bounds if _number(value) and value == value and not b[3](value, b[2])]
+        lower = [b for b in bounds if b[1] in ("ge", "gt")]
+        upper = [b for b in bounds if b[1] in ("le", "lt")]
+        if broken:
+            bounds = broken
+        elif len(lower) == len(upper) == 1 and lower[0][1] == "ge" and upper[0][1] == "le":
+            return f"{noun} from {lower[0][2]} to {upper[0][2]}"
+        return f"{noun} " + " and ".join(f"{op} {bound}" for op, _, bound, _ in bounds)
     if isinstance(t, mi.UnionType):
         return " or ".join(_expected(x) for x in t.types if not isinstance(x, mi.NoneType))
     if isinstance(t, mi.LiteralType):
@@ -113,15 +123,23 @@ def _expected(t: mi.Type) -> str:
         return f"{a} mapping"
     if isinstance(t, mi.ListType | mi.VarTupleType):
         return f"{a} list"
+    if isinstance(t, mi.StrType) and t.max_length is not None:
+        return f"{a} string of at most {t.max_length} characters"
     return {mi.StrType: f"{a} string", mi.BoolType: "true or false"}.get(type(t), "a value")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _required(t: mi.StructType) -> list[str]:
     return [f.encode_name for f in t.fields if f.required]
 
 
-def _fix(t: mi.Type, value: Any) -> str:
-    """A hint for a value of the wrong kind, starting with '; ', or ''."""
+def _fix(t: mi.Type, value: Any, explained: bool = False) -> str:
+    """A hint for a value of the wrong kind, starting with '; ', or ''. ``explained``: the
+    type's own phrase (``expected``) says what its bounds are for, so a number over one is not
+    sent to the limits."""
     may_be_empty = (isinstance(t, mi.DictType) and not t.min_length) or (
         isinstance(t, mi.StructType) and not _required(t)
     )
@@ -137,6 +155,13 @@ def _fix(t: mi.Type, value: Any) -> str:
         return f"; write it as a plain number, such as {number!r}"
     if isinstance(t, mi.StrType) and isinstance(value, int | float):
         return f"; quote it: '{describe(value)}'"
+    numeric = isinstance(t, mi.IntType | mi.FloatType)
+    if numeric and not explained and _number(value) and value == value:
+        over = [(name, ok) for _, name, ok in _BOUNDS if name in ("le", "lt")]
+        if any(getattr(t, n) is not None and not ok(value, getattr(t, n)) for n, ok in over):
+            return "; that is over the limit (see Limits in docs/manifest.md)"
+    if isinstance(t, mi.StrType) and isinstance(value, str) and len(value) > (t.max_length or 1e9):
+        return f" ({len(value)} characters); shorten it"
     if isinstance(value, str) and isinstance(t, mi.LiteralType):
         close = difflib.get_close_matches(value, [str(v) for v in t.values], n=1)
         return f"; did you mean {close[0]!r}?" if close else ""
@@ -162,7 +187,8 @@ def _fits(t: mi.Type, value: Any) -> bool:
     if isinstance(t, mi.StrType) and t.pattern and not re.fullmatch(t.pattern.strip("^$"), value):
         return False
     if isinstance(t, mi.StrType | mi.DictType | mi.ListType | mi.VarTupleType):
-        return len(value) >= (t.min_length or 0)
+        most = t.max_length
+        return len(value) >= (t.min_length or 0) and (most is None or len(value) <= most)
     return True
 
 
@@ -184,8 +210,9 @@ class _Walker:
         if isinstance(t, mi.AnyType):
             return value
         if not _fits(t, value):
-            got = f"{describe(value)}{_fix(t, value)}"
-            self.problems.append(f"{at(path)}: expected {expected or _expected(t)}, got {got}")
+            got = f"{describe(value)}{_fix(t, value, bool(expected))}"
+            wanted = expected or _expected(t, value)
+            self.problems.append(f"{at(path)}: expected {wanted}, got {got}")
             return value
         if isinstance(t, mi.StructType):
             return self._walk_struct(value, t, path)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
-import stat
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -28,6 +26,19 @@ import msgspec
 
 from asyncrl._schema import TOP, StructCheck, at, join, validate
 from asyncrl.errors import ManifestError
+from asyncrl.manifest_files import check_files
+from asyncrl.manifest_limits import (
+    MAX_CAPACITY,
+    MAX_LIVENESS,
+    MAX_REPLICAS,
+    MAX_RESTARTS,
+    MAX_SECONDS,
+    MAX_THREADS,
+    environment_problems,
+    name_problems,
+    run_name_problem,
+)
+from asyncrl.manifest_refs import weights_from_problems
 from asyncrl.manifest_yaml import apply_override, credit, load_yaml
 from asyncrl.model_section import ModelSpec, model_problem
 from asyncrl.pacing import PipelineSpec, StragglerSpec, straggler_problem
@@ -102,10 +113,39 @@ Method = Annotated[
         },
     ),
 ]
+RunName = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=f"^{_NAME}$",
+        extra={
+            "expected": "a name of letters, digits, '_' and '-'",
+            "check": run_name_problem,
+        },
+    ),
+]
 DeliveryClass = Literal["idempotent", "once", "latest"]
-Count = Annotated[int, msgspec.Meta(ge=1)]
-Seconds = Annotated[float, msgspec.Meta(gt=0)]
-Env = dict[str, str]
+Replicas = Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
+Capacity = Annotated[int, msgspec.Meta(ge=1, le=MAX_CAPACITY)]
+Threads = Annotated[int, msgspec.Meta(ge=1, le=MAX_THREADS)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
+Delay = Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)]
+EnvName = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^[^=\x00]+$",
+        extra={"expected": "a variable name without '=' or NUL characters"},
+    ),
+]
+
+
+def _check_env_value(value: str) -> str | None:
+    if "\x00" in value:
+        return "a NUL character, which no environment value can hold; remove it"
+    return None
+
+
+EnvValue = Annotated[str, msgspec.Meta(extra={"check": _check_env_value})]
+Env = dict[EnvName, EnvValue]
 Program = Annotated[str, msgspec.Meta(extra={"expected": _PROGRAM_FORM, "check": _check_program})]
 ClassRef = Annotated[str, msgspec.Meta(extra={"check": _check_class})]
 Command = Annotated[
@@ -139,12 +179,12 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """
 
     strategy: Literal["one_for_one", "rest_for_one", "one_for_all"] = "one_for_one"
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 5
+    max_restarts: Annotated[int, msgspec.Meta(ge=0, le=MAX_RESTARTS)] = 5
     period_s: Seconds = 60.0
-    backoff_initial_s: Annotated[float, msgspec.Meta(ge=0)] = 0.1
-    backoff_max_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    backoff_initial_s: Delay = 0.1
+    backoff_max_s: Delay = 5.0
     heartbeat_interval_s: Seconds = HEARTBEAT_INTERVAL_S
-    liveness: Count = HEARTBEAT_LIVENESS
+    liveness: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIVENESS)] = HEARTBEAT_LIVENESS
     startup_timeout_s: Seconds = 120.0
     shutdown_timeout_s: Seconds = 5.0
     standby: bool = False
@@ -173,9 +213,9 @@ class RoleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
 
     cls: ClassRef | None = msgspec.field(default=None, name="class")
     command: Command | None = None
-    replicas: Count = 1
-    capacity: Count = 1
-    threads: Count = 1
+    replicas: Replicas = 1
+    capacity: Capacity = 1
+    threads: Threads = 1
     placement: Placement = msgspec.field(default_factory=Placement)
     env: Env = {}
     config: dict[str, Any] = {}
@@ -192,7 +232,7 @@ class DriverSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
         supervision: the restart policy and liveness timing of the driver.
     """
 
-    threads: Count = 1
+    threads: Threads = 1
     env: Env = {}
     supervision: Supervision = msgspec.field(default_factory=Supervision)
 
@@ -237,8 +277,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         plugin: the hardware plugin of every process (``ASYNCRL_PLUGIN``); empty: detected.
     """
 
-    name: Name
-    run_dir: str = ""
+    name: RunName
+    run_dir: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     program: Program
     env: Env = {}
     config: dict[str, Any] = {}
@@ -352,12 +392,17 @@ def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:
         problems.append(problem)
 
 
-def _check_sharing(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+def _check_manifest(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    """What involves several sections or roles: shared devices, role names, the environment of
+    each process, and which role each ``weights_from`` names."""
     problems += sharing_problems(value.get("roles"), join(path, "roles"))
+    problems += name_problems(value.get("roles"))
+    problems += environment_problems(value)
+    problems += weights_from_problems(value.get("roles"))
 
 
 _STRUCT_CHECKS: dict[type, StructCheck] = {
-    Manifest: _check_sharing,
+    Manifest: _check_manifest,
     ModelSpec: _check_model,
     Placement: check_placement,
     RoleSpec: _check_role,
@@ -400,7 +445,7 @@ def parse_manifest(
     if usable:
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
         if cwd is not None:
-            _check_files(clean, cwd, found)
+            check_files(clean, cwd, found, _PROGRAM)
         problems += [credit(problem, overrides, created) for problem in found]
     if problems:
         raise ManifestError(source, problems)
@@ -475,85 +520,3 @@ def load_manifest(
         security = msgspec.structs.replace(manifest.security, curve_keys=keys)
         manifest = msgspec.structs.replace(manifest, security=security)
     return manifest
-
-
-def _check_files(clean: Any, cwd: str, problems: list[str]) -> None:
-    """Report a program file that does not exist, and each role whose ``command[0]`` names no
-    executable, as the agent would start them from ``cwd``."""
-    if not isinstance(clean, dict) or not isinstance(clean.get("roles"), dict):
-        return
-    run = clean.get("run")
-    run_env = run.get("env") if isinstance(run, dict) else None
-    program = run.get("program") if isinstance(run, dict) else None
-    if isinstance(program, str) and not any(p.startswith("run.program:") for p in problems):
-        problem = _program_problem(program, cwd)
-        if problem:
-            problems.append(f"run.program: {problem}")
-    for name, role in clean["roles"].items():
-        if not isinstance(role, dict):
-            continue
-        command = role.get("command")
-        where = f"{join(join('roles', name), 'command')}[0]"
-        if not isinstance(command, list) or not command or not isinstance(command[0], str):
-            continue  # a problem of its own already, or no command at all
-        if any(p.startswith((where.removesuffix("[0]") + ":", where + ":")) for p in problems):
-            continue
-        env = {**os.environ}
-        for extra in (run_env, role.get("env")):
-            if isinstance(extra, dict):
-                env.update({k: v for k, v in extra.items() if isinstance(v, str)})
-        problem = _executable_problem(command[0], cwd, env.get("PATH", os.defpath))
-        if problem:
-            problems.append(f"{where}: {problem}")
-
-
-def _program_problem(program: str, cwd: str) -> str | None:
-    """Why the file of a ``path/to/file.py:function`` program is missing, or None.
-
-    A module is not looked up: that would import user code, which the agent never does.
-    """
-    match = _PROGRAM.fullmatch(program)
-    if match is None or not match["module"].endswith(".py"):
-        return None
-    where = match["module"]
-    full = os.path.normpath(os.path.join(cwd, where))
-    if os.path.isfile(full):
-        return None
-    shown = repr(where) if full == where else f"{where!r} ({full})"
-    return (
-        f"no program file {shown}; fix the path (a relative path is taken from the directory "
-        "the run starts in), or name a module as 'package.module:function'"
-    )
-
-
-def _executable_problem(program: str, cwd: str, path: str) -> str | None:
-    """Why ``program`` cannot be started from ``cwd`` with ``PATH`` ``path``, or None."""
-    if not program:
-        return "the program is an empty string; give the executable to run"
-    if "/" not in program:
-        # A relative PATH entry (or an empty one) is taken from the directory of the agent.
-        path = os.pathsep.join(os.path.join(cwd, d or ".") for d in path.split(os.pathsep))
-        if shutil.which(program, path=path) is not None:
-            return None
-        return (
-            f"no executable {program!r} found on PATH; install it, give its path (such as "
-            f"'./{program}' for one in {cwd}), or add its folder to PATH in run.env or the "
-            "role's env"
-        )
-    full = os.path.normpath(os.path.join(cwd, program))
-    shown = repr(program) if full == program else f"{program!r} ({full})"
-    try:
-        mode = os.stat(full).st_mode
-    except OSError:
-        return (
-            f"no executable {shown}: the file does not exist; fix the path (a relative path "
-            "is taken from the directory the run starts in) or give it as an absolute path"
-        )
-    if stat.S_ISDIR(mode):
-        return f"{shown} is a directory, not an executable; name the program inside it"
-    if not os.access(full, os.X_OK):
-        return (
-            f"{shown} is not executable; make it executable (chmod +x) or start it through "
-            f"its interpreter, such as [python3, {program}]"
-        )
-    return None

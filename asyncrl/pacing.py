@@ -30,6 +30,8 @@ from typing import Annotated
 
 import msgspec
 
+from asyncrl.manifest_limits import MAX_COUNT, MAX_RATIO, MAX_SECONDS
+
 __all__ = [
     "Mode",
     "OverEta",
@@ -74,8 +76,8 @@ class StragglerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         str,
         msgspec.Meta(pattern="^(wait|emit|drop)$", extra={"expected": "'wait', 'emit' or 'drop'"}),
     ] = "wait"
-    deadline_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    k_min: Annotated[int, msgspec.Meta(ge=2)] = 2
+    deadline_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 0.0
+    k_min: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 2
 
 
 class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -110,7 +112,7 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     mode: Annotated[
         str, msgspec.Meta(pattern="^(sync|async)$", extra={"expected": "'sync' or 'async'"})
     ] = "sync"
-    eta: Annotated[int, msgspec.Meta(ge=0)] = 2
+    eta: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 2
     over_eta: Annotated[
         str, msgspec.Meta(pattern="^(drop|correct)$", extra={"expected": "'drop' or 'correct'"})
     ] = "correct"
@@ -120,13 +122,13 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             pattern="^(clip|decoupled|tis)$", extra={"expected": "'clip', 'decoupled' or 'tis'"}
         ),
     ] = "clip"
-    importance_cap: Annotated[float, msgspec.Meta(gt=0)] = 2.0
-    overprovision: Annotated[int, msgspec.Meta(ge=0)] = 0
+    importance_cap: Annotated[float, msgspec.Meta(gt=0, le=MAX_RATIO)] = 2.0
+    overprovision: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
     group_affinity: bool = False
     straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
     running_stats: bool = False
     drop_uniform: bool = False
-    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 600.0
 
     def __post_init__(self) -> None:
         problem = straggler_problem(self.straggler.policy, self.straggler.deadline_s)

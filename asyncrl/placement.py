@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeGuard
 import msgspec
 
 from asyncrl._schema import join
+from asyncrl.manifest_limits import MAX_NODES
 
 __all__ = [
     "Device",
@@ -28,7 +29,7 @@ __all__ = [
     "sharing_problems",
 ]
 
-NodeIndex = Annotated[int, msgspec.Meta(ge=0)]
+NodeIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_NODES)]
 Device = Annotated[
     str,
     msgspec.Meta(

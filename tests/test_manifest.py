@@ -29,6 +29,7 @@ from asyncrl.manifest import (
 )
 from asyncrl.model_section import inherited_config
 from asyncrl.pacing import PipelineSpec
+from asyncrl.role import Delivery, Role, endpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -211,12 +212,12 @@ manifest examples/bad.yaml has 22 problems:
   roles.rollout.class: expected 'module:Class' or a registered role name, got 'mypkg.rollout.Rollout'; did you mean 'mypkg.rollout:Rollout'?
   roles.rollout.replcas: unknown key; did you mean 'replicas'?
   roles.rollout.replicas: expected an integer >= 1, got -2
-  roles.rollout.capacity: expected an integer >= 1, got '4'; write it as a plain number, such as 4
+  roles.rollout.capacity: expected an integer from 1 to 65536, got '4'; write it as a plain number, such as 4
   roles.rollout.placement.node: expected an integer >= 0, got -1
   roles.rollout.placement.device: expected 'cpu', 'cuda', 'cuda:N' or another plugin's device string, got 'cuda 0'
   roles.rollout.supervision.strategy: expected one of 'one_for_all', 'one_for_one', 'rest_for_one', got 'one_for_none'; did you mean 'one_for_one'?
   roles.rollout.supervision.period_s: expected a number > 0, got 0
-  roles.rollout.supervision.liveness: expected an integer >= 1, got true
+  roles.rollout.supervision.liveness: expected an integer from 1 to 1000, got true
   roles.rollout.supervision.colour: unknown key; expected one of 'strategy', 'max_restarts', 'period_s', 'backoff_initial_s', 'backoff_max_s', 'heartbeat_interval_s', 'liveness', 'startup_timeout_s', 'shutdown_timeout_s', 'standby'
   roles.rollout.supervision.backoff_max_s: expected a number >= backoff_initial_s (2.0), got 1.0; raise it or lower backoff_initial_s
   roles.reward: neither 'class' nor 'command' is given; add 'class: module:Class' for a Python role or 'command: [program, args...]' for an external one
@@ -469,7 +470,7 @@ def test_command_string_is_split_and_null_class_counts_as_absent() -> None:
 def test_exponent_numbers_are_numbers_and_nan_is_refused() -> None:
     text = MINIMAL + "    supervision: {period_s: 1e3, liveness: .nan}\n"
     assert _problems(text) == [
-        "roles.rollout.supervision.liveness: expected an integer >= 1, got nan",
+        "roles.rollout.supervision.liveness: expected an integer from 1 to 1000, got nan",
     ]
     text = MINIMAL + "    supervision: {period_s: 1e3}\n"
     assert parse_manifest(text).roles["rollout"].supervision.period_s == 1000.0
@@ -893,6 +894,7 @@ def test_a_run_with_a_large_config_completes(run_dir: str) -> None:
     with open(os.path.join(ROOT, "examples", "hello", "manifest.yaml")) as f:
         text = f.read()
     text = text.replace("{lowercase: true}", f"{{lowercase: true, blob: {BIG}}}")
+    text = text.replace("examples.hello.roles:Splitter", "tests.test_manifest:BlobSplitter")
     text = text.replace("  program:", f"  config: {{blob: {BIG}}}\n  program:")
     path = os.path.join(run_dir, "manifest.yaml")
     with open(path, "w") as f:
@@ -906,6 +908,30 @@ def test_a_run_with_a_large_config_completes(run_dir: str) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert 'result: [["the", 4], ["dog", 3], ["fox", 3]]' in out.stdout
+
+
+class Line(msgspec.Struct):
+    id: int
+    text: str
+
+
+class Words(msgspec.Struct):
+    id: int
+    words: list[str]
+
+
+class BlobSplitter(Role):
+    """The hello example's splitter (examples.hello.roles, which tests may not import), with a
+    config key that holds a large value."""
+
+    class Config(msgspec.Struct):
+        lowercase: bool = True
+        blob: str = ""
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def split(self, line: Line) -> Words:
+        text = line.text.lower() if self.config.lowercase else line.text
+        return Words(line.id, text.split())
 
 
 PLACED = """\
