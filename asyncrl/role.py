@@ -34,7 +34,17 @@ from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
-__all__ = ["Delivery", "EndpointSpec", "Role", "RoleContext", "endpoint", "endpoints_of"]
+from asyncrl.errors import ConfigProblem
+from asyncrl.role_config import unknown_config_keys
+
+__all__ = [
+    "Delivery",
+    "EndpointSpec",
+    "Role",
+    "RoleContext",
+    "endpoint",
+    "endpoints_of",
+]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -185,13 +195,28 @@ class Role:
 
     Subclasses may define ``Config`` (a msgspec Struct; the manifest's ``config`` mapping is
     validated against it) and override ``setup`` (restore state before taking work) and
-    ``teardown``.
+    ``teardown``. A key the ``Config`` does not declare is refused (``ConfigProblem``), as is
+    any key for a role without a ``Config``: a misspelt setting must not be silently ignored.
     """
 
     Config: ClassVar[type[Any] | None] = None
 
     def __init__(self, ctx: RoleContext) -> None:
+        """Validate ``ctx.config`` against ``Config``.
+
+        Raises:
+            ConfigProblem: a key that ``Config`` does not declare (at any depth of nested
+                Structs), or any key when the role has no ``Config``; the message names the key
+                by its path (``roles.<name>.config.<key>``) and the keys accepted there.
+            msgspec.ValidationError: a value ``Config`` refuses.
+        """
         self.ctx = ctx
+        if isinstance(ctx.config, Mapping):
+            problems = unknown_config_keys(
+                ctx.config, self.Config, f"roles.{ctx.name}.config", type(self).__name__
+            )
+            if problems:
+                raise ConfigProblem("\n  ".join(problems))
         if self.Config is not None and not isinstance(ctx.config, self.Config):
             ctx.config = msgspec.convert(ctx.config or {}, self.Config)
         self.config: Any = ctx.config
