@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ServerProcess
+from asyncrl.transport.control import SECRET_FILE_ENV, write_secret
+from tests.conftest import ServerProcess, start_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +31,7 @@ EXAMPLE_REPLY_HEX = "9a010407a0cb00000000000000000000a00590"
 
 FOREIGN_CLIENT = r'''
 import json
+import os
 import struct
 import sys
 
@@ -116,9 +118,18 @@ def error(env):
     return {"kind": env[1], "id": env[2], "payload": env[8]}
 
 
+def hello(**keys):
+    """A Hello; inside a run, with the run's secret from the file ASYNCRL_SECRET_FILE names."""
+    path = os.environ.get("ASYNCRL_SECRET_FILE")
+    if path:
+        with open(path) as f:
+            keys["secret"] = f.read().strip()
+    return {"version": VERSION, **keys}
+
+
 def calls(peer):
     out = {}
-    peer.send([VERSION, HANDSHAKE, 1, "", 0.0, 0, 0, "", {"version": VERSION, "name": "foreign"}])
+    peer.send([VERSION, HANDSHAKE, 1, "", 0.0, 0, 0, "", hello(name="foreign")])
     env, _ = peer.answer(1)
     out["welcome"] = {"kind": env[1], "id": env[2], "payload": env[8]}
 
@@ -163,8 +174,20 @@ def calls(peer):
     return out
 
 
+def stranger(peer):
+    """Without the run's secret: a call, then a handshake, then the call again."""
+    out = {}
+    peer.send([VERSION, REQUEST, 1, "add", 0.0, 0, 0, "", {"a": 2, "b": 3}, []])
+    out["call"] = error(peer.answer(1)[0])
+    peer.send([VERSION, HANDSHAKE, 2, "", 0.0, 0, 0, "", hello(name="stranger")])
+    out["handshake"] = error(peer.answer(2)[0])
+    peer.send([VERSION, REQUEST, 3, "add", 0.0, 0, 0, "", {"a": 2, "b": 3}, []])
+    out["call_again"] = error(peer.answer(3)[0])
+    return out
+
+
 def pipeline(peer, count):
-    peer.send([VERSION, HANDSHAKE, 1, "", 0.0, 0, 0, "", {"version": VERSION}])
+    peer.send([VERSION, HANDSHAKE, 1, "", 0.0, 0, 0, "", hello()])
     welcome, _ = peer.answer(1)
     ids = list(range(100, 100 + count))
     for i in ids:  # every request goes out before any answer is read
@@ -182,7 +205,12 @@ def main():
     endpoint, scenario = sys.argv[1], sys.argv[2]
     peer = Peer(endpoint)
     try:
-        out = calls(peer) if scenario == "calls" else pipeline(peer, int(scenario))
+        if scenario == "calls":
+            out = calls(peer)
+        elif scenario == "stranger":
+            out = stranger(peer)
+        else:
+            out = pipeline(peer, int(scenario))
     finally:
         peer.close()
     out["modules"] = sorted(m for m in sys.modules
@@ -194,11 +222,14 @@ main()
 '''
 
 
-def _run_foreign(endpoint: str, scenario: str, cwd: Path) -> dict[str, Any]:
+def _run_foreign(
+    endpoint: str, scenario: str, cwd: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run the foreign client in a fresh interpreter; return what it printed."""
     proc = subprocess.run(
         [sys.executable, "-I", "-c", FOREIGN_CLIENT, endpoint, scenario],
         cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
@@ -216,7 +247,7 @@ def test_foreign_client_imports_only_zmq_msgpack_and_stdlib() -> None:
             imported.update(alias.name.partition(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add((node.module or "").partition(".")[0])
-    assert imported == {"json", "struct", "sys", "msgpack", "zmq"}
+    assert imported == {"json", "os", "struct", "sys", "msgpack", "zmq"}
     assert "__import__" not in FOREIGN_CLIENT and "importlib" not in FOREIGN_CLIENT
 
 
@@ -300,3 +331,47 @@ def test_foreign_client_pipelines_requests_and_matches_replies_by_id(
     assert out["welcome_kind"] == 2
     expected = {str(i): [4, 3 * i] for i in range(100, 100 + count)}  # JSON keys are strings
     assert out["answers"] == expected
+
+
+def test_a_foreign_client_of_a_run_presents_the_secret_from_its_file(
+    run_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside a run the server serves only a peer that presented the run's secret: the foreign
+    client reads it from the file ASYNCRL_SECRET_FILE names and is served; without it, its call
+    and its handshake are refused and nothing is served."""
+    secret = os.path.join(run_dir, "secret")
+    write_secret(secret, "0123456789abcdef0123456789abcdef")
+    monkeypatch.setenv(SECRET_FILE_ENV, secret)
+    server = start_server_process(f"ipc://{run_dir}/echo.sock", "--run", "r")
+    try:
+        out = _run_foreign(server.endpoint, "calls", tmp_path, dict(os.environ))
+        assert (out["welcome"]["kind"], out["welcome"]["id"]) == (2, 1)
+        assert "secret" not in out["welcome"]["payload"]
+        assert out["add"]["payload"] == 5 and out["echo"]["same"] is True
+        assert out["ping"] == {"kind": 8, "id": 13}
+        outside = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
+        refused = _run_foreign(server.endpoint, "stranger", tmp_path, outside)
+    finally:
+        server.stop()
+    how = (
+        "run it inside the run (every process the node agent starts has ASYNCRL_SECRET_FILE), "
+        "or point it at the run's secret file: ASYNCRL_SECRET_FILE=RUN_DIR/secret"
+    )
+    unadmitted = (
+        "REQUEST refused: echo serves only the processes of its run, and this client has not "
+        f"presented the run's secret in a HANDSHAKE (Hello.secret) on this connection; {how}"
+    )
+    code = "unauthorized"
+    assert refused == {
+        "call": {"kind": 5, "id": 1, "payload": {"code": code, "message": unadmitted}},
+        "handshake": {
+            "kind": 5,
+            "id": 2,
+            "payload": {
+                "code": code,
+                "message": "echo serves only the processes of its run, and the HANDSHAKE of "
+                f"stranger presented no secret (Hello.secret); {how}",
+            },
+        },
+        "call_again": {"kind": 5, "id": 3, "payload": {"code": code, "message": unadmitted}},
+    }
