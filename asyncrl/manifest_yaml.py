@@ -45,8 +45,10 @@ class _TooLarge(Exception):
 
 
 class _BoundedLoader(_Loader):
-    """The manifest's loader, which refuses to compose lists and mappings nested deeper than
-    ``MAX_DEPTH`` (PyYAML composes them recursively, and Python's stack is finite)."""
+    """The manifest's loader, which refuses to compose lists and mappings nested far deeper than
+    ``MAX_DEPTH``: PyYAML composes them recursively, and Python's stack is finite. What is
+    composed is measured afterwards (``_Expansion``), which names the path of a value nested
+    deeper than ``MAX_DEPTH``."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -55,13 +57,14 @@ class _BoundedLoader(_Loader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
         try:
-            if self._depth > MAX_DEPTH + 1:  # the scalars at the deepest level are one more
+            if self._depth > _COMPOSE_DEPTH:
                 raise _TooLarge(_DEEP, "", self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 
 
+_COMPOSE_DEPTH = 4 * MAX_DEPTH  # some 3 Python frames a level: far from the recursion limit
 _DEEP = (
     f"lists and mappings nested more than {MAX_DEPTH} deep (aliases expanded); flatten the "
     "value, or pass deep data by file"
@@ -115,7 +118,8 @@ class _Expansion:
             found = self._measure(node, level, path)
         values, size, depth = found
         if level + depth > MAX_DEPTH:
-            raise _TooLarge(_DEEP, path, node.start_mark)
+            # Named by its nearest key: a path of 64 list indexes would tell nobody anything.
+            raise _TooLarge(_DEEP, re.sub(r"(\[\d+\])+$", "", path), node.start_mark)
         if values > MAX_VALUES or size > MAX_MANIFEST_BYTES:
             what = f"{values:,} values" if values > MAX_VALUES else f"{size:,} bytes"
             limit = f"{MAX_VALUES:,} values" if values > MAX_VALUES else f"{MAX_MANIFEST_BYTES:,}"
