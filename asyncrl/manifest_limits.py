@@ -160,8 +160,8 @@ def environment_problems(raw: dict[Any, Any]) -> list[str]:
     problems = _string_problems(join("run", "env"), run_env)
     processes: list[tuple[str, str, dict[str, str], list[str]]] = []
     driver = raw.get("driver")
-    if isinstance(driver, dict):
-        processes.append(("driver", "driver.env", _strings(driver.get("env")), []))
+    driver_env = driver.get("env") if isinstance(driver, dict) else None
+    processes.append(("driver", "driver.env", _strings(driver_env), []))
     roles = raw.get("roles")
     for name, role in (roles if isinstance(roles, dict) else {}).items():
         if not isinstance(role, dict):

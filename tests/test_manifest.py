@@ -910,6 +910,38 @@ def test_a_run_with_a_large_config_completes(run_dir: str) -> None:
     assert 'result: [["the", 4], ["dog", 3], ["fox", 3]]' in out.stdout
 
 
+@pytest.mark.slow
+def test_a_config_key_a_role_does_not_declare_fails_the_run_as_a_configuration_error(
+    run_dir: str,
+) -> None:
+    """The example's counter has no Config: a key given to it stops the run at once (exit 78,
+    not restarted), naming the key by its path, instead of being ignored."""
+    with open(os.path.join(ROOT, "examples", "hello", "manifest.yaml")) as f:
+        text = f.read()
+    text = text.replace(
+        "class: examples.hello.roles:Counter",
+        "class: examples.hello.roles:Counter\n    config: {bogus: 1}",
+    )
+    path = os.path.join(run_dir, "manifest.yaml")
+    with open(path, "w") as f:
+        f.write(text)
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0, out.stdout
+    assert "counter[0] has a configuration error" in out.stdout + out.stderr
+    assert (
+        "| configuration error: roles.counter.config.bogus: unknown key; Counter has no Config, "
+        "so it takes no config keys; remove it, or declare a Config class in Counter with this "
+        "field"
+    ) in out.stdout + out.stderr
+    assert "restarts of counter: 0" in out.stdout + out.stderr
+
+
 class Line(msgspec.Struct):
     id: int
     text: str
