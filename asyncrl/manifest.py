@@ -11,6 +11,9 @@ the YAML and applying overrides is ``asyncrl.manifest_yaml``.
 walks the raw YAML against the Structs below (``asyncrl._schema``, through ``msgspec.inspect``),
 collects every problem and raises one ``ManifestError`` that lists them all, each as
 ``<path>: <what is wrong>; <how to fix>``. Only a manifest without problems becomes a ``Manifest``.
+Every count, duration and size has an upper bound, and names and environments are checked
+against what the runtime derives from them (``asyncrl.manifest_limits``), so that a manifest
+that would fail at run time fails here, at once, naming the key.
 It imports neither torch nor user code (the node agent loads it); a role validates its own
 ``config`` in its own process."""
 
@@ -266,7 +269,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     """The run as a whole.
 
     Attributes:
-        name: the run's name; names the run directory and shared resources.
+        name: the run's name; names the run directory and shared resources (at most
+            ``MAX_RUN_NAME`` characters, so that their names fit).
         run_dir: where the run writes logs, traces and checkpoints; ``runs/<name>`` when not
             given. A relative path is relative to the current directory.
         program: the control-flow program, ``module:function`` or ``path/to/file.py:function``;
