@@ -4,8 +4,11 @@
 
 Targets, each in its own process so that its memory is measured alone:
 
-- ``server``: a role's server (``tests/helpers/echo_server.py``), with a control secret in its
-  environment that the fuzzer never presents;
+- ``server``: a role's server (``tests/helpers/echo_server.py``), with the run's secret in its
+  environment. The fuzzer presents it in a HANDSHAKE before each check, never as a controller,
+  and fuzzes the handshake itself: no secret, the right one, a wrong one, oversized ones and
+  ones of other types, and calls after a refused handshake. A bystander that handshook once at
+  the start must be served after every batch as well;
 - ``external``: the external role of ``examples/external_role/echo_role.py`` (STOP is left out:
   that example obeys STOP from any peer, see its README);
 - ``client``: a client's inbound path. A fake server (a raw ROUTER here) answers a ``Client`` in
@@ -54,6 +57,9 @@ from asyncrl.transport.protocol import (  # noqa: E402
 CHECK_TIMEOUT_MS = 30_000
 CHECK_IDS = 0x5EED << 32  # ids of checking requests; fuzzed ids are moved off them
 SECRET_ENV = "ASYNCRL_CONTROL_SECRET"
+SECRET = "the fuzzed server's run secret"
+SECRETS: list[Any] = ["", SECRET, SECRET[:-1], "x" * 257, "x" * 70_000, 7, [SECRET], b"\x00"]
+"""What fuzzed handshakes present: nothing, the secret, a wrong, oversized or garbage one."""
 
 # -- inputs -------------------------------------------------------------------------------------
 
@@ -119,7 +125,10 @@ class Generator:
         payload: Any = self.value()
         tensors: list[TensorDesc] = []
         if kind == Kind.HANDSHAKE:
-            payload = Hello(r.choice([1, 1, 1, 2]), name="fuzz", shm=r.random() < 0.5)
+            payload = {"version": r.choice([1, 1, 1, 2]), "name": "fuzz", "shm": r.random() < 0.5}
+            payload["secret"] = r.choice(SECRETS)
+            if r.random() < 0.2:
+                payload["control"] = r.choice(SECRETS)
         elif kind == Kind.RELEASE:
             payload = {"slots": [r.choice(ODD_INTS) for _ in range(r.randrange(4))]}
         elif kind == Kind.CREDIT:
@@ -243,11 +252,19 @@ class Result:
 class RawDealer:
     """A DEALER that sends fuzz, then checks the server with one valid call."""
 
-    def __init__(self, endpoint: str, check: Callable[[int], tuple[str, Any, Any]]) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        check: Callable[[int], tuple[str, Any, Any]],
+        *,
+        secret: str = "",
+        identity: bytes = b"fuzzer",
+    ) -> None:
+        self.secret = secret  # presented in a HANDSHAKE before each check
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, b"fuzzer")
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(endpoint)
         self.codec = Codec()
@@ -263,6 +280,10 @@ class RawDealer:
         self.checks += 1
         request_id = CHECK_IDS + self.checks
         method, payload, expected = self.make_check(self.checks)
+        if self.secret:
+            hello = Hello(PROTOCOL_VERSION, name="checker", secret=self.secret)
+            env = Envelope(PROTOCOL_VERSION, Kind.HANDSHAKE, request_id + (1 << 23), payload=hello)
+            self.sock.send_multipart(self.codec.encode(env))
         env = Envelope(PROTOCOL_VERSION, Kind.REQUEST, request_id, method, payload=payload)
         self.sock.send_multipart(self.codec.encode(env))
         while True:
@@ -292,10 +313,13 @@ def fuzz_server_process(
 ) -> Result:
     result = Result(target)
     t0 = time.monotonic()
-    peer = RawDealer(endpoint, check)
+    secret = SECRET if target == "server" else ""
+    peer = RawDealer(endpoint, check, secret=secret)
+    bystander = RawDealer(endpoint, check, secret=secret, identity=b"bystander")
     try:
-        if not peer.check():
+        if not (peer.check() and bystander.check()):
             result.wrong += 1
+        bystander.secret = ""  # admitted once: it is served without handshaking again
         while result.inputs < inputs:
             for _ in range(min(batch, inputs - result.inputs)):
                 frames = gen.message()
@@ -303,7 +327,7 @@ def fuzz_server_process(
                 peer.sock.send_multipart(frames)
                 result.inputs += 1
             try:
-                if not peer.check():
+                if not (peer.check() and bystander.check()):
                     result.wrong += 1
             except TimeoutError as exc:
                 result.notes.append(str(exc))
@@ -317,9 +341,10 @@ def fuzz_server_process(
                 result.rss_before_kib = rss_kib(proc.pid)
         if proc.poll() is None:
             result.rss_after_kib = rss_kib(proc.pid)
-        result.checks = peer.checks
+        result.checks = peer.checks + bystander.checks
     finally:
         peer.close()
+        bystander.close()
     result.seconds = time.monotonic() - t0
     return result
 
@@ -336,7 +361,7 @@ def _move_off_check_ids(frames: list[bytes]) -> None:
 
 
 def start_echo_server(run_dir: str) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, SECRET_ENV: "never presented by the fuzzer"}
+    env = {**os.environ, SECRET_ENV: SECRET}
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -121,8 +121,7 @@ class Client:
         self.incarnation = incarnation
         self.options = options or ChannelOptions()
         self._context = context or zmq.Context.instance()
-        self._on_event = on_event
-        self._on_credit = on_credit
+        self._on_event, self._on_credit = on_event, on_credit
         self.control = control
         self._curve = curve
         self._keyed = False  # Curve is on (set by connect)
@@ -135,9 +134,7 @@ class Client:
         self._pump: Pump | None = None
         self._monitor: Pump | None = None
         self._ticker: asyncio.TimerHandle | None = None
-        self._closed = False
-        self._alive = True
-        self._connected_once = False
+        self._closed, self._alive, self._connected_once = False, True, False
         self._last_heard_ns = clock()  # any message from the server sets it
         self._host = host_id()
         self._pool: ShmPool | None = None
@@ -332,7 +329,7 @@ class Client:
         """Ask the server to stop cleanly (a STOP control message; no answer when it is obeyed).
 
         A server with the run's secret obeys only a client created with ``control=True`` that
-        holds the same secret; otherwise it answers ERROR ``unauthorized`` (logged here).
+        holds it; otherwise it answers ERROR ``unauthorized`` (logged here).
 
         Raises:
             ClosedError: the client is closed or not connected.
@@ -534,7 +531,6 @@ class Client:
             )
             self.codec.shm_pool = self._pool
         self._connected_once = True
-        assert self._pump is not None  # the handshake came through it
         self._held.release(self._in_flight, self._pump.send, self._release_own)
         if previous is not None and previous.incarnation != welcome.incarnation:
             if self._pool is not None:

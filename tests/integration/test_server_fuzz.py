@@ -1,9 +1,12 @@
 """Fuzzing a live server: random and mutated frames from a raw DEALER, then a call that must work.
 
-The server runs in its own process (tests/helpers/echo_server.py), with a control secret in its
-environment that the fuzzer never presents: every STOP it sends must be refused. After every
-example the same DEALER sends a correct ``add`` request and waits for its reply: one connection is
-FIFO, so by then the server has handled the fuzzed message. The answers to fuzzed messages are
+The server runs in its own process (tests/helpers/echo_server.py), with the run's secret in its
+environment. The fuzzer presents it in a HANDSHAKE before each check, but never as a controller:
+every STOP it sends must be refused. Fuzzed handshakes carry no secret, the right one, a wrong
+one, an oversized one or one of the wrong type, and are counted as the server's admission
+decides. After every example the same DEALER handshakes again, sends a correct ``add`` request
+and waits for its reply: one connection is FIFO, so by then the server has handled the fuzzed
+message. The answers to fuzzed messages are
 drained without judging whether they come (the server may drop bad input silently), only that
 they are valid envelopes. At the end the server is stopped with SIGTERM and its ``STATS`` line
 must count every bad input exactly as this side's own codec classifies it.
@@ -31,7 +34,7 @@ from hypothesis import strategies as st
 
 from asyncrl.transport import ChannelOptions, Client, run
 from asyncrl.transport.codec import Codec
-from asyncrl.transport.control import CONTROL_SECRET_ENV
+from asyncrl.transport.control import CONTROL_SECRET_ENV, secret_matches
 from asyncrl.transport.errors import (
     DecodeError,
     MessageTooLargeError,
@@ -66,6 +69,7 @@ CHECK_IDS = 0x5EED << 32  # ids of the checking requests; fuzzed ids stay clear 
 # them. ``sleep`` and ``block`` are left out: they stall the server on purpose.
 METHOD_TYPES: dict[str, Any] = {"echo": Any, "add": AddArgs, "sum": torch.Tensor, "fail": Any}
 STALLING = ("sleep", "block")
+SECRET = "the fuzzer's run secret"
 BAD_INPUT_CODES = {
     DecodeError: ErrorCode.DECODE,
     UnknownKindError: ErrorCode.UNKNOWN_KIND,
@@ -82,7 +86,8 @@ KNOWN_ERROR_CODES = {v for k, v in vars(ErrorCode).items() if not k.startswith("
 class RawPeer:
     """A DEALER that sends whatever it is given and checks the server with ``add``."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, secret: str = "") -> None:
+        self.secret = secret  # presented in a HANDSHAKE before each check
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -104,6 +109,9 @@ class RawPeer:
         self.checks += 1
         request_id = CHECK_IDS + self.checks
         a, b = self.checks, 1_000_000
+        if self.secret:
+            hello = Hello(PROTOCOL_VERSION, name="checker", secret=self.secret)
+            self.send(self.codec.encode(Envelope(PROTOCOL_VERSION, Kind.HANDSHAKE, payload=hello)))
         self.send(
             self.codec.encode(
                 Envelope(
@@ -137,8 +145,8 @@ class RawPeer:
 
 
 @contextmanager
-def raw_peer(endpoint: str) -> Iterator[RawPeer]:
-    peer = RawPeer(endpoint)
+def raw_peer(endpoint: str, secret: str = "") -> Iterator[RawPeer]:
+    peer = RawPeer(endpoint, secret)
     try:
         yield peer
     finally:
@@ -167,7 +175,7 @@ def _judge(codec: Codec, frames: list[bytes]) -> list[str] | None:
     type_: Any = None
     counts = []
     if env.kind == Kind.STOP:
-        return ["control_refused"]  # the fuzzer never presents the control secret
+        return ["control_refused"]  # the fuzzer never presents the secret as a controller
     if env.kind == Kind.REQUEST:
         if env.method in STALLING:
             return None
@@ -184,10 +192,24 @@ def _judge(codec: Codec, frames: list[bytes]) -> list[str] | None:
     if type_ is not None:
         try:
             # The fuzzer never handshakes from the server's host: shared memory is refused.
-            codec.decode_payload(env, frames, type_, allow_shm=False)
+            payload = codec.decode_payload(env, frames, type_, allow_shm=False)
         except ProtocolError as exc:
             counts.append(BAD_INPUT_CODES[type(exc)])
+        else:
+            if type_ is Hello:
+                counts += _admission(payload)
     return counts
+
+
+def _admission(hello: Hello) -> list[str]:
+    """What the server counts for a HANDSHAKE that decoded (admission.Gate's order)."""
+    if hello.version != PROTOCOL_VERSION:
+        return ["version_mismatch"]
+    if hello.control and not secret_matches(SECRET, hello.control):
+        return ["control_refused"]
+    if secret_matches(SECRET, hello.secret or hello.control):
+        return ["handshakes"]
+    return ["secret_refused" if hello.secret else "unauthenticated"]
 
 
 # -- strategies ---------------------------------------------------------------------------
@@ -237,7 +259,15 @@ PAYLOADS = st.one_of(
     st.lists(tensors() | MSGPACK, max_size=4),
     st.dictionaries(st.text(max_size=4), tensors() | MSGPACK, max_size=3),
     MSGPACK,
-    st.builds(Hello, version=st.integers(0, 3), name=st.text(max_size=5), shm=st.booleans()),
+    st.builds(
+        Hello,
+        version=st.integers(0, 3),
+        name=st.text(max_size=5),
+        shm=st.booleans(),
+        secret=st.sampled_from(["", SECRET, SECRET[:-1], "x" * 257]) | st.text(max_size=8),
+        control=st.sampled_from(["", SECRET]) | st.text(max_size=3),
+    ),
+    st.fixed_dictionaries({"version": st.just(1), "secret": MSGPACK}),  # of any type
     st.builds(Release, slots=st.lists(INTS, max_size=3)),
 )
 KINDS = st.sampled_from(list(Kind))
@@ -440,6 +470,10 @@ def _encoded(env: Envelope, *extra: bytes) -> list[bytes]:
     return [*(bytes(frame) for frame in Codec().encode(env)), *extra]
 
 
+def _hello(hello: Any) -> list[bytes]:
+    return _encoded(Envelope(PROTOCOL_VERSION, Kind.HANDSHAKE, 21, payload=hello))
+
+
 def _shm_request(segment: str) -> list[bytes]:
     """A request whose tensor claims to sit in shared memory at ``segment``."""
     env = Envelope(
@@ -470,7 +504,7 @@ def _rss_kib(pid: int) -> int:
 
 def test_the_server_survives_fuzzed_input(run_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     run_name = os.path.basename(run_dir)
-    monkeypatch.setenv(CONTROL_SECRET_ENV, "the fuzzer never sees this")
+    monkeypatch.setenv(CONTROL_SECRET_ENV, SECRET)
     server = start_server_process(
         f"ipc://{run_dir}/fuzz.sock",
         "--run",
@@ -481,7 +515,7 @@ def test_the_server_survives_fuzzed_input(run_dir: str, monkeypatch: pytest.Monk
     judge = Codec(max_message_bytes=MAX_MESSAGE_BYTES, shm_reader=ShmReader())
     expected: Counter[str] = Counter()
     try:
-        with raw_peer(server.endpoint) as peer:
+        with raw_peer(server.endpoint, SECRET) as peer:
             peer.check()  # the server answers before any fuzz
             rss_before = _rss_kib(server.pid)
 
@@ -500,6 +534,12 @@ def test_the_server_survives_fuzzed_input(run_dir: str, monkeypatch: pytest.Monk
             @example(frames=_bad_descriptor())
             @example(frames=_encoded(Envelope(PROTOCOL_VERSION, Kind.REQUEST, 6, "nope")))
             @example(frames=[b"\x92\x01\x09"])  # the two-byte STOP
+            @example(frames=_hello(Hello(PROTOCOL_VERSION)))  # no secret
+            @example(frames=_hello(Hello(2, secret=SECRET)))
+            @example(frames=_hello(Hello(PROTOCOL_VERSION, secret="guess")))
+            @example(frames=_hello(Hello(PROTOCOL_VERSION, secret="x" * 300)))
+            @example(frames=_hello({"version": 1, "secret": [SECRET]}))
+            @example(frames=_hello(Hello(PROTOCOL_VERSION, control="guess", secret=SECRET)))
             @example(frames=_shm_request("../../etc/passwd"))
             @example(frames=_shm_request("asyncrl.fuzz.1.0.1"))
             def fuzz(frames: list[bytes]) -> None:
@@ -515,7 +555,7 @@ def test_the_server_survives_fuzzed_input(run_dir: str, monkeypatch: pytest.Monk
 
         async def call_add() -> int:
             options = ChannelOptions(run=run_name, shm=False)
-            async with Client(server.endpoint, options=options) as client:
+            async with Client(server.endpoint, options=options, secret=SECRET) as client:
                 result: int = await client.call("add", {"a": 20, "b": 22}, int, timeout=10)
                 return result
 
@@ -542,6 +582,12 @@ def test_the_server_survives_fuzzed_input(run_dir: str, monkeypatch: pytest.Monk
     assert expected["control_refused"] > 0
     assert stats["control_refused"] == expected["control_refused"]
     assert stats["replies"] >= checks + 1
+    # Every kind of handshake refusal was sent, and counted exactly once; the checks, after
+    # each of them, were served.
+    for counter in ("unauthenticated", "secret_refused", "version_mismatch"):
+        assert expected[counter] > 0, counter
+        assert stats[counter] == expected[counter], (counter, stats, expected)
+    assert stats["handshakes"] == expected["handshakes"] + checks + 1
     # Nothing the fuzzer sent stayed in memory: at most a few MiB of caches and arenas.
     assert rss_after - rss_before < 32 * 1024, (rss_before, rss_after)
 
