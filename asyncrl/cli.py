@@ -33,6 +33,9 @@
   the step and version, on every node (``asyncrl.status``, docs/status.md).
 - ``asyncrl keys generate DIR [--force]``: the Curve key pairs of a run across hosts
   (``asyncrl.keys``), to copy to every node and name in the manifest's ``security.curve_keys``.
+- ``asyncrl clean``: remove what runs on this machine whose agent and janitor are both gone (a
+  cgroup kill) left behind: their shared-memory segments and socket files; those of live runs
+  are kept. ``asyncrl run`` does the same before it starts (``asyncrl.janitor``).
 - ``asyncrl version``: the package and wire-protocol versions.
 """
 
@@ -96,10 +99,46 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _in_use(run_dir: str) -> str | None:
+    """Why ``run_dir`` cannot be taken now: a live run's agent holds it; else ``None``."""
+    from asyncrl.leases import read_leases
+
+    for lease in read_leases():
+        if os.path.realpath(lease.run_dir) == os.path.realpath(run_dir) and lease.alive():
+            return (
+                f"{run_dir} is in use by a running run ({lease.run!r}, agent pid "
+                f"{lease.agent_pid}); stop it first (asyncrl status {run_dir} shows it)"
+            )
+    return None
+
+
+def _sweep_dead_runs() -> list[str]:
+    """Remove the leftovers of runs whose agent and janitor are gone; say so on stderr."""
+    from asyncrl.janitor import sweep_dead_runs
+
+    removed = sweep_dead_runs()
+    if removed:
+        print(
+            f"asyncrl: removed {len(removed)} leftovers of runs that are no longer alive "
+            f"(shared-memory segments, socket files): {' '.join(removed)}",
+            file=sys.stderr,
+        )
+    return removed
+
+
+def _clean(args: argparse.Namespace, rest: list[str]) -> int:
+    if not _sweep_dead_runs():
+        print("asyncrl: nothing to clean: no run left anything behind", file=sys.stderr)
+    return 0
+
+
 def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | None:
     """Make ``run_dir`` ready for a new run: ``None``, or why it cannot be used."""
     from asyncrl.rundir import RunDirError, clear_run, run_markers
 
+    busy = _in_use(run_dir)
+    if busy:
+        return busy
     found = run_markers(run_dir)
     if not found:
         return None
@@ -159,6 +198,9 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
                     f"(at {', '.join(differences)}); a resumed run keeps its manifest: drop "
                     "MANIFEST, or start a new run with --overwrite"
                 )
+        busy = _in_use(run_dir)
+        if busy:
+            return _fail(busy)
         os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
         try:
             claim_run_dir(run_dir)  # private, marked, even when an earlier version started it
@@ -179,6 +221,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             save_manifest(manifest, run_dir)
         except RunDirError as exc:
             return _fail(str(exc))
+    _sweep_dead_runs()
     if args.trace:
         from asyncrl.trace import enable, merge_and_tell
 
@@ -395,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         "selfcheck", help="check a hardware plugin layer by layer (docs/plugins.md)", add_help=False
     )
     selfcheck.set_defaults(func=_selfcheck)
+    clean = sub.add_parser(
+        "clean", help="remove the shared memory and sockets that killed runs left behind"
+    )
+    clean.set_defaults(func=_clean)
     version = sub.add_parser("version", help="print the package and wire-protocol versions")
     version.set_defaults(func=_version)
     args, rest = parser.parse_known_args(argv)

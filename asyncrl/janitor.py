@@ -13,9 +13,16 @@ that imports nothing but the standard library, and reads a pipe from the agent. 
 the pid of each process it starts (``watch``), and ``end`` once it has swept after a normal end.
 When the pipe closes without ``end`` (the agent died, however), the janitor kills the process
 group of every pid it was told of, waits for the owners of the run's segments to die, sweeps,
-and exits. It logs to ``<run_dir>/logs/janitor.log``.
+and exits. It logs to ``<run_dir>/logs/janitor.log``. Being of its own session, it outlives a
+signal to the agent's process group (a Ctrl-C, ``kill -- -PGID``).
 
-Run as ``python -m asyncrl.janitor --fd N --run NAME --sockets DIR [--run-dir DIR]``.
+A kill of the whole cgroup (a container stopped, ``systemctl kill``) takes the janitor with the
+agent. For that, the agent holds a lease while it runs (``asyncrl.leases``), and the next
+``asyncrl run`` or ``asyncrl clean`` calls ``sweep_dead_runs``: it removes the segments and
+sockets of every run whose agent and janitor are both gone, and keeps those of live runs.
+
+Run as ``python -m asyncrl.janitor --fd N --run NAME --sockets DIR [--run-dir DIR]
+[--lease PATH]``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,17 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
-__all__ = ["SHM_DIR", "Janitor", "main", "run_segments", "sweep_run"]
+from asyncrl.leases import Lease, alive, lease_path, read_leases, write_lease
+
+__all__ = [
+    "SHM_DIR",
+    "Janitor",
+    "alive",
+    "main",
+    "run_segments",
+    "sweep_dead_runs",
+    "sweep_run",
+]
 
 SHM_DIR = "/dev/shm"
 SWEEP_WAIT_S = 10.0
@@ -48,34 +65,23 @@ def _safe_run(run: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", run) or "run"
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs: a zombie (dead, not yet reaped) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc: trust kill()
-    return state not in (b"Z", b"X")
-
-
 def run_segments(run: str, directory: str = SHM_DIR) -> list[tuple[str, int]]:
     """The run's shared-memory segments, as (file name, owner pid)."""
+    want = _safe_run(run)
+    return [(name, pid) for name, seg_run, pid in _segments(directory) if seg_run == want]
+
+
+def _segments(directory: str) -> list[tuple[str, str, int]]:
+    """Every run's segments in ``directory``, as (file name, run, owner pid)."""
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    want = _safe_run(run)
     found = []
     for name in sorted(names):
         match = _SEGMENT.match(name)
-        if match is not None and match.group(1) == want:
-            found.append((name, int(match.group(2))))
+        if match is not None:
+            found.append((name, match.group(1), int(match.group(2))))
     return found
 
 
@@ -106,11 +112,50 @@ def sweep_run(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, name))
             removed.append(name)
-    removed += _sweep_sockets(socket_dir)
+    return removed + _sweep_socket_dir(socket_dir, run_dir)
+
+
+def _sweep_socket_dir(socket_dir: str, run_dir: str) -> list[str]:
+    """Unlink the socket files in ``socket_dir``; remove it too when it is not inside
+    ``run_dir`` (a long run directory puts it under the system temp dir) and is empty."""
+    removed = _sweep_sockets(socket_dir)
     inside = run_dir and os.path.abspath(socket_dir).startswith(os.path.abspath(run_dir) + os.sep)
     if not inside:
         with contextlib.suppress(OSError):
             os.rmdir(socket_dir)  # only when empty
+    return removed
+
+
+def sweep_dead_runs(*, directory: str = SHM_DIR, leases: str = "") -> list[str]:
+    """Remove what runs whose agent and janitor are both gone left behind; return what went.
+
+    Such a run is known by its lease (in ``leases``, default ``asyncrl.leases.lease_dir()``):
+    its socket files go (unless a live run uses the same socket directory), then the lease.
+    A segment in ``directory`` goes when it is this user's, its owner process is dead, and no
+    live run has its run's name; a live run's segments are never touched, even those of a role
+    that died (its restarted incarnation sweeps them itself).
+    """
+    live: list[Lease] = []
+    dead: list[Lease] = []
+    for lease in read_leases(leases):
+        (live if lease.alive() else dead).append(lease)
+    live_runs = {_safe_run(lease.run) for lease in live}
+    live_sockets = {os.path.abspath(lease.socket_dir) for lease in live}
+    removed: list[str] = []
+    for lease in dead:
+        if os.path.abspath(lease.socket_dir) not in live_sockets:
+            removed += _sweep_socket_dir(lease.socket_dir, lease.run_dir)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lease.path)
+    for name, run, pid in _segments(directory):
+        if run in live_runs or pid == os.getpid() or alive(pid):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
     return removed
 
 
@@ -132,17 +177,24 @@ def _sweep_sockets(socket_dir: str) -> list[str]:
 class Janitor:
     """The agent's end of the janitor: tell it the processes, and tell it the run ended."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], fd: int) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], fd: int, lease: str = "") -> None:
         self.proc = proc
         self._fd: int | None = fd
         self._told: set[int] = set()
+        self.lease = lease
+        """The agent's lease (``asyncrl.leases``), removed by ``finish``; "" when none."""
 
     @classmethod
     def start(cls, run: str, socket_dir: str, run_dir: str) -> Janitor:
-        """Start the janitor of ``run``; it logs to ``<run_dir>/logs/janitor.log``.
+        """Start the janitor of ``run``, and take this agent's lease; it logs to
+        ``<run_dir>/logs/janitor.log``. A lease that cannot be written costs only the sweep
+        after a kill of both (``sweep_dead_runs``).
 
-        Raises ``OSError`` when it cannot be started.
+        Raises ``OSError`` when the janitor cannot be started.
         """
+        lease = ""
+        with contextlib.suppress(OSError):
+            lease = lease_path(run)
         read_fd, write_fd = os.pipe()  # neither end is inherited by anything else the agent starts
         try:
             os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
@@ -160,6 +212,8 @@ class Janitor:
                         socket_dir,
                         "--run-dir",
                         run_dir,
+                        "--lease",
+                        lease,
                     ],
                     pass_fds=(read_fd,),
                     stdin=subprocess.DEVNULL,
@@ -173,7 +227,12 @@ class Janitor:
             raise
         finally:
             os.close(read_fd)
-        return cls(proc, write_fd)
+        if lease:
+            try:
+                write_lease(lease, run, proc.pid, socket_dir, run_dir)
+            except OSError:
+                lease = ""
+        return cls(proc, write_fd, lease)
 
     def watch(self, pids: Iterable[int]) -> None:
         """Tell the janitor about processes to kill (with their groups) if the agent dies."""
@@ -196,6 +255,9 @@ class Janitor:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.lease:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.lease)
 
 
 def _read_until_eof(fd: int) -> tuple[list[int], bool]:
@@ -236,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="the run's name")
     parser.add_argument("--sockets", required=True, help="the run's socket directory")
     parser.add_argument("--run-dir", default="", help="the run directory")
+    parser.add_argument("--lease", default="", help="the agent's lease, removed after the sweep")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pids, ended = _read_until_eof(args.fd)
@@ -245,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _kill_groups(pids)
     removed = sweep_run(args.run, args.sockets, run_dir=args.run_dir, wait_s=SWEEP_WAIT_S)
     print(f"removed {len(removed)}: {' '.join(removed)}", flush=True)
+    if args.lease:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(args.lease)
     return 0
 
 

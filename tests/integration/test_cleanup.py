@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from asyncrl import janitor
+from asyncrl.leases import read_leases
 from asyncrl.role import Delivery, Role, endpoint
 from tests.conftest import ROOT
 
@@ -226,3 +227,75 @@ def test_the_janitor_knows_the_segment_names_of_the_transport(run_dir: str) -> N
         pass
     assert janitor.run_segments("a.b c", run_dir) == [(name, 12)]
     assert janitor.run_segments("other", run_dir) == []
+
+
+# -- the agent and its janitor killed together (a cgroup kill) ------------------------------
+
+
+def kill_agent_and_janitor(run: Run) -> None:
+    """SIGKILL the agent and its janitor at once, as a kill of their cgroup does, and wait
+    until every process of the run is gone: its segment and sockets stay behind."""
+    run.ready()
+    (lease,) = [lease for lease in read_leases() if lease.run_dir == run.run_dir]
+    agent, janitor_pid = lease.agent_pid, lease.janitor_pid
+    assert agent == run.proc.pid
+    # The janitor is of its own session and process group: a signal to the agent's group
+    # (a Ctrl-C, kill -- -PGID) does not reach it.
+    assert os.getsid(janitor_pid) != os.getsid(agent)
+    assert os.getpgid(janitor_pid) != os.getpgid(agent)
+    os.kill(agent, signal.SIGKILL)
+    os.kill(janitor_pid, signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL
+    deadline = time.monotonic() + TIMEOUT_S
+    while run.processes() or janitor.alive(janitor_pid):
+        assert time.monotonic() < deadline, f"still running: {run.processes()}"
+        time.sleep(0.05)
+    assert run.segments() and run.sockets(), "nothing was left to sweep"
+    assert os.path.exists(lease.path)
+
+
+def test_asyncrl_clean_sweeps_a_run_whose_agent_and_janitor_were_killed(
+    make_run: Callable[[str], Run],
+) -> None:
+    run = make_run("wait")
+    kill_agent_and_janitor(run)
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "clean"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "leftovers of runs that are no longer alive" in out.stderr
+    assert run.leftovers() == {}
+    assert not [lease for lease in read_leases() if lease.run_dir == run.run_dir]
+
+
+def test_the_next_run_anywhere_sweeps_a_run_whose_agent_and_janitor_were_killed(
+    make_run: Callable[[str], Run], tmp_path: Any
+) -> None:
+    run = make_run("wait")
+    kill_agent_and_janitor(run)
+    hello = os.path.join(ROOT, "examples", "hello", "manifest.yaml")
+    other = str(tmp_path / "other")
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", hello, "--run-dir", other],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert run.leftovers() == {}
+
+
+def test_a_live_runs_segments_and_sockets_are_never_swept(make_run: Callable[[str], Run]) -> None:
+    from asyncrl.janitor import sweep_dead_runs
+
+    run = make_run("wait")
+    run.ready()
+    before = (run.segments(), run.sockets())
+    assert all(before)
+    sweep_dead_runs()
+    assert (run.segments(), run.sockets()) == before
