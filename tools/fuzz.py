@@ -9,8 +9,9 @@ Targets, each in its own process so that its memory is measured alone:
   and fuzzes the handshake itself: no secret, the right one, a wrong one, oversized ones and
   ones of other types, and calls after a refused handshake. A bystander that handshook once at
   the start must be served after every batch as well;
-- ``external``: the external role of ``examples/external_role/echo_role.py`` (STOP is left out:
-  that example obeys STOP from any peer, see its README);
+- ``external``: the external role of ``examples/external_role/echo_role.py``, started without a
+  run's secret (STOP is left out: on ipc and without a secret it obeys STOP from any peer, as
+  asyncrl's own servers do);
 - ``client``: a client's inbound path. A fake server (a raw ROUTER here) answers a ``Client`` in
   another process with the same garbage, the way a supervisor's or driver's client would hear it.
 

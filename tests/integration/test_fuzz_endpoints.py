@@ -1,11 +1,12 @@
 """Fuzzing the other endpoints: the external role, and a client's inbound path.
 
 The external role (examples/external_role/echo_role.py) gets the messages of the server fuzz
-(tests/integration/test_server_fuzz.py) from a raw DEALER, STOP left out: that example obeys STOP
-from any peer. A client (in its own process, the ``_client`` mode of tools/fuzz.py) hears the
-same garbage from a fake server before each right answer, the way a supervisor's or driver's
-client would hear a hostile role. After every example the target answers a valid call correctly;
-at the end its resident set has not grown by more than a few MiB.
+(tests/integration/test_server_fuzz.py) from a raw DEALER, STOP left out: started without a run's
+secret, on ipc, that example (like asyncrl's own servers) obeys STOP from any peer. A client (in
+its own process, the ``_client`` mode of tools/fuzz.py) hears the same garbage from a fake server
+before each right answer, the way a supervisor's or driver's client would hear a hostile role.
+After every example the target answers a valid call correctly; at the end its resident set has
+not grown by more than a few MiB.
 """
 
 from __future__ import annotations
