@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -461,3 +462,45 @@ def test_a_standby_takes_over_and_nothing_outlives_the_run(run_dir: str, runs: l
     assert code == 130, out
     assert not _alive(standby) and not _alive(second)
     assert all(not _alive(p) for p in run.pids())
+
+
+def test_a_restart_is_forked_by_the_zygote_and_nothing_outlives_the_agent(
+    run_dir: str, runs: list[Run]
+) -> None:
+    """Under the default supervision a killed replica comes back forked by the node's zygote
+    (its parent), and a SIGKILLed agent takes the zygote and its forks with it."""
+    manifest = write_manifest(
+        run_dir,
+        f"""\
+        run:
+          name: zygote
+          program: tests.integration.pipeline:wait_forever
+        roles:
+          sleeper:
+            class: tests.integration.pipeline:Sleeper
+            supervision: {_yaml(FAST)}
+        """,
+    )
+    run = start_run(manifest, run_dir)
+    runs.append(run)
+    first, ready = run.wait_for_each(
+        ("serving", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=0"),
+        ("zygote ready",),
+    )
+    zygote = int(re.findall(r"\bpid=(\d+)", ready)[0])
+    [cold] = [int(p) for p in re.findall(r"\bpid=(\d+)", first)]
+    os.kill(cold, signal.SIGKILL)
+    started = run.wait_for("started", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    assert "forked=True" in started, started
+    [forked] = [int(p) for p in re.findall(r"\bpid=(\d+)", started)]
+    with open(f"/proc/{forked}/stat") as f:
+        assert int(f.read().rsplit(")", 1)[1].split()[1]) == zygote
+    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    pids = run.pids() | {zygote}
+    fds = {pid: os.pidfd_open(pid) for pid in pids if _alive(pid)}
+    assert set(fds) >= {forked, zygote}
+    run.proc.kill()
+    run.proc.wait()
+    for pid, fd in fds.items():
+        assert select.select([fd], [], [], 30)[0] == [fd], f"pid {pid} outlived the agent"
+        os.close(fd)
