@@ -81,7 +81,7 @@ class Held:
     def release(
         self,
         in_flight: InFlight,
-        send: Callable[[list[Any]], None],
+        send: Callable[[list[Any]], object],
         give_back: Callable[[list[int]], None],
     ) -> None:
         """The handshake succeeded: ``send`` each held request still in flight (one that cannot
