@@ -39,6 +39,7 @@ import msgspec
 
 from asyncrl.accounting import CHAOS_FILE, account, format_accounting
 from asyncrl.manifest import Manifest, Supervision
+from asyncrl.safe_files import write_atomic
 
 __all__ = [
     "ChaosPlan",
@@ -326,11 +327,7 @@ def _never() -> list[Any]:
 
 
 def _write_json(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from asyncrl.errors import ConfigProblem
 from asyncrl.exits import EXIT_PROGRAM, EXIT_STOPPED
 from asyncrl.handles import Context
 from asyncrl.pacing import PipelineSpec
+from asyncrl.safe_files import write_atomic
 from asyncrl.spec import ProcessSpec
 from asyncrl.transport import ChannelOptions, Server
 from asyncrl.watchdog import Watchdog
@@ -207,7 +208,4 @@ def _finished(run_dir: str) -> bool:
 
 def _write(run_dir: str, data: dict[str, Any]) -> None:
     path = os.path.join(run_dir, "driver.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=repr)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, default=repr).encode())

@@ -35,6 +35,7 @@ import shutil
 
 import msgspec
 
+from asyncrl.safe_files import write_atomic
 from asyncrl.transport.shm import HOST_ID_ENV, host_id
 
 __all__ = ["HOST_FILE", "HostRecord", "announce", "first_node", "share"]
@@ -73,11 +74,7 @@ def announce(node_dir: str) -> HostRecord:
         os.unlink(folder)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     token = secrets.token_hex(16)
-    path = os.path.join(folder, HOST_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(token)
-    os.replace(tmp, path)
+    write_atomic(os.path.join(folder, HOST_FILE), token.encode())
     return HostRecord(host=host_id(), weights=folder, token=token)
 
 

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from asyncrl.safe_files import write_atomic
+
 __all__ = [
     "METRICS_FILE",
     "TENSORBOARD_DIR",
@@ -156,10 +158,7 @@ class MetricsLog:
         found = read_metrics(self.path) if os.path.exists(self.path) else []
         kept = [r for r in found if 0 < int(r.get("step", 0)) <= self.done]
         if kept != found or not os.path.exists(self.path):
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.records = kept
         self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
         if self.tensorboard:

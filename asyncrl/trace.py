@@ -39,6 +39,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 
+from asyncrl.safe_files import write_atomic
 from asyncrl.transport import ChannelOptions, Client, Server, tracing
 from asyncrl.transport.tracing import TRACE_DIR_ENV
 
@@ -379,11 +380,7 @@ def merge(run_dir: str) -> str | None:
     if not procs:
         return None
     path = os.path.join(run_dir, TRACE_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(chrome_trace(procs), f, separators=(",", ":"))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(chrome_trace(procs), separators=(",", ":")).encode())
 
 
 _REQUIRED: dict[str, tuple[str, ...]] = {

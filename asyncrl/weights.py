@@ -58,6 +58,7 @@ import os
 import msgspec
 
 from asyncrl.errors import NothingPublishedError, TornReadError, WeightsError, WeightsGoneError
+from asyncrl.safe_files import write_atomic
 from asyncrl.weight_layout import NO_VERSION, TensorSpec, WeightsHandle
 from asyncrl.weight_reader import WeightReader
 from asyncrl.weight_store import WeightStore
@@ -86,10 +87,7 @@ def handle_path(run_dir: str, publisher: str) -> str:
 def write_handle(path: str, handle: WeightsHandle) -> None:
     """Write ``handle`` atomically: a reader sees the old handle or the new, never half."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.encode(handle))
-    os.replace(tmp, path)
+    write_atomic(path, msgspec.json.encode(handle))
 
 
 def read_handle(path: str) -> WeightsHandle | None:
