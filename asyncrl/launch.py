@@ -444,10 +444,10 @@ def _add_nodes(a: _Attempt) -> None:
     except (OSError, ValueError):
         return
     if isinstance(summary, dict):
+        from asyncrl.safe_files import write_atomic
+
         summary["nodes"] = len(used)
-        with open(path + ".tmp", "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, json.dumps(summary, indent=2).encode())
 
 
 async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) -> int:
@@ -513,10 +513,9 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
 
 def _write_launch(a: _Attempt) -> None:
     record = {"node": a.node, "nodes": a.env.nodes, "attempt": a.attempt, "pid": os.getpid()}
-    path = os.path.join(a.dir, "launch.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+    from asyncrl.safe_files import write_atomic
+
+    write_atomic(os.path.join(a.dir, "launch.json"), json.dumps(record).encode())
 
 
 def _parser() -> argparse.ArgumentParser:
