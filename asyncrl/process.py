@@ -1,5 +1,9 @@
 """The process wrapper every role runs in: ``python -m asyncrl.process``, started by the supervisor.
 
+A restarted incarnation is usually not a new interpreter: the node's zygote (``asyncrl.zygote``)
+forks it with torch and the role's modules already imported and calls ``main`` in the child,
+which then goes on exactly as a cold start does (its own logging, signals, zmq context, loop).
+
 It owns what no role should write again: the event loop (uvloop when installed), the inbox
 (a transport Server at the replica's stable endpoint), heartbeats (answered by that server from
 the loop), logging, the CPU thread count, and clean shutdown on STOP, SIGTERM or SIGINT.
