@@ -234,7 +234,7 @@ class Launcher:
             return None
         self._next_id += 1
         ident = self._next_id
-        answer = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
         self._pending[ident] = answer
         request = json.dumps({"id": ident, "env": env, "stderr": log_path}).encode()
         try:
@@ -341,9 +341,9 @@ class Launcher:
                 if answer is not None and not answer.done():
                     answer.set_exception(RuntimeError(" ".join(why)))
             case ["exited", pid, status]:
-                child = self._children.pop(int(pid), None)
-                if child is not None:
-                    child._exited(int(status))
+                ended = self._children.pop(int(pid), None)
+                if ended is not None:
+                    ended._exited(int(status))
         return True
 
     def _orphan_all(self) -> None:
