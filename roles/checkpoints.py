@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from asyncrl.faults import FaultPlan
+from asyncrl.safe_files import write_atomic
 
 __all__ = [
     "CheckpointDir",
@@ -266,12 +267,8 @@ class CheckpointDir:
         for name in files:  # DCP's metadata file is written after its data files
             _fsync_file(os.path.join(where, name))
         fsync_dir(where)
-        marker = os.path.join(where, _MARKER)
-        with open(marker + ".tmp", "w") as f:
-            json.dump({"step": staged.step, "files": files}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(marker + ".tmp", marker)
+        marker = json.dumps({"step": staged.step, "files": files}).encode()
+        write_atomic(os.path.join(where, _MARKER), marker, fsync=True)
         fsync_dir(where)
         fsync_dir(self.path)
         for old in self.steps()[: -self.keep]:
@@ -379,10 +376,5 @@ class StepLog:
                 kept.append(line if line.endswith("\n") else line + "\n")
                 consumed.update((p, int(i)) for p, i in record["ids"])
         if cut:
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_atomic(self.path, "".join(kept).encode(), fsync=True)
         return consumed, cut
