@@ -213,11 +213,12 @@ def test_a_run_over_two_nodes_completes_with_its_roles_on_node_1(tmp_path: Any) 
         launch.kill()
 
 
-async def _describe(endpoint: str, curve: Any) -> Any:
-    """What the replica at ``endpoint`` says of itself, asked with ``curve`` keys (or none)."""
+async def _describe(endpoint: str, curve: Any, secret: str | None = None) -> Any:
+    """What the replica at ``endpoint`` says of itself, asked with ``curve`` keys (or none) and
+    the run's ``secret``."""
     from asyncrl.transport import ChannelOptions, Client
 
-    client = Client(endpoint, options=ChannelOptions(run="twonodes"), curve=curve)
+    client = Client(endpoint, options=ChannelOptions(run="twonodes"), curve=curve, secret=secret)
     try:
         await client.connect(timeout=3.0)
         return await client.call("_describe", None, timeout=3.0)
@@ -229,14 +230,16 @@ def _run_over_two_nodes(nodes: TwoNodes) -> None:
     import asyncio
 
     from asyncrl.transport import TransportError, load_keys
+    from asyncrl.transport.control import read_secret
 
     nodes.start()
     nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
     tcp = _json(nodes.path(1, "specs", "splitter.0.0.json"))["tcp_endpoint"]
     keys = load_keys(os.path.join(nodes.tmp, "keys"))
-    assert asyncio.run(_describe(tcp, keys))["role"] == "splitter"
+    secret = read_secret(nodes.path(0, "secret"))  # node 0 made it; node 1's roles require it
+    assert asyncio.run(_describe(tcp, keys, secret))["role"] == "splitter"
     with pytest.raises(TransportError):
-        asyncio.run(_describe(tcp, False))  # no keys: refused before any message
+        asyncio.run(_describe(tcp, False, secret))  # no keys: refused before any message
     with open(nodes.gate, "w"):
         pass
     assert nodes.finish() == [0, 0], nodes.logs()
