@@ -21,6 +21,7 @@ import msgspec
 from asyncrl import logs
 from asyncrl.janitor import Janitor, sweep_run
 from asyncrl.manifest import Manifest, ManifestError, RoleSpec, node_problems, resolve_run_dir
+from asyncrl.safe_files import write_atomic
 from asyncrl.spec import (
     SPEC_FILE_ENV,
     GroupInfo,
@@ -434,8 +435,8 @@ def _supervise_over_curve(
 
 
 def _write_report(run_dir: str, report: RunReport) -> None:
-    with open(os.path.join(run_dir, "report.json"), "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(report)))
+    path = os.path.join(run_dir, "report.json")
+    write_atomic(path, msgspec.json.format(msgspec.json.encode(report)))
 
 
 def _supervisor(

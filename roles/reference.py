@@ -15,7 +15,9 @@ initial weights. The file holds plain tensors and an int (``torch.load(weights_o
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from typing import Any, Literal
 
 import msgspec
@@ -32,6 +34,9 @@ __all__ = ["WEIGHTS_FILE", "Reference"]
 
 WEIGHTS_FILE = "weights.pt"
 """The file, in the role's own directory, holding the weights ``set_weights`` was last given."""
+
+_TMP_PREFIX = f".{WEIGHTS_FILE}."
+"""The start of a temporary file's name while ``WEIGHTS_FILE`` is written."""
 
 
 class Reference(Role):
@@ -128,21 +133,31 @@ class Reference(Role):
     def _save(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Write ``state`` and ``version`` to ``WEIGHTS_FILE`` atomically and durably."""
         final = self.ctx.path(WEIGHTS_FILE)
-        tmp = final + ".tmp"
-        with open(tmp, "wb") as f:
-            torch.save({"version": version, "state": state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        # A fresh temporary name (O_EXCL, never a link someone planted), renamed into place.
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(final), prefix=_TMP_PREFIX, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"version": version, "state": state}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         fsync_dir(os.path.dirname(final))
 
     def _restore(self) -> int | None:
         """Load the weights ``set_weights`` was last given, when a previous incarnation kept
-        some, and return their version (None: none kept). A ``.tmp`` left by a write that died
-        is removed, never loaded."""
+        some, and return their version (None: none kept). A temporary file left by a write
+        that died is removed, never loaded."""
         final = self.ctx.path(WEIGHTS_FILE)
-        if os.path.exists(final + ".tmp"):
-            os.remove(final + ".tmp")
+        folder = os.path.dirname(final)
+        for name in os.listdir(folder):
+            if name == WEIGHTS_FILE + ".tmp" or (  # an earlier release's fixed name
+                name.startswith(_TMP_PREFIX) and name.endswith(".tmp")
+            ):
+                os.remove(os.path.join(folder, name))
         if not os.path.exists(final):
             return None
         # weights_only: plain tensors and an int, never pickled objects; on the host, so a file

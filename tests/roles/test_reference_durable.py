@@ -96,12 +96,16 @@ def test_a_write_that_died_is_removed_and_never_loaded(tmp_path: Any) -> None:
     async def go() -> None:
         first = await _reference(str(tmp_path))
         initial = await first.logprobs(SAMPLES)
-        with open(first.ctx.path(WEIGHTS_FILE + ".tmp"), "wb") as f:
-            f.write(b"torn")  # what a kill in the middle of torch.save leaves
+        # What a kill in the middle of torch.save leaves, under this release's temporary name
+        # and an earlier release's fixed one.
+        torn = [first.ctx.path(f".{WEIGHTS_FILE}.k3x9.tmp"), first.ctx.path(WEIGHTS_FILE + ".tmp")]
+        for path in torn:
+            with open(path, "wb") as f:
+                f.write(b"torn")
         second = await _reference(str(tmp_path))
         assert second.engine.version == 0
         assert await second.logprobs(SAMPLES) == initial
-        assert not os.path.exists(second.ctx.path(WEIGHTS_FILE + ".tmp"))
+        assert not any(os.path.exists(path) for path in torn)
 
     asyncio.run(go())
 
