@@ -531,10 +531,13 @@ class Client:
             )
             self.codec.shm_pool = self._pool
         self._connected_once = True
+        restarted = previous is not None and previous.incarnation != welcome.incarnation
+        if restarted and self._pool is not None:
+            # The dead incarnation's slots come back first: the held requests' slots stay lent,
+            # as the new server reads them once they are sent.
+            self._pool.release_peer(b"", keep=self._held.slots())
         self._held.release(self._in_flight, self._pump.send, self._release_own)
-        if previous is not None and previous.incarnation != welcome.incarnation:
-            if self._pool is not None:
-                self._pool.release_peer(b"")
+        if previous is not None and restarted:
             self._emit(
                 "restarted",
                 f"incarnation {previous.incarnation} -> {welcome.incarnation}, pid {welcome.pid}",

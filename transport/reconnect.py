@@ -73,6 +73,10 @@ class Held:
         if self._items is None:
             self._items = []
 
+    def slots(self) -> set[int]:
+        """The shared-memory slots of the held requests."""
+        return {slot for _, _, slots in self._items or () for slot in slots}
+
     def add(self, request_id: int, frames: list[Any], slots: list[int]) -> None:
         """Hold request ``request_id`` (its frames, and the shared-memory slots they use)."""
         assert self._items is not None

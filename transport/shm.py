@@ -26,6 +26,7 @@ import stat
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -201,10 +202,11 @@ class ShmPool:
             self._free.append(entry[0])
             return True
 
-    def release_peer(self, peer: bytes) -> int:
-        """Take back every slot lent to ``peer`` (it died or disconnected); returns how many."""
+    def release_peer(self, peer: bytes, keep: Collection[int] = ()) -> int:
+        """Take back every slot lent to ``peer`` (it died or disconnected) but those in ``keep``;
+        returns how many."""
         with self._lock:
-            ids = [i for i, (_, p) in self._lent.items() if p == peer]
+            ids = [i for i, (_, p) in self._lent.items() if p == peer and i not in keep]
             for i in ids:
                 self._free.append(self._lent.pop(i)[0])
             return len(ids)

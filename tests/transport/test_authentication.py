@@ -9,6 +9,7 @@ import stat
 from typing import Any
 
 import pytest
+import torch
 
 from asyncrl.transport import ChannelOptions, Client, PeerEvent, RemoteError, Server, run
 from asyncrl.transport.control import (
@@ -198,6 +199,57 @@ def test_a_call_made_while_the_server_restarts_waits_for_the_new_handshake(run_d
         assert (await events.get()).kind == "restarted"
         assert second.stats["unauthenticated"] == 0
         assert calls == [[3, 4]]
+        await client.close()
+        await second.close()
+
+    run(main())
+
+
+def test_a_tensor_held_across_a_restart_keeps_its_slot_until_the_new_server_releases_it(
+    run_dir: str,
+) -> None:
+    """The dead incarnation's slots are taken back, but not the slot of a request held during the
+    restart: the new server reads it once the request is sent, until it releases it."""
+
+    async def main() -> None:
+        endpoint = f"ipc://{run_dir}/s"
+        options = ChannelOptions(run="held")
+        kept: list[torch.Tensor] = []
+
+        def keep(tensor: torch.Tensor, call: Any) -> int:
+            kept.append(tensor)  # a view of the client's slot: not released while kept
+            return len(kept)
+
+        def server(incarnation: int) -> Server:
+            s = Server(endpoint, options=options, secret=SECRET, incarnation=incarnation)
+            s.add("keep", keep, torch.Tensor)
+            return s
+
+        first = server(0)
+        await first.start()
+        events: asyncio.Queue[PeerEvent] = asyncio.Queue()
+        client = Client(endpoint, options=options, secret=SECRET, on_event=events.put_nowait)
+        await client.connect()
+        assert (await events.get()).kind == "connected"
+        await first.close()
+        assert (await events.get()).kind == "disconnected"
+        ones = torch.ones(512, 1024)  # 2 MiB: over the shared-memory threshold
+        pending = client.call_future("keep", ones, int, timeout=30)
+        second = server(1)
+        await second.start()
+        assert await pending == 1
+        assert (await events.get()).kind == "restarted"
+        assert client._pool is not None and client._pool.lent == 1
+        # A freed slot would be reused here and its bytes overwritten under the new server.
+        assert await client.call("keep", torch.full((512, 1024), 2.0), int) == 2
+        assert client._pool.lent == 2
+        assert torch.equal(kept[0], ones)
+        kept.clear()  # the new server's last views go: it releases both slots
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        # One connection is FIFO: once this call is answered, the RELEASE before it was read.
+        assert await client.call("keep", torch.zeros(1), int) == 1
+        assert client._pool.lent == 0
         await client.close()
         await second.close()
 
