@@ -475,13 +475,13 @@ class Server:
     def _refuse(
         self, peer: PeerInfo, request_id: int, what: str, counter: str, code: str, message: str
     ) -> None:
-        """Count, log (rate-limited) and answer a refused handshake or message."""
+        """Count, log (rate-limited) and answer a refused handshake or message; the log line says
+        what was wrong and how to fix it, as the ERROR answer does."""
         self.stats[counter] += 1
         if code == ErrorCode.UNAUTHORIZED:
             name = _peer_name(peer.identity)
-            self._log.warning(
-                counter, name, "server %s refused %s from %r: %s", self.name, what, name, counter
-            )
+            line = f"server {self.name} refused {what} from {name!r} ({counter}): {message}"
+            self._log.warning(counter, name, "%s", line)
         self._error(peer.identity, request_id, code, message)
 
     def _release(self, peer: PeerInfo, env: RawEnvelope, msg: list[Any]) -> None:

@@ -4,6 +4,7 @@ tcp; the secret comes from a 0600 file named by ASYNCRL_SECRET_FILE."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 from typing import Any
@@ -140,6 +141,37 @@ def test_a_wrong_missing_or_oversized_secret_fails_the_connect_and_others_are_se
         await server.close()
 
     run(main())
+
+
+def test_a_refusal_is_logged_with_what_was_wrong_and_how_to_fix_it(run_dir: str) -> None:
+    lines: list[str] = []
+
+    class Sink(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("asyncrl.transport.server")
+    sink = Sink(logging.WARNING)
+    logger.addHandler(sink)
+
+    async def main() -> None:
+        server = _server(f"ipc://{run_dir}/s", [], secret=SECRET)
+        await server.start()
+        intruder = Client(server.endpoint, name="intruder", identity=b"intruder", secret="guess")
+        with pytest.raises(RemoteError) as err:
+            await intruder.connect(timeout=5)
+        await intruder.close()
+        await server.close()
+        told = str(err.value).removeprefix(f"error reply from {server.endpoint} [unauthorized]: ")
+        assert told.startswith("the secret presented by intruder is not the one of guarded's run")
+        assert lines == [
+            f"server guarded refused HANDSHAKE from 'intruder' (secret_refused): {told}"
+        ]
+
+    try:
+        run(main())
+    finally:
+        logger.removeHandler(sink)
 
 
 def test_the_secret_comes_from_a_private_file_the_environment_names(
