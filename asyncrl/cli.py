@@ -99,19 +99,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _in_use(run_dir: str) -> str | None:
-    """Why ``run_dir`` cannot be taken now: a live run's agent holds it; else ``None``."""
-    from asyncrl.leases import read_leases
-
-    for lease in read_leases():
-        if os.path.realpath(lease.run_dir) == os.path.realpath(run_dir) and lease.alive():
-            return (
-                f"{run_dir} is in use by a running run ({lease.run!r}, agent pid "
-                f"{lease.agent_pid}); stop it first (asyncrl status {run_dir} shows it)"
-            )
-    return None
-
-
 def _sweep_dead_runs() -> list[str]:
     """Remove the leftovers of runs whose agent and janitor are gone; say so on stderr."""
     from asyncrl.janitor import sweep_dead_runs
@@ -133,23 +120,13 @@ def _clean(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | None:
-    """Make ``run_dir`` ready for a new run: ``None``, or why it cannot be used."""
-    from asyncrl.rundir import RunDirError, clear_run, run_markers
+    """Make ``run_dir`` ready for a new run (``asyncrl.rundir.prepare_run_dir``): ``None``, or
+    why it cannot be used."""
+    from asyncrl.rundir import RunDirError, prepare_run_dir
 
-    busy = _in_use(run_dir)
-    if busy:
-        return busy
-    found = run_markers(run_dir)
-    if not found:
-        return None
-    if not overwrite:
-        resume = f"use 'asyncrl run --resume {run_dir}' to continue it or " if resume_hint else ""
-        return (
-            f"{run_dir} already holds a run ({', '.join(found)}); "
-            f"{resume}add --overwrite to delete it and start afresh"
-        )
+    hint = f"use 'asyncrl run --resume {run_dir}' to continue it or " if resume_hint else ""
     try:
-        clear_run(run_dir)
+        prepare_run_dir(run_dir, overwrite=overwrite, continue_hint=hint)
     except (RunDirError, OSError) as exc:
         return str(exc)
     return None
@@ -162,9 +139,9 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         MANIFEST_FILE,
         PRIVATE_UMASK,
         RunDirError,
-        claim_run_dir,
         load_saved_manifest,
         manifest_differences,
+        prepare_run_dir,
         save_manifest,
     )
     from asyncrl.transport import run
@@ -198,13 +175,10 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
                     f"(at {', '.join(differences)}); a resumed run keeps its manifest: drop "
                     "MANIFEST, or start a new run with --overwrite"
                 )
-        busy = _in_use(run_dir)
-        if busy:
-            return _fail(busy)
         os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
-        try:
-            claim_run_dir(run_dir)  # private, marked, even when an earlier version started it
-        except RunDirError as exc:
+        try:  # private, marked, even when an earlier version started it; not if in use
+            prepare_run_dir(run_dir, resume=True)
+        except (RunDirError, OSError) as exc:
             return _fail(str(exc))
     else:
         if not args.manifest:
@@ -213,10 +187,10 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
         if manifest is None:
             return 2
         run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
+        os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
         problem = _claim(run_dir, args.overwrite)
         if problem:
             return _fail(problem)
-        os.umask(PRIVATE_UMASK)
         try:
             save_manifest(manifest, run_dir)
         except RunDirError as exc:

@@ -195,24 +195,22 @@ async def _join(env: LaunchEnv, store: StoreClient, keys: LaunchKeys, timeout_s:
 
 
 def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
-    """Make ``directory`` ready: "" or why it cannot be used. ``fresh``: the first attempt."""
-    from asyncrl.rundir import RunDirError, clear_run, run_markers
+    """Make ``directory`` ready (``asyncrl.rundir.prepare_run_dir``): "" or why it cannot be
+    used. ``fresh``: the first attempt; a later one finds it ready."""
+    from asyncrl.rundir import RunDirError, prepare_run_dir, run_markers
 
-    os.makedirs(directory, exist_ok=True)
     if not fresh:
+        os.makedirs(directory, exist_ok=True)
         return ""
-    if args.resume:
-        return "" if run_markers(directory) else f"--resume: {directory} holds no run to resume"
-    found = [m for m in run_markers(directory) if m != "launch.json"]
-    if not found:
-        return ""
-    if not args.overwrite:
-        return (
-            f"{directory} already holds a run ({', '.join(found)}); add --resume to continue "
-            "it, or --overwrite to delete it and start afresh"
-        )
+    if args.resume and not run_markers(directory):
+        return f"--resume: {directory} holds no run to resume"
     try:
-        clear_run(directory)
+        prepare_run_dir(
+            directory,
+            overwrite=args.overwrite,
+            resume=args.resume,
+            continue_hint="add --resume to continue it, or ",
+        )
     except (RunDirError, OSError) as exc:
         return str(exc)
     return ""

@@ -15,6 +15,7 @@ again in the same directory. JSON is YAML, so the saved file is itself a manifes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 from typing import Any
@@ -32,8 +33,10 @@ __all__ = [
     "RunDirError",
     "claim_run_dir",
     "clear_run",
+    "in_use",
     "load_saved_manifest",
     "manifest_differences",
+    "prepare_run_dir",
     "run_markers",
     "save_manifest",
 ]
@@ -87,6 +90,7 @@ RUN_ENTRIES = frozenset(
         "specs",
         "weights",
         "exports",
+        "secret",
         "final",
         "plots",
         "tensorboard",
@@ -97,8 +101,14 @@ RUN_ENTRIES = frozenset(
     }
 )
 """The names a run (of this or an earlier version) writes at the top of its run directory, its
-program's usual outputs included. A directory without ``RUN_MARKER`` is cleared by
-``--overwrite`` only when it holds nothing else."""
+program's usual outputs included (besides a launch's ``node-<R>`` folders and the fresh
+temporary names ``.<entry>.*.tmp`` a write in progress leaves, ``<entry>.<pid>.tmp`` in
+earlier versions). A directory that holds
+anything else is neither claimed for a run nor cleared by ``--overwrite``."""
+
+_WRITTEN_NAME = re.compile(
+    r"^(node-\d+|\.(?P<entry>[^/]+)\.[^./]+\.tmp|(?P<staged>[^/]+)\.\d+\.tmp)\Z"
+)
 
 
 class RunDirError(Exception):
@@ -113,12 +123,15 @@ def run_markers(run_dir: str) -> list[str]:
 def claim_run_dir(run_dir: str) -> str:
     """Make ``run_dir`` (and missing parents) a private run directory; return its path.
 
+    A directory without ``RUN_MARKER`` is taken only when it is empty or holds nothing but what
+    a run writes (``RUN_ENTRIES``: a run of an earlier version), never a folder of the user's.
     The directory is created, or made, 0700 (the folders an earlier run left in it too), and
     carries ``RUN_MARKER``. Entry points also set the process umask to ``PRIVATE_UMASK`` first,
     so that what the run creates afterwards is private whatever the user's umask.
 
     Raises:
-        RunDirError: ``run_dir`` is not a directory, or belongs to another user.
+        RunDirError: ``run_dir`` is not a directory, belongs to another user, or has no marker
+            and holds something no run writes (named in the message).
     """
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     st = os.stat(run_dir)
@@ -127,16 +140,70 @@ def claim_run_dir(run_dir: str) -> str:
             f"cannot use {run_dir} as a run directory: it is not a directory of this user "
             f"(uid {os.getuid()}); give another --run-dir"
         )
+    names = os.listdir(run_dir)
+    marker = os.path.join(run_dir, RUN_MARKER)
+    if not (os.path.isfile(marker) and not os.path.islink(marker)):
+        unknown = _not_written_by_a_run(names)
+        if unknown:
+            raise RunDirError(
+                f"refusing to use {run_dir} as a run directory: it holds {_shown(unknown)}, "
+                "which no run writes; choose an empty or new directory with --run-dir"
+            )
     os.chmod(run_dir, 0o700)
-    for name in sorted(RUN_ENTRIES & set(os.listdir(run_dir))):
+    for name in sorted(RUN_ENTRIES & set(names)):
         path = os.path.join(run_dir, name)
         sub = os.lstat(path)
         if stat.S_ISDIR(sub.st_mode) and sub.st_uid == os.getuid():
             os.chmod(path, 0o700)
-    marker = os.path.join(run_dir, RUN_MARKER)
     if not os.path.isfile(marker) or os.path.islink(marker):
         write_atomic(marker, b"a run directory of asyncrl: asyncrl run --overwrite clears it\n")
     return run_dir
+
+
+def in_use(run_dir: str) -> str:
+    """Why ``run_dir`` cannot be taken now: a live run on this machine runs in it or in a folder
+    inside it (its lease says so, ``asyncrl.leases``); "" when none does."""
+    from asyncrl.leases import read_leases
+
+    real = os.path.realpath(run_dir)
+    for lease in read_leases():
+        held = os.path.realpath(lease.run_dir)
+        if (held == real or held.startswith(real.rstrip(os.sep) + os.sep)) and lease.alive():
+            where = "" if held == real else f" in {lease.run_dir}"
+            return (
+                f"{run_dir} is in use by a running run ({lease.run!r}{where}, agent pid "
+                f"{lease.agent_pid}); stop it first (asyncrl status {lease.run_dir} shows it)"
+            )
+    return ""
+
+
+def prepare_run_dir(
+    run_dir: str, *, overwrite: bool = False, resume: bool = False, continue_hint: str = ""
+) -> str:
+    """Make ``run_dir`` ready for a run, the same for ``asyncrl run`` and ``asyncrl.launch``;
+    return its path.
+
+    Refused when a live run holds it (``in_use``). For a new run (not ``resume``), a directory
+    that already holds one is refused, or with ``overwrite`` cleared (``clear_run``). Then it is
+    claimed (``claim_run_dir``): private and marked, a resumed directory of an earlier version
+    too. ``continue_hint`` goes into the refusal of a used directory, before "add --overwrite".
+
+    Raises:
+        RunDirError: it cannot be used; the message says why and what to do.
+        OSError: it cannot be created, cleared or marked.
+    """
+    busy = in_use(run_dir)
+    if busy:
+        raise RunDirError(busy)
+    found = [] if resume else run_markers(run_dir)
+    if found and not overwrite:
+        raise RunDirError(
+            f"{run_dir} already holds a run ({', '.join(found)}); "
+            f"{continue_hint}add --overwrite to delete it and start afresh"
+        )
+    if found:
+        clear_run(run_dir)
+    return claim_run_dir(run_dir)
 
 
 def save_manifest(manifest: Manifest, run_dir: str) -> str:
@@ -190,9 +257,10 @@ def _diff(a: Any, b: Any, path: str, depth: int) -> list[str]:
 def clear_run(run_dir: str) -> None:
     """Remove everything in ``run_dir`` so that a new run starts afresh there.
 
-    Only a run directory is cleared: one that carries ``RUN_MARKER``, or, from a version that
-    wrote no marker, one that holds nothing but ``RUN_ENTRIES`` and at least a manifest, report,
-    driver record or logs of a run.
+    Only a run directory is cleared: one that holds nothing but ``RUN_ENTRIES``, and carries
+    ``RUN_MARKER`` or, from a version that wrote no marker, at least a manifest, report, driver
+    record or logs of a run. Anything else at its top is refused even under the marker: a
+    program's own file, or a user's that the marker does not make a run's.
 
     Raises:
         RunDirError: ``run_dir`` holds the current directory, is a git checkout, or is not a
@@ -224,20 +292,40 @@ def clear_run(run_dir: str) -> None:
 
 def _check_is_a_run(run_dir: str, names: list[str]) -> None:
     """Raise ``RunDirError`` unless ``names`` (the entries of ``run_dir``) are a run's."""
-    marker = os.path.join(run_dir, RUN_MARKER)
-    if RUN_MARKER in names and os.path.isfile(marker) and not os.path.islink(marker):
-        return
-    unknown = [n for n in names if n not in RUN_ENTRIES]
     what = "delete it yourself if it is yours to delete, or give another --run-dir"
+    marker = os.path.join(run_dir, RUN_MARKER)
+    marked = RUN_MARKER in names and os.path.isfile(marker) and not os.path.islink(marker)
+    unknown = _not_written_by_a_run(names)
+    if unknown and marked:
+        raise RunDirError(
+            f"refusing to overwrite {run_dir}: it holds {_shown(unknown)}, which no run writes; "
+            f"move {'it' if len(unknown) == 1 else 'them'} out of the run directory (or delete "
+            f"{'it' if len(unknown) == 1 else 'them'}) and try again, or give another --run-dir"
+        )
     if unknown:
-        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if unknown[5:] else "")
         raise RunDirError(
             f"refusing to overwrite {run_dir}: it has no run marker ({RUN_MARKER}) and holds "
-            f"{shown}, which no run writes, so it may not be a run directory; {what}"
+            f"{_shown(unknown)}, which no run writes, so it may not be a run directory; {what}"
         )
-    if not any(n in names for n in _WRITTEN_BY_A_RUN):
+    if not marked and not any(n in names for n in _WRITTEN_BY_A_RUN):
         raise RunDirError(
             f"refusing to overwrite {run_dir}: it has no run marker ({RUN_MARKER}) and none of "
             f"the {', '.join(_WRITTEN_BY_A_RUN)} a run leaves, so it may not be a run "
             f"directory; {what}"
         )
+
+
+def _not_written_by_a_run(names: list[str]) -> list[str]:
+    """The entries among ``names`` that no run writes at the top of its run directory."""
+    unknown = []
+    for name in sorted(names):
+        match = _WRITTEN_NAME.match(name)
+        entry = match and (match.group("entry") or match.group("staged"))
+        if name in RUN_ENTRIES or (match and (not entry or entry in RUN_ENTRIES)):
+            continue
+        unknown.append(name)
+    return unknown
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if names[5:] else "")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from asyncrl import cli
+from asyncrl.leases import LEASE_DIR_ENV, lease_path, write_lease
 from asyncrl.manifest import load_manifest
 from asyncrl.rundir import (
     RUN_MARKER,
@@ -21,6 +22,7 @@ from asyncrl.rundir import (
     clear_run,
     load_saved_manifest,
     manifest_differences,
+    prepare_run_dir,
     run_markers,
     save_manifest,
 )
@@ -62,7 +64,7 @@ def test_clear_run_empties_the_directory_but_never_a_project(tmp_path: Any) -> N
     os.makedirs(os.path.join(run, "checkpoints", "step-1"))
     with open(os.path.join(run, "report.json"), "w") as f:
         f.write("{}")
-    os.symlink(str(tmp_path), os.path.join(run, "link"))
+    os.symlink(str(tmp_path), os.path.join(run, "weights"))  # a launch's shared weight store
     clear_run(run)
     assert os.listdir(run) == []
     assert os.listdir(tmp_path) == ["run"]  # the link went, not what it points at
@@ -139,12 +141,116 @@ def test_clear_run_takes_a_run_directory_of_an_earlier_version(tmp_path: Any) ->
     assert os.listdir(run) == []
 
 
-def test_clear_run_with_the_marker_clears_everything(tmp_path: Any) -> None:
+def test_clear_run_with_the_marker_clears_what_a_run_writes_and_nothing_else(
+    tmp_path: Any,
+) -> None:
+    """Even under the marker, a name no run writes is refused, named, and nothing is removed:
+    a marker does not make a user's folder a run's."""
     run = claim_run_dir(str(tmp_path / "run"))
-    with open(os.path.join(run, "notes.txt"), "w") as f:
-        f.write("written into the run directory by the program")
+    os.makedirs(os.path.join(run, "node-1", "logs"))
+    for name in ["notes.txt", "report.json", ".manifest.json.k2j4x9_q.tmp"]:
+        with open(os.path.join(run, name), "w") as f:
+            f.write("written into the run directory")
+    with pytest.raises(RunDirError) as refused:
+        clear_run(run)
+    assert str(refused.value) == (
+        f"refusing to overwrite {run}: it holds notes.txt, which no run writes; move it out of "
+        "the run directory (or delete it) and try again, or give another --run-dir"
+    )
+    assert len(os.listdir(run)) == 5
+    os.unlink(os.path.join(run, "notes.txt"))
     clear_run(run)
     assert os.listdir(run) == []
+
+
+def test_claim_refuses_a_folder_of_the_users_without_the_marker(tmp_path: Any) -> None:
+    """A folder that holds anything no run writes is never marked as a run, so a later
+    ``--overwrite`` cannot delete it."""
+    folder = str(tmp_path / "thesis")
+    os.makedirs(os.path.join(folder, "logs"))
+    with open(os.path.join(folder, "thesis.tex"), "w") as f:
+        f.write("precious")
+    with pytest.raises(RunDirError) as refused:
+        claim_run_dir(folder)
+    assert str(refused.value) == (
+        f"refusing to use {folder} as a run directory: it holds thesis.tex, which no run "
+        "writes; choose an empty or new directory with --run-dir"
+    )
+    assert sorted(os.listdir(folder)) == ["logs", "thesis.tex"]
+    with pytest.raises(RunDirError, match=r"holds thesis\.tex, which no run writes"):
+        clear_run(folder)
+    assert sorted(os.listdir(folder)) == ["logs", "thesis.tex"]
+
+
+def test_run_refuses_a_folder_that_holds_only_user_files(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = str(tmp_path)
+    with open(os.path.join(folder, "thesis.tex"), "w") as f:
+        f.write("precious")
+    assert cli.main(["run", HELLO, "--run-dir", folder]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: refusing to use {folder} as a run directory: it holds thesis.tex, "
+        "which no run writes; choose an empty or new directory with --run-dir\n"
+    )
+    assert os.listdir(folder) == ["thesis.tex"]
+    assert cli.main(["run", HELLO, "--run-dir", folder, "--overwrite"]) == 2
+    assert "refusing to use" in error(capsys)
+    assert os.listdir(folder) == ["thesis.tex"]
+
+
+def hold(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, run_dir: str) -> None:
+    """A live run's lease on ``run_dir``: this test process is its agent and janitor."""
+    folder = str(tmp_path / "leases")
+    monkeypatch.setenv(LEASE_DIR_ENV, folder)
+    write_lease(lease_path("live", folder), "live", os.getpid(), "/sockets", run_dir)
+
+
+def test_a_live_run_or_a_folder_that_holds_one_is_refused(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parent = str(tmp_path / "runs")
+    live = os.path.join(parent, "live")
+    save_manifest(load_manifest(HELLO), live)
+    hold(monkeypatch, tmp_path, live)
+    assert cli.main(["run", HELLO, "--run-dir", live, "--overwrite"]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: {live} is in use by a running run ('live', agent pid {os.getpid()}); "
+        f"stop it first (asyncrl status {live} shows it)\n"
+    )
+    assert cli.main(["run", "--resume", live]) == 2
+    assert "is in use by a running run" in error(capsys)
+    with pytest.raises(RunDirError) as refused:
+        prepare_run_dir(parent, overwrite=True)
+    assert str(refused.value) == (
+        f"{parent} is in use by a running run ('live' in {live}, agent pid {os.getpid()}); "
+        f"stop it first (asyncrl status {live} shows it)"
+    )
+    assert sorted(os.listdir(live)) == [RUN_MARKER, "manifest.json"]
+    assert prepare_run_dir(os.path.join(live + "-other"), overwrite=True) == live + "-other"
+
+
+def test_launch_takes_the_run_directory_as_asyncrl_run_does(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``asyncrl.launch --overwrite`` refuses a live run's directory; ``--resume`` makes an
+    earlier version's run directory private and marks it."""
+    from asyncrl.launch import _claim, _parser
+
+    old = str(tmp_path / "old")
+    os.makedirs(os.path.join(old, "logs"), mode=0o777)
+    os.chmod(old, 0o777)
+    with open(os.path.join(old, "manifest.json"), "w") as f:
+        f.write("{}")
+    assert _claim(_parser().parse_args([HELLO, "--resume"]), old, True) == ""
+    assert os.stat(old).st_mode & 0o777 == 0o700
+    assert os.path.isfile(os.path.join(old, RUN_MARKER))
+    hold(monkeypatch, tmp_path, old)
+    assert _claim(_parser().parse_args([HELLO, "--overwrite"]), old, True) == (
+        f"{old} is in use by a running run ('live', agent pid {os.getpid()}); "
+        f"stop it first (asyncrl status {old} shows it)"
+    )
+    assert sorted(os.listdir(old)) == [RUN_MARKER, "logs", "manifest.json"]
 
 
 # -- the command line, without processes ---------------------------------------------------
