@@ -64,7 +64,7 @@ from .ratelog import RateLimitedLog
 from .reconnect import Held, rehandshake
 from .releases import Releases
 from .shm import ShmPool, ShmReader, host_id
-from .sockets import connect
+from .sockets import connect, dealer
 from .tracing import CALL, REPLY, clock, current, nbytes
 
 __all__ = ["Client", "PeerEvent"]
@@ -121,7 +121,8 @@ class Client:
         self.incarnation = incarnation
         self.options = options or ChannelOptions()
         self._context = context or zmq.Context.instance()
-        self._on_event, self._on_credit = on_event, on_credit
+        self._on_event = on_event
+        self._on_credit = on_credit
         self.control = control
         self._curve = curve
         self._keyed = False  # Curve is on (set by connect)
@@ -134,7 +135,9 @@ class Client:
         self._pump: Pump | None = None
         self._monitor: Pump | None = None
         self._ticker: asyncio.TimerHandle | None = None
-        self._closed, self._alive, self._connected_once = False, True, False
+        self._closed = False
+        self._alive = True
+        self._connected_once = False
         self._last_heard_ns = clock()  # any message from the server sets it
         self._host = host_id()
         self._pool: ShmPool | None = None
@@ -168,14 +171,7 @@ class Client:
         """
         if self._pump is not None:
             raise RuntimeError(f"client {self.name} already connected")
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.identity)
-        sock.setsockopt(zmq.SNDHWM, self.options.send_hwm)
-        sock.setsockopt(zmq.RCVHWM, self.options.recv_hwm)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
-        sock.setsockopt(zmq.RECONNECT_IVL, 10)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
+        sock = dealer(self._context, self.identity, self.options)
         self._keyed = secure_client(sock, self.endpoint, self._curve)
         events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -421,8 +421,8 @@ class Server:
         presented = self._gate.may_control(peer.identity)
         refusal = control_refusal(presented, self._secret, self.endpoint, self.name)
         if refusal:
-            code, message = ErrorCode.UNAUTHORIZED, f"{name} refused: {refusal}"
-            self._refuse(peer, env.id, name, "control_refused", code, message)
+            message = f"{name} refused: {refusal}"
+            self._refuse(peer, env.id, name, "control_refused", ErrorCode.UNAUTHORIZED, message)
             return
         if env.kind == Kind.STOP:
             self.stats["stops"] += 1

@@ -1,4 +1,4 @@
-"""Binding and connecting sockets: endpoint checks, ipc directories, and zmq errors mapped.
+"""Making, binding and connecting sockets: endpoint checks, ipc directories, and zmq errors mapped.
 
 By default an endpoint is ``ipc://`` or TCP on the loopback interface. Binding a TCP endpoint on
 another interface exposes an unauthenticated socket to the network, so it needs
@@ -19,12 +19,14 @@ from typing import Any
 import zmq
 
 from .errors import TransportError
+from .options import ChannelOptions
 
 __all__ = [
     "IPC_PATH_MAX",
     "bind",
     "check_endpoint",
     "connect",
+    "dealer",
     "ipc_path",
     "make_private_dir",
     "socket_id",
@@ -184,3 +186,18 @@ def connect(sock: zmq.Socket[Any], endpoint: str, *, allow_remote: bool = False)
         sock.connect(endpoint)
     except zmq.ZMQError as exc:
         raise TransportError(f"cannot connect to {endpoint}: {exc.strerror}") from exc
+
+
+def dealer(context: zmq.Context[Any], identity: bytes, options: ChannelOptions) -> zmq.Socket[Any]:
+    """A new DEALER socket with routing id ``identity`` and the limits of ``options``; it closes
+    at once (linger 0) and reconnects quickly (from 10 ms, at most 200 ms apart) when its peer
+    rebinds."""
+    sock: zmq.Socket[Any] = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.SNDHWM, options.send_hwm)
+    sock.setsockopt(zmq.RCVHWM, options.recv_hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
+    sock.setsockopt(zmq.RECONNECT_IVL, 10)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
+    return sock

@@ -28,7 +28,7 @@ from asyncrl.transport import (
     TransportError,
     run,
 )
-from asyncrl.transport.sockets import check_endpoint
+from asyncrl.transport.sockets import check_endpoint, dealer
 from tests.conftest import ServerProcess, start_server_process
 
 
@@ -332,3 +332,20 @@ def test_connecting_to_nobody_times_out_and_closes_at_once(run_dir: str) -> None
         await client.close()
 
     run(main())
+
+
+def test_a_client_socket_closes_at_once_and_keeps_its_limits() -> None:
+    options = ChannelOptions(send_hwm=7, recv_hwm=9, max_message_bytes=1 << 20)
+    sock = dealer(zmq.Context.instance(), b"me", options)
+    try:
+        got = [
+            sock.getsockopt(opt)
+            for opt in (zmq.ROUTING_ID, zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER, zmq.MAXMSGSIZE)
+        ]
+        assert got == [b"me", 7, 9, 0, 1 << 20]
+        assert (sock.getsockopt(zmq.RECONNECT_IVL), sock.getsockopt(zmq.RECONNECT_IVL_MAX)) == (
+            10,
+            200,
+        )
+    finally:
+        sock.close(linger=0)
