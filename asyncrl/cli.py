@@ -99,11 +99,20 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _sweep_dead_runs() -> list[str]:
-    """Remove the leftovers of runs whose agent and janitor are gone; say so on stderr."""
+def _sweep_dead_runs() -> list[str] | None:
+    """Remove the leftovers of runs whose agent and janitor are gone; say so on stderr.
+    ``None``: no lease folder could be trusted, nothing was swept (a warning says why)."""
     from asyncrl.janitor import sweep_dead_runs
+    from asyncrl.leases import LeaseDirError
 
-    removed = sweep_dead_runs()
+    try:
+        removed = sweep_dead_runs()
+    except LeaseDirError as exc:
+        print(
+            f"asyncrl: warning: not sweeping what killed runs left behind: {exc}",
+            file=sys.stderr,
+        )
+        return None
     if removed:
         print(
             f"asyncrl: removed {len(removed)} leftovers of runs that are no longer alive "
@@ -114,7 +123,10 @@ def _sweep_dead_runs() -> list[str]:
 
 
 def _clean(args: argparse.Namespace, rest: list[str]) -> int:
-    if not _sweep_dead_runs():
+    removed = _sweep_dead_runs()
+    if removed is None:
+        return 1
+    if not removed:
         print("asyncrl: nothing to clean: no run left anything behind", file=sys.stderr)
     return 0
 

@@ -19,7 +19,8 @@ signal to the agent's process group (a Ctrl-C, ``kill -- -PGID``).
 A kill of the whole cgroup (a container stopped, ``systemctl kill``) takes the janitor with the
 agent. For that, the agent holds a lease while it runs (``asyncrl.leases``), and the next
 ``asyncrl run`` or ``asyncrl clean`` calls ``sweep_dead_runs``: it removes the segments and
-sockets of every run whose agent and janitor are both gone, and keeps those of live runs.
+sockets of every run whose lease says its agent and janitor are both gone, and keeps those of
+live runs. Without a lease folder it can trust, it sweeps nothing.
 
 Run as ``python -m asyncrl.janitor --fd N --run NAME --sockets DIR [--run-dir DIR]
 [--lease PATH]``.
@@ -38,7 +39,15 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
-from asyncrl.leases import Lease, alive, lease_path, read_leases, write_lease
+from asyncrl.leases import (
+    SHM_DIR,
+    Lease,
+    alive,
+    lease_dir,
+    lease_path,
+    read_leases,
+    write_lease,
+)
 
 __all__ = [
     "SHM_DIR",
@@ -50,7 +59,6 @@ __all__ = [
     "sweep_run",
 ]
 
-SHM_DIR = "/dev/shm"
 SWEEP_WAIT_S = 10.0
 """How long the janitor waits for the owners of the run's segments to die before it sweeps."""
 _POLL_S = 0.02
@@ -131,24 +139,27 @@ def sweep_dead_runs(*, directory: str = SHM_DIR, leases: str = "") -> list[str]:
 
     Such a run is known by its lease (in ``leases``, default ``asyncrl.leases.lease_dir()``):
     its socket files go (unless a live run uses the same socket directory), then the lease.
-    A segment in ``directory`` goes when it is this user's, its owner process is dead, and no
-    live run has its run's name; a live run's segments are never touched, even those of a role
-    that died (its restarted incarnation sweeps them itself).
+    A segment in ``directory`` goes when a dead run's lease names its run, no live run has that
+    name, it is this user's, and its owner process is dead. A run without a lease (its agent
+    could not write one) is left alone: it may be alive.
+
+    Raises:
+        asyncrl.leases.LeaseDirError: the lease folder is not this user's alone, or cannot be
+            made; nothing was removed.
     """
     live: list[Lease] = []
     dead: list[Lease] = []
     for lease in read_leases(leases):
         (live if lease.alive() else dead).append(lease)
     live_runs = {_safe_run(lease.run) for lease in live}
+    dead_runs = {_safe_run(lease.run) for lease in dead} - live_runs
     live_sockets = {os.path.abspath(lease.socket_dir) for lease in live}
     removed: list[str] = []
     for lease in dead:
         if os.path.abspath(lease.socket_dir) not in live_sockets:
             removed += _sweep_socket_dir(lease.socket_dir, lease.run_dir)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lease.path)
     for name, run, pid in _segments(directory):
-        if run in live_runs or pid == os.getpid() or alive(pid):
+        if run not in dead_runs or pid == os.getpid() or alive(pid):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError):
@@ -156,6 +167,9 @@ def sweep_dead_runs(*, directory: str = SHM_DIR, leases: str = "") -> list[str]:
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
                 os.unlink(path)
                 removed.append(path)
+    for lease in dead:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lease.path)
     return removed
 
 
@@ -188,13 +202,15 @@ class Janitor:
     def start(cls, run: str, socket_dir: str, run_dir: str) -> Janitor:
         """Start the janitor of ``run``, and take this agent's lease; it logs to
         ``<run_dir>/logs/janitor.log``. A lease that cannot be written costs only the sweep
-        after a kill of both (``sweep_dead_runs``).
+        after a kill of both (``sweep_dead_runs``); a warning on stderr says so.
 
         Raises ``OSError`` when the janitor cannot be started.
         """
         lease = ""
-        with contextlib.suppress(OSError):
+        try:
             lease = lease_path(run)
+        except OSError as exc:
+            _no_lease(run, exc)
         read_fd, write_fd = os.pipe()  # neither end is inherited by anything else the agent starts
         try:
             os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
@@ -230,7 +246,8 @@ class Janitor:
         if lease:
             try:
                 write_lease(lease, run, proc.pid, socket_dir, run_dir)
-            except OSError:
+            except OSError as exc:
+                _no_lease(run, exc)
                 lease = ""
         return cls(proc, write_fd, lease)
 
@@ -258,6 +275,16 @@ class Janitor:
         if self.lease:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.lease)
+
+
+def _no_lease(run: str, exc: OSError) -> None:
+    print(
+        f"asyncrl: warning: run {run!r} holds no lease ({exc}); if its agent and janitor are "
+        f"killed together, 'asyncrl clean' will not find its shared memory and sockets "
+        f"(lease folder: {lease_dir()})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _read_until_eof(fd: int) -> tuple[list[int], bool]:

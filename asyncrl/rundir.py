@@ -163,10 +163,14 @@ def claim_run_dir(run_dir: str) -> str:
 def in_use(run_dir: str) -> str:
     """Why ``run_dir`` cannot be taken now: a live run on this machine runs in it or in a folder
     inside it (its lease says so, ``asyncrl.leases``); "" when none does."""
-    from asyncrl.leases import read_leases
+    from asyncrl.leases import LeaseDirError, read_leases
 
     real = os.path.realpath(run_dir)
-    for lease in read_leases():
+    try:
+        leases = read_leases()
+    except LeaseDirError:
+        return ""  # no lease can be trusted; the sweep after it warns of that
+    for lease in leases:
         held = os.path.realpath(lease.run_dir)
         if (held == real or held.startswith(real.rstrip(os.sep) + os.sep)) and lease.alive():
             where = "" if held == real else f" in {lease.run_dir}"

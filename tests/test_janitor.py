@@ -12,8 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import cli
 from asyncrl.janitor import sweep_dead_runs
-from asyncrl.leases import Lease, lease_path, read_leases, start_time, write_lease
+from asyncrl.leases import (
+    LEASE_DIR_ENV,
+    Lease,
+    LeaseDirError,
+    lease_dir,
+    lease_path,
+    read_leases,
+    start_time,
+    write_lease,
+)
 
 
 @pytest.fixture
@@ -78,9 +88,10 @@ def test_a_dead_runs_leftovers_go_and_a_live_runs_stay(
     not_a_socket = touch(gone_dir / "sockets" / "notes.txt")
     swept = [
         touch(shm / f"asyncrl.gone.{dead}.0.0"),  # a dead run's, owner dead
-        touch(shm / f"asyncrl.old.{dead}.1.3"),  # a run without a lease (an earlier version)
     ]
     kept = [
+        # a run without a visible lease: it may be alive (a lease it could not write)
+        touch(shm / f"asyncrl.old.{dead}.1.3"),
         touch(shm / f"asyncrl.gone.{live}.0.1"),  # its owner still runs
         touch(shm / f"asyncrl.busy.{dead}.0.0"),  # a live run's, though its owner died
         touch(shm / f"asyncrl.busy.{live}.0.0"),
@@ -121,6 +132,81 @@ def test_the_agent_writes_its_lease_and_trusts_only_a_private_folder(tmp_path: P
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
-    assert lease_path("my run", str(shared)) == ""  # another user could have planted leases
+    assert lease_path("my run", str(shared)) == str(shared / f"my_run.{os.getpid()}.json")
+    assert os.stat(shared).st_mode & 0o777 == 0o700  # this user's: made private
     os.symlink(folder, tmp_path / "link")
-    assert lease_path("my run", str(tmp_path / "link")) == ""
+    with pytest.raises(LeaseDirError) as refused:
+        lease_path("my run", str(tmp_path / "link"))
+    assert str(refused.value) == (
+        f"the lease folder {tmp_path / 'link'} is a link, not a folder of this user's (uid "
+        f"{os.getuid()}): no lease in it can be trusted; remove it, or set {LEASE_DIR_ENV} to "
+        "a private folder"
+    )
+
+
+OTHER_UID = 54321
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a file another user's takes root")
+def test_a_lease_folder_or_file_of_another_user_is_never_trusted(
+    tmp_path: Path, dead: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another user who makes the lease folder first hides no run from the sweep: nothing is
+    swept, and ``asyncrl clean`` says why; a lease file of another user's is skipped."""
+    shm, leases = tmp_path / "shm", tmp_path / "leases"
+    lease(leases, "gone", dead, dead, tmp_path / "gone")
+    planted = lease(leases, "planted", dead, dead, tmp_path / "planted")
+    os.chown(planted.path, OTHER_UID, OTHER_UID)
+    segment = touch(shm / f"asyncrl.planted.{dead}.0.0")
+    assert [found.run for found in read_leases(str(leases))] == ["gone"]
+    assert sweep_dead_runs(directory=str(shm), leases=str(leases)) == []
+    assert segment.exists() and os.path.exists(planted.path)
+
+    os.chown(leases, OTHER_UID, OTHER_UID)
+    live_segment = touch(shm / f"asyncrl.live.{dead}.0.0")
+    with pytest.raises(LeaseDirError, match=f"owned by uid {OTHER_UID}, not a folder"):
+        sweep_dead_runs(directory=str(shm), leases=str(leases))
+    assert live_segment.exists()
+    monkeypatch.setenv(LEASE_DIR_ENV, str(leases))
+    assert cli.main(["clean"]) == 1
+    assert capsys.readouterr().err == (
+        f"asyncrl: warning: not sweeping what killed runs left behind: the lease folder "
+        f"{leases} is owned by uid {OTHER_UID}, not a folder of this user's (uid 0): no lease "
+        f"in it can be trusted; remove it, or set {LEASE_DIR_ENV} to a private folder\n"
+    )
+
+
+def test_leases_live_beside_the_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run that shares ``/dev/shm`` sees every other's lease, whatever its temp dir."""
+    monkeypatch.delenv(LEASE_DIR_ENV, raising=False)
+    monkeypatch.setenv("TMPDIR", "/nonexistent-a")
+    first = lease_dir()
+    monkeypatch.setenv("TMPDIR", "/nonexistent-b")
+    assert lease_dir() == first == f"/dev/shm/asyncrl-runs-{os.getuid()}"
+
+
+def test_a_lease_of_another_pid_namespace_is_taken_as_alive(tmp_path: Path, dead: int) -> None:
+    """A container that shares ``/dev/shm`` has pids that mean nothing here."""
+    found = lease(tmp_path / "leases", "gone", dead, dead, tmp_path / "run")
+    assert not found.alive()
+    assert Lease(**{**found.__dict__, "pid_ns": "pid:[1]"}).alive()
+
+
+def test_an_agent_that_cannot_write_its_lease_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncrl.janitor import Janitor
+
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "leases")  # planted before the run
+    monkeypatch.setenv(LEASE_DIR_ENV, str(tmp_path / "leases"))
+    janitor = Janitor.start("my run", str(tmp_path / "sockets"), str(tmp_path / "run"))
+    janitor.finish()
+    assert janitor.lease == "" and os.listdir(tmp_path / "elsewhere") == []
+    assert capsys.readouterr().err == (
+        f"asyncrl: warning: run 'my run' holds no lease (the lease folder {tmp_path}/leases is "
+        f"a link, not a folder of this user's (uid {os.getuid()}): no lease in it can be "
+        f"trusted; remove it, or set {LEASE_DIR_ENV} to a private folder); if its agent and "
+        "janitor are killed together, 'asyncrl clean' will not find its shared memory and "
+        f"sockets (lease folder: {tmp_path}/leases)\n"
+    )
