@@ -2,10 +2,11 @@
 
 A cold start of a role costs an interpreter and its imports (torch, transformers, the role's
 module): 1 to 3 s. The zygote pays them once. It is started by the supervisor after the run's
-first processes (``python -m asyncrl.zygote``), imports torch and the modules of this node's
-roles and program (and runs each role class's ``Role.preload``), and then waits. Each restart
-of a Python role or of the driver asks it to ``fork()``; the child is the new incarnation, with
-everything already imported, and runs ``asyncrl.process.main`` as a cold start would.
+first processes (``python -m asyncrl.zygote``) with the environment most of them share (the
+run's ``run.env``), imports torch and their roles' and program's modules (each role class's
+``Role.preload`` runs once, whatever its replicas), and then waits. Each restart of a Python
+role or of the driver asks it to ``fork()``; the child is the new incarnation, with everything
+already imported, and runs ``asyncrl.process.main`` as a cold start would.
 
 Forking is safe only from a process with a single thread, no event loop, no zmq context and no
 device: the zygote creates none of them (it pins OpenMP and BLAS to one thread while importing,
@@ -21,27 +22,25 @@ Each child, before it runs the role:
   nothing outlives the agent;
 - closes the zygote's pipes, restores default signal handling, reads stdin from ``/dev/null``,
   writes stderr to its role's log file (stdout stays the agent's, as for a cold start), and
-  replaces its environment with the one the supervisor gives (the role's threads, spec file,
-  run environment);
+  replaces its environment with the one the supervisor gives (its threads and spec file);
 - runs ``asyncrl.process.main``, which sets up logging, signals, its own zmq context and event
   loop, and exits with the process's status.
 
 The zygote is the child's parent, not the supervisor: it reaps each child (``waitpid``) and
 reports its exit status over a pipe (``exited <pid> <status>``, the status as asyncio gives a
 ``returncode``: negative for a signal). A zygote that dies takes its children with it (their
-parent-death signal); the supervisor then learns each child's end from a ``pidfd`` (reported as
-SIGKILL), starts processes cold, and starts a new zygote after ``ZYGOTE_BACKOFF_S`` (at most
-``ZYGOTE_RESTARTS`` times a run).
+parent-death signal); the supervisor then learns each child's end from a ``pidfd`` (reported
+as SIGKILL), starts processes cold, and starts a new zygote after ``ZYGOTE_BACKOFF_S`` (at
+most ``ZYGOTE_RESTARTS`` times a run).
 
-External ``command:`` roles, and processes whose interpreter settings differ from the zygote's
-(``PYTHONPATH`` and the like in ``run.env``), always start cold. ``ASYNCRL_ZYGOTE=0`` in the
+External ``command:`` roles, and processes whose environment differs from the zygote's in more
+than ``PER_PROCESS_ENV`` (a role's own ``env``), always start cold. ``ASYNCRL_ZYGOTE=0`` in the
 agent's environment turns the zygote off.
 
 Protocol: the zygote's stdin carries first the JSON list of what to import (``kind``,
-``target``, ``config`` of each process), then requests, one JSON line each (``{"id", "env",
-"stderr"}``); reports
-are lines on the pipe given by ``--report-fd``: ``ready``, ``unsafe <threads>``,
-``forked <id> <pid>``, ``failed <id> <why>``, ``exited <pid> <status>``.
+``target``, ``config``, ``model``; each once), then requests, one JSON line each (``{"id",
+"env", "stderr"}``); reports are lines on the pipe given by ``--report-fd``: ``ready``,
+``unsafe <threads>``, ``forked <id> <pid>``, ``failed <id> <why>``, ``exited <pid> <status>``.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ import msgspec
 
 from asyncrl import logs
 
-__all__ = ["INTERPRETER_ENV", "AnyProcess", "ForkedProcess", "Launcher", "main"]
+__all__ = ["PER_PROCESS_ENV", "AnyProcess", "ForkedProcess", "Launcher", "main"]
 
 ZYGOTE_ENV = "ASYNCRL_ZYGOTE"
 """Set to ``0`` in the agent's environment to start every process cold."""
@@ -73,27 +72,33 @@ ZYGOTE_BACKOFF_S = 1.0
 """Seconds between a zygote's death and the start of the next."""
 FORK_TIMEOUT_S = 5.0
 """How long the supervisor waits for a fork's answer before it starts the process cold."""
-INTERPRETER_ENV = (
-    "PYTHONPATH",
-    "PYTHONHOME",
-    "PYTHONSAFEPATH",
-    "PYTHONNOUSERSITE",
-    "PYTHONHASHSEED",
-    "PYTHONOPTIMIZE",
-    "PYTHONUSERBASE",
-    "PYTHONPLATLIBDIR",
-    "LD_PRELOAD",
-    "LD_LIBRARY_PATH",
-    "VIRTUAL_ENV",
+PER_PROCESS_ENV = (
+    "ASYNCRL_SPEC_FILE",
+    "ASYNCRL_SPEC",
+    "ASYNCRL_SECRET_FILE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "ASYNCRL_ZYGOTE_PARENT",
 )
-"""Variables read when the interpreter starts or a library loads: a process whose environment
-gives them other values than the zygote's starts cold."""
+"""The only variables in which a forked process's environment may differ from its zygote's:
+each process's spec file and the run's secret file (read when the process starts, not at
+import), its thread counts (``asyncrl.process.set_threads`` applies them in the child), and its
+devices (the zygote initialises no device: CUDA reads them in the child). Any other difference
+(``run.env`` or a role's ``env``: ``HF_HOME``, ``PYTHONPATH``, ``TORCH_HOME``...) may have been
+read by a module the zygote imported, so such a process starts cold."""
 PRELOAD = ("torch", "transformers.modeling_utils", "asyncrl.process", "asyncrl.driver")
 """What every zygote imports before the roles' modules (each only where it is installed)."""
 _ONE_THREAD = {v: "1" for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
 
 
 # -- the supervisor's side ---------------------------------------------------------------------
+
+
+def _shared(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less ``PER_PROCESS_ENV``: what a forked process must share with its zygote."""
+    return {k: v for k, v in env.items() if k not in PER_PROCESS_ENV}
 
 
 class ForkedProcess:
@@ -159,9 +164,9 @@ class Launcher:
         self.log_dir = log_dir
         self.enabled = enabled and os.environ.get(ZYGOTE_ENV, "1") != "0"
         self.forks = 0
-        self._targets: dict[str, dict[str, Any]] = {}
+        self._targets: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
         self._proc: asyncio.subprocess.Process | None = None
-        self._env: dict[str, str] = {}
+        self._env: dict[str, str] = {}  # the zygote's, less PER_PROCESS_ENV
         self.ready = asyncio.Event()
         """Set while a zygote is ready to fork (tests and benchmarks wait on it)."""
         self._next_id = 0
@@ -181,7 +186,7 @@ class Launcher:
         by ``env``, stdin from ``/dev/null``, stderr appended to ``log_path`` after the line
         ``--- incarnation N ---`` (where the supervisor's failure report starts reading it). A
         Python role or driver (``kind``) is forked by the zygote when one is ready and its
-        interpreter settings match; anything else starts cold."""
+        environment is the zygote's but for ``PER_PROCESS_ENV``; anything else starts cold."""
         with open(log_path, "ab") as stderr:
             stderr.write(f"--- incarnation {incarnation} ---\n".encode())
         full = {**os.environ, **env}
@@ -202,7 +207,8 @@ class Launcher:
             )
 
     def _learn(self, env: Mapping[str, str]) -> None:
-        """Note the role class or program named by the process's spec file, for the zygote."""
+        """Note the role class or program named by the process's spec file, and the environment
+        it starts with, for the zygote."""
         path = env.get("ASYNCRL_SPEC_FILE", "")
         inline = env.get("ASYNCRL_SPEC", "")  # the older way: the spec in the environment
         # <name>.<replica>.<incarnation>.json: one entry per replica, whatever its incarnation
@@ -216,17 +222,33 @@ class Launcher:
             else:
                 spec = msgspec.json.decode(inline)
                 key = f"{spec.get('name')}.{spec.get('replica')}"
-            self._targets[key] = {
+            target = {
                 "kind": spec.get("kind", ""),
                 "target": spec.get("target", ""),
                 "config": spec.get("config", {}),
                 "model": spec.get("model", {}),
             }
+            self._targets[key] = (target, _shared(env))
         except (OSError, msgspec.DecodeError):
             pass
 
     def _compatible(self, env: Mapping[str, str]) -> bool:
-        return all(env.get(k) == self._env.get(k) for k in INTERPRETER_ENV)
+        return _shared(env) == self._env
+
+    def _plan(self) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """The next zygote's environment (less ``PER_PROCESS_ENV``), and what it imports.
+
+        It takes the environment most processes start with (the run's ``run.env``; on a tie,
+        that of the first started), so that they fork; a process whose own ``env`` differs
+        starts cold, and its role is not imported. Each role class or program is imported
+        once, whatever its number of replicas."""
+        envs = [env for _, env in self._targets.values()]
+        base = max(envs, key=envs.count)
+        imports: dict[bytes, dict[str, Any]] = {}
+        for target, env in self._targets.values():
+            if env == base:
+                imports.setdefault(msgspec.json.encode(target, order="sorted"), target)
+        return base, list(imports.values())
 
     async def _fork(self, env: dict[str, str], log_path: str) -> ForkedProcess | None:
         proc = self._proc
@@ -271,9 +293,10 @@ class Launcher:
 
     async def _serve_one(self) -> bool:
         """Run one zygote until it exits; False if it said forking is unsafe."""
+        self._env, imports = self._plan()
+        targets = json.dumps(imports)
+        env = {**self._env, **_ONE_THREAD, "ASYNCRL_ZYGOTE_PARENT": str(os.getpid())}
         read_fd, write_fd = os.pipe()
-        self._env = {**os.environ, **_ONE_THREAD, "ASYNCRL_ZYGOTE_PARENT": str(os.getpid())}
-        targets = json.dumps(list(self._targets.values()))
         try:
             with open(os.path.join(self.log_dir, "zygote.stderr"), "ab") as stderr:
                 self._proc = await asyncio.create_subprocess_exec(
@@ -282,7 +305,7 @@ class Launcher:
                     "asyncrl.zygote",
                     "--report-fd",
                     str(write_fd),
-                    env=self._env,
+                    env=env,
                     stdin=asyncio.subprocess.PIPE,
                     stderr=stderr,
                     pass_fds=(write_fd,),

@@ -1,22 +1,26 @@
 """Restarts through the zygote, with real processes: a killed replica comes back forked by the
 node's zygote (its parent, not the agent), its exit statuses reach the supervisor through the
 zygote, and a killed zygote takes its forks with it, after which they start cold and a new
-zygote takes over."""
+zygote takes over. A restart forked by the zygote behaves as a cold one: same environment at
+import (a role whose own env differs restarts cold), each role preloaded once."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from asyncrl import logs
 from asyncrl.bench.harness import role_child
 from asyncrl.manifest import Supervision
-from asyncrl.supervisor import Supervisor
-from asyncrl.transport import Client
+from asyncrl.spec import SPEC_FILE_ENV, ProcessSpec, write_spec
+from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.transport import Client, LocalRegistry
 
 pytestmark = pytest.mark.slow
 
@@ -24,19 +28,48 @@ ROLE = "tests.integration.zygote_role:Exiter"
 WAIT_S = 60.0
 
 
+POLICY = Supervision(max_restarts=10, period_s=3600.0, backoff_initial_s=0.0, backoff_max_s=0.0)
+
+
 class Lives:
     """The supervisor's observer: a queue of ``(event, incarnation)`` per process."""
 
     def __init__(self) -> None:
-        self.events: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self.events: dict[str, asyncio.Queue[tuple[str, int]]] = {}
 
     def __call__(self, kind: str, label: str, incarnation: int) -> None:
-        self.events.put_nowait((kind, incarnation))
+        self.events.setdefault(label, asyncio.Queue()).put_nowait((kind, incarnation))
 
-    async def until(self, wanted: tuple[str, int]) -> None:
+    async def until(self, wanted: tuple[str, int], label: str = "exiter[0]") -> None:
         async with asyncio.timeout(WAIT_S):
-            while await self.events.get() != wanted:
+            while await self.events.setdefault(label, asyncio.Queue()).get() != wanted:
                 pass
+
+
+def child(
+    run_dir: str, name: str, replica: int, env: dict[str, str], config: dict[str, Any]
+) -> ChildSpec:
+    """Replica ``replica`` of role ``name`` as the agent starts it: a spec file, and ``env``
+    (a run's and role's ``env``) beside the agent's own environment."""
+    endpoint = LocalRegistry(run_dir).endpoint(name, replica)
+
+    def launch(incarnation: int) -> tuple[list[str], dict[str, str]]:
+        spec = ProcessSpec(
+            kind="role",
+            name=name,
+            replica=replica,
+            incarnation=incarnation,
+            target=ROLE,
+            endpoint=endpoint,
+            run="zygote-test",
+            run_dir=run_dir,
+            config=config,
+            parent_pid=os.getpid(),
+        )
+        extra = {SPEC_FILE_ENV: write_spec(spec), "OMP_NUM_THREADS": "1", logs.CONSOLE_ENV: "0"}
+        return [sys.executable, "-m", "asyncrl.process"], {**env, **extra}
+
+    return ChildSpec(name, replica, "role", endpoint, POLICY, launch)
 
 
 def parent_of(pid: int) -> int:
@@ -44,19 +77,25 @@ def parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def run_supervised(run_dir: str, body: Callable[[Supervisor, Lives, Client], Any]) -> Any:
-    policy = Supervision(max_restarts=10, period_s=3600.0, backoff_initial_s=0.0, backoff_max_s=0.0)
-    spec = role_child(run_dir, "exiter", ROLE, {}, policy, run="zygote-test")
+def run_supervised(
+    run_dir: str,
+    body: Callable[[Supervisor, Lives, Client], Any],
+    specs: list[ChildSpec] | None = None,
+) -> Any:
+    """Supervise ``specs`` (one replica of the test role by default) until ``body`` returns;
+    ``body`` gets a client of the first."""
+    specs = specs or [role_child(run_dir, "exiter", ROLE, {}, POLICY, run="zygote-test")]
     lives = Lives()
     supervisor = Supervisor(
-        [spec], run="zygote-test", log_dir=os.path.join(run_dir, "logs"), observer=lives
+        specs, run="zygote-test", log_dir=os.path.join(run_dir, "logs"), observer=lives
     )
 
     async def main() -> Any:
         supervised = asyncio.get_running_loop().create_task(supervisor.run())
         try:
-            async with Client(spec.endpoint, name="test") as client:
-                await lives.until(("serving", 0))
+            async with Client(specs[0].endpoint, name="test") as client:
+                for spec in specs:
+                    await lives.until(("serving", 0), f"{spec.name}[{spec.replica}]")
                 async with asyncio.timeout(WAIT_S):
                     await supervisor.launcher.ready.wait()
                 return await body(supervisor, lives, client)
@@ -125,3 +164,41 @@ def test_a_killed_zygote_takes_its_forks_with_it_and_a_new_one_takes_over(run_di
         assert reasons == [(0, "SIGKILL"), (1, "SIGKILL"), (2, "SIGKILL")]
 
     run_supervised(run_dir, body)
+
+
+def test_a_fork_imports_with_the_run_env_and_a_role_with_its_own_env_restarts_cold(
+    run_dir: str,
+) -> None:
+    specs = [
+        child(run_dir, "exiter", 0, {"ZYGOTE_TEST_VAR": "from-run-env"}, {}),
+        child(run_dir, "other", 0, {"ZYGOTE_TEST_VAR": "from-role-env"}, {}),
+        child(run_dir, "third", 0, {"ZYGOTE_TEST_VAR": "from-run-env"}, {}),
+    ]
+
+    async def body(supervisor: Supervisor, lives: Lives, client: Client) -> None:
+        assert await client.call("seen", None, timeout=10.0) == "from-run-env"  # cold
+        rows = {r["role"]: r for r in supervisor.status()}
+        os.killpg(rows["exiter"]["pid"], signal.SIGKILL)
+        await lives.until(("serving", 1))
+        os.killpg(rows["other"]["pid"], signal.SIGKILL)
+        await lives.until(("serving", 1), "other[0]")
+        rows = {r["role"]: r for r in supervisor.status()}
+        assert (rows["exiter"]["forked"], rows["other"]["forked"]) == (True, False)
+        # The fork imported its module with the run's env, as its cold start did.
+        assert await client.call("seen", None, timeout=10.0) == "from-run-env"
+        async with Client(specs[1].endpoint, name="test") as other:
+            assert await other.call("seen", None, timeout=10.0) == "from-role-env"
+
+    run_supervised(run_dir, body, specs)
+
+
+def test_the_zygote_preloads_a_role_once_whatever_its_replicas(run_dir: str) -> None:
+    preloads = os.path.join(run_dir, "preloads")
+    config = {"preloads": preloads}
+    specs = [child(run_dir, "exiter", replica, {}, config) for replica in range(3)]
+
+    async def body(supervisor: Supervisor, lives: Lives, client: Client) -> None:
+        with open(preloads) as f:
+            assert f.read() == f"{supervisor.launcher.pid}\n"
+
+    run_supervised(run_dir, body, specs)
