@@ -29,9 +29,9 @@ Each child, before it runs the role:
 The zygote is the child's parent, not the supervisor: it reaps each child (``waitpid``) and
 reports its exit status over a pipe (``exited <pid> <status>``, the status as asyncio gives a
 ``returncode``: negative for a signal). A zygote that dies takes its children with it (their
-parent-death signal); the supervisor then learns each child's end from a ``pidfd`` (reported
-as SIGKILL), starts processes cold, and starts a new zygote after ``ZYGOTE_BACKOFF_S`` (at
-most ``ZYGOTE_RESTARTS`` times a run).
+parent-death signal); the supervisor then learns each child's end from the ``pidfd`` it opened
+at the fork (reported as SIGKILL), starts processes cold, and starts a new zygote after
+``ZYGOTE_BACKOFF_S`` (at most ``ZYGOTE_RESTARTS`` times a run).
 
 External ``command:`` roles, and processes whose environment differs from the zygote's in more
 than ``PER_PROCESS_ENV`` (a role's own ``env``), always start cold. ``ASYNCRL_ZYGOTE=0`` in the
@@ -103,13 +103,27 @@ def _shared(env: Mapping[str, str]) -> dict[str, str]:
 
 class ForkedProcess:
     """A process the zygote forked, as the supervisor sees it: ``pid``, ``returncode`` (None
-    while it runs) and ``wait()``, as an ``asyncio.subprocess.Process`` has them."""
+    while it runs) and ``wait()``, as an ``asyncio.subprocess.Process`` has them.
 
-    def __init__(self, pid: int) -> None:
+    It is made as soon as the zygote says ``forked``, before the zygote can have reaped the
+    child, and holds a pidfd of it from then on: if the zygote dies, the end of this process is
+    watched through it, never through a pid that a new process may have taken meanwhile. A
+    pid that is not the zygote's child (``zygote``) by then has already ended."""
+
+    def __init__(self, pid: int, zygote: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._done = asyncio.Event()
         self._pidfd: int | None = None
+        with contextlib.suppress(OSError):
+            self._pidfd = os.pidfd_open(pid)
+        if self._pidfd is not None and _parent(pid) != zygote:
+            self._close_pidfd()  # reaped, and the pid taken by another process already
+
+    @property
+    def alive(self) -> bool:
+        """Whether it was still the zygote's child when the zygote reported its fork."""
+        return self._pidfd is not None or self.returncode is not None
 
     async def wait(self) -> int:
         """Wait for the process to end; return its status (negative: killed by that signal)."""
@@ -126,11 +140,9 @@ class ForkedProcess:
     def _orphaned(self) -> None:
         """Its zygote is gone, and with it the exit status: watch the pid's end through a
         pidfd instead (its parent-death signal kills it with the zygote: SIGKILL)."""
-        if self.returncode is not None or self._pidfd is not None:
+        if self.returncode is not None:
             return
-        try:
-            self._pidfd = os.pidfd_open(self.pid)
-        except ProcessLookupError:
+        if self._pidfd is None:
             self._exited(-signal.SIGKILL)
             return
         loop = asyncio.get_running_loop()
@@ -142,6 +154,15 @@ class ForkedProcess:
                 asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+
+
+def _parent(pid: int) -> int:
+    """``pid``'s parent's pid; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 AnyProcess = asyncio.subprocess.Process | ForkedProcess
@@ -352,11 +373,12 @@ class Launcher:
                 return False
             case ["forked", ident, pid]:
                 # Known before its requester resumes: its "exited" may be the next line.
-                child = self._children[int(pid)] = ForkedProcess(int(pid))
+                zygote = self._proc.pid if self._proc is not None else 0
+                child = self._children[int(pid)] = ForkedProcess(int(pid), zygote)
                 answer = self._pending.get(int(ident))
                 if answer is not None and not answer.done():
                     answer.set_result(child)
-                else:  # its requester gave up on it and started the process cold
+                elif child.alive:  # its requester gave up on it and started the process cold
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(int(pid), signal.SIGKILL)
             case ["failed", ident, *why]:

@@ -2,7 +2,7 @@
 node's zygote (its parent, not the agent), its exit statuses reach the supervisor through the
 zygote, and a killed zygote takes its forks with it, after which they start cold and a new
 zygote takes over. A restart forked by the zygote behaves as a cold one: same environment at
-import (a role whose own env differs restarts cold), each role preloaded once."""
+import."""
 
 from __future__ import annotations
 
@@ -202,3 +202,18 @@ def test_the_zygote_preloads_a_role_once_whatever_its_replicas(run_dir: str) -> 
             assert f.read() == f"{supervisor.launcher.pid}\n"
 
     run_supervised(run_dir, body, specs)
+
+
+def test_a_forks_end_is_watched_through_a_pidfd_opened_when_it_is_forked(run_dir: str) -> None:
+    async def body(supervisor: Supervisor, lives: Lives, client: Client) -> None:
+        [first] = supervisor.status()
+        os.killpg(first["pid"], signal.SIGKILL)
+        await lives.until(("serving", 1))
+        [row] = supervisor.status()
+        assert row["forked"]
+        # Held from the fork on, not opened after the zygote's death, when its pid may be reused.
+        proc = supervisor._children[0].proc
+        with open(f"/proc/self/fdinfo/{proc._pidfd}") as f:  # type: ignore[union-attr]
+            assert f"Pid:\t{row['pid']}\n" in f.read()
+
+    run_supervised(run_dir, body)
