@@ -101,10 +101,10 @@ RUN_ENTRIES = frozenset(
     }
 )
 """The names a run (of this or an earlier version) writes at the top of its run directory, its
-program's usual outputs included (besides a launch's ``node-<R>`` folders and the fresh
-temporary names ``.<entry>.*.tmp`` a write in progress leaves, ``<entry>.<pid>.tmp`` in
-earlier versions). A directory that holds
-anything else is neither claimed for a run nor cleared by ``--overwrite``."""
+program's usual outputs included, besides a launch's ``node-<R>`` folders and the temporary
+names a write in progress leaves (``.<entry>.*.tmp``; ``<entry>.<pid>.tmp`` in earlier
+versions). A directory that holds anything else is neither claimed for a run nor cleared by
+``--overwrite``."""
 
 _WRITTEN_NAME = re.compile(
     r"^(node-\d+|\.(?P<entry>[^/]+)\.[^./]+\.tmp|(?P<staged>[^/]+)\.\d+\.tmp)\Z"
