@@ -13,6 +13,13 @@ supervisor's clients send (``control=True``). Every process of a run can read th
 this keeps a role's ordinary clients from stopping a peer by mistake; it does not keep a
 process of the run from doing so on purpose.
 
+A process reads the secret file once, at its first client or server, and keeps presenting what
+it read: a process left over from an earlier run, whose run directory a new run has reused,
+presents the earlier run's secret and is refused, instead of reading the new run's from the same
+path. A process forked from the zygote inherits what its zygote read, the zygote being of the same
+run. A process that writes a secret file (``write_secret``: the node agent starting a run)
+presents what it wrote from then on.
+
 ``ASYNCRL_CONTROL_SECRET``, the secret itself in the environment, is still read when no file is
 named (a server or client used by hand, outside a run).
 
@@ -53,6 +60,10 @@ SECRET_FILE = "secret"
 """The name of the secret's file in a run directory (a node's directory in a launch)."""
 
 
+_known: dict[str, str] = {}
+"""The secrets this process has read or written, by the absolute path of their file."""
+
+
 def new_secret() -> str:
     """A fresh random secret (32 hex digits)."""
     return secrets.token_hex(16)
@@ -82,8 +93,9 @@ def read_secret(path: str) -> str:
 
 
 def run_secret(environ: Mapping[str, str] | None = None) -> str | None:
-    """The run's secret: from the file named by ``ASYNCRL_SECRET_FILE``, else
-    ``ASYNCRL_CONTROL_SECRET``; None when neither is set (outside a run).
+    """The run's secret: from the file named by ``ASYNCRL_SECRET_FILE`` (read once a process,
+    see the module's docstring), else ``ASYNCRL_CONTROL_SECRET``; None when neither is set
+    (outside a run).
 
     Raises:
         TransportError: ``ASYNCRL_SECRET_FILE`` names a file that holds no readable secret
@@ -92,13 +104,17 @@ def run_secret(environ: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if environ is None else environ
     path = env.get(SECRET_FILE_ENV)
     if path:
-        return read_secret(path)
+        known = _known.get(os.path.abspath(path))
+        if known is None:
+            known = _known[os.path.abspath(path)] = read_secret(path)
+        return known
     return env.get(CONTROL_SECRET_ENV) or None
 
 
 def write_secret(path: str, secret: str) -> None:
     """Write ``secret`` into ``path``, readable and writable by this user only (0600), whatever
-    the umask; atomically, through a fresh temporary file that follows no link.
+    the umask; atomically, through a fresh temporary file that follows no link. This process's
+    clients and servers present it from then on.
 
     Raises:
         OSError: the file cannot be written.
@@ -116,6 +132,7 @@ def write_secret(path: str, secret: str) -> None:
     except OSError:
         os.unlink(tmp)
         raise
+    _known[os.path.abspath(path)] = secret
 
 
 def secret_matches(expected: str | None, presented: str) -> bool:

@@ -209,6 +209,37 @@ def test_the_secret_comes_from_a_private_file_the_environment_names(
     )
 
 
+def test_a_process_left_over_from_an_earlier_run_is_refused_when_the_directory_is_reused(
+    run_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process reads the secret file once: a leftover of the earlier run keeps presenting the
+    earlier secret, even in a client it makes after the next run replaced the file."""
+    path = os.path.join(run_dir, "secret")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("secret-of-the-earlier-run")  # written by the earlier run's agent
+    monkeypatch.setenv(SECRET_FILE_ENV, path)
+    assert run_secret() == "secret-of-the-earlier-run"
+    with open(f"{path}.next", "w", encoding="utf-8") as f:
+        f.write(SECRET)  # the next run's agent, another process, replaces the file
+    os.replace(f"{path}.next", path)
+    assert run_secret() == "secret-of-the-earlier-run"
+
+    async def main() -> None:
+        calls: list[Any] = []
+        server = _server(f"ipc://{run_dir}/s", calls, secret=SECRET)
+        await server.start()
+        leftover = Client(server.endpoint, name="leftover")
+        with pytest.raises(RemoteError, match="the secret presented by leftover is not the one"):
+            await leftover.connect(timeout=5)
+        await leftover.close()
+        assert server.stats["secret_refused"] == 1 and calls == []
+        await server.close()
+
+    run(main())
+    write_secret(path, "secret-of-a-run-this-process-starts")  # as the node agent does
+    assert run_secret() == "secret-of-a-run-this-process-starts"
+
+
 def test_a_call_made_while_the_server_restarts_waits_for_the_new_handshake(run_dir: str) -> None:
     """The restarted server has not seen this client's handshake: a request sent before the new
     handshake would be refused. The client holds it and sends it once the handshake succeeded."""
