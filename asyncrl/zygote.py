@@ -24,7 +24,7 @@ Each child, before it runs the role:
   writes stderr to its role's log file (stdout stays the agent's, as for a cold start), and
   replaces its environment with the one the supervisor gives (its threads and spec file);
 - runs ``asyncrl.process.main``, which sets up logging, signals, its own zmq context and event
-  loop, and exits with the process's status.
+  loop, and ends as a cold process does: ``atexit`` handlers, logging's shutdown, stdio flushed.
 
 The zygote is the child's parent, not the supervisor: it reaps each child (``waitpid``) and
 reports its exit status over a pipe (``exited <pid> <status>``, the status as asyncio gives a
@@ -46,9 +46,11 @@ Protocol: the zygote's stdin carries first the JSON list of what to import (``ki
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import importlib
 import json
+import logging
 import os
 import selectors
 import signal
@@ -547,10 +549,21 @@ def _become(request: dict[str, Any], zygote: int, private: list[int], sync_w: in
         with contextlib.suppress(Exception):
             traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """End the child as a cold interpreter ends: its ``atexit`` handlers (the last trace
+    flush, shared-memory cleanups), logging's shutdown, stdio flushed; then ``os._exit``, so
+    that nothing of the zygote's own state runs again."""
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):
+        logging.shutdown()
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def main() -> None:

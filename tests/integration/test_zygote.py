@@ -2,7 +2,7 @@
 node's zygote (its parent, not the agent), its exit statuses reach the supervisor through the
 zygote, and a killed zygote takes its forks with it, after which they start cold and a new
 zygote takes over. A restart forked by the zygote behaves as a cold one: same environment at
-import."""
+import, its atexit handlers run."""
 
 from __future__ import annotations
 
@@ -215,5 +215,20 @@ def test_a_forks_end_is_watched_through_a_pidfd_opened_when_it_is_forked(run_dir
         proc = supervisor._children[0].proc
         with open(f"/proc/self/fdinfo/{proc._pidfd}") as f:  # type: ignore[union-attr]
             assert f"Pid:\t{row['pid']}\n" in f.read()
+
+    run_supervised(run_dir, body)
+
+
+def test_a_fork_runs_its_atexit_handlers_when_it_ends(run_dir: str) -> None:
+    async def body(supervisor: Supervisor, lives: Lives, client: Client) -> None:
+        [first] = supervisor.status()
+        os.killpg(first["pid"], signal.SIGKILL)
+        await lives.until(("serving", 1))
+        [row] = supervisor.status()
+        assert row["forked"]
+        os.kill(row["pid"], signal.SIGTERM)
+        await lives.until(("exited", 1))
+        with open(os.path.join(run_dir, f"atexit.{row['pid']}")) as f:
+            assert f.read() == "exited\n"
 
     run_supervised(run_dir, body)
