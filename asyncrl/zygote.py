@@ -23,6 +23,8 @@ Each child, before it runs the role:
 - closes the zygote's pipes, restores default signal handling, reads stdin from ``/dev/null``,
   writes stderr to its role's log file (stdout stays the agent's, as for a cold start), and
   replaces its environment with the one the supervisor gives (its threads and spec file);
+- reseeds numpy's global random state (and sizes OpenBLAS's threads if ``threadpoolctl`` is
+  installed);
 - runs ``asyncrl.process.main``, which sets up logging, signals, its own zmq context and event
   loop, and ends as a cold process does: ``atexit`` handlers, logging's shutdown, stdio flushed.
 
@@ -539,6 +541,7 @@ def _become(request: dict[str, Any], zygote: int, private: list[int], sync_w: in
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = [sys.argv[0]]
+        _after_fork()
         from asyncrl.process import main as process_main
 
         process_main(parent_pid=zygote)
@@ -550,6 +553,24 @@ def _become(request: dict[str, Any], zygote: int, private: list[int], sync_w: in
             traceback.print_exc()
     finally:
         _exit(code)
+
+
+def _after_fork() -> None:
+    """In the child: what it shares with the zygote and its siblings but would not share as a
+    cold process. numpy's global random state is reseeded from the OS's entropy, and OpenBLAS's
+    thread pool (sized to one thread when the zygote loaded it) is resized to
+    ``OPENBLAS_NUM_THREADS`` through ``threadpoolctl`` when it is installed."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return
+    with contextlib.suppress(Exception):
+        numpy.random.seed()  # from the OS's entropy, as a cold import seeds it
+    threads = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 1:
+        with contextlib.suppress(Exception):
+            import threadpoolctl
+
+            threadpoolctl.threadpool_limits(int(threads), user_api="blas")
 
 
 def _exit(code: int) -> NoReturn:

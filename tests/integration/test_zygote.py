@@ -2,7 +2,7 @@
 node's zygote (its parent, not the agent), its exit statuses reach the supervisor through the
 zygote, and a killed zygote takes its forks with it, after which they start cold and a new
 zygote takes over. A restart forked by the zygote behaves as a cold one: same environment at
-import, its atexit handlers run."""
+import, its own numpy random state, its atexit handlers run."""
 
 from __future__ import annotations
 
@@ -202,6 +202,20 @@ def test_the_zygote_preloads_a_role_once_whatever_its_replicas(run_dir: str) -> 
             assert f.read() == f"{supervisor.launcher.pid}\n"
 
     run_supervised(run_dir, body, specs)
+
+
+def test_forks_draw_from_numpy_random_states_of_their_own(run_dir: str) -> None:
+    async def body(supervisor: Supervisor, lives: Lives, client: Client) -> None:
+        draws = []
+        for incarnation in (1, 2):
+            [row] = supervisor.status()
+            os.killpg(row["pid"], signal.SIGKILL)
+            await lives.until(("serving", incarnation))
+            assert supervisor.status()[0]["forked"]
+            draws.append(await client.call("draw", None, timeout=10.0))
+        assert draws[0] != draws[1]  # not the zygote's state, drawn again by each fork
+
+    run_supervised(run_dir, body)
 
 
 def test_a_forks_end_is_watched_through_a_pidfd_opened_when_it_is_forked(run_dir: str) -> None:
