@@ -84,10 +84,12 @@ PER_PROCESS_ENV = (
     "MKL_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
+    "ASYNCRL_DIST_STORE",
+    "ASYNCRL_DIST_PREFIX",
     "ASYNCRL_ZYGOTE_PARENT",
 )
-"""The only variables in which a forked process's environment may differ from its zygote's:
-each process's spec file and the run's secret file (read when the process starts, not at
+"""The only variables in which a forked process's environment may differ from its zygote's: its
+spec file, the secret file and the store of a group spanning nodes (read at run time, not at
 import), its thread counts (``asyncrl.process.set_threads`` applies them in the child), and its
 devices (the zygote initialises no device: CUDA reads them in the child). Any other difference
 (``run.env`` or a role's ``env``: ``HF_HOME``, ``PYTHONPATH``, ``TORCH_HOME``...) may have been
