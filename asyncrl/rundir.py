@@ -3,8 +3,9 @@ save its manifest, load it back to resume, clear it to start afresh.
 
 ``asyncrl run`` claims the directory first (``claim_run_dir``): it makes it private (0700), sets
 the umask so that everything the run creates in it is private too, and writes the run marker
-``.asyncrl-run``. Only a directory carrying that marker is deleted by ``--overwrite``
-(``clear_run``), so that a mistyped ``--run-dir`` never deletes someone's folder.
+``.asyncrl-run``. ``--overwrite`` (``clear_run``) removes only what a run writes, and only in a
+directory carrying that marker (or a run directory of an earlier version), so that a mistyped
+``--run-dir`` never deletes someone's folder and a manifest kept beside a run's files stays.
 
 It then saves the resolved manifest (after ``--set``) as ``RUN_DIR/manifest.json`` before the
 first process starts, so that ``asyncrl run --resume RUN_DIR`` runs exactly the same manifest
@@ -103,8 +104,8 @@ RUN_ENTRIES = frozenset(
 """The names a run (of this or an earlier version) writes at the top of its run directory, its
 program's usual outputs included, besides a launch's ``node-<R>`` folders and the temporary
 names a write in progress leaves (``.<entry>.*.tmp``; ``<entry>.<pid>.tmp`` in earlier
-versions). A directory that holds anything else is neither claimed for a run nor cleared by
-``--overwrite``."""
+versions). ``--overwrite`` removes only these; a directory without ``RUN_MARKER`` that holds
+anything else is not cleared at all."""
 
 _WRITTEN_NAME = re.compile(
     r"^(node-\d+|\.(?P<entry>[^/]+)\.[^./]+\.tmp|(?P<staged>[^/]+)\.\d+\.tmp)\Z"
@@ -123,15 +124,14 @@ def run_markers(run_dir: str) -> list[str]:
 def claim_run_dir(run_dir: str) -> str:
     """Make ``run_dir`` (and missing parents) a private run directory; return its path.
 
-    A directory without ``RUN_MARKER`` is taken only when it is empty or holds nothing but what
-    a run writes (``RUN_ENTRIES``: a run of an earlier version), never a folder of the user's.
+    A folder that holds the user's own files (a manifest, a program) may be a run directory:
+    ``clear_run`` removes only what a run writes there (``RUN_ENTRIES``), never those files.
     The directory is created, or made, 0700 (the folders an earlier run left in it too), and
     carries ``RUN_MARKER``. Entry points also set the process umask to ``PRIVATE_UMASK`` first,
     so that what the run creates afterwards is private whatever the user's umask.
 
     Raises:
-        RunDirError: ``run_dir`` is not a directory, belongs to another user, or has no marker
-            and holds something no run writes (named in the message).
+        RunDirError: ``run_dir`` is not a directory, or belongs to another user.
     """
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     st = os.stat(run_dir)
@@ -142,13 +142,6 @@ def claim_run_dir(run_dir: str) -> str:
         )
     names = os.listdir(run_dir)
     marker = os.path.join(run_dir, RUN_MARKER)
-    if not (os.path.isfile(marker) and not os.path.islink(marker)):
-        unknown = _not_written_by_a_run(names)
-        if unknown:
-            raise RunDirError(
-                f"refusing to use {run_dir} as a run directory: it holds {_shown(unknown)}, "
-                "which no run writes; choose an empty or new directory with --run-dir"
-            )
     os.chmod(run_dir, 0o700)
     for name in sorted(RUN_ENTRIES & set(names)):
         path = os.path.join(run_dir, name)
@@ -258,13 +251,14 @@ def _diff(a: Any, b: Any, path: str, depth: int) -> list[str]:
     return out
 
 
-def clear_run(run_dir: str) -> None:
-    """Remove everything in ``run_dir`` so that a new run starts afresh there.
+def clear_run(run_dir: str) -> list[str]:
+    """Remove what a run wrote in ``run_dir`` so that a new run starts afresh there; return the
+    names at its top that were kept because no run writes them (the user's own files).
 
-    Only a run directory is cleared: one that holds nothing but ``RUN_ENTRIES``, and carries
-    ``RUN_MARKER`` or, from a version that wrote no marker, at least a manifest, report, driver
-    record or logs of a run. Anything else at its top is refused even under the marker: a
-    program's own file, or a user's that the marker does not make a run's.
+    Only a run directory is cleared: one that carries ``RUN_MARKER``, or, from a version that
+    wrote no marker, holds nothing but ``RUN_ENTRIES`` and at least a manifest, report, driver
+    record or logs of a run. Under the marker only ``RUN_ENTRIES`` (and a write's temporary
+    names) are removed: a manifest, a program or a thesis beside them stays.
 
     Raises:
         RunDirError: ``run_dir`` holds the current directory, is a git checkout, or is not a
@@ -283,15 +277,18 @@ def clear_run(run_dir: str) -> None:
             "give a run directory of its own with --run-dir"
         )
     if not os.path.isdir(real):
-        return
+        return []
     names = sorted(os.listdir(real))
     _check_is_a_run(run_dir, names)
-    for name in [n for n in names if n != RUN_MARKER] + [RUN_MARKER]:  # the marker last
+    kept = _not_written_by_a_run(names)
+    ours = [n for n in names if n not in kept and n != RUN_MARKER]
+    for name in ours + ([RUN_MARKER] if RUN_MARKER in names else []):  # the marker last
         path = os.path.join(real, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.unlink(path)
+    return kept
 
 
 def _check_is_a_run(run_dir: str, names: list[str]) -> None:
@@ -299,13 +296,9 @@ def _check_is_a_run(run_dir: str, names: list[str]) -> None:
     what = "delete it yourself if it is yours to delete, or give another --run-dir"
     marker = os.path.join(run_dir, RUN_MARKER)
     marked = RUN_MARKER in names and os.path.isfile(marker) and not os.path.islink(marker)
+    if marked:
+        return
     unknown = _not_written_by_a_run(names)
-    if unknown and marked:
-        raise RunDirError(
-            f"refusing to overwrite {run_dir}: it holds {_shown(unknown)}, which no run writes; "
-            f"move {'it' if len(unknown) == 1 else 'them'} out of the run directory (or delete "
-            f"{'it' if len(unknown) == 1 else 'them'}) and try again, or give another --run-dir"
-        )
     if unknown:
         raise RunDirError(
             f"refusing to overwrite {run_dir}: it has no run marker ({RUN_MARKER}) and holds "

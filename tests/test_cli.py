@@ -141,62 +141,35 @@ def test_clear_run_takes_a_run_directory_of_an_earlier_version(tmp_path: Any) ->
     assert os.listdir(run) == []
 
 
-def test_clear_run_with_the_marker_clears_what_a_run_writes_and_nothing_else(
+def test_clear_run_with_the_marker_clears_what_a_run_writes_and_keeps_the_rest(
     tmp_path: Any,
 ) -> None:
-    """Even under the marker, a name no run writes is refused, named, and nothing is removed:
-    a marker does not make a user's folder a run's."""
+    """Under the marker, what a run writes (a launch's node folders and a write's temporary
+    names too) is removed, and a name no run writes is kept and returned."""
     run = claim_run_dir(str(tmp_path / "run"))
     os.makedirs(os.path.join(run, "node-1", "logs"))
     for name in ["notes.txt", "report.json", ".manifest.json.k2j4x9_q.tmp"]:
         with open(os.path.join(run, name), "w") as f:
             f.write("written into the run directory")
-    with pytest.raises(RunDirError) as refused:
-        clear_run(run)
-    assert str(refused.value) == (
-        f"refusing to overwrite {run}: it holds notes.txt, which no run writes; move it out of "
-        "the run directory (or delete it) and try again, or give another --run-dir"
-    )
-    assert len(os.listdir(run)) == 5
-    os.unlink(os.path.join(run, "notes.txt"))
-    clear_run(run)
-    assert os.listdir(run) == []
+    assert clear_run(run) == ["notes.txt"]
+    assert os.listdir(run) == ["notes.txt"]
 
 
-def test_claim_refuses_a_folder_of_the_users_without_the_marker(tmp_path: Any) -> None:
-    """A folder that holds anything no run writes is never marked as a run, so a later
-    ``--overwrite`` cannot delete it."""
+def test_a_folder_of_the_users_used_as_a_run_directory_keeps_its_files(tmp_path: Any) -> None:
+    """The issue's case: a run in a folder that holds a thesis, then ``--overwrite`` there.
+    The run's own files go; the thesis stays, whatever the marker says."""
     folder = str(tmp_path / "thesis")
-    os.makedirs(os.path.join(folder, "logs"))
+    os.makedirs(folder)
     with open(os.path.join(folder, "thesis.tex"), "w") as f:
         f.write("precious")
-    with pytest.raises(RunDirError) as refused:
-        claim_run_dir(folder)
-    assert str(refused.value) == (
-        f"refusing to use {folder} as a run directory: it holds thesis.tex, which no run "
-        "writes; choose an empty or new directory with --run-dir"
-    )
-    assert sorted(os.listdir(folder)) == ["logs", "thesis.tex"]
-    with pytest.raises(RunDirError, match=r"holds thesis\.tex, which no run writes"):
-        clear_run(folder)
-    assert sorted(os.listdir(folder)) == ["logs", "thesis.tex"]
-
-
-def test_run_refuses_a_folder_that_holds_only_user_files(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
-    folder = str(tmp_path)
-    with open(os.path.join(folder, "thesis.tex"), "w") as f:
-        f.write("precious")
-    assert cli.main(["run", HELLO, "--run-dir", folder]) == 2
-    assert error(capsys) == (
-        f"asyncrl: error: refusing to use {folder} as a run directory: it holds thesis.tex, "
-        "which no run writes; choose an empty or new directory with --run-dir\n"
-    )
-    assert os.listdir(folder) == ["thesis.tex"]
-    assert cli.main(["run", HELLO, "--run-dir", folder, "--overwrite"]) == 2
-    assert "refusing to use" in error(capsys)
-    assert os.listdir(folder) == ["thesis.tex"]
+    save_manifest(load_manifest(HELLO), prepare_run_dir(folder))
+    assert RUN_MARKER in os.listdir(folder)
+    with pytest.raises(RunDirError, match="already holds a run"):
+        prepare_run_dir(folder)
+    prepare_run_dir(folder, overwrite=True)
+    assert sorted(os.listdir(folder)) == [RUN_MARKER, "thesis.tex"]
+    with open(os.path.join(folder, "thesis.tex")) as f:
+        assert f.read() == "precious"
 
 
 def hold(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, run_dir: str) -> None:
