@@ -13,16 +13,31 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from typing import BinaryIO
 
-__all__ = ["private_tmpdir", "replace_dir", "write_atomic"]
+__all__ = ["atomic_file", "private_tmpdir", "replace_dir", "write_atomic"]
 
 
 def write_atomic(path: str, data: bytes, *, fsync: bool = False) -> str:
-    """Write ``data`` to ``path`` whole or not at all; return ``path``.
+    """Write ``data`` to ``path`` whole or not at all (``atomic_file``); return ``path``.
+
+    Raises:
+        OSError: the folder of ``path`` does not exist or cannot be written.
+    """
+    with atomic_file(path, fsync=fsync) as f:
+        f.write(data)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, *, fsync: bool = False) -> Iterator[BinaryIO]:
+    """A file to write ``path`` through, whole or not at all.
 
     The bytes go to a fresh temporary file beside ``path`` (0600, ``O_EXCL | O_NOFOLLOW``),
-    then it is renamed over ``path``: a link at ``path`` is replaced, not followed. With
-    ``fsync`` the file reaches the disk before the rename.
+    which is renamed over ``path`` when the block ends without an error (and removed when it
+    raises): a link at ``path`` is replaced, not followed. With ``fsync`` the file reaches the
+    disk before the rename.
 
     Raises:
         OSError: the folder of ``path`` does not exist or cannot be written.
@@ -31,7 +46,7 @@ def write_atomic(path: str, data: bytes, *, fsync: bool = False) -> str:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -40,7 +55,6 @@ def write_atomic(path: str, data: bytes, *, fsync: bool = False) -> str:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    return path
 
 
 def private_tmpdir(path: str) -> str:

@@ -15,9 +15,7 @@ initial weights. The file holds plain tensors and an int (``torch.load(weights_o
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from typing import Any, Literal
 
 import msgspec
@@ -29,6 +27,7 @@ from asyncrl.roles.checkpoints import fsync_dir
 from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.engine import HFEngine
 from asyncrl.roles.rollout import Sample, WeightsUpdate
+from asyncrl.safe_files import atomic_file
 
 __all__ = ["WEIGHTS_FILE", "Reference"]
 
@@ -133,18 +132,8 @@ class Reference(Role):
     def _save(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Write ``state`` and ``version`` to ``WEIGHTS_FILE`` atomically and durably."""
         final = self.ctx.path(WEIGHTS_FILE)
-        # A fresh temporary name (O_EXCL, never a link someone planted), renamed into place.
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(final), prefix=_TMP_PREFIX, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save({"version": version, "state": state}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with atomic_file(final, fsync=True) as f:  # a fresh temporary name, never a planted link
+            torch.save({"version": version, "state": state}, f)
         fsync_dir(os.path.dirname(final))
 
     def _restore(self) -> int | None:
