@@ -27,6 +27,8 @@ import stat
 import tempfile
 from dataclasses import asdict, dataclass
 
+from asyncrl.safe_files import write_atomic
+
 __all__ = [
     "LEASE_DIR_ENV",
     "Lease",
@@ -195,17 +197,8 @@ def write_lease(path: str, run: str, janitor_pid: int, socket_dir: str, run_dir:
         run_dir=run_dir,
         pid_ns=pid_namespace(),
     )
-    folder = os.path.dirname(path)
     data = json.dumps({k: v for k, v in asdict(lease).items() if k != "path"}).encode()
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".lease.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, data)  # its temporary name starts with ".", which read_leases skips
 
 
 def read_leases(folder: str = "") -> list[Lease]:
