@@ -50,7 +50,7 @@ from .protocol import (
 )
 from .shm import ShmPool, ShmReader
 
-__all__ = ["Codec", "Frames", "torch_dtypes"]
+__all__ = ["Codec", "Frames", "dec_hook", "torch_dtypes"]
 
 Frames = Sequence[Any]
 """A received message: bytes or ``zmq.Frame`` objects (both support ``len`` and the buffer
@@ -95,6 +95,7 @@ def __getattr__(name: str) -> Any:
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+_MESSAGE = int(Kind.MESSAGE)
 _EXT_INDEX = [msgspec.msgpack.Ext(TENSOR_EXT, i.to_bytes(4, "little")) for i in range(64)]
 
 
@@ -170,6 +171,28 @@ class Codec:
         except BaseException:
             self._release_local()
             raise
+        return frames
+
+    def encode_message(self, seq: int, topic: str, incarnation: int, payload: Any) -> list[Any]:
+        """Frames of a MESSAGE envelope, the same bytes as ``encode`` writes for
+        ``Envelope(PROTOCOL_VERSION, Kind.MESSAGE, seq, topic, incarnation=incarnation,
+        payload=payload)``, without building the Struct (a stream sends one per message).
+        Tensors become descriptors and frames, never shared memory.
+
+        Raises:
+            TypeError: as ``encode``.
+        """
+        frames: list[Any] = [b""]
+        descs: list[TensorDesc] = []
+        self._frames = frames
+        self._descs = descs
+        self._use_shm = False
+        self.last_slots = []
+        # A tuple encodes as the envelope's array; ``descs`` is written after the payload, so
+        # the hook has filled it by then.
+        frames[0] = self._encoder.encode(
+            (PROTOCOL_VERSION, _MESSAGE, seq, topic, 0.0, 0, incarnation, "", payload, descs)
+        )
         return frames
 
     def _release_local(self) -> None:
@@ -375,7 +398,7 @@ class Codec:
         """
         decoder = self._decoders.get(type_)
         if decoder is None:
-            decoder = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook, dec_hook=_dec_hook)
+            decoder = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook, dec_hook=dec_hook)
             self._decoders[type_] = decoder
         if env.tensors:
             self._check_descs(env, frames, allow_shm)
@@ -521,7 +544,8 @@ def _itemsize(d: TensorDesc, where: str) -> int:
     raise TensorDescriptorError(f"{where}: unknown library {d.lib!r}; expected torch or numpy")
 
 
-def _dec_hook(type_: Any, obj: Any) -> Any:
+def dec_hook(type_: Any, obj: Any) -> Any:
+    """The decoders' hook for a custom type: only an instance of it passes (no conversion)."""
     if isinstance(obj, type_):
         return obj
     raise TypeError(f"expected {type_.__qualname__}, got {type(obj).__qualname__}")

@@ -22,9 +22,10 @@ from .codec import Codec
 from .curve import CurveSetting, ServerGuard, open_endpoint
 from .errors import ClosedError, ProtocolError
 from .options import ChannelOptions
-from .protocol import PROTOCOL_VERSION, Envelope, Kind
+from .protocol import Kind
 from .pump import Pump
 from .ratelog import RateLimitedLog
+from .stream_decode import FastDecoder, Unfit
 
 __all__ = ["StreamReceiver", "StreamSender"]
 
@@ -102,15 +103,8 @@ class StreamSender:
         if self._pump is None:
             raise ClosedError("stream sender is not started or was closed")
         self._seq += 1
-        env = Envelope(
-            PROTOCOL_VERSION,
-            Kind.MESSAGE,
-            self._seq,
-            self.topic,
-            incarnation=self.incarnation,
-            payload=payload,
-        )
-        return self._pump.send(self.codec.encode(env))
+        frames = self.codec.encode_message(self._seq, self.topic, self.incarnation, payload)
+        return self._pump.send(frames)
 
     async def send(self, payload: Any) -> None:
         """Send ``payload``, waiting while the receiver's queues are full.
@@ -172,6 +166,7 @@ class StreamReceiver:
             inline_threshold=self.options.inline_threshold,
             max_message_bytes=self.options.max_message_bytes,
         )
+        self._fast = FastDecoder(type_, self.codec)
         self.stats: Counter[str] = Counter()
         self._log = RateLimitedLog(log, f"stream {endpoint}")
 
@@ -244,6 +239,14 @@ class StreamReceiver:
             self._waiter = None
 
     def _on_message(self, frames: list[Any]) -> None:
+        if len(frames) == 1:
+            try:
+                payload = self._fast.payload(frames[0])
+            except Unfit:
+                pass
+            else:
+                self._deliver(payload)
+                return
         try:
             env = self.codec.decode_envelope(frames)
             if env.kind != Kind.MESSAGE:
@@ -257,6 +260,9 @@ class StreamReceiver:
                 "bad input", "", "stream %s dropped a message: %s", self.endpoint, exc
             )
             return
+        self._deliver(payload)
+
+    def _deliver(self, payload: Any) -> None:
         self.stats["received"] += 1
         self._queue.append(payload)
         if len(self._queue) >= self.capacity and self._pump is not None:

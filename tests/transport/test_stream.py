@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
-from asyncrl.transport import ChannelOptions, StreamReceiver, StreamSender, run
+from asyncrl.transport import (
+    PROTOCOL_VERSION,
+    ChannelOptions,
+    Codec,
+    Envelope,
+    Kind,
+    StreamReceiver,
+    StreamSender,
+    run,
+)
 
 
 class Item(msgspec.Struct):
@@ -77,5 +88,41 @@ def test_bad_messages_are_dropped_and_counted(run_dir: str) -> None:
             assert (await receiver.recv()).n == 42
             raw.close(linger=0)
             assert receiver.stats["bad_input"] == 3
+
+    run(main())
+
+
+def test_encode_message_writes_the_same_bytes_as_an_envelope() -> None:
+    payload = {"n": 3, "x": np.arange(4, dtype=np.int32), "t": np.zeros(2048, dtype=np.uint8)}
+    env = Envelope(PROTOCOL_VERSION, Kind.MESSAGE, 7, "topic", incarnation=2, payload=payload)
+    expected = Codec().encode(env)
+    frames = Codec().encode_message(7, "topic", 2, payload)
+    assert frames[0] == expected[0]
+    assert [bytes(f) for f in frames[1:]] == [bytes(f) for f in expected[1:]] != []
+
+
+def test_messages_the_fast_path_does_not_take_still_arrive(run_dir: str) -> None:
+    """Tensors (inline and as frames) and envelopes shorter than asyncrl writes them are decoded
+    by the full codec, in order with the rest of their sender's messages."""
+
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/mixed") as receiver:
+            async with StreamSender(receiver.endpoint) as sender:
+                await sender.send({"n": 0})
+                await sender.send({"n": 1, "a": np.arange(3.0)})
+                await sender.send({"n": 2, "a": np.ones(4096)})
+                raw = zmq.Context.instance().socket(zmq.PUSH)
+                raw.connect(receiver.endpoint)
+                raw.send(msgspec.msgpack.encode([1, 11, 9]))
+                raw.close(linger=1000)
+                got: list[Any] = []
+                while len(got) < 4:
+                    got += await receiver.recv_batch()
+            assert got.count(None) == 1  # the short envelope: its payload defaults to nil
+            mine = [item for item in got if item is not None]
+            assert [item["n"] for item in mine] == [0, 1, 2]
+            assert mine[1]["a"].tolist() == [0.0, 1.0, 2.0]
+            assert mine[2]["a"].shape == (4096,) and float(mine[2]["a"].sum()) == 4096.0
+            assert receiver.stats == {"received": 4}
 
     run(main())
