@@ -35,8 +35,10 @@ import os
 import sys
 import typing
 
+from asyncrl import moved as _moved
+
 if typing.TYPE_CHECKING:
-    from asyncrl.agent import run_manifest
+    from asyncrl.dispatch.handles import Context, Handle
     from asyncrl.errors import (
         AsyncrlError,
         BrokenError,
@@ -63,10 +65,10 @@ if typing.TYPE_CHECKING:
         WeightsError,
         WeightsGoneError,
     )
-    from asyncrl.handles import Context, Handle
     from asyncrl.ledger import Ledger
-    from asyncrl.manifest import Manifest, load_manifest
+    from asyncrl.manifest.load import Manifest, load_manifest
     from asyncrl.role import Delivery, Role, RoleContext, endpoint
+    from asyncrl.supervision.agent import run_manifest
 
 __version__ = "0.1.0"
 
@@ -109,16 +111,16 @@ __all__ = [
 ]
 
 _HOMES = {
-    "Context": "asyncrl.handles",
+    "Context": "asyncrl.dispatch.handles",
     "Delivery": "asyncrl.role",
-    "Handle": "asyncrl.handles",
+    "Handle": "asyncrl.dispatch.handles",
     "Ledger": "asyncrl.ledger",
-    "Manifest": "asyncrl.manifest",
+    "Manifest": "asyncrl.manifest.load",
     "Role": "asyncrl.role",
     "RoleContext": "asyncrl.role",
     "endpoint": "asyncrl.role",
-    "load_manifest": "asyncrl.manifest",
-    "run_manifest": "asyncrl.agent",
+    "load_manifest": "asyncrl.manifest.load",
+    "run_manifest": "asyncrl.supervision.agent",
 }
 """Where each public name that is not an error lives; every error lives in ``asyncrl.errors``."""
 
@@ -166,6 +168,7 @@ def _find_source_layers() -> None:
 
 
 _find_source_layers()
+_moved.install()
 
 
 def __dir__() -> list[str]:

@@ -24,18 +24,19 @@
   SIGKILLed K steps past its checkpoint: time to serve again, steps replayed, weights bit-identical.
 - ``asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG figures of the runs' per-step metrics
   (reward, accuracy, throughput, staleness, time), several runs on one figure; in the first
-  run's ``plots/`` unless ``--out`` (``asyncrl.plots``; matplotlib is the ``plot`` extra).
+  run's ``plots/`` unless ``--out`` (``asyncrl.observe.plots``; matplotlib is the ``plot`` extra).
 - ``asyncrl run --trace ...``: also record every call between processes and the spans inside
-  roles into ``RUN_DIR/trace.json`` (``asyncrl.trace``); ``asyncrl trace view RUN_DIR`` writes
-  ``RUN_DIR/trace.html``, the control-flow graph and who waited on whom (``asyncrl.trace_view``).
+  roles into ``RUN_DIR/trace.json`` (``asyncrl.observe.trace``); ``asyncrl trace view RUN_DIR``
+  writes ``RUN_DIR/trace.html``, the control-flow graph and who waited on whom
+  (``asyncrl.observe.trace_view``).
 - ``asyncrl status RUN_DIR [--json] [--timeout S]``: ask a running run what it is doing: every
   process with its incarnation, restarts and last heartbeat, each replica's credit and queue,
-  the step and version, on every node (``asyncrl.status``, docs/status.md).
+  the step and version, on every node (``asyncrl.observe.status``, docs/status.md).
 - ``asyncrl keys generate DIR [--force]``: the Curve key pairs of a run across hosts
   (``asyncrl.keys``), to copy to every node and name in the manifest's ``security.curve_keys``.
 - ``asyncrl clean``: remove what runs on this machine whose agent and janitor are both gone (a
   cgroup kill) left behind: their shared-memory segments and socket files; those of live runs
-  are kept. ``asyncrl run`` does the same before it starts (``asyncrl.janitor``).
+  are kept. ``asyncrl run`` does the same before it starts (``asyncrl.supervision.janitor``).
 - ``asyncrl version``: the package and wire-protocol versions.
 """
 
@@ -85,7 +86,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _load(path: str, overrides: list[str]) -> Any:
     """The manifest at ``path`` with ``overrides``, or ``None`` after printing its problems."""
-    from asyncrl.manifest import ManifestError, load_manifest
+    from asyncrl.manifest.load import ManifestError, load_manifest
 
     try:
         return load_manifest(path, overrides, nodes=1)  # asyncrl.launch takes more nodes
@@ -102,8 +103,8 @@ def _fail(message: str) -> int:
 def _sweep_dead_runs() -> list[str] | None:
     """Remove the leftovers of runs whose agent and janitor are gone; say so on stderr.
     ``None``: no lease folder could be trusted, nothing was swept (a warning says why)."""
-    from asyncrl.janitor import sweep_dead_runs
-    from asyncrl.leases import LeaseDirError
+    from asyncrl.supervision.janitor import sweep_dead_runs
+    from asyncrl.supervision.leases import LeaseDirError
 
     try:
         removed = sweep_dead_runs()
@@ -132,9 +133,9 @@ def _clean(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | None:
-    """Make ``run_dir`` ready for a new run (``asyncrl.rundir.prepare_run_dir``): ``None``, or
-    why it cannot be used."""
-    from asyncrl.rundir import RunDirError, prepare_run_dir
+    """Make ``run_dir`` ready for a new run (``asyncrl.supervision.rundir.prepare_run_dir``):
+    ``None``, or why it cannot be used."""
+    from asyncrl.supervision.rundir import RunDirError, prepare_run_dir
 
     hint = f"use 'asyncrl run --resume {run_dir}' to continue it or " if resume_hint else ""
     try:
@@ -145,9 +146,9 @@ def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | 
 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
-    from asyncrl.agent import run_manifest, summary
-    from asyncrl.manifest import ManifestError, resolve_run_dir
-    from asyncrl.rundir import (
+    from asyncrl.manifest.load import ManifestError, resolve_run_dir
+    from asyncrl.supervision.agent import run_manifest, summary
+    from asyncrl.supervision.rundir import (
         MANIFEST_FILE,
         PRIVATE_UMASK,
         RunDirError,
@@ -209,7 +210,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             return _fail(str(exc))
     _sweep_dead_runs()
     if args.trace:
-        from asyncrl.trace import enable, merge_and_tell
+        from asyncrl.observe.trace import enable, merge_and_tell
 
         enable(run_dir)
     try:
@@ -224,15 +225,15 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
-    from asyncrl.chaos import (
+    from asyncrl.manifest.load import resolve_run_dir
+    from asyncrl.supervision.rundir import PRIVATE_UMASK
+    from asyncrl.tools.chaos import (
         ChaosPlan,
         budget_overrides,
         budgets,
         check_roles,
         run_chaos,
     )
-    from asyncrl.manifest import resolve_run_dir
-    from asyncrl.rundir import PRIVATE_UMASK
 
     if args.stop_every is None and args.kill_every is None:
         return _fail("nothing to do: give --kill-every or --stop-every")
@@ -279,7 +280,7 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _plot(args: argparse.Namespace, rest: list[str]) -> int:
-    from asyncrl.plots import plot_runs
+    from asyncrl.observe.plots import plot_runs
 
     try:
         written = plot_runs(args.run_dirs, args.out)
@@ -292,7 +293,7 @@ def _plot(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _trace(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.errors import AsyncrlError
-    from asyncrl.trace_view import write_page
+    from asyncrl.observe.trace_view import write_page
 
     try:
         print(write_page(args.run_dir, infrastructure=args.infrastructure))
@@ -346,7 +347,7 @@ def _run_dir_options(
 
 
 def _status(args: argparse.Namespace, rest: list[str]) -> int:
-    from asyncrl.status import main as status_main
+    from asyncrl.observe.status import main as status_main
 
     return status_main(rest)
 
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     chaos.add_argument("manifest", help="the role manifest (YAML); see docs/manifest.md")
     _run_dir_options(chaos, default="the manifest's run_dir + '-chaos'")
-    from asyncrl.chaos import add_arguments
+    from asyncrl.tools.chaos import add_arguments
 
     add_arguments(chaos)
     chaos.set_defaults(func=_chaos)

@@ -30,14 +30,15 @@
     │                                   that does not support this asyncrl (asyncrl.plugins.errors)
     ├── StallError                    F a run made no progress for too long; says on whom it waits
     ├── NotRunningError                 asyncrl status: no agent answers for the run directory
-    │                                   (asyncrl.status)
+    │                                   (asyncrl.observe.status)
     ├── StoreError                      the launch's store (torchrun's TCPStore) unreachable, or a
-    │                                   key late (asyncrl.store_registry)
+    │                                   key late (asyncrl.supervision.store_registry)
     ├── CollectiveTimeoutError        R a collective of the plugin did not complete in time;
     │                                   names it and the ranks that did not arrive
     │                                   (asyncrl.plugins.errors)
     └── DataParallelError             R a data-parallel learner's ranks could not work as one
-                                        group (asyncrl.roles.data_parallel); the group restarts
+                                        group (asyncrl.roles.training.data_parallel); the group
+                                        restarts
 
 Recoverable (R) errors have ``retryable`` True: the same request may succeed later or elsewhere,
 since a replica that died, went silent or restarted comes back under supervision. Fatal (F)
@@ -133,7 +134,7 @@ class RoleDeadError(AsyncrlError):
 
 
 class WeightsError(AsyncrlError):
-    """Something went wrong with the shared-memory weight store (``asyncrl.weights``).
+    """Something went wrong with the shared-memory weight store (``asyncrl.weights.handles``).
 
     A runtime error, not a transport one: the store is memory shared on one host, not a channel.
     """

@@ -10,7 +10,8 @@ import module 'GPT2LMHeadModel'``. asyncrl needs none of them: text models do no
 - ``broken_companions`` says which of them are installed but fail to import, and why;
 - ``uninstall_advice`` turns that into the one command that fixes it;
 - ``import_problem`` is the message a role's start gives for an ``ImportError`` raised in its
-  ``setup`` (a configuration error, ``asyncrl.process``): the role, the module, and the fix.
+  ``setup`` (a configuration error, ``asyncrl.supervision.process``): the role, the module, and the
+  fix.
 
 ``asyncrl selfcheck`` runs ``broken_companions`` as its first layer (``environment``).
 Importing this module imports nothing beyond the standard library; the checks import the

@@ -1,8 +1,8 @@
 """Roles: a plain class with async endpoint methods, each declaring its delivery class.
 
-A role holds only its logic. The process wrapper (``asyncrl.process``) owns the event loop, the
-inbox, heartbeats, logging and shutdown, so a test can build a role with ``RoleContext.local()``
-and call its methods in-process::
+A role holds only its logic. The process wrapper (``asyncrl.supervision.process``) owns the event
+loop, the inbox, heartbeats, logging and shutdown, so a test can build a role with
+``RoleContext.local()`` and call its methods in-process::
 
     class Doubler(Role):
         class Config(msgspec.Struct):
@@ -139,8 +139,8 @@ class RoleContext:
         device: the placement's device string.
         capacity: requests one replica works on at once.
         replicas: how many replicas the role has (a data-parallel group's world size).
-        groups: every role group of the run by name (``asyncrl.spec.GroupInfo``: endpoints as
-            seen from this node), for a role that calls another.
+        groups: every role group of the run by name (``asyncrl.manifest.spec.GroupInfo``: endpoints
+            as seen from this node), for a role that calls another.
     """
 
     name: str = "role"

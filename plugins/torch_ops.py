@@ -121,8 +121,8 @@ class FastOps(ReferenceOps):
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
     def logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # asyncrl.roles.estimators.token_logprobs's formula, so the numbers (and the speed) are
-        # the learner's to the bit: the chosen logit minus the logsumexp, with no [N, V]
+        # asyncrl.roles.learning.estimators.token_logprobs's formula, so the numbers (and the speed)
+        # are the learner's to the bit: the chosen logit minus the logsumexp, with no [N, V]
         # log-softmax held for the backward pass.
         _check_targets(logits, targets)
         chosen = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

@@ -20,9 +20,9 @@ from typing import Any, ParamSpec, TypeVar
 import msgspec
 import torch
 
+from asyncrl.manifest.spec import SPEC_ENV, SPEC_FILE_ENV, load_spec_from_env
 from asyncrl.plugins.contract import Device, MemoryStats, Plugin
 from asyncrl.plugins.registry import current, load
-from asyncrl.spec import SPEC_ENV, SPEC_FILE_ENV, load_spec_from_env
 
 __all__ = ["DeviceShare", "device_of", "device_status", "placement_sharing"]
 

@@ -4,8 +4,8 @@ batches and step results.
 This module imports neither torch nor transformers, so the prompt source, the reward role and the
 driver's sample pipeline load without them (a restart of those processes then costs no torch
 import). Payloads that carry tensors (``WeightsUpdate``) live with the role that needs torch
-(``asyncrl.roles.rollout``). The roles re-export what they use, so ``from
-asyncrl.roles.rollout import Sample`` keeps working.
+(``asyncrl.roles.generation.rollout``). The roles re-export what they use, so ``from
+asyncrl.roles.generation.rollout import Sample`` keeps working.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ class Scored(msgspec.Struct):
 
     Attributes:
         advantage: GRPO: the sample's group advantage, computed as its group was released by
-            split-mode reduction (``asyncrl.roles.pipeline``); None: the learner computes it
-            over the groups of the batch (the same value, in one shot).
+            split-mode reduction (``asyncrl.roles.sampling.pipeline``); None: the learner computes
+            it over the groups of the batch (the same value, in one shot).
     """
 
     sample: Sample

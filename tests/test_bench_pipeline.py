@@ -15,8 +15,14 @@ from asyncrl.bench.pipeline import workload
 from asyncrl.bench.pipeline_model import sample_duration, simulate
 from asyncrl.bench.sim import SimLearner, SimRollout
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import Scored, StepResult, TrainBatch
-from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+from asyncrl.roles.generation.rollout import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    Sample,
+    SamplingParams,
+)
+from asyncrl.roles.training.learner import Scored, StepResult, TrainBatch
 from asyncrl.transport import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

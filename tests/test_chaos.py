@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from asyncrl import cli
-from asyncrl.accounting import (
+from asyncrl.manifest.load import parse_manifest
+from asyncrl.supervision.supervisor import ProcessInfo
+from asyncrl.tools.accounting import (
     account,
     format_accounting,
     ledger_figures,
@@ -23,7 +25,7 @@ from asyncrl.accounting import (
     recoveries,
     run_figures,
 )
-from asyncrl.chaos import (
+from asyncrl.tools.chaos import (
     ChaosPlan,
     Disruptor,
     budget_overrides,
@@ -31,8 +33,6 @@ from asyncrl.chaos import (
     check_roles,
     parse_duration,
 )
-from asyncrl.manifest import parse_manifest
-from asyncrl.supervisor import ProcessInfo
 
 MANIFEST = """
 run: {name: t, program: "p:main"}

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from asyncrl import cli
-from asyncrl.leases import LEASE_DIR_ENV, lease_path, write_lease
-from asyncrl.manifest import load_manifest
-from asyncrl.rundir import (
+from asyncrl.manifest.load import load_manifest
+from asyncrl.supervision.leases import LEASE_DIR_ENV, lease_path, write_lease
+from asyncrl.supervision.rundir import (
     RUN_MARKER,
     RunDirError,
     claim_run_dir,
@@ -206,9 +206,9 @@ def test_a_live_run_or_a_folder_that_holds_one_is_refused(
 def test_launch_takes_the_run_directory_as_asyncrl_run_does(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``asyncrl.launch --overwrite`` refuses a live run's directory; ``--resume`` makes an
-    earlier version's run directory private and marks it."""
-    from asyncrl.launch import _claim, _parser
+    """``asyncrl.launch --overwrite`` refuses a live run's directory; ``--resume`` makes
+    an earlier version's run directory private and marks it."""
+    from asyncrl.supervision.launch import _claim, _parser
 
     old = str(tmp_path / "old")
     os.makedirs(os.path.join(old, "logs"), mode=0o777)

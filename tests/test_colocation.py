@@ -12,14 +12,14 @@ import msgspec
 import pytest
 import torch
 
+from asyncrl.manifest.spec import SPEC_ENV, SPEC_FILE_ENV, ProcessSpec, write_spec
 from asyncrl.plugins.cpu import CpuDevice, CpuPlugin
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
 from asyncrl.roles.device_report import DeviceShare, device_status, placement_sharing
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.reference import Reference
-from asyncrl.roles.rollout import Sample
-from asyncrl.spec import SPEC_ENV, SPEC_FILE_ENV, ProcessSpec, write_spec
+from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.services.reference import Reference
+from asyncrl.roles.training.critic import Critic
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 
 MODEL = {
     "model_type": "gpt2",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.errors import ManifestError
-from asyncrl.manifest import Placement, parse_manifest
-from asyncrl.placement import same_device, sharing_problems
+from asyncrl.manifest.load import Placement, parse_manifest
+from asyncrl.manifest.placement import same_device, sharing_problems
 
 HEAD = "run: {name: shared, program: flow}\nroles:\n"
 

@@ -51,7 +51,7 @@ run:
   config: {{gate: {gate}}}
 roles:
   reference:
-    class: asyncrl.roles.reference:Reference
+    class: asyncrl.roles.services.reference:Reference
     placement: {{device: cpu, memory_fraction: 0.3}}
     config:
       model_config: {{model_type: gpt2, vocab_size: 14, n_positions: 16, n_embd: 32,
@@ -98,7 +98,7 @@ class Ballast(Role):
 def _status(run_dir: str) -> dict[str, dict[str, Any]]:
     """Each serving role's process entry of ``asyncrl status --json``, by role name."""
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.status", run_dir, "--json"],
+        [sys.executable, "-m", "asyncrl.observe.status", run_dir, "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,8 +1,8 @@
 """The credit-based dispatcher and the handles, over real sockets in one process.
 
-Each replica is a transport ``Server`` served the way ``asyncrl.process`` serves a role: its
-endpoints, the built-in ``_describe``, and credit advertised once it is ready. Handlers that must
-stay busy wait on an ``asyncio.Event``; no test sleeps to let time pass.
+Each replica is a transport ``Server`` served the way ``asyncrl.supervision.process`` serves a role:
+its endpoints, the built-in ``_describe``, and credit advertised once it is ready. Handlers that
+must stay busy wait on an ``asyncio.Event``; no test sleeps to let time pass.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from asyncrl.dispatch import Dispatcher, Group
+from asyncrl.dispatch.dispatcher import Dispatcher, Group
+from asyncrl.dispatch.handles import Context, Handle
 from asyncrl.errors import (
     BrokenError,
     DeadlineExceededError,
@@ -24,8 +25,7 @@ from asyncrl.errors import (
     RemoteError,
     RoleDeadError,
 )
-from asyncrl.handles import Context, Handle
-from asyncrl.spec import GroupInfo
+from asyncrl.manifest.spec import GroupInfo
 from asyncrl.transport import PROTOCOL_VERSION, Call, ChannelOptions, PeerEvent, Server, run
 
 HEARTBEAT_S = 0.1
@@ -42,7 +42,8 @@ ENDPOINTS = {
 
 
 class FakeReplica:
-    """One replica of role ``g``, served in this process as ``asyncrl.process`` serves it.
+    """One replica of role ``g``, served in this process as ``asyncrl.supervision.process`` serves
+    it.
 
     Every endpoint but ``index`` and ``fail`` answers ``[replica index, payload]``. A call
     for which ``hold(method, payload)`` is true waits on ``gate``; with ``tokens`` set, every
@@ -392,11 +393,12 @@ def test_the_only_replica_restarts_and_idempotent_calls_complete_there(
 ) -> None:
     """Waiting for the restart spends no retries: each call in flight is re-sent once.
 
-    The new incarnation advertises credit either as soon as it is bound (as ``asyncrl.process``
-    does once ``setup()`` returns) or as the driver's handshake arrives, so that its CREDIT
-    reaches the dispatcher before the WELCOME is acted on (a process whose ``setup()`` ends
-    while the driver reconnects does the same: ``set_credit`` reaches a client already known
-    from its pings). Either way the credit belongs to the new incarnation and is used.
+    The new incarnation advertises credit either as soon as it is bound (as
+    ``asyncrl.supervision.process`` does once ``setup()`` returns) or as the driver's handshake
+    arrives, so that its CREDIT reaches the dispatcher before the WELCOME is acted on (a process
+    whose ``setup()`` ends while the driver reconnects does the same: ``set_credit`` reaches a
+    client already known from its pings). Either way the credit belongs to the new incarnation and
+    is used.
     """
 
     async def main() -> None:
@@ -704,9 +706,9 @@ def test_a_fault_while_connecting_fails_every_call_with_it(
             assert info.value.exceptions == (fault,)
             assert group.stats["failures"] == 1
 
-    with caplog.at_level(logging.ERROR, logger="asyncrl.dispatch"):
+    with caplog.at_level(logging.ERROR, logger="asyncrl.dispatch.dispatcher"):
         run(main())
-    errors = [r for r in caplog.records if r.name == "asyncrl.dispatch"]
+    errors = [r for r in caplog.records if r.name == "asyncrl.dispatch.dispatcher"]
     assert [r.getMessage() for r in errors] == [
         "the dispatcher failed while connecting; every call fails with this"
     ]

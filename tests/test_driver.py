@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from asyncrl.driver import serve_driver
-from asyncrl.spec import ProcessSpec
+from asyncrl.dispatch.driver import serve_driver
+from asyncrl.manifest.spec import ProcessSpec
 
 PROGRAM = "async def main(ctx):\n    raise RuntimeError('the program ran again')\n"
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 import asyncrl.weights
-from asyncrl.dispatch import Dispatcher
+from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.handles import Context
 from asyncrl.errors import (
     AsyncrlError,
     BrokenError,
@@ -28,8 +29,7 @@ from asyncrl.errors import (
     WeightsError,
     WeightsGoneError,
 )
-from asyncrl.handles import Context
-from asyncrl.spec import GroupInfo
+from asyncrl.manifest.spec import GroupInfo
 from asyncrl.transport import Call, ChannelOptions, Server, run
 
 WAIT_S = 10.0

@@ -1,5 +1,5 @@
-"""``asyncrl.hosts``: node ranks on one host link their ``weights`` folder to the host's first
-node's, after reading its token there; one that cannot see it is refused, naming
+"""``asyncrl.supervision.hosts``: node ranks on one host link their ``weights`` folder to the host's
+first node's, after reading its token there; one that cannot see it is refused, naming
 ``ASYNCRL_HOST_ID``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from asyncrl.hosts import HostRecord, announce, first_node, share
+from asyncrl.supervision.hosts import HostRecord, announce, first_node, share
 
 
 def _nodes(tmp: str, hosts: list[str]) -> tuple[list[str], dict[int, HostRecord]]:

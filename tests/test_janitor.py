@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl import cli
-from asyncrl.janitor import sweep_dead_runs
-from asyncrl.leases import (
+from asyncrl.supervision.janitor import sweep_dead_runs
+from asyncrl.supervision.leases import (
     LEASE_DIR_ENV,
     Lease,
     LeaseDirError,
@@ -195,7 +195,7 @@ def test_a_lease_of_another_pid_namespace_is_taken_as_alive(tmp_path: Path, dead
 def test_an_agent_that_cannot_write_its_lease_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from asyncrl.janitor import Janitor
+    from asyncrl.supervision.janitor import Janitor
 
     (tmp_path / "elsewhere").mkdir()
     os.symlink(tmp_path / "elsewhere", tmp_path / "leases")  # planted before the run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -94,6 +95,210 @@ def test_runtime_imports_no_roles_and_no_plugin_module() -> None:
     assert _violations("asyncrl", ("asyncrl.roles", "asyncrl.plugins"), skip=(bench,)) == []
 
 
+CORE = "core"
+"""The modules directly under ``asyncrl/`` (errors, the role base class, safe files ...): every
+part may import them, and they import no part. ``asyncrl/__init__.py``, ``cli.py`` and
+``launch.py`` are entry points and may import anything."""
+
+ENTRY_POINTS = ("__init__.py", "cli.py", "launch.py")
+
+PARTS: dict[str, tuple[str, ...]] = {
+    "asyncrl.manifest": (CORE,),
+    "asyncrl.observe": (CORE,),
+    "asyncrl.weights": (CORE,),
+    "asyncrl.dispatch": (CORE, "asyncrl.manifest", "asyncrl.observe"),
+    "asyncrl.supervision": (CORE, "asyncrl.manifest", "asyncrl.observe", "asyncrl.dispatch"),
+    "asyncrl.tools": (
+        CORE,
+        "asyncrl.manifest",
+        "asyncrl.observe",
+        "asyncrl.dispatch",
+        "asyncrl.supervision",
+    ),
+    "asyncrl.roles.learning": ("asyncrl.roles.payloads",),
+    "asyncrl.roles.generation": ("asyncrl.roles.payloads", "asyncrl.roles.device_report"),
+    "asyncrl.roles.training": (
+        "asyncrl.roles.learning",
+        "asyncrl.roles.generation",
+        "asyncrl.roles.payloads",
+        "asyncrl.roles.device_report",
+    ),
+    "asyncrl.roles.services": (
+        "asyncrl.roles.generation",
+        "asyncrl.roles.training",
+        "asyncrl.roles.payloads",
+        "asyncrl.roles.device_report",
+    ),
+    "asyncrl.roles.sampling": ("asyncrl.roles.learning", "asyncrl.roles.payloads"),
+    "asyncrl.roles.program": (
+        "asyncrl.roles.learning",
+        "asyncrl.roles.generation",
+        "asyncrl.roles.training",
+        "asyncrl.roles.services",
+        "asyncrl.roles.sampling",
+        "asyncrl.roles.payloads",
+    ),
+    "asyncrl.roles.payloads": (),
+    "asyncrl.roles.device_report": (),
+}
+"""Each part and the parts it may import. The transport and the plugin registry and contract
+are below them all; the roles may also import the whole runtime (every part of ``asyncrl``
+above), the runtime no role."""
+
+RUNTIME_PARTS = tuple(p for p in PARTS if not p.startswith("asyncrl.roles"))
+
+
+def _part_of(module: str) -> str | None:
+    """The part a module belongs to: the longest key of PARTS it is under, ``core`` for a
+    module directly under ``asyncrl``, None for the transport, plugins, benchmarks and
+    third-party modules."""
+    if module.startswith(("asyncrl.transport", "asyncrl.plugins", "asyncrl.bench")):
+        return None
+    for part in sorted(PARTS, key=len, reverse=True):
+        if module == part or module.startswith(part + "."):
+            return part
+    if module == "asyncrl.roles":
+        return "asyncrl.roles"
+    if module.startswith("asyncrl.") and module.count(".") >= 1:
+        return CORE
+    return None
+
+
+def _file_module(rel: str) -> str:
+    parts = rel[: -len(".py")].split(os.sep)
+    if parts[0] in LAYERS:
+        parts = LAYERS[parts[0]].split(".") + parts[1:]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _arrow_violations(root: str = ROOT) -> list[str]:
+    """Each import that crosses from one part to another the arrows do not allow, and each
+    import of another part's private (``_name``) module."""
+    bad = []
+    for folder in ("asyncrl", "roles"):
+        for path in _python_files(folder, root):
+            rel = os.path.relpath(path, root)
+            if rel.startswith(os.path.join("asyncrl", "bench")) or (
+                os.path.dirname(rel) == "asyncrl" and os.path.basename(rel) in ENTRY_POINTS
+            ):
+                continue
+            mine = _part_of(_file_module(rel))
+            for name in sorted(_imports(path, root)):
+                theirs = _part_of(name)
+                if theirs is None or theirs == mine or name in ("asyncrl", "asyncrl.roles"):
+                    continue
+                if theirs != CORE and any(seg.startswith("_") for seg in name.split(".")[2:]):
+                    bad.append(f"{rel} imports the private {name}")
+                elif (
+                    mine
+                    and mine.startswith("asyncrl.roles")
+                    and not theirs.startswith("asyncrl.roles")
+                ):
+                    continue  # a role may use the runtime
+                elif theirs not in PARTS.get(mine or "", ()) and not (mine == CORE == theirs):
+                    bad.append(f"{rel} ({mine}) imports {name} ({theirs})")
+    return bad
+
+
+def test_parts_import_only_along_their_arrows() -> None:
+    assert _arrow_violations() == []
+
+
+def test_the_arrows_have_no_circle() -> None:
+    seen: dict[str, int] = {}
+
+    def visit(part: str) -> None:
+        assert seen.get(part) != 1, f"a circle through {part}"
+        if seen.get(part) == 2:
+            return
+        seen[part] = 1
+        for other in PARTS.get(part, ()):
+            visit(other)
+        seen[part] = 2
+
+    for part in PARTS:
+        visit(part)
+
+
+def test_each_part_says_what_it_may_import() -> None:
+    """Each part's ``__init__`` states what it owns and what it may import, and names every part
+    of the runtime the arrows let it import."""
+    for part, allowed in PARTS.items():
+        module = importlib.import_module(part)
+        doc = module.__doc__ or ""
+        if part.count(".") == 2 and not part.endswith(("payloads", "device_report")):
+            assert "May import:" in doc, part
+            said = doc.split("May import:", 1)[1]
+            for other in allowed:
+                if other != CORE:
+                    assert f"``{other}``" in said, f"{part} does not say it may import {other}"
+        elif part in RUNTIME_PARTS:
+            assert "May import:" in doc, part
+            said = doc.split("May import:", 1)[1]
+            assert "core" in said, part
+            for other in allowed:
+                if other != CORE:
+                    assert f"``{other}``" in said, f"{part} does not say it may import {other}"
+
+
+def test_the_arrow_check_fails_on_planted_imports(tmp_path: pathlib.Path) -> None:
+    for folder in ("asyncrl", "roles"):
+        shutil.copytree(
+            os.path.join(ROOT, folder),
+            tmp_path / folder,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    (tmp_path / "asyncrl" / "observe" / "_planted.py").write_text(
+        "from asyncrl.dispatch.handles import Handle\n"
+    )
+    (tmp_path / "asyncrl" / "_planted.py").write_text("import asyncrl.supervision.agent\n")
+    (tmp_path / "roles" / "learning" / "_planted.py").write_text(
+        "from asyncrl.roles.training.learner import Learner\n"
+        "from asyncrl.manifest._schema import join\n"
+    )
+    assert sorted(_arrow_violations(str(tmp_path))) == [
+        "asyncrl/_planted.py (core) imports asyncrl.supervision.agent (asyncrl.supervision)",
+        "asyncrl/observe/_planted.py (asyncrl.observe) imports asyncrl.dispatch.handles "
+        "(asyncrl.dispatch)",
+        "asyncrl/observe/_planted.py (asyncrl.observe) imports asyncrl.dispatch.handles.Handle "
+        "(asyncrl.dispatch)",
+        "roles/learning/_planted.py (asyncrl.roles.learning) imports "
+        "asyncrl.roles.training.learner (asyncrl.roles.training)",
+        "roles/learning/_planted.py (asyncrl.roles.learning) imports "
+        "asyncrl.roles.training.learner.Learner (asyncrl.roles.training)",
+        "roles/learning/_planted.py imports the private asyncrl.manifest._schema",
+        "roles/learning/_planted.py imports the private asyncrl.manifest._schema.join",
+    ]
+
+
+def test_old_module_paths_still_import_and_name_the_new_one() -> None:
+    """A manifest or program written before the split names ``asyncrl.roles.learner:Learner``
+    or imports ``asyncrl.trace``: the module at the new path, with a warning that names it."""
+    code = (
+        "import warnings, importlib; warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    old = importlib.import_module('asyncrl.roles.learner')\n"
+        "    trace = importlib.import_module('asyncrl.trace')\n"
+        "import asyncrl.roles.training.learner as new\n"
+        "print(old is new, old.__spec__.name, old.Learner.__module__, trace.__name__)\n"
+        "print([str(x.message).split(':')[0] for x in w])\n"
+        "from asyncrl.manifest import load_manifest; from asyncrl.dispatch import Dispatcher\n"
+        "from asyncrl.weights import WeightStore, handle_path\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "True asyncrl.roles.training.learner asyncrl.roles.training.learner asyncrl.observe.trace",
+        "['asyncrl.roles.learner moved to asyncrl.roles.training.learner', "
+        "'asyncrl.trace moved to asyncrl.observe.trace']",
+    ]
+    from asyncrl.moved import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.util.find_spec(new) is not None, f"{old} -> {new}: no such module"
+
+
 def test_no_layer_imports_the_benchmarks() -> None:
     """Only the command line reaches ``asyncrl.bench``, by name when a benchmark is asked for."""
     bad = _violations("asyncrl", ("asyncrl.bench",), skip=(os.path.join("asyncrl", "bench"),))
@@ -165,15 +370,15 @@ def _raw_hardware(path: str) -> list[str]:
 
 
 PLUGIN_ROLES = (
-    "learner.py",
-    "reference.py",
-    "critic.py",
-    "data_parallel.py",
-    "checkpoints.py",
-    "rollout.py",
-    "engine.py",
-    "engine_rows.py",
-    "vllm_engine.py",
+    "training/learner.py",
+    "services/reference.py",
+    "training/critic.py",
+    "training/data_parallel.py",
+    "training/checkpoints.py",
+    "generation/rollout.py",
+    "generation/engine.py",
+    "generation/engine_rows.py",
+    "generation/vllm_engine.py",
 )
 """The roles that take their hardware from the plugin registry (issue 13)."""
 
@@ -214,7 +419,9 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: pathlib.Path) -> None:
     (tmp_path / "transport" / "_planted.py").write_text(
         "from asyncrl.roles import anything\nfrom .codec import Codec\n"
     )
-    (tmp_path / "asyncrl" / "bench" / "_planted.py").write_text("import asyncrl.roles.rollout\n")
+    (tmp_path / "asyncrl" / "bench" / "_planted.py").write_text(
+        "import asyncrl.roles.generation.rollout\n"
+    )
     root = str(tmp_path)
     assert _violations("transport", ("asyncrl",), ("asyncrl.transport",), root=root) == [
         "transport/_planted.py imports asyncrl.roles",
@@ -222,7 +429,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: pathlib.Path) -> None:
     ]
     bench = os.path.join("asyncrl", "bench")
     seen = _violations("asyncrl", ("asyncrl.roles",), root=root)
-    assert "asyncrl/bench/_planted.py imports asyncrl.roles.rollout" in seen
+    assert "asyncrl/bench/_planted.py imports asyncrl.roles.generation.rollout" in seen
     assert _violations("asyncrl", ("asyncrl.roles",), skip=(bench,), root=root) == []
     assert not os.path.exists(os.path.join(ROOT, "transport", "_planted.py"))
 
@@ -259,7 +466,8 @@ def test_importing_asyncrl_is_cheap() -> None:
 def test_the_node_agent_imports_no_torch() -> None:
     """The agent supervises; torch and user code load only in the processes it starts."""
     code = (
-        "import sys, asyncrl.agent, asyncrl.supervisor, asyncrl.manifest, asyncrl.cli;"
+        "import sys, asyncrl.supervision.agent, asyncrl.supervision.supervisor,"
+        "asyncrl.manifest.load, asyncrl.cli;"
         "print('torch' in sys.modules, any(m.startswith('tests.') for m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -279,8 +487,9 @@ def test_stateless_roles_and_the_sample_pipeline_import_no_torch() -> None:
     """The prompt source, the reward role and the driver's pipeline and programs restart
     without paying for a torch import: their payloads live in a torch-free module."""
     code = (
-        "import sys, asyncrl.roles.payloads, asyncrl.roles.prompts, asyncrl.roles.reward,"
-        "asyncrl.roles.pipeline, asyncrl.roles.programs; print('torch' in sys.modules)"
+        "import sys, asyncrl.roles.payloads, asyncrl.roles.services.prompts,"
+        "asyncrl.roles.services.reward, asyncrl.roles.sampling.pipeline,"
+        "asyncrl.roles.program.programs; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]

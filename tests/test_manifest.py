@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.manifest import (
+from asyncrl.manifest.load import (
     DriverSpec,
     Manifest,
     ManifestError,
@@ -27,8 +27,8 @@ from asyncrl.manifest import (
     parse_manifest,
     resolve_run_dir,
 )
-from asyncrl.model_section import inherited_config
-from asyncrl.pacing import PipelineSpec
+from asyncrl.manifest.model_section import inherited_config
+from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.role import Delivery, Role, endpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -602,14 +602,14 @@ def test_manifest_error_pickles() -> None:
 
 
 def test_public_names_resolve() -> None:
-    import asyncrl.manifest
+    import asyncrl.manifest.load
 
-    assert sorted(asyncrl.manifest.__all__) == asyncrl.manifest.__all__
-    assert [n for n in asyncrl.manifest.__all__ if not hasattr(asyncrl.manifest, n)] == []
+    assert sorted(asyncrl.manifest.load.__all__) == asyncrl.manifest.load.__all__
+    assert [n for n in asyncrl.manifest.load.__all__ if not hasattr(asyncrl.manifest.load, n)] == []
 
 
 def test_importing_the_manifest_module_imports_no_torch() -> None:
-    code = "import sys, asyncrl.manifest; print('torch' in sys.modules)"
+    code = "import sys, asyncrl.manifest.load; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
@@ -630,7 +630,7 @@ def test_the_complete_example_in_the_docs_is_valid() -> None:
 
 
 def test_the_model_section_in_the_docs_fills_the_built_in_roles_as_its_table_says() -> None:
-    from asyncrl.process import load_role_class
+    from asyncrl.supervision.process import load_role_class
 
     section = _doc().split("## model\n", 1)[1].split("\n## ", 1)[0]
     (example,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
@@ -655,13 +655,13 @@ def test_the_model_section_in_the_docs_fills_the_built_in_roles_as_its_table_say
         "| `Reward` | `tokenizer_path` |",
     ]
     assert [row for row in rows if row in section] == rows
-    for cls in ("reference:Reference", "critic:Critic"):
+    for cls in ("services.reference:Reference", "training.critic:Critic"):
         config_type = load_role_class(f"asyncrl.roles.{cls}").Config
         assert inherited_config({}, config_type, model) == {"model_path": "checkpoints/qwen-0.5b"}
 
 
 def test_the_sizing_section_quotes_the_arith_example_as_it_is() -> None:
-    from asyncrl.roles.rollout import Rollout
+    from asyncrl.roles.generation.rollout import Rollout
 
     section = _doc().split("## Sizing capacity, max_batch and threads\n", 1)[1]
     text = " ".join(section.split("\n## ", 1)[0].split())
@@ -784,7 +784,7 @@ def test_endpoints_declare_delivery_classes() -> None:
 BIG = "x" * 200_000  # over Linux's 128 KiB limit on one environment string
 
 READ_SPEC = (
-    "from asyncrl.spec import load_spec_from_env\n"
+    "from asyncrl.manifest.spec import load_spec_from_env\n"
     "s = load_spec_from_env()\n"
     "print(s.kind, s.name, s.incarnation, len(s.config['blob']), sorted(s.groups))\n"
 )
@@ -796,8 +796,8 @@ READ_CONFIG = (
 
 
 def test_a_large_config_reaches_every_process_through_a_spec_file(run_dir: str) -> None:
-    from asyncrl.agent import build_children
-    from asyncrl.spec import SPEC_FILE_ENV
+    from asyncrl.manifest.spec import SPEC_FILE_ENV
+    from asyncrl.supervision.agent import build_children
 
     text = (
         "run: {name: big, program: a:b}\n"
@@ -819,7 +819,11 @@ def test_a_large_config_reaches_every_process_through_a_spec_file(run_dir: str) 
         argv, env = child.argv_env(1)
         assert max(len(k) + len(v) for k, v in env.items()) < 1024
         if child.kind != "command":
-            argv = [sys.executable, "-c", READ_SPEC]  # the spec as asyncrl.process reads it
+            argv = [
+                sys.executable,
+                "-c",
+                READ_SPEC,
+            ]  # the spec as asyncrl.supervision.process reads it
             path = env[SPEC_FILE_ENV]
             assert path == os.path.join(run_dir, "specs", f"{child.name}.0.1.json")
             assert os.stat(path).st_mode & 0o777 == 0o600
@@ -847,7 +851,7 @@ def test_a_large_config_reaches_every_process_through_a_spec_file(run_dir: str) 
 def test_a_command_gets_a_small_config_in_its_environment_and_the_driver_its_classes(
     run_dir: str,
 ) -> None:
-    from asyncrl.agent import build_children
+    from asyncrl.supervision.agent import build_children
 
     text = (
         "run: {name: r, program: a:b}\n"
@@ -859,14 +863,14 @@ def test_a_command_gets_a_small_config_in_its_environment_and_the_driver_its_cla
     with open(env["ASYNCRL_CONFIG_FILE"]) as f:
         assert f.read() == '{"k": 1}'
     # The declared delivery classes reach the driver with the group.
-    from asyncrl.spec import load_spec_from_env
+    from asyncrl.manifest.spec import load_spec_from_env
 
     spec = load_spec_from_env(driver.argv_env(0)[1])
     assert spec.groups["ext"].delivery == {"score": "idempotent"}
 
 
 def test_load_spec_from_env_reads_the_file_or_the_old_variable(tmp_path: pathlib.Path) -> None:
-    from asyncrl.spec import ProcessSpec, load_spec_from_env, write_spec
+    from asyncrl.manifest.spec import ProcessSpec, load_spec_from_env, write_spec
 
     spec = ProcessSpec(kind="role", name="r", endpoint="ipc://x", run="n", run_dir=str(tmp_path))
     path = write_spec(spec)
@@ -876,13 +880,15 @@ def test_load_spec_from_env_reads_the_file_or_the_old_variable(tmp_path: pathlib
     with pytest.raises(SystemExit) as info:
         load_spec_from_env({})
     assert str(info.value) == (
-        "asyncrl.process is started by the supervisor, with ASYNCRL_SPEC_FILE (or ASYNCRL_SPEC) set"
+        "asyncrl.supervision.process is started by the supervisor, with ASYNCRL_SPEC_FILE "
+        "(or ASYNCRL_SPEC) set"
     )
     gone = str(tmp_path / "gone.json")
     with pytest.raises(SystemExit) as info:
         load_spec_from_env({"ASYNCRL_SPEC_FILE": gone})
     assert str(info.value) == (
-        f"asyncrl.process: cannot read the spec file {gone!r} named by ASYNCRL_SPEC_FILE "
+        f"asyncrl.supervision.process: cannot read the spec file {gone!r} named by "
+        "ASYNCRL_SPEC_FILE "
         "(No such file or directory); it is written by the node agent, which must still be "
         "running"
     )
@@ -1016,7 +1022,7 @@ def test_run_manifest_refuses_roles_off_node_0_before_starting_anything(
 ) -> None:
     import asyncio
 
-    from asyncrl.agent import run_manifest
+    from asyncrl.supervision.agent import run_manifest
 
     manifest = parse_manifest(PLACED)
     with pytest.raises(ManifestError) as info:
@@ -1040,7 +1046,7 @@ def test_placement_node_and_nodes_exclude_each_other_and_nodes_are_listed_once()
 
 
 def test_a_saved_manifest_with_nodes_loads_again(tmp_path: pathlib.Path) -> None:
-    from asyncrl.rundir import load_saved_manifest, save_manifest
+    from asyncrl.supervision.rundir import load_saved_manifest, save_manifest
 
     manifest = parse_manifest(PLACED)
     save_manifest(manifest, str(tmp_path))

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from asyncrl.manifest import ManifestError, load_manifest
+from asyncrl.manifest.load import ManifestError, load_manifest
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "manifests", "broken")
 CASES = sorted(name.removesuffix(".yaml") for name in os.listdir(CORPUS) if name.endswith(".yaml"))

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from asyncrl.manifest import ManifestError, parse_manifest
-from asyncrl.manifest_limits import (
+from asyncrl.manifest.limits import (
     MAX_ENV_STRING,
     MAX_ENV_TOTAL,
     MAX_REPLICAS,
     MAX_ROLE_NAME,
     MAX_RUN_NAME,
 )
+from asyncrl.manifest.load import ManifestError, parse_manifest
 from asyncrl.transport.registry import LocalRegistry
 from asyncrl.transport.shm import segment_name
 from asyncrl.transport.sockets import IPC_PATH_MAX

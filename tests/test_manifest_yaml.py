@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.manifest_yaml import apply_override, load_yaml
+from asyncrl.manifest.yaml_reader import apply_override, load_yaml
 
 
 @pytest.mark.parametrize(

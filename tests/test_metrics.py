@@ -1,4 +1,4 @@
-"""metrics.jsonl, its TensorBoard mirror and the restart count (asyncrl.metrics)."""
+"""metrics.jsonl, its TensorBoard mirror and the restart count (asyncrl.observe.metrics)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.metrics import (
+from asyncrl.observe.metrics import (
     METRICS_FILE,
     TENSORBOARD_DIR,
     MetricsLog,
@@ -122,7 +122,7 @@ def test_without_tensorboard_one_line_says_how_to_install_it(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
-    caplog.set_level(logging.INFO, logger="asyncrl.metrics")
+    caplog.set_level(logging.INFO, logger="asyncrl.observe.metrics")
     run_dir = str(tmp_path)
     assert not write_steps(run_dir, range(1, 3), done=0, tensorboard=True)
     assert [r.getMessage() for r in caplog.records] == [

@@ -1,4 +1,5 @@
-"""asyncrl plot (asyncrl.plots): PNG figures of runs' metrics, several runs on one figure."""
+"""asyncrl plot (asyncrl.observe.plots): PNG figures of runs' metrics, several runs on one
+figure."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from asyncrl.cli import main
-from asyncrl.plots import load_run
+from asyncrl.observe.plots import load_run
 
 matplotlib = pytest.importorskip("matplotlib", reason="matplotlib (the plot extra) is missing")
 
@@ -96,7 +97,7 @@ def test_a_directory_without_metrics_is_refused(
     assert main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"asyncrl: error: {os.path.join(tmp_path, 'metrics.jsonl')} does not")
-    assert "asyncrl.roles.programs.rl_loop" in err
+    assert "asyncrl.roles.program.programs.rl_loop" in err
 
 
 def test_without_matplotlib_the_command_names_the_extra(
@@ -114,7 +115,7 @@ def test_without_matplotlib_the_command_names_the_extra(
 
 
 def test_the_reward_band_is_the_95_interval_of_the_mean_or_else_p10_to_p90(tmp_path: Any) -> None:
-    from asyncrl.plots import _reward_band
+    from asyncrl.observe.plots import _reward_band
 
     run = load_run(make_run(tmp_path, "old", "sync", steps=4))
     # Records written before ci95 existed: the band runs from p10 to p90.

@@ -1,4 +1,5 @@
-"""The progress display (asyncrl.progress): plain lines off a terminal, a live bar on one."""
+"""The progress display (asyncrl.observe.progress): plain lines off a terminal, a live bar on
+one."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import re
 
 import pytest
 
-from asyncrl import progress
-from asyncrl.progress import Progress, format_eta, say
+from asyncrl.observe import progress
+from asyncrl.observe.progress import Progress, format_eta, say
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

@@ -41,7 +41,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 def test_the_pipeline_section_in_the_readme_is_valid() -> None:
-    from asyncrl.manifest import parse_manifest
+    from asyncrl.manifest.load import parse_manifest
 
     (block,) = re.findall(r"```yaml\n(pipeline:.*?)```", _readme(), re.S)
     manifest = parse_manifest("run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n" + block)

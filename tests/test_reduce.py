@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.clock import FakeClock
-from asyncrl.reduce import Moments, Outcome, Reducer, Released, Straggler
+from asyncrl.dispatch.reduce import Moments, Outcome, Reducer, Released, Straggler
 from asyncrl.transport import run
 
 DUE_S = 0.5  # a round's deadline on the fake clock (exact in binary, so sums are exact)

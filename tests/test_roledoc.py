@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import pytest
 
-from asyncrl.manifest import parse_manifest
-from asyncrl.model_section import inherited_config
+from asyncrl.manifest.load import parse_manifest
+from asyncrl.manifest.model_section import inherited_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from asyncrl.dispatch.scheduler import Scheduler, Work
 from asyncrl.errors import (
     ClosedError,
     DeadlineExceededError,
@@ -22,7 +23,6 @@ from asyncrl.errors import (
     RoleDeadError,
 )
 from asyncrl.role import Delivery
-from asyncrl.scheduler import Scheduler, Work
 
 T = TypeVar("T")
 

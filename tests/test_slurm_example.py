@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from asyncrl.manifest import load_manifest
+from asyncrl.manifest.load import load_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "slurm", "asyncrl.sbatch")
@@ -187,7 +187,7 @@ def test_the_default_manifest_is_the_qwen_job_over_two_nodes(
             "run.config.relays=[relay]",
             "roles.rollout.replicas=2",
             "roles.rollout.placement={node: 1}",
-            "roles.relay={class: 'asyncrl.roles.relay:Relay', placement: {node: 1}, "
+            "roles.relay={class: 'asyncrl.roles.services.relay:Relay', placement: {node: 1}, "
             "config: {source: learner}}",
             "roles.learner.replicas=2",
             "roles.learner.placement={nodes: [0, 1]}",

@@ -12,10 +12,17 @@ from typing import Any
 
 import pytest
 
-import asyncrl.status as status_module
-from asyncrl.dispatch import Busy
-from asyncrl.metrics import IdleFractions
-from asyncrl.status import AgentStatus, NotRunningError, agent_endpoint, ask, format_status, main
+import asyncrl.observe.status as status_module
+from asyncrl.dispatch.dispatcher import Busy
+from asyncrl.observe.metrics import IdleFractions
+from asyncrl.observe.status import (
+    AgentStatus,
+    NotRunningError,
+    agent_endpoint,
+    ask,
+    format_status,
+    main,
+)
 from asyncrl.transport import Server
 
 

@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from asyncrl.process import Tally, serve_role, status_answer
+from asyncrl.manifest.spec import ProcessSpec
+from asyncrl.observe.status import AgentStatus, ask, format_status
 from asyncrl.role import Role, RoleContext, endpoint
-from asyncrl.spec import ProcessSpec
-from asyncrl.status import AgentStatus, ask, format_status
+from asyncrl.supervision.process import Tally, serve_role, status_answer
 from asyncrl.transport import Client, LocalRegistry, Server
 
 START_S = 20.0

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import structlog
 
-from asyncrl.manifest import Supervision
-from asyncrl.runreport import ExitInfo
-from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.manifest.load import Supervision
+from asyncrl.supervision.runreport import ExitInfo
+from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from tests.conftest import ROOT
 
 WAIT_S = 30.0  # the bound on a run that should end at once
@@ -115,7 +115,7 @@ FAULTY_AGENT = """
 import sys
 
 from asyncrl import cli
-from asyncrl.supervisor import Supervisor
+from asyncrl.supervision.supervisor import Supervisor
 
 exit_info = Supervisor._exit_info
 

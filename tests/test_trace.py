@@ -1,5 +1,6 @@
 """Traces: the transport's recorder, the merge into one Chrome trace, its validation, and the
-control-flow graph page (asyncrl.trace, asyncrl.trace_view, asyncrl.transport.tracing)."""
+control-flow graph page (asyncrl.observe.trace, asyncrl.observe.trace_view,
+asyncrl.transport.tracing)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from asyncrl import trace, trace_view
+from asyncrl.observe import trace, trace_view
 from asyncrl.transport import ChannelOptions, Client, Server, run, tracing
 
 SVG = "{http://www.w3.org/2000/svg}"

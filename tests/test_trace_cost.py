@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from asyncrl import trace
+from asyncrl.observe import trace
 from asyncrl.transport import ChannelOptions, Client, RemoteError, Server, run, tracing
 from asyncrl.transport.protocol import TensorDesc, Where
 from asyncrl.transport.tracing import CALL, HANDLED, REPLY, SERVE, SERVED, Recorder

@@ -1,6 +1,7 @@
-"""The trace page's graph reads cleanly (asyncrl.trace_view, asyncrl.trace_view_graph): labels
-apart from each other and from the nodes, arrowheads of one size, both directions of a pair on
-lanes of their own, and the node agent left out of the graph but kept in the timeline."""
+"""The trace page's graph reads cleanly (asyncrl.observe.trace_view,
+asyncrl.observe.trace_view_graph): labels apart from each other and from the nodes, arrowheads of
+one size, both directions of a pair on lanes of their own, and the node agent left out of the graph
+but kept in the timeline."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl import trace, trace_view, trace_view_graph
+from asyncrl.observe import trace, trace_view, trace_view_graph
 from tests.test_trace import SVG, _chromium
 
 Box = tuple[float, float, float, float]

@@ -1,13 +1,13 @@
 """``asyncrl bench durability``: what each ``durable`` mode of the learner costs a step, and how
 fast a learner with a write-ahead log comes back after a SIGKILL.
 
-Three supervised learner processes (``asyncrl.roles.learner:Learner``, one torch thread each)
-train the same model from the same seed on the same GRPO batches, with ``durable: false``
+Three supervised learner processes (``asyncrl.roles.training.learner:Learner``, one torch thread
+each) train the same model from the same seed on the same GRPO batches, with ``durable: false``
 (``off``: nothing on disk before the reply; the baseline), ``durable: wal`` (the step's batch
 appended to a write-ahead log and fsynced; a checkpoint staged and written in the background
 every ``checkpoint_every`` steps) and ``durable: checkpoint`` (a whole checkpoint written and
 fsynced before every reply). The model is the rollout benchmark's Qwen2 of about 303M
-parameters (``asyncrl.roles.engine_bench.QWEN2_300M``; ``--small``: a tiny Qwen2, for a quick
+parameters (``asyncrl.bench.engines.QWEN2_300M``; ``--small``: a tiny Qwen2, for a quick
 run). Each step goes to the learners one after the other, timed from the call to the reply
 through the transport.
 
@@ -65,14 +65,14 @@ from typing import Any
 
 import torch
 
-from asyncrl import logs
+from asyncrl.bench.engines import QWEN2_300M
 from asyncrl.bench.harness import role_child
-from asyncrl.faults import FaultPlan
-from asyncrl.manifest import Supervision
-from asyncrl.roles.checkpoints import CheckpointDir
-from asyncrl.roles.engine_bench import QWEN2_300M
+from asyncrl.manifest.load import Supervision
+from asyncrl.observe import logs
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
-from asyncrl.supervisor import Supervisor
+from asyncrl.roles.training.checkpoints import CheckpointDir
+from asyncrl.supervision.faults import FaultPlan
+from asyncrl.supervision.supervisor import Supervisor
 from asyncrl.transport import ChannelOptions, Client, TransportError, run
 
 __all__ = ["MODEL", "SMALL", "main", "measure"]
@@ -89,7 +89,7 @@ SMALL: dict[str, Any] = {
     "num_key_value_heads": 2,
 }
 """The same architecture at about 100K parameters (``--small``)."""
-LEARNER = "asyncrl.roles.learner:Learner"
+LEARNER = "asyncrl.roles.training.learner:Learner"
 CALL_S = 600.0
 """The longest one call waits (a 303M step on a loaded core, a restart's load and replay)."""
 LIVENESS = 30

@@ -8,10 +8,10 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import logs
-from asyncrl.manifest import Supervision
-from asyncrl.spec import SPEC_ENV, ProcessSpec
-from asyncrl.supervisor import ChildSpec
+from asyncrl.manifest.load import Supervision
+from asyncrl.manifest.spec import SPEC_ENV, ProcessSpec
+from asyncrl.observe import logs
+from asyncrl.supervision.supervisor import ChildSpec
 from asyncrl.transport import LocalRegistry
 
 __all__ = ["role_child"]
@@ -47,6 +47,6 @@ def role_child(
             "OMP_NUM_THREADS": "1",
             logs.CONSOLE_ENV: "0",
         }
-        return [sys.executable, "-m", "asyncrl.process"], env
+        return [sys.executable, "-m", "asyncrl.supervision.process"], env
 
     return ChildSpec(name, 0, "role", endpoint, policy, launch)

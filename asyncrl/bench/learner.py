@@ -35,17 +35,23 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncrl import logs
 from asyncrl.bench.harness import role_child
-from asyncrl.dispatch import Dispatcher
-from asyncrl.handles import Context
-from asyncrl.manifest import Supervision
-from asyncrl.roles import algorithms as alg
-from asyncrl.roles.clients import LearnerClient
-from asyncrl.roles.learner import Scored, StepResult, TrainBatch, build_model, pad_batch
-from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
-from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
-from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.handles import Context
+from asyncrl.manifest.load import Supervision
+from asyncrl.manifest.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.observe import logs
+from asyncrl.roles.generation.rollout import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    Sample,
+    SamplingParams,
+)
+from asyncrl.roles.learning import algorithms as alg
+from asyncrl.roles.program.clients import LearnerClient
+from asyncrl.roles.training.learner import Scored, StepResult, TrainBatch, build_model, pad_batch
+from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from asyncrl.transport import LocalRegistry, run
 
 __all__ = ["main", "measure", "measure_data_parallel"]
@@ -111,14 +117,17 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
     policy = Supervision(startup_timeout_s=300.0)
     specs = {
         "learner": (
-            "asyncrl.roles.learner:Learner",
+            "asyncrl.roles.training.learner:Learner",
             {"model_config": MODEL, "lr": 1e-3, "publish_weights": False, "durable": False},
         ),
         "durable": (
-            "asyncrl.roles.learner:Learner",
+            "asyncrl.roles.training.learner:Learner",
             {"model_config": MODEL, "lr": 1e-3, "publish_weights": False, "durable": "wal"},
         ),
-        "rollout": ("asyncrl.roles.rollout:Rollout", {"model_config": MODEL, "max_batch": 256}),
+        "rollout": (
+            "asyncrl.roles.generation.rollout:Rollout",
+            {"model_config": MODEL, "max_batch": 256},
+        ),
     }
     children = [
         role_child(run_dir, name, target, config, policy)
@@ -204,7 +213,7 @@ def _replicas(
                 replica=replica,
                 replicas=replicas,
                 incarnation=incarnation,
-                target="asyncrl.roles.learner:Learner",
+                target="asyncrl.roles.training.learner:Learner",
                 endpoint=endpoint,
                 run="bench",
                 run_dir=run_dir,
@@ -216,7 +225,7 @@ def _replicas(
                 "OMP_NUM_THREADS": "1",
                 logs.CONSOLE_ENV: "0",
             }
-            return [sys.executable, "-m", "asyncrl.process"], env
+            return [sys.executable, "-m", "asyncrl.supervision.process"], env
 
         children.append(ChildSpec(name, replica, "role", endpoint, policy, launch))
     return children

@@ -4,8 +4,8 @@ Weight sync, on one machine split into three simulated hosts (``ASYNCRL_HOST_ID`
 memory between them, tcp only across):
 
 - node 0: a learner (``publish_weights``, not durable) and a rollout replica reading its store;
-- node 1 (its own run directory): a relay (``asyncrl.roles.relay``) whose source is the learner,
-  and a rollout replica reading the relay's store;
+- node 1 (its own run directory): a relay (``asyncrl.roles.services.relay``) whose source is the
+  learner, and a rollout replica reading the relay's store;
 - node 2: the same with a relay of ``transport: broadcast`` (the plugin's broadcast, gloo here,
   on a group of two with the learner, in buckets of 256 MiB).
 
@@ -47,14 +47,14 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import logs
 from asyncrl.bench.multinode_runs import MANIFEST, free_port, wall_times
-from asyncrl.dispatch import Dispatcher
-from asyncrl.handles import Context
-from asyncrl.manifest import Supervision
+from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.handles import Context
+from asyncrl.manifest.load import Supervision
+from asyncrl.manifest.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.observe import logs
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
-from asyncrl.spec import SPEC_ENV, GroupInfo, ProcessSpec
-from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from asyncrl.transport import run
 from asyncrl.transport.control import CONTROL_SECRET_ENV
 from asyncrl.transport.shm import HOST_ID_ENV
@@ -93,17 +93,17 @@ LIVENESS = 20
 100M parameters starves a process's event loop for seconds."""
 _ROLES: dict[str, tuple[int, str, dict[str, Any]]] = {
     # name: (node, class, config on top of the model)
-    "learner": (0, "asyncrl.roles.learner:Learner", {"lr": 1e-4, "durable": False}),
-    "rollout0": (0, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
+    "learner": (0, "asyncrl.roles.training.learner:Learner", {"lr": 1e-4, "durable": False}),
+    "rollout0": (0, "asyncrl.roles.generation.rollout:Rollout", {"weights_from": "learner"}),
     # No polling: every pull is one the timed sync makes.
-    "relay": (1, "asyncrl.roles.relay:Relay", {"source": "learner", "poll_s": 0}),
-    "rollout1": (1, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
+    "relay": (1, "asyncrl.roles.services.relay:Relay", {"source": "learner", "poll_s": 0}),
+    "rollout1": (1, "asyncrl.roles.generation.rollout:Rollout", {"weights_from": "learner"}),
     "relay_broadcast": (
         2,
-        "asyncrl.roles.relay:Relay",
+        "asyncrl.roles.services.relay:Relay",
         {"source": "learner", "poll_s": 0, "transport": "broadcast"},
     ),
-    "rollout2": (2, "asyncrl.roles.rollout:Rollout", {"weights_from": "learner"}),
+    "rollout2": (2, "asyncrl.roles.generation.rollout:Rollout", {"weights_from": "learner"}),
 }
 
 
@@ -136,7 +136,7 @@ def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[Chi
                 logs.CONSOLE_ENV: "0",
                 HOST_ID_ENV: spec.run_dir.rsplit(os.sep, 1)[-1],
             }
-            return [sys.executable, "-m", "asyncrl.process"], env
+            return [sys.executable, "-m", "asyncrl.supervision.process"], env
 
         children.append(ChildSpec(name, 0, "role", endpoints[name], policy, launch))
     return children

@@ -4,9 +4,9 @@ The manifest is ``examples/arith/multinode.yaml`` shortened by ``SHORT`` (a few 
 RL steps): the README's main job with its rollouts and a relay on node 1 and two data-parallel
 learners, one per node. On one node (``asyncrl run``) ``ONE_NODE`` moves everything to node 0
 (the relay then copies nothing: its source shares its host); on two nodes, two torchrun processes
-on 127.0.0.1 run ``asyncrl.launch``, node 1 with ``ASYNCRL_HOST_ID=node1`` so it shares no memory
-with node 0 and weights cross between them over tcp. Rounds alternate which comes first; each
-time is the command's wall time, start-up included, and each run must exit 0.
+on 127.0.0.1 run ``asyncrl.launch``, node 1 with ``ASYNCRL_HOST_ID=node1`` so it shares
+no memory with node 0 and weights cross between them over tcp. Rounds alternate which comes first;
+each time is the command's wall time, start-up included, and each run must exit 0.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ import yaml
 
 from asyncrl.bench.pipeline_model import Workload, simulate
 from asyncrl.bench.sim import work_of
-from asyncrl.pacing import percentiles
+from asyncrl.dispatch.pacing import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
-from asyncrl.roles.pipeline import Batch, SamplePipeline, WeightSync
+from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
 
 __all__ = [
     "ROWS",

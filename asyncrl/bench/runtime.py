@@ -8,8 +8,8 @@ handle costs, each against its baseline measured in the same run.
 - restart through a standby (``supervision.standby``): the same kill and first answer for a second
   replica whose next incarnation waits with its modules imported, interleaved kill by kill with
   the cold restart above, which is its baseline;
-- restart through the zygote (the default: ``asyncrl.zygote`` forks the next incarnation from a
-  process that imported torch and the role once): the same kill and first answer for a third
+- restart through the zygote (the default: ``asyncrl.supervision.zygote`` forks the next incarnation
+  from a process that imported torch and the role once): the same kill and first answer for a third
   replica, under a supervisor of its own with the zygote on (the other two run with it off),
   interleaved kill by kill with the cold restart;
 - handle overhead: a call through a handle (the dispatcher) against the transport client calling
@@ -36,13 +36,13 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import logs
 from asyncrl.bench.harness import role_child
-from asyncrl.dispatch import Dispatcher
-from asyncrl.handles import Context
-from asyncrl.manifest import Supervision
-from asyncrl.spec import GroupInfo
-from asyncrl.supervisor import Supervisor
+from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.handles import Context
+from asyncrl.manifest.load import Supervision
+from asyncrl.manifest.spec import GroupInfo
+from asyncrl.observe import logs
+from asyncrl.supervision.supervisor import Supervisor
 from asyncrl.transport import Client, run
 
 __all__ = ["main", "measure"]

@@ -42,17 +42,17 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import logs
 from asyncrl.bench.pipeline import reward
 from asyncrl.bench.sim import SimRollout
-from asyncrl.dispatch import Dispatcher
-from asyncrl.handles import Context
-from asyncrl.pacing import PipelineSpec, percentiles
-from asyncrl.process import die_with_parent
+from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.handles import Context
+from asyncrl.dispatch.pacing import PipelineSpec, percentiles
+from asyncrl.manifest.spec import GroupInfo
+from asyncrl.observe import logs
 from asyncrl.role import Delivery, RoleContext, endpoint, endpoints_of
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
-from asyncrl.roles.pipeline import SamplePipeline, WeightSync
-from asyncrl.spec import GroupInfo
+from asyncrl.roles.sampling.pipeline import SamplePipeline, WeightSync
+from asyncrl.supervision.process import die_with_parent
 from asyncrl.transport import Call, ChannelOptions, LocalRegistry, Server, run
 
 __all__ = ["ScaleRollout", "format_table", "main", "measure", "project", "turnarounds"]

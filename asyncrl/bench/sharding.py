@@ -1,8 +1,8 @@
 """``asyncrl bench sharding``: a sharded learner's memory per rank against one unsharded rank.
 
-One learner (``asyncrl.roles.learner.Learner``, in-process in each rank's own process) trains a
-Qwen2-architecture model built from a config (``MODEL``: about 302M parameters, grouped-query
-attention, tied embeddings) for ``--steps`` GRPO steps on a fixed batch:
+One learner (``asyncrl.roles.training.learner.Learner``, in-process in each rank's own process)
+trains a Qwen2-architecture model built from a config (``MODEL``: about 302M parameters,
+grouped-query attention, tied embeddings) for ``--steps`` GRPO steps on a fixed batch:
 
 - as one rank holding the whole model, its gradients and AdamW's moments (the baseline);
 - as 2 (and, with ``--ranks 1,2,4``, 4) ranks with ``parallel: fsdp``, gloo on the CPU.
@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from asyncrl.roles.engine_bench import QWEN2_300M
+from asyncrl.bench.engines import QWEN2_300M
 
 __all__ = ["MODEL", "main", "measure"]
 
@@ -76,8 +76,8 @@ async def _rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from asyncrl.role import RoleContext
-    from asyncrl.roles.learner import Learner, build_model
-    from asyncrl.roles.sharding import full_buckets
+    from asyncrl.roles.training.learner import Learner, build_model
+    from asyncrl.roles.training.sharding import full_buckets
 
     torch.set_num_threads(args["threads"])
     ranks, rank = args["ranks"], args["rank"]

@@ -28,13 +28,13 @@ import sys
 import time
 from typing import Any
 
-from asyncrl.handles import Context
-from asyncrl.metrics import Restarts
-from asyncrl.progress import say
-from asyncrl.roles.clients import RLContext
-from asyncrl.roles.evaluation import greedy_accuracy
+from asyncrl.dispatch.handles import Context
+from asyncrl.observe.metrics import Restarts
+from asyncrl.observe.progress import say
 from asyncrl.roles.payloads import LearnerStatus, Prompt, Sample, SamplingParams, Scored, TrainBatch
-from asyncrl.roles.programs import PromptFeed, RLLoop, RLStep, rl_loop, weight_sync
+from asyncrl.roles.program.clients import RLContext
+from asyncrl.roles.program.evaluation import greedy_accuracy
+from asyncrl.roles.program.programs import PromptFeed, RLLoop, RLStep, rl_loop, weight_sync
 from examples.arith import data
 
 DEFAULTS: dict[str, Any] = {
@@ -390,7 +390,7 @@ def _plot(history: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path)
     plt.close(fig)
     # Every RL step's metrics, drawn as `asyncrl plot RUN_DIR` draws them, in RUN_DIR/plots/.
-    from asyncrl.plots import plot_runs
+    from asyncrl.observe.plots import plot_runs
 
     try:
         plot_runs([os.path.dirname(path)])

@@ -17,7 +17,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncrl.roles.rollout import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+from asyncrl.roles.generation.rollout import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    Sample,
+    SamplingParams,
+)
 
 DEFAULTS: dict[str, Any] = {
     "groups": [1, 2],  # samples per group; the sizes must differ to tell the replicas apart

@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 
 from asyncrl.role import Delivery, Role, endpoint
-from asyncrl.roles.pipeline import SamplePipeline
-from asyncrl.roles.rollout import GenerateBatch, Prompt, Sample, SamplingParams
+from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, SamplingParams
+from asyncrl.roles.sampling.pipeline import SamplePipeline
 
 
 class TimedRollout(Role):

@@ -43,7 +43,7 @@ MANIFEST = """\
 run: {{name: guarded, program: {program}:main}}
 roles:
   learner:
-    class: asyncrl.roles.learner:Learner
+    class: asyncrl.roles.training.learner:Learner
     threads: 1
     config:
       model_config: {{model_type: gpt2, vocab_size: 14, n_positions: 16, n_embd: 16,

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from asyncrl import janitor
-from asyncrl.leases import read_leases
 from asyncrl.role import Delivery, Role, endpoint
+from asyncrl.supervision import janitor
+from asyncrl.supervision.leases import read_leases
 from tests.conftest import ROOT
 
 TIMEOUT_S = 60.0  # the bound on each wait; every one ends on an event well before it
@@ -291,7 +291,7 @@ def test_the_next_run_anywhere_sweeps_a_run_whose_agent_and_janitor_were_killed(
 
 
 def test_a_live_runs_segments_and_sockets_are_never_swept(make_run: Callable[[str], Run]) -> None:
-    from asyncrl.janitor import sweep_dead_runs
+    from asyncrl.supervision.janitor import sweep_dead_runs
 
     run = make_run("wait")
     run.ready()

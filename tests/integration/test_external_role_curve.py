@@ -77,7 +77,14 @@ def test_an_external_role_on_node_1_serves_with_the_runs_curve_keys(tmp_path: An
         with open(os.path.join(tmp, f"node{node}.log"), "wb") as out:
             argv = [TORCHRUN, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}"]
             argv += ["--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0"]
-            argv += ["-m", "asyncrl.launch", manifest, "--run-dir", run_dir, "--join-timeout=60"]
+            argv += [
+                "-m",
+                "asyncrl.launch",
+                manifest,
+                "--run-dir",
+                run_dir,
+                "--join-timeout=60",
+            ]
             procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=out))
 
     def logs() -> str:

@@ -100,7 +100,8 @@ def _json(path: str) -> Any:
 
 
 class TwoNodes:
-    """Two torchrun processes (node ranks 0 and 1) running ``asyncrl.launch`` on one manifest."""
+    """Two torchrun processes (node ranks 0 and 1) running ``asyncrl.launch`` on one
+    manifest."""
 
     def __init__(self, tmp: str, extra: str = "", options: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
@@ -417,7 +418,7 @@ def test_node_1_in_its_own_network_and_mount_namespace(
 
 
 def test_launch_env_reads_what_torchrun_sets_and_names_what_is_missing() -> None:
-    from asyncrl.launch import LaunchEnv
+    from asyncrl.supervision.launch import LaunchEnv
 
     env = {
         "GROUP_RANK": "1",
@@ -441,7 +442,7 @@ def test_launch_env_reads_what_torchrun_sets_and_names_what_is_missing() -> None
 
 
 def test_launch_outside_torchrun_says_how_to_start_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from asyncrl.launch import main
+    from asyncrl.supervision.launch import main
 
     for var in ("GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         assert var not in os.environ
@@ -450,7 +451,7 @@ def test_launch_outside_torchrun_says_how_to_start_it(capsys: pytest.CaptureFixt
 
 
 def test_node_address_routes_to_the_master_and_never_binds_everything_unasked() -> None:
-    from asyncrl.store_registry import node_address
+    from asyncrl.supervision.store_registry import node_address
 
     assert node_address("", "127.0.0.1") == ("127.0.0.1", "127.0.0.1")
     assert node_address("0.0.0.0", "127.0.0.1") == ("0.0.0.0", "127.0.0.1")
@@ -464,7 +465,7 @@ def test_node_address_routes_to_the_master_and_never_binds_everything_unasked() 
 
 
 def test_free_ports_are_distinct_and_bindable() -> None:
-    from asyncrl.store_registry import free_ports
+    from asyncrl.supervision.store_registry import free_ports
 
     ports = free_ports("127.0.0.1", 5)
     assert len(set(ports)) == 5
@@ -474,7 +475,7 @@ def test_free_ports_are_distinct_and_bindable() -> None:
 
 
 def test_launch_keys_keep_each_attempt_apart() -> None:
-    from asyncrl.store_registry import LaunchKeys
+    from asyncrl.supervision.store_registry import LaunchKeys
 
     keys = LaunchKeys("job7")
     assert keys.prefix(2) == "asyncrl/job7/2"
@@ -486,7 +487,7 @@ def test_launch_keys_keep_each_attempt_apart() -> None:
 def test_store_client_against_a_real_tcpstore() -> None:
     import asyncio
 
-    from asyncrl.store_registry import StoreClient, StoreError
+    from asyncrl.supervision.store_registry import StoreClient, StoreError
 
     async def scenario() -> None:
         master = StoreClient("127.0.0.1", _free_port(), is_master=True, timeout_s=5)
@@ -513,7 +514,7 @@ def test_store_client_against_a_real_tcpstore() -> None:
 def test_an_unreachable_store_names_the_torchrun_options() -> None:
     import asyncio
 
-    from asyncrl.store_registry import StoreClient, StoreError
+    from asyncrl.supervision.store_registry import StoreClient, StoreError
 
     port = _free_port()
     client = StoreClient("127.0.0.1", port, timeout_s=0.5)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl import trace
+from asyncrl.observe import trace
 from tests.conftest import ROOT
 from tests.integration.test_multinode import EXPECTED, TwoNodes
 from tests.test_trace import SVG

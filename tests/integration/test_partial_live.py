@@ -32,7 +32,7 @@ run:
   config: {{groups: [1, 2], max_new_tokens: {MAX_NEW_TOKENS}}}
 roles:
   rollout:
-    class: asyncrl.roles.rollout:Rollout
+    class: asyncrl.roles.generation.rollout:Rollout
     replicas: 2
     capacity: 1
     threads: 1

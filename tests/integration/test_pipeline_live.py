@@ -70,7 +70,10 @@ def run_with_a_frozen_replica(run_dir: str, straggler: str) -> dict:  # type: ig
         seen = []
         for line in proc.stdout:
             seen.append(line)
-            if all(n in line for n in ("serving", "[asyncrl.supervisor]", "process=rollout[1]")):
+            if all(
+                n in line
+                for n in ("serving", "[asyncrl.supervision.supervisor]", "process=rollout[1]")
+            ):
                 break
         else:
             raise AssertionError("the run ended before replica 1 was heard:\n" + "".join(seen))

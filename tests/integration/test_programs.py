@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 MANIFEST = """\
 run:
   name: builtin
-  program: asyncrl.roles.programs:{program}
+  program: asyncrl.roles.program.programs:{program}
   config: {{steps: {steps}, prompts_per_step: 8, group_size: 4, max_new_tokens: 5,
            stop_token_ids: [1], batch: 32, lr: 0.003}}
 model:  # every role below inherits the model, or its tokenizer, from here
@@ -26,16 +26,16 @@ model:  # every role below inherits the model, or its tokenizer, from here
   tokenizer: examples/arith/tokenizer
 roles:
   prompts:
-    class: asyncrl.roles.prompts:PromptSource
+    class: asyncrl.roles.services.prompts:PromptSource
     config: {{generator: "examples.arith.data:rl_prompts"}}
   rollout:
-    class: asyncrl.roles.rollout:Rollout
+    class: asyncrl.roles.generation.rollout:Rollout
     config: {{weights_from: learner}}
   reward:
-    class: asyncrl.roles.reward:Reward
+    class: asyncrl.roles.services.reward:Reward
     config: {{verifier: exact}}
   learner:
-    class: asyncrl.roles.learner:Learner
+    class: asyncrl.roles.training.learner:Learner
   {extra}
 {pipeline}
 """
@@ -95,7 +95,8 @@ def test_grpo_runs_and_evaluates_the_heldout_prompts(run_dir: str) -> None:
     with open(path, "w") as f:  # 24 additions in the arith example's form: "07+45=" -> "052"
         for a, b in zip(range(3, 99, 4), range(90, 18, -3), strict=True):
             f.write(json.dumps({"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"}) + "\n")
-    role = f"heldout: {{class: 'asyncrl.roles.prompts:PromptSource', config: {{path: {path}}}}}"
+    source = "asyncrl.roles.services.prompts:PromptSource"
+    role = f"heldout: {{class: '{source}', config: {{path: {path}}}}}"
     result = run_program(run_dir, "grpo", 4, role, overrides=("run.config.eval_every=3",))
     assert len(result["rewards"]) == 4 and result["cursor"] == 32
     # Every 3 steps and after the last, greedy accuracy over all 24 held-out prompts.
@@ -127,7 +128,7 @@ def test_grpo_runs_in_async_mode(run_dir: str) -> None:
 
 
 def test_ppo_runs_with_a_critic(run_dir: str) -> None:
-    critic = "critic: {class: 'asyncrl.roles.critic:Critic'}"
+    critic = "critic: {class: 'asyncrl.roles.training.critic:Critic'}"
     result = run_program(run_dir, "ppo", 3, critic)
     assert len(result["rewards"]) == 3
     assert "heldout" not in result  # no heldout role: no evaluation

@@ -170,7 +170,7 @@ def test_a_program_error_fails_the_run_once(run_dir: str) -> None:
                 run: {{name: progerr, program: {run_dir}/flow.py:main}}
                 roles:
                   echo:
-                    class: asyncrl.roles.prompts:PromptSource
+                    class: asyncrl.roles.services.prompts:PromptSource
                     config: {{generator: examples.arith.data:rl_prompts,
                               tokenizer_path: examples/arith/tokenizer}}
                 """
@@ -197,7 +197,7 @@ def test_a_program_that_does_not_import_is_a_configuration_error(run_dir: str) -
                 run: {name: noprog, program: "nosuchpkg.flow:main"}
                 roles:
                   prompts:
-                    class: asyncrl.roles.prompts:PromptSource
+                    class: asyncrl.roles.services.prompts:PromptSource
                     config: {generator: examples.arith.data:rl_prompts,
                              tokenizer_path: examples/arith/tokenizer}
                 """
@@ -340,7 +340,7 @@ def test_a_run_that_stops_progressing_fails_saying_on_what_it_waits(run_dir: str
                 pipeline: {{stall_timeout_s: 2}}
                 roles:
                   prompts:
-                    class: asyncrl.roles.prompts:PromptSource
+                    class: asyncrl.roles.services.prompts:PromptSource
                     config: {{generator: examples.arith.data:rl_prompts,
                               tokenizer_path: examples/arith/tokenizer}}
                 """
@@ -386,7 +386,7 @@ def test_a_stopped_driver_never_reads_as_success(run_dir: str) -> None:
                 driver: {{supervision: {json.dumps(FAST)}}}
                 roles:
                   prompts:
-                    class: asyncrl.roles.prompts:PromptSource
+                    class: asyncrl.roles.services.prompts:PromptSource
                     config: {{generator: examples.arith.data:rl_prompts,
                               tokenizer_path: examples/arith/tokenizer}}
                 """

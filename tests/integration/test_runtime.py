@@ -291,10 +291,12 @@ def test_a_stopped_process_is_killed_and_restarted(run_dir: str, runs: list[Run]
     line = run.wait_for("serving", "role=sleeper")
     pid = int(line.split("pid=")[1].split()[0])
     # Once the supervisor has heard the replica, a stop is a hang, not a slow start.
-    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]")
+    run.wait_for("serving", "[asyncrl.supervision.supervisor]", "process=sleeper[0]")
     os.kill(pid, signal.SIGSTOP)
     run.wait_for("hung: missed heartbeats", "process=sleeper[0]")
-    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    run.wait_for(
+        "serving", "[asyncrl.supervision.supervisor]", "process=sleeper[0]", "incarnation=1"
+    )
     assert not _alive(pid)
     run.proc.send_signal(signal.SIGINT)
     code, out, _ = run.finish()
@@ -405,8 +407,8 @@ def test_one_for_all_restarts_the_whole_group(run_dir: str, runs: list[Run]) -> 
     runs.append(run)
     # The replicas start together; either may be heard first.
     _, line = run.wait_for_each(
-        ("serving", "[asyncrl.supervisor]", "process=sleeper[0]"),
-        ("serving", "[asyncrl.supervisor]", "process=sleeper[1]"),
+        ("serving", "[asyncrl.supervision.supervisor]", "process=sleeper[0]"),
+        ("serving", "[asyncrl.supervision.supervisor]", "process=sleeper[1]"),
     )
     with open(os.path.join(run_dir, "logs", "agent.jsonl")) as f:
         started = [json.loads(x) for x in f]
@@ -417,8 +419,8 @@ def test_one_for_all_restarts_the_whole_group(run_dir: str, runs: list[Run]) -> 
     )
     assert "incarnation=0" in line
     os.kill(pid1, signal.SIGKILL)
-    run.wait_for("serving", "[asyncrl.supervisor]", "incarnation=1")
-    run.wait_for("serving", "[asyncrl.supervisor]", "incarnation=1")
+    run.wait_for("serving", "[asyncrl.supervision.supervisor]", "incarnation=1")
+    run.wait_for("serving", "[asyncrl.supervision.supervisor]", "incarnation=1")
     run.proc.send_signal(signal.SIGINT)
     code, _, _ = run.finish()
     assert code == 130
@@ -451,9 +453,13 @@ def test_a_standby_takes_over_and_nothing_outlives_the_run(run_dir: str, runs: l
     ready = run.wait_for("standby started", "process=sleeper[0]", "incarnation=1")
     standby = int(ready.split("standby_pid=")[1].split()[0])
     os.kill(pid, signal.SIGKILL)
-    started = run.wait_for("started", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    started = run.wait_for(
+        "started", "[asyncrl.supervision.supervisor]", "process=sleeper[0]", "incarnation=1"
+    )
     assert "standby=True" in started and f"pid={standby}" in started
-    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    run.wait_for(
+        "serving", "[asyncrl.supervision.supervisor]", "process=sleeper[0]", "incarnation=1"
+    )
     behind = run.wait_for("standby started", "process=sleeper[0]", "incarnation=2")
     second = int(behind.split("standby_pid=")[1].split()[0])
     assert _alive(standby) and _alive(second)
@@ -484,18 +490,22 @@ def test_a_restart_is_forked_by_the_zygote_and_nothing_outlives_the_agent(
     run = start_run(manifest, run_dir)
     runs.append(run)
     first, ready = run.wait_for_each(
-        ("serving", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=0"),
+        ("serving", "[asyncrl.supervision.supervisor]", "process=sleeper[0]", "incarnation=0"),
         ("zygote ready",),
     )
     zygote = int(re.findall(r"\bpid=(\d+)", ready)[0])
     [cold] = [int(p) for p in re.findall(r"\bpid=(\d+)", first)]
     os.kill(cold, signal.SIGKILL)
-    started = run.wait_for("started", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    started = run.wait_for(
+        "started", "[asyncrl.supervision.supervisor]", "process=sleeper[0]", "incarnation=1"
+    )
     assert "forked=True" in started, started
     [forked] = [int(p) for p in re.findall(r"\bpid=(\d+)", started)]
     with open(f"/proc/{forked}/stat") as f:
         assert int(f.read().rsplit(")", 1)[1].split()[1]) == zygote
-    run.wait_for("serving", "[asyncrl.supervisor]", "process=sleeper[0]", "incarnation=1")
+    run.wait_for(
+        "serving", "[asyncrl.supervision.supervisor]", "process=sleeper[0]", "incarnation=1"
+    )
     pids = run.pids() | {zygote}
     fds = {pid: os.pidfd_open(pid) for pid in pids if _alive(pid)}
     assert set(fds) >= {forked, zygote}

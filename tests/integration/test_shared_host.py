@@ -3,8 +3,8 @@ nodes (``examples/arith/multinode.yaml``, shortened), both torchrun processes on
 
 Node 1 holds the rollout replicas and a relay; the learner that publishes is on node 0. Both
 nodes have the same host id, so the relay copies nothing, and node 1's rollouts must read the
-learner's own store: node 1's ``weights`` folder links to node 0's (``asyncrl.hosts``). Before
-that, node 1's rollouts never found a handle, held version 0, and the program failed with
+learner's own store: node 1's ``weights`` folder links to node 0's (``asyncrl.supervision.hosts``).
+Before that, node 1's rollouts never found a handle, held version 0, and the program failed with
 ``StallError`` after 300 s at its first wait for a new version.
 """
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 PROGRAM = """\
 import asyncio
-from asyncrl.metrics import MetricsLog
+from asyncrl.observe.metrics import MetricsLog
 from examples.hello.roles import Line
 
 async def main(ctx):
@@ -50,7 +50,7 @@ SERVING = ("splitter[0]", "splitter[1]", "counter[0]", "driver[0]")
 
 def status(run_dir: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "asyncrl.status", run_dir, *args],
+        [sys.executable, "-m", "asyncrl.observe.status", run_dir, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -102,7 +102,7 @@ def test_status_of_a_running_run_a_restart_and_the_end(run_dir: str) -> None:
     try:
         run.wait_for_each(
             ("status test ready",),
-            *(("serving", "[asyncrl.supervisor]", f"process={p}") for p in SERVING),
+            *(("serving", "[asyncrl.supervision.supervisor]", f"process={p}") for p in SERVING),
         )
         found = answer(run_dir)
         assert processes(found) == [
@@ -130,7 +130,9 @@ def test_status_of_a_running_run_a_restart_and_the_end(run_dir: str) -> None:
 
         pid = found["nodes"][0]["processes"][1]["pid"]
         os.kill(pid, signal.SIGKILL)
-        run.wait_for("serving", "[asyncrl.supervisor]", "process=splitter[1]", "incarnation=1")
+        run.wait_for(
+            "serving", "[asyncrl.supervision.supervisor]", "process=splitter[1]", "incarnation=1"
+        )
         after = answer(run_dir)
         assert processes(after)[1] == (0, "splitter", 1, 1, True, 1)
         assert after["nodes"][0]["processes"][1]["pid"] != pid

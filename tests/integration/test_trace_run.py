@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from asyncrl import trace
+from asyncrl.observe import trace
 from tests.conftest import ROOT
 from tests.test_trace import SVG, _chromium, drawn_pixels, screenshot
 

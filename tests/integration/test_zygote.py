@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from asyncrl import logs
 from asyncrl.bench.harness import role_child
-from asyncrl.manifest import Supervision
-from asyncrl.spec import SPEC_FILE_ENV, ProcessSpec, write_spec
-from asyncrl.supervisor import ChildSpec, Supervisor
+from asyncrl.manifest.load import Supervision
+from asyncrl.manifest.spec import SPEC_FILE_ENV, ProcessSpec, write_spec
+from asyncrl.observe import logs
+from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from asyncrl.transport import Client, LocalRegistry
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def child(
             parent_pid=os.getpid(),
         )
         extra = {SPEC_FILE_ENV: write_spec(spec), "OMP_NUM_THREADS": "1", logs.CONSOLE_ENV: "0"}
-        return [sys.executable, "-m", "asyncrl.process"], {**env, **extra}
+        return [sys.executable, "-m", "asyncrl.supervision.process"], {**env, **extra}
 
     return ChildSpec(name, replica, "role", endpoint, POLICY, launch)
 

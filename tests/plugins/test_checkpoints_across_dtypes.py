@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.rollout import Sample
+from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 
 MODEL = {
     "model_type": "gpt2",

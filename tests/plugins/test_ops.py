@@ -9,7 +9,7 @@ import torch
 from asyncrl.plugins.compiling import BucketCompiler
 from asyncrl.plugins.profiling import TraceProfiler
 from asyncrl.plugins.torch_ops import FastOps, ReferenceOps
-from asyncrl.roles.estimators import entropy_from_logits, token_logprobs
+from asyncrl.roles.learning.estimators import entropy_from_logits, token_logprobs
 
 FAST, REF = FastOps(), ReferenceOps()
 

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from asyncrl.roles import algorithms as alg
-from asyncrl.roles.groups import group_advantages, grouped_advantages
+from asyncrl.roles.learning import algorithms as alg
+from asyncrl.roles.learning.groups import group_advantages, grouped_advantages
 
 NAN = math.nan
 INF = math.inf

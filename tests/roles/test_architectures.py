@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.manifest import load_manifest
+from asyncrl.manifest.load import load_manifest
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
-from asyncrl.roles.engine import HFEngine
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
+from asyncrl.roles.generation.engine import HFEngine
+from asyncrl.roles.generation.rollout import Rollout, Sample, WeightsUpdate
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, SamplingParams
-from asyncrl.roles.reference import Reference
-from asyncrl.roles.reward import Reward, ScoreSamples
-from asyncrl.roles.rollout import Rollout, Sample, WeightsUpdate
+from asyncrl.roles.services.reference import Reference
+from asyncrl.roles.services.reward import Reward, ScoreSamples
+from asyncrl.roles.training.critic import Critic
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 from tests.conftest import ROOT
 
 ARCHS = ["qwen2", "qwen3", "llama"]

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
+from asyncrl.roles.generation.rollout import Sample
 from asyncrl.roles.payloads import CriticBatch, Scored
-from asyncrl.roles.rollout import Sample
+from asyncrl.roles.training.critic import Critic
 from tests.conftest import ROOT
 
 MODEL = {
@@ -78,7 +78,7 @@ import asyncio, json, os, sys
 import torch
 torch.set_num_threads(1)
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
+from asyncrl.roles.training.critic import Critic
 from tests.roles.test_critic_durable import CONFIG, STEPS, batch
 
 run_dir, incarnation = sys.argv[1], int(sys.argv[2])

@@ -1,4 +1,4 @@
-"""The order of a data-parallel critic's calls (``asyncrl.roles.critic_lockstep``), in one
+"""The order of a data-parallel critic's calls (``asyncrl.roles.training.critic_lockstep``), in one
 process: two ranks of a fake group whose broadcast is a queue, and ``CriticClient``'s target."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import msgspec
 import pytest
 
 from asyncrl.errors import ClosedError
-from asyncrl.roles.clients import CriticClient
-from asyncrl.roles.critic_lockstep import (
+from asyncrl.roles.payloads import CriticStepResult, Sample, Scored
+from asyncrl.roles.program.clients import CriticClient
+from asyncrl.roles.training.critic_lockstep import (
     Close,
     CriticCall,
     Idle,
@@ -26,8 +27,7 @@ from asyncrl.roles.critic_lockstep import (
     decode,
     encode,
 )
-from asyncrl.roles.data_parallel import DataParallelError
-from asyncrl.roles.payloads import CriticStepResult, Sample, Scored
+from asyncrl.roles.training.data_parallel import DataParallelError
 
 
 def sample(pid: str, n: int) -> Sample:

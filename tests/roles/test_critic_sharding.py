@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
-from asyncrl.roles.critic_lockstep import Announcement, TrainStep, Values
 from asyncrl.roles.payloads import Sample, Scored
+from asyncrl.roles.training.critic import Critic
+from asyncrl.roles.training.critic_lockstep import Announcement, TrainStep, Values
 from tests.conftest import ROOT
 from tests.roles.test_data_parallel import batches, run_ranks
 
@@ -104,11 +104,11 @@ RANK_SCRIPT = """
 import asyncio, functools, json, sys
 import msgspec, torch
 torch.set_num_threads(1)
-import asyncrl.roles.critic as critic_module
+import asyncrl.roles.training.critic as critic_module
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
-from asyncrl.roles.critic_lockstep import TrainStep, Values, encode
-from asyncrl.roles.sharding import full_buckets
+from asyncrl.roles.training.critic import Critic
+from asyncrl.roles.training.critic_lockstep import TrainStep, Values, encode
+from asyncrl.roles.training.sharding import full_buckets
 from tests.roles.test_critic_sharding import (
     CONFIG, HELDOUT, concurrent_calls, ppo_rounds, replica_calls,
 )
@@ -283,7 +283,7 @@ import asyncio, os, sys
 import torch
 torch.set_num_threads(1)
 from asyncrl.role import RoleContext
-from asyncrl.roles.critic import Critic
+from asyncrl.roles.training.critic import Critic
 from tests.roles.test_critic_sharding import CONFIG, HELDOUT
 
 rank, run_dir, dead = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -358,7 +358,7 @@ def test_ppo_runs_with_two_sharded_critic_ranks_and_survives_their_restart(run_d
     values call (idempotent) runs again on the new replica 0, and the run completes."""
     from tests.integration.test_programs import run_program
 
-    critic = "critic: {class: 'asyncrl.roles.critic:Critic'}"
+    critic = "critic: {class: 'asyncrl.roles.training.critic:Critic'}"
     faults = {"kill_before_reply": {"method": "values", "every": 2, "incarnations": 1}}
     overrides = (
         "roles.critic.replicas=2",

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.checkpoints import CheckpointDir
-from asyncrl.roles.data_parallel import DataParallelError, fingerprint, token_shares
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.rollout import Sample
+from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.training.checkpoints import CheckpointDir
+from asyncrl.roles.training.data_parallel import DataParallelError, fingerprint, token_shares
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 from tests.conftest import ROOT
 
 MODEL = {
@@ -87,7 +87,7 @@ import asyncio, json, os, shutil, sys
 import torch
 torch.set_num_threads(1)
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import Learner
+from asyncrl.roles.training.learner import Learner
 from tests.roles.test_data_parallel import CONFIG, batches
 
 rank, run_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -210,7 +210,7 @@ def test_fingerprint_tells_batches_apart() -> None:
 
 
 def test_a_rank_that_never_arrives_is_named(tmp_path: Any) -> None:
-    from asyncrl.roles.data_parallel import DataParallel
+    from asyncrl.roles.training.data_parallel import DataParallel
 
     with pytest.raises(DataParallelError) as caught:
         DataParallel.join(
@@ -286,7 +286,7 @@ def test_the_data_parallel_benchmark_measures_both_groups() -> None:
 
 BROKEN_SCRIPT = """
 import os, sys
-from asyncrl.roles.data_parallel import DataParallel, DataParallelError
+from asyncrl.roles.training.data_parallel import DataParallel, DataParallelError
 rank, run_dir = int(sys.argv[1]), sys.argv[2]
 dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=run_dir, generation=0,
                        timeout_s=20)
@@ -348,8 +348,8 @@ class FakeGroup:
 
 
 def test_learner_client_broadcasts_to_data_parallel_replicas_and_checks_them() -> None:
-    from asyncrl.roles.clients import LearnerClient
     from asyncrl.roles.payloads import StepResult
+    from asyncrl.roles.program.clients import LearnerClient
 
     batch = TrainBatch([], id="b7")
     same = [StepResult(3, 3, 6, 0, {"loss": 0.5}), StepResult(3, 3, 6, 0, {"loss": 0.5})]
@@ -372,7 +372,7 @@ def test_learner_client_broadcasts_to_data_parallel_replicas_and_checks_them() -
 
 JOIN_SCRIPT = """
 import sys
-from asyncrl.roles.data_parallel import DataParallel
+from asyncrl.roles.training.data_parallel import DataParallel
 rank = int(sys.argv[1])
 dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=sys.argv[2], generation=4,
                        timeout_s=30)
@@ -427,7 +427,7 @@ def test_across_nodes_the_generation_counts_a_ranks_joins_not_its_incarnation(
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from asyncrl.roles.data_parallel import _store
+    from asyncrl.roles.training.data_parallel import _store
 
     store = TCPStore(
         "127.0.0.1",
@@ -454,7 +454,7 @@ def test_across_nodes_the_generation_counts_a_ranks_joins_not_its_incarnation(
 
 SKIPPING_SCRIPT = """
 import os, sys
-from asyncrl.roles.data_parallel import DataParallel, DataParallelError
+from asyncrl.roles.training.data_parallel import DataParallel, DataParallelError
 rank, run_dir = int(sys.argv[1]), sys.argv[2]
 dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=run_dir, generation=0,
                        timeout_s=60)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.roles import engine as engine_module
-from asyncrl.roles.engine import HFEngine, position_ids_from_mask
-from asyncrl.roles.rollout import GenerateRequest, Prompt, Sample, SamplingParams
+from asyncrl.roles.generation import engine as engine_module
+from asyncrl.roles.generation.engine import HFEngine, position_ids_from_mask
+from asyncrl.roles.generation.rollout import GenerateRequest, Prompt, Sample, SamplingParams
 
 torch.set_num_threads(1)
 

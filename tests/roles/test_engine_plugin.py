@@ -21,8 +21,8 @@ from asyncrl.plugins.cpu import CpuPlugin
 from asyncrl.plugins.errors import PluginError
 from asyncrl.plugins.torch_ops import FastOps
 from asyncrl.role import RoleContext
-from asyncrl.roles.engine import HFEngine, draw
-from asyncrl.roles.rollout import (
+from asyncrl.roles.generation.engine import HFEngine, draw
+from asyncrl.roles.generation.rollout import (
     GenerateBatch,
     GenerateRequest,
     Prompt,

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import Learner, Scored, TrainBatch, pad_batch
-from asyncrl.roles.learner_config import LearnerConfig
-from asyncrl.roles.objective import (
+from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.payloads import LearnerStatus
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch, pad_batch
+from asyncrl.roles.training.learner_config import LearnerConfig
+from asyncrl.roles.training.objective import (
     ALGORITHMS,
     Decoupled,
     Entropy,
@@ -27,8 +29,6 @@ from asyncrl.roles.objective import (
     TruncatedImportance,
     objective_for,
 )
-from asyncrl.roles.payloads import LearnerStatus
-from asyncrl.roles.rollout import Sample
 
 MODEL = {
     "model_type": "gpt2",
@@ -268,7 +268,7 @@ def test_given_advantages_are_used_and_whitened_over_the_batch(tmp_path: Any) ->
 
 DP_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from asyncrl.roles.learner import batch_moments
+from asyncrl.roles.training.learner import batch_moments
 rank, path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
 values = [[1.0, 2.0, 3.0], [10.0, -4.0]][rank]
@@ -282,7 +282,7 @@ def test_whitening_moments_merge_across_data_parallel_ranks(tmp_path: Any) -> No
     import subprocess
     import sys
 
-    from asyncrl.reduce import Moments
+    from asyncrl.dispatch.reduce import Moments
 
     store = str(tmp_path / "store")
     procs = [

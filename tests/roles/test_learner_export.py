@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.roles.learner_export import EXPORT_MARKER, export_pretrained, writable
+from asyncrl.roles.training.learner_export import EXPORT_MARKER, export_pretrained, writable
 
 
 class FakeModel:

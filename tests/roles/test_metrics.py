@@ -1,4 +1,4 @@
-"""What rl_loop reports at every step (asyncrl.roles.metrics), in-process with fake roles.
+"""What rl_loop reports at every step (asyncrl.roles.program.metrics), in-process with fake roles.
 
 The fakes answer at once: a rollout handle whose samples finish when asked (1, 2 or 3 tokens by
 sample index), a learner that takes every batch and keeps the program's position with it, and
@@ -16,12 +16,12 @@ from typing import Any, cast
 import msgspec
 import pytest
 
-from asyncrl.metrics import METRICS_FILE, read_metrics
-from asyncrl.pacing import PipelineSpec
-from asyncrl.roles.clients import RLContext, RolloutClient
+from asyncrl.manifest.pipeline_section import PipelineSpec
+from asyncrl.observe.metrics import METRICS_FILE, read_metrics
+from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, SamplingParams
 from asyncrl.roles.payloads import LearnerStatus, StepResult, TrainBatch
-from asyncrl.roles.programs import RLLoop, RLStep, rl_loop
-from asyncrl.roles.rollout import GenerateBatch, Prompt, Sample, SamplingParams
+from asyncrl.roles.program.clients import RLContext, RolloutClient
+from asyncrl.roles.program.programs import RLLoop, RLStep, rl_loop
 from asyncrl.transport import run
 
 G = 2  # group size

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from asyncrl.role import Delivery, RoleContext, endpoints_of
-from asyncrl.roles.engine import HFEngine
-from asyncrl.roles.payloads import RolloutStats
-from asyncrl.roles.rollout import (
+from asyncrl.roles.generation.engine import HFEngine
+from asyncrl.roles.generation.rollout import (
     GenerateBatch,
     GenerateRequest,
     Prompt,
@@ -31,6 +30,7 @@ from asyncrl.roles.rollout import (
     SamplingParams,
     WeightsUpdate,
 )
+from asyncrl.roles.payloads import RolloutStats
 from asyncrl.weights import WeightStore, handle_path, write_handle
 
 torch.set_num_threads(1)

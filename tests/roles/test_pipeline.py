@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from asyncrl.clock import FakeClock
+from asyncrl.dispatch.reduce import Moments
 from asyncrl.errors import StallError
-from asyncrl.pacing import PipelineSpec, StragglerSpec
-from asyncrl.reduce import Moments
-from asyncrl.roles import algorithms as alg
-from asyncrl.roles.learner_config import LearnerConfig
-from asyncrl.roles.objective import batch_advantages
+from asyncrl.manifest.pipeline_section import PipelineSpec, StragglerSpec
+from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, SamplingParams
+from asyncrl.roles.learning import algorithms as alg
 from asyncrl.roles.payloads import Scored
-from asyncrl.roles.pipeline import SamplePipeline, group_advantages
-from asyncrl.roles.rollout import GenerateBatch, Prompt, Sample, SamplingParams
+from asyncrl.roles.sampling.pipeline import SamplePipeline, group_advantages
+from asyncrl.roles.training.learner_config import LearnerConfig
+from asyncrl.roles.training.objective import batch_advantages
 from asyncrl.transport import run
 
 WAIT_S = 10.0

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles import algorithms as alg
-from asyncrl.roles.batching import aligned, mini_batch_indices
-from asyncrl.roles.critic import Critic
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.rollout import Sample
+from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.learning import algorithms as alg
+from asyncrl.roles.learning.batching import aligned, mini_batch_indices
+from asyncrl.roles.training.critic import Critic
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 
 MODEL = {
     "model_type": "gpt2",

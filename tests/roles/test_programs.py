@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrl.errors import PeerUnreachableError, RemoteError
-from asyncrl.roles.programs import resend
+from asyncrl.roles.program.programs import resend
 
 
 class Flaky:

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.clients import CriticClient
-from asyncrl.roles.critic import Critic, check_matches_learner
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
+from asyncrl.roles.generation.rollout import Sample, WeightsUpdate
 from asyncrl.roles.payloads import CriticStepResult
-from asyncrl.roles.reference import Reference
-from asyncrl.roles.rollout import Sample, WeightsUpdate
+from asyncrl.roles.program.clients import CriticClient
+from asyncrl.roles.services.reference import Reference
+from asyncrl.roles.training.critic import Critic, check_matches_learner
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 
 MODEL = {
     "model_type": "gpt2",

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl import logs
 from asyncrl.bench.harness import role_child
-from asyncrl.manifest import Supervision
+from asyncrl.manifest.load import Supervision
+from asyncrl.observe import logs
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import build_model
-from asyncrl.roles.reference import WEIGHTS_FILE, Reference
-from asyncrl.roles.rollout import Sample, WeightsUpdate
-from asyncrl.supervisor import Supervisor
+from asyncrl.roles.generation.rollout import Sample, WeightsUpdate
+from asyncrl.roles.services.reference import WEIGHTS_FILE, Reference
+from asyncrl.roles.training.learner import build_model
+from asyncrl.supervision.supervisor import Supervisor
 from asyncrl.transport import Client, run
 
 MODEL = {
@@ -133,7 +133,7 @@ def test_a_sigkilled_reference_comes_back_with_the_weights_it_was_last_given() -
     child = role_child(
         run_dir,
         "reference",
-        "asyncrl.roles.reference:Reference",
+        "asyncrl.roles.services.reference:Reference",
         {"model_config": MODEL, "seed": 9},
         policy,
     )

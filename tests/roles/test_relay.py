@@ -27,12 +27,12 @@ import torch
 from asyncrl.bench import multinode
 from asyncrl.clock import FakeClock
 from asyncrl.errors import ConfigProblem, StallError
+from asyncrl.manifest.spec import SPEC_FILE_ENV, GroupInfo, ProcessSpec, write_spec
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
+from asyncrl.roles.generation.rollout import Rollout, WeightsUpdate
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
-from asyncrl.roles.relay import Relay, RelayStatus
-from asyncrl.roles.rollout import Rollout, WeightsUpdate
-from asyncrl.roles.weight_sync import WeightSync, relay_groups
-from asyncrl.spec import SPEC_FILE_ENV, GroupInfo, ProcessSpec, write_spec
+from asyncrl.roles.sampling.weight_sync import WeightSync, relay_groups
+from asyncrl.roles.services.relay import Relay, RelayStatus
 from asyncrl.transport import Client, run
 from asyncrl.transport.shm import HOST_ID_ENV, sweep
 from asyncrl.weights import NO_VERSION, WeightReader, handle_path, read_handle
@@ -141,7 +141,7 @@ class Hosts:
         log = open(os.path.join(self.base, f"{name}.{incarnation}.log"), "wb")  # noqa: SIM115
         with log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.process"], cwd=ROOT, env=env, stderr=log
+                [sys.executable, "-m", "asyncrl.supervision.process"], cwd=ROOT, env=env, stderr=log
             )
         return endpoint
 
@@ -204,8 +204,10 @@ def test_a_relay_carries_a_real_learners_weights_to_another_host_version_by_vers
     monkeypatch.setenv(HOST_ID_ENV, "node-1")  # this process reads as node 1's rollouts do
     torch.set_num_threads(1)
     learner_config = {"model_config": MODEL, "seed": 1, "lr": 0.05}
-    hosts.start("learner", "asyncrl.roles.learner:Learner", 0, learner_config)
-    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, {"source": "learner", "poll_s": 0})
+    hosts.start("learner", "asyncrl.roles.training.learner:Learner", 0, learner_config)
+    hosts.start(
+        "relay", "asyncrl.roles.services.relay:Relay", 1, {"source": "learner", "poll_s": 0}
+    )
     demos = [
         Sample("d", 0, [2, 3, 12, 4, 5, 13], [6, 7, 1], [], [], True, "stop"),
         Sample("e", 0, [3, 12, 13], [8, 1], [], [], True, "stop"),
@@ -262,7 +264,7 @@ def test_one_pull_per_version_and_restarts_of_relay_and_source(
     publisher = "tests.roles.test_relay:Publisher"
     relay_config = {"source": "learner", "source_wait_s": 60.0, "poll_s": 0}
     hosts.start("learner", publisher, 0, {"seed": 7})
-    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, relay_config)
+    hosts.start("relay", "asyncrl.roles.services.relay:Relay", 1, relay_config)
 
     async def main() -> None:
         source = await _client(hosts.endpoints["learner"])
@@ -284,7 +286,9 @@ def test_one_pull_per_version_and_restarts_of_relay_and_source(
 
             # The relay restarts: its setup republishes the newest into a new store.
             hosts.kill("relay")
-            hosts.start("relay", "asyncrl.roles.relay:Relay", 1, relay_config, incarnation=1)
+            hosts.start(
+                "relay", "asyncrl.roles.services.relay:Relay", 1, relay_config, incarnation=1
+            )
             await relay.close()
             relay = await _client(hosts.endpoints["relay"])
             assert await relay.call("sync", None, int, timeout=START_S) == 2
@@ -315,7 +319,9 @@ def test_one_pull_per_version_and_restarts_of_relay_and_source(
 @pytest.mark.slow
 def test_a_relay_on_the_sources_host_copies_nothing(hosts: Hosts) -> None:
     hosts.start("learner", "tests.roles.test_relay:Publisher", 0, {"seed": 3})
-    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, {"source": "learner"}, host="node-0")
+    hosts.start(
+        "relay", "asyncrl.roles.services.relay:Relay", 1, {"source": "learner"}, host="node-0"
+    )
 
     async def main() -> None:
         source = await _client(hosts.endpoints["learner"])
@@ -340,7 +346,9 @@ def test_a_relay_that_is_not_pushed_to_catches_up_by_polling(
 ) -> None:
     monkeypatch.setenv(HOST_ID_ENV, "node-1")
     hosts.start("learner", "tests.roles.test_relay:Publisher", 0, {"seed": 5})
-    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, {"source": "learner", "poll_s": 0.1})
+    hosts.start(
+        "relay", "asyncrl.roles.services.relay:Relay", 1, {"source": "learner", "poll_s": 0.1}
+    )
 
     async def main() -> None:
         source = await _client(hosts.endpoints["learner"])
@@ -484,7 +492,7 @@ def test_relay_groups_refuse_what_names_no_relay() -> None:
 
 
 def test_the_benchmarks_parameter_count_is_the_built_models() -> None:
-    from asyncrl.roles.learner import build_model
+    from asyncrl.roles.training.learner import build_model
 
     model = build_model("", multinode.ARITH, 0)
     assert multinode.parameters(multinode.ARITH) == sum(p.numel() for p in model.parameters())

@@ -20,21 +20,21 @@ import pytest
 import torch
 
 from asyncrl.errors import BrokenError, RemoteError, TornReadError
+from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
-from asyncrl.roles.learner_weights import (
+from asyncrl.roles.generation.rollout import WeightsUpdate
+from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
+from asyncrl.roles.services.relay import Relay, RelayStatus
+from asyncrl.roles.training.learner_weights import (
     PublishedWeights,
     Rendezvous,
     WeightBroadcast,
     bucket_plan,
 )
-from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
-from asyncrl.roles.relay import Relay, RelayStatus
-from asyncrl.roles.rollout import WeightsUpdate
-from asyncrl.spec import GroupInfo
 from asyncrl.transport import run
 from asyncrl.transport.shm import HOST_ID_ENV
-from asyncrl.weight_layout import TensorSpec
 from asyncrl.weights import WeightStore
+from asyncrl.weights.layout import TensorSpec
 from tests.roles.test_relay import (
     MODEL,
     START_S,
@@ -201,8 +201,8 @@ def test_a_real_learners_versions_reach_the_relay_bit_exactly_through_the_broadc
 ) -> None:
     monkeypatch.setenv(HOST_ID_ENV, "node-1")  # this process reads as node 1's rollouts do
     learner_config = {"model_config": MODEL, "seed": 1, "lr": 0.05}
-    hosts.start("learner", "asyncrl.roles.learner:Learner", 0, learner_config)
-    hosts.start("relay", "asyncrl.roles.relay:Relay", 1, BROADCAST)
+    hosts.start("learner", "asyncrl.roles.training.learner:Learner", 0, learner_config)
+    hosts.start("relay", "asyncrl.roles.services.relay:Relay", 1, BROADCAST)
     demos = [
         Sample("d", 0, [2, 3, 12, 4, 5, 13], [6, 7, 1], [], [], True, "stop"),
         Sample("e", 0, [3, 12, 13], [8, 1], [], [], True, "stop"),
@@ -314,7 +314,7 @@ def test_a_relay_dying_mid_transfer_leaves_the_source_serving(
             assert await source.call("outcomes", 1, list[str], timeout=START_S) == ["BrokenError"]
             hosts.procs.pop("relay").wait(timeout=30)
             assert await source.call("bump") == 1
-            hosts.start("relay", "asyncrl.roles.relay:Relay", 1, BROADCAST, incarnation=1)
+            hosts.start("relay", "asyncrl.roles.services.relay:Relay", 1, BROADCAST, incarnation=1)
             relay = await _client(hosts.endpoints["relay"])
             try:
                 assert await relay.call("sync", None, int, timeout=START_S) == 1

@@ -12,8 +12,8 @@ import pytest
 
 from asyncrl.errors import ConfigProblem
 from asyncrl.role import RoleContext
-from asyncrl.roles.prompts import PromptSource, Take, load_rows
-from asyncrl.roles.reward import VERIFIERS, Reward, ScoreRequest
+from asyncrl.roles.services.prompts import PromptSource, Take, load_rows
+from asyncrl.roles.services.reward import VERIFIERS, Reward, ScoreRequest
 
 TOKENIZER = "examples/arith/tokenizer"
 
@@ -56,7 +56,7 @@ def test_an_unknown_verifier_is_a_configuration_error_naming_what_is_known() -> 
 
 
 VERIFIER_MODULE = """\
-from asyncrl.roles.reward import verifier
+from asyncrl.roles.services.reward import verifier
 
 
 @verifier("last_word")

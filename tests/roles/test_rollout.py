@@ -14,8 +14,8 @@ import torch
 
 from asyncrl.errors import ClosedError, ConfigProblem
 from asyncrl.role import Delivery, RoleContext, endpoints_of
-from asyncrl.roles.engine import HFEngine
-from asyncrl.roles.rollout import (
+from asyncrl.roles.generation.engine import HFEngine
+from asyncrl.roles.generation.rollout import (
     GenerateBatch,
     GenerateRequest,
     Prompt,

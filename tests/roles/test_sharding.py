@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.checkpoints import CheckpointDir
-from asyncrl.roles.learner import Learner
-from asyncrl.roles.sharding import blocks
+from asyncrl.roles.training.checkpoints import CheckpointDir
+from asyncrl.roles.training.learner import Learner
+from asyncrl.roles.training.sharding import blocks
 from tests.roles.test_data_parallel import CONFIG, batches, run_ranks
 
 # Demonstrations and a BC term too: the sharded ranks share it out. Activation checkpointing
@@ -36,15 +36,15 @@ import asyncio, json, shutil, sys
 import torch
 torch.set_num_threads(1)
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import Learner
-from asyncrl.roles.sharding import full_buckets
-from asyncrl.weight_reader import WeightReader
+from asyncrl.roles.training.learner import Learner
+from asyncrl.roles.training.sharding import full_buckets
+from asyncrl.weights.reader import WeightReader
 from tests.roles.test_sharding import BLOCKS, SHARDED, with_demos
 
 rank, run_dir, out, parallel = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 extra = json.loads(sys.argv[5])
 if extra.get("model_path") and parallel == "fsdp":
-    import asyncrl.roles.learner as learner_module
+    import asyncrl.roles.training.learner as learner_module
 
     def whole_model_built(*args):
         raise AssertionError("a sharded rank built the whole pretrained model")

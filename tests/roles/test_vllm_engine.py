@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from asyncrl.role import RoleContext
-from asyncrl.roles.engine import EngineStats, HFEngine
-from asyncrl.roles.learner import Learner
+from asyncrl.roles.generation.engine import EngineStats, HFEngine
+from asyncrl.roles.generation.rollout import Rollout, WeightsUpdate
+from asyncrl.roles.generation.vllm_engine import WeightLoads
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
-from asyncrl.roles.rollout import Rollout, WeightsUpdate
-from asyncrl.roles.vllm_engine import WeightLoads
+from asyncrl.roles.training.learner import Learner
 
 VLLM_MISSING = importlib.util.find_spec("vllm") is None
 pytestmark = [
@@ -65,7 +65,7 @@ def hf_state(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[tuple[Any, Any]]:
-    from asyncrl.roles.vllm_engine import VLLMEngine
+    from asyncrl.roles.generation.vllm_engine import VLLMEngine
 
     a = VLLMEngine.from_config(MODEL, seed=SEED, kv_cache_gib=0.0625, max_batch=8)
     b = VLLMEngine.from_config(MODEL, seed=SEED, kv_cache_gib=0.0625, max_batch=8)
@@ -79,7 +79,7 @@ def fresh() -> Iterator[Any]:
     """An engine built with the weights of seed 1 that never swaps weights. It lives as long
     as the module's replicas: vLLM's in-process engines share its parallel state, and one
     engine's shutdown takes it down for the others."""
-    from asyncrl.roles.vllm_engine import VLLMEngine
+    from asyncrl.roles.generation.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.from_config(MODEL, seed=1, kv_cache_gib=0.0625, max_batch=8)
     yield engine
@@ -209,7 +209,7 @@ def test_a_partial_state_is_reloaded_and_keeps_the_other_tensors(
 def test_only_unquantized_linear_and_embedding_layers_load_in_place() -> None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    from asyncrl.roles.vllm_engine import _packed_layers
+    from asyncrl.roles.generation.vllm_engine import _packed_layers
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model[0].quant_method = UnquantizedLinearMethod()  # not packed: nothing to redo
@@ -219,7 +219,7 @@ def test_only_unquantized_linear_and_embedding_layers_load_in_place() -> None:
 
 
 def test_buckets_group_tensors_in_order_under_the_limit() -> None:
-    from asyncrl.roles.vllm_engine import buckets
+    from asyncrl.roles.generation.vllm_engine import buckets
 
     state = {n: torch.zeros(k) for n, k in (("a", 3), ("b", 2), ("c", 9), ("d", 1))}
     groups = [[name for name, _ in g] for g in buckets(state, 5 * 4)]
@@ -321,7 +321,7 @@ def run(scenario: Callable[[], Awaitable[Any]]) -> Any:
 
 async def rollout_over(engine: Any, monkeypatch: pytest.MonkeyPatch, **config: Any) -> Rollout:
     """A rollout role with ``engine: vllm`` whose engine is the module's ``engine``."""
-    monkeypatch.setattr("asyncrl.roles.rollout.build_engine", lambda cfg, device: engine)
+    monkeypatch.setattr("asyncrl.roles.generation.rollout.build_engine", lambda cfg, device: engine)
     config = {"model_config": MODEL, "seed": SEED, "engine": "vllm", **config}
     role = Rollout(RoleContext.local(config=config))
     await role.setup()
@@ -410,7 +410,7 @@ def test_a_bad_call_fails_alone_in_the_rollout(
 def test_bench_rollout_prints_both_engines_as_one_json_object(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from asyncrl.roles.engine_bench import main
+    from asyncrl.bench.engines import main
 
     assert main(["--json", "--quick", "--only", "arith"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["models"]
@@ -473,7 +473,7 @@ def architecture(name: str) -> dict[str, Any]:
 def architectures() -> Iterator[dict[str, Any]]:
     """One engine per architecture, all alive until the module ends: a vLLM engine that is
     collected tears down the process's parallel state under the engines still running."""
-    from asyncrl.roles.vllm_engine import VLLMEngine
+    from asyncrl.roles.generation.vllm_engine import VLLMEngine
 
     engines = {
         name: VLLMEngine.from_config(
@@ -493,7 +493,7 @@ def test_qwen_and_llama_take_the_learners_weights_and_agree_with_its_recompute(
     """vLLM loads a learner's state dict (both names of a tied embedding), its behaviour
     log-probs of prompts of several lengths equal the learner's float32 recompute within 1e-5,
     its greedy tokens are the HF engine's, and so again after a GRPO step."""
-    from asyncrl.roles.learner import Scored, TrainBatch
+    from asyncrl.roles.training.learner import Scored, TrainBatch
 
     engine = architectures[name]
     config = architecture(name)

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.faults import FaultPlan
 from asyncrl.role import RoleContext
-from asyncrl.roles.checkpoints import CheckpointDir
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.rollout import Sample
-from asyncrl.roles.wal import KeepEntry, StepEntry, WalError, WriteAheadLog
+from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.training.checkpoints import CheckpointDir
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
+from asyncrl.roles.training.wal import KeepEntry, StepEntry, WalError, WriteAheadLog
+from asyncrl.supervision.faults import FaultPlan
 from tests.conftest import ROOT
 
 MODEL = {
@@ -202,7 +202,7 @@ import asyncio, json, os, sys
 import torch
 torch.set_num_threads(1)
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import Learner
+from asyncrl.roles.training.learner import Learner
 from tests.roles.test_wal import CONFIG, STEPS, batch
 
 rank, ranks, run_dir, incarnation, config = (

@@ -16,8 +16,7 @@ import torch
 from asyncrl.clock import FakeClock
 from asyncrl.errors import StallError
 from asyncrl.role import RoleContext
-from asyncrl.roles.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.rollout import (
+from asyncrl.roles.generation.rollout import (
     GenerateBatch,
     GenerateRequest,
     Prompt,
@@ -25,7 +24,8 @@ from asyncrl.roles.rollout import (
     Sample,
     SamplingParams,
 )
-from asyncrl.roles.weight_sync import WeightSync
+from asyncrl.roles.sampling.weight_sync import WeightSync
+from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 from asyncrl.transport import run
 
 WAIT_S = 10.0

@@ -1,0 +1,15 @@
+"""Dispatch: how the driver's calls reach a role's replicas, and how the run is paced.
+
+Owns: the dispatcher and its scheduler (``dispatcher``, ``scheduler``: credit, load balance,
+retries), the handles a program calls roles through (``handles``), split-mode reduction
+(``reduce``), admission under the staleness bound (``pacing``), owned background tasks
+(``background``), the driver process (``driver``) and its watchdog (``watchdog``).
+
+May import: the core, ``asyncrl.manifest``, ``asyncrl.observe`` and the transport.
+"""
+
+from __future__ import annotations
+
+from asyncrl.dispatch.dispatcher import Busy, Dispatcher, Group, Work
+
+__all__ = ["Busy", "Dispatcher", "Group", "Work"]

@@ -1,0 +1,211 @@
+"""The driver process: runs the control-flow program, ``async def main(ctx)``, under supervision.
+
+The program runs in its own process, never in the node agent, so a program that blocks or crashes
+cannot stall the supervisor. The driver binds an inbox like every role (heartbeats, STOP), holds
+one dispatcher for all role groups, and when the program returns it writes ``driver.json`` in the
+run directory (the result, if it is JSON, and the dispatcher's counts) and exits with status 0,
+which ends the run.
+
+An exception raised by the program is not a crash: the driver exits with ``EXIT_PROGRAM`` and the
+supervisor fails the run once, with the traceback. A crash of the driver process (SIGKILL, OOM)
+is restarted, and the program resumes from what the run checkpointed (``ctx.incarnation`` > 0).
+A program that makes no progress for ``pipeline.stall_timeout_s`` fails the run the same way,
+with what it waited for (``asyncrl.dispatch.watchdog``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+
+from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.handles import Context
+from asyncrl.dispatch.watchdog import Watchdog
+from asyncrl.errors import ConfigProblem
+from asyncrl.exits import EXIT_PROGRAM, EXIT_STOPPED
+from asyncrl.manifest.pipeline_section import PipelineSpec
+from asyncrl.manifest.spec import ProcessSpec
+from asyncrl.observe import logs, metrics
+from asyncrl.safe_files import write_atomic
+from asyncrl.transport import ChannelOptions, Server
+
+__all__ = ["Program", "load_program", "serve_driver"]
+
+Program = Callable[[Context], Coroutine[Any, Any, Any]]
+
+
+def load_program(target: str) -> Program:
+    """The control-flow program named by ``module:function`` or ``path/file.py:function``
+    (``:function`` defaults to ``main``).
+
+    Raises:
+        ConfigProblem: it cannot be imported, its module raised while it was imported (any
+            exception: importing it again would raise again), or it is not an async function.
+    """
+    where, _, name = target.rpartition(":") if ":" in target else (target, "", "main")
+    name = name or "main"
+    try:
+        if where.endswith(".py") or os.sep in where:
+            path = os.path.abspath(where)
+            spec = importlib.util.spec_from_file_location("asyncrl_program", path)
+            if spec is None or spec.loader is None:
+                raise ConfigProblem(f"program {target!r}: {path} is not a Python file")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["asyncrl_program"] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except (ImportError, FileNotFoundError) as exc:
+        raise ConfigProblem(f"run.program {target!r}: cannot import {where!r}: {exc}") from exc
+    except ConfigProblem:
+        raise
+    except Exception as exc:  # the module's own code raised: importing again raises again
+        traceback.print_exc()  # where in the module: the message below gives only the error
+        raise ConfigProblem(
+            f"run.program {target!r}: importing {where!r} raised {type(exc).__name__}: {exc}; "
+            f"fix the module (its traceback is above)"
+        ) from exc
+    fn = getattr(module, name, None)
+    if fn is None or not asyncio.iscoroutinefunction(fn):
+        raise ConfigProblem(
+            f"run.program {target!r}: {where} has no async function {name!r}; the program is "
+            f"'async def {name}(ctx)'"
+        )
+    return fn  # type: ignore[no-any-return]
+
+
+async def serve_driver(spec: ProcessSpec) -> int:
+    """Run the program; return the process's exit status (see ``asyncrl.exits``).
+
+    0: the program finished. ``EXIT_STOPPED``: stopped before it finished (never success).
+    ``EXIT_PROGRAM``: the program raised, or stalled; the run fails once, with the traceback
+    written to stderr and ``driver.json``.
+    """
+    log = logs.get_logger("asyncrl.dispatch.driver")
+    program = load_program(spec.target)
+    if spec.incarnation > 0 and _finished(spec.run_dir):  # see _finished
+        log.info("program already finished; its result stands", incarnation=spec.incarnation)
+        return 0
+    stop = asyncio.Event()
+    options = ChannelOptions(
+        run=spec.run, heartbeat_interval_s=spec.heartbeat_interval_s, liveness=spec.liveness
+    )
+    server = Server(
+        spec.endpoint,
+        name="driver",
+        incarnation=spec.incarnation,
+        options=options,
+        on_stop=stop.set,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    pipeline = msgspec.convert(spec.pipeline, PipelineSpec)
+    watchdog = Watchdog(pipeline.stall_timeout_s)
+    dispatcher = Dispatcher(spec.groups, run=spec.run)
+    dispatcher.start()
+    server.add("status", _status(spec, dispatcher))
+    ctx = Context(
+        dispatcher,
+        run=spec.run,
+        run_dir=spec.run_dir,
+        log=log,
+        config=spec.config,
+        pipeline=pipeline,
+        watchdog=watchdog,
+        incarnation=spec.incarnation,
+    )
+    log.info("program started", program=spec.target, resumed=spec.incarnation > 0)
+    program_task = loop.create_task(program(ctx))
+    stop_task = loop.create_task(stop.wait())
+    watch_task = loop.create_task(watchdog.run())
+    try:
+        await asyncio.wait(
+            {program_task, stop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for task in (stop_task, watch_task):
+            task.cancel()
+        if not program_task.done():
+            program_task.cancel()
+        await asyncio.gather(program_task, stop_task, watch_task, return_exceptions=True)
+        summary = dispatcher.summary()
+        await dispatcher.close()
+        await server.close()
+    stalled = watch_task.exception() if watch_task.done() and not watch_task.cancelled() else None
+    if stalled is not None:
+        _write(spec.run_dir, {"finished": False, "error": str(stalled), "dispatch": summary})
+        print(f"the run stalled: {stalled}", file=sys.stderr, flush=True)
+        log.error("stalled", error=str(stalled))
+        return EXIT_PROGRAM
+    if program_task.cancelled():
+        log.info("program stopped before it finished")
+        _write(spec.run_dir, {"finished": False, "stopped": True, "dispatch": summary})
+        return EXIT_STOPPED
+    exc = program_task.exception()
+    if exc is not None:
+        text = "".join(traceback.format_exception(exc))
+        _write(spec.run_dir, {"finished": False, "error": text, "dispatch": summary})
+        print(f"the control-flow program raised:\n{text}", file=sys.stderr, flush=True)
+        log.error("program raised", error=repr(exc))
+        return EXIT_PROGRAM
+    result = program_task.result()
+    _write(spec.run_dir, {"finished": True, "result": _jsonable(result), "dispatch": summary})
+    log.info("program finished")
+    return 0
+
+
+def _status(spec: ProcessSpec, dispatcher: Dispatcher) -> Callable[[Any, Any], dict[str, Any]]:
+    """The handler of ``status`` (``asyncrl status``; a plain call, not control): the program,
+    this incarnation, the step and version of the last metrics record written (``step`` and
+    ``version`` are None before the first), and each role group's ``Group.status``."""
+
+    def status(_payload: Any, _call: Any) -> dict[str, Any]:
+        last = metrics.latest()
+        return {
+            "program": spec.target,
+            "incarnation": spec.incarnation,
+            "step": last.get("step"),
+            "version": last.get("version"),
+            "roles": dispatcher.status(),
+        }
+
+    return status
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
+def _finished(run_dir: str) -> bool:
+    """Whether ``driver.json`` in ``run_dir`` records a program that finished.
+
+    A driver can be killed after its program finished: its inbox (which answers heartbeats)
+    closes before the process exits, and on a loaded machine the exit can take longer than the
+    liveness. Its next incarnation keeps that result rather than run the program again, which
+    would replay nothing and overwrite the result with an empty one."""
+    try:
+        with open(os.path.join(run_dir, "driver.json")) as f:
+            return bool(json.load(f).get("finished"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _write(run_dir: str, data: dict[str, Any]) -> None:
+    path = os.path.join(run_dir, "driver.json")
+    write_atomic(path, json.dumps(data, indent=2, default=repr).encode())

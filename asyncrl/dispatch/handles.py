@@ -1,0 +1,266 @@
+"""Handles: what a control-flow program holds for each role group.
+
+    async def main(ctx):
+        answer = await ctx.reward.call("score", sample)              # one replica
+        versions = await ctx.rollout.broadcast("set_weights", w)      # every replica
+        async for key, result in ctx.worker.map("work", items):       # as they complete
+            ...
+
+Independent calls run concurrently (``asyncio.gather``, or ``map``). Every call goes through the
+one credit-based dispatcher, so a fast replica takes more work and nothing waits at a barrier;
+where it goes and what becomes of it when it fails is ``asyncrl.dispatch.scheduler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any
+
+from asyncrl.dispatch.dispatcher import Dispatcher, Group, Work
+from asyncrl.dispatch.scheduler import SHUTTING_DOWN
+from asyncrl.dispatch.watchdog import Watchdog
+from asyncrl.errors import ClosedError, RoleDeadError
+from asyncrl.manifest.pipeline_section import PipelineSpec
+from asyncrl.observe.metrics import IdleFractions
+
+__all__ = ["Context", "Handle"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class Handle:
+    """Calls into one role group."""
+
+    def __init__(self, group: Group, watchdog: Watchdog | None = None) -> None:
+        self._group = group
+        self._watchdog = watchdog
+        self._in_flight: dict[Work, float] = {}  # work -> when it was submitted
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the calls
+        if watchdog is not None:
+            watchdog.watch(f"role {group.name}", self.describe_in_flight)
+
+    @property
+    def name(self) -> str:
+        return self._group.name
+
+    @property
+    def replicas(self) -> int:
+        return len(self._group.replicas)
+
+    def _work(
+        self,
+        method: str,
+        payload: Any,
+        reply_type: Any,
+        timeout: float,
+        *,
+        key: Any = None,
+        target: int | None = None,
+        affinity: Any = None,
+    ) -> Work:
+        loop = self._loop  # asyncio.get_running_loop makes a system call (getpid) each time
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        work = Work(
+            method,
+            payload,
+            reply_type,
+            timeout,
+            loop.time() + timeout,
+            loop.create_future(),
+            key=key,
+            target=target,
+            affinity=affinity,
+        )
+        self._in_flight[work] = loop.time()
+        work.future.add_done_callback(functools.partial(self._settled, work))
+        return work
+
+    def _settled(self, work: Work, future: asyncio.Future[Any]) -> None:
+        self._in_flight.pop(work, None)
+        if self._watchdog is not None and not future.cancelled() and future.exception() is None:
+            self._watchdog.progress()
+
+    def describe_in_flight(self) -> str:
+        """The calls in flight to this group, oldest first: method, replica, age."""
+        if not self._in_flight:
+            return ""
+        now = asyncio.get_running_loop().time()
+        calls: dict[tuple[str, str], list[float]] = {}
+        for work, since in self._in_flight.items():
+            where = "any replica" if work.target is None else f"replica {work.target}"
+            state = "sent to" if work.sent else "queued for"
+            calls.setdefault((work.method, f"{state} {where}"), []).append(now - since)
+        parts = [
+            f"{len(ages)} x {method} ({where}, oldest {max(ages):.0f} s)"
+            for (method, where), ages in sorted(calls.items(), key=lambda kv: -max(kv[1]))
+        ]
+        return "; ".join(parts)
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        key: Any = None,
+        affinity: Any = None,
+        replica: int | None = None,
+    ) -> Any:
+        """Call ``method`` on whichever replica has room; return its reply.
+
+        Calls with the same ``affinity`` key prefer the replica the first of them went to
+        (an idle replica still steals them; see ``asyncrl.dispatch.scheduler``). ``replica`` sends
+        the call to that replica only (one that alone can answer it: a sharded learner's first).
+
+        Raises:
+            DeadlineExceededError: no reply within ``timeout`` seconds (names role and replica).
+            RemoteError: the role raised; ``code`` and ``remote_type`` say what.
+            BrokenError: a once endpoint's replica died with the call in flight.
+            RoleDeadError: the run is shutting down; nothing will answer the call.
+        """
+        work = self._work(
+            method, payload, reply_type, timeout, key=key, affinity=affinity, target=replica
+        )
+        self._group.submit(work)
+        return await self._outcome(work.future)
+
+    async def broadcast(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> list[Any]:
+        """Call ``method`` on every replica; return the replies in replica order.
+
+        Raises:
+            The first error of any replica, as ``call`` does.
+        """
+        works = [
+            self._work(method, payload, reply_type, timeout, target=i) for i in range(self.replicas)
+        ]
+        for work in works:
+            self._group.submit(work)
+        return list(await self._outcome(asyncio.gather(*(w.future for w in works))))
+
+    async def map(
+        self,
+        method: str,
+        items: Iterable[Any],
+        reply_type: Any = Any,
+        *,
+        keys: Iterable[Any] | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> AsyncIterator[tuple[Any, Any]]:
+        """Call ``method`` once per item; yield ``(key, reply)`` as each completes.
+
+        Keys are the items' stable ids (their index by default) and must be unique: each key
+        is yielded exactly once, even when its request ran more than once.
+
+        Raises:
+            ValueError: two items share a key.
+            The first error of any item, as ``call`` does; the other items are cancelled.
+        """
+        items = list(items)
+        key_list = list(range(len(items))) if keys is None else list(keys)
+        if len(key_list) != len(items):
+            raise ValueError(f"map got {len(items)} items but {len(key_list)} keys")
+        if len(set(map(_hashable, key_list))) != len(key_list):
+            raise ValueError("map keys must be unique: each is the stable id of one result")
+        done: asyncio.Queue[Work] = asyncio.Queue()
+        works = []
+        for key, item in zip(key_list, items, strict=True):
+            work = self._work(method, item, reply_type, timeout, key=key)
+            work.future.add_done_callback(functools.partial(_put, done, work))
+            works.append(work)
+        for work in works:
+            self._group.submit(work)
+        try:
+            for _ in range(len(works)):
+                work = await done.get()
+                yield work.key, await self._outcome(work.future)
+        finally:
+            for work in works:
+                if not work.future.done():
+                    work.future.cancel()
+
+    async def _outcome(self, waiting: Awaitable[Any]) -> Any:
+        """What ``waiting`` (the futures of calls) gives. The scheduler itself fails calls
+        with ``RoleDeadError`` once the dispatcher closes; a ``ClosedError`` that still reaches
+        here (a client closed under a call) means the same."""
+        try:
+            return await waiting
+        except ClosedError as exc:
+            raise RoleDeadError(self.name, SHUTTING_DOWN) from exc
+
+
+def _put(queue: asyncio.Queue[Work], work: Work, future: asyncio.Future[Any]) -> None:
+    queue.put_nowait(work)
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list | tuple) else key
+
+
+class Context:
+    """What the control-flow program receives: a handle per role group, and the run's facts.
+
+    ``ctx.rollout`` and ``ctx["rollout"]`` are the same handle; ``ctx.config`` is the manifest's
+    ``run.config``; ``ctx.pipeline`` its ``pipeline`` section
+    (``asyncrl.manifest.pipeline_section.PipelineSpec``); ``ctx.run_dir`` is where the program
+    writes its outputs; ``ctx.watchdog`` fails the run when nothing progresses for
+    ``pipeline.stall_timeout_s`` (a program may ``watch`` its own waits, so the failure says on what
+    it waited); ``ctx.incarnation`` is the driver's restart count (0 on a fresh start: a program
+    resumes from its checkpoint when it is not); ``ctx.idle()`` is each role's idle fraction since
+    the previous ``ctx.idle()`` (a step's, when the program calls it once a step;
+    ``asyncrl.observe.metrics.IdleFractions``).
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        run: str,
+        run_dir: str,
+        log: Any,
+        config: dict[str, Any] | None = None,
+        pipeline: PipelineSpec | None = None,
+        watchdog: Watchdog | None = None,
+        incarnation: int = 0,
+    ) -> None:
+        self.run = run
+        self.run_dir = run_dir
+        self.log = log
+        self.config = config or {}
+        self.pipeline = pipeline or PipelineSpec()
+        self.watchdog = watchdog or Watchdog(0)
+        self.incarnation = incarnation
+        self.roles = {
+            name: Handle(group, self.watchdog) for name, group in dispatcher.groups.items()
+        }
+        self._idle = IdleFractions(dispatcher.busy)
+
+    def idle(self) -> dict[str, float]:
+        """Each role's idle fraction since the previous call: the share of the time in which
+        its replicas had no call of this program in flight, averaged over its replicas."""
+        return self._idle()
+
+    def __getitem__(self, name: str) -> Handle:
+        try:
+            return self.roles[name]
+        except KeyError:
+            known = ", ".join(sorted(self.roles)) or "none"
+            raise KeyError(f"no role {name!r} in this run; the roles are: {known}") from None
+
+    def __getattr__(self, name: str) -> Handle:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(str(exc)) from None

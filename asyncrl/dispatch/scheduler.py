@@ -1,0 +1,528 @@
+"""Where each call to a role group goes, and what becomes of it when it fails: no sockets here.
+
+A ``Scheduler`` holds the replicas of one role group, the credit each advertised, and the work
+queued for them. It reaches a replica only through a ``ReplicaClient`` (in a run, the
+transport's ``Client``; in a test, a fake) and learns of credit and of a replica's comings and
+goings from its owner, ``asyncrl.dispatch.dispatcher.Group``, through ``credit`` and ``peer_event``.
+So the whole policy runs in-process, as vLLM's ``EngineCore`` runs apart from ``EngineCoreProc``.
+
+Each replica advertises free slots (CREDIT, sent by its process once ``setup()`` is done). Work
+waits in the group's queue and goes to the replica with the most free slots, so a fast replica
+simply takes more, and nothing is bound to a replica until it is sent: an idle replica takes
+whatever is queued. Work aimed at one replica (``broadcast``) waits in that replica's own queue.
+
+Work may carry an *affinity* key (a GRPO group's id, for an engine with prefix caching): the
+first such work goes wherever the scheduler picks, and later work with the same key prefers
+that replica, waiting in its soft queue while it is full. An idle replica steals from the
+longest soft queue of the others (the newest work first, so the owner keeps what it reaches
+next), so a preference never leaves a slot empty; each theft is counted as ``stolen``.
+
+Failures follow each endpoint's delivery class (``delivery``, by method; a method it does not
+name is ``once``):
+
+- idempotent: a request whose replica died, hung or restarted runs again, preferably on another
+  replica; if none is up it waits for a restarted one. Only its deadline limits this, so waiting
+  for a restart spends no retries. Its future resolves once, with the first result.
+- once: never retried; the caller gets the typed error.
+- latest: like idempotent, and a queued call is replaced by a newer one to the same method and
+  target; both callers get the newer call's result.
+
+A replica that can never be spoken to (it speaks another protocol version) is *lost*
+(``lose``): work aimed at it fails with ``RoleDeadError`` naming it, and other work goes to the
+rest of the group. Once ``close`` is called (the run is shutting down), every call still queued,
+every later one, and every call in flight that its client's closing ends or that would run again
+fails with ``RoleDeadError`` (``SHUTTING_DOWN``): nothing will answer it now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from asyncrl.errors import (
+    BrokenError,
+    ClosedError,
+    DeadlineExceededError,
+    RemoteError,
+    RoleDeadError,
+    TransportError,
+)
+from asyncrl.role import Delivery
+
+__all__ = ["SHUTTING_DOWN", "Replica", "ReplicaClient", "Scheduler", "Work"]
+
+log = logging.getLogger("asyncrl.dispatch.dispatcher")
+
+_MAX_HOMES = 65536
+
+SHUTTING_DOWN = (
+    "the run is shutting down (the driver closed its connections with this call still queued "
+    "or in flight)"
+)
+"""Why a call fails with ``RoleDeadError`` once its scheduler is closed: queued then, made
+afterwards, or in flight on a client that closed (its ``ClosedError`` is then the cause)."""
+
+
+class ReplicaClient(Protocol):
+    """How the scheduler sends a request to one replica (``asyncrl.transport.Client`` is one)."""
+
+    def call_future(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = 30.0,
+        attempt: int = 0,
+        trace: str = "",
+    ) -> asyncio.Future[Any]:
+        """Send the request now; return the future of its reply.
+
+        Raises:
+            TransportError: it cannot be sent (the client is closed): the replica counts as down.
+            TypeError: the payload cannot be encoded.
+        """
+        ...
+
+
+class Work:
+    """One request on its way to some replica of a group."""
+
+    __slots__ = (
+        "affinity",
+        "attempt",
+        "avoid",
+        "deadline",
+        "future",
+        "key",
+        "method",
+        "payload",
+        "reply_type",
+        "sent",
+        "target",
+        "timeout",
+        "timer",
+    )
+
+    def __init__(
+        self,
+        method: str,
+        payload: Any,
+        reply_type: Any,
+        timeout: float,
+        deadline: float,
+        future: asyncio.Future[Any],
+        *,
+        key: Any = None,
+        target: int | None = None,
+        affinity: Any = None,
+    ) -> None:
+        self.method = method
+        self.payload = payload
+        self.reply_type = reply_type
+        self.timeout = timeout
+        self.deadline = deadline
+        self.future = future
+        self.key = key
+        self.target = target
+        self.affinity = affinity
+        self.attempt = 0
+        self.avoid = -1
+        self.sent = False
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Replica:
+    """What the scheduler knows of one replica: its credit, its calls in flight, its queues."""
+
+    __slots__ = (
+        "alive",
+        "client",
+        "credit",
+        "endpoint",
+        "incarnation",
+        "index",
+        "inflight",
+        "lost",
+        "queue",
+        "served",
+        "soft",
+    )
+
+    def __init__(self, index: int, endpoint: str) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.client: ReplicaClient | None = None
+        self.credit = 0
+        self.inflight = 0
+        self.alive = False
+        self.incarnation = -1
+        self.queue: deque[Work] = deque()  # work aimed at this replica
+        self.soft: deque[Work] = deque()  # work that prefers this replica; others may steal it
+        self.served = 0
+        self.lost: str | None = None  # why it can never be spoken to, once it cannot
+
+    @property
+    def free(self) -> int:
+        return self.credit - self.inflight if self.alive and self.lost is None else 0
+
+
+class Scheduler:
+    """The credit-based queues of one role group.
+
+    Args:
+        name: the role's name (errors and logs name it).
+        endpoints: one per replica, in replica order (errors name the replica's).
+        delivery: the delivery class of each method known so far; ``delivery`` may be updated
+            later (a replica describes its endpoints).
+    """
+
+    def __init__(
+        self, name: str, endpoints: Sequence[str], delivery: Mapping[str, Delivery] | None = None
+    ) -> None:
+        self.name = name
+        self.replicas = [Replica(i, ep) for i, ep in enumerate(endpoints)]
+        self.queue: deque[Work] = deque()
+        self.delivery: dict[str, Delivery] = dict(delivery or {})
+        self.stats: Counter[str] = Counter()
+        self._homes: dict[Any, int] = {}  # affinity key -> the replica it prefers
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What every call fails with since ``fail_all``; None while the owner is sound."""
+        return self._failure
+
+    # -- what the owner tells it ----------------------------------------------------------
+
+    def attach(self, index: int, client: ReplicaClient) -> None:
+        """Send replica ``index``'s work through ``client`` from now on."""
+        self.replicas[index].client = client
+
+    def credit(self, index: int, slots: int, incarnation: int) -> None:
+        """Replica ``index``, in ``incarnation``, takes ``slots`` calls at once from now on."""
+        replica = self.replicas[index]
+        replica.credit = slots
+        replica.alive = True
+        replica.incarnation = incarnation  # credit belongs to the incarnation that sent it
+        self.pump()
+
+    def peer_event(self, index: int, kind: str, incarnation: int) -> None:
+        """The connection to replica ``index`` changed (a ``PeerEvent`` kind); ``incarnation``
+        is the one its last message came from."""
+        replica = self.replicas[index]
+        if kind in ("dead", "disconnected"):
+            replica.alive = False
+            self.stats[f"replica_{kind}"] += 1
+        elif kind == "restarted":
+            # The new incarnation advertises its own credit once its state is restored (its
+            # CREDIT may even have arrived before this event).
+            self.stats["replica_restarts"] += 1
+        elif kind == "alive" and replica.credit > 0 and incarnation == replica.incarnation:
+            # Heard again after a silence from the same incarnation (it was stopped, not
+            # restarted): the credit it gave still stands.
+            replica.alive = True
+            self.pump()
+
+    def lose(self, index: int, reason: str) -> None:
+        """Replica ``index`` can never be spoken to (it speaks another protocol version; it
+        was never connected, so it took no work): work aimed at it fails with ``RoleDeadError``
+        naming it and ``reason``, now and later, and other work goes to the rest of the group.
+        Once every replica is lost, every call fails so."""
+        replica = self.replicas[index]
+        replica.lost = reason
+        self.stats["replicas_lost"] += 1
+        for work in replica.queue:
+            self._fail(work, RoleDeadError(self.name, reason, index))
+        replica.queue.clear()
+        dead = self.all_lost()
+        if dead is not None:
+            for work in self.queue:
+                self._fail(work, dead)
+            self.queue.clear()
+        self.pump()
+
+    def all_lost(self) -> RoleDeadError | None:
+        """The error of a group none of whose replicas can be spoken to; None while one can."""
+        if any(r.lost is None for r in self.replicas):
+            return None
+        reasons = "; ".join(f"replica {r.index}: {r.lost}" for r in self.replicas)
+        return RoleDeadError(self.name, f"none of its replicas can be spoken to ({reasons})")
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The owner broke (a bug): fail every queued call with ``exc``, and every later one."""
+        self._failure = exc
+        for work in self._queued():
+            self._fail(work, exc)
+        self.queue.clear()
+        for replica in self.replicas:
+            replica.queue.clear()
+            replica.soft.clear()
+
+    def close(self) -> None:
+        """The run is shutting down: fail every queued call, and every later one, with
+        ``RoleDeadError`` (``SHUTTING_DOWN``). A call in flight fails so when it ends (its
+        client closes under it), and is never re-queued."""
+        self._closed = True
+        for work in self._queued():
+            self._fail(work, self._shutting_down())
+        self.queue.clear()
+        for replica in self.replicas:
+            replica.queue.clear()
+            replica.soft.clear()
+
+    def _shutting_down(self, cause: BaseException | None = None) -> RoleDeadError:
+        error = RoleDeadError(self.name, SHUTTING_DOWN)
+        error.__cause__ = cause
+        return error
+
+    def _queued(self) -> list[Work]:
+        return [*self.queue, *(w for r in self.replicas for w in (*r.queue, *r.soft))]
+
+    # -- work -----------------------------------------------------------------------------
+
+    def submit(self, work: Work) -> None:
+        """Queue ``work``; it is sent as soon as a replica has a free slot. Once the owner
+        failed, or the scheduler is closed, it fails at once instead."""
+        self.stats["calls"] += 1
+        if self._failure is not None:
+            self._fail(work, self._failure)
+            return
+        if self._closed:
+            self._fail(work, self._shutting_down())
+            return
+        lost = self._lost_for(work)
+        if lost is not None:
+            self._fail(work, lost)
+            return
+        loop = work.future.get_loop()  # no system call (get_running_loop makes one)
+        work.timer = loop.call_at(work.deadline, self._expire, work)
+        queue = self.queue if work.target is None else self.replicas[work.target].queue
+        if self.delivery.get(work.method) == Delivery.LATEST:
+            for older in [w for w in queue if w.method == work.method]:
+                queue.remove(older)
+                self.stats["superseded"] += 1
+                _chain(work.future, older)
+        queue.append(work)
+        self.pump()
+
+    def _lost_for(self, work: Work) -> RoleDeadError | None:
+        """The error ``work`` fails with at once because its replica, or every replica, is
+        lost; None when some replica it may go to is not."""
+        if work.target is not None:
+            reason = self.replicas[work.target].lost
+            return None if reason is None else RoleDeadError(self.name, reason, work.target)
+        return self.all_lost()
+
+    def pump(self) -> None:
+        """Send queued work to replicas with free slots: work aimed at a replica first, then
+        work that prefers it, then the shared queue (the freest replica first); then idle
+        replicas steal what others prefer."""
+        for replica in self.replicas:
+            while replica.free > 0 and (replica.queue or replica.soft):
+                self._send(replica, (replica.queue or replica.soft).popleft())
+        queue = self.queue
+        while queue:
+            work = queue[0]
+            home = self._home(work)
+            if home is not None and home.free <= 0:
+                home.soft.append(queue.popleft())  # waits for its replica, or a thief
+                continue
+            chosen = home or self._pick(work)
+            if chosen is None:
+                break
+            queue.popleft()
+            if work.affinity is not None:
+                self._bind(work.affinity, chosen.index)
+            self._send(chosen, work)
+        self._steal()
+
+    def _home(self, work: Work) -> Replica | None:
+        if work.affinity is None:
+            return None
+        index = self._homes.get(work.affinity)
+        if index is None or index == work.avoid:
+            return None  # unbound yet, or the replica that failed it: pick afresh
+        return self.replicas[index]
+
+    def _bind(self, key: Any, index: int) -> None:
+        self._homes.pop(key, None)
+        self._homes[key] = index
+        if len(self._homes) > _MAX_HOMES:  # forget the oldest preference
+            del self._homes[next(iter(self._homes))]
+
+    def _steal(self) -> None:
+        if not any(r.soft for r in self.replicas):
+            return  # nothing is waiting for a particular replica: the usual case
+        for thief in sorted(self.replicas, key=lambda r: -r.free):
+            while thief.free > 0:
+                victim = max(self.replicas, key=lambda r: len(r.soft) if r is not thief else -1)
+                if victim is thief or not victim.soft:
+                    return
+                work = victim.soft.pop()
+                self.stats["stolen"] += 1
+                if work.affinity is not None:
+                    self._bind(work.affinity, thief.index)
+                self._send(thief, work)
+
+    def _pick(self, work: Work) -> Replica | None:
+        best: Replica | None = None
+        for replica in self.replicas:
+            free = replica.free
+            if free <= 0:
+                continue
+            if best is None:
+                best = replica
+                continue
+            # A retried request prefers any other replica to the one that failed it.
+            if (best.index == work.avoid) != (replica.index == work.avoid):
+                if best.index == work.avoid:
+                    best = replica
+                continue
+            if free > best.free:
+                best = replica
+        return best
+
+    def _send(self, replica: Replica, work: Work) -> None:
+        assert replica.client is not None
+        if work.future.done():  # cancelled by its caller while it waited
+            if work.timer is not None:
+                work.timer.cancel()
+            return
+        loop = work.future.get_loop()  # no system call (get_running_loop makes one)
+        remaining = work.deadline - loop.time()
+        if remaining <= 0:
+            self._expire(work)
+            return
+        try:
+            fut = replica.client.call_future(
+                work.method,
+                work.payload,
+                work.reply_type,
+                timeout=remaining,
+                attempt=work.attempt,
+                trace=str(work.key) if work.key is not None else "",
+            )
+        except TransportError as exc:
+            replica.alive = False
+            self._retry_or_fail(replica, work, exc)
+            return
+        except TypeError as exc:  # a payload that cannot be encoded: its caller's error alone
+            self._fail(work, exc)
+            return
+        replica.inflight += 1
+        work.sent = True
+        fut.add_done_callback(functools.partial(self._done, replica, work))
+
+    def _done(self, replica: Replica, work: Work, fut: asyncio.Future[Any]) -> None:
+        replica.inflight -= 1
+        if fut.cancelled():
+            work.future.cancel()
+        else:
+            exc = fut.exception()
+            if exc is None:
+                replica.served += 1
+                self._resolve(work, fut.result())
+            else:
+                self._retry_or_fail(replica, work, exc)
+        if not self._closed:
+            self.pump()
+
+    def _retry_or_fail(self, replica: Replica, work: Work, exc: BaseException) -> None:
+        delivery = self.delivery.get(work.method, Delivery.ONCE)
+        retryable = isinstance(exc, BrokenError) or (isinstance(exc, RemoteError) and exc.retryable)
+        again = retryable and delivery != Delivery.ONCE
+        if isinstance(exc, DeadlineExceededError):
+            # Named by group and replica; the pid and incarnation that had the call stay.
+            self._fail(
+                work,
+                DeadlineExceededError(
+                    f"{self.name}[{replica.index}] ({replica.endpoint})",
+                    work.method,
+                    work.timeout,
+                    pid=exc.pid,
+                    incarnation=exc.incarnation,
+                ),
+            )
+        elif self._closed and (again or isinstance(exc, ClosedError)):
+            # It would run again, or its client closed under it: nothing will answer it now.
+            self._fail(work, self._shutting_down(exc))
+        elif again and asyncio.get_running_loop().time() < work.deadline:
+            self.stats["retries"] += 1
+            work.attempt += 1
+            work.avoid = replica.index
+            work.sent = False
+            if work.target is None:
+                self.queue.appendleft(work)
+            else:
+                self.replicas[work.target].queue.appendleft(work)
+            log.info(
+                "%s: re-running %r (attempt %d) after %s on replica %d",
+                self.name,
+                work.method,
+                work.attempt,
+                type(exc).__name__,
+                replica.index,
+            )
+        else:
+            self._fail(work, exc)
+
+    def _expire(self, work: Work) -> None:
+        if work.future.done() or work.sent:
+            return  # in flight, the client's own deadline answers
+        for queue in (self.queue, *(q for r in self.replicas for q in (r.queue, r.soft))):
+            if work in queue:
+                queue.remove(work)
+        where = self.name if work.target is None else f"{self.name}[{work.target}]"
+        self._fail(
+            work,
+            DeadlineExceededError(
+                f"{where} (no replica took it: none was up with a free slot)",
+                work.method,
+                work.timeout,
+            ),
+        )
+
+    def _resolve(self, work: Work, value: Any) -> None:
+        if work.timer is not None:
+            work.timer.cancel()
+        if not work.future.done():
+            work.future.set_result(value)
+
+    def _fail(self, work: Work, exc: BaseException) -> None:
+        if work.timer is not None:
+            work.timer.cancel()
+        if not work.future.done():
+            self.stats["failures"] += 1
+            work.future.set_exception(exc)
+
+    def summary(self) -> dict[str, Any]:
+        """The counters (calls, retries, failures, stolen, ...) and the calls each replica
+        answered, by replica index."""
+        return {
+            **self.stats,
+            "served": {r.index: r.served for r in self.replicas},
+        }
+
+
+def _chain(newer: asyncio.Future[Any], older: Work) -> None:
+    """The caller of a superseded latest-wins call gets the newer call's outcome."""
+    if older.timer is not None:
+        older.timer.cancel()
+
+    def copy(f: asyncio.Future[Any]) -> None:
+        if older.future.done():
+            return
+        if f.cancelled():
+            older.future.cancel()
+        elif f.exception() is not None:
+            older.future.set_exception(f.exception())  # type: ignore[arg-type]
+        else:
+            older.future.set_result(f.result())
+
+    newer.add_done_callback(copy)

@@ -1,0 +1,128 @@
+"""The manifest's ``pipeline`` section: the asynchrony settings (mode, staleness bound η,
+over-provisioning) and the straggler policy, as the run's roles and driver read them.
+
+The pacing these settings drive is ``asyncrl.dispatch.pacing``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+
+from asyncrl.manifest.limits import MAX_COUNT, MAX_RATIO, MAX_SECONDS
+
+__all__ = ["Mode", "OverEta", "PipelineSpec", "StragglerSpec", "straggler_problem"]
+
+
+class Mode(enum.StrEnum):
+    """``sync``: one batch in flight and a barrier before each learner step. ``async``: up to
+    ``eta`` versions of generation ahead of the learner, no barrier."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class OverEta(enum.StrEnum):
+    """What becomes of a sample whose staleness still exceeds η when it is consumed."""
+
+    DROP = "drop"  # discarded, counted as waste; its admission slot is refilled
+    CORRECT = "correct"  # trained on, with the learner's off-policy correction
+
+
+class StragglerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """When a GRPO group is released if some of its samples are late.
+
+    Attributes:
+        policy: ``wait`` for every sample; ``emit`` the group at its deadline with at least
+            ``k_min`` samples, its statistics taken over those that arrived; or ``drop`` it at
+            its deadline and admit a fresh prompt instead.
+        deadline_s: seconds from a group's admission to its deadline; 0 means none (only
+            ``wait`` allows that).
+        k_min: for ``emit``, the fewest samples a released group may have (at least 2: one
+            sample has no group baseline).
+    """
+
+    policy: Annotated[
+        str,
+        msgspec.Meta(pattern="^(wait|emit|drop)$", extra={"expected": "'wait', 'emit' or 'drop'"}),
+    ] = "wait"
+    deadline_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 0.0
+    k_min: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 2
+
+
+class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The manifest's ``pipeline`` section: how samples flow from rollout to the learner.
+
+    Attributes:
+        mode: ``sync`` (the baseline) or ``async``; both run the same code.
+        eta: the staleness bound η, in learner versions (async mode; sync mode is 0).
+        over_eta: ``drop`` or ``correct`` a sample still over η when consumed.
+        correction: the learner's off-policy correction of stale tokens: ``clip`` (PPO's
+            clipped importance ratio against the behaviour policy: a token the policy has
+            moved away from by more than the clip range stops pushing further), ``decoupled``
+            PPO (trust region around the learner's current, proximal policy; the behaviour
+            policy corrected by an importance weight capped at ``importance_cap``) or ``tis``
+            (policy gradient with truncated importance weights).
+        importance_cap: the cap on importance weights of ``decoupled`` and ``tis``.
+        overprovision: samples admitted beyond what η allows (async mode), so that drops and
+            stragglers do not leave the learner waiting.
+        group_affinity: keep a GRPO group's samples on one rollout replica (for engines with
+            prefix caching); an idle replica still steals them.
+        straggler: when a group with late samples is released.
+        running_stats: keep streaming, version-tagged reward statistics for the metrics.
+        drop_uniform: dynamic sampling (DAPO): drop a group whose rewards are all equal (it
+            carries no GRPO signal) and admit another prompt in its place, so that batches keep
+            their size; past a cap of drops per batch, such groups are kept
+            (docs/algorithms.md).
+        stall_timeout_s: seconds without any call completing after which the driver fails the
+            run, saying what it waited for and on whom (0: never). Raise it when one learner
+            step or one generation legitimately takes longer.
+    """
+
+    mode: Annotated[
+        str, msgspec.Meta(pattern="^(sync|async)$", extra={"expected": "'sync' or 'async'"})
+    ] = "sync"
+    eta: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 2
+    over_eta: Annotated[
+        str, msgspec.Meta(pattern="^(drop|correct)$", extra={"expected": "'drop' or 'correct'"})
+    ] = "correct"
+    correction: Annotated[
+        str,
+        msgspec.Meta(
+            pattern="^(clip|decoupled|tis)$", extra={"expected": "'clip', 'decoupled' or 'tis'"}
+        ),
+    ] = "clip"
+    importance_cap: Annotated[float, msgspec.Meta(gt=0, le=MAX_RATIO)] = 2.0
+    overprovision: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
+    group_affinity: bool = False
+    straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
+    running_stats: bool = False
+    drop_uniform: bool = False
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 600.0
+
+    def __post_init__(self) -> None:
+        problem = straggler_problem(self.straggler.policy, self.straggler.deadline_s)
+        if problem:
+            raise ValueError(f"straggler.deadline_s: {problem}")
+
+    @property
+    def window_eta(self) -> int:
+        """η as the pacer applies it: 0 in sync mode."""
+        return self.eta if self.mode == Mode.ASYNC else 0
+
+    @property
+    def window_overprovision(self) -> int:
+        """Over-provisioning as the pacer applies it: none in sync mode."""
+        return self.overprovision if self.mode == Mode.ASYNC else 0
+
+
+def straggler_problem(policy: object, deadline_s: object) -> str | None:
+    """Why a straggler policy and deadline do not go together, or None."""
+    if policy in ("emit", "drop") and not deadline_s:
+        return (
+            f"policy {policy!r} needs a deadline > 0 (seconds from a group's admission to "
+            "its release); set it, or use policy 'wait'"
+        )
+    return None

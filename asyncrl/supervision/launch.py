@@ -1,0 +1,600 @@
+"""Launch a run over several machines with torchrun: each torchrun worker is its node's agent.
+
+    torchrun --nnodes=N --nproc-per-node=1 --node-rank=R --master-addr=HOST --master-port=PORT \\
+        -m asyncrl.launch MANIFEST [--run-dir DIR] [--set KEY=VALUE]... [--resume] [--overwrite]
+
+(the c10d rendezvous form, ``--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT``, works too). The worker
+of node R runs the replicas the manifest places on node R (``placement.node`` or
+``placement.nodes``) under the same supervisor as ``asyncrl run`` (``agent``); node 0 also runs the
+driver. docs/multinode.md is the guide; in short:
+
+- Discovery: the agents meet in torchrun's store (``store_registry``). Each picks a tcp port per
+  replica it runs, on the node's address (``network.address``), publishes them, and waits for
+  every other node's before it starts anything. A replica binds its ipc endpoint for its own node
+  and its tcp port for the others; each process's ``groups`` hold what its node sees.
+- Status: each agent also publishes the tcp endpoint of its status server; ``asyncrl status``
+  given any node's run directory asks that node's agent, which asks the others.
+- Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``.
+- Hosts: each agent also publishes its host id; nodes that share a host share its weight store
+  (node R's ``weights`` folder links to the host's first node's, ``hosts``), and a node that
+  shares a host id but not the first node's folder is refused at start.
+- Traces (``--trace``): every node records into its own ``trace`` folder; at the end node R
+  sends its files to node 0 over tcp (Curve applies), which merges every node's into
+  ``RUN_DIR/trace.json`` (``asyncrl.observe.trace_nodes``).
+- The end: when the driver ends (or a node's supervisor gives up), its agent writes how the run
+  ended under the attempt's ``stop`` key; every agent then stops its roles and exits with the
+  run's status (0 completed, 1 failed, 130 interrupted).
+- Failures: agents raise a heartbeat key. An agent that sees another node's agent stop
+  answering, or restart, ends its attempt and exits 1: torchrun (``--max-restarts``) then starts
+  the worker group again, and the new attempt resumes the run in the same directories, as
+  ``asyncrl run --resume`` does. A run that ended for good (completed, or failed by its own
+  decision) leaves a ``final`` key: a later attempt exits at once with the same status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from asyncrl.errors import ManifestError
+from asyncrl.manifest.load import Manifest, load_manifest, resolve_run_dir
+from asyncrl.observe.trace import merge_and_tell
+from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
+from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
+from asyncrl.supervision.hosts import HostRecord, announce, share
+from asyncrl.supervision.runreport import RunReport
+from asyncrl.supervision.store_registry import (
+    LaunchKeys,
+    StoreClient,
+    StoreError,
+    free_ports,
+    node_address,
+)
+from asyncrl.supervision.supervisor import Supervisor
+from asyncrl.transport.control import new_secret
+
+__all__ = ["LaunchEnv", "main", "node_dir"]
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""Seconds between two heartbeats of a node agent in the store (and checks of the others')."""
+EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 130}
+EXIT_USAGE = 2
+_AGENTS = "agent.sock"
+"""Under this name, which no role can have, each node publishes its agent's status endpoint."""
+_TRACES = "trace.sink"
+"""Under this name node 0 of a traced launch publishes where the others send their traces."""
+_HOSTS = "host.id"
+"""Under this name each node publishes its ``asyncrl.supervision.hosts.HostRecord`` (JSON)."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun tells its worker, read from the environment.
+
+    Attributes:
+        node: this node's rank (``GROUP_RANK``).
+        nodes: the number of nodes (``GROUP_WORLD_SIZE``).
+        master_addr: the store's host.
+        master_port: the store's port.
+        run_id: ``TORCHELASTIC_RUN_ID``, or "" when torchrun left it at ``none``.
+        agent_store: torchrun's agent hosts the store (else node 0's worker does).
+    """
+
+    node: int
+    nodes: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    agent_store: bool
+
+    @classmethod
+    def from_environ(cls, env: dict[str, str] | None = None) -> LaunchEnv:
+        """Read it.
+
+        Raises:
+            ValueError: a variable is missing (not started by torchrun), or torchrun started
+                more than one worker per node.
+        """
+        env = dict(os.environ if env is None else env)
+        missing = [
+            v
+            for v in ("GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            if not env.get(v)
+        ]
+        if missing:
+            raise ValueError(
+                f"{', '.join(missing)} not set: asyncrl.launch runs under torchrun ('torchrun "
+                "--nnodes=N --nproc-per-node=1 ... -m asyncrl.launch MANIFEST'); on one "
+                "machine use 'asyncrl run MANIFEST'"
+            )
+        if env.get("LOCAL_WORLD_SIZE", "1") != "1":
+            raise ValueError(
+                f"torchrun started {env['LOCAL_WORLD_SIZE']} workers on this node; asyncrl.launch "
+                "is the node's agent and needs exactly one: pass --nproc-per-node=1"
+            )
+        run_id = env.get("TORCHELASTIC_RUN_ID", "")
+        return cls(
+            node=int(env["GROUP_RANK"]),
+            nodes=int(env["GROUP_WORLD_SIZE"]),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]),
+            run_id="" if run_id == "none" else run_id,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True",
+        )
+
+
+def node_dir(run_dir: str, node: int) -> str:
+    """Where node ``node`` keeps its files: RUN_DIR on node 0, RUN_DIR/node-R on the others."""
+    return run_dir if node == 0 else os.path.join(run_dir, f"node-{node}")
+
+
+def _say(node: int, message: str) -> None:
+    print(f"asyncrl.launch[node {node}]: {message}", file=sys.stderr, flush=True)
+
+
+def _ended(status: str, reason: str, node: int) -> str:
+    return json.dumps({"status": status, "reason": reason, "node": node})
+
+
+@dataclass
+class _Attempt:
+    """One node's part in one attempt of the launch."""
+
+    env: LaunchEnv
+    store: StoreClient
+    keys: LaunchKeys
+    attempt: int
+    manifest: Manifest
+    run_dir: str  # the run's (node 0's) directory
+    ended_here: bool = True  # the run ended by this node's supervisor, not by the store
+    restart: str = ""  # why this node leaves for a new attempt (another node restarted, died)
+    trace: bool = False  # --trace: record, and gather every node's trace on node 0
+    sink: str = ""  # where node 0 takes the traces (bound there, sent to elsewhere)
+    hosts: dict[int, HostRecord] = field(default_factory=dict)  # every node's, by rank
+
+    @property
+    def node(self) -> int:
+        return self.env.node
+
+    @property
+    def dir(self) -> str:
+        return node_dir(self.run_dir, self.env.node)
+
+
+async def _join(env: LaunchEnv, store: StoreClient, keys: LaunchKeys, timeout_s: float) -> int:
+    """The attempt this node takes part in.
+
+    Node 0 starts a new attempt at each start. Another node joins node 0's current attempt,
+    unless it already took part in it (it was restarted alone): then it says so (``rejoin``),
+    node 0 ends that attempt, and it joins the next.
+    """
+    if env.node == 0:
+        attempt = await store.add(keys.attempts, 1) - 1
+        await store.set_once(keys.joined(attempt, 0), str(os.getpid()))
+        await store.set(keys.current, str(attempt))
+        return attempt
+    me = str(os.getpid())
+    deadline = time.monotonic() + timeout_s
+    await store.wait_for([keys.current], timeout_s, why="node 0 starts each attempt")
+    while True:
+        current = int(await store.get(keys.current))
+        if await store.set_once(keys.joined(current, env.node), me) == me:
+            return current
+        await store.set(keys.rejoin(current, env.node), me)
+        while int(await store.get(keys.current)) == current:
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"node {env.node} restarted and waited {timeout_s:g} s for node 0 to start "
+                    f"a new attempt after attempt {current}; is node 0's agent running?"
+                )
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S / 4)
+
+
+def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
+    """Make ``directory`` ready (``prepare_run_dir``), or say why not (a later attempt finds it)."""
+    from asyncrl.supervision.rundir import RunDirError, prepare_run_dir, run_markers
+
+    if not fresh:
+        os.makedirs(directory, exist_ok=True)
+        return ""
+    if args.resume and not run_markers(directory):
+        return f"--resume: {directory} holds no run to resume"
+    try:
+        prepare_run_dir(
+            directory,
+            overwrite=args.overwrite,
+            resume=args.resume,
+            continue_hint="add --resume to continue it, or ",
+        )
+    except (RunDirError, OSError) as exc:
+        return str(exc)
+    return ""
+
+
+async def _prepare(a: _Attempt, args: argparse.Namespace, timeout_s: float) -> str:
+    """Claim the run directory (node 0 first, then the others their own): "" or why not."""
+    from asyncrl.supervision.rundir import save_manifest
+
+    claimed = a.keys.claimed(a.attempt)
+    if a.node == 0:
+        problem = _claim(args, a.run_dir, a.attempt == 0)
+        if not problem and args.resume:
+            problem = _same_manifest(a.manifest, a.run_dir)
+        if not problem and a.attempt == 0 and not args.resume:
+            save_manifest(a.manifest, a.run_dir)
+        await a.store.set(claimed, problem or "ok")
+        return problem
+    await a.store.wait_for([claimed], timeout_s, why="node 0 prepares the run directory")
+    verdict = await a.store.get(claimed)
+    if verdict != "ok":
+        return f"node 0 could not use the run directory: {verdict}"
+    return _claim(args, a.dir, a.attempt == 0)
+
+
+def _same_manifest(manifest: Manifest, run_dir: str) -> str:
+    """ "" when ``manifest`` is the one the run in ``run_dir`` was started with, else why not."""
+    from asyncrl.supervision.rundir import RunDirError, load_saved_manifest, manifest_differences
+
+    try:
+        saved = load_saved_manifest(run_dir)
+    except (RunDirError, ManifestError) as exc:
+        return str(exc)
+    differences = manifest_differences(saved, manifest)
+    if differences:
+        return (
+            f"--resume: the manifest (with --set) differs from the one {run_dir} was started "
+            f"with, at {', '.join(differences)}; a resumed run keeps its manifest"
+        )
+    return ""
+
+
+async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
+    """Publish this node's tcp endpoints, wait for every node's; return this node's view."""
+    bind_host, host = node_address(a.manifest.network.address, a.env.master_addr)
+    mine = [
+        (name, i)
+        for name, role in a.manifest.roles.items()
+        for i in range(role.replicas)
+        if role.placement.node_of(i) == a.node
+    ]
+    # One more port: this agent's status server, which the other agents ask
+    # (asyncrl.observe.status); and on node 0 of a traced launch one where the others send their
+    # traces.
+    sink = a.trace and a.node == 0
+    ports = free_ports(bind_host, len(mine) + 1 + sink)
+    agent = ports[len(mine)]
+    published: dict[str, dict[str, str]] = {
+        _AGENTS: {str(a.node): f"tcp://{host}:{agent}"},
+        _HOSTS: {str(a.node): msgspec.json.encode(announce(a.dir)).decode()},
+    }
+    if sink:
+        published[_TRACES] = {"0": f"tcp://{host}:{ports[-1]}"}
+        a.sink = f"tcp://{bind_host}:{ports[-1]}"
+    for (name, i), port in zip(mine, ports, strict=False):
+        published.setdefault(name, {})[str(i)] = f"tcp://{host}:{port}"
+    await a.store.set(a.keys.heartbeat(a.attempt, a.node), "0")
+    await a.store.set(a.keys.endpoints(a.attempt, a.node), json.dumps(published))
+    every = [a.keys.endpoints(a.attempt, n) for n in range(a.env.nodes)]
+    await a.store.wait_for(every, timeout_s, why="every node publishes its endpoints")
+    tcp: dict[tuple[str, int], str] = {}
+    for key in every:
+        for name, replicas in json.loads(await a.store.get(key)).items():
+            tcp.update({(name, int(i)): ep for i, ep in replicas.items()})
+    agents = {node: tcp.pop((name, node)) for name, node in list(tcp) if name == _AGENTS}
+    a.hosts = {
+        node: msgspec.json.decode(tcp.pop((name, node)), type=HostRecord)
+        for name, node in list(tcp)
+        if name == _HOSTS
+    }
+    sent_to = tcp.pop((_TRACES, 0), "")
+    if a.node != 0:
+        a.sink = sent_to
+    prefix = a.keys.prefix(a.attempt).removeprefix("asyncrl/")
+    return NodeView(
+        node=a.node,
+        tcp=tcp,
+        span_env={
+            "ASYNCRL_DIST_STORE": f"{a.env.master_addr}:{a.env.master_port}",
+            "ASYNCRL_DIST_PREFIX": prefix,
+        },
+        curve_keys=a.manifest.security.curve_keys,
+        bind_host=bind_host if bind_host != host else "",
+        agents=agents,
+        secret=await _shared_secret(a, timeout_s),
+    )
+
+
+async def _shared_secret(a: _Attempt, timeout_s: float) -> str:
+    """The run's secret, the same on every node: node 0 makes one per attempt in the store and
+    the others read it, so that every node's processes serve one another."""
+    key = f"{a.keys.prefix(a.attempt)}/secret"
+    if a.node == 0:
+        return await a.store.set_once(key, new_secret())
+    await a.store.wait_for([key], timeout_s, why="node 0 makes the run's secret")
+    return await a.store.get(key)
+
+
+class _Watch:
+    """Beside the supervisor: raise this node's heartbeat, and end the attempt when the store
+    says it ended, a newer attempt started, or another node's agent stopped answering."""
+
+    def __init__(self, a: _Attempt, liveness_s: float) -> None:
+        self.a = a
+        self.liveness_s = liveness_s
+
+    async def __call__(self, supervisor: Supervisor) -> None:
+        try:
+            await self._watch(supervisor)
+        except StoreError as exc:
+            self.a.restart = f"the launch's store stopped answering ({exc})"
+            self.a.ended_here = False
+            supervisor.end(RunReport("failed", self.a.restart))
+
+    async def _watch(self, supervisor: Supervisor) -> None:
+        a, keys, store = self.a, self.a.keys, self.a.store
+        beats = 0
+        seen: dict[int, tuple[str | None, float]] = {}
+        while True:
+            beats += 1
+            await store.set(keys.heartbeat(a.attempt, a.node), str(beats))
+            ended = await store.peek(keys.stop(a.attempt))
+            if ended is not None:
+                said = json.loads(ended)
+                a.ended_here = False
+                reason = f"node {said['node']} ended the run: {said['reason']}"
+                supervisor.end(RunReport(said["status"], reason))
+                return
+            why = await self._restart_reason(seen)
+            if why:
+                a.restart = why
+                a.ended_here = False
+                supervisor.end(RunReport("failed", why))
+                return
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _restart_reason(self, seen: dict[int, tuple[str | None, float]]) -> str:
+        a, keys, store = self.a, self.a.keys, self.a.store
+        current = int(await store.get(keys.current))
+        if current != a.attempt:
+            return f"node 0 started attempt {current}: its agent restarted"
+        now = time.monotonic()
+        for peer in range(a.env.nodes):
+            if peer == a.node:
+                continue
+            if a.node == 0 and await store.check(keys.rejoin(a.attempt, peer)):
+                return f"the agent of node {peer} restarted"
+            beat = await store.peek(keys.heartbeat(a.attempt, peer))
+            last, since = seen.get(peer, (None, now))
+            if beat != last:
+                seen[peer] = (beat, now)
+            elif now - since > self.liveness_s:
+                return f"the agent of node {peer} sent no heartbeat for {now - since:.0f} s"
+        return ""
+
+
+async def _finish(a: _Attempt, report: RunReport, timeout_s: float) -> int:
+    """Tell the other nodes how the run ended (when it ended here); return the exit status."""
+    keys, store = a.keys, a.store
+    if a.restart:
+        _say(a.node, f"{a.restart}; exiting so that torchrun starts the group again")
+        return 1
+    if a.ended_here:
+        said = _ended(report.status, report.reason, a.node)
+        await store.set_once(keys.stop(a.attempt), said)
+        if report.status != "interrupted":
+            await store.set_once(keys.final, said)
+    counts: dict[str, Any] = {"restarts": report.restarts, "served": report.served}
+    if a.node != 0 and a.trace:
+        counts["trace"] = await send_node_trace(
+            a.node,
+            a.dir,
+            a.sink,
+            run=a.manifest.run.name,
+            curve_keys=a.manifest.security.curve_keys,
+            timeout_s=timeout_s,
+            say=_say,
+        )
+    await store.set(keys.done(a.attempt, a.node), json.dumps(counts))
+    if a.node == 0:
+        await _gather_counts(a, report, timeout_s)
+        _add_nodes(a)
+    return EXIT_CODES[report.status]
+
+
+async def _gather_counts(a: _Attempt, report: RunReport, timeout_s: float) -> None:
+    """Wait for the other nodes to stop their roles; add their restarts and served requests
+    to node 0's report (and its report.json), so that it covers the whole run."""
+    others = [a.keys.done(a.attempt, n) for n in range(1, a.env.nodes)]
+    try:
+        await a.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
+    except StoreError as exc:
+        _say(a.node, str(exc))
+    for key in others:
+        said = await a.store.peek(key)
+        if said is None:
+            continue
+        counts = json.loads(said)
+        if a.trace:
+            _say(a.node, f"trace of node {key.rsplit('/', 1)[-1]}: {counts.get('trace', '-')}")
+        for counted in ("restarts", "served"):
+            mine = getattr(report, counted)
+            for role, n in counts[counted].items():
+                mine[role] = mine.get(role, 0) + n
+    with open(os.path.join(a.dir, "report.json"), "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(report)))
+
+
+def _add_nodes(a: _Attempt) -> None:
+    """Add ``nodes`` (the number of nodes that ran roles) to the program's summary.json."""
+    used = {
+        role.placement.node_of(i)
+        for role in a.manifest.roles.values()
+        for i in range(role.replicas)
+    }
+    path = os.path.join(a.run_dir, "summary.json")
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(summary, dict):
+        from asyncrl.safe_files import write_atomic
+
+        summary["nodes"] = len(used)
+        write_atomic(path, json.dumps(summary, indent=2).encode())
+
+
+async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) -> int:
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
+    keys = LaunchKeys(env.run_id or manifest.run.name)
+    store = StoreClient(
+        env.master_addr,
+        env.master_port,
+        is_master=env.node == 0 and not env.agent_store,
+        timeout_s=args.join_timeout,
+    )
+    await store.connect()
+    attempt = await _join(env, store, keys, args.join_timeout)
+    a = _Attempt(env, store, keys, attempt, manifest, run_dir, trace=args.trace)
+    final = await store.peek(keys.final)
+    if final is not None:
+        said = json.loads(final)
+        _say(env.node, f"the run already ended ({said['status']}: {said['reason']})")
+        return EXIT_CODES[said["status"]]
+    problem = await _prepare(a, args, args.join_timeout)
+    if problem:
+        _say(env.node, problem)
+        if env.node == 0:
+            await store.set_once(keys.final, _ended("failed", problem, 0))
+        return EXIT_USAGE
+    _write_launch(a)
+    view = await _discover(a, args.join_timeout)
+    problem = share(a.node, a.dir, a.hosts)
+    if problem:
+        _say(env.node, problem)
+        said = _ended("failed", problem, env.node)
+        await store.set_once(keys.stop(attempt), said)
+        await store.set_once(keys.final, said)
+        await store.set(keys.done(attempt, env.node), json.dumps({"restarts": {}, "served": {}}))
+        return EXIT_USAGE
+    _say(env.node, f"attempt {attempt}: {len(view.tcp)} replicas over {env.nodes} nodes; starting")
+    install_secret(a.dir, view.secret)  # the trace sink and sender below present it too
+    sink = None
+    if a.trace:
+        sink = await start_node_trace(
+            a.node,
+            env.nodes,
+            a.dir,
+            a.sink,
+            run=manifest.run.name,
+            curve_keys=manifest.security.curve_keys,
+            say=_say,
+        )
+    try:
+        report = await run_manifest(
+            manifest, a.dir, beside=_Watch(a, args.agent_liveness), view=view, console=True
+        )
+        code = await _finish(a, report, args.join_timeout)
+    finally:
+        if sink is not None:
+            await sink.close()
+    if env.node == 0 and not a.restart:
+        print(summary(report, manifest, a.dir), flush=True)
+        if a.trace:
+            merge_and_tell(a.run_dir)
+    return code
+
+
+def _write_launch(a: _Attempt) -> None:
+    record = {"node": a.node, "nodes": a.env.nodes, "attempt": a.attempt, "pid": os.getpid()}
+    from asyncrl.safe_files import write_atomic
+
+    write_atomic(os.path.join(a.dir, "launch.json"), json.dumps(record).encode())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchrun ... -m asyncrl.launch",
+        description="Be the node agent of this node in a launch over several (docs/multinode.md).",
+    )
+    parser.add_argument("manifest", help="the role manifest (YAML); see docs/manifest.md")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a manifest value (give the same on every node)",
+    )
+    parser.add_argument("--run-dir", help="where the run writes (default: the manifest's run_dir)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete an earlier run there and start afresh"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in the run directory (the roles and the program resume)",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="record every call between processes of every node into RUN_DIR/trace.json",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for the other nodes at start (default: 300)",
+    )
+    parser.add_argument(
+        "--agent-liveness",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="seconds without another node agent's heartbeat before it is taken as dead",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m asyncrl.launch`` under torchrun; returns the exit
+    status."""
+    from asyncrl.supervision.rundir import PRIVATE_UMASK
+    from asyncrl.transport import run
+
+    args = _parser().parse_args(argv)
+    os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
+    if args.resume and args.overwrite:
+        print(
+            "asyncrl.launch: error: give one of --resume and --overwrite",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        env = LaunchEnv.from_environ()
+    except ValueError as exc:
+        print(f"asyncrl.launch: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        manifest = load_manifest(args.manifest, args.set, nodes=env.nodes)
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        code: int = run(_launch(args, env, manifest))
+    except StoreError as exc:
+        _say(env.node, str(exc))
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""``asyncrl chaos``: run a manifest while killing and freezing its processes, and account for it.
+
+The supervisor runs in this process, as ``asyncrl run`` runs it (``build_children`` and
+``Supervisor``), with two more tasks beside it:
+
+- the killer: every ``kill_every`` seconds, SIGKILL one process drawn (seeded) from the live,
+  serving replicas of the targeted roles;
+- the freezer (optional): every ``stop_every`` seconds, SIGSTOP one such process for
+  ``stop_for`` seconds, then SIGCONT (the supervisor may take it as hung and kill it first).
+
+The supervisor's ``observer`` records when each process exited and served again, which times
+recovery. Unless told otherwise the same manifest first runs undisturbed, for the comparison.
+Each run's directory gets ``chaos.json`` (wall time, kills, stops, events) beside the files the
+run writes itself; ``asyncrl.tools.accounting`` reads them all back.
+
+The default restart budget (5 in 60 s) cannot absorb a kill every few seconds, so the targeted
+roles get budgets sized to the schedule, set through the same overrides as ``--set`` (which
+come after them and win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from asyncrl.manifest.load import Manifest, Supervision
+from asyncrl.safe_files import write_atomic
+from asyncrl.tools.accounting import CHAOS_FILE, account, format_accounting
+
+__all__ = [
+    "ChaosPlan",
+    "Disruptor",
+    "budget_overrides",
+    "check_roles",
+    "parse_duration",
+    "run_chaos",
+    "supervise",
+]
+
+DRIVER = "driver"
+"""The driver's role name, as ``--roles`` and the supervisor give it."""
+
+BACKOFF_INITIAL_S = 0.05
+BACKOFF_MAX_S = 1.0
+BUDGET_SLACK = 5
+"""Restarts allowed in a period beyond those the schedule itself causes: a role that crashes by
+itself as often as the default budget allows still fails the run."""
+
+_DURATION = re.compile(r"(?P<n>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>ms|s|m|h)")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``5s``, ``500ms``, ``2m``, ``1.5h`` (a unit is required).
+
+    Raises ``ValueError`` naming the bad text and the accepted forms.
+    """
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(
+            f"not a duration: {text!r}; write a number with a unit (ms, s, m or h), "
+            "e.g. 500ms, 5s, 2m"
+        )
+    seconds = float(match["n"]) * _UNITS[match["unit"]]
+    if seconds <= 0:
+        raise ValueError(f"not a duration: {text!r}; it must be longer than 0")
+    return seconds
+
+
+def check_roles(manifest: Manifest, roles: list[str]) -> list[str]:
+    """``roles`` deduplicated in order, each a role of ``manifest`` or ``driver``.
+
+    Raises ``ValueError`` naming the unknown ones and listing the manifest's roles.
+    """
+    known = [*manifest.roles, DRIVER]
+    wanted = list(dict.fromkeys(r.strip() for r in roles if r.strip()))
+    if not wanted:
+        raise ValueError(f"--roles names no role; choose among {', '.join(known)}")
+    unknown = [r for r in wanted if r not in known]
+    if unknown:
+        raise ValueError(
+            f"--roles names {', '.join(map(repr, unknown))}, not in the manifest; "
+            f"choose among {', '.join(known)}"
+        )
+    return wanted
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    """What to do to a run.
+
+    Attributes:
+        roles: the roles whose replicas may be disrupted (``driver`` for the driver).
+        kill_every: seconds between two SIGKILLs; ``None`` kills nothing.
+        stop_every: seconds between two freezes; ``None`` freezes nothing.
+        stop_for: seconds a frozen process stays stopped before SIGCONT.
+        seed: seeds the draw of which process is hit.
+    """
+
+    roles: tuple[str, ...]
+    kill_every: float | None = 5.0
+    stop_every: float | None = None
+    stop_for: float = 5.0
+    seed: int = 0
+
+
+def budget_overrides(manifest: Manifest, plan: ChaosPlan) -> list[str]:
+    """``--set`` overrides that give each targeted role a restart budget for the schedule.
+
+    Within its ``period_s`` a role can be hit by every kill and every freeze of the plan; it
+    gets that many restarts plus ``BUDGET_SLACK``, and a short backoff (``BACKOFF_INITIAL_S``
+    doubling to at most ``BACKOFF_MAX_S``) so that recovery time measures the runtime rather
+    than the backoff.
+    """
+    out: list[str] = []
+    for role in plan.roles:
+        policy = manifest.driver.supervision if role == DRIVER else manifest.roles[role].supervision
+        prefix = f"{DRIVER}.supervision" if role == DRIVER else f"roles.{role}.supervision"
+        hits = 0
+        if plan.kill_every:
+            hits += math.ceil(policy.period_s / plan.kill_every)
+        if plan.stop_every:
+            hits += math.ceil(policy.period_s / plan.stop_every)
+        out += [
+            f"{prefix}.max_restarts={max(policy.max_restarts, hits + BUDGET_SLACK)}",
+            f"{prefix}.backoff_initial_s={min(policy.backoff_initial_s, BACKOFF_INITIAL_S)}",
+            f"{prefix}.backoff_max_s={min(policy.backoff_max_s, BACKOFF_MAX_S)}",
+        ]
+    return out
+
+
+def budgets(manifest: Manifest, roles: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """The restart budgets in effect for ``roles`` in ``manifest``."""
+    out: dict[str, dict[str, float]] = {}
+    for role in roles:
+        policy: Supervision = (
+            manifest.driver.supervision if role == DRIVER else manifest.roles[role].supervision
+        )
+        out[role] = {
+            "max_restarts": policy.max_restarts,
+            "period_s": policy.period_s,
+            "backoff_initial_s": policy.backoff_initial_s,
+            "backoff_max_s": policy.backoff_max_s,
+        }
+    return out
+
+
+@dataclass
+class Disruptor:
+    """Kills and freezes the supervisor's processes on ``plan``'s schedule, and records it all.
+
+    ``processes`` lists the supervisor's processes (``Supervisor.processes``); ``observe`` is
+    the supervisor's observer. ``events``, ``kills`` and ``stops`` are what ``chaos.json`` keeps;
+    times are seconds from ``t0``.
+    """
+
+    plan: ChaosPlan
+    processes: Any
+    say: Any = None
+    t0: float = field(default_factory=time.monotonic)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    stops: list[dict[str, Any]] = field(default_factory=list)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _frozen: set[int] = field(default_factory=set)
+    _killed: set[int] = field(default_factory=set)
+    _caused: set[tuple[str, int]] = field(default_factory=set)
+    _ending: bool = False
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.plan.seed)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def observe(self, kind: str, label: str, incarnation: int) -> None:
+        """The supervisor's observer: record the event and wake a waiting draw."""
+        self.events.append(
+            {"t": self.now(), "kind": kind, "label": label, "incarnation": incarnation}
+        )
+        if label == f"{DRIVER}[0]":
+            # The driver exiting by itself means the run is ending: disrupt no more, or the
+            # shutdown would be counted as damage. A restarted driver resumes the schedule.
+            if kind == "exited" and (label, incarnation) not in self._caused:
+                self._ending = True
+            elif kind == "serving":
+                self._ending = False
+        self._changed.set()
+
+    async def run(self) -> None:
+        """Kill and freeze until cancelled; a frozen process is always continued on the way out."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                if self.plan.kill_every:
+                    tasks.create_task(self._every(self.plan.kill_every, self._kill))
+                if self.plan.stop_every:
+                    tasks.create_task(self._every(self.plan.stop_every, self._freeze))
+        finally:
+            for pid in list(self._frozen):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGCONT)
+            self._frozen.clear()
+
+    async def _every(self, period: float, act: Any) -> None:
+        while True:
+            await asyncio.sleep(period)
+            target = await self._draw()
+            await act(target)
+
+    async def _draw(self) -> Any:
+        """A live, serving, unfrozen process of the targeted roles, drawn with the plan's seed;
+        waits for one while there is none (all restarting) or while the run is ending."""
+        while True:
+            self._changed.clear()
+            if not self._ending:
+                candidates = [
+                    p
+                    for p in self.processes()
+                    if p.role in self.plan.roles
+                    and p.alive
+                    and p.serving
+                    and p.pid is not None
+                    and p.pid not in self._frozen
+                    and p.pid not in self._killed
+                ]
+                if candidates:
+                    return self._rng.choice(candidates)
+            await self._changed.wait()
+
+    def _record(self, what: str, target: Any) -> dict[str, Any]:
+        entry = {
+            "t": self.now(),
+            "role": target.role,
+            "replica": target.replica,
+            "label": target.label,
+            "incarnation": target.incarnation,
+            "pid": target.pid,
+        }
+        self._caused.add((target.label, target.incarnation))
+        if self.say is not None:
+            self.say(
+                f"chaos: {what} {target.label} (pid {target.pid}, incarnation "
+                f"{target.incarnation}) at {entry['t']:.1f} s"
+            )
+        return entry
+
+    async def _kill(self, target: Any) -> None:
+        try:
+            os.kill(target.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # it died on its own between the draw and the kill
+        self._killed.add(target.pid)  # until the supervisor reaps it, it still looks alive
+        self.kills.append(self._record("SIGKILL", target))
+
+    async def _freeze(self, target: Any) -> None:
+        try:
+            os.kill(target.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        self._frozen.add(target.pid)
+        entry = self._record(f"SIGSTOP for {self.plan.stop_for:g} s", target)
+        self.stops.append(entry)
+        try:
+            await asyncio.sleep(self.plan.stop_for)
+        finally:
+            self._frozen.discard(target.pid)
+            still = any(
+                p.pid == target.pid and p.alive and p.incarnation == target.incarnation
+                for p in self.processes()
+            )
+            entry["continued"] = still  # False: the supervisor killed it as hung first
+            if still:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(target.pid, signal.SIGCONT)
+
+
+async def supervise(manifest: Manifest, run_dir: str, plan: ChaosPlan | None, say: Any) -> Any:
+    """Run ``manifest`` in ``run_dir`` under a supervisor in this process, disrupted by ``plan``
+    (``None``: undisturbed); write ``report.json`` and ``chaos.json``; return the RunReport."""
+    from asyncrl.supervision.agent import run_manifest
+
+    disruptor = Disruptor(plan or ChaosPlan(roles=(), kill_every=None), _never, say)
+
+    async def disrupt(supervisor: Any) -> None:
+        disruptor.processes = supervisor.processes
+        if plan is not None:
+            await disruptor.run()
+
+    started = disruptor.t0 = time.monotonic()
+    report = await run_manifest(
+        manifest, run_dir, observer=disruptor.observe, beside=disrupt, console=False
+    )
+    wall = time.monotonic() - started
+    driver_exits = [
+        e["t"] for e in disruptor.events if e["kind"] == "exited" and e["label"] == f"{DRIVER}[0]"
+    ]
+    record = {
+        "wall_s": wall,
+        # until the driver's last exit: without the shutdown, whose length depends on which
+        # processes were restarting when the program finished
+        "program_s": max(driver_exits, default=None),
+        "plan": None if plan is None else msgspec.to_builtins(plan.__dict__),
+        "kills": disruptor.kills,
+        "stops": disruptor.stops,
+        "events": disruptor.events,
+    }
+    _write_json(os.path.join(run_dir, CHAOS_FILE), record)
+    return report
+
+
+def _never() -> list[Any]:
+    return []
+
+
+def _write_json(path: str, data: Any) -> None:
+    write_atomic(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 (ours and the children's) to stderr, so that ``--json`` leaves
+    stdout to the one JSON object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run_chaos(
+    manifest: Manifest, run_dir: str, plan: ChaosPlan, *, baseline: bool, as_json: bool
+) -> int:
+    """Run the undisturbed baseline (unless ``baseline`` is false), then the chaos run, then
+    print the accounting; return the exit status (0: the chaos run completed)."""
+    from asyncrl.supervision.rundir import save_manifest
+    from asyncrl.transport import run
+
+    undisturbed = os.path.join(run_dir, "undisturbed")
+    disturbed = os.path.join(run_dir, "chaos")
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    first: Any = None  # the undisturbed run's report
+    redirect = _stdout_to_stderr() if as_json else contextlib.nullcontext()
+    with redirect:
+        if baseline:
+            save_manifest(manifest, undisturbed)
+            say(f"chaos: undisturbed run in {undisturbed}")
+            first = run(supervise(manifest, undisturbed, None, say))
+            say(f"chaos: undisturbed run {first.status}: {first.reason}")
+        if not baseline or first.status == "completed":
+            save_manifest(manifest, disturbed)
+            say(f"chaos: chaos run in {disturbed}")
+            report = run(supervise(manifest, disturbed, plan, say))
+            say(f"chaos: chaos run {report.status}: {report.reason}")
+    if first is not None and first.status != "completed":
+        reason = f"the undisturbed run {first.status} ({first.reason}), so there is nothing to "
+        reason += f"compare with and no chaos run was made; see {undisturbed}/logs"
+        if as_json:
+            print(json.dumps({"completed": None, "status": None, "reason": reason}), flush=True)
+        else:
+            say(f"chaos: {reason}")
+        return {"failed": 1, "interrupted": 130}.get(first.status, 1)
+    accounting = account(disturbed, undisturbed if baseline else None)
+    accounting["budgets"] = budgets(manifest, plan.roles)
+    accounting["plan"] = msgspec.to_builtins(plan.__dict__)
+    accounting["run_dir"] = run_dir
+    _write_json(os.path.join(run_dir, "accounting.json"), accounting)
+    if as_json:
+        print(json.dumps(accounting), flush=True)
+    else:
+        print(format_accounting(accounting), flush=True)
+        print(f"accounting: {os.path.join(run_dir, 'accounting.json')}", flush=True)
+    return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``asyncrl chaos`` (besides the shared ``--set``, ``--run-dir``,
+    ``--overwrite``)."""
+    parser.add_argument(
+        "--kill-every",
+        type=_duration_or_off,
+        default=5.0,
+        metavar="DURATION",
+        help="SIGKILL one live replica of the named roles this often (default 5s; 'off' "
+        "kills nothing, to only freeze)",
+    )
+    parser.add_argument(
+        "--roles",
+        help="comma-separated roles whose replicas are hit, 'driver' for the driver "
+        "(default: every role of the manifest and the driver)",
+    )
+    parser.add_argument(
+        "--stop-every",
+        type=_duration_arg,
+        metavar="DURATION",
+        help="also SIGSTOP one live replica this often (default: never)",
+    )
+    parser.add_argument(
+        "--stop-for",
+        type=_duration_arg,
+        default=5.0,
+        metavar="DURATION",
+        help="how long a stopped replica stays stopped before SIGCONT (default 5s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds which replica is hit (default 0)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the accounting as one JSON object"
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the undisturbed run (its figures are then unknown)",
+    )
+
+
+def _duration_or_off(text: str) -> float | None:
+    return None if text.strip() == "off" else _duration_arg(text)
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

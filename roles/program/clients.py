@@ -1,0 +1,408 @@
+"""Typed handles for the built-in roles, and the typed context a built-in program takes.
+
+A control-flow program may call any role through its generic handle
+(``ctx.learner.call("status", None)``), which is what a custom role needs. For the built-in
+roles these clients say the same in types a checker sees:
+
+    async def main(ctx: Context) -> dict[str, Any]:
+        rl = RLContext.of(ctx)
+        status = await rl.learner.status()            # LearnerStatus
+        result = await rl.learner.train_step(batch)   # StepResult, re-sent if the learner died
+
+Each client wraps one ``asyncrl.dispatch.handles.Handle`` (``.handle``) and adds nothing but types
+and, where the role makes a repeat harmless, re-sending (``resend``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.dispatch.handles import Context, Handle
+from asyncrl.dispatch.watchdog import Watchdog
+from asyncrl.errors import BrokenError
+from asyncrl.manifest.pipeline_section import PipelineSpec
+from asyncrl.roles.payloads import (
+    CriticBatch,
+    CriticStepResult,
+    GenerateBatch,
+    LearnerStatus,
+    Prompt,
+    RolloutStats,
+    Sample,
+    Scored,
+    StepResult,
+    TrainBatch,
+)
+from asyncrl.roles.services.prompts import Take
+from asyncrl.roles.services.reward import ScoreRequest, ScoreSamples
+
+if TYPE_CHECKING:
+    from asyncrl.roles.generation.rollout import WeightsUpdate
+
+__all__ = [
+    "CriticClient",
+    "LearnerClient",
+    "PromptsClient",
+    "RLContext",
+    "ReferenceClient",
+    "RewardClient",
+    "RolloutClient",
+    "resend",
+]
+
+log = logging.getLogger("asyncrl.programs")
+
+LONG_S = 300.0
+"""Timeout of calls that train, checkpoint or move weights: each may take minutes on a big model."""
+
+
+async def resend(
+    handle: Handle,
+    method: str,
+    payload: Any,
+    reply_type: Any = Any,
+    *,
+    timeout: float = LONG_S,
+    first_pause_s: float = 0.05,
+    max_pause_s: float = 1.0,
+    replica: int | None = None,
+) -> Any:
+    """Call a once endpoint whose request is safe to send again, and send it again when the
+    replica broke with it in flight (died, hung, restarted, or was not reachable yet) rather
+    than fail the run; between tries it pauses, from ``first_pause_s`` doubling up to
+    ``max_pause_s``, for ``timeout`` seconds in all.
+
+    Use it only where the role makes a repeat harmless: ``train_step`` with a ``TrainBatch.id``
+    (the learner answers a repeat with the step it took) or a ``CriticBatch.id``,
+    ``checkpoint``. ``replica``: send it to that replica only (``Handle.call``).
+
+    Raises:
+        BrokenError: it still broke after ``timeout`` seconds.
+        DeadlineExceededError, RemoteError: as ``Handle.call``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pause = first_pause_s
+    attempt = 1
+    while True:
+        try:
+            where = {} if replica is None else {"replica": replica}
+            return await handle.call(
+                method, payload, reply_type, timeout=max(1.0, deadline - loop.time()), **where
+            )
+        except BrokenError as exc:
+            if loop.time() + pause >= deadline:
+                raise
+            attempt += 1
+            log.warning(
+                "%s.%s broke in flight (%s); sending it again in %.2f s (attempt %d)",
+                handle.name,
+                method,
+                exc,
+                pause,
+                attempt,
+            )
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, max_pause_s)
+
+
+class LearnerClient:
+    """The learner (``asyncrl.roles.training.learner.Learner``).
+
+    With data-parallel replicas (``replicas`` > 1), ``train_step`` and ``checkpoint`` go to
+    every replica (each trains its share of the batch and keeps its own checkpoints) and their
+    replies are merged; the other calls go to any one replica, since the replicas' weights and
+    state are the same.
+    """
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def status(self) -> LearnerStatus:
+        """Its version, step, the program's kept position and its last step."""
+        reply: LearnerStatus = await self.handle.call("status", None, LearnerStatus)
+        return reply
+
+    async def train_step(self, batch: TrainBatch, *, timeout: float = LONG_S) -> StepResult:
+        """One step. A batch with an ``id`` is re-sent when the learner died with it in flight,
+        and counted once (the learner answers a repeat with the step it took).
+
+        Raises:
+            DataParallelError: data-parallel replicas answered with different versions or
+                steps (the message lists each replica's).
+        """
+        if self.handle.replicas > 1:
+            results: list[StepResult] = await self._every(
+                "train_step", batch, StepResult, timeout, again=bool(batch.id)
+            )
+            return _agreed(self.handle.name, results)
+        if batch.id:
+            result: StepResult = await resend(
+                self.handle, "train_step", batch, StepResult, timeout=timeout
+            )
+        else:
+            result = await self.handle.call("train_step", batch, StepResult, timeout=timeout)
+        return result
+
+    async def checkpoint(self, keep: dict[str, Any]) -> str:
+        """Keep ``keep`` with a checkpoint written now; return its path (replica 0's, with
+        data-parallel replicas: each writes its own)."""
+        if self.handle.replicas > 1:
+            paths: list[str] = await self._every("checkpoint", keep, str, LONG_S, again=True)
+            return paths[0]
+        path: str = await resend(self.handle, "checkpoint", keep, str)
+        return path
+
+    async def _every(
+        self, method: str, payload: Any, reply_type: Any, timeout: float, *, again: bool
+    ) -> list[Any]:
+        """``method`` on every replica, their replies in replica order; with ``again``, sent
+        again to every replica when one broke with it in flight (``resend``'s pauses), which
+        the learner makes harmless: the whole group restarts from its checkpoints, and a
+        replica that already took the step answers with it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pause = 0.05
+        while True:
+            try:
+                replies: list[Any] = await self.handle.broadcast(
+                    method, payload, reply_type, timeout=max(1.0, deadline - loop.time())
+                )
+                return replies
+            except BrokenError as exc:
+                if not again or loop.time() + pause >= deadline:
+                    raise
+                log.warning(
+                    "%s.%s broke in flight on a replica (%s); sending it to every replica "
+                    "again in %.2f s",
+                    self.handle.name,
+                    method,
+                    exc,
+                    pause,
+                )
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
+
+    async def export(self, path: str) -> str:
+        """Write the policy in Hugging Face format under ``path``: a name in ``RUN_DIR/exports``
+        (a relative path goes there) or in a folder of the learner's ``write_paths``.
+        Replica 0 answers: the publisher, the one replica whose weights are whole when the
+        replicas shard the model (``parallel: fsdp``)."""
+        out: str = await self.handle.call("export", path, str, timeout=LONG_S, replica=0)
+        return out
+
+    async def weights(self) -> WeightsUpdate:
+        """The current weights, with their version (tensors: loads torch in this process), from
+        replica 0, as ``export``."""
+        from asyncrl.roles.generation.rollout import WeightsUpdate
+
+        update: WeightsUpdate = await self.handle.call(
+            "weights", None, WeightsUpdate, timeout=LONG_S, replica=0
+        )
+        return update
+
+    async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-token log-probs of the samples' completions under the current policy."""
+        out: list[list[float]] = await self.handle.call(
+            "logprobs", samples, list[list[float]], timeout=LONG_S
+        )
+        return out
+
+
+def _agreed(name: str, results: list[StepResult]) -> StepResult:
+    """Replica 0's result, once every data-parallel replica is known to have reached the same
+    version and step (their metrics are reduced over the group, so they agree too).
+
+    Raises:
+        DataParallelError: the replicas disagree.
+    """
+    first = results[0]
+    if any((r.version, r.step) != (first.version, first.step) for r in results):
+        # Imported here: it loads torch, which a driver that never sees a mismatch need not.
+        from asyncrl.roles.training.data_parallel import DataParallelError
+
+        table = ", ".join(
+            f"replica {i}: version {r.version} step {r.step}" for i, r in enumerate(results)
+        )
+        raise DataParallelError(
+            f"{name}: the data-parallel replicas answered train_step with different versions "
+            f"({table}); they must restart together (supervision.strategy: one_for_all)"
+        )
+    return first
+
+
+class RolloutClient:
+    """The rollout replicas (``asyncrl.roles.generation.rollout.Rollout``)."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def generate(self, batch: GenerateBatch, *, timeout: float = LONG_S) -> list[Sample]:
+        """One completion per request, in order, on whichever replica has room."""
+        out: list[Sample] = await self.handle.call("generate", batch, list[Sample], timeout=timeout)
+        return out
+
+    async def generate_all(
+        self, batches: list[GenerateBatch], *, timeout: float = LONG_S
+    ) -> AsyncIterator[list[Sample]]:
+        """Each batch's samples, as each batch completes, spread over the replicas."""
+        async for _, samples in self.handle.map("generate", batches, list[Sample], timeout=timeout):
+            yield samples
+
+    async def sync(self) -> list[int]:
+        """Every replica loads the newest published weights; their versions."""
+        versions: list[int] = await self.handle.broadcast("sync", None, int, timeout=LONG_S)
+        return versions
+
+    async def stats(self) -> list[RolloutStats]:
+        """What each replica's engine computed since it started, one per replica."""
+        out: list[RolloutStats] = await self.handle.broadcast("stats", None, RolloutStats)
+        return out
+
+
+class RewardClient:
+    """The reward role (``asyncrl.roles.services.reward.Reward``)."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def score(self, completions: list[str], answers: list[str]) -> list[float]:
+        """One reward per completion text, checked against its answer."""
+        request = ScoreRequest(completions, answers)
+        out: list[float] = await self.handle.call("score", request, list[float])
+        return out
+
+    async def score_samples(self, samples: list[Sample], answers: list[str]) -> list[float]:
+        """One reward per sample, decoded with the role's tokenizer."""
+        request = ScoreSamples(samples, answers)
+        out: list[float] = await self.handle.call("score_samples", request, list[float])
+        return out
+
+
+class PromptsClient:
+    """The prompt source (``asyncrl.roles.services.prompts.PromptSource``)."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def take(self, cursor: int, n: int) -> list[Prompt]:
+        """Prompts ``cursor`` to ``cursor + n`` (a pure function of the cursor)."""
+        out: list[Prompt] = await self.handle.call("take", Take(cursor, n), list[Prompt])
+        return out
+
+    async def demonstrations(self, cursor: int, n: int) -> list[Sample]:
+        """The same prompts with their answers as completions: demonstrations for BC."""
+        out: list[Sample] = await self.handle.call("demonstrations", Take(cursor, n), list[Sample])
+        return out
+
+
+class CriticClient:
+    """The critic (``asyncrl.roles.training.critic.Critic``): PPO's value model.
+
+    Every call goes to replica 0 (``Handle.call(..., replica=0)``): with replicas (``replicas``
+    > 1, replicated or sharded with ``parallel: fsdp``) replica 0 runs each call on every rank
+    in one order (``asyncrl.roles.training.critic_lockstep``), and the other replicas refuse calls.
+    """
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def values(self, samples: list[Sample], *, timeout: float = LONG_S) -> list[list[float]]:
+        """A value per completion token of each sample."""
+        out: list[list[float]] = await self.handle.call(
+            "values", samples, list[list[float]], timeout=timeout, replica=0
+        )
+        return out
+
+    async def train_step(
+        self, batch: list[Scored], *, id: str = "", timeout: float = LONG_S
+    ) -> CriticStepResult:
+        """``ppo_epochs x mini_batches`` value-loss steps on the scored samples; their
+        metrics. With an ``id`` (the learner's batch id), a call that broke in flight is sent
+        again, and the critic answers a repeat with the step it took."""
+        payload = CriticBatch(batch, id)
+        if id:
+            again: CriticStepResult = await resend(
+                self.handle, "train_step", payload, CriticStepResult, timeout=timeout, replica=0
+            )
+            return again
+        out: CriticStepResult = await self.handle.call(
+            "train_step", payload, CriticStepResult, timeout=timeout, replica=0
+        )
+        return out
+
+
+class ReferenceClient:
+    """The reference policy (``asyncrl.roles.services.reference.Reference``) of the KL term."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    async def logprobs(
+        self, samples: list[Sample], *, timeout: float = LONG_S
+    ) -> list[list[float]]:
+        """Per-token log-probs of the samples' completions under the reference policy."""
+        out: list[list[float]] = await self.handle.call(
+            "logprobs", samples, list[list[float]], timeout=timeout
+        )
+        return out
+
+    async def set_weights(self, update: WeightsUpdate) -> list[int]:
+        """Every replica takes these weights as the reference."""
+        versions: list[int] = await self.handle.broadcast(
+            "set_weights", update, int, timeout=LONG_S
+        )
+        return versions
+
+
+class RLContext:
+    """A built-in RL program's typed view of its run: a client per built-in role, and the
+    run's facts (``config``, ``pipeline``, ``run_dir``, ``watchdog``, ``incarnation``).
+
+    ``prompts``, ``rollout``, ``reward`` and ``learner`` are required; ``critic`` and
+    ``reference`` are None when the run has none. ``ctx`` is the generic context underneath,
+    for custom roles.
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.learner = LearnerClient(ctx["learner"])
+        self.rollout = RolloutClient(ctx["rollout"])
+        self.reward = RewardClient(ctx["reward"])
+        self.prompts = PromptsClient(ctx["prompts"])
+        self.critic = CriticClient(ctx.roles["critic"]) if "critic" in ctx.roles else None
+        self.reference = (
+            ReferenceClient(ctx.roles["reference"]) if "reference" in ctx.roles else None
+        )
+
+    @classmethod
+    def of(cls, ctx: Context) -> RLContext:
+        """The typed view of ``ctx``.
+
+        Raises:
+            KeyError: the run lacks one of the required roles (the message names them all).
+        """
+        return cls(ctx)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.ctx.config
+
+    @property
+    def pipeline(self) -> PipelineSpec:
+        return self.ctx.pipeline
+
+    @property
+    def run_dir(self) -> str:
+        return self.ctx.run_dir
+
+    @property
+    def watchdog(self) -> Watchdog:
+        return self.ctx.watchdog
+
+    @property
+    def incarnation(self) -> int:
+        return self.ctx.incarnation

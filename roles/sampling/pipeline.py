@@ -1,0 +1,598 @@
+"""The sample pipeline: prompts in; scored GRPO groups with their advantages out, without barriers.
+
+One ``SamplePipeline`` runs in the control-flow program, between the rollout group and the
+learner, in either mode of the manifest's ``pipeline`` section
+(``asyncrl.manifest.pipeline_section``); both modes run this same code:
+
+1. **Admission.** A prompt is admitted as a group of ``group_size`` samples when the ``Pacer``
+   has room: at most one batch in sync mode, up to η learner versions ahead in async mode.
+2. **Dispatch.** The unit of work is one sample, (prompt id, sample index): each is its own
+   ``generate`` call, so one group's samples run on whichever replicas have free slots, in any
+   order, and an idle replica steals queued ones. An unfinished sample (out of its chunk budget,
+   or interrupted by a weight update) comes back partial and is resumed on any replica, keeping
+   its tokens and their versions. A sample lost with a crashed replica is re-run by the
+   dispatcher under the same stable id: it replaces the lost one, and is never counted twice.
+3. **Split-mode reduction.** Each scored sample posts its reward to its group's round of a
+   ``Reducer`` (count, mean and M2, merged with Chan's formula in arrival order). A group is
+   released the moment its last sample arrives, or at its deadline under the straggler policy;
+   its advantages, ``(r - mean) / (std + eps)`` from the rewards it holds, come from the
+   function the learner calls when a batch has none (``group_advantages``), so they are
+   exactly what the learner computes over the same group. With ``drop_uniform`` (dynamic
+   sampling, DAPO), a released group whose rewards are all equal is dropped instead (no GRPO
+   signal): counted as waste, and its room goes to a fresh prompt, so batches keep their size.
+   At most ``max_uniform_drops`` are dropped per batch; past that, such groups are kept, with
+   zero advantages.
+4. **Consumption.** ``next_batch()`` hands out whole released groups, oldest release first,
+   with each sample's staleness against the learner version that will consume them; a group
+   with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
+
+The pipeline owns its background work (admission, one task per sample, scoring) in one
+``asyncio.TaskGroup`` (``asyncrl.dispatch.background``): the first error of any of it, or of a
+group's release, cancels the rest and is raised by ``next_batch`` (or by ``close``, if no
+``next_batch`` raised it).
+
+Every admitted sample ends up consumed or counted as waste (``metrics``); nothing is silently
+lost. ``cursor`` is the first prompt index not yet settled (consumed or wasted). Each batch
+carries ``resume``: the cursor, the indices past it already settled, and the counters as of that
+batch without the groups still in flight. Kept with the learner's step (``TrainBatch.keep``), it
+is where a resumed pipeline starts (``SamplePipeline(..., resume=...)``): it admits again from
+the cursor, skips what was settled, and counts on from there, so a resumed run generates every
+unsettled group once more and consumes nothing twice.
+
+No silent stall: when no sample is in flight, no group is ready and the pacer has no room (the
+learner's version does not move), ``next_batch`` raises ``StallError`` at once, saying so; and
+``describe()`` tells the driver's watchdog what the pipeline waits for.
+
+``WeightSync`` (``asyncrl.roles.sampling.weight_sync``) and ``group_advantages``
+(``asyncrl.roles.learning.groups``) live in modules of their own and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from asyncrl.clock import MONOTONIC, Clock
+from asyncrl.dispatch.background import Background
+from asyncrl.dispatch.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
+from asyncrl.dispatch.reduce import Moments, Outcome, Reducer, Released, Straggler
+from asyncrl.errors import StallError
+from asyncrl.roles.learning.groups import Group, group_advantages, uniform
+from asyncrl.roles.payloads import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    Sample,
+    SamplingParams,
+    Scored,
+)
+from asyncrl.roles.sampling.weight_sync import WeightSync
+
+__all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
+
+log = logging.getLogger("asyncrl.pipeline")
+
+CAPPED_WARN_EVERY = 50
+"""The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
+then once every this many (late in a run most groups of a good policy are uniform)."""
+
+_UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
+
+PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
+"""``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
+
+Scorer = Callable[[list[Sample]], Awaitable[list[float]]]
+"""``score(samples)``: one reward per sample, in order."""
+
+
+class Caller(Protocol):
+    """What the pipeline needs of the rollout group's handle
+    (``asyncrl.dispatch.handles.Handle``)."""
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = ...,
+        key: Any = None,
+        affinity: Any = None,
+    ) -> Any: ...
+
+
+class Batch(msgspec.Struct):
+    """Whole groups for one learner step.
+
+    Attributes:
+        samples: scored samples, each with its group's advantage.
+        version: the learner version that consumes them (the one staleness is measured against).
+        staleness: per sample, in order.
+        cursor: the first prompt index not yet consumed or wasted (where a resumed run starts).
+        metrics: the pipeline's counters so far, this batch's staleness p50/p99/max, and
+            ``reward_scored_mean``: the mean reward of every group scored since the last
+            batch, the uniform groups dynamic sampling dropped included.
+        resume: what a pipeline resumed after this batch's learner step needs (keep it with
+            the step: ``TrainBatch.keep``; pass it back as ``SamplePipeline(resume=...)``).
+    """
+
+    samples: list[Scored]
+    version: int
+    staleness: list[int]
+    cursor: int
+    metrics: dict[str, float]
+    resume: dict[str, Any] = {}
+
+
+def _max_drops(batch_size: int, group_size: int, given: int | None) -> int:
+    """``max_uniform_drops``: as given, or ``_UNIFORM_DROPS_PER_GROUP`` per group of a batch."""
+    if given is not None:
+        return given
+    return _UNIFORM_DROPS_PER_GROUP * (batch_size // max(1, group_size))
+
+
+def _check_args(
+    batch_size: int, group_size: int, std: str, drop_uniform: bool, max_uniform_drops: int
+) -> None:
+    if group_size < 1 or batch_size < group_size:
+        raise ValueError(
+            f"batch_size ({batch_size}) must hold at least one group of group_size "
+            f"({group_size}) samples"
+        )
+    if drop_uniform and group_size < 2:
+        raise ValueError(
+            "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so "
+            "every group would be dropped; raise group_size or set drop_uniform false"
+        )
+    if std not in ("population", "unbiased"):
+        raise ValueError(f"std: expected 'population' or 'unbiased', got {std!r}")
+    if max_uniform_drops < 0:
+        raise ValueError(f"max_uniform_drops: expected an int >= 0, got {max_uniform_drops}")
+
+
+class SamplePipeline:
+    """Admits prompts, generates and scores their groups, and releases them with advantages.
+
+    Use it as an async context manager around the training loop::
+
+        async with SamplePipeline(ctx.rollout, spec=ctx.pipeline, ...) as pipe:
+            for _ in range(steps):
+                batch = await pipe.next_batch()
+                result = await ctx.learner.call("train_step", TrainBatch(batch.samples, ...))
+                pipe.advance(result.version)        # the window moves on
+
+    Args:
+        rollout: the rollout group's handle; ``generate`` takes one sample per call.
+        spec: the manifest's ``pipeline`` section.
+        feed: the prompts, by index; score: one reward per sample.
+        params: sampling parameters; batch_size, group_size: samples per batch and per group.
+        start_version, start_cursor, resume: where a resumed run starts (``Batch.resume``).
+        normalize_std, std: the learner's GRPO conventions (``group_advantages``).
+        timeout: seconds per generate call; watchdog: told what the pipeline waits for.
+        drop_uniform: drop groups whose rewards are all equal (default: ``spec.drop_uniform``).
+        max_uniform_drops: the most such groups dropped per batch (default: 4 per group of
+            the batch); past it they are kept, with zero advantages, and counted.
+        clock: what straggler deadlines run on (a test passes a ``FakeClock``).
+
+    Raises:
+        ValueError: a batch smaller than one group, an unknown ``std``, or ``drop_uniform``
+            with groups of one.
+    """
+
+    def __init__(
+        self,
+        rollout: Caller,
+        *,
+        spec: PipelineSpec,
+        feed: PromptFeed,
+        score: Scorer,
+        params: SamplingParams,
+        batch_size: int,
+        group_size: int,
+        start_version: int = 0,
+        start_cursor: int = 0,
+        resume: dict[str, Any] | None = None,
+        normalize_std: bool = True,
+        std: str = "population",
+        timeout: float = 600.0,
+        watchdog: Any = None,
+        drop_uniform: bool | None = None,
+        max_uniform_drops: int | None = None,
+        clock: Clock = MONOTONIC,
+    ) -> None:
+        self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
+        self.max_uniform_drops = _max_drops(batch_size, group_size, max_uniform_drops)
+        _check_args(batch_size, group_size, std, self.drop_uniform, self.max_uniform_drops)
+        self.rollout = rollout
+        self.spec = spec
+        self.feed = feed
+        self.score = score
+        self.params = params
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.normalize_std = normalize_std
+        self.std = std
+        self.timeout = timeout
+        self.pacer = Pacer(
+            batch_size,
+            spec.window_eta,
+            start_version=start_version,
+            overprovision=spec.window_overprovision,
+        )
+        self._ready_event = asyncio.Event()
+        # Samples, scoring and admission run here; its first error is next_batch's to raise.
+        self._background = Background("sample pipeline", on_stop=self._ready_event.set)
+        self._raised: BaseException | None = None  # the failure next_batch raised
+        self.reducer = self._reducer(clock)
+        resume = resume or {}
+        start_cursor = int(resume.get("cursor", start_cursor))
+        self.metrics: Counter[str] = Counter(
+            {k: int(v) for k, v in resume.get("pipeline", {}).items()}
+        )
+        self.running: dict[int, Moments] = {}  # consuming version -> reward moments
+        self._running_total = Moments(0, 0.0, 0.0)  # all of them merged
+        self._groups: dict[str, Group] = {}
+        self._ready: deque[Group] = deque()
+        self._next_index = start_cursor  # the next prompt to admit
+        self._fetched = start_cursor  # the next prompt to ask the feed for
+        self._skip = {int(i) for i in resume.get("settled", [])}  # settled before a resume
+        self._fetching = False
+        self._unsettled: dict[int, None] = {}  # admitted, not consumed or wasted, in order
+        self._prompts: deque[Prompt] = deque()
+        self._exhausted = False
+        self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
+        self._uniform_capped = False  # ... and it reached max_uniform_drops
+        self._capped_batches = 0  # batches that reached it, in this run
+        self._scored = (0.0, 0)  # sum and count of rewards released since the last batch
+        self._to_score: list[tuple[Group, int, Sample]] = []
+        self._scoring: asyncio.Task[None] | None = None
+        if watchdog is not None:
+            watchdog.watch("sample pipeline", self.describe)
+
+    def _reducer(self, clock: Clock) -> Reducer:
+        """The reducer of the groups' rewards, under the manifest's straggler policy; an error
+        in its callbacks fails the pipeline's background work (next_batch raises it)."""
+        straggler = self.spec.straggler
+        return Reducer(
+            self._on_release,
+            policy=Straggler(straggler.policy),
+            deadline_s=straggler.deadline_s or None,
+            k_min=min(straggler.k_min, self.group_size),
+            on_late=self._on_late,
+            on_error=self._background.fail,
+            clock=clock,
+        )
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> SamplePipeline:
+        await self._background.start()
+        self._background.spawn(self._admit_loop())
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.close(raise_failure=exc is None)
+
+    async def close(self, *, raise_failure: bool = True) -> None:
+        """Stop admitting, cancel every sample in flight and wait until they are done.
+
+        Raises:
+            The first error of a background task (a generate or score call, the release of a
+            group) that ``next_batch`` has not raised yet, unless ``raise_failure`` is false
+            (then it is logged: the caller is raising another error already).
+        """
+        failure = await self._background.close()
+        self.reducer.close()
+        if failure is None or failure is self._raised:
+            return
+        if raise_failure:
+            self._raised = failure
+            raise failure
+        log.error("sample pipeline: a background task had failed", exc_info=failure)
+
+    def _check_failure(self) -> None:
+        failure = self._background.failure
+        if failure is not None:
+            self._raised = failure
+            raise failure
+
+    # -- admission ----------------------------------------------------------------------
+
+    async def _admit_loop(self) -> None:
+        while True:
+            await self.pacer.admit(self.group_size)
+            prompt = await self._next_prompt()
+            if prompt is None:
+                self.pacer.waste(self.group_size)  # nothing to admit: give the room back
+                self._exhausted = True
+                self._ready_event.set()
+                return
+            self._start(prompt)
+
+    async def _next_prompt(self) -> Prompt | None:
+        while True:
+            if not self._prompts:
+                n = max(1, self.batch_size // self.group_size)
+                self._fetching = True
+                try:
+                    fetched = await self.feed(self._fetched, n)
+                finally:
+                    self._fetching = False
+                self._fetched += len(fetched)
+                self._prompts.extend(fetched)
+            if not self._prompts:
+                return None
+            prompt = self._prompts.popleft()
+            if self._next_index in self._skip:  # consumed before the run resumed
+                self._skip.discard(self._next_index)
+                self._next_index += 1
+                continue
+            return prompt
+
+    def _start(self, prompt: Prompt) -> None:
+        index = self._next_index
+        self._next_index += 1
+        group = Group(prompt.id, index, prompt)
+        self._groups[group.key] = group
+        self._unsettled[index] = None
+        self.reducer.open(group.key, self.group_size)
+        self.metrics["admitted_groups"] += 1
+        self.metrics["admitted_samples"] += self.group_size
+        for k in range(self.group_size):
+            task = self._background.spawn(self._sample(group, k))
+            if task is not None:
+                group.tasks.append(task)
+
+    # -- one sample ---------------------------------------------------------------------
+
+    async def _sample(self, group: Group, k: int) -> None:
+        request = GenerateRequest(group.prompt, k, self.params)
+        affinity = group.key if self.spec.group_affinity else None
+        while True:
+            (sample,) = await self.rollout.call(
+                "generate",
+                GenerateBatch([request]),
+                list[Sample],
+                timeout=self.timeout,
+                key=(group.key, k),
+                affinity=affinity,
+            )
+            if sample.finished:
+                break
+            # A partial rollout: resume it on whichever replica is free, keeping its tokens.
+            self.metrics["resumed"] += 1
+            request = GenerateRequest(group.prompt, k, self.params, partial=sample)
+        self.metrics["generated_samples"] += 1
+        group.generated += 1
+        self._to_score.append((group, k, sample))
+        if self._scoring is None or self._scoring.done():
+            self._scoring = self._background.spawn(self._score_pending())
+
+    async def _score_pending(self) -> None:
+        """Score every sample that finished meanwhile in one call, then post each reward."""
+        while self._to_score:
+            todo, self._to_score = self._to_score, []
+            rewards = await self.score([s for _, _, s in todo])
+            for (group, k, sample), reward in zip(todo, rewards, strict=True):
+                if group.outcome:
+                    self._on_late(group.key, str(k))  # its group was released without it
+                    continue
+                group.samples[k] = (sample, float(reward))
+                self.reducer.add(group.key, str(k), Moments.of([float(reward)]))
+
+    # -- release ------------------------------------------------------------------------
+
+    def _on_release(self, released: Released) -> None:
+        group = self._groups.get(released.key)
+        if group is None:
+            return
+        group.outcome = released.outcome
+        self.metrics[f"groups_{released.outcome}"] += 1
+        for k, task in enumerate(group.tasks):
+            if k not in group.samples and not task.done():
+                task.cancel()  # a straggler of a released group: its result would be waste
+        if released.outcome == Outcome.DROPPED:
+            self._waste(group, self.group_size)
+            return
+        missing = self.group_size - len(group.samples)
+        if missing:
+            self.metrics["wasted_samples"] += missing
+            self.pacer.waste(missing)
+        ks = sorted(group.samples)
+        rewards = [group.samples[k][1] for k in ks]
+        self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
+        if self.drop_uniform and uniform(rewards) and self._drop_uniform(group):
+            return
+        advantages = group_advantages(rewards, normalize_std=self.normalize_std, std=self.std)
+        group.advantages = dict(zip(ks, advantages, strict=True))
+        self._ready.append(group)
+        self._ready_event.set()
+
+    def _drop_uniform(self, group: Group) -> bool:
+        """Dynamic sampling: drop a group whose rewards are all equal, so that a fresh prompt
+        takes its room; False (keep it) once this batch has dropped ``max_uniform_drops``."""
+        if self._uniform_drops >= self.max_uniform_drops:
+            if not self._uniform_capped:
+                self._uniform_capped = True
+                self._capped_batches += 1
+                if (self._capped_batches - 1) % CAPPED_WARN_EVERY == 0:  # the 1st, 51st, ...
+                    log.warning(
+                        "sample pipeline: %d groups with uniform rewards dropped while filling "
+                        "one batch (max_uniform_drops); keeping such groups, with zero "
+                        "advantages, until the next batch (%d batches so far; said again "
+                        "every %d). Is the reward constant, or the data far too hard or too "
+                        "easy? (A policy near a perfect score gets here too.)",
+                        self._uniform_drops,
+                        self._capped_batches,
+                        CAPPED_WARN_EVERY,
+                    )
+            self.metrics["groups_uniform_kept"] += 1
+            return False
+        self._uniform_drops += 1
+        self.metrics["groups_uniform_dropped"] += 1
+        self.metrics["samples_uniform_dropped"] += len(group.samples)
+        self._waste(group, len(group.samples))
+        return True
+
+    def _on_late(self, key: str, part: str) -> None:
+        self.metrics["late_samples"] += 1
+
+    def _waste(self, group: Group, n: int) -> None:
+        """Drop a whole group: its samples are waste, and its room goes to a fresh prompt."""
+        self.metrics["wasted_samples"] += n
+        self.metrics["wasted_tokens"] += sum(len(s.token_ids) for s, _ in group.samples.values())
+        self.pacer.waste(n)
+        self._settle(group)
+
+    def _settle(self, group: Group) -> None:
+        self._groups.pop(group.key, None)
+        self._unsettled.pop(group.index, None)
+        self.reducer.forget(group.key)
+
+    @property
+    def cursor(self) -> int:
+        """The first prompt index not yet consumed or wasted."""
+        return next(iter(self._unsettled), self._next_index)
+
+    @property
+    def in_flight(self) -> int:
+        """Samples admitted and not yet consumed or wasted."""
+        return len(self._unsettled) * self.group_size
+
+    def resume_state(self) -> dict[str, Any]:
+        """What a pipeline resumed from here needs: the cursor, the indices past it already
+        settled, and the counters without the groups still in flight (they are admitted and
+        generated again on resume)."""
+        unsettled = [g for g in self._groups.values() if g.index in self._unsettled]
+        counters = Counter(self.metrics)
+        counters["admitted_groups"] -= len(unsettled)
+        counters["admitted_samples"] -= len(unsettled) * self.group_size
+        counters["generated_samples"] -= sum(g.generated for g in unsettled)
+        return {
+            "cursor": self.cursor,
+            # Past the cursor, every index admitted (or skipped as settled before a resume)
+            # and not unsettled is settled; so are those a resume said to skip, not reached yet.
+            "settled": [
+                *(i for i in range(self.cursor, self._next_index) if i not in self._unsettled),
+                *sorted(self._skip),
+            ],
+            "pipeline": {k: int(v) for k, v in counters.items()},
+        }
+
+    def describe(self) -> str:
+        """What the pipeline waits for now, for the watchdog's report."""
+        generating = sum(1 for g in self._groups.values() for t in g.tasks if not t.done())
+        return (
+            f"{len(self._groups)} group(s) admitted and unsettled, {generating} sample(s) "
+            f"generating, {len(self._to_score)} waiting to be scored, {len(self._ready)} "
+            f"group(s) ready; pacer at learner version {self.pacer.version}, room "
+            f"{self.pacer.room()} sample(s) (a group needs {self.group_size}); prompts "
+            f"{'exhausted' if self._exhausted else 'available'}"
+        )
+
+    def _stuck(self) -> bool:
+        """Nothing can make the next group ready: nothing generates, scores or fetches, and the
+        pacer admits nothing until the learner's version moves, which waits on this batch."""
+        if self._ready or self._exhausted or self._fetching or self._to_score:
+            return False
+        if self._scoring is not None and not self._scoring.done():
+            return False
+        if any(not t.done() for g in self._groups.values() for t in g.tasks):
+            return False
+        if self.reducer.pending() and self.spec.straggler.deadline_s:
+            return False
+        return self.pacer.room() < self.group_size
+
+    # -- consumption --------------------------------------------------------------------
+
+    def advance(self, version: int) -> None:
+        """The learner reached ``version``: generation may move ahead accordingly."""
+        self.pacer.advance(version)
+
+    async def next_batch(self) -> Batch:
+        """Whole released groups for the learner at the current version: ``batch_size //
+        group_size`` of them (fewer only at the end of the prompts), so ``batch_size`` samples
+        unless a group was emitted partial under the straggler policy.
+
+        Raises:
+            The first error of a background task: a generate call (after the dispatcher's
+                retries), the feed, the score function, the release of a group. The other
+                tasks are cancelled then, and every later call raises it again.
+            EOFError: the prompts ran out and nothing is left to hand out.
+        """
+        version = self.pacer.version
+        taken: list[tuple[int, int, Scored, int]] = []  # (prompt index, sample index, ., age)
+        admitted = 0  # the samples admitted for the groups taken: a partial group counts whole
+        while admitted < self.batch_size:
+            group = await self._next_ready()
+            if group is None:
+                break
+            group_ages = [staleness(version, s.versions) for s, _ in group.samples.values()]
+            over = max(group_ages, default=0) > self.pacer.eta
+            if over and self.spec.mode == Mode.ASYNC and self.spec.over_eta == OverEta.DROP:
+                self.metrics["groups_over_eta_dropped"] += 1
+                self._waste(group, len(group.samples))
+                continue
+            if over:
+                self.metrics["groups_over_eta_corrected"] += 1
+            for k in sorted(group.samples):
+                sample, reward = group.samples[k]
+                scored = Scored(sample, reward, advantage=group.advantages[k])
+                taken.append((group.index, k, scored, staleness(version, sample.versions)))
+            admitted += self.group_size
+            self._settle(group)
+        # In prompt order, not release order: the learner sums the same samples in the same
+        # order whichever finished first, so a sync run is repeatable to the bit.
+        taken.sort(key=lambda t: (t[0], t[1]))
+        samples = [t[2] for t in taken]
+        ages = [t[3] for t in taken]
+        if not samples:
+            raise EOFError("the prompts ran out: no more groups to hand out")
+        self.metrics["consumed_samples"] += len(samples)
+        self.metrics["batches"] += 1
+        self._uniform_drops, self._uniform_capped = 0, False
+        scored_sum, scored_n = self._scored
+        self._scored = (0.0, 0)
+        if self.spec.running_stats:
+            rewards = Moments.of([s.reward for s in samples])
+            self.running[version] = self.running.get(version, Moments(0, 0.0, 0.0)).merge(rewards)
+            self._running_total = self._running_total.merge(rewards)
+        metrics: dict[str, float] = {k: float(v) for k, v in self.metrics.items()}
+        metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
+        metrics.update({f"reducer_{k}": float(v) for k, v in self.reducer.metrics.items()})
+        # The policy's reward: over every group scored since the last batch, uniform ones that
+        # dynamic sampling dropped included (the batch's own mean leaves them out).
+        metrics["reward_scored_mean"] = (
+            scored_sum / scored_n if scored_n else sum(s.reward for s in samples) / len(samples)
+        )
+        metrics["pacer_room"] = float(self.pacer.room())
+        metrics["pacer_max_ahead"] = float(self.pacer.max_ahead)
+        if self.spec.running_stats:
+            metrics["reward_running_mean"] = self._running_total.mean
+            metrics["reward_running_std"] = self._running_total.std
+        return Batch(samples, version, ages, self.cursor, metrics, self.resume_state())
+
+    async def _next_ready(self) -> Group | None:
+        self._check_failure()
+        while not self._ready:
+            self._check_failure()
+            if self._exhausted and not self._groups:
+                return None
+            self._ready_event.clear()
+            if self._stuck():
+                # Give the admission loop one turn: it may just have been woken.
+                await asyncio.sleep(0)
+                if self._stuck():
+                    raise StallError(
+                        f"the sample pipeline cannot make progress: {self.describe()}. The "
+                        f"learner's version must move for the pacer to admit more; call "
+                        f"advance(version) after each learner step"
+                    )
+                continue
+            await self._ready_event.wait()
+        return self._ready.popleft()

@@ -1,0 +1,8 @@
+"""Training: the learner and the critic (``learner*``, ``critic*``, ``objective``), their
+parallelism (``data_parallel``, ``sharding``, ``host_buffers``) and durability (``checkpoints``,
+``journal``, ``wal``).
+
+May import: ``asyncrl.roles.learning``, ``asyncrl.roles.generation`` (the messages a learner
+sends its rollouts), ``asyncrl.roles.payloads``, ``asyncrl.roles.device_report``, the plugin
+registry and contract, the runtime and the transport.
+"""
