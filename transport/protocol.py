@@ -18,6 +18,7 @@ import msgspec
 
 __all__ = [
     "CONTROL_KINDS",
+    "MAX_BATCH",
     "MAX_CREDIT",
     "MAX_DIMS",
     "MAX_RELEASE_SLOTS",
@@ -57,6 +58,7 @@ class Kind(enum.IntEnum):
     STOP = 9  # control: the receiver should stop cleanly
     RELEASE = 10  # receiver -> sender: Release, shared-memory slots it no longer reads
     MESSAGE = 11  # one-way stream or broadcast message; ``method`` names its topic
+    BATCH = 12  # stream sender -> receiver: several MESSAGE envelopes in one frame
 
 
 CONTROL_KINDS = frozenset({Kind.STOP})
@@ -74,6 +76,9 @@ MAX_DIM = (1 << 63) - 1
 
 MAX_RELEASE_SLOTS = 1 << 16
 """The most slot ids one RELEASE may carry."""
+
+MAX_BATCH = 1024
+"""The most MESSAGE envelopes one BATCH may carry; more is refused as ``decode_error``."""
 
 MAX_CREDIT = 1 << 20
 """The most request slots one CREDIT may advertise."""

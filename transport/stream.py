@@ -14,18 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, deque
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import zmq
 
 from .codec import Codec
 from .curve import CurveSetting, ServerGuard, open_endpoint
 from .errors import ClosedError, ProtocolError
 from .options import ChannelOptions
-from .protocol import Kind
+from .protocol import MAX_BATCH, Kind
 from .pump import Pump
 from .ratelog import RateLimitedLog
-from .stream_decode import FastDecoder, Unfit
+from .stream_codec import BATCH_BYTES, BATCH_ITEMS, FastDecoder, Unfit, encode_batch
 
 __all__ = ["StreamReceiver", "StreamSender"]
 
@@ -74,6 +75,9 @@ class StreamSender:
         self._context = context
         self._pump: Pump | None = None
         self._seq = 0
+        self._batch: list[bytes] = []  # encoded envelopes not yet handed to the pump
+        self._batch_bytes = 0
+        self._flush_handle: asyncio.Handle | None = None
         self.codec = Codec(
             inline_threshold=self.options.inline_threshold,
             max_message_bytes=self.options.max_message_bytes,
@@ -97,14 +101,46 @@ class StreamSender:
     def send_nowait(self, payload: Any) -> bool:
         """Queue ``payload``; False when the caller should ``await drained()`` before more.
 
+        Small messages without tensor frames sent in one loop turn travel together as one
+        BATCH frame, handed to the socket at the end of the turn (or when the batch is full).
+
         Raises:
             ClosedError: the sender is closed.
+            TypeError: ``payload`` holds a value that cannot travel.
         """
-        if self._pump is None:
+        pump = self._pump
+        if pump is None:
             raise ClosedError("stream sender is not started or was closed")
         self._seq += 1
         frames = self.codec.encode_message(self._seq, self.topic, self.incarnation, payload)
-        return self._pump.send(frames)
+        size = len(frames[0])
+        if len(frames) > 1 or size > BATCH_BYTES:
+            self._flush()  # what came before goes first
+            return pump.send(frames)
+        if self._batch_bytes + size > BATCH_BYTES:
+            self._flush()
+        self._batch.append(frames[0])
+        self._batch_bytes += size
+        if len(self._batch) >= BATCH_ITEMS:
+            return self._flush()
+        if self._flush_handle is None:
+            self._flush_handle = pump.loop.call_soon(self._flush)
+        return not pump.queued
+
+    def _flush(self) -> bool:
+        """Hand the gathered messages to the pump: alone as a MESSAGE, several as a BATCH.
+        True when the socket took them."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        batch = self._batch
+        if not batch or self._pump is None:
+            return self._pump is None or not self._pump.queued
+        self._batch = []
+        self._batch_bytes = 0
+        if len(batch) == 1:
+            return self._pump.send(batch)
+        return self._pump.send([encode_batch(self.topic, self.incarnation, batch)])
 
     async def send(self, payload: Any) -> None:
         """Send ``payload``, waiting while the receiver's queues are full.
@@ -116,10 +152,20 @@ class StreamSender:
             await self.drained()
 
     async def drained(self) -> None:
+        """Wait until every message sent so far has been handed to the socket.
+
+        Raises:
+            ClosedError: the sender was closed while waiting.
+        """
         if self._pump is not None:
+            self._flush()
             await self._pump.drained()
 
     async def close(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._batch = []
         if self._pump is not None:
             self._pump.close()
             self._pump = None
@@ -160,6 +206,7 @@ class StreamReceiver:
         self._guard: ServerGuard | None = None
         self._pump: Pump | None = None
         self._queue: deque[Any] = deque()
+        self._held: deque[Any] = deque()  # the rest of a batch that overfilled the queue
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self.codec = Codec(
@@ -167,6 +214,9 @@ class StreamReceiver:
             max_message_bytes=self.options.max_message_bytes,
         )
         self._fast = FastDecoder(type_, self.codec)
+        self._batch_items = msgspec.msgpack.Decoder(
+            Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_BATCH)]
+        )
         self.stats: Counter[str] = Counter()
         self._log = RateLimitedLog(log, f"stream {endpoint}")
 
@@ -225,7 +275,10 @@ class StreamReceiver:
     def _take(self, n: int) -> list[Any]:
         queue = self._queue
         out = [queue.popleft() for _ in range(min(n, len(queue)))]
-        if self._pump is not None and len(queue) < self.capacity:
+        held = self._held
+        while held and len(queue) < self.capacity:
+            queue.append(held.popleft())
+        if self._pump is not None and not held and len(queue) < self.capacity:
             self._pump.resume_reading()
         return out
 
@@ -241,31 +294,57 @@ class StreamReceiver:
     def _on_message(self, frames: list[Any]) -> None:
         if len(frames) == 1:
             try:
-                payload = self._fast.payload(frames[0])
+                payloads = self._fast.payloads(frames[0])
             except Unfit:
                 pass
             else:
-                self._deliver(payload)
+                self._deliver(payloads)
                 return
+        try:
+            env = self.codec.decode_envelope(frames)
+            if env.kind == Kind.BATCH and len(frames) == 1:
+                items = self._batch_items.decode(env.payload)
+            else:
+                items = None
+        except (ProtocolError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._bad(exc)
+            return
+        if items is None:
+            self._on_one(frames)
+        else:  # a bad envelope inside a batch costs only itself
+            for item in items:
+                self._on_one([item])
+
+    def _on_one(self, frames: list[Any]) -> None:
+        """Decode one MESSAGE with the full codec, which says exactly what is wrong with it."""
         try:
             env = self.codec.decode_envelope(frames)
             if env.kind != Kind.MESSAGE:
                 raise ProtocolError(
-                    f"a stream carries MESSAGE envelopes, got {Kind(env.kind).name}"
+                    f"a stream carries MESSAGE envelopes (or one frame of them as a BATCH), "
+                    f"got {Kind(env.kind).name}"
                 )
             payload = self.codec.decode_payload(env, frames, self.type)
         except ProtocolError as exc:
-            self.stats["bad_input"] += 1
-            self._log.warning(
-                "bad input", "", "stream %s dropped a message: %s", self.endpoint, exc
-            )
+            self._bad(exc)
             return
-        self._deliver(payload)
+        self._deliver([payload])
 
-    def _deliver(self, payload: Any) -> None:
-        self.stats["received"] += 1
-        self._queue.append(payload)
-        if len(self._queue) >= self.capacity and self._pump is not None:
+    def _bad(self, exc: Exception) -> None:
+        self.stats["bad_input"] += 1
+        self._log.warning("bad input", "", "stream %s dropped a message: %s", self.endpoint, exc)
+
+    def _deliver(self, payloads: list[Any]) -> None:
+        """Queue ``payloads``; what does not fit under ``capacity`` is held, and reading stops."""
+        self.stats["received"] += len(payloads)
+        queue = self._queue
+        room = 0 if self._held else self.capacity - len(queue)
+        if len(payloads) <= room:
+            queue.extend(payloads)
+        else:
+            queue.extend(payloads[:room])
+            self._held.extend(payloads[room:])
+        if len(queue) >= self.capacity and self._pump is not None:
             self._pump.pause_reading()
         waiter = self._waiter
         if waiter is not None and not waiter.done():

@@ -804,7 +804,7 @@ def test_a_message_over_the_size_limit() -> None:
     )
 
 
-@pytest.mark.parametrize("kind", [0, 12, 99, 255])
+@pytest.mark.parametrize("kind", [0, 13, 99, 255])
 def test_unknown_kinds(kind: int) -> None:
     frames = Codec().encode(Envelope(PROTOCOL_VERSION, kind, 3))
     with pytest.raises(UnknownKindError) as err:
@@ -812,7 +812,7 @@ def test_unknown_kinds(kind: int) -> None:
     assert str(err.value) == (
         f"unknown envelope kind {kind}; known kinds are 1 (HANDSHAKE), 2 (WELCOME), "
         f"3 (REQUEST), 4 (REPLY), 5 (ERROR), 6 (CREDIT), 7 (PING), 8 (PONG), 9 (STOP), "
-        f"10 (RELEASE), 11 (MESSAGE)"
+        f"10 (RELEASE), 11 (MESSAGE), 12 (BATCH)"
     )
 
 

@@ -19,6 +19,8 @@ from asyncrl.transport import (
     StreamSender,
     run,
 )
+from asyncrl.transport.protocol import MAX_BATCH
+from asyncrl.transport.stream_codec import BATCH_ITEMS, encode_batch
 
 
 class Item(msgspec.Struct):
@@ -124,5 +126,84 @@ def test_messages_the_fast_path_does_not_take_still_arrive(run_dir: str) -> None
             assert mine[1]["a"].tolist() == [0.0, 1.0, 2.0]
             assert mine[2]["a"].shape == (4096,) and float(mine[2]["a"].sum()) == 4096.0
             assert receiver.stats == {"received": 4}
+
+    run(main())
+
+
+def _message(n: Any) -> bytes:
+    return msgspec.msgpack.encode([1, 11, 1, "", 0.0, 0, 0, "", {"n": n}, []])
+
+
+def test_messages_of_one_turn_travel_as_one_batch_in_order(run_dir: str) -> None:
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/batch", Item) as receiver:
+            raw = zmq.Context.instance().socket(zmq.PULL)
+            raw.bind(f"ipc://{run_dir}/tap")
+            async with StreamSender(f"ipc://{run_dir}/tap", topic="t") as sender:
+                for n in range(BATCH_ITEMS + 3):
+                    assert sender.send_nowait(Item(n))
+                await sender.drained()
+                frames = [raw.recv_multipart(), raw.recv_multipart()]
+            raw.close(linger=0)
+            envelopes = [msgspec.msgpack.decode(f[0]) for [*f] in frames]
+            assert [env[:4] for env in envelopes] == [[1, 12, 0, "t"], [1, 12, 0, "t"]]
+            items = envelopes[0][8] + envelopes[1][8]
+            assert [env[1:3] for env in items] == [[11, n + 1] for n in range(BATCH_ITEMS + 3)]
+            assert [env[8]["n"] for env in items] == list(range(BATCH_ITEMS + 3))
+            # The receiver takes the same frames.
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.connect(receiver.endpoint)
+            for f in frames:
+                push.send_multipart(f)
+            got: list[int] = []
+            while len(got) < BATCH_ITEMS + 3:
+                got += [item.n for item in await receiver.recv_batch()]
+            push.close(linger=0)
+            assert got == list(range(BATCH_ITEMS + 3))
+
+    run(main())
+
+
+def test_a_bad_envelope_inside_a_batch_is_dropped_and_the_rest_delivered(run_dir: str) -> None:
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/badbatch", Item) as receiver:
+            raw = zmq.Context.instance().socket(zmq.PUSH)
+            raw.connect(receiver.endpoint)
+            items = [_message(0), _message("str"), b"\xc0", _message(3)]
+            items.append(msgspec.msgpack.encode([1, 12, 0, "", 0.0, 0, 0, "", [], []]))
+            items.append(_message(5))
+            raw.send(encode_batch("", 0, items))
+            too_many = encode_batch("", 0, [_message(9)] * (MAX_BATCH + 1))
+            raw.send(too_many)
+            raw.send(encode_batch("", 0, [_message(6), _message(7)]))
+            got: list[int] = []
+            while len(got) < 5:
+                got += [item.n for item in await receiver.recv_batch()]
+            raw.close(linger=0)
+            assert got == [0, 3, 5, 6, 7]
+            # the str payload, the nil, the nested BATCH, and the batch over MAX_BATCH
+            assert receiver.stats == {"received": 5, "bad_input": 4}
+
+    run(main())
+
+
+def test_a_batch_past_capacity_is_held_and_reading_stops(run_dir: str) -> None:
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/held", Item, capacity=3) as receiver:
+            raw = zmq.Context.instance().socket(zmq.PUSH)
+            raw.connect(receiver.endpoint)
+            raw.send(encode_batch("", 0, [_message(n) for n in range(5)]))
+            raw.send(_message(5))
+            assert (await receiver.recv()).n == 0
+            assert receiver._pump is not None
+            while len(receiver) < 3:  # noqa: ASYNC110
+                await asyncio.sleep(0)  # the second of the held moves up when one is taken
+            assert len(receiver) == 3 and receiver._pump.paused
+            got = [0]
+            while len(got) < 6:
+                got += [item.n for item in await receiver.recv_batch(2)]
+                assert len(receiver) <= 3
+            raw.close(linger=0)
+            assert got == [0, 1, 2, 3, 4, 5]
 
     run(main())
