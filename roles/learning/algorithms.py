@@ -24,8 +24,8 @@ estimators.
 - ``asyncrl.roles.learning.advantages``: GAE, GRPO and RLOO advantages, per-token rewards; GRPO's
   group by group through ``asyncrl.roles.learning.groups.group_advantages``, the function the sample
   pipeline calls too.
-- ``asyncrl.roles.learning.losses``: PPO's clipped surrogate (token- or sequence-level ratio),
-  decoupled PPO, truncated importance weights, the value loss.
+- ``asyncrl.roles.learning.losses``: PPO's clipped surrogate (token- or sequence-level ratio,
+  GSPO-token), decoupled PPO, truncated importance weights, the value loss.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from asyncrl.roles.learning.losses import (
     decoupled_ppo_policy_loss,
     ppo_policy_loss,
     sequence_log_ratio,
+    sequence_token_log_ratio,
     truncated_importance_weights,
     value_loss,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "ppo_policy_loss",
     "rloo_advantages",
     "sequence_log_ratio",
+    "sequence_token_log_ratio",
     "token_logprobs",
     "token_rewards",
     "truncated_importance_weights",

@@ -28,6 +28,7 @@ __all__ = [
     "decoupled_ppo_policy_loss",
     "ppo_policy_loss",
     "sequence_log_ratio",
+    "sequence_token_log_ratio",
     "truncated_importance_weights",
     "value_loss",
 ]
@@ -100,16 +101,32 @@ def _token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    return sequence_log_ratio(log_ratio, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+def sequence_token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token's log-ratio (Zheng et al. 2025, as verl computes it), clamped to
+    +-``LOG_RATIO_CLAMP``: ``log s_i,t = sg[log s_i] + l_t - sg[l_t]``.
+
+    Input: per-token log-ratios ``log_ratio`` [B, T] (``l_t``) and ``mask``. Output [B, T]: its
+    value is ``sequence_log_ratio`` at every valid position (clamped after the mean; 0 at masked
+    ones), but the gradient reaches each valid token through its own log-ratio alone, with
+    weight 1 (``d exp(log s_i,t) / d l_t = s_i``), where ``sequence_log_ratio`` spreads it
+    evenly, ``1 / |y_i|``, over the row. So a per-token factor of the loss (a per-token
+    advantage, decoupled PPO's behaviour weight) stays on its token's gradient; when the
+    factors are constant over a sequence the gradient is GSPO's. A token whose own log-ratio is
+    past the clamp sends no gradient, as at the token level.
+    """
+    check_same_shape("log_ratio", log_ratio, mask=mask)
+    check_2d("log_ratio", log_ratio)
+    own = _token_log_ratio(log_ratio, mask)
+    sequence = sequence_log_ratio(log_ratio.detach(), mask)
+    return (sequence + (own - own.detach())).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 _CLIPPED_LOG_RATIO: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "token": _token_log_ratio,
-    "sequence": _sequence_log_ratio,
+    "sequence": sequence_token_log_ratio,
 }
 """The log-ratio PPO clips at each ``Importance`` level, from the masked per-token log-ratios
-(0 at masked positions); clamped to +-``LOG_RATIO_CLAMP`` after the sequence's mean."""
+(0 at masked positions); at the sequence level GSPO-token's, clamped after the mean."""
 
 
 def _clipped_surrogate(
@@ -122,8 +139,8 @@ def _clipped_surrogate(
     importance: Importance = "token",
 ) -> tuple[Tensor, Stats]:
     """Per-token PPO loss [B, T] (0 at masked positions) and its stats, from log(new / old);
-    ``importance="sequence"``: every token's ratio is its sequence's (``sequence_log_ratio``),
-    clamped after the mean."""
+    ``importance="sequence"``: every token's ratio is its sequence's, in GSPO-token's form
+    (``sequence_token_log_ratio``), clamped after the mean."""
     valid = valid_positions(mask)
     # Padding may hold -inf log-probs: exp of their difference would poison the gradient even
     # where the loss is zeroed afterwards.
@@ -185,8 +202,10 @@ def ppo_policy_loss(
     ``importance="sequence"`` (GSPO, Zheng et al. 2025) puts on every token its sequence's
     ratio ``exp(sequence_log_ratio(logprobs - old_logprobs, mask))``, so the clip acts on whole
     sequences; GSPO's paper pairs it with ``aggregation="seq_mean_token_mean"`` (each
-    sequence's loss once) and clip ranges near 3e-4 / 4e-4. With one valid token per row the
-    two importance levels are the same loss.
+    sequence's loss once) and clip ranges near 3e-4 / 4e-4. The ratio is GSPO-token's
+    (``sequence_token_log_ratio``): each token's gradient carries its own advantage, and with
+    an advantage constant over each sequence the loss and gradient are GSPO's. With one valid
+    token per row the two importance levels are the same loss.
 
     Outputs ``(loss, stats)``: the 0-dim loss, and ``Stats`` with ``"clip_fraction"``,
     ``"dual_clip_fraction"`` and ``"approx_kl"``.
@@ -282,7 +301,7 @@ def decoupled_ppo_policy_loss(
     in the aggregation's denominator (``cap_mode="mask"``, AReaL's behaviour). When the proximal
     and behaviour log-probs are equal this is exactly ``ppo_policy_loss``. ``importance``
     chooses the clipped ratio's level as in ``ppo_policy_loss``; the weight ``w`` stays per
-    token (as in AReaL).
+    token (as in AReaL), and at the sequence level (GSPO-token) on its token's gradient.
 
     Outputs ``(loss, stats)``: the 0-dim loss reduced with ``aggregate``, and ``Stats`` with
     the keys of ``ppo_policy_loss`` plus ``"importance_weight_mean"``, ``"capped_fraction"``

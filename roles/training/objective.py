@@ -22,7 +22,8 @@ start of the batch):
 - ``tis``: a policy gradient weighted by ``min(pi / mu, importance_cap)``, detached.
 
 ``importance: sequence`` (GSPO) clips a sequence-level ratio instead of each token's, in
-``clip`` and ``decoupled``; the ``decoupled`` weight and ``tis`` stay per token.
+``clip`` and ``decoupled``, in GSPO-token's form: each token's gradient keeps its own advantage
+(PPO's GAE) and its own ``decoupled`` weight; ``tis`` stays per token.
 """
 
 from __future__ import annotations

@@ -804,6 +804,105 @@ def test_token_and_sequence_importance_coincide_on_one_token_sequences(aggregati
         close(b.grad, a.grad)
 
 
+def gspo_written_out(
+    logprobs: Tensor,
+    old: Tensor,
+    weight: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float,
+    aggregation: alg.Aggregation,
+) -> Tensor:
+    """GSPO as published: the sequence ratio differentiated through its mean, each token's
+    clipped loss times ``weight``."""
+    log_ratio = torch.where(mask > 0, logprobs - old, torch.zeros_like(logprobs))
+    s = alg.sequence_log_ratio(log_ratio, mask).clamp(-20, 20).exp()
+    per_token = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_eps, 1 + clip_eps))
+    per_token = torch.where(mask > 0, per_token * weight, torch.zeros_like(per_token))
+    return alg.aggregate(per_token, mask, aggregation)
+
+
+def gspo_random_case(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Rows of 4, 2 and 3 valid tokens (right padding holds garbage); per-row advantages and
+    behaviour log-probs one constant below the old ones in each row."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(3, 4, generator=gen, dtype=torch.float64) * 2
+    new = old + torch.randn(3, 4, generator=gen, dtype=torch.float64) * 0.1
+    mask = f64([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    new = torch.where(mask > 0, new, torch.full_like(new, -INF))
+    row_adv = torch.randn(3, 1, generator=gen, dtype=torch.float64)
+    advantages = row_adv.expand(3, 4) * mask
+    behaviour = old - torch.rand(3, 1, generator=gen, dtype=torch.float64) * 0.3
+    return new, old, behaviour, advantages, mask
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gspo_token_is_gspo_when_the_factors_are_constant_over_each_sequence(
+    aggregation: str, seed: int
+) -> None:
+    """Advantages and decoupled PPO's behaviour weights constant over each sequence: GSPO-token
+    takes GSPO's loss and gradient (to 1e-12 in float64), clipped rows included."""
+    new, old, behaviour, advantages, mask = gspo_random_case(seed)
+    agg: alg.Aggregation = aggregation  # type: ignore[assignment]
+    eps = 0.03  # some rows clip, some do not
+    weight = (old - behaviour).exp()
+    for ours, factor in (
+        (
+            lambda x: alg.ppo_policy_loss(
+                x, old, advantages, mask, eps, None, agg, importance="sequence"
+            ),
+            torch.ones_like(old),
+        ),
+        (
+            lambda x: alg.decoupled_ppo_policy_loss(
+                x, old, behaviour, advantages, mask, eps, None, agg, importance="sequence"
+            ),
+            weight,
+        ),
+    ):
+        a, b = new.clone().requires_grad_(), new.clone().requires_grad_()
+        loss, _ = ours(a)
+        expected = gspo_written_out(b, old, factor, advantages, mask, eps, agg)
+        close(loss, expected)
+        loss.backward()
+        expected.backward()
+        assert a.grad is not None and b.grad is not None
+        assert a.grad.abs().sum() > 0
+        close(a.grad, b.grad)
+
+
+def test_gspo_token_puts_each_tokens_own_factor_on_its_gradient() -> None:
+    """Per-token advantages (PPO's GAE) and per-token behaviour weights reach their own token's
+    gradient: d loss / d logp_t = w_t * (-A_t) * s_i / (B * |y_i|) under seq_mean_token_mean,
+    where differentiating s_i through its mean would give every token the row's mean."""
+    old = f64([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    logprobs = (old + f64([[0.01, -0.02, 0.04], [0.02, 0.0, 0.0]])).requires_grad_()
+    mask = f64([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages = f64([[1.0, -2.0, 0.5], [3.0, 1.0, 0.0]])
+    s0, s1 = math.exp(0.03 / 3), math.exp(0.02 / 2)  # inside the clip range 0.2
+    loss, _ = alg.ppo_policy_loss(
+        logprobs, old, advantages, mask, 0.2, None, "seq_mean_token_mean", importance="sequence"
+    )
+    close(loss, (-(1.0 - 2.0 + 0.5) * s0 / 3 - (3.0 + 1.0) * s1 / 2) / 2)
+    loss.backward()
+    assert logprobs.grad is not None
+    close(
+        logprobs.grad,
+        [[-1.0 * s0 / 6, 2.0 * s0 / 6, -0.5 * s0 / 6], [-3.0 * s1 / 4, -1.0 * s1 / 4, 0.0]],
+    )
+    # Decoupled PPO: the behaviour weight w_t = prox / mu stays on its token.
+    x = logprobs.detach().clone().requires_grad_()
+    behaviour = old - f64([[0.0, LN2, 0.0], [0.0, 0.0, 0.0]])  # w = 1, 2, 1; 1, 1
+    ones = f64([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    loss, _ = alg.decoupled_ppo_policy_loss(
+        x, old, behaviour, ones, mask, 0.2, None, "seq_mean_token_mean", importance="sequence"
+    )
+    loss.backward()
+    assert x.grad is not None
+    close(x.grad, [[-s0 / 6, -2 * s0 / 6, -s0 / 6], [-s1 / 4, -s1 / 4, 0.0]])
+
+
 def test_sequence_importance_errors() -> None:
     x = torch.zeros(1, 3)
     with pytest.raises(
