@@ -391,7 +391,7 @@ class Critic(CriticDurable, Role):
         and the ranks gather them (every rank returns all of them)."""
         if not samples:
             return []
-        scored = [Scored(s) for s in samples]  # what the shares and micro-batches read
+        scored = [Scored(sample=s) for s in samples]  # what the shares and micro-batches read
         shares, rank = share_out(scored, self.dp)
         share = shares[rank]
         mine = [samples[i] for i in share]

@@ -387,7 +387,13 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 ages = [staleness(self.version - 1, s.sample.versions) for s in fresh]
                 metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
         self.keep.update(batch.keep)
-        result = StepResult(self.version, self.step, len(fresh), skipped, metrics)
+        result = StepResult(
+            version=self.version,
+            step=self.step,
+            consumed=len(fresh),
+            skipped=skipped,
+            metrics=metrics,
+        )
         if fresh:
             self.last = {"id": batch.id, "result": msgspec.to_builtins(result)}
             self._durable_step(batch, ids, skipped, rng)
