@@ -40,7 +40,7 @@ class StopReason(enum.StrEnum):
     CHUNK = "chunk"  # the engine's chunk budget for one call ran out; resumable
 
 
-class SamplingParams(msgspec.Struct):
+class SamplingParams(msgspec.Struct, kw_only=True):
     """How to sample one completion.
 
     Attributes:
@@ -73,7 +73,7 @@ class SamplingParams(msgspec.Struct):
             raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens}")
 
 
-class Prompt(msgspec.Struct):
+class Prompt(msgspec.Struct, kw_only=True):
     """A prompt: its stable id, its tokens, and opaque metadata for the reward verifier."""
 
     id: str
@@ -82,7 +82,7 @@ class Prompt(msgspec.Struct):
     answer: str = ""
 
 
-class Sample(msgspec.Struct):
+class Sample(msgspec.Struct, kw_only=True):
     """One sampled completion of a prompt, possibly unfinished.
 
     Attributes:
@@ -114,7 +114,7 @@ class Sample(msgspec.Struct):
         return (self.prompt_id, self.sample_index)
 
 
-class GenerateRequest(msgspec.Struct):
+class GenerateRequest(msgspec.Struct, kw_only=True):
     """Generate (or resume) one sample.
 
     Attributes:
@@ -140,7 +140,7 @@ class GenerateBatch(msgspec.Struct):
     requests: list[GenerateRequest]
 
 
-class Scored(msgspec.Struct):
+class Scored(msgspec.Struct, kw_only=True):
     """A sample with what the learner needs besides its tokens.
 
     Attributes:
@@ -156,7 +156,7 @@ class Scored(msgspec.Struct):
     advantage: float | None = None
 
 
-class TrainBatch(msgspec.Struct):
+class TrainBatch(msgspec.Struct, kw_only=True):
     """One learner step's worth of data.
 
     Attributes:
@@ -193,7 +193,7 @@ class TrainBatch(msgspec.Struct):
     id: str = ""
 
 
-class StepResult(msgspec.Struct):
+class StepResult(msgspec.Struct, kw_only=True):
     """What one ``train_step`` did.
 
     Attributes:
@@ -213,7 +213,7 @@ class StepResult(msgspec.Struct):
     replayed: bool = False
 
 
-class LearnerStatus(msgspec.Struct):
+class LearnerStatus(msgspec.Struct, kw_only=True):
     """What the learner's ``status`` endpoint says.
 
     Attributes:
@@ -255,7 +255,7 @@ class CriticBatch(msgspec.Struct):
     id: str = ""
 
 
-class CriticStepResult(msgspec.Struct):
+class CriticStepResult(msgspec.Struct, kw_only=True):
     """What one critic ``train_step`` did; each loss figure is the mean over its optimizer
     steps.
 
@@ -276,7 +276,7 @@ class CriticStepResult(msgspec.Struct):
     replayed: bool = False
 
 
-class RolloutStats(msgspec.Struct):
+class RolloutStats(msgspec.Struct, kw_only=True):
     """What a rollout replica's engine computed since it started (its ``stats`` endpoint); a
     restarted replica counts from 0.
 

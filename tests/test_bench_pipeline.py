@@ -34,7 +34,15 @@ def rollout(replica: int = 1, **config: object) -> SimRollout:
 
 
 def request(prompt: str, index: int) -> GenerateBatch:
-    return GenerateBatch([GenerateRequest(Prompt(prompt, [7, 8]), index, SamplingParams())])
+    return GenerateBatch(
+        [
+            GenerateRequest(
+                prompt=Prompt(id=prompt, token_ids=[7, 8]),
+                sample_index=index,
+                params=SamplingParams(),
+            )
+        ]
+    )
 
 
 def test_sim_rollout_returns_a_finished_sample_of_the_version_it_started_at() -> None:
@@ -45,7 +53,16 @@ def test_sim_rollout_returns_a_finished_sample_of_the_version_it_started_at() ->
         return await role.generate(request("p4", 2))
 
     (sample,) = run(main())
-    assert sample == Sample("p4", 2, [7, 8], [2], [0.0], [3], True, "length")
+    assert sample == Sample(
+        prompt_id="p4",
+        sample_index=2,
+        prompt_ids=[7, 8],
+        token_ids=[2],
+        logprobs=[0.0],
+        versions=[3],
+        finished=True,
+        stop_reason="length",
+    )
     ((start, end, work),) = role.done
     assert work == sample_duration(4, 2, 1.0, mean_s=0.01)
     # Replica 1 runs at half speed; uvloop's timers have a granularity of 1 ms.
@@ -83,7 +100,21 @@ def test_sim_learner_keeps_a_ledger_and_steps_only_on_fresh_samples() -> None:
 
     def batch(*keys: tuple[str, int]) -> TrainBatch:
         return TrainBatch(
-            [Scored(Sample(p, k, [1], [2], [0.0], [0], True, "length")) for p, k in keys]
+            samples=[
+                Scored(
+                    sample=Sample(
+                        prompt_id=p,
+                        sample_index=k,
+                        prompt_ids=[1],
+                        token_ids=[2],
+                        logprobs=[0.0],
+                        versions=[0],
+                        finished=True,
+                        stop_reason="length",
+                    )
+                )
+                for p, k in keys
+            ]
         )
 
     async def main() -> list[StepResult]:

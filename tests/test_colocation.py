@@ -126,10 +126,22 @@ def test_the_placement_is_read_from_this_process_spec(
 
 def _batch(n: int) -> TrainBatch:
     samples = [
-        Scored(Sample("p", i, [2, 3], [4, 5, 1], [0.0] * 3, [0] * 3, True, "stop"), reward=i % 2)
+        Scored(
+            sample=Sample(
+                prompt_id="p",
+                sample_index=i,
+                prompt_ids=[2, 3],
+                token_ids=[4, 5, 1],
+                logprobs=[0.0] * 3,
+                versions=[0] * 3,
+                finished=True,
+                stop_reason="stop",
+            ),
+            reward=i % 2,
+        )
         for i in range(n)
     ]
-    return TrainBatch(samples, algorithm="grpo")
+    return TrainBatch(samples=samples, algorithm="grpo")
 
 
 def test_the_learner_reports_its_memory_and_releases_after_each_step(
@@ -171,7 +183,16 @@ def test_the_reference_reports_its_memory_and_releases_after_scoring(
 
     async def score() -> list[list[float]]:
         await reference.setup()
-        sample = Sample("p", 0, [2, 3], [4, 5], [0.0] * 2, [0] * 2, True, "stop")
+        sample = Sample(
+            prompt_id="p",
+            sample_index=0,
+            prompt_ids=[2, 3],
+            token_ids=[4, 5],
+            logprobs=[0.0] * 2,
+            versions=[0] * 2,
+            finished=True,
+            stop_reason="stop",
+        )
         return await reference.logprobs([sample])
 
     assert len(asyncio.run(score())[0]) == 2
@@ -186,12 +207,21 @@ def test_the_critic_holds_its_share_and_releases_after_each_call(
     _spec_env(monkeypatch, tmp_path, "critic", memory_fraction=0.2, release_when_idle=True)
     critic = Critic(RoleContext.local(config={"model_config": MODEL}, name="critic"))
     assert critic.status() == {}
-    sample = Sample("p", 0, [2, 3], [4, 5], [0.0] * 2, [0] * 2, True, "stop")
+    sample = Sample(
+        prompt_id="p",
+        sample_index=0,
+        prompt_ids=[2, 3],
+        token_ids=[4, 5],
+        logprobs=[0.0] * 2,
+        versions=[0] * 2,
+        finished=True,
+        stop_reason="stop",
+    )
 
     async def work() -> None:
         await critic.setup()
         assert [len(v) for v in await critic.values([sample])] == [2]
-        result = await critic.train_step([Scored(sample, reward=1.0, values=[0.0, 0.0])])
+        result = await critic.train_step([Scored(sample=sample, reward=1.0, values=[0.0, 0.0])])
         assert result.step == 1
 
     asyncio.run(work())

@@ -123,9 +123,18 @@ def _batch(step: int, plan: Plan) -> TrainBatch:
         prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
         for k in range(plan.group):
             tokens = torch.randint(3, vocab, (n,), generator=gen).tolist()
-            sample = Sample(f"d{step}p{p}", k, prompt, tokens, [-2.0] * n, [0] * n, True, "stop")
-            samples.append(Scored(sample, reward=float(k % 2)))
-    return TrainBatch(samples, algorithm="grpo", id=f"durability-{step}")
+            sample = Sample(
+                prompt_id=f"d{step}p{p}",
+                sample_index=k,
+                prompt_ids=prompt,
+                token_ids=tokens,
+                logprobs=[-2.0] * n,
+                versions=[0] * n,
+                finished=True,
+                stop_reason="stop",
+            )
+            samples.append(Scored(sample=sample, reward=float(k % 2)))
+    return TrainBatch(samples=samples, algorithm="grpo", id=f"durability-{step}")
 
 
 def _config(plan: Plan, durable: str | bool, every: int = 0) -> dict[str, Any]:

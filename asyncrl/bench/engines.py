@@ -125,9 +125,12 @@ def _requests(model: BenchModel, quick: bool) -> list[GenerateRequest]:
     new = max(model.new_tokens // 4, 1) if quick else model.new_tokens
     return [
         GenerateRequest(
-            Prompt(f"b{i}", torch.randint(2, vocab, (model.prompt_len,), generator=gen).tolist()),
-            0,
-            SamplingParams(max_new_tokens=new),
+            prompt=Prompt(
+                id=f"b{i}",
+                token_ids=torch.randint(2, vocab, (model.prompt_len,), generator=gen).tolist(),
+            ),
+            sample_index=0,
+            params=SamplingParams(max_new_tokens=new),
             seed=i,
         )
         for i in range(count)

@@ -77,7 +77,16 @@ def _batch(n: int, step: int) -> list[Scored]:
         tokens = [rng.randrange(2, 14) for _ in range(4)] + [1]
         out.append(
             Scored(
-                Sample(f"s{step}", i, prompt, tokens, [-2.5] * 5, [0] * 5, True, "stop"),
+                sample=Sample(
+                    prompt_id=f"s{step}",
+                    sample_index=i,
+                    prompt_ids=prompt,
+                    token_ids=tokens,
+                    logprobs=[-2.5] * 5,
+                    versions=[0] * 5,
+                    finished=True,
+                    stop_reason="stop",
+                ),
                 reward=float(rng.random() < 0.5),
             )
         )
@@ -142,7 +151,7 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
     try:
         times: dict[str, list[float]] = {"learner": [], "durable": []}
         for step in range(steps + 2):
-            batch = TrainBatch(_batch(samples_per_step, step), algorithm="grpo")
+            batch = TrainBatch(samples=_batch(samples_per_step, step), algorithm="grpo")
             for name, series in times.items():
                 t0 = time.perf_counter()
                 result = await ctx[name].call("train_step", batch, StepResult, timeout=300)
@@ -153,7 +162,12 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
         out["durable_step_ms"] = times["durable"]
         params = SamplingParams(max_new_tokens=16, temperature=1.0)
         requests = [
-            GenerateRequest(Prompt(f"p{i}", [2 + i % 10, 12, 3, 13]), 0, params, seed=i)
+            GenerateRequest(
+                prompt=Prompt(id=f"p{i}", token_ids=[2 + i % 10, 12, 3, 13]),
+                sample_index=0,
+                params=params,
+                seed=i,
+            )
             for i in range(256)
         ]
         await ctx.rollout.call("generate", GenerateBatch(requests[:8]), list[Sample])  # warm-up
@@ -246,7 +260,7 @@ async def _data_parallel(run_dir: str, samples_per_step: int, steps: int) -> dic
     times: dict[str, list[float]] = {name: [] for name in sizes}
     try:
         for step in range(steps + 2):
-            batch = TrainBatch(_batch(samples_per_step, step), algorithm="grpo")
+            batch = TrainBatch(samples=_batch(samples_per_step, step), algorithm="grpo")
             for name, series in times.items():
                 t0 = time.perf_counter()
                 result = await LearnerClient(ctx[name]).train_step(batch)

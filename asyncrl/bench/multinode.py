@@ -145,8 +145,17 @@ def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[Chi
 def _demo(step: int, vocab: int) -> TrainBatch:
     """A one-demonstration BC batch: a new version per step at little cost."""
     prompt = [2 + (step + i) % (vocab - 2) for i in range(4)]
-    sample = Sample(f"d{step}", 0, prompt, [3 + step % (vocab - 3), 1], [], [], True, "stop")
-    return TrainBatch([Scored(sample)], algorithm="bc", id=f"bench-{step}")
+    sample = Sample(
+        prompt_id=f"d{step}",
+        sample_index=0,
+        prompt_ids=prompt,
+        token_ids=[3 + step % (vocab - 3), 1],
+        logprobs=[],
+        versions=[],
+        finished=True,
+        stop_reason="stop",
+    )
+    return TrainBatch(samples=[Scored(sample=sample)], algorithm="bc", id=f"bench-{step}")
 
 
 async def _timed(ctx: Context, names: tuple[str, ...], version: int) -> list[float]:

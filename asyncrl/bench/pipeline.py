@@ -150,7 +150,9 @@ async def program(ctx: Any) -> dict[str, Any]:
             began = time.time()
             taken = await pipe.next_batch()
             got = time.time()
-            result = await ctx.learner.call("train_step", TrainBatch(taken.samples), StepResult)
+            result = await ctx.learner.call(
+                "train_step", TrainBatch(samples=taken.samples), StepResult
+            )
             trained = time.time()
             pipe.advance(result.version)
             await weights.push(result.version)
@@ -171,7 +173,7 @@ async def _pipeline(ctx: Any) -> tuple[SamplePipeline, WeightSync]:
     cfg, spec = ctx.config, ctx.pipeline
 
     async def feed(cursor: int, n: int) -> list[Prompt]:
-        return [Prompt(f"p{i}", [1, 2, 3]) for i in range(cursor, cursor + n)]
+        return [Prompt(id=f"p{i}", token_ids=[1, 2, 3]) for i in range(cursor, cursor + n)]
 
     async def score(samples: list[Sample]) -> list[float]:
         return [reward(s) for s in samples]

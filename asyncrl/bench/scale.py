@@ -322,7 +322,7 @@ async def _pipeline_window(
     """Run the sample pipeline through its warm-up and the measured window."""
 
     async def feed(cursor: int, count: int) -> list[Prompt]:
-        return [Prompt(f"p{i}", [1, 2, 3]) for i in range(cursor, cursor + count)]
+        return [Prompt(id=f"p{i}", token_ids=[1, 2, 3]) for i in range(cursor, cursor + count)]
 
     async def score(samples: list[Sample]) -> list[float]:
         return [reward(s) for s in samples]

@@ -66,10 +66,17 @@ def _batch(step: int, vocab: int, prompts: int, group: int, length: int) -> Any:
         for k in range(group):
             tokens = [rng.randrange(3, vocab) for _ in range(length)]
             sample = Sample(
-                f"s{step}p{p}", k, prompt, tokens, [-2.0] * length, [0] * length, True, "stop"
+                prompt_id=f"s{step}p{p}",
+                sample_index=k,
+                prompt_ids=prompt,
+                token_ids=tokens,
+                logprobs=[-2.0] * length,
+                versions=[0] * length,
+                finished=True,
+                stop_reason="stop",
             )
-            samples.append(Scored(sample, reward=float(k % 2)))
-    return TrainBatch(samples, algorithm="grpo", id=f"bench-{step}")
+            samples.append(Scored(sample=sample, reward=float(k % 2)))
+    return TrainBatch(samples=samples, algorithm="grpo", id=f"bench-{step}")
 
 
 async def _rank_main(args: dict[str, Any]) -> dict[str, Any]:

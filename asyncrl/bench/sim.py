@@ -126,14 +126,14 @@ class SimRollout(Role):
             del self.running[sid]
             self.done.append((start, time.time(), work))
         return Sample(
-            prompt.id,
-            request.sample_index,
-            prompt.token_ids,
-            [TOKEN],
-            [0.0],
-            [version],
-            True,
-            "length",
+            prompt_id=prompt.id,
+            sample_index=request.sample_index,
+            prompt_ids=prompt.token_ids,
+            token_ids=[TOKEN],
+            logprobs=[0.0],
+            versions=[version],
+            finished=True,
+            stop_reason="length",
         )
 
     @endpoint(Delivery.LATEST)
@@ -203,7 +203,9 @@ class SimLearner(Role):
             self.consumed.update(fresh)
             self.step += 1
             self.version += 1
-        return StepResult(self.version, self.step, len(fresh), skipped, {})
+        return StepResult(
+            version=self.version, step=self.step, consumed=len(fresh), skipped=skipped, metrics={}
+        )
 
     @endpoint(Delivery.IDEMPOTENT, name="status")
     async def sim_status(self, _: Any) -> dict[str, Any]:

@@ -82,7 +82,10 @@ class Run:
         rows = data.heldout()
         data.write_jsonl(os.path.join(rl.run_dir, "heldout.jsonl"), rows)
         self.heldout = [
-            Prompt(r["id"], tok.encode(r["prompt"]), r["prompt"], r["answer"]) for r in rows
+            Prompt(
+                id=r["id"], token_ids=tok.encode(r["prompt"]), text=r["prompt"], answer=r["answer"]
+            )
+            for r in rows
         ]
         self.pipeline: dict[str, Any] = {}  # the sample pipeline's metrics, once RL ran
 
@@ -131,14 +134,14 @@ async def behaviour_cloning(run: Run) -> None:
     cfg, tok, history = run.cfg, run.tok, run.history
     demos = [
         Sample(
-            r["id"],
-            0,
-            tok.encode(r["prompt"]),
-            [*tok.encode(r["answer"], add_special_tokens=False), run.eos],
-            [],
-            [],
-            True,
-            "stop",
+            prompt_id=r["id"],
+            sample_index=0,
+            prompt_ids=tok.encode(r["prompt"]),
+            token_ids=[*tok.encode(r["answer"], add_special_tokens=False), run.eos],
+            logprobs=[],
+            versions=[],
+            finished=True,
+            stop_reason="stop",
         )
         for r in data.demonstrations(cfg["demos"])
     ]
@@ -159,9 +162,9 @@ async def behaviour_cloning(run: Run) -> None:
         rng = random.Random(f"{cfg['seed']}-bc-{step}")
         batch = rng.sample(demos, min(cfg["bc_batch"], len(demos)))
         # BC samples are re-used every epoch: give each use its own id for the ledger.
-        uses = [Scored(_reuse(d, step)) for d in batch]
+        uses = [Scored(sample=_reuse(d, step)) for d in batch]
         bc = TrainBatch(
-            uses, algorithm="bc", lr=cfg["bc_lr"], keep={"phase": "bc"}, id=f"bc-{step + 1}"
+            samples=uses, algorithm="bc", lr=cfg["bc_lr"], keep={"phase": "bc"}, id=f"bc-{step + 1}"
         )
         step = (await run.rl.learner.train_step(bc)).step
     accuracy = await run.accuracy()
@@ -353,7 +356,14 @@ def _plotting_available() -> bool:
 
 def _reuse(demo: Sample, step: int) -> Sample:
     return Sample(
-        f"{demo.prompt_id}#bc{step}", 0, demo.prompt_ids, demo.token_ids, [], [], True, "stop"
+        prompt_id=f"{demo.prompt_id}#bc{step}",
+        sample_index=0,
+        prompt_ids=demo.prompt_ids,
+        token_ids=demo.token_ids,
+        logprobs=[],
+        versions=[],
+        finished=True,
+        stop_reason="stop",
     )
 
 

@@ -62,12 +62,12 @@ class Row:
     def sample(self) -> Sample:
         prompt = self.request.prompt
         return Sample(
-            prompt.id,
-            self.request.sample_index,
-            list(prompt.token_ids),
-            self.tokens,
-            self.logprobs,
-            self.versions,
+            prompt_id=prompt.id,
+            sample_index=self.request.sample_index,
+            prompt_ids=list(prompt.token_ids),
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            versions=self.versions,
             finished=self.done,
             stop_reason=str(self.reason),
         )

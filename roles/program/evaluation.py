@@ -48,7 +48,7 @@ async def greedy_accuracy(
     greedy = SamplingParams(
         greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
     )
-    requests = [GenerateRequest(p, 0, greedy) for p in prompts]
+    requests = [GenerateRequest(prompt=p, sample_index=0, params=greedy) for p in prompts]
     batches = [GenerateBatch(requests[i : i + chunk]) for i in range(0, len(requests), chunk)]
     total = 0.0
     async for samples in rl.rollout.generate_all(batches, timeout=timeout):

@@ -405,7 +405,7 @@ async def learn(
         for scored, ref in zip(batch.samples, refs, strict=True):
             scored.ref_logprobs = ref
     train = TrainBatch(
-        batch.samples,
+        samples=batch.samples,
         algorithm=algorithm,
         keep={"cursor": batch.cursor, "resume": batch.resume, **(keep or {})},
         lr=lr,
@@ -430,7 +430,7 @@ async def bc(ctx: Context) -> dict[str, Any]:
         demos = await rl.prompts.demonstrations(cursor, cfg["batch"])
         cursor += len(demos)
         batch = TrainBatch(
-            [Scored(d) for d in demos],
+            samples=[Scored(sample=d) for d in demos],
             algorithm="bc",
             keep={"cursor": cursor},
             lr=cfg["lr"],

@@ -351,7 +351,7 @@ class SamplePipeline:
     # -- one sample ---------------------------------------------------------------------
 
     async def _sample(self, group: Group, k: int) -> None:
-        request = GenerateRequest(group.prompt, k, self.params)
+        request = GenerateRequest(prompt=group.prompt, sample_index=k, params=self.params)
         affinity = group.key if self.spec.group_affinity else None
         while True:
             (sample,) = await self.rollout.call(
@@ -366,7 +366,9 @@ class SamplePipeline:
                 break
             # A partial rollout: resume it on whichever replica is free, keeping its tokens.
             self.metrics["resumed"] += 1
-            request = GenerateRequest(group.prompt, k, self.params, partial=sample)
+            request = GenerateRequest(
+                prompt=group.prompt, sample_index=k, params=self.params, partial=sample
+            )
         self.metrics["generated_samples"] += 1
         group.generated += 1
         self._to_score.append((group, k, sample))
@@ -542,7 +544,7 @@ class SamplePipeline:
                 self.metrics["groups_over_eta_corrected"] += 1
             for k in sorted(group.samples):
                 sample, reward = group.samples[k]
-                scored = Scored(sample, reward, advantage=group.advantages[k])
+                scored = Scored(sample=sample, reward=reward, advantage=group.advantages[k])
                 taken.append((group.index, k, scored, staleness(version, sample.versions)))
             admitted += self.group_size
             self._settle(group)

@@ -138,7 +138,14 @@ class PromptSource(Role):
             epoch, index = divmod(p, size)
             row = self.rows[self._perm(epoch)[index]]
             ids = self.tokenizer.encode(row["prompt"]) if self.tokenizer is not None else []
-            out.append(Prompt(f"{row['id']}@{epoch}", ids, row["prompt"], str(row["answer"])))
+            out.append(
+                Prompt(
+                    id=f"{row['id']}@{epoch}",
+                    token_ids=ids,
+                    text=row["prompt"],
+                    answer=str(row["answer"]),
+                )
+            )
         return out
 
     @endpoint(Delivery.IDEMPOTENT)
@@ -152,7 +159,18 @@ class PromptSource(Role):
         for prompt in await self.take(request):
             answer = list(self.tokenizer.encode(prompt.answer, add_special_tokens=False))
             tokens = [*answer, eos] if eos is not None else answer
-            out.append(Sample(prompt.id, 0, prompt.token_ids, tokens, [], [], True, "stop"))
+            out.append(
+                Sample(
+                    prompt_id=prompt.id,
+                    sample_index=0,
+                    prompt_ids=prompt.token_ids,
+                    token_ids=tokens,
+                    logprobs=[],
+                    versions=[],
+                    finished=True,
+                    stop_reason="stop",
+                )
+            )
         return out
 
     @endpoint(Delivery.IDEMPOTENT)

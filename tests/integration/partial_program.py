@@ -39,7 +39,7 @@ async def main(ctx: Any) -> dict[str, Any]:
     for size in cfg["groups"]:
         start = sum(map(len, groups))
         groups.append(list(range(start, start + size)))
-    prompts = [Prompt(f"p{i}", [2 + i, 3, 4]) for i in range(sum(map(len, groups)))]
+    prompts = [Prompt(id=f"p{i}", token_ids=[2 + i, 3, 4]) for i in range(sum(map(len, groups)))]
     latest: list[Sample | None] = [None] * len(prompts)
     chunks: list[list[dict[str, Any]]] = [[] for _ in prompts]
 
@@ -51,7 +51,12 @@ async def main(ctx: Any) -> dict[str, Any]:
         return [i for i in group if (s := latest[i]) is None or not s.finished]
 
     async def generate(group: list[int]) -> list[Sample]:
-        batch = GenerateBatch([GenerateRequest(prompts[i], 0, params, latest[i]) for i in group])
+        batch = GenerateBatch(
+            [
+                GenerateRequest(prompt=prompts[i], sample_index=0, params=params, partial=latest[i])
+                for i in group
+            ]
+        )
         samples: list[Sample] = await ctx.rollout.call("generate", batch, list[Sample])
         return samples
 

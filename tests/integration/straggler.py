@@ -51,14 +51,14 @@ class TimedRollout(Role):
             self.log.write(f"done {sid}\n")
             out.append(
                 Sample(
-                    request.prompt.id,
-                    request.sample_index,
-                    request.prompt.token_ids,
-                    [5],
-                    [-0.5],
-                    [self.version],
-                    True,
-                    "stop",
+                    prompt_id=request.prompt.id,
+                    sample_index=request.sample_index,
+                    prompt_ids=request.prompt.token_ids,
+                    token_ids=[5],
+                    logprobs=[-0.5],
+                    versions=[self.version],
+                    finished=True,
+                    stop_reason="stop",
                 )
             )
         return out
@@ -71,7 +71,7 @@ async def program(ctx: Any) -> dict[str, Any]:
     cfg = {"steps": 12, "group_size": 4, "batch_size": 8, **ctx.config}
 
     async def feed(cursor: int, n: int) -> list[Prompt]:
-        return [Prompt(f"p{i}", [1, 2, 3]) for i in range(cursor, cursor + n)]
+        return [Prompt(id=f"p{i}", token_ids=[1, 2, 3]) for i in range(cursor, cursor + n)]
 
     async def score(samples: list[Sample]) -> list[float]:
         return [random.Random(f"{s.prompt_id}:{s.sample_index}").random() for s in samples]

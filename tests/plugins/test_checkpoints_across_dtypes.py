@@ -49,13 +49,22 @@ def _make(run_dir: Any, dtype: str) -> Learner:
 
 def _sample(pid: str, tokens: list[int], index: int = 0) -> Sample:
     return Sample(
-        pid, index, [2, 3, 13], tokens, [0.0] * len(tokens), [0] * len(tokens), True, "stop"
+        prompt_id=pid,
+        sample_index=index,
+        prompt_ids=[2, 3, 13],
+        token_ids=tokens,
+        logprobs=[0.0] * len(tokens),
+        versions=[0] * len(tokens),
+        finished=True,
+        stop_reason="stop",
     )
 
 
 def _batch(step: int) -> TrainBatch:
-    samples = [Scored(_sample(f"p{step}", [4 + i, 5, 1], i), float(i)) for i in range(4)]
-    return TrainBatch(samples, algorithm="grpo")
+    samples = [
+        Scored(sample=_sample(f"p{step}", [4 + i, 5, 1], i), reward=float(i)) for i in range(4)
+    ]
+    return TrainBatch(samples=samples, algorithm="grpo")
 
 
 @pytest.fixture(autouse=True)

@@ -109,7 +109,12 @@ def requests(arch: str, group: int = 1, **params: Any) -> list[GenerateRequest]:
     eos = tokenizer(FAMILY[arch]).eos_token_id
     sampling = SamplingParams(**{"max_new_tokens": 6, "stop_token_ids": [eos], **params})
     return [
-        GenerateRequest(Prompt(f"p{i}", ids), k, sampling, seed=10 * i + k)
+        GenerateRequest(
+            prompt=Prompt(id=f"p{i}", token_ids=ids),
+            sample_index=k,
+            params=sampling,
+            seed=10 * i + k,
+        )
         for i, ids in enumerate(prompts(arch))
         for k in range(group)
     ]
@@ -118,7 +123,8 @@ def requests(arch: str, group: int = 1, **params: Any) -> list[GenerateRequest]:
 def grpo_batch(samples: list[Sample]) -> TrainBatch:
     """GRPO on ``samples``, the first of each prompt's group rewarded."""
     return TrainBatch(
-        [Scored(s, reward=float(s.sample_index == 0)) for s in samples], algorithm="grpo"
+        samples=[Scored(sample=s, reward=float(s.sample_index == 0)) for s in samples],
+        algorithm="grpo",
     )
 
 
@@ -307,12 +313,27 @@ def test_a_demonstration_is_learnt_and_generation_stops_on_the_eos(
     prompt = tok.encode("07+45=")
     answer = [*tok.encode("052", add_special_tokens=False), tok.eos_token_id]
     for step in range(40):
-        demo = Sample(f"d{step}", 0, prompt, answer, [], [], True, "stop")
-        learner._train_step(TrainBatch([Scored(demo)], algorithm="bc"))
+        demo = Sample(
+            prompt_id=f"d{step}",
+            sample_index=0,
+            prompt_ids=prompt,
+            token_ids=answer,
+            logprobs=[],
+            versions=[],
+            finished=True,
+            stop_reason="stop",
+        )
+        learner._train_step(TrainBatch(samples=[Scored(sample=demo)], algorithm="bc"))
     engine = HFEngine.from_config(model_config(arch, True), seed=3)
     engine.set_weights(learner.model.state_dict(), learner.version)
     params = SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=[tok.eos_token_id])
-    (sample,) = engine.generate([GenerateRequest(Prompt("q", prompt, answer="052"), 0, params)])
+    (sample,) = engine.generate(
+        [
+            GenerateRequest(
+                prompt=Prompt(id="q", token_ids=prompt, answer="052"), sample_index=0, params=params
+            )
+        ]
+    )
     assert (sample.token_ids, sample.stop_reason) == (answer, "stop")
 
     async def score() -> list[float]:
@@ -413,7 +434,9 @@ def test_critic_values_line_up_with_completion_tokens(tmp_path: Any, arch: str) 
         alone = [(await critic.values([s]))[0] for s in samples]
         assert_close(values, alone, atol=1e-5)
 
-        batch = [Scored(s, reward=1.0, values=v) for s, v in zip(samples, values, strict=True)]
+        batch = [
+            Scored(sample=s, reward=1.0, values=v) for s, v in zip(samples, values, strict=True)
+        ]
         losses = [(await critic.train_step(batch)).value_loss for _ in range(5)]
         assert losses[-1] < losses[0]
 

@@ -40,9 +40,18 @@ def batch(step: int) -> CriticBatch:
     for k in range(3):
         n = 1 + (step + k) % 4
         tokens = [2 + (step * 5 + k + j) % 11 for j in range(n)]
-        sample = Sample(f"s{step}", k, [3, 4 + k], tokens, [-1.0] * n, [0] * n, True, "stop")
+        sample = Sample(
+            prompt_id=f"s{step}",
+            sample_index=k,
+            prompt_ids=[3, 4 + k],
+            token_ids=tokens,
+            logprobs=[-1.0] * n,
+            versions=[0] * n,
+            finished=True,
+            stop_reason="stop",
+        )
         values = [0.1 * j - 0.05 * k for j in range(n)]
-        samples.append(Scored(sample, reward=float((k + step) % 2), values=values))
+        samples.append(Scored(sample=sample, reward=float((k + step) % 2), values=values))
     return CriticBatch(samples, id=f"rl-{step}")
 
 

@@ -31,7 +31,16 @@ from asyncrl.roles.training.data_parallel import DataParallelError
 
 
 def sample(pid: str, n: int) -> Sample:
-    return Sample(pid, 0, [2, 3], [4] * n, [0.0] * n, [0] * n, True, "stop")
+    return Sample(
+        prompt_id=pid,
+        sample_index=0,
+        prompt_ids=[2, 3],
+        token_ids=[4] * n,
+        logprobs=[0.0] * n,
+        versions=[0] * n,
+        finished=True,
+        stop_reason="stop",
+    )
 
 
 @dataclass
@@ -147,7 +156,7 @@ def test_followers_run_the_leaders_concurrent_calls_in_its_order() -> None:
     calls: list[CriticCall] = []
     for i in range(12):
         if i % 3 == 2:
-            calls.append(TrainStep([Scored(sample(f"t{i}", 1 + i % 4), reward=1.0)]))
+            calls.append(TrainStep([Scored(sample=sample(f"t{i}", 1 + i % 4), reward=1.0)]))
         else:
             calls.append(Values([sample(f"v{i}", 1 + i % 5), sample(f"w{i}", 2)]))
     with ThreadPoolExecutor(max_workers=6) as pool:
@@ -202,7 +211,7 @@ def test_a_call_that_fails_once_announced_breaks_the_group_on_every_rank() -> No
     _, (leader, follower), runs, broken = group(fail_on="bad")
     assert leader.lead(Values([sample("a", 2)])) == [[2.0]]
     with pytest.raises(DataParallelError) as caught:
-        leader.lead(TrainStep([Scored(sample("bad", 1))]))
+        leader.lead(TrainStep([Scored(sample=sample("bad", 1))]))
     message = (
         "critic: rank {rank}: train_step (announced to every rank) failed (RuntimeError: no "
         "step on bad); the other ranks may be waiting at another collective, so the group "
@@ -227,7 +236,7 @@ def test_a_call_that_fails_once_announced_breaks_the_group_on_every_rank() -> No
 
 def test_the_calls_are_typed_msgpack_maps_never_pickles() -> None:
     values = Values([sample("a", 2)])
-    step = TrainStep([Scored(sample("b", 1), reward=0.5, values=[0.25])])
+    step = TrainStep([Scored(sample=sample("b", 1), reward=0.5, values=[0.25])])
     for message in (values, step, Idle(), Close()):
         assert decode(encode(message)) == message
     # Any MessagePack reader sees a map tagged with the call's kind.
@@ -252,7 +261,9 @@ class TargetHandle:
         self.sent.append((method, kw.get("replica")))
         if method == "values":
             return [[0.0] * len(s.token_ids) for s in payload]
-        return CriticStepResult(1, 1, 0.5, 0.0, 1.0)
+        return CriticStepResult(
+            step=1, optimizer_steps=1, value_loss=0.5, value_clip_fraction=0.0, grad_norm=1.0
+        )
 
 
 def test_the_critic_client_sends_every_call_to_replica_0() -> None:
@@ -261,7 +272,7 @@ def test_the_critic_client_sends_every_call_to_replica_0() -> None:
 
     async def go() -> None:
         assert await client.values([sample("a", 2)]) == [[0.0, 0.0]]
-        assert (await client.train_step([Scored(sample("a", 2))])).step == 1
+        assert (await client.train_step([Scored(sample=sample("a", 2))])).step == 1
 
     asyncio.run(go())
     assert handle.sent == [("values", 0), ("train_step", 0)]

@@ -58,7 +58,16 @@ CONFIG: dict[str, Any] = {
 }
 
 HELDOUT = [
-    Sample("h", k, [3, 5 + k], [2 + (3 * k + j) % 12 for j in range(1 + k)], [], [], True, "stop")
+    Sample(
+        prompt_id="h",
+        sample_index=k,
+        prompt_ids=[3, 5 + k],
+        token_ids=[2 + (3 * k + j) % 12 for j in range(1 + k)],
+        logprobs=[],
+        versions=[],
+        finished=True,
+        stop_reason="stop",
+    )
     for k in range(5)
 ]
 """Samples the critic never trains on: their values after each step show its weights."""
@@ -72,7 +81,7 @@ async def ppo_rounds(critic: Any) -> dict[str, Any]:
         samples = [s.sample for s in batch.samples]
         values = await critic.values(samples)
         scored = [
-            Scored(s.sample, reward=s.reward, ref_logprobs=s.ref_logprobs, values=v)
+            Scored(sample=s.sample, reward=s.reward, ref_logprobs=s.ref_logprobs, values=v)
             for s, v in zip(batch.samples, values, strict=True)
         ]
         result = await critic.train_step(scored)
@@ -90,7 +99,7 @@ def concurrent_calls() -> list[Values | TrainStep]:
         calls.append(Values([s.sample for s in batch.samples]))
         scored = [
             Scored(
-                s.sample,
+                sample=s.sample,
                 reward=s.reward,
                 values=[0.1 * j - 0.2 for j in range(len(s.sample.token_ids))],
             )
@@ -175,7 +184,7 @@ asyncio.run(main())
 
 def replica_calls() -> list[tuple[str, Any]]:
     """What replica 1 is sent directly, and refuses."""
-    return [("values", HELDOUT), ("train_step", [Scored(s) for s in HELDOUT])]
+    return [("values", HELDOUT), ("train_step", [Scored(sample=s) for s in HELDOUT])]
 
 
 def _two_ranks(tmp_path: Any, parallel: str, mode: str) -> list[dict[str, Any]]:

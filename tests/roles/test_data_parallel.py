@@ -67,18 +67,22 @@ def batches() -> list[TrainBatch]:
                 tokens = [2 + (step * 7 + p * 3 + k + j) % 12 for j in range(n)]
                 logprobs = [-1.0 - 0.1 * j - 0.05 * k for j in range(n)]
                 sample = Sample(
-                    f"s{step}p{p}",
-                    k,
-                    [3 + p, 5, 7 + k][: 2 + p],
-                    tokens,
-                    logprobs,
-                    [0] * n,
-                    True,
-                    "stop",
+                    prompt_id=f"s{step}p{p}",
+                    sample_index=k,
+                    prompt_ids=[3 + p, 5, 7 + k][: 2 + p],
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    versions=[0] * n,
+                    finished=True,
+                    stop_reason="stop",
                 )
                 ref = [lp - 0.02 for lp in logprobs]
-                samples.append(Scored(sample, reward=float((k + p + step) % 3), ref_logprobs=ref))
-        out.append(TrainBatch(samples, algorithm="grpo", correction="decoupled", id=f"b{step}"))
+                samples.append(
+                    Scored(sample=sample, reward=float((k + p + step) % 3), ref_logprobs=ref)
+                )
+        out.append(
+            TrainBatch(samples=samples, algorithm="grpo", correction="decoupled", id=f"b{step}")
+        )
     return out
 
 
@@ -351,13 +355,19 @@ def test_learner_client_broadcasts_to_data_parallel_replicas_and_checks_them() -
     from asyncrl.roles.payloads import StepResult
     from asyncrl.roles.program.clients import LearnerClient
 
-    batch = TrainBatch([], id="b7")
-    same = [StepResult(3, 3, 6, 0, {"loss": 0.5}), StepResult(3, 3, 6, 0, {"loss": 0.5})]
+    batch = TrainBatch(samples=[], id="b7")
+    same = [
+        StepResult(version=3, step=3, consumed=6, skipped=0, metrics={"loss": 0.5}),
+        StepResult(version=3, step=3, consumed=6, skipped=0, metrics={"loss": 0.5}),
+    ]
     group = FakeGroup(same, breaks=1)
     result = asyncio.run(LearnerClient(group).train_step(batch))  # type: ignore[arg-type]
     assert result == same[0]
     assert group.sent == [("train_step", batch)] * 2  # re-sent to both after the break
-    apart = [StepResult(3, 3, 6, 0, {}), StepResult(2, 2, 6, 0, {})]
+    apart = [
+        StepResult(version=3, step=3, consumed=6, skipped=0, metrics={}),
+        StepResult(version=2, step=2, consumed=6, skipped=0, metrics={}),
+    ]
     with pytest.raises(DataParallelError) as caught:
         asyncio.run(LearnerClient(FakeGroup(apart)).train_step(batch))  # type: ignore[arg-type]
     assert str(caught.value) == (

@@ -44,7 +44,10 @@ def request(
     i: int, prompt: Sequence[int], seed: int | None = None, index: int = 0, **params: Any
 ) -> GenerateRequest:
     return GenerateRequest(
-        Prompt(f"p{i}", list(prompt)), index, SamplingParams(**params), seed=seed
+        prompt=Prompt(id=f"p{i}", token_ids=list(prompt)),
+        sample_index=index,
+        params=SamplingParams(**params),
+        seed=seed,
     )
 
 
@@ -421,10 +424,19 @@ def test_a_finished_partial_comes_back_as_it_is() -> None:
         ),
         (
             GenerateRequest(
-                Prompt("p0", [1]),
-                0,
-                SamplingParams(),
-                partial=Sample("p9", 0, [1], [], [], [], False, "chunk"),
+                prompt=Prompt(id="p0", token_ids=[1]),
+                sample_index=0,
+                params=SamplingParams(),
+                partial=Sample(
+                    prompt_id="p9",
+                    sample_index=0,
+                    prompt_ids=[1],
+                    token_ids=[],
+                    logprobs=[],
+                    versions=[],
+                    finished=False,
+                    stop_reason="chunk",
+                ),
             ),
             "request 'p0'#0: the partial is sample ('p9', 0), not this one",
         ),

@@ -73,7 +73,10 @@ class ContraryPlugin(CpuPlugin):
 def requests(n_new: int = 6, **params: Any) -> list[GenerateRequest]:
     return [
         GenerateRequest(
-            Prompt(f"p{i}", p), 0, SamplingParams(max_new_tokens=n_new, **params), seed=i
+            prompt=Prompt(id=f"p{i}", token_ids=p),
+            sample_index=0,
+            params=SamplingParams(max_new_tokens=n_new, **params),
+            seed=i,
         )
         for i, p in enumerate(PROMPTS)
     ]

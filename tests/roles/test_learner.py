@@ -69,7 +69,14 @@ def sample(
     logprobs: list[float] | None = None,
 ) -> Sample:
     return Sample(
-        pid, index, prompt, tokens, logprobs or [0.0] * len(tokens), [0] * len(tokens), True, "stop"
+        prompt_id=pid,
+        sample_index=index,
+        prompt_ids=prompt,
+        token_ids=tokens,
+        logprobs=logprobs or [0.0] * len(tokens),
+        versions=[0] * len(tokens),
+        finished=True,
+        stop_reason="stop",
     )
 
 
@@ -100,8 +107,10 @@ def test_bc_lowers_the_nll_of_demonstrations(tmp_path: Any) -> None:
 
     before = nll()
     for step in range(10):
-        batch = [Scored(sample(f"{d.prompt_id}@{step}", d.prompt_ids, d.token_ids)) for d in demos]
-        learner._train_step(TrainBatch(batch, algorithm="bc"))
+        batch = [
+            Scored(sample=sample(f"{d.prompt_id}@{step}", d.prompt_ids, d.token_ids)) for d in demos
+        ]
+        learner._train_step(TrainBatch(samples=batch, algorithm="bc"))
     assert nll() < before * 0.5
     assert learner.version == 10 and learner.step == 10
 
@@ -118,10 +127,10 @@ def test_grpo_raises_the_probability_of_rewarded_samples(tmp_path: Any) -> None:
     for step in range(5):
         behaviour = learner._logprobs([sample("x", prompt, good), sample("x", prompt, bad)])
         group = [
-            Scored(sample(f"p{step}", prompt, good, 0, behaviour[0]), reward=1.0),
-            Scored(sample(f"p{step}", prompt, bad, 1, behaviour[1]), reward=0.0),
+            Scored(sample=sample(f"p{step}", prompt, good, 0, behaviour[0]), reward=1.0),
+            Scored(sample=sample(f"p{step}", prompt, bad, 1, behaviour[1]), reward=0.0),
         ]
-        result = learner._train_step(TrainBatch(group, algorithm="grpo"))
+        result = learner._train_step(TrainBatch(samples=group, algorithm="grpo"))
         assert result.consumed == 2
     assert logp(good) - logp(bad) > before + 1.0
 
@@ -130,15 +139,20 @@ def test_zero_learning_rate_changes_nothing(tmp_path: Any) -> None:
     learner = make(tmp_path, lr=0.0)
     prompt = [2, 3, 12, 4, 5, 13]
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    group = [Scored(sample("p", prompt, [6, 1], 0), 1.0), Scored(sample("p", prompt, [7, 1], 1))]
-    learner._train_step(TrainBatch(group, algorithm="grpo"))
+    group = [
+        Scored(sample=sample("p", prompt, [6, 1], 0), reward=1.0),
+        Scored(sample=sample("p", prompt, [7, 1], 1)),
+    ]
+    learner._train_step(TrainBatch(samples=group, algorithm="grpo"))
     for k, v in learner.model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
 
 def test_consumed_samples_are_skipped(tmp_path: Any) -> None:
     learner = make(tmp_path)
-    batch = TrainBatch([Scored(sample("p", [2, 13], [3, 1], i), float(i)) for i in range(2)])
+    batch = TrainBatch(
+        samples=[Scored(sample=sample("p", [2, 13], [3, 1], i), reward=float(i)) for i in range(2)]
+    )
     first = learner._train_step(batch)
     again = learner._train_step(batch)
     assert (first.consumed, first.skipped) == (2, 0)
@@ -151,9 +165,9 @@ def test_micro_batches_give_the_same_step(tmp_path: Any) -> None:
     demos = [sample(f"d{i}", [2 + i, 12, 3, 13], [4 + i, 5, 1]) for i in range(6)]
     whole = make(tmp_path / "a", lr=0.01, micro_batch_tokens=10_000)
     split = make(tmp_path / "b", lr=0.01, micro_batch_tokens=8)
-    assert len(split._micro_batches([Scored(d) for d in demos])) == 6
-    whole._train_step(TrainBatch([Scored(d) for d in demos], algorithm="bc"))
-    split._train_step(TrainBatch([Scored(d) for d in demos], algorithm="bc"))
+    assert len(split._micro_batches([Scored(sample=d) for d in demos])) == 6
+    whole._train_step(TrainBatch(samples=[Scored(sample=d) for d in demos], algorithm="bc"))
+    split._train_step(TrainBatch(samples=[Scored(sample=d) for d in demos], algorithm="bc"))
     # Compare the accumulated gradients: Adam's first step divides by |g|, which would blow up
     # float rounding in gradients that are nearly zero.
     for (name, a), b in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
@@ -166,7 +180,10 @@ def test_micro_batches_give_the_same_step(tmp_path: Any) -> None:
 def test_checkpoints_resume_exactly(tmp_path: Any) -> None:
     def batch(step: int) -> TrainBatch:
         return TrainBatch(
-            [Scored(sample(f"p{step}", [2, 3, 13], [4 + step, 1], i), float(i)) for i in range(2)],
+            samples=[
+                Scored(sample=sample(f"p{step}", [2, 3, 13], [4 + step, 1], i), reward=float(i))
+                for i in range(2)
+            ],
             algorithm="grpo",
             keep={"cursor": step},
         )
@@ -209,7 +226,17 @@ def _group(learner: Learner, pid: str, versions: int = 0) -> list[Scored]:
     behaviour = learner._logprobs([sample(pid, prompt, t) for t in tokens])
     return [
         Scored(
-            Sample(pid, i, prompt, t, b, [versions] * len(t), True, "stop"), reward=float(i == 0)
+            sample=Sample(
+                prompt_id=pid,
+                sample_index=i,
+                prompt_ids=prompt,
+                token_ids=t,
+                logprobs=b,
+                versions=[versions] * len(t),
+                finished=True,
+                stop_reason="stop",
+            ),
+            reward=float(i == 0),
         )
         for i, (t, b) in enumerate(zip(tokens, behaviour, strict=True))
     ]
@@ -221,8 +248,10 @@ def test_corrections_give_plain_ppo_gradients_on_fresh_samples(
 ) -> None:
     plain = make(tmp_path / "a", lr=0.01)
     other = make(tmp_path / "b", lr=0.01)
-    plain._train_step(TrainBatch(_group(plain, "p"), algorithm="grpo", correction="clip"))
-    other._train_step(TrainBatch(_group(other, "p"), algorithm="grpo", correction=correction))
+    plain._train_step(TrainBatch(samples=_group(plain, "p"), algorithm="grpo", correction="clip"))
+    other._train_step(
+        TrainBatch(samples=_group(other, "p"), algorithm="grpo", correction=correction)
+    )
     for a, b in zip(plain.model.parameters(), other.model.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4)
@@ -233,14 +262,16 @@ def test_stale_samples_are_weighted_by_their_importance(tmp_path: Any) -> None:
     the staleness is reported against the version that consumed the samples."""
     learner = make(tmp_path, lr=0.01)
     for step in range(2):  # two steps: the policy is now version 2
-        learner._train_step(TrainBatch(_group(learner, f"warm{step}"), algorithm="grpo"))
+        learner._train_step(TrainBatch(samples=_group(learner, f"warm{step}"), algorithm="grpo"))
     stale = _group(make(tmp_path / "old", lr=0.01), "stale", versions=0)
     grads = {}
     for correction in ("clip", "decoupled", "tis"):
         fresh = make(tmp_path / correction, lr=0.01)
         fresh.model.load_state_dict(learner.model.state_dict())
         fresh.version = learner.version
-        result = fresh._train_step(TrainBatch(stale, algorithm="grpo", correction=correction))
+        result = fresh._train_step(
+            TrainBatch(samples=stale, algorithm="grpo", correction=correction)
+        )
         assert result.metrics["staleness_max"] == 2 and result.metrics["staleness_p50"] == 2
         grads[correction] = torch.cat(
             [p.grad.flatten() for p in fresh.model.parameters() if p.grad is not None]
@@ -256,7 +287,7 @@ def test_given_advantages_are_used_and_whitened_over_the_batch(tmp_path: Any) ->
     group = _group(learner, "p")
     computed = learner._advantages("grpo", group)
     given = [
-        Scored(s.sample, s.reward, advantage=a)
+        Scored(sample=s.sample, reward=s.reward, advantage=a)
         for s, a in zip(group, [3.0, 1.0, -1.0], strict=True)
     ]
     assert learner._advantages("grpo", given) == pytest.approx(
@@ -314,9 +345,10 @@ def test_a_durable_step_is_never_lost_and_a_resent_batch_is_not_trained_twice(
 
     def batch(step: int) -> TrainBatch:
         samples = [
-            Scored(sample(f"p{step}", [2, 3, 13], [4 + step, 1], i), float(i)) for i in (0, 1)
+            Scored(sample=sample(f"p{step}", [2, 3, 13], [4 + step, 1], i), reward=float(i))
+            for i in (0, 1)
         ]
-        return TrainBatch(samples, algorithm="grpo", keep={"phase": "rl"}, id=f"rl-{step}")
+        return TrainBatch(samples=samples, algorithm="grpo", keep={"phase": "rl"}, id=f"rl-{step}")
 
     first = make(tmp_path, lr=0.01)
     results = [first._train_step(batch(step)) for step in range(3)]
@@ -349,7 +381,10 @@ def test_a_torn_checkpoint_and_an_orphan_log_line_are_never_loaded(tmp_path: Any
     learner = make(tmp_path, lr=0.01)
     for step in range(2):
         learner._train_step(
-            TrainBatch([Scored(sample(f"p{step}", [2, 3], [4, 1]), 1.0)], algorithm="grpo")
+            TrainBatch(
+                samples=[Scored(sample=sample(f"p{step}", [2, 3], [4, 1]), reward=1.0)],
+                algorithm="grpo",
+            )
         )
     checkpoints = tmp_path / "roles" / "learner.0" / "checkpoints"
     (checkpoints / "step-00000003.tmp").mkdir()
@@ -408,7 +443,7 @@ def _uneven_batch(learner: Learner) -> list[Scored]:
         # Behaviour log-probs a little off the current ones, so that no ratio is 1.
         current = learner._logprobs([sample(pid, prompt, tokens)])[0]
         behaviour = [lp - 0.03 * (j + 1) for j, lp in enumerate(current)]
-        out.append(Scored(sample(pid, prompt, tokens, i, behaviour), reward=reward))
+        out.append(Scored(sample=sample(pid, prompt, tokens, i, behaviour), reward=reward))
     return out
 
 
@@ -428,8 +463,8 @@ def test_micro_batches_weigh_like_the_whole_batch(tmp_path: Any, aggregation: st
     split = make(tmp_path / "split", micro_batch_tokens=6, **config)
     batch = _uneven_batch(whole)
     assert len(split._micro_batches(batch)) == 6
-    a = whole._train_step(TrainBatch(batch, algorithm="grpo")).metrics
-    b = split._train_step(TrainBatch(batch, algorithm="grpo")).metrics
+    a = whole._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics
+    b = split._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics
     assert abs(a["policy_loss"]) > 0.01
     assert b["policy_loss"] == pytest.approx(a["policy_loss"], rel=1e-6, abs=1e-6)
     assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-6, abs=1e-6)
@@ -450,8 +485,8 @@ def test_dr_grpo_aggregation_divides_sequence_sums_by_norm_len(tmp_path: Any) ->
     summed = make(tmp_path / "sum", aggregation="seq_mean_token_sum", **common)
     normed = make(tmp_path / "norm", aggregation="seq_mean_token_sum_norm", norm_len=8, **common)
     batch = _uneven_batch(summed)
-    a = summed._train_step(TrainBatch(batch, algorithm="grpo")).metrics["policy_loss"]
-    b = normed._train_step(TrainBatch(batch, algorithm="grpo")).metrics["policy_loss"]
+    a = summed._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics["policy_loss"]
+    b = normed._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics["policy_loss"]
     assert b == pytest.approx(a / 8, rel=1e-6)
     torch.testing.assert_close(_grads(normed), _grads(summed) / 8, atol=1e-6, rtol=0)
 
@@ -479,7 +514,16 @@ def _ppo_batch() -> list[Scored]:
     ]
     return [
         Scored(
-            Sample("p", i, [2, 3, 13], tokens, logp, [0] * len(tokens), True, "stop"),
+            sample=Sample(
+                prompt_id="p",
+                sample_index=i,
+                prompt_ids=[2, 3, 13],
+                token_ids=tokens,
+                logprobs=logp,
+                versions=[0] * len(tokens),
+                finished=True,
+                stop_reason="stop",
+            ),
             reward=reward,
             ref_logprobs=ref,
             values=values,
@@ -521,10 +565,10 @@ def test_grpo_std_convention(tmp_path: Any, std: str) -> None:
     """Group a: rewards 1, 0, 0 (mean 1/3); group b: one sample, advantage 0."""
     learner = make(tmp_path, std=std)
     batch = [
-        Scored(sample("a", [2, 13], [4, 1], 0), 1.0),
-        Scored(sample("a", [2, 13], [5, 1], 1), 0.0),
-        Scored(sample("a", [2, 13], [6, 1], 2), 0.0),
-        Scored(sample("b", [2, 13], [6, 1], 0), 7.0),
+        Scored(sample=sample("a", [2, 13], [4, 1], 0), reward=1.0),
+        Scored(sample=sample("a", [2, 13], [5, 1], 1), reward=0.0),
+        Scored(sample=sample("a", [2, 13], [6, 1], 2), reward=0.0),
+        Scored(sample=sample("b", [2, 13], [6, 1], 0), reward=7.0),
     ]
     squares = (2 / 3) ** 2 + 2 * (1 / 3) ** 2
     sd = (squares / (3 if std == "population" else 2)) ** 0.5
@@ -538,24 +582,26 @@ def test_rloo_is_selectable(tmp_path: Any) -> None:
     learner = make(tmp_path, algorithm="rloo", lr=0.01)
     rewards = [1.0, 0.0, 0.5, 3.0]
     batch = [
-        Scored(sample("a" if i < 3 else "b", [2, 13], [4 + i, 1], i), r, advantage=9.0)
+        Scored(
+            sample=sample("a" if i < 3 else "b", [2, 13], [4 + i, 1], i), reward=r, advantage=9.0
+        )
         for i, r in enumerate(rewards)
     ]
     assert learner._advantages("rloo", batch) == pytest.approx([0.75, -0.75, 0.0, 0.0], abs=1e-6)
-    result = learner._train_step(TrainBatch(batch))  # the configured algorithm
+    result = learner._train_step(TrainBatch(samples=batch))  # the configured algorithm
     # The same step as GRPO given those advantages.
     given = make(tmp_path / "given", lr=0.01)
     rloo = [
-        Scored(s.sample, s.reward, advantage=a)
+        Scored(sample=s.sample, reward=s.reward, advantage=a)
         for s, a in zip(batch, [0.75, -0.75, 0, 0], strict=True)
     ]
-    expected = given._train_step(TrainBatch(rloo, algorithm="grpo"))
+    expected = given._train_step(TrainBatch(samples=rloo, algorithm="grpo"))
     assert result.consumed == 4
     assert result.metrics["policy_loss"] == pytest.approx(expected.metrics["policy_loss"])
     assert abs(result.metrics["policy_loss"]) > 0.01
     torch.testing.assert_close(_grads(learner), _grads(given), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match=r"unknown algorithm 'reinforce' in TrainBatch"):
-        learner._train_step(TrainBatch(batch, algorithm="reinforce"))
+        learner._train_step(TrainBatch(samples=batch, algorithm="reinforce"))
 
 
 def test_the_objective_is_composed_once_from_the_config_and_the_batch(tmp_path: Any) -> None:
@@ -588,7 +634,7 @@ def test_the_objective_is_composed_once_from_the_config_and_the_batch(tmp_path: 
         objective_for(cfg, "reinforce", "clip", 2.0)
     learner = make(tmp_path)
     with pytest.raises(ValueError, match=r"^unknown correction 'ppo'; expected one of"):
-        learner._train_step(TrainBatch(_group(learner, "p"), correction="ppo"))  # type: ignore[arg-type]
+        learner._train_step(TrainBatch(samples=_group(learner, "p"), correction="ppo"))  # type: ignore[arg-type]
 
 
 def test_a_term_composes_into_the_loss_with_its_coefficient(tmp_path: Any) -> None:
@@ -627,12 +673,12 @@ def test_bc_dropout_acts_in_bc_steps_only(tmp_path: Any) -> None:
     step is bit-identical to one without it, and the model is left in eval mode either way, so
     the learner's log-probs stay the sampler's."""
     model = {**MODEL, "resid_pdrop": 0.5, "embd_pdrop": 0.5, "attn_pdrop": 0.5}
-    demos = [Scored(sample(f"d{i}", [2, 3, 13], [4 + i, 5, 1])) for i in range(4)]
-    rl = [Scored(sample("p", [2, 3, 13], [4 + i, 1], i), float(i)) for i in range(4)]
+    demos = [Scored(sample=sample(f"d{i}", [2, 3, 13], [4 + i, 5, 1])) for i in range(4)]
+    rl = [Scored(sample=sample("p", [2, 3, 13], [4 + i, 1], i), reward=float(i)) for i in range(4)]
     plain = make(tmp_path / "plain", lr=0.01, model_config=model)
     dropped = make(tmp_path / "dropped", lr=0.01, model_config=model, bc_dropout=True)
     for learner in (plain, dropped):
-        learner._train_step(TrainBatch(demos, algorithm="bc"))
+        learner._train_step(TrainBatch(samples=demos, algorithm="bc"))
         assert not learner.model.training
     after_bc = [p.clone() for p in dropped.model.parameters()]
     assert any(
@@ -641,7 +687,7 @@ def test_bc_dropout_acts_in_bc_steps_only(tmp_path: Any) -> None:
     again = make(tmp_path / "again", lr=0.01, model_config=model, bc_dropout=True)
     reference = make(tmp_path / "reference", lr=0.01, model_config=model)
     for learner in (again, reference):
-        learner._train_step(TrainBatch(rl, algorithm="grpo"))
+        learner._train_step(TrainBatch(samples=rl, algorithm="grpo"))
         assert not learner.model.training
     for a, b in zip(again.model.parameters(), reference.model.parameters(), strict=True):
         assert torch.equal(a, b)

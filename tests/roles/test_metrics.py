@@ -37,13 +37,19 @@ class FakeLearner:
         self.last: dict[str, Any] = {}
 
     async def status(self) -> LearnerStatus:
-        return LearnerStatus(self.step, self.step, keep=self.keep, last=self.last)
+        return LearnerStatus(version=self.step, step=self.step, keep=self.keep, last=self.last)
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = 0.0) -> StepResult:
         self.step += 1
         self.keep = dict(batch.keep)
         metrics = {"loss": 0.1 * self.step, "grad_norm": 1.0, "lr": 1e-3, "reward_mean": 0.5}
-        result = StepResult(self.step, self.step, len(batch.samples), 0, metrics)
+        result = StepResult(
+            version=self.step,
+            step=self.step,
+            consumed=len(batch.samples),
+            skipped=0,
+            metrics=metrics,
+        )
         self.last = {"id": batch.id, "result": msgspec.to_builtins(result)}
         return result
 
@@ -67,14 +73,14 @@ class FakeRollout:
         prompt = request.prompt
         return [
             Sample(
-                prompt.id,
-                request.sample_index,
-                prompt.token_ids,
-                tokens,
-                [-0.5] * len(tokens),
-                version,
-                True,
-                "stop",
+                prompt_id=prompt.id,
+                sample_index=request.sample_index,
+                prompt_ids=prompt.token_ids,
+                token_ids=tokens,
+                logprobs=[-0.5] * len(tokens),
+                versions=version,
+                finished=True,
+                stop_reason="stop",
             )
         ]
 
@@ -102,7 +108,7 @@ class FakeRL:
 
 
 async def feed(cursor: int, n: int) -> list[Prompt]:
-    return [Prompt(f"p{i}", [1, 2, 3], answer="") for i in range(cursor, cursor + n)]
+    return [Prompt(id=f"p{i}", token_ids=[1, 2, 3], answer="") for i in range(cursor, cursor + n)]
 
 
 async def score(samples: list[Sample]) -> list[float]:

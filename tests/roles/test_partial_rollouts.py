@@ -47,7 +47,7 @@ MODEL: dict[str, Any] = {
     "initializer_range": 0.2,
 }
 SEED = 5
-PROMPT = Prompt("p", [3, 1, 4, 1, 5])
+PROMPT = Prompt(id="p", token_ids=[3, 1, 4, 1, 5])
 TOL = 1e-4
 
 
@@ -62,7 +62,14 @@ async def started(**config: Any) -> Rollout:
 
 def request(max_new_tokens: int, partial: Sample | None = None) -> GenerateBatch:
     return GenerateBatch(
-        [GenerateRequest(PROMPT, 0, SamplingParams(max_new_tokens=max_new_tokens), partial)]
+        [
+            GenerateRequest(
+                prompt=PROMPT,
+                sample_index=0,
+                params=SamplingParams(max_new_tokens=max_new_tokens),
+                partial=partial,
+            )
+        ]
     )
 
 

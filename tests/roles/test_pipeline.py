@@ -81,20 +81,20 @@ class FakeRollout:
         done = len(tokens) >= self.chunks
         return [
             Sample(
-                sid[0],
-                sid[1],
-                request.prompt.token_ids,
-                tokens,
-                [-0.5] * len(tokens),
-                [*versions, version],
-                done,
-                "stop" if done else "chunk",
+                prompt_id=sid[0],
+                sample_index=sid[1],
+                prompt_ids=request.prompt.token_ids,
+                token_ids=tokens,
+                logprobs=[-0.5] * len(tokens),
+                versions=[*versions, version],
+                finished=done,
+                stop_reason="stop" if done else "chunk",
             )
         ]
 
 
 def prompts(n: int) -> list[Prompt]:
-    return [Prompt(f"p{i}", [1, 2, 3], answer=str(i)) for i in range(n)]
+    return [Prompt(id=f"p{i}", token_ids=[1, 2, 3], answer=str(i)) for i in range(n)]
 
 
 def reward_of(sample: Sample) -> float:

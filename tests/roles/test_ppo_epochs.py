@@ -59,12 +59,19 @@ def stale_batch(
         prompt = [2, 3, 12, 4 + i % 2]
         tokens = [rng.randrange(2, 14) for _ in range(rng.randrange(1, 4))] + [1]
         sample = Sample(
-            f"{tag}{i % 2}", i, prompt, tokens, [0.0] * len(tokens), [0] * len(tokens), True, "stop"
+            prompt_id=f"{tag}{i % 2}",
+            sample_index=i,
+            prompt_ids=prompt,
+            token_ids=tokens,
+            logprobs=[0.0] * len(tokens),
+            versions=[0] * len(tokens),
+            finished=True,
+            stop_reason="stop",
         )
         current = learner._logprobs([sample])[0]
         sample.logprobs = [lp - offset - jitter * j for j, lp in enumerate(current)]
         advantage = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.5, -1.5][i % 8]
-        out.append(Scored(sample, reward=float(advantage > 0), advantage=advantage))
+        out.append(Scored(sample=sample, reward=float(advantage > 0), advantage=advantage))
     return out
 
 
@@ -110,11 +117,11 @@ def test_epochs_and_mini_batches_are_validated(tmp_path: Any) -> None:
         match=r"^learner: a batch of 3 samples cannot be split into mini_batches=4; send "
         r"batches of at least 4 samples or lower roles.learner.config.mini_batches$",
     ):
-        learner._train_step(TrainBatch(batch, algorithm="grpo"))
+        learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
     assert learner.version == 0 and adam_steps_or_zero(learner) == 0
     # BC takes one step per batch whatever the epochs and mini-batches say.
     bc = make(tmp_path / "bc", ppo_epochs=3, mini_batches=4)
-    result = bc._train_step(TrainBatch(stale_batch(bc, "d", n=2), algorithm="bc"))
+    result = bc._train_step(TrainBatch(samples=stale_batch(bc, "d", n=2), algorithm="bc"))
     assert result.metrics["optimizer_steps"] == 1.0 and adam_steps(bc) == 1
 
 
@@ -131,7 +138,7 @@ def test_one_epoch_and_one_mini_batch_is_the_single_step_it_was(
     learner = make(tmp_path / "l", lr=0.01, ppo_epochs=1, mini_batches=1)
     by_hand = make(tmp_path / "h", lr=0.01)
     batch = stale_batch(learner, "s")
-    result = learner._train_step(TrainBatch(batch, algorithm="grpo", correction=correction))
+    result = learner._train_step(TrainBatch(samples=batch, algorithm="grpo", correction=correction))
     assert result.metrics["optimizer_steps"] == 1.0 and adam_steps(learner) == 1
 
     logprobs, target, _ = by_hand._forward_logprobs(
@@ -169,17 +176,18 @@ def test_mini_batches_are_optimizer_steps_on_shuffled_shares(
     batch = stale_batch(learner, "m")
     for s in batch:
         s.values = [0.1 * j for j in range(len(s.sample.token_ids))]  # PPO's critic values
-    result = learner._train_step(TrainBatch(batch, algorithm=algorithm))
+    result = learner._train_step(TrainBatch(samples=batch, algorithm=algorithm))
     expected = []
     for epoch in range(epochs):
         for part in mini_batch_indices(6, 2, seed=0, step=0, epoch=epoch):
             shares = [
-                Scored(batch[i].sample, batch[i].reward, values=batch[i].values) for i in part
+                Scored(sample=batch[i].sample, reward=batch[i].reward, values=batch[i].values)
+                for i in part
             ]
             for share, i in zip(shares, part, strict=True):
                 share.advantage = batch[i].advantage
                 share.sample = msgspec.structs.replace(share.sample, prompt_id=f"{epoch}{i}")
-            expected.append(steps._train_step(TrainBatch(shares, algorithm=algorithm)))
+            expected.append(steps._train_step(TrainBatch(samples=shares, algorithm=algorithm)))
     assert (result.version, result.step, result.consumed) == (1, 1, 6)
     assert result.metrics["optimizer_steps"] == 2 * epochs
     assert adam_steps(learner) == 2 * epochs and learner.scheduler.last_epoch == 2 * epochs
@@ -224,7 +232,9 @@ def test_decoupled_epochs_clip_against_the_proximal_policy(tmp_path: Any) -> Non
     config = {"lr": 0.05, "clip_eps": 0.02, "ppo_epochs": 2}
     learner = make(tmp_path / "l", **config)
     batch = stale_batch(learner, "d")
-    result = learner._train_step(TrainBatch(batch, algorithm="grpo", correction="decoupled"))
+    result = learner._train_step(
+        TrainBatch(samples=batch, algorithm="grpo", correction="decoupled")
+    )
     fixed = make(tmp_path / "f", **config)
     by_hand = _decoupled_by_hand(fixed, batch, 2, fixed_proximal=True, clip_eps=0.02)
     current = make(tmp_path / "c", **config)
@@ -254,12 +264,14 @@ def test_a_resumed_learner_with_epochs_replays_a_batch_and_shuffles_alike(tmp_pa
     batches = [stale_batch(first, f"r{step}") for step in range(3)]
     for step in range(2):
         first._train_step(
-            TrainBatch(batches[step], algorithm="grpo", correction="decoupled", id=f"rl-{step}")
+            TrainBatch(
+                samples=batches[step], algorithm="grpo", correction="decoupled", id=f"rl-{step}"
+            )
         )
     restarted = make(tmp_path, **config)
     before = params(restarted)
     again = restarted._train_step(
-        TrainBatch(batches[1], algorithm="grpo", correction="decoupled", id="rl-1")
+        TrainBatch(samples=batches[1], algorithm="grpo", correction="decoupled", id="rl-1")
     )
     assert again.replayed and (again.version, again.step) == (2, 2)
     assert again.metrics["optimizer_steps"] == 4.0
@@ -267,7 +279,7 @@ def test_a_resumed_learner_with_epochs_replays_a_batch_and_shuffles_alike(tmp_pa
     assert adam_steps(restarted) == 8 and restarted.scheduler.last_epoch == 8
     for learner in (first, restarted):
         learner._train_step(
-            TrainBatch(batches[2], algorithm="grpo", correction="decoupled", id="rl-2")
+            TrainBatch(samples=batches[2], algorithm="grpo", correction="decoupled", id="rl-2")
         )
     assert_same(params(first), params(restarted))
 
@@ -277,9 +289,9 @@ def test_a_batch_with_skipped_samples_splits_what_is_left(tmp_path: Any) -> None
     crash without its id): each is then a mini-batch of its own."""
     learner = make(tmp_path, mini_batches=3)
     batch = stale_batch(learner, "k", n=4)
-    first = learner._train_step(TrainBatch(batch[:3], algorithm="grpo"))
+    first = learner._train_step(TrainBatch(samples=batch[:3], algorithm="grpo"))
     assert first.metrics["optimizer_steps"] == 3.0
-    result = learner._train_step(TrainBatch(batch, algorithm="grpo"))
+    result = learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
     assert (result.consumed, result.skipped) == (1, 3)
     assert result.metrics["optimizer_steps"] == 1.0
 
@@ -290,7 +302,7 @@ def test_sequence_importance_reaches_the_learners_loss(tmp_path: Any) -> None:
 
     def grads(importance: str, batch: list[Scored], name: str) -> torch.Tensor:
         learner = make(tmp_path / name, lr=0.0, grad_clip=1e9, importance=importance)
-        learner._train_step(TrainBatch(batch, algorithm="grpo", correction="clip"))
+        learner._train_step(TrainBatch(samples=batch, algorithm="grpo", correction="clip"))
         return torch.cat(
             [p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]
         )
@@ -302,7 +314,7 @@ def test_sequence_importance_reaches_the_learners_loss(tmp_path: Any) -> None:
         one = msgspec.structs.replace(
             s.sample, token_ids=s.sample.token_ids[:1], logprobs=[-1.0], versions=[0]
         )
-        short.append(Scored(one, s.reward, advantage=s.advantage))
+        short.append(Scored(sample=one, reward=s.reward, advantage=s.advantage))
     torch.testing.assert_close(
         grads("sequence", short, "s1"), grads("token", short, "t1"), atol=1e-7, rtol=0
     )
@@ -325,8 +337,19 @@ def test_critic_mini_batches_are_steps_on_shuffled_shares(tmp_path: Any) -> None
     for i in range(5):
         tokens = [rng.randrange(2, 14) for _ in range(rng.randrange(1, 5))]
         prompt = [2, 13, 3][: 1 + i % 3]
-        sample = Sample("c", i, prompt, tokens, [-0.5] * len(tokens), [0] * len(tokens), True, "")
-        batch.append(Scored(sample, rng.random(), values=[rng.random() for _ in tokens]))
+        sample = Sample(
+            prompt_id="c",
+            sample_index=i,
+            prompt_ids=prompt,
+            token_ids=tokens,
+            logprobs=[-0.5] * len(tokens),
+            versions=[0] * len(tokens),
+            finished=True,
+            stop_reason="",
+        )
+        batch.append(
+            Scored(sample=sample, reward=rng.random(), values=[rng.random() for _ in tokens])
+        )
     metrics = epochs._train_step(batch)
     losses = []
     for epoch in range(2):

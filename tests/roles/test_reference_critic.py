@@ -36,7 +36,16 @@ def _one_thread() -> None:
 
 
 def sample(pid: str, prompt: list[int], tokens: list[int], index: int = 0) -> Sample:
-    return Sample(pid, index, prompt, tokens, [0.0] * len(tokens), [0] * len(tokens), True, "stop")
+    return Sample(
+        prompt_id=pid,
+        sample_index=index,
+        prompt_ids=prompt,
+        token_ids=tokens,
+        logprobs=[0.0] * len(tokens),
+        versions=[0] * len(tokens),
+        finished=True,
+        stop_reason="stop",
+    )
 
 
 def test_reference_scores_like_the_learner_it_was_given(tmp_path: Any) -> None:
@@ -74,7 +83,8 @@ def test_critic_values_line_up_and_learn_the_return(tmp_path: Any) -> None:
         for _ in range(30):
             current = await critic.values(samples)
             scored = [
-                Scored(s, reward=1.0, values=v) for s, v in zip(samples, current, strict=True)
+                Scored(sample=s, reward=1.0, values=v)
+                for s, v in zip(samples, current, strict=True)
             ]
             losses.append((await critic.train_step(scored)).value_loss)
         assert losses[-1] < losses[0] * 0.1
@@ -113,13 +123,22 @@ def test_kl_loss_pulls_towards_the_reference(tmp_path: Any) -> None:
         behaviour = learner._logprobs([s])[0]
         batch = [
             Scored(
-                Sample(f"p{step}", i, s.prompt_ids, s.token_ids, behaviour, [0] * 3, True, "stop"),
+                sample=Sample(
+                    prompt_id=f"p{step}",
+                    sample_index=i,
+                    prompt_ids=s.prompt_ids,
+                    token_ids=s.token_ids,
+                    logprobs=behaviour,
+                    versions=[0] * 3,
+                    finished=True,
+                    stop_reason="stop",
+                ),
                 reward=1.0,
                 ref_logprobs=ref,
             )
             for i in range(2)
         ]
-        result = learner._train_step(TrainBatch(batch, algorithm="grpo"))
+        result = learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
         assert "kl" in result.metrics
     assert gap() < before
 
@@ -141,8 +160,12 @@ def test_bc_term_anneals_to_zero(tmp_path: Any) -> None:
     coefs = []
     for step in range(6):
         coefs.append(learner._bc_coef())
-        batch = [Scored(sample(f"p{step}", [2, 13], [4, 1], i), reward=float(i)) for i in range(2)]
-        metrics = learner._train_step(TrainBatch(batch, algorithm="grpo", demos=[demo])).metrics
+        batch = [
+            Scored(sample=sample(f"p{step}", [2, 13], [4, 1], i), reward=float(i)) for i in range(2)
+        ]
+        metrics = learner._train_step(
+            TrainBatch(samples=batch, algorithm="grpo", demos=[demo])
+        ).metrics
         assert ("bc_nll" in metrics) == (coefs[-1] > 0)
     assert coefs == [0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
 
@@ -158,7 +181,16 @@ def _ppo_batch() -> list[Scored]:
     ]
     return [
         Scored(
-            Sample("p", i, [2, 3, 13], tokens, logp, [0] * len(tokens), True, "stop"),
+            sample=Sample(
+                prompt_id="p",
+                sample_index=i,
+                prompt_ids=[2, 3, 13],
+                token_ids=tokens,
+                logprobs=logp,
+                versions=[0] * len(tokens),
+                finished=True,
+                stop_reason="stop",
+            ),
             reward=reward,
             ref_logprobs=ref,
             values=values,

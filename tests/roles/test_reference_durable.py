@@ -36,8 +36,26 @@ MODEL = {
     "pad_token_id": 0,
 }
 SAMPLES = [
-    Sample("a", 0, [2, 3, 12, 4, 13], [5, 6, 1], [0.0] * 3, [0] * 3, True, "stop"),
-    Sample("b", 0, [7, 13], [8, 1], [0.0] * 2, [0] * 2, True, "stop"),
+    Sample(
+        prompt_id="a",
+        sample_index=0,
+        prompt_ids=[2, 3, 12, 4, 13],
+        token_ids=[5, 6, 1],
+        logprobs=[0.0] * 3,
+        versions=[0] * 3,
+        finished=True,
+        stop_reason="stop",
+    ),
+    Sample(
+        prompt_id="b",
+        sample_index=0,
+        prompt_ids=[7, 13],
+        token_ids=[8, 1],
+        logprobs=[0.0] * 2,
+        versions=[0] * 2,
+        finished=True,
+        stop_reason="stop",
+    ),
 ]
 
 

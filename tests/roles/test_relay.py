@@ -209,8 +209,26 @@ def test_a_relay_carries_a_real_learners_weights_to_another_host_version_by_vers
         "relay", "asyncrl.roles.services.relay:Relay", 1, {"source": "learner", "poll_s": 0}
     )
     demos = [
-        Sample("d", 0, [2, 3, 12, 4, 5, 13], [6, 7, 1], [], [], True, "stop"),
-        Sample("e", 0, [3, 12, 13], [8, 1], [], [], True, "stop"),
+        Sample(
+            prompt_id="d",
+            sample_index=0,
+            prompt_ids=[2, 3, 12, 4, 5, 13],
+            token_ids=[6, 7, 1],
+            logprobs=[],
+            versions=[],
+            finished=True,
+            stop_reason="stop",
+        ),
+        Sample(
+            prompt_id="e",
+            sample_index=0,
+            prompt_ids=[3, 12, 13],
+            token_ids=[8, 1],
+            logprobs=[],
+            versions=[],
+            finished=True,
+            stop_reason="stop",
+        ),
     ]
 
     async def main() -> None:
@@ -228,7 +246,9 @@ def test_a_relay_carries_a_real_learners_weights_to_another_host_version_by_vers
             segments = set()
             for version, demo in enumerate([None, *demos]):
                 if demo is not None:
-                    batch = TrainBatch([Scored(demo)], algorithm="bc", id=f"bc-{version}")
+                    batch = TrainBatch(
+                        samples=[Scored(sample=demo)], algorithm="bc", id=f"bc-{version}"
+                    )
                     result = await learner.call("train_step", batch, StepResult, timeout=60)
                     assert result.version == version
                 assert await relay.call("sync", None, int, timeout=60) == version

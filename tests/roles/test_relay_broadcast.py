@@ -204,8 +204,26 @@ def test_a_real_learners_versions_reach_the_relay_bit_exactly_through_the_broadc
     hosts.start("learner", "asyncrl.roles.training.learner:Learner", 0, learner_config)
     hosts.start("relay", "asyncrl.roles.services.relay:Relay", 1, BROADCAST)
     demos = [
-        Sample("d", 0, [2, 3, 12, 4, 5, 13], [6, 7, 1], [], [], True, "stop"),
-        Sample("e", 0, [3, 12, 13], [8, 1], [], [], True, "stop"),
+        Sample(
+            prompt_id="d",
+            sample_index=0,
+            prompt_ids=[2, 3, 12, 4, 5, 13],
+            token_ids=[6, 7, 1],
+            logprobs=[],
+            versions=[],
+            finished=True,
+            stop_reason="stop",
+        ),
+        Sample(
+            prompt_id="e",
+            sample_index=0,
+            prompt_ids=[3, 12, 13],
+            token_ids=[8, 1],
+            logprobs=[],
+            versions=[],
+            finished=True,
+            stop_reason="stop",
+        ),
     ]
 
     async def main() -> None:
@@ -215,7 +233,9 @@ def test_a_real_learners_versions_reach_the_relay_bit_exactly_through_the_broadc
             segments = set()
             for version, demo in enumerate([None, *demos]):
                 if demo is not None:
-                    batch = TrainBatch([Scored(demo)], algorithm="bc", id=f"bc-{version}")
+                    batch = TrainBatch(
+                        samples=[Scored(sample=demo)], algorithm="bc", id=f"bc-{version}"
+                    )
                     result = await learner.call("train_step", batch, StepResult, timeout=60)
                     assert result.version == version
                 assert await relay.call("sync", None, int, timeout=60) == version

@@ -62,9 +62,15 @@ def prompts_batch(max_new_tokens: int = 8) -> GenerateBatch:
     params = SamplingParams(max_new_tokens=max_new_tokens)
     return GenerateBatch(
         [
-            GenerateRequest(Prompt("a", [3, 1, 4]), 0, params),
-            GenerateRequest(Prompt("a", [3, 1, 4]), 1, params),
-            GenerateRequest(Prompt("b", [2, 7, 1, 8, 2, 8]), 0, params),
+            GenerateRequest(
+                prompt=Prompt(id="a", token_ids=[3, 1, 4]), sample_index=0, params=params
+            ),
+            GenerateRequest(
+                prompt=Prompt(id="a", token_ids=[3, 1, 4]), sample_index=1, params=params
+            ),
+            GenerateRequest(
+                prompt=Prompt(id="b", token_ids=[2, 7, 1, 8, 2, 8]), sample_index=0, params=params
+            ),
         ]
     )
 
@@ -179,7 +185,9 @@ def test_chunk_budget_returns_partials_that_resume() -> None:
             parts = await role.generate(prompts_batch(5))
             resumed = GenerateBatch(
                 [
-                    GenerateRequest(r.prompt, r.sample_index, r.params, partial=p)
+                    GenerateRequest(
+                        prompt=r.prompt, sample_index=r.sample_index, params=r.params, partial=p
+                    )
                     for r, p in zip(prompts_batch(5).requests, parts, strict=True)
                 ]
             )
@@ -269,9 +277,27 @@ def test_payloads_travel_through_the_codec() -> None:
     assert update.version == 3
     assert torch.equal(update.state["transformer.wpe.weight"], state["transformer.wpe.weight"])
     batch = prompts_batch()
-    batch.requests[0].partial = Sample("a", 0, [3, 1, 4], [5], [-0.5], [2], False, "chunk")
+    batch.requests[0].partial = Sample(
+        prompt_id="a",
+        sample_index=0,
+        prompt_ids=[3, 1, 4],
+        token_ids=[5],
+        logprobs=[-0.5],
+        versions=[2],
+        finished=False,
+        stop_reason="chunk",
+    )
     assert round_trip(batch, GenerateBatch) == batch
-    sample = Sample("a", 0, [3, 1, 4], [5, 6], [-0.5, -1.25], [2, 3], True, "stop")
+    sample = Sample(
+        prompt_id="a",
+        sample_index=0,
+        prompt_ids=[3, 1, 4],
+        token_ids=[5, 6],
+        logprobs=[-0.5, -1.25],
+        versions=[2, 3],
+        finished=True,
+        stop_reason="stop",
+    )
     assert round_trip([sample], list[Sample]) == [sample]
     assert sample.key == ("a", 0)
 
@@ -296,7 +322,13 @@ def test_a_bad_call_does_not_fail_the_calls_batched_with_it() -> None:
     async def scenario() -> None:
         role = await started()
         good = prompts_batch()
-        bad = GenerateBatch([GenerateRequest(Prompt("x", []), 0, SamplingParams())])
+        bad = GenerateBatch(
+            [
+                GenerateRequest(
+                    prompt=Prompt(id="x", token_ids=[]), sample_index=0, params=SamplingParams()
+                )
+            ]
+        )
         results = await asyncio.gather(
             role.generate(good), role.generate(bad), role.generate(good), return_exceptions=True
         )

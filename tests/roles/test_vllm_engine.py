@@ -56,7 +56,7 @@ MODEL: dict[str, Any] = {
 }
 SEED = 5
 TOL = 1e-4  # float32 log-probs of vLLM against the learner's recompute (measured: ~3e-6)
-PROMPT = Prompt("p", [3, 1, 4, 1, 5])
+PROMPT = Prompt(id="p", token_ids=[3, 1, 4, 1, 5])
 
 
 def hf_state(seed: int) -> dict[str, torch.Tensor]:
@@ -107,7 +107,13 @@ def request(
     seed: int | None = None,
     **params: Any,
 ) -> GenerateRequest:
-    return GenerateRequest(prompt, 0, SamplingParams(max_new_tokens=n, **params), partial, seed)
+    return GenerateRequest(
+        prompt=prompt,
+        sample_index=0,
+        params=SamplingParams(max_new_tokens=n, **params),
+        partial=partial,
+        seed=seed,
+    )
 
 
 def requests() -> list[GenerateRequest]:
@@ -115,9 +121,9 @@ def requests() -> list[GenerateRequest]:
     settings: list[dict[str, Any]] = [{}, {"temperature": 0.7}, {"top_k": 3}, {"top_p": 0.8}]
     return [
         GenerateRequest(
-            Prompt(f"q{i}", [3, 1, 4, 1, 5, 9, 2][: 2 + i]),
-            0,
-            SamplingParams(max_new_tokens=12, **s),
+            prompt=Prompt(id=f"q{i}", token_ids=[3, 1, 4, 1, 5, 9, 2][: 2 + i]),
+            sample_index=0,
+            params=SamplingParams(max_new_tokens=12, **s),
             seed=i,
         )
         for i, s in enumerate(settings)
@@ -175,7 +181,10 @@ def test_new_weights_give_new_learner_consistent_logprobs(engines: tuple[Any, An
 
 def test_swaps_load_in_place_and_match_a_fresh_engine(engines: tuple[Any, Any], fresh: Any) -> None:
     a, _ = engines
-    greedy = [request(Prompt(f"g{i}", [3, 1, 4, 1, 5][: i + 2]), greedy=True) for i in range(3)]
+    greedy = [
+        request(Prompt(id=f"g{i}", token_ids=[3, 1, 4, 1, 5][: i + 2]), greedy=True)
+        for i in range(3)
+    ]
     for version, seed in enumerate((2, 3, 1), start=1):
         a.set_weights(hf_state(seed), version)
         assert a.apply_pending() == version
@@ -265,7 +274,9 @@ def test_a_seed_reproduces_a_sample_whatever_shares_its_batch(engines: tuple[Any
 
 def test_greedy_takes_the_argmax_as_the_hf_engine_does(engines: tuple[Any, Any]) -> None:
     a, _ = engines
-    greedy = [request(Prompt(f"g{i}", [3, 1, 4][: i + 1]), greedy=True) for i in range(3)]
+    greedy = [
+        request(Prompt(id=f"g{i}", token_ids=[3, 1, 4][: i + 1]), greedy=True) for i in range(3)
+    ]
     got = a.generate(greedy)
     want = HFEngine.from_config(MODEL, seed=SEED).generate(greedy)
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
@@ -303,7 +314,7 @@ def test_an_interrupt_returns_every_unfinished_row(engines: tuple[Any, Any]) -> 
 
 def test_bad_requests_are_refused_before_any_runs(engines: tuple[Any, Any]) -> None:
     a, _ = engines
-    bad = request(Prompt("bad", [3, 99]))
+    bad = request(Prompt(id="bad", token_ids=[3, 99]))
     with pytest.raises(ValueError, match=r"^request 'bad'#0: token ids \[99\] outside the vocab"):
         a.generate([request(), bad])
     too_long = request(n=60)
@@ -397,7 +408,7 @@ def test_a_bad_call_fails_alone_in_the_rollout(
         role = await rollout_over(a_engine, monkeypatch)
         try:
             good = role.generate(GenerateBatch([request(n=5)]))
-            bad = role.generate(GenerateBatch([request(Prompt("bad", []))]))
+            bad = role.generate(GenerateBatch([request(Prompt(id="bad", token_ids=[]))]))
             return tuple(await asyncio.gather(good, bad, return_exceptions=True))
         finally:
             role.ctx.close()
@@ -501,11 +512,16 @@ def test_qwen_and_llama_take_the_learners_weights_and_agree_with_its_recompute(
     greedy = SamplingParams(greedy=True, max_new_tokens=8)
     prompts = [[3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, *range(20, 40)]]
     sampled = [
-        GenerateRequest(Prompt(f"p{i}", ids), k, params, seed=10 * i + k)
+        GenerateRequest(
+            prompt=Prompt(id=f"p{i}", token_ids=ids), sample_index=k, params=params, seed=10 * i + k
+        )
         for i, ids in enumerate(prompts)
         for k in range(2)
     ]
-    argmax = [GenerateRequest(Prompt(f"g{i}", ids), 0, greedy) for i, ids in enumerate(prompts)]
+    argmax = [
+        GenerateRequest(prompt=Prompt(id=f"g{i}", token_ids=ids), sample_index=0, params=greedy)
+        for i, ids in enumerate(prompts)
+    ]
 
     async def main(run_dir: str) -> None:
         learner = Learner(
@@ -528,8 +544,8 @@ def test_qwen_and_llama_take_the_learners_weights_and_agree_with_its_recompute(
                 assert [s.token_ids for s in engine.generate(argmax)] == [
                     s.token_ids for s in hf.generate(argmax)
                 ]
-                batch = [Scored(s, reward=float(s.sample_index == 0)) for s in samples]
-                learner._train_step(TrainBatch(batch, algorithm="grpo"))
+                batch = [Scored(sample=s, reward=float(s.sample_index == 0)) for s in samples]
+                learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
         finally:
             await learner.teardown()
             learner.ctx.close()

@@ -60,11 +60,20 @@ def batch(step: int) -> TrainBatch:
             tokens = [2 + (step * 7 + p * 3 + k + j) % 12 for j in range(n)]
             logprobs = [-1.0 - 0.1 * j - 0.05 * k for j in range(n)]
             sample = Sample(
-                f"s{step}p{p}", k, [3 + p, 5, 7 + k], tokens, logprobs, [0] * n, True, "stop"
+                prompt_id=f"s{step}p{p}",
+                sample_index=k,
+                prompt_ids=[3 + p, 5, 7 + k],
+                token_ids=tokens,
+                logprobs=logprobs,
+                versions=[0] * n,
+                finished=True,
+                stop_reason="stop",
             )
             ref = [lp - 0.02 for lp in logprobs]
-            samples.append(Scored(sample, reward=float((k + p + step) % 3), ref_logprobs=ref))
-    return TrainBatch(samples, algorithm="grpo", id=f"b{step}", keep={"cursor": step})
+            samples.append(
+                Scored(sample=sample, reward=float((k + p + step) % 3), ref_logprobs=ref)
+            )
+    return TrainBatch(samples=samples, algorithm="grpo", id=f"b{step}", keep={"cursor": step})
 
 
 # -- the log ----------------------------------------------------------------------------------

@@ -56,8 +56,17 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
             )
         )
         await learner.setup()
-        demo = Sample("d", 0, [2, 3, 12, 4, 5, 13], [6, 7, 1], [], [], True, "stop")
-        learner._train_step(TrainBatch([Scored(demo)], algorithm="bc"))
+        demo = Sample(
+            prompt_id="d",
+            sample_index=0,
+            prompt_ids=[2, 3, 12, 4, 5, 13],
+            token_ids=[6, 7, 1],
+            logprobs=[],
+            versions=[],
+            finished=True,
+            stop_reason="stop",
+        )
+        learner._train_step(TrainBatch(samples=[Scored(sample=demo)], algorithm="bc"))
         assert learner.version == 1
 
         rollout = Rollout(
@@ -73,7 +82,21 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
 
         learner._train_step(
             TrainBatch(
-                [Scored(Sample("e", 0, [3, 12, 13], [8, 1], [], [], True, "stop"))], algorithm="bc"
+                samples=[
+                    Scored(
+                        sample=Sample(
+                            prompt_id="e",
+                            sample_index=0,
+                            prompt_ids=[3, 12, 13],
+                            token_ids=[8, 1],
+                            logprobs=[],
+                            versions=[],
+                            finished=True,
+                            stop_reason="stop",
+                        )
+                    )
+                ],
+                algorithm="bc",
             )
         )
         assert await rollout.sync(None) == 2
@@ -83,7 +106,9 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
         prompts = [[2, 3, 12, 4, 5, 13], [9, 13], [4, 12, 7, 13, 2, 2, 2, 3]]  # left padding
         params = SamplingParams(temperature=1.0, max_new_tokens=6)
         requests = [
-            GenerateRequest(Prompt(f"p{i}", ids), 0, params, seed=i)
+            GenerateRequest(
+                prompt=Prompt(id=f"p{i}", token_ids=ids), sample_index=0, params=params, seed=i
+            )
             for i, ids in enumerate(prompts)
         ]
         samples = await rollout.generate(GenerateBatch(requests))
