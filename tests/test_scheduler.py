@@ -8,7 +8,8 @@ waits on time, except the one test of a deadline.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import random
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -142,6 +143,102 @@ def test_a_replica_never_gets_more_calls_than_its_credit_and_the_freest_goes_fir
         assert [r.inflight for r in scheduler.replicas] == [4, 3]
         assert [w.payload for w in scheduler.queue] == [9]
         assert scheduler.summary() == {"calls": 10, "served": {0: 1, 1: 1}}
+
+    run(scenario)
+
+
+class Walks(list[Any]):
+    """The scheduler's replicas, counting how many of them it visits: one a lookup, all of them
+    a walk."""
+
+    visits = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.visits += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, index: Any) -> Any:
+        self.visits += 1
+        return super().__getitem__(index)
+
+
+def freest(scheduler: Scheduler, avoid: int) -> int:
+    """The replica a walk over every replica picks: the most free slots, the lowest index
+    among equals, any other before ``avoid``; free slots counted afresh from credit, calls in
+    flight and liveness."""
+    free = [
+        (r.credit - r.inflight if r.alive and r.lost is None else 0, -r.index, r.index != avoid)
+        for r in list.__iter__(scheduler.replicas)
+    ]
+    candidates = [(other, f, i) for f, i, other in free if f > 0]
+    return -max(candidates)[2]
+
+
+def test_at_any_scale_each_call_goes_where_a_walk_over_every_replica_would_send_it() -> None:
+    # 48 replicas of 1 to 4 slots; calls answered, failed (and retried elsewhere) and replicas
+    # dropping and coming back, in a seeded random order. Before each send the fake client
+    # checks the choice against a fresh walk over every replica.
+    async def scenario() -> None:
+        rng = random.Random(7)
+        scheduler, clients = scheduler_with(*(rng.randint(1, 4) for _ in range(48)))
+        works: dict[Any, Work] = {}
+        choices: list[tuple[int, int]] = []
+        for index, client in enumerate(clients):
+
+            def check(payload: Any, index: int = index) -> None:
+                choices.append((index, freest(scheduler, works[payload].avoid)))
+
+            client.refuse = lambda payload, check=check: check(payload)  # type: ignore[misc]
+        for step in range(3000):
+            if rng.random() < 0.55:
+                work = Work(
+                    "work", step, Any, TIMEOUT_S, 1e9, asyncio.get_running_loop().create_future()
+                )
+                works[step] = work
+                scheduler.submit(work)
+            pending = [(c, s) for c in clients for s in c.sent if not s.reply.done()]
+            if pending and rng.random() < 0.5:
+                _, sent = rng.choice(pending)
+                if rng.random() < 0.1:
+                    sent.reply.set_exception(DisconnectedError("gone"))
+                else:
+                    sent.reply.set_result([sent.payload])
+            if rng.random() < 0.01:
+                index = rng.randrange(len(clients))
+                scheduler.peer_event(index, "dead", 0)
+                scheduler.credit(index, rng.randint(1, 4), 0)
+            settled = asyncio.Event()
+            asyncio.get_running_loop().call_soon(settled.set)  # after the replies' callbacks
+            await settled.wait()
+        assert len(choices) > 1500
+        assert [chosen for chosen, _ in choices] == [expected for _, expected in choices]
+        assert scheduler.stats["retries"] > 50
+
+    run(scenario)
+
+
+def test_a_call_visits_a_few_replicas_not_every_one() -> None:
+    # 1,024 replicas of 2 slots, kept full: 8,000 calls sent and answered. A walk over every
+    # replica per call or per reply (the scheduler before its index) visits over 2,000
+    # replicas a call; the index looks up a handful.
+    async def scenario() -> None:
+        scheduler, clients = scheduler_with(*([2] * 1024))
+        walks = Walks(scheduler.replicas)
+        scheduler.replicas = walks
+        works = [submit(scheduler, "work", i) for i in range(3000)]
+        answered = 0
+        rng = random.Random(3)
+        while answered < 8000:
+            pending = [s for c in rng.sample(clients, 4) for s in c.sent if not s.reply.done()]
+            for sent in pending:
+                sent.reply.set_result([sent.payload])
+                answered += 1
+                works.append(submit(scheduler, "work", answered + 3000))
+            settled = asyncio.Event()
+            asyncio.get_running_loop().call_soon(settled.set)
+            await settled.wait()
+        assert sum(r.inflight for r in scheduler.replicas) == 2048
+        assert walks.visits / answered < 16
 
     run(scenario)
 

@@ -11,6 +11,10 @@ waits in the group's queue and goes to the replica with the most free slots, so 
 simply takes more, and nothing is bound to a replica until it is sent: an idle replica takes
 whatever is queued. Work aimed at one replica (``broadcast``) waits in that replica's own queue.
 
+No call walks every replica: a heap holds the replicas with free slots (freest, then lowest
+index, on top), beside the replicas with room and work of their own queued and those with soft
+work; ``_sync`` updates them as a replica changes, so a call costs O(log n) in replicas.
+
 Work may carry an *affinity* key (a GRPO group's id, for an engine with prefix caching): the
 first such work goes wherever the scheduler picks, and later work with the same key prefers
 that replica, waiting in its soft queue while it is full. An idle replica steals from the
@@ -38,7 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import logging
+import operator
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -58,6 +64,7 @@ __all__ = ["SHUTTING_DOWN", "Replica", "ReplicaClient", "Scheduler", "Work"]
 log = logging.getLogger("asyncrl.dispatch.dispatcher")
 
 _MAX_HOMES = 65536
+_INDEX = operator.attrgetter("index")
 
 SHUTTING_DOWN = (
     "the run is shutting down (the driver closed its connections with this call still queued "
@@ -86,7 +93,6 @@ class ReplicaClient(Protocol):
             TransportError: it cannot be sent (the client is closed): the replica counts as down.
             TypeError: the payload cannot be encoded.
         """
-        ...
 
 
 class Work:
@@ -137,13 +143,15 @@ class Work:
 
 
 class Replica:
-    """What the scheduler knows of one replica: its credit, its calls in flight, its queues."""
+    """What the scheduler knows of one replica: its credit, its calls in flight, its queues, and
+    ``free``: its credit less its calls in flight while it is up, kept by its ``Scheduler``."""
 
     __slots__ = (
         "alive",
         "client",
         "credit",
         "endpoint",
+        "free",
         "incarnation",
         "index",
         "inflight",
@@ -165,10 +173,7 @@ class Replica:
         self.soft: deque[Work] = deque()  # work that prefers this replica; others may steal it
         self.served = 0
         self.lost: str | None = None  # why it can never be spoken to, once it cannot
-
-    @property
-    def free(self) -> int:
-        return self.credit - self.inflight if self.alive and self.lost is None else 0
+        self.free = 0
 
 
 class Scheduler:
@@ -190,7 +195,13 @@ class Scheduler:
         self.delivery: dict[str, Delivery] = dict(delivery or {})
         self.stats: Counter[str] = Counter()
         self._homes: dict[Any, int] = {}  # affinity key -> the replica it prefers
+        # (-free, index) of replicas with free slots, the freest on top; an entry whose free
+        # count is no longer its replica's is stale, and dropped when it reaches the top.
+        self._heap: list[tuple[int, int]] = []
+        self._ready: dict[int, Replica] = {}  # free slots and work of its own queued
+        self._soft_owners: dict[int, Replica] = {}  # work waiting in its soft queue
         self._closed = False
+        self._lost = 0  # replicas that can never be spoken to
         self._failure: BaseException | None = None
 
     @property
@@ -210,6 +221,7 @@ class Scheduler:
         replica.credit = slots
         replica.alive = True
         replica.incarnation = incarnation  # credit belongs to the incarnation that sent it
+        self._sync(replica)
         self.pump()
 
     def peer_event(self, index: int, kind: str, incarnation: int) -> None:
@@ -218,6 +230,7 @@ class Scheduler:
         replica = self.replicas[index]
         if kind in ("dead", "disconnected"):
             replica.alive = False
+            self._sync(replica)
             self.stats[f"replica_{kind}"] += 1
         elif kind == "restarted":
             # The new incarnation advertises its own credit once its state is restored (its
@@ -227,6 +240,7 @@ class Scheduler:
             # Heard again after a silence from the same incarnation (it was stopped, not
             # restarted): the credit it gave still stands.
             replica.alive = True
+            self._sync(replica)
             self.pump()
 
     def lose(self, index: int, reason: str) -> None:
@@ -235,11 +249,13 @@ class Scheduler:
         naming it and ``reason``, now and later, and other work goes to the rest of the group.
         Once every replica is lost, every call fails so."""
         replica = self.replicas[index]
+        self._lost += replica.lost is None
         replica.lost = reason
         self.stats["replicas_lost"] += 1
         for work in replica.queue:
             self._fail(work, RoleDeadError(self.name, reason, index))
         replica.queue.clear()
+        self._sync(replica)
         dead = self.all_lost()
         if dead is not None:
             for work in self.queue:
@@ -249,7 +265,7 @@ class Scheduler:
 
     def all_lost(self) -> RoleDeadError | None:
         """The error of a group none of whose replicas can be spoken to; None while one can."""
-        if any(r.lost is None for r in self.replicas):
+        if self._lost < len(self.replicas):
             return None
         reasons = "; ".join(f"replica {r.index}: {r.lost}" for r in self.replicas)
         return RoleDeadError(self.name, f"none of its replicas can be spoken to ({reasons})")
@@ -259,10 +275,7 @@ class Scheduler:
         self._failure = exc
         for work in self._queued():
             self._fail(work, exc)
-        self.queue.clear()
-        for replica in self.replicas:
-            replica.queue.clear()
-            replica.soft.clear()
+        self._clear_queues()
 
     def close(self) -> None:
         """The run is shutting down: fail every queued call, and every later one, with
@@ -271,10 +284,15 @@ class Scheduler:
         self._closed = True
         for work in self._queued():
             self._fail(work, self._shutting_down())
+        self._clear_queues()
+
+    def _clear_queues(self) -> None:
         self.queue.clear()
         for replica in self.replicas:
             replica.queue.clear()
             replica.soft.clear()
+        self._ready.clear()
+        self._soft_owners.clear()
 
     def _shutting_down(self, cause: BaseException | None = None) -> RoleDeadError:
         error = RoleDeadError(self.name, SHUTTING_DOWN)
@@ -300,16 +318,25 @@ class Scheduler:
         if lost is not None:
             self._fail(work, lost)
             return
-        loop = work.future.get_loop()  # no system call (get_running_loop makes one)
-        work.timer = loop.call_at(work.deadline, self._expire, work)
-        queue = self.queue if work.target is None else self.replicas[work.target].queue
+        target = None if work.target is None else self.replicas[work.target]
+        queue = self.queue if target is None else target.queue
         if self.delivery.get(work.method) == Delivery.LATEST:
             for older in [w for w in queue if w.method == work.method]:
                 queue.remove(older)
                 self.stats["superseded"] += 1
                 _chain(work.future, older)
         queue.append(work)
+        if target is not None:
+            self._sync(target)
         self.pump()
+        if not work.sent:
+            self._arm(work)
+
+    def _arm(self, work: Work) -> None:
+        """Expire ``work`` at its deadline if still queued then (sent at once, it needs none)."""
+        if work.timer is None and not work.future.done():
+            loop = work.future.get_loop()  # no system call (get_running_loop makes one)
+            work.timer = loop.call_at(work.deadline, self._expire, work)
 
     def _lost_for(self, work: Work) -> RoleDeadError | None:
         """The error ``work`` fails with at once because its replica, or every replica, is
@@ -323,15 +350,18 @@ class Scheduler:
         """Send queued work to replicas with free slots: work aimed at a replica first, then
         work that prefers it, then the shared queue (the freest replica first); then idle
         replicas steal what others prefer."""
-        for replica in self.replicas:
-            while replica.free > 0 and (replica.queue or replica.soft):
-                self._send(replica, (replica.queue or replica.soft).popleft())
+        if self._ready:
+            for replica in sorted(self._ready.values(), key=_INDEX):
+                while replica.free > 0 and (replica.queue or replica.soft):
+                    self._send(replica, (replica.queue or replica.soft).popleft())
+                self._sync(replica)
         queue = self.queue
         while queue:
             work = queue[0]
             home = self._home(work)
             if home is not None and home.free <= 0:
                 home.soft.append(queue.popleft())  # waits for its replica, or a thief
+                self._soft_owners[home.index] = home
                 continue
             chosen = home or self._pick(work)
             if chosen is None:
@@ -340,7 +370,40 @@ class Scheduler:
             if work.affinity is not None:
                 self._bind(work.affinity, chosen.index)
             self._send(chosen, work)
-        self._steal()
+        if self._soft_owners:
+            self._steal()
+
+    def _sync(self, replica: Replica) -> None:
+        """Bring ``replica.free`` and its place in the indexes up to date after a change."""
+        free = replica.credit - replica.inflight if replica.alive and replica.lost is None else 0
+        index = replica.index
+        if free != replica.free:
+            replica.free = free
+            if free > 0:
+                heap = self._heap
+                heapq.heappush(heap, (-free, index))
+                if len(heap) > 2 * len(self.replicas) + 64:  # mostly stale: build it anew
+                    self._heap = [(-r.free, r.index) for r in self.replicas if r.free > 0]
+                    heapq.heapify(self._heap)
+        if free > 0 and (replica.queue or replica.soft):
+            self._ready[index] = replica
+        else:
+            self._ready.pop(index, None)
+        if replica.soft:
+            self._soft_owners[index] = replica
+        else:
+            self._soft_owners.pop(index, None)
+
+    def _freest(self) -> Replica | None:
+        """The freest replica (the lowest index among equals); None when none has room."""
+        heap, replicas = self._heap, self.replicas
+        while heap:
+            negative_free, index = heap[0]
+            replica = replicas[index]
+            if replica.free == -negative_free:
+                return replica
+            heapq.heappop(heap)  # stale
+        return None
 
     def _home(self, work: Work) -> Replica | None:
         if work.affinity is None:
@@ -357,36 +420,35 @@ class Scheduler:
             del self._homes[next(iter(self._homes))]
 
     def _steal(self) -> None:
-        if not any(r.soft for r in self.replicas):
-            return  # nothing is waiting for a particular replica: the usual case
-        for thief in sorted(self.replicas, key=lambda r: -r.free):
+        if self._freest() is None:
+            return  # no replica has room to take what others prefer
+        thieves = sorted((r for r in self.replicas if r.free > 0), key=lambda r: (-r.free, r.index))
+        for thief in thieves:
             while thief.free > 0:
-                victim = max(self.replicas, key=lambda r: len(r.soft) if r is not thief else -1)
-                if victim is thief or not victim.soft:
+                victims = (r for r in self._soft_owners.values() if r is not thief)
+                victim = max(victims, key=lambda r: (len(r.soft), -r.index), default=None)
+                if victim is None:
                     return
                 work = victim.soft.pop()
+                self._sync(victim)
                 self.stats["stolen"] += 1
                 if work.affinity is not None:
                     self._bind(work.affinity, thief.index)
                 self._send(thief, work)
 
     def _pick(self, work: Work) -> Replica | None:
-        best: Replica | None = None
-        for replica in self.replicas:
-            free = replica.free
-            if free <= 0:
-                continue
-            if best is None:
-                best = replica
-                continue
-            # A retried request prefers any other replica to the one that failed it.
-            if (best.index == work.avoid) != (replica.index == work.avoid):
-                if best.index == work.avoid:
-                    best = replica
-                continue
-            if free > best.free:
-                best = replica
-        return best
+        """The freest replica, but a retried request prefers any other to the one that failed it."""
+        best = self._freest()
+        if best is None or best.index != work.avoid:
+            return best
+        heap = self._heap
+        top = heapq.heappop(heap)
+        other = self._freest()
+        while other is best:  # another entry of the replica to avoid
+            heapq.heappop(heap)
+            other = self._freest()
+        heapq.heappush(heap, top)
+        return other or best
 
     def _send(self, replica: Replica, work: Work) -> None:
         assert replica.client is not None
@@ -410,17 +472,20 @@ class Scheduler:
             )
         except TransportError as exc:
             replica.alive = False
+            self._sync(replica)
             self._retry_or_fail(replica, work, exc)
             return
         except TypeError as exc:  # a payload that cannot be encoded: its caller's error alone
             self._fail(work, exc)
             return
         replica.inflight += 1
+        self._sync(replica)
         work.sent = True
         fut.add_done_callback(functools.partial(self._done, replica, work))
 
     def _done(self, replica: Replica, work: Work, fut: asyncio.Future[Any]) -> None:
         replica.inflight -= 1
+        self._sync(replica)
         if fut.cancelled():
             work.future.cancel()
         else:
@@ -460,7 +525,10 @@ class Scheduler:
             if work.target is None:
                 self.queue.appendleft(work)
             else:
-                self.replicas[work.target].queue.appendleft(work)
+                target = self.replicas[work.target]
+                target.queue.appendleft(work)
+                self._sync(target)
+            self._arm(work)
             log.info(
                 "%s: re-running %r (attempt %d) after %s on replica %d",
                 self.name,
@@ -475,9 +543,15 @@ class Scheduler:
     def _expire(self, work: Work) -> None:
         if work.future.done() or work.sent:
             return  # in flight, the client's own deadline answers
-        for queue in (self.queue, *(q for r in self.replicas for q in (r.queue, r.soft))):
+        # Aimed at a replica, it waits in that one's queue; else in the shared or a soft queue.
+        holders = (
+            self._soft_owners.values() if work.target is None else [self.replicas[work.target]]
+        )
+        for queue in (self.queue, *(q for r in holders for q in (r.queue, r.soft))):
             if work in queue:
                 queue.remove(work)
+        for replica in [*holders]:
+            self._sync(replica)
         where = self.name if work.target is None else f"{self.name}[{work.target}]"
         self._fail(
             work,
@@ -504,10 +578,7 @@ class Scheduler:
     def summary(self) -> dict[str, Any]:
         """The counters (calls, retries, failures, stolen, ...) and the calls each replica
         answered, by replica index."""
-        return {
-            **self.stats,
-            "served": {r.index: r.served for r in self.replicas},
-        }
+        return {**self.stats, "served": {r.index: r.served for r in self.replicas}}
 
 
 def _chain(newer: asyncio.Future[Any], older: Work) -> None:
