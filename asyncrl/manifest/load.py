@@ -42,7 +42,12 @@ from asyncrl.manifest.limits import (
     run_name_problem,
 )
 from asyncrl.manifest.model_section import ModelSpec, model_problem
-from asyncrl.manifest.pipeline_section import PipelineSpec, StragglerSpec, straggler_problem
+from asyncrl.manifest.pipeline_section import (
+    PipelineSpec,
+    StragglerSpec,
+    schedule_problem,
+    straggler_problem,
+)
 from asyncrl.manifest.placement import Placement, check_placement, sharing_problems
 from asyncrl.manifest.refs import weights_from_problems
 from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml
@@ -391,6 +396,15 @@ def _check_straggler(value: dict[Any, Any], path: str, problems: list[str]) -> N
         problems.append(f"{join(path, 'deadline_s')}: {problem}")
 
 
+def _check_pipeline(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    schedule = value.get("schedule")
+    if isinstance(schedule, dict):
+        scheduled = schedule.get("skip_uniform") or schedule.get("probe")
+        problem = schedule_problem(scheduled, value.get("drop_uniform", False))
+        if problem:
+            problems.append(f"{join(path, 'schedule')}: {problem}")
+
+
 def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:
     problem = model_problem(value, at(path))
     if problem:
@@ -413,6 +427,7 @@ _STRUCT_CHECKS: dict[type, StructCheck] = {
     RoleSpec: _check_role,
     Supervision: _check_backoff,
     StragglerSpec: _check_straggler,
+    PipelineSpec: _check_pipeline,
 }
 
 

@@ -13,7 +13,15 @@ import msgspec
 
 from asyncrl.manifest.limits import MAX_COUNT, MAX_RATIO, MAX_SECONDS
 
-__all__ = ["Mode", "OverEta", "PipelineSpec", "StragglerSpec", "straggler_problem"]
+__all__ = [
+    "Mode",
+    "OverEta",
+    "PipelineSpec",
+    "ScheduleSpec",
+    "StragglerSpec",
+    "schedule_problem",
+    "straggler_problem",
+]
 
 
 class Mode(enum.StrEnum):
@@ -52,6 +60,26 @@ class StragglerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     k_min: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 2
 
 
+class ScheduleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The ``schedule`` of the ``pipeline`` section: which prompts are generated, learned from
+    what was scored (``asyncrl.roles.sampling.schedule``; off unless asked for).
+
+    Attributes:
+        skip_uniform: defer a prompt whose last groups were uniform: generate it again with
+            probability ``explore ** streak`` (its uniform groups in a row), else skip it this
+            epoch.
+        explore: that probability's starting base; it adapts after every batch.
+        target_uniform: the share of generated groups that ``explore`` aims to leave uniform.
+        probe: for a prompt without history, or whose last group was uniform, generate this
+            many samples of its group first, and the rest only if they disagree (0: off).
+    """
+
+    skip_uniform: bool = False
+    explore: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    target_uniform: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
+    probe: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
+
+
 class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """The manifest's ``pipeline`` section: how samples flow from rollout to the learner.
 
@@ -76,6 +104,8 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             carries no GRPO signal) and admit another prompt in its place, so that batches keep
             their size; past a cap of drops per batch, such groups are kept
             (docs/algorithms.md).
+        schedule: prompt scheduling from what was scored: deferral of prompts whose groups
+            were uniform, and probing of new ones (``ScheduleSpec``; needs ``drop_uniform``).
         stall_timeout_s: seconds without any call completing after which the driver fails the
             run, saying what it waited for and on whom (0: never). Raise it when one learner
             step or one generation legitimately takes longer.
@@ -100,12 +130,18 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
     running_stats: bool = False
     drop_uniform: bool = False
+    schedule: ScheduleSpec = msgspec.field(default_factory=ScheduleSpec)
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 600.0
 
     def __post_init__(self) -> None:
         problem = straggler_problem(self.straggler.policy, self.straggler.deadline_s)
         if problem:
             raise ValueError(f"straggler.deadline_s: {problem}")
+        problem = schedule_problem(
+            self.schedule.skip_uniform or self.schedule.probe, self.drop_uniform
+        )
+        if problem:
+            raise ValueError(f"schedule: {problem}")
 
     @property
     def window_eta(self) -> int:
@@ -124,5 +160,15 @@ def straggler_problem(policy: object, deadline_s: object) -> str | None:
         return (
             f"policy {policy!r} needs a deadline > 0 (seconds from a group's admission to "
             "its release); set it, or use policy 'wait'"
+        )
+    return None
+
+
+def schedule_problem(scheduled: object, drop_uniform: object) -> str | None:
+    """Why a prompt schedule cannot run with this ``drop_uniform``, or None."""
+    if scheduled and not drop_uniform:
+        return (
+            "skip_uniform and probe learn from the groups that dynamic sampling drops; set "
+            "pipeline.drop_uniform: true, or turn them off"
         )
     return None

@@ -52,10 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
-
-import msgspec
+from typing import Any
 
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.dispatch.background import Background
@@ -71,6 +68,8 @@ from asyncrl.roles.payloads import (
     SamplingParams,
     Scored,
 )
+from asyncrl.roles.sampling.contract import Batch, Caller, PromptFeed, Scorer, check_args, max_drops
+from asyncrl.roles.sampling.schedule import PromptSchedule
 from asyncrl.roles.sampling.weight_sync import WeightSync
 
 __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
@@ -80,79 +79,6 @@ log = logging.getLogger("asyncrl.pipeline")
 CAPPED_WARN_EVERY = 50
 """The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
 then once every this many (late in a run most groups of a good policy are uniform)."""
-
-_UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
-
-PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
-"""``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
-
-Scorer = Callable[[list[Sample]], Awaitable[list[float]]]
-"""``score(samples)``: one reward per sample, in order."""
-
-
-class Caller(Protocol):
-    """What the pipeline needs of the rollout group's handle
-    (``asyncrl.dispatch.handles.Handle``)."""
-
-    async def call(
-        self,
-        method: str,
-        payload: Any = None,
-        reply_type: Any = Any,
-        *,
-        timeout: float = ...,
-        key: Any = None,
-        affinity: Any = None,
-    ) -> Any: ...
-
-
-class Batch(msgspec.Struct):
-    """Whole groups for one learner step.
-
-    Attributes:
-        samples: scored samples, each with its group's advantage.
-        version: the learner version that consumes them (the one staleness is measured against).
-        staleness: per sample, in order.
-        cursor: the first prompt index not yet consumed or wasted (where a resumed run starts).
-        metrics: the pipeline's counters so far, this batch's staleness p50/p99/max, and
-            ``reward_scored_mean``: the mean reward of every group scored since the last
-            batch, the uniform groups dynamic sampling dropped included.
-        resume: what a pipeline resumed after this batch's learner step needs (keep it with
-            the step: ``TrainBatch.keep``; pass it back as ``SamplePipeline(resume=...)``).
-    """
-
-    samples: list[Scored]
-    version: int
-    staleness: list[int]
-    cursor: int
-    metrics: dict[str, float]
-    resume: dict[str, Any] = {}
-
-
-def _max_drops(batch_size: int, group_size: int, given: int | None) -> int:
-    """``max_uniform_drops``: as given, or ``_UNIFORM_DROPS_PER_GROUP`` per group of a batch."""
-    if given is not None:
-        return given
-    return _UNIFORM_DROPS_PER_GROUP * (batch_size // max(1, group_size))
-
-
-def _check_args(
-    batch_size: int, group_size: int, std: str, drop_uniform: bool, max_uniform_drops: int
-) -> None:
-    if group_size < 1 or batch_size < group_size:
-        raise ValueError(
-            f"batch_size ({batch_size}) must hold at least one group of group_size "
-            f"({group_size}) samples"
-        )
-    if drop_uniform and group_size < 2:
-        raise ValueError(
-            "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so "
-            "every group would be dropped; raise group_size or set drop_uniform false"
-        )
-    if std not in ("population", "unbiased"):
-        raise ValueError(f"std: expected 'population' or 'unbiased', got {std!r}")
-    if max_uniform_drops < 0:
-        raise ValueError(f"max_uniform_drops: expected an int >= 0, got {max_uniform_drops}")
 
 
 class SamplePipeline:
@@ -206,8 +132,8 @@ class SamplePipeline:
         clock: Clock = MONOTONIC,
     ) -> None:
         self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
-        self.max_uniform_drops = _max_drops(batch_size, group_size, max_uniform_drops)
-        _check_args(batch_size, group_size, std, self.drop_uniform, self.max_uniform_drops)
+        self.max_uniform_drops = max_drops(batch_size, group_size, max_uniform_drops)
+        check_args(batch_size, group_size, std, self.drop_uniform, self.max_uniform_drops)
         self.rollout = rollout
         self.spec = spec
         self.feed = feed
@@ -248,6 +174,8 @@ class SamplePipeline:
         self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
         self._uniform_capped = False  # ... and it reached max_uniform_drops
         self._capped_batches = 0  # batches that reached it, in this run
+        self.schedule = PromptSchedule(spec.schedule, group_size, state=resume.get("schedule"))
+        self._probing: dict[str, int] = {}  # group key -> samples of its probe, while probing
         self._scored = (0.0, 0)  # sum and count of rewards released since the last batch
         self._to_score: list[tuple[Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
@@ -332,6 +260,10 @@ class SamplePipeline:
                 self._skip.discard(self._next_index)
                 self._next_index += 1
                 continue
+            if not self.schedule.admit(prompt.id, self._next_index):  # deferred: settled now
+                self.metrics["skipped_prompts"] += 1
+                self._next_index += 1
+                continue
             return prompt
 
     def _start(self, prompt: Prompt) -> None:
@@ -343,10 +275,38 @@ class SamplePipeline:
         self.reducer.open(group.key, self.group_size)
         self.metrics["admitted_groups"] += 1
         self.metrics["admitted_samples"] += self.group_size
-        for k in range(self.group_size):
+        first = self.schedule.first(prompt.id)
+        if first < self.group_size:
+            self._probing[group.key] = first
+            self.metrics["probed_groups"] += 1
+        self._spawn(group, range(first))
+
+    def _spawn(self, group: Group, ks: range) -> None:
+        for k in ks:
             task = self._background.spawn(self._sample(group, k))
             if task is not None:
                 group.tasks.append(task)
+
+    def _after_probe(self, group: Group) -> None:
+        """The probe's samples are all scored: drop the group if they agree (while this batch
+        may still drop uniform groups), else generate the rest of it."""
+        first = self._probing.pop(group.key)
+        rewards = [r for _, r in group.samples.values()]
+        if uniform(rewards) and self._uniform_drops < self.max_uniform_drops:
+            self.schedule.record(group.prompt.id, rewards)
+            self._uniform_drops += 1
+            for counter in ("groups_uniform_dropped", "groups_probe_dropped"):
+                self.metrics[counter] += 1
+            self.metrics["samples_uniform_dropped"] += first
+            self.metrics["wasted_samples"] += first
+            self.metrics["admitted_samples"] -= self.group_size - first  # never generated
+            self.metrics["wasted_tokens"] += sum(
+                len(s.token_ids) for s, _ in group.samples.values()
+            )
+            self.pacer.waste(self.group_size)  # the whole group's room goes to a fresh prompt
+            self._settle(group)
+            return
+        self._spawn(group, range(first, self.group_size))
 
     # -- one sample ---------------------------------------------------------------------
 
@@ -386,6 +346,8 @@ class SamplePipeline:
                     continue
                 group.samples[k] = (sample, float(reward))
                 self.reducer.add(group.key, str(k), Moments.of([float(reward)]))
+                if len(group.samples) == self._probing.get(group.key):
+                    self._after_probe(group)
 
     # -- release ------------------------------------------------------------------------
 
@@ -408,6 +370,8 @@ class SamplePipeline:
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
         self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
+        if self.schedule.enabled:
+            self.schedule.record(group.prompt.id, rewards)
         if self.drop_uniform and uniform(rewards) and self._drop_uniform(group):
             return
         advantages = group_advantages(rewards, normalize_std=self.normalize_std, std=self.std)
@@ -484,6 +448,7 @@ class SamplePipeline:
                 *sorted(self._skip),
             ],
             "pipeline": {k: int(v) for k, v in counters.items()},
+            **({"schedule": self.schedule.state()} if self.schedule.enabled else {}),
         }
 
     def describe(self) -> str:
@@ -558,6 +523,7 @@ class SamplePipeline:
         self.metrics["consumed_samples"] += len(samples)
         self.metrics["batches"] += 1
         self._uniform_drops, self._uniform_capped = 0, False
+        self.schedule.end_batch()
         scored_sum, scored_n = self._scored
         self._scored = (0.0, 0)
         if self.spec.running_stats:
@@ -572,6 +538,8 @@ class SamplePipeline:
         metrics["reward_scored_mean"] = (
             scored_sum / scored_n if scored_n else sum(s.reward for s in samples) / len(samples)
         )
+        if self.schedule.enabled:
+            metrics["schedule_explore"] = self.schedule.explore
         metrics["pacer_room"] = float(self.pacer.room())
         metrics["pacer_max_ahead"] = float(self.pacer.max_ahead)
         if self.spec.running_stats:

@@ -1,0 +1,87 @@
+"""What the sample pipeline (``asyncrl.roles.sampling.pipeline``) takes and gives: the rollout
+group it calls, the prompt feed and the scorer, the ``Batch`` it hands the learner, and the
+checks of its arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from asyncrl.roles.payloads import Prompt, Sample, Scored
+
+__all__ = ["Batch", "Caller", "PromptFeed", "Scorer", "check_args", "max_drops"]
+
+_UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
+
+PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
+"""``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
+
+Scorer = Callable[[list[Sample]], Awaitable[list[float]]]
+"""``score(samples)``: one reward per sample, in order."""
+
+
+class Caller(Protocol):
+    """What the pipeline needs of the rollout group's handle
+    (``asyncrl.dispatch.handles.Handle``)."""
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = ...,
+        key: Any = None,
+        affinity: Any = None,
+    ) -> Any: ...
+
+
+class Batch(msgspec.Struct):
+    """Whole groups for one learner step.
+
+    Attributes:
+        samples: scored samples, each with its group's advantage.
+        version: the learner version that consumes them (the one staleness is measured against).
+        staleness: per sample, in order.
+        cursor: the first prompt index not yet consumed or wasted (where a resumed run starts).
+        metrics: the pipeline's counters so far, this batch's staleness p50/p99/max, and
+            ``reward_scored_mean``: the mean reward of every group scored since the last
+            batch, the uniform groups dynamic sampling dropped included.
+        resume: what a pipeline resumed after this batch's learner step needs (keep it with
+            the step: ``TrainBatch.keep``; pass it back as ``SamplePipeline(resume=...)``).
+    """
+
+    samples: list[Scored]
+    version: int
+    staleness: list[int]
+    cursor: int
+    metrics: dict[str, float]
+    resume: dict[str, Any] = {}
+
+
+def max_drops(batch_size: int, group_size: int, given: int | None) -> int:
+    """``max_uniform_drops``: as given, or ``_UNIFORM_DROPS_PER_GROUP`` per group of a batch."""
+    if given is not None:
+        return given
+    return _UNIFORM_DROPS_PER_GROUP * (batch_size // max(1, group_size))
+
+
+def check_args(
+    batch_size: int, group_size: int, std: str, drop_uniform: bool, max_uniform_drops: int
+) -> None:
+    if group_size < 1 or batch_size < group_size:
+        raise ValueError(
+            f"batch_size ({batch_size}) must hold at least one group of group_size "
+            f"({group_size}) samples"
+        )
+    if drop_uniform and group_size < 2:
+        raise ValueError(
+            "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so "
+            "every group would be dropped; raise group_size or set drop_uniform false"
+        )
+    if std not in ("population", "unbiased"):
+        raise ValueError(f"std: expected 'population' or 'unbiased', got {std!r}")
+    if max_uniform_drops < 0:
+        raise ValueError(f"max_uniform_drops: expected an int >= 0, got {max_uniform_drops}")

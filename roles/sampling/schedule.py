@@ -1,0 +1,144 @@
+"""Prompt scheduling that learns from what was scored: which prompts to generate, and how much.
+
+With dynamic sampling a group whose rewards are all equal carries no GRPO signal and is thrown
+away. Most prompts of a task are, for a given policy, either always solved or never solved, so
+most generated groups are thrown away (79% of the samples of the README's main job before this
+module). Two rules, after the published selective-rollout methods (GRESO's pre-rollout
+filtering, and staged sampling of a group), cut that:
+
+- **Deferral by history.** A prompt comes round once per epoch of the prompt source. Each item
+  keeps the number of its last groups in a row that were uniform (its *streak*). An item with a
+  streak ``z`` is generated again with probability ``explore ** z``; otherwise it is skipped this
+  epoch (settled at once, nothing generated). The policy moves, so no prompt is retired for good.
+  ``explore`` adapts after every batch so that about ``target_uniform`` of the groups generated
+  are uniform: up when fewer are (the filter is too strict), down when more are.
+- **Probing.** A prompt without history (or one whose streak says it might be uniform) first
+  gets ``probe`` of its ``group_size`` samples. If they disagree, the rest are generated and the
+  group trains as usual. If they agree the group is dropped after ``probe`` samples rather than
+  ``group_size``, and counted as uniform.
+
+The bias this adds to which prompts train: with rewards that are 0 or 1 and a pass rate ``p``, a
+full group trains when it is not uniform, with probability ``1 - p^G - (1-p)^G`` (``G`` the group
+size); a probed one only when its first ``m`` samples disagree, ``1 - p^m - (1-p)^m``, which is
+smaller. For ``G = 8`` and ``m = 4``: at ``p = 0.5`` 0.88 against 0.99, at ``p = 0.9`` (or 0.1)
+0.34 against 0.57, at ``p = 0.97`` 0.11 against 0.22. So probing halves at most the chance that
+a nearly-always (or nearly-never) solved prompt trains this epoch, and leaves prompts near 50%
+almost untouched; deferral then lowers how often a prompt that was uniform comes back, by
+``explore`` per uniform group in a row. docs/algorithms.md shows the measured effect on the main
+job.
+
+Every decision is a pure function of the seed, the item and the prompt's index in the stream,
+and the schedule's state (streaks and ``explore``) is part of the pipeline's resume state, kept
+with the learner's step: a resumed run decides exactly as the run it resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from asyncrl.manifest.pipeline_section import ScheduleSpec
+from asyncrl.roles.learning.groups import uniform
+
+__all__ = ["PromptSchedule", "item_of"]
+
+EXPLORE_MIN = 0.02
+"""``explore`` never falls below this: every prompt keeps a chance to come back."""
+
+ADAPT = 1.25
+"""Factor by which ``explore`` moves after a batch that missed ``target_uniform``."""
+
+
+def item_of(prompt_id: str) -> str:
+    """The item a prompt id names, without its epoch: ``"17@3"`` -> ``"17"``."""
+    item, sep, epoch = prompt_id.rpartition("@")
+    return item if sep and epoch.isdigit() else prompt_id
+
+
+def _unit(seed: int, item: str, index: int) -> float:
+    """A number in [0, 1) fixed by (seed, item, index): the same on every run and resume."""
+    digest = hashlib.blake2b(f"{seed}/{item}/{index}".encode(), digest_size=8).digest()
+    return float(struct.unpack("<Q", digest)[0] >> 11) / float(1 << 53)
+
+
+class PromptSchedule:
+    """Decides which prompts are generated and how many samples go first (see the module).
+
+    Args:
+        spec: the manifest's ``pipeline.schedule`` section.
+        group_size: the samples of a full group.
+        seed: what the decisions are drawn from.
+        state: ``state()`` of the schedule a resumed run continues.
+    """
+
+    def __init__(
+        self,
+        spec: ScheduleSpec,
+        group_size: int,
+        *,
+        seed: int = 0,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.group_size = group_size
+        self.seed = seed
+        state = state or {}
+        # Every item scored at least once -> its uniform groups in a row (0: the last was not).
+        self.streaks: dict[str, int] = {str(k): int(v) for k, v in state.get("streaks", {}).items()}
+        self.explore = float(state.get("explore", spec.explore))
+        self._uniform = 0  # groups generated since the last batch that were uniform
+        self._generated = 0  # ... and all of them
+
+    @property
+    def enabled(self) -> bool:
+        return self.spec.skip_uniform or self.probe_size > 0
+
+    @property
+    def probe_size(self) -> int:
+        """Samples generated first for a prompt to probe, or 0 for none."""
+        probe = self.spec.probe
+        return probe if 0 < probe < self.group_size else 0
+
+    def admit(self, prompt_id: str, index: int) -> bool:
+        """Generate this prompt now (True), or skip it this epoch (False)."""
+        if not self.spec.skip_uniform:
+            return True
+        streak = self.streaks.get(item_of(prompt_id), 0)
+        if streak == 0:
+            return True
+        return _unit(self.seed, item_of(prompt_id), index) < self.explore**streak
+
+    def first(self, prompt_id: str) -> int:
+        """How many of the group's samples to generate first: ``probe`` for a prompt without
+        history or whose last group was uniform, else the whole group."""
+        item = item_of(prompt_id)
+        if self.probe_size and self.streaks.get(item, 1) > 0:
+            return self.probe_size
+        return self.group_size
+
+    def record(self, prompt_id: str, rewards: Sequence[float]) -> bool:
+        """Learn from one group's rewards (a probe's or a whole group's); True if uniform."""
+        item = item_of(prompt_id)
+        flat = uniform(list(rewards))
+        self.streaks[item] = self.streaks.get(item, 0) + 1 if flat else 0
+        self._generated += 1
+        self._uniform += int(flat)
+        return flat
+
+    def end_batch(self) -> None:
+        """Move ``explore`` towards ``target_uniform`` from the groups since the last batch."""
+        if self._generated and self.spec.skip_uniform:
+            share = self._uniform / self._generated
+            if share > self.spec.target_uniform:
+                self.explore = max(EXPLORE_MIN, self.explore / ADAPT)
+            elif share < self.spec.target_uniform:
+                self.explore = min(1.0, self.explore * ADAPT)
+        self._uniform = self._generated = 0
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed schedule needs: the streaks (of every item scored) and ``explore``."""
+        if not self.enabled:
+            return {}
+        return {"streaks": dict(self.streaks), "explore": self.explore}

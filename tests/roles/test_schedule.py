@@ -1,0 +1,190 @@
+"""Prompt scheduling from what was scored: deferral of prompts whose groups were uniform, and
+probing of new ones (asyncrl.roles.sampling.schedule), alone and in the sample pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
+from asyncrl.roles.generation.rollout import Prompt, Sample, SamplingParams
+from asyncrl.roles.sampling.pipeline import SamplePipeline
+from asyncrl.roles.sampling.schedule import EXPLORE_MIN, PromptSchedule, _unit, item_of
+from asyncrl.transport import run
+from tests.roles.test_pipeline import WAIT_S, FakeRollout, reward_of
+
+G = 4
+B = 8
+ITEMS = 12
+SOLVED = {"0", "3", "5", "8", "11"}  # items every sample of which is right: uniform groups
+
+
+def test_item_of_strips_the_epoch_only() -> None:
+    assert [item_of(p) for p in ("17@3", "a@b@0", "plain", "x@y")] == ["17", "a@b", "plain", "x@y"]
+
+
+def test_a_uniform_streak_defers_a_prompt_by_explore_to_its_power() -> None:
+    """Over many indices, an item with streak z comes back about explore**z of the time; an
+    item whose last group was not uniform always comes back; the draws are fixed by the seed."""
+    sched = PromptSchedule(ScheduleSpec(skip_uniform=True, explore=0.5), G, seed=7)
+    sched.record("a@0", [1, 1, 1, 1])
+    sched.record("b@0", [1, 1, 1, 1])
+    sched.record("b@1", [0, 0, 0, 0])
+    sched.record("c@0", [1, 0, 1, 1])
+    n = 4000
+    share = {item: sum(sched.admit(f"{item}@9", i) for i in range(n)) / n for item in "abcd"}
+    assert share["a"] == pytest.approx(0.5, abs=0.03)
+    assert share["b"] == pytest.approx(0.25, abs=0.03)
+    assert share["c"] == share["d"] == 1.0
+    again = PromptSchedule(ScheduleSpec(skip_uniform=True, explore=0.5), G, seed=7)
+    again.record("a@0", [1, 1, 1, 1])
+    assert [again.admit("a@5", i) for i in range(50)] == [sched.admit("a@5", i) for i in range(50)]
+    other = PromptSchedule(ScheduleSpec(skip_uniform=True, explore=0.5), G, seed=8)
+    other.record("a@0", [1, 1, 1, 1])
+    assert [other.admit("a@5", i) for i in range(50)] != [sched.admit("a@5", i) for i in range(50)]
+    assert (
+        0.0
+        <= min(_unit(0, "x", i) for i in range(100))
+        < max(_unit(0, "x", i) for i in range(100))
+        < 1.0
+    )
+
+
+def test_probing_asks_for_few_samples_of_prompts_without_history_or_uniform_last() -> None:
+    sched = PromptSchedule(ScheduleSpec(probe=2), G)
+    assert sched.first("new@0") == 2
+    sched.record("mixed@0", [0, 1, 1, 0])
+    sched.record("flat@0", [1, 1])
+    assert (sched.first("mixed@1"), sched.first("flat@1")) == (G, 2)
+    assert PromptSchedule(ScheduleSpec(probe=G), G).first("new@0") == G  # a probe of the whole
+    assert not PromptSchedule(ScheduleSpec(), G).enabled
+
+
+def test_explore_moves_towards_the_target_share_of_uniform_groups() -> None:
+    spec = ScheduleSpec(skip_uniform=True, explore=0.5, target_uniform=0.3)
+    sched = PromptSchedule(spec, G)
+    for i in range(10):
+        sched.record(f"{i}@0", [1, 1, 1, 1])  # all uniform: too many, defer more
+    sched.end_batch()
+    assert sched.explore == pytest.approx(0.4)
+    for _ in range(500):
+        sched.record("u@0", [1, 1, 1, 1])
+        sched.end_batch()
+    assert sched.explore == EXPLORE_MIN  # never below the floor
+    for i in range(500):
+        sched.record(f"m{i}@0", [1, 0, 0, 0])  # none uniform: defer less
+        sched.end_batch()
+    assert sched.explore == 1.0
+    state = sched.state()
+    resumed = PromptSchedule(spec, G, state=state)
+    assert (resumed.streaks, resumed.explore) == (sched.streaks, sched.explore)
+
+
+class Epochs:
+    """A prompt feed over ITEMS items, epoch after epoch: index i is item i % ITEMS of epoch
+    i // ITEMS, with the id ``<item>@<epoch>`` the prompt source gives."""
+
+    async def __call__(self, cursor: int, n: int) -> list[Prompt]:
+        return [
+            Prompt(id=f"{i % ITEMS}@{i // ITEMS}", token_ids=[1, 2, 3], answer="")
+            for i in range(cursor, cursor + n)
+        ]
+
+
+async def solved(samples: list[Sample]) -> list[float]:
+    return [1.0 if item_of(s.prompt_id) in SOLVED else reward_of(s) for s in samples]
+
+
+def _pipeline(rollout: FakeRollout, schedule: ScheduleSpec, **kwargs: Any) -> SamplePipeline:
+    spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=schedule)
+    return SamplePipeline(
+        rollout,
+        spec=spec,
+        feed=Epochs(),
+        score=solved,
+        params=SamplingParams(max_new_tokens=4),
+        batch_size=B,
+        group_size=G,
+        **kwargs,
+    )
+
+
+async def _batches(pipe: SamplePipeline, n: int) -> list[Any]:
+    out = []
+    for step in range(n):
+        out.append(await asyncio.wait_for(pipe.next_batch(), WAIT_S))
+        pipe.advance(step + 1)
+    return out
+
+
+def test_a_probe_that_agrees_drops_its_group_after_few_samples() -> None:
+    """Probe 2 of 4: the solved items' groups stop after 2 samples, the others are generated
+    whole and trained; every admitted sample is consumed or wasted."""
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        async with _pipeline(rollout, ScheduleSpec(probe=2)) as pipe:
+            batches = await _batches(pipe, 3)
+        calls: dict[str, int] = {}
+        for prompt, _, _ in rollout.calls:
+            calls[prompt] = calls.get(prompt, 0) + 1
+        for prompt, n in calls.items():
+            assert n == (2 if item_of(prompt) in SOLVED else G), prompt
+        trained = {s.sample.prompt_id for b in batches for s in b.samples}
+        assert trained and not {item_of(p) for p in trained} & SOLVED
+        m = pipe.metrics
+        assert m["groups_probe_dropped"] == sum(item_of(p) in SOLVED for p in calls)
+        assert m["wasted_samples"] == 2 * m["groups_probe_dropped"]
+        assert m["generated_samples"] == len(rollout.calls)
+        settled = m["consumed_samples"] + m["wasted_samples"]
+        assert m["admitted_samples"] == settled + pipe.in_flight
+
+    run(main())
+
+
+def test_uniform_prompts_are_deferred_in_later_epochs_and_a_resume_decides_the_same() -> None:
+    """With deferral, solved items come back in later epochs less often, skipped with nothing
+    generated; mixed items are never skipped. A pipeline resumed after any batch makes the
+    same decisions as the run that went on."""
+    schedule = ScheduleSpec(skip_uniform=True, probe=2, explore=0.3, target_uniform=0.0)
+
+    async def whole(steps: int) -> tuple[list[list[str]], Any]:
+        rollout = FakeRollout(auto=True)
+        async with _pipeline(rollout, schedule) as pipe:
+            batches = await _batches(pipe, steps)
+        return [[s.sample.prompt_id for s in b.samples] for b in batches], pipe
+
+    async def resumed(steps: int, at: int) -> list[list[str]]:
+        async with _pipeline(FakeRollout(auto=True), schedule) as pipe:
+            first = await _batches(pipe, at)
+        again = _pipeline(
+            FakeRollout(auto=True), schedule, resume=first[-1].resume, start_version=at
+        )
+        async with again as pipe:
+            rest = await _batches_from(pipe, at, steps - at)
+        return [[s.sample.prompt_id for s in b.samples] for b in first + rest]
+
+    async def _batches_from(pipe: SamplePipeline, start: int, n: int) -> list[Any]:
+        out = []
+        for step in range(start, start + n):
+            out.append(await asyncio.wait_for(pipe.next_batch(), WAIT_S))
+            pipe.advance(step + 1)
+        return out
+
+    async def main() -> None:
+        steps = 12
+        ids, pipe = await whole(steps)
+        m = pipe.metrics
+        assert m["skipped_prompts"] > 0
+        assert all(not set(item_of(p) for p in b) & SOLVED for b in ids)
+        for at in (1, 5):
+            assert await resumed(steps, at) == ids
+
+    run(main())
+
+
+def test_a_schedule_without_dynamic_sampling_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"set pipeline\.drop_uniform: true"):
+        PipelineSpec(schedule=ScheduleSpec(probe=2))
