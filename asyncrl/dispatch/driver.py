@@ -125,6 +125,8 @@ async def serve_driver(spec: ProcessSpec) -> int:
         pipeline=pipeline,
         watchdog=watchdog,
         incarnation=spec.incarnation,
+        model=spec.model,
+        roles=spec.roles,
     )
     log.info("program started", program=spec.target, resumed=spec.incarnation > 0)
     program_task = loop.create_task(program(ctx))

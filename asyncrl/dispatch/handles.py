@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Iterable
+import importlib
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from importlib.metadata import entry_points
 from typing import Any
+
+import msgspec
 
 from asyncrl.dispatch.dispatcher import Dispatcher, Group, Work
 from asyncrl.dispatch.scheduler import SHUTTING_DOWN
 from asyncrl.dispatch.watchdog import Watchdog
-from asyncrl.errors import ClosedError, RoleDeadError
+from asyncrl.errors import ClosedError, ConfigProblem, RoleDeadError
+from asyncrl.manifest.model_section import ModelSpec, inherited_config
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.observe.metrics import IdleFractions
 
@@ -199,6 +204,25 @@ class Handle:
             raise RoleDeadError(self.name, SHUTTING_DOWN) from exc
 
 
+def _role_class(name: str, target: str) -> Any:
+    """The class a manifest's ``class`` names: ``module:Class`` or an entry point of the group
+    ``asyncrl.roles``; None for an external ``command`` role.
+
+    Raises:
+        ConfigProblem: it cannot be imported.
+    """
+    if not target:
+        return None
+    try:
+        if ":" in target:
+            module, _, attr = target.partition(":")
+            return getattr(importlib.import_module(module), attr)
+        (point,) = [e for e in entry_points(group="asyncrl.roles") if e.name == target]
+        return point.load()
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigProblem(f"roles.{name}.class {target!r} cannot be imported: {exc}") from exc
+
+
 def _put(queue: asyncio.Queue[Work], work: Work, future: asyncio.Future[Any]) -> None:
     queue.put_nowait(work)
 
@@ -219,6 +243,11 @@ class Context:
     resumes from its checkpoint when it is not); ``ctx.idle()`` is each role's idle fraction since
     the previous ``ctx.idle()`` (a step's, when the program calls it once a step;
     ``asyncrl.observe.metrics.IdleFractions``).
+
+    The manifest's other sections, typed: ``ctx.model`` is its ``model`` section
+    (``asyncrl.manifest.model_section.ModelSpec``: ``path``, ``config``, ``tokenizer``), and
+    ``ctx.role_config(name)`` the ``config`` of role ``name`` as the role's own process sees
+    it, the model section's fields filled in and converted to its ``Config`` class.
     """
 
     def __init__(
@@ -232,6 +261,8 @@ class Context:
         pipeline: PipelineSpec | None = None,
         watchdog: Watchdog | None = None,
         incarnation: int = 0,
+        model: Mapping[str, Any] | None = None,
+        roles: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.run = run
         self.run_dir = run_dir
@@ -244,6 +275,40 @@ class Context:
             name: Handle(group, self.watchdog) for name, group in dispatcher.groups.items()
         }
         self._idle = IdleFractions(dispatcher.busy)
+        self.model = msgspec.convert(dict(model or {}), ModelSpec)
+        self._roles = {name: dict(role) for name, role in (roles or {}).items()}
+
+    def role_config(self, name: str, config_type: Any = None) -> Any:
+        """The ``config`` of role ``name``, as its process sees it: the manifest's mapping,
+        with the fields it leaves unset that the ``model`` section fills (``tokenizer_path``,
+        ``model_path``, ``model_config``: ``asyncrl.manifest.model_section``), converted to
+        ``config_type``.
+
+        Args:
+            name: the role's name in the manifest.
+            config_type: a msgspec Struct, dataclass or annotated class; None: the role
+                class's ``Config`` (its module is imported here, which may take seconds: call
+                it once, before the loop), or a plain dict for a role without one.
+
+        Raises:
+            KeyError: the run has no role ``name`` (the message lists them).
+            ConfigProblem: the config does not convert to the type (the message names the
+                field), or the role's class cannot be imported.
+        """
+        if name not in self._roles:
+            known = ", ".join(sorted(self._roles)) or "none"
+            raise KeyError(f"no role {name!r} in this run's manifest; the roles are: {known}")
+        role = self._roles[name]
+        raw = dict(role.get("config") or {})
+        if config_type is None:
+            config_type = getattr(_role_class(name, str(role.get("class") or "")), "Config", None)
+        if config_type is None:
+            return raw
+        filled = inherited_config(raw, config_type, msgspec.to_builtins(self.model))
+        try:
+            return msgspec.convert(filled, config_type)
+        except msgspec.ValidationError as exc:
+            raise ConfigProblem(f"roles.{name}.config: {exc}") from exc
 
     def idle(self) -> dict[str, float]:
         """Each role's idle fraction since the previous call: the share of the time in which

@@ -94,8 +94,11 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         groups: every role group, by name, with endpoints as seen from this process's node (the
             driver calls them; a role may call another, e.g. a relay its publisher).
         pipeline: for the driver: the manifest's ``pipeline`` section.
-        model: for a role: the manifest's ``model`` section, which fills the fields of the
-            role's Config that its config leaves unset (``asyncrl.manifest.model_section``).
+        model: the manifest's ``model`` section: for a role, it fills the fields of the
+            role's Config that its config leaves unset (``asyncrl.manifest.model_section``);
+            the driver's program reads it as ``ctx.model``.
+        roles: for the driver: each role's ``class`` and ``config`` as the manifest gives
+            them, which the program reads typed through ``ctx.role_config(name)``.
         tcp_endpoint: in a launch over several nodes, the tcp endpoint the replica also binds,
             for callers on other nodes (the same port for every incarnation); empty otherwise.
         curve_keys: the folder of CurveZMQ keys every tcp socket of the process uses; empty:
@@ -123,6 +126,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     groups: dict[str, GroupInfo] = {}
     pipeline: dict[str, Any] = {}
     model: dict[str, Any] = {}
+    roles: dict[str, dict[str, Any]] = {}
     tcp_endpoint: str = ""
     curve_keys: str = ""
 

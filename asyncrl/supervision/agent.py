@@ -182,6 +182,11 @@ def _driver_child(
             groups=groups,
             config=dict(run.config),
             pipeline=msgspec.to_builtins(manifest.pipeline),
+            model=msgspec.to_builtins(manifest.model),
+            roles={
+                name: {"class": role.cls or "", "config": dict(role.config)}
+                for name, role in manifest.roles.items()
+            },
             curve_keys=keys,
         )
         env = {

@@ -1,0 +1,77 @@
+"""A program reads the manifest's model section and each role's config, typed (``Context``)."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Any, cast
+
+import msgspec
+import pytest
+
+from asyncrl.dispatch.handles import Context
+from asyncrl.errors import ConfigProblem
+from asyncrl.manifest.model_section import ModelSpec
+from asyncrl.roles.services.reward import Reward
+
+ROLES = {
+    "reward": {"class": "asyncrl.roles.services.reward:Reward", "config": {"verifier": "exact"}},
+    "judge": {
+        "class": "asyncrl.roles.services.reward:Reward",
+        "config": {"verifier": "numeric", "tokenizer_path": "own/tokenizer"},
+    },
+    "echo": {"class": "", "config": {"x": 1}},
+}
+MODEL = {"config": {"model_type": "gpt2"}, "tokenizer": "examples/arith/tokenizer"}
+
+
+class Settings(msgspec.Struct):
+    tokenizer_path: str = ""
+    model_config: dict[str, Any] = {}
+    verifier: str = ""
+
+
+def context(**kwargs: Any) -> Context:
+    dispatcher = SimpleNamespace(groups={}, busy=lambda: {})
+    return Context(cast(Any, dispatcher), run="t", run_dir=".", log=None, **kwargs)
+
+
+def test_the_model_section_is_typed() -> None:
+    ctx = context(model=MODEL, roles=ROLES)
+    assert ctx.model == ModelSpec(config={"model_type": "gpt2"}, tokenizer=MODEL["tokenizer"])
+    assert context().model == ModelSpec()
+
+
+def test_a_role_config_is_its_config_class_with_the_model_section_filled_in() -> None:
+    ctx = context(model=MODEL, roles=ROLES)
+    reward = ctx.role_config("reward")
+    assert isinstance(reward, Reward.Config)
+    assert reward.verifier == "exact" and reward.tokenizer_path == MODEL["tokenizer"]
+    # A role's own setting wins over the model section.
+    assert ctx.role_config("judge").tokenizer_path == "own/tokenizer"
+    assert ctx.role_config("judge", Settings) == Settings(
+        tokenizer_path="own/tokenizer", model_config={"model_type": "gpt2"}, verifier="numeric"
+    )
+    assert ctx.role_config("echo") == {"x": 1}  # an external command role: its mapping
+
+
+def test_an_unknown_role_or_a_bad_config_says_what_is_wrong() -> None:
+    ctx = context(model=MODEL, roles=ROLES)
+    with pytest.raises(
+        KeyError,
+        match="no role 'critic' in this run's manifest; the roles are: echo, judge, reward",
+    ):
+        ctx.role_config("critic")
+
+    class Strict(msgspec.Struct):
+        x: str
+
+    with pytest.raises(
+        ConfigProblem, match=r"roles.echo.config: Expected `str`, got `int` - at `\$.x`"
+    ):
+        ctx.role_config("echo", Strict)
+    broken = context(roles={"r": {"class": "no.such.module:Role", "config": {}}})
+    with pytest.raises(
+        ConfigProblem, match=re.escape("roles.r.class 'no.such.module:Role' cannot be imported")
+    ):
+        broken.role_config("r")
