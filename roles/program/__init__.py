@@ -1,5 +1,7 @@
-"""What a program calls: typed clients of the roles (``clients``), the RL and BC loops
-(``programs``), evaluation (``evaluation``) and the metrics a run writes (``metrics``).
+"""What a program calls: typed clients of the roles (``clients``), the RL loop and its stop
+conditions (``loop``), the built-in programs (``programs``), evaluation with a verifier of its
+own (``evaluation``), the metrics of each step (``metrics``), and the state a run carries across
+restarts: its phases and summary (``run``, ``report``) and its history (``history``).
 
 May import: every other part of the roles (``asyncrl.roles.learning``,
 ``asyncrl.roles.generation``, ``asyncrl.roles.training``, ``asyncrl.roles.services``,

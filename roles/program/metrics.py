@@ -1,18 +1,21 @@
 """What the RL loop reports at every step: ``metrics.jsonl``, TensorBoard and a progress display.
 
-``StepReport`` is what ``asyncrl.roles.program.programs.rl_loop`` opens around its steps; every
+``StepReport`` is what ``asyncrl.roles.program.loop.rl_loop`` opens around its steps; every
 program built on that loop (the built-in ones, the arith example) reports the same way, without code
 of its own. Each step is one record of ``RUN_DIR/metrics.jsonl`` (written by
 ``asyncrl.observe.metrics.MetricsLog``, mirrored to TensorBoard when it is installed):
 
 - ``step`` (the RL step, from 1), ``wall_s`` (seconds of the RL loop so far, across resumes),
   ``time`` (Unix time), ``version`` (the policy's, after the step);
-- ``reward``: ``mean``, over every group scored for the batch, the uniform ones that dynamic
-  sampling dropped included (the step's reward in ``RLStep``); ``p10``, ``p50``, ``p90`` of
-  the batch's samples; and ``ci95``, the half-width of the 95% interval of the batch's mean
+- ``reward``: ``mean``, ``p10``, ``p50``, ``p90`` of the rewards of the batch the learner
+  trained on (``RLStep.reward``); ``ci95``, the half-width of the 95% interval of that mean
   (1.96 standard errors: for a reward of 0 or 1 the quantiles say little, this says how sure
-  the mean is);
-- ``accuracy``: the held-out accuracy, on the steps that evaluated;
+  the mean is); and ``scored_mean``, the mean reward of every group scored since the previous
+  batch, the uniform ones that dynamic sampling dropped included (``RLStep.reward_scored``: in
+  async mode these are not the trained batch's groups, and the two means differ);
+- ``accuracy``: the held-out accuracy, on the steps that evaluated; ``evaluation``: that
+  evaluation in full (``accuracy``, the verifier's ``score_mean``, ``count``, and the weight
+  ``versions`` of the completions evaluated: ``asyncrl.roles.program.evaluation``);
 - ``learner``: the learner's metrics of the step (its loss and loss parts, ``kl`` and
   ``entropy`` when they are computed, ``grad_norm``, ``lr``, ...);
 - ``staleness``: ``p50``, ``p99`` and ``max`` over the batch's samples, in versions;
@@ -32,7 +35,7 @@ A call one role makes to another directly, without the driver, does not count as
 
 A step the learner took while the driver was down, whose record was never written, is written
 when the loop resumes, from the learner's record of its last step (``recovered: true``, with the
-learner's metrics and the batch's mean reward).
+learner's metrics and the trained batch's mean reward).
 
 The progress display (``asyncrl.observe.progress``) shows the step, the reward, the last held-out
 accuracy, samples per second, restarts and the time left.
@@ -51,7 +54,7 @@ from asyncrl.observe.progress import Progress
 from asyncrl.roles.payloads import LearnerStatus, Sample
 
 if TYPE_CHECKING:
-    from asyncrl.roles.program.programs import RLStep
+    from asyncrl.roles.program.loop import RLStep
 
 __all__ = ["StepReport"]
 
@@ -148,6 +151,10 @@ class StepReport:
             self.progress.close()
         await self.log.__aexit__()
 
+    def wall(self) -> float:
+        """Seconds of the loop so far, earlier incarnations included."""
+        return self._wall_before + self.clock() - self._entered
+
     def lap(self, name: str) -> None:
         """The part ``name`` of the step ends now (its time runs from the previous lap)."""
         now = self.clock()
@@ -170,8 +177,10 @@ class StepReport:
                 "mean": step.reward,
                 **{f"p{q}": quantile(rewards, q / 100) for q in (10, 50, 90)},
                 "ci95": ci95(rewards),
+                "scored_mean": step.reward_scored,
             },
             **({"accuracy": step.evaluation} if step.evaluation is not None else {}),
+            **({"evaluation": step.eval_result.record()} if step.eval_result else {}),
             "learner": dict(step.result.metrics),
             "staleness": {k: metrics.get(f"staleness_{k}", 0.0) for k in ("p50", "p99", "max")},
             "throughput": {

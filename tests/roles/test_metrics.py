@@ -174,6 +174,7 @@ def test_every_step_is_one_line_of_metrics(tmp_path: Any) -> None:
             "p50": 0.0,
             "p90": 1.0,
             "ci95": pytest.approx(1.96 * math.sqrt(1 / 3) / 2),
+            "scored_mean": 0.5,
         }
         assert r["staleness"] == {"p50": 0.0, "p99": 0.0, "max": 0.0}
         assert r["pipeline"]["consumed_samples"] == 4 * r["step"]

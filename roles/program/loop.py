@@ -1,0 +1,494 @@
+"""The RL loop every program shares: sample, score, train, move the weights, evaluate, stop.
+
+    out = await rl_loop(rl, RLLoop(...), feed=PromptFeed(rl), score=score, run=run)
+
+``rl_loop`` samples through the sample pipeline (``asyncrl.roles.sampling.pipeline``) in the
+manifest's mode, takes a learner step per batch (``learn``), moves the weights to the rollout
+replicas (``weight_sync``), evaluates at the evaluation boundaries, writes every step to
+``RUN_DIR/metrics.jsonl`` (``asyncrl.roles.program.metrics``) and, given a ``Run``
+(``asyncrl.roles.program.run``), to the run's history, and reports each step to ``on_step``.
+
+It stops at ``RLLoop.steps``, or earlier:
+
+- **on a target**: ``stop_at={"accuracy": 0.95}`` stops at the first evaluation that reaches
+  it (``score_mean`` likewise); ``{"reward": 0.9}`` when a trained batch's mean reward does;
+- **on request**: ``on_step`` returns ``Stop("why")`` or raises it;
+- **on a wall budget**: ``budget_s`` seconds of the loop, earlier incarnations included.
+
+With an evaluation, a stop lands on an evaluation boundary: a stop asked for at a step that did
+not evaluate takes effect at the next step that does (``Stop(now=True)`` stops at once), and
+the budget stops at the last boundary whose next one would end past it (at the step that runs
+past it when that comes before the first boundary). Without one, the budget stops before a step
+that would end past it, at the pace of the steps so far. A loop that stopped early keeps why
+with the learner, so a driver restarted after it does not train on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from asyncrl.roles.payloads import (
+    LearnerStatus,
+    Prompt,
+    Sample,
+    SamplingParams,
+    StepResult,
+    TrainBatch,
+)
+from asyncrl.roles.program.clients import RLContext
+from asyncrl.roles.program.evaluation import EvalResult, Evaluation
+from asyncrl.roles.program.metrics import StepReport
+from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
+from asyncrl.roles.sampling.weight_sync import relay_groups
+
+if TYPE_CHECKING:
+    from asyncrl.roles.program.run import Run
+
+__all__ = ["PromptFeed", "RLLoop", "RLStep", "Stop", "learn", "rl_loop", "weight_sync"]
+
+log = logging.getLogger("asyncrl.programs")
+
+Correction = Literal["clip", "decoupled", "tis"]
+TARGETS = ("accuracy", "score_mean", "reward")
+"""The metrics ``RLLoop.stop_at`` may name."""
+
+
+class Stop(Exception):
+    """Ends ``rl_loop`` early: its ``on_step`` callback returns one, or raises it.
+
+    Args:
+        reason: why, for the log and the loop's result (``stop_reason``).
+        now: stop after this step even when it did not evaluate (else the loop goes on to its
+            next evaluation boundary).
+    """
+
+    def __init__(self, reason: str = "on_step asked to stop", *, now: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.now = now
+
+
+@dataclass
+class RLLoop:
+    """What ``rl_loop`` runs.
+
+    Attributes:
+        algorithm: ``grpo``, ``rloo`` or ``ppo`` (PPO needs a ``critic`` role).
+        steps: the RL step to reach (a resumed loop goes on from where it was).
+        prompts_per_step: prompts per batch; each is sampled ``group_size`` times.
+        group_size: samples per prompt (GRPO's group).
+        params: sampling parameters of the rollouts.
+        lr: the learner's peak learning rate for these steps; 0 keeps its configured one.
+        id_prefix: batch ids are ``<id_prefix><step>``: unique in the run, so a step re-sent
+            after a learner crash is counted once.
+        keep: more of the program's state to keep with every step (``TrainBatch.keep``).
+        evaluate: an ``Evaluation`` (its ``every`` is the default ``eval_every``), or a hook
+            returning an accuracy or an ``EvalResult``; None: the ``Run``'s evaluation, if any.
+        eval_every: steps between evaluations; 0: the evaluation's ``every``, or only after
+            the last step.
+        budget_s: a wall-clock budget of the loop in seconds; 0: none.
+        stop_at: targets that stop the loop: ``accuracy``, ``score_mean`` (of an evaluation) or
+            ``reward`` (a trained batch's mean), each reached at or above its value.
+    """
+
+    algorithm: str
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    params: SamplingParams
+    lr: float = 0.0
+    id_prefix: str = "rl-"
+    keep: dict[str, Any] = field(default_factory=dict)
+    evaluate: Evaluation | Callable[[], Awaitable[float | EvalResult]] | None = None
+    eval_every: int = 0
+    budget_s: float = 0.0
+    stop_at: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RLStep:
+    """One step of ``rl_loop``, as its ``on_step`` callback sees it.
+
+    Attributes:
+        step: the RL step number, from 1.
+        batch: the pipeline's batch (samples, rewards, staleness metrics).
+        result: the learner's reply.
+        reward: the mean reward of the batch the learner trained on.
+        reward_scored: the mean reward of every group scored since the previous batch, the
+            uniform ones that dynamic sampling dropped included (in async mode, not the
+            trained batch's groups: ``reward_scored_mean``).
+        evaluation: the accuracy of this step's evaluation, else None.
+        eval_result: this step's evaluation in full, else None.
+        last: the loop stops after this step (as known before ``on_step`` is called).
+    """
+
+    step: int
+    batch: Batch
+    result: StepResult
+    reward: float
+    reward_scored: float = float("nan")
+    evaluation: float | None = None
+    eval_result: EvalResult | None = None
+    last: bool = False
+
+
+Scorer = Callable[[list[Sample]], Awaitable[list[float]]]
+OnStep = Callable[[RLStep], "Awaitable[Stop | None] | Stop | None"]
+
+
+class _Stopper:
+    """When ``rl_loop`` stops, and why (see the module's docstring)."""
+
+    def __init__(self, loop: RLLoop, has_eval: bool, every: int) -> None:
+        unknown = sorted(set(loop.stop_at) - set(TARGETS))
+        if unknown:
+            raise ValueError(f"RLLoop.stop_at: unknown metric {unknown}; expected {TARGETS}")
+        self.loop, self.has_eval, self.every = loop, has_eval, every
+        self.pending = ""  # a stop asked for, waiting for its step
+        self.now = False
+        self.reason = ""  # why the loop stopped; "" while it goes on
+
+    def boundary(self, step: int) -> bool:
+        return self.has_eval and bool(self.every) and step % self.every == 0
+
+    def ask(self, reason: str, *, now: bool = False) -> None:
+        if not self.pending:
+            self.pending, self.now = reason, now
+
+    def after_training(self, step: int, reward: float, elapsed: float, per_step: float) -> bool:
+        """Whether ``step`` is the last, given its reward and the loop's wall time so far."""
+        target = self.loop.stop_at.get("reward")
+        if target is not None and reward >= target:
+            self.ask(f"the reward {reward:.4g} reached its target {target:g}")
+        budget = self.loop.budget_s
+        if budget and self.boundary(step) and elapsed + self.every * per_step > budget:
+            self.ask(f"its {budget:g} s budget ends before the next evaluation")
+        elif budget and self.every and self.has_eval and elapsed >= budget:
+            self.ask(f"its {budget:g} s budget ran out before an evaluation", now=True)
+        elif budget and not (self.every and self.has_eval) and elapsed + per_step > budget:
+            self.ask(f"its {budget:g} s budget ends before another step would")
+        if step >= self.loop.steps:
+            return True
+        on_boundary = not (self.has_eval and self.every) or self.boundary(step)
+        return bool(self.pending) and (self.now or on_boundary)
+
+    def after_eval(self, result: EvalResult | None) -> bool:
+        """Whether an evaluation's result reached a target (the loop stops at it)."""
+        for metric in ("accuracy", "score_mean"):
+            target = self.loop.stop_at.get(metric)
+            value = None if result is None else getattr(result, metric)
+            if target is not None and value is not None and value >= target:
+                self.pending, self.now = f"the {metric} {value:.4g} reached {target:g}", True
+                return True
+        return False
+
+    def after_step(self, stop: Stop | None, evaluated: bool, last: bool) -> bool:
+        """Whether the loop ends now, after ``on_step`` answered ``stop``."""
+        if stop is not None:
+            self.ask(stop.reason, now=stop.now or evaluated or not self.has_eval)
+        if last or (self.pending and self.now):
+            self.reason = self.pending or "steps"
+            return True
+        return False
+
+
+async def rl_loop(
+    rl: RLContext,
+    loop: RLLoop,
+    *,
+    feed: PromptFeed,
+    score: Scorer,
+    done: int | None = None,
+    on_step: OnStep | None = None,
+    display: bool = True,
+    run: Run | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, Any]:
+    """RL from step ``done + 1`` until ``loop.steps`` or a stop (see the module's docstring).
+
+    Args:
+        rl: the run's typed context.
+        loop: what to run.
+        feed: the prompts (``PromptFeed`` over the prompt source, or any pipeline feed).
+        score: rewards for a group's samples.
+        done: RL steps already taken; None: the ``run``'s steps in its phase, else 0.
+        on_step: called after each step; may be async; may return or raise ``Stop``.
+        display: show the progress display (a live bar on a terminal, plain lines elsewhere).
+        run: the program's ``Run``: each step goes to its history, with the phase's position
+            kept with the learner; its evaluation is the default one.
+        clock: seconds, for the budget and the step times (a test may pass a fake one).
+
+    Returns:
+        ``steps`` (the last step taken), ``stop_reason`` (``steps`` when it ran them all),
+        ``stopped_by_budget``, ``wall_s``, ``cursor``, ``evaluations`` (each ``EvalResult``
+        as a mapping) and the pipeline's metrics (``pipeline``).
+
+    Raises:
+        ValueError: ``stop_at`` names an unknown metric.
+    """
+    status = await rl.learner.status()
+    done = (run.steps if run is not None else 0) if done is None else done
+    evaluation = loop.evaluate if loop.evaluate is not None or run is None else run.evaluation
+    every = loop.eval_every or (evaluation.every if isinstance(evaluation, Evaluation) else 0)
+    stopper = _Stopper(loop, evaluation is not None, every)
+    resumed = _stopped_before(loop, status, done)
+    if resumed is not None:
+        return resumed
+    if rl.reference is not None and done == 0:  # the KL term is measured against the start
+        await rl.reference.set_weights(await rl.learner.weights())
+    weights = weight_sync(rl)
+    await weights.ensure(None)  # relays first, then every replica loads the newest weights
+    title = loop.algorithm.upper()
+    report = StepReport(
+        rl.run_dir, title, loop.steps, done=done, learner=status, display=display, clock=clock
+    )
+    report.idle = rl.ctx.idle
+    pipe = _pipeline(rl, loop, feed, report.scorer(score), status)
+    evaluations: list[dict[str, Any]] = []
+    step, started = done, clock()
+    async with report, pipe:
+        if run is not None:
+            await run.resumed_loop(done, stopper.boundary(done), weights)
+        while stopper.reason == "":
+            step += 1
+            result, batch, reward = await _train(rl, loop, run, pipe, report, weights, step)
+            per_step = (clock() - started) / (step - done)
+            last = stopper.after_training(step, reward, report.wall(), per_step)
+            evaluated = None
+            if evaluation is not None and (last or stopper.boundary(step)):
+                await weights.ensure(result.version)
+                evaluated = await _evaluate(rl, evaluation, step)
+                evaluations.append(evaluated.record() | {"step": step})
+                last = stopper.after_eval(evaluated) or last
+            report.lap("eval")
+            rl_step = _step(step, batch, result, reward, evaluated, last)
+            report.record(rl_step)
+            if run is not None:
+                run.record_step(rl_step)
+            stop = await _call(on_step, rl_step)
+            stopper.after_step(stop, evaluated is not None, last)
+        await weights.close()
+        metrics = {**pipe.metrics, "in_flight_at_end": pipe.in_flight}
+    wall = clock() - started
+    return await _ended(rl, loop, run, stopper, step, wall, pipe.cursor, metrics, evaluations)
+
+
+def _stopped_before(loop: RLLoop, status: LearnerStatus, done: int) -> dict[str, Any] | None:
+    """The result of a loop that had stopped early at ``done`` (kept with the learner), for a
+    driver restarted after it; None when it had not."""
+    stopped = status.keep.get("stopped") or {}
+    if stopped.get("id") != loop.id_prefix or int(stopped.get("step", -1)) != done:
+        return None
+    reason = str(stopped.get("reason", ""))
+    log.info("RL had stopped at step %d: %s", done, reason)
+    return {
+        "steps": done,
+        "stop_reason": reason,
+        "stopped_by_budget": "budget" in reason,
+        "wall_s": 0.0,
+        "cursor": int(status.keep.get("cursor", 0)),
+        "evaluations": [],
+        "pipeline": {},
+    }
+
+
+async def _train(
+    rl: RLContext,
+    loop: RLLoop,
+    run: Run | None,
+    pipe: SamplePipeline,
+    report: StepReport,
+    weights: WeightSync,
+    step: int,
+) -> tuple[StepResult, Batch, float]:
+    """One batch, one learner step, the new weights pushed; the trained batch's mean reward."""
+    batch = await pipe.next_batch()
+    report.lap("batch")
+    keep = {**loop.keep, **(run.position() if run is not None else {})}
+    result = await learn(
+        rl, batch, algorithm=loop.algorithm, lr=loop.lr, id=f"{loop.id_prefix}{step}", keep=keep
+    )
+    if run is not None:
+        run.learner_step = result.step
+    report.lap("learn")
+    # Sync mode: every replica holds the new weights before the next batch is admitted.
+    await weights.push(version=result.version)
+    pipe.advance(result.version)
+    report.lap("weights")
+    rewards = [s.reward for s in batch.samples]
+    return result, batch, sum(rewards) / max(1, len(rewards))
+
+
+def _step(
+    step: int,
+    batch: Batch,
+    result: StepResult,
+    reward: float,
+    evaluated: EvalResult | None,
+    last: bool,
+) -> RLStep:
+    return RLStep(
+        step=step,
+        batch=batch,
+        result=result,
+        reward=reward,
+        reward_scored=float(batch.metrics.get("reward_scored_mean", float("nan"))),
+        evaluation=None if evaluated is None else evaluated.accuracy,
+        eval_result=evaluated,
+        last=last,
+    )
+
+
+async def _ended(
+    rl: RLContext,
+    loop: RLLoop,
+    run: Run | None,
+    stopper: _Stopper,
+    step: int,
+    wall: float,
+    cursor: int,
+    metrics: dict[str, Any],
+    evaluations: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The loop's result; a loop that stopped early keeps why with the learner."""
+    reason = stopper.reason
+    if step < loop.steps:
+        log.info("RL stopped at step %d of %d: %s", step, loop.steps, reason)
+        stopped = {"id": loop.id_prefix, "step": step, "reason": reason}
+        await rl.learner.checkpoint({"stopped": stopped})
+    out = {
+        "steps": step,
+        "stop_reason": reason,
+        "stopped_by_budget": "budget" in reason and step < loop.steps,
+        "wall_s": wall,
+        "cursor": cursor,
+        "evaluations": evaluations,
+        "pipeline": metrics,
+    }
+    if run is not None:
+        run.loop_ended(out)
+    return out
+
+
+def weight_sync(rl: RLContext, **kwargs: Any) -> WeightSync:
+    """The run's ``WeightSync``: the rollout group, after the relay groups (``relay_groups``:
+    ``run.config.relays``, or the role named ``relay``), in the pipeline's mode (sync mode
+    waits); ``kwargs`` go to ``WeightSync`` (``wait``, ``timeout``).
+
+    Raises:
+        ValueError: ``run.config.relays`` names a role the run lacks.
+    """
+    relays = [rl.ctx[name] for name in relay_groups(rl.config, rl.ctx.roles)]
+    kwargs.setdefault("wait", rl.pipeline.mode == "sync")
+    return WeightSync(rl.rollout.handle, relays=relays, **kwargs)
+
+
+async def _call(on_step: OnStep | None, step: RLStep) -> Stop | None:
+    """``on_step(step)``, awaited when it is async; the ``Stop`` it returned or raised."""
+    if on_step is None:
+        return None
+    try:
+        outcome = on_step(step)
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+    except Stop as stop:
+        return stop
+    return outcome if isinstance(outcome, Stop) else None
+
+
+async def _evaluate(
+    rl: RLContext, evaluation: Evaluation | Callable[[], Awaitable[Any]], step: int
+) -> EvalResult:
+    """The evaluation of the weights the replicas hold, as an ``EvalResult`` at ``step``."""
+    if isinstance(evaluation, Evaluation):
+        result = await evaluation.run(rl)
+    else:
+        value = await evaluation()
+        result = value if isinstance(value, EvalResult) else EvalResult(value, value, 0)
+    result.step = step
+    return result
+
+
+def _pipeline(
+    rl: RLContext, loop: RLLoop, feed: PromptFeed, score: Scorer, status: LearnerStatus
+) -> SamplePipeline:
+    """The sample pipeline of ``rl_loop``, resumed where the learner's last step left it."""
+    return SamplePipeline(
+        rl.rollout.handle,
+        spec=rl.pipeline,
+        feed=feed,
+        score=score,
+        params=loop.params,
+        batch_size=loop.prompts_per_step * loop.group_size,
+        group_size=loop.group_size,
+        **status.advantages,  # computed as the learner computes them
+        start_version=status.version,
+        resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
+        watchdog=rl.watchdog,
+    )
+
+
+class PromptFeed:
+    """The prompt source as a ``SamplePipeline`` feed; keeps each prompt's answer for the reward."""
+
+    def __init__(self, rl: RLContext) -> None:
+        self.prompts = rl.prompts
+        self.answers: dict[str, str] = {}
+
+    async def __call__(self, cursor: int, n: int) -> list[Prompt]:
+        taken = await self.prompts.take(cursor, n)
+        self.answers.update({p.id: p.answer for p in taken})
+        return taken
+
+
+async def learn(
+    rl: RLContext,
+    batch: Batch,
+    *,
+    algorithm: str,
+    lr: float = 0.0,
+    timeout: float = 300.0,
+    id: str = "",
+    keep: dict[str, Any] | None = None,
+) -> StepResult:
+    """One learner step on a pipeline batch.
+
+    PPO first asks the critic for values, and a ``reference`` role (when the run has one) gives
+    the log-probs of the KL term; the learner then trains with the manifest's off-policy
+    correction, keeping the pipeline's resume state (and ``keep``) with the step; PPO's critic
+    takes its own step last. With an ``id``, a step whose reply was lost to a learner crash is
+    sent again and counted once (``resend``).
+
+    Raises:
+        ValueError: PPO without a ``critic`` role.
+    """
+    spec = rl.pipeline
+    samples = [s.sample for s in batch.samples]
+    if algorithm == "ppo":
+        if rl.critic is None:
+            raise ValueError("algorithm 'ppo' needs a role named 'critic' in the manifest")
+        values = await rl.critic.values(samples, timeout=timeout)
+        for scored, v in zip(batch.samples, values, strict=True):
+            scored.values = v
+    if rl.reference is not None:
+        refs = await rl.reference.logprobs(samples, timeout=timeout)
+        for scored, ref in zip(batch.samples, refs, strict=True):
+            scored.ref_logprobs = ref
+    train = TrainBatch(
+        samples=batch.samples,
+        algorithm=algorithm,
+        keep={"cursor": batch.cursor, "resume": batch.resume, **(keep or {})},
+        lr=lr,
+        correction=cast(Correction, spec.correction),  # validated by the manifest
+        importance_cap=spec.importance_cap,
+        id=id,
+    )
+    result = await rl.learner.train_step(train, timeout=timeout)
+    if algorithm == "ppo" and rl.critic is not None:
+        await rl.critic.train_step(batch.samples, id=id, timeout=timeout)
+    return result
