@@ -72,12 +72,15 @@ class ScheduleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         target_uniform: the share of generated groups that ``explore`` aims to leave uniform.
         probe: for a prompt without history, or whose last group was uniform, generate this
             many samples of its group first, and the rest only if they disagree (0: off).
+        retire_after: retire a prompt whose last this many groups were all solved (uniform at
+            the best reward seen): never generated again (0: never).
     """
 
     skip_uniform: bool = False
     explore: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     target_uniform: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
     probe: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
+    retire_after: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
 
 
 class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

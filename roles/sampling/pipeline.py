@@ -76,6 +76,9 @@ __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
 
 log = logging.getLogger("asyncrl.pipeline")
 
+FETCH_MAX = 1024
+"""The most prompts asked of the feed at once (while the schedule skips most of them)."""
+
 CAPPED_WARN_EVERY = 50
 """The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
 then once every this many (late in a run most groups of a good policy are uniform)."""
@@ -176,6 +179,7 @@ class SamplePipeline:
         self._capped_batches = 0  # batches that reached it, in this run
         self.schedule = PromptSchedule(spec.schedule, group_size, state=resume.get("schedule"))
         self._probing: dict[str, int] = {}  # group key -> samples of its probe, while probing
+        self._skipped_run = 0  # prompts the schedule skipped since it last admitted one
         self._scored = (0.0, 0)  # sum and count of rewards released since the last batch
         self._to_score: list[tuple[Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
@@ -245,7 +249,9 @@ class SamplePipeline:
     async def _next_prompt(self) -> Prompt | None:
         while True:
             if not self._prompts:
+                # While the schedule skips most prompts, ask for more at a time.
                 n = max(1, self.batch_size // self.group_size)
+                n = min(FETCH_MAX, max(n, self._skipped_run))
                 self._fetching = True
                 try:
                     fetched = await self.feed(self._fetched, n)
@@ -261,9 +267,12 @@ class SamplePipeline:
                 self._next_index += 1
                 continue
             if not self.schedule.admit(prompt.id, self._next_index):  # deferred: settled now
-                self.metrics["skipped_prompts"] += 1
+                retired = self.schedule.retired(prompt.id)
+                self.metrics["retired_skips" if retired else "skipped_prompts"] += 1
+                self._skipped_run += 1
                 self._next_index += 1
                 continue
+            self._skipped_run = 0
             return prompt
 
     def _start(self, prompt: Prompt) -> None:

@@ -12,6 +12,9 @@ filtering, and staged sampling of a group), cut that:
   epoch (settled at once, nothing generated). The policy moves, so no prompt is retired for good.
   ``explore`` adapts after every batch so that about ``target_uniform`` of the groups generated
   are uniform: up when fewer are (the filter is too strict), down when more are.
+- **Retirement.** With ``retire_after: n``, an item whose last ``n`` groups were all solved
+  (uniform at the best reward seen so far) is never generated again: it has nothing left to
+  teach the policy that trains on it. Unsolved items are only deferred, never retired.
 - **Probing.** A prompt without history (or one whose streak says it might be uniform) first
   gets ``probe`` of its ``group_size`` samples. If they disagree, the rest are generated and the
   group trains as usual. If they agree the group is dropped after ``probe`` samples rather than
@@ -87,13 +90,16 @@ class PromptSchedule:
         state = state or {}
         # Every item scored at least once -> its uniform groups in a row (0: the last was not).
         self.streaks: dict[str, int] = {str(k): int(v) for k, v in state.get("streaks", {}).items()}
+        # Items whose last groups were solved (uniform at the best reward) -> how many in a row.
+        self.solved: dict[str, int] = {str(k): int(v) for k, v in state.get("solved", {}).items()}
+        self.best = float(state.get("best", float("-inf")))  # the best reward seen
         self.explore = float(state.get("explore", spec.explore))
         self._uniform = 0  # groups generated since the last batch that were uniform
         self._generated = 0  # ... and all of them
 
     @property
     def enabled(self) -> bool:
-        return self.spec.skip_uniform or self.probe_size > 0
+        return self.spec.skip_uniform or self.probe_size > 0 or self.spec.retire_after > 0
 
     @property
     def probe_size(self) -> int:
@@ -103,12 +109,21 @@ class PromptSchedule:
 
     def admit(self, prompt_id: str, index: int) -> bool:
         """Generate this prompt now (True), or skip it this epoch (False)."""
+        item = item_of(prompt_id)
+        if self.spec.retire_after and self.solved.get(item, 0) >= self.spec.retire_after:
+            return False
         if not self.spec.skip_uniform:
             return True
-        streak = self.streaks.get(item_of(prompt_id), 0)
+        streak = self.streaks.get(item, 0)
         if streak == 0:
             return True
-        return _unit(self.seed, item_of(prompt_id), index) < self.explore**streak
+        return _unit(self.seed, item, index) < self.explore**streak
+
+    def retired(self, prompt_id: str) -> bool:
+        """The prompt's item is retired (``admit`` is always False for it)."""
+        return bool(self.spec.retire_after) and (
+            self.solved.get(item_of(prompt_id), 0) >= self.spec.retire_after
+        )
 
     def first(self, prompt_id: str) -> int:
         """How many of the group's samples to generate first: ``probe`` for a prompt without
@@ -123,6 +138,11 @@ class PromptSchedule:
         item = item_of(prompt_id)
         flat = uniform(list(rewards))
         self.streaks[item] = self.streaks.get(item, 0) + 1 if flat else 0
+        self.best = max(self.best, *rewards)
+        if flat and rewards[0] >= self.best:
+            self.solved[item] = self.solved.get(item, 0) + 1
+        else:
+            self.solved.pop(item, None)
         self._generated += 1
         self._uniform += int(flat)
         return flat
@@ -141,4 +161,9 @@ class PromptSchedule:
         """What a resumed schedule needs: the streaks (of every item scored) and ``explore``."""
         if not self.enabled:
             return {}
-        return {"streaks": dict(self.streaks), "explore": self.explore}
+        return {
+            "streaks": dict(self.streaks),
+            "solved": dict(self.solved),
+            "best": self.best,
+            "explore": self.explore,
+        }

@@ -188,3 +188,53 @@ def test_uniform_prompts_are_deferred_in_later_epochs_and_a_resume_decides_the_s
 def test_a_schedule_without_dynamic_sampling_is_refused() -> None:
     with pytest.raises(ValueError, match=r"set pipeline\.drop_uniform: true"):
         PipelineSpec(schedule=ScheduleSpec(probe=2))
+
+
+def test_a_prompt_solved_in_a_row_is_retired_and_an_unsolved_one_only_deferred() -> None:
+    sched = PromptSchedule(ScheduleSpec(retire_after=2), G)
+    sched.record("s@0", [1.0, 1.0, 1.0, 1.0])
+    sched.record("w@0", [0.0, 0.0, 0.0, 0.0])
+    sched.record("m@0", [0.0, 1.0, 0.0, 1.0])
+    assert [sched.admit(f"{i}@1", 0) for i in "swm"] == [True, True, True]
+    sched.record("s@1", [1.0, 1.0, 1.0, 1.0])
+    sched.record("w@1", [0.0, 0.0, 0.0, 0.0])
+    assert (sched.retired("s@2"), sched.retired("w@2")) == (True, False)
+    assert [sched.admit(f"s@{e}", e) for e in range(2, 20)] == [False] * 18
+    assert sched.admit("w@2", 2)  # unsolved: never retired (no deferral asked for)
+    resumed = PromptSchedule(ScheduleSpec(retire_after=2), G, state=sched.state())
+    assert resumed.retired("s@9") and not resumed.retired("w@9")
+
+
+def test_the_feed_is_asked_for_more_prompts_while_the_schedule_skips_them() -> None:
+    """Every item retired after its first group but one: the pipeline asks the feed for growing chunks, not one
+    batch's worth at a time, while it skips."""
+
+    class Counting(Epochs):
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        async def __call__(self, cursor: int, n: int) -> list[Prompt]:
+            self.asked.append(n)
+            return await super().__call__(cursor, n)
+
+    async def all_but_one(samples: list[Sample]) -> list[float]:
+        return [reward_of(s) if item_of(s.prompt_id) == "1" else 1.0 for s in samples]
+
+    async def main() -> None:
+        feed = Counting()
+        spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=ScheduleSpec(retire_after=1))
+        pipe = SamplePipeline(
+            FakeRollout(auto=True),
+            spec=spec,
+            feed=feed,
+            score=all_but_one,
+            params=SamplingParams(max_new_tokens=4),
+            batch_size=B,
+            group_size=G,
+        )
+        async with pipe:
+            await _batches(pipe, 8)
+        assert pipe.metrics["retired_skips"] > 0
+        assert max(feed.asked) > B // G
+
+    run(main())
