@@ -70,8 +70,8 @@ class ScheduleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             epoch.
         explore: that probability's starting base; it adapts after every batch.
         target_uniform: the share of generated groups that ``explore`` aims to leave uniform.
-        probe: for a prompt without history, or whose last group was uniform, generate this
-            many samples of its group first, and the rest only if they disagree (0: off).
+        probe: generate this many samples of each group first, and the rest only if they
+            disagree (0: off).
         retire_after: retire a prompt whose last this many groups were all solved (uniform at
             the best reward seen): never generated again (0: never).
     """

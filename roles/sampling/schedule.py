@@ -3,7 +3,7 @@
 With dynamic sampling a group whose rewards are all equal carries no GRPO signal and is thrown
 away. Most prompts of a task are, for a given policy, either always solved or never solved, so
 most generated groups are thrown away (79% of the samples of the README's main job before this
-module). Two rules, after the published selective-rollout methods (GRESO's pre-rollout
+module). Three rules, after the published selective-rollout methods (GRESO's pre-rollout
 filtering, and staged sampling of a group), cut that:
 
 - **Deferral by history.** A prompt comes round once per epoch of the prompt source. Each item
@@ -15,8 +15,7 @@ filtering, and staged sampling of a group), cut that:
 - **Retirement.** With ``retire_after: n``, an item whose last ``n`` groups were all solved
   (uniform at the best reward seen so far) is never generated again: it has nothing left to
   teach the policy that trains on it. Unsolved items are only deferred, never retired.
-- **Probing.** A prompt without history (or one whose streak says it might be uniform) first
-  gets ``probe`` of its ``group_size`` samples. If they disagree, the rest are generated and the
+- **Probing.** Every group first gets ``probe`` of its ``group_size`` samples. If they disagree, the rest are generated and the
   group trains as usual. If they agree the group is dropped after ``probe`` samples rather than
   ``group_size``, and counted as uniform.
 
@@ -126,12 +125,9 @@ class PromptSchedule:
         )
 
     def first(self, prompt_id: str) -> int:
-        """How many of the group's samples to generate first: ``probe`` for a prompt without
-        history or whose last group was uniform, else the whole group."""
-        item = item_of(prompt_id)
-        if self.probe_size and self.streaks.get(item, 1) > 0:
-            return self.probe_size
-        return self.group_size
+        """How many of the group's samples to generate first: ``probe`` when probing, else the
+        whole group."""
+        return self.probe_size or self.group_size
 
     def record(self, prompt_id: str, rewards: Sequence[float]) -> bool:
         """Learn from one group's rewards (a probe's or a whole group's); True if uniform."""
