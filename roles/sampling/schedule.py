@@ -15,9 +15,9 @@ filtering, and staged sampling of a group), cut that:
 - **Retirement.** With ``retire_after: n``, an item whose last ``n`` groups were all solved
   (uniform at the best reward seen so far) is never generated again: it has nothing left to
   teach the policy that trains on it. Unsolved items are only deferred, never retired.
-- **Probing.** Every group first gets ``probe`` of its ``group_size`` samples. If they disagree, the rest are generated and the
-  group trains as usual. If they agree the group is dropped after ``probe`` samples rather than
-  ``group_size``, and counted as uniform.
+- **Probing.** Every group first gets ``probe`` of its ``group_size`` samples. If they disagree,
+  the rest are generated and the group trains as usual. If they agree the group is dropped after
+  ``probe`` samples rather than ``group_size``, and counted as uniform.
 
 The bias this adds to which prompts train: with rewards that are 0 or 1 and a pass rate ``p``, a
 full group trains when it is not uniform, with probability ``1 - p^G - (1-p)^G`` (``G`` the group

@@ -205,8 +205,8 @@ def test_a_prompt_solved_in_a_row_is_retired_and_an_unsolved_one_only_deferred()
 
 
 def test_the_feed_is_asked_for_more_prompts_while_the_schedule_skips_them() -> None:
-    """Every item retired after its first group but one: the pipeline asks the feed for growing chunks, not one
-    batch's worth at a time, while it skips."""
+    """Every item but one is retired after its first group: the pipeline asks the feed for
+    growing chunks, not one batch's worth at a time, while it skips."""
 
     class Counting(Epochs):
         def __init__(self) -> None:
