@@ -40,7 +40,7 @@ from asyncrl.roles.payloads import (
     StepResult,
     TrainBatch,
 )
-from asyncrl.roles.program.clients import RLContext
+from asyncrl.roles.program.clients import RewardClient, RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.metrics import StepReport
 from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
@@ -225,8 +225,7 @@ async def rl_loop(
 
     Returns:
         ``steps`` (the last step taken), ``stop_reason`` (``steps`` when it ran them all),
-        ``stopped_by_budget``, ``wall_s``, ``cursor``, ``evaluations`` (each ``EvalResult``
-        as a mapping) and the pipeline's metrics (``pipeline``).
+        ``stopped_by_budget``, ``wall_s``, ``cursor``, ``evaluations``, ``pipeline``.
 
     Raises:
         ValueError: ``stop_at`` names an unknown metric.
@@ -237,17 +236,19 @@ async def rl_loop(
     every = loop.eval_every or (evaluation.every if isinstance(evaluation, Evaluation) else 0)
     stopper = _Stopper(loop, evaluation is not None, every)
     resumed = _stopped_before(loop, status, done)
-    if resumed is not None:
+    if resumed is not None:  # nothing left to train: a driver restarted after the last step
+        if run is not None:
+            await run.resumed_loop(done, evaluation is not None, weight_sync(rl))
+            run.loop_ended(resumed)
         return resumed
     if rl.reference is not None and done == 0:  # the KL term is measured against the start
         await rl.reference.set_weights(await rl.learner.weights())
     weights = weight_sync(rl)
     await weights.ensure(None)  # relays first, then every replica loads the newest weights
-    title = loop.algorithm.upper()
     report = StepReport(
-        rl.run_dir, title, loop.steps, done=done, learner=status, display=display, clock=clock
+        rl.run_dir, loop.algorithm.upper(), loop.steps, done=done, learner=status, clock=clock
     )
-    report.idle = rl.ctx.idle
+    report.idle, report.progress = rl.ctx.idle, report.progress if display else None
     pipe = _pipeline(rl, loop, feed, report.scorer(score), status)
     evaluations: list[dict[str, Any]] = []
     step, started = done, clock()
@@ -279,12 +280,13 @@ async def rl_loop(
 
 
 def _stopped_before(loop: RLLoop, status: LearnerStatus, done: int) -> dict[str, Any] | None:
-    """The result of a loop that had stopped early at ``done`` (kept with the learner), for a
-    driver restarted after it; None when it had not."""
+    """The result of a loop that had taken its last step, or stopped early (kept with the
+    learner), at ``done``, for a driver restarted after it; None when it had not."""
     stopped = status.keep.get("stopped") or {}
-    if stopped.get("id") != loop.id_prefix or int(stopped.get("step", -1)) != done:
+    early = stopped.get("id") == loop.id_prefix and int(stopped.get("step", -1)) == done
+    if not early and done < loop.steps:
         return None
-    reason = str(stopped.get("reason", ""))
+    reason = str(stopped.get("reason", "")) if early else "steps"
     log.info("RL had stopped at step %d: %s", done, reason)
     return {
         "steps": done,
@@ -444,6 +446,16 @@ class PromptFeed:
         taken = await self.prompts.take(cursor, n)
         self.answers.update({p.id: p.answer for p in taken})
         return taken
+
+    def scorer(self, reward: RewardClient) -> Scorer:
+        """A ``Scorer``: ``reward`` scores each sample against its prompt's answer (decoded
+        with the reward role's tokenizer)."""
+
+        async def score(samples: list[Sample]) -> list[float]:
+            answers = [self.answers[s.prompt_id] for s in samples]
+            return await reward.score_samples(samples, answers)
+
+        return score
 
 
 async def learn(

@@ -106,7 +106,10 @@ def test_grpo_runs_and_evaluates_the_heldout_prompts(run_dir: str) -> None:
     with open(os.path.join(run_dir, "logs", "driver.0.jsonl")) as f:
         logged = [json.loads(line)["event"] for line in f]
     assert (
-        sum("held-out accuracy" in event and "(24 prompts, greedy)" in event for event in logged)
+        sum(
+            "held-out accuracy" in event and "(24 prompts, greedy, versions [" in event
+            for event in logged
+        )
         == 2
     )
     assert result["pipeline"]["consumed_samples"] == 4 * 32
@@ -149,3 +152,43 @@ def test_a_resumed_async_run_paces_from_the_checkpointed_version(run_dir: str) -
     # resumed counters start with the 4 batches consumed before.
     assert second["pipeline"]["admitted_samples"] - 4 * 32 <= (2 + 1 + 1) * 32
     assert second["cursor"] >= first["cursor"] - 32
+
+
+def test_grpo_stops_on_a_target_at_an_evaluation_boundary(run_dir: str) -> None:
+    """A reward target of 0 is reached at the first step; with evaluations every 3 steps the
+    stop lands on step 3, the first boundary, which evaluates."""
+    path = os.path.join(run_dir, "heldout.jsonl")
+    with open(path, "w") as f:
+        for a in range(10):
+            f.write(json.dumps({"prompt": f"{a:02d}+{a:02d}=", "answer": f"{2 * a:03d}"}) + "\n")
+    source = "asyncrl.roles.services.prompts:PromptSource"
+    role = f"heldout: {{class: '{source}', config: {{path: {path}}}}}"
+    overrides = ("run.config.eval_every=3", "run.config.stop_at={reward: 0.0}")
+    result = run_program(run_dir, "grpo", 10, role, overrides=overrides)
+    assert result["steps"] == 3 and len(result["rewards"]) == 3
+    assert result["stop_reason"].startswith("the reward ") and not result["stopped_by_budget"]
+    assert [h["step"] for h in result["heldout"]] == [3]
+
+
+PROGRAM_READS_ITS_CONFIG = """
+from asyncrl.roles.services.reward import Reward
+
+
+async def main(ctx):
+    reward = ctx.role_config("reward")
+    assert isinstance(reward, Reward.Config)
+    return {"tokenizer": ctx.model.tokenizer, "reward": [reward.verifier, reward.tokenizer_path]}
+"""
+
+
+def test_a_program_reads_the_model_section_and_role_configs_typed(run_dir: str) -> None:
+    with open(os.path.join(run_dir, "flow.py"), "w") as f:
+        f.write(PROGRAM_READS_ITS_CONFIG)
+    path = os.path.join(run_dir, "m.yaml")
+    text = MANIFEST.format(program="x", steps=1, extra="", pipeline="")
+    text = text.replace("asyncrl.roles.program.programs:x", f"{run_dir}/flow.py:main")
+    with open(path, "w") as f:
+        f.write(text)
+    result = _run(["--run-dir", run_dir], path, run_dir)
+    tokenizer = "examples/arith/tokenizer"
+    assert result == {"tokenizer": tokenizer, "reward": ["exact", tokenizer]}
