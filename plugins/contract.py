@@ -238,18 +238,20 @@ class Compiled(Protocol):
     eager: bool
     error: str
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, *args: torch.Tensor) -> Any:
+        """``fn``'s outputs: a tensor or a tuple of tensors."""
+        ...
 
 
 @runtime_checkable
 class Compiler(Protocol):
     """Graph compilation with sequence-length bucketing and an eager fallback."""
 
-    def compile(
-        self, fn: Callable[..., torch.Tensor], *, buckets: Sequence[int], dim: int = 1
-    ) -> Compiled:
+    def compile(self, fn: Callable[..., Any], *, buckets: Sequence[int], dim: int = 1) -> Compiled:
         """``fn`` compiled for each bucket: inputs are padded along ``dim`` to the smallest
-        bucket that holds them, and outputs cut back, so changing lengths do not recompile."""
+        bucket that holds them, and outputs cut back (each output of a tuple whose size along
+        ``dim`` is the bucket's; a 0-dim loss is returned as it is), so changing lengths do not
+        recompile."""
         ...
 
 

@@ -12,6 +12,11 @@
   losing an acknowledged step.
 - rollout: tokens per second of a supervised rollout replica generating a batch, through a
   handle.
+- small step (``asyncrl.bench.learner_small``): a new user's first GRPO run, the arith model at
+  64 samples a step: the driver's view of ``train_step``, eager (``small_step_ms``) and with
+  ``compile: true`` (``small_compiled_ms``), against a plain eager loop (``small_plain_ms``),
+  interleaved; ``small_over_plain`` (target <= 1.1), ``small_compiled_over_eager`` (target
+  <= 0.8), and ``small_breakdown_ms``, where the eager step's time goes.
 - data-parallel step (``--data-parallel``; ``measure_data_parallel``): the same GRPO step through
   ``LearnerClient.train_step`` on a learner of one replica and on a data-parallel learner of two
   (gloo, ``one_for_all``), interleaved step by step: ``dp1_step_ms_p50`` and
@@ -36,6 +41,7 @@ import msgspec
 import torch
 
 from asyncrl.bench.harness import role_child
+from asyncrl.bench.learner_small import breakdown, small_remote
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.handles import Context
 from asyncrl.manifest.load import Supervision
@@ -196,6 +202,7 @@ def measure(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plain = _plain_steps(samples_per_step, steps)
+    small = measure_small(steps=max(20, 2 * steps))
     handle_ms = statistics.median(remote["learner_step_ms"]) * 1e3
     durable_ms = statistics.median(remote["durable_step_ms"]) * 1e3
     plain_ms = statistics.median(plain) * 1e3
@@ -208,6 +215,33 @@ def measure(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
         "rollout_tokens_per_s": remote["rollout_tokens_per_s"],
         "samples_per_step": samples_per_step,
         "steps": steps,
+        **small,
+    }
+
+
+def measure_small(*, steps: int = 20) -> dict[str, Any]:
+    """The small-batch case (``asyncrl.bench.learner_small``): medians in milliseconds, their
+    ratios, the compiled learner's compilation seconds and the eager step's breakdown."""
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="arl-ls-")
+    try:
+        logs.configure(role="bench", console=False)
+        times = run(small_remote(tmp, steps))
+        eager = statistics.median(times["eager"]) * 1e3
+        parts = breakdown(os.path.join(tmp, "breakdown"), steps, eager)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    compiled = statistics.median(times["compiled"]) * 1e3
+    plain = statistics.median(times["plain"]) * 1e3
+    return {
+        "small_step_ms": eager,
+        "small_compiled_ms": compiled,
+        "small_plain_ms": plain,
+        "small_over_plain": eager / plain,
+        "small_compiled_over_eager": compiled / eager,
+        "small_compile_s": sum(times["compile_s"]),
+        "small_breakdown_ms": parts,
+        "small_steps": steps,
     }
 
 
@@ -308,8 +342,28 @@ def format_table(f: dict[str, Any]) -> str:
             f"{'durable train_step (p50)':<36}{f['durable_step_ms_p50']:>11.1f} ms",
             f"{'  durable / not durable':<36}{f['durable_ratio']:>13.2f}x",
             f"{'rollout tokens per second':<36}{f['rollout_tokens_per_s']:>14,.0f}",
+            "",
+            *format_small(f),
         ]
     )
+
+
+def format_small(f: dict[str, Any]) -> list[str]:
+    """The small-batch case's lines of the table."""
+    plain_met = "met" if f["small_over_plain"] <= 1.1 else "MISSED"
+    compiled_met = "met" if f["small_compiled_over_eager"] <= 0.8 else "MISSED"
+    return [
+        f"small batch: arith model, 64 samples, {f['small_steps']} steps, 1 torch thread",
+        f"{'train_step, eager (p50)':<36}{f['small_step_ms']:>11.1f} ms",
+        f"{'train_step, compile: true (p50)':<36}{f['small_compiled_ms']:>11.1f} ms",
+        f"{'plain eager PyTorch step (p50)':<36}{f['small_plain_ms']:>11.1f} ms",
+        f"{'  eager / plain':<36}{f['small_over_plain']:>13.2f}x   <= 1.1  {plain_met}",
+        f"{'  compiled / eager':<36}{f['small_compiled_over_eager']:>13.2f}x   <= 0.8  "
+        f"{compiled_met}",
+        f"{'  compilation':<36}{f['small_compile_s']:>12.1f} s",
+        "where the eager step goes (ms per step):",
+        *(f"  {k:<34}{v:>11.2f} ms" for k, v in f["small_breakdown_ms"].items()),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (>= 1)")
     parser.add_argument("--samples", type=int, default=256, help="samples per step")
     parser.add_argument(
+        "--small-only",
+        action="store_true",
+        help="measure the small-batch case only (small_step_ms, small_compiled_ms, ...)",
+    )
+    parser.add_argument(
         "--data-parallel",
         action="store_true",
         help="measure dp1_step_ms_p50 and dp2_step_ms_p50 instead",
@@ -330,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_parallel:
         figures = measure_data_parallel(samples_per_step=args.samples, steps=max(1, args.steps))
         print(json.dumps(figures) if args.json else format_dp_table(figures))
+        return 0
+    if args.small_only:
+        figures = measure_small(steps=max(1, args.steps))
+        print(json.dumps(figures) if args.json else "\n".join(format_small(figures)))
         return 0
     figures = measure(samples_per_step=args.samples, steps=max(1, args.steps))
     print(json.dumps(figures) if args.json else format_table(figures))

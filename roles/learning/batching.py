@@ -9,6 +9,7 @@ placed right-aligned, where the target mask marks completion tokens.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -59,28 +60,39 @@ def pad_batch(
         never shifts a position), and target_mask [B, L-1]: 1 where ``input_ids[:, t+1]`` is a
         completion token, i.e. where the logits at ``t`` predict a completion token.
     """
-    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
-    length = max(len(r) for r in rows)
-    batch = len(rows)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, length), dtype=torch.long)
-    target = torch.zeros((batch, length - 1), dtype=torch.float32)
-    for i, (row, completion) in enumerate(zip(rows, completions, strict=True)):
-        start = length - len(row)
-        input_ids[i, start:] = torch.tensor(row, dtype=torch.long)
-        attention[i, start:] = 1
-        if completion:
-            target[i, length - 1 - len(completion) :] = 1.0
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    length = max(lengths)
+    # One boolean mask and one flat tensor per batch, not a tensor per row: at small batches
+    # the rows' Python-level copies cost as much as the forward pass.
+    columns = torch.arange(length)
+    attention = (columns[None, :] >= length - torch.tensor(lengths)[:, None]).long()
+    flat = list(
+        itertools.chain.from_iterable(
+            itertools.chain(p, c) for p, c in zip(prompts, completions, strict=True)
+        )
+    )
+    input_ids = torch.full((len(lengths), length), pad_id, dtype=torch.long)
+    input_ids[attention.bool()] = torch.tensor(flat, dtype=torch.long)
+    target = _right_mask([len(c) for c in completions], length - 1, torch.float32)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     return input_ids, attention, position_ids, target
 
 
+def _right_mask(lengths: list[int], width: int, dtype: torch.dtype) -> torch.Tensor:
+    columns = torch.arange(width)
+    return (columns[None, :] >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).to(dtype)
+
+
 def aligned(values: list[list[float]], target: torch.Tensor) -> torch.Tensor:
-    """Per-completion-token values placed where ``target`` marks completion tokens."""
+    """Per-completion-token values placed where ``target`` marks completion tokens (each row's
+    values in its last columns)."""
     out = torch.zeros_like(target)
-    for i, row in enumerate(values):
-        if row:
-            out[i, target.shape[1] - len(row) :] = torch.tensor(row, dtype=out.dtype)
+    lengths = [len(row) for row in values]
+    if not any(lengths):
+        return out
+    where = _right_mask(lengths, target.shape[1], torch.bool).to(target.device)
+    flat = torch.tensor(list(itertools.chain.from_iterable(values)), dtype=out.dtype)
+    out[: len(values)][where] = flat.to(target.device)
     return out
 
 

@@ -104,6 +104,11 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             backward pass instead of keeping them (less memory, about a third more compute).
         bucket_mib: with ``fsdp``, the most MiB of full tensors gathered at once to publish
             or export weights: no rank holds more than this beyond its shards.
+        compile: compile the training forward pass and the policy loss with the hardware
+            plugin's compiler (``torch.compile``), one graph per padded-length bucket (16, 24,
+            32, 48, 64, ...); the first step at each new length pays the compilation (seconds),
+            reported as ``compile_s`` in that step's metrics. A function that fails to compile
+            runs eagerly, with a warning.
     """
 
     model_path: str = ""
@@ -153,6 +158,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     parallel: Literal["replicate", "fsdp"] = "replicate"
     activation_checkpointing: bool = False
     bucket_mib: int = 256
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_norm_len(self.aggregation, self.norm_len)

@@ -44,6 +44,7 @@ __all__ = [
     "ALGORITHMS",
     "CORRECTIONS",
     "Algorithm",
+    "CompiledPolicy",
     "Forward",
     "MicroBatch",
     "Objective",
@@ -53,6 +54,7 @@ __all__ = [
     "batch_advantages",
     "batch_objective",
     "bc_coef",
+    "compile_policy",
     "nll",
     "objective_for",
 ]
@@ -321,6 +323,47 @@ CORRECTIONS: Mapping[str, Callable[[LearnerConfig, float], PolicyLoss]] = {
     "tis": TruncatedImportance,
 }
 """The policy loss of each correction, built from the config and ``importance_cap``."""
+
+
+@dataclass(frozen=True)
+class CompiledPolicy:
+    """A ``PolicyLoss`` whose tensor maths runs as one compiled function (the learner's
+    ``compile: true``): the same loss and stats, within float rounding.
+
+    Attributes:
+        policy: the eager policy loss.
+        fn: ``policy`` as a function of the five ``PolicyInputs`` tensors returning one vector,
+            the loss then the stats, as the plugin's compiler made it.
+        keys: the names of the stats, in the vector's order.
+    """
+
+    policy: PolicyLoss
+    fn: Callable[..., torch.Tensor]
+    keys: tuple[str, ...]
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.policy.needs_proximal
+
+    def __call__(self, x: PolicyInputs) -> tuple[torch.Tensor, alg.Stats]:
+        out = self.fn(*x)
+        stats = out[1:].detach()
+        return out[0], dict(zip(self.keys, stats, strict=True))
+
+
+def compile_policy(
+    policy: PolicyLoss, compile_fn: Callable[[Callable[..., torch.Tensor]], Any]
+) -> CompiledPolicy:
+    """``policy`` as one function of its input tensors returning ``[loss, *stats]``, handed to
+    ``compile_fn`` (the plugin compiler's ``compile`` with its buckets)."""
+
+    def stacked(*inputs: torch.Tensor) -> torch.Tensor:
+        loss, stats = policy(PolicyInputs(*inputs))
+        return torch.stack([loss, *(v.to(loss.dtype) for v in stats.values())])
+
+    one = torch.ones(1, 1)
+    _, stats = policy(PolicyInputs(one, one, one, one, one))  # the stats' names, in order
+    return CompiledPolicy(policy, compile_fn(stacked), tuple(stats))
 
 
 # -- the loss and its terms ---------------------------------------------------------------------

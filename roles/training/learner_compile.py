@@ -1,0 +1,88 @@
+"""The learner's compiled step (``compile: true``): its forward pass and each correction's policy
+loss through the hardware plugin's compiler, one graph per padded-length bucket.
+
+BC's loss and the terms added to the policy loss (KL, entropy) stay eager; the forward pass
+they read is the compiled one. A function that fails to compile runs eagerly, and the learner
+says so once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from asyncrl.plugins.contract import Compiled, Compiler
+from asyncrl.roles.payloads import TrainBatch
+from asyncrl.roles.training.objective import (
+    CompiledPolicy,
+    Objective,
+    PolicyGradient,
+    compile_policy,
+)
+
+__all__ = ["COMPILE_BUCKETS", "CompiledStep"]
+
+COMPILE_BUCKETS = sorted({b for p in range(4, 18) for b in (2**p, 3 * 2 ** (p - 1))})
+"""Padded lengths the compiled step is specialised to: powers of two from 16 and the midpoints
+between them (16, 24, 32, 48, ...), so a length is padded by less than half and lengths within
+a factor of two compile at most two graphs."""
+
+
+class CompiledStep:
+    """The compiled functions of one learner.
+
+    Args:
+        compiler: the hardware plugin's ``Compiler``.
+        forward: the learner's forward pass, a function of ``input_ids``, ``attention_mask``
+            and ``position_ids`` whose outputs keep the input's length.
+
+    Attributes:
+        forward: ``forward``, compiled.
+        functions: every compiled function, the forward pass first.
+    """
+
+    def __init__(self, compiler: Compiler, forward: Callable[..., Any]) -> None:
+        self.compiler = compiler
+        self.functions: list[Compiled] = []
+        self.forward = self._compile(forward)
+        self._policies: dict[tuple[str, float], CompiledPolicy] = {}
+        self._warned = False
+
+    def _compile(self, fn: Callable[..., Any]) -> Compiled:
+        compiled = self.compiler.compile(fn, buckets=COMPILE_BUCKETS, dim=1)
+        self.functions.append(compiled)
+        return compiled
+
+    def objective(self, objective: Objective, batch: TrainBatch) -> Objective:
+        """``objective`` with its policy loss compiled, once per correction and importance cap
+        (BC's objective as it is)."""
+        if not isinstance(objective.loss, PolicyGradient):
+            return objective
+        key = (batch.correction, batch.importance_cap)
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = compile_policy(objective.loss.policy, self._compile)
+            self._policies[key] = policy
+        return dataclasses.replace(objective, loss=PolicyGradient(policy, objective.algorithm))
+
+    def graphs(self) -> int:
+        """How many graphs were compiled so far."""
+        return sum(c.compiles for c in self.functions)
+
+    def report(
+        self, before: int, seconds: float, metrics: dict[str, float], log: Any, name: str
+    ) -> None:
+        """After a step that started with ``before`` graphs and took ``seconds``: when it
+        compiled one, ``compile_s`` in its metrics (the step's wall time, one run included) and
+        a log line; the first function found running eagerly, once, as a warning."""
+        if self.graphs() > before:
+            metrics["compile_s"] = seconds
+            log.info(
+                f"{name}: compiled the training step: {self.graphs()} graph(s) so far; "
+                f"the step took {seconds:.1f} s"
+            )
+        failed = [c.error for c in self.functions if c.eager and c.error]
+        if failed and not self._warned:
+            self._warned = True
+            log.warning(f"{name}: compile: true, but the step runs eagerly: {failed[0]}")
