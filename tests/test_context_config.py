@@ -75,3 +75,16 @@ def test_an_unknown_role_or_a_bad_config_says_what_is_wrong() -> None:
         ConfigProblem, match=re.escape("roles.r.class 'no.such.module:Role' cannot be imported")
     ):
         broken.role_config("r")
+
+
+def test_the_ppo_program_refuses_a_critic_whose_returns_differ_from_the_learners() -> None:
+    from asyncrl.roles.program.programs import check_critic
+
+    roles = {
+        "learner": {"class": "asyncrl.roles.training.learner:Learner", "config": {"gamma": 0.9}},
+        "critic": {"class": "asyncrl.roles.training.critic:Critic", "config": {}},
+    }
+    with pytest.raises(ValueError, match=r"gamma: learner 0\.9, critic 1\.0"):
+        check_critic(context(roles=roles))
+    roles["critic"]["config"] = {"gamma": 0.9}
+    check_critic(context(roles=roles))

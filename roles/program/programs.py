@@ -36,6 +36,7 @@ same batch id: the learner answers with the step it already took, or takes it if
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = [
     "RLStep",
     "Stop",
     "bc",
+    "check_critic",
     "grpo",
     "learn",
     "ppo",
@@ -105,6 +107,8 @@ async def ppo(ctx: Context) -> dict[str, Any]:
 
 async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
     cfg = {**DEFAULTS, **rl.config}
+    if algorithm == "ppo" and rl.critic is not None:
+        await asyncio.to_thread(check_critic, rl.ctx)  # imports torch: off the event loop
     status = await rl.learner.status()
     feed = PromptFeed(rl)
     params = SamplingParams(
@@ -166,6 +170,19 @@ async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
     out = await rl_loop(rl, loop, feed=feed, score=score, done=status.step, on_step=on_step)
     held = [{"step": e["step"], "accuracy": e["accuracy"]} for e in out["evaluations"]]
     return {**out, "rewards": rewards, **({"heldout": held} if heldout else {})}
+
+
+def check_critic(ctx: Context) -> None:
+    """Refuse a critic whose return settings (``gamma``, ``lam``, the KL penalty in the reward)
+    differ from the learner's, as the manifest gives them
+    (``asyncrl.roles.training.critic.check_matches_learner``).
+
+    Raises:
+        ValueError: they differ (the message names each setting, with both values).
+    """
+    from asyncrl.roles.training.critic import check_matches_learner
+
+    check_matches_learner(ctx.role_config("learner", dict), ctx.role_config("critic", dict))
 
 
 async def bc(ctx: Context) -> dict[str, Any]:
