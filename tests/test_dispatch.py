@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -713,3 +715,16 @@ def test_a_fault_while_connecting_fails_every_call_with_it(
         "the dispatcher failed while connecting; every call fails with this"
     ]
     assert errors[0].exc_info is not None and errors[0].exc_info[1].exceptions == (fault,)
+
+
+def test_the_driver_freezes_what_it_made_at_start_up_and_collects_young_objects_less_often() -> (
+    None
+):
+    # In a process of its own: freezing is for the whole process.
+    code = (
+        "import gc; from asyncrl.dispatch.driver import freeze_start_up; "
+        "before = gc.get_freeze_count(); freeze_start_up(); "
+        "print(before, gc.get_freeze_count() > 10000, *gc.get_threshold())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "True", "50000", "20", "20"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import resource
 import stat
 from typing import Any
 
@@ -29,12 +30,16 @@ __all__ = [
     "dealer",
     "ipc_path",
     "make_private_dir",
+    "reserve_sockets",
     "socket_id",
     "unlink_if_same",
 ]
 
 IPC_PATH_MAX = 107
 """The longest ipc socket path the operating system accepts (sun_path, less the final NUL)."""
+
+CLIENT_SOCKETS = 3
+"""ZeroMQ sockets one ``Client`` holds: its DEALER, its monitor's PAIR and libzmq's end of it."""
 
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
@@ -201,3 +206,24 @@ def dealer(context: zmq.Context[Any], identity: bytes, options: ChannelOptions) 
     sock.setsockopt(zmq.RECONNECT_IVL, 10)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
     return sock
+
+
+def reserve_sockets(clients: int, spare: int = 64) -> int:
+    """Let this process's shared context (``zmq.Context.instance()``, which every ``Client``,
+    ``Server`` and stream uses unless given one) hold ``clients`` clients and ``spare`` other
+    sockets, and the process open the descriptors they need (two a socket, within its hard
+    limit). libzmq sizes a context when its first socket is made (1,023 sockets by default, a
+    limit it never raises later), so call this before the first. Returns the socket limit now.
+    """
+    sockets = CLIENT_SOCKETS * clients + spare
+    context: zmq.Context[Any] = zmq.Context.instance()
+    limit = min(sockets, context.get(zmq.SOCKET_LIMIT))
+    if limit > context.get(zmq.MAX_SOCKETS):
+        context.set(zmq.MAX_SOCKETS, limit)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * sockets + 256
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return int(context.get(zmq.MAX_SOCKETS))

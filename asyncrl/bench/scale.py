@@ -43,19 +43,28 @@ from typing import Any
 import msgspec
 
 from asyncrl.bench.pipeline import reward
-from asyncrl.bench.sim import SimRollout
+from asyncrl.bench.sim import HostSpec, ScaleRollout, host_main, turnarounds
 from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.driver import freeze_start_up
 from asyncrl.dispatch.handles import Context
 from asyncrl.dispatch.pacing import PipelineSpec, percentiles
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.observe import logs
-from asyncrl.role import Delivery, RoleContext, endpoint, endpoints_of
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.pipeline import SamplePipeline, WeightSync
-from asyncrl.supervision.process import die_with_parent
-from asyncrl.transport import Call, ChannelOptions, LocalRegistry, Server, run
+from asyncrl.transport import LocalRegistry, run
+from asyncrl.transport.sockets import reserve_sockets
 
-__all__ = ["ScaleRollout", "format_table", "main", "measure", "project", "turnarounds"]
+__all__ = [
+    "ScaleRollout",
+    "format_table",
+    "main",
+    "measure",
+    "measure_row",
+    "project",
+    "summarize",
+    "turnarounds",
+]
 
 ROWS = (1, 4, 16, 64, 256)
 QUICK_ROWS = (1, 4)
@@ -72,123 +81,18 @@ HOSTS = 4
 TIMES = {"window": 6.0, "warmup": 1.5, "idle": 2.0}
 """Seconds a row measures, warms up before, and idles (for the heartbeats' cost) before that."""
 QUICK_TIMES = {"window": 0.6, "warmup": 0.3, "idle": 0.2}
+HOLD_ROWS = (256, 512, 1024)
+"""Replica counts of the hold sweep, at ``HOLD_RATE`` samples/s a replica."""
+QUICK_HOLD_ROWS = (8,)
+HOLD_RATE = 10.0
+"""Samples/s one replica asks of the driver in the hold sweep (``SLOTS`` slots of 0.4 s)."""
+HELD = 0.9
+"""The share of the asked rate a row carries to count as held."""
+GC_MODES = ("freeze", "collect", "off")
+"""The driver's cyclic collector: frozen after start-up as ``asyncrl.dispatch.driver`` does,
+collecting as Python's default does, or off."""
 ROW_TIMEOUT_S = 180.0
 RUN = "bench-scale"
-
-
-# -- the simulated replicas (run in the helper processes) -----------------------------------
-
-
-def turnarounds(
-    starts: list[float], ends: list[float], slots: int, window: tuple[float, float]
-) -> list[float]:
-    """The turnaround of each sample that started in ``window``: its start minus the end of
-    the sample whose slot it took.
-
-    With a fixed generation time and work always queued, a replica of ``slots`` slots gives
-    its k-th sample (in start order) the slot the (k - slots)-th freed (in end order). The first
-    ``slots`` samples took a slot nobody held before, and have none.
-
-    Args:
-        starts, ends: the replica's sample start and end times, in any order (``ends`` may be
-            shorter: samples still running).
-        slots: the replica's slots; window: ``(t0, t1)``, on the same clock.
-    """
-    starts, ends = sorted(starts), sorted(ends)
-    t0, t1 = window
-    return [
-        start - ends[k - slots]
-        for k, start in enumerate(starts)
-        if k >= slots and t0 <= start < t1 and k - slots < len(ends)
-    ]
-
-
-class ScaleRollout(SimRollout):
-    """``SimRollout`` that also tells its slots' turnaround (see ``turnarounds``).
-
-    Endpoints: those of ``SimRollout``, and ``turnaround([t0, t1]) -> list[float]``
-    (idempotent): the turnaround, in seconds, of each sample that started in the window.
-    """
-
-    @endpoint(Delivery.IDEMPOTENT)
-    async def turnaround(self, window: list[float]) -> list[float]:
-        if len(window) != 2 or not window[1] > window[0]:
-            raise ValueError(f"turnaround: expected a window [t0, t1] with t1 > t0, got {window}")
-        starts = [s for s, _, _ in self.done] + [s for s, _ in self.running.values()]
-        ends = [e for _, e, _ in self.done]
-        return turnarounds(starts, ends, self.ctx.capacity, (window[0], window[1]))
-
-
-class HostSpec(msgspec.Struct, frozen=True):
-    """What one helper process serves: the replicas ``first`` on, one per endpoint."""
-
-    endpoints: list[str]
-    first: int
-    replicas: int
-    slots: int
-    gen_s: float
-    run_dir: str
-    parent_pid: int
-
-
-def _handler(method: Any) -> Any:
-    async def handle(payload: Any, call: Call) -> Any:
-        return await method(payload)
-
-    return handle
-
-
-def _constant(value: dict[str, Any]) -> Any:
-    def answer(payload: Any, call: Call) -> dict[str, Any]:
-        return value
-
-    return answer
-
-
-async def _serve_host(spec: HostSpec) -> None:
-    """Serve ``spec``'s replicas until stdin closes (the driver ended or closed it)."""
-    config = ScaleRollout.Config(speeds=[1.0] * spec.replicas, sigma=0.0, mean_s=spec.gen_s)
-    methods = endpoints_of(ScaleRollout)
-    servers = []
-    for offset, address in enumerate(spec.endpoints):
-        replica = spec.first + offset
-        ctx = RoleContext(
-            name="rollout",
-            replica=replica,
-            run=RUN,
-            run_dir=spec.run_dir,
-            config=config,
-            capacity=spec.slots,
-            replicas=spec.replicas,
-        )
-        role = ScaleRollout(ctx)
-        server = Server(address, name=f"rollout.{replica}", options=ChannelOptions(run=RUN))
-        for ep in methods.values():
-            server.add(ep.name, _handler(getattr(role, ep.attr)), ep.request_type)
-        described = {
-            "role": "rollout",
-            "replica": replica,
-            "incarnation": 0,
-            "pid": os.getpid(),
-            "endpoints": {n: e.delivery.value for n, e in methods.items()},
-        }
-        server.add("_describe", _constant(described))
-        await server.start()
-        server.set_credit(spec.slots)
-        servers.append(server)
-    try:
-        await asyncio.to_thread(sys.stdin.read)
-    finally:
-        for server in servers:
-            await server.close()
-
-
-def _host_main() -> int:
-    spec = msgspec.json.decode(sys.stdin.readline(), type=HostSpec)
-    die_with_parent(spec.parent_pid)
-    logs.configure(role="bench-scale-host", console=False)
-    run(_serve_host(spec))
-    return 0
 
 
 # -- the driver (one fresh process per row) ---------------------------------------------------
@@ -203,7 +107,16 @@ def _start_hosts(
     procs = []
     for h in range(count):
         lo, hi = h * n // count, (h + 1) * n // count
-        spec = HostSpec(endpoints[lo:hi], lo, n, slots, gen_s, run_dir, os.getpid())
+        spec = HostSpec(
+            endpoints=endpoints[lo:hi],
+            first=lo,
+            replicas=n,
+            slots=slots,
+            gen_s=gen_s,
+            run_dir=run_dir,
+            parent_pid=os.getpid(),
+            run=RUN,
+        )
         proc = subprocess.Popen(
             [sys.executable, "-m", "asyncrl.bench.scale", "--host"],
             stdin=subprocess.PIPE,
@@ -284,10 +197,11 @@ async def _consume(
 
 
 async def _drive(
-    n: int, slots: int, gen_s: float, times: dict[str, float], hosts: int
+    n: int, slots: int, gen_s: float, times: dict[str, float], hosts: int, gc_mode: str
 ) -> dict[str, Any]:
     """One row in this process: start the helpers, wait for every replica, measure the idle
     driver and the pipeline's window, stop the helpers; the figures of the module docstring."""
+    reserve_sockets(n)  # before the first socket, as the driver does
     run_dir = tempfile.mkdtemp(prefix="arl-sc-")  # short: ipc socket paths live under it
     endpoints = [LocalRegistry(run_dir).endpoint("rollout", i) for i in range(n)]
     procs = _start_hosts(endpoints, slots, gen_s, run_dir, hosts)
@@ -297,6 +211,8 @@ async def _drive(
     try:
         ctx = Context(dispatcher, run=RUN, run_dir=run_dir, log=None)
         await ctx.rollout.broadcast("set_version", 0, int, timeout=ROW_TIMEOUT_S)
+        if gc_mode == "freeze":
+            freeze_start_up()  # every replica is connected: start-up is over
         cpu0 = time.process_time()
         await asyncio.sleep(times["idle"])
         idle_cpu = (time.process_time() - cpu0) / times["idle"]
@@ -416,10 +332,10 @@ def _row_main(args: argparse.Namespace) -> int:
     """``--row N``: measure one row in this (fresh) process; print its figures as JSON."""
     logs.configure(role="bench-scale", console=False)
     times = {name: getattr(args, name) for name in TIMES}
-    if args.no_gc:
+    if args.gc == "off":
         gc.disable()
-    figures = run(_drive(args.row, args.slots, args.gen_ms / 1e3, times, args.hosts))
-    print(json.dumps(figures | {"gc": not args.no_gc}))
+    figures = run(_drive(args.row, args.slots, args.gen_ms / 1e3, times, args.hosts, args.gc))
+    print(json.dumps(figures | {"gc": args.gc}))
     return 0
 
 
@@ -433,10 +349,10 @@ def measure_row(
     gen_ms: float = GEN_MS,
     hosts: int = HOSTS,
     times: dict[str, float] = TIMES,
-    no_gc: bool = False,
+    gc: str = "freeze",
 ) -> dict[str, Any]:
     """The figures of one row (``n`` replicas), measured in a fresh driver process; ``times``
-    as ``TIMES``; ``no_gc``: with Python's cyclic garbage collector off in the driver.
+    as ``TIMES``; ``gc``: the driver's cyclic garbage collector, one of ``GC_MODES``.
 
     Raises:
         RuntimeError: the row's process failed; the message holds the end of its output.
@@ -444,7 +360,7 @@ def measure_row(
     cmd = [sys.executable, "-m", "asyncrl.bench.scale", "--row", str(n), "--slots", str(slots)]
     cmd += ["--gen-ms", str(gen_ms), "--hosts", str(hosts)]
     cmd += [arg for name, value in times.items() for arg in (f"--{name}", str(value))]
-    cmd += ["--no-gc"] if no_gc else []
+    cmd += ["--gc", gc]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
@@ -488,11 +404,44 @@ def project(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def measure(replicas: list[int], **row: Any) -> dict[str, Any]:
-    """Every row, in order, and the projection from them: ``{"rows": [...], "projection":
-    {...}}`` (see ``measure_row`` for ``row``'s options and ``project``)."""
+def measure(replicas: list[int], hold: list[int], **row: Any) -> dict[str, Any]:
+    """Every row of ``replicas``, in order, and the projection from them (``project``); then
+    the hold sweep: a row per count in ``hold`` at ``HOLD_RATE`` samples/s a replica, up to
+    the first that fails (its ``error`` is recorded); and the ``summarize`` figures. See
+    ``measure_row`` for ``row``'s options."""
     rows = [measure_row(n, **row) for n in replicas]
-    return {"rows": rows, "projection": project(rows), "cpus": os.cpu_count()}
+    held: list[dict[str, Any]] = []
+    for n in hold:
+        try:
+            held.append(measure_row(n, **(row | {"gen_ms": 1e3 * row["slots"] / HOLD_RATE})))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            held.append({"replicas": n, "error": str(exc)})
+            break
+    figures = {
+        "rows": rows,
+        "projection": project(rows) if rows else None,
+        "hold": {"samples_per_s_a_replica": HOLD_RATE, "rows": held},
+        "cpus": os.cpu_count(),
+    }
+    return figures | summarize(rows, held)
+
+
+def summarize(rows: list[dict[str, Any]], held: list[dict[str, Any]]) -> dict[str, Any]:
+    """What one driver carried over every measured row: ``samples_per_s_max``, the most
+    samples/s of any row, with ``loop_cpu_s_per_1k`` and ``driver_ceiling_samples_per_s`` of
+    that row; and ``replicas_max_held``, the most replicas of a hold row that carried at least
+    ``HELD`` of its asked rate (0 when none did)."""
+    measured = [r for r in (*rows, *held) if "error" not in r]
+    best = max(measured, key=lambda r: r["samples_per_s"], default=None)
+    return {
+        "samples_per_s_max": best["samples_per_s"] if best else 0.0,
+        "loop_cpu_s_per_1k": best["driver_loop_cpu_s_per_1k"] if best else None,
+        "driver_ceiling_samples_per_s": best["driver_ceiling_samples_per_s"] if best else None,
+        "replicas_max_held": max(
+            (r["replicas"] for r in held if "error" not in r and r["efficiency"] >= HELD),
+            default=0,
+        ),
+    }
 
 
 _COLUMNS = (
@@ -515,30 +464,42 @@ _COLUMNS = (
 
 
 def format_table(figures: dict[str, Any]) -> str:
-    """The figures of ``measure`` as a readable table."""
-    rows = figures["rows"]
-    first = rows[0]
+    """The figures of ``measure`` as readable tables: the rows, the hold sweep, the summary."""
+    rows, held = figures["rows"], figures["hold"]["rows"]
+    first = (rows or held)[0]
     lines = [
         "asyncrl scale benchmark: the real driver (dispatcher, sample pipeline, reducer, weight "
         "broadcast) against simulated rollout replicas",
-        f"{first['slots']} slots a replica, {first['gen_ms']:.0f} ms a sample, groups of "
-        f"{GROUP}, eta {ETA}, instant learner; {figures['cpus']} CPUs, "
-        f"{first['window_s']:.1f} s windows{'' if first['gc'] else ', no GC'}. p50/p99: slot "
-        "turnaround; loop: the driver's event-loop thread (busy: ran + waited for a core)",
-        "",
-        "".join(f"{head:>{width}}" for head, width, _, _ in _COLUMNS),
+        f"{first['slots']} slots a replica, groups of {GROUP}, eta {ETA}, instant learner; "
+        f"{figures['cpus']} CPUs, {first['window_s']:.1f} s windows, GC {first['gc']}. p50/p99: "
+        "slot turnaround; loop: the driver's event-loop thread (busy: ran + waited for a core)",
     ]
-    for r in rows:
-        lines.append("".join(f"{r[key]:>{width}{fmt}}" for _, width, key, fmt in _COLUMNS))
-    p = figures["projection"]
+    header = "".join(f"{head:>{width}}" for head, width, _, _ in _COLUMNS)
+    if rows:
+        lines += ["", f"{first['gen_ms']:.0f} ms a sample", header]
+        lines += [_line(r) for r in rows]
+        p = figures["projection"]
+        lines += [
+            f"driver loop CPU per sample ~ {p['cpu_us_per_sample_fixed']:.0f} us + "
+            f"{p['cpu_us_per_sample_per_replica']:.2f} us x replicas; at "
+            f"{p['replica_rate_per_s']:.0f} samples/s a replica, one driver core is full at "
+            f"~{p['one_core_limit_replicas']:.0f} replicas",
+        ]
+    if held:
+        lines += ["", f"hold: {HOLD_RATE:.0f} samples/s a replica", header]
+        lines += [_line(r) if "error" not in r else f"{r['replicas']:>8d}  failed" for r in held]
     lines += [
         "",
-        f"driver loop CPU per sample ~ {p['cpu_us_per_sample_fixed']:.0f} us + "
-        f"{p['cpu_us_per_sample_per_replica']:.2f} us x replicas; at "
-        f"{p['replica_rate_per_s']:.0f} samples/s a replica, one driver core is full at "
-        f"~{p['one_core_limit_replicas']:.0f} replicas",
+        f"one driver carried at most {figures['samples_per_s_max']:.0f} samples/s "
+        f"(loop {figures['loop_cpu_s_per_1k'] or 0:.3f} s a 1,000 samples); it held "
+        f"{figures['replicas_max_held']} replicas at {HOLD_RATE:.0f} samples/s each "
+        f"(>= {HELD:.0%} of the asked rate)",
     ]
     return "\n".join(lines)
+
+
+def _line(row: dict[str, Any]) -> str:
+    return "".join(f"{row[key]:>{width}{fmt}}" for _, width, key, fmt in _COLUMNS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -560,7 +521,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, help=f"warm-up seconds a row ({TIMES['warmup']})")
     parser.add_argument("--idle", type=float, help=f"idle seconds a row ({TIMES['idle']})")
     parser.add_argument("--hosts", type=int, default=HOSTS, help="helper processes, at most")
-    parser.add_argument("--no-gc", action="store_true", help="no cyclic GC in the driver")
+    parser.add_argument(
+        "--hold", type=int, action="append", help="only this hold-sweep replica count (repeatable)"
+    )
+    parser.add_argument(
+        "--gc", choices=GC_MODES, default="freeze", help="the driver's cyclic GC (freeze)"
+    )
+    parser.add_argument("--no-gc", action="store_const", const="off", dest="gc", help="--gc off")
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -570,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.host:
-        return _host_main()
+        return host_main()
     for name, default in (QUICK_TIMES if args.quick else TIMES).items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -580,12 +547,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--window and --idle must be > 0 and --warmup >= 0")
     if args.row is not None:
         return _row_main(args)
-    replicas = args.replicas or list(QUICK_ROWS if args.quick else ROWS)
-    if any(n < 1 for n in replicas):
-        parser.error(f"--replicas must be >= 1, got {replicas}")
+    replicas, hold = args.replicas or [], args.hold or []
+    if not (replicas or hold):  # neither asked for: both sweeps
+        replicas = list(QUICK_ROWS if args.quick else ROWS)
+        hold = list(QUICK_HOLD_ROWS if args.quick else HOLD_ROWS)
+    if any(n < 1 for n in replicas + hold):
+        parser.error(f"--replicas and --hold must be >= 1, got {replicas} and {hold}")
     times = {name: getattr(args, name) for name in TIMES}
-    options = {"slots": args.slots, "gen_ms": args.gen_ms, "hosts": args.hosts, "no_gc": args.no_gc}
-    figures = measure(replicas, times=times, **options)
+    options = {"slots": args.slots, "gen_ms": args.gen_ms, "hosts": args.hosts, "gc": args.gc}
+    figures = measure(replicas, hold, times=times, **options)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 

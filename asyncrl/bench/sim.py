@@ -8,6 +8,9 @@ consumed ids, the version up by one per step) after sleeping ``step_s``. Used by
 bench pipeline``, they let the sample pipeline run on the real runtime with a workload whose
 ideal schedule ``pipeline_model`` computes exactly.
 
+``ScaleRollout`` adds the slot turnaround ``asyncrl bench scale`` measures, and ``host_main``
+is that benchmark's helper process: it serves many replicas, one transport ``Server`` each.
+
 Durations are a function of the sample's stable id alone, so a re-run request, on any replica,
 costs the same work. Prompt ids must be ``p<index>`` (the index names the draw).
 """
@@ -16,16 +19,31 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import sys
 import time
 from typing import Any
 
 import msgspec
 
 from asyncrl.bench.pipeline_model import sample_duration
-from asyncrl.role import Delivery, Role, RoleContext, endpoint
+from asyncrl.observe import logs
+from asyncrl.role import Delivery, Role, RoleContext, endpoint, endpoints_of
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Sample, StepResult, TrainBatch
+from asyncrl.supervision.process import die_with_parent
+from asyncrl.transport import Call, ChannelOptions, Server, run
+from asyncrl.transport.sockets import reserve_sockets
 
-__all__ = ["SimLearner", "SimRollout", "prompt_index", "work_of"]
+__all__ = [
+    "HostSpec",
+    "ScaleRollout",
+    "SimLearner",
+    "SimRollout",
+    "host_main",
+    "prompt_index",
+    "turnarounds",
+    "work_of",
+]
 
 TOKEN = 2
 """The one token of every simulated completion."""
@@ -215,3 +233,122 @@ class SimLearner(Role):
             "consumed": len(self.consumed),
             "keep": {},
         }
+
+
+# -- the replicas of ``asyncrl bench scale`` (run in its helper processes) ----------------------
+
+
+def turnarounds(
+    starts: list[float], ends: list[float], slots: int, window: tuple[float, float]
+) -> list[float]:
+    """The turnaround of each sample that started in ``window``: its start minus the end of
+    the sample whose slot it took.
+
+    With a fixed generation time and work always queued, a replica of ``slots`` slots gives
+    its k-th sample (in start order) the slot the (k - slots)-th freed (in end order). The first
+    ``slots`` samples took a slot nobody held before, and have none.
+
+    Args:
+        starts, ends: the replica's sample start and end times, in any order (``ends`` may be
+            shorter: samples still running).
+        slots: the replica's slots; window: ``(t0, t1)``, on the same clock.
+    """
+    starts, ends = sorted(starts), sorted(ends)
+    t0, t1 = window
+    return [
+        start - ends[k - slots]
+        for k, start in enumerate(starts)
+        if k >= slots and t0 <= start < t1 and k - slots < len(ends)
+    ]
+
+
+class ScaleRollout(SimRollout):
+    """``SimRollout`` that also tells its slots' turnaround (see ``turnarounds``).
+
+    Endpoints: those of ``SimRollout``, and ``turnaround([t0, t1]) -> list[float]``
+    (idempotent): the turnaround, in seconds, of each sample that started in the window.
+    """
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def turnaround(self, window: list[float]) -> list[float]:
+        if len(window) != 2 or not window[1] > window[0]:
+            raise ValueError(f"turnaround: expected a window [t0, t1] with t1 > t0, got {window}")
+        starts = [s for s, _, _ in self.done] + [s for s, _ in self.running.values()]
+        ends = [e for _, e, _ in self.done]
+        return turnarounds(starts, ends, self.ctx.capacity, (window[0], window[1]))
+
+
+class HostSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What one helper process serves: the replicas ``first`` on, one per endpoint."""
+
+    endpoints: list[str]
+    first: int
+    replicas: int
+    slots: int
+    gen_s: float
+    run_dir: str
+    parent_pid: int
+    run: str
+
+
+def _handler(method: Any) -> Any:
+    async def handle(payload: Any, call: Call) -> Any:
+        return await method(payload)
+
+    return handle
+
+
+def _constant(value: dict[str, Any]) -> Any:
+    def answer(payload: Any, call: Call) -> dict[str, Any]:
+        return value
+
+    return answer
+
+
+async def _serve_host(spec: HostSpec) -> None:
+    """Serve ``spec``'s replicas until stdin closes (the driver ended or closed it)."""
+    config = ScaleRollout.Config(speeds=[1.0] * spec.replicas, sigma=0.0, mean_s=spec.gen_s)
+    methods = endpoints_of(ScaleRollout)
+    servers = []
+    for offset, address in enumerate(spec.endpoints):
+        replica = spec.first + offset
+        ctx = RoleContext(
+            name="rollout",
+            replica=replica,
+            run=spec.run,
+            run_dir=spec.run_dir,
+            config=config,
+            capacity=spec.slots,
+            replicas=spec.replicas,
+        )
+        role = ScaleRollout(ctx)
+        server = Server(address, name=f"rollout.{replica}", options=ChannelOptions(run=spec.run))
+        for ep in methods.values():
+            server.add(ep.name, _handler(getattr(role, ep.attr)), ep.request_type)
+        described = {
+            "role": "rollout",
+            "replica": replica,
+            "incarnation": 0,
+            "pid": os.getpid(),
+            "endpoints": {n: e.delivery.value for n, e in methods.items()},
+        }
+        server.add("_describe", _constant(described))
+        await server.start()
+        server.set_credit(spec.slots)
+        servers.append(server)
+    try:
+        await asyncio.to_thread(sys.stdin.read)
+    finally:
+        for server in servers:
+            await server.close()
+
+
+def host_main() -> int:
+    """A helper process of ``asyncrl bench scale``: read its ``HostSpec`` (one JSON line on
+    stdin), serve those replicas until stdin closes."""
+    spec = msgspec.json.decode(sys.stdin.readline(), type=HostSpec)
+    die_with_parent(spec.parent_pid)
+    reserve_sockets(0, spare=len(spec.endpoints) + 64)
+    logs.configure(role="bench-scale-host", console=False)
+    run(_serve_host(spec))
+    return 0

@@ -64,7 +64,11 @@ class Handle:
         key: Any = None,
         target: int | None = None,
         affinity: Any = None,
+        settle: bool = True,
     ) -> Work:
+        """A call's ``Work``, counted in flight until it settles: by a callback on its future
+        (``settle``), or by the caller, which pops it itself (``call``: one callback less a
+        call)."""
         loop = self._loop  # asyncio.get_running_loop makes a system call (getpid) each time
         if loop is None or loop.is_closed():
             loop = self._loop = asyncio.get_running_loop()
@@ -80,7 +84,8 @@ class Handle:
             affinity=affinity,
         )
         self._in_flight[work] = loop.time()
-        work.future.add_done_callback(functools.partial(self._settled, work))
+        if settle:
+            work.future.add_done_callback(functools.partial(self._settled, work))
         return work
 
     def _settled(self, work: Work, future: asyncio.Future[Any]) -> None:
@@ -128,10 +133,25 @@ class Handle:
             RoleDeadError: the run is shutting down; nothing will answer the call.
         """
         work = self._work(
-            method, payload, reply_type, timeout, key=key, affinity=affinity, target=replica
+            method,
+            payload,
+            reply_type,
+            timeout,
+            key=key,
+            affinity=affinity,
+            target=replica,
+            settle=False,
         )
         self._group.submit(work)
-        return await self._outcome(work.future)
+        try:
+            result = await work.future
+        except ClosedError as exc:  # as _outcome, without a coroutine more per call
+            raise RoleDeadError(self.name, SHUTTING_DOWN) from exc
+        finally:
+            self._in_flight.pop(work, None)
+        if self._watchdog is not None:
+            self._watchdog.progress()
+        return result
 
     async def broadcast(
         self,
