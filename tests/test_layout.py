@@ -138,6 +138,7 @@ PARTS: dict[str, tuple[str, ...]] = {
         "asyncrl.roles.sampling",
         "asyncrl.roles.payloads",
     ),
+    "asyncrl.roles.agents": ("asyncrl.roles.payloads",),
     "asyncrl.roles.payloads": (),
     "asyncrl.roles.device_report": (),
 }

@@ -1,0 +1,7 @@
+"""Agents: multi-turn episodes of the policy against environments that run as roles.
+
+Owns: the environment contract and its base role (``environment``) and the episode runner with
+the trajectories it keeps (``episodes``).
+
+May import: ``asyncrl.roles.payloads``, the runtime and the transport.
+"""

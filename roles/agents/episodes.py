@@ -1,0 +1,300 @@
+"""Multi-turn episodes: the policy and an environment role take turns, and the runner keeps the
+exact tokens of both.
+
+An episode's trajectory is the prompt, then alternating *segments*: what the policy generated
+(its token ids, behaviour log-probs and weight versions, exactly as the rollout returned them:
+never re-tokenized) and what the environment answered (its observation's tokens, which the
+policy did not write and which must not be trained). ``Trajectory.loss_mask`` says which tokens
+are the policy's; ``turn_starts`` where each segment begins.
+
+``EpisodeRunner.run`` drives one episode; a program runs many at once, so fast episodes never
+wait for slow ones (each is its own task; its generate calls and steps go to whichever replicas
+have room, and its steps to the environment replica that holds it). Failures:
+
+- A step past ``step_timeout_s`` is cancelled by the environment and becomes the observation
+  ``timeout_text`` to the policy (counted in ``timeouts``), or ends the episode when
+  ``on_timeout`` is ``"end"``. A replica that does not answer a step at all within twice that
+  (hung, or killed) is treated as having lost the episode.
+- A step answered by ``EpisodeLost`` (the environment replica was restarted and lost the
+  episode) restarts the episode from ``reset``, discarding what it had: its tokens are never
+  trained (``restarts``; at most ``max_restarts``). With ``deterministic`` the episode is reset
+  and its actions replayed instead, and it goes on where it was (``replays``).
+- Any other error of a step ends the episode, counted in ``errors``, unless it recurs: the
+  program decides what an episode that ended so is worth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from asyncrl.errors import DeadlineExceededError, RemoteError
+from asyncrl.roles.agents.environment import Observation, Reset, Step, Transition
+from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+
+__all__ = ["EpisodeRunner", "Segment", "Trajectory"]
+
+LOST = "EpisodeLost"
+"""The remote type of the error a replica without the episode raises."""
+
+
+class Segment(msgspec.Struct, kw_only=True):
+    """A run of tokens from one side: the policy's (with log-probs and versions) or the
+    environment's (an observation)."""
+
+    policy: bool
+    token_ids: list[int]
+    logprobs: list[float] = []
+    versions: list[int] = []
+
+
+class Trajectory(msgspec.Struct, kw_only=True):
+    """One episode, as the learner will train it and the program counts it.
+
+    Attributes:
+        episode_id: the episode's stable id.
+        prompt_ids: the prompt's tokens and the reset's observation.
+        segments: policy and environment segments, alternating, the policy's first.
+        reward: the sum of the steps' rewards.
+        turn_rewards: each step's reward.
+        done: the environment ended the episode (False: it ran out of turns or was ended).
+        restarts, replays, timeouts, errors: what went wrong on the way, and how it was met.
+    """
+
+    episode_id: str
+    prompt_ids: list[int]
+    segments: list[Segment] = []
+    reward: float = 0.0
+    turn_rewards: list[float] = []
+    done: bool = False
+    restarts: int = 0
+    replays: int = 0
+    timeouts: int = 0
+    errors: int = 0
+
+    @property
+    def turns(self) -> int:
+        """Actions the policy took."""
+        return sum(s.policy for s in self.segments)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token after the prompt, both sides."""
+        return [t for s in self.segments for t in s.token_ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 for each of the policy's tokens (trained), 0 for the environment's."""
+        return [int(s.policy) for s in self.segments for _ in s.token_ids]
+
+    @property
+    def turn_starts(self) -> list[int]:
+        """Where each segment starts in ``token_ids``."""
+        starts, at = [], 0
+        for s in self.segments:
+            starts.append(at)
+            at += len(s.token_ids)
+        return starts
+
+
+class _Lost(Exception):
+    """The environment replica lost the episode."""
+
+
+class EpisodeRunner:
+    """Runs episodes of a policy (the rollout group) against an environment role.
+
+    Args:
+        rollout: the rollout group's handle (``generate`` takes one sample per call).
+        env: the environment group's handle.
+        encode: text -> token ids (for observations); decode: token ids -> text (for actions).
+        params: how the policy samples each turn.
+        max_turns: the most actions an episode takes.
+        step_timeout_s: the deadline of one step of the environment.
+        on_timeout: ``"observe"`` (tell the policy ``timeout_text``) or ``"end"``.
+        deterministic: the environment replays exactly: a lost episode is replayed, not
+            restarted.
+        max_restarts: the most restarts (or replays) of one episode before it fails.
+        generate_timeout_s: the deadline of one generate call.
+    """
+
+    def __init__(
+        self,
+        rollout: Any,
+        env: Any,
+        *,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+        params: SamplingParams,
+        max_turns: int = 8,
+        step_timeout_s: float = 30.0,
+        on_timeout: str = "observe",
+        timeout_text: str = "[the tool timed out]",
+        deterministic: bool = False,
+        max_restarts: int = 3,
+        generate_timeout_s: float = 600.0,
+    ) -> None:
+        if on_timeout not in ("observe", "end"):
+            raise ValueError(f"on_timeout: expected 'observe' or 'end', got {on_timeout!r}")
+        if max_turns < 1:
+            raise ValueError(f"max_turns: expected an int >= 1, got {max_turns}")
+        self.rollout = rollout
+        self.env = env
+        self.encode = encode
+        self.decode = decode
+        self.params = params
+        self.max_turns = max_turns
+        self.step_timeout_s = step_timeout_s
+        self.on_timeout = on_timeout
+        self.timeout_text = timeout_text
+        self.deterministic = deterministic
+        self.max_restarts = max_restarts
+        self.generate_timeout_s = generate_timeout_s
+
+    async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
+        """Run one episode to its end; its trajectory, exact to the token."""
+        restarts = replays = 0
+        resumed: Trajectory | None = None
+        while True:
+            holder: list[Trajectory] = []
+            try:
+                traj = await self._episode(
+                    episode_id, task, prompt_ids, restarts + replays, resumed, holder
+                )
+                traj.restarts, traj.replays = restarts, replays
+                return traj
+            except _Lost:
+                if restarts + replays >= self.max_restarts:
+                    raise
+                if self.deterministic and holder:
+                    replays += 1
+                    resumed = holder[0]
+                else:
+                    restarts += 1
+                    resumed = None
+
+    async def _episode(
+        self,
+        episode_id: str,
+        task: Any,
+        prompt_ids: list[int],
+        attempt: int,
+        resumed: Trajectory | None,
+        holder: list[Trajectory],
+    ) -> Trajectory:
+        """One attempt: reset (and replay ``resumed``'s actions), then take turns to the end."""
+        obs = await self.env.call(
+            "reset",
+            Reset(episode_id=episode_id, task=task),
+            Observation,
+            timeout=self.step_timeout_s,
+            key=(episode_id, attempt, "reset"),
+        )
+        if resumed is None:
+            traj = Trajectory(episode_id=episode_id, prompt_ids=prompt_ids + self.encode(obs.text))
+        else:
+            traj = resumed
+        holder.append(traj)  # what a replay goes on from, if this attempt loses the episode
+        if resumed is not None:
+            await self._replay(traj, obs.replica, attempt)
+        while not traj.done:
+            turn = len(traj.turn_rewards)  # steps taken; a replayed episode may owe one
+            if turn == traj.turns:
+                if turn >= self.max_turns:
+                    break
+                sample = await self._generate(traj, attempt)
+                traj.segments.append(
+                    Segment(
+                        policy=True,
+                        token_ids=list(sample.token_ids),
+                        logprobs=list(sample.logprobs),
+                        versions=list(sample.versions),
+                    )
+                )
+            action = self.decode(traj.segments[-1].token_ids)
+            transition = await self._step(episode_id, turn, action, obs.replica, attempt, traj)
+            if transition is None:  # ended on a timeout
+                break
+            traj.turn_rewards.append(transition.reward)
+            traj.reward += transition.reward
+            traj.done = transition.done
+            if transition.observation and not transition.done:
+                traj.segments.append(
+                    Segment(policy=False, token_ids=self.encode(transition.observation))
+                )
+        return traj
+
+    async def _generate(self, traj: Trajectory, attempt: int) -> Sample:
+        context = [*traj.prompt_ids, *traj.token_ids]
+        prompt = Prompt(id=f"{traj.episode_id}/{attempt}/{traj.turns}", token_ids=context)
+        request = GenerateRequest(prompt=prompt, sample_index=0, params=self.params)
+        while True:
+            sample: Sample
+            (sample,) = await self.rollout.call(
+                "generate",
+                GenerateBatch([request]),
+                list[Sample],
+                timeout=self.generate_timeout_s,
+                key=(prompt.id, 0),
+            )
+            if sample.finished:
+                return sample
+            request = GenerateRequest(
+                prompt=prompt, sample_index=0, params=self.params, partial=sample
+            )
+
+    async def _step(
+        self, episode_id: str, turn: int, action: str, replica: int, attempt: int, traj: Trajectory
+    ) -> Transition | None:
+        """One step on the replica that holds the episode; None when a timeout ends it."""
+        step = Step(episode_id=episode_id, turn=turn, action=action, deadline_s=self.step_timeout_s)
+        try:
+            transition: Transition = await self.env.call(
+                "step",
+                step,
+                Transition,
+                timeout=2 * self.step_timeout_s,
+                key=(episode_id, attempt, turn),
+                replica=replica,
+            )
+        except DeadlineExceededError as exc:
+            raise _Lost(f"the environment did not answer a step: {exc}") from exc
+        except RemoteError as exc:
+            if exc.remote_type == LOST:
+                raise _Lost(str(exc)) from exc
+            traj.errors += 1
+            return None
+        if transition.timed_out:
+            traj.timeouts += 1
+            if self.on_timeout == "end":
+                return None
+            return Transition(observation=self.timeout_text, timed_out=True)
+        return transition
+
+    async def _replay(self, traj: Trajectory, replica: int, attempt: int) -> None:
+        """Take a resumed trajectory's actions again on a fresh reset; the environment is
+        deterministic, so it answers as it did (an answer that differs fails the episode)."""
+        actions = [self.decode(s.token_ids) for s in traj.segments if s.policy]
+        observations = [s for s in traj.segments if not s.policy]
+        for turn, action in enumerate(actions[: len(traj.turn_rewards)]):  # the steps it took
+            transition = await self.env.call(
+                "step",
+                Step(
+                    episode_id=traj.episode_id,
+                    turn=turn,
+                    action=action,
+                    deadline_s=self.step_timeout_s,
+                ),
+                Transition,
+                timeout=2 * self.step_timeout_s,
+                key=(traj.episode_id, attempt, "replay", turn),
+                replica=replica,
+            )
+            seen = observations[turn].token_ids if turn < len(observations) else None
+            if seen is not None and self.encode(transition.observation) != seen:
+                raise RuntimeError(
+                    f"episode {traj.episode_id!r}: the environment answered turn {turn} "
+                    "differently on replay; it is not deterministic"
+                )

@@ -1,0 +1,276 @@
+"""Multi-turn episodes against an environment role (asyncrl.roles.agents), in one process: a
+guessing game as the environment, a scripted policy as the rollout, and handles that deliver
+calls as the dispatcher does (an error raised by the role arrives as a RemoteError naming its
+type; a restarted replica has lost its episodes)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+
+from asyncrl.errors import DeadlineExceededError, RemoteError
+from asyncrl.role import RoleContext
+from asyncrl.roles.agents.environment import (
+    Close,
+    Environment,
+    EpisodeLost,
+    Reset,
+    Step,
+    Transition,
+)
+from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
+from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
+from asyncrl.transport import run
+
+DIGITS = "0123456789"
+
+
+def encode(text: str) -> list[int]:
+    """One token per character: digits 0-9 are 0-9, anything else 10 + its code point."""
+    return [DIGITS.index(c) if c in DIGITS else 10 + ord(c) for c in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(DIGITS[i] if i < 10 else chr(i - 10) for i in ids)
+
+
+class Guess(Environment):
+    """Guess the secret number (the task): each wrong guess is answered 'higher' or 'lower'."""
+
+    deterministic = True
+
+    async def start(self, task: Any) -> tuple[str, Any]:
+        return "guess:", {"secret": int(task), "guesses": 0}
+
+    async def act(self, state: Any, action: str) -> Transition:
+        state["guesses"] += 1
+        try:
+            guess = int(action.strip() or "-1")
+        except ValueError:
+            return Transition(observation="a number please", reward=-0.1)
+        if guess == state["secret"]:
+            return Transition(observation="right", reward=1.0, done=True)
+        return Transition(observation="higher" if guess < state["secret"] else "lower")
+
+
+class Handle:
+    """Calls a role in this process the way the dispatcher delivers them."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+        self.role = make(0)
+        self.incarnation = 0
+        self.calls: list[tuple[str, Any]] = []
+
+    def restart(self) -> None:
+        self.incarnation += 1
+        self.role = self.make(self.incarnation)
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        self.calls.append((method, payload))
+        try:
+            return await getattr(self.role, method)(payload)
+        except Exception as exc:
+            raise RemoteError("handler_error", str(exc), remote_type=type(exc).__name__) from exc
+
+
+def env_handle() -> Handle:
+    return Handle(lambda n: Guess(RoleContext.local(name="env", incarnation=n)))
+
+
+class Bisect:
+    """A scripted policy: bisects 0..15 from the observations it has seen in its context."""
+
+    def __init__(self) -> None:
+        self.version = 3
+        self.calls = 0
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        assert method == "generate" and isinstance(payload, GenerateBatch)
+        self.calls += 1
+        (request,) = payload.requests
+        text = decode(request.prompt.token_ids)
+        lo, hi = 0, 15
+        for guess, said in _exchanges(text):
+            if said == "higher":
+                lo = guess + 1
+            elif said == "lower":
+                hi = guess - 1
+        tokens = encode(str((lo + hi) // 2) + ";")
+        return [
+            Sample(
+                prompt_id=request.prompt.id,
+                sample_index=0,
+                prompt_ids=request.prompt.token_ids,
+                token_ids=tokens,
+                logprobs=[-0.25] * len(tokens),
+                versions=[self.version] * len(tokens),
+                finished=True,
+                stop_reason="stop",
+            )
+        ]
+
+
+def _exchanges(text: str) -> list[tuple[int, str]]:
+    """(guess, answer) pairs from a context ``guess:7;higher11;lower9;...``."""
+    return [(int(g), said) for g, said in re.findall(r"(\d+);([a-z]*)", text)]
+
+
+def runner(env: Handle, **kw: Any) -> EpisodeRunner:
+    return EpisodeRunner(
+        Bisect(),
+        env,
+        encode=encode,
+        decode=lambda ids: decode(ids).rstrip(";"),
+        params=SamplingParams(max_new_tokens=4),
+        **kw,
+    )
+
+
+def test_an_episode_keeps_both_sides_tokens_and_masks_the_environments() -> None:
+    async def main() -> Trajectory:
+        return await runner(env_handle()).run("e1", 11, [])
+
+    traj = run(main())
+    guesses = [decode(s.token_ids) for s in traj.segments if s.policy]
+    answers = [decode(s.token_ids) for s in traj.segments if not s.policy]
+    assert guesses == ["7;", "11;"]  # bisection: 7 (higher), 11 (right)
+    assert answers == ["higher"]
+    assert traj.done and traj.reward == 1.0 and traj.turn_rewards == [0.0, 1.0]
+    assert traj.turns == 2 and traj.prompt_ids == encode("guess:")
+    assert traj.loss_mask == [1, 1] + [0] * len("higher") + [1, 1, 1]
+    assert len(traj.loss_mask) == len(traj.token_ids)
+    assert traj.turn_starts == [0, 2, 2 + len("higher")]
+    policy = [s for s in traj.segments if s.policy]
+    assert all(s.versions == [3] * len(s.token_ids) for s in policy)
+    assert all(s.logprobs == [-0.25] * len(s.token_ids) for s in policy)
+
+
+class Slow(Guess):
+    """Its first action of every episode never finishes on its own."""
+
+    async def act(self, state: Any, action: str) -> Transition:
+        if state["guesses"] == 0:
+            state["guesses"] += 1
+            await asyncio.Event().wait()
+        return await super().act(state, action)
+
+
+def test_a_step_past_its_deadline_becomes_an_observation_or_ends_the_episode() -> None:
+    async def main(on_timeout: str) -> tuple[Trajectory, Handle]:
+        env = Handle(lambda n: Slow(RoleContext.local(name="env")))
+        r = runner(env, on_timeout=on_timeout, timeout_text="slow", step_timeout_s=0.05)
+        return await r.run("e", 11, []), env
+
+    observed, env = run(main("observe"))
+    assert observed.timeouts == 1 and observed.done and observed.restarts == 0
+    assert decode(observed.segments[1].token_ids) == "slow"
+    assert env.role.episodes["e"].transitions[0].timed_out  # the environment's record says so
+    ended, _ = run(main("end"))
+    assert (ended.timeouts, ended.done, ended.turns, ended.reward) == (1, False, 1, 0.0)
+
+
+class Unanswering(Handle):
+    """The replica holding the episodes never answers a step (hung or gone)."""
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        if method == "step" and self.incarnation == 0:
+            self.restart()  # the supervisor replaces it; the episode is gone with it
+            raise DeadlineExceededError("env.0", "step", kw["timeout"])
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_a_replica_that_does_not_answer_a_step_loses_the_episode() -> None:
+    async def main() -> Trajectory:
+        env = Unanswering(lambda n: NotDeterministic(RoleContext.local(name="env", incarnation=n)))
+        return await runner(env, step_timeout_s=0.05).run("e", 11, [])
+
+    traj = run(main())
+    assert traj.restarts == 1 and traj.done and traj.timeouts == 0
+
+
+class LosesOnce(Handle):
+    """The environment replica restarts (losing its episodes) just before the second step."""
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        if isinstance(payload, Step) and payload.turn == 1 and self.incarnation == 0:
+            self.restart()
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_an_episode_lost_with_its_replica_restarts_from_reset() -> None:
+    async def main() -> tuple[Trajectory, LosesOnce, EpisodeRunner]:
+        env = LosesOnce(lambda n: NotDeterministic(RoleContext.local(name="env", incarnation=n)))
+        r = runner(env, max_turns=6)
+        return await r.run("e", 13, []), env, r
+
+    traj, env, r = run(main())
+    assert traj.restarts == 1 and traj.replays == 0 and traj.done
+    assert [decode(s.token_ids) for s in traj.segments if s.policy] == ["7;", "11;", "13;"]
+    resets = [p for m, p in env.calls if m == "reset"]
+    assert len(resets) == 2  # the first attempt's tokens were dropped with it
+    assert r.rollout.calls == 2 + 3  # turns 0 and 1 of the lost attempt, 3 of the new one
+
+
+class NotDeterministic(Guess):
+    deterministic = False
+
+
+def test_a_deterministic_environment_replays_the_actions_and_goes_on() -> None:
+    async def main() -> tuple[Trajectory, LosesOnce, EpisodeRunner]:
+        env = LosesOnce(lambda n: Guess(RoleContext.local(name="env", incarnation=n)))
+        r = runner(env, max_turns=6, deterministic=True)
+        return await r.run("e", 13, []), env, r
+
+    traj, env, r = run(main())
+    assert (traj.restarts, traj.replays) == (0, 1)
+    assert [decode(s.token_ids) for s in traj.segments if s.policy] == ["7;", "11;", "13;"]
+    assert r.rollout.calls == 3  # nothing generated twice
+    steps = [(p.turn, p.action) for m, p in env.calls if m == "step"]
+    assert steps == [(0, "7"), (1, "11"), (0, "7"), (1, "11"), (2, "13")]
+
+
+def test_an_environment_answers_a_retried_step_and_refuses_an_unknown_episode() -> None:
+    async def main() -> None:
+        env = Guess(RoleContext.local(name="env"))
+        await env.reset(Reset(episode_id="a", task=5))
+        first = await env.step(Step(episode_id="a", turn=0, action="9"))
+        again = await env.step(Step(episode_id="a", turn=0, action="9"))
+        assert first == again == Transition(observation="lower")
+        assert env.episodes["a"].state["guesses"] == 1  # the retry did not act twice
+        with pytest.raises(EpisodeLost, match="at turn 1, not 3"):
+            await env.step(Step(episode_id="a", turn=3, action="5"))
+        with pytest.raises(EpisodeLost, match="holds no episode 'b'"):
+            await env.step(Step(episode_id="b", turn=0, action="5"))
+        await env.close(Close(episode_id="a"))
+        assert env.episodes == {}
+
+    run(main())
+
+
+def test_episodes_run_concurrently_and_a_slow_one_holds_no_other() -> None:
+    """One environment replica, ten episodes at once: each step of one waits on a gate, the
+    others finish meanwhile."""
+
+    class Gated(Guess):
+        gate = asyncio.Event()
+
+        async def act(self, state: Any, action: str) -> Transition:
+            if state["secret"] == 0:
+                await self.gate.wait()
+            return await super().act(state, action)
+
+    async def main() -> list[Trajectory]:
+        env = Handle(lambda n: Gated(RoleContext.local(name="env")))
+        r = runner(env, max_turns=6)
+        slow = asyncio.ensure_future(r.run("slow", 0, []))
+        fast = await asyncio.gather(*(r.run(f"f{i}", i + 1, []) for i in range(9)))
+        assert not slow.done()
+        Gated.gate.set()
+        return [*fast, await slow]
+
+    trajs = run(main())
+    assert all(t.done for t in trajs)
