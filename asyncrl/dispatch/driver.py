@@ -200,8 +200,8 @@ def freeze_start_up() -> None:
     collect young objects less often (``GC_THRESHOLDS``).
 
     With thousands of samples in flight the collector took a third of the driver's loop; with
-    both, about a fifth as much as without (docs/scaling.md). Cyclic garbage is still collected,
-    up to 50,000 objects later.
+    both, a little under half as much (docs/scaling.md). Cyclic garbage is still collected, up
+    to 50,000 objects later.
     """
     gc.collect()
     gc.freeze()
