@@ -1,0 +1,106 @@
+"""The OpenAI-compatible endpoint (asyncrl.roles.agents.openai_server), driven by the official
+``openai`` client over HTTP: agent code written against it runs unchanged, and the episode's
+trajectory holds exactly the tokens the policy generated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from asyncrl.roles.payloads import GenerateBatch, Sample
+from asyncrl.transport import run
+from tests.agents.test_episodes import decode, encode
+
+openai = pytest.importorskip("openai")
+OpenAIServer = pytest.importorskip("asyncrl.roles.agents.openai_server").OpenAIServer
+
+EOS = 3  # the digit 3 doubles as end-of-sequence here: replies never contain it
+
+
+class Replies:
+    """A rollout that answers ``ok<n>`` (n counting calls) then EOS, version 5."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        (request,) = payload.requests if isinstance(payload, GenerateBatch) else ()
+        self.prompts.append(list(request.prompt.token_ids))
+        tokens = [*encode(f"ok{len(self.prompts)}"), EOS]
+        return [
+            Sample(
+                prompt_id=request.prompt.id,
+                sample_index=0,
+                prompt_ids=request.prompt.token_ids,
+                token_ids=tokens,
+                logprobs=[-0.5] * len(tokens),
+                versions=[5] * len(tokens),
+                finished=True,
+                stop_reason="stop",
+            )
+        ]
+
+
+def server(rollout: Replies) -> OpenAIServer:
+    return OpenAIServer(rollout, encode=encode, decode=decode, stop_token_ids=[EOS])
+
+
+def test_a_chat_agent_runs_unchanged_and_its_trajectory_is_what_the_policy_generated() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            messages: list[dict[str, str]] = [{"role": "system", "content": "be brief"}]
+            for turn in ("hi", "more"):
+                messages.append({"role": "user", "content": turn})
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    user="ep-1",  # type: ignore[arg-type]
+                )
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            models = await client.models.list()
+            await client.close()
+        assert [m["content"] for m in messages if m["role"] == "assistant"] == ["ok1", "ok2"]
+        assert [m.id for m in models.data] == ["policy"]
+        traj = srv.trajectory("ep-1", reward=1.0)
+        policy = [s for s in traj.segments if s.policy]
+        assert [s.token_ids for s in policy] == [[*encode("ok1"), EOS], [*encode("ok2"), EOS]]
+        assert all(s.versions == [5] * 4 and s.logprobs == [-0.5] * 4 for s in policy)
+        # The second prompt holds the first reply's own tokens (its EOS too), not a re-render.
+        first_prompt, second_prompt = rollout.prompts
+        assert second_prompt[: len(first_prompt) + 4] == first_prompt + encode("ok1") + [EOS]
+        between = [s for s in traj.segments if not s.policy]
+        assert [decode(s.token_ids) for s in between] == ["\nuser: more\nassistant: "]
+        assert traj.prompt_ids == first_prompt
+        assert traj.loss_mask.count(1) == 8 and len(traj.loss_mask) == len(traj.token_ids)
+
+    run(main())
+
+
+def test_completions_take_text_or_token_ids_and_bad_requests_get_a_400() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            one = await client.completions.create(model="policy", prompt="2+2=", user="ep")
+            again = await client.completions.create(
+                model="policy", prompt="2+2=" + one.choices[0].text + "\x0c" + "more", user="ep"
+            )
+            ids = await client.completions.create(model="policy", prompt=[1, 2], max_tokens=4)
+            with pytest.raises(openai.BadRequestError, match="messages"):
+                await client.chat.completions.create(model="policy", messages=[])
+            await client.close()
+        assert (one.choices[0].text, one.choices[0].finish_reason) == ("ok1", "stop")
+        assert again.choices[0].text == "ok2" and ids.choices[0].text == "ok3"
+        assert one.usage is not None and one.usage.completion_tokens == 4
+        # The agent appended to what it got: the first completion's tokens are reused as such.
+        assert rollout.prompts[1][: len(rollout.prompts[0]) + 4] == (
+            rollout.prompts[0] + encode("ok1") + [EOS]
+        )
+        traj = srv.trajectory("ep")
+        assert [s.policy for s in traj.segments] == [True, False, True]
+        assert "ep" in srv.episodes and len(srv.episodes) == 1  # the untagged call is not kept
+
+    run(main())
