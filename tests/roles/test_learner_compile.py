@@ -81,7 +81,7 @@ def batch(step: int, prompt_len: int, correction: str = "clip") -> TrainBatch:
 def test_the_compiled_step_matches_the_eager_one(tmp_path: Any) -> None:
     eager = make(tmp_path, "eager", entropy_coef=0.01)
     compiled = make(tmp_path, "compiled", entropy_coef=0.01, compile=True)
-    # Lengths 9..12 share bucket 16, 20..23 bucket 24: the third step compiles again, the
+    # Lengths 9..12 share bucket 12, 20..23 bucket 24: the third step compiles again, the
     # fourth does not; the fourth is decoupled PPO, whose policy loss is compiled anew.
     steps = [(0, 7, "clip"), (1, 8, "clip"), (2, 19, "clip"), (3, 8, "decoupled")]
     for step, prompt_len, correction in steps:
@@ -94,7 +94,7 @@ def test_the_compiled_step_matches_the_eager_one(tmp_path: Any) -> None:
     assert compiled.compiled is not None
     functions = compiled.compiled.functions
     assert not any(c.eager for c in functions), [c.error for c in functions]
-    # The forward pass: buckets 16 and 24; each policy loss: bucket 16, and 24 for clip.
+    # The forward pass: buckets 12 and 24; each policy loss: bucket 12, and 24 for clip.
     assert [c.compiles for c in functions] == [2, 2, 1]
     for (name, x), y in zip(
         eager.model.state_dict().items(), compiled.model.state_dict().values(), strict=True
@@ -103,5 +103,5 @@ def test_the_compiled_step_matches_the_eager_one(tmp_path: Any) -> None:
 
 
 def test_buckets_pad_by_less_than_half() -> None:
-    assert COMPILE_BUCKETS[:8] == [16, 24, 32, 48, 64, 96, 128, 192]
+    assert COMPILE_BUCKETS[:10] == [8, 12, 16, 20, 24, 28, 32, 48, 64, 96]
     assert all(b / a <= 1.5 for a, b in itertools.pairwise(COMPILE_BUCKETS))
