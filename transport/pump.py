@@ -242,13 +242,14 @@ class Pump:
             if not fut.done():
                 fut.set_result(None)
 
-    def close(self) -> None:
-        """Stop watching the socket and close it with linger 0. Idempotent."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Stop watching the socket and close it; ZeroMQ goes on sending what it holds for up
+        to ``linger_ms`` (0: it drops it). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.loop.remove_reader(self._fd)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
         self._out.clear()
         waiters, self._drain_waiters = self._drain_waiters, []
         for fut in waiters:

@@ -32,6 +32,10 @@ __all__ = ["StreamReceiver", "StreamSender"]
 
 log = logging.getLogger("asyncrl.transport.stream")
 
+CLOSE_LINGER_MS = 1000
+"""How long ZeroMQ goes on sending what a closed stream sender handed it (a receiver that is
+gone costs the process at most this at exit)."""
+
 
 def _socket(context: zmq.Context[Any] | None, kind: int, options: ChannelOptions) -> Any:
     sock = (context or zmq.Context.instance()).socket(kind)
@@ -78,6 +82,9 @@ class StreamSender:
         self._batch: list[bytes] = []  # encoded envelopes not yet handed to the pump
         self._batch_bytes = 0
         self._flush_handle: asyncio.Handle | None = None
+        # A batch must stay far below what a receiver refuses (its MAXMSGSIZE drops a frame
+        # over it without a word): half the limit leaves room for the batch's own framing.
+        self._batch_limit = min(BATCH_BYTES, self.options.max_message_bytes // 2)
         self.codec = Codec(
             inline_threshold=self.options.inline_threshold,
             max_message_bytes=self.options.max_message_bytes,
@@ -114,10 +121,10 @@ class StreamSender:
         self._seq += 1
         frames = self.codec.encode_message(self._seq, self.topic, self.incarnation, payload)
         size = len(frames[0])
-        if len(frames) > 1 or size > BATCH_BYTES:
+        if len(frames) > 1 or size > self._batch_limit:
             self._flush()  # what came before goes first
             return pump.send(frames)
-        if self._batch_bytes + size > BATCH_BYTES:
+        if self._batch_bytes + size > self._batch_limit:
             self._flush()
         self._batch.append(frames[0])
         self._batch_bytes += size
@@ -162,12 +169,16 @@ class StreamSender:
             await self._pump.drained()
 
     async def close(self) -> None:
+        """Hand what was sent to the socket, then close it; ZeroMQ delivers what it holds for up
+        to ``CLOSE_LINGER_MS`` more."""
+        if self._pump is not None:
+            self._flush()
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
         self._batch = []
         if self._pump is not None:
-            self._pump.close()
+            self._pump.close(linger_ms=CLOSE_LINGER_MS)
             self._pump = None
         if self._guard is not None:
             self._guard.close()

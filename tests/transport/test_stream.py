@@ -207,3 +207,38 @@ def test_a_batch_past_capacity_is_held_and_reading_stops(run_dir: str) -> None:
             assert got == [0, 1, 2, 3, 4, 5]
 
     run(main())
+
+
+def test_what_was_sent_before_close_still_goes(run_dir: str) -> None:
+    """A sender closed in the loop turn of its last sends hands them to the socket first."""
+
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/st", Item) as receiver:
+            async with StreamSender(receiver.endpoint) as sender:
+                for n in range(3):
+                    await sender.send(Item(n))
+            got: list[int] = []
+            while len(got) < 3:
+                got += [item.n for item in await asyncio.wait_for(receiver.recv_batch(), 10)]
+            assert got == [0, 1, 2]
+
+    run(main())
+
+
+def test_a_batch_stays_under_the_receivers_message_limit(run_dir: str) -> None:
+    """With max_message_bytes of 50,000, sixty messages of about 1 KB sent in one turn travel in
+    batches the receiver accepts (one batch of all of them would be refused, and lost)."""
+    options = ChannelOptions(max_message_bytes=50_000)
+
+    async def main() -> None:
+        async with StreamReceiver(f"ipc://{run_dir}/st", Any, options=options) as receiver:
+            async with StreamSender(receiver.endpoint, options=options) as sender:
+                for n in range(60):
+                    sender.send_nowait({"n": n, "pad": "x" * 1000})
+                await sender.drained()
+                got: list[int] = []
+                while len(got) < 60:
+                    got += [m["n"] for m in await asyncio.wait_for(receiver.recv_batch(), 10)]
+            assert got == list(range(60))
+
+    run(main())
