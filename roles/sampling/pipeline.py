@@ -270,6 +270,13 @@ class SamplePipeline:
                 retired = self.schedule.retired(prompt.id)
                 self.metrics["retired_skips" if retired else "skipped_prompts"] += 1
                 self._skipped_run += 1
+                if self._skipped_run > self.schedule.skip_bound():
+                    log.warning(
+                        "sample pipeline: the prompt schedule skipped %d prompts in a row: "
+                        "every prompt is retired or deferred; ending as if the prompts ran out",
+                        self._skipped_run,
+                    )
+                    return None
                 self._next_index += 1
                 continue
             self._skipped_run = 0
@@ -302,7 +309,7 @@ class SamplePipeline:
         first = self._probing.pop(group.key)
         rewards = [r for _, r in group.samples.values()]
         if uniform(rewards) and self._uniform_drops < self.max_uniform_drops:
-            self.schedule.record(group.prompt.id, rewards)
+            self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
             self._uniform_drops += 1
             for counter in ("groups_uniform_dropped", "groups_probe_dropped"):
                 self.metrics[counter] += 1
@@ -355,7 +362,7 @@ class SamplePipeline:
                     continue
                 group.samples[k] = (sample, float(reward))
                 self.reducer.add(group.key, str(k), Moments.of([float(reward)]))
-                if len(group.samples) == self._probing.get(group.key):
+                if not group.outcome and len(group.samples) == self._probing.get(group.key):
                     self._after_probe(group)
 
     # -- release ------------------------------------------------------------------------
@@ -364,6 +371,7 @@ class SamplePipeline:
         group = self._groups.get(released.key)
         if group is None:
             return
+        self._probing.pop(group.key, None)  # a deadline may release a probing group
         group.outcome = released.outcome
         self.metrics[f"groups_{released.outcome}"] += 1
         for k, task in enumerate(group.tasks):
@@ -379,8 +387,6 @@ class SamplePipeline:
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
         self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
-        if self.schedule.enabled:
-            self.schedule.record(group.prompt.id, rewards)
         if self.drop_uniform and uniform(rewards) and self._drop_uniform(group):
             return
         advantages = group_advantages(rewards, normalize_std=self.normalize_std, std=self.std)
@@ -425,6 +431,11 @@ class SamplePipeline:
         self._settle(group)
 
     def _settle(self, group: Group) -> None:
+        # The schedule learns from a group once it is settled (consumed or wasted), as the
+        # resume state counts it: a released group still unconsumed is admitted again on resume.
+        if self.schedule.enabled and group.samples:
+            self.schedule.record(group.prompt.id, [r for _, r in group.samples.values()])
+        self._probing.pop(group.key, None)
         self._groups.pop(group.key, None)
         self._unsettled.pop(group.index, None)
         self.reducer.forget(group.key)

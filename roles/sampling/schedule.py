@@ -13,8 +13,9 @@ filtering, and staged sampling of a group), cut that:
   ``explore`` adapts after every batch so that about ``target_uniform`` of the groups generated
   are uniform: up when fewer are (the filter is too strict), down when more are.
 - **Retirement.** With ``retire_after: n``, an item whose last ``n`` groups were all solved
-  (uniform at the best reward seen so far) is never generated again: it has nothing left to
-  teach the policy that trains on it. Unsolved items are only deferred, never retired.
+  (uniform at the best reward seen so far, a lower one having been seen too) is never generated
+  again: it has nothing left to teach the policy that trains on it. Unsolved items are only
+  deferred, never retired.
 - **Probing.** Every group first gets ``probe`` of its ``group_size`` samples. If they disagree,
   the rest are generated and the group trains as usual. If they agree the group is dropped after
   ``probe`` samples rather than ``group_size``, and counted as uniform.
@@ -92,6 +93,7 @@ class PromptSchedule:
         # Items whose last groups were solved (uniform at the best reward) -> how many in a row.
         self.solved: dict[str, int] = {str(k): int(v) for k, v in state.get("solved", {}).items()}
         self.best = float(state.get("best", float("-inf")))  # the best reward seen
+        self.worst = float(state.get("worst", float("inf")))  # ... and the worst
         self.explore = float(state.get("explore", spec.explore))
         self._uniform = 0  # groups generated since the last batch that were uniform
         self._generated = 0  # ... and all of them
@@ -124,6 +126,11 @@ class PromptSchedule:
             self.solved.get(item_of(prompt_id), 0) >= self.spec.retire_after
         )
 
+    def skip_bound(self) -> int:
+        """Prompts skipped in a row after which every prompt counts as retired or deferred for
+        good: twice the items known, and never fewer than 4,096."""
+        return max(4096, 2 * len(self.streaks))
+
     def first(self, prompt_id: str) -> int:
         """How many of the group's samples to generate first: ``probe`` when probing, else the
         whole group."""
@@ -134,8 +141,11 @@ class PromptSchedule:
         item = item_of(prompt_id)
         flat = uniform(list(rewards))
         self.streaks[item] = self.streaks.get(item, 0) + 1 if flat else 0
+        if max(rewards) > self.best:
+            self.solved.clear()  # "solved" meant less until now: count again
         self.best = max(self.best, *rewards)
-        if flat and rewards[0] >= self.best:
+        self.worst = min(self.worst, *rewards)
+        if flat and rewards[0] >= self.best > self.worst:  # the best, and not the only value seen
             self.solved[item] = self.solved.get(item, 0) + 1
         else:
             self.solved.pop(item, None)
@@ -161,5 +171,6 @@ class PromptSchedule:
             "streaks": dict(self.streaks),
             "solved": dict(self.solved),
             "best": self.best,
+            "worst": self.worst,
             "explore": self.explore,
         }

@@ -190,9 +190,13 @@ def test_a_schedule_without_dynamic_sampling_is_refused() -> None:
 
 
 def test_a_prompt_solved_in_a_row_is_retired_and_an_unsolved_one_only_deferred() -> None:
+    zeros = PromptSchedule(ScheduleSpec(retire_after=1), G)
+    zeros.record("w@0", [0.0] * G)
+    zeros.record("w@1", [0.0] * G)
+    assert not zeros.retired("w@2")  # all zeros and nothing better seen: not "solved"
     sched = PromptSchedule(ScheduleSpec(retire_after=2), G)
-    sched.record("s@0", [1.0, 1.0, 1.0, 1.0])
     sched.record("w@0", [0.0, 0.0, 0.0, 0.0])
+    sched.record("s@0", [1.0, 1.0, 1.0, 1.0])
     sched.record("m@0", [0.0, 1.0, 0.0, 1.0])
     assert [sched.admit(f"{i}@1", 0) for i in "swm"] == [True, True, True]
     sched.record("s@1", [1.0, 1.0, 1.0, 1.0])
@@ -235,5 +239,80 @@ def test_the_feed_is_asked_for_more_prompts_while_the_schedule_skips_them() -> N
             await _batches(pipe, 8)
         assert pipe.metrics["retired_skips"] > 0
         assert max(feed.asked) > B // G
+
+    run(main())
+
+
+def test_a_schedule_that_retires_every_prompt_ends_the_prompts_instead_of_spinning() -> None:
+    async def all_solved_after_a_miss(samples: list[Sample]) -> list[float]:
+        return [0.0 if s.prompt_id == "0@0" and s.sample_index == 0 else 1.0 for s in samples]
+
+    async def main() -> None:
+        spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=ScheduleSpec(retire_after=1))
+        pipe = SamplePipeline(
+            FakeRollout(auto=True),
+            spec=spec,
+            feed=Epochs(),
+            score=all_solved_after_a_miss,
+            params=SamplingParams(max_new_tokens=4),
+            batch_size=B,
+            group_size=G,
+            max_uniform_drops=0,
+        )
+        async with pipe:
+            with pytest.raises(EOFError, match="ran out"):
+                for step in range(50):
+                    await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                    pipe.advance(step + 1)
+        assert pipe.metrics["retired_skips"] > 4096
+
+    run(main())
+
+
+def test_a_probing_group_released_at_its_deadline_is_handled_once() -> None:
+    """Emit policy, k_min 2, probe 2 of 4. 0@0 (solved) is dropped after its probe and 2@0
+    takes its room; the deadline passes while 1@0's probe lacks a sample. When it arrives, 1@0
+    is emitted with its two samples, once: nothing more of it is generated or dropped, and its
+    probe is forgotten."""
+    from asyncrl.clock import FakeClock
+    from asyncrl.manifest.pipeline_section import StragglerSpec
+    from tests.roles.test_pipeline import started, until
+
+    async def main() -> None:
+        rollout = FakeRollout()
+        clock = FakeClock()
+        spec = PipelineSpec(
+            mode="sync",
+            drop_uniform=True,
+            straggler=StragglerSpec(policy="emit", deadline_s=0.5, k_min=2),
+            schedule=ScheduleSpec(probe=2),
+        )
+        pipe = SamplePipeline(
+            rollout,
+            spec=spec,
+            feed=Epochs(),
+            score=solved,
+            params=SamplingParams(max_new_tokens=4),
+            batch_size=B,
+            group_size=G,
+            clock=clock,
+        )
+        async with pipe:
+            late = ("1@0", 1)
+            for sid in await started(rollout, 4):  # the probes of 0@0 and 1@0
+                if sid != late:
+                    rollout.release(sid)
+            for sid in await started(rollout, 2):  # 2@0's probe, in 0@0's room
+                rollout.release(sid)
+            await until(lambda: len(rollout.calls) == 8)  # 2@0 disagrees: its rest starts
+            clock.advance(0.5)  # 2@0 is emitted with 2; 1@0, with 1, is overdue
+            rollout.release(late)
+            await until(lambda: pipe.metrics["groups_partial"] == 2)
+            for _ in range(50):  # loop turns in which a wrongly spawned rest would start
+                await asyncio.sleep(0)
+            assert "1@0" not in pipe._probing
+            assert [c[:2] for c in rollout.calls if c[0] == "1@0"] == [("1@0", 0), ("1@0", 1)]
+            assert pipe.metrics["groups_uniform_dropped"] == 1  # 0@0 only
+            assert pipe.metrics["wasted_samples"] == 2 + 2 + 2  # 0@0's probe, two of each
 
     run(main())
