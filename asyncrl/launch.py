@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from asyncrl.supervision.launch import main
+from asyncrl.supervision.launch import LaunchEnv, main, node_dir
 
-__all__ = ["main"]
+__all__ = ["LaunchEnv", "main", "node_dir"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -124,6 +124,20 @@ class _Alias(importlib.abc.Loader):
         # The import machinery set the old path's spec on the module; give it its own back.
         module.__spec__ = self.spec
 
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """``python -m <old path>``: the new module's code, run as ``__main__``."""
+        warnings.warn(
+            f"{fullname} moved to {self.new}: run 'python -m {self.new}'",
+            FutureWarning,
+            stacklevel=2,
+        )
+        spec = importlib.util.find_spec(self.new)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "get_code"):
+            raise ImportError(f"{fullname} moved to {self.new}, which cannot be run with -m")
+        code: types.CodeType | None = loader.get_code(self.new)
+        return code
+
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
     def find_spec(

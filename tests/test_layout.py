@@ -153,6 +153,9 @@ def _part_of(module: str) -> str | None:
     """The part a module belongs to: the longest key of PARTS it is under, ``core`` for a
     module directly under ``asyncrl``, None for the transport, plugins, benchmarks and
     third-party modules."""
+    from asyncrl.moved import MOVED
+
+    module = MOVED.get(module, module)  # an old path belongs where it moved to
     if module.startswith(("asyncrl.transport", "asyncrl.plugins", "asyncrl.bench")):
         return None
     for part in sorted(PARTS, key=len, reverse=True):
@@ -207,6 +210,22 @@ def test_parts_import_only_along_their_arrows() -> None:
     assert _arrow_violations() == []
 
 
+def test_nothing_imports_a_module_by_its_old_path() -> None:
+    """Old paths are for users' manifests and programs; the project's own code, tests and
+    examples import every module where it lives."""
+    from asyncrl.moved import MOVED
+
+    bad = []
+    for folder in ("asyncrl", "transport", "roles", "plugins", "tests", "examples", "tools"):
+        for path in _python_files(folder):
+            if path.endswith(os.path.join("tests", "test_layout.py")):
+                continue  # it plants and imports old paths on purpose
+            for name in _imports(path):
+                if name in MOVED or name.rsplit(".", 1)[0] in MOVED:
+                    bad.append(f"{os.path.relpath(path, ROOT)} imports {name}")
+    assert sorted(set(bad)) == []
+
+
 def test_the_arrows_have_no_circle() -> None:
     seen: dict[str, int] = {}
 
@@ -259,8 +278,10 @@ def test_the_arrow_check_fails_on_planted_imports(tmp_path: pathlib.Path) -> Non
         "from asyncrl.roles.training.learner import Learner\n"
         "from asyncrl.manifest._schema import join\n"
     )
+    (tmp_path / "asyncrl" / "observe" / "_old.py").write_text("import asyncrl.handles\n")
     assert sorted(_arrow_violations(str(tmp_path))) == [
         "asyncrl/_planted.py (core) imports asyncrl.supervision.agent (asyncrl.supervision)",
+        "asyncrl/observe/_old.py (asyncrl.observe) imports asyncrl.handles (asyncrl.dispatch)",
         "asyncrl/observe/_planted.py (asyncrl.observe) imports asyncrl.dispatch.handles "
         "(asyncrl.dispatch)",
         "asyncrl/observe/_planted.py (asyncrl.observe) imports asyncrl.dispatch.handles.Handle "
@@ -298,6 +319,13 @@ def test_old_module_paths_still_import_and_name_the_new_one() -> None:
 
     for old, new in MOVED.items():
         assert importlib.util.find_spec(new) is not None, f"{old} -> {new}: no such module"
+    ran = subprocess.run(
+        [sys.executable, "-m", "asyncrl.status", "--help"], capture_output=True, text=True
+    )
+    assert ran.returncode == 0 and ran.stdout.startswith("usage: asyncrl status")
+    assert "asyncrl.status moved to asyncrl.observe.status" in ran.stderr
+    launch = "from asyncrl.launch import LaunchEnv, main, node_dir"
+    subprocess.run([sys.executable, "-W", "error", "-c", launch], check=True)
 
 
 def test_no_layer_imports_the_benchmarks() -> None:
