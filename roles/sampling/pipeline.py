@@ -92,7 +92,8 @@ class SamplePipeline:
         async with SamplePipeline(ctx.rollout, spec=ctx.pipeline, ...) as pipe:
             for _ in range(steps):
                 batch = await pipe.next_batch()
-                result = await ctx.learner.call("train_step", TrainBatch(samples=batch.samples, ...))
+                step = TrainBatch(samples=batch.samples, ...)
+                result = await ctx.learner.call("train_step", step)
                 pipe.advance(result.version)        # the window moves on
 
     Args:
