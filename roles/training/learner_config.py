@@ -106,9 +106,9 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             or export weights: no rank holds more than this beyond its shards.
         compile: compile the training forward pass and the policy loss with the hardware
             plugin's compiler (``torch.compile``), one graph per padded-length bucket (8, 12,
-            ..., 28, then 32, 48, 64, 96, ...); the first step at each new length pays the compilation (seconds),
-            reported as ``compile_s`` in that step's metrics. A function that fails to compile
-            runs eagerly, with a warning.
+            ..., 28, then 32, 48, 64, 96, ...); the first step at each new length pays the
+            compilation (seconds), reported as ``compile_s`` in that step's metrics. A function
+            that fails to compile runs eagerly, with a warning.
     """
 
     model_path: str = ""
