@@ -160,7 +160,9 @@ class Journal:
     ) -> None:
         """Make step ``step`` durable as the mode says (the log before the reply)."""
         if self.step_log is not None:
-            self.step_log.append(record, sync=self.mode != "wal")
+            # Synced only where the step log is what makes the step durable: with ``wal`` the
+            # log holds the step, and ``off`` promises nothing before the reply.
+            self.step_log.append(record, sync=self.mode == "checkpoint")
         if self.wal is not None:
             self.wal.append(StepEntry(step, batch, rng, result))
 
