@@ -69,7 +69,12 @@ ARITH_MODEL: dict[str, Any] = {
 """The model of ``examples/arith/bc_grpo.yaml``."""
 
 PROMPTS, GROUP, LR = 8, 8, 5e-4
-CONFIG: dict[str, Any] = {"model_config": ARITH_MODEL, "lr": LR, "durable": False}
+CONFIG: dict[str, Any] = {
+    "model_config": ARITH_MODEL,
+    "lr": LR,
+    "durable": False,
+    "fused_optimizer": True,
+}
 WARMUP = 3  # the compiled learner compiles its graphs in the first step
 
 

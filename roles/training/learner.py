@@ -234,12 +234,13 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self._memory_mib, self._memory_at = 0.0, -MEMORY_EVERY_S
 
     def _make_optimizer(self) -> None:
-        """AdamW, fused (one kernel for every parameter: its loop over them is 6 ms of a small
-        model's 60 ms step on a CPU thread) where the device has one, unless sharded."""
+        """AdamW; fused (one kernel for all parameters) with ``fused_optimizer`` where the
+        device has one, unless sharded."""
         cfg, params = self.config, list(self.model.parameters())
         options = {"lr": cfg.lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay}
         try:
-            self.optimizer = torch.optim.AdamW(params, fused=not self.sharded, **options)
+            fused = (cfg.fused_optimizer and not self.sharded) or None
+            self.optimizer = torch.optim.AdamW(params, fused=fused, **options)
         except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
             self.optimizer = torch.optim.AdamW(params, **options)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
