@@ -16,6 +16,7 @@ from asyncrl.roles.program.clients import CriticClient
 from asyncrl.roles.services.reference import Reference
 from asyncrl.roles.training.critic import Critic, check_matches_learner
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
+from asyncrl.roles.training.objective import bc_coef
 
 MODEL = {
     "model_type": "gpt2",
@@ -159,7 +160,7 @@ def test_bc_term_anneals_to_zero(tmp_path: Any) -> None:
     demo = sample("d", [2, 12, 3, 13], [5, 1])
     coefs = []
     for step in range(6):
-        coefs.append(learner._bc_coef())
+        coefs.append(bc_coef(learner.config, learner.step))
         batch = [
             Scored(sample=sample(f"p{step}", [2, 13], [4, 1], i), reward=float(i)) for i in range(2)
         ]
