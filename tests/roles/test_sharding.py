@@ -101,7 +101,13 @@ def with_demos() -> list[Any]:
     for b in batches():
         demos = [b.samples[0].sample, b.samples[4].sample]
         out.append(
-            type(b)(b.samples, algorithm=b.algorithm, correction=b.correction, id=b.id, demos=demos)
+            type(b)(
+                samples=b.samples,
+                algorithm=b.algorithm,
+                correction=b.correction,
+                id=b.id,
+                demos=demos,
+            )
         )
     return out
 
