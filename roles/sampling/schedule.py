@@ -111,7 +111,7 @@ class PromptSchedule:
     def admit(self, prompt_id: str, index: int) -> bool:
         """Generate this prompt now (True), or skip it this epoch (False)."""
         item = item_of(prompt_id)
-        if self.spec.retire_after and self.solved.get(item, 0) >= self.spec.retire_after:
+        if self.retired(prompt_id):
             return False
         if not self.spec.skip_uniform:
             return True
