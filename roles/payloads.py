@@ -82,8 +82,8 @@ class Prompt(msgspec.Struct, kw_only=True):
     answer: str = ""
 
 
-class Sample(msgspec.Struct, kw_only=True):
-    """One sampled completion of a prompt, possibly unfinished.
+class Sample(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One sampled completion of a prompt, possibly unfinished; or one multi-turn episode.
 
     Attributes:
         prompt_id, sample_index: the stable id (``key``); a regenerated sample replaces a lost
@@ -97,6 +97,19 @@ class Sample(msgspec.Struct, kw_only=True):
         finished: False for a partial rollout, resumable by sending it back as
             ``GenerateRequest.partial``.
         stop_reason: a ``StopReason`` value.
+        loss_mask: an episode's (``asyncrl.roles.agents``): 1 for each of ``token_ids`` the
+            policy generated (trained), 0 for each the environment wrote (never trained: the
+            loss, the KL, the entropy, BC's likelihood, GAE and whitening all skip it). Empty:
+            every token is the policy's, the single-turn case, trained exactly as before. An
+            environment token's log-prob is 0 and its version that of the policy turn before
+            it; neither is read.
+        turn_starts: an episode's: where each segment (a policy turn, or an observation)
+            starts in ``token_ids``.
+        turn_rewards: an episode's: the environment's reward for each step (an episode
+            scorer sums them; see ``asyncrl.roles.agents.episodes``).
+
+    Fields left at their defaults are not encoded, so a single-turn sample's bytes on the wire
+    and in a write-ahead log are what they were before episodes existed.
     """
 
     prompt_id: str
@@ -107,11 +120,22 @@ class Sample(msgspec.Struct, kw_only=True):
     versions: list[int]
     finished: bool
     stop_reason: str
+    loss_mask: list[int] = []
+    turn_starts: list[int] = []
+    turn_rewards: list[float] = []
 
     @property
     def key(self) -> tuple[str, int]:
         """The stable id: (prompt id, sample index)."""
         return (self.prompt_id, self.sample_index)
+
+    @property
+    def policy_versions(self) -> list[int]:
+        """The versions of the policy's tokens (every token's, without a loss mask): what
+        staleness is measured on."""
+        if not self.loss_mask:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

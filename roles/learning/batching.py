@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.dispatch.reduce import Moments
 from asyncrl.roles.learning import algorithms as alg
-from asyncrl.roles.payloads import Scored
+from asyncrl.roles.payloads import Sample, Scored
 
 __all__ = [
     "aligned",
@@ -24,6 +24,7 @@ __all__ = [
     "check_norm_len",
     "completion_mask",
     "gae_targets",
+    "loss_masks",
     "mean_over_steps",
     "micro_batches",
     "mini_batch_indices",
@@ -51,14 +52,18 @@ def batch_moments(values: list[float], *, gather: bool = False) -> Moments:
 
 
 def pad_batch(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int = 0,
+    masks: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded ``prompt + completion`` rows.
 
     Returns:
         input_ids [B, L], attention_mask [B, L], position_ids [B, L] (from the mask, so padding
         never shifts a position), and target_mask [B, L-1]: 1 where ``input_ids[:, t+1]`` is a
-        completion token, i.e. where the logits at ``t`` predict a completion token.
+        completion token, i.e. where the logits at ``t`` predict a completion token; with
+        ``masks`` (``loss_masks``), only where it is one the policy generated.
     """
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     length = max(lengths)
@@ -74,8 +79,42 @@ def pad_batch(
     input_ids = torch.full((len(lengths), length), pad_id, dtype=torch.long)
     input_ids[attention.bool()] = torch.tensor(flat, dtype=torch.long)
     target = _right_mask([len(c) for c in completions], length - 1, torch.float32)
+    if masks is not None:
+        target = _with_loss_masks(target, masks)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     return input_ids, attention, position_ids, target
+
+
+def loss_masks(samples: list[Scored] | list[Sample]) -> list[list[int]] | None:
+    """Each sample's loss mask (``Sample.loss_mask``; empty: all its tokens), or None when no
+    sample has one: the single-turn batch, whose tensors are then built as they always were.
+
+    Raises:
+        ValueError: a loss mask whose length is not its sample's tokens', or with a value other
+            than 0 and 1.
+    """
+    rows = [s.sample if isinstance(s, Scored) else s for s in samples]
+    if not any(s.loss_mask for s in rows):
+        return None
+    for s in rows:
+        if s.loss_mask and len(s.loss_mask) != len(s.token_ids):
+            raise ValueError(
+                f"sample {s.key}: loss_mask has {len(s.loss_mask)} entries for "
+                f"{len(s.token_ids)} tokens; it needs one per token (or none)"
+            )
+        if any(m not in (0, 1) for m in s.loss_mask):
+            raise ValueError(f"sample {s.key}: loss_mask holds values other than 0 and 1")
+    return [s.loss_mask for s in rows]
+
+
+def _with_loss_masks(target: torch.Tensor, masks: list[list[int]]) -> torch.Tensor:
+    """``target`` (right-aligned completion positions) zeroed where a row's loss mask is 0."""
+    width = target.shape[1]
+    out = target.clone()
+    for i, mask in enumerate(masks):
+        if mask:
+            out[i, width - len(mask) :] = torch.tensor(mask, dtype=target.dtype)
+    return out
 
 
 def _right_mask(lengths: list[int], width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -105,11 +144,13 @@ def right_aligned(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def completion_mask(lengths: list[int]) -> torch.Tensor:
-    """[B, max length] float mask, right-aligned: row i has ``lengths[i]`` ones at its end."""
+def completion_mask(lengths: list[int], masks: list[list[int]] | None = None) -> torch.Tensor:
+    """[B, max length] float mask, right-aligned: row i has ``lengths[i]`` ones at its end;
+    with ``masks`` (``loss_masks``), zeros where a row's loss mask is 0."""
     width = max(lengths, default=0)
     columns = torch.arange(width)[None, :]
-    return (columns >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).float()
+    mask = (columns >= width - torch.tensor(lengths, dtype=torch.long)[:, None]).float()
+    return mask if masks is None else _with_loss_masks(mask, masks)
 
 
 def gae_targets(
@@ -129,24 +170,80 @@ def gae_targets(
     ``Scored.values`` (0 where the sample has none). Returns ``(advantages, returns, mask)``,
     each [B, T] right-aligned (row i's completion tokens are its last columns; T the longest
     completion), advantages not whitened.
+
+    An episode's environment tokens (``Sample.loss_mask``) are not steps of the policy: GAE runs
+    over its policy tokens alone, in order (the value after a turn's last token is the one at
+    the next turn's first), the reward on its last policy token; the environment's positions
+    hold 0 and are 0 in ``mask``.
     """
-    lengths = [len(s.sample.token_ids) for s in samples]
-    mask = completion_mask(lengths)
+    masks = loss_masks(samples)
+    rows = [_TokenRows.of(s) for s in samples]
+    if masks is None:
+        return _gae(rows, [s.reward for s in samples], gamma, lam, kl_coef, kl_estimator, kl_mode)
+    kept = [
+        [i for i, m in enumerate(mask) if m] if mask else list(range(len(row.logprobs)))
+        for mask, row in zip(masks, rows, strict=True)
+    ]
+    compact = [row.taking(idx) for row, idx in zip(rows, kept, strict=True)]
+    adv_c, ret_c, _ = _gae(
+        compact, [s.reward for s in samples], gamma, lam, kl_coef, kl_estimator, kl_mode
+    )
+    lengths = [len(row.logprobs) for row in rows]
+    mask = completion_mask(lengths, masks)
+    advantages, returns = torch.zeros_like(mask), torch.zeros_like(mask)
+    width, width_c = mask.shape[1], adv_c.shape[1]
+    for i, idx in enumerate(kept):
+        if idx:
+            at = torch.tensor(idx, dtype=torch.long) + (width - lengths[i])
+            advantages[i, at] = adv_c[i, width_c - len(idx) :]
+            returns[i, at] = ret_c[i, width_c - len(idx) :]
+    return advantages, returns, mask
+
+
+class _TokenRows:
+    """One sample's per-token rows for GAE: behaviour and reference log-probs, and values."""
+
+    def __init__(self, logprobs: list[float], ref: list[float], values: list[float]) -> None:
+        self.logprobs, self.ref, self.values = logprobs, ref, values
+
+    @classmethod
+    def of(cls, s: Scored) -> _TokenRows:
+        n = len(s.sample.token_ids)
+        ref = s.ref_logprobs if s.ref_logprobs else s.sample.logprobs
+        return cls(s.sample.logprobs, ref, s.values or [0.0] * n)
+
+    def taking(self, idx: list[int]) -> _TokenRows:
+        return _TokenRows(
+            [self.logprobs[i] for i in idx],
+            [self.ref[i] for i in idx],
+            [self.values[i] for i in idx],
+        )
+
+
+def _gae(
+    rows: list[_TokenRows],
+    rewards: list[float],
+    gamma: float,
+    lam: float,
+    kl_coef: float,
+    kl_estimator: alg.KLKind,
+    kl_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = completion_mask([len(row.logprobs) for row in rows])
     width = mask.shape[1]
-    logp = right_aligned([s.sample.logprobs for s in samples], width)
-    with_ref = [s.ref_logprobs if s.ref_logprobs else s.sample.logprobs for s in samples]
-    ref = right_aligned(with_ref, width)
+    logp = right_aligned([row.logprobs for row in rows], width)
+    ref = right_aligned([row.ref for row in rows], width)
     penalty = kl_coef if kl_mode == "reward" else 0.0
-    rewards = alg.token_rewards(
-        torch.tensor([s.reward for s in samples], dtype=torch.float32),
+    token_rewards = alg.token_rewards(
+        torch.tensor(rewards, dtype=torch.float32),
         mask,
         logp,
         ref,
         kl_coef=penalty,
         kl_kind=kl_estimator,
     )
-    values = right_aligned([s.values or [0.0] * len(s.sample.token_ids) for s in samples], width)
-    advantages, returns = alg.gae(rewards, values, mask, gamma, lam)
+    values = right_aligned([row.values for row in rows], width)
+    advantages, returns = alg.gae(token_rewards, values, mask, gamma, lam)
     return advantages, returns, mask
 
 

@@ -520,7 +520,7 @@ class SamplePipeline:
             group = await self._next_ready()
             if group is None:
                 break
-            group_ages = [staleness(version, s.versions) for s, _ in group.samples.values()]
+            group_ages = [staleness(version, s.policy_versions) for s, _ in group.samples.values()]
             over = max(group_ages, default=0) > self.pacer.eta
             if over and self.spec.mode == Mode.ASYNC and self.spec.over_eta == OverEta.DROP:
                 self.metrics["groups_over_eta_dropped"] += 1
@@ -531,7 +531,7 @@ class SamplePipeline:
             for k in sorted(group.samples):
                 sample, reward = group.samples[k]
                 scored = Scored(sample=sample, reward=reward, advantage=group.advantages[k])
-                taken.append((group.index, k, scored, staleness(version, sample.versions)))
+                taken.append((group.index, k, scored, staleness(version, sample.policy_versions)))
             admitted += self.group_size
             self._settle(group)
         # In prompt order, not release order: the learner sums the same samples in the same

@@ -64,6 +64,7 @@ from asyncrl.roles.learning.batching import (
     check_norm_len,
     completion_mask,
     gae_targets,
+    loss_masks,
     mean_over_steps,
     micro_batches,
     mini_batch_indices,
@@ -377,7 +378,10 @@ class Critic(CriticDurable, Role):
         input_ids, attention, positions, target = (
             t.to(self.device)
             for t in pad_batch(
-                [s.prompt_ids for s in samples], [s.token_ids for s in samples], self.config.pad_id
+                [s.prompt_ids for s in samples],
+                [s.token_ids for s in samples],
+                self.config.pad_id,
+                loss_masks(samples),
             )
         )
         out = self.model(
@@ -498,7 +502,7 @@ class Critic(CriticDurable, Role):
         is weighed by tokens, so it is the mini-batch's token mean."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
-        mask = completion_mask([len(s.sample.token_ids) for s in samples])
+        mask = completion_mask([len(s.sample.token_ids) for s in samples], loss_masks(samples))
         chunks, total = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
         tokens = float(mask.sum())
         sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}

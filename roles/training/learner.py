@@ -61,6 +61,7 @@ from asyncrl.roles.learning.batching import (
     check_norm_len,
     completion_mask,
     gae_targets,
+    loss_masks,
     mean_over_steps,
     micro_batches,
     mini_batch_indices,
@@ -333,13 +334,12 @@ class Learner(DurableSteps, WeightBroadcast, Role):
 
     # -- compute (worker thread) ------------------------------------------------------------
 
-    def _forward_logprobs(
-        self, prompts: list[list[int]], completions: list[list[int]], compiled: bool = False
-    ) -> Forward:
-        """The forward pass on left-padded rows; ``compiled``: through the compiled graph of
-        the rows' length bucket, when ``compile`` is on."""
+    def _forward_logprobs(self, samples: list[Sample], compiled: bool = False) -> Forward:
+        """The forward pass on the samples' left-padded rows, the target mask honouring their
+        loss masks; ``compiled``: through the compiled graph of the rows' length bucket."""
+        rows = ([s.prompt_ids for s in samples], [s.token_ids for s in samples])
         input_ids, attention, positions, target = (
-            t.to(self.device) for t in pad_batch(prompts, completions, self.config.pad_id)
+            t.to(self.device) for t in pad_batch(*rows, self.config.pad_id, loss_masks(samples))
         )
         run: Any = self._model_logprobs
         if compiled and self.compiled is not None:
@@ -365,9 +365,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.model.eval()
         try:
             with torch.no_grad():
-                logprobs, target, _ = self._forward_logprobs(
-                    [s.prompt_ids for s in samples], [s.token_ids for s in samples]
-                )
+                logprobs, target, _ = self._forward_logprobs(samples)
         finally:
             self.model.train(self.config.dropout)
         out = []
@@ -423,7 +421,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 self.compiled.report(graphs, seconds, metrics, self.ctx.log, self.ctx.name)
             if objective.algorithm.rl:
                 # Measured against the version that consumed them: the one before this step.
-                ages = [staleness(self.version - 1, s.sample.versions) for s in fresh]
+                ages = [staleness(self.version - 1, s.sample.policy_versions) for s in fresh]
                 metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
         self.keep.update(batch.keep)
         result = StepResult(
@@ -525,7 +523,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        mask = completion_mask([len(s.sample.token_ids) for s in samples])
+        mask = completion_mask([len(s.sample.token_ids) for s in samples], loss_masks(samples))
         chunks, total = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
         shares = [float(alg.aggregate_weight(mask[chunk], cfg.aggregation)) for chunk in chunks]
         for chunk, share in zip(chunks, shares, strict=True):
@@ -572,11 +570,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         proximal: list[list[float]] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's forward pass and its loss under ``objective``."""
-        forward = self._forward_logprobs(
-            [s.sample.prompt_ids for s in samples],
-            [s.sample.token_ids for s in samples],
-            compiled=self.config.compile,
-        )
+        forward = self._forward_logprobs([s.sample for s in samples], self.config.compile)
         return objective(MicroBatch(samples, advantages, proximal, forward))
 
     def _bc_term(self, demos: list[Sample], share: float = 1.0) -> dict[str, float]:
@@ -585,9 +579,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         coef = bc_coef(self.config, self.step)
         if not (coef and demos):
             return {}
-        demo_logp, demo_target, _ = self._forward_logprobs(
-            [d.prompt_ids for d in demos], [d.token_ids for d in demos]
-        )
+        demo_logp, demo_target, _ = self._forward_logprobs(demos)
         loss = nll(self.config, demo_logp, demo_target)
         (coef * share * loss).backward()  # type: ignore[no-untyped-call]
         return {"bc_nll": float(loss.detach())}

@@ -153,11 +153,23 @@ def _gae(cfg: LearnerConfig, samples: list[Scored]) -> list[Any]:
     )
     width = mask.shape[1]
     rows = [adv[i, width - len(s.sample.token_ids) :].tolist() for i, s in enumerate(samples)]
-    flat = _whiten(cfg, [a for row in rows for a in row])
+    # Whitened over the policy's tokens only: an episode's environment tokens keep 0.
+    keeps = [s.sample.loss_mask or [1] * len(row) for s, row in zip(samples, rows, strict=True)]
+    flat = _whiten(
+        cfg,
+        [
+            a
+            for row, keep in zip(rows, keeps, strict=True)
+            for a, m in zip(row, keep, strict=True)
+            if m
+        ],
+    )
     out, start = [], 0
-    for row in rows:
-        out.append(flat[start : start + len(row)])
-        start += len(row)
+    for keep in keeps:
+        n = sum(keep)
+        taken = iter(flat[start : start + n])
+        out.append([next(taken) if m else 0.0 for m in keep])
+        start += n
     return out
 
 

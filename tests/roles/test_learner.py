@@ -652,9 +652,7 @@ def test_a_term_composes_into_the_loss_with_its_coefficient(tmp_path: Any) -> No
     group = _group(learner, "p")
     plain = objective_for(learner.config, "grpo", "clip", 2.0)
     advantages = plain.advantages(learner.config, group)
-    forward = learner._forward_logprobs(
-        [s.sample.prompt_ids for s in group], [s.sample.token_ids for s in group]
-    )
+    forward = learner._forward_logprobs([s.sample for s in group])
     micro = MicroBatch(group, advantages, None, forward)
     base, base_parts = plain(micro)
     terms = (

@@ -141,9 +141,7 @@ def test_one_epoch_and_one_mini_batch_is_the_single_step_it_was(
     result = learner._train_step(TrainBatch(samples=batch, algorithm="grpo", correction=correction))
     assert result.metrics["optimizer_steps"] == 1.0 and adam_steps(learner) == 1
 
-    logprobs, target, _ = by_hand._forward_logprobs(
-        [s.sample.prompt_ids for s in batch], [s.sample.token_ids for s in batch]
-    )
+    logprobs, target, _ = by_hand._forward_logprobs([s.sample for s in batch])
     behaviour = aligned([s.sample.logprobs for s in batch], target)
     adv = torch.tensor([s.advantage for s in batch])[:, None].expand_as(target) * target
     if correction == "clip":
@@ -202,12 +200,10 @@ def _decoupled_by_hand(
 ) -> list[dict[str, float]]:
     """``steps`` optimizer steps of decoupled PPO on the whole batch, written out; the proximal
     log-probs are the batch's start (``fixed_proximal``) or each step's current policy."""
-    prompts = [s.sample.prompt_ids for s in batch]
-    completions = [s.sample.token_ids for s in batch]
     start = learner._logprobs([s.sample for s in batch])
     stats = []
     for _ in range(steps):
-        logprobs, target, _ = learner._forward_logprobs(prompts, completions)
+        logprobs, target, _ = learner._forward_logprobs([s.sample for s in batch])
         proximal = aligned(start, target) if fixed_proximal else logprobs.detach()
         behaviour = aligned([s.sample.logprobs for s in batch], target)
         adv = torch.tensor([s.advantage for s in batch])[:, None].expand_as(target) * target
