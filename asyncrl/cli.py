@@ -22,6 +22,9 @@
 - ``asyncrl bench durability [--json] [--small] [--k K]``: a learner step with ``durable: false``,
   ``wal`` and ``checkpoint`` on a 303M-parameter Qwen2, interleaved; a write-ahead-logged learner
   SIGKILLed K steps past its checkpoint: time to serve again, steps replayed, weights bit-identical.
+- ``asyncrl bench episodes [--json] [--quick] [--replicas 1,2,4,8]``: multi-turn episodes/s
+  against the number of environment replicas, sync batches against episodes always in flight,
+  with environment step latency spread log-normally (sigma 1.0), and the rollout's idle fraction.
 - ``asyncrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG figures of the runs' per-step metrics
   (reward, accuracy, throughput, staleness, time), several runs on one figure; in the first
   run's ``plots/`` unless ``--out`` (``asyncrl.observe.plots``; matplotlib is the ``plot`` extra).
@@ -60,6 +63,7 @@ BENCHMARKS = (
     "multinode",
     "sharding",
     "durability",
+    "episodes",
 )
 """The built-in benchmarks, each the module of that name in ``asyncrl.bench``."""
 BENCHMARK_GROUP = "asyncrl.benchmarks"

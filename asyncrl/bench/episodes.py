@@ -1,0 +1,384 @@
+"""``asyncrl bench episodes``: multi-turn episodes per second against the number of environment
+replicas, sync against async, when environment steps take widely spread times.
+
+One ``asyncrl run`` (real processes over ipc: the driver, one simulated rollout replica, as many
+environment replicas as the largest count asked) runs ``EpisodeRunner`` episodes against
+``episode_sim``'s roles: a policy turn takes ``--gen-ms`` (8 tokens, finished), an environment
+step a log-normal time of median ``--median-ms`` and log-space standard deviation ``--sigma``
+(1.0), an episode 3 to 5 turns; every draw is seeded by the task and the turn, so both modes
+wait on exactly the same steps. Each episode in flight is held by its own environment replica
+(the driver pins its reset there; the runner would otherwise send a reset to any replica with
+room, and two episodes could queue on one), so N replicas hold N episodes at once:
+
+- **sync**: batches of N episodes run together (``asyncio.gather``); the next batch starts
+  when the slowest episode of the batch has ended;
+- **async**: N episodes always in flight; a new one starts on a replica the moment the
+  episode it held ends.
+
+At each replica count N both modes run the same ``--batches`` x N episodes a round, sync then
+async, ``--rounds`` rounds; the figures are medians over rounds: ``episodes_per_s_sync``,
+``episodes_per_s_async``, ``ratio`` (async over sync, per round), and the rollout's idle
+fraction in each mode, ``idle_fraction_sync`` and ``idle_fraction_async``: the share of the
+mode's wall time during which the rollout replica had no ``generate`` call in progress, as the
+replica itself recorded it (``TurnRollout.idle``). ``model_ratio`` is the same ratio on a
+zero-overhead clock: the episodes' drawn durations scheduled as each mode schedules them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from asyncrl.bench.episode_sim import MAX_TURNS, MIN_TURNS, episode_seconds, turns_of
+from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
+from asyncrl.roles.payloads import SamplingParams
+
+__all__ = [
+    "PARAMS",
+    "QUICK",
+    "format_table",
+    "ideal_seconds",
+    "main",
+    "manifest",
+    "measure",
+    "program",
+    "task_plan",
+]
+
+PARAMS: dict[str, Any] = {
+    "replicas": [1, 2, 4, 8],
+    "batches": 6,
+    "rounds": 5,
+    "gen_ms": 10.0,
+    "median_ms": 20.0,
+    "sigma": 1.0,
+    "seed": 0,
+}
+"""The full run's parameters (about a minute on an idle machine)."""
+QUICK: dict[str, Any] = {"replicas": [1, 4], "batches": 4, "rounds": 3}
+"""What ``--quick`` changes."""
+TOKENS = 8
+"""Tokens of one policy turn."""
+STEP_TIMEOUT_S = 30.0
+"""A step's deadline: far past any drawn latency, so no step times out."""
+PROMPT = list(b"act: ")
+RUN_TIMEOUT_S = 600.0
+
+# -- the control-flow program (runs in the driver process) -----------------------------------
+
+
+def _encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def _decode(ids: list[int]) -> str:
+    return bytes(i % 256 for i in ids).decode(errors="replace")
+
+
+class _Pinned:
+    """The environment group's handle, with every reset sent to one replica."""
+
+    def __init__(self, env: Any, replica: int) -> None:
+        self.env = env
+        self.replica = replica
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        if method == "reset":
+            kw["replica"] = self.replica
+        return await self.env.call(method, payload, reply_type, **kw)
+
+
+def _check(traj: Trajectory, task: int, seed: int) -> None:
+    """An episode must end as drawn: every step taken, nothing lost, timed out or failed."""
+    steps = len(traj.turn_rewards)
+    troubles = (traj.restarts, traj.replays, traj.timeouts, traj.errors)
+    if not traj.done or steps != turns_of(task, seed) or any(troubles):
+        raise RuntimeError(
+            f"bench episodes: episode {traj.episode_id!r} ended after {steps} of "
+            f"{turns_of(task, seed)} steps (done {traj.done}; restarts, replays, timeouts, "
+            f"errors {troubles}); the roles' logs under the run directory say why"
+        )
+
+
+async def _run_mode(
+    mode: str, runners: Sequence[EpisodeRunner], tasks: list[int], tag: str, seed: int
+) -> float:
+    """Run ``tasks`` on the ``len(runners)`` replicas in ``mode``; the seconds it took."""
+    n = len(runners)
+    trajectories: list[tuple[Trajectory, int]] = []
+
+    async def one(runner: EpisodeRunner, task: int) -> None:
+        traj = await runner.run(f"{tag}.{task}", task, PROMPT)
+        trajectories.append((traj, task))
+
+    start = time.perf_counter()
+    if mode == "sync":
+        for at in range(0, len(tasks), n):
+            batch = tasks[at : at + n]
+            await asyncio.gather(*(one(runners[k], task) for k, task in enumerate(batch)))
+    else:
+        queue = iter(tasks)
+
+        async def slot(runner: EpisodeRunner) -> None:
+            for task in queue:  # shared: a free slot takes the next task
+                await one(runner, task)
+
+        async with asyncio.TaskGroup() as group:
+            for runner in runners:
+                group.create_task(slot(runner))
+    seconds = time.perf_counter() - start
+    for traj, task in trajectories:
+        _check(traj, task, seed)
+    return seconds
+
+
+def ideal_seconds(durations: Sequence[float], n: int, mode: str) -> float:
+    """Wall seconds of episodes of ``durations`` on ``n`` replicas with no overhead: sync sums
+    each batch's longest; async hands each episode, in order, to the first replica free."""
+    if mode == "sync":
+        return sum(max(durations[at : at + n]) for at in range(0, len(durations), n))
+    free = [0.0] * n
+    for d in durations:
+        heapq.heappush(free, heapq.heappop(free) + d)
+    return max(free)
+
+
+async def _measure(ctx: Any, runners: list[EpisodeRunner], tasks: list[int], tag: str) -> Any:
+    """Both modes on ``tasks``, sync first; per mode: episodes/s, the rollout's idle fraction,
+    and the model's episodes/s."""
+    cfg = ctx.config
+    seed, gen_s = int(cfg["seed"]), float(cfg["gen_ms"]) / 1e3
+    median_s, sigma = float(cfg["median_ms"]) / 1e3, float(cfg["sigma"])
+    durations = [episode_seconds(t, gen_s, median_s, sigma, seed) for t in tasks]
+    out: dict[str, dict[str, float]] = {}
+    for mode in ("sync", "async"):
+        t0 = time.time()
+        seconds = await _run_mode(mode, runners, tasks, f"{tag}.{mode}", seed)
+        usage = await ctx.rollout.call("idle", [t0, time.time()], dict[str, float])
+        ideal = ideal_seconds(durations, len(runners), mode)
+        out[mode] = {
+            "episodes_per_s": len(tasks) / seconds,
+            "idle": usage["idle"],
+            "model_episodes_per_s": len(tasks) / ideal,
+        }
+    return out
+
+
+def _row(n: int, episodes: int, rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[mode][key] for r in rounds)
+
+    def ratios(key: str) -> list[float]:
+        return [r["async"][key] / r["sync"][key] for r in rounds]
+
+    return {
+        "replicas": n,
+        "episodes": episodes,
+        "episodes_per_s_sync": median("sync", "episodes_per_s"),
+        "episodes_per_s_async": median("async", "episodes_per_s"),
+        "ratio": statistics.median(ratios("episodes_per_s")),
+        "idle_fraction_sync": median("sync", "idle"),
+        "idle_fraction_async": median("async", "idle"),
+        "model_episodes_per_s_sync": median("sync", "model_episodes_per_s"),
+        "model_episodes_per_s_async": median("async", "model_episodes_per_s"),
+        "model_ratio": statistics.median(ratios("model_episodes_per_s")),
+        "rounds_ratio": ratios("episodes_per_s"),
+    }
+
+
+def task_plan(counts: Sequence[int], batches: int, rounds: int) -> list[tuple[int, list[int]]]:
+    """The tasks each (replica count, round) runs, in order, as ``(count, tasks)``: ``batches``
+    x count tasks of its own, after the warm-up's ``range(max(counts))``."""
+    first = max(counts)
+    plan = []
+    for n in counts:
+        for _ in range(rounds):
+            plan.append((n, list(range(first, first + batches * n))))
+            first += batches * n
+    return plan
+
+
+async def program(ctx: Any) -> dict[str, Any]:
+    """Measure every replica count of ``ctx.config`` (see the module docstring) on the tasks of
+    ``task_plan``, the same in both modes; return the rows."""
+    cfg = ctx.config
+    counts, batches, rounds = list(cfg["replicas"]), int(cfg["batches"]), int(cfg["rounds"])
+    params = SamplingParams(max_new_tokens=TOKENS)
+    runners = [
+        EpisodeRunner(
+            ctx.rollout,
+            _Pinned(ctx.env, k),
+            encode=_encode,
+            decode=_decode,
+            params=params,
+            max_turns=MAX_TURNS,
+            step_timeout_s=STEP_TIMEOUT_S,
+        )
+        for k in range(max(counts))
+    ]
+    # Warm-up: every replica's connection made, the driver's code paths run once.
+    await _run_mode("async", runners, list(range(len(runners))), "warmup", int(cfg["seed"]))
+    measured: dict[int, list[dict[str, dict[str, float]]]] = {n: [] for n in counts}
+    for n, tasks in task_plan(counts, batches, rounds):
+        tag = f"n{n}.r{len(measured[n])}"
+        measured[n].append(await _measure(ctx, runners[:n], tasks, tag))
+    rows = [_row(n, batches * n, measured[n]) for n in counts]
+    return {"rows": rows, "load_avg_1m": os.getloadavg()[0]}
+
+
+# -- the benchmark (runs the manifest) ---------------------------------------------------------
+
+
+def manifest(p: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a run with parameters ``p`` (``PARAMS``'s keys), as a mapping."""
+    most = max(p["replicas"])
+    return {
+        "run": {"name": "bench-episodes", "program": "asyncrl.bench.episodes:program", "config": p},
+        "roles": {
+            "rollout": {
+                "class": "asyncrl.bench.episode_sim:TurnRollout",
+                "capacity": most,  # one turn of each episode in flight: none ever queues
+                "config": {"gen_s": p["gen_ms"] / 1e3, "tokens": TOKENS},
+            },
+            "env": {
+                "class": "asyncrl.bench.episode_sim:SpreadEnv",
+                "replicas": most,
+                "capacity": 1,
+                "config": {
+                    "median_s": p["median_ms"] / 1e3,
+                    "sigma": p["sigma"],
+                    "seed": p["seed"],
+                },
+            },
+        },
+    }
+
+
+def measure(p: dict[str, Any]) -> dict[str, Any]:
+    """Run the manifest of ``p`` with ``asyncrl run`` in a fresh run directory; the figures.
+
+    Raises:
+        RuntimeError: the run failed; the message holds the end of its output.
+    """
+    run_dir = tempfile.mkdtemp(prefix="arl-be-")  # short: ipc socket paths live under it
+    try:
+        path = os.path.join(run_dir, "manifest.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(manifest(p), f, sort_keys=False)
+        cmd = [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir]
+        start = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        report: dict[str, Any] = {}
+        if os.path.exists(os.path.join(run_dir, "driver.json")):
+            with open(os.path.join(run_dir, "driver.json")) as f:
+                report = json.load(f)
+        if out.returncode != 0 or not report.get("finished"):
+            raise RuntimeError(
+                f"bench episodes: the run failed (exit status {out.returncode}, driver "
+                f"{report.get('error', 'wrote no result')}); its output ends with:\n"
+                f"{out.stdout[-2000:]}{out.stderr[-2000:]}"
+            )
+        result: dict[str, Any] = report["result"]
+        return {"params": p, **result, "wall_s": time.perf_counter() - start}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def format_table(figures: dict[str, Any]) -> str:
+    """The figures of ``measure`` as a readable table."""
+    p = figures["params"]
+    lines = [
+        "asyncrl episodes benchmark: real rollout and environment roles, simulated latency",
+        f"policy turns of {p['gen_ms']:g} ms ({TOKENS} tokens); environment steps log-normal, "
+        f"median {p['median_ms']:g} ms, sigma {p['sigma']}; {MIN_TURNS} to {MAX_TURNS} turns "
+        f"an episode; {p['batches']} x N episodes a mode a round, {p['rounds']} rounds "
+        "interleaved (sync, then async), medians. Model: the same draws, no overhead.",
+        "",
+        f"{'replicas':>8}{'episodes':>10}{'sync ep/s':>11}{'async ep/s':>12}{'async/sync':>12}"
+        f"{'model':>8}{'rollout idle sync':>19}{'async':>8}",
+    ]
+    for r in figures["rows"]:
+        lines.append(
+            f"{r['replicas']:>8}{r['episodes']:>10}{r['episodes_per_s_sync']:>11.1f}"
+            f"{r['episodes_per_s_async']:>12.1f}{r['ratio']:>12.2f}{r['model_ratio']:>8.2f}"
+            f"{_pct(r['idle_fraction_sync']):>19}{_pct(r['idle_fraction_async']):>8}"
+        )
+    lines += ["", f"{figures['wall_s']:.0f} s, load average {figures['load_avg_1m']:.1f}"]
+    return "\n".join(lines)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct replica counts >= 1 separated by commas (e.g. 1,2,4,8), "
+            f"got {text!r}"
+        )
+    return counts
+
+
+def _problems(p: dict[str, Any]) -> list[str]:
+    """Every bad parameter of ``p``, each with the option that sets it."""
+    bounds = (
+        ("batches", "--batches", p["batches"] >= 1, "an int >= 1"),
+        ("rounds", "--rounds", p["rounds"] >= 1, "an int >= 1"),
+        ("gen_ms", "--gen-ms", p["gen_ms"] >= 0, ">= 0"),
+        ("median_ms", "--median-ms", p["median_ms"] > 0, "> 0"),
+        ("sigma", "--sigma", p["sigma"] >= 0, ">= 0"),
+    )
+    return [f"{opt}: expected {want}, got {p[key]}" for key, opt, ok, want in bounds if not ok]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl bench episodes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 and 4 replicas, 4 batches, 3 rounds (for tests)"
+    )
+    parser.add_argument("--replicas", type=_counts, help="replica counts (default 1,2,4,8)")
+    parser.add_argument("--batches", type=int, help="sync batches a mode a round (default 6)")
+    parser.add_argument("--rounds", type=int, help="rounds at each replica count (default 5)")
+    parser.add_argument("--gen-ms", type=float, help="a policy turn's milliseconds (default 10)")
+    parser.add_argument("--median-ms", type=float, help="a step's median milliseconds (default 20)")
+    parser.add_argument("--sigma", type=float, help="a step's log-space std. dev. (default 1.0)")
+    parser.add_argument("--seed", type=int, help="seeds the turns and latencies (default 0)")
+    args = parser.parse_args(argv)
+    p = {**PARAMS, **(QUICK if args.quick else {})}
+    p.update({k: v for k in PARAMS if (v := getattr(args, k)) is not None})
+    problems = _problems(p)
+    if problems:
+        parser.error("; ".join(problems))
+    figures = measure(p)
+    print(json.dumps(figures) if args.json else format_table(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""``asyncrl bench episodes``: its simulated roles and its model in-process, its argument errors,
+and ``--quick --json`` end to end on real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from asyncrl.bench.episode_sim import (
+    MAX_TURNS,
+    MIN_TURNS,
+    SpreadEnv,
+    TurnRollout,
+    episode_seconds,
+    step_latency,
+    turns_of,
+)
+from asyncrl.bench.episodes import PARAMS, QUICK, ideal_seconds, main, task_plan
+from asyncrl.role import RoleContext
+from asyncrl.roles.agents.environment import Reset, Step, Transition
+from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+from asyncrl.transport import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_model_waits_for_each_batchs_slowest_in_sync_and_fills_free_replicas_in_async() -> None:
+    durations = [3.0, 1.0, 1.0, 1.0]
+    assert ideal_seconds(durations, 2, "sync") == 3.0 + 1.0
+    assert ideal_seconds(durations, 2, "async") == 3.0  # the three short ones share a replica
+    assert ideal_seconds(durations, 1, "sync") == ideal_seconds(durations, 1, "async") == 6.0
+
+
+def test_the_plan_gives_every_count_and_round_tasks_of_its_own_after_the_warm_up() -> None:
+    plan = task_plan([1, 2], batches=2, rounds=2)
+    assert plan == [(1, [2, 3]), (1, [4, 5]), (2, [6, 7, 8, 9]), (2, [10, 11, 12, 13])]
+
+
+def test_draws_depend_on_the_seed_the_task_and_the_turn_alone() -> None:
+    turns = [turns_of(task, 0) for task in range(200)]
+    assert set(turns) == set(range(MIN_TURNS, MAX_TURNS + 1))
+    latencies = [step_latency(task, 0, 0.02, 1.0, 0) for task in range(2001)]
+    assert statistics.median(latencies) == pytest.approx(0.02, rel=0.1)  # the median asked
+    assert step_latency(7, 1, 0.02, 1.0, 0) == step_latency(7, 1, 0.02, 1.0, 0)
+    assert step_latency(7, 1, 0.02, 1.0, 0) != step_latency(7, 1, 0.02, 1.0, 1)
+    assert step_latency(7, 1, 0.02, 0.0, 0) == 0.02
+    assert episode_seconds(7, 0.01, 0.02, 0.0, 0) == pytest.approx(turns_of(7, 0) * 0.03)
+
+
+def request(prompt_id: str) -> GenerateBatch:
+    params = SamplingParams(max_new_tokens=3)
+    prompt = Prompt(id=prompt_id, token_ids=[1, 2])
+    return GenerateBatch([GenerateRequest(prompt=prompt, sample_index=0, params=params)])
+
+
+def test_the_rollout_answers_a_finished_sample_and_records_when_it_was_busy() -> None:
+    role = TurnRollout(RoleContext.local({"gen_s": 0.0, "tokens": 3, "version": 4}))
+    (sample,) = run(role.generate(request("e/0/1")))
+    assert isinstance(sample, Sample) and sample.finished and sample.prompt_ids == [1, 2]
+    assert len(sample.token_ids) == 3 and all(97 <= t <= 122 for t in sample.token_ids)
+    assert all(lp <= 0.0 for lp in sample.logprobs) and sample.versions == [4, 4, 4]
+    assert run(role.generate(request("e/0/1"))) == [sample]  # the same turn, the same tokens
+    assert role.in_progress == 0 and len(role.busy) == 2
+    role.busy, role.starts = [(1.0, 2.0), (3.0, 5.0)], [1.0, 3.0, 3.5]
+    assert run(role.idle([0.0, 4.0])) == {"busy_s": 2.0, "calls": 3.0, "idle": 0.5}
+    with pytest.raises(ValueError, match=r"idle: expected a window \[t0, t1\] with t1 > t0"):
+        run(role.idle([4.0, 4.0]))
+
+
+def test_the_environment_ends_an_episode_after_its_drawn_turns() -> None:
+    env = SpreadEnv(RoleContext.local({"median_s": 0.001, "sigma": 0.0}))
+
+    async def episode(task: int) -> list[Transition]:
+        await env.reset(Reset(episode_id="e", task=task))
+        return [
+            await env.step(Step(episode_id="e", turn=t, action="x"))
+            for t in range(turns_of(task, 0))
+        ]
+
+    steps = run(episode(5))
+    assert [s.done for s in steps] == [False] * (len(steps) - 1) + [True]
+    assert [s.reward for s in steps][-1] == 1.0 and steps[0].observation == "seen 0"
+    with pytest.raises(TypeError, match=r"the task is an episode's int index, got 'x'"):
+        run(env.start("x"))
+
+
+def test_bad_arguments_are_refused_all_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--replicas", "0,2"])
+    assert exited.value.code == 2
+    assert (
+        "argument --replicas: expected distinct replica counts >= 1 separated by commas "
+        "(e.g. 1,2,4,8), got '0,2'" in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["--batches", "0", "--sigma", "-1"])
+    assert "--batches: expected an int >= 1, got 0; --sigma: expected >= 0, got -1.0" in (
+        capsys.readouterr().err
+    )
+
+
+ROW_KEYS = {
+    "replicas",
+    "episodes",
+    "episodes_per_s_sync",
+    "episodes_per_s_async",
+    "ratio",
+    "idle_fraction_sync",
+    "idle_fraction_async",
+    "model_episodes_per_s_sync",
+    "model_episodes_per_s_async",
+    "model_ratio",
+}
+
+
+def model_ratio(n: int, p: dict[str, Any]) -> float:
+    """What the benchmark's model gives at ``n`` replicas for the parameters ``p``."""
+    ratios = []
+    for count, tasks in task_plan(p["replicas"], p["batches"], p["rounds"]):
+        if count == n:
+            d = [episode_seconds(t, 0.01, 0.02, 1.0, 0) for t in tasks]
+            ratios.append(ideal_seconds(d, n, "sync") / ideal_seconds(d, n, "async"))
+    return statistics.median(ratios)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_json_runs_every_row_and_async_beats_sync_with_spread_latency() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "bench", "episodes", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+        check=True,
+    )
+    figures = json.loads(out.stdout)
+    p = {**PARAMS, **QUICK}
+    assert figures["params"] == p
+    rows = figures["rows"]
+    assert [r["replicas"] for r in rows] == [1, 4]
+    assert [r["episodes"] for r in rows] == [4, 16]
+    for row in rows:
+        assert set(row) >= ROW_KEYS
+        assert row["model_ratio"] == pytest.approx(model_ratio(row["replicas"], p), rel=1e-9)
+        # Measured against the model: within the overhead of two calls a turn.
+        for mode in ("sync", "async"):
+            assert 0.5 < row[f"episodes_per_s_{mode}"] / row[f"model_episodes_per_s_{mode}"] < 1.1
+            assert 0.0 < row[f"idle_fraction_{mode}"] < 1.0
+    one, four = rows
+    # One replica: a batch of one is one episode in flight; the two modes are the same.
+    assert one["model_ratio"] == 1.0 and 0.8 < one["ratio"] < 1.25
+    # Four: async never waits for a batch's slowest episode (the model says 1.22x here).
+    assert four["model_ratio"] > 1.15
+    assert four["ratio"] > 1.0
+    assert four["episodes_per_s_async"] > four["episodes_per_s_sync"]
+    assert four["idle_fraction_async"] < four["idle_fraction_sync"]
