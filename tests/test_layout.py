@@ -139,6 +139,11 @@ PARTS: dict[str, tuple[str, ...]] = {
         "asyncrl.roles.payloads",
     ),
     "asyncrl.roles.agents": ("asyncrl.roles.payloads",),
+    "asyncrl.roles.agents.adapters": (
+        "asyncrl.roles.agents",
+        "asyncrl.roles.services",
+        "asyncrl.roles.payloads",
+    ),
     "asyncrl.roles.payloads": (),
     "asyncrl.roles.device_report": (),
 }
