@@ -25,16 +25,20 @@ have room, and its steps to the environment replica that holds it). Failures:
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from asyncrl.errors import DeadlineExceededError, RemoteError
-from asyncrl.roles.agents.environment import Observation, Reset, Step, Transition
+from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 
-__all__ = ["EpisodeRunner", "Segment", "Trajectory"]
+__all__ = ["EpisodeRunner", "Segment", "Trajectory", "count", "episode_rewards"]
+
+log = logging.getLogger("asyncrl.agents")
 
 LOST = "EpisodeLost"
 """The remote type of the error a replica without the episode raises."""
@@ -98,6 +102,41 @@ class Trajectory(msgspec.Struct, kw_only=True):
             at += len(s.token_ids)
         return starts
 
+    def sample(self, prompt_id: str, index: int) -> Sample:
+        """The episode as one training sample, stable id ``(prompt_id, index)``: the policy's
+        tokens with their behaviour log-probs and versions, the environment's with log-prob 0
+        and the version of the turn before them, and the loss mask that keeps the latter out
+        of training (``Sample.loss_mask``)."""
+        logprobs: list[float] = []
+        versions: list[int] = []
+        version = 0
+        for segment in self.segments:
+            if segment.policy:
+                logprobs += segment.logprobs
+                versions += segment.versions
+                version = segment.versions[-1] if segment.versions else version
+            else:
+                logprobs += [0.0] * len(segment.token_ids)
+                versions += [version] * len(segment.token_ids)
+        return Sample(
+            prompt_id=prompt_id,
+            sample_index=index,
+            prompt_ids=self.prompt_ids,
+            token_ids=self.token_ids,
+            logprobs=logprobs,
+            versions=versions,
+            finished=True,
+            stop_reason="stop" if self.done else "length",
+            loss_mask=self.loss_mask,
+            turn_starts=self.turn_starts,
+            turn_rewards=list(self.turn_rewards),
+        )
+
+
+async def episode_rewards(samples: list[Sample]) -> list[float]:
+    """The pipeline's scorer for episodes: each one's reward, the sum of its steps' rewards."""
+    return [sum(s.turn_rewards) for s in samples]
+
 
 class _Lost(Exception):
     """The environment replica lost the episode."""
@@ -118,6 +157,7 @@ class EpisodeRunner:
             restarted.
         max_restarts: the most restarts (or replays) of one episode before it fails.
         generate_timeout_s: the deadline of one generate call.
+        task_of: a prompt's task for ``reset`` (``source``); by default its ``answer``.
     """
 
     def __init__(
@@ -133,8 +173,9 @@ class EpisodeRunner:
         on_timeout: str = "observe",
         timeout_text: str = "[the tool timed out]",
         deterministic: bool = False,
-        max_restarts: int = 3,
+        max_restarts: int = 8,
         generate_timeout_s: float = 600.0,
+        task_of: Callable[[Prompt], Any] = lambda prompt: prompt.answer,
     ) -> None:
         if on_timeout not in ("observe", "end"):
             raise ValueError(f"on_timeout: expected 'observe' or 'end', got {on_timeout!r}")
@@ -152,6 +193,17 @@ class EpisodeRunner:
         self.deterministic = deterministic
         self.max_restarts = max_restarts
         self.generate_timeout_s = generate_timeout_s
+        self.task_of = task_of
+
+    async def source(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
+        """The sample pipeline's ``SampleSource``: sample ``index`` of ``prompt`` is episode
+        ``<prompt id>/<index>`` on the task ``task_of(prompt)`` (by default the prompt's
+        ``answer``), run to its end and returned as one sample (``Trajectory.sample``); what
+        happened on the way is counted in ``metrics``. The pipeline keeps the accounting: a
+        lost episode is restarted here under the same stable id, so each is trained once."""
+        traj = await self.run(f"{prompt.id}/{index}", self.task_of(prompt), prompt.token_ids)
+        count(metrics, traj)
+        return traj.sample(prompt.id, index)
 
     async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
         """Run one episode to its end; its trajectory, exact to the token."""
@@ -164,6 +216,8 @@ class EpisodeRunner:
                     episode_id, task, prompt_ids, restarts + replays, resumed, holder
                 )
                 traj.restarts, traj.replays = restarts, replays
+                if not traj.done:  # the environment still holds it: let it go
+                    await self._close(episode_id)
                 return traj
             except _Lost:
                 if restarts + replays >= self.max_restarts:
@@ -225,6 +279,12 @@ class EpisodeRunner:
                     Segment(policy=False, token_ids=self.encode(transition.observation))
                 )
         return traj
+
+    async def _close(self, episode_id: str) -> None:
+        try:
+            await self.env.call("close", Close(episode_id=episode_id), None, timeout=5.0)
+        except Exception as exc:  # the replica forgets it when restarted anyway
+            log.debug("closing episode %r failed: %s", episode_id, exc)
 
     async def _generate(self, traj: Trajectory, attempt: int) -> Sample:
         context = [*traj.prompt_ids, *traj.token_ids]
@@ -298,3 +358,18 @@ class EpisodeRunner:
                     f"episode {traj.episode_id!r}: the environment answered turn {turn} "
                     "differently on replay; it is not deterministic"
                 )
+
+
+def count(metrics: Counter[str], traj: Trajectory) -> None:
+    """Add one finished episode to the pipeline's counters: ``episodes``, ``episodes_done``
+    (the environment ended them), ``episode_turns``, ``env_tokens`` (the environment's tokens
+    in the samples, all masked out of training), ``episode_restarts``, ``episode_replays``,
+    ``env_timeouts`` and ``env_errors``."""
+    metrics["episodes"] += 1
+    metrics["episodes_done"] += traj.done
+    metrics["episode_turns"] += traj.turns
+    metrics["env_tokens"] += sum(len(s.token_ids) for s in traj.segments if not s.policy)
+    metrics["episode_restarts"] += traj.restarts
+    metrics["episode_replays"] += traj.replays
+    metrics["env_timeouts"] += traj.timeouts
+    metrics["env_errors"] += traj.errors

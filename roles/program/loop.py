@@ -43,6 +43,7 @@ from asyncrl.roles.payloads import (
 from asyncrl.roles.program.clients import RewardClient, RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.metrics import StepReport
+from asyncrl.roles.sampling.contract import SampleSource
 from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
 from asyncrl.roles.sampling.weight_sync import relay_groups
 
@@ -94,6 +95,9 @@ class RLLoop:
         budget_s: a wall-clock budget of the loop in seconds; 0: none.
         stop_at: targets that stop the loop: ``accuracy``, ``score_mean`` (of an evaluation) or
             ``reward`` (a trained batch's mean), each reached at or above its value.
+        source: how each sample is produced (``asyncrl.roles.sampling.contract.SampleSource``);
+            None: one completion from the rollout group with ``params``. An episode runner's
+            ``source`` makes each sample a multi-turn episode (``asyncrl.roles.agents``).
     """
 
     algorithm: str
@@ -108,6 +112,7 @@ class RLLoop:
     eval_every: int = 0
     budget_s: float = 0.0
     stop_at: dict[str, float] = field(default_factory=dict)
+    source: SampleSource | None = None
 
 
 @dataclass
@@ -432,6 +437,7 @@ def _pipeline(
         start_version=status.version,
         resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
         watchdog=rl.watchdog,
+        source=loop.source,
     )
 
 

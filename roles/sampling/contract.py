@@ -1,17 +1,34 @@
 """What the sample pipeline (``asyncrl.roles.sampling.pipeline``) takes and gives: the rollout
-group it calls, the prompt feed and the scorer, the ``Batch`` it hands the learner, and the
-checks of its arguments."""
+group it calls, the prompt feed, the source of each sample and the scorer, the ``Batch`` it
+hands the learner, and the checks of its arguments."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
 
-from asyncrl.roles.payloads import Prompt, Sample, Scored
+from asyncrl.roles.payloads import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    Sample,
+    SamplingParams,
+    Scored,
+)
 
-__all__ = ["Batch", "Caller", "PromptFeed", "Scorer", "check_args", "max_drops"]
+__all__ = [
+    "Batch",
+    "Caller",
+    "Generate",
+    "PromptFeed",
+    "SampleSource",
+    "Scorer",
+    "check_args",
+    "max_drops",
+]
 
 _UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
 
@@ -36,6 +53,51 @@ class Caller(Protocol):
         key: Any = None,
         affinity: Any = None,
     ) -> Any: ...
+
+
+class SampleSource(Protocol):
+    """How the pipeline produces sample ``index`` of ``prompt`` (its stable id ``(prompt.id,
+    index)``): ``Generate`` (one completion from the rollout group), or an episode runner's
+    (``asyncrl.roles.agents.episodes.EpisodeRunner.source``: a multi-turn episode as one
+    sample with its loss mask). It may count what happened in ``metrics``, the pipeline's
+    counters (they reach every batch's metrics and its resume state)."""
+
+    async def __call__(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample: ...
+
+
+class Generate:
+    """The default ``SampleSource``: one ``generate`` call per sample on whichever replica has
+    room; an unfinished sample (out of its chunk budget, or interrupted by a weight update) is
+    resumed on any replica, keeping its tokens and their versions (counted in ``resumed``).
+
+    Args:
+        rollout: the rollout group's handle; params: how to sample; timeout: per call.
+        affinity: ask the dispatcher to keep a group's samples on one replica.
+    """
+
+    def __init__(
+        self, rollout: Caller, params: SamplingParams, *, timeout: float, affinity: bool = False
+    ) -> None:
+        self.rollout, self.params, self.timeout, self.affinity = rollout, params, timeout, affinity
+
+    async def __call__(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
+        request = GenerateRequest(prompt=prompt, sample_index=index, params=self.params)
+        while True:
+            sample: Sample
+            (sample,) = await self.rollout.call(
+                "generate",
+                GenerateBatch([request]),
+                list[Sample],
+                timeout=self.timeout,
+                key=(prompt.id, index),
+                affinity=prompt.id if self.affinity else None,
+            )
+            if sample.finished:
+                return sample
+            metrics["resumed"] += 1
+            request = GenerateRequest(
+                prompt=prompt, sample_index=index, params=self.params, partial=sample
+            )
 
 
 class Batch(msgspec.Struct):

@@ -7,8 +7,9 @@ learner, in either mode of the manifest's ``pipeline`` section
 1. **Admission.** A prompt is admitted as a group of ``group_size`` samples when the ``Pacer``
    has room: at most one batch in sync mode, up to η learner versions ahead in async mode.
 2. **Dispatch.** The unit of work is one sample, (prompt id, sample index): each is its own
-   ``generate`` call, so one group's samples run on whichever replicas have free slots, in any
-   order, and an idle replica steals queued ones. An unfinished sample (out of its chunk budget,
+   ``generate`` call (with an episode runner's ``source``, its own multi-turn episode), so one
+   group's samples run on whichever replicas have free slots, in any order, and an idle
+   replica steals queued ones. An unfinished sample (out of its chunk budget,
    or interrupted by a weight update) comes back partial and is resumed on any replica, keeping
    its tokens and their versions. A sample lost with a crashed replica is re-run by the
    dispatcher under the same stable id: it replaces the lost one, and is never counted twice.
@@ -60,15 +61,17 @@ from asyncrl.dispatch.pacing import Mode, OverEta, Pacer, PipelineSpec, percenti
 from asyncrl.dispatch.reduce import Moments, Outcome, Reducer, Released, Straggler
 from asyncrl.errors import StallError
 from asyncrl.roles.learning.groups import Group, group_advantages, uniform
-from asyncrl.roles.payloads import (
-    GenerateBatch,
-    GenerateRequest,
-    Prompt,
-    Sample,
-    SamplingParams,
-    Scored,
+from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored
+from asyncrl.roles.sampling.contract import (
+    Batch,
+    Caller,
+    Generate,
+    PromptFeed,
+    SampleSource,
+    Scorer,
+    check_args,
+    max_drops,
 )
-from asyncrl.roles.sampling.contract import Batch, Caller, PromptFeed, Scorer, check_args, max_drops
 from asyncrl.roles.sampling.schedule import PromptSchedule
 from asyncrl.roles.sampling.weight_sync import WeightSync
 
@@ -108,6 +111,9 @@ class SamplePipeline:
         max_uniform_drops: the most such groups dropped per batch (default: 4 per group of
             the batch); past it they are kept, with zero advantages, and counted.
         clock: what straggler deadlines run on (a test passes a ``FakeClock``).
+        source: how each sample is produced (``SampleSource``); None: ``Generate``, one
+            completion from ``rollout`` with ``params``. An episode runner's source makes each
+            sample a multi-turn episode.
 
     Raises:
         ValueError: a batch smaller than one group, an unknown ``std``, or ``drop_uniform``
@@ -134,6 +140,7 @@ class SamplePipeline:
         drop_uniform: bool | None = None,
         max_uniform_drops: int | None = None,
         clock: Clock = MONOTONIC,
+        source: SampleSource | None = None,
     ) -> None:
         self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
         self.max_uniform_drops = max_drops(batch_size, group_size, max_uniform_drops)
@@ -148,6 +155,9 @@ class SamplePipeline:
         self.normalize_std = normalize_std
         self.std = std
         self.timeout = timeout
+        self.source = source or Generate(
+            rollout, params, timeout=timeout, affinity=spec.group_affinity
+        )
         self.pacer = Pacer(
             batch_size,
             spec.window_eta,
@@ -328,24 +338,7 @@ class SamplePipeline:
     # -- one sample ---------------------------------------------------------------------
 
     async def _sample(self, group: Group, k: int) -> None:
-        request = GenerateRequest(prompt=group.prompt, sample_index=k, params=self.params)
-        affinity = group.key if self.spec.group_affinity else None
-        while True:
-            (sample,) = await self.rollout.call(
-                "generate",
-                GenerateBatch([request]),
-                list[Sample],
-                timeout=self.timeout,
-                key=(group.key, k),
-                affinity=affinity,
-            )
-            if sample.finished:
-                break
-            # A partial rollout: resume it on whichever replica is free, keeping its tokens.
-            self.metrics["resumed"] += 1
-            request = GenerateRequest(
-                prompt=group.prompt, sample_index=k, params=self.params, partial=sample
-            )
+        sample = await self.source(group.prompt, k, self.metrics)
         self.metrics["generated_samples"] += 1
         group.generated += 1
         self._to_score.append((group, k, sample))
