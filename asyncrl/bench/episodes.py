@@ -85,7 +85,7 @@ def _encode(text: str) -> list[int]:
 
 
 def _decode(ids: list[int]) -> str:
-    return bytes(i % 256 for i in ids).decode(errors="replace")
+    return bytes(ids).decode(errors="replace")  # the policy's tokens are letters
 
 
 class _Pinned:
@@ -116,7 +116,11 @@ def _check(traj: Trajectory, task: int, seed: int) -> None:
 async def _run_mode(
     mode: str, runners: Sequence[EpisodeRunner], tasks: list[int], tag: str, seed: int
 ) -> float:
-    """Run ``tasks`` on the ``len(runners)`` replicas in ``mode``; the seconds it took."""
+    """Run ``tasks`` on the ``len(runners)`` replicas in ``mode``; the seconds it took.
+
+    Raises:
+        RuntimeError: an episode did not end as drawn (see ``_check``).
+    """
     n = len(runners)
     trajectories: list[tuple[Trajectory, int]] = []
 
@@ -292,7 +296,8 @@ def measure(p: dict[str, Any]) -> dict[str, Any]:
                 f"{out.stdout[-2000:]}{out.stderr[-2000:]}"
             )
         result: dict[str, Any] = report["result"]
-        return {"params": p, **result, "wall_s": time.perf_counter() - start}
+        fixed = {"min_turns": MIN_TURNS, "max_turns": MAX_TURNS, "tokens": TOKENS}
+        return {"params": {**p, **fixed}, **result, "wall_s": time.perf_counter() - start}
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

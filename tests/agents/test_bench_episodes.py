@@ -21,7 +21,7 @@ from asyncrl.bench.episode_sim import (
     step_latency,
     turns_of,
 )
-from asyncrl.bench.episodes import PARAMS, QUICK, ideal_seconds, main, task_plan
+from asyncrl.bench.episodes import PARAMS, QUICK, format_table, ideal_seconds, main, task_plan
 from asyncrl.role import RoleContext
 from asyncrl.roles.agents.environment import Reset, Step, Transition
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
@@ -105,6 +105,26 @@ def test_bad_arguments_are_refused_all_at_once(capsys: pytest.CaptureFixture[str
     )
 
 
+def test_the_table_has_a_line_per_replica_count() -> None:
+    row = {
+        "replicas": 4,
+        "episodes": 24,
+        "episodes_per_s_sync": 14.04,
+        "episodes_per_s_async": 19.46,
+        "ratio": 1.386,
+        "model_ratio": 1.392,
+        "idle_fraction_sync": 0.6438,
+        "idle_fraction_async": 0.4521,
+    }
+    figures = {"params": PARAMS, "rows": [row], "wall_s": 68.2, "load_avg_1m": 2.81}
+    lines = format_table(figures).splitlines()
+    assert "median 20 ms, sigma 1.0; 3 to 5 turns an episode; 6 x N episodes" in lines[1]
+    header = "replicas episodes sync ep/s async ep/s async/sync model rollout idle sync async"
+    assert " ".join(lines[3].split()) == header
+    assert lines[4].split() == ["4", "24", "14.0", "19.5", "1.39", "1.39", "64.4%", "45.2%"]
+    assert lines[-1] == "68 s, load average 2.8"
+
+
 ROW_KEYS = {
     "replicas",
     "episodes",
@@ -142,7 +162,7 @@ def test_quick_json_runs_every_row_and_async_beats_sync_with_spread_latency() ->
     )
     figures = json.loads(out.stdout)
     p = {**PARAMS, **QUICK}
-    assert figures["params"] == p
+    assert figures["params"] == {**p, "min_turns": 3, "max_turns": 5, "tokens": 8}
     rows = figures["rows"]
     assert [r["replicas"] for r in rows] == [1, 4]
     assert [r["episodes"] for r in rows] == [4, 16]
