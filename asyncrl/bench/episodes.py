@@ -5,7 +5,7 @@ One ``asyncrl run`` (real processes over ipc: the driver, one simulated rollout 
 environment replicas as the largest count asked) runs ``EpisodeRunner`` episodes against
 ``episode_sim``'s roles: a policy turn takes ``--gen-ms`` (8 tokens, finished), an environment
 step a log-normal time of median ``--median-ms`` and log-space standard deviation ``--sigma``
-(1.0), an episode 3 to 5 turns; every draw is seeded by the task and the turn, so both modes
+(default 1.0), an episode 3 to 5 turns; every draw is seeded by the task and the turn, so both modes
 wait on exactly the same steps. Each episode in flight is held by its own environment replica
 (the driver pins its reset there; the runner would otherwise send a reset to any replica with
 room, and two episodes could queue on one), so N replicas hold N episodes at once:
@@ -20,8 +20,10 @@ async, ``--rounds`` rounds; the figures are medians over rounds: ``episodes_per_
 ``episodes_per_s_async``, ``ratio`` (async over sync, per round), and the rollout's idle
 fraction in each mode, ``idle_fraction_sync`` and ``idle_fraction_async``: the share of the
 mode's wall time during which the rollout replica had no ``generate`` call in progress, as the
-replica itself recorded it (``TurnRollout.idle``). ``model_ratio`` is the same ratio on a
+replica itself recorded it (``TurnRollout.idle``; it has a slot for every episode in flight, so
+a turn never queues). ``model_ratio`` is the same ratio on a
 zero-overhead clock: the episodes' drawn durations scheduled as each mode schedules them.
+``--quick`` runs 1 and 4 replicas, 4 batches, 3 rounds (about 15 s).
 """
 
 from __future__ import annotations
@@ -160,7 +162,9 @@ def ideal_seconds(durations: Sequence[float], n: int, mode: str) -> float:
     return max(free)
 
 
-async def _measure(ctx: Any, runners: list[EpisodeRunner], tasks: list[int], tag: str) -> Any:
+async def _measure(
+    ctx: Any, runners: list[EpisodeRunner], tasks: list[int], tag: str
+) -> dict[str, dict[str, float]]:
     """Both modes on ``tasks``, sync first; per mode: episodes/s, the rollout's idle fraction,
     and the model's episodes/s."""
     cfg = ctx.config
