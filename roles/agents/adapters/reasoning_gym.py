@@ -36,7 +36,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import reasoning_gym
+try:
+    import reasoning_gym
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        f"{__name__} needs reasoning-gym: pip install 'asyncrl[agents-adapters]'"
+    ) from exc
 
 from asyncrl.roles.services.reward import verifier
 

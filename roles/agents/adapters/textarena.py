@@ -28,8 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import textarena
-from textarena.wrappers import ActionFormattingWrapper
+
+try:
+    import textarena
+    from textarena.wrappers import ActionFormattingWrapper
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        f"{__name__} needs textarena: pip install 'asyncrl[agents-adapters]'"
+    ) from exc
 
 from asyncrl.errors import ConfigProblem
 from asyncrl.roles.agents.environment import Environment, Transition

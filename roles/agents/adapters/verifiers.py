@@ -27,8 +27,14 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import msgspec
-import verifiers
-from openai import AsyncOpenAI
+
+try:
+    import verifiers
+    from openai import AsyncOpenAI
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        f"{__name__} needs verifiers: pip install 'asyncrl[agents-adapters]'"
+    ) from exc
 
 from asyncrl.roles.agents.episodes import Trajectory
 from asyncrl.roles.agents.openai_server import OpenAIServer
