@@ -9,10 +9,10 @@ masked in, everything between them masked out) with the rubric's reward, ready f
 
 Each rollout is tied to its episode by the request's ``user`` field (sent through the
 environment's sampling arguments), so concurrent rollouts never mix. Only the classic
-``verifiers`` environments (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv``, ``vf.ToolEnv`` ...) with
-chat messages are driven; their ``sampling_args`` ``max_tokens`` reaches the endpoint as
-``max_completion_tokens``, which the endpoint does not read: the server's own ``max_tokens``
-bounds each completion.
+``verifiers`` environments (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv`` and those built on them)
+with chat messages are driven (the tests drive a ``vf.MultiTurnEnv``); their
+``sampling_args`` ``max_tokens`` reaches the endpoint as ``max_completion_tokens``, which the
+endpoint does not read: the server's own ``max_tokens`` bounds each completion.
 
 Build the environment with ``make_env``: a verifiers ``Environment`` installs SIGINT and SIGTERM
 handlers of its own when it is constructed (they exit the process at once), which would take
@@ -48,13 +48,15 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 @contextmanager
 def keep_signal_handlers() -> Iterator[None]:
     """Restore the process's SIGINT and SIGTERM handlers on the way out, whatever the block
-    installed (a verifiers ``Environment`` installs its own)."""
+    installed (a verifiers ``Environment`` installs its own). A handler that was not set from
+    Python (``getsignal`` gives None) cannot be put back, and is left as the block set it."""
     saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
     try:
         yield
     finally:
         for sig, handler in saved.items():
-            signal.signal(sig, handler)
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def make_env(factory: Callable[..., T], *args: Any, **kwargs: Any) -> T:
