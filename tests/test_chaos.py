@@ -562,3 +562,35 @@ def test_pipeline_counters_left_out_at_zero_count_as_zero(tmp_path: Any) -> None
     acc = account(os.path.join(tmp_path, "chaos"), None)
     assert acc["in_flight_at_end"] is None
     assert acc["samples_lost"] is None
+
+
+def test_an_episode_run_reports_episodes_lost_counted_twice_and_env_tokens_trained(
+    tmp_path: Any,
+) -> None:
+    run_dir = os.path.join(tmp_path, "episodes")
+    episodes = {**PIPELINE, "wasted_samples": 2, "episodes": 9, "episode_restarts": 3}
+    steps = [*STEPS, step(5, [["p2", 1], ["p3", 0]])]  # p2/1 trained a second time
+    make_run(run_dir, accuracy=0.5, wall_s=5.0, pipeline=episodes, steps=steps, kills=2)
+    lines = [
+        {"step": 1, "learner": {"env_tokens_trained": 0.0}},
+        "a torn line",
+        {"step": 2, "learner": {"env_tokens_trained": 4.0}},
+        {"step": 3, "learner": {}},
+    ]
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    acc = account(run_dir, None)
+    assert acc["episodes_lost"] == 0  # 8 admitted - 6 consumed - 2 wasted - 0 in flight
+    assert acc["episodes_counted_twice"] == 1
+    assert acc["env_tokens_trained"] == 4.0
+    assert (acc["episode_restarts"], acc["episode_replays"], acc["env_errors"]) == (3, 0, 0)
+    text = format_accounting(acc)
+    assert "episodes counted twice          1" in text
+    assert "environment tokens trained      4.0" in text
+
+    single = os.path.join(tmp_path, "single")
+    make_run(single, accuracy=0.5, wall_s=5.0, pipeline=PIPELINE, steps=STEPS)
+    plain = account(single, None)
+    assert plain["episodes_lost"] is None and plain["env_tokens_trained"] is None
+    assert plain["unknown"]["episodes"].startswith("not an episode run")
+    assert "episodes lost" not in format_accounting(plain)

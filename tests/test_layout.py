@@ -136,6 +136,7 @@ PARTS: dict[str, tuple[str, ...]] = {
         "asyncrl.roles.training",
         "asyncrl.roles.services",
         "asyncrl.roles.sampling",
+        "asyncrl.roles.agents",
         "asyncrl.roles.payloads",
     ),
     "asyncrl.roles.agents": ("asyncrl.roles.payloads",),

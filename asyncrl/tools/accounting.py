@@ -222,6 +222,7 @@ def run_figures(run_dir: str) -> dict[str, Any]:
     _chaos_figures(chaos, report, out, unknown)
     summary = _pipeline_figures(summary, driver, out, unknown)
     _ledger_figures(run_dir, summary, out, unknown)
+    _episode_figures(run_dir, summary, out, unknown)
     _dispatch_figures(driver, out, unknown)
     out["unknown"] = unknown
     return out
@@ -354,6 +355,61 @@ def _ledger_figures(
         unknown["consistent"] = "needs the pipeline's consumed_samples and the learner's step log"
 
 
+_EPISODE_COUNTERS = (
+    ("episode_restarts", "episode_restarts"),
+    ("episode_replays", "episode_replays"),
+    ("env_timeouts", "env_timeouts"),
+    ("env_errors", "env_errors"),
+)
+
+
+def _episode_figures(
+    run_dir: str, summary: dict[str, Any], out: dict[str, Any], unknown: dict[str, str]
+) -> None:
+    """For a run whose samples are multi-turn episodes (its pipeline counted ``episodes``):
+    ``episodes_lost`` (its samples lost), ``episodes_counted_twice`` (consumptions beyond an
+    id's first), ``env_tokens_trained`` (the learner's count of environment tokens in its loss,
+    summed over ``metrics.jsonl``), and the restarts, replays, timeouts and errors of the
+    environment. ``None`` for a single-turn run."""
+    pipeline = summary.get("pipeline")
+    keys = ("episodes_lost", "episodes_counted_twice", "env_tokens_trained")
+    if not (isinstance(pipeline, dict) and "episodes" in pipeline):
+        for key in (*keys, *(name for _, name in _EPISODE_COUNTERS)):
+            out[key] = None
+        unknown["episodes"] = "not an episode run (its pipeline counted no episodes)"
+        return
+    out["episodes_lost"] = out["samples_lost"]
+    out["episodes_counted_twice"] = out["duplicate_consumptions"]
+    for key, name in _EPISODE_COUNTERS:
+        out[name] = int(pipeline.get(key, 0))
+    trained = [
+        float(learner["env_tokens_trained"])
+        for line in _read_lines(os.path.join(run_dir, "metrics.jsonl"))
+        if isinstance(learner := line.get("learner"), dict) and "env_tokens_trained" in learner
+    ]
+    out["env_tokens_trained"] = sum(trained) if trained else None
+    if not trained:
+        unknown["env_tokens_trained"] = "metrics.jsonl has no learner env_tokens_trained"
+
+
+def _read_lines(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, skipping lines that are not one ([] when missing)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
 def _dispatch_figures(driver: Any, out: dict[str, Any], unknown: dict[str, str]) -> None:
     """From the driver's record: calls served and retried, per role."""
     dispatch = driver.get("dispatch") if isinstance(driver, dict) else None
@@ -399,6 +455,13 @@ _TOP = (
     "samples_consumed_ledger",
     "consumed_basis",
     "consistent",
+    "episodes_lost",
+    "episodes_counted_twice",
+    "env_tokens_trained",
+    "episode_restarts",
+    "episode_replays",
+    "env_timeouts",
+    "env_errors",
     "dispatch",
 )
 
@@ -496,6 +559,19 @@ def format_accounting(acc: dict[str, Any]) -> str:
         ("samples wasted", acc.get("samples_wasted")),
         ("samples lost", acc.get("samples_lost")),
         ("samples consumed twice", acc.get("duplicates_consumed")),
+        *(
+            []
+            if acc.get("episodes_lost") is None
+            else [
+                ("episodes lost", acc.get("episodes_lost")),
+                ("episodes counted twice", acc.get("episodes_counted_twice")),
+                ("environment tokens trained", acc.get("env_tokens_trained")),
+                ("episodes restarted (reset)", acc.get("episode_restarts")),
+                ("episodes replayed", acc.get("episode_replays")),
+                ("environment timeouts", acc.get("env_timeouts")),
+                ("environment errors", acc.get("env_errors")),
+            ]
+        ),
         ("learner steps", acc.get("learner_steps")),
         ("learner steps repeated", acc.get("steps_repeated")),
         ("learner steps skipped", acc.get("steps_skipped")),

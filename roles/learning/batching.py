@@ -23,6 +23,7 @@ __all__ = [
     "batch_moments",
     "check_norm_len",
     "completion_mask",
+    "env_tokens_in",
     "gae_targets",
     "loss_masks",
     "mean_over_steps",
@@ -105,6 +106,16 @@ def loss_masks(samples: list[Scored] | list[Sample]) -> list[list[int]] | None:
         if any(m not in (0, 1) for m in s.loss_mask):
             raise ValueError(f"sample {s.key}: loss_mask holds values other than 0 and 1")
     return [s.loss_mask for s in rows]
+
+
+def env_tokens_in(target: torch.Tensor, samples: list[Sample]) -> float:
+    """How many of the samples' environment tokens (``loss_mask`` 0) ``target`` marks as
+    trained: 0 unless the loss mask failed to reach it. Built apart from ``pad_batch``'s mask,
+    so it checks that path rather than repeating it."""
+    if not any(s.loss_mask for s in samples):
+        return 0.0
+    env = right_aligned([[1.0 - m for m in s.loss_mask] for s in samples], target.shape[1])
+    return float((target * env.to(target.device)).sum())
 
 
 def _with_loss_masks(target: torch.Tensor, masks: list[list[int]]) -> torch.Tensor:

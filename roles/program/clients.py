@@ -362,21 +362,35 @@ class RLContext:
     """A built-in RL program's typed view of its run: a client per built-in role, and the
     run's facts (``config``, ``pipeline``, ``run_dir``, ``watchdog``, ``incarnation``).
 
-    ``prompts``, ``rollout``, ``reward`` and ``learner`` are required; ``critic`` and
-    ``reference`` are None when the run has none. ``ctx`` is the generic context underneath,
-    for custom roles.
+    ``prompts``, ``rollout`` and ``learner`` are required; ``reward`` is needed when used (a
+    run whose rewards come from an environment has none); ``critic`` and ``reference`` are
+    None when the run has none. ``ctx`` is the generic context underneath, for custom roles.
     """
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.learner = LearnerClient(ctx["learner"])
         self.rollout = RolloutClient(ctx["rollout"])
-        self.reward = RewardClient(ctx["reward"])
+        self._reward = RewardClient(ctx.roles["reward"]) if "reward" in ctx.roles else None
         self.prompts = PromptsClient(ctx["prompts"])
         self.critic = CriticClient(ctx.roles["critic"]) if "critic" in ctx.roles else None
         self.reference = (
             ReferenceClient(ctx.roles["reference"]) if "reference" in ctx.roles else None
         )
+
+    @property
+    def reward(self) -> RewardClient:
+        """The ``reward`` role's client.
+
+        Raises:
+            KeyError: the run has no ``reward`` role.
+        """
+        if self._reward is None:
+            raise KeyError(
+                f"this run has no 'reward' role (it has {sorted(self.ctx.roles)}): add one to "
+                "the manifest's roles, or score samples another way (an environment's rewards)"
+            )
+        return self._reward
 
     @classmethod
     def of(cls, ctx: Context) -> RLContext:

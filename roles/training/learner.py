@@ -60,6 +60,7 @@ from asyncrl.roles.learning.batching import (
     batch_moments,
     check_norm_len,
     completion_mask,
+    env_tokens_in,
     gae_targets,
     loss_masks,
     mean_over_steps,
@@ -163,6 +164,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.consumed: set[tuple[str, int]] = set()
         self.keep: dict[str, Any] = {}
         self.last: dict[str, Any] = {}  # the last step: its batch id and result
+        self.env_tokens_trained = 0.0  # in this step's loss (episodes; see env_tokens_in)
         self.faults = FaultPlan.from_env(self.ctx.incarnation)
         self.dp: DataParallel | None = None
         keep = cfg.keep_checkpoints
@@ -408,7 +410,10 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 group["initial_lr"] = batch.lr
                 group["lr"] = batch.lr * self._lr_factor(self.scheduler.last_epoch)
         if fresh:
+            self.env_tokens_trained = 0.0
             metrics = self._train(objective, fresh, batch)
+            if any(s.sample.loss_mask for s in fresh):  # episodes: 0 unless the mask broke
+                metrics["env_tokens_trained"] = self.env_tokens_trained
             self.step += 1
             self.version += 1
             ids = [(s.sample.prompt_id, s.sample.sample_index) for s in fresh]
@@ -571,6 +576,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's forward pass and its loss under ``objective``."""
         forward = self._forward_logprobs([s.sample for s in samples], self.config.compile)
+        self.env_tokens_trained += env_tokens_in(forward.target, [s.sample for s in samples])
         return objective(MicroBatch(samples, advantages, proximal, forward))
 
     def _bc_term(self, demos: list[Sample], share: float = 1.0) -> dict[str, float]:

@@ -231,3 +231,21 @@ def test_staleness_counts_the_policy_tokens_versions(tmp_path: Any) -> None:
         TrainBatch(samples=[Scored(sample=s, advantage=1.0)], algorithm="grpo")
     ).metrics
     assert metrics["staleness_max"] == 3.0
+
+
+def test_a_step_on_episodes_reports_the_environment_tokens_its_loss_saw(tmp_path: Any) -> None:
+    """``env_tokens_trained`` counts environment tokens in the loss's target mask, built apart
+    from it: 0 for a sound mask, the environment's tokens when the mask is lost on the way."""
+    learner = make(tmp_path)
+    batch = TrainBatch(samples=[Scored(sample=episode(), advantage=1.0)], algorithm="grpo")
+    assert learner._train_step(batch).metrics["env_tokens_trained"] == 0.0
+    plain = learner._train_step(
+        TrainBatch(samples=[Scored(sample=episode(1, mask=[]), advantage=1.0)], algorithm="grpo")
+    )
+    assert "env_tokens_trained" not in plain.metrics
+    broken = make(tmp_path / "broken")
+    broken._forward_logprobs = lambda samples, compiled=False: Learner._forward_logprobs(  # type: ignore[method-assign]
+        broken, [msgspec.structs.replace(s, loss_mask=[]) for s in samples], compiled
+    )
+    batch = TrainBatch(samples=[Scored(sample=episode(2), advantage=1.0)], algorithm="grpo")
+    assert broken._train_step(batch).metrics["env_tokens_trained"] == 3.0
