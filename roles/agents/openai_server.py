@@ -3,8 +3,8 @@ against an OpenAI client runs unchanged during RL.
 
 ``OpenAIServer`` serves, on aiohttp:
 
-- ``POST /v1/completions``: ``prompt`` (text, or a list of token ids), ``max_tokens``,
-  ``temperature``, ``top_p``;
+- ``POST /v1/completions``: ``prompt`` (text, or a list of token ids), ``max_tokens`` (or
+  ``max_completion_tokens``, which newer clients send), ``temperature``, ``top_p``;
 - ``POST /v1/chat/completions``: ``messages`` rendered by ``render`` (by default
   ``"<role>: <content>\\n"`` per message, then ``"assistant: "``), the same sampling fields;
 - ``GET /v1/models``: the one model, ``model_name``.
@@ -254,7 +254,9 @@ class OpenAIServer:
         params = SamplingParams(
             temperature=float(body.get("temperature", 1.0)),
             top_p=float(body.get("top_p", 1.0)),
-            max_new_tokens=int(body.get("max_tokens") or self.max_tokens),
+            max_new_tokens=int(
+                body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
+            ),
             stop_token_ids=self.stop_token_ids,
         )
         n = next(self._ids)

@@ -23,10 +23,12 @@ class Replies:
 
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
+        self.budgets: list[int] = []  # each request's max_new_tokens
 
     async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
         (request,) = payload.requests if isinstance(payload, GenerateBatch) else ()
         self.prompts.append(list(request.prompt.token_ids))
+        self.budgets.append(request.params.max_new_tokens)
         tokens = [*encode(f"ok{len(self.prompts)}"), EOS]
         return [
             Sample(
@@ -89,12 +91,22 @@ def test_completions_take_text_or_token_ids_and_bad_requests_get_a_400() -> None
                 model="policy", prompt="2+2=" + one.choices[0].text + "\x0c" + "more", user="ep"
             )
             ids = await client.completions.create(model="policy", prompt=[1, 2], max_tokens=4)
+            await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=7
+            )
+            await client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": "hi"}],
+                max_completion_tokens=9,
+            )
             with pytest.raises(openai.BadRequestError, match="messages"):
                 await client.chat.completions.create(model="policy", messages=[])
             await client.close()
         assert (one.choices[0].text, one.choices[0].finish_reason) == ("ok1", "stop")
         assert again.choices[0].text == "ok2" and ids.choices[0].text == "ok3"
         assert one.usage is not None and one.usage.completion_tokens == 4
+        # The default budget, then max_tokens, then the chat API's newer max_completion_tokens.
+        assert rollout.budgets == [64, 64, 4, 7, 9]
         # The agent appended to what it got: the first completion's tokens are reused as such.
         assert rollout.prompts[1][: len(rollout.prompts[0]) + 4] == (
             rollout.prompts[0] + encode("ok1") + [EOS]
