@@ -76,6 +76,7 @@ bench: setup
 	$(BIN)/asyncrl bench multinode
 	$(BIN)/asyncrl bench sharding
 	$(BIN)/asyncrl bench durability
+	$(BIN)/asyncrl bench episodes
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis

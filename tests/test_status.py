@@ -282,3 +282,31 @@ async def test_questions_at_once_to_a_new_endpoint_leave_one_client_open(
         await agent.close()
         await driver.close()
     assert [c._closed for c in built] == [True] * 3
+
+
+def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's answer carries the episode counters of its last metrics record, and the
+    heading shows them; a run on single completions has none."""
+    from types import SimpleNamespace
+
+    from asyncrl.dispatch import driver as driver_module
+    from asyncrl.observe import metrics
+
+    spec = SimpleNamespace(target="p:main", incarnation=1)
+    dispatcher = SimpleNamespace(status=lambda: DRIVER["roles"])
+    counters = {"episodes": 90, "episode_restarts": 2, "episode_replays": 5, "env_errors": 1}
+    monkeypatch.setattr(metrics, "_latest", {"step": 7, "version": 6, "pipeline": counters})
+    answer = driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]
+    assert answer["episodes"] == {
+        "episodes": 90,
+        "episode_restarts": 2,
+        "episode_replays": 5,
+        "env_timeouts": 0,
+        "env_errors": 1,
+    }
+    status = {"run": "r", "run_dir": "/x", "nodes": [{"node": 0, "driver": answer}]}
+    assert format_status(status, width=140).splitlines()[2] == (
+        "episodes played 90: restarted 2, replayed 5; environment timeouts 0, errors 1"
+    )
+    monkeypatch.setattr(metrics, "_latest", {"step": 7, "pipeline": {"batches": 3}})
+    assert "episodes" not in driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]

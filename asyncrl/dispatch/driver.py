@@ -208,19 +208,36 @@ def freeze_start_up() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+EPISODE_COUNTERS = (
+    "episodes",
+    "episode_restarts",
+    "episode_replays",
+    "env_timeouts",
+    "env_errors",
+)
+"""The sample pipeline's episode counters that ``asyncrl status`` shows (docs/agents.md)."""
+
+
 def _status(spec: ProcessSpec, dispatcher: Dispatcher) -> Callable[[Any, Any], dict[str, Any]]:
     """The handler of ``status`` (``asyncrl status``; a plain call, not control): the program,
     this incarnation, the step and version of the last metrics record written (``step`` and
-    ``version`` are None before the first), and each role group's ``Group.status``."""
+    ``version`` are None before the first), each role group's ``Group.status``, and, for a run
+    on multi-turn episodes, the episode counters of that record (``EPISODE_COUNTERS``)."""
 
     def status(_payload: Any, _call: Any) -> dict[str, Any]:
         last = metrics.latest()
+        pipeline = last.get("pipeline") or {}
         return {
             "program": spec.target,
             "incarnation": spec.incarnation,
             "step": last.get("step"),
             "version": last.get("version"),
             "roles": dispatcher.status(),
+            **(
+                {"episodes": {k: int(pipeline.get(k, 0)) for k in EPISODE_COUNTERS}}
+                if "episodes" in pipeline
+                else {}
+            ),
         }
 
     return status

@@ -10,7 +10,9 @@ agent answers with:
 - on node 0, the driver's own answer to ``status`` (a plain call, never control): the program,
   its incarnation, the current step and version (from the last per-step metrics record), and,
   per role group, the calls queued for any replica and per replica its credit, calls in flight
-  and queued, calls served and seconds busy (``Dispatcher.status``);
+  and queued, calls served and seconds busy (``Dispatcher.status``); and for a run on
+  multi-turn episodes, the episodes played, restarted and replayed and the environment's
+  timeouts and errors so far;
 - each serving Python role replica of the node, asked by the agent: its own ``_status``
   (``asyncrl.supervision.process``): calls answered per method and seconds busy in its handlers,
   whoever called it (the driver, another role, a relay), and what the role reports of itself
@@ -364,6 +366,13 @@ def _heading(status: dict[str, Any]) -> list[str]:
             f"step {_cell(driver['step'])}, version {_cell(driver['version'])}; "
             f"calls waiting for any replica: {queued or 'none'}"
         )
+        episodes = driver.get("episodes")
+        if episodes:
+            lines.append(
+                f"episodes played {episodes['episodes']}: restarted {episodes['episode_restarts']}"
+                f", replayed {episodes['episode_replays']}; environment timeouts "
+                f"{episodes['env_timeouts']}, errors {episodes['env_errors']}"
+            )
     return lines
 
 
