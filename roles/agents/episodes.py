@@ -16,9 +16,10 @@ have room, and its steps to the environment replica that holds it). Failures:
   ``on_timeout`` is ``"end"``. A replica that does not answer a step at all within twice that
   (hung, or killed) is treated as having lost the episode.
 - A step answered by ``EpisodeLost`` (the environment replica was restarted and lost the
-  episode) restarts the episode from ``reset``, discarding what it had: its tokens are never
-  trained (``restarts``; at most ``max_restarts``). With ``deterministic`` the episode is reset
-  and its actions replayed instead, and it goes on where it was (``replays``).
+  episode), or whose connection broke with it in flight (the replica died), restarts the
+  episode from ``reset``, discarding what it had: its tokens are never trained (``restarts``;
+  at most ``max_restarts``). With ``deterministic`` the episode is reset and its actions
+  replayed instead, and it goes on where it was (``replays``).
 - Any other error of a step ends the episode, counted in ``errors``, unless it recurs: the
   program decides what an episode that ended so is worth.
 """
@@ -32,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import DeadlineExceededError, RemoteError
+from asyncrl.errors import BrokenError, DeadlineExceededError, RemoteError
 from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 
@@ -239,7 +240,7 @@ class EpisodeRunner:
         holder: list[Trajectory],
     ) -> Trajectory:
         """One attempt: reset (and replay ``resumed``'s actions), then take turns to the end."""
-        obs = await self.env.call(
+        obs = await self._env(
             "reset",
             Reset(episode_id=episode_id, task=task),
             Observation,
@@ -280,6 +281,19 @@ class EpisodeRunner:
                 )
         return traj
 
+    async def _env(self, method: str, payload: Any, reply: Any, **kw: Any) -> Any:
+        """A call to the environment; a replica that lost the episode (``EpisodeLost``), broke
+        the connection with the call in flight (it died: its state is gone with it) or did not
+        answer in time raises ``_Lost``."""
+        try:
+            return await self.env.call(method, payload, reply, **kw)
+        except (DeadlineExceededError, BrokenError) as exc:
+            raise _Lost(f"the environment did not answer {method!r}: {exc}") from exc
+        except RemoteError as exc:
+            if exc.remote_type == LOST:
+                raise _Lost(str(exc)) from exc
+            raise
+
     async def _close(self, episode_id: str) -> None:
         try:
             await self.env.call("close", Close(episode_id=episode_id), None, timeout=5.0)
@@ -311,7 +325,7 @@ class EpisodeRunner:
         """One step on the replica that holds the episode; None when a timeout ends it."""
         step = Step(episode_id=episode_id, turn=turn, action=action, deadline_s=self.step_timeout_s)
         try:
-            transition: Transition = await self.env.call(
+            transition: Transition = await self._env(
                 "step",
                 step,
                 Transition,
@@ -319,11 +333,7 @@ class EpisodeRunner:
                 key=(episode_id, attempt, turn),
                 replica=replica,
             )
-        except DeadlineExceededError as exc:
-            raise _Lost(f"the environment did not answer a step: {exc}") from exc
-        except RemoteError as exc:
-            if exc.remote_type == LOST:
-                raise _Lost(str(exc)) from exc
+        except RemoteError:
             traj.errors += 1
             return None
         if transition.timed_out:
@@ -339,7 +349,7 @@ class EpisodeRunner:
         actions = [self.decode(s.token_ids) for s in traj.segments if s.policy]
         observations = [s for s in traj.segments if not s.policy]
         for turn, action in enumerate(actions[: len(traj.turn_rewards)]):  # the steps it took
-            transition = await self.env.call(
+            transition = await self._env(
                 "step",
                 Step(
                     episode_id=traj.episode_id,
