@@ -274,3 +274,67 @@ def test_episodes_run_concurrently_and_a_slow_one_holds_no_other() -> None:
 
     trajs = run(main())
     assert all(t.done for t in trajs)
+
+
+class Updating(Bisect):
+    """Bisect, but its first turn comes back partial under version 3 (new weights arrived
+    mid-turn) and is resumed under version 4, where every later token is generated."""
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        (request,) = payload.requests
+        if request.partial is None and self.calls == 0:
+            (whole,) = await super().call(method, payload, reply_type, **kw)
+            self.version = 4
+            return [
+                Sample(
+                    prompt_id=whole.prompt_id,
+                    sample_index=0,
+                    prompt_ids=whole.prompt_ids,
+                    token_ids=whole.token_ids[:1],
+                    logprobs=[-0.5],
+                    versions=[3],
+                    finished=False,
+                    stop_reason="interrupted",
+                )
+            ]
+        if request.partial is not None:  # resume: the rest of the first guess
+            (whole,) = await super().call(method, GenerateBatch([request]), reply_type, **kw)
+            part = request.partial
+            rest = whole.token_ids[len(part.token_ids) :]
+            return [
+                Sample(
+                    prompt_id=part.prompt_id,
+                    sample_index=0,
+                    prompt_ids=part.prompt_ids,
+                    token_ids=[*part.token_ids, *rest],
+                    logprobs=[*part.logprobs, *[-0.25] * len(rest)],
+                    versions=[*part.versions, *[4] * len(rest)],
+                    finished=True,
+                    stop_reason="stop",
+                )
+            ]
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_a_turn_resumed_across_a_weight_update_keeps_each_tokens_version() -> None:
+    """Partial rollouts mid-episode: the first guess's first token keeps version 3, the rest of
+    the episode is 4; the environment's tokens carry the version before them, and staleness
+    reads the policy's tokens only."""
+
+    async def main() -> Trajectory:
+        env = env_handle()
+        return await EpisodeRunner(
+            Updating(),
+            env,
+            encode=encode,
+            decode=lambda ids: decode(ids).rstrip(";"),
+            params=SamplingParams(max_new_tokens=4),
+        ).run("e1", 11, [])
+
+    traj = run(main())
+    sample = traj.sample("p", 0)
+    assert decode(sample.token_ids) == "7;higher11;"
+    assert sample.versions == [3, 4] + [4] * len("higher") + [4, 4, 4]
+    assert sample.logprobs[:2] == [-0.5, -0.25] and sample.logprobs[2:8] == [0.0] * 6
+    assert sample.policy_versions == [3, 4, 4, 4, 4]
+    assert sample.loss_mask == traj.loss_mask and sample.turn_rewards == [0.0, 1.0]
