@@ -249,3 +249,20 @@ def test_a_step_on_episodes_reports_the_environment_tokens_its_loss_saw(tmp_path
     )
     batch = TrainBatch(samples=[Scored(sample=episode(2), advantage=1.0)], algorithm="grpo")
     assert broken._train_step(batch).metrics["env_tokens_trained"] == 3.0
+
+
+def test_the_critic_learns_the_values_of_the_policy_tokens_only() -> None:
+    """PPO's critic on an episode: what the values at the environment's positions are changes
+    neither its targets at the policy's tokens nor its loss; without the mask, it would."""
+    from asyncrl.roles.training.critic import Critic
+
+    def step(mask: list[int], env_value: float) -> float:
+        critic = Critic(RoleContext.local(config={"model_config": MODEL, "lr": 0.0, "seed": 0}))
+        asyncio.run(critic.setup())
+        values = [0.1, 0.2, env_value, env_value, env_value, 0.3, 0.4]
+        scored = Scored(sample=episode(mask=mask), reward=1.0, values=values)
+        return critic._train_step([scored]).value_loss
+
+    masked = step(MASK, 0.0)
+    assert step(MASK, 5.0) == pytest.approx(masked, rel=1e-6)
+    assert step([], 5.0) != pytest.approx(step([], 0.0), rel=1e-3)
