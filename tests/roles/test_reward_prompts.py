@@ -45,6 +45,22 @@ def test_bad_reward_requests_are_refused() -> None:
         score({"verifier": "exact"}, ["1", "2"], ["1"])
 
 
+BUILT_IN = ("exact", "format", "numeric")
+
+
+@pytest.fixture
+def built_in_only() -> Iterator[None]:
+    """Only the built-in verifiers registered (a module imported by another test, such as an
+    adapter, registers its own in this process); the registry is restored afterwards."""
+    saved = dict(VERIFIERS)
+    for name in set(VERIFIERS) - set(BUILT_IN):
+        del VERIFIERS[name]
+    yield
+    VERIFIERS.clear()
+    VERIFIERS.update(saved)
+
+
+@pytest.mark.usefixtures("built_in_only")
 def test_an_unknown_verifier_is_a_configuration_error_naming_what_is_known() -> None:
     with pytest.raises(ConfigProblem) as info:
         score({"verifier": "nope"}, [], [])
@@ -67,7 +83,9 @@ def last_word(completion, answer, options):
 
 
 @pytest.fixture
-def user_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def user_module(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, built_in_only: None
+) -> Iterator[str]:
     """A module of the user's, ``mytask_verify``, importable; the verifiers it registers are
     forgotten afterwards."""
     (tmp_path / "mytask_verify.py").write_text(VERIFIER_MODULE)
