@@ -4,12 +4,13 @@ protocol by the server of ``echo_role.py`` (only the standard library, pyzmq and
 It speaks the environment contract of docs/agents.md, which a program drives with
 ``asyncrl.roles.agents.episodes.EpisodeRunner`` exactly as it drives a Python ``Environment``:
 
-- ``reset`` ``{episode_id, task}`` -> ``{episode_id, text, replica, incarnation}``: the task is
-  the secret, 1 to 15;
+- ``reset`` ``{episode_id, task, attempt}`` -> ``{episode_id, text, replica, incarnation}``:
+  the task is the secret, 1 to 15;
 - ``step`` ``{episode_id, turn, action, deadline_s}`` -> ``{observation, reward, done, info,
   timed_out}``: ``higher 9 to 15``, ``lower 1 to 7`` or ``correct`` (reward 1); the game ends
   after 4 guesses. A retried step of a turn already taken answers what it answered;
-- ``close`` ``{episode_id}``: forget the episode;
+- ``close`` ``{episode_id, attempt}``: forget the episode (unless a later attempt's reset
+  replaced it); an ended episode is forgotten once 1,024 more have ended;
 - an episode this process does not hold (it was restarted) fails with an error of type
   ``EpisodeLost``, which tells the runner to restart or replay it.
 
@@ -31,6 +32,7 @@ import zmq
 
 HIGH = 15
 MAX_TURNS = 4
+KEEP_ENDED = 1024
 
 
 class EpisodeLost(Exception):
@@ -43,6 +45,7 @@ class GuessEnv:
     def __init__(self, settings: wire.Settings) -> None:
         self.settings = settings
         self.episodes: dict[str, dict[str, Any]] = {}
+        self.ended: dict[str, None] = {}  # ended episodes, oldest first, kept for a retried step
         self.methods: dict[str, Callable[[wire.Request], Any]] = {
             "reset": self.reset,
             "step": self.step,
@@ -54,7 +57,15 @@ class GuessEnv:
         episode, secret = req.payload["episode_id"], int(req.payload["task"])
         if not 1 <= secret <= HIGH:
             raise ValueError(f"task: expected a secret from 1 to {HIGH}, got {secret}")
-        self.episodes[episode] = {"secret": secret, "low": 1, "high": HIGH, "said": []}
+        attempt = int(req.payload.get("attempt", 0))
+        self.episodes[episode] = {
+            "secret": secret,
+            "low": 1,
+            "high": HIGH,
+            "said": [],
+            "attempt": attempt,
+        }
+        self.ended.pop(episode, None)
         s = self.settings
         return {
             "episode_id": episode,
@@ -92,10 +103,21 @@ class GuessEnv:
             "timed_out": False,
         }
         game["said"].append(answer)
+        if done:  # forgotten once KEEP_ENDED more have ended
+            self.ended[episode] = None
+            while len(self.ended) > KEEP_ENDED:
+                old = next(iter(self.ended))
+                del self.ended[old]
+                self.episodes.pop(old, None)
         return answer
 
     def close(self, req: wire.Request) -> None:
-        self.episodes.pop(req.payload["episode_id"], None)
+        """Forget the episode, unless the close is for an earlier attempt than the one held."""
+        episode, attempt = req.payload["episode_id"], req.payload.get("attempt")
+        game = self.episodes.get(episode)
+        if game is not None and attempt in (None, game["attempt"]):
+            del self.episodes[episode]
+            self.ended.pop(episode, None)
 
 
 def main() -> int:

@@ -52,10 +52,12 @@ __all__ = [
 
 
 class Reset(msgspec.Struct, kw_only=True):
-    """Start episode ``episode_id`` on ``task`` (what the prompt source's row says)."""
+    """Start episode ``episode_id`` on ``task`` (what the prompt source's row says); ``attempt``
+    counts the runner's starts of this episode (0 first; a lost episode starts again)."""
 
     episode_id: str
     task: Any = None
+    attempt: int = 0
 
 
 class Observation(msgspec.Struct, kw_only=True):
@@ -90,9 +92,11 @@ class Transition(msgspec.Struct, kw_only=True):
 
 
 class Close(msgspec.Struct, kw_only=True):
-    """Forget an episode (the runner gave up on it, or it ended)."""
+    """Forget an episode (the runner gave up on it, or it ended): the attempt ``attempt`` of it,
+    or any with None. A close that arrives after a later attempt's reset leaves that one be."""
 
     episode_id: str
+    attempt: int | None = None
 
 
 class EpisodeLost(AsyncrlError):
@@ -102,6 +106,7 @@ class EpisodeLost(AsyncrlError):
 @dataclass
 class _Episode:
     state: Any
+    attempt: int = 0
     transitions: list[Transition] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -136,7 +141,7 @@ class Environment(Role):
     @endpoint(Delivery.IDEMPOTENT)
     async def reset(self, request: Reset) -> Observation:
         text, state = await self.start(request.task)
-        self.episodes[request.episode_id] = _Episode(state)
+        self.episodes[request.episode_id] = _Episode(state, request.attempt)
         self._done.pop(request.episode_id, None)
         return Observation(
             episode_id=request.episode_id,
@@ -182,7 +187,10 @@ class Environment(Role):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def close(self, request: Close) -> None:
-        self.episodes.pop(request.episode_id, None)
+        episode = self.episodes.get(request.episode_id)
+        if episode is None or request.attempt not in (None, episode.attempt):
+            return
+        del self.episodes[request.episode_id]
         self._done.pop(request.episode_id, None)
 
     def _end(self, episode_id: str) -> None:

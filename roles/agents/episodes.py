@@ -26,6 +26,7 @@ have room, and its steps to the environment replica that holds it). Failures:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -33,11 +34,18 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import BrokenError, DeadlineExceededError, RemoteError
+from asyncrl.errors import AsyncrlError, BrokenError, DeadlineExceededError, RemoteError
 from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 
-__all__ = ["EpisodeRunner", "Segment", "Trajectory", "count", "episode_rewards"]
+__all__ = [
+    "EpisodeFailedError",
+    "EpisodeRunner",
+    "Segment",
+    "Trajectory",
+    "count",
+    "episode_rewards",
+]
 
 log = logging.getLogger("asyncrl.agents")
 
@@ -66,6 +74,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
         turn_rewards: each step's reward.
         done: the environment ended the episode (False: it ran out of turns or was ended).
         restarts, replays, timeouts, errors: what went wrong on the way, and how it was met.
+        said: each step's observation as the environment answered it (None: the step timed
+            out), what a replay checks the environment's answers against.
     """
 
     episode_id: str
@@ -78,6 +88,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     replays: int = 0
     timeouts: int = 0
     errors: int = 0
+    said: list[str | None] = []
 
     @property
     def turns(self) -> int:
@@ -195,6 +206,7 @@ class EpisodeRunner:
         self.max_restarts = max_restarts
         self.generate_timeout_s = generate_timeout_s
         self.task_of = task_of
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def source(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
         """The sample pipeline's ``SampleSource``: sample ``index`` of ``prompt`` is episode
@@ -207,59 +219,70 @@ class EpisodeRunner:
         return traj.sample(prompt.id, index)
 
     async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
-        """Run one episode to its end; its trajectory, exact to the token."""
+        """Run one episode to its end; its trajectory, exact to the token.
+
+        Raises:
+            EpisodeFailedError: the episode was lost more than ``max_restarts`` times.
+        """
         restarts = replays = 0
         resumed: Trajectory | None = None
         while True:
-            holder: list[Trajectory] = []
+            attempt = _Attempt(restarts + replays)
             try:
-                traj = await self._episode(
-                    episode_id, task, prompt_ids, restarts + replays, resumed, holder
-                )
-                traj.restarts, traj.replays = restarts, replays
-                if not traj.done:  # the environment still holds it: let it go
-                    await self._close(episode_id)
-                return traj
-            except _Lost:
+                traj = await self._episode(episode_id, task, prompt_ids, resumed, attempt)
+            except (_Lost, _Unreplayable) as exc:
+                self._forget(episode_id, attempt)  # a replica still holding it lets it go
                 if restarts + replays >= self.max_restarts:
-                    raise
-                if self.deterministic and holder:
+                    raise EpisodeFailedError(
+                        episode_id, restarts, replays, self.max_restarts, exc
+                    ) from exc
+                if isinstance(exc, _Unreplayable):
+                    log.warning("episode %r restarts from reset: %s", episode_id, exc)
+                if self.deterministic and attempt.traj and not isinstance(exc, _Unreplayable):
                     replays += 1
-                    resumed = holder[0]
+                    resumed = attempt.traj
                 else:
                     restarts += 1
                     resumed = None
+                continue
+            except BaseException:  # cancelled (its group was released), or failed
+                self._forget(episode_id, attempt)
+                raise
+            traj.restarts, traj.replays = restarts, replays
+            if not traj.done:  # the environment still holds it: let it go
+                self._forget(episode_id, attempt)
+            return traj
 
     async def _episode(
         self,
         episode_id: str,
         task: Any,
         prompt_ids: list[int],
-        attempt: int,
         resumed: Trajectory | None,
-        holder: list[Trajectory],
+        attempt: _Attempt,
     ) -> Trajectory:
         """One attempt: reset (and replay ``resumed``'s actions), then take turns to the end."""
         obs = await self._env(
             "reset",
-            Reset(episode_id=episode_id, task=task),
+            Reset(episode_id=episode_id, task=task, attempt=attempt.number),
             Observation,
             timeout=self.step_timeout_s,
-            key=(episode_id, attempt, "reset"),
+            key=(episode_id, attempt.number, "reset"),
         )
+        attempt.replica = obs.replica
         if resumed is None:
             traj = Trajectory(episode_id=episode_id, prompt_ids=prompt_ids + self.encode(obs.text))
         else:
             traj = resumed
-        holder.append(traj)  # what a replay goes on from, if this attempt loses the episode
+        attempt.traj = traj  # what a replay goes on from, if this attempt loses the episode
         if resumed is not None:
-            await self._replay(traj, obs.replica, attempt)
+            await self._replay(traj, obs.replica, attempt.number)
         while not traj.done:
             turn = len(traj.turn_rewards)  # steps taken; a replayed episode may owe one
             if turn == traj.turns:
                 if turn >= self.max_turns:
                     break
-                sample = await self._generate(traj, attempt)
+                sample = await self._generate(traj, attempt.number)
                 traj.segments.append(
                     Segment(
                         policy=True,
@@ -269,9 +292,12 @@ class EpisodeRunner:
                     )
                 )
             action = self.decode(traj.segments[-1].token_ids)
-            transition = await self._step(episode_id, turn, action, obs.replica, attempt, traj)
-            if transition is None:  # ended on a timeout
+            transition = await self._step(
+                episode_id, turn, action, obs.replica, attempt.number, traj
+            )
+            if transition is None:  # ended on a timeout or an error
                 break
+            traj.said.append(None if transition.timed_out else transition.observation)
             traj.turn_rewards.append(transition.reward)
             traj.reward += transition.reward
             traj.done = transition.done
@@ -294,11 +320,21 @@ class EpisodeRunner:
                 raise _Lost(str(exc)) from exc
             raise
 
-    async def _close(self, episode_id: str) -> None:
+    def _forget(self, episode_id: str, attempt: _Attempt) -> None:
+        """Tell the replica that holds the attempt's episode to forget it, without waiting (a
+        cancelled episode cannot wait); the task is kept until it ends."""
+        if attempt.replica is None:
+            return
+        close = Close(episode_id=episode_id, attempt=attempt.number)
+        task = asyncio.get_running_loop().create_task(self._close(close, attempt.replica))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self, close: Close, replica: int) -> None:
         try:
-            await self.env.call("close", Close(episode_id=episode_id), None, timeout=5.0)
+            await self.env.call("close", close, None, timeout=5.0, replica=replica)
         except Exception as exc:  # the replica forgets it when restarted anyway
-            log.debug("closing episode %r failed: %s", episode_id, exc)
+            log.debug("closing episode %r failed: %s", close.episode_id, exc)
 
     async def _generate(self, traj: Trajectory, attempt: int) -> Sample:
         context = [*traj.prompt_ids, *traj.token_ids]
@@ -345,29 +381,62 @@ class EpisodeRunner:
 
     async def _replay(self, traj: Trajectory, replica: int, attempt: int) -> None:
         """Take a resumed trajectory's actions again on a fresh reset; the environment is
-        deterministic, so it answers as it did (an answer that differs fails the episode)."""
+        deterministic, so it answers each as it did. A turn that timed out, an answer that
+        differs or an error raises ``_Unreplayable``: the episode then restarts from reset."""
         actions = [self.decode(s.token_ids) for s in traj.segments if s.policy]
-        observations = [s for s in traj.segments if not s.policy]
         for turn, action in enumerate(actions[: len(traj.turn_rewards)]):  # the steps it took
-            transition = await self._env(
-                "step",
-                Step(
-                    episode_id=traj.episode_id,
-                    turn=turn,
-                    action=action,
-                    deadline_s=self.step_timeout_s,
-                ),
-                Transition,
-                timeout=2 * self.step_timeout_s,
-                key=(traj.episode_id, attempt, "replay", turn),
-                replica=replica,
-            )
-            seen = observations[turn].token_ids if turn < len(observations) else None
-            if seen is not None and self.encode(transition.observation) != seen:
-                raise RuntimeError(
-                    f"episode {traj.episode_id!r}: the environment answered turn {turn} "
-                    "differently on replay; it is not deterministic"
+            if traj.said[turn] is None:
+                raise _Unreplayable(f"turn {turn} timed out; its answer cannot be replayed")
+            try:
+                transition = await self._env(
+                    "step",
+                    Step(
+                        episode_id=traj.episode_id,
+                        turn=turn,
+                        action=action,
+                        deadline_s=self.step_timeout_s,
+                    ),
+                    Transition,
+                    timeout=2 * self.step_timeout_s,
+                    key=(traj.episode_id, attempt, "replay", turn),
+                    replica=replica,
                 )
+            except RemoteError as exc:
+                raise _Unreplayable(f"turn {turn} failed on replay: {exc}") from exc
+            if transition.timed_out or transition.observation != traj.said[turn]:
+                raise _Unreplayable(
+                    f"the environment answered turn {turn} differently on replay: it is not "
+                    "deterministic"
+                )
+
+
+class _Attempt:
+    """One attempt at an episode: its number, the replica its reset named, its trajectory."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.replica: int | None = None
+        self.traj: Trajectory | None = None
+
+
+class _Unreplayable(Exception):
+    """A lost episode's actions could not be replayed: restart it from reset instead."""
+
+
+class EpisodeFailedError(AsyncrlError):
+    """An episode was lost more often than ``max_restarts`` allows: the run stops, since its
+    environment keeps losing what it holds."""
+
+    def __init__(
+        self, episode_id: str, restarts: int, replays: int, limit: int, cause: Exception
+    ) -> None:
+        super().__init__(
+            f"episode {episode_id!r} was lost {restarts + replays + 1} times ({restarts} "
+            f"restarts, {replays} replays; max_restarts is {limit}); the last time: {cause}. "
+            "Is the environment crashing on this task, or its steps slower than "
+            "step_timeout_s? Raise max_restarts or step_timeout_s, or fix the environment"
+        )
+        self.episode_id = episode_id
 
 
 def count(metrics: Counter[str], traj: Trajectory) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -42,6 +43,9 @@ class Group:
         advantages: sample index -> advantage, set on release.
         outcome: how the reducer released it ("" while it is not).
         generated: samples finished generating.
+        counts: what the sample source counted for its finished samples (``resumed``; an
+            episode's turns, restarts, ...): taken back out of a resume state while the group
+            is unsettled, as ``generated`` is, since a resumed run produces them again.
     """
 
     key: str
@@ -52,6 +56,7 @@ class Group:
     advantages: dict[int, float] = field(default_factory=dict)
     outcome: str = ""
     generated: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
 
 
 def uniform(rewards: Sequence[float]) -> bool:

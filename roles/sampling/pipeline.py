@@ -338,7 +338,10 @@ class SamplePipeline:
     # -- one sample ---------------------------------------------------------------------
 
     async def _sample(self, group: Group, k: int) -> None:
-        sample = await self.source(group.prompt, k, self.metrics)
+        counts: Counter[str] = Counter()  # the group's own, so a resume state can drop them
+        sample = await self.source(group.prompt, k, counts)
+        self.metrics.update(counts)
+        group.counts.update(counts)
         self.metrics["generated_samples"] += 1
         group.generated += 1
         self._to_score.append((group, k, sample))
@@ -453,6 +456,8 @@ class SamplePipeline:
         counters["admitted_groups"] -= len(unsettled)
         counters["admitted_samples"] -= len(unsettled) * self.group_size
         counters["generated_samples"] -= sum(g.generated for g in unsettled)
+        for group in unsettled:
+            counters.subtract(group.counts)
         return {
             "cursor": self.cursor,
             # Past the cursor, every index admitted (or skipped as settled before a resume)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.errors import DeadlineExceededError, RemoteError
+from asyncrl.errors import AsyncrlError, DeadlineExceededError, RemoteError
 from asyncrl.role import RoleContext
 from asyncrl.roles.agents.environment import (
     Close,
@@ -21,7 +21,7 @@ from asyncrl.roles.agents.environment import (
     Step,
     Transition,
 )
-from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
+from asyncrl.roles.agents.episodes import EpisodeFailedError, EpisodeRunner, Trajectory
 from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
 from asyncrl.transport import run
 
@@ -338,3 +338,88 @@ def test_a_turn_resumed_across_a_weight_update_keeps_each_tokens_version() -> No
     assert sample.logprobs[:2] == [-0.5, -0.25] and sample.logprobs[2:8] == [0.0] * 6
     assert sample.policy_versions == [3, 4, 4, 4, 4]
     assert sample.loss_mask == traj.loss_mask and sample.turn_rewards == [0.0, 1.0]
+
+
+class Recording(Handle):
+    """A handle that also records each call's keywords (``replica``)."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__(make)
+        self.kwargs: list[tuple[str, dict[str, Any]]] = []
+        self.stepping = asyncio.Event()
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        self.kwargs.append((method, kw))
+        if method == "step":
+            self.stepping.set()
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_a_cancelled_episode_is_closed_on_the_replica_that_holds_it() -> None:
+    """An episode cancelled mid-run (its group released) is let go: ``close`` goes to the
+    replica its reset named, for its attempt; a stale close of an earlier attempt is ignored."""
+
+    async def main() -> Recording:
+        env = Recording(lambda n: Slow(RoleContext.local(name="env", replica=0)))
+        r = runner(env, step_timeout_s=30.0)
+        task = asyncio.create_task(r.run("e", 11, []))
+        await env.stepping.wait()  # reset done, the first step hangs in the environment
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.gather(*r._closing)
+        return env
+
+    env = run(main())
+    closes = [kw for m, kw in env.kwargs if m == "close"]
+    assert closes == [{"timeout": 5.0, "replica": 0}]
+    assert "e" not in env.role.episodes
+
+    async def stale() -> None:
+        role = Guess(RoleContext.local(name="env"))
+        await role.reset(Reset(episode_id="e", task=3, attempt=1))
+        await role.close(Close(episode_id="e", attempt=0))  # the lost attempt's, arriving late
+        assert "e" in role.episodes
+        await role.close(Close(episode_id="e", attempt=1))
+        assert "e" not in role.episodes
+
+    run(stale())
+
+
+class SlowFirstThenLoses(LosesOnce):
+    """Deterministic, but its first action times out; the replica restarts before turn 1."""
+
+
+def test_a_lost_episode_whose_turn_timed_out_restarts_instead_of_replaying() -> None:
+    """A replay checks the environment's answers against what it said; a turn that had timed
+    out cannot be replayed, so the episode restarts from reset (and the run goes on)."""
+
+    class SlowGuess(Slow):
+        deterministic = True
+
+    async def main() -> Trajectory:
+        env = SlowFirstThenLoses(lambda n: SlowGuess(RoleContext.local(name="env", incarnation=n)))
+        r = runner(env, max_turns=6, deterministic=True, step_timeout_s=0.05)
+        return await r.run("e", 13, [])
+
+    traj = run(main())
+    # One replay was tried, found the timed-out turn, and the episode restarted from reset.
+    assert (traj.restarts, traj.replays) == (1, 1) and traj.done and traj.reward == 1.0
+
+
+def test_an_episode_lost_past_max_restarts_fails_with_a_named_error() -> None:
+    class AlwaysLoses(Handle):
+        async def call(
+            self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any
+        ) -> Any:
+            if method == "step":
+                self.restart()
+            return await super().call(method, payload, reply_type, **kw)
+
+    async def main() -> None:
+        env = AlwaysLoses(lambda n: Guess(RoleContext.local(name="env", incarnation=n)))
+        await runner(env, max_restarts=2, deterministic=True).run("e", 13, [])
+
+    with pytest.raises(EpisodeFailedError, match=r"^episode 'e' was lost 3 times \(") as info:
+        run(main())
+    assert "max_restarts is 2" in str(info.value) and isinstance(info.value, AsyncrlError)

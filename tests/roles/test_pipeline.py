@@ -763,3 +763,42 @@ def test_a_failure_no_next_batch_raised_is_raised_on_closing() -> None:
         assert str(err.value) == "score() cannot read a Sample"
 
     run(main())
+
+
+def test_what_a_sample_source_counts_is_not_counted_twice_across_a_resume() -> None:
+    """A source's counters (an episode runner's episodes, turns, restarts) of groups still in
+    flight leave the resume state as their samples do: the resumed run produces them again."""
+    from collections import Counter
+
+    from asyncrl.roles.sampling.contract import Generate
+
+    def counting(rollout: FakeRollout) -> Any:
+        generate = Generate(rollout, SamplingParams(max_new_tokens=4), timeout=WAIT_S)
+
+        async def source(prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
+            sample = await generate(prompt, index, metrics)
+            metrics["episodes"] += 1  # as asyncrl.roles.agents.episodes.count does
+            return sample
+
+        return source
+
+    async def main() -> tuple[dict[str, Any], Counter[str]]:
+        spec = PipelineSpec(mode="async", eta=1)
+        rollout = FakeRollout()
+        async with pipeline(rollout, spec, source=counting(rollout)) as pipe:
+            sids = await started(rollout, 2 * B)
+            for sid in [*sids[B:], ("p0", 0), ("p0", 1)]:  # p0 half done, in flight
+                rollout.release(sid)
+            await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            await until(lambda: pipe.metrics["episodes"] == B + 2)
+            resume = pipe.resume_state()
+        again = FakeRollout(auto=True)
+        async with pipeline(again, spec, resume=resume, source=counting(again)) as pipe:
+            await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            await until(lambda: pipe.metrics["generated_samples"] >= 2 * B)
+            return resume, Counter(pipe.metrics)
+
+    resume, after = run(main())
+    counters = resume["pipeline"]
+    assert counters["episodes"] == counters["generated_samples"] == B
+    assert after["episodes"] == after["generated_samples"]
