@@ -561,7 +561,7 @@ def format_accounting(acc: dict[str, Any]) -> str:
         ("samples consumed twice", acc.get("duplicates_consumed")),
         *(
             []
-            if acc.get("episodes_lost") is None
+            if acc.get("episode_restarts") is None  # not an episode run
             else [
                 ("episodes lost", acc.get("episodes_lost")),
                 ("episodes counted twice", acc.get("episodes_counted_twice")),

@@ -47,7 +47,7 @@ class Game:
 def parse(action: str) -> int | None:
     """The number an action guesses, or None."""
     word = action.strip().split()[0] if action.strip() else ""
-    return int(word) if word.isdigit() and 1 <= int(word) <= HIGH else None
+    return int(word) if word.isascii() and word.isdigit() and 1 <= int(word) <= HIGH else None
 
 
 class GuessingGame(Environment):

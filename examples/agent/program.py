@@ -12,12 +12,14 @@ carries ``success_before_rl``, ``success_final`` and ``turns_mean``.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from typing import Any
 
 import msgspec
 
 from asyncrl.dispatch.handles import Context
+from asyncrl.observe.metrics import read_metrics
 from asyncrl.observe.progress import say
 from asyncrl.roles.agents.episodes import EpisodeRunner, episode_rewards
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
@@ -149,9 +151,20 @@ async def reinforce(run: Run, cfg: dict[str, Any], runner: EpisodeRunner) -> Non
         source=runner.source,
     )
     out = await rl_loop(run.rl, loop, feed=PromptFeed(run.rl), score=episode_rewards, run=run)
-    counters = out.get("pipeline", {})
+    # The pipeline's counters; a driver restarted after the last step has none of its own, and
+    # takes them from the last step's record.
+    counters = out.get("pipeline") or _last_record(run).get("pipeline", {})
     turns = counters.get("episode_turns", 0) / max(1, counters.get("episodes", 0))
     await run.end_phase(accuracy=await run.evaluate_at(run.steps), turns_mean=turns)
+
+
+def _last_record(run: Run) -> dict[str, Any]:
+    """The last line of the run's ``metrics.jsonl``, or {}."""
+    try:
+        records = read_metrics(os.path.join(run.rl.run_dir, "metrics.jsonl"))
+    except OSError:
+        return {}
+    return records[-1] if records else {}
 
 
 def _tokenizer(path: str) -> Any:

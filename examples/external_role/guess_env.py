@@ -82,7 +82,7 @@ class GuessEnv:
         if turn < len(game["said"]):  # a retried step: answer what it answered
             return game["said"][turn]
         word = req.payload["action"].strip().split(" ")[0]
-        guess = int(word) if word.isdigit() else None
+        guess = int(word) if word.isascii() and word.isdigit() else None
         if guess == game["secret"]:
             text = "correct"
         elif guess is None or not 1 <= guess <= HIGH:

@@ -67,7 +67,9 @@ class EpisodeEvaluation(Evaluation):
                 task = self.runner.task_of(prompt)
                 return await self.runner.run(prompt.id, task, prompt.token_ids)
 
-        played = await asyncio.gather(*(play(p) for p in self.prompts))
+        async with asyncio.TaskGroup() as group:  # one failure cancels the others
+            tasks = [group.create_task(play(p)) for p in self.prompts]
+        played = [t.result() for t in tasks]
         rewards = [t.reward for t in played]
         self.turns_mean = sum(t.turns for t in played) / len(played)
         versions = {v for t in played for s in t.segments if s.policy for v in s.versions}
