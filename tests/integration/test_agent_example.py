@@ -40,7 +40,7 @@ def test_the_agent_learns_the_game(run_dir: str) -> None:
     assert summary["turns_mean"] >= 3.0
     assert summary["learner_steps"] == 300 + 200
     pipe = summary["pipeline"]
-    assert pipe["episodes"] == pipe["generated_samples"] == pipe["admitted_samples"]
+    assert pipe["episodes"] == pipe["generated_samples"] <= pipe["admitted_samples"]
     assert pipe["admitted_samples"] == (
         pipe["consumed_samples"] + pipe["wasted_samples"] + pipe["in_flight_at_end"]
     )
