@@ -197,7 +197,13 @@ async def _consume(
 
 
 async def _drive(
-    n: int, slots: int, gen_s: float, times: dict[str, float], hosts: int, gc_mode: str
+    n: int,
+    slots: int,
+    gen_s: float,
+    times: dict[str, float],
+    hosts: int,
+    gc_mode: str,
+    group_calls: bool = False,
 ) -> dict[str, Any]:
     """One row in this process: start the helpers, wait for every replica, measure the idle
     driver and the pipeline's window, stop the helpers; the figures of the module docstring."""
@@ -216,7 +222,7 @@ async def _drive(
         cpu0 = time.process_time()
         await asyncio.sleep(times["idle"])
         idle_cpu = (time.process_time() - cpu0) / times["idle"]
-        w = await _pipeline_window(ctx, n, slots, times, pids)
+        w = await _pipeline_window(ctx, n, slots, times, pids, group_calls)
         assert w.start is not None and w.end is not None
         edges = [w.start.wall, w.end.wall]
         turn = await ctx.rollout.broadcast("turnaround", edges, list[float])
@@ -233,7 +239,12 @@ async def _drive(
 
 
 async def _pipeline_window(
-    ctx: Context, n: int, slots: int, times: dict[str, float], pids: list[int]
+    ctx: Context,
+    n: int,
+    slots: int,
+    times: dict[str, float],
+    pids: list[int],
+    group_calls: bool = False,
 ) -> _Window:
     """Run the sample pipeline through its warm-up and the measured window."""
 
@@ -246,7 +257,7 @@ async def _pipeline_window(
     batch = max(GROUP, -(-n * slots // GROUP) * GROUP)
     pipe = SamplePipeline(
         ctx.rollout,
-        spec=PipelineSpec(mode="async", eta=ETA, over_eta="correct"),
+        spec=PipelineSpec(mode="async", eta=ETA, over_eta="correct", group_calls=group_calls),
         feed=feed,
         score=score,
         params=SamplingParams(max_new_tokens=1),
@@ -334,8 +345,10 @@ def _row_main(args: argparse.Namespace) -> int:
     times = {name: getattr(args, name) for name in TIMES}
     if args.gc == "off":
         gc.disable()
-    figures = run(_drive(args.row, args.slots, args.gen_ms / 1e3, times, args.hosts, args.gc))
-    print(json.dumps(figures | {"gc": args.gc}))
+    figures = run(
+        _drive(args.row, args.slots, args.gen_ms / 1e3, times, args.hosts, args.gc, args.group)
+    )
+    print(json.dumps(figures | {"gc": args.gc, "group_calls": args.group}))
     return 0
 
 
@@ -350,9 +363,11 @@ def measure_row(
     hosts: int = HOSTS,
     times: dict[str, float] = TIMES,
     gc: str = "freeze",
+    group_calls: bool = False,
 ) -> dict[str, Any]:
     """The figures of one row (``n`` replicas), measured in a fresh driver process; ``times``
-    as ``TIMES``; ``gc``: the driver's cyclic garbage collector, one of ``GC_MODES``.
+    as ``TIMES``; ``gc``: the driver's cyclic garbage collector, one of ``GC_MODES``;
+    ``group_calls``: the pipeline's ``group_calls`` (one call a group).
 
     Raises:
         RuntimeError: the row's process failed; the message holds the end of its output.
@@ -360,7 +375,7 @@ def measure_row(
     cmd = [sys.executable, "-m", "asyncrl.bench.scale", "--row", str(n), "--slots", str(slots)]
     cmd += ["--gen-ms", str(gen_ms), "--hosts", str(hosts)]
     cmd += [arg for name, value in times.items() for arg in (f"--{name}", str(value))]
-    cmd += ["--gc", gc]
+    cmd += ["--gc", gc, *(["--group-calls"] if group_calls else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
@@ -528,6 +543,9 @@ def _parser() -> argparse.ArgumentParser:
         "--gc", choices=GC_MODES, default="freeze", help="the driver's cyclic GC (freeze)"
     )
     parser.add_argument("--no-gc", action="store_const", const="off", dest="gc", help="--gc off")
+    parser.add_argument(
+        "--group-calls", action="store_true", dest="group", help="one generate call a group"
+    )
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -555,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--replicas and --hold must be >= 1, got {replicas} and {hold}")
     times = {name: getattr(args, name) for name in TIMES}
     options = {"slots": args.slots, "gen_ms": args.gen_ms, "hosts": args.hosts, "gc": args.gc}
+    options["group_calls"] = args.group
     figures = measure(replicas, hold, times=times, **options)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0

@@ -74,8 +74,9 @@ class SimRollout(Role):
 
     Endpoints:
 
-    - ``generate(GenerateBatch) -> list[Sample]``, idempotent: the requests run one after the
-      other in the call's slot (the pipeline sends one a call). Each sleeps ``work / speed``
+    - ``generate(GenerateBatch) -> list[Sample]``, idempotent: the requests of one call run
+      together in the call's slot, as an engine decodes a batch (the pipeline sends one a
+      call, or a group's with ``group_calls``). Each sleeps ``work / speed``
       and comes back finished, with one token, log-prob 0.0 and the version it started at.
     - ``set_version(int) -> int``, latest-wins: the weights version new samples start at.
     - ``usage([t0, t1]) -> dict``, idempotent: over a wall-clock window (``time.time()``), the
@@ -123,7 +124,7 @@ class SimRollout(Role):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def generate(self, batch: GenerateBatch) -> list[Sample]:
-        return [await self._one(request) for request in batch.requests]
+        return list(await asyncio.gather(*(self._one(r) for r in batch.requests)))
 
     async def _one(self, request: GenerateRequest) -> Sample:
         prompt = request.prompt

@@ -101,6 +101,9 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             stragglers do not leave the learner waiting.
         group_affinity: keep a GRPO group's samples on one rollout replica (for engines with
             prefix caching); an idle replica still steals them.
+        group_calls: send the samples of a group that start together as one ``generate``
+            call (``asyncrl.roles.sampling.coalesce``): one dispatch instead of one a sample,
+            the group on one replica, no stealing within it.
         straggler: when a group with late samples is released.
         running_stats: keep streaming, version-tagged reward statistics for the metrics.
         drop_uniform: dynamic sampling (DAPO): drop a group whose rewards are all equal (it
@@ -130,6 +133,7 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     importance_cap: Annotated[float, msgspec.Meta(gt=0, le=MAX_RATIO)] = 2.0
     overprovision: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
     group_affinity: bool = False
+    group_calls: bool = False
     straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
     running_stats: bool = False
     drop_uniform: bool = False

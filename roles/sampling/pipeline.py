@@ -62,6 +62,7 @@ from asyncrl.dispatch.reduce import Moments, Outcome, Reducer, Released, Straggl
 from asyncrl.errors import StallError
 from asyncrl.roles.learning.groups import Group, group_advantages, uniform
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored
+from asyncrl.roles.sampling.coalesce import GroupCalls
 from asyncrl.roles.sampling.contract import (
     Batch,
     Caller,
@@ -155,8 +156,10 @@ class SamplePipeline:
         self.normalize_std = normalize_std
         self.std = std
         self.timeout = timeout
-        self.source = source or Generate(
-            rollout, params, timeout=timeout, affinity=spec.group_affinity
+        self.source = source or (
+            GroupCalls(rollout, params, timeout=timeout)
+            if spec.group_calls
+            else Generate(rollout, params, timeout=timeout, affinity=spec.group_affinity)
         )
         self.pacer = Pacer(
             batch_size,
