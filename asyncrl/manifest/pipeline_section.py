@@ -133,12 +133,12 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     importance_cap: Annotated[float, msgspec.Meta(gt=0, le=MAX_RATIO)] = 2.0
     overprovision: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
     group_affinity: bool = False
-    group_calls: bool = False
     straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
     running_stats: bool = False
     drop_uniform: bool = False
     schedule: ScheduleSpec = msgspec.field(default_factory=ScheduleSpec)
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 600.0
+    group_calls: bool = False
 
     def __post_init__(self) -> None:
         problem = straggler_problem(self.straggler.policy, self.straggler.deadline_s)
