@@ -35,16 +35,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
 from asyncrl.bench.episode_sim import MAX_TURNS, MIN_TURNS, episode_seconds, turns_of
+from asyncrl.bench.harness import finished_run
 from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
 from asyncrl.roles.payloads import SamplingParams
 
@@ -283,22 +281,8 @@ def measure(p: dict[str, Any]) -> dict[str, Any]:
     """
     run_dir = tempfile.mkdtemp(prefix="arl-be-")  # short: ipc socket paths live under it
     try:
-        path = os.path.join(run_dir, "manifest.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(manifest(p), f, sort_keys=False)
-        cmd = [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir]
         start = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        report: dict[str, Any] = {}
-        if os.path.exists(os.path.join(run_dir, "driver.json")):
-            with open(os.path.join(run_dir, "driver.json")) as f:
-                report = json.load(f)
-        if out.returncode != 0 or not report.get("finished"):
-            raise RuntimeError(
-                f"bench episodes: the run failed (exit status {out.returncode}, driver "
-                f"{report.get('error', 'wrote no result')}); its output ends with:\n"
-                f"{out.stdout[-2000:]}{out.stderr[-2000:]}"
-            )
+        report = finished_run(manifest(p), run_dir, "bench episodes: the run", RUN_TIMEOUT_S)
         result: dict[str, Any] = report["result"]
         fixed = {"min_turns": MIN_TURNS, "max_turns": MAX_TURNS, "tokens": TOKENS}
         return {"params": {**p, **fixed}, **result, "wall_s": time.perf_counter() - start}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from typing import Any
 
 import msgspec
+import yaml
 
 from asyncrl.manifest.load import Supervision
 from asyncrl.manifest.spec import SPEC_ENV, ProcessSpec
@@ -14,7 +17,34 @@ from asyncrl.observe import logs
 from asyncrl.supervision.supervisor import ChildSpec
 from asyncrl.transport import LocalRegistry
 
-__all__ = ["role_child"]
+__all__ = ["finished_run", "role_child"]
+
+
+def finished_run(
+    manifest: dict[str, Any], run_dir: str, what: str, timeout: float
+) -> dict[str, Any]:
+    """``asyncrl run`` of ``manifest`` (written to ``run_dir/manifest.yaml``) in a process of
+    its own; the driver's record (``driver.json``) of a run that finished.
+
+    Raises:
+        RuntimeError: the run failed (``what`` names it), with the end of its output.
+    """
+    path = os.path.join(run_dir, "manifest.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(manifest, f, sort_keys=False)
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    report: dict[str, Any] = {}
+    if os.path.exists(os.path.join(run_dir, "driver.json")):
+        with open(os.path.join(run_dir, "driver.json")) as f:
+            report = json.load(f)
+    if out.returncode != 0 or not report.get("finished"):
+        raise RuntimeError(
+            f"{what} failed (exit status {out.returncode}, driver "
+            f"{report.get('error', 'wrote no result')}); its output ends with:\n"
+            f"{out.stdout[-2000:]}{out.stderr[-2000:]}"
+        )
+    return report
 
 
 def role_child(

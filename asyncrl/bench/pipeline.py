@@ -23,8 +23,6 @@ import cProfile
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
@@ -32,8 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
+from asyncrl.bench.harness import finished_run
 from asyncrl.bench.pipeline_model import Workload, simulate
 from asyncrl.bench.sim import work_of
 from asyncrl.dispatch.pacing import percentiles
@@ -286,21 +283,8 @@ def run_manifest(w: Workload, mode: str, profile: str = "") -> dict[str, Any]:
     """
     run_dir = tempfile.mkdtemp(prefix="arl-pb-")  # short: ipc socket paths live under it
     try:
-        path = os.path.join(run_dir, "manifest.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(manifest(w, mode, profile), f, sort_keys=False)
-        cmd = [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        report: dict[str, Any] = {}
-        if os.path.exists(os.path.join(run_dir, "driver.json")):
-            with open(os.path.join(run_dir, "driver.json")) as f:
-                report = json.load(f)
-        if out.returncode != 0 or not report.get("finished"):
-            raise RuntimeError(
-                f"bench pipeline: the {mode} run at sigma {w.sigma} failed (exit status "
-                f"{out.returncode}, driver {report.get('error', 'wrote no result')}); its "
-                f"output ends with:\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
-            )
+        what = f"bench pipeline: the {mode} run at sigma {w.sigma}"
+        report = finished_run(manifest(w, mode, profile), run_dir, what, RUN_TIMEOUT_S)
         result: dict[str, Any] = report["result"]
         result["dispatch"] = report.get("dispatch", {})
         return result
