@@ -52,7 +52,7 @@ class GroupCalls:
         if sample.finished:
             return sample
         metrics["resumed"] += 1
-        return await self._resume(prompt, sample, metrics)
+        return await self.single(prompt, index, metrics, partial=sample)
 
     async def _lead(self, prompt: Prompt, index: int) -> Sample:
         followers: dict[int, asyncio.Future[Sample]] = {}
@@ -87,26 +87,6 @@ class GroupCalls:
         """Later requests of the prompt start a call of their own."""
         if self._open.get(prompt_id) is followers:
             del self._open[prompt_id]
-
-    async def _resume(self, prompt: Prompt, partial: Sample, metrics: Counter[str]) -> Sample:
-        request = GenerateRequest(
-            prompt=prompt, sample_index=partial.sample_index, params=self.params, partial=partial
-        )
-        while True:
-            sample: Sample
-            (sample,) = await self.rollout.call(
-                "generate",
-                GenerateBatch([request]),
-                list[Sample],
-                timeout=self.timeout,
-                key=(prompt.id, partial.sample_index),
-            )
-            if sample.finished:
-                return sample
-            metrics["resumed"] += 1
-            request = GenerateRequest(
-                prompt=prompt, sample_index=sample.sample_index, params=self.params, partial=sample
-            )
 
 
 class _LeaderGone(Exception):

@@ -80,8 +80,13 @@ class Generate:
     ) -> None:
         self.rollout, self.params, self.timeout, self.affinity = rollout, params, timeout, affinity
 
-    async def __call__(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
-        request = GenerateRequest(prompt=prompt, sample_index=index, params=self.params)
+    async def __call__(
+        self, prompt: Prompt, index: int, metrics: Counter[str], partial: Sample | None = None
+    ) -> Sample:
+        """Sample ``index`` of ``prompt``, or the rest of ``partial``, an unfinished one."""
+        request = GenerateRequest(
+            prompt=prompt, sample_index=index, params=self.params, partial=partial
+        )
         while True:
             sample: Sample
             (sample,) = await self.rollout.call(
