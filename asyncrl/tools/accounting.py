@@ -27,6 +27,8 @@ import math
 import os
 from typing import Any
 
+from asyncrl.observe.metrics import read_metrics
+
 __all__ = [
     "CHAOS_FILE",
     "account",
@@ -382,32 +384,18 @@ def _episode_figures(
     out["episodes_counted_twice"] = out["duplicate_consumptions"]
     for key, name in _EPISODE_COUNTERS:
         out[name] = int(pipeline.get(key, 0))
+    try:
+        lines = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    except OSError:
+        lines = []
     trained = [
         float(learner["env_tokens_trained"])
-        for line in _read_lines(os.path.join(run_dir, "metrics.jsonl"))
+        for line in lines
         if isinstance(learner := line.get("learner"), dict) and "env_tokens_trained" in learner
     ]
     out["env_tokens_trained"] = sum(trained) if trained else None
     if not trained:
         unknown["env_tokens_trained"] = "metrics.jsonl has no learner env_tokens_trained"
-
-
-def _read_lines(path: str) -> list[dict[str, Any]]:
-    """The JSON objects of a JSONL file, skipping lines that are not one ([] when missing)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
 
 
 def _dispatch_figures(driver: Any, out: dict[str, Any], unknown: dict[str, str]) -> None:
