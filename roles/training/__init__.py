@@ -1,4 +1,4 @@
-"""Training: the learner and the critic (``learner*``, ``critic*``, ``objective``), their
+"""Training: the learner and the critic (``learner*``, ``critic*``, ``objective``, ``models``),
 parallelism (``data_parallel``, ``sharding``, ``host_buffers``) and durability (``checkpoints``,
 ``journal``, ``wal``).
 

@@ -91,9 +91,9 @@ LEARNER_HINT = (
 )
 """What a failed collective of the learner's group says to check (``DataParallel.hint``)."""
 
-GLOBAL_METRICS = ("grad_norm", "lr")
-"""Step metrics every rank computes from the reduced gradients: the same on every rank, so they
-are taken as they are, never summed."""
+GLOBAL_METRICS = ("grad_norm", "lr", "zero_advantage_rows")
+"""Step metrics every rank computes from the reduced gradients or from the whole batch: the same
+on every rank, so they are taken as they are, never summed."""
 
 
 class DataParallelError(AsyncrlError):
@@ -346,7 +346,8 @@ class DataParallel:
         sizes = self.all_gather_ints("the metric names' sizes", [len(text)])
         width = max(max(s[0] for s in sizes), 1)
         mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        if text:  # a rank with no rows of a step reports no metric of its own
+            mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         mine = mine.to(self.device)
         out: list[torch.Tensor] = self._run("the metric names", self.comm.all_gather, mine)
         union: set[str] = set()

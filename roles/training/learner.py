@@ -84,6 +84,7 @@ from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.roles.training.learner_durable import DurableSteps
 from asyncrl.roles.training.learner_export import export_pretrained, writable
 from asyncrl.roles.training.learner_weights import PublishedWeights, WeightBroadcast
+from asyncrl.roles.training.models import build_model, preload_model_class
 from asyncrl.roles.training.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.training.objective import (
     Forward,
@@ -93,6 +94,8 @@ from asyncrl.roles.training.objective import (
     batch_objective,
     bc_coef,
     nll,
+    over_trained_rows,
+    trained_rows,
 )
 from asyncrl.supervision.faults import FaultPlan
 
@@ -116,20 +119,6 @@ MEMORY_EVERY_S = 1.0
 two files of /proc, a millisecond of a small step)."""
 
 
-def build_model(model_path: str, model_config: dict[str, Any], seed: int) -> Any:
-    """A causal LM from a local path, or built from a config (no download)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    auto: Any = AutoModelForCausalLM  # its class methods are untyped
-    if model_path:
-        return auto.from_pretrained(model_path)
-    if not model_config:
-        raise ValueError("learner: set model_path or model_config")
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(**model_config)
-    return auto.from_config(config)
-
-
 class Learner(DurableSteps, WeightBroadcast, Role):
     """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
 
@@ -138,21 +127,8 @@ class Learner(DurableSteps, WeightBroadcast, Role):
 
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
-        """Import the model's class (its module, and transformers' modeling code with it),
-        without building it: most of a first build's time, 1.5 s of 1.5 s on the main job."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        path, model_config = config.get("model_path"), config.get("model_config")
-        try:
-            if path:
-                found = AutoConfig.from_pretrained(path, local_files_only=True)
-            elif isinstance(model_config, Mapping) and model_config:
-                found = AutoConfig.for_model(**model_config)
-            else:
-                return
-            AutoModelForCausalLM._model_mapping[type(found)]  # imports the class's module
-        except Exception:  # setup meets the problem again, and reports it
-            return
+        """Import the model's class ahead of the build (``preload_model_class``)."""
+        preload_model_class(config)
 
     async def setup(self) -> None:
         cfg = self.config
@@ -529,7 +505,18 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         mask = completion_mask([len(s.sample.token_ids) for s in samples], loss_masks(samples))
-        chunks, total = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
+        # The whole mini-batch's denominator, over the rows that can have a gradient.
+        total = float(alg.aggregate_weight(mask, cfg.aggregation))
+        rows = trained_rows(objective, advantages) if cfg.skip_zero_advantage else []
+        skipped = len(samples) - len(rows) if rows else 0
+        if skipped:
+            samples, advantages, mask = (
+                [samples[i] for i in rows],
+                [advantages[i] for i in rows],
+                mask[rows],
+            )
+            proximal = None if proximal is None else [proximal[i] for i in rows]
+        chunks, _ = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
         shares = [float(alg.aggregate_weight(mask[chunk], cfg.aggregation)) for chunk in chunks]
         for chunk, share in zip(chunks, shares, strict=True):
             weight = share / total if total else 0.0
@@ -542,6 +529,11 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
+        if skipped:
+            sums = over_trained_rows(
+                sums, total, float(alg.aggregate_weight(mask, cfg.aggregation))
+            )
+            sums["zero_advantage_rows"] = float(skipped)
         if self.sharded:
             assert self.dp is not None
             sh.keep_pace(self.model, samples, self.dp, cfg, len(chunks), backward=True)

@@ -113,6 +113,13 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             ``fsdp``): on a CPU thread 1.4 ms instead of 8 ms a step for the arith model, but
             its rounding differs from the default AdamW's, so a run's numbers (and early-stopping
             decisions taken on them) change. Off by default, so that runs repeat across releases.
+        skip_zero_advantage: leave out of the forward and backward passes the rows whose
+            advantage is exactly 0 on every token (a GRPO or RLOO group whose rewards are all
+            equal) when the loss is the policy loss alone (no ``kl_coef`` in the loss, no
+            ``entropy_coef``): they add exactly 0 to the loss and its gradient, and the
+            aggregate keeps its whole denominator, so the step is the same, at float rounding,
+            for less compute. The correction's stats are then over the rows trained, and
+            ``zero_advantage_rows`` counts those left out.
     """
 
     model_path: str = ""
@@ -164,6 +171,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
     bucket_mib: int = 256
     compile: bool = False
     fused_optimizer: bool = False
+    skip_zero_advantage: bool = True
 
     def __post_init__(self) -> None:
         check_norm_len(self.aggregation, self.norm_len)

@@ -1,0 +1,194 @@
+"""Rows whose advantage is exactly 0 are left out of the learner's passes (``skip_zero_advantage``)
+and the step is the one that trains every row: parameters, loss and optimizer state."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrl.roles.payloads import Sample, Scored, TrainBatch
+from tests.roles.test_learner import make
+
+# Three groups of four: one mixed, one all solved, one all failed (GRPO gives the last two 0).
+REWARDS = {"mixed": [1.0, 0.0, 1.0, 0.0], "solved": [1.0] * 4, "failed": [0.0] * 4}
+
+
+def batch(seed: int, rewards: dict[str, list[float]] = REWARDS) -> list[Scored]:
+    rng = random.Random(seed)
+    out = []
+    for pid, group in rewards.items():
+        prompt = [rng.randrange(2, 14) for _ in range(rng.randrange(2, 6))]
+        for index, reward in enumerate(group):
+            tokens = [rng.randrange(2, 14) for _ in range(rng.randrange(1, 6))]
+            out.append(
+                Scored(
+                    sample=Sample(
+                        prompt_id=f"{pid}@{seed}",
+                        sample_index=index,
+                        prompt_ids=prompt,
+                        token_ids=tokens,
+                        logprobs=[-rng.uniform(1.5, 3.5) for _ in tokens],
+                        versions=[0] * len(tokens),
+                        finished=True,
+                        stop_reason="stop",
+                    ),
+                    reward=reward,
+                )
+            )
+    return out
+
+
+def params(learner: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in learner.model.parameters()]
+
+
+def rows_forwarded(learner: Any) -> list[int]:
+    """Record how many rows each training forward pass of ``learner`` takes."""
+    seen: list[int] = []
+    forward = learner._forward_logprobs
+
+    def counting(samples: list[Sample], *args: Any) -> Any:
+        seen.append(len(samples))
+        return forward(samples, *args)
+
+    learner._forward_logprobs = counting
+    return seen
+
+
+@pytest.mark.parametrize("correction", ["clip", "decoupled", "tis"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_skipping_zero_rows_takes_the_same_step(
+    tmp_path: Any, correction: str, aggregation: str
+) -> None:
+    common = {"lr": 0.05, "dtype": "float64", "aggregation": aggregation, "micro_batch_tokens": 24}
+    skip = make(tmp_path / "skip", **common)
+    full = make(tmp_path / "full", skip_zero_advantage=False, **common)
+    seen = rows_forwarded(skip)
+    # Two steps, the second of nothing but uniform groups: AdamW still moves on its momentum.
+    for seed, rewards in ((0, REWARDS), (1, {"solved": [1.0] * 4, "failed": [0.0] * 4})):
+        results = [
+            learner._train_step(
+                TrainBatch(samples=batch(seed, rewards), algorithm="grpo", correction=correction)
+            )
+            for learner in (skip, full)
+        ]
+        for a, b in zip(params(skip), params(full), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        got, want = (r.metrics for r in results)
+        assert got["policy_loss"] == pytest.approx(want["policy_loss"], abs=1e-12)
+        assert "zero_advantage_rows" not in want
+    # Step 1 forwarded only the mixed group's four rows; step 2 one row of eight (a zero step).
+    assert sum(seen[: len(seen) - 1]) == 4 and seen[-1] == 1
+    assert got["zero_advantage_rows"] == 7
+    assert skip.step == full.step == 2
+
+
+def test_stats_are_over_the_rows_trained(tmp_path: Any) -> None:
+    skip = make(tmp_path / "skip", dtype="float64")
+    alone = make(tmp_path / "alone", dtype="float64", skip_zero_advantage=False)
+    mixed = batch(0)[:4]  # the mixed group by itself: the very rows the other learner trains
+    got = skip._train_step(TrainBatch(samples=batch(0), algorithm="grpo")).metrics
+    want = alone._train_step(TrainBatch(samples=mixed, algorithm="grpo")).metrics
+    stats = ["clip_fraction", "approx_kl"]
+    assert set(stats) <= set(want), want
+    for key in stats:
+        assert got[key] == pytest.approx(want[key], abs=1e-9), key
+
+
+@pytest.mark.parametrize(
+    "config", [{"entropy_coef": 0.01}, {"kl_coef": 0.1}, {"skip_zero_advantage": False}]
+)
+def test_every_row_is_trained_when_a_term_reads_it(tmp_path: Any, config: dict[str, Any]) -> None:
+    learner = make(tmp_path, **config)
+    seen = rows_forwarded(learner)
+    samples = batch(0)
+    if "kl_coef" in config:  # the KL term needs the reference's log-probs
+        for s in samples:
+            s.ref_logprobs = [lp - 0.1 for lp in s.sample.logprobs]
+    result = learner._train_step(TrainBatch(samples=samples, algorithm="grpo"))
+    assert sum(seen) == len(samples)
+    assert "zero_advantage_rows" not in result.metrics
+
+
+def test_bc_trains_every_row(tmp_path: Any) -> None:
+    learner = make(tmp_path)
+    seen = rows_forwarded(learner)
+    learner._train_step(TrainBatch(samples=batch(0), algorithm="bc"))
+    assert sum(seen) == 12
+
+
+RANK_SCRIPT = """
+import asyncio, sys
+import torch
+torch.set_num_threads(1)
+from asyncrl.role import RoleContext
+from asyncrl.roles.payloads import TrainBatch
+from asyncrl.roles.training.learner import Learner
+from asyncrl.roles.training.sharding import full_buckets
+from tests.roles.test_zero_advantage import CONFIG, batch, two_steps
+
+rank, run_dir, out, parallel = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+
+async def main():
+    ctx = RoleContext.local(config={**CONFIG, "parallel": parallel}, name="learner",
+                            replica=rank, replicas=2, run_dir=run_dir)
+    learner = Learner(ctx)
+    await learner.setup()
+    for seed, rewards in two_steps():
+        await learner.train_step(TrainBatch(samples=batch(seed, rewards), algorithm="grpo"))
+    buckets = full_buckets(learner.model, 2**20)
+    params = {k: v.clone() for bucket in buckets for k, v in bucket.items()}
+    torch.save(params, f"{out}/{parallel}{rank}.pt")
+    await learner.teardown()
+    open(f"{out}/{parallel}{rank}.json", "w").write("{}")
+
+asyncio.run(main())
+"""
+
+CONFIG: dict[str, Any] = {
+    "model_config": {
+        "model_type": "gpt2",
+        "vocab_size": 14,
+        "n_positions": 16,
+        "n_embd": 32,
+        "n_layer": 1,
+        "n_head": 2,
+        "bos_token_id": 1,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    },
+    "seed": 0,
+    "lr": 0.05,
+    "dtype": "float64",
+    "micro_batch_tokens": 24,
+    "durable": False,
+    "dist_timeout_s": 60.0,
+}
+
+
+def two_steps() -> list[tuple[int, dict[str, list[float]]]]:
+    """A step with one mixed group of three, then one of nothing but uniform groups."""
+    return [(0, REWARDS), (1, {"solved": [1.0] * 4, "failed": [0.0] * 4})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["replicate", "fsdp"])
+def test_two_ranks_skip_zero_rows_and_take_one_learners_steps(tmp_path: Any, parallel: str) -> None:
+    from tests.roles.test_data_parallel import run_ranks
+
+    out = str(tmp_path)
+    run_ranks(
+        RANK_SCRIPT,
+        [str(tmp_path / "run"), out, parallel],
+        f"{out}/{parallel}{{rank}}.json",
+    )
+    ranks = [torch.load(tmp_path / f"{parallel}{r}.pt", weights_only=True) for r in range(2)]
+    one = make(tmp_path / "one", skip_zero_advantage=False, **CONFIG)
+    for seed, rewards in two_steps():
+        one._train_step(TrainBatch(samples=batch(seed, rewards), algorithm="grpo"))
+    for name, value in one.model.state_dict().items():
+        torch.testing.assert_close(ranks[0][name], value, rtol=0, atol=1e-10)
+        assert torch.equal(ranks[0][name], ranks[1][name])
