@@ -162,9 +162,18 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
 
     Inputs and output as for ``grpo_advantages``. For a sample in a group of n > 1 samples
     ``A_i = r_i - (sum_group - r_i) / (n - 1)``, which equals ``n / (n - 1) * (r_i - mean)``
-    (Ahmadian et al. 2024). A group of one sample has no baseline and gets advantage 0.
+    (Ahmadian et al. 2024). A group of one sample has no baseline and gets advantage 0; so
+    does a group whose rewards are all equal, exactly (``r_i - mean`` of equal rewards such as
+    0.1 is float rounding, not a signal).
     """
     rewards, index, groups = _group_index(rewards.detach(), group_ids)
     count, mean, _ = _group_moments(rewards, index, groups)
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
-    return scale * (rewards - mean)
+    low, high = (
+        torch.empty(groups, dtype=rewards.dtype).scatter_reduce(
+            0, index, rewards, reduce, include_self=False
+        )
+        for reduce in ("amin", "amax")
+    )
+    uniform = (low == high)[index]
+    return torch.where(uniform, torch.zeros_like(rewards), scale * (rewards - mean))

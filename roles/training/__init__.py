@@ -1,6 +1,6 @@
-"""Training: the learner and the critic (``learner*``, ``critic*``, ``objective``, ``models``),
-parallelism (``data_parallel``, ``sharding``, ``host_buffers``) and durability (``checkpoints``,
-``journal``, ``wal``).
+"""Training: the learner and the critic (``learner*``, ``critic*``, ``objective``, ``models``,
+``zero_rows``), their parallelism (``data_parallel``, ``sharding``, ``host_buffers``) and
+durability (``checkpoints``, ``journal``, ``wal``).
 
 May import: ``asyncrl.roles.learning``, ``asyncrl.roles.generation`` (the messages a learner
 sends its rollouts), ``asyncrl.roles.payloads``, ``asyncrl.roles.device_report``, the plugin

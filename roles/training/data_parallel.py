@@ -91,9 +91,9 @@ LEARNER_HINT = (
 )
 """What a failed collective of the learner's group says to check (``DataParallel.hint``)."""
 
-GLOBAL_METRICS = ("grad_norm", "lr", "zero_advantage_rows")
-"""Step metrics every rank computes from the reduced gradients or from the whole batch: the same
-on every rank, so they are taken as they are, never summed."""
+GLOBAL_METRICS = ("grad_norm", "lr")
+"""Step metrics every rank computes from the reduced gradients: the same on every rank, so they
+are taken as they are, never summed."""
 
 
 class DataParallelError(AsyncrlError):

@@ -70,6 +70,7 @@ from asyncrl.roles.learning.batching import (
 )
 from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.training import sharding as sh
+from asyncrl.roles.training import zero_rows
 from asyncrl.roles.training.data_parallel import (
     DataParallel,
     DataParallelError,
@@ -94,8 +95,6 @@ from asyncrl.roles.training.objective import (
     batch_objective,
     bc_coef,
     nll,
-    over_trained_rows,
-    trained_rows,
 )
 from asyncrl.supervision.faults import FaultPlan
 
@@ -435,7 +434,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             epochs, parts = cfg.ppo_epochs, min(cfg.mini_batches, len(fresh))
         proximal = None
         if objective.needs_proximal and epochs * parts > 1:
-            proximal = self._proximal_logprobs(fresh)
+            proximal = self._proximal_logprobs(fresh, objective, advantages)
         steps = []
         # BC on a few demonstrations memorises them unless dropout is on (``bc_dropout``); RL
         # steps keep it as ``dropout`` says, so their log-probs are the sampler's.
@@ -459,7 +458,8 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             self.model.train(cfg.dropout)
         if self.dp is not None:
             steps = self.dp.sum_metrics(steps)
-        return {**mean_over_steps(steps), "optimizer_steps": float(len(steps))}
+        zeros = zero_rows.zero_advantage_metric(objective, advantages, cfg.skip_zero_advantage)
+        return {**mean_over_steps(steps), "optimizer_steps": float(len(steps)), **zeros}
 
     def _memory_allocated_mib(self) -> float:
         """The device memory this process holds, read at most every ``MEMORY_EVERY_S``."""
@@ -470,10 +470,20 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             self._memory_at = now
         return self._memory_mib
 
-    def _proximal_logprobs(self, samples: list[Scored]) -> list[list[float]]:
-        """Decoupled PPO's proximal policy: the log-probs of ``samples`` under the weights at
-        the start of the batch, before its first optimizer step (no gradient). Data-parallel
-        ranks compute their token-balanced shares and gather them."""
+    def _proximal_logprobs(
+        self, batch: list[Scored], objective: Objective, advantages: list[Any]
+    ) -> list[list[float]]:
+        """Decoupled PPO's proximal policy: the log-probs of the ``batch`` under the weights at
+        its start (no gradient), of the rows ``trained_rows`` keeps (a row left out has a loss
+        of 0 whatever they are: its behaviour log-probs stand in). Data-parallel ranks compute
+        their token-balanced shares and gather them."""
+        rows = zero_rows.trained_rows(objective, advantages, self.config.skip_zero_advantage)
+        out = [list(s.sample.logprobs) for s in batch]
+        for i, logprobs in zip(rows, self._proximal_of([batch[i] for i in rows]), strict=True):
+            out[i] = logprobs
+        return out
+
+    def _proximal_of(self, samples: list[Scored]) -> list[list[float]]:
         shares, rank = share_out(samples, self.dp)
         mine = [samples[i] for i in shares[rank]]
         out: list[list[float]] = []
@@ -507,9 +517,8 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         mask = completion_mask([len(s.sample.token_ids) for s in samples], loss_masks(samples))
         # The whole mini-batch's denominator, over the rows that can have a gradient.
         total = float(alg.aggregate_weight(mask, cfg.aggregation))
-        rows = trained_rows(objective, advantages) if cfg.skip_zero_advantage else []
-        skipped = len(samples) - len(rows) if rows else 0
-        if skipped:
+        rows = zero_rows.trained_rows(objective, advantages, cfg.skip_zero_advantage)
+        if skipped := len(samples) - len(rows):
             samples, advantages, mask = (
                 [samples[i] for i in rows],
                 [advantages[i] for i in rows],
@@ -530,10 +539,9 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
         if skipped:
-            sums = over_trained_rows(
+            sums = zero_rows.over_trained_rows(
                 sums, total, float(alg.aggregate_weight(mask, cfg.aggregation))
             )
-            sums["zero_advantage_rows"] = float(skipped)
         if self.sharded:
             assert self.dp is not None
             sh.keep_pace(self.model, samples, self.dp, cfg, len(chunks), backward=True)

@@ -119,7 +119,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             ``entropy_coef``): they add exactly 0 to the loss and its gradient, and the
             aggregate keeps its whole denominator, so the step is the same, at float rounding,
             for less compute. The correction's stats are then over the rows trained, and
-            ``zero_advantage_rows`` counts those left out.
+            ``zero_advantage_rows`` counts the batch's rows whose advantage is 0.
     """
 
     model_path: str = ""

@@ -28,7 +28,7 @@ start of the batch):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -57,8 +57,6 @@ __all__ = [
     "compile_policy",
     "nll",
     "objective_for",
-    "over_trained_rows",
-    "trained_rows",
 ]
 
 
@@ -523,38 +521,6 @@ def objective_for(
     return Objective(
         chosen, PolicyGradient(policy, chosen), _terms(cfg), needs_proximal=policy.needs_proximal
     )
-
-
-def trained_rows(objective: Objective, advantages: Sequence[Any]) -> list[int]:
-    """The rows of a mini-batch whose loss can have a gradient, in order.
-
-    Every row, unless the objective is a policy loss alone (no KL or entropy term): then a row
-    whose advantage is exactly 0 on every token adds exactly 0 to the loss and to its gradient
-    under every correction (each multiplies the advantage by a finite weight), so it is left
-    out of the forward and backward passes. The mini-batch's aggregate keeps its whole
-    denominator, so the gradient is the same. One row always stays, so a mini-batch of nothing
-    but zeros still takes its optimizer step (AdamW moves on zero gradients: momentum, decay).
-    """
-    rows = list(range(len(advantages)))
-    if not objective.algorithm.rl or objective.terms or not rows:
-        return rows
-    return [i for i in rows if _nonzero(advantages[i])] or [0]
-
-
-def over_trained_rows(parts: dict[str, float], total: float, trained: float) -> dict[str, float]:
-    """A mini-batch's parts, summed with weights over ``total`` (every row's) after
-    ``trained_rows`` left rows out (``trained``, theirs): ``policy_loss`` as it is (the rows left
-    out add exactly 0 to it); the correction's stats as means over the rows trained."""
-    scale = total / trained if trained else 0.0
-    return {k: v if k == "policy_loss" else v * scale for k, v in parts.items()}
-
-
-def _nonzero(advantage: Any) -> bool:
-    if isinstance(advantage, torch.Tensor):
-        return bool(advantage.ne(0).any())
-    if isinstance(advantage, (list, tuple)):
-        return any(a != 0 for a in advantage)
-    return bool(advantage != 0)
 
 
 def bc_coef(cfg: LearnerConfig, step: int) -> float:

@@ -58,20 +58,41 @@ def rows_forwarded(learner: Any) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("correction", ["clip", "decoupled", "tis"])
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+# Corrections, aggregations and the options that shape a row's loss; RLOO, whose six equal
+# rewards of 0.3 give exactly 0 only because such a group is set to 0 (r - mean is 3e-8).
+CASES = [
+    ("clip", "token_mean", {}),
+    ("decoupled", "token_mean", {}),
+    ("tis", "token_mean", {}),
+    ("clip", "seq_mean_token_mean", {}),
+    ("decoupled", "seq_mean_token_mean", {}),
+    ("tis", "seq_mean_token_mean", {}),
+    (
+        "clip",
+        "seq_mean_token_sum_norm",
+        {"importance": "sequence", "dual_clip": 3.0, "clip_eps_high": 0.28, "norm_len": 5},
+    ),
+    ("decoupled", "seq_mean_token_sum", {"importance": "sequence", "weight_decay": 0.1}),
+    ("clip", "token_mean", {"algorithm": "rloo", "weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize(("correction", "aggregation", "extra"), CASES)
 def test_skipping_zero_rows_takes_the_same_step(
-    tmp_path: Any, correction: str, aggregation: str
+    tmp_path: Any, correction: str, aggregation: str, extra: dict[str, Any]
 ) -> None:
+    algorithm = extra.pop("algorithm", "grpo")
     common = {"lr": 0.05, "dtype": "float64", "aggregation": aggregation, "micro_batch_tokens": 24}
-    skip = make(tmp_path / "skip", **common)
-    full = make(tmp_path / "full", skip_zero_advantage=False, **common)
+    skip = make(tmp_path / "skip", **common, **extra)
+    full = make(tmp_path / "full", skip_zero_advantage=False, **common, **extra)
     seen = rows_forwarded(skip)
+    solved = [0.3] * 6 if algorithm == "rloo" else [1.0] * 4
+    first = {**REWARDS, "solved": solved}
     # Two steps, the second of nothing but uniform groups: AdamW still moves on its momentum.
-    for seed, rewards in ((0, REWARDS), (1, {"solved": [1.0] * 4, "failed": [0.0] * 4})):
+    for seed, rewards in ((0, first), (1, {"solved": solved, "failed": [0.0] * 4})):
         results = [
             learner._train_step(
-                TrainBatch(samples=batch(seed, rewards), algorithm="grpo", correction=correction)
+                TrainBatch(samples=batch(seed, rewards), algorithm=algorithm, correction=correction)
             )
             for learner in (skip, full)
         ]
@@ -80,10 +101,31 @@ def test_skipping_zero_rows_takes_the_same_step(
         got, want = (r.metrics for r in results)
         assert got["policy_loss"] == pytest.approx(want["policy_loss"], abs=1e-12)
         assert "zero_advantage_rows" not in want
+        uniform = len(solved) + 4  # the solved and failed groups' rows
+        assert got["zero_advantage_rows"] == uniform
     # Step 1 forwarded only the mixed group's four rows; step 2 one row of eight (a zero step).
     assert sum(seen[: len(seen) - 1]) == 4 and seen[-1] == 1
-    assert got["zero_advantage_rows"] == 7
     assert skip.step == full.step == 2
+
+
+def test_decoupled_ppo_takes_proximal_log_probs_of_the_rows_trained_only(tmp_path: Any) -> None:
+    common = {"lr": 0.05, "dtype": "float64", "ppo_epochs": 2, "mini_batches": 2}
+    skip = make(tmp_path / "skip", **common)
+    full = make(tmp_path / "full", skip_zero_advantage=False, **common)
+    proximal_rows: list[int] = []
+    logprobs = skip._logprobs
+
+    def counting(samples: list[Sample]) -> Any:
+        proximal_rows.append(len(samples))
+        return logprobs(samples)
+
+    skip._logprobs = counting
+    for learner in (skip, full):
+        learner._train_step(TrainBatch(samples=batch(0), algorithm="grpo", correction="decoupled"))
+    # Four AdamW steps amplify the rounding of proximal passes over other paddings (float64).
+    for a, b in zip(params(skip), params(full), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert sum(proximal_rows) == 4  # the mixed group's rows, of twelve
 
 
 def test_stats_are_over_the_rows_trained(tmp_path: Any) -> None:
@@ -121,7 +163,7 @@ def test_bc_trains_every_row(tmp_path: Any) -> None:
 
 
 RANK_SCRIPT = """
-import asyncio, sys
+import asyncio, json, sys
 import torch
 torch.set_num_threads(1)
 from asyncrl.role import RoleContext
@@ -137,13 +179,16 @@ async def main():
                             replica=rank, replicas=2, run_dir=run_dir)
     learner = Learner(ctx)
     await learner.setup()
+    zeros = []
     for seed, rewards in two_steps():
-        await learner.train_step(TrainBatch(samples=batch(seed, rewards), algorithm="grpo"))
+        samples = batch(seed, rewards)
+        result = await learner.train_step(TrainBatch(samples=samples, algorithm="grpo"))
+        zeros.append(result.metrics["zero_advantage_rows"])
     buckets = full_buckets(learner.model, 2**20)
     params = {k: v.clone() for bucket in buckets for k, v in bucket.items()}
     torch.save(params, f"{out}/{parallel}{rank}.pt")
     await learner.teardown()
-    open(f"{out}/{parallel}{rank}.json", "w").write("{}")
+    open(f"{out}/{parallel}{rank}.json", "w").write(json.dumps(zeros))
 
 asyncio.run(main())
 """
@@ -180,7 +225,7 @@ def test_two_ranks_skip_zero_rows_and_take_one_learners_steps(tmp_path: Any, par
     from tests.roles.test_data_parallel import run_ranks
 
     out = str(tmp_path)
-    run_ranks(
+    zeros = run_ranks(
         RANK_SCRIPT,
         [str(tmp_path / "run"), out, parallel],
         f"{out}/{parallel}{{rank}}.json",
@@ -192,3 +237,4 @@ def test_two_ranks_skip_zero_rows_and_take_one_learners_steps(tmp_path: Any, par
     for name, value in one.model.state_dict().items():
         torch.testing.assert_close(ranks[0][name], value, rtol=0, atol=1e-10)
         assert torch.equal(ranks[0][name], ranks[1][name])
+    assert zeros == [[8.0, 8.0], [8.0, 8.0]]  # each rank reports the batch's, not a sum
