@@ -33,7 +33,7 @@ DEFAULTS: dict[str, Any] = {
     "bc_steps": 300,
     "bc_batch": 64,
     "bc_lr": 1e-3,
-    "rl_steps": 200,
+    "rl_steps": 300,
     "rl_lr": 2e-3,
     "prompts_per_step": 8,
     "group_size": 8,

@@ -38,7 +38,7 @@ def test_the_agent_learns_the_game(run_dir: str) -> None:
         summary = json.load(f)
     assert summary["success_final"] - summary["success_before_rl"] >= 0.3, summary
     assert summary["turns_mean"] >= 3.0
-    assert summary["learner_steps"] == 300 + 200
+    assert summary["learner_steps"] == 300 + 300
     pipe = summary["pipeline"]
     assert pipe["episodes"] == pipe["generated_samples"] <= pipe["admitted_samples"]
     assert pipe["admitted_samples"] == (
@@ -46,7 +46,7 @@ def test_the_agent_learns_the_game(run_dir: str) -> None:
     )
     assert pipe["env_tokens"] > 0 and pipe["env_errors"] == 0
     trained = [m["learner"]["env_tokens_trained"] for m in _lines(f"{run_dir}/metrics.jsonl")]
-    assert len(trained) == 200 and set(trained) == {0.0}
+    assert len(trained) == 300 and set(trained) == {0.0}
 
 
 SHORT = [
