@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.roles.payloads import Sample, Scored, TrainBatch
-from tests.roles.test_learner import make
+from tests.roles.test_learner import MODEL, make
 
 # Three groups of four: one mixed, one all solved, one all failed (GRPO gives the last two 0).
 REWARDS = {"mixed": [1.0, 0.0, 1.0, 0.0], "solved": [1.0] * 4, "failed": [0.0] * 4}
@@ -194,17 +194,7 @@ asyncio.run(main())
 """
 
 CONFIG: dict[str, Any] = {
-    "model_config": {
-        "model_type": "gpt2",
-        "vocab_size": 14,
-        "n_positions": 16,
-        "n_embd": 32,
-        "n_layer": 1,
-        "n_head": 2,
-        "bos_token_id": 1,
-        "eos_token_id": 1,
-        "pad_token_id": 0,
-    },
+    "model_config": MODEL,
     "seed": 0,
     "lr": 0.05,
     "dtype": "float64",
