@@ -13,8 +13,10 @@ import sys
 import pytest
 
 from asyncrl.bench.scale import (
+    TIMES,
     ScaleRollout,
     format_table,
+    hold_options,
     measure_row,
     project,
     summarize,
@@ -45,7 +47,35 @@ def test_scale_rollout_reports_the_turnaround_of_samples_started_in_the_window()
     assert run(role.turnaround([1.0, 3.0])) == [0.5, 0.25]
     with pytest.raises(ValueError) as err:
         run(role.turnaround([3.0, 1.0]))
-    assert str(err.value) == "turnaround: expected a window [t0, t1] with t1 > t0, got [3.0, 1.0]"
+    assert str(err.value) == (
+        "turnaround: expected a window [t0, t1] with t1 > t0, and optionally the samples a "
+        "call, got [3.0, 1.0]"
+    )
+    # Calls of 2 samples: 2 slots hold 2 samples each; the last call's start pairs with the
+    # first call's end.
+    role.ctx = RoleContext.local(config, capacity=1)
+    role.done = [(0.0, 1.0, 1.0), (0.0, 1.0, 1.0), (1.5, 2.5, 1.0), (1.5, 2.5, 1.0)]
+    role.running = {}
+    assert run(role.turnaround([1.0, 3.0, 2])) == [0.5, 0.5]
+    assert run(role.turnaround([1.0, 3.0])) == [0.5, -1.0]  # read as calls of one: wrong
+
+
+def test_a_hold_row_asks_ten_samples_a_second_of_a_replica_in_either_mode() -> None:
+    # One sample a call: 4 slots of 0.4 s; the default warm-up and window already hold calls.
+    row = {"slots": 4, "times": TIMES, "group_calls": False, "hosts": 4}
+    one = hold_options(row)
+    assert one["gen_ms"] == pytest.approx(400.0) and one["slots"] == 4
+    assert one["times"] == TIMES and one["hosts"] == 4
+    assert one["slots"] / (one["gen_ms"] / 1e3) == pytest.approx(10.0)
+    # A group of 8 a call: the same 4 slots, each call 3.2 s, so still 10 samples/s; the
+    # warm-up covers two calls and the window three.
+    group = hold_options(row | {"group_calls": True})
+    assert group["gen_ms"] == pytest.approx(3200.0) and group["slots"] == 4
+    assert group["slots"] * 8 / (group["gen_ms"] / 1e3) == pytest.approx(10.0)
+    assert group["times"] == {"window": pytest.approx(9.6), "warmup": pytest.approx(6.4)} | {
+        "idle": TIMES["idle"]
+    }
+    assert TIMES["warmup"] == 1.5  # the caller's times are left as they were
 
 
 def row(replicas: int, loop_s_per_1k: float) -> dict[str, float]:

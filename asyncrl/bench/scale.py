@@ -6,19 +6,21 @@ against n simulated rollout replicas (1, 4, 16, 64, 256), in a fresh driver proc
 is a transport ``Server`` at its own ipc endpoint serving ``ScaleRollout`` (``sim.SimRollout``:
 a sample is a fixed sleep of ``--gen-ms``, ``--slots`` at once); the replicas are spread over
 up to ``--hosts`` helper processes. The learner is instant (``pipe.advance`` after each batch)
-and the pacer admits up to ``ETA + 1`` batches of ``max(n x slots, GROUP)`` samples, so the
-driver always has work queued. After every replica answered, the driver idles ``--idle``
-seconds (``driver_idle_cpu_fraction``: what heartbeats cost), warms up, and measures a window:
+and the pacer admits up to ``ETA + 1`` batches of ``max(n x slots x per_call, GROUP)`` samples
+(``per_call``: a call's samples, ``GROUP`` with ``--group-calls``, else 1), so the driver always
+has work queued. After every replica answered, the driver idles ``--idle`` seconds
+(``driver_idle_cpu_fraction``: what heartbeats cost), warms up, and measures a window:
 
-- ``samples_per_s`` consumed, next to ``ideal_samples_per_s`` = n x slots / generation time;
+- ``samples_per_s`` consumed, next to ``ideal_samples_per_s`` = n x slots x per_call /
+  generation time;
 - ``driver_cpu_s_per_1k``: the driver's CPU seconds (every thread, ZeroMQ's I/O thread
   included) per 1,000 samples; ``driver_loop_cpu_s_per_1k``: its event-loop thread's alone,
   the serial part, whose inverse is ``driver_ceiling_samples_per_s`` (one core's worth);
   ``driver_loop_busy_fraction``: the loop thread's run plus run-queue wait time over the window
   (near 1: saturated, even where a busy machine gave it less than a core);
-- ``dispatch_ms_p50`` / ``_p99`` / ``_max``: slot turnaround (``turnarounds``), from a sample's
-  end to the start of the next in its slot on the replica's clock: the reply's trip, the
-  driver's handling, the next request's trip;
+- ``dispatch_ms_p50`` / ``_p99`` / ``_max``: slot turnaround (``turnarounds``, a call's samples
+  sharing its slot), from a sample's end to the start of the next in its slot on the replica's
+  clock: the reply's trip, the driver's handling, the next request's trip;
 - ``driver_rss_mb`` at the end of the window and ``driver_peak_rss_mb``;
 - ``hosts_cpu_fraction`` and ``hosts_busy_max`` (the busiest helper's loop, as the driver's):
   near 1, the simulated replicas, not the driver, were the limit.
@@ -225,7 +227,8 @@ async def _drive(
         w = await _pipeline_window(ctx, n, slots, times, pids, group_calls)
         assert w.start is not None and w.end is not None
         edges = [w.start.wall, w.end.wall]
-        turn = await ctx.rollout.broadcast("turnaround", edges, list[float])
+        per_call = GROUP if group_calls else 1
+        turn = await ctx.rollout.broadcast("turnaround", [*edges, per_call], list[float])
         usage = await ctx.rollout.broadcast("usage", edges, dict[str, float])
     finally:
         await dispatcher.close()
@@ -235,7 +238,8 @@ async def _drive(
         for proc in procs:
             proc.wait(timeout=30)
         shutil.rmtree(run_dir, ignore_errors=True)
-    return _row_figures(n, slots, gen_s, w, idle_cpu, turn, usage) | {"hosts": len(procs)}
+    figures = _row_figures(n, slots, gen_s, w, idle_cpu, turn, usage, per_call)
+    return figures | {"hosts": len(procs)}
 
 
 async def _pipeline_window(
@@ -254,7 +258,10 @@ async def _pipeline_window(
     async def score(samples: list[Sample]) -> list[float]:
         return [reward(s) for s in samples]
 
-    batch = max(GROUP, -(-n * slots // GROUP) * GROUP)
+    per_call = GROUP if group_calls else 1
+    batch = max(
+        GROUP, -(-n * slots * per_call // GROUP) * GROUP
+    )  # what the replicas decode at once
     pipe = SamplePipeline(
         ctx.rollout,
         spec=PipelineSpec(mode="async", eta=ETA, over_eta="correct", group_calls=group_calls),
@@ -282,8 +289,10 @@ def _row_figures(
     idle_cpu: float,
     turn: list[list[float]],
     usage: list[dict[str, float]],
+    per_call: int,
 ) -> dict[str, Any]:
-    """One row's figures (see the module docstring) from its window and the replicas' reports."""
+    """One row's figures (see the module docstring) from its window and the replicas' reports;
+    ``per_call``: the samples of one ``generate`` call (``GROUP`` with group calls, else 1)."""
     assert w.start is not None and w.end is not None
     a, b = w.start, w.end
     span = b.t - a.t
@@ -300,8 +309,8 @@ def _row_figures(
         "steps": w.steps,
         "consumed_samples": w.consumed,
         "samples_per_s": w.consumed / span,
-        "ideal_samples_per_s": n * slots / gen_s,
-        "efficiency": w.consumed / span / (n * slots / gen_s),
+        "ideal_samples_per_s": n * slots * per_call / gen_s,
+        "efficiency": w.consumed / span / (n * slots * per_call / gen_s),
         "dispatched_per_s": sum(u["started"] for u in usage) / span,
         "replica_idle_mean": sum(u["idle"] for u in usage) / n,
         **_driver_figures(w, idle_cpu),
@@ -428,7 +437,7 @@ def measure(replicas: list[int], hold: list[int], **row: Any) -> dict[str, Any]:
     held: list[dict[str, Any]] = []
     for n in hold:
         try:
-            held.append(measure_row(n, **(row | {"gen_ms": 1e3 * row["slots"] / HOLD_RATE})))
+            held.append(measure_row(n, **hold_options(row)))
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             held.append({"replicas": n, "error": str(exc)})
             break
@@ -439,6 +448,20 @@ def measure(replicas: list[int], hold: list[int], **row: Any) -> dict[str, Any]:
         "cpus": os.cpu_count(),
     }
     return figures | summarize(rows, held)
+
+
+def hold_options(row: dict[str, Any]) -> dict[str, Any]:
+    """``row``'s options for a hold row: ``HOLD_RATE`` samples/s a replica in either mode. A
+    call holds its slot ``slots x per_call / HOLD_RATE`` seconds, where ``per_call`` is the
+    samples of one call (``GROUP`` with group calls, else 1): the same replica, with the same
+    slots, gives the same samples/s whether its calls carry one sample or a group (4 slots of
+    0.4 s, or of 3.2 s). The warm-up lasts at least two calls and the window three."""
+    per_call = GROUP if row.get("group_calls") else 1
+    gen_s = row["slots"] * per_call / HOLD_RATE
+    times = dict(row.get("times", TIMES))
+    times["warmup"] = max(times["warmup"], 2 * gen_s)
+    times["window"] = max(times["window"], 3 * gen_s)
+    return row | {"gen_ms": 1e3 * gen_s, "times": times}
 
 
 def summarize(rows: list[dict[str, Any]], held: list[dict[str, Any]]) -> dict[str, Any]:

@@ -266,17 +266,22 @@ def turnarounds(
 class ScaleRollout(SimRollout):
     """``SimRollout`` that also tells its slots' turnaround (see ``turnarounds``).
 
-    Endpoints: those of ``SimRollout``, and ``turnaround([t0, t1]) -> list[float]``
-    (idempotent): the turnaround, in seconds, of each sample that started in the window.
+    Endpoints: those of ``SimRollout``, and ``turnaround([t0, t1, per_call]) -> list[float]``
+    (idempotent): the turnaround, in seconds, of each sample that started in the window, when
+    each call carries ``per_call`` samples (1 when left out; a call's samples share its slot).
     """
 
     @endpoint(Delivery.IDEMPOTENT)
     async def turnaround(self, window: list[float]) -> list[float]:
-        if len(window) != 2 or not window[1] > window[0]:
-            raise ValueError(f"turnaround: expected a window [t0, t1] with t1 > t0, got {window}")
+        if len(window) not in (2, 3) or not window[1] > window[0]:
+            raise ValueError(
+                f"turnaround: expected a window [t0, t1] with t1 > t0, and optionally the "
+                f"samples a call, got {window}"
+            )
+        per_call = int(window[2]) if len(window) == 3 else 1
         starts = [s for s, _, _ in self.done] + [s for s, _ in self.running.values()]
         ends = [e for _, e, _ in self.done]
-        return turnarounds(starts, ends, self.ctx.capacity, (window[0], window[1]))
+        return turnarounds(starts, ends, self.ctx.capacity * per_call, (window[0], window[1]))
 
 
 class HostSpec(msgspec.Struct, frozen=True, kw_only=True):
