@@ -113,6 +113,14 @@ def test_moments_of_known_values() -> None:
     assert (big.mean, big.m2) == (1e9 + 2, 2.0)
 
 
+def test_moments_of_one_value_equal_the_two_pass_ones() -> None:
+    for x in (0.0, -0.0, 1.0, -3.5, 0.1, 1e300, 5e-324, math.inf, -math.inf, math.nan):
+        one, of = Moments.one(x), Moments.of([x])
+        assert one.count == of.count == 1
+        # nan != nan: compare the fields' representations.
+        assert (repr(one.mean), repr(one.m2)) == (repr(of.mean), repr(of.m2)), x
+
+
 def test_merge_with_an_empty_side_returns_the_other() -> None:
     empty = Moments(0, 0.0, 0.0)
     m = Moments.of([5.0, 7.0])

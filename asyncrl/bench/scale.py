@@ -42,10 +42,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from asyncrl.bench.pipeline import reward
-from asyncrl.bench.sim import HostSpec, ScaleRollout, host_main, turnarounds
+from asyncrl.bench.sim import ScaleRollout, host_main, start_hosts, turnarounds
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.driver import freeze_start_up
 from asyncrl.dispatch.handles import Context
@@ -98,38 +96,6 @@ RUN = "bench-scale"
 
 
 # -- the driver (one fresh process per row) ---------------------------------------------------
-
-
-def _start_hosts(
-    endpoints: list[str], slots: int, gen_s: float, run_dir: str, hosts: int
-) -> list[subprocess.Popen[str]]:
-    """Spread the replicas over ``hosts`` helper processes (contiguous runs of replicas)."""
-    n = len(endpoints)
-    count = max(1, min(hosts, n))
-    procs = []
-    for h in range(count):
-        lo, hi = h * n // count, (h + 1) * n // count
-        spec = HostSpec(
-            endpoints=endpoints[lo:hi],
-            first=lo,
-            replicas=n,
-            slots=slots,
-            gen_s=gen_s,
-            run_dir=run_dir,
-            parent_pid=os.getpid(),
-            run=RUN,
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.bench.scale", "--host"],
-            stdin=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        assert proc.stdin is not None
-        proc.stdin.write(msgspec.json.encode(spec).decode() + "\n")
-        proc.stdin.flush()
-        procs.append(proc)
-    return procs
 
 
 def _cpu_of(pid: int) -> float:
@@ -212,7 +178,7 @@ async def _drive(
     reserve_sockets(n)  # before the first socket, as the driver does
     run_dir = tempfile.mkdtemp(prefix="arl-sc-")  # short: ipc socket paths live under it
     endpoints = [LocalRegistry(run_dir).endpoint("rollout", i) for i in range(n)]
-    procs = _start_hosts(endpoints, slots, gen_s, run_dir, hosts)
+    procs = start_hosts(endpoints, slots, gen_s, run_dir, hosts, run=RUN)
     pids = [p.pid for p in procs]
     dispatcher = Dispatcher({"rollout": GroupInfo(endpoints)}, run=RUN)
     dispatcher.start()
@@ -508,7 +474,8 @@ def format_table(figures: dict[str, Any]) -> str:
     lines = [
         "asyncrl scale benchmark: the real driver (dispatcher, sample pipeline, reducer, weight "
         "broadcast) against simulated rollout replicas",
-        f"{first['slots']} slots a replica, groups of {GROUP}, eta {ETA}, instant learner; "
+        f"{first['slots']} slots a replica, groups of {GROUP}"
+        f"{' (a call a group)' if first.get('group_calls') else ''}, eta {ETA}, instant learner; "
         f"{figures['cpus']} CPUs, {first['window_s']:.1f} s windows, GC {first['gc']}. p50/p99: "
         "slot turnaround; loop: the driver's event-loop thread (busy: ran + waited for a core)",
     ]

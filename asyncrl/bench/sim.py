@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "SimRollout",
     "host_main",
     "prompt_index",
+    "start_hosts",
     "turnarounds",
     "work_of",
 ]
@@ -358,3 +360,36 @@ def host_main() -> int:
     logs.configure(role="bench-scale-host", console=False)
     run(_serve_host(spec))
     return 0
+
+
+def start_hosts(
+    endpoints: list[str], slots: int, gen_s: float, run_dir: str, hosts: int, *, run: str
+) -> list[subprocess.Popen[str]]:
+    """Spread the replicas over ``hosts`` helper processes (contiguous runs of replicas), each
+    ``python -m asyncrl.bench.scale --host`` reading its ``HostSpec``; ``run``: the run's name."""
+    n = len(endpoints)
+    count = max(1, min(hosts, n))
+    procs = []
+    for h in range(count):
+        lo, hi = h * n // count, (h + 1) * n // count
+        spec = HostSpec(
+            endpoints=endpoints[lo:hi],
+            first=lo,
+            replicas=n,
+            slots=slots,
+            gen_s=gen_s,
+            run_dir=run_dir,
+            parent_pid=os.getpid(),
+            run=run,
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.bench.scale", "--host"],
+            stdin=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(spec).decode() + "\n")
+        proc.stdin.flush()
+        procs.append(proc)
+    return procs

@@ -188,10 +188,11 @@ def _inbox(spec: ProcessSpec, stop: asyncio.Event) -> Server:
     )
 
 
-GC_THRESHOLDS = (50_000, 20, 20)
-"""The driver's collector thresholds (Python's are 700, 10, 10): a young collection after 50,000
-new objects rather than 700, so the samples, futures and tasks of calls in flight (each lives
-a sample's time) mostly die before a collection has to walk them and promote them."""
+GC_THRESHOLDS = (200_000, 20, 20)
+"""The driver's collector thresholds (Python's are 700, 10, 10): a young collection once the
+objects alive have grown by 200,000 rather than 700. The samples, tasks and futures of the calls
+in flight live a sample's time; at 50,000 a batch of thousands admitted at once set off young
+collections that walked and promoted them all, and took a fifth of the loop (docs/scaling.md)."""
 
 
 def freeze_start_up() -> None:
@@ -200,8 +201,8 @@ def freeze_start_up() -> None:
     collect young objects less often (``GC_THRESHOLDS``).
 
     With thousands of samples in flight the collector took a third of the driver's loop; with
-    both, a little under half as much (docs/scaling.md). Cyclic garbage is still collected, up
-    to 50,000 objects later.
+    both, about a tenth of that (docs/scaling.md). Cyclic garbage is still collected, up to
+    200,000 objects later.
     """
     gc.collect()
     gc.freeze()

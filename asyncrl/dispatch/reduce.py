@@ -80,6 +80,12 @@ class Moments(msgspec.Struct, frozen=True, array_like=True):
         m2 = math.fsum(d * d for d in deviations) - math.fsum(deviations) ** 2 / n
         return cls(n, mean, max(m2, 0.0))
 
+    @classmethod
+    def one(cls, value: float) -> Moments:
+        """The moments of one value: ``Moments.of([value])``, without its passes."""
+        mean = value + 0.0  # as fsum's: -0.0 is 0.0
+        return cls(1, mean, 0.0 if math.isfinite(value) else math.nan)
+
     def merge(self, other: Moments) -> Moments:
         """The moments of both sets of values together (Chan et al.'s parallel formula).
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 from collections import Counter, deque
 from typing import Any
 
@@ -79,6 +80,8 @@ from asyncrl.roles.sampling.weight_sync import WeightSync
 __all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
 
 log = logging.getLogger("asyncrl.pipeline")
+
+_FIRST = operator.itemgetter(0)
 
 FETCH_MAX = 1024
 """The most prompts asked of the feed at once (while the schedule skips most of them)."""
@@ -343,8 +346,9 @@ class SamplePipeline:
     async def _sample(self, group: Group, k: int) -> None:
         counts: Counter[str] = Counter()  # the group's own, so a resume state can drop them
         sample = await self.source(group.prompt, k, counts)
-        self.metrics.update(counts)
-        group.counts.update(counts)
+        if counts:
+            self.metrics.update(counts)
+            group.counts.update(counts)
         self.metrics["generated_samples"] += 1
         group.generated += 1
         self._to_score.append((group, k, sample))
@@ -361,7 +365,7 @@ class SamplePipeline:
                     self._on_late(group.key, str(k))  # its group was released without it
                     continue
                 group.samples[k] = (sample, float(reward))
-                self.reducer.add(group.key, str(k), Moments.of([float(reward)]))
+                self.reducer.add(group.key, str(k), Moments.one(float(reward)))
                 if not group.outcome and len(group.samples) == self._probing.get(group.key):
                     self._after_probe(group)
 
@@ -515,13 +519,14 @@ class SamplePipeline:
             EOFError: the prompts ran out and nothing is left to hand out.
         """
         version = self.pacer.version
-        taken: list[tuple[int, int, Scored, int]] = []  # (prompt index, sample index, ., age)
+        taken: list[tuple[int, list[Scored], list[int]]] = []  # (prompt index, samples, ages)
         admitted = 0  # the samples admitted for the groups taken: a partial group counts whole
         while admitted < self.batch_size:
             group = await self._next_ready()
             if group is None:
                 break
-            group_ages = [staleness(version, s.policy_versions) for s, _ in group.samples.values()]
+            ks = sorted(group.samples)
+            group_ages = [staleness(version, group.samples[k][0].policy_versions) for k in ks]
             over = max(group_ages, default=0) > self.pacer.eta
             if over and self.spec.mode == Mode.ASYNC and self.spec.over_eta == OverEta.DROP:
                 self.metrics["groups_over_eta_dropped"] += 1
@@ -529,17 +534,19 @@ class SamplePipeline:
                 continue
             if over:
                 self.metrics["groups_over_eta_corrected"] += 1
-            for k in sorted(group.samples):
+            scored = []
+            for k in ks:
                 sample, reward = group.samples[k]
-                scored = Scored(sample=sample, reward=reward, advantage=group.advantages[k])
-                taken.append((group.index, k, scored, staleness(version, sample.policy_versions)))
+                scored.append(Scored(sample=sample, reward=reward, advantage=group.advantages[k]))
+            taken.append((group.index, scored, group_ages))
             admitted += self.group_size
             self._settle(group)
-        # In prompt order, not release order: the learner sums the same samples in the same
-        # order whichever finished first, so a sync run is repeatable to the bit.
-        taken.sort(key=lambda t: (t[0], t[1]))
-        samples = [t[2] for t in taken]
-        ages = [t[3] for t in taken]
+        # In prompt order, not release order (and in sample order within a group): the learner
+        # sums the same samples in the same order whichever finished first, so a sync run is
+        # repeatable to the bit.
+        taken.sort(key=_FIRST)
+        samples = [s for _, group_samples, _ in taken for s in group_samples]
+        ages = [a for _, _, group_ages in taken for a in group_ages]
         if not samples:
             raise EOFError("the prompts ran out: no more groups to hand out")
         self.metrics["consumed_samples"] += len(samples)
