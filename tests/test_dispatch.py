@@ -727,4 +727,4 @@ def test_the_driver_freezes_what_it_made_at_start_up_and_collects_young_objects_
         "print(before, gc.get_freeze_count() > 10000, *gc.get_threshold())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["0", "True", "50000", "20", "20"]
+    assert out.stdout.split() == ["0", "True", "200000", "20", "20"]
