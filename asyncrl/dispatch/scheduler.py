@@ -49,6 +49,7 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from asyncrl.dispatch.deadlines import Deadlines
 from asyncrl.errors import (
     BrokenError,
     ClosedError,
@@ -100,6 +101,7 @@ class Work:
 
     __slots__ = (
         "affinity",
+        "armed",
         "attempt",
         "avoid",
         "deadline",
@@ -111,7 +113,6 @@ class Work:
         "sent",
         "target",
         "timeout",
-        "timer",
     )
 
     def __init__(
@@ -139,7 +140,7 @@ class Work:
         self.attempt = 0
         self.avoid = -1
         self.sent = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.armed = False  # queued, and due to fail at its deadline (``Deadlines``)
 
 
 class Replica:
@@ -203,6 +204,7 @@ class Scheduler:
         self._closed = False
         self._lost = 0  # replicas that can never be spoken to
         self._failure: BaseException | None = None
+        self._deadlines: Deadlines[Work] = Deadlines(self._expire)
 
     @property
     def failure(self) -> BaseException | None:
@@ -285,6 +287,7 @@ class Scheduler:
         for work in self._queued():
             self._fail(work, self._shutting_down())
         self._clear_queues()
+        self._deadlines.close()
 
     def _clear_queues(self) -> None:
         self.queue.clear()
@@ -324,6 +327,7 @@ class Scheduler:
             for older in [w for w in queue if w.method == work.method]:
                 queue.remove(older)
                 self.stats["superseded"] += 1
+                self._deadlines.disarm(older)
                 _chain(work.future, older)
         queue.append(work)
         if target is not None:
@@ -334,9 +338,7 @@ class Scheduler:
 
     def _arm(self, work: Work) -> None:
         """Expire ``work`` at its deadline if still queued then (sent at once, it needs none)."""
-        if work.timer is None and not work.future.done():
-            loop = work.future.get_loop()  # no system call (get_running_loop makes one)
-            work.timer = loop.call_at(work.deadline, self._expire, work)
+        self._deadlines.arm(work)
 
     def _lost_for(self, work: Work) -> RoleDeadError | None:
         """The error ``work`` fails with at once because its replica, or every replica, is
@@ -453,8 +455,7 @@ class Scheduler:
     def _send(self, replica: Replica, work: Work) -> None:
         assert replica.client is not None
         if work.future.done():  # cancelled by its caller while it waited
-            if work.timer is not None:
-                work.timer.cancel()
+            self._deadlines.disarm(work)
             return
         loop = work.future.get_loop()  # no system call (get_running_loop makes one)
         remaining = work.deadline - loop.time()
@@ -481,6 +482,7 @@ class Scheduler:
         replica.inflight += 1
         self._sync(replica)
         work.sent = True
+        self._deadlines.disarm(work)  # in flight, the client's own deadline answers
         fut.add_done_callback(functools.partial(self._done, replica, work))
 
     def _done(self, replica: Replica, work: Work, fut: asyncio.Future[Any]) -> None:
@@ -563,14 +565,12 @@ class Scheduler:
         )
 
     def _resolve(self, work: Work, value: Any) -> None:
-        if work.timer is not None:
-            work.timer.cancel()
+        self._deadlines.disarm(work)
         if not work.future.done():
             work.future.set_result(value)
 
     def _fail(self, work: Work, exc: BaseException) -> None:
-        if work.timer is not None:
-            work.timer.cancel()
+        self._deadlines.disarm(work)
         if not work.future.done():
             self.stats["failures"] += 1
             work.future.set_exception(exc)
@@ -583,8 +583,6 @@ class Scheduler:
 
 def _chain(newer: asyncio.Future[Any], older: Work) -> None:
     """The caller of a superseded latest-wins call gets the newer call's outcome."""
-    if older.timer is not None:
-        older.timer.cancel()
 
     def copy(f: asyncio.Future[Any]) -> None:
         if older.future.done():
