@@ -84,6 +84,9 @@ def test_sim_rollout_usage_counts_busy_slot_time_and_the_work_started_in_the_win
         "started": 1.0,
         "idle": 0.5,
     }
+    # Calls of 2 samples: the 2 slots hold 4 samples at once, so 3 busy sample-seconds leave
+    # 3/4 of them idle.
+    assert run(role.usage([1.0, 4.0, 2]))["idle"] == 0.75
     with pytest.raises(ValueError, match=r"usage: expected a window \[t0, t1\] with t1 > t0"):
         run(role.usage([4.0, 1.0]))
 

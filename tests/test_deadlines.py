@@ -3,6 +3,8 @@ whose clock the test moves."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 from asyncrl.dispatch.deadlines import EARLY_S, Deadlines
@@ -23,6 +25,7 @@ class FakeLoop:
     def __init__(self) -> None:
         self.now = 0.0
         self.timers: list[FakeTimer] = []
+        self.soon: list[tuple[Any, tuple[Any, ...]]] = []
 
     def time(self) -> float:
         return self.now
@@ -31,6 +34,14 @@ class FakeLoop:
         timer = FakeTimer(at, callback, args)
         self.timers.append(timer)
         return timer
+
+    def call_soon(self, callback: Any, *args: Any) -> None:
+        self.soon.append((callback, args))
+
+    def run_soon(self) -> None:
+        while self.soon:
+            callback, args = self.soon.pop(0)
+            callback(*args)
 
     def pending(self) -> list[FakeTimer]:
         return [t for t in self.timers if not t.cancelled]
@@ -45,6 +56,7 @@ class FakeLoop:
             timer.cancelled = True  # fired
             self.now = max(self.now, timer.at)
             timer.callback(*timer.args)
+            self.run_soon()
         self.now = to
 
 
@@ -64,7 +76,7 @@ class Call:
     def __init__(self, name: str, deadline: float, loop: FakeLoop) -> None:
         self.name = name
         self.deadline = deadline
-        self.armed = False
+        self.armed: list[Any] | None = None
         self.future = FakeFuture(loop)
 
 
@@ -107,6 +119,7 @@ def test_an_earlier_deadline_moves_the_timer_and_a_done_call_is_never_armed() ->
     loop.now = 2.0 - EARLY_S / 2
     timer.cancelled = True
     timer.callback(*timer.args)
+    loop.run_soon()
     assert expired == ["early"]
     assert [t.at for t in loop.pending()] == [10.0]
     loop.advance(20.0)
@@ -145,10 +158,36 @@ def test_disarmed_entries_do_not_pile_up() -> None:
     assert expired == ["kept"]
 
 
-def test_close_stops_the_timer() -> None:
+def test_close_stops_the_timer_and_lets_go_of_every_call() -> None:
     loop, deadlines, expired = setup()
-    deadlines.arm(Call("c", 1.0, loop))
+    call = Call("c", 1.0, loop)
+    deadlines.arm(call)
     deadlines.close()
-    assert not loop.pending()
+    assert not loop.pending() and not call.armed and len(deadlines) == 0
+    assert not deadlines._heap
     loop.advance(5.0)
     assert expired == []
+
+
+def test_a_disarmed_call_is_no_longer_held() -> None:
+    loop, deadlines, _ = setup()
+    call = Call("c", 600.0, loop)
+    deadlines.arm(Call("other", 700.0, loop))
+    deadlines.arm(call)
+    alive = weakref.ref(call)
+    deadlines.disarm(call)
+    del call
+    gc.collect()
+    assert alive() is None  # its payload and result go with it, long before its deadline
+
+
+def test_a_call_on_another_loop_gets_a_timer_there() -> None:
+    # A scheduler that outlives its loop (a test's asyncio.run, then another) still expires.
+    first, second = FakeLoop(), FakeLoop()
+    expired: list[str] = []
+    deadlines: Deadlines[Any] = Deadlines(lambda call: expired.append(call.name))
+    deadlines.arm(Call("old", 1.0, first))
+    deadlines.arm(Call("new", 5.0, second))  # later, but on a loop with no timer of ours
+    assert [t.at for t in second.pending()] == [1.0]
+    second.advance(6.0)
+    assert expired == ["old", "new"]

@@ -195,7 +195,7 @@ async def _drive(
         edges = [w.start.wall, w.end.wall]
         per_call = GROUP if group_calls else 1
         turn = await ctx.rollout.broadcast("turnaround", [*edges, per_call], list[float])
-        usage = await ctx.rollout.broadcast("usage", edges, dict[str, float])
+        usage = await ctx.rollout.broadcast("usage", [*edges, per_call], dict[str, float])
     finally:
         await dispatcher.close()
         for proc in procs:

@@ -81,9 +81,10 @@ class SimRollout(Role):
       call, or a group's with ``group_calls``). Each sleeps ``work / speed``
       and comes back finished, with one token, log-prob 0.0 and the version it started at.
     - ``set_version(int) -> int``, latest-wins: the weights version new samples start at.
-    - ``usage([t0, t1]) -> dict``, idempotent: over a wall-clock window (``time.time()``), the
-      busy slot-seconds, the work and number of the samples started in it, and the idle
-      fraction of the slots.
+    - ``usage([t0, t1, per_call]) -> dict``, idempotent: over a wall-clock window
+      (``time.time()``), the busy sample-seconds, the work and number of the samples started in
+      it, and the idle fraction of the slots when each call carries ``per_call`` samples (1 when
+      left out).
 
     The replica has ``capacity`` slots (the manifest's), and speed ``speeds[replica]``.
     """
@@ -164,9 +165,13 @@ class SimRollout(Role):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def usage(self, window: list[float]) -> dict[str, float]:
-        if len(window) != 2 or not window[1] > window[0]:
-            raise ValueError(f"usage: expected a window [t0, t1] with t1 > t0, got {window}")
-        t0, t1 = window
+        if len(window) not in (2, 3) or not window[1] > window[0]:
+            raise ValueError(
+                f"usage: expected a window [t0, t1] with t1 > t0, and optionally the samples a "
+                f"call, got {window}"
+            )
+        t0, t1 = window[0], window[1]
+        per_call = int(window[2]) if len(window) == 3 else 1  # a call's samples share its slot
         now = time.time()
         busy = work = 0.0
         started = 0
@@ -183,7 +188,7 @@ class SimRollout(Role):
             "busy_s": busy,
             "work_s": work,
             "started": float(started),
-            "idle": max(0.0, 1.0 - busy / (slots * (t1 - t0))),
+            "idle": max(0.0, 1.0 - busy / (slots * per_call * (t1 - t0))),
         }
 
 

@@ -15,7 +15,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 __all__ = ["Deadlines", "Expiring"]
 
@@ -27,7 +27,7 @@ class Expiring(Protocol):
     """What ``Deadlines`` needs of a call (``asyncrl.dispatch.scheduler.Work`` is one)."""
 
     deadline: float  # on the loop's clock
-    armed: bool  # set and cleared by Deadlines only
+    armed: list[Any] | None  # its entry while armed; set and cleared by Deadlines only
     future: asyncio.Future[object]
 
 
@@ -43,10 +43,13 @@ class Deadlines(Generic[W]):
 
     def __init__(self, expire: Callable[[W], None]) -> None:
         self._expire = expire
-        self._heap: list[tuple[float, int, W]] = []
-        self._order = itertools.count()  # ties by arrival; works are never compared
+        # [deadline, arrival, work]; the work is None once disarmed (ties go by arrival, so
+        # works are never compared)
+        self._heap: list[list[Any]] = []
+        self._order = itertools.count()
         self._armed = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the timer's
         self._at = math.inf  # when the timer fires
 
     def __len__(self) -> int:
@@ -56,45 +59,62 @@ class Deadlines(Generic[W]):
     def arm(self, work: W) -> None:
         """Expire ``work`` at its deadline unless it is disarmed first; nothing if it is armed
         already or its future is done."""
-        if work.armed or work.future.done():
+        if work.armed is not None or work.future.done():
             return
-        work.armed = True
+        entry = [work.deadline, next(self._order), work]
+        work.armed = entry
         self._armed += 1
-        heap = self._heap
-        heapq.heappush(heap, (work.deadline, next(self._order), work))
-        if len(heap) > 2 * self._armed + 1024:  # mostly disarmed entries: build it anew
-            self._heap = [entry for entry in heap if entry[2].armed]
-            heapq.heapify(self._heap)
-        if work.deadline < self._at:
-            self._schedule(work.future.get_loop(), work.deadline)
+        heapq.heappush(self._heap, entry)
+        loop = work.future.get_loop()
+        if work.deadline < self._at or loop is not self._loop:  # or the last loop closed
+            self._schedule(loop, self._heap[0][0])
 
     def disarm(self, work: W) -> None:
-        """``work`` was sent or ended: it no longer expires here."""
-        if work.armed:
-            work.armed = False
-            self._armed -= 1
+        """``work`` was sent or ended: it no longer expires here, and is no longer held."""
+        if not self._release(work):
+            return
+        if len(self._heap) > 2 * self._armed + 1024:  # mostly empty entries: build it anew
+            self._heap = [e for e in self._heap if e[2] is not None]
+            heapq.heapify(self._heap)
+
+    def _release(self, work: W) -> bool:
+        """Empty ``work``'s entry; False when it was not armed."""
+        entry = work.armed
+        if entry is None:
+            return False
+        entry[2] = None
+        work.armed = None
+        self._armed -= 1
+        return True
 
     def close(self) -> None:
-        """Stop the timer (every armed work is failed or dropped by the caller)."""
+        """Stop the timer and let go of every work (the caller fails or drops them)."""
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
-        self._at = math.inf
+        self._timer, self._loop, self._at = None, None, math.inf
+        for entry in self._heap:
+            if entry[2] is not None:
+                entry[2].armed = None
+        self._heap.clear()
+        self._armed = 0
 
     def _schedule(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._at = at
+        self._loop, self._at = loop, at
         self._timer = loop.call_at(at, self._fire, loop)
 
     def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer, self._at = None, math.inf
         heap = self._heap
         now = loop.time() + EARLY_S
-        while heap and (heap[0][0] <= now or not heap[0][2].armed):
+        due = []
+        while heap and (heap[0][0] <= now or heap[0][2] is None):
             work = heapq.heappop(heap)[2]
-            if work.armed:
-                self.disarm(work)
-                self._expire(work)  # may arm others: they enter the heap and the timer
-        if heap and heap[0][0] < self._at:
+            if work is not None:
+                self._release(work)  # no rebuild while this loop holds the heap
+                due.append(work)
+        if heap:
             self._schedule(loop, heap[0][0])
+        for work in due:  # each on its own, as its own timer did: one that raises stops none
+            loop.call_soon(self._expire, work)

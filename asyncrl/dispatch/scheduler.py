@@ -140,7 +140,7 @@ class Work:
         self.attempt = 0
         self.avoid = -1
         self.sent = False
-        self.armed = False  # queued, and due to fail at its deadline (``Deadlines``)
+        self.armed: list[Any] | None = None  # queued, due to fail at its deadline (``Deadlines``)
 
 
 class Replica:
