@@ -98,6 +98,11 @@ RUN = "bench-scale"
 # -- the driver (one fresh process per row) ---------------------------------------------------
 
 
+def samples_a_call(group_calls: bool) -> int:
+    """The samples one ``generate`` call carries: a group's with group calls, else one."""
+    return GROUP if group_calls else 1
+
+
 def _cpu_of(pid: int) -> float:
     """CPU seconds (user + system, every thread) process ``pid`` used so far (``/proc``)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -193,7 +198,7 @@ async def _drive(
         w = await _pipeline_window(ctx, n, slots, times, pids, group_calls)
         assert w.start is not None and w.end is not None
         edges = [w.start.wall, w.end.wall]
-        per_call = GROUP if group_calls else 1
+        per_call = samples_a_call(group_calls)
         turn = await ctx.rollout.broadcast("turnaround", [*edges, per_call], list[float])
         usage = await ctx.rollout.broadcast("usage", [*edges, per_call], dict[str, float])
     finally:
@@ -224,10 +229,8 @@ async def _pipeline_window(
     async def score(samples: list[Sample]) -> list[float]:
         return [reward(s) for s in samples]
 
-    per_call = GROUP if group_calls else 1
-    batch = max(
-        GROUP, -(-n * slots * per_call // GROUP) * GROUP
-    )  # what the replicas decode at once
+    # A batch is what the replicas decode at once.
+    batch = max(GROUP, -(-n * slots * samples_a_call(group_calls) // GROUP) * GROUP)
     pipe = SamplePipeline(
         ctx.rollout,
         spec=PipelineSpec(mode="async", eta=ETA, over_eta="correct", group_calls=group_calls),
@@ -422,8 +425,7 @@ def hold_options(row: dict[str, Any]) -> dict[str, Any]:
     samples of one call (``GROUP`` with group calls, else 1): the same replica, with the same
     slots, gives the same samples/s whether its calls carry one sample or a group (4 slots of
     0.4 s, or of 3.2 s). The warm-up lasts at least two calls and the window three."""
-    per_call = GROUP if row.get("group_calls") else 1
-    gen_s = row["slots"] * per_call / HOLD_RATE
+    gen_s = row["slots"] * samples_a_call(row.get("group_calls", False)) / HOLD_RATE
     times = dict(row.get("times", TIMES))
     times["warmup"] = max(times["warmup"], 2 * gen_s)
     times["window"] = max(times["window"], 3 * gen_s)

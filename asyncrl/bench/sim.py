@@ -165,13 +165,7 @@ class SimRollout(Role):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def usage(self, window: list[float]) -> dict[str, float]:
-        if len(window) not in (2, 3) or not window[1] > window[0]:
-            raise ValueError(
-                f"usage: expected a window [t0, t1] with t1 > t0, and optionally the samples a "
-                f"call, got {window}"
-            )
-        t0, t1 = window[0], window[1]
-        per_call = int(window[2]) if len(window) == 3 else 1  # a call's samples share its slot
+        t0, t1, per_call = _window("usage", window)
         now = time.time()
         busy = work = 0.0
         started = 0
@@ -190,6 +184,21 @@ class SimRollout(Role):
             "started": float(started),
             "idle": max(0.0, 1.0 - busy / (slots * per_call * (t1 - t0))),
         }
+
+
+def _window(endpoint: str, window: list[float]) -> tuple[float, float, int]:
+    """``[t0, t1]`` or ``[t0, t1, per_call]`` as ``(t0, t1, per_call)``: a wall-clock window and
+    the samples of one call (1 when left out; a call's samples share its slot).
+
+    Raises:
+        ValueError: not such a list, or ``t1 <= t0``; the message names ``endpoint``.
+    """
+    if len(window) not in (2, 3) or not window[1] > window[0]:
+        raise ValueError(
+            f"{endpoint}: expected a window [t0, t1] with t1 > t0, and optionally the samples a "
+            f"call, got {window}"
+        )
+    return window[0], window[1], int(window[2]) if len(window) == 3 else 1
 
 
 class SimLearner(Role):
@@ -280,15 +289,10 @@ class ScaleRollout(SimRollout):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def turnaround(self, window: list[float]) -> list[float]:
-        if len(window) not in (2, 3) or not window[1] > window[0]:
-            raise ValueError(
-                f"turnaround: expected a window [t0, t1] with t1 > t0, and optionally the "
-                f"samples a call, got {window}"
-            )
-        per_call = int(window[2]) if len(window) == 3 else 1
+        t0, t1, per_call = _window("turnaround", window)
         starts = [s for s, _, _ in self.done] + [s for s, _ in self.running.values()]
         ends = [e for _, e, _ in self.done]
-        return turnarounds(starts, ends, self.ctx.capacity * per_call, (window[0], window[1]))
+        return turnarounds(starts, ends, self.ctx.capacity * per_call, (t0, t1))
 
 
 class HostSpec(msgspec.Struct, frozen=True, kw_only=True):
