@@ -14,7 +14,12 @@ import torch
 from asyncrl.role import RoleContext
 from asyncrl.roles.payloads import Sample
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.training.learner_compile import COMPILE_BUCKETS
+from asyncrl.roles.training.learner_compile import (
+    COMPILE_BUCKETS,
+    MATH_ATTENTION_MAX,
+    CompiledStep,
+    bucket_of,
+)
 
 # torch.compile imports modules of torch's that warn of their own deprecation, and dynamo reads
 # the .grad of a non-leaf input (decoupled PPO's proximal log-probs) while it traces.
@@ -105,3 +110,53 @@ def test_the_compiled_step_matches_the_eager_one(tmp_path: Any) -> None:
 def test_buckets_pad_by_less_than_half() -> None:
     assert COMPILE_BUCKETS[:10] == [8, 12, 16, 20, 24, 28, 32, 48, 64, 96]
     assert all(b / a <= 1.5 for a, b in itertools.pairwise(COMPILE_BUCKETS))
+
+
+class _Recording:
+    """A compiler whose functions run eagerly and record the attention the model runs."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def compile(self, fn: Any, *, buckets: Any, dim: int = 1) -> Any:
+        def run(*args: torch.Tensor) -> Any:
+            self.seen.append(config._attn_implementation)
+            if args[0].shape[1] == 13:
+                raise RuntimeError("boom")
+            return fn(*args)
+
+        run.compiles, run.eager, run.error = 0, False, ""  # type: ignore[attr-defined]
+        return run
+
+
+class _Config:
+    _attn_implementation = "sdpa"
+
+
+config = _Config()
+
+
+@pytest.mark.parametrize(
+    ("length", "attention"),
+    [(12, "eager"), (MATH_ATTENTION_MAX, "eager"), (MATH_ATTENTION_MAX + 1, "sdpa")],
+)
+def test_short_buckets_compile_plain_attention(length: int, attention: str) -> None:
+    compiler = _Recording()
+    model = type("Model", (), {"config": config})()
+    step = CompiledStep(compiler, lambda ids: ids.sum(), model)  # type: ignore[arg-type]
+    assert step.forward(torch.ones(2, length)) == 2 * length
+    assert compiler.seen == [attention]
+    assert config._attn_implementation == "sdpa"  # eager calls keep the model's own
+
+
+def test_the_models_attention_comes_back_when_the_call_fails() -> None:
+    model = type("Model", (), {"config": config})()
+    step = CompiledStep(_Recording(), lambda ids: ids, model)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="boom"):
+        step.forward(torch.ones(1, 13))
+    assert config._attn_implementation == "sdpa"
+
+
+def test_a_length_takes_the_smallest_bucket_that_holds_it() -> None:
+    assert [bucket_of(n) for n in (1, 8, 9, 28, 29, 33, 97)] == [8, 8, 12, 28, 32, 48, 128]
+    assert bucket_of(10**9) == 10**9
