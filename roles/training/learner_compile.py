@@ -61,13 +61,11 @@ class CompiledStep:
         functions: every compiled function, the forward pass first.
     """
 
-    def __init__(
-        self, compiler: Compiler, forward: Callable[..., Any], model: Any = None
-    ) -> None:
+    def __init__(self, compiler: Compiler, forward: Callable[..., Any], model: Any = None) -> None:
         self.compiler = compiler
         self.functions: list[Compiled] = []
         self._forward = self._compile(forward)
-        self._config = getattr(model, "config", None)
+        self._config: Any = getattr(model, "config", None)
         self._policies: dict[tuple[str, float], CompiledPolicy] = {}
         self._warned = False
 

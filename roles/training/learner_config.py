@@ -107,7 +107,8 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
         compile: compile the training forward pass and the policy loss with the hardware
             plugin's compiler (``torch.compile``), one graph per padded-length bucket (8, 12,
             ..., 28, then 32, 48, 64, 96, ...); the first step at each new length pays the
-            compilation (seconds), reported as ``compile_s`` in that step's metrics. A function
+            compilation (seconds), reported as ``compile_s`` in that step's metrics. Buckets up
+            to 128 tokens run the model's plain attention, which the compiler fuses. A function
             that fails to compile runs eagerly, with a warning.
         fused_optimizer: AdamW as one fused kernel where the device has one (not with
             ``fsdp``): on a CPU thread 1.4 ms instead of 8 ms a step for the arith model, but
