@@ -13,7 +13,10 @@ It stops at ``RLLoop.steps``, or earlier:
 - **on a target**: ``stop_at={"accuracy": 0.95}`` stops at the first evaluation that reaches
   it (``score_mean`` likewise); ``{"reward": 0.9}`` when a trained batch's mean reward does;
 - **on request**: ``on_step`` returns ``Stop("why")`` or raises it;
-- **on a wall budget**: ``budget_s`` seconds of the loop, earlier incarnations included.
+- **on a wall budget**: ``budget_s`` seconds of the loop, earlier incarnations included;
+- **when the prompts run out**: the feed ended, or the prompt schedule retired every prompt
+  (``stop_reason`` "the prompts ran out after step N"; the steps taken stand, and the program
+  goes on to evaluate and finish as after any stop).
 
 With an evaluation, a stop lands on an evaluation boundary: a stop asked for at a step that did
 not evaluate takes effect at the next step that does (``Stop(now=True)`` stops at once), and
@@ -262,7 +265,12 @@ async def rl_loop(
             await run.resumed_loop(done, stopper.boundary(done), weights)
         while stopper.reason == "":
             step += 1
-            result, batch, reward = await _train(rl, loop, run, pipe, report, weights, step)
+            try:
+                result, batch, reward = await _train(rl, loop, run, pipe, report, weights, step)
+            except EOFError:  # the feed ended (or the schedule retired every prompt)
+                step -= 1
+                stopper.reason = f"the prompts ran out after step {step}"
+                break
             per_step = (clock() - started) / (step - done)
             last = stopper.after_training(step, reward, report.wall(), per_step)
             evaluated = None

@@ -8,8 +8,11 @@ filtering, and staged sampling of a group), cut that:
 
 - **Deferral by history.** A prompt comes round once per epoch of the prompt source. Each item
   keeps the number of its last groups in a row that were uniform (its *streak*). An item with a
-  streak ``z`` is generated again with probability ``explore ** z``; otherwise it is skipped this
-  epoch (settled at once, nothing generated). The policy moves, so no prompt is retired for good.
+  streak ``z`` is generated again with probability ``explore ** z``, and never less than
+  ``ADMIT_MIN``; otherwise it is skipped this epoch (settled at once, nothing generated). The
+  policy moves, so no prompt is deferred for good: without the floor, long streaks made the odds
+  vanish (``0.02 ** 3`` is 8e-6), the schedule skipped every prompt, and the main job's RL ended
+  at step 165 of 300 for want of prompts.
   ``explore`` adapts after every batch so that about ``target_uniform`` of the groups generated
   are uniform: up when fewer are (the filter is too strict), down when more are.
 - **Retirement.** With ``retire_after: n``, an item whose last ``n`` groups were all solved
@@ -45,10 +48,16 @@ from typing import Any
 from asyncrl.manifest.pipeline_section import ScheduleSpec
 from asyncrl.roles.learning.groups import uniform
 
-__all__ = ["PromptSchedule", "item_of"]
+__all__ = ["ADMIT_MIN", "PromptSchedule", "item_of"]
 
 EXPLORE_MIN = 0.02
 """``explore`` never falls below this: every prompt keeps a chance to come back."""
+
+ADMIT_MIN = 1 / 64
+"""The least chance a deferred (not retired) item has of being generated when it comes round:
+the schedule then skips about 64 prompts for each it admits when it defers every one, and 4,096
+in a row (``skip_bound``, where the pipeline ends as if the prompts ran out) has odds of about
+``exp(-64)``."""
 
 ADAPT = 1.25
 """Factor by which ``explore`` moves after a batch that missed ``target_uniform``."""
@@ -118,7 +127,7 @@ class PromptSchedule:
         streak = self.streaks.get(item, 0)
         if streak == 0:
             return True
-        return _unit(self.seed, item, index) < self.explore**streak
+        return _unit(self.seed, item, index) < max(self.explore**streak, ADMIT_MIN)
 
     def retired(self, prompt_id: str) -> bool:
         """The prompt's item is retired (``admit`` is always False for it)."""

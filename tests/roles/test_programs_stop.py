@@ -8,7 +8,13 @@ from typing import Any, cast
 
 import pytest
 
-from asyncrl.roles.payloads import LearnerStatus, SamplingParams, StepResult, TrainBatch
+from asyncrl.roles.payloads import (
+    LearnerStatus,
+    Prompt,
+    SamplingParams,
+    StepResult,
+    TrainBatch,
+)
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult
 from asyncrl.roles.program.programs import RLLoop, RLStep, Stop, rl_loop
@@ -57,6 +63,7 @@ def loop_until(
     eval_every: int = 2,
     done: int = 0,
     on_step: Any = None,
+    prompts: Any = feed,
     **settings: Any,
 ) -> tuple[dict[str, Any], list[RLStep]]:
     rl = FakeRL(run_dir, learner)
@@ -84,7 +91,7 @@ def loop_until(
         return await rl_loop(
             cast(RLContext, rl),
             loop,
-            feed=feed,
+            feed=prompts,
             score=score,
             done=done,
             on_step=callback,
@@ -183,6 +190,19 @@ def test_the_reward_is_the_trained_batch_and_the_scored_mean_is_kept_apart(
     assert step.reward == pytest.approx(sum(s.reward for s in step.batch.samples) / 4)
     assert step.reward_scored == step.batch.metrics["reward_scored_mean"]
     assert isinstance(step.eval_result, EvalResult) and step.eval_result.step == 1
+
+
+def test_prompts_that_run_out_end_the_loop_after_the_steps_taken(tmp_path: Any) -> None:
+    async def five(cursor: int, n: int) -> list[Prompt]:  # enough for two steps and a half
+        return (await feed(cursor, n))[: max(0, 5 - cursor)]
+
+    learner = Learner()
+    out, seen = loop_until(learner, str(tmp_path), prompts=five)
+    assert out["steps"] == 3 and [s.step for s in seen] == [1, 2, 3]
+    assert out["stop_reason"] == "the prompts ran out after step 3"
+    assert learner.checkpoints[-1]["stopped"]["step"] == 3  # a restarted driver stops too
+    again, _ = loop_until(learner, str(tmp_path), prompts=five, done=3)
+    assert again["steps"] == 3 and again["stop_reason"] == out["stop_reason"]
 
 
 def test_an_unknown_target_is_refused(tmp_path: Any) -> None:

@@ -11,7 +11,13 @@ import pytest
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
 from asyncrl.roles.generation.rollout import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.pipeline import SamplePipeline
-from asyncrl.roles.sampling.schedule import EXPLORE_MIN, PromptSchedule, _unit, item_of
+from asyncrl.roles.sampling.schedule import (
+    ADMIT_MIN,
+    EXPLORE_MIN,
+    PromptSchedule,
+    _unit,
+    item_of,
+)
 from asyncrl.transport import run
 from tests.roles.test_pipeline import WAIT_S, FakeRollout, reward_of
 
@@ -50,6 +56,50 @@ def test_a_uniform_streak_defers_a_prompt_by_explore_to_its_power() -> None:
         < max(_unit(0, "x", i) for i in range(100))
         < 1.0
     )
+
+
+def test_a_long_streak_still_comes_back_at_the_floor() -> None:
+    sched = PromptSchedule(ScheduleSpec(skip_uniform=True, explore=EXPLORE_MIN), G, seed=3)
+    for epoch in range(6):  # 0.02 ** 6: about 6e-11 without the floor
+        sched.record(f"a@{epoch}", [0, 0, 0, 0])
+    n = 20000
+    share = sum(sched.admit("a@9", i) for i in range(n)) / n
+    assert 0.85 / 64 < share < 1.15 / 64
+    assert ADMIT_MIN == 1 / 64
+
+
+def test_a_schedule_that_only_defers_never_ends_the_prompts() -> None:
+    """Every group is uniform and unsolved (no reward but 0 is ever seen): nothing is retired,
+    every item is deferred, ``explore`` sinks to its floor, and the pipeline still hands out
+    batches well past the 4,096 skips in a row that end a schedule retiring every prompt."""
+
+    async def nothing_right(samples: list[Sample]) -> list[float]:
+        return [0.0 for _ in samples]
+
+    async def main() -> None:
+        spec = PipelineSpec(
+            mode="sync",
+            drop_uniform=True,
+            schedule=ScheduleSpec(skip_uniform=True, explore=EXPLORE_MIN, retire_after=1),
+        )
+        pipe = SamplePipeline(
+            FakeRollout(auto=True),
+            spec=spec,
+            feed=Epochs(),
+            score=nothing_right,
+            params=SamplingParams(max_new_tokens=4),
+            batch_size=B,
+            group_size=G,
+            max_uniform_drops=0,
+        )
+        async with pipe:
+            for step in range(40):
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                pipe.advance(step + 1)
+        assert pipe.metrics["skipped_prompts"] > 4096
+        assert pipe.metrics["retired_skips"] == 0
+
+    run(main())
 
 
 def test_probing_asks_for_a_few_samples_of_every_group() -> None:
