@@ -46,6 +46,8 @@ class Group:
         counts: what the sample source counted for its finished samples (``resumed``; an
             episode's turns, restarts, ...): taken back out of a resume state while the group
             is unsettled, as ``generated`` is, since a resumed run produces them again.
+        keep_uniform: its probe agreed once the batch could drop no more uniform groups, so
+            the rest of it was generated to be kept: it is not dropped if it ends uniform.
     """
 
     key: str
@@ -57,6 +59,7 @@ class Group:
     outcome: str = ""
     generated: int = 0
     counts: Counter[str] = field(default_factory=Counter)
+    keep_uniform: bool = False
 
 
 def uniform(rewards: Sequence[float]) -> bool:

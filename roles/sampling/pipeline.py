@@ -22,7 +22,8 @@ learner, in either mode of the manifest's ``pipeline`` section
    sampling, DAPO), a released group whose rewards are all equal is dropped instead (no GRPO
    signal): counted as waste, and its room goes to a fresh prompt, so batches keep their size.
    At most ``max_uniform_drops`` are dropped per batch; past that, such groups are kept, with
-   zero advantages.
+   zero advantages (a probing group whose probe agrees past the cap is generated whole and kept,
+   whenever it is released).
 4. **Consumption.** ``next_batch()`` hands out whole released groups, oldest release first,
    with each sample's staleness against the learner version that will consume them; a group
    with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
@@ -339,6 +340,9 @@ class SamplePipeline:
             self.pacer.waste(self.group_size)  # the whole group's room goes to a fresh prompt
             self._settle(group)
             return
+        # Agreeing past this batch's cap, it is generated whole to be kept: dropping it at its
+        # release (a later batch's cap may allow it) would waste all of it, not its probe.
+        group.keep_uniform = uniform(rewards)
         self._spawn(group, range(first, self.group_size))
 
     # -- one sample ---------------------------------------------------------------------
@@ -391,8 +395,11 @@ class SamplePipeline:
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
         self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
-        if self.drop_uniform and uniform(rewards) and self._drop_uniform(group):
-            return
+        if self.drop_uniform and uniform(rewards):
+            if group.keep_uniform:
+                self.metrics["groups_uniform_kept"] += 1
+            elif self._drop_uniform(group):
+                return
         advantages = group_advantages(rewards, normalize_std=self.normalize_std, std=self.std)
         group.advantages = dict(zip(ks, advantages, strict=True))
         self._ready.append(group)

@@ -366,3 +366,35 @@ def test_a_probing_group_released_at_its_deadline_is_handled_once() -> None:
             assert pipe.metrics["wasted_samples"] == 2 + 2 + 2  # 0@0's probe, two of each
 
     run(main())
+
+
+def test_a_probe_that_agrees_past_the_batchs_cap_keeps_its_group() -> None:
+    """Async, probe 2 of 4, one uniform drop a batch: a probe that agrees once the batch has
+    dropped its one is generated whole and kept, with zero advantages; it is not dropped at
+    its release by a later batch's cap, which would waste all four samples, not two."""
+
+    async def main() -> None:
+        spec = PipelineSpec(mode="async", eta=2, drop_uniform=True, schedule=ScheduleSpec(probe=2))
+        rollout = FakeRollout(auto=True)
+        pipe = SamplePipeline(
+            rollout,
+            spec=spec,
+            feed=Epochs(),
+            score=solved,
+            params=SamplingParams(max_new_tokens=4),
+            batch_size=B,
+            group_size=G,
+            max_uniform_drops=1,
+        )
+        async with pipe:
+            batches = await _batches(pipe, 12)
+        m = pipe.metrics
+        assert m["groups_uniform_kept"] > 0
+        assert m["groups_uniform_dropped"] == m["groups_probe_dropped"]
+        assert m["wasted_samples"] == 2 * m["groups_probe_dropped"]
+        kept = [s for b in batches for s in b.samples if item_of(s.sample.prompt_id) in SOLVED]
+        assert kept and all(s.advantage == 0.0 for s in kept)
+        settled = m["consumed_samples"] + m["wasted_samples"]
+        assert m["admitted_samples"] == settled + pipe.in_flight
+
+    run(main())
