@@ -74,6 +74,11 @@ class ScheduleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             disagree (0: off).
         retire_after: retire a prompt whose last this many groups were all solved (uniform at
             the best reward seen): never generated again (0: never).
+        confidence: with ``probe``, a probe whose rewards agree drops its group only when each
+            of its samples was drawn with at least this probability (the product of its
+            tokens' probabilities under the policy that drew it): a confident policy repeats
+            itself, so its group would be uniform. 0: agreement alone drops the group. Needed
+            (> 0) with ``probe: 1``, whose one sample always agrees with itself.
     """
 
     skip_uniform: bool = False
@@ -81,6 +86,14 @@ class ScheduleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     target_uniform: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
     probe: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
     retire_after: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
+    confidence: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+
+    def __post_init__(self) -> None:
+        if self.probe == 1 and not self.confidence:
+            raise ValueError(
+                "probe: 1 needs confidence > 0 (one sample always agrees with itself, so every "
+                "group would be dropped after its probe); set confidence (e.g. 0.9) or probe >= 2"
+            )
 
 
 class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -326,7 +326,10 @@ class SamplePipeline:
         may still drop uniform groups), else generate the rest of it."""
         first = self._probing.pop(group.key)
         rewards = [r for _, r in group.samples.values()]
-        if uniform(rewards) and self._uniform_drops < self.max_uniform_drops:
+        agree = uniform(rewards) and self.schedule.repeats(
+            [s.logprobs for s, _ in group.samples.values()]
+        )
+        if agree and self._uniform_drops < self.max_uniform_drops:
             self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
             self._uniform_drops += 1
             for counter in ("groups_uniform_dropped", "groups_probe_dropped"):
@@ -342,7 +345,7 @@ class SamplePipeline:
             return
         # Agreeing past this batch's cap, it is generated whole to be kept: dropping it at its
         # release (a later batch's cap may allow it) would waste all of it, not its probe.
-        group.keep_uniform = uniform(rewards)
+        group.keep_uniform = agree
         self._spawn(group, range(first, self.group_size))
 
     # -- one sample ---------------------------------------------------------------------

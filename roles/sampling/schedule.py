@@ -41,6 +41,7 @@ with the learner's step: a resumed run decides exactly as the run it resumes.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -144,6 +145,15 @@ class PromptSchedule:
         """How many of the group's samples to generate first: ``probe`` when probing, else the
         whole group."""
         return self.probe_size or self.group_size
+
+    def repeats(self, logprobs: Sequence[Sequence[float]]) -> bool:
+        """Whether a probe whose rewards agree says its group would be uniform: always without
+        ``confidence``; with it, when every probe sample was drawn with at least that
+        probability (its log-probs sum to at least ``log(confidence)``)."""
+        if not self.spec.confidence:
+            return True
+        floor = math.log(self.spec.confidence)
+        return all(math.fsum(lp) >= floor for lp in logprobs)
 
     def record(self, prompt_id: str, rewards: Sequence[float]) -> bool:
         """Learn from one group's rewards (a probe's or a whole group's); True if uniform."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
@@ -396,5 +397,52 @@ def test_a_probe_that_agrees_past_the_batchs_cap_keeps_its_group() -> None:
         assert kept and all(s.advantage == 0.0 for s in kept)
         settled = m["consumed_samples"] + m["wasted_samples"]
         assert m["admitted_samples"] == settled + pipe.in_flight
+
+    run(main())
+
+
+def test_a_probe_agrees_only_as_confidently_as_asked() -> None:
+    plain = PromptSchedule(ScheduleSpec(probe=2), G)
+    assert plain.repeats([[-5.0], [-9.0]])  # agreement alone
+    sure = PromptSchedule(ScheduleSpec(probe=1, confidence=0.9), G)
+    assert sure.repeats([[-0.05, -0.05]])  # 0.905 >= 0.9
+    assert not sure.repeats([[-0.06, -0.05]])  # 0.896
+    assert not sure.repeats([[-0.01], [-0.2]])
+    with pytest.raises(ValueError, match="probe: 1 needs confidence"):
+        ScheduleSpec(probe=1)
+
+
+class ConfidentRollout(FakeRollout):
+    """Draws the solved items' samples with probability 0.99, the others' with 0.37."""
+
+    async def call(self, method: str, payload: Any = None, *args: Any, **kwargs: Any) -> Any:
+        samples = await super().call(method, payload, *args, **kwargs)
+        sure = item_of(samples[0].prompt_id) in SOLVED
+        return [
+            msgspec.structs.replace(s, logprobs=[-0.01 if sure else -1.0] * len(s.token_ids))
+            for s in samples
+        ]
+
+
+def test_a_confident_probe_of_one_drops_its_group_after_one_sample() -> None:
+    """Probe 1 of 4, confidence 0.9: the solved items (drawn at 0.99) stop after one sample;
+    the others (0.37) are generated whole and trained."""
+
+    async def main() -> None:
+        rollout = ConfidentRollout(auto=True)
+        schedule = ScheduleSpec(probe=1, confidence=0.9)
+        async with _pipeline(rollout, schedule) as pipe:
+            batches = await _batches(pipe, 3)
+        calls: dict[str, int] = {}
+        for prompt, _, _ in rollout.calls:
+            calls[prompt] = calls.get(prompt, 0) + 1
+        for prompt, n in calls.items():
+            assert n == (1 if item_of(prompt) in SOLVED else G), prompt
+        trained = {s.sample.prompt_id for b in batches for s in b.samples}
+        assert trained and not {item_of(p) for p in trained} & SOLVED
+        m = pipe.metrics
+        assert m["groups_probe_dropped"] == sum(item_of(p) in SOLVED for p in calls) > 0
+        assert m["wasted_samples"] == m["groups_probe_dropped"]
+        assert m["admitted_samples"] == m["consumed_samples"] + m["wasted_samples"] + pipe.in_flight
 
     run(main())
