@@ -114,9 +114,7 @@ class SamplePipeline:
         timeout: seconds per generate call; watchdog: told what the pipeline waits for.
         drop_uniform: drop groups whose rewards are all equal (default: ``spec.drop_uniform``).
         max_uniform_drops: the most such groups dropped per batch (default: 4 per group of
-            the batch), counted in groups' worth of samples (a group dropped after a probe of
-            ``m`` samples counts ``m / group_size``); past it they are kept, with zero
-            advantages, and counted.
+            the batch); past it they are kept, with zero advantages, and counted.
         clock: what straggler deadlines run on (a test passes a ``FakeClock``).
         source: how each sample is produced (``SampleSource``); None: ``Generate``, one
             completion from ``rollout`` with ``params``. An episode runner's source makes each
@@ -194,9 +192,7 @@ class SamplePipeline:
         self._unsettled: dict[int, None] = {}  # admitted, not consumed or wasted, in order
         self._prompts: deque[Prompt] = deque()
         self._exhausted = False
-        # Uniform groups dropped since the last batch was handed out, in groups' worth of
-        # samples: a group dropped after a probe of m counts m / group_size.
-        self._uniform_drops = 0.0
+        self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
         self._uniform_capped = False  # ... and it reached max_uniform_drops
         self._capped_batches = 0  # batches that reached it, in this run
         self.schedule = PromptSchedule(spec.schedule, group_size, state=resume.get("schedule"))
@@ -335,7 +331,7 @@ class SamplePipeline:
         )
         if agree and self._uniform_drops < self.max_uniform_drops:
             self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
-            self._uniform_drops += first / self.group_size
+            self._uniform_drops += 1
             for counter in ("groups_uniform_dropped", "groups_probe_dropped"):
                 self.metrics[counter] += 1
             self.metrics["samples_uniform_dropped"] += first
@@ -421,8 +417,7 @@ class SamplePipeline:
                 self._capped_batches += 1
                 if (self._capped_batches - 1) % CAPPED_WARN_EVERY == 0:  # the 1st, 51st, ...
                     log.warning(
-                        "sample pipeline: %g groups' worth of samples with uniform rewards "
-                        "dropped while filling "
+                        "sample pipeline: %d groups with uniform rewards dropped while filling "
                         "one batch (max_uniform_drops); keeping such groups, with zero "
                         "advantages, until the next batch (%d batches so far; said again "
                         "every %d). Is the reward constant, or the data far too hard or too "
@@ -566,7 +561,7 @@ class SamplePipeline:
             raise EOFError("the prompts ran out: no more groups to hand out")
         self.metrics["consumed_samples"] += len(samples)
         self.metrics["batches"] += 1
-        self._uniform_drops, self._uniform_capped = 0.0, False
+        self._uniform_drops, self._uniform_capped = 0, False
         self.schedule.end_batch()
         scored_sum, scored_n = self._scored
         self._scored = (0.0, 0)

@@ -446,20 +446,3 @@ def test_a_confident_probe_of_one_drops_its_group_after_one_sample() -> None:
         assert m["admitted_samples"] == m["consumed_samples"] + m["wasted_samples"] + pipe.in_flight
 
     run(main())
-
-
-def test_a_probe_counts_against_the_cap_for_the_samples_it_cost() -> None:
-    """Sync, probe 2 of 4, max_uniform_drops 1: a batch may drop two probed groups (each cost
-    half a group), so no solved item is kept in the first four batches; counted whole, the
-    second solved probe of a batch would have been generated whole and kept."""
-
-    async def main() -> None:
-        rollout = FakeRollout(auto=True)
-        async with _pipeline(rollout, ScheduleSpec(probe=2), max_uniform_drops=1) as pipe:
-            batches = await _batches(pipe, 4)
-        trained = {item_of(s.sample.prompt_id) for b in batches for s in b.samples}
-        assert not trained & SOLVED
-        assert pipe.metrics["groups_uniform_kept"] == 0
-        assert pipe.metrics["groups_probe_dropped"] >= 4
-
-    run(main())
