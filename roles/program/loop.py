@@ -46,7 +46,7 @@ from asyncrl.roles.payloads import (
 from asyncrl.roles.program.clients import RewardClient, RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.metrics import StepReport
-from asyncrl.roles.sampling.contract import SampleSource
+from asyncrl.roles.sampling.contract import PromptsExhausted, SampleSource
 from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
 from asyncrl.roles.sampling.weight_sync import relay_groups
 
@@ -267,8 +267,14 @@ async def rl_loop(
             step += 1
             try:
                 result, batch, reward = await _train(rl, loop, run, pipe, report, weights, step)
-            except EOFError:  # the feed ended (or the schedule retired every prompt)
+            except PromptsExhausted as exc:  # the feed ended, or every prompt was retired
                 step -= 1
+                if step == 0:  # not one batch: an empty feed, not an end to keep with the run
+                    raise ValueError(
+                        "rl_loop: the prompts ran out before the first step: the feed gave no "
+                        "prompt that could be trained (is the prompt source empty, or does the "
+                        "schedule retire every prompt?)"
+                    ) from exc
                 stopper.reason = f"the prompts ran out after step {step}"
                 break
             per_step = (clock() - started) / (step - done)

@@ -24,11 +24,18 @@ __all__ = [
     "Caller",
     "Generate",
     "PromptFeed",
+    "PromptsExhausted",
     "SampleSource",
     "Scorer",
     "check_args",
     "max_drops",
 ]
+
+
+class PromptsExhausted(EOFError):
+    """The prompts ran out (the feed ended, or the prompt schedule retired every prompt) and
+    nothing is left to hand out: raised by ``SamplePipeline.next_batch``, and only there."""
+
 
 _UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
 

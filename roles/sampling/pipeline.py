@@ -70,6 +70,7 @@ from asyncrl.roles.sampling.contract import (
     Caller,
     Generate,
     PromptFeed,
+    PromptsExhausted,
     SampleSource,
     Scorer,
     check_args,
@@ -526,7 +527,8 @@ class SamplePipeline:
             The first error of a background task: a generate call (after the dispatcher's
                 retries), the feed, the score function, the release of a group. The other
                 tasks are cancelled then, and every later call raises it again.
-            EOFError: the prompts ran out and nothing is left to hand out.
+            PromptsExhausted: the prompts ran out and nothing is left to hand out (an
+                ``EOFError``).
         """
         version = self.pacer.version
         taken: list[tuple[int, list[Scored], list[int]]] = []  # (prompt index, samples, ages)
@@ -558,7 +560,7 @@ class SamplePipeline:
         samples = [s for _, group_samples, _ in taken for s in group_samples]
         ages = [a for _, _, group_ages in taken for a in group_ages]
         if not samples:
-            raise EOFError("the prompts ran out: no more groups to hand out")
+            raise PromptsExhausted("the prompts ran out: no more groups to hand out")
         self.metrics["consumed_samples"] += len(samples)
         self.metrics["batches"] += 1
         self._uniform_drops, self._uniform_capped = 0, False

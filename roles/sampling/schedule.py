@@ -149,11 +149,12 @@ class PromptSchedule:
     def repeats(self, logprobs: Sequence[Sequence[float]]) -> bool:
         """Whether a probe whose rewards agree says its group would be uniform: always without
         ``confidence``; with it, when every probe sample was drawn with at least that
-        probability (its log-probs sum to at least ``log(confidence)``)."""
+        probability (its log-probs sum to at least ``log(confidence)``; a sample without
+        log-probs counts as unsure)."""
         if not self.spec.confidence:
             return True
         floor = math.log(self.spec.confidence)
-        return all(math.fsum(lp) >= floor for lp in logprobs)
+        return all(lp and math.fsum(lp) >= floor for lp in logprobs)  # none: unsure
 
     def record(self, prompt_id: str, rewards: Sequence[float]) -> bool:
         """Learn from one group's rewards (a probe's or a whole group's); True if uniform."""

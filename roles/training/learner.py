@@ -208,7 +208,8 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         # compile: true: the forward pass now, each correction's policy loss when first used.
         self.compiled: CompiledStep | None = None
         if cfg.compile:
-            self.compiled = CompiledStep(self.plugin.compiler, self._model_logprobs, self.model)
+            model = None if cfg.activation_checkpointing else self.model
+            self.compiled = CompiledStep(self.plugin.compiler, self._model_logprobs, model)
         self._memory_mib, self._memory_at = 0.0, -MEMORY_EVERY_S
 
     def _make_optimizer(self) -> None:

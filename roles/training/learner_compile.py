@@ -55,7 +55,9 @@ class CompiledStep:
         forward: the learner's forward pass, a function of ``input_ids``, ``attention_mask``
             and ``position_ids`` whose outputs keep the input's length.
         model: the model ``forward`` runs (its ``config`` says which attention it runs), or
-            None to leave its attention alone.
+            None to leave its attention alone (the learner passes None with activation
+            checkpointing, whose backward pass runs the forward again, after the call has
+            restored the model's own attention).
 
     Attributes:
         functions: every compiled function, the forward pass first.
@@ -74,7 +76,12 @@ class CompiledStep:
         ``position_ids``: with plain attention in buckets up to ``MATH_ATTENTION_MAX``."""
         config = self._config
         implementation = getattr(config, "_attn_implementation", None)
-        if implementation in (None, "eager") or bucket_of(args[0].shape[1]) > MATH_ATTENTION_MAX:
+        if (
+            implementation in (None, "eager")
+            or getattr(config, "sub_configs", None)  # a composite model's choices stay its own
+            or self._forward.eager  # compilation failed: sdpa is the faster eager attention
+            or bucket_of(args[0].shape[1]) > MATH_ATTENTION_MAX
+        ):
             return self._forward(*args)
         config._attn_implementation = "eager"  # read as the graph is traced, and guarded on
         try:

@@ -115,12 +115,13 @@ def test_buckets_pad_by_less_than_half() -> None:
 class _Recording:
     """A compiler whose functions run eagerly and record the attention the model runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, watched: Any = None) -> None:
         self.seen: list[str] = []
+        self.watched = watched
 
     def compile(self, fn: Any, *, buckets: Any, dim: int = 1) -> Any:
         def run(*args: torch.Tensor) -> Any:
-            self.seen.append(config._attn_implementation)
+            self.seen.append((self.watched or config)._attn_implementation)
             if args[0].shape[1] == 13:
                 raise RuntimeError("boom")
             return fn(*args)
@@ -160,3 +161,17 @@ def test_the_models_attention_comes_back_when_the_call_fails() -> None:
 def test_a_length_takes_the_smallest_bucket_that_holds_it() -> None:
     assert [bucket_of(n) for n in (1, 8, 9, 28, 29, 33, 97)] == [8, 8, 12, 28, 32, 48, 128]
     assert bucket_of(10**9) == 10**9
+
+
+def test_an_eager_fallback_and_a_composite_model_keep_their_own_attention() -> None:
+    compiler = _Recording()
+    model = type("Model", (), {"config": config})()
+    step = CompiledStep(compiler, lambda ids: ids.sum(), model)  # type: ignore[arg-type]
+    step.functions[0].eager = True  # compilation failed: the function runs eagerly
+    step.forward(torch.ones(1, 12))
+    composite = type("Config", (), {"_attn_implementation": "sdpa", "sub_configs": {"t": 0}})()
+    outer = type("Model", (), {"config": composite})()
+    inner = _Recording(composite)
+    step = CompiledStep(inner, lambda ids: ids.sum(), outer)  # type: ignore[arg-type]
+    step.forward(torch.ones(1, 12))
+    assert compiler.seen == inner.seen == ["sdpa"]

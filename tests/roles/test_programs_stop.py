@@ -205,6 +205,28 @@ def test_prompts_that_run_out_end_the_loop_after_the_steps_taken(tmp_path: Any) 
     assert again["steps"] == 3 and again["stop_reason"] == out["stop_reason"]
 
 
+def test_a_feed_that_fails_with_eof_fails_the_loop_and_an_empty_one_is_refused(
+    tmp_path: Any,
+) -> None:
+    async def truncated(cursor: int, n: int) -> list[Prompt]:  # a user's broken data file
+        if cursor >= 4:
+            raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+        return await feed(cursor, n)
+
+    learner = Learner()
+    with pytest.raises(EOFError, match="Compressed file ended"):
+        loop_until(learner, str(tmp_path / "a"), prompts=truncated)
+    assert not any("stopped" in c for c in learner.checkpoints)  # nothing kept as a stop
+
+    async def empty(cursor: int, n: int) -> list[Prompt]:
+        return []
+
+    learner = Learner()
+    with pytest.raises(ValueError, match="ran out before the first step"):
+        loop_until(learner, str(tmp_path / "b"), prompts=empty)
+    assert not any("stopped" in c for c in learner.checkpoints)
+
+
 def test_an_unknown_target_is_refused(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"RLLoop.stop_at: unknown metric \['loss'\]"):
         loop_until(Learner(), str(tmp_path), stop_at={"loss": 0.1})

@@ -408,6 +408,7 @@ def test_a_probe_agrees_only_as_confidently_as_asked() -> None:
     assert sure.repeats([[-0.05, -0.05]])  # 0.905 >= 0.9
     assert not sure.repeats([[-0.06, -0.05]])  # 0.896
     assert not sure.repeats([[-0.01], [-0.2]])
+    assert not sure.repeats([[]])  # no log-probs: unsure
     with pytest.raises(ValueError, match="probe: 1 needs confidence"):
         ScheduleSpec(probe=1)
 
