@@ -15,8 +15,10 @@ It stops at ``RLLoop.steps``, or earlier:
 - **on request**: ``on_step`` returns ``Stop("why")`` or raises it;
 - **on a wall budget**: ``budget_s`` seconds of the loop, earlier incarnations included;
 - **when the prompts run out**: the feed ended, or the prompt schedule retired every prompt
-  (``stop_reason`` "the prompts ran out after step N"; the steps taken stand, and the program
-  goes on to evaluate and finish as after any stop).
+  (the pipeline's ``PromptsExhausted``; ``stop_reason`` "the prompts ran out after step N"; the
+  steps taken stand, and the program goes on to evaluate and finish as after any stop). Before
+  the first step that is an error, and a feed's own error (an ``EOFError`` included) fails the
+  loop.
 
 With an evaluation, a stop lands on an evaluation boundary: a stop asked for at a step that did
 not evaluate takes effect at the next step that does (``Stop(now=True)`` stops at once), and
