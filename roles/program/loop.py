@@ -222,8 +222,7 @@ async def rl_loop(
     """RL from step ``done + 1`` until ``loop.steps`` or a stop (see the module's docstring).
 
     Args:
-        rl: the run's typed context.
-        loop: what to run.
+        rl, loop: the run's typed context, and what to run.
         feed: the prompts (``PromptFeed`` over the prompt source, or any pipeline feed).
         score: rewards for a group's samples.
         done: RL steps already taken; None: the ``run``'s steps in its phase, else 0.
@@ -238,7 +237,7 @@ async def rl_loop(
         ``stopped_by_budget``, ``wall_s``, ``cursor``, ``evaluations``, ``pipeline``.
 
     Raises:
-        ValueError: ``stop_at`` names an unknown metric.
+        ValueError: ``stop_at`` names an unknown metric; the prompts ran out before step 1.
     """
     status = await rl.learner.status()
     done = (run.steps if run is not None else 0) if done is None else done
@@ -251,10 +250,7 @@ async def rl_loop(
             await run.resumed_loop(done, evaluation is not None, weight_sync(rl))
             run.loop_ended(resumed)
         return resumed
-    if rl.reference is not None and done == 0:  # the KL term is measured against the start
-        await rl.reference.set_weights(await rl.learner.weights())
-    weights = weight_sync(rl)
-    await weights.ensure(None)  # relays first, then every replica loads the newest weights
+    weights = await _weights_at_start(rl, done)
     report = StepReport(
         rl.run_dir, loop.algorithm.upper(), loop.steps, done=done, learner=status, clock=clock
     )
@@ -267,18 +263,10 @@ async def rl_loop(
             await run.resumed_loop(done, stopper.boundary(done), weights)
         while stopper.reason == "":
             step += 1
-            try:
-                result, batch, reward = await _train(rl, loop, run, pipe, report, weights, step)
-            except PromptsExhausted as exc:  # the feed ended, or every prompt was retired
-                step -= 1
-                if step == 0:  # not one batch: an empty feed, not an end to keep with the run
-                    raise ValueError(
-                        "rl_loop: the prompts ran out before the first step: the feed gave no "
-                        "prompt that could be trained (is the prompt source empty, or does the "
-                        "schedule retire every prompt?)"
-                    ) from exc
-                stopper.reason = f"the prompts ran out after step {step}"
+            if (trained := await _train(rl, loop, run, pipe, report, weights, step)) is None:
+                step, stopper.reason = step - 1, f"the prompts ran out after step {step - 1}"
                 break
+            result, batch, reward = trained
             per_step = (clock() - started) / (step - done)
             last = stopper.after_training(step, reward, report.wall(), per_step)
             evaluated = None
@@ -298,6 +286,16 @@ async def rl_loop(
         metrics = {**pipe.metrics, "in_flight_at_end": pipe.in_flight}
     wall = clock() - started
     return await _ended(rl, loop, run, stopper, step, wall, pipe.cursor, metrics, evaluations)
+
+
+async def _weights_at_start(rl: RLContext, done: int) -> WeightSync:
+    """The run's weight sync, with every replica (relays first) on the newest weights, and the
+    reference on the learner's before the first step (the KL term is measured from there)."""
+    if rl.reference is not None and done == 0:
+        await rl.reference.set_weights(await rl.learner.weights())
+    weights = weight_sync(rl)
+    await weights.ensure(None)
+    return weights
 
 
 def _stopped_before(loop: RLLoop, status: LearnerStatus, done: int) -> dict[str, Any] | None:
@@ -328,9 +326,20 @@ async def _train(
     report: StepReport,
     weights: WeightSync,
     step: int,
-) -> tuple[StepResult, Batch, float]:
-    """One batch, one learner step, the new weights pushed; the trained batch's mean reward."""
-    batch = await pipe.next_batch()
+) -> tuple[StepResult, Batch, float] | None:
+    """One batch, one learner step, the new weights pushed; the trained batch's mean reward.
+    None when the prompts ran out (the pipeline's ``PromptsExhausted``; before step 1, an
+    error: an empty feed is not an end to keep with the run)."""
+    try:
+        batch = await pipe.next_batch()
+    except PromptsExhausted as exc:
+        if step > 1:
+            return None
+        raise ValueError(
+            "rl_loop: the prompts ran out before the first step: the feed gave no prompt that "
+            "could be trained (is the prompt source empty, or does the schedule retire every "
+            "prompt?)"
+        ) from exc
     report.lap("batch")
     keep = {**loop.keep, **(run.position() if run is not None else {})}
     result = await learn(

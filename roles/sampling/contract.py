@@ -29,6 +29,7 @@ __all__ = [
     "Scorer",
     "check_args",
     "max_drops",
+    "warn_capped",
 ]
 
 
@@ -36,6 +37,10 @@ class PromptsExhausted(EOFError):
     """The prompts ran out (the feed ended, or the prompt schedule retired every prompt) and
     nothing is left to hand out: raised by ``SamplePipeline.next_batch``, and only there."""
 
+
+CAPPED_WARN_EVERY = 50
+"""The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
+then once every this many (late in a run most groups of a good policy are uniform)."""
 
 _UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
 
@@ -133,6 +138,21 @@ class Batch(msgspec.Struct):
     cursor: int
     metrics: dict[str, float]
     resume: dict[str, Any] = {}
+
+
+def warn_capped(log: Any, drops: int, batches: int) -> None:
+    """Say that a batch reached ``max_uniform_drops`` (``drops``), for the first of the
+    ``batches`` that did and then every ``CAPPED_WARN_EVERY``-th (the 1st, 51st, ...)."""
+    if (batches - 1) % CAPPED_WARN_EVERY == 0:
+        log.warning(
+            "sample pipeline: %d groups with uniform rewards dropped while filling one batch "
+            "(max_uniform_drops); keeping such groups, with zero advantages, until the next "
+            "batch (%d batches so far; said again every %d). Is the reward constant, or the "
+            "data far too hard or too easy? (A policy near a perfect score gets here too.)",
+            drops,
+            batches,
+            CAPPED_WARN_EVERY,
+        )
 
 
 def max_drops(batch_size: int, group_size: int, given: int | None) -> int:

@@ -75,6 +75,7 @@ from asyncrl.roles.sampling.contract import (
     Scorer,
     check_args,
     max_drops,
+    warn_capped,
 )
 from asyncrl.roles.sampling.schedule import PromptSchedule
 from asyncrl.roles.sampling.weight_sync import WeightSync
@@ -87,10 +88,6 @@ _FIRST = operator.itemgetter(0)
 
 FETCH_MAX = 1024
 """The most prompts asked of the feed at once (while the schedule skips most of them)."""
-
-CAPPED_WARN_EVERY = 50
-"""The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
-then once every this many (late in a run most groups of a good policy are uniform)."""
 
 
 class SamplePipeline:
@@ -416,17 +413,7 @@ class SamplePipeline:
             if not self._uniform_capped:
                 self._uniform_capped = True
                 self._capped_batches += 1
-                if (self._capped_batches - 1) % CAPPED_WARN_EVERY == 0:  # the 1st, 51st, ...
-                    log.warning(
-                        "sample pipeline: %d groups with uniform rewards dropped while filling "
-                        "one batch (max_uniform_drops); keeping such groups, with zero "
-                        "advantages, until the next batch (%d batches so far; said again "
-                        "every %d). Is the reward constant, or the data far too hard or too "
-                        "easy? (A policy near a perfect score gets here too.)",
-                        self._uniform_drops,
-                        self._capped_batches,
-                        CAPPED_WARN_EVERY,
-                    )
+                warn_capped(log, self._uniform_drops, self._capped_batches)
             self.metrics["groups_uniform_kept"] += 1
             return False
         self._uniform_drops += 1
