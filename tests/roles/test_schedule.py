@@ -78,25 +78,10 @@ def test_a_schedule_that_only_defers_never_ends_the_prompts() -> None:
         return [0.0 for _ in samples]
 
     async def main() -> None:
-        spec = PipelineSpec(
-            mode="sync",
-            drop_uniform=True,
-            schedule=ScheduleSpec(skip_uniform=True, explore=EXPLORE_MIN, retire_after=1),
-        )
-        pipe = SamplePipeline(
-            FakeRollout(auto=True),
-            spec=spec,
-            feed=Epochs(),
-            score=nothing_right,
-            params=SamplingParams(max_new_tokens=4),
-            batch_size=B,
-            group_size=G,
-            max_uniform_drops=0,
-        )
-        async with pipe:
-            for step in range(40):
-                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
-                pipe.advance(step + 1)
+        schedule = ScheduleSpec(skip_uniform=True, explore=EXPLORE_MIN, retire_after=1)
+        rollout = FakeRollout(auto=True)
+        async with _pipeline(rollout, schedule, score=nothing_right, max_uniform_drops=0) as pipe:
+            await _batches(pipe, 40)
         assert pipe.metrics["skipped_prompts"] > 4096
         assert pipe.metrics["retired_skips"] == 0
 
@@ -147,13 +132,20 @@ async def solved(samples: list[Sample]) -> list[float]:
     return [1.0 if item_of(s.prompt_id) in SOLVED else reward_of(s) for s in samples]
 
 
-def _pipeline(rollout: FakeRollout, schedule: ScheduleSpec, **kwargs: Any) -> SamplePipeline:
-    spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=schedule)
+def _pipeline(
+    rollout: FakeRollout,
+    schedule: ScheduleSpec,
+    *,
+    mode: str = "sync",
+    score: Any = solved,
+    **kwargs: Any,
+) -> SamplePipeline:
+    spec = PipelineSpec(mode=mode, eta=2, drop_uniform=True, schedule=schedule)
     return SamplePipeline(
         rollout,
         spec=spec,
         feed=Epochs(),
-        score=solved,
+        score=score,
         params=SamplingParams(max_new_tokens=4),
         batch_size=B,
         group_size=G,
@@ -375,19 +367,9 @@ def test_a_probe_that_agrees_past_the_batchs_cap_keeps_its_group() -> None:
     its release by a later batch's cap, which would waste all four samples, not two."""
 
     async def main() -> None:
-        spec = PipelineSpec(mode="async", eta=2, drop_uniform=True, schedule=ScheduleSpec(probe=2))
         rollout = FakeRollout(auto=True)
-        pipe = SamplePipeline(
-            rollout,
-            spec=spec,
-            feed=Epochs(),
-            score=solved,
-            params=SamplingParams(max_new_tokens=4),
-            batch_size=B,
-            group_size=G,
-            max_uniform_drops=1,
-        )
-        async with pipe:
+        schedule = ScheduleSpec(probe=2)
+        async with _pipeline(rollout, schedule, mode="async", max_uniform_drops=1) as pipe:
             batches = await _batches(pipe, 12)
         m = pipe.metrics
         assert m["groups_uniform_kept"] > 0
