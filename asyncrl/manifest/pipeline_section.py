@@ -77,8 +77,8 @@ class ScheduleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         confidence: with ``probe``, a probe whose rewards agree drops its group only when each
             of its samples was drawn with at least this probability (the product of its
             tokens' probabilities, from the log-probs the rollout reports): a confident policy
-            repeats itself, so its group would be uniform. 0: agreement alone drops the group. Needed
-            (> 0) with ``probe: 1``, whose one sample always agrees with itself.
+            repeats itself, so its group would be uniform. 0: agreement alone drops the
+            group. Needed (> 0) with ``probe: 1``, whose one sample always agrees with itself.
     """
 
     skip_uniform: bool = False

@@ -1,9 +1,10 @@
 """Nothing is left behind after a run, whatever way it ends.
 
 Each test runs ``asyncrl run`` on a tiny manifest: a ``publisher`` role that holds a shared-memory
-segment (a ``WeightStore``, as the learner does) and a program that waits until it is up, prints
-``READY`` and then returns, raises, or waits to be killed. After the run no segment of the run is
-in /dev/shm, no socket file is in its socket directory, and no process of the run lives.
+segment (a ``WeightStore``, as the learner does) and a program that waits until it is up, writes
+its pids to a file, prints ``READY`` and then returns, raises, or waits to be killed. After the run
+no segment of the run is in /dev/shm, no socket file is in its socket directory, and no process of
+the run lives.
 
 This module is also the manifest's code: the role and the program below.
 """
@@ -28,6 +29,7 @@ from asyncrl.supervision.leases import read_leases
 from tests.conftest import ROOT
 
 TIMEOUT_S = 60.0  # the bound on each wait; every one ends on an event well before it
+READY_FILE = "ready.pids"  # where the program writes the publisher's and the driver's pids
 
 MANIFEST = """\
 run:
@@ -66,7 +68,12 @@ class Publisher(Role):
 async def program(ctx: Any) -> str:
     """Wait for the publisher, say READY, then end as ``run.config.end`` says."""
     pid = await ctx.publisher.call("pid", 0)
-    print(f"READY {pid} {os.getpid()}", flush=True)
+    # the pids go in a file: the run's stdout is shared with other processes' log lines
+    path = os.path.join(ctx.run_dir, READY_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{pid} {os.getpid()}")
+    os.replace(path + ".tmp", path)
+    print("READY", flush=True)
     end = ctx.config["end"]
     if end == "error":
         raise RuntimeError("the program fails on purpose")
@@ -104,8 +111,8 @@ class Run:
                 chunk = os.read(self.proc.stdout.fileno(), 65536)
                 assert chunk, f"the run ended before READY: {self.output.decode()}"
                 self.output += chunk
-        line = self.output.split(b"READY ", 1)[1].split(b"\n", 1)[0]
-        publisher, driver = map(int, line.split())
+        with open(os.path.join(self.run_dir, READY_FILE)) as f:
+            publisher, driver = map(int, f.read().split())
         return publisher, driver
 
     def wait(self) -> int:

@@ -267,9 +267,10 @@ def test_a_role_killed_on_node_1_is_restarted_there_and_the_run_completes(
 ) -> None:
     nodes.start()
     nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
-    victim = _json(nodes.path(1, "registry", "splitter.0.json"))
-    os.kill(victim["pid"], signal.SIGKILL)
     entry = nodes.path(1, "registry", "splitter.0.json")
+    # the gate can open before node 1's agent has registered its replica: wait for the entry
+    nodes.wait("splitter[0] registered on node 1", lambda: _json(entry) is not None)
+    os.kill(_json(entry)["pid"], signal.SIGKILL)
     nodes.wait("splitter[0] restarted", lambda: (_json(entry) or {}).get("incarnation") == 1)
     with open(nodes.gate, "w"):
         pass
