@@ -12,6 +12,7 @@ import pytest
 
 from asyncrl.errors import ConfigProblem
 from asyncrl.role import RoleContext
+from asyncrl.roles.services import prompts as prompts_module
 from asyncrl.roles.services.prompts import PromptSource, Take, load_rows
 from asyncrl.roles.services.reward import VERIFIERS, Reward, ScoreRequest
 
@@ -158,6 +159,42 @@ def test_prompts_are_a_pure_function_of_the_cursor(tmp_path: Any) -> None:
     assert {p.id.split("@")[0] for p in first[:5]} == {f"q{i}" for i in range(5)}
     assert [p.id.split("@")[1] for p in first] == ["0"] * 5 + ["1"] * 2
     assert first[0].token_ids and len(first[0].token_ids) == 6
+
+
+def test_the_source_encodes_each_row_once_within_its_cache(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule that skips most prompts asks for the same rows epoch after epoch: each row is
+    encoded once, until ``TOKEN_CACHE_MAX`` tokens are kept; rows past it are encoded each time,
+    and every prompt carries the same token ids either way."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"0{i}+01=", "answer": "0"}) + "\n" for i in range(5))
+    )
+    monkeypatch.setattr(prompts_module, "TOKEN_CACHE_MAX", 3 * 6)  # three rows of six tokens
+
+    async def go() -> tuple[list[Any], list[Any], int]:
+        source = PromptSource(
+            RoleContext.local(config={"path": str(path), "tokenizer_path": TOKENIZER})
+        )
+        await source.setup()
+        encode = source.tokenizer.encode
+        calls = 0
+
+        def counted(text: str) -> Any:
+            nonlocal calls
+            calls += 1
+            return encode(text)
+
+        source.tokenizer.encode = counted
+        first = await source.take(Take(0, 5))
+        later = await source.take(Take(5, 20))  # four more epochs
+        return first, later, calls
+
+    first, later, calls = asyncio.run(go())
+    assert calls == 5 + 4 * 2  # three rows kept, two encoded in every epoch
+    by_id = {p.id.split("@")[0]: p.token_ids for p in first}
+    assert all(p.token_ids == by_id[p.id.split("@")[0]] and len(p.token_ids) == 6 for p in later)
 
 
 def test_rows_need_a_prompt(tmp_path: Any) -> None:
