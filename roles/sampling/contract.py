@@ -155,6 +155,20 @@ def warn_capped(log: Any, drops: int, batches: int) -> None:
         )
 
 
+def skipped_too_many(log: Any, skipped: int, bound: int) -> bool:
+    """Whether the prompt schedule skipped more than ``bound`` prompts in a row (then every
+    prompt counts as retired or deferred, and the pipeline ends as if the prompts ran out);
+    says so when it did."""
+    if skipped <= bound:
+        return False
+    log.warning(
+        "sample pipeline: the prompt schedule skipped %d prompts in a row: every prompt is "
+        "retired or deferred; ending as if the prompts ran out",
+        skipped,
+    )
+    return True
+
+
 def max_drops(batch_size: int, group_size: int, given: int | None) -> int:
     """``max_uniform_drops``: as given, or ``_UNIFORM_DROPS_PER_GROUP`` per group of a batch."""
     if given is not None:

@@ -75,6 +75,7 @@ from asyncrl.roles.sampling.contract import (
     Scorer,
     check_args,
     max_drops,
+    skipped_too_many,
     warn_capped,
 )
 from asyncrl.roles.sampling.schedule import PromptSchedule
@@ -286,12 +287,7 @@ class SamplePipeline:
                 retired = self.schedule.retired(prompt.id)
                 self.metrics["retired_skips" if retired else "skipped_prompts"] += 1
                 self._skipped_run += 1
-                if self._skipped_run > self.schedule.skip_bound():
-                    log.warning(
-                        "sample pipeline: the prompt schedule skipped %d prompts in a row: "
-                        "every prompt is retired or deferred; ending as if the prompts ran out",
-                        self._skipped_run,
-                    )
+                if skipped_too_many(log, self._skipped_run, self.schedule.skip_bound()):
                     return None
                 self._next_index += 1
                 continue
