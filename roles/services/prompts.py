@@ -99,7 +99,8 @@ class PromptSource(Role):
             options: the generator's keyword arguments.
             tokenizer_path: the tokenizer that encodes each prompt's text into its token ids
                 (the policy's); the manifest's ``model.tokenizer`` when not set. Needed for
-                ``demonstrations``; without one prompts carry no token ids.
+                ``demonstrations``; without one prompts carry no token ids. Each row is
+                encoded once and kept (up to ``TOKEN_CACHE_MAX`` tokens, 64 MiB).
             shuffle_seed: seeds each epoch's permutation of the rows (``take`` is a pure
                 function of the cursor and this seed).
         """
