@@ -29,6 +29,7 @@ __all__ = [
     "Scorer",
     "check_args",
     "max_drops",
+    "skipped_too_many",
     "warn_capped",
 ]
 

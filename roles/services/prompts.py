@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import sys
 from array import array
 from collections.abc import Mapping
 from typing import Any
@@ -25,13 +26,17 @@ import msgspec
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.payloads import Prompt, Sample
 
-__all__ = ["TOKEN_CACHE_MAX", "PromptSource", "Take", "load_rows"]
+__all__ = ["TOKEN_CACHE_BYTES", "PromptSource", "Take", "load_rows"]
 
-TOKEN_CACHE_MAX = 1 << 24
-"""The most prompt tokens the source keeps encoded (4 bytes each: 64 MiB). Encoding a prompt
-costs about 20 µs, and a run whose prompt schedule skips most prompts asks for the same rows
-epoch after epoch (millions of prompts in the README's main job); past this many tokens, rows
-are encoded each time they are served."""
+TOKEN_CACHE_BYTES = 64 << 20
+"""The most memory the source spends keeping prompts' token ids (4 bytes a token, and each
+row's array and its entry). Encoding a prompt costs about 20 µs, and a run whose prompt schedule
+skips most prompts asks for the same rows epoch after epoch (millions of prompts in the
+README's main job with the schedule on); past this, rows are encoded each time they are
+served."""
+
+_ROW_ENTRY_BYTES = 64
+"""What a kept row costs besides its array: its dict entry and key."""
 
 
 class Take(msgspec.Struct):
@@ -100,7 +105,7 @@ class PromptSource(Role):
             tokenizer_path: the tokenizer that encodes each prompt's text into its token ids
                 (the policy's); the manifest's ``model.tokenizer`` when not set. Needed for
                 ``demonstrations``; without one prompts carry no token ids. Each row is
-                encoded once and kept (up to ``TOKEN_CACHE_MAX`` tokens, 64 MiB).
+                encoded once and kept (up to ``TOKEN_CACHE_BYTES``, 64 MiB).
             shuffle_seed: seeds each epoch's permutation of the rows (``take`` is a pure
                 function of the cursor and this seed).
         """
@@ -128,7 +133,7 @@ class PromptSource(Role):
         self.tokenizer = await self.ctx.offload(_tokenizer, path) if path else None
         self._perms: dict[int, list[int]] = {}
         self._token_ids: dict[int, array[int]] = {}  # row -> its prompt's token ids
-        self._tokens_cached = 0
+        self._cached_bytes = 0
 
     def _perm(self, epoch: int) -> list[int]:
         perm = self._perms.get(epoch)
@@ -159,16 +164,19 @@ class PromptSource(Role):
         return out
 
     def _encode(self, row_index: int) -> list[int]:
-        """The token ids of a row's prompt, kept once encoded while ``TOKEN_CACHE_MAX`` allows."""
+        """The token ids of a row's prompt, kept once encoded while ``TOKEN_CACHE_BYTES``
+        allows."""
         if self.tokenizer is None:
             return []
         cached = self._token_ids.get(row_index)
         if cached is not None:
             return cached.tolist()
         ids = list(self.tokenizer.encode(self.rows[row_index]["prompt"]))
-        if self._tokens_cached + len(ids) <= TOKEN_CACHE_MAX:
-            self._token_ids[row_index] = array("I", ids)
-            self._tokens_cached += len(ids)
+        kept = array("I", ids)
+        cost = sys.getsizeof(kept) + _ROW_ENTRY_BYTES
+        if self._cached_bytes + cost <= TOKEN_CACHE_BYTES:
+            self._token_ids[row_index] = kept
+            self._cached_bytes += cost
         return ids
 
     @endpoint(Delivery.IDEMPOTENT)

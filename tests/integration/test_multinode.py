@@ -270,7 +270,8 @@ def test_a_role_killed_on_node_1_is_restarted_there_and_the_run_completes(
     entry = nodes.path(1, "registry", "splitter.0.json")
     # the gate can open before node 1's agent has registered its replica: wait for the entry
     nodes.wait("splitter[0] registered on node 1", lambda: _json(entry) is not None)
-    os.kill(_json(entry)["pid"], signal.SIGKILL)
+    victim = _json(entry)
+    os.kill(victim["pid"], signal.SIGKILL)
     nodes.wait("splitter[0] restarted", lambda: (_json(entry) or {}).get("incarnation") == 1)
     with open(nodes.gate, "w"):
         pass

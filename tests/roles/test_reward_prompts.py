@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,13 +166,14 @@ def test_the_source_encodes_each_row_once_within_its_cache(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A schedule that skips most prompts asks for the same rows epoch after epoch: each row is
-    encoded once, until ``TOKEN_CACHE_MAX`` tokens are kept; rows past it are encoded each time,
+    encoded once, until ``TOKEN_CACHE_BYTES`` are spent; rows past it are encoded each time,
     and every prompt carries the same token ids either way."""
     path = tmp_path / "p.jsonl"
     path.write_text(
         "".join(json.dumps({"prompt": f"0{i}+01=", "answer": "0"}) + "\n" for i in range(5))
     )
-    monkeypatch.setattr(prompts_module, "TOKEN_CACHE_MAX", 3 * 6)  # three rows of six tokens
+    row = sys.getsizeof(array("I", range(6))) + prompts_module._ROW_ENTRY_BYTES
+    monkeypatch.setattr(prompts_module, "TOKEN_CACHE_BYTES", 3 * row)  # three rows of 6 tokens
 
     async def go() -> tuple[list[Any], list[Any], int]:
         source = PromptSource(
