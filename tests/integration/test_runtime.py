@@ -300,7 +300,7 @@ def test_a_stopped_process_is_killed_and_restarted(run_dir: str, runs: list[Run]
     assert not _alive(pid)
     run.proc.send_signal(signal.SIGINT)
     code, out, _ = run.finish()
-    assert code == 130
+    assert code == 130, out
     assert "run interrupted: SIGINT received" in out
     assert all(not _alive(p) for p in run.pids())
 
