@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,7 +171,7 @@ def test_the_source_encodes_each_row_once_within_its_cache(
     path.write_text(
         "".join(json.dumps({"prompt": f"0{i}+01=", "answer": "0"}) + "\n" for i in range(5))
     )
-    row = sys.getsizeof(array("I", range(6))) + prompts_module._ROW_ENTRY_BYTES
+    row = prompts_module._kept_bytes(6)
     monkeypatch.setattr(prompts_module, "TOKEN_CACHE_BYTES", 3 * row)  # three rows of 6 tokens
 
     async def go() -> tuple[list[Any], list[Any], int]:
