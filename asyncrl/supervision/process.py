@@ -49,6 +49,7 @@ from asyncrl.manifest.spec import EXIT_CONFIG, ProcessSpec, load_spec_from_env
 from asyncrl.observe import logs
 from asyncrl.role import Role, RoleContext, endpoints_of
 from asyncrl.supervision.faults import FaultPlan
+from asyncrl.supervision.heap import hold_heap
 from asyncrl.transport import (
     Call,
     ChannelOptions,
@@ -411,6 +412,7 @@ def main(parent_pid: int | None = None) -> None:
     spec = load_spec_from_env()
     die_with_parent(spec.parent_pid if parent_pid is None else parent_pid)
     set_threads(spec.threads)
+    hold_heap()
     if "--standby" in sys.argv[1:] and not wait_as_standby(spec):
         sys.exit(0)
     logs.configure(
