@@ -123,6 +123,9 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             carries no GRPO signal) and admit another prompt in its place, so that batches keep
             their size; past a cap of drops per batch, such groups are kept
             (docs/algorithms.md).
+        uniform_drops_per_group: that cap, per group of a batch (4: a batch of 32 groups
+            drops at most 128). A lower cap wastes fewer samples and keeps more groups that
+            teach nothing.
         schedule: prompt scheduling from what was scored: deferral of prompts whose groups
             were uniform, and probing of new ones (``ScheduleSpec``; needs ``drop_uniform``).
         stall_timeout_s: seconds without any call completing after which the driver fails the
@@ -149,6 +152,7 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     straggler: StragglerSpec = msgspec.field(default_factory=StragglerSpec)
     running_stats: bool = False
     drop_uniform: bool = False
+    uniform_drops_per_group: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 4
     schedule: ScheduleSpec = msgspec.field(default_factory=ScheduleSpec)
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 600.0
     group_calls: bool = False

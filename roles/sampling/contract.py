@@ -43,8 +43,6 @@ CAPPED_WARN_EVERY = 50
 """The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
 then once every this many (late in a run most groups of a good policy are uniform)."""
 
-_UNIFORM_DROPS_PER_GROUP = 4  # the default cap: uniform groups dropped per batch, per group
-
 PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
 """``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
 
@@ -170,11 +168,13 @@ def skipped_too_many(log: Any, skipped: int, bound: int) -> bool:
     return True
 
 
-def max_drops(batch_size: int, group_size: int, given: int | None) -> int:
-    """``max_uniform_drops``: as given, or ``_UNIFORM_DROPS_PER_GROUP`` per group of a batch."""
+def max_drops(
+    batch_size: int, group_size: int, given: int | None, per_group: int = 4
+) -> int:
+    """``max_uniform_drops``: as given, or ``per_group`` per group of a batch."""
     if given is not None:
         return given
-    return _UNIFORM_DROPS_PER_GROUP * (batch_size // max(1, group_size))
+    return per_group * (batch_size // max(1, group_size))
 
 
 def check_args(

@@ -112,8 +112,9 @@ class SamplePipeline:
         normalize_std, std: the learner's GRPO conventions (``group_advantages``).
         timeout: seconds per generate call; watchdog: told what the pipeline waits for.
         drop_uniform: drop groups whose rewards are all equal (default: ``spec.drop_uniform``).
-        max_uniform_drops: the most such groups dropped per batch (default: 4 per group of
-            the batch); past it they are kept, with zero advantages, and counted.
+        max_uniform_drops: the most such groups dropped per batch (default: the spec's
+            ``uniform_drops_per_group`` per group of the batch); past it they are kept, with
+            zero advantages, and counted.
         clock: what straggler deadlines run on (a test passes a ``FakeClock``).
         source: how each sample is produced (``SampleSource``); None: ``Generate``, one
             completion from ``rollout`` with ``params``. An episode runner's source makes each
@@ -147,7 +148,9 @@ class SamplePipeline:
         source: SampleSource | None = None,
     ) -> None:
         self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
-        self.max_uniform_drops = max_drops(batch_size, group_size, max_uniform_drops)
+        self.max_uniform_drops = max_drops(
+            batch_size, group_size, max_uniform_drops, spec.uniform_drops_per_group
+        )
         check_args(batch_size, group_size, std, self.drop_uniform, self.max_uniform_drops)
         self.rollout = rollout
         self.spec = spec

@@ -615,6 +615,25 @@ def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages(
     run(main())
 
 
+def test_the_manifests_drops_per_group_sets_the_cap() -> None:
+    """``uniform_drops_per_group: 1`` and batches of two groups: at most two uniform groups
+    dropped per batch (the default, 4 a group, would drop eight)."""
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        everything = uniform_for(*(f"p{i}" for i in range(20)))
+        spec = PipelineSpec(mode="sync", drop_uniform=True, uniform_drops_per_group=1)
+        async with pipeline(rollout, spec, score=everything) as pipe:
+            assert pipe.max_uniform_drops == B // G
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert {s.sample.prompt_id for s in first.samples} == {"p2", "p3"}
+        assert first.metrics["groups_uniform_dropped"] == 2
+        assert first.metrics["groups_uniform_kept"] == 2
+        assert PipelineSpec().uniform_drops_per_group == 4
+
+    run(main())
+
+
 def test_the_scored_reward_counts_the_dropped_groups_and_the_batch_mean_does_not() -> None:
     """Sync, drop_uniform: p0 and p1 score 1.0 throughout and are dropped; p2 and p3 fill the
     batch. ``reward_scored_mean`` is the mean over all four groups scored for it (the
