@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -40,9 +41,18 @@ print(json.dumps({"held": held, "faults": out["faults"]}))
 """
 
 
+def _untuned() -> dict[str, str]:
+    """This environment without glibc's own allocator settings (as a fresh machine has it)."""
+    return {k: v for k, v in os.environ.items() if not user_tuned({k: v})}
+
+
 def _run(mode: str, env: dict[str, str] | None = None) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-c", _STEPS, mode],
+        capture_output=True,
+        text=True,
+        env=_untuned() if env is None else env,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)  # type: ignore[no-any-return]
@@ -60,10 +70,7 @@ def test_held_heap_keeps_a_steps_blocks_mapped_where_glibcs_defaults_fault_them_
 
 @glibc
 def test_a_user_who_tuned_glibc_keeps_the_tuning() -> None:
-    import os
-
-    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "131072"}
-    assert _run("hold", env)["held"] is False
+    assert _run("hold", {**_untuned(), "MALLOC_TRIM_THRESHOLD_": "131072"})["held"] is False
 
 
 def test_user_tuned_reads_glibcs_variables_and_tunables() -> None:

@@ -10,9 +10,11 @@ the arith learner, a tenth of its step (``asyncrl bench learner --small-only``).
 
 ``hold_heap`` sets the thresholds glibc would end at (its largest: ``mmap`` above 32 MiB, trim
 above 64 MiB of free top) when the process starts, so a step's working set stays mapped from the
-first step. Blocks over 32 MiB (large weights, checkpoint buffers) still come and go as their own
-mappings, and a role that gives memory back on purpose (``Device.release_cache``, the sharded
-learner between blocks) calls ``malloc_trim``, which ignores the threshold.
+first step. The price: a worker thread's arena (heaps of 64 MiB at most) no longer gives memory
+back on its own, and the main arena keeps up to 64 MiB free, so a process stays near the most
+its arenas held. Blocks over 32 MiB (large weights, checkpoint buffers) still come and go as
+their own mappings, and a role that gives memory back on purpose (``Device.release_cache``, the
+sharded learner between blocks) calls ``malloc_trim``, which ignores the thresholds.
 
 A user who tunes glibc's allocator (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or
 ``glibc.malloc.mmap_threshold`` or ``trim_threshold`` in ``GLIBC_TUNABLES``) keeps that choice:
@@ -54,6 +56,6 @@ def hold_heap(environ: Mapping[str, str] = os.environ) -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    mapped = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))  # fails on a 32-bit glibc
+    trimmed = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return mapped and trimmed

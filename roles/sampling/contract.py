@@ -168,9 +168,7 @@ def skipped_too_many(log: Any, skipped: int, bound: int) -> bool:
     return True
 
 
-def max_drops(
-    batch_size: int, group_size: int, given: int | None, per_group: int = 4
-) -> int:
+def max_drops(batch_size: int, group_size: int, given: int | None, per_group: int) -> int:
     """``max_uniform_drops``: as given, or ``per_group`` per group of a batch."""
     if given is not None:
         return given
