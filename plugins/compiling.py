@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asyncrl.plugins.graph_rewrites import GraphRewrite, rewriting
+
 __all__ = ["BucketCompiler", "BucketedFunction"]
 
 
@@ -115,20 +117,30 @@ class BucketCompiler:
     Args:
         backend: ``torch.compile``'s backend (``inductor``, ``aot_eager``, a vendor's).
         enabled: False: every function runs eagerly.
+        rewrites: run on each captured graph before ``backend`` sees it
+            (``asyncrl.plugins.graph_rewrites``): the device's faster form of the same function.
         options: more keywords for ``torch.compile`` (``dynamic`` defaults to False: one
             static graph per bucket).
     """
 
-    def __init__(self, backend: str = "inductor", enabled: bool = True, **options: Any) -> None:
+    def __init__(
+        self,
+        backend: str = "inductor",
+        enabled: bool = True,
+        rewrites: Sequence[GraphRewrite] = (),
+        **options: Any,
+    ) -> None:
         self.backend = backend
         self.enabled = enabled
+        self.rewrites = list(rewrites)
         self.options = {"dynamic": False, **options}
 
     def compile(
         self, fn: Callable[..., Any], *, buckets: Sequence[int], dim: int = 1
     ) -> BucketedFunction:
         def compile_fn(f: Callable[..., Any]) -> Callable[..., Any]:
-            compiled: Callable[..., Any] = torch.compile(f, backend=self.backend, **self.options)
+            backend = rewriting(self.backend, self.rewrites) if self.rewrites else self.backend
+            compiled: Callable[..., Any] = torch.compile(f, backend=backend, **self.options)
             return compiled
 
         return BucketedFunction(fn, buckets, dim, compile_fn if self.enabled else None)
