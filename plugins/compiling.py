@@ -115,7 +115,8 @@ class BucketCompiler:
     """The ``Compiler`` contract over ``torch.compile``.
 
     Args:
-        backend: ``torch.compile``'s backend (``inductor``, ``aot_eager``, a vendor's).
+        backend: ``torch.compile``'s backend (``inductor``, ``aot_eager``, a vendor's), a name
+            or a backend function.
         enabled: False: every function runs eagerly.
         rewrites: run on each captured graph before ``backend`` sees it
             (``asyncrl.plugins.graph_rewrites``): the device's faster form of the same function.
@@ -125,7 +126,7 @@ class BucketCompiler:
 
     def __init__(
         self,
-        backend: str = "inductor",
+        backend: str | Callable[..., Any] = "inductor",
         enabled: bool = True,
         rewrites: Sequence[GraphRewrite] = (),
         **options: Any,
@@ -139,8 +140,11 @@ class BucketCompiler:
         self, fn: Callable[..., Any], *, buckets: Sequence[int], dim: int = 1
     ) -> BucketedFunction:
         def compile_fn(f: Callable[..., Any]) -> Callable[..., Any]:
-            backend = rewriting(self.backend, self.rewrites) if self.rewrites else self.backend
-            compiled: Callable[..., Any] = torch.compile(f, backend=backend, **self.options)
+            options, backend = dict(self.options), self.backend
+            if self.rewrites:  # a backend function: torch.compile's mode and options go to it
+                mode, patches = options.pop("mode", None), options.pop("options", None)
+                backend = rewriting(self.backend, self.rewrites, mode, patches)
+            compiled: Callable[..., Any] = torch.compile(f, backend=backend, **options)
             return compiled
 
         return BucketedFunction(fn, buckets, dim, compile_fn if self.enabled else None)

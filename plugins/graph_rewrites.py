@@ -38,79 +38,114 @@ _GELU = (torch._C._nn.gelu, torch.nn.functional.gelu)
 
 def _is(node: Any, targets: Sequence[Any]) -> bool:
     """Whether ``node`` calls one of ``targets`` (functions, or method names)."""
-    if not isinstance(node, torch.fx.Node):
-        return False
-    if node.op == "call_function":
-        return node.target in targets
-    return node.op == "call_method" and node.target in targets
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op in ("call_function", "call_method")
+        and node.target in targets
+    )
 
 
 def _one(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
 
 
-def _tanh_plus_one(node: torch.fx.Node) -> torch.fx.Node | None:
-    """``u`` when ``node`` is ``1 + tanh(u)`` (either order), else None."""
+def _tanh_plus_one(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(tanh, u)`` when ``node`` is ``1 + tanh(u)`` (either order) and the sum is the tanh's
+    only use (nothing else reads it, nothing changes it in place), else None."""
     if not _is(node, _ADD) or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
     tanh = b if _one(a) else a if _one(b) else None
-    if not _is(tanh, _TANH) or len(tanh.args) != 1 or tanh.kwargs:  # type: ignore[union-attr]
+    if not isinstance(tanh, torch.fx.Node) or not _is(tanh, _TANH):
         return None
-    u = tanh.args[0]  # type: ignore[union-attr]
-    return u if isinstance(u, torch.fx.Node) else None
+    if len(tanh.args) != 1 or tanh.kwargs or len(tanh.users) != 1:
+        return None
+    u = tanh.args[0]
+    return (tanh, u) if isinstance(u, torch.fx.Node) else None
 
 
 def _tanh_gelu_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """``x`` when ``node`` is ``gelu(x, approximate="tanh")``, else None."""
-    if not _is(node, _GELU) or len(node.args) != 1 or node.kwargs.get("approximate") != "tanh":
-        return None
-    if set(node.kwargs) != {"approximate"}:
+    if not _is(node, _GELU) or len(node.args) != 1 or node.kwargs != {"approximate": "tanh"}:
         return None
     x = node.args[0]
     return x if isinstance(x, torch.fx.Node) else None
 
 
+def _sigmoid_gelu(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
+    """Nodes for ``x · sigmoid(2c · (x + 0.044715 · x³))``, the tanh GELU of ``x``."""
+    cube = graph.call_function(torch.pow, (x, 3.0))
+    inner = graph.call_function(operator.mul, (cube, 0.044715))
+    inner = graph.call_function(operator.add, (x, inner))
+    inner = graph.call_function(operator.mul, (inner, 2.0 * _SQRT_2_OVER_PI))
+    return graph.call_function(operator.mul, (x, graph.call_function(torch.sigmoid, (inner,))))
+
+
 def tanh_gelu_as_sigmoid(gm: torch.fx.GraphModule) -> int:
-    """Every ``1 + tanh(u)`` in ``gm`` as ``2 · sigmoid(2u)``, and every
-    ``gelu(x, approximate="tanh")`` as ``x · sigmoid(2c · (x + 0.044715 · x³))`` (c = √(2/π)),
-    the same functions to float rounding; returns how many it rewrote."""
+    """Every ``1 + tanh(u)`` in ``gm`` whose tanh nothing else uses as ``2 · sigmoid(2u)``
+    (computed where the tanh was, so an in-place change of ``u`` after it is not read), and
+    every ``gelu(x, approximate="tanh")`` as ``x · sigmoid(2c · (x + 0.044715 · x³))``
+    (c = √(2/π)): the same functions to float rounding. Only the replaced nodes are removed
+    (the graph may hold in-place operations whose results nothing reads). Returns how many
+    places it rewrote."""
     graph, count = gm.graph, 0
     for node in list(graph.nodes):
-        u = _tanh_plus_one(node)
-        x = None if u is not None else _tanh_gelu_input(node)
-        if u is None and x is None:
-            continue
-        with graph.inserting_before(node):
-            if u is not None:
+        match = _tanh_plus_one(node)
+        x = None if match is not None else _tanh_gelu_input(node)
+        if match is not None:
+            tanh, u = match
+            with graph.inserting_after(tanh):
                 twice = graph.call_function(operator.mul, (u, 2.0))
+            with graph.inserting_after(twice):
                 sig = graph.call_function(torch.sigmoid, (twice,))
+            with graph.inserting_after(sig):
                 new = graph.call_function(operator.mul, (sig, 2.0))
-            else:
-                cube = graph.call_function(torch.pow, (x, 3.0))
-                inner = graph.call_function(operator.mul, (cube, 0.044715))
-                inner = graph.call_function(operator.add, (x, inner))
-                inner = graph.call_function(operator.mul, (inner, 2.0 * _SQRT_2_OVER_PI))
-                sig = graph.call_function(torch.sigmoid, (inner,))
-                new = graph.call_function(operator.mul, (x, sig))
+        elif x is not None:
+            with graph.inserting_before(node):
+                new = _sigmoid_gelu(graph, x)
+        else:
+            continue
         new.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val")})
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        if match is not None:
+            graph.erase_node(match[0])  # the tanh: its one use is gone
         count += 1
     if count:
-        graph.eliminate_dead_code()
         gm.recompile()
     return count
 
 
-def rewriting(backend: str | Callable[..., Any], rewrites: Sequence[GraphRewrite]) -> Any:
+def rewriting(
+    backend: str | Callable[..., Any],
+    rewrites: Sequence[GraphRewrite],
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
     """A ``torch.compile`` backend that runs ``rewrites`` on each graph Dynamo captures, then
-    hands it to ``backend`` (a registered name, or a backend function)."""
-    inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    hands it to ``backend`` (a registered name, or a backend function). ``mode`` and
+    ``options`` are ``torch.compile``'s, which it hands to a backend given as a function:
+    inductor's become its config patches, as ``torch.compile`` makes them for its own name;
+    another backend gets them as keywords, as ``torch.compile`` gives them."""
+    if backend == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
 
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+
+        def inner(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+    else:
+        fn = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        kwargs = {k: v for k, v in (("mode", mode), ("options", options)) if v}
+
+        def inner(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            return fn(gm, example_inputs, **kwargs)
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         for rewrite in rewrites:
             rewrite(gm)
-        return inner(gm, example_inputs, **kwargs)
+        return inner(gm, example_inputs)
 
     return compile_graph
