@@ -94,11 +94,9 @@ def tanh_gelu_as_sigmoid(gm: torch.fx.GraphModule) -> int:
         x = None if match is not None else _tanh_gelu_input(node)
         if match is not None:
             tanh, u = match
-            with graph.inserting_after(tanh):
+            with graph.inserting_before(tanh.next):  # where the tanh was
                 twice = graph.call_function(operator.mul, (u, 2.0))
-            with graph.inserting_after(twice):
                 sig = graph.call_function(torch.sigmoid, (twice,))
-            with graph.inserting_after(sig):
                 new = graph.call_function(operator.mul, (sig, 2.0))
         elif x is not None:
             with graph.inserting_before(node):
