@@ -1,16 +1,21 @@
 """``asyncrl selfcheck``: a deliberately broken operator is reported under the operators layer
 and the command exits 1; the JSON shape; an unavailable device is skipped with the reason; the
-communication layer across 2 processes."""
+communication layer across 2 processes; memory statistics measured past a tensor that
+reused memory the process held."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from asyncrl.plugins import registry, selfcheck
+from asyncrl.plugins.contract import MemoryStats
+from asyncrl.plugins.cpu import CpuDevice
 from asyncrl.plugins.cuda import CudaPlugin
 from asyncrl.plugins.selfcheck_comm import run_collectives
+from asyncrl.plugins.selfcheck_layers import _statistics
 from tests.plugins.broken import BrokenPlugin
 
 
@@ -88,3 +93,31 @@ def test_each_collective_across_two_processes() -> None:
         ("timeout names the missing rank", True),
     ]
     assert checks[-1]["detail"].startswith("barrier: rank(s) [1] did not arrive within 1 s")
+
+
+class _Lagging(CpuDevice):
+    """The host, whose figure stays put for its first ``frozen`` reads: as when a tensor is
+    served from memory the process already held."""
+
+    def __init__(self, frozen: int) -> None:
+        super().__init__()
+        self.frozen, self.first = frozen, super().memory()
+
+    def memory(self) -> MemoryStats:
+        self.frozen -= 1
+        return self.first if self.frozen >= 0 else super().memory()
+
+
+def test_a_tensor_that_reuses_held_memory_is_kept_and_a_fresh_one_measured() -> None:
+    check = _statistics(_Lagging(frozen=2), torch.device("cpu"), 64 << 20)
+    assert check.ok, check.detail
+    assert check.detail.startswith("+64.0 MiB allocated, -64.0 MiB after release (tensor 2:")
+
+
+def test_statistics_that_never_move_fail_after_three_tensors() -> None:
+    check = _statistics(_Lagging(frozen=1_000), torch.device("cpu"), 64 << 20)
+    assert not check.ok
+    assert check.detail == (
+        "+0.0 MiB allocated, -0.0 MiB after release (the last of 3 tensors, none of which"
+        " moved the figure)"
+    )
