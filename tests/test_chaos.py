@@ -300,6 +300,31 @@ def test_recoveries_time_exit_to_next_serving() -> None:
     }
 
 
+def test_a_failure_still_restarting_when_the_run_ended_is_counted_apart() -> None:
+    """reward[0]'s last failure came in the run's last moments: the supervisor reports it
+    still restarting. rollout[0]'s first failure never recovered, though the process is also
+    restarting at the end (after a second failure): only its last failure is cut short."""
+    chaos = {
+        "events": [
+            {"t": 1.0, "kind": "exited", "label": "rollout[0]", "incarnation": 0},
+            {"t": 2.0, "kind": "exited", "label": "rollout[0]", "incarnation": 1},
+            {"t": 3.0, "kind": "exited", "label": "reward[0]", "incarnation": 0},
+            {"t": 3.5, "kind": "serving", "label": "reward[0]", "incarnation": 1},
+            {"t": 4.0, "kind": "exited", "label": "reward[0]", "incarnation": 1},
+        ]
+    }
+    exits = [("rollout", 0), ("rollout", 1), ("reward", 0), ("reward", 1)]
+    report = {
+        "exits": [{"role": r, "replica": 0, "incarnation": n} for r, n in exits],
+        "restarting": ["rollout[0]", "reward[0]", "prompts[0]"],
+    }
+    out = recoveries(chaos, report)
+    assert (out["recoveries"], out["unrecovered"], out["restarting_at_end"]) == (1, 1, 2)
+    report["restarting"] = []
+    out = recoveries(chaos, report)
+    assert (out["recoveries"], out["unrecovered"], out["restarting_at_end"]) == (1, 3, 0)
+
+
 def make_run(
     run_dir: str,
     *,

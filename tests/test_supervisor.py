@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -28,12 +29,14 @@ EXITS_AT_ONCE = "pass"
 WAITS_FOR_A_SIGNAL = "import signal; signal.pause()"
 
 
-def child(run_dir: str, name: str, code: str, kind: Any = "command", replica: int = 0) -> ChildSpec:
+def child(
+    run_dir: str, name: str, code: str, kind: Any = "command", args: list[str] | None = None
+) -> ChildSpec:
     def argv_env(incarnation: int) -> tuple[list[str], dict[str, str]]:
-        return [sys.executable, "-c", code], {}
+        return [sys.executable, "-c", code, *(args or [])], {}
 
     policy = Supervision(startup_timeout_s=WAIT_S, shutdown_timeout_s=WAIT_S)
-    return ChildSpec(name, replica, kind, f"ipc://{run_dir}/{name}", policy, argv_env)
+    return ChildSpec(name, 0, kind, f"ipc://{run_dir}/{name}", policy, argv_env)
 
 
 def gone(pid: int) -> bool:
@@ -109,6 +112,50 @@ def test_a_finished_program_completes_the_run_and_stops_every_process(run_dir: s
         ("driver[0]", 0, False),
     ]
     assert all(p.pid is not None and gone(p.pid) for p in processes)
+
+
+# The driver, once it can take SIGUSR1 (which ends it with 0), opens a FIFO the crasher waits
+# on: the crasher fails only when the driver is ready to be ended.
+DRIVER = (
+    "import signal, sys; signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0)); "
+    "open(sys.argv[1], 'w').close(); signal.pause()"
+)
+CRASHER = "import sys; open(sys.argv[1]).read(); sys.exit(3)"
+
+
+def test_a_failure_whose_restart_the_end_cuts_short_is_reported_as_restarting(
+    run_dir: str,
+) -> None:
+    """A process fails, and the program finishes during its backoff: the report lists the
+    failure, no restart, and the process under ``restarting`` (``asyncrl chaos`` counts it
+    apart from a failure never recovered)."""
+    fifo = os.path.join(run_dir, "ready")
+    os.mkfifo(fifo)
+    crasher = child(run_dir, "crasher", CRASHER, args=[fifo])
+    crasher.policy = Supervision(backoff_initial_s=WAIT_S, backoff_max_s=WAIT_S)
+    children = [
+        child(run_dir, "waiter", WAITS_FOR_A_SIGNAL),
+        crasher,
+        child(run_dir, "driver", DRIVER, kind="driver", args=[fifo]),
+    ]
+
+    def observe(kind: str, label: str, incarnation: int) -> None:
+        if (kind, label) == ("exited", "crasher[0]"):  # it is in its backoff from here on
+            (driver,) = [p for p in supervisor.processes() if p.role == "driver"]
+            assert driver.pid is not None
+            os.kill(driver.pid, signal.SIGUSR1)
+
+    log_dir = os.path.join(run_dir, "logs")
+    supervisor = Supervisor(children, run="sup-test", log_dir=log_dir, observer=observe)
+
+    async def main() -> None:
+        report = await asyncio.wait_for(supervisor.run(), WAIT_S)
+        assert report.status == "completed"
+        assert [(e.role, e.incarnation, e.code) for e in report.exits] == [("crasher", 0, 3)]
+        assert report.restarts == {"waiter": 0, "crasher": 0, "driver": 0}
+        assert report.restarting == ["crasher[0]"]
+
+    asyncio.run(main())
 
 
 FAULTY_AGENT = """

@@ -45,7 +45,12 @@ class ProcessInfo(msgspec.Struct, frozen=True):
 
 
 class RunReport(msgspec.Struct):
-    """How the run ended, for the summary and for tests."""
+    """How the run ended, for the summary and for tests.
+
+    Attributes:
+        restarting: the processes (``role[replica]``) whose restart the end of the run cut
+            short: waiting out their backoff, or started again and not serving yet.
+    """
 
     status: Literal["completed", "failed", "interrupted"]
     reason: str
@@ -53,6 +58,7 @@ class RunReport(msgspec.Struct):
     restarts: dict[str, int] = {}
     exits: list[ExitInfo] = []
     served: dict[str, int] = {}
+    restarting: list[str] = []
 
 
 def format_report(report: RunReport) -> str:

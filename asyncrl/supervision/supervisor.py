@@ -217,15 +217,15 @@ class Supervisor:
 
     def _finish(self, report: RunReport) -> None:
         if self._report is None:
+            again = [c for c in self._children if c.incarnation > 0 and not c.serving]
+            report.restarting = [c.label for c in self._children if c.restarting or c in again]
             self._report = report
             self._stopping = True
             self._done.set()
 
     def _restart_counts(self) -> dict[str, int]:
-        counts: collections.Counter[str] = collections.Counter()
-        for child in self._children:
-            counts[child.spec.name] += child.restarts
-        return dict(counts)
+        names = dict.fromkeys(c.spec.name for c in self._children)
+        return {n: sum(c.restarts for c in self._children if c.spec.name == n) for n in names}
 
     # -- starting -------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ written by hand. The files, each optional:
 - ``summary.json``: the program's summary, with ``accuracy_final``, ``learner_steps``,
   ``samples_consumed`` and ``pipeline`` (``admitted_samples``, ``generated_samples``,
   ``consumed_samples``, ``wasted_samples``, ``in_flight_at_end``, ...);
-- ``report.json``: the supervisor's report (status, restarts per role, failed exits);
+- ``report.json``: the supervisor's report (status, restarts per role, failed exits, the
+  processes still restarting when the run ended);
 - ``driver.json``: the driver's record (``dispatch``: per role ``served`` and ``retries``);
 - ``chaos.json``: written by ``asyncrl chaos`` beside them: wall time, kills, stops and the
   supervisor's ``exited``/``serving`` events with their times.
@@ -156,11 +157,19 @@ def percentile(values: list[float], q: float) -> float | None:
 def recoveries(chaos: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """Time to recover from each failure the supervisor reported: from its ``exited`` event to
     the next ``serving`` event of the same process, in ms, with p50/p99/max overall and per
-    role; failures never followed by ``serving`` are counted as ``unrecovered``."""
+    role. A failure never followed by ``serving`` counts as ``restarting_at_end`` when it was
+    its process's last and the supervisor reported the process still restarting as the run ended
+    (``restarting``: a kill in the run's last moments), else as ``unrecovered``."""
     events = chaos.get("events") or []
+    exits = report.get("exits") or []
     by_role: dict[str, list[float]] = collections.defaultdict(list)
-    unrecovered = 0
-    for failure in report.get("exits") or []:
+    last: dict[str, int] = {}
+    for failure in exits:
+        label = f"{failure['role']}[{failure['replica']}]"
+        last[label] = max(last.get(label, failure["incarnation"]), failure["incarnation"])
+    cut_short = {(label, last[label]) for label in report.get("restarting") or [] if label in last}
+    unrecovered = at_end = 0
+    for failure in exits:
         label = f"{failure['role']}[{failure['replica']}]"
         incarnation = failure["incarnation"]
         exited = next(
@@ -183,6 +192,9 @@ def recoveries(chaos: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
             ),
             None,
         )
+        if serving is None and (label, incarnation) in cut_short:
+            at_end += 1
+            continue
         if exited is None or serving is None:
             unrecovered += 1
             continue
@@ -191,6 +203,7 @@ def recoveries(chaos: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     return {
         "recoveries": len(every),
         "unrecovered": unrecovered,
+        "restarting_at_end": at_end,
         "recover_ms_p50": percentile(every, 50),
         "recover_ms_p99": percentile(every, 99),
         "recover_ms_max": max(every, default=None),
@@ -428,6 +441,7 @@ _TOP = (
     "learner_steps",
     "recoveries",
     "unrecovered",
+    "restarting_at_end",
     "recover_ms_p50",
     "recover_ms_p99",
     "recover_ms_max",
@@ -485,7 +499,7 @@ def account(chaos_dir: str, undisturbed_dir: str | None) -> dict[str, Any]:
     unknown = {k: v for k, v in chaos["unknown"].items()}
     out: dict[str, Any] = {key: chaos.get(key) for key in _TOP}
     if "recoveries" not in chaos:
-        out["recoveries"] = out["unrecovered"] = None
+        out["recoveries"] = out["unrecovered"] = out["restarting_at_end"] = None
     out["status"] = chaos["status"]
     out["reason"] = chaos["reason"]
     out["accuracy_chaos"] = chaos["accuracy"]
@@ -538,6 +552,7 @@ def format_accounting(acc: dict[str, Any]) -> str:
         ("time to recover p99 (ms)", acc.get("recover_ms_p99")),
         ("time to recover max (ms)", acc.get("recover_ms_max")),
         ("failures never recovered", acc.get("unrecovered")),
+        ("  restarting as the run ended", acc.get("restarting_at_end")),
         ("prompts admitted", acc.get("prompts_admitted")),
         ("samples generated", acc.get("samples_generated")),
         ("samples scored", acc.get("samples_scored")),

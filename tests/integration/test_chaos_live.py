@@ -70,9 +70,12 @@ def test_chaos_kills_stateless_roles_and_accounts_for_them(run_dir: str) -> None
     # every failure the supervisor saw was one we caused, and each was restarted and timed
     restarts = acc["restarts"]
     assert restarts["learner"] == restarts["prompts"] == restarts["driver"] == 0
-    assert 1 <= restarts["rollout"] + restarts["reward"] <= kills["total"] + acc["stops"]["total"]
-    assert acc["recoveries"] + acc["unrecovered"] == restarts["rollout"] + restarts["reward"]
+    restarted = restarts["rollout"] + restarts["reward"]
+    assert 1 <= restarted <= kills["total"] + acc["stops"]["total"]
+    # each restart served again, but one the run's end caught (a kill in its last moments)
     assert acc["unrecovered"] == 0
+    assert acc["recoveries"] <= restarted <= acc["recoveries"] + acc["restarting_at_end"]
+    assert acc["restarting_at_end"] <= 3  # the two rollout replicas and the reward
     assert 0 < acc["recover_ms_p50"] <= acc["recover_ms_p99"] <= acc["recover_ms_max"]
     assert set(acc["recover_ms_by_role"]) <= {"rollout", "reward"}
 
