@@ -16,6 +16,7 @@ import sys
 import textwrap
 from typing import Any
 
+import msgspec
 import pytest
 import structlog
 
@@ -132,7 +133,9 @@ def test_a_failure_whose_restart_the_end_cuts_short_is_reported_as_restarting(
     fifo = os.path.join(run_dir, "ready")
     os.mkfifo(fifo)
     crasher = child(run_dir, "crasher", CRASHER, args=[fifo])
-    crasher.policy = Supervision(backoff_initial_s=WAIT_S, backoff_max_s=WAIT_S)
+    crasher.policy = msgspec.structs.replace(
+        crasher.policy, backoff_initial_s=WAIT_S, backoff_max_s=WAIT_S
+    )
     children = [
         child(run_dir, "waiter", WAITS_FOR_A_SIGNAL),
         crasher,
@@ -154,6 +157,26 @@ def test_a_failure_whose_restart_the_end_cuts_short_is_reported_as_restarting(
         assert [(e.role, e.incarnation, e.code) for e in report.exits] == [("crasher", 0, 3)]
         assert report.restarts == {"waiter": 0, "crasher": 0, "driver": 0}
         assert report.restarting == ["crasher[0]"]
+
+    asyncio.run(main())
+
+
+def test_a_process_that_fails_the_run_is_not_reported_as_restarting(run_dir: str) -> None:
+    """A restarted process that dies before it serves, past its budget, ends the run: its
+    failure is the run's, not a restart the end cut short."""
+    crasher = child(run_dir, "crasher", "import sys; sys.exit(3)")
+    crasher.policy = msgspec.structs.replace(
+        crasher.policy, max_restarts=1, backoff_initial_s=0.0, backoff_max_s=0.0
+    )
+    children = [crasher, child(run_dir, "driver", WAITS_FOR_A_SIGNAL, kind="driver")]
+    supervisor = Supervisor(children, run="sup-test", log_dir=os.path.join(run_dir, "logs"))
+
+    async def main() -> None:
+        report = await asyncio.wait_for(supervisor.run(), WAIT_S)
+        assert report.status == "failed" and report.failure is not None
+        assert (report.failure.role, report.failure.incarnation) == ("crasher", 1)
+        assert [(e.role, e.incarnation) for e in report.exits] == [("crasher", 0), ("crasher", 1)]
+        assert report.restarting == []
 
     asyncio.run(main())
 

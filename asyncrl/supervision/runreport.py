@@ -3,11 +3,21 @@ run ended, with the text a person reads at the end of a run."""
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import msgspec
 
-__all__ = ["ExitInfo", "ProcessInfo", "RunReport", "format_report"]
+__all__ = [
+    "STDERR_TAIL_LINES",
+    "ExitInfo",
+    "ProcessInfo",
+    "RunReport",
+    "format_report",
+    "stderr_tail",
+]
+
+STDERR_TAIL_LINES = 20
 
 
 class ExitInfo(msgspec.Struct, frozen=True):
@@ -48,8 +58,9 @@ class RunReport(msgspec.Struct):
     """How the run ended, for the summary and for tests.
 
     Attributes:
-        restarting: the processes (``role[replica]``) whose restart the end of the run cut
-            short: waiting out their backoff, or started again and not serving yet.
+        restarting: this node's processes (``role[replica]``) whose restart the end of the
+            run cut short, as they were when the end was decided: waiting out their backoff,
+            or started again and not serving yet.
     """
 
     status: Literal["completed", "failed", "interrupted"]
@@ -73,3 +84,20 @@ def format_report(report: RunReport) -> str:
             lines.append("  last lines of its stderr:")
             lines += [f"    | {line}" for line in failure.stderr_tail]
     return "\n".join(lines)
+
+
+def stderr_tail(path: str, incarnation: int) -> list[str]:
+    """The last ``STDERR_TAIL_LINES`` lines that ``incarnation`` of a process wrote to its
+    stderr log ``path`` (after the ``--- incarnation N ---`` line each one starts with);
+    [] when the log cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    marker = f"--- incarnation {incarnation} ---"
+    if marker in lines:
+        lines = lines[lines.index(marker) + 1 :]
+    return lines[-STDERR_TAIL_LINES:]

@@ -49,13 +49,17 @@ from asyncrl.exits import EXIT_PROGRAM
 from asyncrl.manifest.load import Supervision
 from asyncrl.manifest.spec import EXIT_CONFIG
 from asyncrl.observe import logs
-from asyncrl.supervision.runreport import ExitInfo, ProcessInfo, RunReport, format_report
+from asyncrl.supervision.runreport import (
+    ExitInfo,
+    ProcessInfo,
+    RunReport,
+    format_report,
+    stderr_tail,
+)
 from asyncrl.supervision.zygote import AnyProcess, ForkedProcess, Launcher
 from asyncrl.transport import ChannelOptions, Client, PeerEvent, TransportError, sweep
 
 __all__ = ["ChildSpec", "ExitInfo", "ProcessInfo", "RunReport", "Supervisor", "format_report"]
-
-STDERR_TAIL_LINES = 20
 
 
 @dataclass
@@ -98,6 +102,12 @@ class _Child:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether the run ending now cuts this process's restart short: it waits out its
+        backoff, or was started again and has not served yet (not one that just died)."""
+        return self.restarting or (self.alive and self.incarnation > 0 and not self.serving)
 
 
 class Supervisor:
@@ -216,16 +226,19 @@ class Supervisor:
         self._finish(report)
 
     def _finish(self, report: RunReport) -> None:
+        """End the run as ``report`` says (the first report wins), noting the processes whose
+        restart this cuts short."""
         if self._report is None:
-            again = [c for c in self._children if c.incarnation > 0 and not c.serving]
-            report.restarting = [c.label for c in self._children if c.restarting or c in again]
+            report.restarting = [c.label for c in self._children if c.cut_short]
             self._report = report
             self._stopping = True
             self._done.set()
 
     def _restart_counts(self) -> dict[str, int]:
-        names = dict.fromkeys(c.spec.name for c in self._children)
-        return {n: sum(c.restarts for c in self._children if c.spec.name == n) for n in names}
+        counts: collections.Counter[str] = collections.Counter()
+        for child in self._children:
+            counts[child.spec.name] += child.restarts
+        return dict(counts)
 
     # -- starting -------------------------------------------------------------------------
 
@@ -455,21 +468,8 @@ class Supervisor:
             None if sig else code,
             sig,
             reason,
-            self._stderr_tail(child),
+            stderr_tail(child.log_path, child.incarnation),
         )
-
-    def _stderr_tail(self, child: _Child) -> list[str]:
-        try:
-            with open(child.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 16384))
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
-            return []
-        marker = f"--- incarnation {child.incarnation} ---"
-        if marker in lines:
-            lines = lines[lines.index(marker) + 1 :]
-        return lines[-STDERR_TAIL_LINES:]
 
     # -- restarting -----------------------------------------------------------------------
 
@@ -509,9 +509,9 @@ class Supervisor:
                 await other.exited.wait()
         if backoff:
             await asyncio.sleep(backoff)
-        if self._stopping:
-            return
         for member in group:
+            if self._stopping:  # the run ended during the backoff or an earlier member's start
+                return
             member.restarting = False
             member.restarts += 1
             self._log.info(

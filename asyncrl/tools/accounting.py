@@ -158,15 +158,15 @@ def recoveries(chaos: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """Time to recover from each failure the supervisor reported: from its ``exited`` event to
     the next ``serving`` event of the same process, in ms, with p50/p99/max overall and per
     role. A failure never followed by ``serving`` counts as ``restarting_at_end`` when it was
-    its process's last and the supervisor reported the process still restarting as the run ended
-    (``restarting``: a kill in the run's last moments), else as ``unrecovered``."""
+    its process's last and the supervisor reported the process still restarting when the run
+    ended (``restarting``: a kill in the run's last moments), else as ``unrecovered``."""
     events = chaos.get("events") or []
     exits = report.get("exits") or []
     by_role: dict[str, list[float]] = collections.defaultdict(list)
     last: dict[str, int] = {}
     for failure in exits:
         label = f"{failure['role']}[{failure['replica']}]"
-        last[label] = max(last.get(label, failure["incarnation"]), failure["incarnation"])
+        last[label] = max(last.get(label, -1), failure["incarnation"])
     cut_short = {(label, last[label]) for label in report.get("restarting") or [] if label in last}
     unrecovered = at_end = 0
     for failure in exits:
@@ -552,7 +552,7 @@ def format_accounting(acc: dict[str, Any]) -> str:
         ("time to recover p99 (ms)", acc.get("recover_ms_p99")),
         ("time to recover max (ms)", acc.get("recover_ms_max")),
         ("failures never recovered", acc.get("unrecovered")),
-        ("  restarting as the run ended", acc.get("restarting_at_end")),
+        ("failures restarting at the end", acc.get("restarting_at_end")),
         ("prompts admitted", acc.get("prompts_admitted")),
         ("samples generated", acc.get("samples_generated")),
         ("samples scored", acc.get("samples_scored")),
