@@ -8,14 +8,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = [
-    "STDERR_TAIL_LINES",
-    "ExitInfo",
-    "ProcessInfo",
-    "RunReport",
-    "format_report",
-    "stderr_tail",
-]
+__all__ = ["ExitInfo", "ProcessInfo", "RunReport", "format_report", "stderr_tail"]
 
 STDERR_TAIL_LINES = 20
 

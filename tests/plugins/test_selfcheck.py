@@ -105,7 +105,6 @@ _REUSED = """
 import ctypes, torch
 from asyncrl_plugin_template import TemplateDevice
 from asyncrl.plugins.selfcheck_layers import _statistics
-from asyncrl.supervision.heap import user_tuned
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
