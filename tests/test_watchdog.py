@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.dispatch.pacing import Pacer
 from asyncrl.dispatch.watchdog import Watchdog
 from asyncrl.errors import StallError
+from asyncrl.roles.sampling.pacing import Pacer
 
 
 class Clock:

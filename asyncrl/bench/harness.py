@@ -8,11 +8,10 @@ import subprocess
 import sys
 from typing import Any
 
-import msgspec
 import yaml
 
 from asyncrl.manifest.load import Supervision
-from asyncrl.manifest.spec import SPEC_ENV, ProcessSpec
+from asyncrl.manifest.spec import SPEC_FILE_ENV, ProcessSpec, write_spec
 from asyncrl.observe import logs
 from asyncrl.supervision.supervisor import ChildSpec
 from asyncrl.transport import LocalRegistry
@@ -73,7 +72,7 @@ def role_child(
             parent_pid=os.getpid(),
         )
         env = {
-            SPEC_ENV: msgspec.json.encode(spec).decode(),
+            SPEC_FILE_ENV: write_spec(spec),
             "OMP_NUM_THREADS": "1",
             logs.CONSOLE_ENV: "0",
         }

@@ -37,7 +37,6 @@ import tempfile
 import time
 from typing import Any
 
-import msgspec
 import torch
 
 from asyncrl.bench.harness import role_child
@@ -45,7 +44,7 @@ from asyncrl.bench.learner_small import breakdown, small_remote
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.handles import Context
 from asyncrl.manifest.load import Supervision
-from asyncrl.manifest.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.manifest.spec import SPEC_FILE_ENV, GroupInfo, ProcessSpec, write_spec
 from asyncrl.observe import logs
 from asyncrl.roles.generation.rollout import (
     GenerateBatch,
@@ -269,7 +268,7 @@ def _replicas(
                 parent_pid=os.getpid(),
             )
             env = {
-                SPEC_ENV: msgspec.json.encode(spec).decode(),
+                SPEC_FILE_ENV: write_spec(spec),
                 "OMP_NUM_THREADS": "1",
                 logs.CONSOLE_ENV: "0",
             }

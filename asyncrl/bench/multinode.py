@@ -51,7 +51,7 @@ from asyncrl.bench.multinode_runs import MANIFEST, free_port, wall_times
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.handles import Context
 from asyncrl.manifest.load import Supervision
-from asyncrl.manifest.spec import SPEC_ENV, GroupInfo, ProcessSpec
+from asyncrl.manifest.spec import SPEC_FILE_ENV, GroupInfo, ProcessSpec, write_spec
 from asyncrl.observe import logs
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
 from asyncrl.supervision.supervisor import ChildSpec, Supervisor
@@ -129,9 +129,7 @@ def _children(base: str, model: dict[str, Any], policy: Supervision) -> list[Chi
 
         def launch(incarnation: int, spec: ProcessSpec = spec) -> tuple[list[str], dict[str, str]]:
             env = {
-                SPEC_ENV: msgspec.json.encode(
-                    msgspec.structs.replace(spec, incarnation=incarnation)
-                ).decode(),
+                SPEC_FILE_ENV: write_spec(msgspec.structs.replace(spec, incarnation=incarnation)),
                 "OMP_NUM_THREADS": "1",
                 logs.CONSOLE_ENV: "0",
                 HOST_ID_ENV: spec.run_dir.rsplit(os.sep, 1)[-1],

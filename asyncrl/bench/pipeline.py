@@ -33,7 +33,7 @@ from typing import Any
 from asyncrl.bench.harness import finished_run
 from asyncrl.bench.pipeline_model import Workload, simulate
 from asyncrl.bench.sim import work_of
-from asyncrl.dispatch.pacing import percentiles
+from asyncrl.roles.learning.statistics import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
 from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
 

@@ -47,9 +47,10 @@ from asyncrl.bench.sim import ScaleRollout, host_main, start_hosts, turnarounds
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.driver import freeze_start_up
 from asyncrl.dispatch.handles import Context
-from asyncrl.dispatch.pacing import PipelineSpec, percentiles
+from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.observe import logs
+from asyncrl.roles.learning.statistics import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.pipeline import SamplePipeline, WeightSync
 from asyncrl.transport import LocalRegistry, run

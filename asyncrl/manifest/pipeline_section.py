@@ -1,7 +1,7 @@
 """The manifest's ``pipeline`` section: the asynchrony settings (mode, staleness bound η,
 over-provisioning) and the straggler policy, as the run's roles and driver read them.
 
-The pacing these settings drive is ``asyncrl.dispatch.pacing``.
+The pacing these settings drive is ``asyncrl.roles.sampling.pacing``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ The node agent writes each incarnation's spec to ``<run_dir>/specs/<name>.<repli
 (``write_spec``) and passes its path in ``ASYNCRL_SPEC_FILE``; the process reads it back with
 ``load_spec_from_env``. A file, not the environment itself: Linux refuses a single environment
 string over 128 KiB (``E2BIG``, "Argument list too long"), and a run's ``config`` may be larger.
-``ASYNCRL_SPEC`` (the spec as JSON in the environment) is still read, for compatibility.
 
 Importing this module imports neither torch nor user code: the node agent builds specs.
 """
@@ -21,7 +20,6 @@ import msgspec
 __all__ = [
     "EXIT_CONFIG",
     "SPEC_DIR",
-    "SPEC_ENV",
     "SPEC_FILE_ENV",
     "GroupInfo",
     "ProcessSpec",
@@ -30,10 +28,6 @@ __all__ = [
     "write_private",
     "write_spec",
 ]
-
-SPEC_ENV = "ASYNCRL_SPEC"
-"""The spec as JSON in the environment: read for compatibility when ``ASYNCRL_SPEC_FILE`` is
-not set; the node agent no longer writes it."""
 
 SPEC_FILE_ENV = "ASYNCRL_SPEC_FILE"
 """The path of the spec file, written by the node agent."""
@@ -175,38 +169,30 @@ def write_spec(spec: ProcessSpec) -> str:
 
 
 def load_spec_from_env(environ: Mapping[str, str] | None = None) -> ProcessSpec:
-    """The spec of this process: read from the file named by ``ASYNCRL_SPEC_FILE``, or else
-    decoded from ``ASYNCRL_SPEC``.
+    """The spec of this process, read from the file named by ``ASYNCRL_SPEC_FILE``.
 
     Raises:
-        SystemExit: with a message, when neither variable is set, the file cannot be read, or
+        SystemExit: with a message, when the variable is not set, the file cannot be read, or
             its content is not a spec; the process cannot start without one.
     """
     env = os.environ if environ is None else environ
     path = env.get(SPEC_FILE_ENV)
-    raw: bytes | str | None
-    if path:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except OSError as exc:
-            raise SystemExit(
-                f"asyncrl.supervision.process: cannot read the spec file {path!r} named by "
-                f"{SPEC_FILE_ENV} "
-                f"({exc.strerror}); it is written by the node agent, which must still be running"
-            ) from exc
-        where = f"the spec file {path!r}"
-    else:
-        raw = env.get(SPEC_ENV)
-        where = SPEC_ENV
-    if not raw:
+    if not path:
         raise SystemExit(
-            f"asyncrl.supervision.process is started by the supervisor, with {SPEC_FILE_ENV} "
-            f"(or {SPEC_ENV}) set"
+            f"asyncrl.supervision.process is started by the supervisor, with {SPEC_FILE_ENV} set"
         )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise SystemExit(
+            f"asyncrl.supervision.process: cannot read the spec file {path!r} named by "
+            f"{SPEC_FILE_ENV} "
+            f"({exc.strerror}); it is written by the node agent, which must still be running"
+        ) from exc
     try:
         return msgspec.json.decode(raw, type=ProcessSpec)
     except msgspec.DecodeError as exc:
         raise SystemExit(
-            f"asyncrl.supervision.process: {where} is not a valid spec: {exc}"
+            f"asyncrl.supervision.process: the spec file {path!r} is not a valid spec: {exc}"
         ) from exc

@@ -291,8 +291,7 @@ def _role_launcher(
 
 
 def _spec_env(spec: ProcessSpec) -> dict[str, str]:
-    """The environment that hands ``spec`` to its process: the path of its file (which
-    ``load_spec_from_env`` prefers to an ``ASYNCRL_SPEC`` the agent may have inherited)."""
+    """The environment that hands ``spec`` to its process: the path of its file."""
     return {SPEC_FILE_ENV: write_spec(spec)}
 
 

@@ -78,7 +78,6 @@ FORK_TIMEOUT_S = 5.0
 """How long the supervisor waits for a fork's answer before it starts the process cold."""
 PER_PROCESS_ENV = (
     "ASYNCRL_SPEC_FILE",
-    "ASYNCRL_SPEC",
     "ASYNCRL_SECRET_FILE",
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
@@ -237,18 +236,13 @@ class Launcher:
         """Note the role class or program named by the process's spec file, and the environment
         it starts with, for the zygote."""
         path = env.get("ASYNCRL_SPEC_FILE", "")
-        inline = env.get("ASYNCRL_SPEC", "")  # the older way: the spec in the environment
         # <name>.<replica>.<incarnation>.json: one entry per replica, whatever its incarnation
-        key = os.path.basename(path).rsplit(".", 2)[0] if path else ""
-        if (not path and not inline) or key in self._targets:
+        key = os.path.basename(path).rsplit(".", 2)[0]
+        if not path or key in self._targets:
             return
         try:
-            if path:
-                with open(path, "rb") as f:
-                    spec = msgspec.json.decode(f.read())
-            else:
-                spec = msgspec.json.decode(inline)
-                key = f"{spec.get('name')}.{spec.get('replica')}"
+            with open(path, "rb") as f:
+                spec = msgspec.json.decode(f.read())
             target = {
                 "kind": spec.get("kind", ""),
                 "target": spec.get("target", ""),

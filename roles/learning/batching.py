@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from asyncrl.dispatch.reduce import Moments
 from asyncrl.roles.learning import algorithms as alg
+from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import Sample, Scored
 
 __all__ = [

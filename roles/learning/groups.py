@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from asyncrl.dispatch.reduce import Moments
+from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import Prompt, Sample
 
 __all__ = ["STD_KINDS", "Group", "StdKind", "group_advantages", "grouped_advantages", "uniform"]

@@ -48,9 +48,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.dispatch.reduce import Moments
 from asyncrl.observe.metrics import MetricsLog, Restarts
 from asyncrl.observe.progress import Progress
+from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import LearnerStatus, Sample
 
 if TYPE_CHECKING:

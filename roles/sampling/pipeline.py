@@ -59,10 +59,9 @@ from typing import Any
 
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.dispatch.background import Background
-from asyncrl.dispatch.pacing import Mode, OverEta, Pacer, PipelineSpec, percentiles, staleness
-from asyncrl.dispatch.reduce import Moments, Outcome, Reducer, Released, Straggler
 from asyncrl.errors import StallError
 from asyncrl.roles.learning.groups import Group, group_advantages, uniform
+from asyncrl.roles.learning.statistics import Moments, percentiles, staleness
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored
 from asyncrl.roles.sampling.coalesce import GroupCalls
 from asyncrl.roles.sampling.contract import (
@@ -78,6 +77,8 @@ from asyncrl.roles.sampling.contract import (
     skipped_too_many,
     warn_capped,
 )
+from asyncrl.roles.sampling.pacing import Mode, OverEta, Pacer, PipelineSpec
+from asyncrl.roles.sampling.reduce import Outcome, Reducer, Released, Straggler
 from asyncrl.roles.sampling.schedule import PromptSchedule
 from asyncrl.roles.sampling.weight_sync import WeightSync
 

@@ -48,7 +48,6 @@ import msgspec
 import numpy as np
 import torch
 
-from asyncrl.dispatch.pacing import percentiles, staleness
 from asyncrl.observe.trace import traced
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.plugins.registry import device_for, dtype_for, sharding_for
@@ -68,6 +67,7 @@ from asyncrl.roles.learning.batching import (
     mini_batch_indices,
     pad_batch,
 )
+from asyncrl.roles.learning.statistics import percentiles, staleness
 from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.training import sharding as sh
 from asyncrl.roles.training import zero_rows

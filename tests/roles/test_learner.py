@@ -313,7 +313,7 @@ def test_whitening_moments_merge_across_data_parallel_ranks(tmp_path: Any) -> No
     import subprocess
     import sys
 
-    from asyncrl.dispatch.reduce import Moments
+    from asyncrl.roles.learning.statistics import Moments
 
     store = str(tmp_path / "store")
     procs = [

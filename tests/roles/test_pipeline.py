@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from asyncrl.clock import FakeClock
-from asyncrl.dispatch.reduce import Moments
 from asyncrl.errors import StallError
 from asyncrl.manifest.pipeline_section import PipelineSpec, StragglerSpec
 from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, SamplingParams
 from asyncrl.roles.learning import algorithms as alg
+from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import Scored
 from asyncrl.roles.sampling.pipeline import SamplePipeline, group_advantages
 from asyncrl.roles.training.learner_config import LearnerConfig

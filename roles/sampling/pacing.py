@@ -24,8 +24,6 @@ from a checkpoint (the pacer starts at the resumed version, not at 0).
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Iterable, Sequence
 
 from asyncrl.manifest.pipeline_section import (
     Mode,
@@ -41,28 +39,8 @@ __all__ = [
     "Pacer",
     "PipelineSpec",
     "StragglerSpec",
-    "percentiles",
-    "staleness",
     "straggler_problem",
 ]
-
-
-def staleness(consumer_version: int, versions: Sequence[int]) -> int:
-    """The consuming learner version minus the oldest version among a sample's tokens (0 for a
-    sample without tokens)."""
-    return consumer_version - min(versions) if versions else 0
-
-
-def percentiles(values: Iterable[float]) -> dict[str, float]:
-    """``p50``, ``p99`` and ``max`` by nearest rank (0 for no values)."""
-    ordered = sorted(values)
-    if not ordered:
-        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-
-    def rank(q: float) -> float:
-        return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
-
-    return {"p50": rank(0.50), "p99": rank(0.99), "max": float(ordered[-1])}
 
 
 class Pacer:
