@@ -11,6 +11,8 @@
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
 - ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
+- The developers' benchmarks below run from a source checkout (the top-level ``benchmarks/``
+  package, outside the wheel); installed from a wheel, ``asyncrl bench`` says where to get them.
 - ``asyncrl bench pipeline [--json] [--quick]``: sync against async mode on simulated generation,
   each against a discrete-event model of the same draws.
 - ``asyncrl bench scale [--json] [--quick]``: the driver against 1 to 256 simulated rollout
@@ -54,18 +56,13 @@ from typing import Any
 
 from asyncrl import __version__
 
-BENCHMARKS = (
-    "transport",
-    "runtime",
-    "learner",
-    "pipeline",
-    "scale",
-    "multinode",
-    "sharding",
-    "durability",
-    "episodes",
-)
-"""The built-in benchmarks, each the module of that name in ``asyncrl.bench``."""
+BENCHMARKS = ("transport", "runtime", "learner")
+"""The benchmarks the wheel ships, user-facing checks: each the module of that name in
+``asyncrl.bench``."""
+DEVELOPER_BENCHMARKS = ("pipeline", "scale", "multinode", "sharding", "durability", "episodes")
+"""The developers' benchmarks (simulators, the pipeline's model, the sharding and durability
+benches): each the module of that name in the top-level ``benchmarks`` package of a source
+checkout, outside the wheel."""
 BENCHMARK_GROUP = "asyncrl.benchmarks"
 """Entry-point group of benchmarks that other installed packages add (a name and a
 ``main(argv) -> int``); a built-in name takes precedence."""
@@ -73,13 +70,38 @@ BENCHMARK_GROUP = "asyncrl.benchmarks"
 
 def _plugged_benchmarks() -> dict[str, Any]:
     plugged = importlib.metadata.entry_points(group=BENCHMARK_GROUP)
-    return {ep.name: ep for ep in plugged if ep.name not in BENCHMARKS}
+    builtin = (*BENCHMARKS, *DEVELOPER_BENCHMARKS)
+    return {ep.name: ep for ep in plugged if ep.name not in builtin}
+
+
+def _developer_benchmark(name: str) -> Any:
+    """The module ``benchmarks.<name>`` of the source checkout this asyncrl runs from (an
+    editable install, or the checkout on ``sys.path``), or ``None`` after saying where to get
+    it."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(checkout, "benchmarks", "__init__.py")):
+        if checkout not in sys.path:
+            sys.path.insert(0, checkout)
+        return importlib.import_module(f"benchmarks.{name}")
+    print(
+        f"asyncrl bench {name}: a developer benchmark, kept in the benchmarks/ folder of the "
+        "asyncrl source repository and not in the installed package; run it from a checkout "
+        f"of the repository, installed in editable mode (pip install -e .): asyncrl bench {name}",
+        file=sys.stderr,
+    )
+    return None
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.name in BENCHMARKS:
         module = importlib.import_module(f"asyncrl.bench.{args.name}")
         result: int = module.main(rest)
+        return result
+    if args.name in DEVELOPER_BENCHMARKS:
+        module = _developer_benchmark(args.name)
+        if module is None:
+            return 2
+        result = module.main(rest)
         return result
     plugged = _plugged_benchmarks().get(args.name)
     if plugged is not None:
@@ -372,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench = sub.add_parser("bench", help="run a benchmark and print its figures", add_help=False)
     bench.add_argument(
-        "name", choices=[*BENCHMARKS, *sorted(_plugged_benchmarks())], help="which benchmark"
+        "name",
+        choices=[*BENCHMARKS, *DEVELOPER_BENCHMARKS, *sorted(_plugged_benchmarks())],
+        help="which benchmark",
     )
     bench.set_defaults(func=_bench)
     run = sub.add_parser("run", help="run a manifest on this machine (the embedded default)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -62,10 +63,27 @@ def test_unknown_benchmark_is_refused() -> None:
         cwd=ROOT,
     )
     assert out.returncode == 2
-    from asyncrl.cli import BENCHMARKS, _plugged_benchmarks
+    from asyncrl.cli import BENCHMARKS, DEVELOPER_BENCHMARKS, _plugged_benchmarks
 
-    choices = ", ".join(repr(name) for name in [*BENCHMARKS, *sorted(_plugged_benchmarks())])
+    names = [*BENCHMARKS, *DEVELOPER_BENCHMARKS, *sorted(_plugged_benchmarks())]
+    choices = ", ".join(repr(name) for name in names)
     assert f"invalid choice: 'nope' (choose from {choices})" in out.stderr
+
+
+def test_a_developer_benchmark_outside_a_checkout_says_where_to_get_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Installed from a wheel (no ``benchmarks/`` beside the package), ``asyncrl bench scale``
+    fails with exit status 2 and names the repository's folder to run it from."""
+    from asyncrl import cli
+
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "asyncrl" / "cli.py"))
+    assert cli.main(["bench", "scale", "--quick"]) == 2
+    assert capsys.readouterr().err == (
+        "asyncrl bench scale: a developer benchmark, kept in the benchmarks/ folder of the "
+        "asyncrl source repository and not in the installed package; run it from a checkout of "
+        "the repository, installed in editable mode (pip install -e .): asyncrl bench scale\n"
+    )
 
 
 @pytest.mark.slow
@@ -146,8 +164,8 @@ def test_learner_benchmark_json() -> None:
 def test_the_multinode_benchmarks_manifest_runs_on_one_node_with_its_overrides() -> None:
     """The one-node half of ``asyncrl bench multinode`` runs the two-node example moved to node
     0; both halves take the shortened settings. (The runs themselves are the multi-node tests'.)"""
-    from asyncrl.bench.multinode_runs import MANIFEST, ONE_NODE, SHORT
     from asyncrl.manifest import ManifestError, load_manifest
+    from benchmarks.multinode_runs import MANIFEST, ONE_NODE, SHORT
 
     path = os.path.join(ROOT, MANIFEST)
     with pytest.raises(ManifestError, match=r"roles\.rollout\.placement\.node: node 1, but"):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from asyncrl.bench.durability import format_table
+from benchmarks.durability import format_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

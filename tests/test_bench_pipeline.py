@@ -11,9 +11,6 @@ import sys
 import msgspec
 import pytest
 
-from asyncrl.bench.pipeline import workload
-from asyncrl.bench.pipeline_model import sample_duration, simulate
-from asyncrl.bench.sim import SimLearner, SimRollout
 from asyncrl.role import RoleContext
 from asyncrl.roles.generation.rollout import (
     GenerateBatch,
@@ -24,6 +21,9 @@ from asyncrl.roles.generation.rollout import (
 )
 from asyncrl.roles.training.learner import Scored, StepResult, TrainBatch
 from asyncrl.transport import run
+from benchmarks.pipeline import workload
+from benchmarks.pipeline_model import sample_duration, simulate
+from benchmarks.sim import SimLearner, SimRollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

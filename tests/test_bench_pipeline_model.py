@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from asyncrl.bench.pipeline_model import ModelResult, Workload, sample_duration, simulate
+from benchmarks.pipeline_model import ModelResult, Workload, sample_duration, simulate
 
 
 def one_second(prompt: int, index: int) -> float:

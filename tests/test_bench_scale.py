@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from asyncrl.bench.scale import (
+from asyncrl.role import RoleContext
+from asyncrl.transport import run
+from benchmarks.scale import (
     TIMES,
     ScaleRollout,
     format_table,
@@ -22,8 +24,6 @@ from asyncrl.bench.scale import (
     summarize,
     turnarounds,
 )
-from asyncrl.role import RoleContext
-from asyncrl.transport import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -155,7 +155,7 @@ KEYS = {
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_scale_benchmark_quick_json() -> None:
-    cmd = [sys.executable, "-m", "asyncrl.bench.scale", "--quick", "--json", "--hosts", "2"]
+    cmd = [sys.executable, "-m", "benchmarks.scale", "--quick", "--json", "--hosts", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=ROOT, check=True)
     figures = json.loads(out.stdout)
     rows, held = figures["rows"], figures["hold"]["rows"]

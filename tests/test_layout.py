@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import tomllib
 
 import pytest
 
@@ -217,7 +218,17 @@ def test_every_asyncrl_module_the_tree_imports_exists() -> None:
     """Nothing keeps an old path alive (no release has shipped one), so every ``asyncrl``
     module that the code, the tests, the examples and the tools import is where it lives."""
     bad = []
-    for folder in ("asyncrl", "transport", "roles", "plugins", "tests", "examples", "tools"):
+    folders = (
+        "asyncrl",
+        "transport",
+        "roles",
+        "plugins",
+        "benchmarks",
+        "tests",
+        "examples",
+        "tools",
+    )
+    for folder in folders:
         for path in _python_files(folder):
             with open(path) as f:
                 tree = ast.parse(f.read(), path)
@@ -327,11 +338,28 @@ def test_old_module_paths_do_not_import() -> None:
 
 
 def test_no_layer_imports_the_benchmarks() -> None:
-    """Only the command line reaches ``asyncrl.bench``, by name when a benchmark is asked for."""
-    bad = _violations("asyncrl", ("asyncrl.bench",), skip=(os.path.join("asyncrl", "bench"),))
+    """Only the command line reaches ``asyncrl.bench`` and the developers' ``benchmarks``, by
+    name when a benchmark is asked for; the wheel's benchmarks never import the developers'."""
+    benches = ("asyncrl.bench", "benchmarks")
+    bad = _violations("asyncrl", benches, skip=(os.path.join("asyncrl", "bench"),))
+    bad += _violations(os.path.join("asyncrl", "bench"), ("benchmarks",))
     for folder in ("transport", "roles", "plugins"):
-        bad += _violations(folder, ("asyncrl.bench",))
+        bad += _violations(folder, benches)
     assert bad == []
+
+
+def test_the_wheel_leaves_the_developer_benchmarks_out() -> None:
+    """``benchmarks/`` is no package of the distribution, and every developer benchmark the
+    command line names is a module there, every shipped one a module of ``asyncrl.bench``."""
+    from asyncrl import cli
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    assert not [p for p in packages if p.split(".")[0] == "benchmarks"]
+    for name in cli.DEVELOPER_BENCHMARKS:
+        assert os.path.isfile(os.path.join(ROOT, "benchmarks", f"{name}.py")), name
+    for name in cli.BENCHMARKS:
+        assert os.path.isfile(os.path.join(ROOT, "asyncrl", "bench", f"{name}.py")), name
 
 
 def test_roles_reach_plugins_only_through_registry_and_contract() -> None:

@@ -1,8 +1,10 @@
-"""Run mypy on the package as it imports (asyncrl and its mapped layers).
+"""Run mypy on the package as it imports (asyncrl and its mapped layers), and on the developers'
+benchmarks beside it.
 
 The layers sit at the top of the repository and are mapped into ``asyncrl`` by setuptools'
-package-dir, which mypy cannot follow through an editable install. So this builds a tree of
-symbolic links under build/typecheck that has the installed shape, and checks that.
+package-dir, which mypy cannot follow through an editable install, and no mypy option maps a
+package name to another folder. So this builds a tree of symbolic links under build/typecheck
+that has the installed shape, and checks that.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def build_tree() -> str:
             os.symlink(os.path.join(ROOT, "asyncrl", entry), os.path.join(pkg, entry))
     for name, folder in LAYERS.items():
         os.symlink(os.path.join(ROOT, folder), os.path.join(pkg, name))
+    os.symlink(os.path.join(ROOT, "benchmarks"), os.path.join(tree, "benchmarks"))
     return tree
 
 
@@ -40,6 +43,8 @@ def main() -> int:
         os.path.join(ROOT, "pyproject.toml"),
         "-p",
         "asyncrl",
+        "-p",
+        "benchmarks",
         *sys.argv[1:],
     ]
     try:

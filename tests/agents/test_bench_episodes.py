@@ -12,7 +12,11 @@ from typing import Any
 
 import pytest
 
-from asyncrl.bench.episode_sim import (
+from asyncrl.role import RoleContext
+from asyncrl.roles.agents.environment import Reset, Step, Transition
+from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
+from asyncrl.transport import run
+from benchmarks.episode_sim import (
     MAX_TURNS,
     MIN_TURNS,
     SpreadEnv,
@@ -21,11 +25,7 @@ from asyncrl.bench.episode_sim import (
     step_latency,
     turns_of,
 )
-from asyncrl.bench.episodes import PARAMS, QUICK, format_table, ideal_seconds, main, task_plan
-from asyncrl.role import RoleContext
-from asyncrl.roles.agents.environment import Reset, Step, Transition
-from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
-from asyncrl.transport import run
+from benchmarks.episodes import PARAMS, QUICK, format_table, ideal_seconds, main, task_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from asyncrl.bench.multinode_runs import two_nodes
+from benchmarks.multinode_runs import two_nodes
 from tests.conftest import ROOT
 from tests.integration.test_arith import SHORT, reward_rises
 

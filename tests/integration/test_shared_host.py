@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from asyncrl.bench.multinode_runs import two_nodes
+from benchmarks.multinode_runs import two_nodes
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1000)]  # two_nodes waits up to 900 s

@@ -24,7 +24,6 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.bench import multinode
 from asyncrl.clock import FakeClock
 from asyncrl.errors import ConfigProblem, StallError
 from asyncrl.manifest.spec import SPEC_FILE_ENV, GroupInfo, ProcessSpec, write_spec
@@ -36,6 +35,7 @@ from asyncrl.roles.services.relay import Relay, RelayStatus
 from asyncrl.transport import Client, run
 from asyncrl.transport.shm import HOST_ID_ENV, sweep
 from asyncrl.weights import NO_VERSION, WeightReader, handle_path, read_handle
+from benchmarks import multinode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_S = 90.0  # a process's start-up (imports torch, and transformers for the learner)

@@ -197,7 +197,7 @@ def test_blocks_are_the_models_repeated_layers() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_sharded_ranks_of_a_300m_qwen2_each_hold_well_under_one_ranks_memory() -> None:
-    from asyncrl.bench.sharding import measure
+    from benchmarks.sharding import measure
 
     # Two steps: from the second on, a backward pass meets AdamW's state (the steady peak).
     result = measure(steps=2, ranks=(1, 2))

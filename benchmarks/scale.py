@@ -42,8 +42,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.bench.pipeline import reward
-from asyncrl.bench.sim import ScaleRollout, host_main, start_hosts, turnarounds
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.driver import freeze_start_up
 from asyncrl.dispatch.handles import Context
@@ -55,6 +53,8 @@ from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.pipeline import SamplePipeline, WeightSync
 from asyncrl.transport import LocalRegistry, run
 from asyncrl.transport.sockets import reserve_sockets
+from benchmarks.pipeline import reward
+from benchmarks.sim import ScaleRollout, host_main, start_hosts, turnarounds
 
 __all__ = [
     "ScaleRollout",
@@ -351,7 +351,7 @@ def measure_row(
     Raises:
         RuntimeError: the row's process failed; the message holds the end of its output.
     """
-    cmd = [sys.executable, "-m", "asyncrl.bench.scale", "--row", str(n), "--slots", str(slots)]
+    cmd = [sys.executable, "-m", "benchmarks.scale", "--row", str(n), "--slots", str(slots)]
     cmd += ["--gen-ms", str(gen_ms), "--hosts", str(hosts)]
     cmd += [arg for name, value in times.items() for arg in (f"--{name}", str(value))]
     cmd += ["--gc", gc, *(["--group-calls"] if group_calls else [])]
@@ -573,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # ``python -m asyncrl.bench.scale`` runs this file as ``__main__``: call the canonical
+    # ``python -m benchmarks.scale`` runs this file as ``__main__``: call the canonical
     # module's main, so that the role class is the one the rest of asyncrl imports.
-    from asyncrl.bench.scale import main as _main
+    from benchmarks.scale import main as _main
 
     raise SystemExit(_main())

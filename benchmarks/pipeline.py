@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.bench.harness import finished_run
-from asyncrl.bench.pipeline_model import Workload, simulate
-from asyncrl.bench.sim import work_of
 from asyncrl.roles.learning.statistics import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
 from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
+from benchmarks.pipeline_model import Workload, simulate
+from benchmarks.sim import work_of
 
 __all__ = [
     "ROWS",
@@ -245,7 +245,7 @@ def manifest(w: Workload, mode: str, profile: str = "") -> dict[str, Any]:
     return {
         "run": {
             "name": f"bench-pipeline-{mode}",
-            "program": "asyncrl.bench.pipeline:program",
+            "program": "benchmarks.pipeline:program",
             "config": {
                 "batch": w.batch,
                 "group": w.group,
@@ -257,12 +257,12 @@ def manifest(w: Workload, mode: str, profile: str = "") -> dict[str, Any]:
         },
         "roles": {
             "rollout": {
-                "class": "asyncrl.bench.sim:SimRollout",
+                "class": "benchmarks.sim:SimRollout",
                 "replicas": len(w.speeds),
                 "capacity": w.slots,
                 "config": {"speeds": list(w.speeds), **draws},
             },
-            "learner": {"class": "asyncrl.bench.sim:SimLearner", "config": {"step_s": w.learner_s}},
+            "learner": {"class": "benchmarks.sim:SimLearner", "config": {"step_s": w.learner_s}},
         },
         "pipeline": {
             "mode": mode,

@@ -41,10 +41,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.bench.episode_sim import MAX_TURNS, MIN_TURNS, episode_seconds, turns_of
 from asyncrl.bench.harness import finished_run
 from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
 from asyncrl.roles.payloads import SamplingParams
+from benchmarks.episode_sim import MAX_TURNS, MIN_TURNS, episode_seconds, turns_of
 
 __all__ = [
     "PARAMS",
@@ -252,15 +252,15 @@ def manifest(p: dict[str, Any]) -> dict[str, Any]:
     """The manifest of a run with parameters ``p`` (``PARAMS``'s keys), as a mapping."""
     most = max(p["replicas"])
     return {
-        "run": {"name": "bench-episodes", "program": "asyncrl.bench.episodes:program", "config": p},
+        "run": {"name": "bench-episodes", "program": "benchmarks.episodes:program", "config": p},
         "roles": {
             "rollout": {
-                "class": "asyncrl.bench.episode_sim:TurnRollout",
+                "class": "benchmarks.episode_sim:TurnRollout",
                 "capacity": most,  # one turn of each episode in flight: none ever queues
                 "config": {"gen_s": p["gen_ms"] / 1e3, "tokens": TOKENS},
             },
             "env": {
-                "class": "asyncrl.bench.episode_sim:SpreadEnv",
+                "class": "benchmarks.episode_sim:SpreadEnv",
                 "replicas": most,
                 "capacity": 1,
                 "config": {

@@ -26,7 +26,7 @@ untimed round), for two models built from configs (no download): the arith examp
 (``ARITH``, the model of ``examples/arith``) and a ~100M-parameter GPT-2 (``GPT2_100M``).
 Every process uses one torch thread.
 
-Then the shortened main job on one node against two (``asyncrl.bench.multinode_runs``:
+Then the shortened main job on one node against two (``benchmarks.multinode_runs``:
 ``one_node_wall_s``, ``two_node_wall_s``), and a GRPO step on one learner against two
 data-parallel ones (``dp1_step_ms_p50``, ``dp2_step_ms_p50``; ``asyncrl.bench.learner``).
 """
@@ -47,7 +47,6 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.bench.multinode_runs import MANIFEST, free_port, wall_times
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.handles import Context
 from asyncrl.manifest.load import Supervision
@@ -58,6 +57,7 @@ from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from asyncrl.transport import run
 from asyncrl.transport.control import CONTROL_SECRET_ENV
 from asyncrl.transport.shm import HOST_ID_ENV
+from benchmarks.multinode_runs import MANIFEST, free_port, wall_times
 
 __all__ = ["ARITH", "GPT2_100M", "main", "measure", "parameters", "weight_sync"]
 

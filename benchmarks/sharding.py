@@ -154,7 +154,7 @@ def _group(ranks: int, steps: int, folder: str) -> list[dict[str, Any]]:
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.bench.sharding", "--worker", json.dumps(args)],
+                [sys.executable, "-m", "benchmarks.sharding", "--worker", json.dumps(args)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -27,13 +27,13 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.bench.pipeline_model import sample_duration
 from asyncrl.observe import logs
 from asyncrl.role import Delivery, Role, RoleContext, endpoint, endpoints_of
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Sample, StepResult, TrainBatch
 from asyncrl.supervision.process import die_with_parent
 from asyncrl.transport import Call, ChannelOptions, Server, run
 from asyncrl.transport.sockets import reserve_sockets
+from benchmarks.pipeline_model import sample_duration
 
 __all__ = [
     "HostSpec",
@@ -375,7 +375,7 @@ def start_hosts(
     endpoints: list[str], slots: int, gen_s: float, run_dir: str, hosts: int, *, run: str
 ) -> list[subprocess.Popen[str]]:
     """Spread the replicas over ``hosts`` helper processes (contiguous runs of replicas), each
-    ``python -m asyncrl.bench.scale --host`` reading its ``HostSpec``; ``run``: the run's name."""
+    ``python -m benchmarks.scale --host`` reading its ``HostSpec``; ``run``: the run's name."""
     n = len(endpoints)
     count = max(1, min(hosts, n))
     procs = []
@@ -392,7 +392,7 @@ def start_hosts(
             run=run,
         )
         proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.bench.scale", "--host"],
+            [sys.executable, "-m", "benchmarks.scale", "--host"],
             stdin=subprocess.PIPE,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
