@@ -82,6 +82,10 @@ def _developer_benchmark(name: str) -> Any:
     if os.path.isfile(os.path.join(checkout, "benchmarks", "__init__.py")):
         if checkout not in sys.path:
             sys.path.insert(0, checkout)
+        # The roles a benchmark starts (simulated rollouts) are its modules too, in processes
+        # that start wherever the run directory is.
+        path = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([checkout, *([path] if path else [])])
         return importlib.import_module(f"benchmarks.{name}")
     print(
         f"asyncrl bench {name}: a developer benchmark, kept in the benchmarks/ folder of the "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import msgspec
@@ -20,6 +19,7 @@ from asyncrl.roles.generation.rollout import Sample
 from asyncrl.roles.services.reference import Reference
 from asyncrl.roles.training.critic import Critic
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
+from tests.helpers.waiting import wait_until
 
 MODEL = {
     "model_type": "gpt2",
@@ -339,14 +339,6 @@ class HeldDevice(CpuDevice):
         assert self.go.wait(10)
 
 
-def _until(done: Any) -> None:
-    """Spin (no sleep) until ``done()``, for at most 10 s."""
-    deadline = time.monotonic() + 10
-    while not done():
-        assert time.monotonic() < deadline
-        time.sleep(0)
-
-
 def test_releases_run_one_at_a_time_and_skip_when_work_began_meanwhile() -> None:
     """Work X ends and its release holds; work A ends meanwhile, then work B begins before A's
     release could start: A releases nothing (B's end will), so no release runs under B's work,
@@ -370,7 +362,8 @@ def test_releases_run_one_at_a_time_and_skip_when_work_began_meanwhile() -> None
     a = threading.Thread(target=share.working(a_ran.set))
     a.start()
     assert a_ran.wait(10)
-    _until(lambda: share._busy == 0)  # A's work is counted ended: its release is due
+    # A's work is counted ended: its release is due (a spin, no sleep: the release is a thread)
+    wait_until(lambda: share._busy == 0, timeout=10, what="work A counted ended", interval=0)
     b = threading.Thread(target=share.working(b_work))
     b.start()
     assert b_in.wait(10)

@@ -82,8 +82,12 @@ def test_grpo_raises_the_reward(run_dir: str, mode: str) -> None:
     assert summary["learner_steps"] == 360
     assert summary["samples_consumed"] == 60 * 32 * 8
     assert summary["mode"] == mode
-    # Sync mode consumes only fresh samples; async stays within its bound (eta 2, corrected).
-    assert summary["staleness_max"] == 0 if mode == "sync" else summary["staleness_max"] >= 0
+    # Sync mode consumes only fresh samples. Async admits within its bound (eta 2): a group that
+    # still arrives over it (a slow tail) is trained corrected and counted, never silently.
+    if mode == "sync":
+        assert summary["staleness_max"] == 0
+    elif summary["staleness_max"] > 2:
+        assert summary["pipeline"]["groups_over_eta_corrected"] > 0, summary["pipeline"]
     for name in (
         "heldout.jsonl",
         "progress.png",

@@ -14,7 +14,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from typing import Any
 
 import msgpack
@@ -24,6 +23,7 @@ import zmq
 from asyncrl.transport import ChannelOptions, Client, RemoteError
 from asyncrl.transport.control import SECRET_FILE_ENV, read_secret
 from tests.conftest import ROOT
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -106,15 +106,6 @@ def attack(endpoint: str) -> list[Any]:
     return out
 
 
-def _wait_for(path: str, proc: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended first:\n{proc.stdout.read()}")  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, f"timed out waiting for {path}"
-        time.sleep(0.05)
-
-
 async def _status_with_the_secret_file(endpoint: str, secret_file: str) -> Any:
     os.environ[SECRET_FILE_ENV] = secret_file  # as a tool pointed at the run would be
     try:
@@ -152,7 +143,8 @@ def test_a_learner_refuses_calls_from_outside_the_run(run_dir: str) -> None:
         env={**env, "ASYNCRL_CONSOLE": "0"},
     )
     try:
-        _wait_for(os.path.join(run_dir, "ready"), proc, 120)
+        ready = os.path.join(run_dir, "ready")
+        wait_until(lambda: os.path.exists(ready), proc=proc, what=ready, timeout=120)
         endpoint = f"ipc://{run_dir}/sockets/learner.0"
         answers = attack(endpoint)
         refused = asyncio.run(_connect_without_the_secret(endpoint))

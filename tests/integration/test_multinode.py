@@ -20,13 +20,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers.waiting import wait_until
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 EXPECTED = [["the", 40], ["dog", 30], ["fox", 30]]
@@ -80,15 +80,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait(what: str, ready: Callable[[], bool], timeout: float, logs: Callable[[], str]) -> None:
-    """Wait until ``ready()`` (a file the run writes), or fail with the nodes' output."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:g} s for {what}\n{logs()}")
-        time.sleep(0.05)
 
 
 def _json(path: str) -> Any:
@@ -166,7 +157,7 @@ class TwoNodes:
         return os.path.join(base, *parts)
 
     def wait(self, what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
-        _wait(what, ready, timeout, self.logs)
+        wait_until(ready, timeout=timeout, what=what, output=self.logs)
 
     def finish(self, timeout: float = 90.0) -> list[int]:
         codes = []

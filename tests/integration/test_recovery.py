@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -213,18 +213,6 @@ def test_a_program_that_does_not_import_is_a_configuration_error(run_dir: str) -
     assert any("nosuchpkg" in line for line in report["failure"]["stderr_tail"])
 
 
-def _wait_for(condition: Any, proc: subprocess.Popen[str], what: str, timeout: float) -> None:
-    """Poll ``condition`` (a file the run appends to) until true; fail if the run ends first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before {what}:\n{proc.stdout.read()}")  # type: ignore[union-attr]
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _driver_pid(run_dir: str) -> int:
     started = [
         e for e in agent_events(run_dir) if e["event"] == "started" and e["process"] == "driver[0]"
@@ -238,7 +226,9 @@ def test_driver_killed_mid_rl_resumes_without_replaying(run_dir: str, mode: str)
     pipeline skips them rather than generating and consuming them again."""
     proc = start(arith_manifest(run_dir, mode=mode), run_dir)
     bc_steps = SHORT["bc_max_steps"]
-    _wait_for(lambda: len(steps(run_dir)) >= bc_steps + 5, proc, "RL step 5", 300)
+    wait_until(
+        lambda: len(steps(run_dir)) >= bc_steps + 5, proc=proc, what="RL step 5", timeout=300
+    )
     os.kill(_driver_pid(run_dir), signal.SIGKILL)
     out = finish(proc)
     assert proc.returncode == 0, out
@@ -393,7 +383,12 @@ def test_a_stopped_driver_never_reads_as_success(run_dir: str) -> None:
             )
         )
     proc = start(manifest, run_dir)
-    _wait_for(lambda: os.path.exists(os.path.join(run_dir, "ready")), proc, "the program", 60)
+    wait_until(
+        lambda: os.path.exists(os.path.join(run_dir, "ready")),
+        proc=proc,
+        what="the program",
+        timeout=60,
+    )
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     try:
@@ -405,7 +400,7 @@ def test_a_stopped_driver_never_reads_as_success(run_dir: str) -> None:
             with open(driver_log) as f:
                 return "refused STOP" in f.read()
 
-        _wait_for(refused, proc, "the driver to refuse the STOP", 30)
+        wait_until(refused, proc=proc, what="the driver to refuse the STOP", timeout=30)
     finally:
         dealer.close(linger=0)
         context.term()
@@ -425,7 +420,9 @@ def test_a_killed_run_resumes_with_resume(run_dir: str) -> None:
     with it); `asyncrl run --resume` finishes the run with every step once."""
     proc = start(arith_manifest(run_dir), run_dir)
     bc_steps = SHORT["bc_max_steps"]
-    _wait_for(lambda: len(steps(run_dir)) >= bc_steps + 5, proc, "RL step 5", 300)
+    wait_until(
+        lambda: len(steps(run_dir)) >= bc_steps + 5, proc=proc, what="RL step 5", timeout=300
+    )
     proc.kill()
     proc.communicate()
     resumed = subprocess.Popen(

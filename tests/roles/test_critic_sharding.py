@@ -121,6 +121,7 @@ from asyncrl.roles.training.sharding import full_buckets
 from tests.roles.test_critic_sharding import (
     CONFIG, HELDOUT, concurrent_calls, ppo_rounds, replica_calls,
 )
+from tests.helpers.waiting import wait_until_async
 
 rank, run_dir, out, parallel, mode = (
     int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
@@ -155,8 +156,9 @@ async def main():
                 for c in concurrent_calls()
             ))
             report["replies"] = [msgspec.to_builtins(r) for r in replies]
-            while critic.lockstep.idles < 3:  # and with no call
-                await asyncio.sleep(0.01)
+            await wait_until_async(  # and with no call
+                lambda: critic.lockstep.idles >= 3, timeout=60, what="three idle rounds"
+            )
         await critic.ctx.offload(critic.lockstep.close)
         # Counted once closed: a keep-alive may still go out until then.
         report["idles"] = critic.lockstep.idles
