@@ -64,3 +64,17 @@ def test_the_surface_imports_nothing_dear_until_a_name_is_used() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", str(len(asyncrl.__all__))]
+
+
+def test_the_program_face_exports_what_a_program_uses() -> None:
+    """``asyncrl.rl`` gathers the names a program uses, each the object of the module that
+    defines it, and nothing else."""
+    import asyncrl.rl as rl
+
+    assert _public_names(rl) - {"annotations"} == set(rl.__all__)  # __future__ leaves it
+    needed = {"Run", "RLLoop", "Evaluation", "SamplingParams", "Prompt", "Sample", "TrainBatch"}
+    assert needed <= set(rl.__all__)
+    for name in rl.__all__:
+        value = getattr(rl, name)
+        home = importlib.import_module(value.__module__)
+        assert getattr(home, name) is value, name

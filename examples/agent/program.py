@@ -16,16 +16,20 @@ import os
 import random
 from typing import Any
 
-import msgspec
-
-from asyncrl.dispatch.handles import Context
 from asyncrl.observe.metrics import read_metrics
-from asyncrl.observe.progress import say
-from asyncrl.roles.agents.episodes import EpisodeRunner, episode_rewards
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
-from asyncrl.roles.program.episode_evaluation import EpisodeEvaluation
-from asyncrl.roles.program.loop import PromptFeed, RLLoop, rl_loop
-from asyncrl.roles.program.run import Run
+from asyncrl.rl import (
+    Context,
+    EpisodeEvaluation,
+    EpisodeRunner,
+    Prompt,
+    PromptFeed,
+    RLLoop,
+    Run,
+    Sample,
+    SamplingParams,
+    episode_rewards,
+    say,
+)
 from examples.agent import game
 
 DEFAULTS: dict[str, Any] = {
@@ -126,14 +130,9 @@ async def behaviour_cloning(run: Run, cfg: dict[str, Any], tok: Any) -> None:
     while run.steps < cfg["bc_steps"]:
         step = run.steps
         # Each step draws from its own seeded stream, so a resumed run draws what the
-        # interrupted one would have; each use of a demonstration has its own ledger id.
+        # interrupted one would have (bc_step gives each use of a demonstration its own id).
         draw = random.Random(f"{cfg['seed']}-bc-{step}")
-        uses = [
-            Scored(sample=msgspec.structs.replace(d, prompt_id=f"{d.prompt_id}#bc{step}"))
-            for d in draw.sample(demos, min(cfg["bc_batch"], len(demos)))
-        ]
-        batch = TrainBatch(samples=uses, algorithm="bc", lr=cfg["bc_lr"], id=f"bc-{step + 1}")
-        await run.train_step(batch)
+        await run.bc_step(draw.sample(demos, min(cfg["bc_batch"], len(demos))), lr=cfg["bc_lr"])
     success = await run.evaluate_at(run.steps)
     await run.end_phase(accuracy=success)
     say(f"after BC: held-out success {success:.3f} ({run.learner_step} steps)")
@@ -150,7 +149,7 @@ async def reinforce(run: Run, cfg: dict[str, Any], runner: EpisodeRunner) -> Non
         lr=cfg["rl_lr"],
         source=runner.source,
     )
-    out = await rl_loop(run.rl, loop, feed=PromptFeed(run.rl), score=episode_rewards, run=run)
+    out = await run.rl_loop(loop, feed=PromptFeed(run.rl), score=episode_rewards)
     # The pipeline's counters; a driver restarted after the last step has none of its own, and
     # takes them from the last step's record.
     counters = out.get("pipeline") or _last_record(run).get("pipeline", {})

@@ -3,7 +3,7 @@
 BC on a small, fixed set of demonstrations until held-out accuracy stops improving (the plateau),
 then GRPO on fresh prompts with the BC coefficient at 0; held-out greedy accuracy, checked by
 exact match, at the plateau and at the end. Phases, history, resuming, plots, ``summary.json``
-and the exported policy are the framework's (``asyncrl.roles.program.run.Run``).
+and the exported policy are the framework's (``asyncrl.rl.Run``).
 """
 
 from __future__ import annotations
@@ -13,14 +13,7 @@ import os
 import random
 from typing import Any
 
-import msgspec
-
-from asyncrl.dispatch.handles import Context
-from asyncrl.observe.progress import say
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
-from asyncrl.roles.program.evaluation import Evaluation
-from asyncrl.roles.program.loop import PromptFeed, RLLoop, rl_loop
-from asyncrl.roles.program.run import Run
+from asyncrl.rl import Context, Evaluation, Prompt, RLLoop, Run, Sample, SamplingParams, say
 from examples.arith import data
 
 DEFAULTS: dict[str, Any] = {
@@ -98,14 +91,9 @@ async def behaviour_cloning(run: Run, cfg: dict[str, Any], tok: Any) -> None:
         if plateau or step >= cfg["bc_max_steps"]:
             break
         # Each step draws from its own seeded stream, so a resumed run draws what the
-        # interrupted one would have; each use of a demonstration has its own ledger id.
+        # interrupted one would have (bc_step gives each use of a demonstration its own id).
         rng = random.Random(f"{cfg['seed']}-bc-{step}")
-        uses = [
-            Scored(sample=msgspec.structs.replace(d, prompt_id=f"{d.prompt_id}#bc{step}"))
-            for d in rng.sample(demos, min(cfg["bc_batch"], len(demos)))
-        ]
-        batch = TrainBatch(samples=uses, algorithm="bc", lr=cfg["bc_lr"], id=f"bc-{step + 1}")
-        await run.train_step(batch)
+        await run.bc_step(rng.sample(demos, min(cfg["bc_batch"], len(demos))), lr=cfg["bc_lr"])
     accuracy = await run.evaluate_at(run.steps)
     await run.end_phase(accuracy=accuracy)
     say(f"BC plateau: held-out accuracy {accuracy:.3f} after {run.learner_step} steps")
@@ -113,7 +101,6 @@ async def behaviour_cloning(run: Run, cfg: dict[str, Any], tok: Any) -> None:
 
 async def reinforce(run: Run, cfg: dict[str, Any], eos: int) -> None:
     """GRPO (or RLOO, or PPO with a critic) on fresh prompts, with the BC coefficient at 0."""
-    feed = PromptFeed(run.rl)
     loop = RLLoop(
         algorithm=cfg["algorithm"],
         steps=cfg["rl_steps"],
@@ -126,7 +113,7 @@ async def reinforce(run: Run, cfg: dict[str, Any], eos: int) -> None:
         budget_s=cfg["rl_budget_s"],
         stop_at=cfg["stop_at"],
     )
-    await rl_loop(run.rl, loop, feed=feed, score=feed.scorer(run.rl.reward), run=run)
+    await run.rl_loop(loop)
     await run.end_phase(accuracy=await run.evaluate_at(run.steps))  # the last step's
 
 

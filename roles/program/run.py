@@ -2,10 +2,10 @@
 
     run = await Run.open(ctx, phases=["bc", "rl"], evaluation=evaluation)
     if run.phase == "bc":
-        ...                                   # run.train_step(batch), run.evaluate_at(step)
+        ...                                   # run.bc_step(samples, lr=...), run.evaluate_at(step)
         await run.end_phase(accuracy=(await run.evaluate()).accuracy)
     if run.phase == "rl":
-        await rl_loop(run.rl, loop, feed=feed, score=score, run=run)
+        await run.rl_loop(RLLoop(...))        # prompts and rewards from the run's roles
         await run.end_phase()
     return await run.finish(accuracy_final=...)
 
@@ -36,14 +36,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from asyncrl.dispatch.handles import Context
 from asyncrl.observe.progress import say
-from asyncrl.roles.payloads import LearnerStatus, StepResult, TrainBatch
+from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.history import History
-from asyncrl.roles.program.loop import RLStep, weight_sync
+from asyncrl.roles.program.loop import OnStep, PromptFeed, RLLoop, RLStep, rl_loop, weight_sync
 from asyncrl.roles.program.report import summarize
+from asyncrl.roles.sampling.contract import Scorer
 from asyncrl.roles.sampling.pipeline import WeightSync
 
 __all__ = ["DONE", "Run"]
@@ -148,6 +151,47 @@ class Run:
         result = await self.rl.learner.train_step(batch)
         self.learner_step = result.step
         return result
+
+    async def bc_step(
+        self, samples: Sequence[Sample], *, lr: float, algorithm: str = "bc"
+    ) -> StepResult:
+        """One behaviour-cloning step on ``samples`` (demonstrations: their tokens are the
+        targets), with the ids it needs minted for it.
+
+        A demonstration is used again and again, so each use gets a ledger id of its own
+        (``<prompt id>#<phase><step>``), and the batch the id ``<phase>-<step + 1>`` that
+        makes a step re-sent after a restart count once.
+        """
+        step = self.steps
+        uses = [
+            Scored(sample=msgspec.structs.replace(s, prompt_id=f"{s.prompt_id}#{self.phase}{step}"))
+            for s in samples
+        ]
+        batch = TrainBatch(samples=uses, algorithm=algorithm, lr=lr, id=f"{self.phase}-{step + 1}")
+        return await self.train_step(batch)
+
+    async def rl_loop(
+        self,
+        loop: RLLoop,
+        *,
+        feed: PromptFeed | None = None,
+        score: Scorer | None = None,
+        on_step: OnStep | None = None,
+        display: bool = True,
+    ) -> dict[str, Any]:
+        """``rl_loop`` in the current phase, from where the learner left it: prompts from the
+        run's prompt source and rewards from its reward role, unless ``feed`` and ``score``
+        are given; each step recorded in the history. Returns ``rl_loop``'s result."""
+        if feed is None:
+            prompts = PromptFeed(self.rl)
+            feed, score = prompts, score or prompts.scorer(self.rl.reward)
+        if score is None:
+            raise ValueError(
+                "Run.rl_loop: a feed of your own needs a score function too (score=...)"
+            )
+        return await rl_loop(
+            self.rl, loop, feed=feed, score=score, on_step=on_step, display=display, run=self
+        )
 
     def record(self, step: int | None = None, **metrics: Any) -> dict[str, Any]:
         """Record ``metrics`` of the current phase at ``step`` (default: ``steps``) in the

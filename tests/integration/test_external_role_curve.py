@@ -18,7 +18,8 @@ from asyncrl.keys import generate
 from asyncrl.transport import ChannelOptions, Client, RemoteError, TransportError, load_keys
 from asyncrl.transport.control import read_secret
 from tests.conftest import ROOT
-from tests.integration.test_multinode import TORCHRUN, _free_port, _json, _wait
+from tests.helpers.waiting import wait_until
+from tests.integration.test_multinode import TORCHRUN, _free_port, _json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -96,7 +97,12 @@ def test_an_external_role_on_node_1_serves_with_the_runs_curve_keys(tmp_path: An
 
     try:
         progress = os.path.join(run_dir, "progress")
-        _wait("the driver's call to echo", lambda: os.path.exists(progress), 120, logs)
+        wait_until(
+            lambda: os.path.exists(progress),
+            timeout=120,
+            what="the driver's call to echo",
+            output=logs,
+        )
         with open(progress) as f:
             assert f.read() == "HI!"
         [endpoint] = _json(os.path.join(run_dir, "specs", "driver.0.0.json"))["groups"]["echo"][

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.test_recovery import _driver_pid, _wait_for, finish, start, steps
+from tests.helpers.waiting import wait_until
+from tests.integration.test_recovery import _driver_pid, finish, start, steps
 
 pytestmark = [
     pytest.mark.slow,
@@ -65,7 +66,7 @@ def assert_whole(run_dir: str) -> dict[str, Any]:
 def test_the_driver_killed_mid_rl_resumes_without_replaying(run_dir: str) -> None:
     proc = start(manifest(run_dir), run_dir)
     try:
-        _wait_for(lambda: len(steps(run_dir)) >= 5, proc, "RL step 5", 300)
+        wait_until(lambda: len(steps(run_dir)) >= 5, proc=proc, what="RL step 5", timeout=300)
         os.kill(_driver_pid(run_dir), signal.SIGKILL)
         out = finish(proc)
     finally:
@@ -78,7 +79,7 @@ def test_the_driver_killed_mid_rl_resumes_without_replaying(run_dir: str) -> Non
 
 def test_a_killed_run_finishes_with_resume(run_dir: str) -> None:
     proc = start(manifest(run_dir), run_dir)
-    _wait_for(lambda: len(steps(run_dir)) >= 5, proc, "RL step 5", 300)
+    wait_until(lambda: len(steps(run_dir)) >= 5, proc=proc, what="RL step 5", timeout=300)
     proc.kill()
     proc.communicate()
     resumed = subprocess.run(

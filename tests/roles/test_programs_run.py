@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from asyncrl.roles.payloads import Prompt, SamplingParams, TrainBatch
+from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, TrainBatch
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.history import HISTORY_FILE, History
@@ -189,3 +189,73 @@ def test_train_step_keeps_the_position_with_the_batch(tmp_path: Any) -> None:
 
     run(main())
     assert learner.keep == {"x": 1, "phase": "warmup", "phase_start": 0}
+
+
+class Recording(ExportingLearner):
+    """Keeps every batch it is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[TrainBatch] = []
+
+    async def train_step(self, batch: TrainBatch, *, timeout: float = 0.0) -> Any:
+        self.batches.append(batch)
+        return await super().train_step(batch, timeout=timeout)
+
+
+def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
+    """Each use of a demonstration gets its own ledger id and each step its own batch id, from
+    the phase and the step, so a restarted program that sends a step again sends the same ids."""
+    learner = Recording()
+    demo = Sample(
+        prompt_id="d7",
+        sample_index=0,
+        prompt_ids=[1],
+        token_ids=[2, 3],
+        logprobs=[],
+        versions=[],
+        finished=True,
+        stop_reason="stop",
+    )
+
+    async def main() -> Run:
+        r = await Run.open(cast(RLContext, RL(str(tmp_path), learner)), phases=["warmup"])
+        await r.bc_step([demo, demo], lr=1e-3)
+        await r.bc_step([demo], lr=2e-3)
+        return r
+
+    r = run(main())
+    assert [b.id for b in learner.batches] == ["warmup-1", "warmup-2"]
+    assert [[s.sample.prompt_id for s in b.samples] for b in learner.batches] == [
+        ["d7#warmup0", "d7#warmup0"],
+        ["d7#warmup1"],
+    ]
+    assert [(b.algorithm, b.lr) for b in learner.batches] == [("bc", 1e-3), ("bc", 2e-3)]
+    assert learner.batches[1].keep == {"phase": "warmup", "phase_start": 0}
+    assert r.steps == 2 and demo.prompt_id == "d7"
+
+
+def test_run_rl_loop_needs_a_score_with_a_feed_of_its_own(tmp_path: Any) -> None:
+    async def main() -> None:
+        r = await Run.open(cast(RLContext, RL(str(tmp_path), Recording())), phases=["rl"])
+        loop = RLLoop("grpo", 1, PROMPTS, G, SamplingParams(max_new_tokens=1))
+        await r.rl_loop(loop, feed=feed)
+
+    with pytest.raises(ValueError) as info:
+        run(main())
+    assert str(info.value) == (
+        "Run.rl_loop: a feed of your own needs a score function too (score=...)"
+    )
+
+
+def test_run_rl_loop_takes_a_feed_and_score_as_rl_loop_does(tmp_path: Any) -> None:
+    learner = Recording()
+
+    async def main() -> dict[str, Any]:
+        r = await Run.open(cast(RLContext, RL(str(tmp_path), learner)), phases=["rl"])
+        loop = RLLoop("grpo", 2, PROMPTS, G, SamplingParams(max_new_tokens=3))
+        return await r.rl_loop(loop, feed=feed, score=score, display=False)
+
+    out = run(main())
+    assert out["steps"] == 2 and [b.id for b in learner.batches] == ["rl-1", "rl-2"]
+    assert all(b.keep["phase"] == "rl" for b in learner.batches)
