@@ -136,14 +136,18 @@ def _clean(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | None:
+def _claim(
+    run_dir: str, overwrite: bool, *, resume_hint: bool = True, allow_nonempty: bool = False
+) -> str | None:
     """Make ``run_dir`` ready for a new run (``asyncrl.supervision.rundir.prepare_run_dir``):
     ``None``, or why it cannot be used."""
     from asyncrl.supervision.rundir import RunDirError, prepare_run_dir
 
     hint = f"use 'asyncrl run --resume {run_dir}' to continue it or " if resume_hint else ""
     try:
-        prepare_run_dir(run_dir, overwrite=overwrite, continue_hint=hint)
+        prepare_run_dir(
+            run_dir, overwrite=overwrite, continue_hint=hint, allow_nonempty=allow_nonempty
+        )
     except (RunDirError, OSError) as exc:
         return str(exc)
     return None
@@ -205,7 +209,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             return 2
         run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
         os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
-        problem = _claim(run_dir, args.overwrite)
+        problem = _claim(run_dir, args.overwrite, allow_nonempty=args.allow_nonempty)
         if problem:
             return _fail(problem)
         try:
@@ -378,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a manifest on this machine (the embedded default)")
     run.add_argument("manifest", nargs="?", help="the role manifest (YAML); see docs/manifest.md")
     _run_dir_options(run)
+    run.add_argument(
+        "--allow-nonempty",
+        action="store_true",
+        help="start a first run in a folder that holds other files (they are never removed)",
+    )
     run.add_argument(
         "--resume",
         metavar="RUN_DIR",

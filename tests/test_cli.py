@@ -66,7 +66,7 @@ def test_clear_run_empties_the_directory_but_never_a_project(tmp_path: Any) -> N
         f.write("{}")
     os.symlink(str(tmp_path), os.path.join(run, "weights"))  # a launch's shared weight store
     clear_run(run)
-    assert os.listdir(run) == []
+    assert os.listdir(run) == [RUN_MARKER]  # the record stays: the directory is still a run's
     assert os.listdir(tmp_path) == ["run"]  # the link went, not what it points at
     project = os.path.join(tmp_path, "project")
     os.makedirs(os.path.join(project, ".git"))
@@ -144,15 +144,17 @@ def test_clear_run_takes_a_run_directory_of_an_earlier_version(tmp_path: Any) ->
 def test_clear_run_with_the_marker_clears_what_a_run_writes_and_keeps_the_rest(
     tmp_path: Any,
 ) -> None:
-    """Under the marker, what a run writes (a launch's node folders and a write's temporary
-    names too) is removed, and a name no run writes is kept and returned."""
+    """Under the marker, what a run made (a launch's node folders, cleared by their own
+    markers, and a write's temporary names too) is removed, and what it did not is kept and
+    returned: a folder named as a node's but without a marker, a note."""
     run = claim_run_dir(str(tmp_path / "run"))
-    os.makedirs(os.path.join(run, "node-1", "logs"))
+    os.makedirs(os.path.join(claim_run_dir(os.path.join(run, "node-1")), "logs"))
+    os.makedirs(os.path.join(run, "node-2"))
     for name in ["notes.txt", "report.json", ".manifest.json.k2j4x9_q.tmp"]:
         with open(os.path.join(run, name), "w") as f:
             f.write("written into the run directory")
-    assert clear_run(run) == ["notes.txt"]
-    assert os.listdir(run) == ["notes.txt"]
+    assert clear_run(run) == ["node-2", "notes.txt"]
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "node-2", "notes.txt"]
 
 
 def test_a_folder_of_the_users_used_as_a_run_directory_keeps_its_files(tmp_path: Any) -> None:
@@ -162,7 +164,9 @@ def test_a_folder_of_the_users_used_as_a_run_directory_keeps_its_files(tmp_path:
     os.makedirs(folder)
     with open(os.path.join(folder, "thesis.tex"), "w") as f:
         f.write("precious")
-    save_manifest(load_manifest(HELLO), prepare_run_dir(folder))
+    with pytest.raises(RunDirError, match="is not empty"):
+        prepare_run_dir(folder)
+    save_manifest(load_manifest(HELLO), prepare_run_dir(folder, allow_nonempty=True))
     assert RUN_MARKER in os.listdir(folder)
     with pytest.raises(RunDirError, match="already holds a run"):
         prepare_run_dir(folder)

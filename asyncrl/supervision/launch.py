@@ -213,6 +213,7 @@ def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
             overwrite=args.overwrite,
             resume=args.resume,
             continue_hint="add --resume to continue it, or ",
+            allow_nonempty=args.allow_nonempty,
         )
     except (RunDirError, OSError) as exc:
         return str(exc)
@@ -536,6 +537,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", help="where the run writes (default: the manifest's run_dir)")
     parser.add_argument(
         "--overwrite", action="store_true", help="delete an earlier run there and start afresh"
+    )
+    parser.add_argument(
+        "--allow-nonempty",
+        action="store_true",
+        help="start a first run in a folder that holds other files (they are never removed)",
     )
     parser.add_argument(
         "--resume",
