@@ -14,6 +14,7 @@ written through, never truncated and never renamed into place. Everything is cre
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ __all__ = [
     "atomic_file",
     "atomic_file_at",
     "fd_path",
+    "open_append",
     "open_dir",
     "open_subdir",
     "private_tmpdir_at",
@@ -125,7 +127,31 @@ def open_subdir(
     return fd
 
 
-def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
+def open_append(path: str, *, truncate: bool = False) -> BinaryIO:
+    """Open the file ``path`` (created 0600) for appends, or with ``truncate`` to write it anew,
+    never through a link at its name: a log, a journal, a ledger the run keeps adding to.
+
+    Raises:
+        UnsafePathError: a link (or something other than a file) is at ``path``.
+        OSError: its folder does not exist or cannot be written.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_TRUNC if truncate else os.O_APPEND
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        st = _lstat_at(None, path) if exc.errno in (errno.ELOOP, errno.EISDIR) else None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            what = "a link" if stat.S_ISLNK(st.st_mode) else "not a file"
+            raise UnsafePathError(
+                f"{path} is {what}; a run writes its files only in its own folders, never "
+                "through a link: remove it"
+            ) from exc
+        raise
+    return os.fdopen(fd, "ab")
+
+
+def _lstat_at(dir_fd: int | None, name: str) -> os.stat_result | None:
     try:
         return os.lstat(name, dir_fd=dir_fd)
     except OSError:

@@ -290,6 +290,22 @@ def test_a_link_deep_in_the_runs_folders_is_an_error_naming_it(tmp_path: Any) ->
     )
 
 
+def test_a_link_planted_in_the_users_logs_folder_is_an_error_naming_it(tmp_path: Any) -> None:
+    """A ``logs/`` of the user's (there before the run) is checked too: a link at the name of
+    the janitor's log is refused before anything is written through it."""
+    run, outside = str(tmp_path / "rd"), tmp_path / "outside.jsonl"
+    outside.write_text("")
+    write(os.path.join(run, "logs", "app.log"), "the user's")
+    os.symlink(outside, os.path.join(run, "logs", "janitor.log"))
+    with pytest.raises(RunDirError) as planted:
+        prepare_run_dir(run, allow_nonempty=True)
+    assert str(planted.value) == (
+        f"{run}/logs/janitor.log is a link (to {outside}); a run writes only into folders it "
+        "made itself, never through a link: remove the link, or give another --run-dir"
+    )
+    assert outside.read_text() == ""
+
+
 def hold(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, run_dir: str) -> None:
     """A live run's lease on ``run_dir``: this test process is its agent and janitor."""
     folder = str(tmp_path / "leases")

@@ -9,6 +9,7 @@ import pytest
 
 from asyncrl.safe_files import (
     UnsafePathError,
+    open_append,
     open_dir,
     open_subdir,
     private_tmpdir_at,
@@ -82,3 +83,27 @@ def test_open_subdir_never_follows_a_link_and_bounds_the_depth(tmp_path: Path) -
     assert os.listdir(outside) == []
     assert os.stat(tmp_path / "run" / "a" / "b").st_mode & 0o777 == 0o700
     assert not (tmp_path / "run" / "a" / "b" / "a").exists()
+
+
+def test_open_append_never_writes_through_a_link(tmp_path: Path) -> None:
+    """A log, a journal or a ledger opened for appends: created 0600, appended to, and a link
+    at its name is an error naming it."""
+    log = tmp_path / "agent.jsonl"
+    for line in [b"one\n", b"two\n"]:
+        with open_append(str(log)) as f:
+            f.write(line)
+    assert log.read_bytes() == b"one\ntwo\n"
+    assert os.stat(log).st_mode & 0o777 == 0o600
+    with open_append(str(log), truncate=True) as f:
+        f.write(b"anew\n")
+    assert log.read_bytes() == b"anew\n"
+    outside = tmp_path / "outside"
+    outside.write_text("precious")
+    os.symlink(outside, tmp_path / "planted.jsonl")
+    with pytest.raises(UnsafePathError) as planted:
+        open_append(str(tmp_path / "planted.jsonl"))
+    assert str(planted.value) == (
+        f"{tmp_path}/planted.jsonl is a link; a run writes its files only in its own folders, "
+        "never through a link: remove it"
+    )
+    assert outside.read_text() == "precious"

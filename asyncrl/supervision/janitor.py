@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 
+from asyncrl.safe_files import open_append
 from asyncrl.supervision.leases import (
     SHM_DIR,
     Lease,
@@ -255,7 +256,7 @@ class Janitor:
         read_fd, write_fd = os.pipe()  # neither end is inherited by anything else the agent starts
         try:
             os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-            with open(os.path.join(run_dir, "logs", "janitor.log"), "ab") as log:
+            with open_append(os.path.join(run_dir, "logs", "janitor.log")) as log:
                 proc = subprocess.Popen(
                     [
                         sys.executable,

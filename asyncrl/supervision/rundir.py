@@ -210,7 +210,7 @@ def claim_run_dir(run_dir: str) -> str:
             earlier = _marked(fd) or bool(run_markers(run_dir))
             record = sorted(RUN_ENTRIES & names) if earlier else []
         for name in sorted(RUN_ENTRIES & names):
-            _check_entry(run_dir, fd, name, walk=name in record)
+            _check_entry(run_dir, fd, name, ours=name in record)
         made = sorted(set(record) | (RUN_ENTRIES - names))
         with atomic_file_at(fd, RUN_MARKER) as f:
             f.write("\n".join([_RECORD_HEADER, *made, ""]).encode())
@@ -219,10 +219,10 @@ def claim_run_dir(run_dir: str) -> str:
     return run_dir
 
 
-def _check_entry(run_dir: str, dir_fd: int, name: str, *, walk: bool) -> None:
+def _check_entry(run_dir: str, dir_fd: int, name: str, *, ours: bool) -> None:
     """Raise ``RunDirError`` unless the entry ``name`` of the open run directory is fit for the
-    run to write into; make a folder of the run's private (0700); with ``walk``, every folder
-    inside it too, and no link anywhere inside it."""
+    run to write into: not a link, this user's, and no link anywhere inside it. Make it private
+    (0700), and when it is the run's (``ours``), every folder inside it too."""
     path = os.path.join(run_dir, name)
     st = os.lstat(name, dir_fd=dir_fd)
     if stat.S_ISLNK(st.st_mode):
@@ -243,8 +243,6 @@ def _check_entry(run_dir: str, dir_fd: int, name: str, *, walk: bool) -> None:
     sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
     try:
         os.fchmod(sub, 0o700)
-        if not walk:
-            return
         for folder, dirs, files, folder_fd in os.fwalk(dir_fd=sub):
             for entry in [*dirs, *files]:
                 inner = os.lstat(entry, dir_fd=folder_fd)
@@ -255,7 +253,7 @@ def _check_entry(run_dir: str, dir_fd: int, name: str, *, walk: bool) -> None:
                         "writes only into folders it made itself, never through a link: "
                         "remove the link, or give another --run-dir"
                     )
-                if stat.S_ISDIR(inner.st_mode):
+                if stat.S_ISDIR(inner.st_mode) and ours:
                     if inner.st_uid != os.getuid():
                         raise RunDirError(
                             f"{where} belongs to uid {inner.st_uid}, not to this user "

@@ -49,6 +49,7 @@ from asyncrl.exits import EXIT_PROGRAM
 from asyncrl.manifest.load import Supervision
 from asyncrl.manifest.spec import EXIT_CONFIG
 from asyncrl.observe import logs
+from asyncrl.safe_files import open_append
 from asyncrl.supervision.runreport import (
     ExitInfo,
     ProcessInfo,
@@ -275,7 +276,7 @@ class Supervisor:
         current one serves, so that the two do not compete for the CPU while it starts."""
         incarnation = child.incarnation + 1
         argv, env = child.spec.argv_env(incarnation)
-        with open(child.log_path, "ab") as stderr:
+        with open_append(child.log_path) as stderr:
             spare = await asyncio.create_subprocess_exec(
                 *argv,
                 "--standby",
