@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -561,3 +562,29 @@ def test_run_refuses_a_manifest_that_places_roles_off_node_0(
         "launch on several nodes with 'torchrun --nnodes=N ... -m asyncrl.launch MANIFEST'"
     ) in err
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_two_real_runs_into_a_results_folder_keep_the_users_files(run_dir: str) -> None:
+    """The issue's case end to end: a first run into a results folder (``--allow-nonempty``),
+    a second with ``--overwrite``; the user's files stay, the second run's result is there."""
+    users = {
+        "manifest.yaml": Path(HELLO).read_text(),
+        "logs/app.log": "the user's",
+        "plots/fig1.png": "the user's",
+        "final/paper.pdf": "the user's",
+    }
+    for name, text in users.items():
+        write(os.path.join(run_dir, name), text)
+    manifest = os.path.join(run_dir, "manifest.yaml")
+    refused = asyncrl("run", manifest, "--run-dir", run_dir)
+    assert refused.returncode == 2 and "is not empty" in refused.stderr
+    first = asyncrl("run", manifest, "--run-dir", run_dir, "--allow-nonempty")
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = asyncrl("run", manifest, "--run-dir", run_dir, "--overwrite")
+    assert again.returncode == 0, again.stdout + again.stderr
+    for name, text in users.items():
+        with open(os.path.join(run_dir, name)) as f:
+            assert f.read() == text
+    with open(os.path.join(run_dir, "driver.json")) as f:
+        assert json.load(f)["result"] == [["the", 4], ["dog", 3], ["fox", 3]]
