@@ -337,7 +337,7 @@ def _version(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _run_dir_options(
-    parser: argparse.ArgumentParser, default: str = "the manifest's run_dir"
+    parser: argparse.ArgumentParser, default: str = "the manifest's run_dir", nonempty: bool = False
 ) -> None:
     parser.add_argument(
         "--set",
@@ -352,6 +352,12 @@ def _run_dir_options(
         action="store_true",
         help="delete what an earlier run left in the run directory and start afresh",
     )
+    if nonempty:
+        parser.add_argument(
+            "--allow-nonempty",
+            action="store_true",
+            help="start a first run in a folder that holds other files (they are never removed)",
+        )
 
 
 def _status(args: argparse.Namespace, rest: list[str]) -> int:
@@ -381,12 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
     run = sub.add_parser("run", help="run a manifest on this machine (the embedded default)")
     run.add_argument("manifest", nargs="?", help="the role manifest (YAML); see docs/manifest.md")
-    _run_dir_options(run)
-    run.add_argument(
-        "--allow-nonempty",
-        action="store_true",
-        help="start a first run in a folder that holds other files (they are never removed)",
-    )
+    _run_dir_options(run, nonempty=True)
     run.add_argument(
         "--resume",
         metavar="RUN_DIR",

@@ -273,6 +273,7 @@ def test_a_link_planted_in_the_run_directory_is_an_error_naming_it(
         "again), or give another --run-dir\n"
     )
     assert os.listdir(outside) == []
+    write(os.path.join(run, "manifest.json"), "{}")  # a run to resume: the same
     with pytest.raises(RunDirError, match=f"{name} is a link"):
         prepare_run_dir(run, resume=True)
 

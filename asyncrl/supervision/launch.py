@@ -200,13 +200,11 @@ async def _join(env: LaunchEnv, store: StoreClient, keys: LaunchKeys, timeout_s:
 
 def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
     """Make ``directory`` ready (``prepare_run_dir``), or say why not (a later attempt finds it)."""
-    from asyncrl.supervision.rundir import RunDirError, prepare_run_dir, run_markers
+    from asyncrl.supervision.rundir import RunDirError, prepare_run_dir
 
     if not fresh:
         os.makedirs(directory, exist_ok=True)
         return ""
-    if args.resume and not run_markers(directory):
-        return f"--resume: {directory} holds no run to resume"
     try:
         prepare_run_dir(
             directory,
@@ -538,11 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overwrite", action="store_true", help="delete an earlier run there and start afresh"
     )
-    parser.add_argument(
-        "--allow-nonempty",
-        action="store_true",
-        help="start a first run in a folder that holds other files (they are never removed)",
-    )
+    parser.add_argument("--allow-nonempty", action="store_true", help="run beside other files")
     parser.add_argument(
         "--resume",
         action="store_true",

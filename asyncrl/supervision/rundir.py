@@ -325,7 +325,8 @@ def prepare_run_dir(
     """Make ``run_dir`` ready for a run, the same for ``asyncrl run`` and
     ``asyncrl.launch``; return its path.
 
-    Refused when a live run holds it (``in_use``). For a new run (not ``resume``), a directory
+    Refused when a live run holds it (``in_use``), and to ``resume`` when it holds no run
+    (``run_markers``). For a new run (not ``resume``), a directory
     that already holds one is refused, or with ``overwrite`` cleared (``clear_run``); a
     directory that is not empty and holds no run (no marker, no run's files) is refused unless
     ``allow_nonempty``. Then it is claimed (``claim_run_dir``): private and marked, a resumed
@@ -339,6 +340,8 @@ def prepare_run_dir(
     busy = in_use(run_dir)
     if busy:
         raise RunDirError(busy)
+    if resume and not run_markers(run_dir):
+        raise RunDirError(f"--resume: {run_dir} holds no run to resume")
     found = [] if resume else run_markers(run_dir)
     if found and not overwrite:
         raise RunDirError(

@@ -49,7 +49,6 @@ from asyncrl.exits import EXIT_PROGRAM
 from asyncrl.manifest.load import Supervision
 from asyncrl.manifest.spec import EXIT_CONFIG
 from asyncrl.observe import logs
-from asyncrl.safe_files import open_append
 from asyncrl.supervision.runreport import (
     ExitInfo,
     ProcessInfo,
@@ -276,7 +275,7 @@ class Supervisor:
         current one serves, so that the two do not compete for the CPU while it starts."""
         incarnation = child.incarnation + 1
         argv, env = child.spec.argv_env(incarnation)
-        with open_append(child.log_path) as stderr:
+        with open(child.log_path, "ab") as stderr:
             spare = await asyncio.create_subprocess_exec(
                 *argv,
                 "--standby",
