@@ -292,6 +292,21 @@ def test_a_link_deep_in_the_runs_folders_is_an_error_naming_it(tmp_path: Any) ->
     )
 
 
+def test_a_node_folder_may_share_its_hosts_weights_and_nothing_else(tmp_path: Any) -> None:
+    """A launch's node folder links its ``weights`` to its host's first node's
+    (``asyncrl.supervision.hosts.share``): that link is the run's own; a ``weights`` link
+    anywhere else is planted."""
+    run = prepare_run_dir(str(tmp_path / "rd"))
+    node = prepare_run_dir(os.path.join(run, "node-1"))
+    os.makedirs(os.path.join(run, "weights"))
+    os.symlink(os.path.join(run, "weights"), os.path.join(node, "weights"))
+    assert claim_run_dir(node) == node
+    os.unlink(os.path.join(node, "weights"))
+    os.symlink(str(tmp_path), os.path.join(node, "weights"))
+    with pytest.raises(RunDirError, match=r"node-1/weights is a link \(to "):
+        claim_run_dir(node)
+
+
 def test_a_link_planted_in_the_users_logs_folder_is_an_error_naming_it(tmp_path: Any) -> None:
     """A ``logs/`` of the user's (there before the run) is checked too: a link at the name of
     the janitor's log is refused before anything is written through it."""

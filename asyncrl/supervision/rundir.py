@@ -41,7 +41,6 @@ __all__ = [
     "load_saved_manifest",
     "manifest_differences",
     "prepare_run_dir",
-    "recorded",
     "run_markers",
     "save_manifest",
 ]
@@ -131,19 +130,6 @@ class RunDirError(Exception):
 def run_markers(run_dir: str) -> list[str]:
     """The paths in ``run_dir`` that show an earlier run used it (empty: the directory is free)."""
     return [m for m in _MARKERS if os.path.lexists(os.path.join(run_dir, m))]
-
-
-def recorded(run_dir: str) -> list[str] | None:
-    """The names ``RUN_MARKER`` in ``run_dir`` records as made by its runs; ``None`` when it
-    carries no marker, or an earlier version's (which records nothing)."""
-    try:
-        fd = open_dir(run_dir)
-    except OSError:
-        return None
-    try:
-        return _read_record(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_record(dir_fd: int) -> list[str] | None:
