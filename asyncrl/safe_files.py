@@ -105,14 +105,17 @@ def open_subdir(
             try:
                 sub = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
                 st = _lstat_at(fd, part)
-                if st is not None and not stat.S_ISDIR(st.st_mode):
-                    what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder"
-                    raise UnsafePathError(
-                        f"{shown} is {what}; a run writes only into folders of its own, never "
-                        f"through a link: remove it, or give another path"
-                    ) from exc
-                raise
+                if st is None or stat.S_ISDIR(st.st_mode):
+                    head = f"{shown} was no folder when it was opened (a link swapped in)"
+                else:
+                    head = f"{shown} is {'a link' if stat.S_ISLNK(st.st_mode) else 'not a folder'}"
+                raise UnsafePathError(
+                    f"{head}; a run writes only into folders of its own, never through a link: "
+                    "remove it, or give another path"
+                ) from exc
             os.close(fd)
             fd = sub
             owner = os.fstat(fd).st_uid

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -157,17 +158,31 @@ def test_export_writes_into_the_folder_it_resolved_never_through_a_link_swapped_
     assert os.listdir(outside) == []
 
 
+class WatchingModel(FakeModel):
+    """Saves as ``FakeModel`` does, then records what the outside folder holds at that moment:
+    a write that went outside shows even when a failed export removes it afterwards."""
+
+    def __init__(self, outside: Path) -> None:
+        self.outside = outside
+        self.seen: list[list[str]] = []
+
+    def save_pretrained(self, path: str) -> None:
+        super().save_pretrained(path)
+        self.seen.append(os.listdir(self.outside))
+
+
 def test_export_races_a_link_swapped_in_and_out_and_never_writes_outside(
     tmp_path: Path,
 ) -> None:
     """The issue's race: a thread swaps ``exports/sub`` between a folder and a link to an
-    outside folder while exports run, 40 tries; every export lands inside the run directory or
-    is refused, and the outside folder stays empty."""
+    outside folder while exports run, 200 tries; every export lands inside the run directory
+    or is refused, and nothing is ever written outside, not even for a moment."""
     run_dir = a_run(tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
     exports = run_dir / "exports"
     (exports / "sub").mkdir(parents=True)
+    model = WatchingModel(outside)
     stop = threading.Event()
     swaps = 0
 
@@ -184,20 +199,25 @@ def test_export_races_a_link_swapped_in_and_out_and_never_writes_outside(
             with contextlib.suppress(OSError):
                 os.rename(exports / "aside", exports / "sub")
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads take turns often: many interleavings
     swapper = threading.Thread(target=swap)
     swapper.start()
     written = refused = 0
     try:
-        for _ in range(40):
+        for _ in range(200):
             try:
-                export(run_dir, "sub/final")
+                where = writable("sub/final", "learner", str(run_dir), [])
+                export_pretrained(model, where)
                 written += 1
-            except (PermissionError, FileNotFoundError):
+            except PermissionError:
                 refused += 1
     finally:
         stop.set()
         swapper.join()
-    assert swaps > 0 and written + refused == 40
+        sys.setswitchinterval(interval)
+    assert swaps > 0 and written > 0 and written + refused == 200
+    assert [listing for listing in model.seen if listing] == []
     assert os.listdir(outside) == []
     assert sorted(os.listdir(tmp_path)) == ["outside", "run"]
 
