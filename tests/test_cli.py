@@ -132,14 +132,14 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(
 
 def test_clear_run_takes_a_run_directory_of_an_earlier_version(tmp_path: Any) -> None:
     """No marker, but only what a run writes, with its manifest and logs: a run of a version
-    that wrote no marker, cleared by --overwrite."""
+    that wrote no marker, cleared by --overwrite; the manifest and plots beside it stay."""
     run = str(tmp_path)
-    for folder in ["roles/learner.0", "logs", "ledger", "sockets"]:
+    for folder in ["roles/learner.0", "logs", "ledger", "sockets", "plots"]:
         os.makedirs(os.path.join(run, folder))
-    with open(os.path.join(run, "manifest.json"), "w") as f:
-        f.write("{}")
-    clear_run(run)
-    assert os.listdir(run) == []
+    for name in ["manifest.json", "manifest.yaml"]:
+        write(os.path.join(run, name), "{}")
+    assert clear_run(run) == ["manifest.yaml", "plots"]
+    assert sorted(os.listdir(run)) == ["manifest.yaml", "plots"]
 
 
 def test_clear_run_with_the_marker_clears_what_a_run_writes_and_keeps_the_rest(
