@@ -162,14 +162,18 @@ def _clean(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | None:
+def _claim(
+    run_dir: str, overwrite: bool, *, resume_hint: bool = True, allow_nonempty: bool = False
+) -> str | None:
     """Make ``run_dir`` ready for a new run (``asyncrl.supervision.rundir.prepare_run_dir``):
     ``None``, or why it cannot be used."""
     from asyncrl.supervision.rundir import RunDirError, prepare_run_dir
 
     hint = f"use 'asyncrl run --resume {run_dir}' to continue it or " if resume_hint else ""
     try:
-        prepare_run_dir(run_dir, overwrite=overwrite, continue_hint=hint)
+        prepare_run_dir(
+            run_dir, overwrite=overwrite, continue_hint=hint, allow_nonempty=allow_nonempty
+        )
     except (RunDirError, OSError) as exc:
         return str(exc)
     return None
@@ -231,7 +235,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             return 2
         run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
         os.umask(PRIVATE_UMASK)  # whatever the run creates is private (docs/reliability.md)
-        problem = _claim(run_dir, args.overwrite)
+        problem = _claim(run_dir, args.overwrite, allow_nonempty=args.allow_nonempty)
         if problem:
             return _fail(problem)
         try:
@@ -359,7 +363,7 @@ def _version(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _run_dir_options(
-    parser: argparse.ArgumentParser, default: str = "the manifest's run_dir"
+    parser: argparse.ArgumentParser, default: str = "the manifest's run_dir", nonempty: bool = False
 ) -> None:
     parser.add_argument(
         "--set",
@@ -374,6 +378,12 @@ def _run_dir_options(
         action="store_true",
         help="delete what an earlier run left in the run directory and start afresh",
     )
+    if nonempty:
+        parser.add_argument(
+            "--allow-nonempty",
+            action="store_true",
+            help="start a first run in a folder that holds other files (they are never removed)",
+        )
 
 
 def _status(args: argparse.Namespace, rest: list[str]) -> int:
@@ -405,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
     run = sub.add_parser("run", help="run a manifest on this machine (the embedded default)")
     run.add_argument("manifest", nargs="?", help="the role manifest (YAML); see docs/manifest.md")
-    _run_dir_options(run)
+    _run_dir_options(run, nonempty=True)
     run.add_argument(
         "--resume",
         metavar="RUN_DIR",

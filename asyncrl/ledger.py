@@ -35,6 +35,8 @@ import os
 from collections.abc import Hashable, Iterator
 from typing import Any
 
+from asyncrl.safe_files import open_append
+
 __all__ = ["Ledger"]
 
 
@@ -77,7 +79,7 @@ class Ledger:
                         self._ids.add(_canonical(_entry(line)[0]))
                     except (ValueError, KeyError, TypeError):
                         continue  # not an entry (written by something else)
-        self._file = open(path, "ab")  # noqa: SIM115  (kept open for appends; closed by close())
+        self._file = open_append(path)  # kept open for appends; closed by close()
         if self._file.tell() > whole:
             # Cut the torn line, or the next entry would be glued to it and lost on reload.
             self._file.truncate(whole)

@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,7 +67,7 @@ def test_clear_run_empties_the_directory_but_never_a_project(tmp_path: Any) -> N
         f.write("{}")
     os.symlink(str(tmp_path), os.path.join(run, "weights"))  # a launch's shared weight store
     clear_run(run)
-    assert os.listdir(run) == []
+    assert os.listdir(run) == [RUN_MARKER]  # the record stays: the directory is still a run's
     assert os.listdir(tmp_path) == ["run"]  # the link went, not what it points at
     project = os.path.join(tmp_path, "project")
     os.makedirs(os.path.join(project, ".git"))
@@ -131,28 +132,30 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(
 
 def test_clear_run_takes_a_run_directory_of_an_earlier_version(tmp_path: Any) -> None:
     """No marker, but only what a run writes, with its manifest and logs: a run of a version
-    that wrote no marker, cleared by --overwrite."""
+    that wrote no marker, cleared by --overwrite; the manifest and plots beside it stay."""
     run = str(tmp_path)
-    for folder in ["roles/learner.0", "logs", "ledger", "sockets"]:
+    for folder in ["roles/learner.0", "logs", "ledger", "sockets", "plots"]:
         os.makedirs(os.path.join(run, folder))
-    with open(os.path.join(run, "manifest.json"), "w") as f:
-        f.write("{}")
-    clear_run(run)
-    assert os.listdir(run) == []
+    for name in ["manifest.json", "manifest.yaml"]:
+        write(os.path.join(run, name), "{}")
+    assert clear_run(run) == ["manifest.yaml", "plots"]
+    assert sorted(os.listdir(run)) == ["manifest.yaml", "plots"]
 
 
 def test_clear_run_with_the_marker_clears_what_a_run_writes_and_keeps_the_rest(
     tmp_path: Any,
 ) -> None:
-    """Under the marker, what a run writes (a launch's node folders and a write's temporary
-    names too) is removed, and a name no run writes is kept and returned."""
+    """Under the marker, what a run made (a launch's node folders, cleared by their own
+    markers, and a write's temporary names too) is removed, and what it did not is kept and
+    returned: a folder named as a node's but without a marker, a note."""
     run = claim_run_dir(str(tmp_path / "run"))
-    os.makedirs(os.path.join(run, "node-1", "logs"))
+    os.makedirs(os.path.join(claim_run_dir(os.path.join(run, "node-1")), "logs"))
+    os.makedirs(os.path.join(run, "node-2"))
     for name in ["notes.txt", "report.json", ".manifest.json.k2j4x9_q.tmp"]:
         with open(os.path.join(run, name), "w") as f:
             f.write("written into the run directory")
-    assert clear_run(run) == ["notes.txt"]
-    assert os.listdir(run) == ["notes.txt"]
+    assert clear_run(run) == ["node-2", "notes.txt"]
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "node-2", "notes.txt"]
 
 
 def test_a_folder_of_the_users_used_as_a_run_directory_keeps_its_files(tmp_path: Any) -> None:
@@ -162,7 +165,9 @@ def test_a_folder_of_the_users_used_as_a_run_directory_keeps_its_files(tmp_path:
     os.makedirs(folder)
     with open(os.path.join(folder, "thesis.tex"), "w") as f:
         f.write("precious")
-    save_manifest(load_manifest(HELLO), prepare_run_dir(folder))
+    with pytest.raises(RunDirError, match="is not empty"):
+        prepare_run_dir(folder)
+    save_manifest(load_manifest(HELLO), prepare_run_dir(folder, allow_nonempty=True))
     assert RUN_MARKER in os.listdir(folder)
     with pytest.raises(RunDirError, match="already holds a run"):
         prepare_run_dir(folder)
@@ -170,6 +175,152 @@ def test_a_folder_of_the_users_used_as_a_run_directory_keeps_its_files(tmp_path:
     assert sorted(os.listdir(folder)) == [RUN_MARKER, "thesis.tex"]
     with open(os.path.join(folder, "thesis.tex")) as f:
         assert f.read() == "precious"
+
+
+def write(path: str, text: str = "written") -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def a_run_writes(run: str) -> None:
+    """What a run leaves: its manifest, report, agent log, role state, sockets."""
+    save_manifest(load_manifest(HELLO), run)
+    for name in ["report.json", "logs/agent.jsonl", "roles/learner.0/state.json", "sockets/x"]:
+        write(os.path.join(run, name))
+
+
+def test_overwrite_keeps_the_manifest_the_run_was_started_from(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's first case: ``asyncrl run RD/manifest.yaml --run-dir RD`` twice, the second
+    with ``--overwrite``: the manifest beside the run stays, the run's files go."""
+    run = str(tmp_path / "rd")
+    manifest = os.path.join(run, "manifest.yaml")
+    os.makedirs(run)
+    with open(HELLO) as src:
+        write(manifest, src.read())
+    assert cli.main(["run", manifest, "--run-dir", run, "--overwrite"]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: {run} is not empty (it holds manifest.yaml) and holds no run; give "
+        "an empty or new --run-dir, or add --allow-nonempty to write the run beside what is "
+        "there ('--overwrite' later removes only what the runs made, never those)\n"
+    )
+    assert os.listdir(run) == ["manifest.yaml"]
+    prepare_run_dir(run, allow_nonempty=True)
+    a_run_writes(run)
+    prepare_run_dir(run, overwrite=True)
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "manifest.yaml"]
+    assert load_manifest(manifest) == load_manifest(HELLO)
+    prepare_run_dir(run, overwrite=True)  # the next identical command finds it still
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "manifest.yaml"]
+
+
+def test_overwrite_never_deletes_the_users_files_in_a_results_folder(tmp_path: Any) -> None:
+    """The issue's second case: a results folder holding ``logs/app.log``,
+    ``plots/fig1.png`` and ``final/paper.pdf``; a run into it (``--allow-nonempty``) writes
+    its own files beside them, some into the user's ``logs/``; ``--overwrite`` removes the
+    run's files at the top and the folders it made, and keeps every one of the user's."""
+    run = str(tmp_path / "results")
+    users = ["logs/app.log", "plots/fig1.png", "final/paper.pdf"]
+    for name in users:
+        write(os.path.join(run, name), "the user's")
+    with pytest.raises(RunDirError, match="is not empty"):
+        prepare_run_dir(run)
+    prepare_run_dir(run, allow_nonempty=True)
+    a_run_writes(run)
+    with pytest.raises(RunDirError, match="already holds a run"):
+        prepare_run_dir(run)
+    prepare_run_dir(run, overwrite=True)
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "final", "logs", "plots"]
+    for name in users:
+        with open(os.path.join(run, name)) as f:
+            assert f.read() == "the user's"
+    a_run_writes(run)  # the second run, and a third with --overwrite: the same
+    prepare_run_dir(run, overwrite=True)
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "final", "logs", "plots"]
+    assert sorted(os.listdir(os.path.join(run, "plots"))) == ["fig1.png"]
+    assert sorted(os.listdir(os.path.join(run, "final"))) == ["paper.pdf"]
+
+
+def test_a_folder_a_user_makes_after_the_run_is_not_the_runs(tmp_path: Any) -> None:
+    """Only what the runs made goes: a ``plots/`` or ``final/`` made beside a run later is
+    kept, and so is a note."""
+    run = prepare_run_dir(str(tmp_path / "rd"))
+    a_run_writes(run)
+    for name in ["plots/fig2.png", "final/paper.pdf", "notes.txt"]:
+        write(os.path.join(run, name), "the user's")
+    assert prepare_run_dir(run, overwrite=True) == run
+    assert sorted(os.listdir(run)) == [RUN_MARKER, "final", "notes.txt", "plots"]
+
+
+@pytest.mark.parametrize("name", ["logs", "sockets", "ledger", "exports"])
+def test_a_link_planted_in_the_run_directory_is_an_error_naming_it(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A ``logs`` link made the agent's log land in an outside 0777 folder, a ``sockets`` link
+    gave a traceback: now the run stops before it starts, naming the link, and nothing is
+    written outside."""
+    run, outside = str(tmp_path / "rd"), str(tmp_path / "outside")
+    os.makedirs(outside)
+    os.chmod(outside, 0o777)
+    prepare_run_dir(run)
+    os.symlink(outside, os.path.join(run, name))
+    assert cli.main(["run", HELLO, "--run-dir", run, "--overwrite"]) == 2
+    assert error(capsys) == (
+        f"asyncrl: error: {run}/{name} is a link (to {outside}); a run writes only into "
+        f"folders it made itself, never through a link: remove the link (the run makes {name} "
+        "again), or give another --run-dir\n"
+    )
+    assert os.listdir(outside) == []
+    write(os.path.join(run, "manifest.json"), "{}")  # a run to resume: the same
+    with pytest.raises(RunDirError, match=f"{name} is a link"):
+        prepare_run_dir(run, resume=True)
+
+
+def test_a_link_deep_in_the_runs_folders_is_an_error_naming_it(tmp_path: Any) -> None:
+    run, outside = str(tmp_path / "rd"), str(tmp_path / "outside")
+    os.makedirs(outside)
+    a_run_writes(prepare_run_dir(run))
+    os.symlink(outside, os.path.join(run, "roles", "learner.0", "checkpoints"))
+    with pytest.raises(RunDirError) as planted:
+        prepare_run_dir(run, resume=True)
+    assert str(planted.value) == (
+        f"{run}/roles/learner.0/checkpoints is a link (to {outside}); a run writes only into "
+        "folders it made itself, never through a link: remove the link, or give another "
+        "--run-dir"
+    )
+
+
+def test_a_node_folder_may_share_its_hosts_weights_and_nothing_else(tmp_path: Any) -> None:
+    """A launch's node folder links its ``weights`` to its host's first node's
+    (``asyncrl.supervision.hosts.share``): that link is the run's own; a ``weights`` link
+    anywhere else is planted."""
+    run = prepare_run_dir(str(tmp_path / "rd"))
+    node = prepare_run_dir(os.path.join(run, "node-1"))
+    os.makedirs(os.path.join(run, "weights"))
+    os.symlink(os.path.join(run, "weights"), os.path.join(node, "weights"))
+    assert claim_run_dir(node) == node
+    os.unlink(os.path.join(node, "weights"))
+    os.symlink(str(tmp_path), os.path.join(node, "weights"))
+    with pytest.raises(RunDirError, match=r"node-1/weights is a link \(to "):
+        claim_run_dir(node)
+
+
+def test_a_link_planted_in_the_users_logs_folder_is_an_error_naming_it(tmp_path: Any) -> None:
+    """A ``logs/`` of the user's (there before the run) is checked too: a link at the name of
+    the janitor's log is refused before anything is written through it."""
+    run, outside = str(tmp_path / "rd"), tmp_path / "outside.jsonl"
+    outside.write_text("")
+    write(os.path.join(run, "logs", "app.log"), "the user's")
+    os.symlink(outside, os.path.join(run, "logs", "janitor.log"))
+    with pytest.raises(RunDirError) as planted:
+        prepare_run_dir(run, allow_nonempty=True)
+    assert str(planted.value) == (
+        f"{run}/logs/janitor.log is a link (to {outside}); a run writes only into folders it "
+        "made itself, never through a link: remove the link, or give another --run-dir"
+    )
+    assert outside.read_text() == ""
 
 
 def hold(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, run_dir: str) -> None:
@@ -201,6 +352,30 @@ def test_a_live_run_or_a_folder_that_holds_one_is_refused(
     )
     assert sorted(os.listdir(live)) == [RUN_MARKER, "manifest.json"]
     assert prepare_run_dir(os.path.join(live + "-other"), overwrite=True) == live + "-other"
+
+
+@pytest.mark.parametrize("inside", ["sockets", "sockets/two", "logs", "roles/learner.0"])
+def test_a_run_inside_a_live_runs_own_folders_is_refused(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, inside: str
+) -> None:
+    """A second run could start inside a live run's ``sockets/``: now its socket folder and
+    every folder of its own are refused, and a run beside it in a folder of its own is not."""
+    live = str(tmp_path / "live")
+    save_manifest(load_manifest(HELLO), live)
+    folder = str(tmp_path / "leases")
+    monkeypatch.setenv(LEASE_DIR_ENV, folder)
+    sockets = os.path.join(live, "sockets")
+    write_lease(lease_path("live", folder), "live", os.getpid(), sockets, live)
+    there = os.path.join(live, inside)
+    with pytest.raises(RunDirError) as refused:
+        prepare_run_dir(there)
+    assert str(refused.value) == (
+        f"{there} is inside {os.path.join(live, inside.split('/')[0])}, a folder of a running "
+        f"run ('live' in {live}, agent pid {os.getpid()}) that only that run writes; give a "
+        "--run-dir outside it"
+    )
+    assert not os.path.exists(there)
+    assert prepare_run_dir(os.path.join(live, "node-1")) == os.path.join(live, "node-1")
 
 
 def test_launch_takes_the_run_directory_as_asyncrl_run_does(
@@ -403,3 +578,29 @@ def test_run_refuses_a_manifest_that_places_roles_off_node_0(
         "launch on several nodes with 'torchrun --nnodes=N ... -m asyncrl.launch MANIFEST'"
     ) in err
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_two_real_runs_into_a_results_folder_keep_the_users_files(run_dir: str) -> None:
+    """The issue's case end to end: a first run into a results folder (``--allow-nonempty``),
+    a second with ``--overwrite``; the user's files stay, the second run's result is there."""
+    users = {
+        "manifest.yaml": Path(HELLO).read_text(),
+        "logs/app.log": "the user's",
+        "plots/fig1.png": "the user's",
+        "final/paper.pdf": "the user's",
+    }
+    for name, text in users.items():
+        write(os.path.join(run_dir, name), text)
+    manifest = os.path.join(run_dir, "manifest.yaml")
+    refused = asyncrl("run", manifest, "--run-dir", run_dir)
+    assert refused.returncode == 2 and "is not empty" in refused.stderr
+    first = asyncrl("run", manifest, "--run-dir", run_dir, "--allow-nonempty")
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = asyncrl("run", manifest, "--run-dir", run_dir, "--overwrite")
+    assert again.returncode == 0, again.stdout + again.stderr
+    for name, text in users.items():
+        with open(os.path.join(run_dir, name)) as f:
+            assert f.read() == text
+    with open(os.path.join(run_dir, "driver.json")) as f:
+        assert json.load(f)["result"] == [["the", 4], ["dog", 3], ["fox", 3]]

@@ -7,13 +7,14 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from asyncrl import cli
-from asyncrl.supervision.janitor import sweep_dead_runs
+from asyncrl.supervision.janitor import socket_dirs, sweep_dead_runs
 from asyncrl.supervision.leases import (
     LEASE_DIR_ENV,
     Lease,
@@ -24,6 +25,8 @@ from asyncrl.supervision.leases import (
     start_time,
     write_lease,
 )
+from asyncrl.supervision.rundir import RUN_MARKER
+from transport.registry import LocalRegistry
 
 
 @pytest.fixture
@@ -58,8 +61,9 @@ def bound_socket(path: Path) -> Path:
 
 
 def lease(folder: Path, run: str, agent: int, janitor: int, run_dir: Path) -> Lease:
-    """A lease as an agent of pid ``agent`` writes it."""
+    """A lease as an agent of pid ``agent`` writes it, of a run directory marked as a run's."""
     folder.mkdir(mode=0o700, exist_ok=True)
+    touch(run_dir / RUN_MARKER)
     path = folder / f"{run}.{agent}.json"
     found = Lease(
         run=run,
@@ -139,8 +143,10 @@ def test_the_agent_writes_its_lease_and_trusts_only_a_private_folder(tmp_path: P
         lease_path("my run", str(tmp_path / "link"))
     assert str(refused.value) == (
         f"the lease folder {tmp_path / 'link'} is a link, not a folder of this user's (uid "
-        f"{os.getuid()}): no lease in it can be trusted; remove it, or set {LEASE_DIR_ENV} to "
-        "a private folder"
+        f"{os.getuid()}): no lease in it can be trusted, so what a killed run of this user "
+        f"leaves (shared memory, sockets) is never swept while it is there. To fix it, remove "
+        f"it (rm {tmp_path / 'link'}), or set {LEASE_DIR_ENV} to a private folder of yours "
+        "(such as ~/.cache/asyncrl/leases) for every run and 'asyncrl clean'"
     )
 
 
@@ -172,8 +178,38 @@ def test_a_lease_folder_or_file_of_another_user_is_never_trusted(
     assert capsys.readouterr().err == (
         f"asyncrl: warning: not sweeping what killed runs left behind: the lease folder "
         f"{leases} is owned by uid {OTHER_UID}, not a folder of this user's (uid 0): no lease "
-        f"in it can be trusted; remove it, or set {LEASE_DIR_ENV} to a private folder\n"
+        f"in it can be trusted, so what a killed run of this user leaves (shared memory, "
+        f"sockets) is never swept while it is there. To fix it, have its owner (uid "
+        f"{OTHER_UID}) or root remove it (rm -r {leases}), or set {LEASE_DIR_ENV} to a private "
+        "folder of yours (such as ~/.cache/asyncrl/leases) for every run and 'asyncrl clean'\n"
     )
+
+
+def test_clean_trusts_no_lease_that_names_a_folder_other_than_a_runs_sockets(
+    tmp_path: Path, dead: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forged lease naming a foreign socket folder (an ssh agent's) made ``asyncrl clean``
+    delete its socket and the folder: a lease may only name the ``sockets`` of a marked run
+    directory of this user's, or that run's socket folder in the temp dir."""
+    leases = tmp_path / "leases"
+    foreign = bound_socket(tmp_path / "ssh-agent" / "agent.1")
+    unmarked = bound_socket(tmp_path / "unmarked" / "sockets" / "x.0")
+    forged = {
+        "foreign": (tmp_path / "ssh-agent", tmp_path / "run"),  # not a run's socket folder
+        "unmarked": (tmp_path / "unmarked" / "sockets", tmp_path / "unmarked"),  # no marker
+    }
+    for run, (sockets, run_dir) in forged.items():
+        found = lease(leases, run, dead, dead, run_dir)
+        fields = {k: v for k, v in found.__dict__.items() if k != "path"}
+        Path(found.path).write_text(json.dumps({**fields, "socket_dir": str(sockets)}))
+    os.unlink(tmp_path / "unmarked" / RUN_MARKER)
+    monkeypatch.setenv(LEASE_DIR_ENV, str(leases))
+    assert cli.main(["clean"]) == 0
+    assert foreign.exists() and unmarked.exists()
+    assert os.listdir(leases) == []  # the dead leases themselves go
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the registry makes its folder
+    run_dir = tmp_path / "a" / ("long" * 30)
+    assert socket_dirs(str(run_dir))[1] == LocalRegistry(str(run_dir)).socket_dir
 
 
 def test_leases_live_beside_the_segments(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,7 +242,10 @@ def test_an_agent_that_cannot_write_its_lease_says_so(
     assert capsys.readouterr().err == (
         f"asyncrl: warning: run 'my run' holds no lease (the lease folder {tmp_path}/leases is "
         f"a link, not a folder of this user's (uid {os.getuid()}): no lease in it can be "
-        f"trusted; remove it, or set {LEASE_DIR_ENV} to a private folder); if its agent and "
-        "janitor are killed together, 'asyncrl clean' will not find its shared memory and "
-        f"sockets (lease folder: {tmp_path}/leases)\n"
+        f"trusted, so what a killed run of this user leaves (shared memory, sockets) is never "
+        f"swept while it is there. To fix it, remove it (rm {tmp_path}/leases), or set "
+        f"{LEASE_DIR_ENV} to a private folder of yours (such as ~/.cache/asyncrl/leases) for "
+        "every run and 'asyncrl clean'); if its agent and janitor are killed together, "
+        f"'asyncrl clean' will not find its shared memory and sockets (lease folder: "
+        f"{tmp_path}/leases)\n"
     )

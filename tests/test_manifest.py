@@ -904,7 +904,16 @@ def test_a_run_with_a_large_config_completes(run_dir: str) -> None:
     with open(path, "w") as f:
         f.write(text)
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -930,7 +939,16 @@ def test_a_config_key_a_role_does_not_declare_fails_the_run_as_a_configuration_e
     with open(path, "w") as f:
         f.write(text)
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

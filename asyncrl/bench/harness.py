@@ -32,6 +32,7 @@ def finished_run(
     with open(path, "w") as f:
         yaml.safe_dump(manifest, f, sort_keys=False)
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir]
+    cmd.append("--allow-nonempty")  # the manifest lies in the run directory
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     report: dict[str, Any] = {}
     if os.path.exists(os.path.join(run_dir, "driver.json")):

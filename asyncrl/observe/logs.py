@@ -4,12 +4,15 @@ console. Every line carries the role, replica, incarnation and pid of the proces
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
 from typing import Any
 
 import structlog
+
+from asyncrl.safe_files import open_append
 
 __all__ = ["CONSOLE_ENV", "configure", "console_wanted", "get_logger"]
 
@@ -60,7 +63,7 @@ def configure(
 
     if json_path is not None:
         os.makedirs(os.path.dirname(json_path), exist_ok=True)
-        file_handler = logging.FileHandler(json_path)
+        file_handler = _NoFollowFileHandler(json_path)
         file_handler.setFormatter(formatter(structlog.processors.JSONRenderer()))
         root.addHandler(file_handler)
     if console:
@@ -69,6 +72,13 @@ def configure(
         root.addHandler(stream)
     if not root.handlers:
         root.addHandler(logging.NullHandler())  # not logging's last-resort stderr printer
+
+
+class _NoFollowFileHandler(logging.FileHandler):
+    """A ``FileHandler`` that never writes through a link at its file's name (0600)."""
+
+    def _open(self) -> io.TextIOWrapper:
+        return io.TextIOWrapper(open_append(self.baseFilename), encoding="utf-8")
 
 
 def get_logger(name: str = "asyncrl") -> Any:

@@ -27,6 +27,7 @@ reading only what was appended since it last looked.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.safe_files import write_atomic
+from asyncrl.safe_files import open_append, write_atomic
 
 __all__ = [
     "METRICS_FILE",
@@ -161,7 +162,7 @@ class MetricsLog:
         if kept != found or not os.path.exists(self.path):
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.records = kept
-        self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
+        self._file = io.TextIOWrapper(open_append(self.path), encoding="utf-8")  # closed by close()
         if self.tensorboard:
             self._writer = _tensorboard_writer(
                 os.path.join(self.run_dir, TENSORBOARD_DIR), self.done

@@ -39,7 +39,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 
-from asyncrl.safe_files import write_atomic
+from asyncrl.safe_files import open_append, write_atomic
 from asyncrl.transport import ChannelOptions, Client, Server, tracing
 from asyncrl.transport.tracing import TRACE_DIR_ENV
 
@@ -536,7 +536,7 @@ class TraceSink:
                 f"trace chunk from node {chunk.node}: {chunk.name} has {size} bytes here, "
                 f"the chunk starts at {chunk.offset}; send the file again from offset 0"
             )
-        with open(path, "ab" if chunk.offset else "wb") as f:
+        with open_append(path, truncate=not chunk.offset) as f:
             f.write(chunk.data)
         return size + len(chunk.data)
 

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import re
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 
+from asyncrl.safe_files import open_append
 from asyncrl.supervision.leases import (
     SHM_DIR,
     Lease,
@@ -55,6 +58,7 @@ __all__ = [
     "alive",
     "main",
     "run_segments",
+    "socket_dirs",
     "sweep_dead_runs",
     "sweep_run",
 ]
@@ -67,6 +71,11 @@ _END = b"end"
 # The same names as asyncrl.transport.shm (a test checks), without importing it: that module
 # pulls in numpy, and the janitor lives as long as the run.
 _SEGMENT = re.compile(r"^asyncrl\.([A-Za-z0-9_-]+)\.(\d+)\.(\d+)\.(\d+)\Z")
+
+
+# The same names as asyncrl.supervision.rundir.RUN_MARKER and transport.registry.LocalRegistry's
+# socket folders (a test checks), without importing them: they pull in msgspec and the manifest.
+_RUN_MARKER = ".asyncrl-run"
 
 
 def _safe_run(run: str) -> str:
@@ -156,7 +165,7 @@ def sweep_dead_runs(*, directory: str = SHM_DIR, leases: str = "") -> list[str]:
     live_sockets = {os.path.abspath(lease.socket_dir) for lease in live}
     removed: list[str] = []
     for lease in dead:
-        if os.path.abspath(lease.socket_dir) not in live_sockets:
+        if os.path.abspath(lease.socket_dir) not in live_sockets and _sockets_of_a_run(lease):
             removed += _sweep_socket_dir(lease.socket_dir, lease.run_dir)
     for name, run, pid in _segments(directory):
         if run not in dead_runs or pid == os.getpid() or alive(pid):
@@ -171,6 +180,38 @@ def sweep_dead_runs(*, directory: str = SHM_DIR, leases: str = "") -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lease.path)
     return removed
+
+
+def socket_dirs(run_dir: str) -> list[str]:
+    """Where a run in ``run_dir`` keeps its sockets: ``RUN_DIR/sockets``, or (a run directory
+    too long for an ipc path) ``asyncrl-<hash of RUN_DIR>`` in the system temp dir, as
+    ``transport.registry.LocalRegistry`` chooses."""
+    run_dir = os.path.abspath(run_dir)
+    digest = hashlib.sha1(run_dir.encode()).hexdigest()[:12]
+    return [
+        os.path.join(run_dir, "sockets"),
+        os.path.join(tempfile.gettempdir(), f"asyncrl-{digest}"),
+    ]
+
+
+def _sockets_of_a_run(lease: Lease) -> bool:
+    """Whether the lease's socket folder is one a run keeps (``socket_dirs`` of its run
+    directory, a folder of this user's, not a link) under a run directory of this user's that
+    carries the run marker: a lease, even a forged one, may only name the user's own run and
+    socket folders."""
+    socket_dir = os.path.abspath(lease.socket_dir)
+    if socket_dir not in socket_dirs(lease.run_dir):
+        return False
+    for path, marker in ((lease.run_dir, True), (socket_dir, False)):
+        try:
+            st = os.lstat(path)
+            if marker and not stat.S_ISREG(os.lstat(os.path.join(path, _RUN_MARKER)).st_mode):
+                return False
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return False
+    return True
 
 
 def _sweep_sockets(socket_dir: str) -> list[str]:
@@ -215,7 +256,7 @@ class Janitor:
         read_fd, write_fd = os.pipe()  # neither end is inherited by anything else the agent starts
         try:
             os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-            with open(os.path.join(run_dir, "logs", "janitor.log"), "ab") as log:
+            with open_append(os.path.join(run_dir, "logs", "janitor.log")) as log:
                 proc = subprocess.Popen(
                     [
                         sys.executable,

@@ -200,19 +200,18 @@ async def _join(env: LaunchEnv, store: StoreClient, keys: LaunchKeys, timeout_s:
 
 def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
     """Make ``directory`` ready (``prepare_run_dir``), or say why not (a later attempt finds it)."""
-    from asyncrl.supervision.rundir import RunDirError, prepare_run_dir, run_markers
+    from asyncrl.supervision.rundir import RunDirError, prepare_run_dir
 
     if not fresh:
         os.makedirs(directory, exist_ok=True)
         return ""
-    if args.resume and not run_markers(directory):
-        return f"--resume: {directory} holds no run to resume"
     try:
         prepare_run_dir(
             directory,
             overwrite=args.overwrite,
             resume=args.resume,
             continue_hint="add --resume to continue it, or ",
+            allow_nonempty=args.allow_nonempty,
         )
     except (RunDirError, OSError) as exc:
         return str(exc)
@@ -537,6 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overwrite", action="store_true", help="delete an earlier run there and start afresh"
     )
+    parser.add_argument("--allow-nonempty", action="store_true", help="run beside other files")
     parser.add_argument(
         "--resume",
         action="store_true",

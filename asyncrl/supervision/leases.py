@@ -84,11 +84,24 @@ def private_lease_dir(folder: str = "") -> str:
     except OSError as exc:
         raise LeaseDirError(f"cannot use the lease folder {folder}: {exc}") from exc
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        what = "a link" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}"
+        what = (
+            "a link"
+            if stat.S_ISLNK(st.st_mode)
+            else f"owned by uid {st.st_uid}"
+            if st.st_uid != os.getuid()
+            else "not a folder"
+        )
+        fix = (
+            f"remove it (rm {folder})"
+            if st.st_uid == os.getuid()
+            else f"have its owner (uid {st.st_uid}) or root remove it (rm -r {folder})"
+        )
         raise LeaseDirError(
             f"the lease folder {folder} is {what}, not a folder of this user's (uid "
-            f"{os.getuid()}): no lease in it can be trusted; remove it, or set "
-            f"{LEASE_DIR_ENV} to a private folder"
+            f"{os.getuid()}): no lease in it can be trusted, so what a killed run of this user "
+            f"leaves (shared memory, sockets) is never swept while it is there. To fix it, "
+            f"{fix}, or set {LEASE_DIR_ENV} to a private folder of yours (such as "
+            f"~/.cache/asyncrl/leases) for every run and 'asyncrl clean'"
         )
     return folder
 

@@ -14,6 +14,7 @@ a (phase, step) is written once: recording it again merges the new metrics into 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.safe_files import write_atomic
+from asyncrl.safe_files import open_append, write_atomic
 
 __all__ = ["HISTORY_FILE", "History"]
 
@@ -105,7 +106,7 @@ class History:
             return entry
         entry = {"phase": phase, "step": step, **metrics}
         self.entries.append(entry)
-        with open(self.path, "a") as f:
+        with io.TextIOWrapper(open_append(self.path), encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
             f.flush()
         return entry

@@ -25,6 +25,7 @@ tensors and plain values; ``rng_bytes`` and ``rng_from_bytes`` the same as plain
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -37,7 +38,7 @@ import msgspec
 import numpy as np
 import torch
 
-from asyncrl.safe_files import write_atomic
+from asyncrl.safe_files import open_append, write_atomic
 from asyncrl.supervision.faults import FaultPlan
 
 __all__ = [
@@ -340,7 +341,7 @@ class StepLog:
     def append(self, record: dict[str, Any], sync: bool = True) -> None:
         """Add one step's record (``step``, ``version``, ``ids``, ...), durably unless not
         ``sync`` (a write-ahead log holds the step: ``sync`` before a checkpoint covers it)."""
-        with open(self.path, "a") as f:
+        with io.TextIOWrapper(open_append(self.path), encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             if sync:

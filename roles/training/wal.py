@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.roles.training.checkpoints import fsync_dir
+from asyncrl.safe_files import open_append
 
 __all__ = ["Entry", "KeepEntry", "StepEntry", "WalError", "WriteAheadLog"]
 
@@ -84,7 +85,7 @@ class WriteAheadLog:
         if self._segment is None:
             self.begin_segment(entry.step if isinstance(entry, StepEntry) else entry.step + 1)
         assert self._segment is not None
-        with open(self._segment, "ab") as f:
+        with open_append(self._segment) as f:
             f.write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
             f.flush()
             os.fsync(f.fileno())
@@ -93,7 +94,7 @@ class WriteAheadLog:
     def begin_segment(self, first_step: int) -> None:
         """Start a new segment for the steps from ``first_step`` on (at a checkpoint)."""
         self._segment = os.path.join(self.path, f"{first_step:08d}{_SUFFIX}")
-        open(self._segment, "ab").close()
+        open_append(self._segment).close()
         fsync_dir(self.path)
 
     def close(self) -> None:

@@ -98,7 +98,16 @@ def test_episode_runner_plays_the_game_in_a_role_process_and_wins(run_dir: str) 
     with open(path, "w") as f:
         f.write(MANIFEST.format(seeds=json.dumps(seeds)))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -47,7 +47,16 @@ def test_a_verifiers_environment_runs_through_the_endpoint_against_a_rollout_rol
     with open(path, "w") as f:
         f.write(MANIFEST)
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -135,7 +135,16 @@ def test_a_learner_refuses_calls_from_outside_the_run(run_dir: str) -> None:
         f.write(MANIFEST.format(program=program))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", manifest, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            manifest,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

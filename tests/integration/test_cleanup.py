@@ -92,7 +92,16 @@ class Run:
         with open(path, "w") as f:
             f.write(MANIFEST.format(run=self.name, end=end))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.cli",
+                "run",
+                path,
+                "--run-dir",
+                run_dir,
+                "--allow-nonempty",
+            ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

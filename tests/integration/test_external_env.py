@@ -37,7 +37,16 @@ def test_a_command_role_environment_survives_a_kill(run_dir: str, deterministic:
     with open(path, "w") as f:
         f.write(MANIFEST.format(deterministic=str(deterministic).lower(), python=sys.executable))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -49,7 +49,16 @@ def run_program(run_dir: str) -> dict[str, Any]:
     with open(path, "w") as f:
         f.write(textwrap.dedent(MANIFEST))
     out = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -57,7 +57,16 @@ def run_with_a_frozen_replica(run_dir: str, straggler: str) -> dict:  # type: ig
     with open(path, "w") as f:
         f.write(textwrap.dedent(MANIFEST.format(steps=STEPS, g=G, b=B, straggler=straggler)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", path, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            path,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

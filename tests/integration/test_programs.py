@@ -53,7 +53,7 @@ def run_program(  # type: ignore[type-arg]
     text = MANIFEST.format(program=program, steps=steps, extra=extra, pipeline=pipeline)
     with open(path, "w") as f:
         f.write(textwrap.dedent(text))
-    args = ["--run-dir", run_dir, *(a for o in overrides for a in ("--set", o))]
+    args = ["--run-dir", run_dir, "--allow-nonempty", *(a for o in overrides for a in ("--set", o))]
     return _run(args, path, run_dir)
 
 
@@ -189,6 +189,6 @@ def test_a_program_reads_the_model_section_and_role_configs_typed(run_dir: str) 
     text = text.replace("asyncrl.roles.program.programs:x", f"{run_dir}/flow.py:main")
     with open(path, "w") as f:
         f.write(text)
-    result = _run(["--run-dir", run_dir], path, run_dir)
+    result = _run(["--run-dir", run_dir, "--allow-nonempty"], path, run_dir)
     tokenizer = "examples/arith/tokenizer"
     assert result == {"tokenizer": tokenizer, "reward": ["exact", tokenizer]}

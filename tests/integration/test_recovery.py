@@ -77,7 +77,17 @@ def _no_run_outlives_its_test() -> Iterator[None]:
 
 def start(manifest: str, run_dir: str, *extra: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", manifest, "--run-dir", run_dir, *extra],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            manifest,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+            *extra,
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -88,7 +88,17 @@ class Run:
 
 def start_run(manifest: str, run_dir: str, *args: str, env: dict[str, str] | None = None) -> Run:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", manifest, "--run-dir", run_dir, *args],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            manifest,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+            *args,
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

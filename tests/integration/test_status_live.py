@@ -92,7 +92,16 @@ def test_status_of_a_running_run_a_restart_and_the_end(run_dir: str) -> None:
     with open(manifest, "w") as f:
         f.write(textwrap.dedent(MANIFEST.format(program=program)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "run", manifest, "--run-dir", run_dir],
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "run",
+            manifest,
+            "--run-dir",
+            run_dir,
+            "--allow-nonempty",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -3,7 +3,10 @@ never over the run's own state and never through a planted link (a fake model: n
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,100 @@ def test_export_into_write_paths_replaces_only_an_earlier_export(tmp_path: Path)
     )
     assert (models / "thesis" / "thesis.tex").read_text() == "precious"
     assert sorted(os.listdir(models)) == ["policy", "thesis"]
+
+
+def test_export_writes_into_the_folder_it_resolved_never_through_a_link_swapped_in(
+    tmp_path: Path,
+) -> None:
+    """A link swapped in between the check and the write (``writable`` then
+    ``export_pretrained``) is refused naming it; nothing lands outside the run directory."""
+    run_dir = a_run(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (run_dir / "exports" / "sub").mkdir(parents=True)
+    target = writable("sub/final", "learner", str(run_dir), [])
+    os.rename(run_dir / "exports" / "sub", run_dir / "exports" / "aside")
+    os.symlink(outside, run_dir / "exports" / "sub")
+    with pytest.raises(PermissionError) as caught:
+        export_pretrained(FakeModel(), target)
+    assert str(caught.value) == (
+        f"learner: refusing to export: {run_dir}/exports/sub is a link; a run writes only into "
+        "folders of its own, never through a link: remove it, or give another path"
+    )
+    assert os.listdir(outside) == []
+
+
+class WatchingModel(FakeModel):
+    """Saves as ``FakeModel`` does, then records what the outside folder holds at that moment:
+    a write that went outside shows even when a failed export removes it afterwards."""
+
+    def __init__(self, outside: Path) -> None:
+        self.outside = outside
+        self.seen: list[list[str]] = []
+
+    def save_pretrained(self, path: str) -> None:
+        super().save_pretrained(path)
+        self.seen.append(os.listdir(self.outside))
+
+
+def test_export_races_a_link_swapped_in_and_out_and_never_writes_outside(
+    tmp_path: Path,
+) -> None:
+    """The issue's race: a thread swaps ``exports/sub`` between a folder and a link to an
+    outside folder while exports run, 200 tries; every export lands inside the run directory
+    or is refused, and nothing is ever written outside, not even for a moment."""
+    run_dir = a_run(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    exports = run_dir / "exports"
+    (exports / "sub").mkdir(parents=True)
+    model = WatchingModel(outside)
+    stop = threading.Event()
+    swaps = 0
+
+    def swap() -> None:
+        nonlocal swaps
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                os.rename(exports / "sub", exports / "aside")
+            with contextlib.suppress(OSError):
+                os.symlink(outside, exports / "sub")
+                swaps += 1
+            if os.path.islink(exports / "sub"):
+                os.unlink(exports / "sub")
+            with contextlib.suppress(OSError):
+                os.rename(exports / "aside", exports / "sub")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads take turns often: many interleavings
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    written = refused = 0
+    try:
+        for _ in range(200):
+            try:
+                where = writable("sub/final", "learner", str(run_dir), [])
+                export_pretrained(model, where)
+                written += 1
+            except PermissionError:
+                refused += 1
+    finally:
+        stop.set()
+        swapper.join()
+        sys.setswitchinterval(interval)
+    assert swaps > 0 and written > 0 and written + refused == 200
+    assert [listing for listing in model.seen if listing] == []
+    assert os.listdir(outside) == []
+    assert sorted(os.listdir(tmp_path)) == ["outside", "run"]
+
+
+def test_a_2100_level_export_path_is_a_clear_error(tmp_path: Path) -> None:
+    run_dir = a_run(tmp_path)
+    path = "/".join(["a"] * 2100)
+    with pytest.raises(PermissionError) as caught:
+        export(run_dir, path)
+    assert str(caught.value) == (
+        f"learner: refusing to write {path[:60]!r}...: it is 2100 folders deep, over the limit "
+        "of 64; export to a shorter path"
+    )
+    assert not (run_dir / "exports" / "a").exists()
