@@ -27,6 +27,7 @@ what it was given) reuses those tokens, the completion's stop token included, th
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,13 +50,16 @@ EPISODE_HEADER = "X-Episode-Id"
 
 
 class Completion(msgspec.Struct, kw_only=True):
-    """One completion of an episode, as the policy produced it."""
+    """One completion of an episode, as the policy produced it, and the reward the agent gave
+    it (``OpenAIServer.reward``)."""
 
+    id: str
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     text: str
+    reward: float = 0.0
 
 
 def plain_chat(role: str, content: str) -> str:
@@ -136,10 +140,36 @@ class OpenAIServer:
 
     # -- the trajectory ------------------------------------------------------------------
 
+    def reward(self, episode_id: str, value: float, *, completion: str | None = None) -> None:
+        """Give the episode's completion ``completion`` (the ``id`` of the response that
+        returned it; by default the episode's latest) the reward ``value``, added to what it was
+        given before. It is that turn's entry of the trajectory's ``turn_rewards``.
+
+        Raises:
+            KeyError: no completion was recorded for the episode, or none with that id.
+            ValueError: ``value`` is not a finite number.
+        """
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"reward of episode {episode_id!r}: expected a finite number, got {value!r}")
+        completions = self.episodes[episode_id]
+        if completion is None:
+            target = completions[-1]
+        else:
+            found = [c for c in completions if c.id == completion]
+            if not found:
+                raise KeyError(
+                    f"episode {episode_id!r} has no completion {completion!r}; its completions "
+                    f"are {[c.id for c in completions]}"
+                )
+            target = found[0]
+        target.reward += float(value)
+
     def trajectory(self, episode_id: str, reward: float = 0.0, done: bool = True) -> Trajectory:
         """The episode's completions as one trajectory: its first prompt, then, for each
         completion, what came between it and the previous one (masked out) and the completion
-        itself (masked in).
+        itself (masked in). ``turn_rewards`` holds each completion's reward (``reward``), the
+        last one's plus ``reward``, the episode's final reward; the trajectory's ``reward`` is
+        their sum, which the episode scorer (``episode_rewards``) reads.
 
         Raises:
             KeyError: no completion was recorded for the episode.
@@ -148,7 +178,7 @@ class OpenAIServer:
         """
         completions = self.episodes[episode_id]
         first = completions[0]
-        traj = Trajectory(episode_id=episode_id, prompt_ids=list(first.prompt_ids), reward=reward)
+        traj = Trajectory(episode_id=episode_id, prompt_ids=list(first.prompt_ids))
         context = list(first.prompt_ids)
         for i, c in enumerate(completions):
             if c.prompt_ids[: len(context)] != context:
@@ -168,6 +198,9 @@ class OpenAIServer:
                 )
             )
             context = [*c.prompt_ids, *c.token_ids]
+        traj.turn_rewards = [c.reward for c in completions]
+        traj.turn_rewards[-1] += reward
+        traj.reward = sum(traj.turn_rewards)
         traj.done = done
         return traj
 
@@ -190,7 +223,7 @@ class OpenAIServer:
         c = await self._generate(ids, body, episode)
         return web.json_response(
             {
-                **self._head("text_completion"),
+                **self._head("text_completion", c.id),
                 "choices": [
                     {"index": 0, "text": c.text, "finish_reason": c.finish, "logprobs": None}
                 ],
@@ -207,7 +240,7 @@ class OpenAIServer:
         c = await self._generate(ids, body, episode)
         return web.json_response(
             {
-                **self._head("chat.completion"),
+                **self._head("chat.completion", c.id),
                 "choices": [
                     {
                         "index": 0,
@@ -260,6 +293,7 @@ class OpenAIServer:
             stop_token_ids=self.stop_token_ids,
         )
         n = next(self._ids)
+        completion_id = f"asyncrl-{n}"
         prompt = Prompt(id=f"{episode or 'openai'}/{n}", token_ids=ids)
         request = GenerateRequest(prompt=prompt, sample_index=0, params=params)
         while True:
@@ -280,6 +314,7 @@ class OpenAIServer:
         if episode:
             self.episodes.setdefault(episode, []).append(
                 Completion(
+                    id=completion_id,
                     prompt_ids=ids,
                     token_ids=tokens,
                     logprobs=list(sample.logprobs),
@@ -288,7 +323,7 @@ class OpenAIServer:
                 )
             )
         finish = "stop" if sample.stop_reason == "stop" else "length"
-        return _Done(text, tokens, finish)
+        return _Done(completion_id, text, tokens, finish)
 
     async def _body(self, request: web.Request) -> tuple[dict[str, Any], str]:
         try:
@@ -300,9 +335,9 @@ class OpenAIServer:
         episode = request.headers.get(EPISODE_HEADER) or str(body.get("user") or "")
         return body, episode
 
-    def _head(self, kind: str) -> dict[str, Any]:
+    def _head(self, kind: str, completion_id: str) -> dict[str, Any]:
         return {
-            "id": f"asyncrl-{next(self._ids)}",
+            "id": completion_id,
             "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
@@ -310,8 +345,8 @@ class OpenAIServer:
 
 
 class _Done:
-    def __init__(self, text: str, token_ids: list[int], finish: str) -> None:
-        self.text, self.token_ids, self.finish = text, token_ids, finish
+    def __init__(self, completion_id: str, text: str, token_ids: list[int], finish: str) -> None:
+        self.id, self.text, self.token_ids, self.finish = completion_id, text, token_ids, finish
 
 
 def _usage(prompt: list[int], completion: list[int]) -> dict[str, int]:

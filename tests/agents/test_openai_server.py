@@ -4,10 +4,13 @@ trajectory holds exactly the tokens the policy generated."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Any
 
 import pytest
 
+from asyncrl.roles.agents.episodes import episode_rewards
 from asyncrl.roles.payloads import GenerateBatch, Sample
 from asyncrl.transport import run
 from tests.agents.test_episodes import decode, encode
@@ -116,3 +119,47 @@ def test_completions_take_text_or_token_ids_and_bad_requests_get_a_400() -> None
         assert "ep" in srv.episodes and len(srv.episodes) == 1  # the untagged call is not kept
 
     run(main())
+
+
+def test_the_agents_per_turn_rewards_and_the_final_reward_reach_the_scorer() -> None:
+    async def main() -> None:
+        async with server(Replies()) as srv:
+            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+            first = await client.chat.completions.create(
+                model="policy", messages=messages, user="ep"
+            )
+            srv.reward("ep", 0.25)  # the latest completion: the first
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "again"},
+            ]
+            await client.chat.completions.create(model="policy", messages=messages, user="ep")
+            srv.reward("ep", 0.5, completion=first.id)  # added to the first's 0.25
+            with pytest.raises(KeyError, match="episode 'ep' has no completion 'nope'"):
+                srv.reward("ep", 1.0, completion="nope")
+            with pytest.raises(ValueError, match="expected a finite number, got nan"):
+                srv.reward("ep", float("nan"))
+            await client.close()
+        traj = srv.trajectory("ep", reward=1.0)  # the final reward: the last turn's
+        assert traj.turn_rewards == [0.75, 1.0] and traj.reward == 1.75
+        sample = traj.sample("p", 0)
+        assert sample.turn_rewards == [0.75, 1.0]
+        assert await episode_rewards([sample]) == [1.75]
+        discounted = functools.partial(episode_rewards, gamma=0.5)
+        assert await discounted([sample]) == [1.25]  # 0.75 + 1.0 * 0.5
+
+    run(main())
+
+
+def test_a_trajectory_from_the_endpoint_scores_its_reward() -> None:
+    async def main() -> None:
+        async with server(Replies()) as srv:
+            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            await client.completions.create(model="policy", prompt="2+2=", user="ep")
+            await client.close()
+        return srv.trajectory("ep", reward=1.0).sample("p", 0)
+
+    sample = run(main())
+    assert sample.turn_rewards == [1.0]
+    assert asyncio.run(episode_rewards([sample])) == [1.0]
