@@ -130,7 +130,9 @@ async def verifiers_episodes(ctx: Context) -> list[dict[str, Any]]:
     env = adapter.make_env(_go_on_env, ctx.config["questions"])
     kept = signal.getsignal(signal.SIGTERM) is before
     VerifiersRunner = adapter.VerifiersRunner
-    server = OpenAIServer(ctx.rollout, encode=encode, decode=decode, max_tokens=6)
+    server = OpenAIServer(
+        ctx.rollout, context_length=128, encode=encode, decode=decode, max_tokens=6
+    )
     async with server, VerifiersRunner(env, server, sampling_args={"temperature": 1.0}) as runner:
         examples = runner.examples()
         episodes = await asyncio.gather(

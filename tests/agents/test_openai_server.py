@@ -6,17 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import os
 from typing import Any
 
+import aiohttp
 import pytest
 
 from asyncrl.roles.agents.episodes import episode_rewards
 from asyncrl.roles.payloads import GenerateBatch, Sample
+from asyncrl.supervision.agent import install_secret
 from asyncrl.transport import run
+from asyncrl.transport.control import SECRET_FILE_ENV, api_key, run_api_key
 from tests.agents.test_episodes import decode, encode
 
 openai = pytest.importorskip("openai")
 OpenAIServer = pytest.importorskip("asyncrl.roles.agents.openai_server").OpenAIServer
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # the client logs every request at info
 
 EOS = 3  # the digit 3 doubles as end-of-sequence here: replies never contain it
 
@@ -47,15 +54,20 @@ class Replies:
         ]
 
 
-def server(rollout: Replies) -> OpenAIServer:
-    return OpenAIServer(rollout, encode=encode, decode=decode, stop_token_ids=[EOS])
+def server(rollout: Replies, **kw: Any) -> OpenAIServer:
+    options = {"context_length": 512, "max_tokens": 64, **kw}
+    return OpenAIServer(rollout, encode=encode, decode=decode, stop_token_ids=[EOS], **options)
+
+
+def client_of(srv: OpenAIServer, **kw: Any) -> Any:
+    return openai.AsyncOpenAI(base_url=srv.url, api_key=srv.api_key, max_retries=0, **kw)
 
 
 def test_a_chat_agent_runs_unchanged_and_its_trajectory_is_what_the_policy_generated() -> None:
     async def main() -> None:
         rollout = Replies()
         async with server(rollout) as srv:
-            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            client = client_of(srv)
             messages: list[dict[str, str]] = [{"role": "system", "content": "be brief"}]
             for turn in ("hi", "more"):
                 messages.append({"role": "user", "content": turn})
@@ -88,7 +100,7 @@ def test_completions_take_text_or_token_ids_and_bad_requests_get_a_400() -> None
     async def main() -> None:
         rollout = Replies()
         async with server(rollout) as srv:
-            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            client = client_of(srv)
             one = await client.completions.create(model="policy", prompt="2+2=", user="ep")
             again = await client.completions.create(
                 model="policy", prompt="2+2=" + one.choices[0].text + "\x0c" + "more", user="ep"
@@ -124,7 +136,7 @@ def test_completions_take_text_or_token_ids_and_bad_requests_get_a_400() -> None
 def test_the_agents_per_turn_rewards_and_the_final_reward_reach_the_scorer() -> None:
     async def main() -> None:
         async with server(Replies()) as srv:
-            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            client = client_of(srv)
             messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
             first = await client.chat.completions.create(
                 model="policy", messages=messages, user="ep"
@@ -155,7 +167,7 @@ def test_the_agents_per_turn_rewards_and_the_final_reward_reach_the_scorer() -> 
 def test_a_trajectory_from_the_endpoint_scores_its_reward() -> None:
     async def main() -> None:
         async with server(Replies()) as srv:
-            client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+            client = client_of(srv)
             await client.completions.create(model="policy", prompt="2+2=", user="ep")
             await client.close()
         return srv.trajectory("ep", reward=1.0).sample("p", 0)
@@ -163,3 +175,68 @@ def test_a_trajectory_from_the_endpoint_scores_its_reward() -> None:
     sample = run(main())
     assert sample.turn_rewards == [1.0]
     assert asyncio.run(episode_rewards([sample])) == [1.0]
+
+
+def test_a_request_without_the_key_gets_a_401() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout, api_key="k-123") as srv:
+            assert srv.api_key == "k-123"
+            for key in ("wrong", "k-1234"):
+                bad = openai.AsyncOpenAI(base_url=srv.url, api_key=key, max_retries=0)
+                with pytest.raises(openai.AuthenticationError) as err:
+                    await bad.chat.completions.create(
+                        model="policy", messages=[{"role": "user", "content": "hi"}]
+                    )
+                assert err.value.status_code == 401
+                assert err.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+                assert err.value.body["message"].startswith(  # type: ignore[index]
+                    "a valid API key is required: send it as a bearer token"
+                )
+                with pytest.raises(openai.AuthenticationError):
+                    await bad.models.list()
+                await bad.close()
+            async with aiohttp.ClientSession() as http:  # no Authorization header at all
+                async with http.post(f"{srv.url}/completions", json={}) as response:
+                    assert response.status == 401
+            good = client_of(srv)
+            assert [m.id for m in (await good.models.list()).data] == ["policy"]
+            await good.close()
+        assert rollout.prompts == []  # nothing reached the rollout
+
+    run(main())
+
+
+def test_the_run_writes_its_api_key_beside_its_secret_and_the_program_reads_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    secret_file = install_secret(str(tmp_path), "s" * 32)
+    key_file = tmp_path / "api_key"
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    key = key_file.read_text()
+    assert key == api_key("s" * 32) and len(key) == 40 and key != "s" * 32
+    assert os.environ[SECRET_FILE_ENV] == secret_file
+    assert run_api_key() == key
+    srv = server(Replies())
+    assert srv.api_key == key  # in a run, the server requires the run's key by default
+    monkeypatch.delenv(SECRET_FILE_ENV)
+    assert run_api_key() is None
+    outside = server(Replies())
+    assert len(outside.api_key) == 40 and outside.api_key != key  # a fresh one
+
+
+def test_listening_beyond_loopback_is_an_explicit_option() -> None:
+    async def main() -> None:
+        srv = server(Replies())
+        with pytest.raises(ValueError) as err:
+            await srv.start(host="0.0.0.0")
+        assert str(err.value) == (
+            "host '0.0.0.0' is not a loopback address: pass remote=True to listen there "
+            "(requests still need the API key, sent in clear over HTTP)"
+        )
+        url = await srv.start(host="0.0.0.0", remote=True)
+        assert url.startswith("http://0.0.0.0:")
+        await srv.close_server()
+
+    run(main())
