@@ -240,3 +240,142 @@ def test_listening_beyond_loopback_is_an_explicit_option() -> None:
         await srv.close_server()
 
     run(main())
+
+
+async def _refused(srv: OpenAIServer, body: dict[str, Any], path: str = "chat/completions") -> Any:
+    """The error body of a request the endpoint must refuse with a 400, sent raw."""
+    headers = {"Authorization": f"Bearer {srv.api_key}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with http.post(f"{srv.url}/{path}", data=body_text(body)) as response:
+            assert response.status == 400, await response.text()
+            return (await response.json())["error"]
+
+
+def body_text(body: dict[str, Any]) -> str:
+    """JSON as a client may send it: NaN and huge numbers included."""
+    import json
+
+    return json.dumps(body)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"max_tokens": -5}, "max_tokens", "max_tokens: expected an integer >= 1, got -5"),
+        ({"max_tokens": "abc"}, "max_tokens", "max_tokens: expected an integer >= 1, got 'abc'"),
+        ({"max_tokens": 1e30}, "max_tokens", "max_tokens: expected an integer >= 1, got 1e+30"),
+        (
+            {"temperature": float("nan")},
+            "temperature",
+            "temperature: expected a number in [0.0, 2.0], got nan",
+        ),
+        ({"top_p": 0}, "top_p", "top_p: expected a number in (0.0, 1.0], got 0"),
+        ({"n": 0}, "n", "n: expected an integer from 1 to 16, got 0"),
+        (
+            {"max_completion_tokens": 4, "max_tokens": 5},
+            "max_completion_tokens",
+            "max_tokens (5) and max_completion_tokens (4) differ; send one",
+        ),
+    ],
+)
+def test_a_bad_number_is_a_400_that_names_it(
+    fields: dict[str, Any], param: str, message: str
+) -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            error = await _refused(srv, {"model": "policy", "messages": HI, **fields})
+        assert (error["message"], error["param"]) == (message, param)
+        assert rollout.prompts == []
+
+    run(main())
+
+
+def test_max_tokens_is_bounded_by_the_models_context() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout, context_length=20) as srv:
+            client = client_of(srv)
+            with pytest.raises(openai.BadRequestError) as err:  # 14 + 7 > 20
+                await client.completions.create(model="policy", prompt="x" * 14, max_tokens=7)
+            assert err.value.body["message"] == (  # type: ignore[index]
+                "max_tokens: 7 does not fit: the prompt is 14 tokens and the model's context "
+                "20, so at most 6 more"
+            )
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.completions.create(model="policy", prompt="x" * 20)
+            assert err.value.body["message"] == (  # type: ignore[index]
+                "prompt: the prompt is 20 tokens and the model's context is 20, which leaves no "
+                "room for a completion; shorten it"
+            )
+            assert err.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+            error = await _refused(
+                srv, {"model": "policy", "prompt": "x", "max_tokens": 10**30}, "completions"
+            )
+            assert error["message"].startswith(f"max_tokens: {10**30} does not fit")
+            # Without max_tokens: the default (64), cut to what the context leaves.
+            await client.completions.create(model="policy", prompt="x" * 14)
+            await client.close()
+        assert rollout.budgets == [6]
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        (
+            {"frobnicate": 1},
+            "frobnicate",
+            "frobnicate: the chat completions endpoint does not support this field; leave it out",
+        ),
+        ({"seed": 3}, "seed", "seed: the rollout group samples with its own generators"),
+        (
+            {"presence_penalty": 0.5},
+            "presence_penalty",
+            "presence_penalty: only 0 is supported, got 0.5",
+        ),
+        (
+            {"logprobs": True, "top_logprobs": 2},
+            "top_logprobs",
+            "top_logprobs: the rollout returns the log-prob of the sampled token only",
+        ),
+        (
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            "response_format: only {'type': 'text'} is supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+            "messages[0].content[0]: only text parts ({type: 'text', text}) are supported, got 'image_url'",
+        ),
+    ],
+)
+def test_an_unsupported_field_is_refused_by_name(
+    fields: dict[str, Any], param: str, message: str
+) -> None:
+    async def main() -> None:
+        async with server(Replies()) as srv:
+            error = await _refused(srv, {"model": "policy", "messages": HI, **fields})
+        assert error["message"].startswith(message) and error["param"] == param
+
+    run(main())
+
+
+def test_an_oversized_body_and_an_unknown_model_are_refused() -> None:
+    async def main() -> None:
+        async with server(Replies(), max_body_bytes=1000) as srv:
+            error = await _refused(srv, {"model": "policy", "messages": HI, "user": "u" * 2000})
+            assert error["message"] == (
+                "the request body is over 1000 bytes, the most this endpoint reads (max_body_bytes)"
+            )
+            client = client_of(srv)
+            with pytest.raises(openai.NotFoundError, match="model 'gpt-4' does not exist"):
+                await client.chat.completions.create(model="gpt-4", messages=HI)
+            await client.close()
+
+    run(main())
