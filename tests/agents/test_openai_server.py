@@ -379,3 +379,158 @@ def test_an_oversized_body_and_an_unknown_model_are_refused() -> None:
             await client.close()
 
     run(main())
+
+
+def test_a_rewritten_history_is_refused_at_once_with_the_first_differing_message() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            client = client_of(srv)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+            first = await client.chat.completions.create(
+                model="policy", messages=messages, user="ep"
+            )
+            rewritten = [
+                *messages,
+                {"role": "assistant", "content": first.choices[0].message.content + "\n"},
+                {"role": "user", "content": "more"},
+            ]
+            with pytest.raises(openai.ConflictError) as err:
+                await client.chat.completions.create(model="policy", messages=rewritten, user="ep")
+            assert err.value.status_code == 409
+            assert err.value.body["code"] == "history_mismatch"  # type: ignore[index]
+            assert err.value.body["message"] == (  # type: ignore[index]
+                "messages[1] differs from episode 'ep''s recorded history (branch 'main'): "
+                "recorded assistant 'ok1', got assistant 'ok1\\n'. A request of an episode must "
+                "repeat its history exactly, the assistant's messages as the endpoint returned "
+                "them; to go another way, start a branch (X-Episode-Branch)"
+            )
+            # The completions API: a prompt that does not extend the last one and its text.
+            await client.completions.create(model="policy", prompt="2+2=", user="text")
+            with pytest.raises(openai.ConflictError) as err:
+                await client.completions.create(model="policy", prompt="2+2= ok2", user="text")
+            assert err.value.body["message"] == (  # type: ignore[index]
+                "prompt: differs from episode 'text''s recorded history at character 4: "
+                "recorded 'ok2', got ' ok2'; a request of an episode must extend its last "
+                "prompt and completion as the agent was shown them"
+            )
+            await client.close()
+        assert len(rollout.prompts) == 2  # the refused requests never reached the rollout
+        assert srv.trajectory("ep").turns == 1
+
+    run(main())
+
+
+def test_an_episode_id_reused_by_another_conversation_is_its_own_error() -> None:
+    async def main() -> None:
+        async with server(Replies()) as srv:
+            client = client_of(srv)
+            await client.chat.completions.create(model="policy", messages=HI, user="ep")
+            other = [{"role": "user", "content": "what is 2+2"}]
+            with pytest.raises(openai.ConflictError) as err:
+                await client.chat.completions.create(model="policy", messages=other, user="ep")
+            assert err.value.body["code"] == "episode_reused"  # type: ignore[index]
+            assert err.value.body["message"] == (  # type: ignore[index]
+                "messages[0] differs from the first request of episode 'ep' (branch 'main'): "
+                "recorded user 'hi', got user 'what is 2+2'. The episode id is reused or shared "
+                "by another conversation: give each its own episode id"
+            )
+            await client.close()
+
+    run(main())
+
+
+class Held(Replies):
+    """A rollout whose first call waits until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        if not self.entered.is_set():
+            self.entered.set()
+            await self.release.wait()
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_two_requests_in_flight_on_one_episode_are_refused_as_a_shared_id() -> None:
+    async def main() -> None:
+        rollout = Held()
+        async with server(rollout) as srv:
+            client = client_of(srv)
+            first = asyncio.create_task(
+                client.chat.completions.create(model="policy", messages=HI, user="ep")
+            )
+            await rollout.entered.wait()
+            with pytest.raises(openai.ConflictError) as err:
+                await client.chat.completions.create(model="policy", messages=HI, user="ep")
+            assert err.value.body["code"] == "episode_busy"  # type: ignore[index]
+            assert err.value.body["message"].startswith(  # type: ignore[index]
+                "episode 'ep' (branch 'main') already has a request in flight"
+            )
+            rollout.release.set()
+            assert (await first).choices[0].message.content == "ok1"
+            await client.close()
+
+    run(main())
+
+
+def test_a_branch_header_starts_a_branch_that_is_its_own_trajectory() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            client = client_of(srv)
+            first = await client.chat.completions.create(model="policy", messages=HI, user="ep")
+            history = [*HI, {"role": "assistant", "content": first.choices[0].message.content}]
+            await client.chat.completions.create(
+                model="policy", messages=[*history, {"role": "user", "content": "a"}], user="ep"
+            )
+            # Another way on from the first reply, deliberately: a branch of its own.
+            await client.chat.completions.create(
+                model="policy",
+                messages=[*history, {"role": "user", "content": "b"}],
+                user="ep",
+                extra_headers={"X-Episode-Branch": "b"},
+            )
+            await client.close()
+        main_branch = srv.trajectory("ep")
+        branch = srv.trajectory("ep", branch="b")
+        assert [decode(s.token_ids) for s in main_branch.segments if s.policy] == [
+            "ok13",
+            "ok23",
+        ]
+        # The branch's prompt holds the first reply's own tokens, masked out; its one
+        # completion is its own.
+        assert decode(branch.prompt_ids) == "user: hi\nassistant: ok13\nuser: b\nassistant: "
+        assert branch.prompt_ids == rollout.prompts[2]
+        assert [decode(s.token_ids) for s in branch.segments] == ["ok33"]
+
+    run(main())
+
+
+def test_close_and_an_idle_timeout_forget_an_episode() -> None:
+    async def main() -> None:
+        now = [0.0]
+        async with server(Replies(), idle_timeout_s=60, clock=lambda: now[0]) as srv:
+            client = client_of(srv)
+            for episode in ("a", "b"):
+                await client.chat.completions.create(model="policy", messages=HI, user=episode)
+            srv.close("a")
+            now[0] = 59.0
+            assert srv.evict_idle() == []
+            now[0] = 60.0
+            assert srv.evict_idle() == ["b"]
+            assert srv.episodes == {}
+            for episode, why in (("a", "was closed"), ("b", "was idle for 60 s and forgotten")):
+                with pytest.raises(openai.ConflictError) as err:
+                    await client.chat.completions.create(model="policy", messages=HI, user=episode)
+                assert err.value.body["message"] == (  # type: ignore[index]
+                    f"episode {episode!r} {why}; a new conversation needs a new episode id"
+                )
+            with pytest.raises(KeyError, match="episode 'a' was closed"):
+                srv.trajectory("a")
+            await client.close()
+
+    run(main())
