@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
 from asyncrl.roles.agents.episodes import episode_rewards
@@ -532,5 +533,149 @@ def test_close_and_an_idle_timeout_forget_an_episode() -> None:
             with pytest.raises(KeyError, match="episode 'a' was closed"):
                 srv.trajectory("a")
             await client.close()
+
+    run(main())
+
+
+class Says(Replies):
+    """A rollout that answers ``text`` then EOS, every time."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        (sample,) = await super().call(method, payload, reply_type, **kw)
+        tokens = [*encode(self.text), EOS]
+        return [
+            msgspec.structs.replace(
+                sample, token_ids=tokens, logprobs=[-0.25] * len(tokens), versions=[2] * len(tokens)
+            )
+        ]
+
+
+def test_n_returns_n_choices_and_the_next_request_chooses_which_one_trains() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            client = client_of(srv)
+            reply = await client.chat.completions.create(
+                model="policy", messages=HI, n=3, user="ep"
+            )
+            texts = [c.message.content for c in reply.choices]
+            assert texts == ["ok1", "ok2", "ok3"] and [c.index for c in reply.choices] == [0, 1, 2]
+            assert reply.usage is not None and reply.usage.completion_tokens == 12
+            await client.chat.completions.create(
+                model="policy",
+                messages=[
+                    *HI,
+                    {"role": "assistant", "content": "ok2"},
+                    {"role": "user", "content": "go"},
+                ],
+                user="ep",
+            )
+            await client.close()
+        traj = srv.trajectory("ep")
+        assert [decode(s.token_ids) for s in traj.segments if s.policy] == ["ok23", "ok43"]
+        assert rollout.prompts[3][: len(rollout.prompts[0]) + 4] == rollout.prompts[0] + encode(
+            "ok2"
+        ) + [EOS]
+
+    run(main())
+
+
+def test_stop_ends_the_text_at_the_stop_string_and_the_context_keeps_what_was_generated() -> None:
+    async def main() -> None:
+        rollout = Says("ab,cd")
+        async with server(rollout) as srv:
+            client = client_of(srv)
+            reply = await client.chat.completions.create(
+                model="policy", messages=HI, stop=[",", "zz"], user="ep"
+            )
+            assert reply.choices[0].message.content == "ab"
+            assert reply.choices[0].finish_reason == "stop"
+            await client.chat.completions.create(
+                model="policy",
+                messages=[
+                    *HI,
+                    {"role": "assistant", "content": "ab"},
+                    {"role": "user", "content": "x"},
+                ],
+                user="ep",
+            )
+            text = await client.completions.create(model="policy", prompt="q", stop="c")
+            assert text.choices[0].text == "ab,"
+            await client.close()
+        traj = srv.trajectory("ep")
+        assert [decode(s.token_ids) for s in traj.segments] == [
+            "ab,",
+            "\nuser: x\nassistant: ",
+            "ab,cd3",
+        ]
+        assert traj.segments[0].logprobs == [-0.25] * 3
+
+    run(main())
+
+
+def test_logprobs_are_the_sampled_tokens_behaviour_log_probs() -> None:
+    async def main() -> None:
+        async with server(Says("hey")) as srv:
+            client = client_of(srv)
+            chat = await client.chat.completions.create(model="policy", messages=HI, logprobs=True)
+            text = await client.completions.create(model="policy", prompt="q", logprobs=0)
+            await client.close()
+        content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert [(t.token, t.logprob, t.top_logprobs) for t in content] == [
+            ("h", -0.25, []),
+            ("e", -0.25, []),
+            ("y", -0.25, []),
+        ]
+        logprobs = text.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens == ["h", "e", "y"]
+        assert logprobs.token_logprobs == [-0.25] * 3 and logprobs.text_offset == [0, 1, 2]
+
+    run(main())
+
+
+def test_stream_sends_server_sent_events_the_client_reads() -> None:
+    async def main() -> None:
+        async with server(Says("hey")) as srv:
+            client = client_of(srv)
+            stream = await client.chat.completions.create(
+                model="policy",
+                messages=HI,
+                stream=True,
+                stream_options={"include_usage": True},
+                user="ep",
+            )
+            chunks = [chunk async for chunk in stream]
+            text = await client.completions.create(model="policy", prompt="q", stream=True)
+            pieces = [chunk async for chunk in text]
+            await client.close()
+        deltas = [c.choices[0].delta.content for c in chunks if c.choices]
+        assert deltas == ["", "h", "e", "y", None]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        assert "".join(p.choices[0].text for p in pieces) == "hey"
+        assert pieces[-1].choices[0].finish_reason == "stop"
+        assert decode(srv.trajectory("ep").segments[0].token_ids) == "hey3"
+
+    run(main())
+
+
+def test_content_as_text_parts_and_max_completion_tokens() -> None:
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            client = client_of(srv)
+            parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+            await client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": parts}],  # type: ignore[list-item]
+                max_completion_tokens=9,
+            )
+            await client.close()
+        assert decode(rollout.prompts[0]) == "user: hi\nassistant: "
+        assert rollout.budgets == [9]
 
     run(main())
