@@ -20,6 +20,7 @@ from asyncrl.supervision.agent import install_secret
 from asyncrl.transport import run
 from asyncrl.transport.control import SECRET_FILE_ENV, api_key, run_api_key
 from tests.agents.test_episodes import decode, encode
+from tests.conftest import ROOT
 
 openai = pytest.importorskip("openai")
 OpenAIServer = pytest.importorskip("asyncrl.roles.agents.openai_server").OpenAIServer
@@ -677,5 +678,130 @@ def test_content_as_text_parts_and_max_completion_tokens() -> None:
             await client.close()
         assert decode(rollout.prompts[0]) == "user: hi\nassistant: "
         assert rollout.budgets == [9]
+
+    run(main())
+
+
+class Script:
+    """A rollout that answers each call with the next of ``texts`` (tokenized) then EOS."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.texts = list(texts)
+        self.prompts: list[list[int]] = []
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        (request,) = payload.requests
+        self.prompts.append(list(request.prompt.token_ids))
+        ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False)
+        tokens = [*ids, self.tokenizer.eos_token_id]
+        return [
+            Sample(
+                prompt_id=request.prompt.id,
+                sample_index=0,
+                prompt_ids=request.prompt.token_ids,
+                token_ids=tokens,
+                logprobs=[-0.5] * len(tokens),
+                versions=[1] * len(tokens),
+                finished=True,
+                stop_reason="stop",
+            )
+        ]
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "add two numbers",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+    },
+}
+FAMILIES = {
+    # tokenizer, the call as the family writes it, the tool's answer as it stands between turns
+    "qwen": (
+        "examples/qwen/tokenizer",
+        '<tool_call>\n{"name": "add", "arguments": {"x": 2, "y": 3}}\n</tool_call>',
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+    ),
+    "llama3": (
+        "examples/qwen/llama3_tokenizer",
+        '{"name": "add", "parameters": {"x": 2, "y": 3}}',
+        "<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_tool_call_round_trip_in_the_familys_own_format(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    path, call, between = FAMILIES[family]
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, path))
+
+    async def main() -> None:
+        rollout = Script(tok, [call, "= 5"])
+        async with OpenAIServer(rollout, tokenizer=tok, context_length=4096) as srv:
+            assert srv.chat.family == family
+            client = client_of(srv)
+            messages: list[Any] = [{"role": "user", "content": "add 2 3"}]
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[ADD], user="ep"
+            )
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (tool_call,) = choice.message.tool_calls or []
+            assert tool_call.function.name == "add"  # type: ignore[union-attr]
+            assert tool_call.function.arguments == '{"x":2,"y":3}'  # type: ignore[union-attr]
+            messages += [
+                choice.message,  # as agents do: the client's own message object
+                {"role": "tool", "tool_call_id": tool_call.id, "content": "5"},
+            ]
+            final = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[ADD], user="ep"
+            )
+            assert final.choices[0].message.content == "= 5"
+            assert final.choices[0].message.tool_calls is None
+            await client.close()
+        # The first prompt is the template's rendering with the tools in the family's format.
+        first = tok.decode(rollout.prompts[0])
+        assert first == srv.chat.render(
+            [{"role": "user", "content": "add 2 3"}], [ADD], generate=True
+        )
+        assert ('"name": "add"' in first) and ("add two numbers" in first)
+        traj = srv.trajectory("ep", reward=1.0)
+        assert [tok.decode(s.token_ids) for s in traj.segments] == [
+            call + tok.eos_token,
+            between,
+            "= 5" + tok.eos_token,
+        ]
+        assert traj.loss_mask.count(1) == len(traj.segments[0].token_ids) + len(
+            traj.segments[2].token_ids
+        )
+
+    run(main())
+
+
+def test_tool_choice_required_opens_the_call_for_the_policy() -> None:
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, "examples/qwen/tokenizer"))
+
+    async def main() -> None:
+        rollout = Script(tok, ['{"name": "add", "arguments": {"x": 1}}\n</tool_call>', "{}"])
+        async with OpenAIServer(rollout, tokenizer=tok, context_length=4096) as srv:
+            client = client_of(srv)
+            reply = await client.chat.completions.create(
+                model="policy", messages=HI, tools=[ADD], tool_choice="required"
+            )
+            (call,) = reply.choices[0].message.tool_calls or []
+            assert (call.function.name, call.function.arguments) == ("add", '{"x":1}')  # type: ignore[union-attr]
+            none = await client.chat.completions.create(
+                model="policy", messages=HI, tools=[ADD], tool_choice="none"
+            )
+            assert none.choices[0].message.content == "{}"
+            await client.close()
+        assert tok.decode(rollout.prompts[0]).endswith("<|im_start|>assistant\n<tool_call>\n")
+        assert "<tools>" not in tok.decode(rollout.prompts[1])  # none: no tools offered
 
     run(main())
