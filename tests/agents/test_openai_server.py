@@ -239,7 +239,7 @@ def test_listening_beyond_loopback_is_an_explicit_option() -> None:
         )
         url = await srv.start(host="0.0.0.0", remote=True)
         assert url.startswith("http://0.0.0.0:")
-        await srv.close_server()
+        await srv.stop()
 
     run(main())
 
@@ -353,7 +353,8 @@ def test_max_tokens_is_bounded_by_the_models_context() -> None:
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
-            "messages[0].content[0]: only text parts ({type: 'text', text}) are supported, got 'image_url'",
+            "messages[0].content[0]: only text parts ({type: 'text', text}) are supported, "
+            "got 'image_url'",
         ),
     ],
 )
