@@ -52,16 +52,17 @@ COMPLETION_FIELDS = SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of
 COMPLETION_FIELDS |= set(NEUTRAL) - {"parallel_tool_calls", "store"}
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+ASSISTANT_NULLS = {"refusal", "audio", "function_call", "reasoning_content"}
+"""Fields of an assistant message a client sends back as null (the ``openai`` client's
+``ChatCompletionMessage`` has the first three, verifiers adds ``reasoning_content``): accepted
+when null, refused otherwise."""
 MESSAGE_FIELDS = {
     "system": {"role", "content", "name"},
     "developer": {"role", "content", "name"},
     "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "tool_calls", "refusal", "audio", "function_call"},
+    "assistant": {"role", "content", "name", "tool_calls", *ASSISTANT_NULLS},
     "tool": {"role", "content", "tool_call_id"},
 }
-ASSISTANT_NULLS = {"refusal", "audio", "function_call"}
-"""Fields of an assistant message a client sends back as null (the ``openai`` client's
-``ChatCompletionMessage`` has them): accepted when null, refused otherwise."""
 
 
 class RequestError(Exception):
@@ -387,7 +388,8 @@ def normal_message(message: Any, index: int) -> dict[str, Any]:
     for name, value in message.items():
         if name not in MESSAGE_FIELDS[role]:
             raise RequestError(
-                f"{where}.{name}: a {role} message does not support this field",
+                f"{where}.{name}: {'an' if role[0] in 'aeiou' else 'a'} {role} message does not "
+                "support this field",
                 param="messages",
                 code="unsupported_field",
             )

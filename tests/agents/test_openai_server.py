@@ -351,6 +351,17 @@ def test_max_tokens_is_bounded_by_the_models_context() -> None:
             "response_format: only {'type': 'text'} is supported",
         ),
         (
+            {"messages": [*HI, {"role": "assistant", "content": "x", "reasoning_content": "r"}]},
+            "messages",
+            "messages[1].reasoning_content: not supported (send null or leave it out)",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "5"}]},
+            "messages",
+            "messages[0].tool_call_id: a tool message needs the id of the call it answers, "
+            "got None",
+        ),
+        (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
             "messages[0].content[0]: only text parts ({type: 'text', text}) are supported, "
@@ -806,3 +817,72 @@ def test_tool_choice_required_opens_the_call_for_the_policy() -> None:
         assert "<tools>" not in tok.decode(rollout.prompts[1])  # none: no tools offered
 
     run(main())
+
+
+def test_episodes_played_through_the_endpoint_reach_the_learners_batch_with_their_rewards() -> None:
+    """The sample pipeline runs an agent through the endpoint as its sample source; the batch
+    it hands the learner holds each episode's discounted return and its group advantage."""
+    from asyncrl.manifest.pipeline_section import PipelineSpec
+    from asyncrl.roles.payloads import Prompt, SamplingParams
+    from asyncrl.roles.sampling.pipeline import SamplePipeline
+
+    async def feed(cursor: int, n: int) -> list[Any]:
+        return [
+            Prompt(id=f"p{i}", token_ids=encode(f"q{i}"), text=f"q{i}")
+            for i in range(cursor, min(cursor + n, 2))
+        ]
+
+    async def main() -> Any:
+        async with server(Replies()) as srv:
+            client = client_of(srv)
+
+            async def agent(prompt: Prompt, index: int, metrics: Any) -> Sample:
+                episode = f"{prompt.id}/{index}"
+                messages: list[Any] = [{"role": "user", "content": prompt.text}]
+                first = await client.chat.completions.create(
+                    model="policy", messages=messages, user=episode
+                )
+                srv.reward(episode, 0.5)  # the first turn's reward
+                messages += [
+                    {"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "more"},
+                ]
+                await client.chat.completions.create(
+                    model="policy", messages=messages, user=episode
+                )
+                traj = srv.trajectory(episode, reward=float(index))  # the final reward
+                srv.close(episode)
+                return traj.sample(prompt.id, index)
+
+            pipe = SamplePipeline(
+                srv.rollout,
+                spec=PipelineSpec(mode="async", eta=1),
+                feed=feed,
+                score=functools.partial(episode_rewards, gamma=0.5),
+                params=SamplingParams(max_new_tokens=4),
+                batch_size=4,
+                group_size=2,
+                source=agent,
+                drop_uniform=False,
+            )
+            async with pipe:
+                batch = await asyncio.wait_for(pipe.next_batch(), 30)
+            await client.close()
+            return batch, srv.episodes
+
+    batch, left = run(main())
+    got = sorted(
+        (s.sample.prompt_id, s.sample.sample_index, s.sample.turn_rewards, s.reward, s.advantage)
+        for s in batch.samples
+    )
+    # Index i's turns: [0.5, i]; discounted at 0.5: 0.5 + 0.5 * i. Each group holds 0.5 and
+    # 1.0 (mean 0.75, population std 0.25): advantages -1 and +1.
+    assert [g[:4] for g in got] == [
+        ("p0", 0, [0.5, 0.0], 0.5),
+        ("p0", 1, [0.5, 1.0], 1.0),
+        ("p1", 0, [0.5, 0.0], 0.5),
+        ("p1", 1, [0.5, 1.0], 1.0),
+    ]
+    assert [g[4] for g in got] == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-4)
+    assert all(s.sample.loss_mask.count(1) == 8 for s in batch.samples)  # two replies of 4
+    assert left == {}  # every episode closed
