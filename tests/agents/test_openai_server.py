@@ -886,3 +886,29 @@ def test_episodes_played_through_the_endpoint_reach_the_learners_batch_with_thei
     assert [g[4] for g in got] == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-4)
     assert all(s.sample.loss_mask.count(1) == 8 for s in batch.samples)  # two replies of 4
     assert left == {}  # every episode closed
+
+
+def test_a_named_tool_choice_opens_that_functions_call_in_llama3s_format() -> None:
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(
+        os.path.join(ROOT, "examples/qwen/llama3_tokenizer")
+    )
+
+    async def main() -> None:
+        rollout = Script(tok, ['{"x": 4}}'])
+        async with OpenAIServer(rollout, tokenizer=tok, context_length=4096) as srv:
+            client = client_of(srv)
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=HI,
+                tools=[ADD],
+                tool_choice={"type": "function", "function": {"name": "add"}},
+            )
+            await client.close()
+        (call,) = reply.choices[0].message.tool_calls or []
+        assert (call.function.name, call.function.arguments) == ("add", '{"x":4}')  # type: ignore[union-attr]
+        assert tok.decode(rollout.prompts[0]).endswith(
+            '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "add", "parameters": '
+        )
+
+    run(main())
