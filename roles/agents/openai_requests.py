@@ -44,12 +44,12 @@ NEUTRAL = {
     "frequency_penalty": 0,
     "logit_bias": {},
     "store": False,
-    "parallel_tool_calls": True,
 }
 CHAT_FIELDS = SAMPLING | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice"}
+CHAT_FIELDS |= {"parallel_tool_calls"}
 CHAT_FIELDS |= set(NEUTRAL) | {"response_format"}
 COMPLETION_FIELDS = SAMPLING | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-COMPLETION_FIELDS |= set(NEUTRAL) - {"parallel_tool_calls", "store"}
+COMPLETION_FIELDS |= set(NEUTRAL) - {"store"}
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ASSISTANT_NULLS = {"refusal", "audio", "function_call", "reasoning_content"}
@@ -283,6 +283,11 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError(
+            f"parallel_tool_calls: expected true or false, got {_show(parallel)}",
+            param="parallel_tool_calls",
+        )
     return ChatRequest(
         **fields,
         logprobs=bool(logprobs),

@@ -912,3 +912,31 @@ def test_a_named_tool_choice_opens_that_functions_call_in_llama3s_format() -> No
         )
 
     run(main())
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_a_reply() -> None:
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, "examples/qwen/tokenizer"))
+    two = (
+        '<tool_call>\n{"name": "add", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"x": 2}}\n</tool_call>'
+    )
+
+    async def main() -> None:
+        rollout = Script(tok, [two, two])
+        async with OpenAIServer(rollout, tokenizer=tok, context_length=4096) as srv:
+            client = client_of(srv)
+            both = await client.chat.completions.create(model="policy", messages=HI, tools=[ADD])
+            one = await client.chat.completions.create(
+                model="policy", messages=HI, tools=[ADD], parallel_tool_calls=False
+            )
+            await client.close()
+        assert [c.function.arguments for c in both.choices[0].message.tool_calls or []] == [  # type: ignore[union-attr]
+            '{"x":1}',
+            '{"x":2}',
+        ]
+        assert [c.function.arguments for c in one.choices[0].message.tool_calls or []] == [  # type: ignore[union-attr]
+            '{"x":1}'
+        ]
+
+    run(main())
