@@ -46,6 +46,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "asyncrl.roles.agents.openai_server needs aiohttp: pip install 'asyncrl[agents]'"
     ) from exc
 
+from asyncrl.errors import AsyncrlError
 from asyncrl.roles.agents.chat_format import ChatFormat, PlainChat, TemplateChat
 from asyncrl.roles.agents.episodes import Trajectory
 from asyncrl.roles.agents.openai_answers import Answers, reply, usage
@@ -266,6 +267,14 @@ class OpenAIServer:
                     f"the request body is over {self.max_body_bytes} bytes, the most this "
                     "endpoint reads (max_body_bytes)",
                     code="request_too_large",
+                )
+            )
+        except AsyncrlError as exc:  # the rollout group did not serve the request
+            return _error(
+                RequestError(
+                    f"the rollout group failed this request: {exc}",
+                    code="rollout_failed",
+                    status=503,
                 )
             )
 
@@ -548,4 +557,8 @@ def _episode_of(request: web.Request, user: str) -> tuple[str, str]:
 
 
 def _error(exc: RequestError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    """The refusal as OpenAI's error body. A refusal of the request itself (4xx) says it must
+    not be retried (``x-should-retry: false``, which the ``openai`` client obeys): sending it
+    again gets the same answer, and the client would otherwise retry a 409 twice."""
+    headers = {"x-should-retry": "false"} if exc.status < 500 else {}
+    return web.json_response(exc.body(), status=exc.status, headers=headers)

@@ -14,6 +14,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from asyncrl.errors import DeadlineExceededError
 from asyncrl.roles.agents.episodes import episode_rewards
 from asyncrl.roles.payloads import GenerateBatch, Sample
 from asyncrl.supervision.agent import install_secret
@@ -938,5 +939,37 @@ def test_parallel_tool_calls_false_keeps_the_first_call_of_a_reply() -> None:
         assert [c.function.arguments for c in one.choices[0].message.tool_calls or []] == [  # type: ignore[union-attr]
             '{"x":1}'
         ]
+
+    run(main())
+
+
+class Failing(Replies):
+    """A rollout group whose calls fail as a dead replica's do."""
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        await super().call(method, payload, reply_type, **kw)
+        raise DeadlineExceededError("ipc://rollout-0", "generate", 600.0, pid=41)
+
+
+def test_refusals_are_not_retried_and_a_failing_rollout_is_a_503() -> None:
+    async def main() -> None:
+        rollout = Failing()
+        async with server(rollout) as srv:
+            headers = {"Authorization": f"Bearer {srv.api_key}"}
+            async with aiohttp.ClientSession(headers=headers) as http:
+                body = {"model": "policy", "messages": HI, "max_tokens": -5}
+                async with http.post(f"{srv.url}/chat/completions", json=body) as response:
+                    assert response.status == 400
+                    assert response.headers["x-should-retry"] == "false"
+            client = client_of(srv)
+            with pytest.raises(openai.InternalServerError) as err:
+                await client.chat.completions.create(model="policy", messages=HI)
+            assert err.value.status_code == 503
+            assert err.value.body["message"] == (  # type: ignore[index]
+                "the rollout group failed this request: request 'generate' to ipc://rollout-0 "
+                "got no answer within its deadline of 600.000 s; the peer (pid 41) is slow, "
+                "hung or gone. Raise the timeout if the work is legitimately long."
+            )
+            await client.close()
 
     run(main())
