@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import re
 import signal
 from typing import Any
@@ -139,6 +140,8 @@ async def verifiers_episodes(ctx: Context) -> list[dict[str, Any]]:
             *(runner.run(example, f"vf-{i}") for i, example in enumerate(examples))
         )
         left = len(server.episodes)
+    with open(os.path.join(ctx.run_dir, "api_key")) as f:
+        key_is_the_runs = server.api_key == ctx.api_key == f.read()
     return [
         {
             "prompt": decode(e.trajectory.prompt_ids),
@@ -152,6 +155,7 @@ async def verifiers_episodes(ctx: Context) -> list[dict[str, Any]]:
             "error": e.error,
             "episodes_left": left,
             "signal_handlers_kept": kept,
+            "key_is_the_runs": key_is_the_runs,
         }
         for e in episodes
     ]
