@@ -973,3 +973,27 @@ def test_refusals_are_not_retried_and_a_failing_rollout_is_a_503() -> None:
             await client.close()
 
     run(main())
+
+
+def test_the_default_client_does_not_retry_a_refused_history() -> None:
+    httpx = pytest.importorskip("httpx")
+
+    async def main() -> int:
+        sent: list[str] = []
+
+        async def count(request: Any) -> None:
+            sent.append(str(request.url))
+
+        async with server(Replies()) as srv:
+            http = httpx.AsyncClient(event_hooks={"request": [count]})
+            client = openai.AsyncOpenAI(
+                base_url=srv.url, api_key=srv.api_key, max_retries=2, http_client=http
+            )
+            await client.chat.completions.create(model="policy", messages=HI, user="ep")
+            other = [{"role": "user", "content": "bye"}]
+            with pytest.raises(openai.ConflictError):
+                await client.chat.completions.create(model="policy", messages=other, user="ep")
+            await client.close()
+        return len(sent)
+
+    assert run(main()) == 2  # one each: the 409 was not sent again
