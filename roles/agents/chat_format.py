@@ -151,7 +151,7 @@ def _qwen_messages(
         if out and out[0]["role"] == "system":
             out[0]["content"] += described
         else:
-            out.insert(0, {"role": "system", "content": default_system + described})
+            out.insert(0, {"role": "system", "content": (default_system + described).lstrip()})
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
