@@ -7,7 +7,9 @@ token ids, each choice's token ids, behaviour log-probs and versions, what the a
 ``chat_context``/``completion_context`` give a request's context, the recorded tokens of the
 history it extends followed by the tokens of what it adds, or refuse it (``RequestError``, 409)
 naming what differs; ``trajectory`` assembles a branch into the ``Trajectory`` the learner
-trains; ``reward`` gives a completion its turn's reward; ``close`` and ``evict_idle`` forget
+trains; a request that repeats the branch's last one replaces its completion (a retry
+whose answer was lost, or a fresh sample of the same turn); ``reward`` gives a completion its
+turn's reward; ``close`` and ``evict_idle`` forget
 episodes, and a forgotten id is refused rather than started again.
 
 The history is compared as messages (as ``normal_message`` has them) or as the text the agent
@@ -292,28 +294,49 @@ class EpisodeStore:
                     del self.episodes[episode_id]
 
     def record(
-        self, completions: list[Completion] | None, ids: list[int], choices: list[Choice], **kw: Any
+        self,
+        completions: list[Completion] | None,
+        ids: list[int],
+        choices: list[Choice],
+        *,
+        replaces: bool = False,
+        **kw: Any,
     ) -> Completion:
+        """Add a request's completion to its branch (``completions``; None outside an episode),
+        in place of the branch's last one when the request repeated it (``replaces``)."""
         completion = Completion(
             id=f"asyncrl-{next(self._ids)}", prompt_ids=ids, choices=choices, **kw
         )
         if completions is not None:
+            if replaces:
+                completions.pop()
             completions.append(completion)
         return completion
 
     def completion_context(
         self, req: CompletionRequest, episode_id: str, completions: list[Completion] | None
-    ) -> tuple[_Base | None, list[int]]:
+    ) -> tuple[list[int], bool]:
         """A completion request's context: the branch's recorded tokens and what the prompt
-        adds to them.
+        adds to them; and whether the request repeats the branch's last one (its completion is
+        then replaced: a retry whose answer was lost, or a fresh sample of the same turn).
 
         Raises:
             RequestError: the prompt does not extend the branch's history (409).
         """
+        if completions and completions[-1].messages is None:
+            last = completions[-1]
+            same = last.prompt_ids if isinstance(req.prompt, list) else last.prompt_text
+            if req.prompt == same:
+                return self._completion_ids(req, episode_id, completions[:-1]), True
+        return self._completion_ids(req, episode_id, completions), False
+
+    def _completion_ids(
+        self, req: CompletionRequest, episode_id: str, completions: list[Completion] | None
+    ) -> list[int]:
         if not completions:
             if isinstance(req.prompt, list):
-                return None, list(req.prompt)
-            return None, self.encode(req.prompt)
+                return list(req.prompt)
+            return self.encode(req.prompt)
         last = completions[-1]
         if last.messages is not None:
             raise RequestError(
@@ -327,7 +350,7 @@ class EpisodeStore:
                 done = [*last.prompt_ids, *c.token_ids]
                 if req.prompt[: len(done)] == done:
                     last.chosen = k
-                    return _Base(last, k), list(req.prompt)
+                    return list(req.prompt)
             done = [*last.prompt_ids, *last.choices[0].token_ids]
             at = next(
                 (i for i, (a, b) in enumerate(zip(done, req.prompt, strict=False)) if a != b),
@@ -346,7 +369,7 @@ class EpisodeStore:
             if req.prompt.startswith(shown):
                 rest = req.prompt[len(shown) :]
                 last.chosen = k
-                return _Base(last, k), [*last.prompt_ids, *c.token_ids, *self.encode(rest)]
+                return [*last.prompt_ids, *c.token_ids, *self.encode(rest)]
         shown = last.prompt_text + last.choices[0].text
         at = next(
             (i for i, (a, b) in enumerate(zip(shown, req.prompt, strict=False)) if a != b),
@@ -377,14 +400,32 @@ class EpisodeStore:
         episode_id: str,
         branch: str,
         completions: list[Completion] | None,
-    ) -> tuple[_Base | None, list[int]]:
+    ) -> tuple[list[int], bool]:
         """A chat request's context: the recorded tokens of the history it extends, then the
-        tokens of what it adds, then ``prefix``.
+        tokens of what it adds, then ``prefix``; and whether the request repeats the branch's
+        last one (its messages and tools: its completion is then replaced, a retry whose answer
+        was lost, or a fresh sample of the same turn).
 
         Raises:
             RequestError: the messages do not extend the branch's history (409), or the chat
                 template does not render the conversation as an extension of its history.
         """
+        if completions:
+            last = completions[-1]
+            if last.messages == req.messages and last.tools == req.tools:
+                earlier = completions[:-1]
+                return self._chat_ids(req, tools, prefix, episode_id, branch, earlier), True
+        return self._chat_ids(req, tools, prefix, episode_id, branch, completions), False
+
+    def _chat_ids(
+        self,
+        req: ChatRequest,
+        tools: list[dict[str, Any]],
+        prefix: str,
+        episode_id: str,
+        branch: str,
+        completions: list[Completion] | None,
+    ) -> list[int]:
         messages = req.messages
         base: _Base | None = None
         if completions:
@@ -408,7 +449,7 @@ class EpisodeStore:
                     ):
                         base = _Base(c, found)
         if base is None:
-            return None, self.encode(self.chat.render(messages, tools, generate=True) + prefix)
+            return self.encode(self.chat.render(messages, tools, generate=True) + prefix)
         k = len(base.completion.messages or [])
         choice = base.completion.choices[base.choice]
         full = self.chat.render(messages, tools, generate=True)
@@ -431,7 +472,7 @@ class EpisodeStore:
                 closing = closing[len(stop_text) :]
         between = closing + full[len(closed) :] + prefix
         ids = [*base.completion.prompt_ids, *choice.token_ids, *self.encode(between)]
-        return base, ids
+        return ids
 
     def _extends(
         self, req: ChatRequest, episode_id: str, branch: str, completions: list[Completion]

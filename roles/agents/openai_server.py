@@ -306,13 +306,14 @@ class OpenAIServer:
         self._check_model(req.model)
         episode_id, branch = _episode_of(request, req.user)
         async with self.store.turn(episode_id, branch) as completions:
-            _, ids = self.store.completion_context(req, episode_id, completions)
+            ids, replaces = self.store.completion_context(req, episode_id, completions)
             budget = self._budget(ids, req.max_tokens, "prompt")
             choices = await self._generate(ids, req, budget, episode_id, prefix="", tools=False)
             completion = self.store.record(
                 completions,
                 ids,
                 choices,
+                replaces=replaces,
                 prompt_text=req.prompt if isinstance(req.prompt, str) else "",
             )
         if req.stream:
@@ -344,7 +345,9 @@ class OpenAIServer:
         elif isinstance(req.tool_choice, dict):
             prefix = self.chat.call_prefix(req.tool_choice["function"]["name"])
         async with self.store.turn(episode_id, branch) as completions:
-            _, ids = self.store.chat_context(req, tools, prefix, episode_id, branch, completions)
+            ids, replaces = self.store.chat_context(
+                req, tools, prefix, episode_id, branch, completions
+            )
             budget = self._budget(ids, req.max_tokens, "messages")
             choices = await self._generate(ids, req, budget, episode_id, prefix, bool(tools))
             if not req.parallel_tool_calls:
@@ -352,7 +355,12 @@ class OpenAIServer:
                     if len(c.message.get("tool_calls", [])) > 1:
                         c.message["tool_calls"] = c.message["tool_calls"][:1]
             completion = self.store.record(
-                completions, ids, choices, messages=req.messages, tools=req.tools
+                completions,
+                ids,
+                choices,
+                replaces=replaces,
+                messages=req.messages,
+                tools=req.tools,
             )
         if req.stream:
             return await self._stream_chat(request, completion, req, len(ids))

@@ -997,3 +997,33 @@ def test_the_default_client_does_not_retry_a_refused_history() -> None:
         return len(sent)
 
     assert run(main()) == 2  # one each: the 409 was not sent again
+
+
+def test_a_repeated_last_request_replaces_its_completion() -> None:
+    """A retry whose answer was lost (or a fresh sample of the same turn) sends the branch's
+    last request again: its new completion takes the old one's place in the trajectory."""
+
+    async def main() -> None:
+        rollout = Replies()
+        async with server(rollout) as srv:
+            client = client_of(srv)
+            first = await client.chat.completions.create(model="policy", messages=HI, user="ep")
+            history = [*HI, {"role": "assistant", "content": first.choices[0].message.content}]
+            asked = [*history, {"role": "user", "content": "more"}]
+            await client.chat.completions.create(model="policy", messages=asked, user="ep")
+            srv.reward("ep", 0.5)  # given to the completion about to be replaced
+            again = await client.chat.completions.create(model="policy", messages=asked, user="ep")
+            assert again.choices[0].message.content == "ok3"
+            with pytest.raises(openai.ConflictError):  # an earlier request is no repeat
+                await client.chat.completions.create(model="policy", messages=HI, user="ep")
+            await client.completions.create(model="policy", prompt="2+2=", user="text")
+            await client.completions.create(model="policy", prompt="2+2=", user="text")
+            await client.close()
+        traj = srv.trajectory("ep")
+        assert [decode(s.token_ids) for s in traj.segments if s.policy] == ["ok13", "ok33"]
+        assert traj.turn_rewards == [0.0, 0.0]
+        assert rollout.prompts[2] == rollout.prompts[1]  # the same context, sampled again
+        text = srv.trajectory("text")
+        assert [decode(s.token_ids) for s in text.segments] == ["ok53"]
+
+    run(main())
