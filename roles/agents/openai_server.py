@@ -269,6 +269,17 @@ class OpenAIServer:
                     code="request_too_large",
                 )
             )
+        except web.HTTPException as exc:  # no such route, or not with that method
+            if exc.status < 400:
+                raise
+            return _error(
+                RequestError(
+                    f"{request.method} {request.path}: {exc.reason}; this endpoint serves POST "
+                    "/v1/chat/completions, POST /v1/completions and GET /v1/models",
+                    code="not_served",
+                    status=exc.status,
+                )
+            )
         except AsyncrlError as exc:  # the rollout group did not serve the request
             return _error(
                 RequestError(

@@ -1027,3 +1027,18 @@ def test_a_repeated_last_request_replaces_its_completion() -> None:
         assert [decode(s.token_ids) for s in text.segments] == ["ok53"]
 
     run(main())
+
+
+def test_a_path_the_endpoint_does_not_serve_is_answered_in_openais_error_format() -> None:
+    async def main() -> None:
+        async with server(Replies()) as srv:
+            client = client_of(srv)
+            with pytest.raises(openai.NotFoundError) as err:
+                await client.embeddings.create(model="policy", input="hi")
+            await client.close()
+        assert err.value.body["message"] == (  # type: ignore[index]
+            "POST /v1/embeddings: Not Found; this endpoint serves POST /v1/chat/completions, "
+            "POST /v1/completions and GET /v1/models"
+        )
+
+    run(main())
