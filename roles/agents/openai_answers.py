@@ -58,15 +58,21 @@ class Answers:
         }
 
     def pieces(self, c: Choice) -> list[str]:
-        """The choice's text as it grew token by token (what a stream sends)."""
-        out, before = [], ""
-        for t in range(1, len(c.token_ids) + 1):
-            now = self.decode(c.token_ids[:t])[: len(c.text)]
+        """The choice's text split as a stream sends it: piece ``i`` is what shown token ``i``
+        added to the text (empty when it added nothing visible yet); they join to the text."""
+        tokens = self.shown_tokens(c)
+        out: list[str] = []
+        before = ""
+        for t in range(1, len(tokens) + 1):
+            now = self.decode(tokens[:t])[: len(c.text)]
             if len(now) > len(before) and c.text.startswith(now):
                 out.append(now[len(before) :])
                 before = now
-        if before != c.text:
-            out.append(c.text[len(before) :])
+            else:
+                out.append("")
+        rest = c.text[len(before) :]
+        if rest:  # text that decoding the tokens one by one did not reach
+            out[-1:] = [(out[-1] if out else "") + rest]
         return out
 
 

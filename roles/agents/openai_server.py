@@ -528,12 +528,16 @@ class OpenAIServer:
                 for j, call in enumerate(calls):
                     await self._send(response, chunk(i, {"tool_calls": [{"index": j, **call}]}))
             else:
+                opened = c.message["content"][: len(c.message["content"]) - len(c.text)]
+                if opened:  # the text a required tool call opened with, which did not parse
+                    await self._send(response, chunk(i, {"content": opened}))
                 each = self.answers.chat_logprobs(c)["content"]
                 for n, piece in enumerate(self.answers.pieces(c)):
-                    more = {}
-                    if req.logprobs and n < len(each):
-                        more["logprobs"] = {"content": [each[n]]}
-                    await self._send(response, chunk(i, {"content": piece}, **more))
+                    if req.logprobs:
+                        more = {"logprobs": {"content": each[n : n + 1]}}
+                        await self._send(response, chunk(i, {"content": piece}, **more))
+                    elif piece:
+                        await self._send(response, chunk(i, {"content": piece}))
             await self._send(response, chunk(i, {}, finish_reason=c.finish))
         if req.include_usage:
             counts = usage([0] * prompt, completion.choices)
@@ -548,7 +552,7 @@ class OpenAIServer:
         response = await self._events(request)
         head = self._head("text_completion", completion.id)
         for i, c in enumerate(completion.choices):
-            for piece in self.answers.pieces(c):
+            for piece in filter(None, self.answers.pieces(c)):
                 choice = {"index": i, "text": piece, "logprobs": None, "finish_reason": None}
                 await self._send(response, {**head, "choices": [choice]})
             last = {"index": i, "text": "", "logprobs": None, "finish_reason": c.finish}

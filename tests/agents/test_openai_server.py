@@ -665,6 +665,10 @@ def test_stream_sends_server_sent_events_the_client_reads() -> None:
             chunks = [chunk async for chunk in stream]
             text = await client.completions.create(model="policy", prompt="q", stream=True)
             pieces = [chunk async for chunk in text]
+            scored = await client.chat.completions.create(
+                model="policy", messages=HI, stream=True, logprobs=True
+            )
+            with_logprobs = [chunk async for chunk in scored]
             await client.close()
         deltas = [c.choices[0].delta.content for c in chunks if c.choices]
         assert deltas == ["", "h", "e", "y", None]
@@ -672,6 +676,13 @@ def test_stream_sends_server_sent_events_the_client_reads() -> None:
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
         assert "".join(p.choices[0].text for p in pieces) == "hey"
         assert pieces[-1].choices[0].finish_reason == "stop"
+        tokens = [
+            (t.token, t.logprob)
+            for c in with_logprobs
+            if c.choices[0].logprobs is not None
+            for t in c.choices[0].logprobs.content or []
+        ]
+        assert tokens == [("h", -0.25), ("e", -0.25), ("y", -0.25)]
         assert decode(srv.trajectory("ep").segments[0].token_ids) == "hey3"
 
     run(main())
