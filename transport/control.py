@@ -20,6 +20,12 @@ path. A process forked from the zygote inherits what its zygote read, the zygote
 run. A process that writes a secret file (``write_secret``: the node agent starting a run)
 presents what it wrote from then on.
 
+HTTP endpoints a program serves (the OpenAI-compatible one) require the run's *API key*, a key
+derived from the secret (``api_key``), so that it is the same on every node and across a
+driver's restarts without travelling anywhere, and that holding it does not give the secret
+away. The node agent writes it beside the secret (``RUN_DIR/api_key``, 0600) for agent
+programs outside the run; ``run_api_key`` gives it to a process of the run.
+
 ``ASYNCRL_CONTROL_SECRET``, the secret itself in the environment, is still read when no file is
 named (a server or client used by hand, outside a run).
 
@@ -40,11 +46,14 @@ from .errors import TransportError
 from .protocol import MAX_SECRET
 
 __all__ = [
+    "API_KEY_FILE",
     "CONTROL_SECRET_ENV",
     "SECRET_FILE",
     "SECRET_FILE_ENV",
+    "api_key",
     "new_secret",
     "read_secret",
+    "run_api_key",
     "run_secret",
     "secret_matches",
     "write_secret",
@@ -59,6 +68,8 @@ CONTROL_SECRET_ENV = "ASYNCRL_CONTROL_SECRET"
 SECRET_FILE = "secret"
 """The name of the secret's file in a run directory (a node's directory in a launch)."""
 
+API_KEY_FILE = "api_key"
+"""The name of the API key's file, beside the secret's."""
 
 _known: dict[str, str] = {}
 """The secrets this process has read or written, by the absolute path of their file."""
@@ -133,6 +144,23 @@ def write_secret(path: str, secret: str) -> None:
         os.unlink(tmp)
         raise
     _known[os.path.abspath(path)] = secret
+
+
+def api_key(secret: str) -> str:
+    """The API key of the run whose secret is ``secret``: 40 hex digits of
+    HMAC-SHA256(secret, "asyncrl api key")."""
+    return hmac.new(secret.encode(), b"asyncrl api key", "sha256").hexdigest()[:40]
+
+
+def run_api_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The API key of the run this process belongs to (``api_key`` of ``run_secret``); None
+    outside a run.
+
+    Raises:
+        TransportError: as ``run_secret``.
+    """
+    secret = run_secret(environ)
+    return api_key(secret) if secret else None
 
 
 def secret_matches(expected: str | None, presented: str) -> bool:

@@ -29,6 +29,7 @@ from asyncrl.errors import ClosedError, ConfigProblem, RoleDeadError
 from asyncrl.manifest.model_section import ModelSpec, inherited_config
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.observe.metrics import IdleFractions
+from asyncrl.transport.control import run_api_key
 
 __all__ = ["Context", "Handle"]
 
@@ -260,8 +261,9 @@ class Context:
     writes its outputs; ``ctx.watchdog`` fails the run when nothing progresses for
     ``pipeline.stall_timeout_s`` (a program may ``watch`` its own waits, so the failure says on what
     it waited); ``ctx.incarnation`` is the driver's restart count (0 on a fresh start: a program
-    resumes from its checkpoint when it is not); ``ctx.idle()`` is each role's idle fraction since
-    the previous ``ctx.idle()`` (a step's, when the program calls it once a step;
+    resumes from its checkpoint when it is not); ``ctx.api_key`` is the run's API key (what the
+    program's OpenAI-compatible endpoint requires); ``ctx.idle()`` is each role's idle fraction
+    since the previous ``ctx.idle()`` (a step's, when the program calls it once a step;
     ``asyncrl.observe.metrics.IdleFractions``).
 
     The manifest's other sections, typed: ``ctx.model`` is its ``model`` section
@@ -297,6 +299,13 @@ class Context:
         self._idle = IdleFractions(dispatcher.busy)
         self.model = msgspec.convert(dict(model or {}), ModelSpec)
         self._roles = {name: dict(role) for name, role in (roles or {}).items()}
+
+    @property
+    def api_key(self) -> str | None:
+        """The run's API key, which the program's HTTP endpoints (the OpenAI-compatible one)
+        require; the node agent writes it into ``RUN_DIR/api_key`` (0600) for agents outside
+        the run. None outside a run."""
+        return run_api_key()
 
     def role_config(self, name: str, config_type: Any = None) -> Any:
         """The ``config`` of role ``name``, as its process sees it: the manifest's mapping,

@@ -34,9 +34,11 @@ from asyncrl.supervision.janitor import Janitor, sweep_run
 from asyncrl.supervision.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry, TransportError, load_keys, use_curve
 from asyncrl.transport.control import (
+    API_KEY_FILE,
     CONTROL_SECRET_ENV,
     SECRET_FILE,
     SECRET_FILE_ENV,
+    api_key,
     new_secret,
     write_secret,
 )
@@ -411,13 +413,17 @@ def install_secret(run_dir: str, secret: str = "") -> str:
     (``asyncrl.transport.control``); a tool pointed at the run directory reads it there. The
     secret itself is not put in the environment, and an ``ASYNCRL_CONTROL_SECRET`` inherited
     from the shell is dropped. The file stays after the run (a tool of this process, such as
-    a launch's trace sender, still presents it); the next run replaces it.
+    a launch's trace sender, still presents it); the next run replaces it. Beside it,
+    ``RUN_DIR/api_key`` (0600) holds the run's API key (``asyncrl.transport.control.api_key``),
+    which the program's HTTP endpoints require.
 
     Raises:
         OSError: the file cannot be written.
     """
     path = os.path.join(os.path.abspath(run_dir), SECRET_FILE)
-    write_secret(path, secret or new_secret())
+    secret = secret or new_secret()
+    write_secret(path, secret)
+    write_private(os.path.join(os.path.abspath(run_dir), API_KEY_FILE), api_key(secret).encode())
     os.environ[SECRET_FILE_ENV] = path
     os.environ.pop(CONTROL_SECRET_ENV, None)
     return path

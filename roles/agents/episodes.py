@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -70,8 +71,11 @@ class Trajectory(msgspec.Struct, kw_only=True):
         episode_id: the episode's stable id.
         prompt_ids: the prompt's tokens and the reset's observation.
         segments: policy and environment segments, alternating, the policy's first.
-        reward: the sum of the steps' rewards.
-        turn_rewards: each step's reward.
+        reward: the episode's reward: the sum of ``turn_rewards`` when they are given. A
+            trajectory with a reward and no ``turn_rewards`` gives the whole reward to its last
+            turn.
+        turn_rewards: each turn's reward (``turn_rewards[i]`` follows the policy's ``i``-th
+            action: the environment's step, or the agent's ``reward`` on the endpoint).
         done: the environment ended the episode (False: it ran out of turns or was ended).
         restarts, replays, timeouts, errors: what went wrong on the way, and how it was met.
         said: each step's observation as the environment answered it (None: the step timed
@@ -141,13 +145,41 @@ class Trajectory(msgspec.Struct, kw_only=True):
             stop_reason="stop" if self.done else "length",
             loss_mask=self.loss_mask,
             turn_starts=self.turn_starts,
-            turn_rewards=list(self.turn_rewards),
+            turn_rewards=self.rewards(),
         )
 
+    def rewards(self) -> list[float]:
+        """Each turn's reward as the scorer reads it: ``turn_rewards``, or, when none were
+        given, ``reward`` at the last turn (zeros before it).
 
-async def episode_rewards(samples: list[Sample]) -> list[float]:
-    """The pipeline's scorer for episodes: each one's reward, the sum of its steps' rewards."""
-    return [sum(s.turn_rewards) for s in samples]
+        Raises:
+            ValueError: ``turn_rewards`` are given and do not sum to ``reward``.
+        """
+        if not self.turn_rewards:
+            if self.reward == 0.0:
+                return []
+            return [0.0] * (max(self.turns, 1) - 1) + [self.reward]
+        total = sum(self.turn_rewards)
+        if not math.isclose(total, self.reward, rel_tol=1e-9, abs_tol=1e-12):
+            raise ValueError(
+                f"episode {self.episode_id!r}: reward {self.reward} is not the sum of "
+                f"turn_rewards {self.turn_rewards} ({total}); set reward to their sum, or "
+                "leave turn_rewards empty to give the whole reward to the last turn"
+            )
+        return list(self.turn_rewards)
+
+
+async def episode_rewards(samples: list[Sample], *, gamma: float = 1.0) -> list[float]:
+    """The pipeline's scorer for episodes: each one's return from its first turn,
+    ``sum(gamma**t * turn_rewards[t])``; with ``gamma`` 1 (the default), the sum of its turns'
+    rewards. Discount later turns with ``functools.partial(episode_rewards, gamma=0.9)``.
+
+    Raises:
+        ValueError: ``gamma`` is not in (0, 1].
+    """
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"episode_rewards: gamma must be in (0, 1], got {gamma}")
+    return [sum(r * gamma**t for t, r in enumerate(s.turn_rewards)) for s in samples]
 
 
 class _Lost(Exception):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import re
 import signal
 from typing import Any
@@ -130,13 +131,17 @@ async def verifiers_episodes(ctx: Context) -> list[dict[str, Any]]:
     env = adapter.make_env(_go_on_env, ctx.config["questions"])
     kept = signal.getsignal(signal.SIGTERM) is before
     VerifiersRunner = adapter.VerifiersRunner
-    server = OpenAIServer(ctx.rollout, encode=encode, decode=decode, max_tokens=6)
+    server = OpenAIServer(
+        ctx.rollout, context_length=128, encode=encode, decode=decode, max_tokens=6
+    )
     async with server, VerifiersRunner(env, server, sampling_args={"temperature": 1.0}) as runner:
         examples = runner.examples()
         episodes = await asyncio.gather(
             *(runner.run(example, f"vf-{i}") for i, example in enumerate(examples))
         )
         left = len(server.episodes)
+    with open(os.path.join(ctx.run_dir, "api_key")) as f:
+        key_is_the_runs = server.api_key == ctx.api_key == f.read()
     return [
         {
             "prompt": decode(e.trajectory.prompt_ids),
@@ -150,6 +155,7 @@ async def verifiers_episodes(ctx: Context) -> list[dict[str, Any]]:
             "error": e.error,
             "episodes_left": left,
             "signal_handlers_kept": kept,
+            "key_is_the_runs": key_is_the_runs,
         }
         for e in episodes
     ]

@@ -85,3 +85,6 @@ def test_a_verifiers_environment_runs_through_the_endpoint_against_a_rollout_rol
         assert e["done"] is False  # each completion ran out of max_tokens: truncated
         assert e["signal_handlers_kept"]  # the driver's own SIGTERM handler survived the env
         assert e["episodes_left"] == 0  # the server forgot each episode once it was returned
+        # The endpoint required the run's key: the program's, written beside the secret.
+        assert e["key_is_the_runs"]
+    assert os.stat(os.path.join(run_dir, "api_key")).st_mode & 0o777 == 0o600

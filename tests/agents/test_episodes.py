@@ -6,6 +6,7 @@ type; a restarted replica has lost its episodes)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from typing import Any
 
@@ -21,7 +22,13 @@ from asyncrl.roles.agents.environment import (
     Step,
     Transition,
 )
-from asyncrl.roles.agents.episodes import EpisodeFailedError, EpisodeRunner, Trajectory
+from asyncrl.roles.agents.episodes import (
+    EpisodeFailedError,
+    EpisodeRunner,
+    Segment,
+    Trajectory,
+    episode_rewards,
+)
 from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
 from asyncrl.transport import run
 
@@ -423,3 +430,53 @@ def test_an_episode_lost_past_max_restarts_fails_with_a_named_error() -> None:
     with pytest.raises(EpisodeFailedError, match=r"^episode 'e' was lost 3 times \(") as info:
         run(main())
     assert "max_restarts is 2" in str(info.value) and isinstance(info.value, AsyncrlError)
+
+
+def _one_turn(reward: float = 0.0, turn_rewards: list[float] | None = None) -> Trajectory:
+    return Trajectory(
+        episode_id="e",
+        prompt_ids=[1],
+        reward=reward,
+        turn_rewards=list(turn_rewards or []),
+        segments=[Segment(policy=True, token_ids=[2], logprobs=[0.0], versions=[0])],
+    )
+
+
+def test_a_trajectorys_own_reward_reaches_the_episode_scorer() -> None:
+    sample = _one_turn(reward=1.0).sample("p", 0)
+    assert sample.turn_rewards == [1.0]
+    assert asyncio.run(episode_rewards([sample])) == [1.0]
+    # Three turns and only a final reward: the whole of it is the last turn's.
+    traj = Trajectory(
+        episode_id="e3",
+        prompt_ids=[1],
+        reward=0.5,
+        segments=[
+            Segment(policy=True, token_ids=[2], logprobs=[0.0], versions=[0]),
+            Segment(policy=False, token_ids=[4]),
+            Segment(policy=True, token_ids=[2], logprobs=[0.0], versions=[0]),
+            Segment(policy=False, token_ids=[4]),
+            Segment(policy=True, token_ids=[2], logprobs=[0.0], versions=[0]),
+        ],
+    )
+    assert traj.sample("p", 1).turn_rewards == [0.0, 0.0, 0.5]
+    assert _one_turn().sample("p", 2).turn_rewards == []
+
+
+def test_turn_rewards_that_do_not_sum_to_the_reward_are_refused_by_name() -> None:
+    with pytest.raises(ValueError) as err:
+        _one_turn(reward=0.0, turn_rewards=[0.0, 1.0]).sample("p", 0)
+    assert str(err.value) == (
+        "episode 'e': reward 0.0 is not the sum of turn_rewards [0.0, 1.0] (1.0); set reward "
+        "to their sum, or leave turn_rewards empty to give the whole reward to the last turn"
+    )
+
+
+def test_the_episode_scorer_discounts_later_turns_when_asked() -> None:
+    sample = _one_turn(reward=1.75, turn_rewards=[1.0, 0.5, 0.25]).sample("p", 0)
+    assert asyncio.run(episode_rewards([sample])) == [1.75]
+    # 1.0 + 0.5 * 0.5 + 0.25 * 0.5**2 = 1.0 + 0.25 + 0.0625
+    discounted = functools.partial(episode_rewards, gamma=0.5)
+    assert asyncio.run(discounted([sample])) == [1.3125]
+    with pytest.raises(ValueError, match=r"^episode_rewards: gamma must be in \(0, 1\], got 0$"):
+        asyncio.run(episode_rewards([sample], gamma=0))

@@ -11,8 +11,8 @@ Each rollout is tied to its episode by the request's ``user`` field (sent throug
 environment's sampling arguments), so concurrent rollouts never mix. Only the classic
 ``verifiers`` environments (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv`` and those built on them)
 with chat messages are driven (the tests drive a ``vf.MultiTurnEnv``); their
-``sampling_args`` ``max_tokens`` reaches the endpoint as ``max_completion_tokens``, which the
-endpoint does not read: the server's own ``max_tokens`` bounds each completion.
+``sampling_args`` ``max_tokens`` reaches the endpoint as ``max_completion_tokens``, which bounds
+each completion (the server's own ``max_tokens`` when none is given).
 
 Build the environment with ``make_env``: a verifiers ``Environment`` installs SIGINT and SIGTERM
 handlers of its own when it is constructed (they exit the process at once), which would take
@@ -109,7 +109,7 @@ class VerifiersRunner:
         self.env = env
         self.server = server
         self.sampling_args = dict(sampling_args or {})
-        self._openai = AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        self._openai = AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
         self.client = verifiers.OpenAIChatCompletionsClient(self._openai)
 
     def examples(self, n: int = -1) -> list[dict[str, Any]]:
@@ -136,7 +136,7 @@ class VerifiersRunner:
         reward = float(out.get("reward") or 0.0)
         done = bool(out.get("is_completed")) and not out.get("is_truncated")
         trajectory = self.server.trajectory(episode_id, reward=reward, done=done)
-        del self.server.episodes[episode_id]
+        self.server.close(episode_id)
         return VerifiersEpisode(
             trajectory=trajectory,
             reward=reward,
