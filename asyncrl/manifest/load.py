@@ -50,7 +50,7 @@ from asyncrl.manifest.pipeline_section import (
 )
 from asyncrl.manifest.placement import Placement, check_placement, sharing_problems
 from asyncrl.manifest.refs import weights_from_problems
-from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml
+from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml, merged_problem
 from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 __all__ = [
@@ -461,8 +461,16 @@ def parse_manifest(
         problems.append(f"{TOP}: the manifest is empty; expected {_SECTIONS}")
     usable = parsed and raw is not None
     created: list[tuple[str, str]] = []
-    for override in overrides:
-        apply_override(raw if usable else {}, override, problems, created)
+    sizes = [
+        (override, apply_override(raw if usable else {}, override, problems, created))
+        for override in overrides
+    ]
+    if usable and overrides:
+        # Each override was measured alone; together they may be over (twelve 1 MB values).
+        too_large = merged_problem(raw, sizes)
+        if too_large is not None:
+            problems.append(too_large)
+            usable = False
     if usable:
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
         if cwd is not None:
