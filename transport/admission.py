@@ -32,8 +32,12 @@ class Gate:
     """Who a server serves. With the run's secret, only the peers (routing ids) whose HANDSHAKE
     presented it; without one (outside a run), everyone.
 
-    A peer stays admitted until it handshakes again or the server closes, also when the liveness
-    sweep forgot it for a while (a blocked client is not a stranger).
+    An admission belongs to the connection the HANDSHAKE came on (its file descriptor in the
+    server's ZeroMQ socket): it lasts until the peer handshakes again, its connection closes
+    (``disconnected``, from the socket's monitor) or the server closes, also while the liveness
+    sweep forgets the peer for a while (a blocked client is not a stranger). So a process that
+    learns an admitted client's routing id cannot use it once that client is gone: a new
+    connection under the same id must present the secret again.
 
     Args:
         secret: the run's secret, None outside a run.
@@ -44,6 +48,13 @@ class Gate:
         self.secret = secret
         self._server = server
         self._admitted: dict[bytes, bool] = {}  # routing id -> may send control messages
+        self._connection: dict[bytes, int] = {}  # routing id -> the connection it handshook on
+        self._on_connection: dict[int, set[bytes]] = {}  # connection -> the ids admitted on it
+
+    @property
+    def admitted(self) -> int:
+        """How many peers are admitted now."""
+        return len(self._admitted)
 
     def admits(self, identity: bytes) -> bool:
         """Whether the peer ``identity`` may send anything other than a HANDSHAKE."""
@@ -53,16 +64,36 @@ class Gate:
         """Whether the peer presented the secret under ``control`` in its handshake."""
         return self._admitted.get(identity, False)
 
-    def handshake(self, identity: bytes, hello: Hello) -> Refusal | None:
-        """Admit the peer ``identity`` that handshook with ``hello``, or say why not (and forget
-        an earlier admission of it)."""
+    def handshake(self, identity: bytes, hello: Hello, connection: int = -1) -> Refusal | None:
+        """Admit the peer ``identity`` that handshook with ``hello`` on ``connection`` (the file
+        descriptor the message came through; -1: unknown, kept until the peer handshakes again),
+        or say why not (and forget an earlier admission of it)."""
         refusal = self._refusal(hello)
+        self._forget(identity)
         if refusal is not None:
-            self._admitted.pop(identity, None)
             return refusal
-        control = bool(hello.control) and self.secret is not None
-        self._admitted[identity] = control
+        self._admitted[identity] = bool(hello.control) and self.secret is not None
+        self._connection[identity] = connection
+        self._on_connection.setdefault(connection, set()).add(identity)
         return None
+
+    def disconnected(self, connection: int) -> list[bytes]:
+        """Forget every peer admitted on ``connection``, which closed; returns their ids."""
+        gone = sorted(self._on_connection.pop(connection, ()))
+        for identity in gone:
+            self._admitted.pop(identity, None)
+            self._connection.pop(identity, None)
+        return gone
+
+    def _forget(self, identity: bytes) -> None:
+        self._admitted.pop(identity, None)
+        connection = self._connection.pop(identity, None)
+        if connection is not None:
+            ids = self._on_connection.get(connection)
+            if ids is not None:
+                ids.discard(identity)
+                if not ids:
+                    del self._on_connection[connection]
 
     def unadmitted(self, kind: str) -> str:
         """The ERROR message for a ``kind`` message from a peer that was not admitted."""
