@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -50,6 +51,7 @@ from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
 from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
 from asyncrl.supervision.hosts import HostRecord, announce, share
+from asyncrl.supervision.launch_secret import shared_secret
 from asyncrl.supervision.runreport import RunReport
 from asyncrl.supervision.store_registry import (
     LaunchKeys,
@@ -59,7 +61,6 @@ from asyncrl.supervision.store_registry import (
     node_address,
 )
 from asyncrl.supervision.supervisor import Supervisor
-from asyncrl.transport.control import new_secret
 
 __all__ = ["LaunchEnv", "main", "node_dir"]
 
@@ -308,18 +309,7 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         curve_keys=a.manifest.security.curve_keys,
         bind_host=bind_host if bind_host != host else "",
         agents=agents,
-        secret=await _shared_secret(a, timeout_s),
     )
-
-
-async def _shared_secret(a: _Attempt, timeout_s: float) -> str:
-    """The run's secret, the same on every node: node 0 makes one per attempt in the store and
-    the others read it, so that every node's processes serve one another."""
-    key = f"{a.keys.prefix(a.attempt)}/secret"
-    if a.node == 0:
-        return await a.store.set_once(key, new_secret())
-    await a.store.wait_for([key], timeout_s, why="node 0 makes the run's secret")
-    return await a.store.get(key)
 
 
 class _Watch:
@@ -478,6 +468,17 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     _write_launch(a)
     view = await _discover(a, args.join_timeout)
     problem = share(a.node, a.dir, a.hosts)
+    if not problem:
+        # Never through the store: each node arrives at it on its own (launch_secret).
+        secret, problem = await shared_secret(
+            store,
+            keys.prefix(attempt),
+            a.node,
+            a.dir,
+            manifest.security.curve_keys,
+            args.join_timeout,
+        )
+        view = dataclasses.replace(view, secret=secret)
     if problem:
         _say(env.node, problem)
         said = _ended("failed", problem, env.node)
