@@ -14,6 +14,8 @@ driver. docs/multinode.md is the guide; in short:
   and its tcp port for the others; each process's ``groups`` hold what its node sees.
 - Status: each agent also publishes the tcp endpoint of its status server; ``asyncrl status``
   given any node's run directory asks that node's agent, which asks the others.
+- Secret: one per attempt, which never crosses the store: each node derives it from the Curve
+  key folder the nodes share, or reads node 0's file on a shared filesystem (``launch_secret``).
 - Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``.
 - Hosts: each agent also publishes its host id; nodes that share a host share its weight store
   (node R's ``weights`` folder links to the host's first node's, ``hosts``), and a node that
