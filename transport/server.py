@@ -11,13 +11,10 @@ the size limit, or tensor descriptors that disagree with the bytes are dropped, 
 gets an error reply, since a ROUTER always knows who sent what.
 
 A server with the run's secret (``control.py``) serves only peers whose handshake presented it,
-checked once per connection (``admission.py``; an admission ends when its connection closes, as
-the socket's monitor reports, read before each message is trusted, so a routing id reused by a
-new connection must handshake again): anything else from another peer is refused with
-ERROR ``unauthorized`` (PING and RELEASE are dropped, counted). STOP is accepted only from a peer
-that presented it as a controller. Shared-memory tensors are accepted only from a peer that
-handshook from this host. On tcp with Curve on (``curve.py``), only peers holding an authorized
-client key complete the ZeroMQ handshake at all.
+on that connection while it lasts (``admission.py``); anything else is refused with ERROR
+``unauthorized`` (PING and RELEASE are dropped, counted). STOP only from a peer that presented
+it as a controller; shared-memory tensors only from one that handshook from this host. On tcp
+with Curve on (``curve.py``), only peers with an authorized client key complete ZeroMQ's handshake.
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ from typing import Any
 
 import msgspec
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from .admission import Gate, control_refusal
+from .admission import ConnectionWatch, Gate, connection_of, control_refusal
 from .codec import Codec
 from .control import run_secret
 from .curve import CurveSetting, ServerGuard, secure_server
@@ -76,10 +72,6 @@ __all__ = ["Call", "Handler", "PeerInfo", "Server"]
 
 log = logging.getLogger("asyncrl.transport.server")
 
-# The descriptor of the connection a message came through (ZMQ_SRCFD): what the monitor's
-# EVENT_DISCONNECTED names when that connection closes.
-_SRCFD = int(zmq.SRCFD)
-
 
 class Server:
     """Serves requests on ``endpoint`` (``ipc://path`` or ``tcp://127.0.0.1:port``).
@@ -92,10 +84,9 @@ class Server:
         options: thresholds, limits and heartbeat timing.
         context: the zmq context; the process-wide instance by default.
         on_stop: called when an authorised STOP control message arrives.
-        on_event: called with a PeerEvent when a client handshakes (``connected``), when the
-            connection of one the server admitted closes (``disconnected``; a server with a
-            secret only) and when one goes silent for liveness x interval (``dead``; its
-            shared-memory slots are freed).
+        on_event: called with a PeerEvent when a client handshakes (``connected``), when one
+            goes silent for liveness x interval (``dead``; its shared-memory slots are freed),
+            and when an admitted one's connection closes (``disconnected``; with a secret).
         secret: the run's secret; by default the one ``control.run_secret`` reads (the file
             named by ``ASYNCRL_SECRET_FILE``). With a secret, only clients whose handshake
             presented it are served, and STOP only from those that presented it as controllers;
@@ -135,7 +126,6 @@ class Server:
         self._tasks: set[asyncio.Task[None]] = set()
         self._releases = Releases(self._send_release, lambda: self._closed)
         self._pump: Pump | None = None
-        self._monitor: Pump | None = None  # the socket's disconnections, with a secret
         self._closed = False
         self._host = host_id()
         self._pool = (
@@ -158,6 +148,7 @@ class Server:
             on_sweep=self._log.flush,
             on_dead=self._on_dead,
         )
+        self._watch = ConnectionWatch(self._gate, self._peers, self.stats, self._emit)
         self._tracer = current(name, incarnation)  # None unless tracing is on
         self._record = None if self._tracer is None else self._tracer.record
 
@@ -195,10 +186,7 @@ class Server:
                 self._guard.close()
             raise
         self._socket_id = socket_id(self.endpoint)
-        if self._secret is not None:
-            # Admissions end with their connection; without a secret everyone is served anyway.
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._monitor = Pump(monitor, self._on_monitor)
+        self._watch.start(sock)
         self._pump = Pump(sock, self._on_message, routed=True, on_send_error=self._on_send_error)
         self._peers.start()
         log.debug("server %s serving on %s", self.name, self.endpoint)
@@ -225,12 +213,7 @@ class Server:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._pump is not None:
-            if self._monitor is not None:
-                try:
-                    self._pump.sock.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                self._monitor.close()
+            self._watch.close()
             self._pump.close()
             unlink_if_same(self.endpoint, self._socket_id)
         if self._guard is not None:
@@ -287,10 +270,7 @@ class Server:
             return
         peer = self._peers.heard(identity)
         kind = env.kind
-        if self._monitor is not None:
-            # A connection that closed is reported before a new one can reuse its descriptor
-            # or the routing id it carried: read those reports before trusting an admission.
-            self._monitor.read_waiting()
+        self._watch.catch_up()  # a connection closed ends its admissions
         if not peer.admitted and kind != Kind.HANDSHAKE:
             if not self._gate.admits(identity):
                 self._unadmitted(peer, env)
@@ -459,7 +439,7 @@ class Server:
         except ProtocolError as exc:
             self._bad_input(peer.identity, msg, exc, env.id)
             return
-        refusal = self._gate.handshake(peer.identity, hello, msg[0].get(_SRCFD))
+        refusal = self._gate.handshake(peer.identity, hello, connection_of(msg[0]))
         if refusal is not None:
             peer.admitted = False
             self._refuse(peer, env.id, "HANDSHAKE", refusal.counter, refusal.code, refusal.message)
@@ -486,20 +466,6 @@ class Server:
         if self._credit is not None:
             credit = self._envelope(Kind.CREDIT, payload=Credit(self._credit))
             self._send_quietly(peer.identity, credit)
-
-    def _on_monitor(self, frames: list[Any]) -> None:
-        """A connection closed: its admissions end (a routing id reused by the next connection
-        must handshake again)."""
-        event = parse_monitor_message([f.bytes for f in frames])
-        if event["event"] != zmq.EVENT_DISCONNECTED:
-            return
-        self.stats["disconnects"] += 1
-        for identity in self._gate.disconnected(int(event["value"])):
-            self.stats["admissions_ended"] += 1
-            peer = self._peers.get(identity)
-            if peer is not None:
-                peer.admitted = False
-                self._emit(peer, "disconnected", "its connection closed: it must handshake again")
 
     def _unadmitted(self, peer: PeerInfo, env: RawEnvelope) -> None:
         """Refuse a message from a peer that did not present the run's secret."""

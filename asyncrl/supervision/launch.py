@@ -14,9 +14,8 @@ driver. docs/multinode.md is the guide; in short:
   and its tcp port for the others; each process's ``groups`` hold what its node sees.
 - Status: each agent also publishes the tcp endpoint of its status server; ``asyncrl status``
   given any node's run directory asks that node's agent, which asks the others.
-- Secret: one per attempt, which never crosses the store: each node derives it from the Curve
-  key folder the nodes share, or reads node 0's file on a shared filesystem (``launch_secret``).
-- Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``.
+- Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``; the secret
+  never crosses the store: each node derives or reads it on its own (``launch_secret``).
 - Hosts: each agent also publishes its host id; nodes that share a host share its weight store
   (node R's ``weights`` folder links to the host's first node's, ``hosts``), and a node that
   shares a host id but not the first node's folder is refused at start.
@@ -471,14 +470,9 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     view = await _discover(a, args.join_timeout)
     problem = share(a.node, a.dir, a.hosts)
     if not problem:
-        # Never through the store: each node arrives at it on its own (launch_secret).
+        curve, prefix = manifest.security.curve_keys, keys.prefix(attempt)
         secret, problem = await shared_secret(
-            store,
-            keys.prefix(attempt),
-            a.node,
-            a.dir,
-            manifest.security.curve_keys,
-            args.join_timeout,
+            store, prefix, a.node, a.dir, curve, args.join_timeout
         )
         view = dataclasses.replace(view, secret=secret)
     if problem:
