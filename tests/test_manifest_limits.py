@@ -232,3 +232,24 @@ def test_asyncrl_run_refuses_set_overrides_over_the_limits(case: str, tmp_path: 
     assert out.stderr == expected
     assert not os.path.exists(run_dir)
     assert took < 30  # 0.6 s unloaded
+
+
+def test_asyncrl_run_refuses_a_set_key_path_3000_deep_without_a_traceback(tmp_path: object) -> None:
+    run_dir = os.path.join(str(tmp_path), "run")
+    key = "run.config." + ".".join(["d"] * 3000)
+    command = ["run", "set_key_path_too_deep.yaml", "--run-dir", run_dir, "--set", f"{key}=1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *command],
+        cwd=CORPUS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (
+        "manifest set_key_path_too_deep.yaml has 1 problem:\n"
+        f"  --set {key[:1000]}... (6,012 characters): the key path has 3,002 parts, which nests "
+        "its value deeper than the 64 levels of lists and mappings a manifest may have; set a "
+        "key at most 64 deep, or pass deep data by file\n"
+    )
+    assert not os.path.exists(run_dir)
