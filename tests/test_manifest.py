@@ -204,7 +204,7 @@ roles:
 
 BAD_REPORT = """\
 manifest examples/bad.yaml has 22 problems:
-  run.name: expected a name of letters, digits, '_' and '-', got 'my demo'
+  run.name: expected a name of letters, digits, '_' and '-' that does not start with '-', got 'my demo'
   run.program: expected 'module:function' or 'path/to/file.py:function', got 'examples/demo/flow:main'; a file path must end in '.py'
   run.env.SEED: expected a string, got 1; quote it: '1'
   driver.thread: unknown key; did you mean 'threads'?
@@ -223,7 +223,7 @@ manifest examples/bad.yaml has 22 problems:
   roles.reward: neither 'class' nor 'command' is given; add 'class: module:Class' for a Python role or 'command: [program, args...]' for an external one
   roles.ref.command: cannot split "python 'ref.py" into arguments (No closing quotation); close the quote or give a list
   roles.ref: both 'class' and 'command' are given; keep exactly one
-  roles['my role']: invalid key; use a name of letters, digits, '_' and '-'
+  roles['my role']: invalid key; use a name of letters, digits, '_' and '-' that does not start with '-'
   roles['my role'].command: expected a non-empty list of strings, or one string, got an empty list
   roles['my role'].env: expected a mapping, got null; write {} for an empty mapping, or remove the key"""  # noqa: E501
 
@@ -257,7 +257,8 @@ def test_missing_sections_and_keys() -> None:
         "roles: missing required key; expected a mapping of role names to roles, at least one",
     ]
     assert _problems("run: {}\nroles: {}\n") == [
-        "run.name: missing required key; expected a name of letters, digits, '_' and '-'",
+        "run.name: missing required key; expected a name of letters, digits, '_' and '-' that "
+        "does not start with '-'",
         "run.program: missing required key; "
         "expected 'module:function' or 'path/to/file.py:function'",
         "roles: expected a mapping of role names to roles, at least one, got an empty mapping",

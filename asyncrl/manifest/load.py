@@ -50,7 +50,7 @@ from asyncrl.manifest.pipeline_section import (
 )
 from asyncrl.manifest.placement import Placement, check_placement, sharing_problems
 from asyncrl.manifest.refs import weights_from_problems
-from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml
+from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml, merged_problem
 from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 __all__ = [
@@ -73,9 +73,10 @@ __all__ = [
 
 _IDENT = r"[A-Za-z_]\w*"
 _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
-_NAME = r"[A-Za-z0-9_-]+"
+_NAME = r"[A-Za-z0-9_][A-Za-z0-9_-]*"
+_NAME_FORM = "a name of letters, digits, '_' and '-' that does not start with '-'"
 _PROGRAM = re.compile(rf"(?P<module>{_DOTTED}|[^:]+\.py)(?::(?P<function>{_IDENT}))?")
-_CLASS = re.compile(rf"{_DOTTED}:{_DOTTED}|{_NAME}")
+_CLASS = re.compile(rf"{_DOTTED}:{_DOTTED}|[A-Za-z0-9_-]+")
 _PROGRAM_FORM = "'module:function' or 'path/to/file.py:function'"
 
 
@@ -107,10 +108,10 @@ def _split_command(value: Any) -> Any:
 
 Name = Annotated[
     str,
-    msgspec.Meta(
-        pattern=f"^{_NAME}$", extra={"expected": "a name of letters, digits, '_' and '-'"}
-    ),
+    msgspec.Meta(pattern=f"^{_NAME}$", extra={"expected": _NAME_FORM}),
 ]
+"""A role's name: it names the role's log, spec and socket files (``logs/<role>.<replica>.jsonl``),
+so a name starting with '-' would read as an option to any command given one of them."""
 Method = Annotated[
     str,
     msgspec.Meta(
@@ -126,7 +127,7 @@ RunName = Annotated[
     msgspec.Meta(
         pattern=f"^{_NAME}$",
         extra={
-            "expected": "a name of letters, digits, '_' and '-'",
+            "expected": _NAME_FORM,
             "check": run_name_problem,
         },
     ),
@@ -460,8 +461,16 @@ def parse_manifest(
         problems.append(f"{TOP}: the manifest is empty; expected {_SECTIONS}")
     usable = parsed and raw is not None
     created: list[tuple[str, str]] = []
-    for override in overrides:
-        apply_override(raw if usable else {}, override, problems, created)
+    sizes = [
+        (override, apply_override(raw if usable else {}, override, problems, created))
+        for override in overrides
+    ]
+    if usable and overrides:
+        # Each override was measured alone; together they may be over (twelve 1 MB values).
+        too_large = merged_problem(raw, sizes)
+        if too_large is not None:
+            problems.append(too_large)
+            usable = False
     if usable:
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
         if cwd is not None:

@@ -2,7 +2,8 @@
 
 Owns: the node agent (``agent``) and its supervisor (``supervisor``), how a role's process
 starts and runs (``process``, ``zygote`` for forked restarts, ``heap`` for its allocator's
-thresholds), launches across nodes (``launch``, ``store_registry``, ``hosts``), the run
+thresholds), launches across nodes (``launch``, ``store_registry``, ``hosts``, and
+``launch_secret``: how the nodes agree on the run's secret without the store holding it), the run
 directory (``rundir``), leftovers and leases (``janitor``, ``leases``), fault injection for
 tests (``faults``) and the report of how a run ended (``runreport``).
 

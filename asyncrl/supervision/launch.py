@@ -14,7 +14,8 @@ driver. docs/multinode.md is the guide; in short:
   and its tcp port for the others; each process's ``groups`` hold what its node sees.
 - Status: each agent also publishes the tcp endpoint of its status server; ``asyncrl status``
   given any node's run directory asks that node's agent, which asks the others.
-- Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``.
+- Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``; the secret
+  never crosses the store: each node derives or reads it on its own (``launch_secret``).
 - Hosts: each agent also publishes its host id; nodes that share a host share its weight store
   (node R's ``weights`` folder links to the host's first node's, ``hosts``), and a node that
   shares a host id but not the first node's folder is refused at start.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -50,6 +52,7 @@ from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
 from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
 from asyncrl.supervision.hosts import HostRecord, announce, share
+from asyncrl.supervision.launch_secret import shared_secret
 from asyncrl.supervision.runreport import RunReport
 from asyncrl.supervision.store_registry import (
     LaunchKeys,
@@ -59,7 +62,6 @@ from asyncrl.supervision.store_registry import (
     node_address,
 )
 from asyncrl.supervision.supervisor import Supervisor
-from asyncrl.transport.control import new_secret
 
 __all__ = ["LaunchEnv", "main", "node_dir"]
 
@@ -307,18 +309,7 @@ async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
         curve_keys=a.manifest.security.curve_keys,
         bind_host=bind_host if bind_host != host else "",
         agents=agents,
-        secret=await _shared_secret(a, timeout_s),
     )
-
-
-async def _shared_secret(a: _Attempt, timeout_s: float) -> str:
-    """The run's secret, the same on every node: node 0 makes one per attempt in the store and
-    the others read it, so that every node's processes serve one another."""
-    key = f"{a.keys.prefix(a.attempt)}/secret"
-    if a.node == 0:
-        return await a.store.set_once(key, new_secret())
-    await a.store.wait_for([key], timeout_s, why="node 0 makes the run's secret")
-    return await a.store.get(key)
 
 
 class _Watch:
@@ -477,6 +468,12 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     _write_launch(a)
     view = await _discover(a, args.join_timeout)
     problem = share(a.node, a.dir, a.hosts)
+    if not problem:
+        curve, prefix = manifest.security.curve_keys, keys.prefix(attempt)
+        secret, problem = await shared_secret(
+            store, prefix, a.node, a.dir, curve, args.join_timeout
+        )
+        view = dataclasses.replace(view, secret=secret)
     if problem:
         _say(env.node, problem)
         said = _ended("failed", problem, env.node)
