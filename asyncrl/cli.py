@@ -3,6 +3,8 @@
 - ``asyncrl run MANIFEST [--set KEY=VALUE]... [--run-dir DIR] [--overwrite]``: run a manifest on
   this machine; the resolved manifest is saved as ``RUN_DIR/manifest.json``. A run directory that
   already holds a run is refused unless ``--overwrite`` (start afresh) is given.
+- ``asyncrl run ... -v``: print every log line of the run's processes on the console, not only
+  the progress, warnings, errors and the final summary table (all are in ``RUN_DIR/logs``).
 - ``asyncrl run --resume RUN_DIR``: run the manifest saved in ``RUN_DIR`` again, in ``RUN_DIR``,
   after all its processes were killed: the roles and the program resume from what they kept.
 - ``asyncrl chaos MANIFEST [--kill-every 5s] [--roles rollout,reward] [--stop-every D --stop-for D]
@@ -151,6 +153,7 @@ def _claim(run_dir: str, overwrite: bool, *, resume_hint: bool = True) -> str | 
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.manifest.load import ManifestError, resolve_run_dir
+    from asyncrl.observe.logs import VERBOSE_ENV
     from asyncrl.supervision.agent import run_manifest, summary
     from asyncrl.supervision.rundir import (
         MANIFEST_FILE,
@@ -212,6 +215,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             save_manifest(manifest, run_dir)
         except RunDirError as exc:
             return _fail(str(exc))
+    if args.verbose:  # the run's processes inherit it (asyncrl.observe.logs)
+        os.environ[VERBOSE_ENV] = "1"
     _sweep_dead_runs()
     if args.trace:
         from asyncrl.observe.trace import enable, merge_and_tell
@@ -386,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument(
         "--trace", action="store_true", help="record every call as RUN_DIR/trace.json (Perfetto)"
+    )
+    run.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print every log line on the console, not only progress, warnings and errors "
+        "(all of them are in RUN_DIR/logs either way)",
     )
     run.set_defaults(func=_run)
     chaos = sub.add_parser(

@@ -334,12 +334,6 @@ def _bytes(n: int) -> str:
     return f"{value:.1f}G"
 
 
-def _state(row: dict[str, Any]) -> str:
-    if row["serving"]:
-        return "serving"
-    return "starting" if row["alive"] else "down"
-
-
 def _cell(value: Any, fmt: str = "") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -406,7 +400,6 @@ def format_status(status: dict[str, Any], width: int | None = None) -> str:
     for _, header, _ in COLUMNS:
         table.add_column(header, justify="left" if header in ("role", "state") else "right")
     for row in rows(status):
-        row = {**row, "state": _state(row)}
         table.add_row(*(_cell(row.get(key), fmt) for key, _, fmt in COLUMNS))
     out = io.StringIO()
     Console(width=width or 160, file=out, color_system=None).print(table)
