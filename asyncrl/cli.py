@@ -8,8 +8,10 @@
 - ``asyncrl run --resume RUN_DIR``: run the manifest saved in ``RUN_DIR`` again, in ``RUN_DIR``,
   after all its processes were killed: the roles and the program resume from what they kept.
 - ``asyncrl chaos MANIFEST [--kill-every 5s] [--roles rollout,reward] [--stop-every D --stop-for D]
-  [--seed S] [--json] [--no-baseline] [--set KEY=VALUE]... [--run-dir DIR] [--overwrite]``: run a
-  manifest undisturbed, then again while killing and freezing replicas, and print an accounting.
+  [--seed S] [--from-phase NAME] [--after D] [--json] [--no-baseline] [--set KEY=VALUE]...
+  [--run-dir DIR] [--overwrite]``: run a manifest undisturbed, then again while killing and
+  freezing replicas (from the program's phase NAME, D after it or after the start), and print an
+  accounting.
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
 - ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
@@ -260,6 +262,8 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
         stop_every=args.stop_every,
         stop_for=args.stop_for,
         seed=args.seed,
+        from_phase=args.from_phase,
+        after=args.after,
     )
     # The chaos budgets first, so that the user's own --set, after them, wins.
     manifest = _load(args.manifest, [*budget_overrides(plain, plan), *args.set])
@@ -268,6 +272,10 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     every = f"SIGKILL every {args.kill_every:g} s" if args.kill_every else "no SIGKILL"
     if args.stop_every:
         every += f", SIGSTOP for {args.stop_for:g} s every {args.stop_every:g} s"
+    if args.from_phase:
+        every += f", from the start of phase {args.from_phase}"
+    if args.after:
+        every += f", {args.after:g} s after {'it' if args.from_phase else 'the start'}"
     print(f"chaos: {every}, among the replicas of {', '.join(roles)}", file=sys.stderr)
     print("restart budgets for the chaos run:", file=sys.stderr)
     for role, budget in budgets(manifest, plan.roles).items():
