@@ -400,13 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--trace", action="store_true", help="record every call as RUN_DIR/trace.json (Perfetto)"
     )
-    run.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="print every log line on the console, not only progress, warnings and errors "
-        "(all of them are in RUN_DIR/logs either way)",
-    )
+    run.add_argument("-v", "--verbose", action="store_true", help="every log line on the console")
     run.set_defaults(func=_run)
     chaos = sub.add_parser(
         "chaos", help="run a manifest while killing its processes, and account for the damage"

@@ -28,9 +28,11 @@ from asyncrl.tools.accounting import (
 from asyncrl.tools.chaos import (
     ChaosPlan,
     Disruptor,
+    aim_figures,
     budget_overrides,
     budgets,
     check_roles,
+    format_aim,
     parse_duration,
     phase_began,
 )
@@ -554,23 +556,26 @@ def test_missing_files_are_unknown_never_zero(tmp_path: Any) -> None:
 
 
 def test_the_accounting_says_where_the_disruption_was_aimed(tmp_path: Any) -> None:
-    """chaos.json's plan and ``aimed_at_s`` reach the accounting; a phase that never began
+    """chaos.json's plan and ``aimed_at_s`` give the aim's figures; a phase that never began
     is named as the reason nothing was disrupted."""
-    run_dir = os.path.join(tmp_path, "chaos")
-    make_run(run_dir, accuracy=0.5, wall_s=10.0, pipeline=PIPELINE, steps=STEPS, kills=1)
-    path = os.path.join(run_dir, "chaos.json")
-    with open(path) as f:
-        chaos = json.load(f)
-    write(path, {**chaos, "plan": {"from_phase": "rl", "after": 2.0}, "aimed_at_s": 7.5})
-    acc = account(run_dir, None)
-    assert (acc["from_phase"], acc["disrupted_from_s"]) == ("rl", 7.5)
-    text = format_accounting(acc)
-    assert "disrupted from phase            rl" in text
-    assert "disruption began at (s)         7.5" in text
-    write(path, {**chaos, "plan": {"from_phase": "grpo", "after": 0.0}, "aimed_at_s": None})
-    acc = account(run_dir, None)
-    assert acc["disrupted_from_s"] is None
-    assert acc["unknown"]["disrupted_from_s"] == "phase grpo never began: no disruption"
+    path = os.path.join(tmp_path, "chaos.json")
+    write(path, {"plan": {"from_phase": "rl", "after": 2.0}, "aimed_at_s": 7.5})
+    figures = aim_figures(str(tmp_path))
+    assert figures == {"from_phase": "rl", "after_s": 2.0, "disrupted_from_s": 7.5}
+    assert format_aim(figures) == "disruption aimed at 2 s after phase rl: began at 7.5 s"
+    write(path, {"plan": {"from_phase": "grpo", "after": 0.0}, "aimed_at_s": None})
+    figures = aim_figures(str(tmp_path))
+    assert figures["not_disrupted"] == (
+        "phase grpo never began before the schedule started: nothing was disrupted"
+    )
+    assert format_aim(figures) == (
+        "disruption aimed at phase grpo: phase grpo never began before the schedule started: "
+        "nothing was disrupted"
+    )
+    write(path, {"plan": {"from_phase": None, "after": 0.0}, "aimed_at_s": 0.0})
+    assert format_aim(aim_figures(str(tmp_path))) == (
+        "disruption aimed at the run's start: began at 0.0 s"
+    )
 
 
 def test_inconsistent_counts_are_flagged(tmp_path: Any) -> None:

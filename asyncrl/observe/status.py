@@ -52,6 +52,7 @@ __all__ = [
     "ask",
     "format_status",
     "main",
+    "process_state",
 ]
 
 AGENT_SOCKET = "agent.sock"
@@ -167,13 +168,14 @@ class AgentStatus:
         return await self.node_status()
 
     async def node_status(self) -> dict[str, Any]:
-        """This node: its index, agent pid, processes, and (node 0) the driver's answer.
+        """This node: its index, agent pid, processes (each row with its ``state``:
+        ``process_state``), and (node 0) the driver's answer.
 
         Each serving Python role replica of the node is asked its own ``_status`` at the same
         time (``replica_timeout_s``); its answer, or ``{"error": why}``, is the process row's
         ``status``. A replica that does not answer delays the answer by that timeout at most.
         """
-        processes = self.processes()
+        processes = [row | {"state": process_state(row)} for row in self.processes()]
         answer: dict[str, Any] = {
             "node": self.node,
             "agent_pid": os.getpid(),
@@ -332,6 +334,14 @@ def _bytes(n: int) -> str:
             return f"{value:.1f}{unit}"
         value /= 1024
     return f"{value:.1f}G"
+
+
+def process_state(row: dict[str, Any]) -> str:
+    """A process row's ``state``: ``serving`` (its supervisor has heard it), ``starting``
+    (running, not heard yet) or ``down`` (between a crash and its restart)."""
+    if row["serving"]:
+        return "serving"
+    return "starting" if row["alive"] else "down"
 
 
 def _cell(value: Any, fmt: str = "") -> str:

@@ -59,14 +59,6 @@ class ProcessInfo(msgspec.Struct, frozen=True):
     def label(self) -> str:
         return f"{self.role}[{self.replica}]"
 
-    @property
-    def state(self) -> str:
-        """``serving`` (its supervisor has heard it), ``starting`` (running, not heard yet) or
-        ``down`` (between a crash and its restart): the ``state`` of ``asyncrl status``."""
-        if self.serving:
-            return "serving"
-        return "starting" if self.alive else "down"
-
 
 class RunReport(msgspec.Struct):
     """How the run ended, for the summary and for tests.
@@ -128,14 +120,13 @@ def summary_table(report: RunReport, run_dir: str, *, width: int = 100) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    summary: dict[str, Any] = {}
+    found: Any = {}
     try:
         with open(os.path.join(run_dir, SUMMARY_FILE)) as f:
-            summary = json.load(f)
+            found = json.load(f)
     except (OSError, ValueError):
         pass
-    if not isinstance(summary, dict):
-        summary = {}
+    summary: dict[str, Any] = found if isinstance(found, dict) else {}
     table = Table(title="run summary", box=box.SIMPLE, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()

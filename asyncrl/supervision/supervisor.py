@@ -205,24 +205,15 @@ class Supervisor:
 
     def status(self) -> list[dict[str, Any]]:
         """Every process now, in start order (``asyncrl status``): its ``ProcessInfo`` fields,
-        ``state`` (``serving``, ``starting`` or ``down``: ``ProcessInfo.state``), ``restarts``,
-        and ``heartbeat_age_s``: seconds since its supervisor's client last heard it (any
-        message resets the client's liveness clock); None while it does not serve."""
+        ``restarts``, and ``heartbeat_age_s``: seconds since its supervisor's client last heard
+        it (any message resets the client's liveness clock); None while it does not serve."""
         now, rows = time.monotonic(), list[dict[str, Any]]()
         for info, c in zip(self.processes(), self._children, strict=True):
             heard = c.client.last_heard if c.client is not None and c.serving else None
             age = None if heard is None else round(now - heard, 3)
             row = {f: getattr(info, f) for f in info.__struct_fields__}
             forked = isinstance(c.proc, ForkedProcess)
-            rows.append(
-                row
-                | {
-                    "state": info.state,
-                    "restarts": c.restarts,
-                    "heartbeat_age_s": age,
-                    "forked": forked,
-                }
-            )
+            rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": age, "forked": forked})
         return rows
 
     def stop(self, reason: str = "interrupted") -> None:

@@ -13,8 +13,7 @@ written by hand. The files, each optional:
 - ``report.json``: the supervisor's report (status, restarts per role, failed exits, the
   processes still restarting when the run ended);
 - ``driver.json``: the driver's record (``dispatch``: per role ``served`` and ``retries``);
-- ``chaos.json``: written by ``asyncrl chaos`` beside them: wall time, kills, stops, when the
-  disruption began (``aimed_at_s``, with the ``plan``'s ``from_phase`` and ``after``) and the
+- ``chaos.json``: written by ``asyncrl chaos`` beside them: wall time, kills, stops and the
   supervisor's ``exited``/``serving`` events with their times.
 
 A figure whose file or field is missing is ``None`` (printed as ``unknown``), and the reason is
@@ -267,22 +266,10 @@ def _chaos_figures(chaos: Any, report: Any, out: dict[str, Any], unknown: dict[s
         out["program_s"] = chaos.get("program_s")
         out["kills"] = _count(chaos.get("kills") or [])
         out["stops"] = _count(chaos.get("stops") or [])
-        plan = chaos.get("plan") if isinstance(chaos.get("plan"), dict) else {}
-        out["from_phase"] = plan.get("from_phase")
-        out["disrupted_from_s"] = chaos.get("aimed_at_s")
-        if out["disrupted_from_s"] is None and out["from_phase"] is not None:
-            unknown["disrupted_from_s"] = f"phase {out['from_phase']} never began: no disruption"
         if isinstance(report, dict):
             out.update(recoveries(chaos, report))
     else:
-        out.update(
-            wall_s=None,
-            program_s=None,
-            kills=None,
-            stops=None,
-            from_phase=None,
-            disrupted_from_s=None,
-        )
+        out.update(wall_s=None, program_s=None, kills=None, stops=None)
         unknown["kills"] = unknown["wall_s"] = f"no {CHAOS_FILE}"
     for key in ("recover_ms_p50", "recover_ms_p99", "recover_ms_max", "recover_ms_by_role"):
         if key not in out:
@@ -443,8 +430,6 @@ def _dispatch_figures(driver: Any, out: dict[str, Any], unknown: dict[str, str])
 
 _TOP = (
     "completed",
-    "from_phase",
-    "disrupted_from_s",
     "kills",
     "stops",
     "restarts",
@@ -560,12 +545,6 @@ def format_accounting(acc: dict[str, Any]) -> str:
     rows = [
         ("chaos run completed", acc.get("completed")),
         ("  how it ended", acc.get("reason")),
-        *(
-            []
-            if acc.get("from_phase") is None
-            else [("disrupted from phase", acc.get("from_phase"))]
-        ),
-        ("disruption began at (s)", acc.get("disrupted_from_s")),
         ("kills", acc.get("kills")),
         ("stops (SIGSTOP/SIGCONT)", acc.get("stops")),
         ("restarts", acc.get("restarts")),

@@ -50,9 +50,12 @@ from asyncrl.tools.accounting import CHAOS_FILE, account, format_accounting
 __all__ = [
     "ChaosPlan",
     "Disruptor",
+    "aim_figures",
     "budget_overrides",
     "check_roles",
+    "format_aim",
     "parse_duration",
+    "phase_began",
     "run_chaos",
     "supervise",
 ]
@@ -441,6 +444,7 @@ def run_chaos(
             say(f"chaos: {reason}")
         return {"failed": 1, "interrupted": 130}.get(first.status, 1)
     accounting = account(disturbed, undisturbed if baseline else None)
+    accounting.update(aim_figures(disturbed))
     accounting["budgets"] = budgets(manifest, plan.roles)
     accounting["plan"] = msgspec.to_builtins(plan.__dict__)
     accounting["run_dir"] = run_dir
@@ -449,8 +453,41 @@ def run_chaos(
         print(json.dumps(accounting), flush=True)
     else:
         print(format_accounting(accounting), flush=True)
+        print(format_aim(accounting), flush=True)
         print(f"accounting: {os.path.join(run_dir, 'accounting.json')}", flush=True)
     return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
+
+
+def aim_figures(run_dir: str) -> dict[str, Any]:
+    """Where the disruption of the run in ``run_dir`` was aimed, from its ``chaos.json``:
+    ``from_phase`` (None: the run's start), ``after_s``, and ``disrupted_from_s``, the time the
+    schedule started (None when it never did; ``not_disrupted`` then says why)."""
+    try:
+        with open(os.path.join(run_dir, CHAOS_FILE)) as f:
+            chaos = json.load(f)
+    except (OSError, ValueError) as exc:
+        chaos = {"not_disrupted": f"no readable {CHAOS_FILE}: {exc}"}
+    plan = chaos.get("plan") or {}
+    out = {
+        "from_phase": plan.get("from_phase"),
+        "after_s": plan.get("after"),
+        "disrupted_from_s": chaos.get("aimed_at_s"),
+    }
+    if out["disrupted_from_s"] is None:
+        began = f"phase {out['from_phase']} never began" if out["from_phase"] else "it ended"
+        why = f"{began} before the schedule started: nothing was disrupted"
+        out["not_disrupted"] = chaos.get("not_disrupted", why)
+    return out
+
+
+def format_aim(figures: dict[str, Any]) -> str:
+    """``aim_figures`` as a person reads them, one line."""
+    aim = f"phase {figures['from_phase']}" if figures.get("from_phase") else "the run's start"
+    if figures.get("after_s"):
+        aim = f"{figures['after_s']:g} s after {aim}"
+    if figures.get("disrupted_from_s") is None:
+        return f"disruption aimed at {aim}: {figures.get('not_disrupted')}"
+    return f"disruption aimed at {aim}: began at {figures['disrupted_from_s']:.1f} s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,8 +4,9 @@ hands the learner, and the checks of its arguments."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -25,6 +26,7 @@ __all__ = [
     "Generate",
     "PromptFeed",
     "PromptsExhausted",
+    "RewardTally",
     "SampleSource",
     "Scorer",
     "check_args",
@@ -137,6 +139,24 @@ class Batch(msgspec.Struct):
     cursor: int
     metrics: dict[str, float]
     resume: dict[str, Any] = {}
+
+
+class RewardTally:
+    """The rewards scored since the last batch: their sum, count, least and most."""
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+        self.low, self.high = math.inf, -math.inf
+
+    def add(self, rewards: Sequence[float]) -> None:
+        if rewards:
+            self.total += sum(rewards)
+            self.count += len(rewards)
+            self.low, self.high = min(self.low, *rewards), max(self.high, *rewards)
+
+    def constant(self) -> float | None:
+        """The one value every reward had; None when they differ or there is none."""
+        return self.low if self.count and self.low == self.high else None
 
 
 def warn_capped(log: Any, drops: int, batches: int, constant: float | None) -> None:

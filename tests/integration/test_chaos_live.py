@@ -119,7 +119,7 @@ def test_chaos_aimed_at_the_rl_phase_kills_nothing_before_it(run_dir: str) -> No
         chaos = json.load(f)
     with open(os.path.join(run_dir, "chaos", "summary.json")) as f:
         bc_ended = json.load(f)["phases"]["bc"]["ended_s"]
-    assert acc["from_phase"] == "rl"
+    assert (acc["from_phase"], acc["after_s"]) == ("rl", 1.0)
     assert acc["disrupted_from_s"] == chaos["aimed_at_s"] >= float(began) + 0.9  # began: .1f
     assert float(began) >= bc_ended
     assert acc["kills"]["total"] >= 1
