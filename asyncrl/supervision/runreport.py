@@ -153,7 +153,7 @@ def summary_table(report: RunReport, run_dir: str, *, width: int = 100) -> str:
     table.add_row("restarts", f"{sum(restarts.values())}" + (f" ({parts})" if parts else ""))
     out = io.StringIO()
     Console(file=out, width=width, color_system=None, emoji=False).print(table)
-    return "\n".join(line.rstrip() for line in out.getvalue().strip("\n").splitlines())
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines()).strip("\n")
 
 
 def _duration(seconds: float) -> str:
