@@ -49,13 +49,16 @@ def table_rows(run_dir: str) -> list[str]:
     before, after = summary["accuracy_before_rl"], summary["accuracy_final"]
     pipeline = summary["pipeline"]
     generated, wasted = pipeline["generated_samples"], pipeline["wasted_samples"]
+    with open(os.path.join(run_dir, "report.json")) as f:
+        restarted = {k: n for k, n in json.load(f)["restarts"].items() if n}
+    parts = ", ".join(f"{role} {n}" for role, n in restarted.items())
     return [
         "run summary",
         "  status     completed",
         f"  accuracy   {before:.3f} before RL, {after:.3f} after ({after - before:+.3f})",
         f"  samples    {summary['samples_consumed']:,} trained on, {generated:,} generated "
         f"({wasted / generated:.1%} wasted)",
-        "  restarts   0",
+        f"  restarts   {sum(restarted.values())}" + (f" ({parts})" if parts else ""),
     ]
 
 
@@ -90,6 +93,7 @@ def test_the_console_shows_progress_and_the_summary_and_v_brings_the_rest_back(
             if "started" in line
             and "[asyncrl.supervision.supervisor]" in line
             and f"process={role}[0]" in line
+            and "incarnation=0" in line
         ]
         assert len(started) == 1, (role, verbose)
     for row in table_rows(verbose_dir):
