@@ -159,3 +159,27 @@ def test_without_the_package_the_manifest_says_how_to_install_it(
         "installed; install it with: pip install 'asyncrl[wandb]' (or set mode: disabled)"
     ]
     parse_manifest(MANIFEST.replace("offline", "disabled"))  # asks for nothing: no package
+
+
+def test_a_wandb_run_that_cannot_start_is_a_warning_and_the_metrics_go_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``online`` without an API key or a network: W&B refuses to start; the run is told once,
+    and metrics.jsonl is written as ever."""
+    pytest.importorskip("wandb", reason="wandb (the wandb extra, in dev) is missing")
+    import wandb
+
+    def refuse(**kwargs: Any) -> Any:
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    run_dir = str(tmp_path / "run")
+    save_manifest(parse_manifest(MANIFEST.replace("offline", "online")), run_dir)
+    write_steps(run_dir, range(1, 3), done=0)
+    said = [r.getMessage() for r in caplog.records if r.name == "asyncrl.observe.metrics"]
+    assert said == [
+        "no Weights & Biases run (run.metrics.wandb): UsageError: api_key not configured "
+        "(no-tty); the metrics still go to metrics.jsonl"
+    ]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]

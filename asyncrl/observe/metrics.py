@@ -173,7 +173,16 @@ class MetricsLog:
                 os.path.join(self.run_dir, TENSORBOARD_DIR), self.done
             )
             self.tensorboard = self._writer is not None
-        self._wandb = open_sink(self.run_dir)
+        try:
+            self._wandb = open_sink(self.run_dir)
+        except Exception as exc:  # wandb's own errors (no API key, no network) are its own types
+            log.warning(
+                "no Weights & Biases run (run.metrics.wandb): %s: %s; the metrics still go to %s%s",
+                type(exc).__name__,
+                exc,
+                METRICS_FILE,
+                " and TensorBoard" if self._writer is not None else "",
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` (it has a ``step``) and flush it; numbers that are not finite are

@@ -14,9 +14,11 @@ resumed run logs into the same W&B run: its id is kept in ``RUN_DIR/wandb/run_id
 console capture is off (the run's output stays where ``asyncrl.observe.logs`` sends it), and
 so are its banners.
 
-``mode: offline`` writes the W&B run to disk only (``wandb sync RUN_DIR/wandb/offline-run-*``
-uploads it later); ``disabled`` writes nothing. The manifest's check at load refuses
-``online`` and ``offline`` when the package is not installed, so a run never finds out late.
+A W&B run that cannot start (no API key for ``online``, no network) is a warning on the
+console, and the run goes on with its other sinks. ``mode: offline`` writes the W&B run to disk
+only (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later); ``disabled`` writes nothing.
+The manifest's check at load refuses ``online`` and ``offline`` when the package is not
+installed, so a run never finds out late.
 """
 
 from __future__ import annotations
