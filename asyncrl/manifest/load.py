@@ -41,6 +41,7 @@ from asyncrl.manifest.limits import (
     name_problems,
     run_name_problem,
 )
+from asyncrl.manifest.metrics_section import MetricsSpec, WandbSpec, check_wandb
 from asyncrl.manifest.model_section import ModelSpec, model_problem
 from asyncrl.manifest.pipeline_section import (
     PipelineSpec,
@@ -285,6 +286,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         config: free-form settings of the control-flow program, which reads them as
             ``ctx.config``.
         plugin: the hardware plugin of every process (``ASYNCRL_PLUGIN``); empty: detected.
+        metrics: where per-step metrics go besides ``metrics.jsonl``
+            (``asyncrl.manifest.metrics_section``: a Weights & Biases run).
     """
 
     name: RunName
@@ -293,6 +296,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     env: Env = {}
     config: dict[str, Any] = {}
     plugin: str = ""
+    metrics: MetricsSpec = MetricsSpec()
 
     def __post_init__(self) -> None:
         if self.plugin:
@@ -429,6 +433,7 @@ _STRUCT_CHECKS: dict[type, StructCheck] = {
     Supervision: _check_backoff,
     StragglerSpec: _check_straggler,
     PipelineSpec: _check_pipeline,
+    WandbSpec: check_wandb,
 }
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from asyncrl.observe import logs
 from asyncrl.observe.status import AgentStatus
 from asyncrl.safe_files import write_atomic
 from asyncrl.supervision.janitor import Janitor, sweep_run
+from asyncrl.supervision.runreport import summary_table
 from asyncrl.supervision.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry, TransportError, load_keys, use_curve
 from asyncrl.transport.control import (
@@ -341,6 +343,7 @@ async def run_manifest(
         problems = node_problems(manifest, 1)
         if problems:
             raise ManifestError(manifest.run.name, problems)
+    started = time.monotonic()
     run_dir = os.path.abspath(run_dir) if run_dir else resolve_run_dir(manifest)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     logs.configure(
@@ -371,6 +374,7 @@ async def run_manifest(
         if removed:
             log.info("swept", removed=removed)
         janitor.finish()
+    report.wall_s = time.monotonic() - started
     _write_report(run_dir, report)
     return report
 
@@ -545,7 +549,7 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 def summary(report: RunReport, manifest: Manifest, run_dir: str) -> str:
     """What a person reads when the run ends: how it ended, roles, restarts, work done."""
-    lines = [format_report(report), "", "roles:"]
+    lines = [format_report(report), "", summary_table(report, run_dir), "", "roles:"]
     driver: dict[str, Any] = {}
     try:
         with open(os.path.join(run_dir, "driver.json")) as f:
