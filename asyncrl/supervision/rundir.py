@@ -86,6 +86,7 @@ RUN_ENTRIES = frozenset(
         "roles",
         "ledger",
         "logs",
+        "liveness",
         "sockets",
         "registry",
         "specs",
