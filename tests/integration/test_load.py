@@ -23,10 +23,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BURNERS = 4
 BURN_S = 840  # a burner ends by itself after this long, should the test be killed first
 SHORT = [
-    "run.config.bc_max_steps=60",
-    "run.config.bc_eval_every=30",
-    "run.config.rl_steps=20",
-    "run.config.rl_eval_every=20",
+    "run.config.bc_max_steps=150",
+    "run.config.bc_eval_every=50",
+    "run.config.rl_steps=50",
+    "run.config.rl_eval_every=25",
 ]
 BURN = f"import time\nend = time.monotonic() + {BURN_S}\nwhile time.monotonic() < end:\n    pass\n"
 
@@ -69,7 +69,7 @@ def test_the_main_job_beside_four_cpu_burners_has_no_restart(
         summary = json.load(f)
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
-    assert summary["learner_steps"] == 60 + 20
+    assert summary["learner_steps"] == 150 + 50
     roles = {"prompts", "rollout", "reward", "learner", "driver"}
     assert report["restarts"] == dict.fromkeys(roles, 0)
     assert report["exits"] == []
