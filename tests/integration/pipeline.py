@@ -79,6 +79,14 @@ class Sleeper(Role):
         return os.getpid()
 
 
+class SlowSetup(Sleeper):
+    """A setup that waits ``SETUP_S`` seconds off the loop: the replica answers its callers
+    all along, and is not ready until it returns."""
+
+    async def setup(self) -> None:
+        await asyncio.sleep(float(os.environ["SETUP_S"]))
+
+
 class CrashAtStart(Role):
     async def setup(self) -> None:
         raise RuntimeError("cannot start: the weights file is missing (on purpose)")

@@ -89,6 +89,35 @@ def test_a_driver_slow_to_exit_after_its_program_finished_is_not_killed(
     assert not [e for e in events if e.startswith("hung") or e == "process failed"], events
 
 
+def test_a_replica_not_ready_at_its_start_up_deadline_is_killed_though_it_answers(
+    run_dir: str, runs: list[Run]
+) -> None:
+    manifest = write_manifest(
+        run_dir,
+        """\
+        run:
+          name: slowstart
+          program: tests.integration.pipeline:wait_forever
+        roles:
+          sleeper:
+            class: tests.integration.pipeline:SlowSetup
+            env: {SETUP_S: "3600"}
+            supervision: {startup_timeout_s: 4, max_restarts: 0}
+        """,
+    )
+    run = start_run(manifest, run_dir)
+    runs.append(run)
+    code, out, err = run.finish()
+    assert code == 1, out + err
+    report = run.json("report.json")
+    assert report["status"] == "failed"
+    assert report["failure"]["reason"] == "hung (not ready within startup_timeout_s) and was killed"
+    assert report["failure"]["signal"] == "SIGKILL"
+    # Its inbox answered the supervisor before the deadline: ready is what was missing.
+    heard = [e["process"] for e in _events(run_dir, "agent", "serving")]
+    assert "sleeper[0]" in heard, heard
+
+
 @pytest.fixture
 def runs() -> Iterator[list[Run]]:
     started: list[Run] = []
