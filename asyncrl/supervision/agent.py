@@ -32,6 +32,7 @@ from asyncrl.observe import logs
 from asyncrl.observe.status import AgentStatus
 from asyncrl.safe_files import write_atomic
 from asyncrl.supervision.janitor import Janitor, sweep_run
+from asyncrl.supervision.liveness import liveness_path
 from asyncrl.supervision.runreport import summary_table
 from asyncrl.supervision.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry, TransportError, load_keys, use_curve
@@ -155,6 +156,7 @@ def build_children(
                     _role_launcher(
                         manifest, role, name, replica, local, run_dir, parent_pid, groups
                     ),
+                    "" if role.command else liveness_path(run_dir, name, replica),
                 )
             )
     if view.node != 0:
@@ -182,6 +184,7 @@ def _driver_child(
             threads=driver.threads,
             heartbeat_interval_s=driver.supervision.heartbeat_interval_s,
             liveness=driver.supervision.liveness,
+            warn_after_s=driver.supervision.warn_after_s,
             parent_pid=parent_pid,
             groups=groups,
             config=dict(run.config),
@@ -202,7 +205,15 @@ def _driver_child(
         }
         return [sys.executable, "-m", "asyncrl.supervision.process"], env
 
-    return ChildSpec("driver", 0, "driver", endpoint, driver.supervision, driver_launcher)
+    return ChildSpec(
+        "driver",
+        0,
+        "driver",
+        endpoint,
+        driver.supervision,
+        driver_launcher,
+        liveness_path(run_dir, "driver", 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -281,6 +292,7 @@ def _role_launcher(
             capacity=role.capacity,
             heartbeat_interval_s=role.supervision.heartbeat_interval_s,
             liveness=role.supervision.liveness,
+            warn_after_s=role.supervision.warn_after_s,
             parent_pid=parent_pid,
             replicas=role.replicas,
             groups=groups,

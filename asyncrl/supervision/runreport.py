@@ -6,15 +6,20 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 from typing import Any, Literal
 
 import msgspec
+
+from asyncrl.exits import EXIT_PROGRAM
+from asyncrl.manifest.spec import EXIT_CONFIG
 
 __all__ = [
     "SUMMARY_FILE",
     "ExitInfo",
     "ProcessInfo",
     "RunReport",
+    "exit_reason",
     "format_report",
     "stderr_tail",
     "summary_table",
@@ -78,6 +83,21 @@ class RunReport(msgspec.Struct):
     served: dict[str, int] = {}
     restarting: list[str] = []
     wall_s: float = 0.0
+
+
+def exit_reason(code: int, *, hung: str = "", driver: bool = False) -> str:
+    """Why a process ended with ``code`` (negative: the signal that killed it), as its
+    ``ExitInfo.reason`` says it. ``hung``: why its supervisor killed it as hung, if it did;
+    ``driver``: it is the driver, whose ``EXIT_PROGRAM`` is the program's failure."""
+    if hung:
+        return f"hung ({hung}) and was killed"
+    if code == EXIT_CONFIG:
+        return "configuration error"
+    if code == EXIT_PROGRAM and driver:
+        return "the control-flow program raised, or the run stalled"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def format_report(report: RunReport) -> str:
