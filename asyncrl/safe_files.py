@@ -105,6 +105,12 @@ def open_subdir(
             try:
                 sub = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
+                if create and exc.errno == errno.ENOENT:
+                    # It was there (or just made) a moment ago: renamed or removed meanwhile.
+                    raise UnsafePathError(
+                        f"{shown} went away while it was opened (renamed or removed meanwhile); "
+                        "a run writes only into folders that stay where they are: try again"
+                    ) from exc
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
                 st = _lstat_at(fd, part)

@@ -13,6 +13,8 @@ import contextlib
 import os
 import signal
 
+from asyncrl.safe_files import open_append
+
 __all__ = ["activate", "kill", "start"]
 
 
@@ -23,7 +25,7 @@ async def start(argv: list[str], env: dict[str, str], log_path: str) -> asyncio.
     Raises:
         OSError: the process cannot be started.
     """
-    with open(log_path, "ab") as stderr:
+    with open_append(log_path) as stderr:
         return await asyncio.create_subprocess_exec(
             *argv,
             "--standby",

@@ -65,6 +65,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from asyncrl.observe import logs
+from asyncrl.safe_files import open_append
 
 __all__ = ["PER_PROCESS_ENV", "AnyProcess", "ForkedProcess", "Launcher", "main"]
 
@@ -213,7 +214,7 @@ class Launcher:
         ``--- incarnation N ---`` (where the supervisor's failure report starts reading it). A
         Python role or driver (``kind``) is forked by the zygote when one is ready and its
         environment is the zygote's but for ``PER_PROCESS_ENV``; anything else starts cold."""
-        with open(log_path, "ab") as stderr:
+        with open_append(log_path) as stderr:
             stderr.write(f"--- incarnation {incarnation} ---\n".encode())
         full = {**os.environ, **env}
         python = kind in ("role", "driver") and argv[1:] == ["-m", "asyncrl.supervision.process"]
@@ -223,7 +224,7 @@ class Launcher:
             forked = await self._fork(full, log_path)
             if forked is not None:
                 return forked
-        with open(log_path, "ab") as stderr:
+        with open_append(log_path) as stderr:
             return await asyncio.create_subprocess_exec(
                 *argv,
                 env=full,
@@ -319,7 +320,7 @@ class Launcher:
         env = {**self._env, **_ONE_THREAD, "ASYNCRL_ZYGOTE_PARENT": str(os.getpid())}
         read_fd, write_fd = os.pipe()
         try:
-            with open(os.path.join(self.log_dir, "zygote.stderr"), "ab") as stderr:
+            with open_append(os.path.join(self.log_dir, "zygote.stderr")) as stderr:
                 self._proc = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
@@ -531,7 +532,9 @@ def _become(request: dict[str, Any], zygote: int, private: list[int], sync_w: in
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        err = os.open(
+            request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
+        )
         os.dup2(err, 2)
         os.close(err)
         os.environ.clear()

@@ -92,7 +92,13 @@ def writable(path: str, role: str, run_dir: str, write_paths: Sequence[str]) -> 
         raise PermissionError(
             f"{role}: cannot export: the run directory {run_dir} is gone"
         ) from exc
-    real = os.path.realpath(os.path.join(exports, path))
+    try:
+        real = os.path.realpath(os.path.join(exports, path))
+    except OSError as exc:  # a link on the way removed between realpath's lstat and readlink
+        raise PermissionError(
+            f"{role}: refusing to write {path!r}: a folder on its way changed while it was "
+            f"resolved (a link swapped in or out, {exc.strerror}); export again"
+        ) from exc
     hint = (
         f"export to a name inside {exports} (a relative path such as 'final' goes there), or "
         f"add a folder to roles.{role}.config.write_paths in the manifest"
@@ -139,8 +145,9 @@ def export_pretrained(model: Any, target: ExportTarget, tokenizer_path: str = ""
 
     Raises:
         PermissionError: a folder on the way is a link or not a folder (swapped in since
-            ``writable`` looked), or the target holds something other than an earlier export
-            (a file, or a folder without ``EXPORT_MARKER``); it is left as it is.
+            ``writable`` looked), or went away while the export ran, or the target holds
+            something other than an earlier export (a file, or a folder without
+            ``EXPORT_MARKER``); it is left as it is.
     """
     folder, name = os.path.split(target.rel)
     if target.root == os.path.join(target.run_dir, EXPORTS_DIR):
@@ -185,6 +192,15 @@ def export_pretrained(model: Any, target: ExportTarget, tokenizer_path: str = ""
             with contextlib.suppress(OSError):
                 remove_at(parent, tmp)
             raise
+    except FileNotFoundError as exc:
+        if os.fstat(parent).st_nlink:
+            raise
+        # The folder opened above was removed, or replaced by a rename, meanwhile: what was
+        # written went with it, never anywhere else.
+        raise PermissionError(
+            f"{target.role}: refusing to export to {target.path!r}: its folder was removed or "
+            "replaced while the export ran; export again"
+        ) from exc
     finally:
         os.close(parent)
     return target.path
