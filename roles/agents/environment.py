@@ -16,9 +16,10 @@ it and answers a ``Transition`` with ``timed_out``. Such a timeout is the infras
 failure, not the policy's: the runner marks the episode ``infra_failed`` and it is never trained
 on. An environment whose task includes the timeout (the policy asked for a computation too
 slow, and should learn not to) says so with ``timeout_is_task``: its timeouts carry
-``task_timeout``, and the runner shows the policy a timeout (or ends the episode on it). ``act`` must therefore be ``async`` and await while it works (a tool in
-a subprocess, ``self.ctx.offload`` for CPU work): synchronous code cannot be cancelled, and a
-replica that does not answer at all is treated as lost.
+``task_timeout``, and the runner shows the policy a timeout (or ends the episode on it).
+``act`` must be ``async`` and await while it works (a tool in a subprocess,
+``self.ctx.offload`` for CPU work): synchronous code cannot be cancelled, and a replica that
+does not answer at all is treated as lost.
 
 One episode's state lives in one replica: the runner sends every step of an episode to the
 replica its reset named. ``step`` is idempotent per (episode, turn): a retried step of a turn the

@@ -16,7 +16,7 @@ from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.contract import Batch, Generate
 from asyncrl.roles.sampling.pipeline import SamplePipeline
 from asyncrl.transport import run
-from tests.roles.test_pipeline import B, G, WAIT_S, Feed, FakeRollout, score
+from tests.roles.test_pipeline import WAIT_S, B, FakeRollout, Feed, G, score
 
 
 class Failing:
