@@ -442,7 +442,7 @@ class EpisodeRunner:
                 replica=replica,
             )
         except RemoteError as exc:
-            log.warning("episode %r: the environment failed turn %d: %s", episode_id, turn, exc)
+            log.debug("episode %r: the environment failed turn %d: %s", episode_id, turn, exc)
             traj.errors += 1
             traj.infra_failed = "error"
             return None
