@@ -46,6 +46,7 @@ import msgspec
 
 from asyncrl.errors import AsyncrlError, BrokenError, DeadlineExceededError, RemoteError
 from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
+from asyncrl.roles.agents.quarantine import Quarantine
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 
 __all__ = [
@@ -217,6 +218,10 @@ class EpisodeRunner:
         max_restarts: the most restarts (or replays) of one episode before it fails.
         generate_timeout_s: the deadline of one generate call.
         task_of: a prompt's task for ``reset`` (``source``); by default its ``answer``.
+        quarantine_share, quarantine_window, probe_after_s: a replica that failed more than
+            ``quarantine_share`` of its last ``quarantine_window`` steps is quarantined: no new
+            episode starts on it but a probe every ``probe_after_s`` seconds, which lets it
+            back once it serves a step (``asyncrl.roles.agents.quarantine``).
     """
 
     def __init__(
@@ -235,6 +240,9 @@ class EpisodeRunner:
         max_restarts: int = 8,
         generate_timeout_s: float = 600.0,
         task_of: Callable[[Prompt], Any] = lambda prompt: prompt.answer,
+        quarantine_share: float = 0.5,
+        quarantine_window: int = 20,
+        probe_after_s: float = 30.0,
     ) -> None:
         if on_timeout not in ("observe", "end"):
             raise ValueError(f"on_timeout: expected 'observe' or 'end', got {on_timeout!r}")
@@ -255,6 +263,14 @@ class EpisodeRunner:
         self.task_of = task_of
         self._closing: set[asyncio.Task[None]] = set()
         self._failed: dict[str, int] = {}  # episode -> its infra failures, until run again
+        self.quarantine = Quarantine(
+            str(getattr(env, "name", "env")),
+            int(getattr(env, "replicas", 1)),
+            share=quarantine_share,
+            window=quarantine_window,
+            probe_after_s=probe_after_s,
+        )
+        self._quarantines_counted = (0, 0)  # (quarantined, released) counted in metrics
 
     async def source(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
         """The sample pipeline's ``SampleSource``: sample ``index`` of ``prompt`` is episode
@@ -288,6 +304,10 @@ class EpisodeRunner:
         if traj.infra_failed:
             self._failed[name] = tries + 1
         count(metrics, traj)
+        quarantined, released = self._quarantines_counted
+        self._quarantines_counted = (self.quarantine.quarantined, self.quarantine.released)
+        metrics["quarantined"] += self.quarantine.quarantined - quarantined
+        metrics["quarantine_released"] += self.quarantine.released - released
         return traj.sample(prompt.id, index)
 
     async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
@@ -340,6 +360,7 @@ class EpisodeRunner:
             Observation,
             timeout=self.step_timeout_s,
             key=(episode_id, attempt.number, "reset"),
+            replica=self.quarantine.pick(),
         )
         attempt.replica = obs.replica
         if resumed is None:
@@ -443,12 +464,18 @@ class EpisodeRunner:
             )
         except RemoteError as exc:
             log.debug("episode %r: the environment failed turn %d: %s", episode_id, turn, exc)
+            self.quarantine.record(replica, failed=True)
             traj.errors += 1
             traj.infra_failed = "error"
             return None
+        except _Lost:
+            self.quarantine.record(replica, failed=True)
+            raise
+        infra_timeout = transition.timed_out and not transition.task_timeout
+        self.quarantine.record(replica, failed=infra_timeout)
         if transition.timed_out:
             traj.timeouts += 1
-            if not transition.task_timeout:
+            if infra_timeout:
                 traj.infra_failed = "timeout"
                 return None
             if self.on_timeout == "end":

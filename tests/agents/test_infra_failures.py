@@ -1,7 +1,8 @@
 """An environment replica that fails every step, beside two healthy ones, in a real run of the
 agent example (processes and sockets): one failure in two hangs past the step's deadline, the
 other raises. The run completes; the failed episodes are counted by cause and never trained (the
-learner's own count of what it received is 0); every sample is accounted for."""
+learner's own count of what it received is 0); the failing replica is quarantined while the
+healthy ones carry the run; every sample is accounted for."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def test_a_replica_failing_every_step_is_never_trained_on_and_the_run_completes(
     assert pipe["infra_failed_timeout"] > 0 and pipe["infra_failed_error"] > 0
     assert pipe["infra_failed"] == pipe["infra_failed_timeout"] + pipe["infra_failed_error"]
     assert pipe["infra_failed"] == pipe["infra_replaced"] + pipe.get("groups_infra_dropped", 0)
+    assert pipe["quarantined"] >= 1  # env.1, after its first 20 steps
+    assert pipe["infra_failed"] < 100  # then it takes no new episode but a probe every 30 s
     assert pipe["admitted_samples"] == (
         pipe["consumed_samples"] + pipe["wasted_samples"] + pipe["in_flight_at_end"]
     )
