@@ -251,6 +251,56 @@ def test_an_episode_lost_past_max_restarts_is_infra_failed_in_the_pipelines_sour
     assert sample.infra_failed == "lost" and sample.token_ids == []
 
 
+class Replicas:
+    """Replicas of an environment group: a call names one (``replica``) or goes to the next in
+    turn, as the dispatcher may send it."""
+
+    name = "env"
+
+    def __init__(self, *envs: Environment) -> None:
+        self.envs = envs
+        self.replicas = len(envs)
+        self.turn = 0
+        self.resets: list[int] = []  # the replica each reset went to
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        replica = kw.get("replica")
+        if replica is None:
+            replica, self.turn = self.turn, (self.turn + 1) % self.replicas
+        if method == "reset":
+            self.resets.append(replica)
+        try:
+            return await getattr(self.envs[replica], method)(payload)
+        except Exception as exc:
+            raise RemoteError("handler_error", str(exc), remote_type=type(exc).__name__) from exc
+
+
+class Broken(Guess):
+    """Every step raises."""
+
+    async def act(self, state: Any, action: str) -> Transition:
+        raise RuntimeError("the tool's sandbox is gone")
+
+
+def test_a_replica_failing_its_steps_is_quarantined_and_new_episodes_go_to_the_others() -> None:
+    async def main() -> tuple[list[Sample], Replicas, Counter[str]]:
+        env = Replicas(
+            Guess(RoleContext.local(name="env", replica=0)),
+            Broken(RoleContext.local(name="env", replica=1)),
+        )
+        r = runner(env, quarantine_window=2, probe_after_s=3600.0)
+        metrics: Counter[str] = Counter()
+        prompt = Prompt(id="p", token_ids=[1], answer="11")
+        samples = [await r.source(prompt, k, metrics) for k in range(6)]
+        return samples, env, metrics
+
+    samples, env, metrics = run(main())
+    # Episodes 1 and 3 fail their first step on replica 1: 2 of its last 2, and it is out.
+    assert env.resets == [0, 1, 0, 1, 0, 0]
+    assert [s.infra_failed for s in samples] == ["", "error", "", "error", "", ""]
+    assert metrics["quarantined"] == 1 and metrics["quarantine_released"] == 0
+
+
 class Unanswering(Handle):
     """The replica holding the episodes never answers a step (hung or gone)."""
 

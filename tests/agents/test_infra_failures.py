@@ -56,7 +56,9 @@ def test_a_replica_failing_every_step_is_never_trained_on_and_the_run_completes(
     assert pipe["infra_failed"] == pipe["infra_failed_timeout"] + pipe["infra_failed_error"]
     assert pipe["infra_failed"] == pipe["infra_replaced"] + pipe.get("groups_infra_dropped", 0)
     assert pipe["quarantined"] >= 1  # env.1, after its first 20 steps
-    assert pipe["infra_failed"] < 100  # then it takes no new episode but a probe every 30 s
+    # Then it takes no new episode but a probe every 30 s: only the episodes already on it
+    # fail (64 measured; about 500 without quarantine).
+    assert pipe["infra_failed"] < 200
     assert pipe["admitted_samples"] == (
         pipe["consumed_samples"] + pipe["wasted_samples"] + pipe["in_flight_at_end"]
     )
