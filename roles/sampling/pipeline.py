@@ -393,8 +393,7 @@ class SamplePipeline:
         """Drop a group whose sample ``k`` failed through no fault of the policy and is not
         replaced (``infra_failed: drop``, or its replacement failed too): the whole group is
         waste, its other samples are cancelled, and a fresh prompt takes its room."""
-        if group.outcome:  # released already (a straggler deadline): the sample is late waste
-            self.metrics["wasted_samples"] += 1
+        if group.outcome:  # released without it (a straggler deadline): counted as waste then
             return
         log.warning(
             "sample pipeline: group %r dropped: sample %d failed (%s) through no fault of the "
