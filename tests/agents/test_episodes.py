@@ -219,6 +219,22 @@ def test_a_step_that_times_out_or_raises_marks_the_episode_infra_failed() -> Non
     assert r._failed == {"p/2": 1}  # the next episode of this sample gets a fresh id
 
 
+def test_a_reset_that_raises_is_an_infra_failed_sample_of_the_pipelines_source() -> None:
+    class NoStart(Guess):
+        async def start(self, task: Any) -> tuple[str, Any]:
+            raise RuntimeError("no sandbox left")
+
+    async def main() -> tuple[Sample, Counter[str]]:
+        env = Handle(lambda n: NoStart(RoleContext.local(name="env")))
+        metrics: Counter[str] = Counter()
+        prompt = Prompt(id="p", token_ids=[1], answer="11")
+        return await runner(env).source(prompt, 0, metrics), metrics
+
+    sample, metrics = run(main())
+    assert (sample.infra_failed, sample.token_ids, sample.prompt_ids) == ("error", [], [1])
+    assert metrics["env_errors"] == 1 and metrics["episodes"] == 1
+
+
 def test_a_fresh_episode_in_place_of_an_infra_failed_one_has_an_id_of_its_own() -> None:
     async def main() -> tuple[list[str], Sample]:
         env = Handle(lambda n: Raises(RoleContext.local(name="env")))
