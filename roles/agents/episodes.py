@@ -468,8 +468,12 @@ class EpisodeRunner:
             traj.errors += 1
             traj.infra_failed = "error"
             return None
-        except _Lost:
-            self.quarantine.record(replica, failed=True)
+        except _Lost as exc:
+            # A replica that did not answer in time failed the step; one that died or was
+            # restarted (its episodes lost with it) is the supervisor's to restart, not ours to
+            # judge: one death loses every episode it held at once.
+            if isinstance(exc.__cause__, DeadlineExceededError):
+                self.quarantine.record(replica, failed=True)
             raise
         infra_timeout = transition.timed_out and not transition.task_timeout
         self.quarantine.record(replica, failed=infra_timeout)

@@ -2,13 +2,14 @@
 replica's recent steps, and its choice of the replica a new episode starts on.
 
 A replica that failed more than ``share`` of its last ``window`` steps (a step past its deadline
-that is not part of the task, an error, an episode it lost) is quarantined: no new episode
-starts on it, and the healthy replicas carry the run. Every ``probe_after_s`` seconds one new
-episode goes to it as a probe; a step it then serves lets it back (with a fresh window), a step
-it fails keeps it out. A replica that died is restarted by the supervisor as always; one that
-is alive and failing stays up, out of the way, until it serves again. When every replica is
-quarantined nothing can carry the run: ``pick`` raises ``ReplicasQuarantinedError``, naming
-them.
+that is not part of the task, an error, a step it did not answer at all) is quarantined: no new
+episode starts on it, and the healthy replicas carry the run. Every ``probe_after_s`` seconds
+one new episode goes to it as a probe; a step it then serves lets it back (with a fresh window),
+a step it fails keeps it out. A replica that died is restarted by the supervisor as always, and
+the episodes it lost with it do not count against it (one death loses every episode it held);
+one that is alive and failing stays up, out of the way, until it serves again. When every
+replica is quarantined nothing can carry the run: ``pick`` raises ``ReplicasQuarantinedError``,
+naming them.
 """
 
 from __future__ import annotations

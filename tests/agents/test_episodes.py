@@ -348,11 +348,12 @@ class LosesOnce(Handle):
 def test_an_episode_lost_with_its_replica_restarts_from_reset() -> None:
     async def main() -> tuple[Trajectory, LosesOnce, EpisodeRunner]:
         env = LosesOnce(lambda n: NotDeterministic(RoleContext.local(name="env", incarnation=n)))
-        r = runner(env, max_turns=6)
+        r = runner(env, max_turns=6, quarantine_share=0.0, quarantine_window=1)
         return await r.run("e", 13, []), env, r
 
     traj, env, r = run(main())
     assert traj.restarts == 1 and traj.replays == 0 and traj.done
+    assert r.quarantine.quarantined == 0  # a restart is not the replica failing its steps
     assert [decode(s.token_ids) for s in traj.segments if s.policy] == ["7;", "11;", "13;"]
     resets = [p for m, p in env.calls if m == "reset"]
     assert len(resets) == 2  # the first attempt's tokens were dropped with it
