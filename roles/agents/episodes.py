@@ -60,6 +60,10 @@ __all__ = [
 
 log = logging.getLogger("asyncrl.agents")
 
+FAILED_KEPT = 4096
+"""The infra-failed episodes ``source`` remembers, to give the next episode of each a fresh id;
+past it, the oldest are forgotten (the pipeline replaces a failed episode at once, or never)."""
+
 LOST = "EpisodeLost"
 """The remote type of the error a replica without the episode raises."""
 
@@ -303,6 +307,8 @@ class EpisodeRunner:
             )
         if traj.infra_failed:
             self._failed[name] = tries + 1
+            if len(self._failed) > FAILED_KEPT:  # never run again (``infra_failed: drop``)
+                del self._failed[next(iter(self._failed))]
         count(metrics, traj)
         quarantined, released = self._quarantines_counted
         self._quarantines_counted = (self.quarantine.quarantined, self.quarantine.released)
