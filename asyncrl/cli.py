@@ -3,11 +3,15 @@
 - ``asyncrl run MANIFEST [--set KEY=VALUE]... [--run-dir DIR] [--overwrite]``: run a manifest on
   this machine; the resolved manifest is saved as ``RUN_DIR/manifest.json``. A run directory that
   already holds a run is refused unless ``--overwrite`` (start afresh) is given.
+- ``asyncrl run ... -v``: print every log line of the run's processes on the console, not only
+  the progress, warnings, errors and the final summary table (all are in ``RUN_DIR/logs``).
 - ``asyncrl run --resume RUN_DIR``: run the manifest saved in ``RUN_DIR`` again, in ``RUN_DIR``,
   after all its processes were killed: the roles and the program resume from what they kept.
 - ``asyncrl chaos MANIFEST [--kill-every 5s] [--roles rollout,reward] [--stop-every D --stop-for D]
-  [--seed S] [--json] [--no-baseline] [--set KEY=VALUE]... [--run-dir DIR] [--overwrite]``: run a
-  manifest undisturbed, then again while killing and freezing replicas, and print an accounting.
+  [--seed S] [--from-phase NAME] [--after D] [--json] [--no-baseline] [--set KEY=VALUE]...
+  [--run-dir DIR] [--overwrite]``: run a manifest undisturbed, then again while killing and
+  freezing replicas (from the program's phase NAME, D after it or after the start), and print an
+  accounting.
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
 - ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
@@ -181,6 +185,7 @@ def _claim(
 
 def _run(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.manifest.load import ManifestError, resolve_run_dir
+    from asyncrl.observe.logs import VERBOSE_ENV
     from asyncrl.supervision.agent import run_manifest, summary
     from asyncrl.supervision.rundir import (
         MANIFEST_FILE,
@@ -242,6 +247,8 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
             save_manifest(manifest, run_dir)
         except RunDirError as exc:
             return _fail(str(exc))
+    if args.verbose:  # the run's processes inherit it (asyncrl.observe.logs)
+        os.environ[VERBOSE_ENV] = "1"
     _sweep_dead_runs()
     if args.trace:
         from asyncrl.observe.trace import enable, merge_and_tell
@@ -285,6 +292,8 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
         stop_every=args.stop_every,
         stop_for=args.stop_for,
         seed=args.seed,
+        from_phase=args.from_phase,
+        after=args.after,
     )
     # The chaos budgets first, so that the user's own --set, after them, wins.
     manifest = _load(args.manifest, [*budget_overrides(plain, plan), *args.set])
@@ -293,6 +302,10 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     every = f"SIGKILL every {args.kill_every:g} s" if args.kill_every else "no SIGKILL"
     if args.stop_every:
         every += f", SIGSTOP for {args.stop_for:g} s every {args.stop_every:g} s"
+    if args.from_phase:
+        every += f", from the start of phase {args.from_phase}"
+    if args.after:
+        every += f", {args.after:g} s after {'it' if args.from_phase else 'the start'}"
     print(f"chaos: {every}, among the replicas of {', '.join(roles)}", file=sys.stderr)
     print("restart budgets for the chaos run:", file=sys.stderr)
     for role, budget in budgets(manifest, plan.roles).items():
@@ -425,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--trace", action="store_true", help="record every call as RUN_DIR/trace.json (Perfetto)"
     )
+    run.add_argument("-v", "--verbose", action="store_true", help="every log line on the console")
     run.set_defaults(func=_run)
     chaos = sub.add_parser(
         "chaos", help="run a manifest while killing its processes, and account for the damage"

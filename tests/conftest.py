@@ -15,6 +15,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The tests follow a run by its processes' log lines on the console, as ``asyncrl run -v``
+# shows them; tests/integration/test_console.py checks the quiet default without it.
+os.environ.setdefault("ASYNCRL_VERBOSE", "1")
+
 
 @dataclass
 class ServerProcess:

@@ -28,10 +28,13 @@ from asyncrl.tools.accounting import (
 from asyncrl.tools.chaos import (
     ChaosPlan,
     Disruptor,
+    aim_figures,
     budget_overrides,
     budgets,
     check_roles,
+    format_aim,
     parse_duration,
+    phase_began,
 )
 
 MANIFEST = """
@@ -213,6 +216,64 @@ def test_kill_and_freeze_real_processes() -> None:
         for p in (sleeper, stopped):
             p.kill()
             p.wait()
+
+
+def test_phase_began_waits_for_a_complete_line_of_the_phase(tmp_path: Any) -> None:
+    """No history file, then a BC entry, then half a line of RL, then the whole line: it
+    returns on the read after the whole line, and not before."""
+    path = os.path.join(tmp_path, "history.jsonl")
+    steps = [
+        '{"phase": "bc", "step": 0, "accuracy": 0.1}\n',
+        '{"phase": "rl", "st',
+        'ep": 1, "reward": 0.5}\n',
+    ]
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        assert len(waits) < len(steps), "still waiting after the phase's line was complete"
+        with open(path, "a") as f:
+            f.write(steps[len(waits)])
+        waits.append(seconds)
+
+    asyncio.run(phase_began(str(tmp_path), "rl", poll_s=0.5, sleep=sleep))
+    assert waits == [0.5, 0.5, 0.5]
+
+
+def test_a_plan_aimed_at_a_phase_disrupts_nothing_before_it(tmp_path: Any) -> None:
+    """``from_phase`` and ``after``: the schedule starts ``after`` once the phase's first
+    entry is in the history, and ``aimed_at_s`` says when; until then no process is hit."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    path = os.path.join(tmp_path, "history.jsonl")
+    try:
+
+        async def main() -> Disruptor:
+            table = [proc("rollout", 0, sleeper.pid)]
+            plan = ChaosPlan(roles=("rollout",), kill_every=0.01, from_phase="rl", after=0.05)
+            killed = asyncio.Event()
+
+            def say(text: str) -> None:
+                if "SIGKILL" in text:
+                    killed.set()
+
+            chaos = Disruptor(plan, lambda: table, say, run_dir=str(tmp_path))
+            task = asyncio.create_task(chaos.run())
+            await asyncio.sleep(0.5)  # two reads of a history without the phase
+            assert (chaos.kills, chaos.aimed_at_s, sleeper.poll()) == ([], None, None)
+            with open(path, "w") as f:
+                f.write('{"phase": "rl", "step": 1}\n')
+            began = chaos.now()
+            await asyncio.wait_for(killed.wait(), 30)
+            task.cancel()
+            assert chaos.aimed_at_s is not None and chaos.aimed_at_s >= began + 0.05
+            assert chaos.kills[0]["t"] >= chaos.aimed_at_s + 0.01
+            return chaos
+
+        chaos = asyncio.run(main())
+        assert [k["label"] for k in chaos.kills] == ["rollout[0]"]
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 # -- the accounting ------------------------------------------------------------------------
@@ -492,6 +553,29 @@ def test_missing_files_are_unknown_never_zero(tmp_path: Any) -> None:
     text = format_accounting(account(os.path.join(tmp_path, "nothing"), None))
     assert "samples lost                    unknown" in text
     assert "chaos run completed             unknown" in text
+
+
+def test_the_accounting_says_where_the_disruption_was_aimed(tmp_path: Any) -> None:
+    """chaos.json's plan and ``aimed_at_s`` give the aim's figures; a phase that never began
+    is named as the reason nothing was disrupted."""
+    path = os.path.join(tmp_path, "chaos.json")
+    write(path, {"plan": {"from_phase": "rl", "after": 2.0}, "aimed_at_s": 7.5})
+    figures = aim_figures(str(tmp_path))
+    assert figures == {"from_phase": "rl", "after_s": 2.0, "disrupted_from_s": 7.5}
+    assert format_aim(figures) == "disruption aimed at 2 s after phase rl: began at 7.5 s"
+    write(path, {"plan": {"from_phase": "grpo", "after": 0.0}, "aimed_at_s": None})
+    figures = aim_figures(str(tmp_path))
+    assert figures["not_disrupted"] == (
+        "phase grpo never began before the schedule started: nothing was disrupted"
+    )
+    assert format_aim(figures) == (
+        "disruption aimed at phase grpo: phase grpo never began before the schedule started: "
+        "nothing was disrupted"
+    )
+    write(path, {"plan": {"from_phase": None, "after": 0.0}, "aimed_at_s": 0.0})
+    assert format_aim(aim_figures(str(tmp_path))) == (
+        "disruption aimed at the run's start: began at 0.0 s"
+    )
 
 
 def test_inconsistent_counts_are_flagged(tmp_path: Any) -> None:

@@ -1,4 +1,5 @@
-"""The package layout: import paths, the dependency arrows of DESIGN.md, the public surface."""
+"""The package layout: import paths, the dependency arrows of docs/architecture.md, the public
+surface."""
 
 from __future__ import annotations
 

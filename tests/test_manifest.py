@@ -114,7 +114,9 @@ def test_minimal_manifest_gets_every_default() -> None:
         "backoff_initial_s": 0.1,
         "backoff_max_s": 5.0,
         "heartbeat_interval_s": 1.0,
-        "liveness": 3,
+        "liveness": 10,
+        "hang_after_s": 300.0,
+        "warn_after_s": 5.0,
         "startup_timeout_s": 120.0,
         "shutdown_timeout_s": 5.0,
         "standby": False,
@@ -204,7 +206,7 @@ roles:
 
 BAD_REPORT = """\
 manifest examples/bad.yaml has 22 problems:
-  run.name: expected a name of letters, digits, '_' and '-', got 'my demo'
+  run.name: expected a name of letters, digits, '_' and '-' that does not start with '-', got 'my demo'
   run.program: expected 'module:function' or 'path/to/file.py:function', got 'examples/demo/flow:main'; a file path must end in '.py'
   run.env.SEED: expected a string, got 1; quote it: '1'
   driver.thread: unknown key; did you mean 'threads'?
@@ -218,12 +220,12 @@ manifest examples/bad.yaml has 22 problems:
   roles.rollout.supervision.strategy: expected one of 'one_for_all', 'one_for_one', 'rest_for_one', got 'one_for_none'; did you mean 'one_for_one'?
   roles.rollout.supervision.period_s: expected a number > 0, got 0
   roles.rollout.supervision.liveness: expected an integer from 1 to 1000, got true
-  roles.rollout.supervision.colour: unknown key; expected one of 'strategy', 'max_restarts', 'period_s', 'backoff_initial_s', 'backoff_max_s', 'heartbeat_interval_s', 'liveness', 'startup_timeout_s', 'shutdown_timeout_s', 'standby'
+  roles.rollout.supervision.colour: unknown key; expected one of 'strategy', 'max_restarts', 'period_s', 'backoff_initial_s', 'backoff_max_s', 'heartbeat_interval_s', 'liveness', 'hang_after_s', 'warn_after_s', 'startup_timeout_s', 'shutdown_timeout_s', 'standby'
   roles.rollout.supervision.backoff_max_s: expected a number >= backoff_initial_s (2.0), got 1.0; raise it or lower backoff_initial_s
   roles.reward: neither 'class' nor 'command' is given; add 'class: module:Class' for a Python role or 'command: [program, args...]' for an external one
   roles.ref.command: cannot split "python 'ref.py" into arguments (No closing quotation); close the quote or give a list
   roles.ref: both 'class' and 'command' are given; keep exactly one
-  roles['my role']: invalid key; use a name of letters, digits, '_' and '-'
+  roles['my role']: invalid key; use a name of letters, digits, '_' and '-' that does not start with '-'
   roles['my role'].command: expected a non-empty list of strings, or one string, got an empty list
   roles['my role'].env: expected a mapping, got null; write {} for an empty mapping, or remove the key"""  # noqa: E501
 
@@ -257,7 +259,8 @@ def test_missing_sections_and_keys() -> None:
         "roles: missing required key; expected a mapping of role names to roles, at least one",
     ]
     assert _problems("run: {}\nroles: {}\n") == [
-        "run.name: missing required key; expected a name of letters, digits, '_' and '-'",
+        "run.name: missing required key; expected a name of letters, digits, '_' and '-' that "
+        "does not start with '-'",
         "run.program: missing required key; "
         "expected 'module:function' or 'path/to/file.py:function'",
         "roles: expected a mapping of role names to roles, at least one, got an empty mapping",

@@ -140,3 +140,116 @@ def test_asyncrl_run_refuses_it_at_once_and_leaves_nothing(case: str, tmp_path: 
     assert out.stderr.replace(CORPUS, "{cwd}") == expected
     assert not os.path.exists(run_dir)
     assert took < 30  # the alias bomb once took the whole machine; it is 0.5 s unloaded
+
+
+def overrides_of(case: str) -> list[str]:
+    """The ``--set`` overrides a corpus case is loaded with (its ``# --set`` lines)."""
+    with open(os.path.join(CORPUS, f"{case}.yaml"), encoding="utf-8") as f:
+        return [line.removeprefix("# --set ").rstrip("\n") for line in f if line[:8] == "# --set "]
+
+
+def test_a_set_key_path_is_accepted_up_to_the_depth_limit_and_refused_past_it() -> None:
+    at_limit = ".".join(["k"] * 61)  # roles.r.config and 61 more: 64 parts
+    loaded = parse_manifest(manifest(role="r"), overrides=[f"roles.r.config.{at_limit}=1"])
+    config: object = loaded.roles["r"].config
+    for _ in range(61):
+        assert isinstance(config, dict)
+        config = config["k"]
+    assert config == 1
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(manifest(role="r"), overrides=[f"roles.r.config.{at_limit}.k=1"])
+    assert info.value.problems == [
+        f"--set roles.r.config.{at_limit}.k=1: the key path has 65 parts, which nests its value "
+        "deeper than the 64 levels of lists and mappings a manifest may have; set a key at most "
+        "64 deep, or pass deep data by file"
+    ]
+
+
+@pytest.mark.parametrize("form", ["key path", "value", "file"])
+def test_nesting_3000_deep_is_refused_with_a_message_never_a_recursion_error(form: str) -> None:
+    text, overrides = manifest(role="r"), []
+    if form == "key path":
+        overrides = ["run.config." + ".".join(["d"] * 3000) + "=1"]
+    elif form == "value":
+        overrides = ["run.config.d=" + "[" * 3000 + "]" * 3000]
+    else:
+        text += "    config: {d: " + "[" * 3000 + "]" * 3000 + "}\n"
+        text = text.replace("B}\n", "B,\n", 1).replace("r: {", "r:\n    {", 1)
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text, overrides=overrides)
+    (problem,) = info.value.problems
+    if form == "key path":
+        shown = overrides[0][:1000]
+        assert problem == (
+            f"--set {shown}... (6,012 characters): the key path has 3,002 parts, which nests its "
+            "value deeper than the 64 levels of lists and mappings a manifest may have; set a "
+            "key at most 64 deep, or pass deep data by file"
+        )
+    else:
+        assert problem.endswith(
+            "lists and mappings nested more than 64 deep (aliases expanded); flatten the value, "
+            "or pass deep data by file"
+        )
+
+
+def test_twelve_set_values_under_the_limit_alone_are_refused_together() -> None:
+    bombs = overrides_of("set_twelve_alias_bombs")
+    assert len(bombs) == 12
+    for bomb in bombs:  # each alone is accepted, ~1.1 MB as expanded
+        parse_manifest(manifest(), overrides=[bomb])
+    parse_manifest(manifest(), overrides=bombs[:3])  # 3.4 MB together: still under
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(manifest(), overrides=bombs)
+    (problem,) = info.value.problems
+    assert problem.startswith(
+        "(top level): the manifest with its 12 --set overrides applied expands to 13,495,066 "
+        "bytes, over the 4,194,304 a manifest may have"
+    )
+    # An override that replaces a large value makes the manifest smaller, not larger.
+    replaced = [bomb.replace("run.config.x", "run.config.x0.y", 1) for bomb in bombs[1:]]
+    with pytest.raises(ManifestError):  # into the list run.config.x0: not a mapping
+        parse_manifest(manifest(), overrides=bombs[:1] + replaced)
+    same_key = [bomb.replace(bomb.partition("=")[0], "run.config.x") for bomb in bombs]
+    assert len(parse_manifest(manifest(), overrides=same_key).run.config["x"]) == 4
+
+
+@pytest.mark.parametrize("case", ["set_twelve_alias_bombs", "set_key_path_too_deep"])
+def test_asyncrl_run_refuses_set_overrides_over_the_limits(case: str, tmp_path: object) -> None:
+    run_dir = os.path.join(str(tmp_path), "run")
+    sets = [arg for override in overrides_of(case) for arg in ("--set", override)]
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", f"{case}.yaml", "--run-dir", run_dir, *sets],
+        cwd=CORPUS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    took = time.monotonic() - start
+    with open(os.path.join(CORPUS, f"{case}.expected"), encoding="utf-8") as f:
+        expected = f.read()
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == expected
+    assert not os.path.exists(run_dir)
+    assert took < 30  # 0.6 s unloaded
+
+
+def test_asyncrl_run_refuses_a_set_key_path_3000_deep_without_a_traceback(tmp_path: object) -> None:
+    run_dir = os.path.join(str(tmp_path), "run")
+    key = "run.config." + ".".join(["d"] * 3000)
+    command = ["run", "set_key_path_too_deep.yaml", "--run-dir", run_dir, "--set", f"{key}=1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *command],
+        cwd=CORPUS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (
+        "manifest set_key_path_too_deep.yaml has 1 problem:\n"
+        f"  --set {key[:1000]}... (6,012 characters): the key path has 3,002 parts, which nests "
+        "its value deeper than the 64 levels of lists and mappings a manifest may have; set a "
+        "key at most 64 deep, or pass deep data by file\n"
+    )
+    assert not os.path.exists(run_dir)

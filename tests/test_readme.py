@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,3 +49,29 @@ def test_the_pipeline_section_in_the_readme_is_valid() -> None:
     manifest = parse_manifest("run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n" + block)
     assert manifest.pipeline.mode == "async"
     assert manifest.pipeline.straggler.policy == "emit"
+
+
+def test_the_summary_table_in_the_readme_is_what_a_run_prints(tmp_path: Any) -> None:
+    """The README's example of ``make run``'s output ends with the table ``asyncrl run``
+    prints for that run's report and summary.json (its figures)."""
+    from asyncrl.supervision.runreport import RunReport, summary_table
+
+    (block,) = re.findall(r"```text\n(BC step 100.*?)```", _readme(), re.S)
+    shown = block[block.index("run summary") :].rstrip("\n")
+    with open(os.path.join(tmp_path, "summary.json"), "w") as f:
+        json.dump(
+            {
+                "accuracy_before_rl": 0.433,
+                "accuracy_final": 0.987,
+                "samples_consumed": 102400,
+                "pipeline": {"generated_samples": 141240, "wasted_samples": 38542},
+            },
+            f,
+        )
+    report = RunReport(
+        status="completed",
+        reason="the control-flow program finished",
+        restarts={"driver": 0, "learner": 0},
+        wall_s=187.6,
+    )
+    assert summary_table(report, str(tmp_path)) == shown

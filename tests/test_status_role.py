@@ -187,6 +187,7 @@ PROCESS = {
     "alive": True,
     "serving": True,
     "standby_pid": None,
+    "state": "serving",
     "restarts": 1,
     "heartbeat_age_s": 0.5,
 }
@@ -222,7 +223,7 @@ async def _agent_asks(run_dir: str) -> None:
     processes = [
         PROCESS,
         {**PROCESS, "role": "critic", "incarnation": 0, "pid": 4243, "restarts": 0},
-        {**PROCESS, "role": "rollout", "serving": False, "pid": 4244},
+        {**PROCESS, "role": "rollout", "serving": False, "state": "starting", "pid": 4244},
     ]
     agent = AgentStatus(
         lambda: [dict(p) for p in processes],

@@ -17,7 +17,8 @@ class PeerEvent:
     ``kind`` is one of: ``connected`` (handshake done), ``disconnected`` (the connection broke),
     ``restarted`` (a new incarnation answered), ``dead`` (nothing heard for liveness x
     interval), ``alive`` (heard again after ``dead``). A client reports all of them about its
-    server; a server reports ``connected`` and ``dead`` about its clients.
+    server; a server reports ``connected`` and ``dead`` about its clients, and ``disconnected``
+    about one it admitted (with the run's secret) whose connection closed.
 
     ``peer`` is the server's endpoint for a client, and the client's routing id for a server.
     """

@@ -2,7 +2,8 @@
 periodic sweep that forgets those silent for longer than liveness x interval.
 
 Forgetting is not refusing: the next message from the same routing id is served normally (see
-docs/protocol.md, Heartbeats), and a peer the server admitted (``admission.Gate``) stays admitted.
+docs/protocol.md, Heartbeats), and a peer the server admitted (``admission.Gate``) stays admitted
+while its connection lasts.
 What is lost is the rest of its handshake, so it gets no shared memory until it handshakes again,
 and the shared-memory slots the server lent it are taken back.
 """

@@ -141,6 +141,15 @@ class Pump:
         self._drain_waiters.append(fut)
         await fut
 
+    def read_waiting(self) -> None:
+        """Read every message waiting now, from outside the pump's own callback: a caller that
+        must see what the socket holds before it goes on (a server reads its monitor's events
+        before it trusts an admission). Costs one ``ZMQ_EVENTS`` check when nothing waits."""
+        while not (self._closed or self._in_ready or self._paused):
+            if not cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
+                return
+            self._on_ready()  # at most _MAX_BATCH messages a time
+
     def pause_reading(self) -> None:
         """Stop reading: messages stay in zmq's queues, so the senders feel back-pressure."""
         self._paused = True

@@ -11,11 +11,10 @@ the size limit, or tensor descriptors that disagree with the bytes are dropped, 
 gets an error reply, since a ROUTER always knows who sent what.
 
 A server with the run's secret (``control.py``) serves only peers whose handshake presented it,
-checked once per connection (``admission.py``): anything else from another peer is refused with
-ERROR ``unauthorized`` (PING and RELEASE are dropped, counted). STOP is accepted only from a peer
-that presented it as a controller. Shared-memory tensors are accepted only from a peer that
-handshook from this host. On tcp with Curve on (``curve.py``), only peers holding an authorized
-client key complete the ZeroMQ handshake at all.
+on that connection while it lasts (``admission.py``); anything else is refused with ERROR
+``unauthorized`` (PING and RELEASE are dropped, counted). STOP only from a peer that presented
+it as a controller; shared-memory tensors only from one that handshook from this host. On tcp
+with Curve on (``curve.py``), only peers with an authorized client key complete ZeroMQ's handshake.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from .admission import Gate, control_refusal
+from .admission import ConnectionWatch, Gate, connection_of, control_refusal
 from .codec import Codec
 from .control import run_secret
 from .curve import CurveSetting, ServerGuard, secure_server
@@ -85,8 +84,9 @@ class Server:
         options: thresholds, limits and heartbeat timing.
         context: the zmq context; the process-wide instance by default.
         on_stop: called when an authorised STOP control message arrives.
-        on_event: called with a PeerEvent when a client handshakes (``connected``) and when one
-            goes silent for liveness x interval (``dead``; its shared-memory slots are freed).
+        on_event: called with a PeerEvent when a client handshakes (``connected``), when one
+            goes silent for liveness x interval (``dead``; its shared-memory slots are freed),
+            and when an admitted one's connection closes (``disconnected``; with a secret).
         secret: the run's secret; by default the one ``control.run_secret`` reads (the file
             named by ``ASYNCRL_SECRET_FILE``). With a secret, only clients whose handshake
             presented it are served, and STOP only from those that presented it as controllers;
@@ -148,6 +148,7 @@ class Server:
             on_sweep=self._log.flush,
             on_dead=self._on_dead,
         )
+        self._watch = ConnectionWatch(self._gate, self._peers, self.stats, self._emit)
         self._tracer = current(name, incarnation)  # None unless tracing is on
         self._record = None if self._tracer is None else self._tracer.record
 
@@ -185,6 +186,7 @@ class Server:
                 self._guard.close()
             raise
         self._socket_id = socket_id(self.endpoint)
+        self._watch.start(sock)
         self._pump = Pump(sock, self._on_message, routed=True, on_send_error=self._on_send_error)
         self._peers.start()
         log.debug("server %s serving on %s", self.name, self.endpoint)
@@ -211,6 +213,7 @@ class Server:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._pump is not None:
+            self._watch.close()
             self._pump.close()
             unlink_if_same(self.endpoint, self._socket_id)
         if self._guard is not None:
@@ -267,6 +270,7 @@ class Server:
             return
         peer = self._peers.heard(identity)
         kind = env.kind
+        self._watch.catch_up()  # a connection closed ends its admissions
         if not peer.admitted and kind != Kind.HANDSHAKE:
             if not self._gate.admits(identity):
                 self._unadmitted(peer, env)
@@ -435,7 +439,7 @@ class Server:
         except ProtocolError as exc:
             self._bad_input(peer.identity, msg, exc, env.id)
             return
-        refusal = self._gate.handshake(peer.identity, hello)
+        refusal = self._gate.handshake(peer.identity, hello, connection_of(msg[0]))
         if refusal is not None:
             peer.admitted = False
             self._refuse(peer, env.id, "HANDSHAKE", refusal.counter, refusal.code, refusal.message)

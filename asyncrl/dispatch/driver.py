@@ -93,8 +93,9 @@ def load_program(target: str) -> Program:
     return fn  # type: ignore[no-any-return]
 
 
-async def serve_driver(spec: ProcessSpec) -> int:
-    """Run the program; return the process's exit status (see ``asyncrl.exits``).
+async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lambda: None) -> int:
+    """Run the program; return the process's exit status (see ``asyncrl.exits``). ``on_ready``
+    is called once the program starts.
 
     0: the program finished. ``EXIT_STOPPED``: stopped before it finished (never success).
     ``EXIT_PROGRAM``: the program raised, or stalled; the run fails once, with the traceback
@@ -129,6 +130,7 @@ async def serve_driver(spec: ProcessSpec) -> int:
         roles=spec.roles,
     )
     freeze_start_up()
+    on_ready()
     log.info("program started", program=spec.target, resumed=spec.incarnation > 0)
     program_task = loop.create_task(program(ctx))
     stop_task = loop.create_task(stop.wait())
@@ -150,23 +152,23 @@ async def serve_driver(spec: ProcessSpec) -> int:
         gc.set_threshold(*_GC_DEFAULTS)
     stalled = watch_task.exception() if watch_task.done() and not watch_task.cancelled() else None
     if stalled is not None:
-        _write(spec.run_dir, {"finished": False, "error": str(stalled), "dispatch": summary})
+        await _record(spec.run_dir, finished=False, error=str(stalled), dispatch=summary)
         print(f"the run stalled: {stalled}", file=sys.stderr, flush=True)
         log.error("stalled", error=str(stalled))
         return EXIT_PROGRAM
     if program_task.cancelled():
         log.info("program stopped before it finished")
-        _write(spec.run_dir, {"finished": False, "stopped": True, "dispatch": summary})
+        await _record(spec.run_dir, finished=False, stopped=True, dispatch=summary)
         return EXIT_STOPPED
     exc = program_task.exception()
     if exc is not None:
         text = "".join(traceback.format_exception(exc))
-        _write(spec.run_dir, {"finished": False, "error": text, "dispatch": summary})
+        await _record(spec.run_dir, finished=False, error=text, dispatch=summary)
         print(f"the control-flow program raised:\n{text}", file=sys.stderr, flush=True)
         log.error("program raised", error=repr(exc))
         return EXIT_PROGRAM
     result = program_task.result()
-    _write(spec.run_dir, {"finished": True, "result": _jsonable(result), "dispatch": summary})
+    await _record(spec.run_dir, finished=True, result=_jsonable(result), dispatch=summary)
     log.info("program finished")
     return 0
 
@@ -266,6 +268,7 @@ def _finished(run_dir: str) -> bool:
         return False
 
 
-def _write(run_dir: str, data: dict[str, Any]) -> None:
+async def _record(run_dir: str, **data: Any) -> None:
+    """Write ``driver.json`` from a worker thread: the loop stays free for the inbox."""
     path = os.path.join(run_dir, "driver.json")
-    write_atomic(path, json.dumps(data, indent=2, default=repr).encode())
+    await asyncio.to_thread(write_atomic, path, json.dumps(data, indent=2, default=repr).encode())

@@ -74,7 +74,7 @@ def at(path: str) -> str:
 
 def join(path: str, key: Any) -> str:
     """The path of ``key`` inside ``path``: ``roles.rollout``, or ``roles['my role']``."""
-    if isinstance(key, str) and re.fullmatch(r"[\w-]+", key):
+    if isinstance(key, str) and re.fullmatch(r"\w[\w-]*", key):
         return f"{path}.{key}" if path else key
     return f"{path}[{key!r}]"
 

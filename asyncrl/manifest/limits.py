@@ -89,7 +89,9 @@ RESERVED_ROLE_NAMES: dict[str, str] = {
     "janitor": "the process that sweeps the run's sockets and segments (logs/janitor.log)",
     "zygote": "the process that forks new incarnations (logs/zygote.stderr)",
 }
-"""Role names the runtime's own processes use, with what would clash."""
+"""Role names the runtime's own processes use, with what would clash. They are compared without
+regard to case: ``Driver`` names the same files as ``driver`` on a file system that ignores case
+(macOS, Windows shares), and reads as the same process in a log."""
 
 MAX_ENV_STRING = 128 * 1024
 """Linux's ``MAX_ARG_STRLEN``: the most bytes of one environment string (``NAME=value`` and its
@@ -125,7 +127,8 @@ def run_name_problem(name: str) -> str | None:
 
 
 def name_problems(roles: Any) -> list[str]:
-    """The role names of a raw ``roles`` mapping that are too long or reserved, with their paths."""
+    """The role names of a raw ``roles`` mapping that are too long or reserved (in any case), with
+    their paths."""
     if not isinstance(roles, dict):
         return []
     problems = []
@@ -133,10 +136,12 @@ def name_problems(roles: Any) -> list[str]:
         if not isinstance(name, str):
             continue  # an invalid key, reported by the schema
         where = join("roles", name)
-        if name in RESERVED_ROLE_NAMES:
+        reserved = name.lower()
+        if reserved in RESERVED_ROLE_NAMES:
+            spelt = "" if reserved == name else f" (as {reserved!r}: case does not matter)"
             problems.append(
-                f"{where}: the role name {name!r} is reserved for "
-                f"{RESERVED_ROLE_NAMES[name]}; rename the role (reserved: "
+                f"{where}: the role name {name!r} is reserved{spelt} for "
+                f"{RESERVED_ROLE_NAMES[reserved]}; rename the role (reserved, in any case: "
                 f"{', '.join(sorted(RESERVED_ROLE_NAMES))})"
             )
         elif len(name) > MAX_ROLE_NAME:

@@ -41,6 +41,7 @@ from asyncrl.manifest.limits import (
     name_problems,
     run_name_problem,
 )
+from asyncrl.manifest.metrics_section import MetricsSpec, WandbSpec, check_wandb
 from asyncrl.manifest.model_section import ModelSpec, model_problem
 from asyncrl.manifest.pipeline_section import (
     PipelineSpec,
@@ -50,8 +51,8 @@ from asyncrl.manifest.pipeline_section import (
 )
 from asyncrl.manifest.placement import Placement, check_placement, sharing_problems
 from asyncrl.manifest.refs import weights_from_problems
-from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml
-from asyncrl.transport.options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml, merged_problem
+from asyncrl.transport.options import HEARTBEAT_INTERVAL_S
 
 __all__ = [
     "DriverSpec",
@@ -73,9 +74,10 @@ __all__ = [
 
 _IDENT = r"[A-Za-z_]\w*"
 _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
-_NAME = r"[A-Za-z0-9_-]+"
+_NAME = r"[A-Za-z0-9_][A-Za-z0-9_-]*"
+_NAME_FORM = "a name of letters, digits, '_' and '-' that does not start with '-'"
 _PROGRAM = re.compile(rf"(?P<module>{_DOTTED}|[^:]+\.py)(?::(?P<function>{_IDENT}))?")
-_CLASS = re.compile(rf"{_DOTTED}:{_DOTTED}|{_NAME}")
+_CLASS = re.compile(rf"{_DOTTED}:{_DOTTED}|[A-Za-z0-9_-]+")
 _PROGRAM_FORM = "'module:function' or 'path/to/file.py:function'"
 
 
@@ -107,10 +109,10 @@ def _split_command(value: Any) -> Any:
 
 Name = Annotated[
     str,
-    msgspec.Meta(
-        pattern=f"^{_NAME}$", extra={"expected": "a name of letters, digits, '_' and '-'"}
-    ),
+    msgspec.Meta(pattern=f"^{_NAME}$", extra={"expected": _NAME_FORM}),
 ]
+"""A role's name: it names the role's log, spec and socket files (``logs/<role>.<replica>.jsonl``),
+so a name starting with '-' would read as an option to any command given one of them."""
 Method = Annotated[
     str,
     msgspec.Meta(
@@ -126,7 +128,7 @@ RunName = Annotated[
     msgspec.Meta(
         pattern=f"^{_NAME}$",
         extra={
-            "expected": "a name of letters, digits, '_' and '-'",
+            "expected": _NAME_FORM,
             "check": run_name_problem,
         },
     ),
@@ -165,6 +167,21 @@ Command = Annotated[
 ]
 
 
+LIVENESS = 10
+"""Missed heartbeats (of ``heartbeat_interval_s``) after which a replica is taken as frozen:
+10 s by default. A heartbeat thread misses beats only while the process is stopped,
+deadlocked, or held by one C call that keeps the GIL (a full garbage collection of a large
+heap took 1.4 s on a loaded 2-core machine); see docs/reliability.md, Liveness."""
+
+HANG_AFTER_S = 300.0
+"""Seconds of a blocked event loop after which a replica is taken as hung: far above any normal
+pause of a Python process, and above what the reference systems allow a stuck worker before
+they replace it (docs/reliability.md, Liveness)."""
+
+WARN_AFTER_S = 5.0
+"""Seconds of a blocked event loop after which the replica logs a warning with the stack."""
+
+
 class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """How the supervisor restarts a role's replicas and decides they are alive.
 
@@ -177,8 +194,17 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         backoff_initial_s: delay before a restart; it doubles with each restart in a row.
         backoff_max_s: the longest delay before a restart.
         heartbeat_interval_s: seconds between two heartbeats of a replica.
-        liveness: missed heartbeats after which a replica is taken as hung and killed.
-        startup_timeout_s: seconds a replica has from spawn until it is ready.
+        liveness: missed heartbeats after which a replica is taken as frozen (stopped or
+            deadlocked) and killed. A Python replica's heartbeats come from a thread of its
+            own, so a busy event loop does not miss them; an external command's are its
+            answers to PINGs. Its callers take it as dead after the same silence.
+        hang_after_s: seconds a replica's event loop may stay blocked (the replica still
+            beating) before it is taken as hung and killed; also how long a process whose loop
+            ended has to exit.
+        warn_after_s: seconds a replica's event loop may stay blocked before the replica logs a
+            warning with the stack that blocks it (once per blocking site).
+        startup_timeout_s: seconds a replica has from spawn until it is ready (its ``setup()``
+            returned; for the driver, its program started).
         shutdown_timeout_s: seconds between asking a replica to stop and killing it.
         standby: keep a standby process per replica, started ahead with the role's modules
             imported (``Role.preload``), that takes over the moment the replica fails: a
@@ -192,7 +218,9 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     backoff_initial_s: Delay = 0.1
     backoff_max_s: Delay = 5.0
     heartbeat_interval_s: Seconds = HEARTBEAT_INTERVAL_S
-    liveness: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIVENESS)] = HEARTBEAT_LIVENESS
+    liveness: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIVENESS)] = LIVENESS
+    hang_after_s: Seconds = HANG_AFTER_S
+    warn_after_s: Seconds = WARN_AFTER_S
     startup_timeout_s: Seconds = 120.0
     shutdown_timeout_s: Seconds = 5.0
     standby: bool = False
@@ -284,6 +312,8 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         config: free-form settings of the control-flow program, which reads them as
             ``ctx.config``.
         plugin: the hardware plugin of every process (``ASYNCRL_PLUGIN``); empty: detected.
+        metrics: where per-step metrics go besides ``metrics.jsonl``
+            (``asyncrl.manifest.metrics_section``: a Weights & Biases run).
     """
 
     name: RunName
@@ -292,6 +322,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     env: Env = {}
     config: dict[str, Any] = {}
     plugin: str = ""
+    metrics: MetricsSpec = MetricsSpec()
 
     def __post_init__(self) -> None:
         if self.plugin:
@@ -375,15 +406,28 @@ def _check_role(value: dict[Any, Any], path: str, problems: list[str]) -> None:
         )
 
 
-def _check_backoff(value: dict[Any, Any], path: str, problems: list[str]) -> None:
-    initial = value.get("backoff_initial_s", _DEFAULT_SUPERVISION.backoff_initial_s)
-    most = value.get("backoff_max_s", _DEFAULT_SUPERVISION.backoff_max_s)
-    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (initial, most))
-    if numbers and most < initial:
-        default = "" if "backoff_max_s" in value else " (the default)"
+def _check_supervision(value: dict[Any, Any], path: str, problems: list[str]) -> None:
+    _check_order(value, path, problems, "backoff_initial_s", "backoff_max_s", positive=False)
+    _check_order(value, path, problems, "warn_after_s", "hang_after_s", positive=True)
+
+
+def _check_order(
+    value: dict[Any, Any], path: str, problems: list[str], low: str, high: str, *, positive: bool
+) -> None:
+    """``value[high]`` (or its default) must be at least ``value[low]`` (or its default). A
+    value out of its own range (negative; or zero, when ``positive``) has its own problem in
+    the report and is not compared."""
+    lower = value.get(low, getattr(_DEFAULT_SUPERVISION, low))
+    upper = value.get(high, getattr(_DEFAULT_SUPERVISION, high))
+    numbers = all(
+        isinstance(x, int | float) and not isinstance(x, bool) and (x > 0 if positive else x >= 0)
+        for x in (lower, upper)
+    )
+    if numbers and upper < lower:
+        default = "" if high in value else " (the default)"
         problems.append(
-            f"{join(path, 'backoff_max_s')}: expected a number >= backoff_initial_s "
-            f"({initial!r}), got {most!r}{default}; raise it or lower backoff_initial_s"
+            f"{join(path, high)}: expected a number >= {low} ({lower!r}), got {upper!r}"
+            f"{default}; raise it or lower {low}"
         )
 
 
@@ -425,9 +469,10 @@ _STRUCT_CHECKS: dict[type, StructCheck] = {
     ModelSpec: _check_model,
     Placement: check_placement,
     RoleSpec: _check_role,
-    Supervision: _check_backoff,
+    Supervision: _check_supervision,
     StragglerSpec: _check_straggler,
     PipelineSpec: _check_pipeline,
+    WandbSpec: check_wandb,
 }
 
 
@@ -460,8 +505,16 @@ def parse_manifest(
         problems.append(f"{TOP}: the manifest is empty; expected {_SECTIONS}")
     usable = parsed and raw is not None
     created: list[tuple[str, str]] = []
-    for override in overrides:
-        apply_override(raw if usable else {}, override, problems, created)
+    sizes = [
+        (override, apply_override(raw if usable else {}, override, problems, created))
+        for override in overrides
+    ]
+    if usable and overrides:
+        # Each override was measured alone; together they may be over (twelve 1 MB values).
+        too_large = merged_problem(raw, sizes)
+        if too_large is not None:
+            problems.append(too_large)
+            usable = False
     if usable:
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
         if cwd is not None:

@@ -81,8 +81,11 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         release_when_idle: the placement's ``release_when_idle``: the role gives its cached
             device memory back when it goes idle.
         capacity: requests one replica works on at once.
-        heartbeat_interval_s: seconds between pings.
+        heartbeat_interval_s: seconds between pings, and between two beats of the process's
+            heartbeat thread.
         liveness: missed pings after which a peer is dead.
+        warn_after_s: seconds of a blocked event loop after which the process logs a warning
+            with the loop's stack.
         parent_pid: the node agent's pid; the process exits if its parent is not this one.
         replicas: how many replicas the role has (a data-parallel group's world size).
         groups: every role group, by name, with endpoints as seen from this process's node (the
@@ -115,6 +118,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     capacity: int = 1
     heartbeat_interval_s: float = 1.0
     liveness: int = 3
+    warn_after_s: float = 5.0
     parent_pid: int = 0
     replicas: int = 1
     groups: dict[str, GroupInfo] = {}

@@ -6,8 +6,13 @@ documents too large to hold: aliases expand to copies of what they name, so a fe
 of nested aliases can stand for gigabytes, and an alias inside what it names never ends. Before
 anything is built, the document is measured as expanded against ``asyncrl.manifest.limits``: its
 bytes, its values and its nesting depth.
-``apply_override`` applies one ``key=value``; ``credit`` names the override behind a problem,
+``apply_override`` applies one ``key=value``, measured the same way at the depth of its key path;
+``merged_problem`` measures the manifest once every override is applied, since overrides under
+the limits alone may be over them together; ``credit`` names the override behind a problem,
 since the file does not show that value. ``asyncrl.manifest.load`` validates what they return.
+Every recursion here has a fixed bound whatever the input (the loader refuses nesting past
+``_COMPOSE_DEPTH`` before anything is measured; the merged manifest is measured without
+recursion): deep nesting is a problem, never a ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import yaml
 from asyncrl.manifest._schema import TOP, describe, join
 from asyncrl.manifest.limits import MAX_DEPTH, MAX_MANIFEST_BYTES, MAX_VALUES
 
-__all__ = ["apply_override", "credit", "load_yaml"]
+__all__ = ["apply_override", "credit", "load_yaml", "merged_problem"]
 
 
 class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type hints
@@ -71,8 +76,10 @@ _DEEP = (
 )
 
 
-def _compose(text: str) -> tuple[_BoundedLoader, Any]:
-    """The node graph of ``text``, after checking its size as written and as expanded.
+def _compose(text: str, level: int = 0) -> tuple[_BoundedLoader, Any, tuple[int, int, int]]:
+    """The node graph of ``text``, after checking its size as written and as expanded, and its
+    measure (values, bytes, depth) as expanded. ``level``: how deep in a manifest the document
+    goes (a ``--set`` value goes as deep as its key path has parts), which counts in its depth.
 
     Raises ``_TooLarge`` with the problem, and ``yaml.YAMLError`` on bad syntax.
     """
@@ -85,9 +92,8 @@ def _compose(text: str) -> tuple[_BoundedLoader, Any]:
     loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()
-        if node is not None:
-            _Expansion().measure(node, 0, "")
-        return loader, node
+        found = (0, 0, 0) if node is None else _Expansion().measure(node, level, "")
+        return loader, node, found
     except BaseException:
         loader.dispose()
         raise
@@ -197,7 +203,7 @@ def load_yaml(text: str, problems: list[str]) -> tuple[bool, Any]:
     ``asyncrl.manifest.limits``. Returns (parsed, data)."""
     loader = None
     try:
-        loader, node = _compose(text)
+        loader, node, _ = _compose(text)
         if node is not None:
             _find_duplicates(node, problems, set())
         return True, (None if node is None else loader.construct_document(node))
@@ -258,35 +264,44 @@ def _find_duplicates(node: Any, problems: list[str], seen: set[int]) -> None:
             _find_duplicates(item, problems, seen)
 
 
-def apply_override(
-    raw: Any, text: str, problems: list[str], created: list[tuple[str, str]]
-) -> None:
+def apply_override(raw: Any, text: str, problems: list[str], created: list[tuple[str, str]]) -> int:
     """Apply one ``key=value`` to ``raw``, creating mappings on the way; report a bad one.
 
-    Each mapping created is added to ``created`` as (its path, ``text``).
+    Each mapping created is added to ``created`` as (its path, ``text``). The value is measured
+    as expanded, at the depth of its key path: a key path of more than ``MAX_DEPTH`` parts, or
+    a value nested deeper than what is left, is refused before anything is built. Returns the
+    bytes of the value as expanded (0 for an override refused).
     """
-    label = f"--set {text}"
+    label = f"--set {_shown(text)}"
     key, sep, value_text = text.partition("=")
     parts = key.strip().split(".")
     if not sep:
         problems.append(f"{label}: no '=' in it; write key=value, e.g. roles.rollout.replicas=4")
-        return
+        return 0
     if not all(parts):
         problems.append(f"{label}: empty key; write a dotted path, e.g. roles.rollout.replicas=4")
-        return
+        return 0
+    if len(parts) > MAX_DEPTH:
+        problems.append(
+            f"{label}: the key path has {len(parts):,} parts, which nests its value deeper than "
+            f"the {MAX_DEPTH} levels of lists and mappings a manifest may have; set a key at "
+            f"most {MAX_DEPTH} deep, or pass deep data by file"
+        )
+        return 0
     try:
-        loader, value_node = _compose(value_text)  # a safe loader
+        loader, value_node, (_, size, _) = _compose(value_text, len(parts))  # a safe loader
         try:
             value = None if value_node is None else loader.construct_document(value_node)
         finally:
             loader.dispose()
     except _TooLarge as exc:
-        problems.append(f"{label}: {exc.what}")
-        return
+        where = f"with its key path of {len(parts)} parts, " if exc.what == _DEEP else ""
+        problems.append(f"{label}: {where}{exc.what}")
+        return 0
     except yaml.YAMLError as exc:
         what = getattr(exc, "problem", None) or exc
         problems.append(f"{label}: the value is not valid YAML ({what}); quote it")
-        return
+        return 0
     node = raw
     for depth, part in enumerate(parts):
         if not isinstance(node, dict):
@@ -295,10 +310,84 @@ def apply_override(
                 f"{label}: {where} is {describe(node)}, not a mapping; "
                 "set keys only inside mappings"
             )
-            return
+            return 0
         if depth == len(parts) - 1:
             node[part] = value
         else:
             if part not in node:
                 created.append((".".join(parts[: depth + 1]), text))
             node = node.setdefault(part, {})
+    return size
+
+
+_SHOWN = 1000
+
+
+def _shown(text: str) -> str:
+    """An override as a problem shows it: one longer than ``_SHOWN`` characters is cut."""
+    if len(text) <= _SHOWN:
+        return text
+    return f"{text[:_SHOWN]}... ({len(text):,} characters)"
+
+
+def merged_problem(raw: Any, sizes: Sequence[tuple[str, int]]) -> str | None:
+    """Why the manifest ``raw``, with every ``--set`` override applied, is over a limit of
+    ``asyncrl.manifest.limits`` as expanded (its bytes, values or depth), or None.
+
+    Each override is measured alone as it is read; together they may still be over: twelve
+    values of 1 MB each. ``raw`` is what YAML built, in which an alias is the same object as
+    its anchor: each object is measured once (a memo) and counted at every place it appears,
+    without recursion, so a graph of any depth or expansion is measured in the time of its
+    distinct objects. ``sizes`` holds (override, bytes of its value) for each override applied.
+    """
+    values, size, depth = _measure_objects(raw)
+    if values <= MAX_VALUES and size <= MAX_MANIFEST_BYTES and depth <= MAX_DEPTH:
+        return None
+    if depth > MAX_DEPTH:
+        what = f"nests lists and mappings {depth} deep, over the {MAX_DEPTH} levels"
+    elif values > MAX_VALUES:
+        what = f"expands to {values:,} values, over the {MAX_VALUES:,}"
+    else:
+        what = f"expands to {size:,} bytes, over the {MAX_MANIFEST_BYTES:,}"
+    largest = sorted(sizes, key=lambda s: -s[1])[:3]
+    named = ", ".join(f"--set {_shown(o.partition('=')[0])}=... ({b:,} bytes)" for o, b in largest)
+    return (
+        f"{TOP}: the manifest with its {len(sizes)} --set override"
+        f"{'' if len(sizes) == 1 else 's'} applied {what} a manifest may have (each alias "
+        f"counts as a copy of what it names; each override is under the limit alone, not "
+        f"together; the largest: {named}); set fewer or smaller values, or pass large data "
+        "by file"
+    )
+
+
+def _measure_objects(root: Any) -> tuple[int, int, int]:
+    """(values, bytes, depth) of ``root`` as expanded: a scalar counts the characters of its
+    text and one more, a list or mapping 2 and its items (and keys); an object met again counts
+    again. Iterative, with a memo by object: neither the stack nor the time grows with the
+    expansion."""
+    memo: dict[int, tuple[int, int, int]] = {}
+    opened: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        obj, children_done = stack.pop()
+        if not isinstance(obj, dict | list) or id(obj) in memo:
+            continue
+        items = [x for kv in obj.items() for x in kv] if isinstance(obj, dict) else obj
+        if not children_done:
+            if id(obj) in opened:  # inside itself: YAML refuses that, but never loop on it
+                return 1, 2, MAX_DEPTH + 1
+            opened.add(id(obj))
+            stack.append((obj, True))
+            stack.extend((x, False) for x in items if isinstance(x, dict | list))
+            continue
+        values, size, depth = 1, 2, 0
+        for x in items:
+            v, b, d = memo.get(id(x), (0, 0, 0)) if isinstance(x, dict | list) else _scalar(x)
+            values, size, depth = values + v, size + b, max(depth, d)
+        memo[id(obj)] = (values, size, depth + 1)
+    return memo[id(root)] if isinstance(root, dict | list) else _scalar(root)
+
+
+def _scalar(value: Any) -> tuple[int, int, int]:
+    text = value if isinstance(value, str) else "null" if value is None else str(value)
+    return 1, len(text) + 1, 0

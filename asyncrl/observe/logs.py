@@ -1,5 +1,13 @@
 """Logging: structlog, as JSON lines per process in the run directory and readable lines on the
 console. Every line carries the role, replica, incarnation and pid of the process that wrote it.
+
+The JSON file gets every line of asyncrl's own loggers (``asyncrl.*``, debug included) and the
+other libraries' from info up. The console gets only what a person follows or must act on:
+warnings, errors and lines of progress (an info line logged with ``extra=PROGRESS``; the
+progress display and ``say`` print to stdout: ``asyncrl.observe.progress``).
+``asyncrl run -v`` (``ASYNCRL_VERBOSE=1``) gives the console every line the file gets.
+Third-party request logging (httpx, httpcore, aiohttp: a line per request) is kept to
+warnings in both.
 """
 
 from __future__ import annotations
@@ -14,14 +22,35 @@ import structlog
 
 from asyncrl.safe_files import open_append
 
-__all__ = ["CONSOLE_ENV", "configure", "console_wanted", "get_logger"]
+__all__ = [
+    "CONSOLE_ENV",
+    "PROGRESS",
+    "QUIET_LOGGERS",
+    "VERBOSE_ENV",
+    "configure",
+    "console_wanted",
+    "get_logger",
+    "verbose_wanted",
+]
 
 CONSOLE_ENV = "ASYNCRL_CONSOLE"
 """Set to ``0`` to keep a process's readable log lines off the console (its JSON file stays)."""
+VERBOSE_ENV = "ASYNCRL_VERBOSE"
+"""Set to ``1`` (``asyncrl run -v``) to give the console every line the JSON file gets, not
+only warnings and errors; the run's processes inherit it."""
+PROGRESS = {"progress": True}
+"""``log.info(..., extra=PROGRESS)``: a line of a run's progress, on the console even when it
+shows only warnings (stdlib loggers)."""
+QUIET_LOGGERS = ("httpx", "httpcore", "aiohttp")
+"""Libraries that log a line per request at info: held at warning."""
 
 
 def console_wanted() -> bool:
     return os.environ.get(CONSOLE_ENV, "1") != "0"
+
+
+def verbose_wanted() -> bool:
+    return os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
 
 
 def configure(
@@ -31,9 +60,21 @@ def configure(
     incarnation: int = 0,
     json_path: str | None = None,
     console: bool = True,
+    verbose: bool | None = None,
     level: int = logging.INFO,
 ) -> None:
-    """Route structlog and the stdlib loggers (the transport's) to a JSON file and the console."""
+    """Route structlog and the stdlib loggers (the transport's) to a JSON file and the console.
+
+    Args:
+        role, replica, incarnation: bound to every line.
+        json_path: the JSON-lines file (none when None).
+        console: readable lines on stdout too.
+        verbose: every line on the console, not only warnings and errors (default: the
+            ``ASYNCRL_VERBOSE`` environment variable).
+        level: the least level of other libraries' lines (asyncrl's own: debug).
+    """
+    if verbose is None:
+        verbose = verbose_wanted()
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
@@ -54,6 +95,9 @@ def configure(
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(level)
+    logging.getLogger("asyncrl").setLevel(logging.DEBUG)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     def formatter(renderer: Any) -> logging.Formatter:
         return structlog.stdlib.ProcessorFormatter(
@@ -69,6 +113,8 @@ def configure(
     if console:
         stream = logging.StreamHandler(sys.stdout)
         stream.setFormatter(formatter(structlog.dev.ConsoleRenderer(colors=False)))
+        if not verbose:
+            stream.addFilter(_attention)
         root.addHandler(stream)
     if not root.handlers:
         root.addHandler(logging.NullHandler())  # not logging's last-resort stderr printer
@@ -79,6 +125,11 @@ class _NoFollowFileHandler(logging.FileHandler):
 
     def _open(self) -> io.TextIOWrapper:
         return io.TextIOWrapper(open_append(self.baseFilename), encoding="utf-8")
+
+
+def _attention(record: logging.LogRecord) -> bool:
+    """What the console shows without ``-v``: warnings, errors and lines of progress."""
+    return record.levelno >= logging.WARNING or bool(getattr(record, "progress", False))
 
 
 def get_logger(name: str = "asyncrl") -> Any:

@@ -1,4 +1,5 @@
-"""Per-step metrics of a run: ``RUN_DIR/metrics.jsonl``, and TensorBoard when it is installed.
+"""Per-step metrics of a run: ``RUN_DIR/metrics.jsonl``, TensorBoard when it is installed, and
+Weights & Biases when the manifest asks for it.
 
 A long loop (the RL loop of ``asyncrl.roles.program.programs``) writes one JSON object per step
 through ``MetricsLog``: ``step``, ``wall_s`` (seconds of the loop so far, across resumes), ``time``
@@ -11,6 +12,9 @@ With TensorBoard installed (``pip install 'asyncrl[tensorboard]'``) every number
 scalar under ``RUN_DIR/tensorboard/``, tagged by its group (``reward/mean``), at its step,
 through ``torch.utils.tensorboard.SummaryWriter``; a resumed loop purges the steps it will write
 again. Without it, one log line says how to install it, and nothing else changes.
+
+With ``run.metrics.wandb`` in the manifest (``asyncrl.observe.wandb_sink``) the same numbers
+also go to a Weights & Biases run, under the same tags, at the same steps.
 
 ``IdleFractions`` gives each role's idle fraction over a step: the share of the time since the
 step before in which its replicas had no call of the driver in flight
@@ -36,6 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from asyncrl.observe.wandb_sink import WandbSink, open_sink
 from asyncrl.safe_files import open_append, write_atomic
 
 __all__ = [
@@ -138,6 +143,7 @@ class MetricsLog:
         self.tensorboard = tensorboard
         self._file: Any = None
         self._writer: Any = None
+        self._wandb: WandbSink | None = None
 
     @property
     def wall_s(self) -> float:
@@ -168,6 +174,16 @@ class MetricsLog:
                 os.path.join(self.run_dir, TENSORBOARD_DIR), self.done
             )
             self.tensorboard = self._writer is not None
+        try:
+            self._wandb = open_sink(self.run_dir)
+        except Exception as exc:  # wandb's own errors (no API key, no network) are its own types
+            log.warning(
+                "no Weights & Biases run (run.metrics.wandb): %s: %s; the metrics still go to %s%s",
+                type(exc).__name__,
+                exc,
+                METRICS_FILE,
+                " and TensorBoard" if self._writer is not None else "",
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` (it has a ``step``) and flush it; numbers that are not finite are
@@ -182,15 +198,20 @@ class MetricsLog:
             walltime = record.get("time") or time.time()
             for tag, value in scalars(record).items():
                 self._writer.add_scalar(tag, value, int(record["step"]), walltime=walltime)
+        if self._wandb is not None:
+            self._wandb.log(scalars(record), int(record["step"]))
 
     def close(self) -> None:
-        """Close the file and the TensorBoard writer (flushing it); idempotent."""
+        """Close the file, the TensorBoard writer (flushing it) and the W&B run; idempotent."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def _tensorboard_writer(logdir: str, done: int) -> Any:

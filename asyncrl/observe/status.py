@@ -52,6 +52,7 @@ __all__ = [
     "ask",
     "format_status",
     "main",
+    "process_state",
 ]
 
 AGENT_SOCKET = "agent.sock"
@@ -167,13 +168,14 @@ class AgentStatus:
         return await self.node_status()
 
     async def node_status(self) -> dict[str, Any]:
-        """This node: its index, agent pid, processes, and (node 0) the driver's answer.
+        """This node: its index, agent pid, processes (each row with its ``state``:
+        ``process_state``), and (node 0) the driver's answer.
 
         Each serving Python role replica of the node is asked its own ``_status`` at the same
         time (``replica_timeout_s``); its answer, or ``{"error": why}``, is the process row's
         ``status``. A replica that does not answer delays the answer by that timeout at most.
         """
-        processes = self.processes()
+        processes = [row | {"state": process_state(row)} for row in self.processes()]
         answer: dict[str, Any] = {
             "node": self.node,
             "agent_pid": os.getpid(),
@@ -334,7 +336,9 @@ def _bytes(n: int) -> str:
     return f"{value:.1f}G"
 
 
-def _state(row: dict[str, Any]) -> str:
+def process_state(row: dict[str, Any]) -> str:
+    """A process row's ``state``: ``serving`` (its supervisor has heard it), ``starting``
+    (running, not heard yet) or ``down`` (between a crash and its restart)."""
     if row["serving"]:
         return "serving"
     return "starting" if row["alive"] else "down"
@@ -406,7 +410,6 @@ def format_status(status: dict[str, Any], width: int | None = None) -> str:
     for _, header, _ in COLUMNS:
         table.add_column(header, justify="left" if header in ("role", "state") else "right")
     for row in rows(status):
-        row = {**row, "state": _state(row)}
         table.add_row(*(_cell(row.get(key), fmt) for key, _, fmt in COLUMNS))
     out = io.StringIO()
     Console(width=width or 160, file=out, color_system=None).print(table)

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from asyncrl.observe import logs
 from asyncrl.observe.status import AgentStatus
 from asyncrl.safe_files import write_atomic
 from asyncrl.supervision.janitor import Janitor, sweep_run
+from asyncrl.supervision.liveness import liveness_path
+from asyncrl.supervision.runreport import summary_table
 from asyncrl.supervision.supervisor import ChildSpec, RunReport, Supervisor, format_report
 from asyncrl.transport import LocalRegistry, TransportError, load_keys, use_curve
 from asyncrl.transport.control import (
@@ -153,6 +156,7 @@ def build_children(
                     _role_launcher(
                         manifest, role, name, replica, local, run_dir, parent_pid, groups
                     ),
+                    "" if role.command else liveness_path(run_dir, name, replica),
                 )
             )
     if view.node != 0:
@@ -180,6 +184,7 @@ def _driver_child(
             threads=driver.threads,
             heartbeat_interval_s=driver.supervision.heartbeat_interval_s,
             liveness=driver.supervision.liveness,
+            warn_after_s=driver.supervision.warn_after_s,
             parent_pid=parent_pid,
             groups=groups,
             config=dict(run.config),
@@ -200,7 +205,15 @@ def _driver_child(
         }
         return [sys.executable, "-m", "asyncrl.supervision.process"], env
 
-    return ChildSpec("driver", 0, "driver", endpoint, driver.supervision, driver_launcher)
+    return ChildSpec(
+        "driver",
+        0,
+        "driver",
+        endpoint,
+        driver.supervision,
+        driver_launcher,
+        liveness_path(run_dir, "driver", 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -279,6 +292,7 @@ def _role_launcher(
             capacity=role.capacity,
             heartbeat_interval_s=role.supervision.heartbeat_interval_s,
             liveness=role.supervision.liveness,
+            warn_after_s=role.supervision.warn_after_s,
             parent_pid=parent_pid,
             replicas=role.replicas,
             groups=groups,
@@ -341,6 +355,7 @@ async def run_manifest(
         problems = node_problems(manifest, 1)
         if problems:
             raise ManifestError(manifest.run.name, problems)
+    started = time.monotonic()
     run_dir = os.path.abspath(run_dir) if run_dir else resolve_run_dir(manifest)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     logs.configure(
@@ -371,6 +386,7 @@ async def run_manifest(
         if removed:
             log.info("swept", removed=removed)
         janitor.finish()
+    report.wall_s = time.monotonic() - started
     _write_report(run_dir, report)
     return report
 
@@ -545,7 +561,7 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 def summary(report: RunReport, manifest: Manifest, run_dir: str) -> str:
     """What a person reads when the run ends: how it ended, roles, restarts, work done."""
-    lines = [format_report(report), "", "roles:"]
+    lines = [format_report(report), "", summary_table(report, run_dir), "", "roles:"]
     driver: dict[str, Any] = {}
     try:
         with open(os.path.join(run_dir, "driver.json")) as f:

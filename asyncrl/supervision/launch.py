@@ -14,7 +14,8 @@ driver. docs/multinode.md is the guide; in short:
   and its tcp port for the others; each process's ``groups`` hold what its node sees.
 - Status: each agent also publishes the tcp endpoint of its status server; ``asyncrl status``
   given any node's run directory asks that node's agent, which asks the others.
-- Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``.
+- Files: node 0 writes in RUN_DIR, node R in RUN_DIR/node-R, with its ``launch.json``; the secret
+  never crosses the store: each node derives or reads it on its own (``launch_secret``).
 - Hosts: each agent also publishes its host id; nodes that share a host share its weight store
   (node R's ``weights`` folder links to the host's first node's, ``hosts``), and a node that
   shares a host id but not the first node's folder is refused at start.
@@ -35,11 +36,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -50,6 +52,7 @@ from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
 from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
 from asyncrl.supervision.hosts import HostRecord, announce, share
+from asyncrl.supervision.launch_secret import shared_secret
 from asyncrl.supervision.runreport import RunReport
 from asyncrl.supervision.store_registry import (
     LaunchKeys,
@@ -59,20 +62,13 @@ from asyncrl.supervision.store_registry import (
     node_address,
 )
 from asyncrl.supervision.supervisor import Supervisor
-from asyncrl.transport.control import new_secret
 
-__all__ = ["LaunchEnv", "main", "node_dir"]
+__all__ = ["LaunchEnv", "NodeAttempt", "NodeRecord", "main", "node_dir"]
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between two heartbeats of a node agent in the store (and checks of the others')."""
 EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 130}
 EXIT_USAGE = 2
-_AGENTS = "agent.sock"
-"""Under this name, which no role can have, each node publishes its agent's status endpoint."""
-_TRACES = "trace.sink"
-"""Under this name node 0 of a traced launch publishes where the others send their traces."""
-_HOSTS = "host.id"
-"""Under this name each node publishes its ``asyncrl.supervision.hosts.HostRecord`` (JSON)."""
 
 
 @dataclass(frozen=True)
@@ -144,21 +140,81 @@ def _ended(status: str, reason: str, node: int) -> str:
     return json.dumps({"status": status, "reason": reason, "node": node})
 
 
-@dataclass
-class _Attempt:
-    """One node's part in one attempt of the launch."""
+class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """What one node publishes in the store for an attempt, before anything starts.
 
-    env: LaunchEnv
-    store: StoreClient
-    keys: LaunchKeys
-    attempt: int
-    manifest: Manifest
-    run_dir: str  # the run's (node 0's) directory
-    ended_here: bool = True  # the run ended by this node's supervisor, not by the store
-    restart: str = ""  # why this node leaves for a new attempt (another node restarted, died)
-    trace: bool = False  # --trace: record, and gather every node's trace on node 0
-    sink: str = ""  # where node 0 takes the traces (bound there, sent to elsewhere)
-    hosts: dict[int, HostRecord] = field(default_factory=dict)  # every node's, by rank
+    Attributes:
+        replicas: the tcp endpoint of each replica the node runs, by role and replica index.
+        agent: the tcp endpoint of its agent's status server (``asyncrl.observe.status``).
+        host: its host's record (``asyncrl.supervision.hosts``).
+        trace_sink: node 0 of a traced launch: where the other nodes send their traces.
+    """
+
+    replicas: dict[str, dict[int, str]]
+    agent: str
+    host: HostRecord
+    trace_sink: str = ""
+
+
+class NodeAttempt:
+    """One node's part in one attempt of the launch: it prepares the node's run directory,
+    meets the other nodes in the store, runs the node's roles under its supervisor, and tells
+    the others how the run ended.
+
+    Attributes:
+        env: what torchrun told this worker.
+        store, keys: the launch's store and its keys.
+        attempt: the attempt's number (each start of node 0 is a new one).
+        manifest: the run's manifest.
+        run_dir: the run's (node 0's) directory; ``dir`` is this node's.
+        trace: ``--trace``: record, and gather every node's trace on node 0.
+        ended_here: the run ended by this node's supervisor, not by the store.
+        restart: why this node leaves for a new attempt (another node restarted, died); "".
+        sink: where node 0 takes the traces (bound there, sent to elsewhere).
+        records: every node's ``NodeRecord``, by rank, once ``discover`` has them.
+    """
+
+    def __init__(
+        self,
+        env: LaunchEnv,
+        store: StoreClient,
+        keys: LaunchKeys,
+        attempt: int,
+        manifest: Manifest,
+        run_dir: str,
+        *,
+        trace: bool = False,
+    ) -> None:
+        self.env, self.store, self.keys = env, store, keys
+        self.attempt, self.manifest, self.run_dir, self.trace = attempt, manifest, run_dir, trace
+        self.ended_here = True
+        self.restart = ""
+        self.sink = ""
+        self.records: dict[int, NodeRecord] = {}
+
+    @classmethod
+    async def join(
+        cls,
+        env: LaunchEnv,
+        store: StoreClient,
+        keys: LaunchKeys,
+        manifest: Manifest,
+        run_dir: str,
+        *,
+        trace: bool,
+        timeout_s: float,
+    ) -> NodeAttempt:
+        """This node's part in the attempt it takes part in.
+
+        Node 0 starts a new attempt at each start. Another node joins node 0's current attempt,
+        unless it already took part in it (it was restarted alone): then it says so
+        (``rejoin``), node 0 ends that attempt, and it joins the next.
+
+        Raises:
+            StoreError: node 0 started no new attempt within ``timeout_s``.
+        """
+        attempt = await _join(env, store, keys, timeout_s)
+        return cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
 
     @property
     def node(self) -> int:
@@ -167,6 +223,166 @@ class _Attempt:
     @property
     def dir(self) -> str:
         return node_dir(self.run_dir, self.env.node)
+
+    @property
+    def hosts(self) -> dict[int, HostRecord]:
+        """Every node's host record, by rank."""
+        return {node: record.host for node, record in self.records.items()}
+
+    async def prepare(self, args: argparse.Namespace, timeout_s: float) -> str:
+        """Claim the run directory (node 0 first, then the others their own): "" or why not."""
+        from asyncrl.supervision.rundir import save_manifest
+
+        claimed = self.keys.claimed(self.attempt)
+        if self.node == 0:
+            problem = _claim(args, self.run_dir, self.attempt == 0)
+            if not problem and args.resume:
+                problem = _same_manifest(self.manifest, self.run_dir)
+            if not problem and self.attempt == 0 and not args.resume:
+                save_manifest(self.manifest, self.run_dir)
+            await self.store.set(claimed, problem or "ok")
+            return problem
+        await self.store.wait_for([claimed], timeout_s, why="node 0 prepares the run directory")
+        verdict = await self.store.get(claimed)
+        if verdict != "ok":
+            return f"node 0 could not use the run directory: {verdict}"
+        return _claim(args, self.dir, self.attempt == 0)
+
+    async def discover(self, timeout_s: float) -> NodeView:
+        """Publish this node's ``NodeRecord``, wait for every node's; return this node's view."""
+        bind_host, host = node_address(self.manifest.network.address, self.env.master_addr)
+        mine = [
+            (name, i)
+            for name, role in self.manifest.roles.items()
+            for i in range(role.replicas)
+            if role.placement.node_of(i) == self.node
+        ]
+        # One port a replica, one for this agent's status server (which the other agents ask),
+        # and on node 0 of a traced launch one where the others send their traces.
+        sink = self.trace and self.node == 0
+        ports = free_ports(bind_host, len(mine) + 1 + sink)
+        replicas: dict[str, dict[int, str]] = {}
+        for (name, i), port in zip(mine, ports, strict=False):
+            replicas.setdefault(name, {})[i] = f"tcp://{host}:{port}"
+        if sink:
+            self.sink = f"tcp://{bind_host}:{ports[-1]}"
+        record = NodeRecord(
+            replicas=replicas,
+            agent=f"tcp://{host}:{ports[len(mine)]}",
+            host=announce(self.dir),
+            trace_sink=f"tcp://{host}:{ports[-1]}" if sink else "",
+        )
+        keys, store = self.keys, self.store
+        await store.set(keys.heartbeat(self.attempt, self.node), "0")
+        published = msgspec.json.encode(record).decode()
+        await store.set(keys.endpoints(self.attempt, self.node), published)
+        every = [keys.endpoints(self.attempt, n) for n in range(self.env.nodes)]
+        await store.wait_for(every, timeout_s, why="every node publishes its endpoints")
+        for node, key in enumerate(every):
+            self.records[node] = msgspec.json.decode(await store.get(key), type=NodeRecord)
+        if self.node != 0:
+            self.sink = self.records[0].trace_sink
+        tcp = {
+            (name, i): endpoint
+            for record in self.records.values()
+            for name, by_index in record.replicas.items()
+            for i, endpoint in by_index.items()
+        }
+        prefix = keys.prefix(self.attempt).removeprefix("asyncrl/")
+        return NodeView(
+            node=self.node,
+            tcp=tcp,
+            span_env={
+                "ASYNCRL_DIST_STORE": f"{self.env.master_addr}:{self.env.master_port}",
+                "ASYNCRL_DIST_PREFIX": prefix,
+            },
+            curve_keys=self.manifest.security.curve_keys,
+            bind_host=bind_host if bind_host != host else "",
+            agents={node: record.agent for node, record in self.records.items()},
+        )
+
+    async def finish(self, report: RunReport, timeout_s: float) -> int:
+        """Tell the other nodes how the run ended (when it ended here); return the exit
+        status."""
+        keys, store = self.keys, self.store
+        if self.restart:
+            _say(self.node, f"{self.restart}; exiting so that torchrun starts the group again")
+            return 1
+        if self.ended_here:
+            said = _ended(report.status, report.reason, self.node)
+            await store.set_once(keys.stop(self.attempt), said)
+            if report.status != "interrupted":
+                await store.set_once(keys.final, said)
+        counts: dict[str, Any] = {"restarts": report.restarts, "served": report.served}
+        if self.node != 0 and self.trace:
+            counts["trace"] = await send_node_trace(
+                self.node,
+                self.dir,
+                self.sink,
+                run=self.manifest.run.name,
+                curve_keys=self.manifest.security.curve_keys,
+                timeout_s=timeout_s,
+                say=_say,
+            )
+        await store.set(keys.done(self.attempt, self.node), json.dumps(counts))
+        if self.node == 0:
+            await self._gather_counts(report, timeout_s)
+            self._add_nodes()
+        return EXIT_CODES[report.status]
+
+    async def _gather_counts(self, report: RunReport, timeout_s: float) -> None:
+        """Wait for the other nodes to stop their roles; add their restarts and served requests
+        to node 0's report (and its report.json), so that it covers the whole run."""
+        others = [self.keys.done(self.attempt, n) for n in range(1, self.env.nodes)]
+        try:
+            await self.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
+        except StoreError as exc:
+            _say(self.node, str(exc))
+        for key in others:
+            said = await self.store.peek(key)
+            if said is None:
+                continue
+            counts = json.loads(said)
+            if self.trace:
+                node = key.rsplit("/", 1)[-1]
+                _say(self.node, f"trace of node {node}: {counts.get('trace', '-')}")
+            for counted in ("restarts", "served"):
+                mine = getattr(report, counted)
+                for role, n in counts[counted].items():
+                    mine[role] = mine.get(role, 0) + n
+        with open(os.path.join(self.dir, "report.json"), "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(report)))
+
+    def _add_nodes(self) -> None:
+        """Add ``nodes`` (the number of nodes that ran roles) to the program's summary.json."""
+        used = {
+            role.placement.node_of(i)
+            for role in self.manifest.roles.values()
+            for i in range(role.replicas)
+        }
+        path = os.path.join(self.run_dir, "summary.json")
+        try:
+            with open(path) as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            return
+        if isinstance(summary, dict):
+            from asyncrl.safe_files import write_atomic
+
+            summary["nodes"] = len(used)
+            write_atomic(path, json.dumps(summary, indent=2).encode())
+
+    def write_launch(self) -> None:
+        """This node's ``launch.json``: its rank, the number of nodes, the attempt, its pid."""
+        from asyncrl.safe_files import write_atomic
+
+        record = {
+            "node": self.node,
+            "nodes": self.env.nodes,
+            "attempt": self.attempt,
+            "pid": os.getpid(),
+        }
+        write_atomic(os.path.join(self.dir, "launch.json"), json.dumps(record).encode())
 
 
 async def _join(env: LaunchEnv, store: StoreClient, keys: LaunchKeys, timeout_s: float) -> int:
@@ -218,26 +434,6 @@ def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
     return ""
 
 
-async def _prepare(a: _Attempt, args: argparse.Namespace, timeout_s: float) -> str:
-    """Claim the run directory (node 0 first, then the others their own): "" or why not."""
-    from asyncrl.supervision.rundir import save_manifest
-
-    claimed = a.keys.claimed(a.attempt)
-    if a.node == 0:
-        problem = _claim(args, a.run_dir, a.attempt == 0)
-        if not problem and args.resume:
-            problem = _same_manifest(a.manifest, a.run_dir)
-        if not problem and a.attempt == 0 and not args.resume:
-            save_manifest(a.manifest, a.run_dir)
-        await a.store.set(claimed, problem or "ok")
-        return problem
-    await a.store.wait_for([claimed], timeout_s, why="node 0 prepares the run directory")
-    verdict = await a.store.get(claimed)
-    if verdict != "ok":
-        return f"node 0 could not use the run directory: {verdict}"
-    return _claim(args, a.dir, a.attempt == 0)
-
-
 def _same_manifest(manifest: Manifest, run_dir: str) -> str:
     """ "" when ``manifest`` is the one the run in ``run_dir`` was started with, else why not."""
     from asyncrl.supervision.rundir import RunDirError, load_saved_manifest, manifest_differences
@@ -255,77 +451,11 @@ def _same_manifest(manifest: Manifest, run_dir: str) -> str:
     return ""
 
 
-async def _discover(a: _Attempt, timeout_s: float) -> NodeView:
-    """Publish this node's tcp endpoints, wait for every node's; return this node's view."""
-    bind_host, host = node_address(a.manifest.network.address, a.env.master_addr)
-    mine = [
-        (name, i)
-        for name, role in a.manifest.roles.items()
-        for i in range(role.replicas)
-        if role.placement.node_of(i) == a.node
-    ]
-    # One more port: this agent's status server, which the other agents ask
-    # (asyncrl.observe.status); and on node 0 of a traced launch one where the others send their
-    # traces.
-    sink = a.trace and a.node == 0
-    ports = free_ports(bind_host, len(mine) + 1 + sink)
-    agent = ports[len(mine)]
-    published: dict[str, dict[str, str]] = {
-        _AGENTS: {str(a.node): f"tcp://{host}:{agent}"},
-        _HOSTS: {str(a.node): msgspec.json.encode(announce(a.dir)).decode()},
-    }
-    if sink:
-        published[_TRACES] = {"0": f"tcp://{host}:{ports[-1]}"}
-        a.sink = f"tcp://{bind_host}:{ports[-1]}"
-    for (name, i), port in zip(mine, ports, strict=False):
-        published.setdefault(name, {})[str(i)] = f"tcp://{host}:{port}"
-    await a.store.set(a.keys.heartbeat(a.attempt, a.node), "0")
-    await a.store.set(a.keys.endpoints(a.attempt, a.node), json.dumps(published))
-    every = [a.keys.endpoints(a.attempt, n) for n in range(a.env.nodes)]
-    await a.store.wait_for(every, timeout_s, why="every node publishes its endpoints")
-    tcp: dict[tuple[str, int], str] = {}
-    for key in every:
-        for name, replicas in json.loads(await a.store.get(key)).items():
-            tcp.update({(name, int(i)): ep for i, ep in replicas.items()})
-    agents = {node: tcp.pop((name, node)) for name, node in list(tcp) if name == _AGENTS}
-    a.hosts = {
-        node: msgspec.json.decode(tcp.pop((name, node)), type=HostRecord)
-        for name, node in list(tcp)
-        if name == _HOSTS
-    }
-    sent_to = tcp.pop((_TRACES, 0), "")
-    if a.node != 0:
-        a.sink = sent_to
-    prefix = a.keys.prefix(a.attempt).removeprefix("asyncrl/")
-    return NodeView(
-        node=a.node,
-        tcp=tcp,
-        span_env={
-            "ASYNCRL_DIST_STORE": f"{a.env.master_addr}:{a.env.master_port}",
-            "ASYNCRL_DIST_PREFIX": prefix,
-        },
-        curve_keys=a.manifest.security.curve_keys,
-        bind_host=bind_host if bind_host != host else "",
-        agents=agents,
-        secret=await _shared_secret(a, timeout_s),
-    )
-
-
-async def _shared_secret(a: _Attempt, timeout_s: float) -> str:
-    """The run's secret, the same on every node: node 0 makes one per attempt in the store and
-    the others read it, so that every node's processes serve one another."""
-    key = f"{a.keys.prefix(a.attempt)}/secret"
-    if a.node == 0:
-        return await a.store.set_once(key, new_secret())
-    await a.store.wait_for([key], timeout_s, why="node 0 makes the run's secret")
-    return await a.store.get(key)
-
-
 class _Watch:
     """Beside the supervisor: raise this node's heartbeat, and end the attempt when the store
     says it ended, a newer attempt started, or another node's agent stopped answering."""
 
-    def __init__(self, a: _Attempt, liveness_s: float) -> None:
+    def __init__(self, a: NodeAttempt, liveness_s: float) -> None:
         self.a = a
         self.liveness_s = liveness_s
 
@@ -379,78 +509,6 @@ class _Watch:
         return ""
 
 
-async def _finish(a: _Attempt, report: RunReport, timeout_s: float) -> int:
-    """Tell the other nodes how the run ended (when it ended here); return the exit status."""
-    keys, store = a.keys, a.store
-    if a.restart:
-        _say(a.node, f"{a.restart}; exiting so that torchrun starts the group again")
-        return 1
-    if a.ended_here:
-        said = _ended(report.status, report.reason, a.node)
-        await store.set_once(keys.stop(a.attempt), said)
-        if report.status != "interrupted":
-            await store.set_once(keys.final, said)
-    counts: dict[str, Any] = {"restarts": report.restarts, "served": report.served}
-    if a.node != 0 and a.trace:
-        counts["trace"] = await send_node_trace(
-            a.node,
-            a.dir,
-            a.sink,
-            run=a.manifest.run.name,
-            curve_keys=a.manifest.security.curve_keys,
-            timeout_s=timeout_s,
-            say=_say,
-        )
-    await store.set(keys.done(a.attempt, a.node), json.dumps(counts))
-    if a.node == 0:
-        await _gather_counts(a, report, timeout_s)
-        _add_nodes(a)
-    return EXIT_CODES[report.status]
-
-
-async def _gather_counts(a: _Attempt, report: RunReport, timeout_s: float) -> None:
-    """Wait for the other nodes to stop their roles; add their restarts and served requests
-    to node 0's report (and its report.json), so that it covers the whole run."""
-    others = [a.keys.done(a.attempt, n) for n in range(1, a.env.nodes)]
-    try:
-        await a.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
-    except StoreError as exc:
-        _say(a.node, str(exc))
-    for key in others:
-        said = await a.store.peek(key)
-        if said is None:
-            continue
-        counts = json.loads(said)
-        if a.trace:
-            _say(a.node, f"trace of node {key.rsplit('/', 1)[-1]}: {counts.get('trace', '-')}")
-        for counted in ("restarts", "served"):
-            mine = getattr(report, counted)
-            for role, n in counts[counted].items():
-                mine[role] = mine.get(role, 0) + n
-    with open(os.path.join(a.dir, "report.json"), "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(report)))
-
-
-def _add_nodes(a: _Attempt) -> None:
-    """Add ``nodes`` (the number of nodes that ran roles) to the program's summary.json."""
-    used = {
-        role.placement.node_of(i)
-        for role in a.manifest.roles.values()
-        for i in range(role.replicas)
-    }
-    path = os.path.join(a.run_dir, "summary.json")
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return
-    if isinstance(summary, dict):
-        from asyncrl.safe_files import write_atomic
-
-        summary["nodes"] = len(used)
-        write_atomic(path, json.dumps(summary, indent=2).encode())
-
-
 async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) -> int:
     run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest)
     keys = LaunchKeys(env.run_id or manifest.run.name)
@@ -461,22 +519,30 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         timeout_s=args.join_timeout,
     )
     await store.connect()
-    attempt = await _join(env, store, keys, args.join_timeout)
-    a = _Attempt(env, store, keys, attempt, manifest, run_dir, trace=args.trace)
+    a = await NodeAttempt.join(
+        env, store, keys, manifest, run_dir, trace=args.trace, timeout_s=args.join_timeout
+    )
+    attempt = a.attempt
     final = await store.peek(keys.final)
     if final is not None:
         said = json.loads(final)
         _say(env.node, f"the run already ended ({said['status']}: {said['reason']})")
         return EXIT_CODES[said["status"]]
-    problem = await _prepare(a, args, args.join_timeout)
+    problem = await a.prepare(args, args.join_timeout)
     if problem:
         _say(env.node, problem)
         if env.node == 0:
             await store.set_once(keys.final, _ended("failed", problem, 0))
         return EXIT_USAGE
-    _write_launch(a)
-    view = await _discover(a, args.join_timeout)
+    a.write_launch()
+    view = await a.discover(args.join_timeout)
     problem = share(a.node, a.dir, a.hosts)
+    if not problem:
+        curve, prefix = manifest.security.curve_keys, keys.prefix(attempt)
+        secret, problem = await shared_secret(
+            store, prefix, a.node, a.dir, curve, args.join_timeout
+        )
+        view = dataclasses.replace(view, secret=secret)
     if problem:
         _say(env.node, problem)
         said = _ended("failed", problem, env.node)
@@ -501,7 +567,7 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         report = await run_manifest(
             manifest, a.dir, beside=_Watch(a, args.agent_liveness), view=view, console=True
         )
-        code = await _finish(a, report, args.join_timeout)
+        code = await a.finish(report, args.join_timeout)
     finally:
         if sink is not None:
             await sink.close()
@@ -510,13 +576,6 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         if a.trace:
             merge_and_tell(a.run_dir)
     return code
-
-
-def _write_launch(a: _Attempt) -> None:
-    record = {"node": a.node, "nodes": a.env.nodes, "attempt": a.attempt, "pid": os.getpid()}
-    from asyncrl.safe_files import write_atomic
-
-    write_atomic(os.path.join(a.dir, "launch.json"), json.dumps(record).encode())
 
 
 def _parser() -> argparse.ArgumentParser:

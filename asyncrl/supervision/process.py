@@ -7,8 +7,10 @@ calls ``main`` in the child, which then goes on exactly as a cold start does (it
 signals, zmq context, loop).
 
 It owns what no role should write again: the event loop (uvloop when installed), the inbox
-(a transport Server at the replica's stable endpoint), heartbeats (answered by that server from
-the loop), logging, the CPU thread count, and clean shutdown on STOP, SIGTERM or SIGINT.
+(a transport Server at the replica's stable endpoint, which answers its callers' PINGs from the
+loop), the heartbeat thread its supervisor watches (``asyncrl.supervision.liveness``: it beats
+whether or not the loop is blocked, and warns with the loop's stack when it is), logging, the
+CPU thread count, and clean shutdown on STOP, SIGTERM or SIGINT.
 
 Beside the role's endpoints the inbox answers three built-in methods: ``_describe`` (the
 endpoints and their delivery classes), ``_stats`` (calls served and failed, for the run's
@@ -16,12 +18,13 @@ report) and ``_status`` (what ``asyncrl status`` shows of the replica: calls per
 seconds busy in its handlers, calls in flight, since when it runs, and the role's own
 ``Role.status()`` under ``"role"``).
 
-Start-up order matters: the inbox binds first, so heartbeats flow while the role restores its
-state in ``setup()``; credit is advertised only after ``setup()`` returns, so no work arrives
-before the role is ready. An ``ImportError`` raised in ``setup()`` (a model library missing, or
-broken by companion packages built for another torch) is a configuration error: the process
-exits with ``EXIT_CONFIG`` and is not restarted (``asyncrl.imports`` says what to install or
-uninstall).
+Start-up order matters: the inbox binds first, so its callers hear it while the role restores
+its state in ``setup()``; credit is advertised only after ``setup()`` returns, so no work
+arrives before the role is ready, and only then does the process tell its supervisor it is
+ready (until then its start-up deadline applies, not the rule for a blocked loop). An
+``ImportError`` raised in ``setup()`` (a model library missing, or broken by companion packages
+built for another torch) is a configuration error: the process exits with ``EXIT_CONFIG`` and is
+not restarted (``asyncrl.imports`` says what to install or uninstall).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -50,6 +53,7 @@ from asyncrl.observe import logs
 from asyncrl.role import Role, RoleContext, endpoints_of
 from asyncrl.supervision.faults import FaultPlan
 from asyncrl.supervision.heap import hold_heap
+from asyncrl.supervision.liveness import Heartbeat, liveness_path
 from asyncrl.transport import (
     Call,
     ChannelOptions,
@@ -74,6 +78,8 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1
+
+T = TypeVar("T")
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -229,8 +235,8 @@ def load_role_class(target: str) -> type[Role]:
     return cls
 
 
-async def serve_role(spec: ProcessSpec) -> None:
-    """Run one replica of a role until STOP, SIGTERM or SIGINT."""
+async def serve_role(spec: ProcessSpec, *, on_ready: Callable[[], None] = lambda: None) -> None:
+    """Run one replica of a role until STOP, SIGTERM or SIGINT; ``on_ready()`` once it serves."""
     log = logs.get_logger("asyncrl.supervision.process")
     cls = load_role_class(spec.target)
     ctx = RoleContext(
@@ -300,6 +306,7 @@ async def serve_role(spec: ProcessSpec) -> None:
         ready.set()
         for server in servers:
             server.set_credit(spec.capacity)
+        on_ready()
         log.info("serving", capacity=spec.capacity)
         await stop.wait()
         log.info("stopping", served=stats["served"])
@@ -422,14 +429,16 @@ def main(parent_pid: int | None = None) -> None:
         json_path=os.path.join(spec.run_dir, "logs", f"{spec.name}.{spec.replica}.jsonl"),
         console=logs.console_wanted(),
     )
+    heartbeat = start_heartbeat(spec)
+    ready = heartbeat.ready if heartbeat is not None else lambda: None
     try:
         use_curve_keys(spec.curve_keys)
         if spec.kind == "driver":
             from asyncrl.dispatch.driver import serve_driver
 
-            code = run_loop(serve_driver(spec))
+            code = run_loop(_beating(serve_driver(spec, on_ready=ready), heartbeat))
         else:
-            run_loop(serve_role(spec))
+            run_loop(_beating(serve_role(spec, on_ready=ready), heartbeat))
             code = 0
     except ConfigProblem as exc:
         print(f"configuration error: {exc}", file=sys.stderr, flush=True)
@@ -438,7 +447,41 @@ def main(parent_pid: int | None = None) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
+    finally:
+        if heartbeat is not None:
+            heartbeat.exiting()
     sys.exit(code)
+
+
+def start_heartbeat(spec: ProcessSpec) -> Heartbeat | None:
+    """Start the process's heartbeat thread (``asyncrl.supervision.liveness``); None, with a
+    warning, when its liveness file cannot be written: its supervisor then goes by the
+    transport's heartbeats, answered from the loop."""
+    heartbeat = Heartbeat(
+        liveness_path(spec.run_dir, spec.name, spec.replica),
+        incarnation=spec.incarnation,
+        interval_s=spec.heartbeat_interval_s,
+        warn_after_s=spec.warn_after_s,
+        log=logs.get_logger("asyncrl.supervision.liveness"),
+    )
+    try:
+        heartbeat.start()
+    except OSError as exc:
+        logs.get_logger("asyncrl.supervision.process").warning(
+            "no heartbeat thread: its liveness file cannot be written; a blocked event loop "
+            "will be taken as a hang",
+            path=heartbeat.path,
+            error=str(exc),
+        )
+        return None
+    return heartbeat
+
+
+async def _beating(main: Coroutine[Any, Any, T], heartbeat: Heartbeat | None) -> T:
+    """Run ``main`` with the heartbeat's timer on this loop."""
+    if heartbeat is not None:
+        heartbeat.attach(asyncio.get_running_loop())
+    return await main
 
 
 if __name__ == "__main__":

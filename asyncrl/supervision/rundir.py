@@ -95,6 +95,7 @@ RUN_ENTRIES = frozenset(
         "roles",
         "ledger",
         "logs",
+        "liveness",
         "sockets",
         "registry",
         "specs",

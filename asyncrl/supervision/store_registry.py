@@ -87,7 +87,8 @@ class LaunchKeys:
         return f"{self.prefix(attempt)}/claimed"
 
     def endpoints(self, attempt: int, node: int) -> str:
-        """The tcp endpoints of the replicas ``node`` runs (JSON ``{role: {replica: ep}}``)."""
+        """What ``node`` publishes before anything starts: its replicas' tcp endpoints, its
+        agent's and its host (``asyncrl.supervision.launch.NodeRecord``, JSON)."""
         return f"{self.prefix(attempt)}/endpoints/{node}"
 
     def heartbeat(self, attempt: int, node: int) -> str:

@@ -6,11 +6,14 @@ Erlang/OTP semantics, per role:
 - ``one_for_all``: all replicas of the role restart together (learners sharing a process group);
 - ``rest_for_one``: the failed replica and every process started after it restart.
 
-A crash is seen the moment the process exits. A hang is seen when the process, once serving,
-misses ``liveness`` x ``interval`` of heartbeats (a SIGSTOP, or a call that blocks its event
-loop); it is then killed and restarted. Restarts back off exponentially within a budget of
-``max_restarts`` in ``period_s``; past it the run stops with a report naming the role and
-replica, the exit code or signal, the restarts, and the tail of its stderr.
+A crash is seen the moment the process exits. A hang is told from a busy process by the
+process's own heartbeat thread, whose liveness file the supervisor reads every heartbeat
+interval (``asyncrl.supervision.liveness``: frozen, loop blocked past ``hang_after_s``, not
+ready at ``startup_timeout_s``); an external command is taken as hung when it misses
+``liveness`` x ``heartbeat_interval_s`` of PONGs. A hung process is killed and restarted.
+Restarts back off exponentially within a budget of ``max_restarts`` in ``period_s``; past it
+the run stops with a report naming the role and replica, the exit code or signal, the
+restarts, and the tail of its stderr.
 
 Every process is spawned from this event loop's thread (the parent-death signal that kills it
 with the agent is tied to that thread) in a session and process group of its own, so its own
@@ -25,10 +28,10 @@ started ahead (``python -m asyncrl.supervision.process --standby``), which impor
 modules and waits on its stdin. A restart then writes ``go`` to it instead of starting an
 interpreter, and a new standby is started behind it.
 
-Every task of the supervisor (the one watching each process, the one holding its heartbeats, a
-standby being started) belongs to one ``asyncio.TaskGroup``. A task that raises is a bug of the
-supervisor itself: it is logged with its traceback, the other tasks are cancelled, every process
-is stopped as at the end of a run, and ``run()`` raises it.
+Every task of the supervisor (watching each process, holding its client, reading its liveness
+file, starting a standby) belongs to one ``asyncio.TaskGroup``. A task that raises is a bug of
+the supervisor itself: it is logged with its traceback, the other tasks are cancelled, every
+process is stopped as at the end of a run, and ``run()`` raises it.
 """
 
 from __future__ import annotations
@@ -49,10 +52,13 @@ from asyncrl.exits import EXIT_PROGRAM
 from asyncrl.manifest.load import Supervision
 from asyncrl.manifest.spec import EXIT_CONFIG
 from asyncrl.observe import logs
+from asyncrl.supervision import standby
+from asyncrl.supervision.liveness import Watch
 from asyncrl.supervision.runreport import (
     ExitInfo,
     ProcessInfo,
     RunReport,
+    exit_reason,
     format_report,
     stderr_tail,
 )
@@ -67,6 +73,8 @@ class ChildSpec:
     """One process to supervise: how to start incarnation ``n`` of it, and under which policy.
 
     ``argv_env(n)`` returns the command line and the extra environment of incarnation ``n``.
+    ``liveness_path`` is the liveness file its heartbeat thread writes
+    (``asyncrl.supervision.liveness``); empty for an external command, which has none.
     """
 
     name: str
@@ -75,6 +83,7 @@ class ChildSpec:
     endpoint: str
     policy: Supervision
     argv_env: Callable[[int], tuple[list[str], dict[str, str]]]
+    liveness_path: str = ""
 
 
 @dataclass(eq=False)
@@ -85,7 +94,8 @@ class _Child:
     proc: AnyProcess | None = None
     client: Client | None = None
     serving: bool = False
-    hung: bool = False
+    hung: str = ""  # why it was killed as hung; empty: it was not
+    watch: Watch | None = None  # this incarnation's liveness file, when it has one
     expected_exit: bool = False
     restarting: bool = False
     restart_times: collections.deque[float] = field(default_factory=collections.deque)
@@ -246,11 +256,12 @@ class Supervisor:
         child.incarnation += 1
         child.serving = False
         child.served_at = None
-        child.hung = False
+        child.hung = ""
+        child.watch = None
         child.expected_exit = False
         child.exited = asyncio.Event()
         spare, child.spare = child.spare, None
-        if spare is not None and await self._activate(spare):
+        if spare is not None and await standby.activate(spare):
             child.proc = spare
         else:
             argv, env = child.spec.argv_env(child.incarnation)
@@ -262,6 +273,9 @@ class Supervisor:
         if self._observer is not None:
             self._observer("started", child.label, child.incarnation)
         self._own(self._watch(child, child.proc))
+        if child.spec.liveness_path:
+            child.watch = Watch.of(child.spec, child.proc.pid, child.incarnation)
+            self._own(self._liveness(child, child.proc, child.watch))
         if child.client is None:
             self._own(self._heartbeats(child))
         loop = asyncio.get_running_loop()
@@ -275,19 +289,10 @@ class Supervisor:
         current one serves, so that the two do not compete for the CPU while it starts."""
         incarnation = child.incarnation + 1
         argv, env = child.spec.argv_env(incarnation)
-        with open(child.log_path, "ab") as stderr:
-            spare = await asyncio.create_subprocess_exec(
-                *argv,
-                "--standby",
-                env={**os.environ, **env},
-                stdin=asyncio.subprocess.PIPE,
-                stderr=stderr,
-                start_new_session=True,
-            )
+        spare = await standby.start(argv, env, child.log_path)
         if self._stopping or child.spare is not None or child.incarnation + 1 != incarnation:
             # The replica restarted (or the run ended) while this one started: not the next.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(spare.pid, signal.SIGKILL)
+            standby.kill(spare)
             await spare.wait()
             return
         child.spare = spare
@@ -297,26 +302,10 @@ class Supervisor:
         if self._observer is not None:
             self._observer("standby", child.label, incarnation)
 
-    async def _activate(self, spare: asyncio.subprocess.Process) -> bool:
-        """Tell a standby to take over; False if it is gone (then a fresh process starts)."""
-        if spare.returncode is not None or spare.stdin is None:
-            return False
-        try:
-            spare.stdin.write(b"go\n")
-            await spare.stdin.drain()
-            spare.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):
-            return False
-        return True
-
     def _discard_spare(self, child: _Child) -> asyncio.subprocess.Process | None:
         """Kill the child's standby, if it has one; return it, to be waited for."""
         spare, child.spare = child.spare, None
-        if spare is not None and spare.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(spare.pid, signal.SIGKILL)
-            return spare
-        return None
+        return standby.kill(spare) if spare is not None else None
 
     def _own(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` as a task of the supervisor's task group, unless the group is closing
@@ -348,13 +337,32 @@ class Supervisor:
         self._finish(RunReport("failed", f"the supervisor failed: {exc!r}"))
 
     def _check_started(self, child: _Child, incarnation: int) -> None:
-        if child.incarnation == incarnation and child.alive and not child.serving:
-            timeout_s = child.spec.policy.startup_timeout_s
-            self._log.error("startup timeout", process=child.label, timeout_s=timeout_s)
-            child.hung = True
-            self._kill(child, signal.SIGKILL)
+        """At the start-up deadline: kill the incarnation unless it answered, and is ready
+        when it has a liveness file."""
+        if child.incarnation != incarnation or not child.alive or self._stopping:
+            return
+        watch = child.watch
+        if child.serving and (watch is None or watch.ready or not watch.beating):
+            return
+        timeout_s = child.spec.policy.startup_timeout_s
+        self._log.error("startup timeout", process=child.label, timeout_s=timeout_s)
+        child.hung = "not ready within startup_timeout_s"
+        self._kill(child, signal.SIGKILL)
 
     # -- watching -------------------------------------------------------------------------
+
+    async def _liveness(self, child: _Child, proc: AnyProcess, watch: Watch) -> None:
+        """Read the incarnation's liveness file every heartbeat interval until it exits; kill
+        it when it is hung (``liveness.judge``)."""
+        while child.proc is proc and proc.returncode is None and not self._stopping:
+            await asyncio.sleep(child.spec.policy.heartbeat_interval_s)
+            verdict = watch.check(time.monotonic_ns())
+            if verdict is None or child.proc is not proc or not child.alive or self._stopping:
+                continue
+            self._log.error(f"hung: {verdict.kind}", process=child.label, detail=verdict.detail)
+            child.hung = verdict.reason
+            self._kill(child, signal.SIGKILL)
+            return
 
     async def _heartbeats(self, child: _Child) -> None:
         """Keep one client on the child's stable endpoint across its incarnations."""
@@ -391,8 +399,10 @@ class Supervisor:
                     self._observer("serving", child.label, child.incarnation)
                 self._log.info("serving", process=child.label, **self._identity(child))
         elif event.kind == "dead" and child.serving and child.alive and not self._stopping:
+            if child.watch is not None and child.watch.beating:
+                return  # its loop does not answer, its heartbeat thread does: busy, not hung
             self._log.error("hung: missed heartbeats", process=child.label, detail=event.detail)
-            child.hung = True
+            child.hung = "missed heartbeats"
             self._kill(child, signal.SIGKILL)
 
     async def _watch(self, child: _Child, proc: AnyProcess) -> None:
@@ -450,16 +460,6 @@ class Supervisor:
 
     def _exit_info(self, child: _Child, pid: int, code: int) -> ExitInfo:
         sig = signal.Signals(-code).name if code < 0 else None
-        if child.hung:
-            reason = "hung (missed heartbeats or startup timeout) and was killed"
-        elif code == EXIT_CONFIG:
-            reason = "configuration error"
-        elif code == EXIT_PROGRAM and child.spec.kind == "driver":
-            reason = "the control-flow program raised, or the run stalled"
-        elif sig:
-            reason = f"killed by {sig}"
-        else:
-            reason = f"exited with code {code}"
         return ExitInfo(
             child.spec.name,
             child.spec.replica,
@@ -467,7 +467,7 @@ class Supervisor:
             pid,
             None if sig else code,
             sig,
-            reason,
+            exit_reason(code, hung=child.hung, driver=child.spec.kind == "driver"),
             stderr_tail(child.log_path, child.incarnation),
         )
 

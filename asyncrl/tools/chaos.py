@@ -8,6 +8,12 @@ The supervisor runs in this process, as ``asyncrl run`` runs it (``build_childre
 - the freezer (optional): every ``stop_every`` seconds, SIGSTOP one such process for
   ``stop_for`` seconds, then SIGCONT (the supervisor may take it as hung and kill it first).
 
+Both start at the run's start, or where the plan aims them: ``after`` seconds later, and with
+``from_phase`` once the program has begun that phase (its first entry in ``RUN_DIR/history.jsonl``,
+which ``asyncrl.roles.program.run.Run`` writes at each step and evaluation of a phase), then
+``after`` seconds past that. ``chaos.json`` keeps when they started (``aimed_at_s``: None
+when the phase never began, and nothing was disrupted).
+
 The supervisor's ``observer`` records when each process exited and served again, which times
 recovery. Unless told otherwise the same manifest first runs undisturbed, for the comparison.
 Each run's directory gets ``chaos.json`` (wall time, kills, stops, events) beside the files the
@@ -31,7 +37,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +50,12 @@ from asyncrl.tools.accounting import CHAOS_FILE, account, format_accounting
 __all__ = [
     "ChaosPlan",
     "Disruptor",
+    "aim_figures",
     "budget_overrides",
     "check_roles",
+    "format_aim",
     "parse_duration",
+    "phase_began",
     "run_chaos",
     "supervise",
 ]
@@ -59,6 +68,12 @@ BACKOFF_MAX_S = 1.0
 BUDGET_SLACK = 5
 """Restarts allowed in a period beyond those the schedule itself causes: a role that crashes by
 itself as often as the default budget allows still fails the run."""
+
+HISTORY_FILE = "history.jsonl"
+"""Where a program built on ``Run`` records each (phase, step): how ``from_phase`` sees a phase
+begin (the runtime knows no roles, so the name is kept here too)."""
+PHASE_POLL_S = 0.2
+"""How often the history file is read while waiting for a phase to begin."""
 
 _DURATION = re.compile(r"(?P<n>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>ms|s|m|h)")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -109,6 +124,10 @@ class ChaosPlan:
         stop_every: seconds between two freezes; ``None`` freezes nothing.
         stop_for: seconds a frozen process stays stopped before SIGCONT.
         seed: seeds the draw of which process is hit.
+        from_phase: disrupt only once the program has begun this phase (``None``: from the
+            run's start).
+        after: seconds to wait, from the run's start or the phase's, before the schedule
+            starts.
     """
 
     roles: tuple[str, ...]
@@ -116,6 +135,8 @@ class ChaosPlan:
     stop_every: float | None = None
     stop_for: float = 5.0
     seed: int = 0
+    from_phase: str | None = None
+    after: float = 0.0
 
 
 def budget_overrides(manifest: Manifest, plan: ChaosPlan) -> list[str]:
@@ -171,6 +192,7 @@ class Disruptor:
     plan: ChaosPlan
     processes: Any
     say: Any = None
+    run_dir: str = ""
     t0: float = field(default_factory=time.monotonic)
     events: list[dict[str, Any]] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
@@ -180,6 +202,7 @@ class Disruptor:
     _killed: set[int] = field(default_factory=set)
     _caused: set[tuple[str, int]] = field(default_factory=set)
     _ending: bool = False
+    aimed_at_s: float | None = None
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.plan.seed)
@@ -202,7 +225,14 @@ class Disruptor:
         self._changed.set()
 
     async def run(self) -> None:
-        """Kill and freeze until cancelled; a frozen process is always continued on the way out."""
+        """Wait for where the plan aims, then kill and freeze until cancelled; a frozen process
+        is always continued on the way out."""
+        if self.plan.from_phase is not None:
+            await phase_began(self.run_dir, self.plan.from_phase)
+            if self.say is not None:
+                self.say(f"chaos: phase {self.plan.from_phase} began at {self.now():.1f} s")
+        await asyncio.sleep(self.plan.after)
+        self.aimed_at_s = self.now()
         try:
             async with asyncio.TaskGroup() as tasks:
                 if self.plan.kill_every:
@@ -288,12 +318,43 @@ class Disruptor:
                     os.kill(target.pid, signal.SIGCONT)
 
 
+async def phase_began(
+    run_dir: str,
+    phase: str,
+    poll_s: float = PHASE_POLL_S,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Return once ``RUN_DIR/history.jsonl`` holds an entry of ``phase`` (read every ``poll_s``
+    seconds, ``sleep`` waiting between reads; only complete lines, each once)."""
+    path = os.path.join(run_dir, HISTORY_FILE)
+    offset = 0
+    while True:
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < offset:  # cut short on a resume: read again
+                    offset = 0
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        end = data.rfind(b"\n") + 1
+        offset += end
+        for line in data[:end].splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("phase") == phase:
+                return
+        await sleep(poll_s)
+
+
 async def supervise(manifest: Manifest, run_dir: str, plan: ChaosPlan | None, say: Any) -> Any:
     """Run ``manifest`` in ``run_dir`` under a supervisor in this process, disrupted by ``plan``
     (``None``: undisturbed); write ``report.json`` and ``chaos.json``; return the RunReport."""
     from asyncrl.supervision.agent import run_manifest
 
-    disruptor = Disruptor(plan or ChaosPlan(roles=(), kill_every=None), _never, say)
+    disruptor = Disruptor(plan or ChaosPlan(roles=(), kill_every=None), _never, say, run_dir)
 
     async def disrupt(supervisor: Any) -> None:
         disruptor.processes = supervisor.processes
@@ -314,6 +375,8 @@ async def supervise(manifest: Manifest, run_dir: str, plan: ChaosPlan | None, sa
         # processes were restarting when the program finished
         "program_s": max(driver_exits, default=None),
         "plan": None if plan is None else msgspec.to_builtins(plan.__dict__),
+        # when the schedule started; None when it never did (its phase never began)
+        "aimed_at_s": disruptor.aimed_at_s if plan is not None else None,
         "kills": disruptor.kills,
         "stops": disruptor.stops,
         "events": disruptor.events,
@@ -381,6 +444,7 @@ def run_chaos(
             say(f"chaos: {reason}")
         return {"failed": 1, "interrupted": 130}.get(first.status, 1)
     accounting = account(disturbed, undisturbed if baseline else None)
+    accounting.update(aim_figures(disturbed))
     accounting["budgets"] = budgets(manifest, plan.roles)
     accounting["plan"] = msgspec.to_builtins(plan.__dict__)
     accounting["run_dir"] = run_dir
@@ -389,8 +453,41 @@ def run_chaos(
         print(json.dumps(accounting), flush=True)
     else:
         print(format_accounting(accounting), flush=True)
+        print(format_aim(accounting), flush=True)
         print(f"accounting: {os.path.join(run_dir, 'accounting.json')}", flush=True)
     return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
+
+
+def aim_figures(run_dir: str) -> dict[str, Any]:
+    """Where the disruption of the run in ``run_dir`` was aimed, from its ``chaos.json``:
+    ``from_phase`` (None: the run's start), ``after_s``, and ``disrupted_from_s``, the time the
+    schedule started (None when it never did; ``not_disrupted`` then says why)."""
+    try:
+        with open(os.path.join(run_dir, CHAOS_FILE)) as f:
+            chaos = json.load(f)
+    except (OSError, ValueError) as exc:
+        chaos = {"not_disrupted": f"no readable {CHAOS_FILE}: {exc}"}
+    plan = chaos.get("plan") or {}
+    out = {
+        "from_phase": plan.get("from_phase"),
+        "after_s": plan.get("after"),
+        "disrupted_from_s": chaos.get("aimed_at_s"),
+    }
+    if out["disrupted_from_s"] is None:
+        began = f"phase {out['from_phase']} never began" if out["from_phase"] else "it ended"
+        why = f"{began} before the schedule started: nothing was disrupted"
+        out["not_disrupted"] = chaos.get("not_disrupted", why)
+    return out
+
+
+def format_aim(figures: dict[str, Any]) -> str:
+    """``aim_figures`` as a person reads them, one line."""
+    aim = f"phase {figures['from_phase']}" if figures.get("from_phase") else "the run's start"
+    if figures.get("after_s"):
+        aim = f"{figures['after_s']:g} s after {aim}"
+    if figures.get("disrupted_from_s") is None:
+        return f"disruption aimed at {aim}: {figures.get('not_disrupted')}"
+    return f"disruption aimed at {aim}: began at {figures['disrupted_from_s']:.1f} s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -424,6 +521,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seeds which replica is hit (default 0)"
+    )
+    parser.add_argument(
+        "--from-phase",
+        metavar="NAME",
+        help="disrupt only once the program has begun phase NAME (its first entry in "
+        "RUN_DIR/history.jsonl), e.g. rl; default: from the run's start",
+    )
+    parser.add_argument(
+        "--after",
+        type=_duration_arg,
+        default=0.0,
+        metavar="DURATION",
+        help="start the schedule this long after the run's start, or after the phase's "
+        "with --from-phase (default: at once)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print the accounting as one JSON object"

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from asyncrl.observe.logs import PROGRESS
 from asyncrl.roles.payloads import (
     LearnerStatus,
     Prompt,
@@ -306,7 +307,7 @@ def _stopped_before(loop: RLLoop, status: LearnerStatus, done: int) -> dict[str,
     if not early and done < loop.steps:
         return None
     reason = str(stopped.get("reason", "")) if early else "steps"
-    log.info("RL had stopped at step %d: %s", done, reason)
+    log.info("RL had stopped at step %d: %s", done, reason, extra=PROGRESS)
     return {
         "steps": done,
         "stop_reason": reason,
@@ -390,7 +391,7 @@ async def _ended(
     """The loop's result; a loop that stopped early keeps why with the learner."""
     reason = stopper.reason
     if step < loop.steps:
-        log.info("RL stopped at step %d of %d: %s", step, loop.steps, reason)
+        log.info("RL stopped at step %d of %d: %s", step, loop.steps, reason, extra=PROGRESS)
         stopped = {"id": loop.id_prefix, "step": step, "reason": reason}
         await rl.learner.checkpoint({"stopped": stopped})
     out = {

@@ -41,6 +41,7 @@ import logging
 from typing import Any
 
 from asyncrl.dispatch.handles import Context
+from asyncrl.observe.logs import PROGRESS
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
 from asyncrl.roles.program.clients import PromptsClient, RLContext, resend
 from asyncrl.roles.program.evaluation import Evaluation
@@ -165,6 +166,7 @@ async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
                 step.eval_result.accuracy,
                 step.eval_result.count,
                 step.eval_result.versions,
+                extra=PROGRESS,
             )
 
     out = await rl_loop(rl, loop, feed=feed, score=score, done=status.step, on_step=on_step)

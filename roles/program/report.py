@@ -1,8 +1,9 @@
 """What a ``Run`` leaves when it finishes: ``summary.json``, ``progress.png`` and ``plots/``.
 
 ``summary.json`` holds what the program passed to ``Run.finish`` and, for every run:
-``phases`` (each ended phase's ``start`` and ``end`` learner step, ``wall_s`` at its end and
-the values its ``end_phase`` kept), ``wall_s``, ``learner_steps``, ``samples_consumed`` and
+``phases`` (each ended phase's ``start`` and ``end`` learner step, ``started_s`` and
+``ended_s``, the run's clock when it began and ended, ``wall_s``, its length, and the values
+its ``end_phase`` kept), ``wall_s``, ``learner_steps``, ``samples_consumed`` and
 ``samples_per_s`` (of the last phase that ran the RL loop, over its wall time), ``restarts``,
 ``driver_incarnation``, ``mode``, ``staleness_max``, ``pipeline`` (the sample pipeline's
 counters at the end of that phase), ``final`` (the exported policy) and ``config``.
@@ -46,10 +47,8 @@ def summarize(run: Run, status: LearnerStatus, final: str, extra: dict[str, Any]
         name = looped[-1]
         loop = run.loops.get(name) or {}
         pipeline = loop.get("pipeline") or phases.get(name, {}).get("pipeline", {})
-        index = run.phases.index(name)
-        before = phases.get(run.phases[index - 1], {}) if index else {}
-        end = phases.get(name, {}).get("wall_s", run.wall())
-        phase_wall = end - float(before.get("wall_s", 0.0))
+        ended = phases.get(name)
+        phase_wall = float(ended["wall_s"]) if ended else run.wall() - run.phase_started_s()
     for values in phases.values():
         values.pop("pipeline", None)
     consumed = int(pipeline.get("consumed_samples", 0))

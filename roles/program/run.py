@@ -66,8 +66,9 @@ class Run:
         learner_step: the learner's step count, as of the last step this run saw.
         history: ``history.jsonl``.
         evaluation: the run's evaluation, or None.
-        ended: each ended phase's values, by phase (``start``, ``end``, ``wall_s`` and what
-            ``end_phase`` was given).
+        ended: each ended phase's values, by phase (``start`` and ``end``: learner steps;
+            ``started_s`` and ``ended_s``: the run's clock, ``wall()``, when it began and
+            ended; ``wall_s``: its length; and what ``end_phase`` was given).
         loops: the results of ``rl_loop`` in this incarnation, by phase.
     """
 
@@ -93,7 +94,7 @@ class Run:
         self.evaluation = evaluation
         self.loops: dict[str, dict[str, Any]] = {}
         self.history = History.open(rl.run_dir, fresh=status.step == 0, keeps=self._stands)
-        walls = [self.history.wall_s, *(float(p.get("wall_s", 0)) for p in self.ended.values())]
+        walls = [self.history.wall_s, *(float(p.get("ended_s", 0)) for p in self.ended.values())]
         self._started = time.monotonic() - max(walls)
         self._status = status
 
@@ -136,6 +137,11 @@ class Run:
     def wall(self) -> float:
         """Seconds of the run so far, earlier incarnations included."""
         return time.monotonic() - self._started
+
+    def phase_started_s(self) -> float:
+        """The run's clock (``wall()``) when the current phase began: when the phase before
+        it ended (phases run one after another), 0 for the first."""
+        return max((float(p.get("ended_s", 0.0)) for p in self.ended.values()), default=0.0)
 
     def position(self) -> dict[str, Any]:
         """What every learner step keeps of the run's position (``TrainBatch.keep``)."""
@@ -263,10 +269,13 @@ class Run:
         ``values`` (JSON-able) are kept with the phase and readable later as
         ``values(phase)``, after any restart."""
         loop = self.loops.get(self.phase)
+        started, now = self.phase_started_s(), self.wall()
         ended = {
             "start": self.phase_start,
             "end": self.learner_step,
-            "wall_s": self.wall(),
+            "started_s": started,
+            "ended_s": now,
+            "wall_s": now - started,
             **({"pipeline": loop["pipeline"]} if loop and loop.get("pipeline") else {}),
             **values,
         }

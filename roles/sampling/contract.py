@@ -4,8 +4,9 @@ hands the learner, and the checks of its arguments."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -25,6 +26,7 @@ __all__ = [
     "Generate",
     "PromptFeed",
     "PromptsExhausted",
+    "RewardTally",
     "SampleSource",
     "Scorer",
     "check_args",
@@ -40,8 +42,8 @@ class PromptsExhausted(EOFError):
 
 
 CAPPED_WARN_EVERY = 50
-"""The warning that a batch reached ``max_uniform_drops`` is given for its first such batch and
-then once every this many (late in a run most groups of a good policy are uniform)."""
+"""The warning that a batch reached ``max_uniform_drops`` with a constant reward is given for
+the first such batch and then once every this many."""
 
 PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
 """``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
@@ -139,16 +141,49 @@ class Batch(msgspec.Struct):
     resume: dict[str, Any] = {}
 
 
-def warn_capped(log: Any, drops: int, batches: int) -> None:
-    """Say that a batch reached ``max_uniform_drops`` (``drops``), for the first of the
-    ``batches`` that did and then every ``CAPPED_WARN_EVERY``-th (the 1st, 51st, ...)."""
+class RewardTally:
+    """The rewards scored since the last batch: their sum, count, least and most."""
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+        self.low, self.high = math.inf, -math.inf
+
+    def add(self, rewards: Sequence[float]) -> None:
+        if rewards:
+            self.total += sum(rewards)
+            self.count += len(rewards)
+            self.low, self.high = min(self.low, *rewards), max(self.high, *rewards)
+
+    def constant(self) -> float | None:
+        """The one value every reward had; None when they differ or there is none."""
+        return self.low if self.count and self.low == self.high else None
+
+
+def warn_capped(log: Any, drops: int, batches: int, constant: float | None) -> None:
+    """A batch reached ``max_uniform_drops`` (``drops``): the ``batches``-th of the run to.
+
+    With dynamic sampling that is routine (late in a run most groups of a good policy are
+    uniform), so it is counted (``batches_uniform_capped``) and logged at debug. Only when
+    every reward scored since the previous batch was the same value (``constant``) does it
+    point at the reward or the data, and then a warning says so, for the first such batch
+    and every ``CAPPED_WARN_EVERY``-th after it (``batches`` counts those)."""
+    if constant is None:
+        log.debug(
+            "sample pipeline: %d groups with uniform rewards dropped while filling one batch "
+            "(max_uniform_drops); keeping such groups, with zero advantages, until the next "
+            "batch",
+            drops,
+        )
+        return
     if (batches - 1) % CAPPED_WARN_EVERY == 0:
         log.warning(
             "sample pipeline: %d groups with uniform rewards dropped while filling one batch "
-            "(max_uniform_drops); keeping such groups, with zero advantages, until the next "
-            "batch (%d batches so far; said again every %d). Is the reward constant, or the "
-            "data far too hard or too easy? (A policy near a perfect score gets here too.)",
+            "(max_uniform_drops), and every reward scored since the previous batch was %g; "
+            "keeping such groups, with zero advantages, until the next batch (%d batches so "
+            "far; said again every %d). Is the reward constant, or the data far too hard or "
+            "too easy? (A policy at a perfect score gets here too.)",
             drops,
+            constant,
             batches,
             CAPPED_WARN_EVERY,
         )

@@ -70,6 +70,7 @@ from asyncrl.roles.sampling.contract import (
     Generate,
     PromptFeed,
     PromptsExhausted,
+    RewardTally,
     SampleSource,
     Scorer,
     check_args,
@@ -203,11 +204,11 @@ class SamplePipeline:
         self._exhausted = False
         self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
         self._uniform_capped = False  # ... and it reached max_uniform_drops
-        self._capped_batches = 0  # batches that reached it, in this run
+        self._constant_batches = 0  # ... with every reward scored for them the same, in this run
         self.schedule = PromptSchedule(spec.schedule, group_size, state=resume.get("schedule"))
         self._probing: dict[str, int] = {}  # group key -> samples of its probe, while probing
         self._skipped_run = 0  # prompts the schedule skipped since it last admitted one
-        self._scored = (0.0, 0)  # sum and count of rewards released since the last batch
+        self._scored = RewardTally()  # the rewards released since the last batch
         self._to_score: list[tuple[Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
         if watchdog is not None:
@@ -334,7 +335,7 @@ class SamplePipeline:
             [s.logprobs for s, _ in group.samples.values()]
         )
         if agree and self._uniform_drops < self.max_uniform_drops:
-            self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
+            self._scored.add(rewards)
             self._uniform_drops += 1
             for counter in ("groups_uniform_dropped", "groups_probe_dropped"):
                 self.metrics[counter] += 1
@@ -448,7 +449,7 @@ class SamplePipeline:
             self.pacer.waste(missing)
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
-        self._scored = (self._scored[0] + sum(rewards), self._scored[1] + len(rewards))
+        self._scored.add(rewards)
         if self.drop_uniform and uniform(rewards):
             if group.keep_uniform:
                 self.metrics["groups_uniform_kept"] += 1
@@ -465,8 +466,10 @@ class SamplePipeline:
         if self._uniform_drops >= self.max_uniform_drops:
             if not self._uniform_capped:
                 self._uniform_capped = True
-                self._capped_batches += 1
-                warn_capped(log, self._uniform_drops, self._capped_batches)
+                self.metrics["batches_uniform_capped"] += 1
+                constant = self._scored.constant()
+                self._constant_batches += constant is not None
+                warn_capped(log, self._uniform_drops, self._constant_batches, constant)
             self.metrics["groups_uniform_kept"] += 1
             return False
         self._uniform_drops += 1
@@ -605,8 +608,7 @@ class SamplePipeline:
         self.metrics["batches"] += 1
         self._uniform_drops, self._uniform_capped = 0, False
         self.schedule.end_batch()
-        scored_sum, scored_n = self._scored
-        self._scored = (0.0, 0)
+        tally, self._scored = self._scored, RewardTally()
         if self.spec.running_stats:
             rewards = Moments.of([s.reward for s in samples])
             self.running[version] = self.running.get(version, Moments(0, 0.0, 0.0)).merge(rewards)
@@ -617,7 +619,9 @@ class SamplePipeline:
         # The policy's reward: over every group scored since the last batch, uniform ones that
         # dynamic sampling dropped included (the batch's own mean leaves them out).
         metrics["reward_scored_mean"] = (
-            scored_sum / scored_n if scored_n else sum(s.reward for s in samples) / len(samples)
+            tally.total / tally.count
+            if tally.count
+            else sum(s.reward for s in samples) / len(samples)
         )
         if self.schedule.enabled:
             metrics["schedule_explore"] = self.schedule.explore

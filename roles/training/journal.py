@@ -194,7 +194,7 @@ class Journal:
         if not go:
             if due and self._skipped_for != self._pending_step:  # once per save in progress
                 self._skipped_for = self._pending_step
-                self.log.info(
+                self.log.debug(
                     f"{self.name}: checkpoint of step {step} skipped: the save of step "
                     f"{self._pending_step} is still writing (saves never pile up; the next "
                     f"one starts when it is done)"
@@ -218,7 +218,7 @@ class Journal:
     def _write(self, staged: Staged, started: float) -> str:
         staged_s = time.monotonic() - started
         path = self.checkpoints.write(staged)
-        self.log.info(
+        self.log.debug(
             f"{self.name}: checkpoint of step {staged.step} complete: staged in {staged_s:.2f} s, "
             f"written in {time.monotonic() - started - staged_s:.2f} s"
         )

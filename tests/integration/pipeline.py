@@ -8,6 +8,7 @@ stages and records every result, then asks the sink how many ids it holds.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import time
 from typing import Any
@@ -70,12 +71,20 @@ class Sleeper(Role):
 
     @endpoint(Delivery.ONCE)
     async def block_loop(self, seconds: float) -> float:
-        time.sleep(seconds)  # noqa: ASYNC251  (the bug on purpose: heartbeats stop)
+        time.sleep(seconds)  # noqa: ASYNC251  (the bug on purpose: the loop stops)
         return seconds
 
     @endpoint(Delivery.IDEMPOTENT)
     async def pid(self, _: Any) -> int:
         return os.getpid()
+
+
+class SlowSetup(Sleeper):
+    """A setup that waits ``SETUP_S`` seconds off the loop: the replica answers its callers
+    all along, and is not ready until it returns."""
+
+    async def setup(self) -> None:
+        await asyncio.sleep(float(os.environ["SETUP_S"]))
 
 
 class CrashAtStart(Role):
@@ -99,6 +108,25 @@ async def wait_forever(ctx: Any) -> None:
     """A program that only ends when the run is stopped."""
     await ctx.sleeper.call("pid", None)
     await asyncio.Event().wait()
+
+
+async def block_then_finish(ctx: Any) -> dict[str, Any]:
+    """Block the sleeper's loop for 10 s (a busy process: warned about, never killed)."""
+    first = await ctx.sleeper.call("pid", None)
+    try:
+        blocked = await ctx.sleeper.call("block_loop", 10.0, timeout=60)
+    except Exception as exc:  # its callers may take 10 s of silence as its death
+        blocked = type(exc).__name__
+    after_block = await ctx.sleeper.call("pid", None, timeout=60)
+    return {"first": first, "blocked": blocked, "after_block": after_block}
+
+
+async def finish_then_linger(ctx: Any) -> int:
+    """Work for 2 s, finish, then take 6 s to exit (as a process that flushes traces, tears
+    down torch or joins its threads on a loaded machine does): its event loop has ended."""
+    await ctx.sleeper.call("compute", 2.0, timeout=60)  # its supervisor has heard it by then
+    atexit.register(time.sleep, 6.0)
+    return int(await ctx.sleeper.call("pid", None))
 
 
 async def hang_then_finish(ctx: Any) -> dict[str, Any]:

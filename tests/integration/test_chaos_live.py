@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -92,3 +93,37 @@ def test_chaos_kills_stateless_roles_and_accounts_for_them(run_dir: str) -> None
     for key in ("accuracy_undisturbed", "accuracy_chaos", "slowdown", "wall_s_chaos"):
         assert isinstance(acc[key], float), key
     assert acc["dispatch"]["rollout"]["served"] > 0
+
+
+def test_chaos_aimed_at_the_rl_phase_kills_nothing_before_it(run_dir: str) -> None:
+    """``--from-phase rl --after 1s``: the schedule starts a second after the program's first
+    RL entry, so every kill comes after BC ended (on the run's clock, which starts after the
+    chaos clock), and the accounting says so."""
+    sets = [a for o in SHORT for a in ("--set", o)]
+    sets += ["--set", "run.config.rl_steps=40"]  # the last --set wins
+    command = [sys.executable, "-m", "asyncrl.cli", "chaos", "examples/arith/bc_grpo.yaml"]
+    chaos_args = ["--roles", "rollout", "--kill-every", "1s", "--seed", "1", "--no-baseline"]
+    aim = ["--from-phase", "rl", "--after", "1s", "--json"]
+    out = subprocess.run(
+        [*command, *chaos_args, *aim, "--run-dir", run_dir, *sets],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    acc = json.loads(out.stdout)
+    assert "from the start of phase rl, 1 s after it" in out.stderr
+    (began,) = re.findall(r"chaos: phase rl began at ([0-9.]+) s", out.stderr)
+    with open(os.path.join(run_dir, "chaos", "chaos.json")) as f:
+        chaos = json.load(f)
+    with open(os.path.join(run_dir, "chaos", "summary.json")) as f:
+        bc_ended = json.load(f)["phases"]["bc"]["ended_s"]
+    assert (acc["from_phase"], acc["after_s"]) == ("rl", 1.0)
+    assert acc["disrupted_from_s"] == chaos["aimed_at_s"] >= float(began) + 0.9  # began: .1f
+    assert float(began) >= bc_ended
+    assert acc["kills"]["total"] >= 1
+    # the first kill a period (1 s, on the event loop's clock) after the aim
+    assert min(k["t"] for k in chaos["kills"]) >= chaos["aimed_at_s"] + 0.99
+    assert acc["completed"] is True
+    assert acc["samples_lost"] == acc["duplicates_consumed"] == acc["steps_repeated"] == 0

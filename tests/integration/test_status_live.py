@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,31 @@ def own_calls(found: dict[str, Any]) -> dict[str, dict[str, int]]:
     return calls
 
 
+def documented_answer() -> dict[str, Any]:
+    """The ``--json`` example of docs/status.md."""
+    with open(os.path.join(ROOT, "docs", "status.md")) as f:
+        (block,) = re.findall(r"```json\n(.*?)```", f.read(), re.S)
+    return json.loads(block)  # type: ignore[no-any-return]
+
+
+def keys_by_place(answer: dict[str, Any]) -> dict[str, set[str]]:
+    """The keys of each kind of object in a status answer, by where it sits."""
+    node = answer["nodes"][0]
+    rows = {p["kind"]: p for p in node["processes"]}
+    driver = node["driver"]
+    role = next(iter(driver["roles"].values()))
+    return {
+        "answer": set(answer),
+        "node": set(node),
+        "role process": set(rows["role"]),
+        "its status": set(rows["role"]["status"]),
+        "driver process": set(rows["driver"]),
+        "driver": set(driver),
+        "driver role": set(role),
+        "driver replica": set(role["replicas"][0]),
+    }
+
+
 def test_status_of_a_running_run_a_restart_and_the_end(run_dir: str) -> None:
     program = os.path.join(run_dir, "program.py")
     with open(program, "w") as f:
@@ -114,6 +140,8 @@ def test_status_of_a_running_run_a_restart_and_the_end(run_dir: str) -> None:
             *(("serving", "[asyncrl.supervision.supervisor]", f"process={p}") for p in SERVING),
         )
         found = answer(run_dir)
+        assert keys_by_place(found) == keys_by_place(documented_answer())
+        assert [p["state"] for p in found["nodes"][0]["processes"]] == ["serving"] * 4
         assert processes(found) == [
             (0, "splitter", 0, 0, True, 0),
             (0, "splitter", 1, 0, True, 0),

@@ -8,6 +8,7 @@ to let time pass.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -608,9 +609,38 @@ def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages(
         assert pipe.metrics["samples_uniform_dropped"] == 6 * G
         said = [r.getMessage() for r in caplog.records if "max_uniform_drops" in r.getMessage()]
         assert len(said) == 1 and "(1 batches so far; said again every 50)" in said[0]
+        assert "every reward scored since the previous batch was 1;" in said[0]
+        assert pipe.metrics["batches_uniform_capped"] == 2
         assert pipe.metrics["admitted_samples"] == (
             pipe.metrics["consumed_samples"] + pipe.metrics["wasted_samples"]
         )
+
+    run(main())
+
+
+def test_a_capped_batch_whose_rewards_differ_is_counted_not_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every group uniform, but even prompts score 1.0 and odd ones 0.0 (a policy that is
+    sure of each prompt: what dynamic sampling expects late in a run): the capped batches are
+    counted in ``batches_uniform_capped`` and logged at debug, with no warning."""
+
+    async def everything_uniform(samples: list[Sample]) -> list[float]:
+        return [float(int(s.prompt_id[1:]) % 2 == 0) for s in samples]
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        spec = PipelineSpec(mode="sync", drop_uniform=True)
+        caplog.set_level(logging.DEBUG)
+        async with pipeline(rollout, spec, score=everything_uniform, max_uniform_drops=3) as pipe:
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            pipe.advance(1)
+            second = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+        assert first.metrics["batches_uniform_capped"] == 1
+        assert second.metrics["batches_uniform_capped"] == 2
+        capped = [r for r in caplog.records if "max_uniform_drops" in r.getMessage()]
+        assert [r.levelno for r in capped] == [logging.DEBUG, logging.DEBUG]
+        assert not [r for r in caplog.records if "Is the reward constant" in r.getMessage()]
 
     run(main())
 

@@ -119,12 +119,19 @@ def test_phases_travel_with_the_learner_and_nothing_is_recorded_twice(tmp_path: 
     assert r.phase == DONE and r.values("rl")["accuracy"] == 0.7
     summary = run(r.finish(accuracy_final=0.7))
     assert summary["accuracy_final"] == 0.7 and summary["learner_steps"] == 7
-    assert summary["phases"]["bc"] == {
+    bc, rl = summary["phases"]["bc"], summary["phases"]["rl"]
+    assert bc == {
         "start": 0,
         "end": 2,
-        "wall_s": pytest.approx(summary["phases"]["bc"]["wall_s"]),
+        "started_s": 0.0,
+        "ended_s": bc["ended_s"],
+        "wall_s": bc["ended_s"],
         "accuracy": 0.2,
     }
+    # Phases follow one another on the run's clock; each one's wall_s is its length.
+    assert (rl["start"], rl["end"], rl["started_s"]) == (2, 7, bc["ended_s"])
+    assert rl["wall_s"] == rl["ended_s"] - rl["started_s"] > 0
+    assert rl["ended_s"] <= summary["wall_s"]
     assert summary["samples_consumed"] == 5 * PROMPTS * G  # the pipeline resumed its counts
     assert summary["final"] == "exports/final"
     assert os.path.exists(os.path.join(run_dir, "summary.json"))

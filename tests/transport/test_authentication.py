@@ -21,7 +21,7 @@ from asyncrl.transport.control import (
     write_secret,
 )
 from asyncrl.transport.errors import TransportError
-from asyncrl.transport.protocol import PROTOCOL_VERSION, ErrorCode, Hello, Kind
+from asyncrl.transport.protocol import PROTOCOL_VERSION, ErrorCode, ErrorInfo, Hello, Kind
 from tests.transport.test_hardening import _env, exchange, umask
 
 SECRET = "5ecret-of-the-run"
@@ -91,6 +91,71 @@ def test_nothing_is_served_to_a_peer_whose_handshake_did_not_present_the_secret(
         async with Client(server.endpoint, secret=SECRET, curve=False) as member:
             assert await member.call("add", [2, 3], int) == 5
         assert calls == [[2, 3]]
+        await server.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_an_admitted_routing_id_is_forgotten_when_its_connection_closes(
+    run_dir: str, transport: str
+) -> None:
+    endpoint = f"ipc://{run_dir}/s" if transport == "ipc" else "tcp://127.0.0.1:0"
+    hello = Hello(PROTOCOL_VERSION, name="member", secret=SECRET)
+
+    async def main() -> None:
+        calls: list[Any] = []
+        events: list[PeerEvent] = []
+        gone = asyncio.Event()
+
+        def on_event(event: PeerEvent) -> None:
+            events.append(event)
+            if event.kind == "disconnected":
+                gone.set()
+
+        server = _server(endpoint, calls, secret=SECRET, curve=False, on_event=on_event)
+        await server.start()
+        async with Client(server.endpoint, secret=SECRET, curve=False) as other:
+            # A peer of the run handshakes under a routing id, is served, and disconnects.
+            answers = await exchange(
+                server.endpoint,
+                [_env(Kind.HANDSHAKE, 1, payload=hello), _env(Kind.REQUEST, 2, "add", [2, 3])],
+                2,
+                identity=b"admitted-id",
+            )
+            got = [(env.kind, env.id, payload) for env, payload in answers]
+            assert got[1:] == [(Kind.REPLY, 2, 5)] and got[0][:2] == (Kind.WELCOME, 1)
+            async with asyncio.timeout(30):
+                await gone.wait()
+            assert [(e.peer, e.kind) for e in events] == [
+                (other.identity.decode(), "connected"),
+                ("admitted-id", "connected"),
+                ("admitted-id", "disconnected"),
+            ]
+            assert server.stats["admissions_ended"] == 1
+            # A new connection under the same routing id, without a handshake, is refused; once
+            # it presents the secret itself, it is served.
+            answers = await exchange(
+                server.endpoint,
+                [
+                    _env(Kind.REQUEST, 3, "add", [4, 5]),
+                    _env(Kind.STOP, 4),
+                    _env(Kind.HANDSHAKE, 5, payload=hello),
+                    _env(Kind.REQUEST, 6, "add", [6, 7]),
+                ],
+                4,
+                identity=b"admitted-id",
+            )
+            got = [(env.kind, env.id, payload) for env, payload in answers]
+            assert got[:2] == [
+                (Kind.ERROR, 3, ErrorInfo(ErrorCode.UNAUTHORIZED, _unadmitted("REQUEST"))),
+                (Kind.ERROR, 4, ErrorInfo(ErrorCode.UNAUTHORIZED, _unadmitted("STOP"))),
+            ]
+            assert got[2][:2] == (Kind.WELCOME, 5) and got[3] == (Kind.REPLY, 6, 13)
+            # The peer still connected stayed admitted all along.
+            assert await other.call("add", [1, 1], int) == 2
+            assert calls == [[2, 3], [6, 7], [1, 1]]
+            assert server.stats["handshakes"] == 3
         await server.close()
 
     run(main())
