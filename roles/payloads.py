@@ -107,6 +107,12 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True):
             starts in ``token_ids``.
         turn_rewards: an episode's: the environment's reward for each step (an episode
             scorer sums them; see ``asyncrl.roles.agents.episodes``).
+        infra_failed: an episode's: why it failed through no fault of the policy (``timeout``:
+            a step ran past its deadline; ``error``: the environment raised; ``lost``: its
+            replica lost it past the runner's restarts), or empty. The sample pipeline never
+            trains such a sample: it completes its group with a fresh episode or drops the
+            group (``pipeline.infra_failed``), and the learner counts any it receives
+            (``infra_failed_trained``, always 0).
 
     Fields left at their defaults are not encoded, so a single-turn sample's bytes on the wire
     and in a write-ahead log are what they were before episodes existed.
@@ -123,6 +129,7 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True):
     loss_mask: list[int] = []
     turn_starts: list[int] = []
     turn_rewards: list[float] = []
+    infra_failed: str = ""
 
     @property
     def key(self) -> tuple[str, int]:

@@ -677,13 +677,19 @@ def test_an_episode_run_reports_episodes_lost_counted_twice_and_env_tokens_train
     tmp_path: Any,
 ) -> None:
     run_dir = os.path.join(tmp_path, "episodes")
-    episodes = {**PIPELINE, "wasted_samples": 2, "episodes": 9, "episode_restarts": 3}
+    episodes = {
+        **PIPELINE,
+        "wasted_samples": 2,
+        "episodes": 9,
+        "episode_restarts": 3,
+        "infra_failed": 2,
+    }
     steps = [*STEPS, step(5, [["p2", 1], ["p3", 0]])]  # p2/1 trained a second time
     make_run(run_dir, accuracy=0.5, wall_s=5.0, pipeline=episodes, steps=steps, kills=2)
     lines = [
-        {"step": 1, "learner": {"env_tokens_trained": 0.0}},
+        {"step": 1, "learner": {"env_tokens_trained": 0.0, "infra_failed_trained": 0.0}},
         "a torn line",
-        {"step": 2, "learner": {"env_tokens_trained": 4.0}},
+        {"step": 2, "learner": {"env_tokens_trained": 4.0, "infra_failed_trained": 1.0}},
         {"step": 3, "learner": {}},
     ]
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
@@ -693,9 +699,11 @@ def test_an_episode_run_reports_episodes_lost_counted_twice_and_env_tokens_train
     assert acc["episodes_counted_twice"] == 1
     assert acc["env_tokens_trained"] == 4.0
     assert (acc["episode_restarts"], acc["episode_replays"], acc["env_errors"]) == (3, 0, 0)
+    assert (acc["infra_failed"], acc["infra_failed_trained"]) == (2, 1)
     text = format_accounting(acc)
     assert "episodes counted twice          1" in text
     assert "environment tokens trained      4.0" in text
+    assert "infra-failed episodes trained   1" in text
 
     single = os.path.join(tmp_path, "single")
     make_run(single, accuracy=0.5, wall_s=5.0, pipeline=PIPELINE, steps=STEPS)

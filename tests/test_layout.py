@@ -459,9 +459,14 @@ def test_roles_name_no_vendor_hardware(tmp_path: pathlib.Path) -> None:
     assert _raw_hardware(str(planted)) == ["planted.py:3 .cuda", "planted.py:4 'nccl'"]
 
 
-EXAMPLE_TESTS = {"tests/test_ledger.py", "tests/agents/test_agent_example_game.py"}
+EXAMPLE_TESTS = {
+    "tests/test_ledger.py",
+    "tests/agents/test_agent_example_game.py",
+    "tests/agents/failing_env.py",
+}
 """Tests that unit-test an example's own code (the hello counter's ledger, the agent example's
-game and demonstrations): the only files outside ``examples/`` allowed to import it."""
+game and demonstrations) or run it with a failing replica of its environment: the only files
+outside ``examples/`` allowed to import it."""
 
 
 def test_nothing_imports_examples() -> None:

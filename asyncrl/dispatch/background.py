@@ -80,10 +80,14 @@ class Background:
             coro.close()
             return None
         try:
-            return self._group.create_task(self._watch(coro))
+            task = self._group.create_task(self._watch(coro))
         except RuntimeError:  # the group is shutting down: a task failed a moment ago
             coro.close()
             return None
+        # A task cancelled before its first step never awaits ``coro``: close it then, so it
+        # is not reported as never awaited (closing a finished coroutine does nothing).
+        task.add_done_callback(lambda _: coro.close())
+        return task
 
     def fail(self, exc: BaseException) -> None:
         """Report an error from outside the tasks: it becomes the failure (unless one came

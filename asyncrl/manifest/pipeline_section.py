@@ -128,6 +128,12 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             teach nothing.
         schedule: prompt scheduling from what was scored: deferral of prompts whose groups
             were uniform, and probing of new ones (``ScheduleSpec``; needs ``drop_uniform``).
+        infra_failed: what becomes of a group one of whose samples failed through no fault of
+            the policy (``Sample.infra_failed``: an environment's step timed out or raised, or
+            its replica lost the episode): ``replace`` (the default) runs one fresh sample of
+            the same prompt in its place, once (the failed one counted as waste; a second
+            failure drops the group); ``drop`` drops the whole group at once, as waste. Either
+            way no such sample is trained on.
         stall_timeout_s: seconds without any call completing after which the driver fails the
             run, saying what it waited for and on whom (0: never). Raise it when one learner
             step or one generation legitimately takes longer.
@@ -156,6 +162,10 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     schedule: ScheduleSpec = msgspec.field(default_factory=ScheduleSpec)
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_SECONDS)] = 600.0
     group_calls: bool = False
+    infra_failed: Annotated[
+        str,
+        msgspec.Meta(pattern="^(replace|drop)$", extra={"expected": "'replace' or 'drop'"}),
+    ] = "replace"
 
     def __post_init__(self) -> None:
         problem = straggler_problem(self.straggler.policy, self.straggler.deadline_s)

@@ -375,6 +375,7 @@ _EPISODE_COUNTERS = (
     ("episode_replays", "episode_replays"),
     ("env_timeouts", "env_timeouts"),
     ("env_errors", "env_errors"),
+    ("infra_failed", "infra_failed"),
 )
 
 
@@ -385,9 +386,11 @@ def _episode_figures(
     ``episodes_lost`` (its samples lost), ``episodes_counted_twice`` (consumptions beyond an
     id's first), ``env_tokens_trained`` (the learner's count of environment tokens in its loss,
     summed over ``metrics.jsonl``), and the restarts, replays, timeouts and errors of the
-    environment. ``None`` for a single-turn run."""
+    environment, its ``infra_failed`` episodes (never trained) and ``infra_failed_trained``
+    (the learner's count of such episodes it received, summed over ``metrics.jsonl``: 0).
+    ``None`` for a single-turn run."""
     pipeline = summary.get("pipeline")
-    keys = ("episodes_lost", "episodes_counted_twice", "env_tokens_trained")
+    keys = ("episodes_lost", "episodes_counted_twice", "env_tokens_trained", "infra_failed_trained")
     if not (isinstance(pipeline, dict) and "episodes" in pipeline):
         for key in (*keys, *(name for _, name in _EPISODE_COUNTERS)):
             out[key] = None
@@ -409,6 +412,14 @@ def _episode_figures(
     out["env_tokens_trained"] = sum(trained) if trained else None
     if not trained:
         unknown["env_tokens_trained"] = "metrics.jsonl has no learner env_tokens_trained"
+    infra = [
+        float(learner["infra_failed_trained"])
+        for line in lines
+        if isinstance(learner := line.get("learner"), dict) and "infra_failed_trained" in learner
+    ]
+    out["infra_failed_trained"] = int(sum(infra)) if infra else None
+    if not infra:
+        unknown["infra_failed_trained"] = "metrics.jsonl has no learner infra_failed_trained"
 
 
 def _dispatch_figures(driver: Any, out: dict[str, Any], unknown: dict[str, str]) -> None:
@@ -464,6 +475,8 @@ _TOP = (
     "episode_replays",
     "env_timeouts",
     "env_errors",
+    "infra_failed",
+    "infra_failed_trained",
     "dispatch",
 )
 
@@ -573,6 +586,8 @@ def format_accounting(acc: dict[str, Any]) -> str:
                 ("episodes replayed", acc.get("episode_replays")),
                 ("environment timeouts", acc.get("env_timeouts")),
                 ("environment errors", acc.get("env_errors")),
+                ("episodes infra-failed", acc.get("infra_failed")),
+                ("infra-failed episodes trained", acc.get("infra_failed_trained")),
             ]
         ),
         ("learner steps", acc.get("learner_steps")),

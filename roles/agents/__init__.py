@@ -1,7 +1,8 @@
 """Agents: multi-turn episodes of the policy against environments that run as roles.
 
 Owns: the environment contract and its base role (``environment``) and the episode runner with
-the trajectories it keeps (``episodes``).
+the trajectories it keeps (``episodes``), and its quarantine of failing environment replicas
+(``quarantine``).
 
 May import: ``asyncrl.roles.payloads``, the runtime and the transport.
 """

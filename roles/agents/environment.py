@@ -12,10 +12,14 @@ docs/protocol.md), is two endpoints:
   the observation, the reward of this step, whether the episode is done, and ``info``.
 
 A step has a deadline (``Step.deadline_s``): the base class cancels an action that runs past
-it and answers a ``Transition`` with ``timed_out``, which the runner shows the policy as a timeout
-(or ends the episode on). ``act`` must therefore be ``async`` and await while it works (a tool in
-a subprocess, ``self.ctx.offload`` for CPU work): synchronous code cannot be cancelled, and a
-replica that does not answer at all is treated as lost.
+it and answers a ``Transition`` with ``timed_out``. Such a timeout is the infrastructure's
+failure, not the policy's: the runner marks the episode ``infra_failed`` and it is never trained
+on. An environment whose task includes the timeout (the policy asked for a computation too
+slow, and should learn not to) says so with ``timeout_is_task``: its timeouts carry
+``task_timeout``, and the runner shows the policy a timeout (or ends the episode on it).
+``act`` must be ``async`` and await while it works (a tool in a subprocess,
+``self.ctx.offload`` for CPU work): synchronous code cannot be cancelled, and a replica that
+does not answer at all is treated as lost.
 
 One episode's state lives in one replica: the runner sends every step of an episode to the
 replica its reset named. ``step`` is idempotent per (episode, turn): a retried step of a turn the
@@ -82,13 +86,15 @@ class Step(msgspec.Struct, kw_only=True):
 class Transition(msgspec.Struct, kw_only=True):
     """What one action did: the next observation, this step's reward, and whether it ended;
     ``timed_out`` when the action ran past the step's deadline and was cancelled (the episode's
-    state is as the action left it when cancelled)."""
+    state is as the action left it when cancelled); ``task_timeout`` when that timeout is part
+    of the task (the policy's result, trained on), not a failure of the environment."""
 
     observation: str
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = {}
     timed_out: bool = False
+    task_timeout: bool = False
 
 
 class Close(msgspec.Struct, kw_only=True):
@@ -122,9 +128,13 @@ class Environment(Role):
         deterministic: the same task and actions always give the same observations and rewards,
             so an episode lost with a replica may be rebuilt by replaying its actions.
         keep_done: ended episodes whose transitions are kept to answer a retried last step.
+        timeout_is_task: a step past its deadline is the policy's result (shown to it, and
+            trained on), not the environment's failure (the episode marked ``infra_failed``
+            and never trained on, the default).
     """
 
     deterministic: ClassVar[bool] = False
+    timeout_is_task: ClassVar[bool] = False
     keep_done: ClassVar[int] = 1024
 
     def __init__(self, ctx: Any) -> None:
@@ -183,7 +193,7 @@ class Environment(Role):
                 self.act(episode.state, request.action), request.deadline_s
             )
         except TimeoutError:
-            return Transition(observation="", timed_out=True)
+            return Transition(observation="", timed_out=True, task_timeout=self.timeout_is_task)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def close(self, request: Close) -> None:

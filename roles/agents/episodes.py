@@ -11,17 +11,26 @@ are the policy's; ``turn_starts`` where each segment begins.
 wait for slow ones (each is its own task; its generate calls and steps go to whichever replicas
 have room, and its steps to the environment replica that holds it). Failures:
 
-- A step past ``step_timeout_s`` is cancelled by the environment and becomes the observation
-  ``timeout_text`` to the policy (counted in ``timeouts``), or ends the episode when
-  ``on_timeout`` is ``"end"``. A replica that does not answer a step at all within twice that
-  (hung, or killed) is treated as having lost the episode.
+- A step past ``step_timeout_s`` is cancelled by the environment (counted in ``timeouts``) and
+  ends the episode as ``infra_failed`` (``"timeout"``): the environment failed, not the policy,
+  and the sample pipeline never trains it. An environment that declares its timeouts part of
+  the task (``Environment.timeout_is_task``) has them shown to the policy as the observation
+  ``timeout_text`` instead, or end the episode (trained) when ``on_timeout`` is ``"end"``. A
+  replica that does not answer a step at all within twice that (hung, or killed) is treated as
+  having lost the episode.
 - A step answered by ``EpisodeLost`` (the environment replica was restarted and lost the
   episode), or whose connection broke with it in flight (the replica died), restarts the
   episode from ``reset``, discarding what it had: its tokens are never trained (``restarts``;
   at most ``max_restarts``). With ``deterministic`` the episode is reset and its actions
   replayed instead, and it goes on where it was (``replays``).
-- Any other error of a step ends the episode, counted in ``errors``, unless it recurs: the
-  program decides what an episode that ended so is worth.
+- Any other error of a step (the environment raised) ends the episode, counted in ``errors``,
+  as ``infra_failed`` (``"error"``); so does an error of its reset, and, in ``source``, an
+  episode lost more than ``max_restarts`` times (``"lost"``).
+
+An ``infra_failed`` episode still becomes a sample (``Trajectory.sample``), flagged with its
+cause (``Sample.infra_failed``): the sample pipeline completes its group with a fresh episode of
+the same prompt (``source`` gives it a fresh episode id) or drops the group, as the manifest's
+``pipeline.infra_failed`` says (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import msgspec
 
 from asyncrl.errors import AsyncrlError, BrokenError, DeadlineExceededError, RemoteError
 from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
+from asyncrl.roles.agents.quarantine import Quarantine
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 
 __all__ = [
@@ -49,6 +59,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("asyncrl.agents")
+
+FAILED_KEPT = 4096
+"""The infra-failed episodes ``source`` remembers, to give the next episode of each a fresh id;
+past it, the oldest are forgotten (the pipeline replaces a failed episode at once, or never)."""
 
 LOST = "EpisodeLost"
 """The remote type of the error a replica without the episode raises."""
@@ -78,6 +92,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
             action: the environment's step, or the agent's ``reward`` on the endpoint).
         done: the environment ended the episode (False: it ran out of turns or was ended).
         restarts, replays, timeouts, errors: what went wrong on the way, and how it was met.
+        infra_failed: why the episode failed through no fault of the policy (``"timeout"``,
+            ``"error"``, ``"lost"``), or empty: such an episode is never trained on.
         said: each step's observation as the environment answered it (None: the step timed
             out), what a replay checks the environment's answers against.
     """
@@ -93,6 +109,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     timeouts: int = 0
     errors: int = 0
     said: list[str | None] = []
+    infra_failed: str = ""
 
     @property
     def turns(self) -> int:
@@ -146,6 +163,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
             loss_mask=self.loss_mask,
             turn_starts=self.turn_starts,
             turn_rewards=self.rewards(),
+            infra_failed=self.infra_failed,
         )
 
     def rewards(self) -> list[float]:
@@ -196,12 +214,18 @@ class EpisodeRunner:
         params: how the policy samples each turn.
         max_turns: the most actions an episode takes.
         step_timeout_s: the deadline of one step of the environment.
-        on_timeout: ``"observe"`` (tell the policy ``timeout_text``) or ``"end"``.
+        on_timeout: a timeout that is part of the task (``Environment.timeout_is_task``):
+            ``"observe"`` (tell the policy ``timeout_text``) or ``"end"``. Any other timeout
+            marks the episode ``infra_failed``.
         deterministic: the environment replays exactly: a lost episode is replayed, not
             restarted.
         max_restarts: the most restarts (or replays) of one episode before it fails.
         generate_timeout_s: the deadline of one generate call.
         task_of: a prompt's task for ``reset`` (``source``); by default its ``answer``.
+        quarantine_share, quarantine_window, probe_after_s: a replica that failed more than
+            ``quarantine_share`` of its last ``quarantine_window`` steps is quarantined: no new
+            episode starts on it but a probe every ``probe_after_s`` seconds, which lets it
+            back once it serves a step (``asyncrl.roles.agents.quarantine``).
     """
 
     def __init__(
@@ -220,6 +244,9 @@ class EpisodeRunner:
         max_restarts: int = 8,
         generate_timeout_s: float = 600.0,
         task_of: Callable[[Prompt], Any] = lambda prompt: prompt.answer,
+        quarantine_share: float = 0.5,
+        quarantine_window: int = 20,
+        probe_after_s: float = 30.0,
     ) -> None:
         if on_timeout not in ("observe", "end"):
             raise ValueError(f"on_timeout: expected 'observe' or 'end', got {on_timeout!r}")
@@ -239,15 +266,54 @@ class EpisodeRunner:
         self.generate_timeout_s = generate_timeout_s
         self.task_of = task_of
         self._closing: set[asyncio.Task[None]] = set()
+        self._failed: dict[str, int] = {}  # episode -> its infra failures, until run again
+        self.quarantine = Quarantine(
+            str(getattr(env, "name", "env")),
+            int(getattr(env, "replicas", 1)),
+            share=quarantine_share,
+            window=quarantine_window,
+            probe_after_s=probe_after_s,
+        )
+        self._quarantines_counted = (0, 0)  # (quarantined, released) counted in metrics
 
     async def source(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
         """The sample pipeline's ``SampleSource``: sample ``index`` of ``prompt`` is episode
         ``<prompt id>/<index>`` on the task ``task_of(prompt)`` (by default the prompt's
         ``answer``), run to its end and returned as one sample (``Trajectory.sample``); what
         happened on the way is counted in ``metrics``. The pipeline keeps the accounting: a
-        lost episode is restarted here under the same stable id, so each is trained once."""
-        traj = await self.run(f"{prompt.id}/{index}", self.task_of(prompt), prompt.token_ids)
+        lost episode is restarted here under the same stable id, so each is trained once.
+
+        An episode that failed through no fault of the policy comes back flagged
+        (``Sample.infra_failed``): a step timed out or raised, its reset raised, or it was lost
+        more than ``max_restarts`` times. The pipeline's fresh episode in its place is
+        ``<prompt id>/<index>~<n>``, so that no replica confuses it with the failed one."""
+        name = f"{prompt.id}/{index}"
+        tries = self._failed.pop(name, 0)
+        episode_id = f"{name}~{tries}" if tries else name
+        try:
+            traj = await self.run(episode_id, self.task_of(prompt), prompt.token_ids)
+        except EpisodeFailedError as exc:
+            log.warning("%s", exc)
+            traj = Trajectory(
+                episode_id=episode_id,
+                prompt_ids=prompt.token_ids,
+                restarts=self.max_restarts,
+                infra_failed="lost",
+            )
+        except RemoteError as exc:  # its reset raised
+            log.warning("episode %r: the environment's reset failed: %s", episode_id, exc)
+            traj = Trajectory(
+                episode_id=episode_id, prompt_ids=prompt.token_ids, errors=1, infra_failed="error"
+            )
+        if traj.infra_failed:
+            self._failed[name] = tries + 1
+            if len(self._failed) > FAILED_KEPT:  # never run again (``infra_failed: drop``)
+                del self._failed[next(iter(self._failed))]
         count(metrics, traj)
+        quarantined, released = self._quarantines_counted
+        self._quarantines_counted = (self.quarantine.quarantined, self.quarantine.released)
+        metrics["quarantined"] += self.quarantine.quarantined - quarantined
+        metrics["quarantine_released"] += self.quarantine.released - released
         return traj.sample(prompt.id, index)
 
     async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
@@ -300,6 +366,7 @@ class EpisodeRunner:
             Observation,
             timeout=self.step_timeout_s,
             key=(episode_id, attempt.number, "reset"),
+            replica=self.quarantine.pick(),
         )
         attempt.replica = obs.replica
         if resumed is None:
@@ -401,11 +468,26 @@ class EpisodeRunner:
                 key=(episode_id, attempt, turn),
                 replica=replica,
             )
-        except RemoteError:
+        except RemoteError as exc:
+            log.debug("episode %r: the environment failed turn %d: %s", episode_id, turn, exc)
+            self.quarantine.record(replica, failed=True)
             traj.errors += 1
+            traj.infra_failed = "error"
             return None
+        except _Lost as exc:
+            # A replica that did not answer in time failed the step; one that died or was
+            # restarted (its episodes lost with it) is the supervisor's to restart, not ours to
+            # judge: one death loses every episode it held at once.
+            if isinstance(exc.__cause__, DeadlineExceededError):
+                self.quarantine.record(replica, failed=True)
+            raise
+        infra_timeout = transition.timed_out and not transition.task_timeout
+        self.quarantine.record(replica, failed=infra_timeout)
         if transition.timed_out:
             traj.timeouts += 1
+            if infra_timeout:
+                traj.infra_failed = "timeout"
+                return None
             if self.on_timeout == "end":
                 return None
             return Transition(observation=self.timeout_text, timed_out=True)

@@ -46,6 +46,8 @@ class Group:
         counts: what the sample source counted for its finished samples (``resumed``; an
             episode's turns, restarts, ...): taken back out of a resume state while the group
             is unsettled, as ``generated`` is, since a resumed run produces them again.
+        replaced: the sample indices whose infra-failed sample was replaced by a fresh one
+            (once each: ``pipeline.infra_failed: replace``).
         keep_uniform: its probe agreed once the batch could drop no more uniform groups, so
             the rest of it was generated to be kept: it is not dropped if it ends uniform.
     """
@@ -60,6 +62,7 @@ class Group:
     generated: int = 0
     counts: Counter[str] = field(default_factory=Counter)
     keep_uniform: bool = False
+    replaced: set[int] = field(default_factory=set)
 
 
 def uniform(rewards: Sequence[float]) -> bool:

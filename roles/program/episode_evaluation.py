@@ -7,19 +7,26 @@ reaches ``correct_at`` (the success rate), ``score_mean`` their mean reward, and
 ``turns_mean`` (an attribute, of the last evaluation) the actions per episode. The episodes run
 concurrently through an ``EpisodeRunner`` (``asyncrl.roles.agents.episodes``), each task's
 prompt id its episode id, so the rollout's seeds, derived from the stable ids, make an
-evaluation of the same weights repeatable.
+evaluation of the same weights repeatable. An episode that failed through no fault of the
+policy (``Trajectory.infra_failed``: its environment timed out, raised or lost it) is played
+again under a fresh id (``<prompt id>~<n>``), up to ``INFRA_TRIES`` times, and never counts as a
+failure of the policy.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from asyncrl.errors import AsyncrlError
 from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
 from asyncrl.roles.payloads import Prompt
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 
-__all__ = ["EpisodeEvaluation"]
+__all__ = ["INFRA_TRIES", "EpisodeEvaluation"]
+
+INFRA_TRIES = 8
+"""The most times one held-out episode is played while its environment keeps failing it."""
 
 
 class EpisodeEvaluation(Evaluation):
@@ -65,7 +72,16 @@ class EpisodeEvaluation(Evaluation):
         async def play(prompt: Prompt) -> Trajectory:
             async with room:
                 task = self.runner.task_of(prompt)
-                return await self.runner.run(prompt.id, task, prompt.token_ids)
+                for n in range(INFRA_TRIES):
+                    episode_id = f"{prompt.id}~{n}" if n else prompt.id
+                    traj = await self.runner.run(episode_id, task, prompt.token_ids)
+                    if not traj.infra_failed:
+                        return traj
+                raise AsyncrlError(
+                    f"held-out episode {prompt.id!r}: its environment failed it {INFRA_TRIES} "
+                    f"times (the last: {traj.infra_failed}); is every environment replica "
+                    "failing? See the environment's log"
+                )
 
         async with asyncio.TaskGroup() as group:  # one failure cancels the others
             tasks = [group.create_task(play(p)) for p in self.prompts]

@@ -89,6 +89,12 @@ log = logging.getLogger("asyncrl.pipeline")
 
 _FIRST = operator.itemgetter(0)
 
+INFRA_DROP = "drop"
+"""``pipeline.infra_failed``: drop a group with an infra-failed sample (else: replace it once)."""
+
+INFRA_DROPPED = "infra_dropped"
+"""The outcome of a group dropped for an infra-failed sample."""
+
 FETCH_MAX = 1024
 """The most prompts asked of the feed at once (while the schedule skips most of them)."""
 
@@ -352,14 +358,59 @@ class SamplePipeline:
     async def _sample(self, group: Group, k: int) -> None:
         counts: Counter[str] = Counter()  # the group's own, so a resume state can drop them
         sample = await self.source(group.prompt, k, counts)
-        if counts:
-            self.metrics.update(counts)
-            group.counts.update(counts)
-        self.metrics["generated_samples"] += 1
-        group.generated += 1
+        while sample.infra_failed:
+            cause = sample.infra_failed
+            counts.update({"infra_failed": 1, f"infra_failed_{cause}": 1})
+            if self.spec.infra_failed == INFRA_DROP or k in group.replaced:
+                counts["wasted_tokens"] += len(sample.token_ids)
+                self._generated(group, counts)
+                self._drop_infra_failed(group, k, cause)
+                return
+            # Replaced once: the failed sample is waste; a fresh one of the prompt takes its slot.
+            group.replaced.add(k)
+            counts.update(
+                infra_replaced=1,
+                admitted_samples=1,
+                wasted_samples=1,
+                wasted_tokens=len(sample.token_ids),
+            )
+            self._generated(group, counts)
+            sample = await self.source(group.prompt, k, counts)
+        self._generated(group, counts)
         self._to_score.append((group, k, sample))
         if self._scoring is None or self._scoring.done():
             self._scoring = self._background.spawn(self._score_pending())
+
+    def _generated(self, group: Group, counts: Counter[str]) -> None:
+        """Count one sample the source returned, and what it counted on the way."""
+        if counts:
+            self.metrics.update(counts)
+            group.counts.update(counts)
+            counts.clear()
+        self.metrics["generated_samples"] += 1
+        group.generated += 1
+
+    def _drop_infra_failed(self, group: Group, k: int, cause: str) -> None:
+        """Drop a group whose sample ``k`` failed through no fault of the policy and is not
+        replaced (``infra_failed: drop``, or its replacement failed too): the whole group is
+        waste, its other samples are cancelled, and a fresh prompt takes its room."""
+        if group.outcome:  # released without it (a straggler deadline): counted as waste then
+            return
+        log.warning(
+            "sample pipeline: group %r dropped: sample %d failed (%s) through no fault of the "
+            "policy%s",
+            group.key,
+            k,
+            cause,
+            " twice" if k in group.replaced else "",
+        )
+        group.outcome = INFRA_DROPPED
+        self.metrics["groups_infra_dropped"] += 1
+        current = asyncio.current_task()
+        for task in group.tasks:
+            if task is not current and not task.done():
+                task.cancel()
+        self._waste(group, self.group_size)
 
     async def _score_pending(self) -> None:
         """Score every sample that finished meanwhile in one call, then post each reward."""
@@ -367,6 +418,8 @@ class SamplePipeline:
             todo, self._to_score = self._to_score, []
             rewards = await self.score([s for _, _, s in todo])
             for (group, k, sample), reward in zip(todo, rewards, strict=True):
+                if group.outcome == INFRA_DROPPED:  # waste already
+                    continue
                 if group.outcome:
                     self._on_late(group.key, str(k))  # its group was released without it
                     continue

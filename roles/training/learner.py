@@ -390,6 +390,10 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             metrics = self._train(objective, fresh, batch)
             if any(s.sample.loss_mask for s in fresh):  # episodes: 0 unless the mask broke
                 metrics["env_tokens_trained"] = self.env_tokens_trained
+                # ... and 0 unless an episode the environment failed reached the learner
+                metrics["infra_failed_trained"] = float(
+                    sum(bool(s.sample.infra_failed) for s in fresh)
+                )
             self.step += 1
             self.version += 1
             ids = [(s.sample.prompt_id, s.sample.sample_index) for s in fresh]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from asyncrl.roles.agents.episodes import (
     Trajectory,
     episode_rewards,
 )
-from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
+from asyncrl.roles.payloads import GenerateBatch, Prompt, Sample, SamplingParams
 from asyncrl.transport import run
 
 DIGITS = "0123456789"
@@ -157,7 +158,10 @@ def test_an_episode_keeps_both_sides_tokens_and_masks_the_environments() -> None
 
 
 class Slow(Guess):
-    """Its first action of every episode never finishes on its own."""
+    """Its first action of every episode never finishes on its own; the timeout is part of
+    its task."""
+
+    timeout_is_task = True
 
     async def act(self, state: Any, action: str) -> Transition:
         if state["guesses"] == 0:
@@ -166,7 +170,7 @@ class Slow(Guess):
         return await super().act(state, action)
 
 
-def test_a_step_past_its_deadline_becomes_an_observation_or_ends_the_episode() -> None:
+def test_a_task_timeout_becomes_an_observation_or_ends_the_episode() -> None:
     async def main(on_timeout: str) -> tuple[Trajectory, Handle]:
         env = Handle(lambda n: Slow(RoleContext.local(name="env")))
         r = runner(env, on_timeout=on_timeout, timeout_text="slow", step_timeout_s=0.05)
@@ -178,6 +182,139 @@ def test_a_step_past_its_deadline_becomes_an_observation_or_ends_the_episode() -
     assert env.role.episodes["e"].transitions[0].timed_out  # the environment's record says so
     ended, _ = run(main("end"))
     assert (ended.timeouts, ended.done, ended.turns, ended.reward) == (1, False, 1, 0.0)
+
+
+class Hangs(Slow):
+    """Its first action hangs past the deadline, and the environment does not say its timeouts
+    are part of the task: a failure of the environment."""
+
+    timeout_is_task = False
+
+
+class Raises(Guess):
+    """Its second action raises."""
+
+    async def act(self, state: Any, action: str) -> Transition:
+        if state["guesses"] == 1:
+            raise RuntimeError("the tool's sandbox is gone")
+        return await super().act(state, action)
+
+
+def test_a_step_that_times_out_or_raises_marks_the_episode_infra_failed() -> None:
+    async def main(make: Any, index: int) -> tuple[Sample, Counter[str], EpisodeRunner]:
+        env = Handle(lambda n: make(RoleContext.local(name="env")))
+        r = runner(env, step_timeout_s=0.05, timeout_text="slow")
+        metrics: Counter[str] = Counter()
+        prompt = Prompt(id="p", token_ids=[1], answer="11")
+        sample = await r.source(prompt, index, metrics)
+        return sample, metrics, r
+
+    timed_out, metrics, _ = run(main(Hangs, 0))
+    assert timed_out.infra_failed == "timeout"
+    assert metrics["env_timeouts"] == 1 and metrics["episode_turns"] == 1
+    assert decode(timed_out.token_ids) == "7;"  # nothing of "slow": the policy was never told
+    raised, metrics, r = run(main(Raises, 2))
+    assert raised.infra_failed == "error" and metrics["env_errors"] == 1
+    assert (raised.prompt_id, raised.sample_index) == ("p", 2)
+    assert r._failed == {"p/2": 1}  # the next episode of this sample gets a fresh id
+
+
+def test_a_reset_that_raises_is_an_infra_failed_sample_of_the_pipelines_source() -> None:
+    class NoStart(Guess):
+        async def start(self, task: Any) -> tuple[str, Any]:
+            raise RuntimeError("no sandbox left")
+
+    async def main() -> tuple[Sample, Counter[str]]:
+        env = Handle(lambda n: NoStart(RoleContext.local(name="env")))
+        metrics: Counter[str] = Counter()
+        prompt = Prompt(id="p", token_ids=[1], answer="11")
+        return await runner(env).source(prompt, 0, metrics), metrics
+
+    sample, metrics = run(main())
+    assert (sample.infra_failed, sample.token_ids, sample.prompt_ids) == ("error", [], [1])
+    assert metrics["env_errors"] == 1 and metrics["episodes"] == 1
+
+
+def test_a_fresh_episode_in_place_of_an_infra_failed_one_has_an_id_of_its_own() -> None:
+    async def main() -> tuple[list[str], Sample]:
+        env = Handle(lambda n: Raises(RoleContext.local(name="env")))
+        r = runner(env)
+        prompt = Prompt(id="p", token_ids=[1], answer="7")  # right at the first guess
+        r._failed["p/0"] = 1  # as after a failed episode of this sample
+        sample = await r.source(prompt, 0, Counter())
+        return [p.episode_id for m, p in env.calls if m == "reset"], sample
+
+    resets, sample = run(main())
+    assert resets == ["p/0~1"]
+    assert sample.infra_failed == "" and sample.turn_rewards == [1.0]
+
+
+def test_an_episode_lost_past_max_restarts_is_infra_failed_in_the_pipelines_source() -> None:
+    class AlwaysLoses(Handle):
+        async def call(
+            self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any
+        ) -> Any:
+            if method == "step":
+                self.restart()
+            return await super().call(method, payload, reply_type, **kw)
+
+    async def main() -> Sample:
+        env = AlwaysLoses(lambda n: Guess(RoleContext.local(name="env", incarnation=n)))
+        prompt = Prompt(id="p", token_ids=[1], answer="13")
+        return await runner(env, max_restarts=1).source(prompt, 0, Counter())
+
+    sample = run(main())
+    assert sample.infra_failed == "lost" and sample.token_ids == []
+
+
+class Replicas:
+    """Replicas of an environment group: a call names one (``replica``) or goes to the next in
+    turn, as the dispatcher may send it."""
+
+    name = "env"
+
+    def __init__(self, *envs: Environment) -> None:
+        self.envs = envs
+        self.replicas = len(envs)
+        self.turn = 0
+        self.resets: list[int] = []  # the replica each reset went to
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        replica = kw.get("replica")
+        if replica is None:
+            replica, self.turn = self.turn, (self.turn + 1) % self.replicas
+        if method == "reset":
+            self.resets.append(replica)
+        try:
+            return await getattr(self.envs[replica], method)(payload)
+        except Exception as exc:
+            raise RemoteError("handler_error", str(exc), remote_type=type(exc).__name__) from exc
+
+
+class Broken(Guess):
+    """Every step raises."""
+
+    async def act(self, state: Any, action: str) -> Transition:
+        raise RuntimeError("the tool's sandbox is gone")
+
+
+def test_a_replica_failing_its_steps_is_quarantined_and_new_episodes_go_to_the_others() -> None:
+    async def main() -> tuple[list[Sample], Replicas, Counter[str]]:
+        env = Replicas(
+            Guess(RoleContext.local(name="env", replica=0)),
+            Broken(RoleContext.local(name="env", replica=1)),
+        )
+        r = runner(env, quarantine_window=2, probe_after_s=3600.0)
+        metrics: Counter[str] = Counter()
+        prompt = Prompt(id="p", token_ids=[1], answer="11")
+        samples = [await r.source(prompt, k, metrics) for k in range(6)]
+        return samples, env, metrics
+
+    samples, env, metrics = run(main())
+    # Episodes 1 and 3 fail their first step on replica 1: 2 of its last 2, and it is out.
+    assert env.resets == [0, 1, 0, 1, 0, 0]
+    assert [s.infra_failed for s in samples] == ["", "error", "", "error", "", ""]
+    assert metrics["quarantined"] == 1 and metrics["quarantine_released"] == 0
 
 
 class Unanswering(Handle):
@@ -211,11 +348,12 @@ class LosesOnce(Handle):
 def test_an_episode_lost_with_its_replica_restarts_from_reset() -> None:
     async def main() -> tuple[Trajectory, LosesOnce, EpisodeRunner]:
         env = LosesOnce(lambda n: NotDeterministic(RoleContext.local(name="env", incarnation=n)))
-        r = runner(env, max_turns=6)
+        r = runner(env, max_turns=6, quarantine_share=0.0, quarantine_window=1)
         return await r.run("e", 13, []), env, r
 
     traj, env, r = run(main())
     assert traj.restarts == 1 and traj.replays == 0 and traj.done
+    assert r.quarantine.quarantined == 0  # a restart is not the replica failing its steps
     assert [decode(s.token_ids) for s in traj.segments if s.policy] == ["7;", "11;", "13;"]
     resets = [p for m, p in env.calls if m == "reset"]
     assert len(resets) == 2  # the first attempt's tokens were dropped with it

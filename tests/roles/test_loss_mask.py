@@ -251,6 +251,21 @@ def test_a_step_on_episodes_reports_the_environment_tokens_its_loss_saw(tmp_path
     assert broken._train_step(batch).metrics["env_tokens_trained"] == 3.0
 
 
+def test_a_step_on_episodes_counts_the_infra_failed_episodes_it_received(tmp_path: Any) -> None:
+    """``infra_failed_trained``: the learner's own count of samples flagged ``infra_failed`` in
+    what it trained on, apart from the pipeline that should never send one: 0 when it does not,
+    1 for each that reaches it."""
+    learner = make(tmp_path)
+    batch = TrainBatch(samples=[Scored(sample=episode(), advantage=1.0)], algorithm="grpo")
+    assert learner._train_step(batch).metrics["infra_failed_trained"] == 0.0
+    failed = msgspec.structs.replace(episode(1), infra_failed="timeout")
+    batch = TrainBatch(
+        samples=[Scored(sample=failed, advantage=1.0), Scored(sample=episode(2), advantage=0.5)],
+        algorithm="grpo",
+    )
+    assert learner._train_step(batch).metrics["infra_failed_trained"] == 1.0
+
+
 def test_the_critic_learns_the_values_of_the_policy_tokens_only() -> None:
     """PPO's critic on an episode: what the values at the environment's positions are changes
     neither its targets at the policy's tokens nor its loss; without the mask, it would."""
