@@ -213,8 +213,26 @@ class NodeAttempt:
         Raises:
             StoreError: node 0 started no new attempt within ``timeout_s``.
         """
-        attempt = await _join(env, store, keys, timeout_s)
-        return cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
+        if env.node == 0:
+            attempt = await store.add(keys.attempts, 1) - 1
+            await store.set_once(keys.joined(attempt, 0), str(os.getpid()))
+            await store.set(keys.current, str(attempt))
+            return cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
+        me = str(os.getpid())
+        deadline = time.monotonic() + timeout_s
+        await store.wait_for([keys.current], timeout_s, why="node 0 starts each attempt")
+        while True:
+            attempt = int(await store.get(keys.current))
+            if await store.set_once(keys.joined(attempt, env.node), me) == me:
+                return cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
+            await store.set(keys.rejoin(attempt, env.node), me)
+            while int(await store.get(keys.current)) == attempt:
+                if time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"node {env.node} restarted and waited {timeout_s:g} s for node 0 to "
+                        f"start a new attempt after attempt {attempt}; is node 0's agent running?"
+                    )
+                await asyncio.sleep(HEARTBEAT_INTERVAL_S / 4)
 
     @property
     def node(self) -> int:
@@ -383,35 +401,6 @@ class NodeAttempt:
             "pid": os.getpid(),
         }
         write_atomic(os.path.join(self.dir, "launch.json"), json.dumps(record).encode())
-
-
-async def _join(env: LaunchEnv, store: StoreClient, keys: LaunchKeys, timeout_s: float) -> int:
-    """The attempt this node takes part in.
-
-    Node 0 starts a new attempt at each start. Another node joins node 0's current attempt,
-    unless it already took part in it (it was restarted alone): then it says so (``rejoin``),
-    node 0 ends that attempt, and it joins the next.
-    """
-    if env.node == 0:
-        attempt = await store.add(keys.attempts, 1) - 1
-        await store.set_once(keys.joined(attempt, 0), str(os.getpid()))
-        await store.set(keys.current, str(attempt))
-        return attempt
-    me = str(os.getpid())
-    deadline = time.monotonic() + timeout_s
-    await store.wait_for([keys.current], timeout_s, why="node 0 starts each attempt")
-    while True:
-        current = int(await store.get(keys.current))
-        if await store.set_once(keys.joined(current, env.node), me) == me:
-            return current
-        await store.set(keys.rejoin(current, env.node), me)
-        while int(await store.get(keys.current)) == current:
-            if time.monotonic() >= deadline:
-                raise StoreError(
-                    f"node {env.node} restarted and waited {timeout_s:g} s for node 0 to start "
-                    f"a new attempt after attempt {current}; is node 0's agent running?"
-                )
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S / 4)
 
 
 def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
