@@ -33,7 +33,7 @@ from typing import Any
 from asyncrl.bench.harness import finished_run
 from asyncrl.roles.learning.statistics import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
-from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
+from asyncrl.roles.sampling.pipeline import Batch, BatchSettings, SamplePipeline, WeightSync
 from benchmarks.pipeline_model import Workload, simulate
 from benchmarks.sim import work_of
 
@@ -183,8 +183,7 @@ async def _pipeline(ctx: Any) -> tuple[SamplePipeline, WeightSync]:
         feed=feed,
         score=score,
         params=SamplingParams(max_new_tokens=1),
-        batch_size=int(cfg["batch"]),
-        group_size=int(cfg["group"]),
+        settings=BatchSettings(batch_size=int(cfg["batch"]), group_size=int(cfg["group"])),
         start_version=status["version"],
     )
     return pipe, WeightSync(ctx.rollout, wait=spec.mode == "sync", method="set_version")

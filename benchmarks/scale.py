@@ -50,7 +50,7 @@ from asyncrl.manifest.spec import GroupInfo
 from asyncrl.observe import logs
 from asyncrl.roles.learning.statistics import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
-from asyncrl.roles.sampling.pipeline import SamplePipeline, WeightSync
+from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline, WeightSync
 from asyncrl.transport import LocalRegistry, run
 from asyncrl.transport.sockets import reserve_sockets
 from benchmarks.pipeline import reward
@@ -238,8 +238,7 @@ async def _pipeline_window(
         feed=feed,
         score=score,
         params=SamplingParams(max_new_tokens=1),
-        batch_size=batch,
-        group_size=GROUP,
+        settings=BatchSettings(batch_size=batch, group_size=GROUP),
     )
     w = _Window()
     async with WeightSync(ctx.rollout, wait=False, method="set_version") as weights, pipe:

@@ -52,7 +52,7 @@ _COUNTERS = frozenset(
     {"admitted_groups", "admitted_samples", "generated_samples", "consumed_samples"}
     | {"wasted_samples"}
 )
-"""The pipeline's counters (a ``collections.Counter``, which leaves out the ones still at 0).
+"""The pipeline's counters (the pipeline leaves out the ones still at 0, so missing is 0).
 ``in_flight_at_end`` and ``scored_samples`` are not counters: missing, they are unknown."""
 
 

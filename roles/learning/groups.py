@@ -1,27 +1,23 @@
-"""A GRPO group in the sample pipeline: its state, its advantages, whether it carries signal.
+"""GRPO groups: their advantages, and whether they carry signal.
 
 ``group_advantages`` is the one place GRPO advantages are computed: the sample pipeline
 (``asyncrl.roles.sampling.pipeline``) calls it on each group it releases, and the learner, for a
 batch whose samples came without advantages, calls it through ``grouped_advantages`` on the batch's
 groups (samples of one prompt id), as does ``algorithms.grpo_advantages`` on tensors. So both
 paths give the same advantages, to the bit, whatever order the samples arrived or sit in
-(docs/algorithms.md). The pipeline keeps one ``Group`` per admitted prompt, and ``uniform`` says
-whether a group's rewards carry no GRPO signal at all. Nothing here imports torch.
+(docs/algorithms.md). ``uniform`` says whether a group's rewards carry no GRPO signal at all.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from asyncrl.roles.learning.statistics import Moments
-from asyncrl.roles.payloads import Prompt, Sample
 
-__all__ = ["STD_KINDS", "Group", "StdKind", "group_advantages", "grouped_advantages", "uniform"]
+__all__ = ["STD_KINDS", "StdKind", "group_advantages", "grouped_advantages", "uniform"]
 
 StdKind = Literal["population", "unbiased"]
 """The standard deviation GRPO divides by: over n (population) or n - 1 (unbiased)."""
@@ -30,39 +26,6 @@ STD_KINDS: tuple[str, ...] = get_args(StdKind)
 
 _DDOF = {"population": 0, "unbiased": 1}
 """What each ``StdKind`` takes from a group's size before dividing its M2 by it."""
-
-
-@dataclass(eq=False)
-class Group:
-    """One admitted prompt's group, as the pipeline tracks it.
-
-    Attributes:
-        key: the prompt's id (the reducer's round); index: its place in the prompt feed.
-        samples: sample index -> (sample, reward), as they are scored.
-        tasks: one generating task per sample.
-        advantages: sample index -> advantage, set on release.
-        outcome: how the reducer released it ("" while it is not).
-        generated: samples finished generating.
-        counts: what the sample source counted for its finished samples (``resumed``; an
-            episode's turns, restarts, ...): taken back out of a resume state while the group
-            is unsettled, as ``generated`` is, since a resumed run produces them again.
-        replaced: the sample indices whose infra-failed sample was replaced by a fresh one
-            (once each: ``pipeline.infra_failed: replace``).
-        keep_uniform: its probe agreed once the batch could drop no more uniform groups, so
-            the rest of it was generated to be kept: it is not dropped if it ends uniform.
-    """
-
-    key: str
-    index: int
-    prompt: Prompt
-    samples: dict[int, tuple[Sample, float]] = field(default_factory=dict)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    advantages: dict[int, float] = field(default_factory=dict)
-    outcome: str = ""
-    generated: int = 0
-    counts: Counter[str] = field(default_factory=Counter)
-    keep_uniform: bool = False
-    replaced: set[int] = field(default_factory=set)
 
 
 def uniform(rewards: Sequence[float]) -> bool:

@@ -50,7 +50,7 @@ from asyncrl.roles.program.clients import RewardClient, RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.metrics import StepReport
 from asyncrl.roles.sampling.contract import PromptsExhausted, SampleSource
-from asyncrl.roles.sampling.pipeline import Batch, SamplePipeline, WeightSync
+from asyncrl.roles.sampling.pipeline import Batch, BatchSettings, SamplePipeline, WeightSync
 from asyncrl.roles.sampling.weight_sync import relay_groups
 
 if TYPE_CHECKING:
@@ -457,9 +457,11 @@ def _pipeline(
         feed=feed,
         score=score,
         params=loop.params,
-        batch_size=loop.prompts_per_step * loop.group_size,
-        group_size=loop.group_size,
-        **status.advantages,  # computed as the learner computes them
+        settings=BatchSettings(
+            batch_size=loop.prompts_per_step * loop.group_size,
+            group_size=loop.group_size,
+            **status.advantages,  # computed as the learner computes them
+        ),
         start_version=status.version,
         resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
         watchdog=rl.watchdog,

@@ -1,16 +1,18 @@
 """What the sample pipeline (``asyncrl.roles.sampling.pipeline``) takes and gives: the rollout
-group it calls, the prompt feed, the source of each sample and the scorer, the ``Batch`` it
-hands the learner, and the checks of its arguments."""
+group it calls, the prompt feed, the source of each sample (and the default one, ``Generate``)
+and the scorer, its ``BatchSettings``, the ``Batch`` it hands the learner and the
+``ResumeState`` a batch carries."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 
+from asyncrl.roles.learning.groups import STD_KINDS, StdKind
 from asyncrl.roles.payloads import (
     GenerateBatch,
     GenerateRequest,
@@ -22,17 +24,14 @@ from asyncrl.roles.payloads import (
 
 __all__ = [
     "Batch",
+    "BatchSettings",
     "Caller",
     "Generate",
     "PromptFeed",
     "PromptsExhausted",
-    "RewardTally",
+    "ResumeState",
     "SampleSource",
     "Scorer",
-    "check_args",
-    "max_drops",
-    "skipped_too_many",
-    "warn_capped",
 ]
 
 
@@ -40,10 +39,6 @@ class PromptsExhausted(EOFError):
     """The prompts ran out (the feed ended, or the prompt schedule retired every prompt) and
     nothing is left to hand out: raised by ``SamplePipeline.next_batch``, and only there."""
 
-
-CAPPED_WARN_EVERY = 50
-"""The warning that a batch reached ``max_uniform_drops`` with a constant reward is given for
-the first such batch and then once every this many."""
 
 PromptFeed = Callable[[int, int], Awaitable[list[Prompt]]]
 """``feed(cursor, n)``: the n prompts from index ``cursor`` on (fewer at the end of the data)."""
@@ -141,89 +136,100 @@ class Batch(msgspec.Struct):
     resume: dict[str, Any] = {}
 
 
-class RewardTally:
-    """The rewards scored since the last batch: their sum, count, least and most."""
+@dataclass(frozen=True, kw_only=True)
+class BatchSettings:
+    """What a batch of the sample pipeline is and how its groups are judged: the program's side
+    of the pipeline's settings (the manifest's ``pipeline`` section, ``PipelineSpec``, is the
+    run's side).
 
-    def __init__(self) -> None:
-        self.total, self.count = 0.0, 0
-        self.low, self.high = math.inf, -math.inf
+    Attributes:
+        batch_size: samples per batch, in whole groups.
+        group_size: samples per prompt: GRPO's group.
+        normalize_std, std: the learner's GRPO conventions (``group_advantages``; a learner's
+            ``status().advantages`` holds both), so that the advantages the pipeline attaches
+            are those the learner computes.
+        drop_uniform: drop groups whose rewards are all equal (dynamic sampling); None: the
+            spec's ``drop_uniform``.
+        max_uniform_drops: the most such groups dropped per batch; past it they are kept, with
+            zero advantages, and counted. None: the spec's ``uniform_drops_per_group`` per
+            group of the batch.
 
-    def add(self, rewards: Sequence[float]) -> None:
-        if rewards:
-            self.total += sum(rewards)
-            self.count += len(rewards)
-            self.low, self.high = min(self.low, *rewards), max(self.high, *rewards)
+    Raises:
+        ValueError: a batch smaller than one group, an unknown ``std``, or a negative
+            ``max_uniform_drops``.
+    """
 
-    def constant(self) -> float | None:
-        """The one value every reward had; None when they differ or there is none."""
-        return self.low if self.count and self.low == self.high else None
+    batch_size: int
+    group_size: int
+    normalize_std: bool = True
+    std: StdKind = "population"
+    drop_uniform: bool | None = None
+    max_uniform_drops: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.batch_size < self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must hold at least one group of group_size "
+                f"({self.group_size}) samples"
+            )
+        if self.std not in STD_KINDS:
+            raise ValueError(f"std: expected 'population' or 'unbiased', got {self.std!r}")
+        if self.max_uniform_drops is not None and self.max_uniform_drops < 0:
+            raise ValueError(
+                f"max_uniform_drops: expected an int >= 0, got {self.max_uniform_drops}"
+            )
 
-def warn_capped(log: Any, drops: int, batches: int, constant: float | None) -> None:
-    """A batch reached ``max_uniform_drops`` (``drops``): the ``batches``-th of the run to.
-
-    With dynamic sampling that is routine (late in a run most groups of a good policy are
-    uniform), so it is counted (``batches_uniform_capped``) and logged at debug. Only when
-    every reward scored since the previous batch was the same value (``constant``) does it
-    point at the reward or the data, and then a warning says so, for the first such batch
-    and every ``CAPPED_WARN_EVERY``-th after it (``batches`` counts those)."""
-    if constant is None:
-        log.debug(
-            "sample pipeline: %d groups with uniform rewards dropped while filling one batch "
-            "(max_uniform_drops); keeping such groups, with zero advantages, until the next "
-            "batch",
-            drops,
-        )
-        return
-    if (batches - 1) % CAPPED_WARN_EVERY == 0:
-        log.warning(
-            "sample pipeline: %d groups with uniform rewards dropped while filling one batch "
-            "(max_uniform_drops), and every reward scored since the previous batch was %g; "
-            "keeping such groups, with zero advantages, until the next batch (%d batches so "
-            "far; said again every %d). Is the reward constant, or the data far too hard or "
-            "too easy? (A policy at a perfect score gets here too.)",
-            drops,
-            constant,
-            batches,
-            CAPPED_WARN_EVERY,
-        )
-
-
-def skipped_too_many(log: Any, skipped: int, bound: int) -> bool:
-    """Whether the prompt schedule skipped more than ``bound`` prompts in a row (then every
-    prompt counts as retired or deferred, and the pipeline ends as if the prompts ran out);
-    says so when it did."""
-    if skipped <= bound:
-        return False
-    log.warning(
-        "sample pipeline: the prompt schedule skipped %d prompts in a row: every prompt is "
-        "retired or deferred; ending as if the prompts ran out",
-        skipped,
-    )
-    return True
+    @property
+    def groups(self) -> int:
+        """Whole groups per batch."""
+        return self.batch_size // self.group_size
 
 
-def max_drops(batch_size: int, group_size: int, given: int | None, per_group: int) -> int:
-    """``max_uniform_drops``: as given, or ``per_group`` per group of a batch."""
-    if given is not None:
-        return given
-    return per_group * (batch_size // max(1, group_size))
+class ResumeState(msgspec.Struct, kw_only=True):
+    """Where a resumed pipeline starts: ``Batch.resume``, typed.
 
+    Attributes:
+        cursor: the first prompt index not yet settled (consumed or wasted).
+        settled: the indices past the cursor already settled (never admitted again).
+        pipeline: the counters by name (``Counters.as_dict``), without the groups still in
+            flight.
+        schedule: the prompt schedule's state (``PromptSchedule.state``), when it runs.
+    """
 
-def check_args(
-    batch_size: int, group_size: int, std: str, drop_uniform: bool, max_uniform_drops: int
-) -> None:
-    if group_size < 1 or batch_size < group_size:
-        raise ValueError(
-            f"batch_size ({batch_size}) must hold at least one group of group_size "
-            f"({group_size}) samples"
-        )
-    if drop_uniform and group_size < 2:
-        raise ValueError(
-            "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so "
-            "every group would be dropped; raise group_size or set drop_uniform false"
-        )
-    if std not in ("population", "unbiased"):
-        raise ValueError(f"std: expected 'population' or 'unbiased', got {std!r}")
-    if max_uniform_drops < 0:
-        raise ValueError(f"max_uniform_drops: expected an int >= 0, got {max_uniform_drops}")
+    cursor: int = 0
+    settled: list[int] = []
+    pipeline: dict[str, int] = {}
+    schedule: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any] | None) -> ResumeState:
+        """The resume state in ``state`` (a ``Batch.resume``, as kept with a learner step);
+        None or empty: a run from its start.
+
+        Raises:
+            ValueError: ``state`` is not such a mapping, naming the field that is wrong.
+        """
+        if state is None:
+            return cls()
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"resume: expected a sample pipeline's resume state (a mapping: the 'resume' a "
+                f"Batch carried), got {type(state).__name__}"
+            )
+        try:
+            return msgspec.convert(dict(state), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(
+                f"resume: not a sample pipeline's resume state ({exc}); pass the 'resume' a "
+                f"Batch carried, as kept with the learner's step"
+            ) from exc
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plain mapping a ``Batch`` carries: ``cursor``, ``settled``, ``pipeline`` and,
+        when the schedule runs, ``schedule``."""
+        return {
+            "cursor": self.cursor,
+            "settled": list(self.settled),
+            "pipeline": dict(self.pipeline),
+            **({"schedule": self.schedule} if self.schedule is not None else {}),
+        }

@@ -2,10 +2,14 @@
 
 One ``SamplePipeline`` runs in the control-flow program, between the rollout group and the
 learner, in either mode of the manifest's ``pipeline`` section
-(``asyncrl.manifest.pipeline_section``); both modes run this same code:
+(``asyncrl.manifest.pipeline_section``); both modes run this same code. It orchestrates; its
+parts each own one step:
 
-1. **Admission.** A prompt is admitted as a group of ``group_size`` samples when the ``Pacer``
-   has room: at most one batch in sync mode, up to η learner versions ahead in async mode.
+1. **Admission** (``Admission``, ``asyncrl.roles.sampling.admission``). A prompt is admitted as
+   a group of ``group_size`` samples when the ``Pacer`` has room: at most one batch in sync
+   mode, up to η learner versions ahead in async mode. Admission pages the prompt feed, skips
+   what a resume state settled, asks the prompt schedule which prompts to generate, and starts
+   a probed prompt with its probe's samples only.
 2. **Dispatch.** The unit of work is one sample, (prompt id, sample index): each is its own
    ``generate`` call (with an episode runner's ``source``, its own multi-turn episode), so one
    group's samples run on whichever replicas have free slots, in any order, and an idle
@@ -13,17 +17,14 @@ learner, in either mode of the manifest's ``pipeline`` section
    or interrupted by a weight update) comes back partial and is resumed on any replica, keeping
    its tokens and their versions. A sample lost with a crashed replica is re-run by the
    dispatcher under the same stable id: it replaces the lost one, and is never counted twice.
-3. **Split-mode reduction.** Each scored sample posts its reward to its group's round of a
-   ``Reducer`` (count, mean and M2, merged with Chan's formula in arrival order). A group is
-   released the moment its last sample arrives, or at its deadline under the straggler policy;
-   its advantages, ``(r - mean) / (std + eps)`` from the rewards it holds, come from the
-   function the learner calls when a batch has none (``group_advantages``), so they are
-   exactly what the learner computes over the same group. With ``drop_uniform`` (dynamic
-   sampling, DAPO), a released group whose rewards are all equal is dropped instead (no GRPO
-   signal): counted as waste, and its room goes to a fresh prompt, so batches keep their size.
-   At most ``max_uniform_drops`` are dropped per batch; past that, such groups are kept, with
-   zero advantages (a probing group whose probe agrees past the cap is generated whole and kept,
-   whenever it is released).
+   A sample that failed through no fault of the policy (``Sample.infra_failed``) is replaced
+   once by a fresh one, or drops its group (``pipeline.infra_failed``).
+3. **Release** (``Release``, ``asyncrl.roles.sampling.release``). Finished samples are scored
+   together; each reward goes into its group's round of a ``Reducer`` (split-mode reduction).
+   A group is released the moment its last sample arrives, or at its deadline under the
+   straggler policy, with the advantages the learner would compute over it
+   (``group_advantages``); with ``drop_uniform`` (dynamic sampling) a group whose rewards are
+   all equal is dropped instead, up to ``max_uniform_drops`` a batch.
 4. **Consumption.** ``next_batch()`` hands out whole released groups, oldest release first,
    with each sample's staleness against the learner version that will consume them; a group
    with a sample over η is dropped (waste, refilled) or kept for the learner's correction.
@@ -33,20 +34,23 @@ The pipeline owns its background work (admission, one task per sample, scoring) 
 group's release, cancels the rest and is raised by ``next_batch`` (or by ``close``, if no
 ``next_batch`` raised it).
 
-Every admitted sample ends up consumed or counted as waste (``metrics``); nothing is silently
-lost. ``cursor`` is the first prompt index not yet settled (consumed or wasted). Each batch
-carries ``resume``: the cursor, the indices past it already settled, and the counters as of that
-batch without the groups still in flight. Kept with the learner's step (``TrainBatch.keep``), it
-is where a resumed pipeline starts (``SamplePipeline(..., resume=...)``): it admits again from
-the cursor, skips what was settled, and counts on from there, so a resumed run generates every
-unsettled group once more and consumes nothing twice.
+Every admitted sample ends up consumed or counted as waste (``counters``, a ``Counters``;
+``metrics`` gives them by name); nothing is silently lost. ``cursor`` is the first prompt index
+not yet settled (consumed or wasted). Each batch carries ``resume`` (a ``ResumeState`` as a
+plain mapping): the cursor, the indices past it already settled, the counters as of that batch
+without the groups still in flight, and the prompt schedule's state. Kept with the learner's
+step (``TrainBatch.keep``), it is where a resumed pipeline starts
+(``SamplePipeline(..., resume=...)``): it admits again from the cursor, skips what was settled,
+and counts on from there, so a resumed run generates every unsettled group once more and
+consumes nothing twice.
 
 No silent stall: when no sample is in flight, no group is ready and the pacer has no room (the
 learner's version does not move), ``next_batch`` raises ``StallError`` at once, saying so; and
 ``describe()`` tells the driver's watchdog what the pipeline waits for.
 
 ``WeightSync`` (``asyncrl.roles.sampling.weight_sync``) and ``group_advantages``
-(``asyncrl.roles.learning.groups``) live in modules of their own and are re-exported here.
+(``asyncrl.roles.learning.groups``) live in modules of their own and are re-exported here, as
+is ``BatchSettings`` (``asyncrl.roles.sampling.contract``).
 """
 
 from __future__ import annotations
@@ -54,36 +58,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
-from collections import Counter, deque
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.dispatch.background import Background
 from asyncrl.errors import StallError
-from asyncrl.roles.learning.groups import Group, group_advantages, uniform
-from asyncrl.roles.learning.statistics import Moments, percentiles, staleness
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored
+from asyncrl.roles.learning.groups import group_advantages
+from asyncrl.roles.learning.statistics import Moments, percentiles
+from asyncrl.roles.payloads import Sample, SamplingParams, Scored
+from asyncrl.roles.sampling.admission import Admission
 from asyncrl.roles.sampling.coalesce import GroupCalls
 from asyncrl.roles.sampling.contract import (
     Batch,
+    BatchSettings,
     Caller,
     Generate,
     PromptFeed,
     PromptsExhausted,
-    RewardTally,
+    ResumeState,
     SampleSource,
     Scorer,
-    check_args,
-    max_drops,
-    skipped_too_many,
-    warn_capped,
 )
-from asyncrl.roles.sampling.pacing import Mode, OverEta, Pacer, PipelineSpec
-from asyncrl.roles.sampling.reduce import Outcome, Reducer, Released, Straggler
-from asyncrl.roles.sampling.schedule import PromptSchedule
+from asyncrl.roles.sampling.counters import Counters
+from asyncrl.roles.sampling.group import Group
+from asyncrl.roles.sampling.pacing import Pacer, PipelineSpec
+from asyncrl.roles.sampling.release import Release, RewardTally
 from asyncrl.roles.sampling.weight_sync import WeightSync
 
-__all__ = ["Batch", "SamplePipeline", "WeightSync", "group_advantages"]
+__all__ = ["Batch", "BatchSettings", "SamplePipeline", "WeightSync", "group_advantages"]
 
 log = logging.getLogger("asyncrl.pipeline")
 
@@ -95,16 +99,14 @@ INFRA_DROP = "drop"
 INFRA_DROPPED = "infra_dropped"
 """The outcome of a group dropped for an infra-failed sample."""
 
-FETCH_MAX = 1024
-"""The most prompts asked of the feed at once (while the schedule skips most of them)."""
-
 
 class SamplePipeline:
     """Admits prompts, generates and scores their groups, and releases them with advantages.
 
     Use it as an async context manager around the training loop::
 
-        async with SamplePipeline(ctx.rollout, spec=ctx.pipeline, ...) as pipe:
+        settings = BatchSettings(batch_size=64, group_size=8)
+        async with SamplePipeline(ctx.rollout, spec=ctx.pipeline, settings=settings, ...) as pipe:
             for _ in range(steps):
                 batch = await pipe.next_batch()
                 step = TrainBatch(samples=batch.samples, ...)
@@ -114,23 +116,28 @@ class SamplePipeline:
     Args:
         rollout: the rollout group's handle; ``generate`` takes one sample per call.
         spec: the manifest's ``pipeline`` section.
+        settings: the batch and group sizes, the learner's GRPO conventions and dynamic
+            sampling (``BatchSettings``).
         feed: the prompts, by index; score: one reward per sample.
-        params: sampling parameters; batch_size, group_size: samples per batch and per group.
-        start_version, start_cursor, resume: where a resumed run starts (``Batch.resume``).
-        normalize_std, std: the learner's GRPO conventions (``group_advantages``).
-        timeout: seconds per generate call; watchdog: told what the pipeline waits for.
-        drop_uniform: drop groups whose rewards are all equal (default: ``spec.drop_uniform``).
-        max_uniform_drops: the most such groups dropped per batch (default: the spec's
-            ``uniform_drops_per_group`` per group of the batch); past it they are kept, with
-            zero advantages, and counted.
+        params: sampling parameters; timeout: seconds per generate call.
+        start_version, resume: where a resumed run starts: the learner's version, and the
+            ``Batch.resume`` kept with its last step (``{"cursor": n}`` alone starts at prompt
+            n).
+        watchdog: told what the pipeline waits for.
         clock: what straggler deadlines run on (a test passes a ``FakeClock``).
         source: how each sample is produced (``SampleSource``); None: ``Generate``, one
-            completion from ``rollout`` with ``params``. An episode runner's source makes each
-            sample a multi-turn episode.
+            completion from ``rollout`` with ``params`` (``GroupCalls`` with the spec's
+            ``group_calls``). An episode runner's source makes each sample a multi-turn
+            episode.
+
+    Attributes:
+        counters: what the pipeline counted (``Counters``); ``metrics`` gives them by name.
+        admission: which prompt comes next (``Admission``); release: what becomes of a group
+            once its rewards are in (``Release``); pacer: the staleness window (``Pacer``).
 
     Raises:
-        ValueError: a batch smaller than one group, an unknown ``std``, or ``drop_uniform``
-            with groups of one.
+        ValueError: ``drop_uniform`` with groups of one, or a ``resume`` that is not a
+            pipeline's resume state.
     """
 
     def __init__(
@@ -138,95 +145,64 @@ class SamplePipeline:
         rollout: Caller,
         *,
         spec: PipelineSpec,
+        settings: BatchSettings,
         feed: PromptFeed,
         score: Scorer,
         params: SamplingParams,
-        batch_size: int,
-        group_size: int,
         start_version: int = 0,
-        start_cursor: int = 0,
-        resume: dict[str, Any] | None = None,
-        normalize_std: bool = True,
-        std: str = "population",
+        resume: Mapping[str, Any] | None = None,
         timeout: float = 600.0,
         watchdog: Any = None,
-        drop_uniform: bool | None = None,
-        max_uniform_drops: int | None = None,
         clock: Clock = MONOTONIC,
         source: SampleSource | None = None,
     ) -> None:
-        self.drop_uniform = spec.drop_uniform if drop_uniform is None else drop_uniform
-        self.max_uniform_drops = max_drops(
-            batch_size, group_size, max_uniform_drops, spec.uniform_drops_per_group
-        )
-        check_args(batch_size, group_size, std, self.drop_uniform, self.max_uniform_drops)
-        self.rollout = rollout
+        state = ResumeState.of(resume)
         self.spec = spec
-        self.feed = feed
+        self.settings = settings
         self.score = score
-        self.params = params
-        self.batch_size = batch_size
-        self.group_size = group_size
-        self.normalize_std = normalize_std
-        self.std = std
-        self.timeout = timeout
+        self.group_size = settings.group_size
         self.source = source or (
             GroupCalls(rollout, params, timeout=timeout)
             if spec.group_calls
             else Generate(rollout, params, timeout=timeout, affinity=spec.group_affinity)
         )
         self.pacer = Pacer(
-            batch_size,
+            settings.batch_size,
             spec.window_eta,
             start_version=start_version,
             overprovision=spec.window_overprovision,
+        )
+        self.counters = Counters.from_dict(state.pipeline)
+        self.admission = Admission(
+            feed,
+            spec.schedule,
+            group_size=settings.group_size,
+            chunk=settings.groups,
+            counters=self.counters,
+            cursor=state.cursor,
+            settled=state.settled,
+            schedule_state=state.schedule,
         )
         self._ready_event = asyncio.Event()
         # Samples, scoring and admission run here; its first error is next_batch's to raise.
         self._background = Background("sample pipeline", on_stop=self._ready_event.set)
         self._raised: BaseException | None = None  # the failure next_batch raised
-        self.reducer = self._reducer(clock)
-        resume = resume or {}
-        start_cursor = int(resume.get("cursor", start_cursor))
-        self.metrics: Counter[str] = Counter(
-            {k: int(v) for k, v in resume.get("pipeline", {}).items()}
+        self.release = Release(
+            settings,
+            spec,
+            self.counters,
+            self.pacer,
+            on_ready=self._ready_event.set,
+            on_settled=self.admission.settle,
+            on_error=self._background.fail,
+            clock=clock,
         )
         self.running: dict[int, Moments] = {}  # consuming version -> reward moments
         self._running_total = Moments(0, 0.0, 0.0)  # all of them merged
-        self._groups: dict[str, Group] = {}
-        self._ready: deque[Group] = deque()
-        self._next_index = start_cursor  # the next prompt to admit
-        self._fetched = start_cursor  # the next prompt to ask the feed for
-        self._skip = {int(i) for i in resume.get("settled", [])}  # settled before a resume
-        self._fetching = False
-        self._unsettled: dict[int, None] = {}  # admitted, not consumed or wasted, in order
-        self._prompts: deque[Prompt] = deque()
-        self._exhausted = False
-        self._uniform_drops = 0  # uniform groups dropped since the last batch was handed out
-        self._uniform_capped = False  # ... and it reached max_uniform_drops
-        self._constant_batches = 0  # ... with every reward scored for them the same, in this run
-        self.schedule = PromptSchedule(spec.schedule, group_size, state=resume.get("schedule"))
-        self._probing: dict[str, int] = {}  # group key -> samples of its probe, while probing
-        self._skipped_run = 0  # prompts the schedule skipped since it last admitted one
-        self._scored = RewardTally()  # the rewards released since the last batch
         self._to_score: list[tuple[Group, int, Sample]] = []
         self._scoring: asyncio.Task[None] | None = None
         if watchdog is not None:
             watchdog.watch("sample pipeline", self.describe)
-
-    def _reducer(self, clock: Clock) -> Reducer:
-        """The reducer of the groups' rewards, under the manifest's straggler policy; an error
-        in its callbacks fails the pipeline's background work (next_batch raises it)."""
-        straggler = self.spec.straggler
-        return Reducer(
-            self._on_release,
-            policy=Straggler(straggler.policy),
-            deadline_s=straggler.deadline_s or None,
-            k_min=min(straggler.k_min, self.group_size),
-            on_late=self._on_late,
-            on_error=self._background.fail,
-            clock=clock,
-        )
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -247,7 +223,7 @@ class SamplePipeline:
             (then it is logged: the caller is raising another error already).
         """
         failure = await self._background.close()
-        self.reducer.close()
+        self.release.close()
         if failure is None or failure is self._raised:
             return
         if raise_failure:
@@ -266,59 +242,14 @@ class SamplePipeline:
     async def _admit_loop(self) -> None:
         while True:
             await self.pacer.admit(self.group_size)
-            prompt = await self._next_prompt()
+            prompt = await self.admission.next_prompt()
             if prompt is None:
                 self.pacer.waste(self.group_size)  # nothing to admit: give the room back
-                self._exhausted = True
                 self._ready_event.set()
                 return
-            self._start(prompt)
-
-    async def _next_prompt(self) -> Prompt | None:
-        while True:
-            if not self._prompts:
-                # While the schedule skips most prompts, ask for more at a time.
-                n = max(1, self.batch_size // self.group_size)
-                n = min(FETCH_MAX, max(n, self._skipped_run))
-                self._fetching = True
-                try:
-                    fetched = await self.feed(self._fetched, n)
-                finally:
-                    self._fetching = False
-                self._fetched += len(fetched)
-                self._prompts.extend(fetched)
-            if not self._prompts:
-                return None
-            prompt = self._prompts.popleft()
-            if self._next_index in self._skip:  # consumed before the run resumed
-                self._skip.discard(self._next_index)
-                self._next_index += 1
-                continue
-            if not self.schedule.admit(prompt.id, self._next_index):  # deferred: settled now
-                retired = self.schedule.retired(prompt.id)
-                self.metrics["retired_skips" if retired else "skipped_prompts"] += 1
-                self._skipped_run += 1
-                if skipped_too_many(log, self._skipped_run, self.schedule.skip_bound()):
-                    return None
-                self._next_index += 1
-                continue
-            self._skipped_run = 0
-            return prompt
-
-    def _start(self, prompt: Prompt) -> None:
-        index = self._next_index
-        self._next_index += 1
-        group = Group(prompt.id, index, prompt)
-        self._groups[group.key] = group
-        self._unsettled[index] = None
-        self.reducer.open(group.key, self.group_size)
-        self.metrics["admitted_groups"] += 1
-        self.metrics["admitted_samples"] += self.group_size
-        first = self.schedule.first(prompt.id)
-        if first < self.group_size:
-            self._probing[group.key] = first
-            self.metrics["probed_groups"] += 1
-        self._spawn(group, range(first))
+            group = self.admission.start(prompt)
+            self.release.open(group)
+            self._spawn(group, range(group.probe or self.group_size))
 
     def _spawn(self, group: Group, ks: range) -> None:
         for k in ks:
@@ -329,24 +260,8 @@ class SamplePipeline:
     def _after_probe(self, group: Group) -> None:
         """The probe's samples are all scored: drop the group if they agree (while this batch
         may still drop uniform groups), else generate the rest of it."""
-        first = self._probing.pop(group.key)
-        rewards = [r for _, r in group.samples.values()]
-        agree = uniform(rewards) and self.schedule.repeats(
-            [s.logprobs for s, _ in group.samples.values()]
-        )
-        if agree and self._uniform_drops < self.max_uniform_drops:
-            self._scored.add(rewards)
-            self._uniform_drops += 1
-            for counter in ("groups_uniform_dropped", "groups_probe_dropped"):
-                self.metrics[counter] += 1
-            self.metrics["samples_uniform_dropped"] += first
-            self.metrics["wasted_samples"] += first
-            self.metrics["admitted_samples"] -= self.group_size - first  # never generated
-            self.metrics["wasted_tokens"] += sum(
-                len(s.token_ids) for s, _ in group.samples.values()
-            )
-            self.pacer.waste(self.group_size)  # the whole group's room goes to a fresh prompt
-            self._settle(group)
+        agree, first = self.admission.end_probe(group)
+        if agree and self.release.drop_probe(group, first):
             return
         # Agreeing past this batch's cap, it is generated whole to be kept: dropping it at its
         # release (a later batch's cap may allow it) would waste all of it, not its probe.
@@ -356,39 +271,43 @@ class SamplePipeline:
     # -- one sample ---------------------------------------------------------------------
 
     async def _sample(self, group: Group, k: int) -> None:
-        counts: Counter[str] = Counter()  # the group's own, so a resume state can drop them
-        sample = await self.source(group.prompt, k, counts)
+        source_counts: Counter[str] = Counter()  # what the source counts, by its own names
+        sample = await self.source(group.prompt, k, source_counts)
         while sample.infra_failed:
             cause = sample.infra_failed
-            counts.update({"infra_failed": 1, f"infra_failed_{cause}": 1})
+            failed = Counters(
+                infra_failed=1,
+                infra_causes=Counter({cause: 1}),
+                wasted_tokens=len(sample.token_ids),
+            )
             if self.spec.infra_failed == INFRA_DROP or k in group.replaced:
-                counts["wasted_tokens"] += len(sample.token_ids)
-                self._generated(group, counts)
+                self._generated(group, source_counts, failed)
                 self._drop_infra_failed(group, k, cause)
                 return
             # Replaced once: the failed sample is waste; a fresh one of the prompt takes its slot.
             group.replaced.add(k)
-            counts.update(
-                infra_replaced=1,
-                admitted_samples=1,
-                wasted_samples=1,
-                wasted_tokens=len(sample.token_ids),
-            )
-            self._generated(group, counts)
-            sample = await self.source(group.prompt, k, counts)
-        self._generated(group, counts)
+            failed.infra_replaced = failed.admitted_samples = failed.wasted_samples = 1
+            self._generated(group, source_counts, failed)
+            sample = await self.source(group.prompt, k, source_counts)
+        self._generated(group, source_counts)
         self._to_score.append((group, k, sample))
         if self._scoring is None or self._scoring.done():
             self._scoring = self._background.spawn(self._score_pending())
 
-    def _generated(self, group: Group, counts: Counter[str]) -> None:
-        """Count one sample the source returned, and what it counted on the way."""
-        if counts:
-            self.metrics.update(counts)
-            group.counts.update(counts)
-            counts.clear()
-        self.metrics["generated_samples"] += 1
-        group.generated += 1
+    def _generated(
+        self, group: Group, source_counts: Counter[str], counts: Counters | None = None
+    ) -> None:
+        """Count one sample the source returned, what the source counted on the way, and
+        ``counts`` (a failed sample's); the group keeps them too, for a resume state."""
+        if source_counts:
+            self.counters.source.update(source_counts)
+            group.counts.source.update(source_counts)
+            source_counts.clear()
+        if counts is not None:
+            self.counters.add(counts)
+            group.counts.add(counts)
+        self.counters.generated_samples += 1
+        group.counts.generated_samples += 1
 
     def _drop_infra_failed(self, group: Group, k: int, cause: str) -> None:
         """Drop a group whose sample ``k`` failed through no fault of the policy and is not
@@ -405,12 +324,12 @@ class SamplePipeline:
             " twice" if k in group.replaced else "",
         )
         group.outcome = INFRA_DROPPED
-        self.metrics["groups_infra_dropped"] += 1
+        self.counters.groups_infra_dropped += 1
         current = asyncio.current_task()
         for task in group.tasks:
             if task is not current and not task.done():
                 task.cancel()
-        self._waste(group, self.group_size)
+        self.release.waste(group, self.group_size)
 
     async def _score_pending(self) -> None:
         """Score every sample that finished meanwhile in one call, then post each reward."""
@@ -421,137 +340,67 @@ class SamplePipeline:
                 if group.outcome == INFRA_DROPPED:  # waste already
                     continue
                 if group.outcome:
-                    self._on_late(group.key, str(k))  # its group was released without it
+                    self.release.late(group.key, str(k))  # its group was released without it
                     continue
-                group.samples[k] = (sample, float(reward))
-                self.reducer.add(group.key, str(k), Moments.one(float(reward)))
-                if not group.outcome and len(group.samples) == self._probing.get(group.key):
+                self.release.add(group, k, sample, float(reward))
+                if self.admission.probe_scored(group):
                     self._after_probe(group)
 
-    # -- release ------------------------------------------------------------------------
+    # -- state --------------------------------------------------------------------------
 
-    def _on_release(self, released: Released) -> None:
-        group = self._groups.get(released.key)
-        if group is None:
-            return
-        self._probing.pop(group.key, None)  # a deadline may release a probing group
-        group.outcome = released.outcome
-        self.metrics[f"groups_{released.outcome}"] += 1
-        for k, task in enumerate(group.tasks):
-            if k not in group.samples and not task.done():
-                task.cancel()  # a straggler of a released group: its result would be waste
-        if released.outcome == Outcome.DROPPED:
-            self._waste(group, self.group_size)
-            return
-        missing = self.group_size - len(group.samples)
-        if missing:
-            self.metrics["wasted_samples"] += missing
-            self.pacer.waste(missing)
-        ks = sorted(group.samples)
-        rewards = [group.samples[k][1] for k in ks]
-        self._scored.add(rewards)
-        if self.drop_uniform and uniform(rewards):
-            if group.keep_uniform:
-                self.metrics["groups_uniform_kept"] += 1
-            elif self._drop_uniform(group):
-                return
-        advantages = group_advantages(rewards, normalize_std=self.normalize_std, std=self.std)
-        group.advantages = dict(zip(ks, advantages, strict=True))
-        self._ready.append(group)
-        self._ready_event.set()
-
-    def _drop_uniform(self, group: Group) -> bool:
-        """Dynamic sampling: drop a group whose rewards are all equal, so that a fresh prompt
-        takes its room; False (keep it) once this batch has dropped ``max_uniform_drops``."""
-        if self._uniform_drops >= self.max_uniform_drops:
-            if not self._uniform_capped:
-                self._uniform_capped = True
-                self.metrics["batches_uniform_capped"] += 1
-                constant = self._scored.constant()
-                self._constant_batches += constant is not None
-                warn_capped(log, self._uniform_drops, self._constant_batches, constant)
-            self.metrics["groups_uniform_kept"] += 1
-            return False
-        self._uniform_drops += 1
-        self.metrics["groups_uniform_dropped"] += 1
-        self.metrics["samples_uniform_dropped"] += len(group.samples)
-        self._waste(group, len(group.samples))
-        return True
-
-    def _on_late(self, key: str, part: str) -> None:
-        self.metrics["late_samples"] += 1
-
-    def _waste(self, group: Group, n: int) -> None:
-        """Drop a whole group: its samples are waste, and its room goes to a fresh prompt."""
-        self.metrics["wasted_samples"] += n
-        self.metrics["wasted_tokens"] += sum(len(s.token_ids) for s, _ in group.samples.values())
-        self.pacer.waste(n)
-        self._settle(group)
-
-    def _settle(self, group: Group) -> None:
-        # The schedule learns from a group once it is settled (consumed or wasted), as the
-        # resume state counts it: a released group still unconsumed is admitted again on resume.
-        if self.schedule.enabled and group.samples:
-            self.schedule.record(group.prompt.id, [r for _, r in group.samples.values()])
-        self._probing.pop(group.key, None)
-        self._groups.pop(group.key, None)
-        self._unsettled.pop(group.index, None)
-        self.reducer.forget(group.key)
+    @property
+    def metrics(self) -> Counter[str]:
+        """The counters by name (``Counters.as_dict``), as every batch's metrics show them."""
+        return Counter(self.counters.as_dict())
 
     @property
     def cursor(self) -> int:
         """The first prompt index not yet consumed or wasted."""
-        return next(iter(self._unsettled), self._next_index)
+        return self.admission.cursor
 
     @property
     def in_flight(self) -> int:
         """Samples admitted and not yet consumed or wasted."""
-        return len(self._unsettled) * self.group_size
+        return len(self.admission.unsettled) * self.group_size
 
     def resume_state(self) -> dict[str, Any]:
-        """What a pipeline resumed from here needs: the cursor, the indices past it already
-        settled, and the counters without the groups still in flight (they are admitted and
-        generated again on resume)."""
-        unsettled = [g for g in self._groups.values() if g.index in self._unsettled]
-        counters = Counter(self.metrics)
-        counters["admitted_groups"] -= len(unsettled)
-        counters["admitted_samples"] -= len(unsettled) * self.group_size
-        counters["generated_samples"] -= sum(g.generated for g in unsettled)
-        for group in unsettled:
+        """What a pipeline resumed from here needs (``ResumeState``): the cursor, the indices
+        past it already settled, and the counters without the groups still in flight (they
+        are admitted and generated again on resume)."""
+        counters = self.counters.copy()
+        for group in self.admission.unsettled.values():
             counters.subtract(group.counts)
-        return {
-            "cursor": self.cursor,
-            # Past the cursor, every index admitted (or skipped as settled before a resume)
-            # and not unsettled is settled; so are those a resume said to skip, not reached yet.
-            "settled": [
-                *(i for i in range(self.cursor, self._next_index) if i not in self._unsettled),
-                *sorted(self._skip),
-            ],
-            "pipeline": {k: int(v) for k, v in counters.items()},
-            **({"schedule": self.schedule.state()} if self.schedule.enabled else {}),
-        }
+        schedule = self.admission.schedule
+        return ResumeState(
+            cursor=self.cursor,
+            settled=self.admission.settled(),
+            pipeline=counters.as_dict(),
+            schedule=schedule.state() if schedule.enabled else None,
+        ).as_dict()
 
     def describe(self) -> str:
         """What the pipeline waits for now, for the watchdog's report."""
-        generating = sum(1 for g in self._groups.values() for t in g.tasks if not t.done())
+        groups = self.admission.unsettled.values()
+        generating = sum(1 for g in groups for t in g.tasks if not t.done())
         return (
-            f"{len(self._groups)} group(s) admitted and unsettled, {generating} sample(s) "
-            f"generating, {len(self._to_score)} waiting to be scored, {len(self._ready)} "
+            f"{len(groups)} group(s) admitted and unsettled, {generating} sample(s) "
+            f"generating, {len(self._to_score)} waiting to be scored, {len(self.release.ready)} "
             f"group(s) ready; pacer at learner version {self.pacer.version}, room "
             f"{self.pacer.room()} sample(s) (a group needs {self.group_size}); prompts "
-            f"{'exhausted' if self._exhausted else 'available'}"
+            f"{'exhausted' if self.admission.exhausted else 'available'}"
         )
 
     def _stuck(self) -> bool:
         """Nothing can make the next group ready: nothing generates, scores or fetches, and the
         pacer admits nothing until the learner's version moves, which waits on this batch."""
-        if self._ready or self._exhausted or self._fetching or self._to_score:
+        admission = self.admission
+        if self.release.ready or admission.exhausted or admission.fetching or self._to_score:
             return False
         if self._scoring is not None and not self._scoring.done():
             return False
-        if any(not t.done() for g in self._groups.values() for t in g.tasks):
+        if any(not t.done() for g in admission.unsettled.values() for t in g.tasks):
             return False
-        if self.reducer.pending() and self.spec.straggler.deadline_s:
+        if self.release.deadline_pending():
             return False
         return self.pacer.room() < self.group_size
 
@@ -576,26 +425,15 @@ class SamplePipeline:
         version = self.pacer.version
         taken: list[tuple[int, list[Scored], list[int]]] = []  # (prompt index, samples, ages)
         admitted = 0  # the samples admitted for the groups taken: a partial group counts whole
-        while admitted < self.batch_size:
+        while admitted < self.settings.batch_size:
             group = await self._next_ready()
             if group is None:
                 break
-            ks = sorted(group.samples)
-            group_ages = [staleness(version, group.samples[k][0].policy_versions) for k in ks]
-            over = max(group_ages, default=0) > self.pacer.eta
-            if over and self.spec.mode == Mode.ASYNC and self.spec.over_eta == OverEta.DROP:
-                self.metrics["groups_over_eta_dropped"] += 1
-                self._waste(group, len(group.samples))
+            took = self.release.take(group, version)
+            if took is None:  # over η, dropped
                 continue
-            if over:
-                self.metrics["groups_over_eta_corrected"] += 1
-            scored = []
-            for k in ks:
-                sample, reward = group.samples[k]
-                scored.append(Scored(sample=sample, reward=reward, advantage=group.advantages[k]))
-            taken.append((group.index, scored, group_ages))
+            taken.append((group.index, *took))
             admitted += self.group_size
-            self._settle(group)
         # In prompt order, not release order (and in sample order within a group): the learner
         # sums the same samples in the same order whichever finished first, so a sync run is
         # repeatable to the bit.
@@ -604,18 +442,26 @@ class SamplePipeline:
         ages = [a for _, _, group_ages in taken for a in group_ages]
         if not samples:
             raise PromptsExhausted("the prompts ran out: no more groups to hand out")
-        self.metrics["consumed_samples"] += len(samples)
-        self.metrics["batches"] += 1
-        self._uniform_drops, self._uniform_capped = 0, False
-        self.schedule.end_batch()
-        tally, self._scored = self._scored, RewardTally()
+        self.counters.consumed_samples += len(samples)
+        self.counters.batches += 1
+        tally = self.release.end_batch()
+        self.admission.schedule.end_batch()
         if self.spec.running_stats:
             rewards = Moments.of([s.reward for s in samples])
             self.running[version] = self.running.get(version, Moments(0, 0.0, 0.0)).merge(rewards)
             self._running_total = self._running_total.merge(rewards)
-        metrics: dict[str, float] = {k: float(v) for k, v in self.metrics.items()}
+        metrics = self._batch_metrics(samples, ages, tally)
+        return Batch(samples, version, ages, self.cursor, metrics, self.resume_state())
+
+    def _batch_metrics(
+        self, samples: list[Scored], ages: list[int], tally: RewardTally
+    ) -> dict[str, float]:
+        """A batch's metrics: the counters, its staleness, the reducer's counters, the scored
+        reward, the schedule's exploration, the pacer's window and the running statistics."""
+        metrics: dict[str, float] = {k: float(v) for k, v in self.counters.as_dict().items()}
         metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
-        metrics.update({f"reducer_{k}": float(v) for k, v in self.reducer.metrics.items()})
+        reducer = self.release.reducer
+        metrics.update({f"reducer_{k}": float(v) for k, v in reducer.metrics.items()})
         # The policy's reward: over every group scored since the last batch, uniform ones that
         # dynamic sampling dropped included (the batch's own mean leaves them out).
         metrics["reward_scored_mean"] = (
@@ -623,20 +469,21 @@ class SamplePipeline:
             if tally.count
             else sum(s.reward for s in samples) / len(samples)
         )
-        if self.schedule.enabled:
-            metrics["schedule_explore"] = self.schedule.explore
+        if self.admission.schedule.enabled:
+            metrics["schedule_explore"] = self.admission.schedule.explore
         metrics["pacer_room"] = float(self.pacer.room())
         metrics["pacer_max_ahead"] = float(self.pacer.max_ahead)
         if self.spec.running_stats:
             metrics["reward_running_mean"] = self._running_total.mean
             metrics["reward_running_std"] = self._running_total.std
-        return Batch(samples, version, ages, self.cursor, metrics, self.resume_state())
+        return metrics
 
     async def _next_ready(self) -> Group | None:
         self._check_failure()
-        while not self._ready:
+        ready = self.release.ready
+        while not ready:
             self._check_failure()
-            if self._exhausted and not self._groups:
+            if self.admission.exhausted and not self.admission.unsettled:
                 return None
             self._ready_event.clear()
             if self._stuck():
@@ -650,4 +497,4 @@ class SamplePipeline:
                     )
                 continue
             await self._ready_event.wait()
-        return self._ready.popleft()
+        return ready.popleft()

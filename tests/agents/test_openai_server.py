@@ -836,7 +836,7 @@ def test_episodes_played_through_the_endpoint_reach_the_learners_batch_with_thei
     it hands the learner holds each episode's discounted return and its group advantage."""
     from asyncrl.manifest.pipeline_section import PipelineSpec
     from asyncrl.roles.payloads import Prompt, SamplingParams
-    from asyncrl.roles.sampling.pipeline import SamplePipeline
+    from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline
 
     async def feed(cursor: int, n: int) -> list[Any]:
         return [
@@ -872,10 +872,8 @@ def test_episodes_played_through_the_endpoint_reach_the_learners_batch_with_thei
                 feed=feed,
                 score=functools.partial(episode_rewards, gamma=0.5),
                 params=SamplingParams(max_new_tokens=4),
-                batch_size=4,
-                group_size=2,
+                settings=BatchSettings(batch_size=4, group_size=2, drop_uniform=False),
                 source=agent,
-                drop_uniform=False,
             )
             async with pipe:
                 batch = await asyncio.wait_for(pipe.next_batch(), 30)

@@ -24,7 +24,7 @@ import msgspec
 
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, SamplingParams
-from asyncrl.roles.sampling.pipeline import SamplePipeline
+from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline
 
 
 class TimedRollout(Role):
@@ -84,8 +84,7 @@ async def program(ctx: Any) -> dict[str, Any]:
         feed=feed,
         score=score,
         params=SamplingParams(max_new_tokens=1),
-        batch_size=cfg["batch_size"],
-        group_size=cfg["group_size"],
+        settings=BatchSettings(batch_size=cfg["batch_size"], group_size=cfg["group_size"]),
         timeout=60.0,
     )
     async with pipe:
@@ -101,6 +100,6 @@ async def program(ctx: Any) -> dict[str, Any]:
         "groups": groups,
         "keys": keys,
         "metrics": dict(pipe.metrics),
-        "reducer": pipe.reducer.metrics,
+        "reducer": pipe.release.reducer.metrics,
         "pacer_max_ahead": pipe.pacer.max_ahead,
     }

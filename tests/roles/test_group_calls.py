@@ -13,7 +13,7 @@ import pytest
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.roles.payloads import GenerateBatch, Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.coalesce import GroupCalls
-from asyncrl.roles.sampling.pipeline import SamplePipeline
+from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline
 from asyncrl.transport import run
 
 G = 4
@@ -75,8 +75,7 @@ def test_a_groups_samples_travel_as_one_call_and_come_back_each_its_own() -> Non
             feed=feed,
             score=score,
             params=SamplingParams(max_new_tokens=4),
-            batch_size=2 * G,
-            group_size=G,
+            settings=BatchSettings(batch_size=2 * G, group_size=G),
         ) as pipe:
             batch = await asyncio.wait_for(pipe.next_batch(), 10)
             return [s.sample for s in batch.samples], rollout, pipe.metrics

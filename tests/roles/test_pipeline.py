@@ -24,7 +24,8 @@ from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, Samp
 from asyncrl.roles.learning import algorithms as alg
 from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import Scored
-from asyncrl.roles.sampling.pipeline import SamplePipeline, group_advantages
+from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline, group_advantages
+from asyncrl.roles.sampling.release import Release
 from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.roles.training.objective import batch_advantages
 from asyncrl.transport import run
@@ -118,16 +119,20 @@ async def score(samples: list[Sample]) -> list[float]:
 
 
 def pipeline(
-    rollout: FakeRollout, spec: PipelineSpec, feed: Feed | None = None, **kwargs: Any
+    rollout: FakeRollout,
+    spec: PipelineSpec,
+    feed: Feed | None = None,
+    *,
+    max_uniform_drops: int | None = None,
+    **kwargs: Any,
 ) -> SamplePipeline:
     kwargs.setdefault("score", score)
     return SamplePipeline(
         rollout,
         spec=spec,
+        settings=BatchSettings(batch_size=B, group_size=G, max_uniform_drops=max_uniform_drops),
         feed=feed or Feed(1000),
         params=SamplingParams(max_new_tokens=4),
-        batch_size=B,
-        group_size=G,
         **kwargs,
     )
 
@@ -211,11 +216,10 @@ def test_the_pipeline_and_the_learner_compute_identical_advantages(
             spec=spec,
             feed=Feed(1000),
             params=SamplingParams(max_new_tokens=4),
-            batch_size=2 * group_size,
-            group_size=group_size,
+            settings=BatchSettings(
+                batch_size=2 * group_size, group_size=group_size, normalize_std=normalize, std=std
+            ),
             score=scored,
-            normalize_std=normalize,
-            std=std,
         ) as pipe:
             sids = await started(rollout, 4 * group_size)
             random.Random(order_seed).shuffle(sids)
@@ -285,7 +289,7 @@ def test_a_resumed_pipeline_paces_from_the_resumed_version() -> None:
         rollout = FakeRollout()
         feed = Feed(1000)
         spec = PipelineSpec(mode="async", eta=1)
-        async with pipeline(rollout, spec, feed, start_version=5, start_cursor=40) as pipe:
+        async with pipeline(rollout, spec, feed, start_version=5, resume={"cursor": 40}) as pipe:
             await started(rollout, 2 * B)
             for _ in range(10):
                 await asyncio.sleep(0)
@@ -369,7 +373,7 @@ def test_a_straggler_follows_the_policy(policy: str) -> None:
             for sid in sids:
                 if sid != stuck:
                     rollout.release(sid)
-            await until(lambda: pipe.reducer.metrics["contributions"] == B - 1)
+            await until(lambda: pipe.release.reducer.metrics["contributions"] == B - 1)
             assert pipe.metrics["groups_complete"] == 1  # p1; p0 waits for its last sample
             clock.advance(DUE_S)
             if policy == "drop":
@@ -379,7 +383,7 @@ def test_a_straggler_follows_the_policy(policy: str) -> None:
                 for sid in fresh:
                     rollout.release(sid)
             elif policy == "wait":
-                assert pipe.reducer.metrics["overdue"] == 1
+                assert pipe.release.reducer.metrics["overdue"] == 1
                 assert pipe.metrics["groups_complete"] == 1  # p0 still waits
                 rollout.release(stuck)
             batch = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
@@ -654,7 +658,7 @@ def test_the_manifests_drops_per_group_sets_the_cap() -> None:
         everything = uniform_for(*(f"p{i}" for i in range(20)))
         spec = PipelineSpec(mode="sync", drop_uniform=True, uniform_drops_per_group=1)
         async with pipeline(rollout, spec, score=everything) as pipe:
-            assert pipe.max_uniform_drops == B // G
+            assert pipe.release.max_uniform_drops == B // G
             first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
         assert {s.sample.prompt_id for s in first.samples} == {"p2", "p3"}
         assert first.metrics["groups_uniform_dropped"] == 2
@@ -699,8 +703,7 @@ def test_drop_uniform_off_keeps_uniform_groups_and_on_needs_groups_of_two() -> N
             feed=Feed(4),
             score=score,
             params=SamplingParams(),
-            batch_size=B,
-            group_size=1,
+            settings=BatchSettings(batch_size=B, group_size=1),
         )
     assert str(err.value) == (
         "drop_uniform needs group_size >= 2: a group of one sample is always uniform, so every "
@@ -721,7 +724,7 @@ def test_a_partial_group_with_uniform_rewards_is_dropped_whole() -> None:
             for sid in await started(rollout, B):
                 if sid != ("p0", 3):
                     rollout.release(sid)
-            await until(lambda: pipe.reducer.metrics["contributions"] == B - 1)
+            await until(lambda: pipe.release.reducer.metrics["contributions"] == B - 1)
             clock.advance(DUE_S)
             fresh = await started(rollout, G)
             assert {p for p, _ in fresh} == {"p2"}
@@ -762,32 +765,26 @@ def test_an_error_in_the_score_function_is_raised_by_next_batch_and_stops_the_re
     run(main())
 
 
-class BrokenRelease(SamplePipeline):
-    """A pipeline whose release of a group raises: the release runs in the reducer's callback,
-    outside any task, and must reach next_batch all the same."""
+def test_an_error_in_the_release_of_a_group_is_raised_by_next_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release of a group raises: it runs in the reducer's callback, outside any task, and
+    must reach next_batch all the same."""
 
-    def _on_release(self, released: Any) -> None:
+    def broken(self: Release, released: Any) -> None:
         raise TypeError(f"cannot release {released.key}")
 
+    monkeypatch.setattr(Release, "group_released", broken)
 
-def test_an_error_in_the_release_of_a_group_is_raised_by_next_batch() -> None:
     async def main() -> None:
         rollout = FakeRollout(auto=True)
-        pipe = BrokenRelease(
-            rollout,
-            spec=PipelineSpec(mode="sync"),
-            feed=Feed(100),
-            score=score,
-            params=SamplingParams(max_new_tokens=4),
-            batch_size=B,
-            group_size=G,
-        )
+        pipe = pipeline(rollout, PipelineSpec(mode="sync"), Feed(100))
         async with pipe:
             with pytest.raises(TypeError) as err:
                 await asyncio.wait_for(pipe.next_batch(), WAIT_S)
         assert str(err.value) == "cannot release p0"
         # p1 completes in the same scoring call, before the cancellation lands: both counted.
-        assert pipe.reducer.metrics["callback_errors"] == 2
+        assert pipe.release.reducer.metrics["callback_errors"] == 2
 
     run(main())
 

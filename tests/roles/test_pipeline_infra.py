@@ -13,7 +13,7 @@ import pytest
 
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
-from asyncrl.roles.sampling.contract import Batch, Generate
+from asyncrl.roles.sampling.contract import Batch, BatchSettings, Generate
 from asyncrl.roles.sampling.pipeline import SamplePipeline
 from asyncrl.transport import run
 from tests.roles.test_pipeline import WAIT_S, B, FakeRollout, Feed, G, score
@@ -51,8 +51,7 @@ def batch_of(source: Failing, rule: str) -> tuple[Batch, Counter[str], int]:
             feed=Feed(1000),
             score=score,
             params=SamplingParams(max_new_tokens=4),
-            batch_size=B,
-            group_size=G,
+            settings=BatchSettings(batch_size=B, group_size=G),
             source=source,
         )
         async with pipe:

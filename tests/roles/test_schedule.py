@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
 from asyncrl.roles.generation.rollout import Prompt, Sample, SamplingParams
-from asyncrl.roles.sampling.pipeline import SamplePipeline
+from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline
 from asyncrl.roles.sampling.schedule import (
     ADMIT_MIN,
     EXPLORE_MIN,
@@ -138,17 +138,17 @@ def _pipeline(
     *,
     mode: str = "sync",
     score: Any = solved,
+    max_uniform_drops: int | None = None,
     **kwargs: Any,
 ) -> SamplePipeline:
     spec = PipelineSpec(mode=mode, eta=2, drop_uniform=True, schedule=schedule)
     return SamplePipeline(
         rollout,
         spec=spec,
+        settings=BatchSettings(batch_size=B, group_size=G, max_uniform_drops=max_uniform_drops),
         feed=Epochs(),
         score=score,
         params=SamplingParams(max_new_tokens=4),
-        batch_size=B,
-        group_size=G,
         **kwargs,
     )
 
@@ -275,8 +275,7 @@ def test_the_feed_is_asked_for_more_prompts_while_the_schedule_skips_them() -> N
             feed=feed,
             score=all_but_one,
             params=SamplingParams(max_new_tokens=4),
-            batch_size=B,
-            group_size=G,
+            settings=BatchSettings(batch_size=B, group_size=G),
         )
         async with pipe:
             await _batches(pipe, 8)
@@ -298,9 +297,7 @@ def test_a_schedule_that_retires_every_prompt_ends_the_prompts_instead_of_spinni
             feed=Epochs(),
             score=all_solved_after_a_miss,
             params=SamplingParams(max_new_tokens=4),
-            batch_size=B,
-            group_size=G,
-            max_uniform_drops=0,
+            settings=BatchSettings(batch_size=B, group_size=G, max_uniform_drops=0),
         )
         async with pipe:
             with pytest.raises(EOFError, match="ran out"):
@@ -336,8 +333,7 @@ def test_a_probing_group_released_at_its_deadline_is_handled_once() -> None:
             feed=Epochs(),
             score=solved,
             params=SamplingParams(max_new_tokens=4),
-            batch_size=B,
-            group_size=G,
+            settings=BatchSettings(batch_size=B, group_size=G),
             clock=clock,
         )
         async with pipe:
@@ -353,7 +349,7 @@ def test_a_probing_group_released_at_its_deadline_is_handled_once() -> None:
             await until(lambda: pipe.metrics["groups_partial"] == 2)
             for _ in range(50):  # loop turns in which a wrongly spawned rest would start
                 await asyncio.sleep(0)
-            assert "1@0" not in pipe._probing
+            assert "1@0" not in pipe.admission.probing()
             assert [c[:2] for c in rollout.calls if c[0] == "1@0"] == [("1@0", 0), ("1@0", 1)]
             assert pipe.metrics["groups_uniform_dropped"] == 1  # 0@0 only
             assert pipe.metrics["wasted_samples"] == 2 + 2 + 2  # 0@0's probe, two of each
