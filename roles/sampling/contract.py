@@ -124,8 +124,9 @@ class Batch(msgspec.Struct):
         metrics: the pipeline's counters so far, this batch's staleness p50/p99/max, and
             ``reward_scored_mean``: the mean reward of every group scored since the last
             batch, the uniform groups dynamic sampling dropped included.
-        resume: what a pipeline resumed after this batch's learner step needs (keep it with
-            the step: ``TrainBatch.keep``; pass it back as ``SamplePipeline(resume=...)``).
+        resume: what a pipeline resumed after this batch's learner step needs, a
+            ``ResumeState`` as a plain mapping (keep it with the step: ``TrainBatch.keep``;
+            pass it back as ``SamplePipeline(resume=...)``).
     """
 
     samples: list[Scored]
