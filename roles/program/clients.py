@@ -29,6 +29,7 @@ from asyncrl.roles.payloads import (
     CriticStepResult,
     GenerateBatch,
     LearnerStatus,
+    ProgramState,
     Prompt,
     RolloutStats,
     Sample,
@@ -147,9 +148,10 @@ class LearnerClient:
             result = await self.handle.call("train_step", batch, StepResult, timeout=timeout)
         return result
 
-    async def checkpoint(self, keep: dict[str, Any]) -> str:
-        """Keep ``keep`` with a checkpoint written now; return its path (replica 0's, with
-        data-parallel replicas: each writes its own)."""
+    async def checkpoint(self, keep: ProgramState) -> str:
+        """Keep ``keep`` (merged into the position the learner holds) with a checkpoint
+        written now, or a log entry under ``durable: wal``; return its path (replica 0's,
+        with data-parallel replicas: each writes its own)."""
         if self.handle.replicas > 1:
             paths: list[str] = await self._every("checkpoint", keep, str, LONG_S, again=True)
             return paths[0]

@@ -40,10 +40,12 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from asyncrl.observe.logs import PROGRESS
 from asyncrl.roles.payloads import (
     LearnerStatus,
+    ProgramState,
     Prompt,
     Sample,
     SamplingParams,
     StepResult,
+    Stopped,
     TrainBatch,
 )
 from asyncrl.roles.program.clients import RewardClient, RLContext
@@ -93,7 +95,8 @@ class RLLoop:
         lr: the learner's peak learning rate for these steps; 0 keeps its configured one.
         id_prefix: batch ids are ``<id_prefix><step>``: unique in the run, so a step re-sent
             after a learner crash is counted once.
-        keep: more of the program's state to keep with every step (``TrainBatch.keep``).
+        keep: the program's own state, kept with every step (``ProgramState.program``) and
+            read back from the learner's ``status`` (``status.keep.program``).
         evaluate: an ``Evaluation`` (its ``every`` is the default ``eval_every``), or a hook
             returning an accuracy or an ``EvalResult``; None: the ``Run``'s evaluation, if any.
         eval_every: steps between evaluations; 0: the evaluation's ``every``, or only after
@@ -302,18 +305,18 @@ async def _weights_at_start(rl: RLContext, done: int) -> WeightSync:
 def _stopped_before(loop: RLLoop, status: LearnerStatus, done: int) -> dict[str, Any] | None:
     """The result of a loop that had taken its last step, or stopped early (kept with the
     learner), at ``done``, for a driver restarted after it; None when it had not."""
-    stopped = status.keep.get("stopped") or {}
-    early = stopped.get("id") == loop.id_prefix and int(stopped.get("step", -1)) == done
+    stopped = status.keep.stopped
+    early = stopped is not None and (stopped.id, stopped.step) == (loop.id_prefix, done)
     if not early and done < loop.steps:
         return None
-    reason = str(stopped.get("reason", "")) if early else "steps"
+    reason = stopped.reason if early and stopped is not None else "steps"
     log.info("RL had stopped at step %d: %s", done, reason, extra=PROGRESS)
     return {
         "steps": done,
         "stop_reason": reason,
         "stopped_by_budget": "budget" in reason,
         "wall_s": 0.0,
-        "cursor": int(status.keep.get("cursor", 0)),
+        "cursor": status.keep.cursor or 0,
         "evaluations": [],
         "pipeline": {},
     }
@@ -342,7 +345,8 @@ async def _train(
             "prompt?)"
         ) from exc
     report.lap("batch")
-    keep = {**loop.keep, **(run.position() if run is not None else {})}
+    keep = ProgramState(program=loop.keep)
+    keep = keep.merged(run.position()) if run is not None else keep
     result = await learn(
         rl, batch, algorithm=loop.algorithm, lr=loop.lr, id=f"{loop.id_prefix}{step}", keep=keep
     )
@@ -392,8 +396,8 @@ async def _ended(
     reason = stopper.reason
     if step < loop.steps:
         log.info("RL stopped at step %d of %d: %s", step, loop.steps, reason, extra=PROGRESS)
-        stopped = {"id": loop.id_prefix, "step": step, "reason": reason}
-        await rl.learner.checkpoint({"stopped": stopped})
+        stopped = Stopped(id=loop.id_prefix, step=step, reason=reason)
+        await rl.learner.checkpoint(ProgramState(stopped=stopped))
     out = {
         "steps": step,
         "stop_reason": reason,
@@ -461,7 +465,7 @@ def _pipeline(
         group_size=loop.group_size,
         **status.advantages,  # computed as the learner computes them
         start_version=status.version,
-        resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
+        resume=status.keep.resume or {"cursor": status.keep.cursor or 0},
         watchdog=rl.watchdog,
         source=loop.source,
     )
@@ -498,7 +502,7 @@ async def learn(
     lr: float = 0.0,
     timeout: float = 300.0,
     id: str = "",
-    keep: dict[str, Any] | None = None,
+    keep: ProgramState | None = None,
 ) -> StepResult:
     """One learner step on a pipeline batch.
 
@@ -526,7 +530,7 @@ async def learn(
     train = TrainBatch(
         samples=batch.samples,
         algorithm=algorithm,
-        keep={"cursor": batch.cursor, "resume": batch.resume, **(keep or {})},
+        keep=ProgramState(cursor=batch.cursor, resume=batch.resume).merged(keep or ProgramState()),
         lr=lr,
         correction=cast(Correction, spec.correction),  # validated by the manifest
         importance_cap=spec.importance_cap,

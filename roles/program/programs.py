@@ -42,7 +42,14 @@ from typing import Any
 
 from asyncrl.dispatch.handles import Context
 from asyncrl.observe.logs import PROGRESS
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
+from asyncrl.roles.payloads import (
+    ProgramState,
+    Prompt,
+    Sample,
+    SamplingParams,
+    Scored,
+    TrainBatch,
+)
 from asyncrl.roles.program.clients import PromptsClient, RLContext, resend
 from asyncrl.roles.program.evaluation import Evaluation
 from asyncrl.roles.program.loop import (
@@ -192,7 +199,7 @@ async def bc(ctx: Context) -> dict[str, Any]:
     rl = RLContext.of(ctx)
     cfg = {**DEFAULTS, **rl.config}
     status = await rl.learner.status()
-    cursor = int(status.keep.get("cursor", 0))
+    cursor = status.keep.cursor or 0
     losses: list[float] = []
     for step in range(status.step, cfg["steps"]):
         demos = await rl.prompts.demonstrations(cursor, cfg["batch"])
@@ -200,7 +207,7 @@ async def bc(ctx: Context) -> dict[str, Any]:
         batch = TrainBatch(
             samples=[Scored(sample=d) for d in demos],
             algorithm="bc",
-            keep={"cursor": cursor},
+            keep=ProgramState(cursor=cursor),
             lr=cfg["lr"],
             id=f"bc-{step + 1}",
         )
