@@ -1,11 +1,11 @@
 """Typed handles for the built-in roles, and the typed context a built-in program takes.
 
 A control-flow program may call any role through its generic handle
-(``ctx.learner.call("status", None)``), which is what a custom role needs. For the built-in
-roles these clients say the same in types a checker sees:
+(``ctx.roles["learner"].call("status", None)``), which is what a custom role needs. For the
+built-in roles these clients say the same in types a checker sees:
 
     async def main(ctx: Context) -> dict[str, Any]:
-        rl = RLContext.of(ctx)
+        rl = RLContext(ctx)
         status = await rl.learner.status()            # LearnerStatus
         result = await rl.learner.train_step(batch)   # StepResult, re-sent if the learner died
 
@@ -366,15 +366,19 @@ class RLContext:
 
     ``prompts``, ``rollout`` and ``learner`` are required; ``reward`` is needed when used (a
     run whose rewards come from an environment has none); ``critic`` and ``reference`` are
-    None when the run has none. ``ctx`` is the generic context underneath, for custom roles.
+    None when the run has none. ``ctx`` is the generic context underneath: a custom role is
+    ``rl.ctx.roles[name]``, as in any program.
+
+    Raises (on construction):
+        KeyError: the run lacks a required role (the message lists the roles it has).
     """
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.learner = LearnerClient(ctx["learner"])
-        self.rollout = RolloutClient(ctx["rollout"])
+        self.learner = LearnerClient(ctx.roles["learner"])
+        self.rollout = RolloutClient(ctx.roles["rollout"])
         self._reward = RewardClient(ctx.roles["reward"]) if "reward" in ctx.roles else None
-        self.prompts = PromptsClient(ctx["prompts"])
+        self.prompts = PromptsClient(ctx.roles["prompts"])
         self.critic = CriticClient(ctx.roles["critic"]) if "critic" in ctx.roles else None
         self.reference = (
             ReferenceClient(ctx.roles["reference"]) if "reference" in ctx.roles else None
@@ -393,15 +397,6 @@ class RLContext:
                 "the manifest's roles, or score samples another way (an environment's rewards)"
             )
         return self._reward
-
-    @classmethod
-    def of(cls, ctx: Context) -> RLContext:
-        """The typed view of ``ctx``.
-
-        Raises:
-            KeyError: the run lacks one of the required roles (the message names them all).
-        """
-        return cls(ctx)
 
     @property
     def config(self) -> dict[str, Any]:

@@ -420,7 +420,7 @@ def weight_sync(rl: RLContext, **kwargs: Any) -> WeightSync:
     Raises:
         ValueError: ``run.config.relays`` names a role the run lacks.
     """
-    relays = [rl.ctx[name] for name in relay_groups(rl.config, rl.ctx.roles)]
+    relays = [rl.ctx.roles[name] for name in relay_groups(rl.config, rl.ctx.roles)]
     kwargs.setdefault("wait", rl.pipeline.mode == "sync")
     return WeightSync(rl.rollout.handle, relays=relays, **kwargs)
 

@@ -100,17 +100,17 @@ DEFAULTS: dict[str, Any] = {
 
 async def grpo(ctx: Context) -> dict[str, Any]:
     """Sample a group per prompt, score it, take one GRPO step; repeat."""
-    return await _builtin(RLContext.of(ctx), "grpo")
+    return await _builtin(RLContext(ctx), "grpo")
 
 
 async def rloo(ctx: Context) -> dict[str, Any]:
     """As ``grpo``, with RLOO's leave-one-out baseline (the learner computes it)."""
-    return await _builtin(RLContext.of(ctx), "rloo")
+    return await _builtin(RLContext(ctx), "rloo")
 
 
 async def ppo(ctx: Context) -> dict[str, Any]:
     """Sample, score, ask the critic for values, take one PPO step and one critic step."""
-    return await _builtin(RLContext.of(ctx), "ppo")
+    return await _builtin(RLContext(ctx), "ppo")
 
 
 async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def check_critic(ctx: Context) -> None:
 
 async def bc(ctx: Context) -> dict[str, Any]:
     """Behaviour cloning on the prompt source's answers as demonstrations."""
-    rl = RLContext.of(ctx)
+    rl = RLContext(ctx)
     cfg = {**DEFAULTS, **rl.config}
     status = await rl.learner.status()
     cursor = status.keep.cursor or 0

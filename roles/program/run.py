@@ -122,7 +122,7 @@ class Run:
         """
         if not phases:
             raise ValueError("a Run needs at least one phase")
-        rl = RLContext.of(ctx) if isinstance(ctx, Context) else ctx
+        rl = RLContext(ctx) if isinstance(ctx, Context) else ctx
         status = await rl.learner.status()
         run = await asyncio.to_thread(cls, rl, phases, status, evaluation)
         if status.step:

@@ -104,11 +104,11 @@ class SamplePipeline:
 
     Use it as an async context manager around the training loop::
 
-        async with SamplePipeline(ctx.rollout, spec=ctx.pipeline, ...) as pipe:
+        async with SamplePipeline(ctx.roles["rollout"], spec=ctx.pipeline, ...) as pipe:
             for _ in range(steps):
                 batch = await pipe.next_batch()
                 step = TrainBatch(samples=batch.samples, ...)
-                result = await ctx.learner.call("train_step", step)
+                result = await ctx.roles["learner"].call("train_step", step)
                 pipe.advance(result.version)        # the window moves on
 
     Args:
