@@ -10,7 +10,7 @@ rewards from the run's roles; ``Run.bc_step(samples, lr=...)`` is a behaviour-cl
         run = await Run.open(ctx, phases=["rl"], evaluation=Evaluation(...))
         if run.phase == "rl":
             params = SamplingParams(max_new_tokens=4)
-            await run.rl_loop(RLLoop("grpo", 200, prompts_per_step=16, group_size=8, params=params))
+            await run.rl_loop(RLLoop(steps=200, prompts_per_step=16, group_size=8, params=params))
             await run.end_phase(accuracy=await run.evaluate_at(run.steps))
         return await run.finish(accuracy_final=run.values("rl")["accuracy"])
 

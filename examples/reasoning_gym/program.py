@@ -29,7 +29,7 @@ async def main(ctx: Context) -> dict[str, Any]:
     run = await Run.open(ctx, phases=["rl"], evaluation=evaluation)
     if run.phase == "rl":
         loop = {k: cfg[k] for k in ("steps", "prompts_per_step", "group_size", "lr", "stop_at")}
-        await run.rl_loop(RLLoop("grpo", **loop, params=SamplingParams(**stop)))
+        await run.rl_loop(RLLoop(algorithm="grpo", **loop, params=SamplingParams(**stop)))
         await run.end_phase(accuracy=await run.evaluate_at(run.steps))
     summary = await run.finish(accuracy_final=run.values("rl")["accuracy"])
     return {k: summary[k] for k in ("accuracy_final", "learner_steps", "samples_consumed")}

@@ -37,6 +37,7 @@ from asyncrl.roles.payloads import (
     StepResult,
     TrainBatch,
 )
+from asyncrl.roles.program.settings import Settings
 from asyncrl.roles.services.prompts import Take
 from asyncrl.roles.services.reward import ScoreRequest, ScoreSamples
 
@@ -361,8 +362,9 @@ class ReferenceClient:
 
 
 class RLContext:
-    """A built-in RL program's typed view of its run: a client per built-in role, and the
-    run's facts (``config``, ``pipeline``, ``run_dir``, ``watchdog``, ``incarnation``).
+    """A built-in RL program's typed view of its run: a client per built-in role, the
+    settings it shares with the learner (``settings``: ``asyncrl.roles.program.settings``), and
+    the run's facts (``config``, ``pipeline``, ``run_dir``, ``watchdog``, ``incarnation``).
 
     ``prompts``, ``rollout`` and ``learner`` are required; ``reward`` is needed when used (a
     run whose rewards come from an environment has none); ``critic`` and ``reference`` are
@@ -383,6 +385,7 @@ class RLContext:
         self.reference = (
             ReferenceClient(ctx.roles["reference"]) if "reference" in ctx.roles else None
         )
+        self.settings = Settings.of(ctx)
 
     @property
     def reward(self) -> RewardClient:

@@ -30,6 +30,7 @@ with the learner, so a driver restarted after it does not train on.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -82,17 +83,20 @@ class Stop(Exception):
         self.now = now
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RLLoop:
     """What ``rl_loop`` runs.
 
     Attributes:
-        algorithm: ``grpo``, ``rloo`` or ``ppo`` (PPO needs a ``critic`` role).
         steps: the RL step to reach (a resumed loop goes on from where it was).
         prompts_per_step: prompts per batch; each is sampled ``group_size`` times.
         group_size: samples per prompt (GRPO's group).
         params: sampling parameters of the rollouts.
-        lr: the learner's peak learning rate for these steps; 0 keeps its configured one.
+        algorithm: ``grpo``, ``rloo`` or ``ppo`` (PPO needs a ``critic`` role); "": the
+            learner's (``roles.learner.config.algorithm``). One that differs from what the
+            learner's config sets overrides it, with a warning (``asyncrl.roles.program.settings``).
+        lr: the learner's peak learning rate for these steps; 0: the learner's
+            (``roles.learner.config.lr``), overridden as ``algorithm`` is.
         id_prefix: batch ids are ``<id_prefix><step>``: unique in the run, so a step re-sent
             after a learner crash is counted once.
         keep: the program's own state, kept with every step (``ProgramState.program``) and
@@ -109,11 +113,11 @@ class RLLoop:
             ``source`` makes each sample a multi-turn episode (``asyncrl.roles.agents``).
     """
 
-    algorithm: str
     steps: int
     prompts_per_step: int
     group_size: int
     params: SamplingParams
+    algorithm: str = ""
     lr: float = 0.0
     id_prefix: str = "rl-"
     keep: dict[str, Any] = field(default_factory=dict)
@@ -244,6 +248,8 @@ async def rl_loop(
         ValueError: ``stop_at`` names an unknown metric; the prompts ran out before step 1.
     """
     status = await rl.learner.status()
+    algorithm = rl.settings.algorithm(loop.algorithm, "RLLoop.algorithm")
+    loop = dataclasses.replace(loop, algorithm=algorithm, lr=rl.settings.lr(loop.lr, "RLLoop.lr"))
     done = (run.steps if run is not None else 0) if done is None else done
     evaluation = loop.evaluate if loop.evaluate is not None or run is None else run.evaluation
     every = loop.eval_every or (evaluation.every if isinstance(evaluation, Evaluation) else 0)
@@ -256,7 +262,12 @@ async def rl_loop(
         return resumed
     weights = await _weights_at_start(rl, done)
     report = StepReport(
-        rl.run_dir, loop.algorithm.upper(), loop.steps, done=done, learner=status, clock=clock
+        rl.run_dir,
+        (loop.algorithm or "rl").upper(),
+        loop.steps,
+        done=done,
+        learner=status,
+        clock=clock,
     )
     report.idle, report.progress = rl.ctx.idle, report.progress if display else None
     pipe = _pipeline(rl, loop, feed, report.scorer(score), status)

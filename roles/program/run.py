@@ -160,23 +160,31 @@ class Run:
         return dict(self.ended.get(phase, {}))
 
     async def train_step(self, batch: TrainBatch) -> StepResult:
-        """A learner step keeping the run's position; re-sent if the learner died with it."""
+        """A learner step keeping the run's position; re-sent if the learner died with it. Its
+        ``algorithm`` and ``lr``, when not given, are the learner's; given and different from
+        what the learner's config sets, they override it, with a warning
+        (``asyncrl.roles.program.settings``)."""
+        settings = self.rl.settings
+        batch.algorithm = settings.algorithm(batch.algorithm, "TrainBatch.algorithm")
+        batch.lr = settings.lr(batch.lr, "TrainBatch.lr")
         batch.keep = batch.keep.merged(self.position())
         result = await self.rl.learner.train_step(batch)
         self.learner_step = result.step
         return result
 
     async def bc_step(
-        self, samples: Sequence[Sample], *, lr: float, algorithm: str = "bc"
+        self, samples: Sequence[Sample], *, lr: float = 0.0, algorithm: str = "bc"
     ) -> StepResult:
         """One behaviour-cloning step on ``samples`` (demonstrations: their tokens are the
-        targets), with the ids it needs minted for it.
+        targets), with the ids it needs minted for it. ``lr``: 0 for the learner's
+        (``roles.learner.config.lr``); another overrides it as ``train_step`` says.
 
         A demonstration is used again and again, so each use gets a ledger id of its own
         (``<prompt id>#<phase><step>``), and the batch the id ``<phase>-<step + 1>`` that
         makes a step re-sent after a restart count once.
         """
         step = self.steps
+        lr = self.rl.settings.lr(lr, "Run.bc_step's lr")
         uses = [
             Scored(sample=msgspec.structs.replace(s, prompt_id=f"{s.prompt_id}#{self.phase}{step}"))
             for s in samples

@@ -22,6 +22,7 @@ from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, Samp
 from asyncrl.roles.payloads import LearnerStatus, ProgramState, StepResult, TrainBatch
 from asyncrl.roles.program.clients import RLContext, RolloutClient
 from asyncrl.roles.program.programs import RLLoop, RLStep, rl_loop
+from asyncrl.roles.program.settings import Settings
 from asyncrl.transport import run
 
 G = 2  # group size
@@ -102,6 +103,7 @@ class FakeRL:
         self.pipeline = PipelineSpec(mode="sync")
         self.watchdog = None
         self.config: dict[str, Any] = {}  # no relays: run.config.relays unset, no role "relay"
+        self.settings = Settings(None)  # the manifest does not describe the learner
         self.ctx = SimpleNamespace(
             roles={"learner": None, "rollout": None}, idle=lambda: {"rollout": 0.25}
         )

@@ -210,11 +210,9 @@ class Recording(ExportingLearner):
         return await super().train_step(batch, timeout=timeout)
 
 
-def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
-    """Each use of a demonstration gets its own ledger id and each step its own batch id, from
-    the phase and the step, so a restarted program that sends a step again sends the same ids."""
-    learner = Recording()
-    demo = Sample(
+def demo_sample() -> Sample:
+    """A demonstration of prompt ``d7``."""
+    return Sample(
         prompt_id="d7",
         sample_index=0,
         prompt_ids=[1],
@@ -224,6 +222,13 @@ def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
         finished=True,
         stop_reason="stop",
     )
+
+
+def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
+    """Each use of a demonstration gets its own ledger id and each step its own batch id, from
+    the phase and the step, so a restarted program that sends a step again sends the same ids."""
+    learner = Recording()
+    demo = demo_sample()
 
     async def main() -> Run:
         r = await Run.open(cast(RLContext, RL(str(tmp_path), learner)), phases=["warmup"])
@@ -245,7 +250,10 @@ def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
 def test_run_rl_loop_needs_a_score_with_a_feed_of_its_own(tmp_path: Any) -> None:
     async def main() -> None:
         r = await Run.open(cast(RLContext, RL(str(tmp_path), Recording())), phases=["rl"])
-        loop = RLLoop("grpo", 1, PROMPTS, G, SamplingParams(max_new_tokens=1))
+        params = SamplingParams(max_new_tokens=1)
+        loop = RLLoop(
+            algorithm="grpo", steps=1, prompts_per_step=PROMPTS, group_size=G, params=params
+        )
         await r.rl_loop(loop, feed=feed)
 
     with pytest.raises(ValueError) as info:
@@ -260,7 +268,10 @@ def test_run_rl_loop_takes_a_feed_and_score_as_rl_loop_does(tmp_path: Any) -> No
 
     async def main() -> dict[str, Any]:
         r = await Run.open(cast(RLContext, RL(str(tmp_path), learner)), phases=["rl"])
-        loop = RLLoop("grpo", 2, PROMPTS, G, SamplingParams(max_new_tokens=3))
+        params = SamplingParams(max_new_tokens=3)
+        loop = RLLoop(
+            algorithm="grpo", steps=2, prompts_per_step=PROMPTS, group_size=G, params=params
+        )
         return await r.rl_loop(loop, feed=feed, score=score, display=False)
 
     out = run(main())
