@@ -202,7 +202,9 @@ async def _builtin(
             )
 
     out = await run.rl_loop(loop, on_step=on_step)
-    final = {"accuracy_final": await run.evaluate_at(run.steps)} if evaluation else {}
+    final: dict[str, Any] = {}
+    if evaluation is not None:  # the last step's, recorded in the history when it was taken
+        final["accuracy_final"] = await run.evaluate_at(run.steps)
     summary = await run.finish(**final)
     held = [{"step": e["step"], "accuracy": e["accuracy"]} for e in out["evaluations"]]
     totals = {k: summary[k] for k in ("learner_steps", "samples_consumed", "final")}
