@@ -13,7 +13,7 @@ What a user needs is importable from here::
             return 2 * x
 
     async def main(ctx: asyncrl.Context) -> int:      # the control-flow program
-        return await ctx.doubler.call("double", 21)
+        return await ctx.roles["doubler"].call("double", 21)
 
     manifest = asyncrl.load_manifest("manifest.yaml")   # raises ManifestError, every problem
     report = asyncio.run(asyncrl.run_manifest(manifest))

@@ -2,7 +2,9 @@
 
 A program is an async function of the run's ``Context``. ``Run`` carries its phases, history,
 evaluation and summary across restarts; ``Run.rl_loop(RLLoop(...))`` runs RL with prompts and
-rewards from the run's roles; ``Run.bc_step(samples, lr=...)`` is a behaviour-cloning step::
+rewards from the run's roles; ``Run.bc_step(samples)`` is a behaviour-cloning step; the built-in
+programs (``grpo``, ``rloo``, ``ppo``) are one RL phase of a ``Run``, which a program may call
+with an evaluation of its own (``await grpo(ctx, evaluation=...)``)::
 
     from asyncrl.rl import Context, Evaluation, RLLoop, Run, SamplingParams
 
@@ -10,7 +12,7 @@ rewards from the run's roles; ``Run.bc_step(samples, lr=...)`` is a behaviour-cl
         run = await Run.open(ctx, phases=["rl"], evaluation=Evaluation(...))
         if run.phase == "rl":
             params = SamplingParams(max_new_tokens=4)
-            await run.rl_loop(RLLoop("grpo", 200, prompts_per_step=16, group_size=8, params=params))
+            await run.rl_loop(RLLoop(steps=200, prompts_per_step=16, group_size=8, params=params))
             await run.end_phase(accuracy=await run.evaluate_at(run.steps))
         return await run.finish(accuracy_final=run.values("rl")["accuracy"])
 
@@ -28,6 +30,7 @@ from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.episode_evaluation import EpisodeEvaluation
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.loop import PromptFeed, RLLoop, RLStep, Stop, rl_loop
+from asyncrl.roles.program.programs import grpo, ppo, rloo
 from asyncrl.roles.program.run import Run
 
 __all__ = [
@@ -49,6 +52,9 @@ __all__ = [
     "Stop",
     "TrainBatch",
     "episode_rewards",
+    "grpo",
+    "ppo",
     "rl_loop",
+    "rloo",
     "say",
 ]

@@ -173,7 +173,7 @@ async def _measure(
     for mode in ("sync", "async"):
         t0 = time.time()
         seconds = await _run_mode(mode, runners, tasks, f"{tag}.{mode}", seed)
-        usage = await ctx.rollout.call("idle", [t0, time.time()], dict[str, float])
+        usage = await ctx.roles["rollout"].call("idle", [t0, time.time()], dict[str, float])
         ideal = ideal_seconds(durations, len(runners), mode)
         out[mode] = {
             "episodes_per_s": len(tasks) / seconds,
@@ -225,8 +225,8 @@ async def program(ctx: Any) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=TOKENS)
     runners = [
         EpisodeRunner(
-            ctx.rollout,
-            _Pinned(ctx.env, k),
+            ctx.roles["rollout"],
+            _Pinned(ctx.roles["env"], k),
             encode=_encode,
             decode=_decode,
             params=params,

@@ -161,7 +161,7 @@ async def _timed(ctx: Context, names: tuple[str, ...], version: int) -> list[flo
     seconds = []
     for name in names:
         t0 = time.perf_counter()
-        got = await ctx[name].call("sync", None, int, timeout=600)
+        got = await ctx.roles[name].call("sync", None, int, timeout=600)
         seconds.append(time.perf_counter() - t0)
         if got != version:
             raise RuntimeError(f"{name} synced to version {got}, expected {version}")
@@ -189,7 +189,7 @@ async def _rounds(base: str, model: dict[str, Any], rounds: int) -> dict[str, li
     try:
         for step in range(1, rounds + 2):
             batch = _demo(step, int(model["vocab_size"]))
-            result = await ctx.learner.call("train_step", batch, StepResult, timeout=600)
+            result = await ctx.roles["learner"].call("train_step", batch, StepResult, timeout=600)
             kinds = list(paths)
             order = kinds[step % 3 :] + kinds[: step % 3]  # each kind goes first in turn
             for kind in order:

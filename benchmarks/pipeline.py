@@ -147,7 +147,7 @@ async def program(ctx: Any) -> dict[str, Any]:
             began = time.time()
             taken = await pipe.next_batch()
             got = time.time()
-            result = await ctx.learner.call(
+            result = await ctx.roles["learner"].call(
                 "train_step", TrainBatch(samples=taken.samples), StepResult
             )
             trained = time.time()
@@ -160,7 +160,7 @@ async def program(ctx: Any) -> dict[str, Any]:
         window.close()
         metrics = dict(pipe.metrics)
     await weights.close()
-    usage = await ctx.rollout.broadcast("usage", [window.t0, window.t1], dict[str, float])
+    usage = await ctx.roles["rollout"].broadcast("usage", [window.t0, window.t1], dict[str, float])
     return _figures(ctx.pipeline.mode, steps, window, metrics, usage)
 
 
@@ -175,10 +175,10 @@ async def _pipeline(ctx: Any) -> tuple[SamplePipeline, WeightSync]:
     async def score(samples: list[Sample]) -> list[float]:
         return [reward(s) for s in samples]
 
-    status = await ctx.learner.call("status", None)
-    await ctx.rollout.broadcast("set_version", status["version"], int)
+    status = await ctx.roles["learner"].call("status", None)
+    await ctx.roles["rollout"].broadcast("set_version", status["version"], int)
     pipe = SamplePipeline(
-        ctx.rollout,
+        ctx.roles["rollout"],
         spec=spec,
         feed=feed,
         score=score,
@@ -186,7 +186,7 @@ async def _pipeline(ctx: Any) -> tuple[SamplePipeline, WeightSync]:
         settings=BatchSettings(batch_size=int(cfg["batch"]), group_size=int(cfg["group"])),
         start_version=status["version"],
     )
-    return pipe, WeightSync(ctx.rollout, wait=spec.mode == "sync", method="set_version")
+    return pipe, WeightSync(ctx.roles["rollout"], wait=spec.mode == "sync", method="set_version")
 
 
 def _figures(

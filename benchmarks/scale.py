@@ -190,7 +190,7 @@ async def _drive(
     dispatcher.start()
     try:
         ctx = Context(dispatcher, run=RUN, run_dir=run_dir, log=None)
-        await ctx.rollout.broadcast("set_version", 0, int, timeout=ROW_TIMEOUT_S)
+        await ctx.roles["rollout"].broadcast("set_version", 0, int, timeout=ROW_TIMEOUT_S)
         if gc_mode == "freeze":
             freeze_start_up()  # every replica is connected: start-up is over
         cpu0 = time.process_time()
@@ -200,8 +200,8 @@ async def _drive(
         assert w.start is not None and w.end is not None
         edges = [w.start.wall, w.end.wall]
         per_call = samples_a_call(group_calls)
-        turn = await ctx.rollout.broadcast("turnaround", [*edges, per_call], list[float])
-        usage = await ctx.rollout.broadcast("usage", [*edges, per_call], dict[str, float])
+        turn = await ctx.roles["rollout"].broadcast("turnaround", [*edges, per_call], list[float])
+        usage = await ctx.roles["rollout"].broadcast("usage", [*edges, per_call], dict[str, float])
     finally:
         await dispatcher.close()
         for proc in procs:
@@ -233,7 +233,7 @@ async def _pipeline_window(
     # A batch is what the replicas decode at once.
     batch = max(GROUP, -(-n * slots * samples_a_call(group_calls) // GROUP) * GROUP)
     pipe = SamplePipeline(
-        ctx.rollout,
+        ctx.roles["rollout"],
         spec=PipelineSpec(mode="async", eta=ETA, over_eta="correct", group_calls=group_calls),
         feed=feed,
         score=score,
@@ -241,7 +241,7 @@ async def _pipeline_window(
         settings=BatchSettings(batch_size=batch, group_size=GROUP),
     )
     w = _Window()
-    async with WeightSync(ctx.rollout, wait=False, method="set_version") as weights, pipe:
+    async with WeightSync(ctx.roles["rollout"], wait=False, method="set_version") as weights, pipe:
         start = time.monotonic()
         version = await _consume(pipe, weights, 0, start + times["warmup"], None)
         w.start = _Mark.now(pids)

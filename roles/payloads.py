@@ -20,6 +20,7 @@ __all__ = [
     "GenerateBatch",
     "GenerateRequest",
     "LearnerStatus",
+    "ProgramState",
     "Prompt",
     "RolloutStats",
     "Sample",
@@ -27,6 +28,7 @@ __all__ = [
     "Scored",
     "StepResult",
     "StopReason",
+    "Stopped",
     "TrainBatch",
 ]
 
@@ -187,6 +189,65 @@ class Scored(msgspec.Struct, kw_only=True):
     advantage: float | None = None
 
 
+class Stopped(msgspec.Struct, kw_only=True, frozen=True):
+    """An RL loop that stopped before its last step (``ProgramState.stopped``), so that a
+    driver restarted after it does not train on.
+
+    Attributes:
+        id: the loop's batch-id prefix (``RLLoop.id_prefix``), which tells the loops apart.
+        step: the last step it took.
+        reason: why it stopped (the loop's ``stop_reason``).
+    """
+
+    id: str
+    step: int
+    reason: str
+
+
+class ProgramState(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """The program's position, kept with the learner's steps (``TrainBatch.keep``) and
+    checkpoints (``checkpoint``), and read back from its ``status`` by a restarted program.
+
+    A message gives only what it changes; the learner merges it into what it holds
+    (``merged``): a field left None (or empty) keeps the value held. On the wire, in the
+    write-ahead log and in checkpoints it is a map of the fields given, the keys of the plain
+    map it once was, so records written before it decode into it (keys it does not know are
+    ignored).
+
+    Attributes:
+        cursor: the first prompt (or demonstration) index not yet consumed or wasted.
+        resume: the sample pipeline's resume state (``Batch.resume``).
+        phase: the ``Run``'s current phase.
+        phase_start: the learner step at which that phase began.
+        phases: each ended phase's values (``Run.end_phase``), by phase.
+        stopped: an RL loop that stopped before its last step.
+        program: the program's own state (``RLLoop.keep``), merged key by key.
+    """
+
+    cursor: int | None = None
+    resume: dict[str, Any] | None = None
+    phase: str | None = None
+    phase_start: int | None = None
+    phases: dict[str, dict[str, Any]] = {}
+    stopped: Stopped | None = None
+    program: dict[str, Any] = {}
+
+    def merged(self, newer: ProgramState) -> ProgramState:
+        """This state with what ``newer`` gives on top: its fields that are not None, and
+        its ``phases`` and ``program`` entries key by key."""
+        given = {
+            name: value
+            for name in ("cursor", "resume", "phase", "phase_start", "stopped")
+            if (value := getattr(newer, name)) is not None
+        }
+        return msgspec.structs.replace(
+            self,
+            **given,
+            phases={**self.phases, **newer.phases},
+            program={**self.program, **newer.program},
+        )
+
+
 class TrainBatch(msgspec.Struct, kw_only=True):
     """One learner step's worth of data.
 
@@ -194,7 +255,8 @@ class TrainBatch(msgspec.Struct, kw_only=True):
         samples: scored samples (GRPO, PPO) or demonstrations (BC: only their tokens matter).
         algorithm: ``grpo``, ``ppo`` or ``bc``; empty for the configured one.
         demos: demonstrations for the optional BC term of GRPO and PPO.
-        keep: state the program wants kept with the next checkpoint (the data position).
+        keep: the program's position after this step, kept with it (``ProgramState``: only
+            what changed; the learner merges it into what it holds).
         lr: the peak learning rate for this step and the next, until another is given (the
             schedule still scales it); 0 for the configured one.
         correction: the off-policy correction of the policy loss (GRPO, PPO): ``clip`` (PPO's
@@ -217,7 +279,7 @@ class TrainBatch(msgspec.Struct, kw_only=True):
     samples: list[Scored]
     algorithm: str = ""
     demos: list[Sample] = []
-    keep: dict[str, Any] = {}
+    keep: ProgramState = ProgramState()
     lr: float = 0.0
     correction: Literal["clip", "decoupled", "tis"] = "clip"
     importance_cap: float = 2.0
@@ -251,7 +313,8 @@ class LearnerStatus(msgspec.Struct, kw_only=True):
         version: the policy version it serves (one per acknowledged step).
         step: learner steps taken.
         consumed: samples trained on so far (each counted once).
-        keep: the program's position, kept with the last step (``TrainBatch.keep``).
+        keep: the program's position, as the steps and checkpoints so far left it
+            (``ProgramState``, merged from each ``TrainBatch.keep`` and ``checkpoint``).
         last: the last step: its batch ``id`` and its ``result`` (a ``StepResult`` as a dict).
         durable: every acknowledged step is on disk before its reply (``durable: wal`` or
             ``checkpoint``).
@@ -264,7 +327,7 @@ class LearnerStatus(msgspec.Struct, kw_only=True):
     version: int
     step: int
     consumed: int = 0
-    keep: dict[str, Any] = {}
+    keep: ProgramState = ProgramState()
     last: dict[str, Any] = {}
     durable: bool = False
     advantages: dict[str, Any] = {}

@@ -35,11 +35,11 @@ import asyncio
 import os
 
 async def main(ctx):
-    await ctx.ballast.call("fill", {mib})
+    await ctx.roles["ballast"].call("fill", {mib})
     ctx.log.info("colocation filled")
     while not os.path.exists(ctx.config["gate"]):
         await asyncio.sleep(0.05)
-    await ctx.ballast.call("free", None)
+    await ctx.roles["ballast"].call("free", None)
     ctx.log.info("colocation freed")
     await asyncio.Event().wait()
 """

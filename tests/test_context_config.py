@@ -88,3 +88,30 @@ def test_the_ppo_program_refuses_a_critic_whose_returns_differ_from_the_learners
         check_critic(context(roles=roles))
     roles["critic"]["config"] = {"gamma": 0.9}
     check_critic(context(roles=roles))
+
+
+def test_a_role_is_reached_one_way_by_any_manifest_name_and_shadows_no_fact() -> None:
+    """``ctx.roles[name]``: a role named like a fact of the context (``config``, ``model``,
+    ``run``) or with a name that is no Python identifier is reached there, and the facts stay
+    the run's."""
+    names = ("config", "model", "run", "my-env")
+    groups = {name: SimpleNamespace(name=name, replicas=[0]) for name in names}
+    dispatcher = SimpleNamespace(groups=groups, busy=lambda: {})
+    ctx = Context(
+        cast(Any, dispatcher), run="t", run_dir=".", log=None, config={"steps": 3}, model=MODEL
+    )
+    assert [ctx.roles[name].name for name in names] == list(names)
+    assert (
+        ctx.config == {"steps": 3} and ctx.run == "t" and ctx.model.tokenizer == MODEL["tokenizer"]
+    )
+    assert sorted(ctx.roles) == ["config", "model", "my-env", "run"] and "critic" not in ctx.roles
+    with pytest.raises(KeyError) as missing:
+        ctx.roles["critic"]
+    assert missing.value.args[0] == (
+        "no role 'critic' in this run; the roles are: config, model, my-env, run"
+    )
+    # No second way: neither an attribute nor an item of the context is a role.
+    with pytest.raises(AttributeError):
+        print(cast(Any, ctx).config_role)
+    with pytest.raises(TypeError):
+        cast(Any, ctx)["config"]

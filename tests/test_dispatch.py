@@ -158,7 +158,7 @@ async def dispatching(
     dispatcher.start()
     ctx = Context(dispatcher, run="t", run_dir=".", log=logging.getLogger("test"))
     try:
-        yield ctx.g, dispatcher.groups["g"]
+        yield ctx.roles["g"], dispatcher.groups["g"]
     finally:
         await dispatcher.close()
         for replica in replicas:

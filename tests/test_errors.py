@@ -99,7 +99,7 @@ def _dispatcher(run_dir: str) -> tuple[Dispatcher, Context]:
 def test_calls_queued_when_the_dispatcher_closes_fail_with_role_dead(run_dir: str) -> None:
     async def main() -> None:
         dispatcher, ctx = _dispatcher(run_dir)
-        g = ctx.g
+        g = ctx.roles["g"]
         waits: list[asyncio.Task[Any]] = [
             asyncio.ensure_future(g.call("work", 1, timeout=3600)),
             asyncio.ensure_future(g.broadcast("work", 2, timeout=3600)),
@@ -122,7 +122,7 @@ def test_a_caller_cancelling_its_own_call_still_gets_cancelled_error(run_dir: st
 
     async def main() -> None:
         dispatcher, ctx = _dispatcher(run_dir)
-        task = asyncio.ensure_future(ctx.g.call("work", 1, timeout=3600))
+        task = asyncio.ensure_future(ctx.roles["g"].call("work", 1, timeout=3600))
         await asyncio.sleep(0)  # submitted
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -153,7 +153,7 @@ def test_a_call_in_flight_when_the_dispatcher_closes_fails_with_role_dead(run_di
         dispatcher = Dispatcher({"g": info}, run="t", startup_timeout_s=WAIT_S)
         dispatcher.start()
         ctx = Context(dispatcher, run="t", run_dir=run_dir, log=logging.getLogger("t"))
-        task = asyncio.ensure_future(ctx.g.call("work", 1, timeout=3600))
+        task = asyncio.ensure_future(ctx.roles["g"].call("work", 1, timeout=3600))
         await asyncio.wait_for(entered.wait(), WAIT_S)
         await dispatcher.close()
         with pytest.raises(RoleDeadError) as err:

@@ -78,3 +78,33 @@ def test_the_program_face_exports_what_a_program_uses() -> None:
         value = getattr(rl, name)
         home = importlib.import_module(value.__module__)
         assert getattr(home, name) is value, name
+
+
+def test_a_grpo_program_on_reasoning_gym_fits_25_lines_from_asyncrl_rl_alone() -> None:
+    """The program face's promise, on the example that keeps it: GRPO on a reasoning-gym task
+    in at most 25 lines of code (no docstring, comment or blank line), with every asyncrl name
+    from ``asyncrl.rl``."""
+    import ast
+
+    from tests.conftest import ROOT
+
+    with open(f"{ROOT}/examples/reasoning_gym/program.py") as f:
+        source = f.read()
+    tree = ast.parse(source)
+    assert isinstance(tree.body[0], ast.Expr)  # the module's docstring
+    code = [
+        line
+        for line in source.splitlines()[tree.body[0].end_lineno or 0 :]
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    imported = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("asyncrl")
+    }
+    plain = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert len(code) <= 25, "\n".join(code)
+    assert imported == {"asyncrl.rl"} and not [n for n in plain if n.startswith("asyncrl")]
+    assert "grpo" in {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+    }

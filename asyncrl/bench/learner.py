@@ -159,7 +159,7 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
             batch = TrainBatch(samples=_batch(samples_per_step, step), algorithm="grpo")
             for name, series in times.items():
                 t0 = time.perf_counter()
-                result = await ctx[name].call("train_step", batch, StepResult, timeout=300)
+                result = await ctx.roles[name].call("train_step", batch, StepResult, timeout=300)
                 if step >= 2:
                     series.append(time.perf_counter() - t0)
                 assert result.consumed == samples_per_step
@@ -175,11 +175,12 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
             )
             for i in range(256)
         ]
-        await ctx.rollout.call("generate", GenerateBatch(requests[:8]), list[Sample])  # warm-up
+        rollout = ctx.roles["rollout"]
+        await rollout.call("generate", GenerateBatch(requests[:8]), list[Sample])  # warm-up
         rates = []
         for _ in range(3):
             t0 = time.perf_counter()
-            samples = await ctx.rollout.call(
+            samples = await rollout.call(
                 "generate", GenerateBatch(requests), list[Sample], timeout=300
             )
             rates.append(sum(len(s.token_ids) for s in samples) / (time.perf_counter() - t0))
@@ -296,7 +297,7 @@ async def _data_parallel(run_dir: str, samples_per_step: int, steps: int) -> dic
             batch = TrainBatch(samples=_batch(samples_per_step, step), algorithm="grpo")
             for name, series in times.items():
                 t0 = time.perf_counter()
-                result = await LearnerClient(ctx[name]).train_step(batch)
+                result = await LearnerClient(ctx.roles[name]).train_step(batch)
                 if step >= 2:  # two warm-up steps
                     series.append(time.perf_counter() - t0)
                 assert result.consumed == samples_per_step

@@ -176,7 +176,9 @@ async def small_remote(
                     conn.send(step)
                     seconds = await asyncio.to_thread(conn.recv)
                 else:
-                    result = await ctx[name].call("train_step", batch, StepResult, timeout=900)
+                    result = await ctx.roles[name].call(
+                        "train_step", batch, StepResult, timeout=900
+                    )
                     assert result.consumed == len(batch.samples)
                     if "compile_s" in result.metrics:
                         times["compile_s"].append(result.metrics["compile_s"])

@@ -178,7 +178,7 @@ async def _handle_overhead(client: Client, ctx: Context, calls: int) -> dict[str
         await client.call("echo", 1)
 
     async def handle() -> None:
-        await ctx.echo.call("echo", 1)
+        await ctx.roles["echo"].call("echo", 1)
 
     ways = {"bare": bare, "handle": handle}
     times: dict[str, list[float]] = {name: [] for name in ways}

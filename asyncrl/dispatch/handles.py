@@ -1,9 +1,10 @@
 """Handles: what a control-flow program holds for each role group.
 
     async def main(ctx):
-        answer = await ctx.reward.call("score", sample)              # one replica
-        versions = await ctx.rollout.broadcast("set_weights", w)      # every replica
-        async for key, result in ctx.worker.map("work", items):       # as they complete
+        reward, rollout, worker = ctx.roles["reward"], ctx.roles["rollout"], ctx.roles["worker"]
+        answer = await reward.call("score", sample)                   # one replica
+        versions = await rollout.broadcast("set_weights", w)          # every replica
+        async for key, result in worker.map("work", items):           # as they complete
             ...
 
 Independent calls run concurrently (``asyncio.gather``, or ``map``). Every call goes through the
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -31,7 +32,7 @@ from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.observe.metrics import IdleFractions
 from asyncrl.transport.control import run_api_key
 
-__all__ = ["Context", "Handle"]
+__all__ = ["Context", "Handle", "Roles"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -252,11 +253,48 @@ def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, list | tuple) else key
 
 
+class Roles(Mapping[str, Handle]):
+    """The run's role groups by their manifest names: ``ctx.roles["rollout"]`` is the rollout
+    group's handle, ``"critic" in ctx.roles`` asks whether the run has one.
+
+    Raises (``[]``):
+        KeyError: the run has no role of that name (the message lists the roles it has).
+    """
+
+    def __init__(self, handles: Mapping[str, Handle]) -> None:
+        self._handles = dict(handles)
+
+    def __getitem__(self, name: str) -> Handle:
+        try:
+            return self._handles[name]
+        except KeyError:
+            known = ", ".join(sorted(self._handles)) or "none"
+            raise KeyError(f"no role {name!r} in this run; the roles are: {known}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __repr__(self) -> str:
+        return f"Roles({sorted(self._handles)})"
+
+
 class Context:
     """What the control-flow program receives: a handle per role group, and the run's facts.
 
-    ``ctx.rollout`` and ``ctx["rollout"]`` are the same handle; ``ctx.config`` is the manifest's
-    ``run.config``; ``ctx.pipeline`` its ``pipeline`` section
+    A role is reached one way: ``ctx.roles[name]``, its group's ``Handle`` (``Roles``), by the
+    name the manifest gives it; the built-in roles also have typed clients
+    (``asyncrl.roles.program.clients.RLContext``, a ``Run``'s ``run.rl``), each over that same
+    handle. The roles are a mapping apart from the run's facts, so that every name the manifest
+    allows reaches its role (``my-env`` and ``2nd`` too, which are no Python attribute), a name
+    chosen at run time reaches it the same way (``ctx.roles[cfg["verifier"]]``), no role name
+    can clash with an attribute of the context (a role called ``config``, ``model`` or ``run`` is
+    ``ctx.roles["config"]``, and ``ctx.config`` stays the run's config), and a checker types both:
+    ``ctx.roles[...]`` is a ``Handle``, and a misspelt attribute of the context is an error.
+
+    ``ctx.config`` is the manifest's ``run.config``; ``ctx.pipeline`` its ``pipeline`` section
     (``asyncrl.manifest.pipeline_section.PipelineSpec``); ``ctx.run_dir`` is where the program
     writes its outputs; ``ctx.watchdog`` fails the run when nothing progresses for
     ``pipeline.stall_timeout_s`` (a program may ``watch`` its own waits, so the failure says on what
@@ -293,9 +331,9 @@ class Context:
         self.pipeline = pipeline or PipelineSpec()
         self.watchdog = watchdog or Watchdog(0)
         self.incarnation = incarnation
-        self.roles = {
-            name: Handle(group, self.watchdog) for name, group in dispatcher.groups.items()
-        }
+        self.roles = Roles(
+            {name: Handle(group, self.watchdog) for name, group in dispatcher.groups.items()}
+        )
         self._idle = IdleFractions(dispatcher.busy)
         self.model = msgspec.convert(dict(model or {}), ModelSpec)
         self._roles = {name: dict(role) for name, role in (roles or {}).items()}
@@ -343,18 +381,3 @@ class Context:
         """Each role's idle fraction since the previous call: the share of the time in which
         its replicas had no call of this program in flight, averaged over its replicas."""
         return self._idle()
-
-    def __getitem__(self, name: str) -> Handle:
-        try:
-            return self.roles[name]
-        except KeyError:
-            known = ", ".join(sorted(self.roles)) or "none"
-            raise KeyError(f"no role {name!r} in this run; the roles are: {known}") from None
-
-    def __getattr__(self, name: str) -> Handle:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self[name]
-        except KeyError as exc:
-            raise AttributeError(str(exc)) from None

@@ -56,8 +56,8 @@ async def main(ctx: Context) -> dict[str, Any]:
 
     def runner() -> EpisodeRunner:
         return EpisodeRunner(
-            ctx["rollout"],
-            ctx["env"],
+            ctx.roles["rollout"],
+            ctx.roles["env"],
             encode=lambda text: tok.encode(text, add_special_tokens=False),
             decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
             params=SamplingParams(

@@ -19,22 +19,22 @@ from examples.arith import data
 DEFAULTS: dict[str, Any] = {
     "demos": 200,  # demonstrations for BC: few enough that the plateau stays low
     "bc_batch": 50,
-    "bc_lr": 1e-3,  # with dropout in BC, 3e-3 left some seeds at chance for 800 steps
+    "bc_lr": 0.0,  # BC's rate; 0: the learner's (with dropout, 3e-3 left seeds at chance)
     "bc_eval_every": 100,  # BC steps between held-out evaluations
     "bc_patience": 3,  # evaluations without improvement that end BC ...
     "bc_min_steps": 800,  # ... but not before this: with dropout, BC may start slowly
     "bc_max_steps": 1500,
-    "algorithm": "grpo",  # or "rloo", or "ppo" (needs a critic role)
     "rl_steps": 300,
-    "rl_lr": 1e-3,
+    "rl_lr": 0.0,  # RL's rate; 0: the learner's
     "prompts_per_step": 32,
     "group_size": 8,
     "temperature": 1.0,
     "rl_eval_every": 100,
     "rl_budget_s": 0.0,  # a wall budget for RL in seconds; 0: none
     "stop_at": {},  # e.g. {accuracy: 0.99}: end RL at the first evaluation that reaches it
-    "seed": 0,
 }
+# The algorithm (grpo, rloo, or ppo with a critic role), the learning rate and the seed are the
+# learner's (roles.learner.config): set there, they are set in one place.
 
 
 async def main(ctx: Context) -> dict[str, Any]:
@@ -92,7 +92,7 @@ async def behaviour_cloning(run: Run, cfg: dict[str, Any], tok: Any) -> None:
             break
         # Each step draws from its own seeded stream, so a resumed run draws what the
         # interrupted one would have (bc_step gives each use of a demonstration its own id).
-        rng = random.Random(f"{cfg['seed']}-bc-{step}")
+        rng = random.Random(f"{run.rl.settings.seed}-bc-{step}")
         await run.bc_step(rng.sample(demos, min(cfg["bc_batch"], len(demos))), lr=cfg["bc_lr"])
     accuracy = await run.evaluate_at(run.steps)
     await run.end_phase(accuracy=accuracy)
@@ -100,9 +100,9 @@ async def behaviour_cloning(run: Run, cfg: dict[str, Any], tok: Any) -> None:
 
 
 async def reinforce(run: Run, cfg: dict[str, Any], eos: int) -> None:
-    """GRPO (or RLOO, or PPO with a critic) on fresh prompts, with the BC coefficient at 0."""
+    """The learner's algorithm (GRPO, RLOO, or PPO with a critic) on fresh prompts, with the BC
+    coefficient at 0."""
     loop = RLLoop(
-        algorithm=cfg["algorithm"],
         steps=cfg["rl_steps"],
         prompts_per_step=cfg["prompts_per_step"],
         group_size=cfg["group_size"],

@@ -10,8 +10,8 @@ NAMES = ["Ada", "Grace", "Alan"]
 
 async def main(ctx: Any) -> dict[str, Any]:
     # map yields (key, reply) as each call completes; the keys are the items' indexes.
-    replies = {key: text async for key, text in ctx.greeter.map("greet", NAMES, str)}
+    replies = {key: text async for key, text in ctx.roles["greeter"].map("greet", NAMES, str)}
     greetings = {name: replies[i] for i, name in enumerate(NAMES)}
-    shouted = await ctx.echo.call("upper", greetings["Ada"], str)
-    greeted = await ctx.greeter.call("greeted_names", None, list[str])
+    shouted = await ctx.roles["echo"].call("upper", greetings["Ada"], str)
+    greeted = await ctx.roles["greeter"].call("greeted_names", None, list[str])
     return {"greetings": greetings, "shouted": shouted, "greeted": greeted}

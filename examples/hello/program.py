@@ -14,8 +14,9 @@ a fox is quick and a dog is lazy
 
 
 async def main(ctx: Any) -> list[tuple[str, int]]:
+    splitter, counter = ctx.roles["splitter"], ctx.roles["counter"]  # by their manifest names
     lines = [Line(i, text) for i, text in enumerate(TEXT.splitlines())]
-    async for _, words in ctx.splitter.map("split", lines, Words):
-        await ctx.counter.call("add", words)
-    top: list[tuple[str, int]] = await ctx.counter.call("top", 3)
+    async for _, words in splitter.map("split", lines, Words):
+        await counter.call("add", words)
+    top: list[tuple[str, int]] = await counter.call("top", 3)
     return top

@@ -1,18 +1,19 @@
 """GRPO on a reasoning-gym task (``task.py``), from a tiny model built from its config.
 
 The training reward is reasoning-gym's own score, with partial credit (the reward role);
-held-out accuracy is checked by a verifier of its own that takes exact answers only. History,
-resuming, plots and ``summary.json`` are the framework's (``asyncrl.rl.Run``).
+held-out accuracy is checked by a verifier of its own that takes exact answers only. The RL
+loop, history, resuming, plots and ``summary.json`` are the built-in ``grpo`` program's
+(``asyncrl.rl.grpo``); its steps, batch and group sizes come from ``run.config``, the learning
+rate from the learner's config.
 """
 
 import asyncio
 from typing import Any
 
-from asyncrl.rl import Context, Evaluation, RLLoop, Run, SamplingParams
+from asyncrl.rl import Context, Evaluation, SamplingParams, grpo
 from examples.reasoning_gym import task
 
-DEFAULTS = {"steps": 200, "prompts_per_step": 16, "group_size": 8, "lr": 1e-3, "stop_at": {}}
-DEFAULTS |= {"heldout": 200, "eval_every": 50, "max_new_tokens": 4}
+DEFAULTS = {"heldout": 200, "eval_every": 50, "max_new_tokens": 4}
 
 
 async def main(ctx: Context) -> dict[str, Any]:
@@ -26,10 +27,5 @@ async def main(ctx: Context) -> dict[str, Any]:
         every=cfg["eval_every"],
         **stop,
     )
-    run = await Run.open(ctx, phases=["rl"], evaluation=evaluation)
-    if run.phase == "rl":
-        loop = {k: cfg[k] for k in ("steps", "prompts_per_step", "group_size", "lr", "stop_at")}
-        await run.rl_loop(RLLoop("grpo", **loop, params=SamplingParams(**stop)))
-        await run.end_phase(accuracy=await run.evaluate_at(run.steps))
-    summary = await run.finish(accuracy_final=run.values("rl")["accuracy"])
-    return {k: summary[k] for k in ("accuracy_final", "learner_steps", "samples_consumed")}
+    out = await grpo(ctx, evaluation=evaluation, params=SamplingParams(**stop))
+    return {k: out[k] for k in ("accuracy_final", "learner_steps", "samples_consumed")}

@@ -1,11 +1,11 @@
 """Typed handles for the built-in roles, and the typed context a built-in program takes.
 
 A control-flow program may call any role through its generic handle
-(``ctx.learner.call("status", None)``), which is what a custom role needs. For the built-in
-roles these clients say the same in types a checker sees:
+(``ctx.roles["learner"].call("status", None)``), which is what a custom role needs. For the
+built-in roles these clients say the same in types a checker sees:
 
     async def main(ctx: Context) -> dict[str, Any]:
-        rl = RLContext.of(ctx)
+        rl = RLContext(ctx)
         status = await rl.learner.status()            # LearnerStatus
         result = await rl.learner.train_step(batch)   # StepResult, re-sent if the learner died
 
@@ -29,6 +29,7 @@ from asyncrl.roles.payloads import (
     CriticStepResult,
     GenerateBatch,
     LearnerStatus,
+    ProgramState,
     Prompt,
     RolloutStats,
     Sample,
@@ -36,6 +37,7 @@ from asyncrl.roles.payloads import (
     StepResult,
     TrainBatch,
 )
+from asyncrl.roles.program.settings import Settings
 from asyncrl.roles.services.prompts import Take
 from asyncrl.roles.services.reward import ScoreRequest, ScoreSamples
 
@@ -147,9 +149,10 @@ class LearnerClient:
             result = await self.handle.call("train_step", batch, StepResult, timeout=timeout)
         return result
 
-    async def checkpoint(self, keep: dict[str, Any]) -> str:
-        """Keep ``keep`` with a checkpoint written now; return its path (replica 0's, with
-        data-parallel replicas: each writes its own)."""
+    async def checkpoint(self, keep: ProgramState) -> str:
+        """Keep ``keep`` (merged into the position the learner holds) with a checkpoint
+        written now, or a log entry under ``durable: wal``; return its path (replica 0's,
+        with data-parallel replicas: each writes its own)."""
         if self.handle.replicas > 1:
             paths: list[str] = await self._every("checkpoint", keep, str, LONG_S, again=True)
             return paths[0]
@@ -359,24 +362,30 @@ class ReferenceClient:
 
 
 class RLContext:
-    """A built-in RL program's typed view of its run: a client per built-in role, and the
-    run's facts (``config``, ``pipeline``, ``run_dir``, ``watchdog``, ``incarnation``).
+    """A built-in RL program's typed view of its run: a client per built-in role, the
+    settings it shares with the learner (``settings``: ``asyncrl.roles.program.settings``), and
+    the run's facts (``config``, ``pipeline``, ``run_dir``, ``watchdog``, ``incarnation``).
 
     ``prompts``, ``rollout`` and ``learner`` are required; ``reward`` is needed when used (a
     run whose rewards come from an environment has none); ``critic`` and ``reference`` are
-    None when the run has none. ``ctx`` is the generic context underneath, for custom roles.
+    None when the run has none. ``ctx`` is the generic context underneath: a custom role is
+    ``rl.ctx.roles[name]``, as in any program.
+
+    Raises (on construction):
+        KeyError: the run lacks a required role (the message lists the roles it has).
     """
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.learner = LearnerClient(ctx["learner"])
-        self.rollout = RolloutClient(ctx["rollout"])
+        self.learner = LearnerClient(ctx.roles["learner"])
+        self.rollout = RolloutClient(ctx.roles["rollout"])
         self._reward = RewardClient(ctx.roles["reward"]) if "reward" in ctx.roles else None
-        self.prompts = PromptsClient(ctx["prompts"])
+        self.prompts = PromptsClient(ctx.roles["prompts"])
         self.critic = CriticClient(ctx.roles["critic"]) if "critic" in ctx.roles else None
         self.reference = (
             ReferenceClient(ctx.roles["reference"]) if "reference" in ctx.roles else None
         )
+        self.settings = Settings.of(ctx)
 
     @property
     def reward(self) -> RewardClient:
@@ -391,15 +400,6 @@ class RLContext:
                 "the manifest's roles, or score samples another way (an environment's rewards)"
             )
         return self._reward
-
-    @classmethod
-    def of(cls, ctx: Context) -> RLContext:
-        """The typed view of ``ctx``.
-
-        Raises:
-            KeyError: the run lacks one of the required roles (the message names them all).
-        """
-        return cls(ctx)
 
     @property
     def config(self) -> dict[str, Any]:

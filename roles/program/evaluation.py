@@ -150,7 +150,7 @@ class Evaluation:
                 score = self.verifier(self.decode(sample.token_ids), prompt)
                 out.append(float(await score if inspect.isawaitable(score) else score))
             return out
-        role = rl.reward if self.verifier is None else RewardClient(rl.ctx[self.verifier])
+        role = rl.reward if self.verifier is None else RewardClient(rl.ctx.roles[self.verifier])
         answers = [p.answer for p in prompts]
         if self.decode is None:
             return await role.score_samples(samples, answers)

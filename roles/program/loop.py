@@ -30,6 +30,7 @@ with the learner, so a driver restarted after it does not train on.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -40,10 +41,12 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from asyncrl.observe.logs import PROGRESS
 from asyncrl.roles.payloads import (
     LearnerStatus,
+    ProgramState,
     Prompt,
     Sample,
     SamplingParams,
     StepResult,
+    Stopped,
     TrainBatch,
 )
 from asyncrl.roles.program.clients import RewardClient, RLContext
@@ -80,20 +83,24 @@ class Stop(Exception):
         self.now = now
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RLLoop:
     """What ``rl_loop`` runs.
 
     Attributes:
-        algorithm: ``grpo``, ``rloo`` or ``ppo`` (PPO needs a ``critic`` role).
         steps: the RL step to reach (a resumed loop goes on from where it was).
         prompts_per_step: prompts per batch; each is sampled ``group_size`` times.
         group_size: samples per prompt (GRPO's group).
         params: sampling parameters of the rollouts.
-        lr: the learner's peak learning rate for these steps; 0 keeps its configured one.
+        algorithm: ``grpo``, ``rloo`` or ``ppo`` (PPO needs a ``critic`` role); "": the
+            learner's (``roles.learner.config.algorithm``). One that differs from what the
+            learner's config sets overrides it, with a warning (``asyncrl.roles.program.settings``).
+        lr: the learner's peak learning rate for these steps; 0: the learner's
+            (``roles.learner.config.lr``), overridden as ``algorithm`` is.
         id_prefix: batch ids are ``<id_prefix><step>``: unique in the run, so a step re-sent
             after a learner crash is counted once.
-        keep: more of the program's state to keep with every step (``TrainBatch.keep``).
+        keep: the program's own state, kept with every step (``ProgramState.program``) and
+            read back from the learner's ``status`` (``status.keep.program``).
         evaluate: an ``Evaluation`` (its ``every`` is the default ``eval_every``), or a hook
             returning an accuracy or an ``EvalResult``; None: the ``Run``'s evaluation, if any.
         eval_every: steps between evaluations; 0: the evaluation's ``every``, or only after
@@ -106,11 +113,11 @@ class RLLoop:
             ``source`` makes each sample a multi-turn episode (``asyncrl.roles.agents``).
     """
 
-    algorithm: str
     steps: int
     prompts_per_step: int
     group_size: int
     params: SamplingParams
+    algorithm: str = ""
     lr: float = 0.0
     id_prefix: str = "rl-"
     keep: dict[str, Any] = field(default_factory=dict)
@@ -241,6 +248,8 @@ async def rl_loop(
         ValueError: ``stop_at`` names an unknown metric; the prompts ran out before step 1.
     """
     status = await rl.learner.status()
+    algorithm = rl.settings.algorithm(loop.algorithm, "RLLoop.algorithm")
+    loop = dataclasses.replace(loop, algorithm=algorithm, lr=rl.settings.lr(loop.lr, "RLLoop.lr"))
     done = (run.steps if run is not None else 0) if done is None else done
     evaluation = loop.evaluate if loop.evaluate is not None or run is None else run.evaluation
     every = loop.eval_every or (evaluation.every if isinstance(evaluation, Evaluation) else 0)
@@ -253,7 +262,12 @@ async def rl_loop(
         return resumed
     weights = await _weights_at_start(rl, done)
     report = StepReport(
-        rl.run_dir, loop.algorithm.upper(), loop.steps, done=done, learner=status, clock=clock
+        rl.run_dir,
+        (loop.algorithm or "rl").upper(),
+        loop.steps,
+        done=done,
+        learner=status,
+        clock=clock,
     )
     report.idle, report.progress = rl.ctx.idle, report.progress if display else None
     pipe = _pipeline(rl, loop, feed, report.scorer(score), status)
@@ -302,18 +316,18 @@ async def _weights_at_start(rl: RLContext, done: int) -> WeightSync:
 def _stopped_before(loop: RLLoop, status: LearnerStatus, done: int) -> dict[str, Any] | None:
     """The result of a loop that had taken its last step, or stopped early (kept with the
     learner), at ``done``, for a driver restarted after it; None when it had not."""
-    stopped = status.keep.get("stopped") or {}
-    early = stopped.get("id") == loop.id_prefix and int(stopped.get("step", -1)) == done
+    stopped = status.keep.stopped
+    early = stopped is not None and (stopped.id, stopped.step) == (loop.id_prefix, done)
     if not early and done < loop.steps:
         return None
-    reason = str(stopped.get("reason", "")) if early else "steps"
+    reason = stopped.reason if early and stopped is not None else "steps"
     log.info("RL had stopped at step %d: %s", done, reason, extra=PROGRESS)
     return {
         "steps": done,
         "stop_reason": reason,
         "stopped_by_budget": "budget" in reason,
         "wall_s": 0.0,
-        "cursor": int(status.keep.get("cursor", 0)),
+        "cursor": status.keep.cursor or 0,
         "evaluations": [],
         "pipeline": {},
     }
@@ -342,7 +356,8 @@ async def _train(
             "prompt?)"
         ) from exc
     report.lap("batch")
-    keep = {**loop.keep, **(run.position() if run is not None else {})}
+    keep = ProgramState(program=loop.keep)
+    keep = keep.merged(run.position()) if run is not None else keep
     result = await learn(
         rl, batch, algorithm=loop.algorithm, lr=loop.lr, id=f"{loop.id_prefix}{step}", keep=keep
     )
@@ -392,8 +407,8 @@ async def _ended(
     reason = stopper.reason
     if step < loop.steps:
         log.info("RL stopped at step %d of %d: %s", step, loop.steps, reason, extra=PROGRESS)
-        stopped = {"id": loop.id_prefix, "step": step, "reason": reason}
-        await rl.learner.checkpoint({"stopped": stopped})
+        stopped = Stopped(id=loop.id_prefix, step=step, reason=reason)
+        await rl.learner.checkpoint(ProgramState(stopped=stopped))
     out = {
         "steps": step,
         "stop_reason": reason,
@@ -416,7 +431,7 @@ def weight_sync(rl: RLContext, **kwargs: Any) -> WeightSync:
     Raises:
         ValueError: ``run.config.relays`` names a role the run lacks.
     """
-    relays = [rl.ctx[name] for name in relay_groups(rl.config, rl.ctx.roles)]
+    relays = [rl.ctx.roles[name] for name in relay_groups(rl.config, rl.ctx.roles)]
     kwargs.setdefault("wait", rl.pipeline.mode == "sync")
     return WeightSync(rl.rollout.handle, relays=relays, **kwargs)
 
@@ -463,7 +478,7 @@ def _pipeline(
             **status.advantages,  # computed as the learner computes them
         ),
         start_version=status.version,
-        resume=status.keep.get("resume") or {"cursor": int(status.keep.get("cursor", 0))},
+        resume=status.keep.resume or {"cursor": status.keep.cursor or 0},
         watchdog=rl.watchdog,
         source=loop.source,
     )
@@ -500,7 +515,7 @@ async def learn(
     lr: float = 0.0,
     timeout: float = 300.0,
     id: str = "",
-    keep: dict[str, Any] | None = None,
+    keep: ProgramState | None = None,
 ) -> StepResult:
     """One learner step on a pipeline batch.
 
@@ -528,7 +543,7 @@ async def learn(
     train = TrainBatch(
         samples=batch.samples,
         algorithm=algorithm,
-        keep={"cursor": batch.cursor, "resume": batch.resume, **(keep or {})},
+        keep=ProgramState(cursor=batch.cursor, resume=batch.resume).merged(keep or ProgramState()),
         lr=lr,
         correction=cast(Correction, spec.correction),  # validated by the manifest
         importance_cap=spec.importance_cap,

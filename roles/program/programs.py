@@ -1,7 +1,14 @@
 """Built-in control-flow programs (GRPO, RLOO, PPO, BC) and the one RL loop they share.
 
-Each program is a short async function, readable top to bottom, over the typed clients of
-``asyncrl.roles.program.clients``; copy one and change it. They expect these roles (by these names):
+Each program is a short async function, readable top to bottom; copy one and change it.
+``grpo``, ``rloo`` and ``ppo`` are written on a ``Run`` (``asyncrl.roles.program.run``): one
+phase, ``rl``, which stays open so that a resumed run given more ``steps`` trains on, with the
+run's history, ``summary.json``, plots and the exported policy (``exports/final``); they return
+the loop's result (``rl_loop``), each step's reward (``rewards``), ``learner_steps``,
+``samples_consumed`` and ``final``, and with an evaluation ``heldout`` and ``accuracy_final``. A
+program of your own calls one with its own evaluation: ``await grpo(ctx, evaluation=...)``
+(``examples/reasoning_gym/program.py``). ``bc`` is written on the typed clients of
+``asyncrl.roles.program.clients``. They expect these roles (by these names):
 ``prompts`` (PromptSource), ``rollout`` (Rollout with ``weights_from: learner``), ``reward``
 (Reward with a ``tokenizer_path``) and ``learner`` (Learner); PPO also ``critic``, and a
 ``reference`` is used for the KL term when present. Settings come from the manifest's
@@ -17,7 +24,8 @@ A role named ``heldout`` (a second PromptSource, over held-out prompts) turns on
 replicas decode all its prompts greedily with the weights just trained, the role named by
 ``eval_verifier`` (default: the reward role) scores them, a completion with a full score counts
 as correct (``asyncrl.roles.program.evaluation.Evaluation``), and the accuracy is logged and
-returned as ``heldout``: ``[{"step": s, "accuracy": a}, ...]``. ``stop_at`` ends RL early on a
+returned as ``heldout``: ``[{"step": s, "accuracy": a}, ...]``. An ``evaluation`` given to the
+program replaces that role's. ``stop_at`` ends RL early on a
 target (``{"accuracy": 0.95}``), ``budget_s`` on a wall budget.
 
 ``rl_loop`` (``asyncrl.roles.program.loop``, re-exported here) is the RL loop itself, for
@@ -42,7 +50,12 @@ from typing import Any
 
 from asyncrl.dispatch.handles import Context
 from asyncrl.observe.logs import PROGRESS
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, TrainBatch
+from asyncrl.roles.payloads import (
+    ProgramState,
+    SamplingParams,
+    Scored,
+    TrainBatch,
+)
 from asyncrl.roles.program.clients import PromptsClient, RLContext, resend
 from asyncrl.roles.program.evaluation import Evaluation
 from asyncrl.roles.program.loop import (
@@ -54,6 +67,7 @@ from asyncrl.roles.program.loop import (
     rl_loop,
     weight_sync,
 )
+from asyncrl.roles.program.run import Run
 
 __all__ = [
     "DEFAULTS",
@@ -91,49 +105,68 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-async def grpo(ctx: Context) -> dict[str, Any]:
-    """Sample a group per prompt, score it, take one GRPO step; repeat."""
-    return await _builtin(RLContext.of(ctx), "grpo")
+async def grpo(
+    ctx: Context,
+    *,
+    evaluation: Evaluation | None = None,
+    params: SamplingParams | None = None,
+) -> dict[str, Any]:
+    """Sample a group per prompt, score it, take one GRPO step; repeat.
+
+    Args:
+        ctx: the run's context.
+        evaluation: the held-out evaluation; None: the ``heldout`` role's, if the run has one.
+        params: the rollouts' sampling; None: ``run.config``'s ``temperature``,
+            ``max_new_tokens`` and ``stop_token_ids``.
+    """
+    return await _builtin(ctx, "grpo", evaluation, params)
 
 
-async def rloo(ctx: Context) -> dict[str, Any]:
+async def rloo(
+    ctx: Context,
+    *,
+    evaluation: Evaluation | None = None,
+    params: SamplingParams | None = None,
+) -> dict[str, Any]:
     """As ``grpo``, with RLOO's leave-one-out baseline (the learner computes it)."""
-    return await _builtin(RLContext.of(ctx), "rloo")
+    return await _builtin(ctx, "rloo", evaluation, params)
 
 
-async def ppo(ctx: Context) -> dict[str, Any]:
-    """Sample, score, ask the critic for values, take one PPO step and one critic step."""
-    return await _builtin(RLContext.of(ctx), "ppo")
+async def ppo(
+    ctx: Context,
+    *,
+    evaluation: Evaluation | None = None,
+    params: SamplingParams | None = None,
+) -> dict[str, Any]:
+    """Sample, score, ask the critic for values, take one PPO step and one critic step; the
+    arguments are ``grpo``'s."""
+    return await _builtin(ctx, "ppo", evaluation, params)
 
 
-async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
+PHASE = "rl"
+"""The one phase of a built-in RL program. It stays open: it ends at the run's ``steps``, which a
+resumed run may raise (``asyncrl run --resume`` with more steps trains on)."""
+
+
+async def _builtin(
+    ctx: Context,
+    algorithm: str,
+    evaluation: Evaluation | None,
+    params: SamplingParams | None,
+) -> dict[str, Any]:
+    """The RL phase of a ``Run``: its loop, then the run's summary (``summary.json``, plots,
+    the exported policy)."""
+    rl = RLContext(ctx)
     cfg = {**DEFAULTS, **rl.config}
     if algorithm == "ppo" and rl.critic is not None:
-        await asyncio.to_thread(check_critic, rl.ctx)  # imports torch: off the event loop
-    status = await rl.learner.status()
-    feed = PromptFeed(rl)
-    params = SamplingParams(
+        await asyncio.to_thread(check_critic, ctx)  # imports torch: off the event loop
+    params = params or SamplingParams(
         temperature=cfg["temperature"],
         max_new_tokens=cfg["max_new_tokens"],
         stop_token_ids=list(cfg["stop_token_ids"]),
     )
-
-    async def score(samples: list[Sample]) -> list[float]:
-        return await rl.reward.score_samples(samples, [feed.answers[s.prompt_id] for s in samples])
-
-    heldout: list[Prompt] = []
-    if "heldout" in rl.ctx.roles:  # all its prompts, once (epoch 0 of its permutation)
-        source = PromptsClient(rl.ctx.roles["heldout"])
-        heldout = await source.take(0, await source.handle.call("size", None, int))
-    evaluation = None
-    if heldout:
-        evaluation = Evaluation(
-            heldout,
-            max_new_tokens=params.max_new_tokens,
-            stop_token_ids=params.stop_token_ids,
-            verifier=cfg["eval_verifier"] or None,
-            every=int(cfg["eval_every"]),
-        )
+    evaluation = evaluation or await _heldout(rl, cfg, params)
+    run = await Run.open(rl, phases=[PHASE], evaluation=evaluation)
     loop = RLLoop(
         algorithm=algorithm,
         steps=int(cfg["steps"]),
@@ -144,7 +177,6 @@ async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
         budget_s=float(cfg["budget_s"]),
         stop_at={k: float(v) for k, v in (cfg["stop_at"] or {}).items()},
         id_prefix=f"{algorithm}-",
-        evaluate=evaluation,
     )
     rewards: list[float] = []
 
@@ -169,9 +201,38 @@ async def _builtin(rl: RLContext, algorithm: str) -> dict[str, Any]:
                 extra=PROGRESS,
             )
 
-    out = await rl_loop(rl, loop, feed=feed, score=score, done=status.step, on_step=on_step)
+    out = await run.rl_loop(loop, on_step=on_step)
+    final: dict[str, Any] = {}
+    if evaluation is not None:  # the last step's, recorded in the history when it was taken
+        final["accuracy_final"] = await run.evaluate_at(run.steps)
+    summary = await run.finish(**final)
     held = [{"step": e["step"], "accuracy": e["accuracy"]} for e in out["evaluations"]]
-    return {**out, "rewards": rewards, **({"heldout": held} if heldout else {})}
+    totals = {k: summary[k] for k in ("learner_steps", "samples_consumed", "final")}
+    return {
+        **out,
+        "rewards": rewards,
+        **({"heldout": held} if evaluation else {}),
+        **final,
+        **totals,
+    }
+
+
+async def _heldout(rl: RLContext, cfg: dict[str, Any], params: SamplingParams) -> Evaluation | None:
+    """The evaluation over the ``heldout`` role's prompts (all of them, once: epoch 0 of its
+    permutation), or None when the run has no such role."""
+    if "heldout" not in rl.ctx.roles:
+        return None
+    source = PromptsClient(rl.ctx.roles["heldout"])
+    heldout = await source.take(0, await source.handle.call("size", None, int))
+    if not heldout:
+        return None
+    return Evaluation(
+        heldout,
+        max_new_tokens=params.max_new_tokens,
+        stop_token_ids=params.stop_token_ids,
+        verifier=cfg["eval_verifier"] or None,
+        every=int(cfg["eval_every"]),
+    )
 
 
 def check_critic(ctx: Context) -> None:
@@ -189,10 +250,10 @@ def check_critic(ctx: Context) -> None:
 
 async def bc(ctx: Context) -> dict[str, Any]:
     """Behaviour cloning on the prompt source's answers as demonstrations."""
-    rl = RLContext.of(ctx)
+    rl = RLContext(ctx)
     cfg = {**DEFAULTS, **rl.config}
     status = await rl.learner.status()
-    cursor = int(status.keep.get("cursor", 0))
+    cursor = status.keep.cursor or 0
     losses: list[float] = []
     for step in range(status.step, cfg["steps"]):
         demos = await rl.prompts.demonstrations(cursor, cfg["batch"])
@@ -200,7 +261,7 @@ async def bc(ctx: Context) -> dict[str, Any]:
         batch = TrainBatch(
             samples=[Scored(sample=d) for d in demos],
             algorithm="bc",
-            keep={"cursor": cursor},
+            keep=ProgramState(cursor=cursor),
             lr=cfg["lr"],
             id=f"bc-{step + 1}",
         )

@@ -13,10 +13,11 @@ A program declares its phases and what it measures; resuming is never its code:
 
 - **Phases** run in the order declared. Where the run is travels with the learner, as the
   pipeline's position does: every step a ``Run`` sends (``train_step``, ``rl_loop``) keeps
-  ``{"phase", "phase_start"}`` in ``TrainBatch.keep``, and ``end_phase`` keeps the next phase
-  and the ended one's values (``phases``) with a learner checkpoint (a log entry under
-  ``durable: wal``). A restarted driver reads them back from the learner's ``status``:
-  ``run.phase`` is where it was, ``run.steps`` the steps the learner took in it.
+  ``phase`` and ``phase_start`` in ``TrainBatch.keep`` (a ``ProgramState``), and
+  ``end_phase`` keeps the next phase and the ended one's values (``phases``) with a learner
+  checkpoint (a log entry under ``durable: wal``). A restarted driver reads them back from
+  the learner's ``status``: ``run.phase`` is where it was, ``run.steps`` the steps the learner
+  took in it.
 - **History** (``asyncrl.roles.program.history``): ``history.jsonl``, one entry per (phase,
   step), written once; entries past the learner's position are dropped on resume (their steps
   are taken again). A step the learner took while the driver was down is recorded from the
@@ -40,7 +41,14 @@ import msgspec
 
 from asyncrl.dispatch.handles import Context
 from asyncrl.observe.progress import say
-from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
+from asyncrl.roles.payloads import (
+    LearnerStatus,
+    ProgramState,
+    Sample,
+    Scored,
+    StepResult,
+    TrainBatch,
+)
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.history import History
@@ -82,15 +90,15 @@ class Run:
         self.rl = rl
         self.phases = list(phases)
         keep = status.keep
-        self.phase = str(keep.get("phase") or self.phases[0])
+        self.phase = keep.phase or self.phases[0]
         if self.phase not in (*self.phases, DONE):
             raise ValueError(
                 f"the learner kept phase {self.phase!r}, which this program does not declare "
                 f"({self.phases}); resume it with the program that started it"
             )
-        self.phase_start = int(keep.get("phase_start", 0))
+        self.phase_start = keep.phase_start or 0
         self.learner_step = status.step
-        self.ended: dict[str, dict[str, Any]] = dict(keep.get("phases") or {})
+        self.ended: dict[str, dict[str, Any]] = dict(keep.phases)
         self.evaluation = evaluation
         self.loops: dict[str, dict[str, Any]] = {}
         self.history = History.open(rl.run_dir, fresh=status.step == 0, keeps=self._stands)
@@ -114,7 +122,7 @@ class Run:
         """
         if not phases:
             raise ValueError("a Run needs at least one phase")
-        rl = RLContext.of(ctx) if isinstance(ctx, Context) else ctx
+        rl = RLContext(ctx) if isinstance(ctx, Context) else ctx
         status = await rl.learner.status()
         run = await asyncio.to_thread(cls, rl, phases, status, evaluation)
         if status.step:
@@ -143,32 +151,40 @@ class Run:
         it ended (phases run one after another), 0 for the first."""
         return max((float(p.get("ended_s", 0.0)) for p in self.ended.values()), default=0.0)
 
-    def position(self) -> dict[str, Any]:
+    def position(self) -> ProgramState:
         """What every learner step keeps of the run's position (``TrainBatch.keep``)."""
-        return {"phase": self.phase, "phase_start": self.phase_start}
+        return ProgramState(phase=self.phase, phase_start=self.phase_start)
 
     def values(self, phase: str) -> dict[str, Any]:
         """The values ``end_phase`` kept for ``phase`` ({} while it has not ended)."""
         return dict(self.ended.get(phase, {}))
 
     async def train_step(self, batch: TrainBatch) -> StepResult:
-        """A learner step keeping the run's position; re-sent if the learner died with it."""
-        batch.keep = {**batch.keep, **self.position()}
+        """A learner step keeping the run's position; re-sent if the learner died with it. Its
+        ``algorithm`` and ``lr``, when not given, are the learner's; given and different from
+        what the learner's config sets, they override it, with a warning
+        (``asyncrl.roles.program.settings``)."""
+        settings = self.rl.settings
+        batch.algorithm = settings.algorithm(batch.algorithm, "TrainBatch.algorithm")
+        batch.lr = settings.lr(batch.lr, "TrainBatch.lr")
+        batch.keep = batch.keep.merged(self.position())
         result = await self.rl.learner.train_step(batch)
         self.learner_step = result.step
         return result
 
     async def bc_step(
-        self, samples: Sequence[Sample], *, lr: float, algorithm: str = "bc"
+        self, samples: Sequence[Sample], *, lr: float = 0.0, algorithm: str = "bc"
     ) -> StepResult:
         """One behaviour-cloning step on ``samples`` (demonstrations: their tokens are the
-        targets), with the ids it needs minted for it.
+        targets), with the ids it needs minted for it. ``lr``: 0 for the learner's
+        (``roles.learner.config.lr``); another overrides it as ``train_step`` says.
 
         A demonstration is used again and again, so each use gets a ledger id of its own
         (``<prompt id>#<phase><step>``), and the batch the id ``<phase>-<step + 1>`` that
         makes a step re-sent after a restart count once.
         """
         step = self.steps
+        lr = self.rl.settings.lr(lr, "Run.bc_step's lr")
         uses = [
             Scored(sample=msgspec.structs.replace(s, prompt_id=f"{s.prompt_id}#{self.phase}{step}"))
             for s in samples
@@ -283,7 +299,7 @@ class Run:
         index = self.phases.index(self.phase) if self.phase in self.phases else len(self.phases)
         following = self.phases[index + 1] if index + 1 < len(self.phases) else DONE
         self.phase, self.phase_start = following, self.learner_step
-        await self.rl.learner.checkpoint({**self.position(), "phases": self.ended})
+        await self.rl.learner.checkpoint(self.position().merged(ProgramState(phases=self.ended)))
 
     async def finish(self, *, export: str = "final", **extra: Any) -> dict[str, Any]:
         """Write ``summary.json``, ``progress.png`` and ``plots/``, export the policy to

@@ -106,11 +106,12 @@ class SamplePipeline:
     Use it as an async context manager around the training loop::
 
         settings = BatchSettings(batch_size=64, group_size=8)
-        async with SamplePipeline(ctx.rollout, spec=ctx.pipeline, settings=settings, ...) as pipe:
+        rollout = ctx.roles["rollout"]
+        async with SamplePipeline(rollout, spec=ctx.pipeline, settings=settings, ...) as pipe:
             for _ in range(steps):
                 batch = await pipe.next_batch()
                 step = TrainBatch(samples=batch.samples, ...)
-                result = await ctx.learner.call("train_step", step)
+                result = await ctx.roles["learner"].call("train_step", step)
                 pipe.advance(result.version)        # the window moves on
 
     Args:

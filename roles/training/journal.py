@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from asyncrl.roles.payloads import ProgramState
 from asyncrl.roles.training.checkpoints import CheckpointDir, Staged, StepLog
 from asyncrl.roles.training.data_parallel import DataParallel, agree_checkpoint
 from asyncrl.roles.training.wal import Entry, KeepEntry, StepEntry, WalError, WriteAheadLog
@@ -166,7 +167,7 @@ class Journal:
         if self.wal is not None:
             self.wal.append(StepEntry(step, batch, rng, result))
 
-    def log_keep(self, step: int, keep: dict[str, Any]) -> None:
+    def log_keep(self, step: int, keep: ProgramState) -> None:
         """Make a ``keep`` given after step ``step`` durable (``wal``)."""
         if self.wal is not None:
             self.wal.append(KeepEntry(step, keep))

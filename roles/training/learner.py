@@ -68,7 +68,14 @@ from asyncrl.roles.learning.batching import (
     pad_batch,
 )
 from asyncrl.roles.learning.statistics import percentiles, staleness
-from asyncrl.roles.payloads import LearnerStatus, Sample, Scored, StepResult, TrainBatch
+from asyncrl.roles.payloads import (
+    LearnerStatus,
+    ProgramState,
+    Sample,
+    Scored,
+    StepResult,
+    TrainBatch,
+)
 from asyncrl.roles.training import sharding as sh
 from asyncrl.roles.training import zero_rows
 from asyncrl.roles.training.data_parallel import (
@@ -137,7 +144,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.version = 0
         self.step = 0
         self.consumed: set[tuple[str, int]] = set()
-        self.keep: dict[str, Any] = {}
+        self.keep = ProgramState()
         self.last: dict[str, Any] = {}  # the last step: its batch id and result
         self.env_tokens_trained = 0.0  # in this step's loss (episodes; see env_tokens_in)
         self.faults = FaultPlan.from_env(self.ctx.incarnation)
@@ -408,7 +415,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 # Measured against the version that consumed them: the one before this step.
                 ages = [staleness(self.version - 1, s.sample.policy_versions) for s in fresh]
                 metrics.update({f"staleness_{k}": v for k, v in percentiles(ages).items()})
-        self.keep.update(batch.keep)
+        self.keep = self.keep.merged(batch.keep)
         result = StepResult(
             version=self.version,
             step=self.step,

@@ -19,7 +19,7 @@ import torch
 
 from asyncrl.observe.trace import traced
 from asyncrl.role import Delivery, RoleContext, endpoint
-from asyncrl.roles.payloads import StepResult, TrainBatch
+from asyncrl.roles.payloads import ProgramState, StepResult, TrainBatch
 from asyncrl.roles.training import sharding as sh
 from asyncrl.roles.training.checkpoints import (
     CheckpointDir,
@@ -50,7 +50,7 @@ class DurableSteps:
     faults: Any
     version: int
     step: int
-    keep: dict[str, Any]
+    keep: ProgramState
     last: dict[str, Any]
     consumed: set[tuple[str, int]]
     replaying: bool = False
@@ -103,7 +103,7 @@ class DurableSteps:
             "ids": ids,
             "skipped": skipped,
             "incarnation": self.ctx.incarnation,
-            "phase": str(self.keep.get("phase", "")),
+            "phase": self.keep.phase or "",
         }
         if self.replaying:
             self.journal.replayed(record)
@@ -119,12 +119,12 @@ class DurableSteps:
         self.faults.at("after_log")
 
     @endpoint(Delivery.ONCE)
-    async def checkpoint(self, keep: dict[str, Any]) -> str:
+    async def checkpoint(self, keep: ProgramState) -> str:
         """Keep ``keep`` (the program's position) durably; returns where it is kept."""
         return await self.ctx.offload(traced("checkpoint", self._checkpoint), keep)
 
-    def _checkpoint(self, keep: dict[str, Any]) -> str:
-        self.keep.update(keep)
+    def _checkpoint(self, keep: ProgramState) -> str:
+        self.keep = self.keep.merged(keep)
         if self.journal.wal is not None:
             self.journal.log_keep(self.step, keep)
             return self.journal.wal.path
@@ -142,7 +142,7 @@ class DurableSteps:
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "step": self.step,
-            "keep": self.keep,
+            "keep": msgspec.to_builtins(self.keep),
             "last": json.dumps(self.last),
             "rng": rng_state(),
         }
@@ -154,7 +154,7 @@ class DurableSteps:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         self.step = state["step"]
-        self.keep = state["keep"]
+        self.keep = msgspec.convert(state["keep"], ProgramState)
         self.last = json.loads(state.get("last", "{}"))
         set_rng_state(state["rng"])
 
@@ -177,7 +177,7 @@ class DurableSteps:
         started = time.monotonic()
         for entry in entries:
             if isinstance(entry, KeepEntry):
-                self.keep.update(entry.keep)
+                self.keep = self.keep.merged(entry.keep)
                 continue
             assert isinstance(entry, StepEntry)
             self.faults.at("replay_step")

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.roles.payloads import ProgramState
 from asyncrl.roles.training.checkpoints import fsync_dir
 from asyncrl.safe_files import open_append
 
@@ -59,7 +60,7 @@ class KeepEntry(msgspec.Struct, tag="keep"):
     """A ``keep`` given between steps, after step ``step``."""
 
     step: int
-    keep: dict[str, Any]
+    keep: ProgramState
 
 
 Entry = StepEntry | KeepEntry

@@ -68,8 +68,8 @@ def _segments(traj: Trajectory) -> list[dict[str, Any]]:
 async def textarena_games(ctx: Context) -> list[dict[str, Any]]:
     """Plays GuessTheNumber once per seed of ``run.config.seeds``, all at once."""
     runner = EpisodeRunner(
-        ctx.policy,
-        ctx.game,
+        ctx.roles["policy"],
+        ctx.roles["game"],
         encode=encode,
         decode=decode,
         params=SamplingParams(max_new_tokens=4),
@@ -132,7 +132,7 @@ async def verifiers_episodes(ctx: Context) -> list[dict[str, Any]]:
     kept = signal.getsignal(signal.SIGTERM) is before
     VerifiersRunner = adapter.VerifiersRunner
     server = OpenAIServer(
-        ctx.rollout, context_length=128, encode=encode, decode=decode, max_tokens=6
+        ctx.roles["rollout"], context_length=128, encode=encode, decode=decode, max_tokens=6
     )
     async with server, VerifiersRunner(env, server, sampling_args={"temperature": 1.0}) as runner:
         examples = runner.examples()

@@ -46,7 +46,7 @@ class Bisect:
 
 
 async def main(ctx: Context) -> dict[str, Any]:
-    env = ctx["env"]
+    env = ctx.roles["env"]
     runner = EpisodeRunner(
         Bisect(),
         env,

@@ -57,17 +57,17 @@ async def main(ctx: Any) -> dict[str, Any]:
                 for i in group
             ]
         )
-        samples: list[Sample] = await ctx.rollout.call("generate", batch, list[Sample])
+        samples: list[Sample] = await ctx.roles["rollout"].call("generate", batch, list[Sample])
         return samples
 
     rounds: list[list[int]] = []
     # The first broadcast also waits until both replicas are up and have advertised credit.
-    before = await ctx.rollout.broadcast("stats", None, dict[str, int])
+    before = await ctx.roles["rollout"].broadcast("stats", None, dict[str, int])
     while any(unfinished(g) for g in groups):
         order = groups if len(rounds) % 2 == 0 else groups[::-1]
         calls = [g for g in (unfinished(g) for g in order) if g]
         replies = await asyncio.gather(*(generate(g) for g in calls))
-        after = await ctx.rollout.broadcast("stats", None, dict[str, int])
+        after = await ctx.roles["rollout"].broadcast("stats", None, dict[str, int])
         grown = [
             a["tokens_generated"] - b["tokens_generated"]
             for a, b in zip(after, before, strict=True)

@@ -95,51 +95,55 @@ class CrashAtStart(Role):
 async def pipeline(ctx: Any) -> dict[str, Any]:
     """Map 1,000 items through square and offset, record each result once."""
     n = int(os.environ.get("PIPELINE_ITEMS", "1000"))
-    squares = ctx.square.map("work", [Item(i, i) for i in range(n)], Item, timeout=120)
+    squares = ctx.roles["square"].map("work", [Item(i, i) for i in range(n)], Item, timeout=120)
     stage1 = [item async for _, item in squares]
-    results = [item async for _, item in ctx.offset.map("work", stage1, Item, timeout=120)]
-    recorded = await asyncio.gather(*(ctx.sink.call("record", r, timeout=120) for r in results))
-    counts = await ctx.sink.call("count", None)
+    results = [item async for _, item in ctx.roles["offset"].map("work", stage1, Item, timeout=120)]
+    recorded = await asyncio.gather(
+        *(ctx.roles["sink"].call("record", r, timeout=120) for r in results)
+    )
+    counts = await ctx.roles["sink"].call("count", None)
     wrong = [r.key for r in results if r.value != r.key * r.key + 1]
     return {"recorded_new": sum(recorded), "sink": counts, "wrong": wrong}
 
 
 async def wait_forever(ctx: Any) -> None:
     """A program that only ends when the run is stopped."""
-    await ctx.sleeper.call("pid", None)
+    await ctx.roles["sleeper"].call("pid", None)
     await asyncio.Event().wait()
 
 
 async def block_then_finish(ctx: Any) -> dict[str, Any]:
     """Block the sleeper's loop for 10 s (a busy process: warned about, never killed)."""
-    first = await ctx.sleeper.call("pid", None)
+    first = await ctx.roles["sleeper"].call("pid", None)
     try:
-        blocked = await ctx.sleeper.call("block_loop", 10.0, timeout=60)
+        blocked = await ctx.roles["sleeper"].call("block_loop", 10.0, timeout=60)
     except Exception as exc:  # its callers may take 10 s of silence as its death
         blocked = type(exc).__name__
-    after_block = await ctx.sleeper.call("pid", None, timeout=60)
+    after_block = await ctx.roles["sleeper"].call("pid", None, timeout=60)
     return {"first": first, "blocked": blocked, "after_block": after_block}
 
 
 async def finish_then_linger(ctx: Any) -> int:
     """Work for 2 s, finish, then take 6 s to exit (as a process that flushes traces, tears
     down torch or joins its threads on a loaded machine does): its event loop has ended."""
-    await ctx.sleeper.call("compute", 2.0, timeout=60)  # its supervisor has heard it by then
+    await ctx.roles["sleeper"].call(
+        "compute", 2.0, timeout=60
+    )  # its supervisor has heard it by then
     atexit.register(time.sleep, 6.0)
-    return int(await ctx.sleeper.call("pid", None))
+    return int(await ctx.roles["sleeper"].call("pid", None))
 
 
 async def hang_then_finish(ctx: Any) -> dict[str, Any]:
     """Compute long in a worker thread (must not be flagged), then block the loop (must be)."""
-    first = await ctx.sleeper.call("pid", None)
-    await ctx.sleeper.call("compute", 2.0, timeout=30)
-    after_compute = await ctx.sleeper.call("pid", None)
+    first = await ctx.roles["sleeper"].call("pid", None)
+    await ctx.roles["sleeper"].call("compute", 2.0, timeout=30)
+    after_compute = await ctx.roles["sleeper"].call("pid", None)
     try:
-        await ctx.sleeper.call("block_loop", 5.0, timeout=30)
+        await ctx.roles["sleeper"].call("block_loop", 5.0, timeout=30)
         blocked = "returned"
     except Exception as exc:  # the replica is killed while it blocks
         blocked = type(exc).__name__
-    after_block = await ctx.sleeper.call("pid", None, timeout=60)
+    after_block = await ctx.roles["sleeper"].call("pid", None, timeout=60)
     return {
         "first": first,
         "after_compute": after_compute,

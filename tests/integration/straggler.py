@@ -79,7 +79,7 @@ async def program(ctx: Any) -> dict[str, Any]:
     groups: list[list[str | int]] = []
     keys: list[str] = []
     pipe = SamplePipeline(
-        ctx.rollout,
+        ctx.roles["rollout"],
         spec=ctx.pipeline,
         feed=feed,
         score=score,

@@ -35,7 +35,7 @@ async def main(ctx):
     open(os.path.join(ctx.run_dir, "ready"), "w").close()
     while not os.path.exists(os.path.join(ctx.run_dir, "gate")):
         await asyncio.sleep(0.05)
-    status = await ctx.learner.call("status", None)
+    status = await ctx.roles["learner"].call("status", None)
     return {k: status[k] for k in ("version", "step", "consumed", "keep")}
 """
 

@@ -67,7 +67,7 @@ class Publisher(Role):
 
 async def program(ctx: Any) -> str:
     """Wait for the publisher, say READY, then end as ``run.config.end`` says."""
-    pid = await ctx.publisher.call("pid", 0)
+    pid = await ctx.roles["publisher"].call("pid", 0)
     # the pids go in a file: the run's stdout is shared with other processes' log lines
     path = os.path.join(ctx.run_dir, READY_FILE)
     with open(path + ".tmp", "w") as f:

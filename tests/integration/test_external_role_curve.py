@@ -28,7 +28,7 @@ import asyncio, os
 
 
 async def main(ctx):
-    said = await ctx.echo.call("upper", "hi")
+    said = await ctx.roles["echo"].call("upper", "hi")
     with open(os.path.join(ctx.run_dir, "progress"), "w") as f:
         f.write(said)
     while not os.path.exists(ctx.config["gate"]):

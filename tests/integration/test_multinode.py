@@ -47,14 +47,14 @@ TEXT = [
 async def main(ctx):
     lines = [Line(i, TEXT[i % 3]) for i in range(30)]
     for start in range(0, 30, 5):
-        async for _, words in ctx.splitter.map("split", lines[start:start + 5], Words):
-            await ctx.counter.call("add", words)
+        async for _, words in ctx.roles["splitter"].map("split", lines[start:start + 5], Words):
+            await ctx.roles["counter"].call("add", words)
         if start + 5 == 15:
             with open(os.path.join(ctx.run_dir, "progress"), "w") as f:
                 f.write(str(ctx.incarnation))
             while not os.path.exists(ctx.config["gate"]):
                 await asyncio.sleep(0.05)
-    top = await ctx.counter.call("top", 3)
+    top = await ctx.roles["counter"].call("top", 3)
     with open(os.path.join(ctx.run_dir, "summary.json"), "w") as f:
         json.dump({"top": top}, f)
     return top

@@ -113,6 +113,16 @@ def test_grpo_runs_and_evaluates_the_heldout_prompts(run_dir: str) -> None:
         == 2
     )
     assert result["pipeline"]["consumed_samples"] == 4 * 32
+    # Written on a Run: the history, the summary and the exported policy are the run's.
+    assert result["accuracy_final"] == result["heldout"][-1]["accuracy"]
+    assert (result["learner_steps"], result["samples_consumed"]) == (4, 4 * 32)
+    with open(os.path.join(run_dir, "history.jsonl")) as f:
+        history = [json.loads(line) for line in f]
+    assert [(h["phase"], h["step"]) for h in history] == [("rl", s) for s in (1, 2, 3, 4)]
+    assert [h["step"] for h in history if "accuracy" in h] == [3, 4]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["accuracy_final"] == result["accuracy_final"]
+    assert os.path.isfile(os.path.join(result["final"], "config.json"))
     # Sync: one batch in flight. A fifth may be admitted after the fourth step, as the program
     # ends, and is then cancelled.
     assert 4 * 32 <= result["pipeline"]["admitted_samples"] <= 5 * 32
@@ -137,6 +147,7 @@ def test_ppo_runs_with_a_critic(run_dir: str) -> None:
     assert "heldout" not in result  # no heldout role: no evaluation
 
 
+@pytest.mark.timeout(600)  # two runs, each past a minute on a loaded machine
 def test_a_resumed_async_run_paces_from_the_checkpointed_version(run_dir: str) -> None:
     pipeline = "pipeline: {mode: async, eta: 1}"
     keep = ("roles.learner.config.checkpoint_every=2",)

@@ -59,7 +59,7 @@ def assert_whole(run_dir: str) -> dict[str, Any]:
         summary: dict[str, Any] = json.load(f)
     assert summary["learner_steps"] == STEPS and summary["samples_consumed"] == STEPS * 16
     assert summary["accuracy_final"] == history[-1]["accuracy"]
-    assert summary["phases"]["rl"]["end"] == STEPS
+    assert summary["phases"] == {}  # the built-in grpo's phase stays open: a resume trains on
     return summary
 
 

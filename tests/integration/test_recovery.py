@@ -326,7 +326,7 @@ def test_a_run_that_stops_progressing_fails_saying_on_what_it_waits(run_dir: str
                 import asyncio
 
                 async def main(ctx):
-                    await ctx.prompts.call("take", {"cursor": 0, "n": 1})
+                    await ctx.roles["prompts"].call("take", {"cursor": 0, "n": 1})
                     await asyncio.Event().wait()  # a bug: waits on nothing that will happen
                 """
             )

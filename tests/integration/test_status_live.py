@@ -25,7 +25,7 @@ from asyncrl.observe.metrics import MetricsLog
 from examples.hello.roles import Line
 
 async def main(ctx):
-    await ctx.splitter.call("split", Line(1, "A b"))
+    await ctx.roles["splitter"].call("split", Line(1, "A b"))
     async with MetricsLog(ctx.run_dir, done=0, tensorboard=False) as metrics:
         metrics.write({"step": 3, "version": 2})
     ctx.log.info("status test ready")

@@ -63,7 +63,7 @@ def fake_rl(judge: Judge | None = None) -> RLContext:
     handles = {"judge": judge}
     return cast(
         RLContext,
-        SimpleNamespace(rollout=Rollout(), ctx=handles, reward=None),
+        SimpleNamespace(rollout=Rollout(), ctx=SimpleNamespace(roles=handles), reward=None),
     )
 
 

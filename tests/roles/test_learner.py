@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.generation.rollout import Sample
-from asyncrl.roles.payloads import LearnerStatus
+from asyncrl.roles.payloads import LearnerStatus, ProgramState
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch, pad_batch
 from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.roles.training.objective import (
@@ -185,7 +185,7 @@ def test_checkpoints_resume_exactly(tmp_path: Any) -> None:
                 for i in range(2)
             ],
             algorithm="grpo",
-            keep={"cursor": step},
+            keep=ProgramState(cursor=step),
         )
 
     straight = make(tmp_path / "straight", lr=0.01)
@@ -196,7 +196,7 @@ def test_checkpoints_resume_exactly(tmp_path: Any) -> None:
     for step in range(2):
         first._train_step(batch(step))
     resumed = make(tmp_path / "resumed", lr=0.01, checkpoint_every=2)  # setup() loads step 2
-    assert (resumed.step, resumed.version, resumed.keep) == (2, 2, {"cursor": 1})
+    assert (resumed.step, resumed.version, resumed.keep) == (2, 2, ProgramState(cursor=1))
     assert len(resumed.consumed) == 4
     assert resumed._train_step(batch(1)).skipped == 2  # already consumed before the crash
     resumed._train_step(batch(2))
@@ -348,7 +348,8 @@ def test_a_durable_step_is_never_lost_and_a_resent_batch_is_not_trained_twice(
             Scored(sample=sample(f"p{step}", [2, 3, 13], [4 + step, 1], i), reward=float(i))
             for i in (0, 1)
         ]
-        return TrainBatch(samples=samples, algorithm="grpo", keep={"phase": "rl"}, id=f"rl-{step}")
+        keep = ProgramState(phase="rl")
+        return TrainBatch(samples=samples, algorithm="grpo", keep=keep, id=f"rl-{step}")
 
     first = make(tmp_path, lr=0.01)
     results = [first._train_step(batch(step)) for step in range(3)]
@@ -369,7 +370,8 @@ def test_a_durable_step_is_never_lost_and_a_resent_batch_is_not_trained_twice(
     status = run(restarted.learner_status(None))
     assert isinstance(status, LearnerStatus)
     assert (status.version, status.step, status.consumed) == (3, 3, 6)
-    assert status.keep == {"phase": "rl"} and status.last["id"] == "rl-2" and status.durable
+    assert status.keep == ProgramState(phase="rl") and status.last["id"] == "rl-2"
+    assert status.durable
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(status), type=LearnerStatus)
     assert wire == status  # what a program's typed client decodes
 

@@ -19,9 +19,10 @@ import pytest
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.observe.metrics import METRICS_FILE, read_metrics
 from asyncrl.roles.generation.rollout import GenerateBatch, Prompt, Sample, SamplingParams
-from asyncrl.roles.payloads import LearnerStatus, StepResult, TrainBatch
+from asyncrl.roles.payloads import LearnerStatus, ProgramState, StepResult, TrainBatch
 from asyncrl.roles.program.clients import RLContext, RolloutClient
 from asyncrl.roles.program.programs import RLLoop, RLStep, rl_loop
+from asyncrl.roles.program.settings import Settings
 from asyncrl.transport import run
 
 G = 2  # group size
@@ -33,7 +34,7 @@ class FakeLearner:
 
     def __init__(self) -> None:
         self.step = 0
-        self.keep: dict[str, Any] = {}
+        self.keep = ProgramState()
         self.last: dict[str, Any] = {}
 
     async def status(self) -> LearnerStatus:
@@ -41,7 +42,7 @@ class FakeLearner:
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = 0.0) -> StepResult:
         self.step += 1
-        self.keep = dict(batch.keep)
+        self.keep = batch.keep
         metrics = {"loss": 0.1 * self.step, "grad_norm": 1.0, "lr": 1e-3, "reward_mean": 0.5}
         result = StepResult(
             version=self.step,
@@ -102,6 +103,7 @@ class FakeRL:
         self.pipeline = PipelineSpec(mode="sync")
         self.watchdog = None
         self.config: dict[str, Any] = {}  # no relays: run.config.relays unset, no role "relay"
+        self.settings = Settings(None)  # the manifest does not describe the learner
         self.ctx = SimpleNamespace(
             roles={"learner": None, "rollout": None}, idle=lambda: {"rollout": 0.25}
         )

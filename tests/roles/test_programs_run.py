@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, TrainBatch
+from asyncrl.roles.payloads import ProgramState, Prompt, Sample, SamplingParams, TrainBatch
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.history import HISTORY_FILE, History
@@ -57,7 +57,7 @@ def program(run_dir: str, learner: ExportingLearner, rl_steps: int, *, crash: bo
             while r.steps < 2:
                 sample = (await feed(r.steps, 1))[0]
                 demo = TrainBatch(samples=[], algorithm="bc", id=f"bc-{r.steps + 1}")
-                demo.keep = {"demo": sample.id}
+                demo.keep = ProgramState(program={"demo": sample.id})
                 await r.train_step(demo)
             await r.end_phase(accuracy=await r.evaluate_at(r.steps))
         if r.phase == "rl":
@@ -85,8 +85,8 @@ def history(run_dir: str) -> list[dict[str, Any]]:
 def test_phases_travel_with_the_learner_and_nothing_is_recorded_twice(tmp_path: Any) -> None:
     run_dir, learner = str(tmp_path), ExportingLearner()
     r, _ = program(run_dir, learner, rl_steps=3, crash=True)
-    assert learner.keep["phase"] == "rl" and learner.keep["phase_start"] == 2
-    assert learner.keep["phases"]["bc"]["accuracy"] == 0.2
+    assert learner.keep.phase == "rl" and learner.keep.phase_start == 2
+    assert learner.keep.phases["bc"]["accuracy"] == 0.2
     assert [(h["phase"], h["step"]) for h in history(run_dir)] == [
         ("bc", 2),
         ("rl", 1),
@@ -180,7 +180,7 @@ def test_a_torn_last_line_is_cut_with_a_warning_and_a_damaged_one_is_refused(
 
 def test_a_phase_the_program_does_not_declare_is_refused(tmp_path: Any) -> None:
     learner = ExportingLearner()
-    learner.keep = {"phase": "sft"}
+    learner.keep = ProgramState(phase="sft")
     rl = cast(RLContext, RL(str(tmp_path), learner))
     with pytest.raises(ValueError, match="the learner kept phase 'sft', which this program"):
         run(Run.open(rl, phases=["bc", "rl"]))
@@ -192,10 +192,10 @@ def test_train_step_keeps_the_position_with_the_batch(tmp_path: Any) -> None:
 
     async def main() -> None:
         r = await Run.open(rl, phases=["warmup"])
-        await r.train_step(TrainBatch(samples=[], keep={"x": 1}))
+        await r.train_step(TrainBatch(samples=[], keep=ProgramState(program={"x": 1})))
 
     run(main())
-    assert learner.keep == {"x": 1, "phase": "warmup", "phase_start": 0}
+    assert learner.keep == ProgramState(phase="warmup", phase_start=0, program={"x": 1})
 
 
 class Recording(ExportingLearner):
@@ -210,11 +210,9 @@ class Recording(ExportingLearner):
         return await super().train_step(batch, timeout=timeout)
 
 
-def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
-    """Each use of a demonstration gets its own ledger id and each step its own batch id, from
-    the phase and the step, so a restarted program that sends a step again sends the same ids."""
-    learner = Recording()
-    demo = Sample(
+def demo_sample() -> Sample:
+    """A demonstration of prompt ``d7``."""
+    return Sample(
         prompt_id="d7",
         sample_index=0,
         prompt_ids=[1],
@@ -224,6 +222,13 @@ def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
         finished=True,
         stop_reason="stop",
     )
+
+
+def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
+    """Each use of a demonstration gets its own ledger id and each step its own batch id, from
+    the phase and the step, so a restarted program that sends a step again sends the same ids."""
+    learner = Recording()
+    demo = demo_sample()
 
     async def main() -> Run:
         r = await Run.open(cast(RLContext, RL(str(tmp_path), learner)), phases=["warmup"])
@@ -238,14 +243,17 @@ def test_bc_step_mints_an_id_per_use_and_per_step(tmp_path: Any) -> None:
         ["d7#warmup1"],
     ]
     assert [(b.algorithm, b.lr) for b in learner.batches] == [("bc", 1e-3), ("bc", 2e-3)]
-    assert learner.batches[1].keep == {"phase": "warmup", "phase_start": 0}
+    assert learner.batches[1].keep == ProgramState(phase="warmup", phase_start=0)
     assert r.steps == 2 and demo.prompt_id == "d7"
 
 
 def test_run_rl_loop_needs_a_score_with_a_feed_of_its_own(tmp_path: Any) -> None:
     async def main() -> None:
         r = await Run.open(cast(RLContext, RL(str(tmp_path), Recording())), phases=["rl"])
-        loop = RLLoop("grpo", 1, PROMPTS, G, SamplingParams(max_new_tokens=1))
+        params = SamplingParams(max_new_tokens=1)
+        loop = RLLoop(
+            algorithm="grpo", steps=1, prompts_per_step=PROMPTS, group_size=G, params=params
+        )
         await r.rl_loop(loop, feed=feed)
 
     with pytest.raises(ValueError) as info:
@@ -260,9 +268,12 @@ def test_run_rl_loop_takes_a_feed_and_score_as_rl_loop_does(tmp_path: Any) -> No
 
     async def main() -> dict[str, Any]:
         r = await Run.open(cast(RLContext, RL(str(tmp_path), learner)), phases=["rl"])
-        loop = RLLoop("grpo", 2, PROMPTS, G, SamplingParams(max_new_tokens=3))
+        params = SamplingParams(max_new_tokens=3)
+        loop = RLLoop(
+            algorithm="grpo", steps=2, prompts_per_step=PROMPTS, group_size=G, params=params
+        )
         return await r.rl_loop(loop, feed=feed, score=score, display=False)
 
     out = run(main())
     assert out["steps"] == 2 and [b.id for b in learner.batches] == ["rl-1", "rl-2"]
-    assert all(b.keep["phase"] == "rl" for b in learner.batches)
+    assert all(b.keep.phase == "rl" for b in learner.batches)

@@ -10,9 +10,11 @@ import pytest
 
 from asyncrl.roles.payloads import (
     LearnerStatus,
+    ProgramState,
     Prompt,
     SamplingParams,
     StepResult,
+    Stopped,
     TrainBatch,
 )
 from asyncrl.roles.program.clients import RLContext
@@ -31,26 +33,26 @@ class Learner(FakeLearner):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.checkpoints: list[dict[str, Any]] = []
+        self.checkpoints: list[ProgramState] = []
 
     def clock(self) -> float:
         return self.now
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = 0.0) -> StepResult:
-        keep = {**self.keep, **batch.keep}
+        keep = self.keep.merged(batch.keep)
         result = await super().train_step(batch, timeout=timeout)
         self.keep = keep
         self.now += STEP_S
         return result
 
-    async def checkpoint(self, keep: dict[str, Any]) -> str:
-        self.keep = {**self.keep, **keep}
+    async def checkpoint(self, keep: ProgramState) -> str:
+        self.keep = self.keep.merged(keep)
         self.checkpoints.append(keep)
         return "wal"
 
     async def status(self) -> LearnerStatus:
         status = await super().status()
-        status.keep = dict(self.keep)
+        status.keep = self.keep
         return status
 
 
@@ -143,9 +145,9 @@ def test_an_accuracy_target_stops_at_the_evaluation_that_reaches_it(tmp_path: An
         {"accuracy": 0.5, "score_mean": 0.5, "count": 0, "versions": [], "step": 2}
     ]
     # The stop is kept with the learner: a driver restarted now does not train on.
-    assert learner.checkpoints[-1] == {
-        "stopped": {"id": "rl-", "step": 2, "reason": "the accuracy 0.5 reached 0.5"}
-    }
+    assert learner.checkpoints[-1] == ProgramState(
+        stopped=Stopped(id="rl-", step=2, reason="the accuracy 0.5 reached 0.5")
+    )
     again, seen = loop_until(learner, str(tmp_path), stop_at={"accuracy": 0.5}, done=2)
     assert again["steps"] == 2 and seen == [] and learner.step == 2
 
@@ -200,7 +202,8 @@ def test_prompts_that_run_out_end_the_loop_after_the_steps_taken(tmp_path: Any) 
     out, seen = loop_until(learner, str(tmp_path), prompts=five)
     assert out["steps"] == 3 and [s.step for s in seen] == [1, 2, 3]
     assert out["stop_reason"] == "the prompts ran out after step 3"
-    assert learner.checkpoints[-1]["stopped"]["step"] == 3  # a restarted driver stops too
+    stopped = learner.checkpoints[-1].stopped
+    assert stopped is not None and stopped.step == 3  # a restarted driver stops too
     again, _ = loop_until(learner, str(tmp_path), prompts=five, done=3)
     assert again["steps"] == 3 and again["stop_reason"] == out["stop_reason"]
 

@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.payloads import ProgramState
 from asyncrl.roles.training.checkpoints import CheckpointDir
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 from asyncrl.roles.training.wal import KeepEntry, StepEntry, WalError, WriteAheadLog
@@ -73,7 +74,8 @@ def batch(step: int) -> TrainBatch:
             samples.append(
                 Scored(sample=sample, reward=float((k + p + step) % 3), ref_logprobs=ref)
             )
-    return TrainBatch(samples=samples, algorithm="grpo", id=f"b{step}", keep={"cursor": step})
+    keep = ProgramState(cursor=step)
+    return TrainBatch(samples=samples, algorithm="grpo", id=f"b{step}", keep=keep)
 
 
 # -- the log ----------------------------------------------------------------------------------
@@ -90,7 +92,7 @@ def test_a_torn_tail_is_cut_and_corruption_before_acknowledged_steps_refused(
     wal = WriteAheadLog(str(tmp_path / "wal"), warnings.append)
     for step in (1, 2):
         wal.append(entry(step))
-    wal.append(KeepEntry(2, {"phase": "rl"}))
+    wal.append(KeepEntry(2, ProgramState(phase="rl")))
     segment = tmp_path / "wal" / "00000001.wal"
     whole = segment.read_bytes()
     segment.write_bytes(whole + whole[:7])  # a record cut short by the crash
@@ -159,10 +161,10 @@ def test_a_restart_replays_the_logged_steps_bit_for_bit(tmp_path: Any) -> None:
     for step in range(STEPS - 1):
         results.append(first._train_step(batch(step)))
         first.journal.wait()  # each save complete before the next is due: steps 3 and 6
-    asyncio.run(first.checkpoint({"phase": "eval"}))  # a keep between steps, logged
+    asyncio.run(first.checkpoint(ProgramState(phase="eval")))  # a keep between steps, logged
     restarted = make(tmp_path / "run")
     assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (6, 1, 7)
-    assert restarted.keep == {"cursor": STEPS - 2, "phase": "eval"}
+    assert restarted.keep == ProgramState(cursor=STEPS - 2, phase="eval")
     again = restarted._train_step(batch(STEPS - 2))  # the last reply was lost: re-sent
     assert again.replayed and again.metrics == results[-1].metrics
     restarted._train_step(batch(STEPS - 1))
