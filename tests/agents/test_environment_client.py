@@ -32,6 +32,7 @@ class Group:
         )
         self.roles = [self.make(i) for i in range(replicas)]
         self.resets: list[int] = []  # the replica each reset went to
+        self.reset_ids: list[str] = []  # and its episode
 
     def restart(self, replica: int) -> None:
         self.roles[replica] = self.make(replica)
@@ -41,6 +42,7 @@ class Group:
         replica = len(self.resets) % self.replicas if replica is None else replica
         if method == "reset":
             self.resets.append(replica)
+            self.reset_ids.append(payload.episode_id)
         try:
             async with asyncio.timeout(kw.get("timeout")):
                 return await getattr(self.roles[replica], method)(payload)
