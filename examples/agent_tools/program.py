@@ -44,7 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "bc_steps": 300,
     "bc_batch": 64,
     "bc_lr": 3e-3,
-    "rl_steps": 60,
+    "rl_steps": 100,
     "rl_lr": 2e-3,
     "prompts_per_step": 8,
     "group_size": 8,

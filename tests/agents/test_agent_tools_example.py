@@ -22,6 +22,7 @@ OpenAIServer = pytest.importorskip("asyncrl.roles.agents.openai_server").OpenAIS
 
 from examples.agent_tools import program  # noqa: E402  (needs aiohttp and openai)
 from examples.agent_tools.agent import CalculatorAgent  # noqa: E402
+from examples.agent_tools.calculator import Calculator  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_a_demonstration_is_the_trajectory_the_endpoint_records(tok: Any) -> Non
 def test_the_agent_plays_through_the_endpoint_and_a_failing_replica_is_never_trained(
     tok: Any,
 ) -> None:
-    group = Group(2, failing=1)
+    group = Group(2, failing=1, env_class=Calculator)
 
     async def main() -> tuple[list[Any], Counter[str], dict[str, Any]]:
         policy = program.ScriptedPolicy(tok, tool_share=1.0, seed=0)  # always calls the tool
@@ -86,7 +87,7 @@ def test_the_agent_plays_through_the_endpoint_and_a_failing_replica_is_never_tra
 def test_a_replica_failing_every_step_is_quarantined_while_the_others_carry_on(tok: Any) -> None:
     async def main() -> tuple[list[str], Counter[str]]:
         policy = program.ScriptedPolicy(tok, tool_share=1.0, seed=0)
-        group = Group(3, failing=0)
+        group = Group(3, failing=0, env_class=Calculator)
         env = EnvironmentClient(group, step_timeout_s=0.2, quarantine_window=2)
         async with OpenAIServer(policy, tokenizer=tok, context_length=96) as server:
             client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key)

@@ -1,6 +1,6 @@
-"""An environment role driven by agent code (asyncrl.roles.agents.environment_client): the
-calculator of examples/agent_tools, its replicas in this process behind a fake group handle
-that honours ``replica=`` and deadlines as the dispatcher does. A step the environment fails
+"""An environment role driven by agent code (asyncrl.roles.agents.environment_client): an
+adding tool, its replicas in this process behind a fake group handle that honours ``replica=``
+and deadlines as the dispatcher does. A step the environment fails
 raises ``EnvironmentFailed`` with its cause; a replica failing its steps is quarantined; a
 failed episode's next id is fresh."""
 
@@ -10,24 +10,53 @@ import asyncio
 from collections import Counter
 from typing import Any
 
+import msgspec
 import pytest
 
 from asyncrl.errors import DeadlineExceededError, RemoteError
 from asyncrl.role import RoleContext
+from asyncrl.roles.agents.environment import Environment, Transition
 from asyncrl.roles.agents.environment_client import EnvironmentClient, EnvironmentFailed
 from asyncrl.roles.agents.quarantine import ReplicasQuarantinedError
 from asyncrl.transport import run
-from examples.agent_tools.calculator import Calculator
+
+
+class Adder(Environment):
+    """``add X Y`` answers ``= N``; ``answer V`` scores 1 for the sum and ends the episode.
+    Replica ``fail_replica`` fails every step: one in two hangs, the other raises."""
+
+    class Config(msgspec.Struct):
+        fail_replica: int = -1
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.failures = 0
+
+    async def start(self, task: Any) -> tuple[str, int]:
+        x, y = map(int, str(task).split())
+        return f"{x} + {y}", x + y
+
+    async def act(self, state: int, action: str) -> Transition:
+        if self.ctx.replica == self.config.fail_replica:
+            self.failures += 1
+            if self.failures % 2:
+                await asyncio.Event().wait()
+            raise RuntimeError(f"env.{self.ctx.replica}: the calculator's sandbox is gone")
+        verb, *args = action.split()
+        if verb == "add":
+            return Transition(observation=f"= {sum(map(int, args))}")
+        return Transition(observation="", reward=float(args == [str(state)]), done=True)
 
 
 class Group:
-    """Replicas of the calculator in this process; env.``failing`` fails every step."""
+    """Replicas of an environment class (``Adder``) in this process; env.``failing`` fails
+    every step."""
 
     name = "env"
 
-    def __init__(self, replicas: int, failing: int = -1) -> None:
+    def __init__(self, replicas: int, failing: int = -1, env_class: Any = Adder) -> None:
         self.replicas = replicas
-        self.make = lambda i: Calculator(
+        self.make = lambda i: env_class(
             RoleContext.local(name="env", replica=i, config={"fail_replica": failing})
         )
         self.roles = [self.make(i) for i in range(replicas)]
