@@ -21,6 +21,8 @@ import random
 import re
 from typing import Any
 
+import openai
+
 from asyncrl.rl import (
     Context,
     EpisodeEvaluation,
@@ -60,9 +62,6 @@ DEFAULTS: dict[str, Any] = {
 async def main(ctx: Context) -> dict[str, Any]:
     cfg = {**DEFAULTS, **ctx.config}
     tok = await asyncio.to_thread(_tokenizer, ctx.model.tokenizer)  # seconds: off the loop
-    demos = await demonstrations(tok, cfg)
-    import openai
-
     env = EnvironmentClient(ctx["env"], step_timeout_s=cfg["step_timeout_s"])
     async with OpenAIServer(
         ctx["rollout"], tokenizer=tok, context_length=cfg["context_length"]
@@ -73,10 +72,10 @@ async def main(ctx: Context) -> dict[str, Any]:
             Prompt(id=f"eval-{i}", token_ids=[], text=calculator.question(x, y), answer=f"{x} {y}")
             for i, (x, y) in enumerate(calculator.tasks(cfg["eval_games"], seed=-1))
         ]
-        evaluation = EpisodeEvaluation(heldout, agent, every=cfg["rl_eval_every"])  # type: ignore[arg-type]
+        evaluation = EpisodeEvaluation(heldout, agent, every=cfg["rl_eval_every"])
         run = await Run.open(ctx, phases=["bc", "rl"], evaluation=evaluation)
         if run.phase == "bc":
-            await behaviour_cloning(run, cfg, demos)
+            await behaviour_cloning(run, cfg, await demonstrations(tok, cfg))
         if run.phase == "rl":
             await reinforce(run, cfg, agent)
         await client.close()
@@ -150,8 +149,6 @@ async def demonstrations(tok: Any, cfg: dict[str, Any]) -> list[Sample]:
     """The scripted games, each played by the agent's own loop through an endpoint in front of
     ``ScriptedPolicy``: so a demonstration is, token for token, the trajectory the endpoint
     records when the policy plays the same way."""
-    import openai
-
     scripted = ScriptedPolicy(tok, cfg["demo_tool_share"], cfg["seed"])
     env = EnvironmentClient(LocalCalculator())
     room = asyncio.Semaphore(16)
