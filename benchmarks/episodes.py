@@ -24,6 +24,17 @@ replica itself recorded it (``TurnRollout.idle``; it has a slot for every episod
 a turn never queues). ``model_ratio`` is the same ratio on a
 zero-overhead clock: the episodes' drawn durations scheduled as each mode schedules them.
 ``--quick`` runs 1 and 4 replicas, 4 batches, 3 rounds (about 15 s).
+
+``endpoint_over_runner``: an RL step's episodes (``STEP_EPISODES``, 8 prompts x 8, all in
+flight at once as the sample pipeline runs them) played through the OpenAI-compatible endpoint
+by an agent on the official ``openai`` client (one chat request a turn, its environment reached
+through ``EnvironmentClient``), over the same episodes played by ``EpisodeRunner``: the same
+tasks, rollout and environment (the ``tools`` role: ``STEP_ENV_REPLICAS`` replicas of the same
+simulated environment with room for the whole step), ``--rounds`` rounds, each runner then
+endpoint; the median of the rounds' ratios, with each path's median step seconds
+(``runner_step_s``, ``endpoint_step_s``). It measures what the endpoint adds (HTTP, the chat
+rendering, the history check, the trajectory): the rollout and the environment wait the same.
+``null`` when ``openai`` or ``aiohttp`` is not installed (``endpoint_unavailable`` says which).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.bench.harness import finished_run
+from asyncrl.roles.agents.environment_client import EnvironmentClient
 from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
 from asyncrl.roles.payloads import SamplingParams
 from benchmarks.episode_sim import MAX_TURNS, MIN_TURNS, episode_seconds, turns_of
@@ -76,6 +88,10 @@ STEP_TIMEOUT_S = 30.0
 """A step's deadline: far past any drawn latency, so no step times out."""
 PROMPT = list(b"act: ")
 RUN_TIMEOUT_S = 600.0
+STEP_EPISODES = 64
+"""The episodes of one RL step in ``endpoint_over_runner`` (8 prompts x 8)."""
+STEP_ENV_REPLICAS = 4
+"""Replicas of the ``tools`` environment that ``endpoint_over_runner`` plays on."""
 
 # -- the control-flow program (runs in the driver process) -----------------------------------
 
@@ -217,6 +233,82 @@ def task_plan(counts: Sequence[int], batches: int, rounds: int) -> list[tuple[in
     return plan
 
 
+async def _endpoint_episode(
+    client: Any, server: Any, env: EnvironmentClient, episode_id: str, task: int
+) -> Trajectory:
+    """One episode as an agent on the ``openai`` client plays it: a chat request a turn, the
+    reply's text the action, the observation the next user message."""
+    episode = await env.reset(episode_id, task)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": episode.observation}]
+    reward = 0.0
+    while not episode.done:
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, user=episode_id, max_tokens=TOKENS
+        )
+        text = reply.choices[0].message.content
+        said = await env.step(episode, text)
+        reward += said.reward
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": said.observation},
+        ]
+    traj: Trajectory = server.trajectory(episode_id, reward=reward)
+    server.close(episode_id)
+    return traj
+
+
+async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, Any]:
+    """The figures of ``endpoint_over_runner`` (see the module docstring)."""
+    try:
+        import openai
+
+        from asyncrl.roles.agents.openai_server import OpenAIServer
+    except ImportError as exc:
+        return {"endpoint_over_runner": None, "endpoint_unavailable": str(exc)}
+    runner = EpisodeRunner(
+        ctx.rollout,
+        ctx.tools,
+        encode=_encode,
+        decode=_decode,
+        params=SamplingParams(max_new_tokens=TOKENS),
+        max_turns=MAX_TURNS,
+        step_timeout_s=STEP_TIMEOUT_S,
+    )
+    env = EnvironmentClient(ctx.tools, step_timeout_s=STEP_TIMEOUT_S)
+    server = OpenAIServer(ctx.rollout, encode=_encode, decode=_decode, context_length=4096)
+    times: dict[str, list[float]] = {"runner": [], "endpoint": []}
+    async with server:
+        client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
+        first = 1_000_000
+        for r in range(rounds + 1):  # the first round warms both paths up, and is not kept
+            tasks = list(range(first + r * STEP_EPISODES, first + (r + 1) * STEP_EPISODES))
+            for path in ("runner", "endpoint"):
+                tag = f"step{r}.{path}"
+                start = time.perf_counter()
+                if path == "runner":
+                    played = await asyncio.gather(
+                        *(runner.run(f"{tag}.{t}", t, PROMPT) for t in tasks)
+                    )
+                else:
+                    played = await asyncio.gather(
+                        *(_endpoint_episode(client, server, env, f"{tag}.{t}", t) for t in tasks)
+                    )
+                seconds = time.perf_counter() - start
+                for traj, task in zip(played, tasks, strict=True):
+                    _check(traj, task, seed)
+                if r:
+                    times[path].append(seconds)
+        await client.close()
+    ratios = [e / r for e, r in zip(times["endpoint"], times["runner"], strict=True)]
+    return {
+        "endpoint_over_runner": statistics.median(ratios),
+        "runner_step_s": statistics.median(times["runner"]),
+        "endpoint_step_s": statistics.median(times["endpoint"]),
+        "step_episodes": STEP_EPISODES,
+        "rounds_endpoint_over_runner": ratios,
+    }
+
+
 async def program(ctx: Any) -> dict[str, Any]:
     """Measure every replica count of ``ctx.config`` (see the module docstring) on the tasks of
     ``task_plan``, the same in both modes; return the rows."""
@@ -242,7 +334,8 @@ async def program(ctx: Any) -> dict[str, Any]:
         tag = f"n{n}.r{len(measured[n])}"
         measured[n].append(await _measure(ctx, runners[:n], tasks, tag))
     rows = [_row(n, batches * n, measured[n]) for n in counts]
-    return {"rows": rows, "load_avg_1m": os.getloadavg()[0]}
+    step = await _endpoint_over_runner(ctx, rounds, int(cfg["seed"]))
+    return {"rows": rows, **step, "load_avg_1m": os.getloadavg()[0]}
 
 
 # -- the benchmark (runs the manifest) ---------------------------------------------------------
@@ -263,6 +356,17 @@ def manifest(p: dict[str, Any]) -> dict[str, Any]:
                 "class": "benchmarks.episode_sim:SpreadEnv",
                 "replicas": most,
                 "capacity": 1,
+                "config": {
+                    "median_s": p["median_ms"] / 1e3,
+                    "sigma": p["sigma"],
+                    "seed": p["seed"],
+                },
+            },
+            # endpoint_over_runner's environment: room for a whole RL step's episodes.
+            "tools": {
+                "class": "benchmarks.episode_sim:SpreadEnv",
+                "replicas": STEP_ENV_REPLICAS,
+                "capacity": STEP_EPISODES,
                 "config": {
                     "median_s": p["median_ms"] / 1e3,
                     "sigma": p["sigma"],
@@ -316,6 +420,18 @@ def format_table(figures: dict[str, Any]) -> str:
             f"{r['episodes_per_s_async']:>12.1f}{r['ratio']:>12.2f}{r['model_ratio']:>8.2f}"
             f"{_pct(r['idle_fraction_sync']):>19}{_pct(r['idle_fraction_async']):>8}"
         )
+    ratio = figures.get("endpoint_over_runner")
+    if ratio is None:
+        why = figures.get("endpoint_unavailable", "not measured")
+        lines += ["", f"endpoint over runner: not measured ({why})"]
+    else:
+        lines += [
+            "",
+            f"an RL step of {figures['step_episodes']} episodes: runner "
+            f"{figures['runner_step_s']:.2f} s, endpoint (openai client) "
+            f"{figures['endpoint_step_s']:.2f} s; endpoint over runner {ratio:.2f} "
+            "(median of the rounds' ratios)",
+        ]
     lines += ["", f"{figures['wall_s']:.0f} s, load average {figures['load_avg_1m']:.1f}"]
     return "\n".join(lines)
 

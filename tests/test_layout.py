@@ -463,10 +463,11 @@ EXAMPLE_TESTS = {
     "tests/test_ledger.py",
     "tests/agents/test_agent_example_game.py",
     "tests/agents/failing_env.py",
+    "tests/agents/test_agent_tools_example.py",
 }
 """Tests that unit-test an example's own code (the hello counter's ledger, the agent example's
-game and demonstrations) or run it with a failing replica of its environment: the only files
-outside ``examples/`` allowed to import it."""
+game and demonstrations, the tool example's agent and demonstrations) or run it with a failing
+replica of its environment: the only files outside ``examples/`` allowed to import it."""
 
 
 def test_nothing_imports_examples() -> None:

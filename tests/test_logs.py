@@ -39,6 +39,7 @@ def emit() -> None:
     log.warning("the reward looks constant")
     logs.get_logger("asyncrl.test").info("structlog info")
     logging.getLogger("httpx").info("HTTP Request: POST /v1/chat/completions 200")
+    logging.getLogger("httpx2").info("HTTP Request: POST /v1/chat/completions 200")  # openai 3
     logging.getLogger("httpx").warning("HTTP Request failed")
 
 

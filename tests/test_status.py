@@ -296,7 +296,14 @@ def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.Monkey
 
     spec = SimpleNamespace(target="p:main", incarnation=1)
     dispatcher = SimpleNamespace(status=lambda: DRIVER["roles"])
-    counters = {"episodes": 90, "episode_restarts": 2, "episode_replays": 5, "env_errors": 1}
+    counters = {
+        "episodes": 90,
+        "episode_restarts": 2,
+        "episode_replays": 5,
+        "env_errors": 1,
+        "infra_failed": 4,
+        "quarantined": 1,
+    }
     monkeypatch.setattr(metrics, "_latest", {"step": 7, "version": 6, "pipeline": counters})
     answer = driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]
     assert answer["episodes"] == {
@@ -305,10 +312,14 @@ def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.Monkey
         "episode_replays": 5,
         "env_timeouts": 0,
         "env_errors": 1,
+        "infra_failed": 4,
+        "quarantined": 1,
+        "quarantine_released": 0,
     }
     status = {"run": "r", "run_dir": "/x", "nodes": [{"node": 0, "driver": answer}]}
     assert format_status(status, width=140).splitlines()[2] == (
-        "episodes played 90: restarted 2, replayed 5; environment timeouts 0, errors 1"
+        "episodes played 90: restarted 2, replayed 5; environment timeouts 0, errors 1; "
+        "infra-failed 4 (never trained); replicas quarantined 1, let back 0"
     )
     monkeypatch.setattr(metrics, "_latest", {"step": 7, "pipeline": {"batches": 3}})
     assert "episodes" not in driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]

@@ -217,8 +217,13 @@ EPISODE_COUNTERS = (
     "episode_replays",
     "env_timeouts",
     "env_errors",
+    "infra_failed",
+    "quarantined",
+    "quarantine_released",
 )
-"""The sample pipeline's episode counters that ``asyncrl status`` shows (docs/agents.md)."""
+"""The sample pipeline's episode counters that ``asyncrl status`` shows (docs/agents.md): the
+episodes played, restarted and replayed, the environment's timeouts and errors, the episodes it
+failed (``infra_failed``, never trained) and the times a replica was quarantined and let back."""
 
 
 def _status(spec: ProcessSpec, dispatcher: Dispatcher) -> Callable[[Any, Any], dict[str, Any]]:

@@ -41,8 +41,9 @@ only warnings and errors; the run's processes inherit it."""
 PROGRESS = {"progress": True}
 """``log.info(..., extra=PROGRESS)``: a line of a run's progress, on the console even when it
 shows only warnings (stdlib loggers)."""
-QUIET_LOGGERS = ("httpx", "httpcore", "aiohttp")
-"""Libraries that log a line per request at info: held at warning."""
+QUIET_LOGGERS = ("httpx", "httpcore", "httpx2", "httpcore2", "aiohttp")
+"""Libraries that log a line per request at info: held at warning (``httpx2`` and
+``httpcore2`` are the HTTP client of ``openai`` 3)."""
 
 
 def console_wanted() -> bool:

@@ -11,8 +11,9 @@ agent answers with:
   its incarnation, the current step and version (from the last per-step metrics record), and,
   per role group, the calls queued for any replica and per replica its credit, calls in flight
   and queued, calls served and seconds busy (``Dispatcher.status``); and for a run on
-  multi-turn episodes, the episodes played, restarted and replayed and the environment's
-  timeouts and errors so far;
+  multi-turn episodes, the episodes played, restarted and replayed, the environment's
+  timeouts and errors, the episodes it failed (never trained) and the times an environment
+  replica was quarantined and let back, so far;
 - each serving Python role replica of the node, asked by the agent: its own ``_status``
   (``asyncrl.supervision.process``): calls answered per method and seconds busy in its handlers,
   whoever called it (the driver, another role, a relay), and what the role reports of itself
@@ -375,7 +376,10 @@ def _heading(status: dict[str, Any]) -> list[str]:
             lines.append(
                 f"episodes played {episodes['episodes']}: restarted {episodes['episode_restarts']}"
                 f", replayed {episodes['episode_replays']}; environment timeouts "
-                f"{episodes['env_timeouts']}, errors {episodes['env_errors']}"
+                f"{episodes['env_timeouts']}, errors {episodes['env_errors']}; "
+                f"infra-failed {episodes.get('infra_failed', 0)} (never trained); replicas "
+                f"quarantined {episodes.get('quarantined', 0)}, let back "
+                f"{episodes.get('quarantine_released', 0)}"
             )
     return lines
 

@@ -376,6 +376,8 @@ _EPISODE_COUNTERS = (
     ("env_timeouts", "env_timeouts"),
     ("env_errors", "env_errors"),
     ("infra_failed", "infra_failed"),
+    ("quarantined", "quarantined"),
+    ("quarantine_released", "quarantine_released"),
 )
 
 
@@ -387,7 +389,9 @@ def _episode_figures(
     id's first), ``env_tokens_trained`` (the learner's count of environment tokens in its loss,
     summed over ``metrics.jsonl``), and the restarts, replays, timeouts and errors of the
     environment, its ``infra_failed`` episodes (never trained) and ``infra_failed_trained``
-    (the learner's count of such episodes it received, summed over ``metrics.jsonl``: 0).
+    (the learner's count of such episodes it received, summed over ``metrics.jsonl``: 0), and
+    ``quarantined`` and ``quarantine_released`` (times an environment replica was quarantined
+    for failing its steps, and let back after serving a probe).
     ``None`` for a single-turn run."""
     pipeline = summary.get("pipeline")
     keys = ("episodes_lost", "episodes_counted_twice", "env_tokens_trained", "infra_failed_trained")
@@ -477,6 +481,8 @@ _TOP = (
     "env_errors",
     "infra_failed",
     "infra_failed_trained",
+    "quarantined",
+    "quarantine_released",
     "dispatch",
 )
 
@@ -588,6 +594,8 @@ def format_accounting(acc: dict[str, Any]) -> str:
                 ("environment errors", acc.get("env_errors")),
                 ("episodes infra-failed", acc.get("infra_failed")),
                 ("infra-failed episodes trained", acc.get("infra_failed_trained")),
+                ("env replicas quarantined", acc.get("quarantined")),
+                ("  let back after a probe", acc.get("quarantine_released")),
             ]
         ),
         ("learner steps", acc.get("learner_steps")),

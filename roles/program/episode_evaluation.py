@@ -16,17 +16,34 @@ failure of the policy.
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Protocol
 
 from asyncrl.errors import AsyncrlError
-from asyncrl.roles.agents.episodes import EpisodeRunner, Trajectory
-from asyncrl.roles.payloads import Prompt
+from asyncrl.roles.agents.episodes import Trajectory
+from asyncrl.roles.payloads import Prompt, SamplingParams
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 
-__all__ = ["INFRA_TRIES", "EpisodeEvaluation"]
+__all__ = ["INFRA_TRIES", "EpisodeEvaluation", "EpisodePlayer"]
 
 INFRA_TRIES = 8
 """The most times one held-out episode is played while its environment keeps failing it."""
+
+
+class EpisodePlayer(Protocol):
+    """What plays the held-out episodes: an ``EpisodeRunner``, or an agent of one's own (one
+    that plays through the OpenAI-compatible endpoint, as ``examples/agent_tools``' does)."""
+
+    params: SamplingParams
+    """How the policy samples (the evaluation's ``max_new_tokens`` and stop tokens)."""
+
+    def task_of(self, prompt: Prompt) -> Any:
+        """A held-out prompt's task."""
+        ...
+
+    async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
+        """Play one episode to its end; ``infra_failed`` set when the environment failed it."""
+        ...
 
 
 class EpisodeEvaluation(Evaluation):
@@ -35,8 +52,8 @@ class EpisodeEvaluation(Evaluation):
     Args:
         tasks: one prompt per episode; ``runner.task_of(prompt)`` is its task (by default its
             ``answer``); its id is the episode's id.
-        runner: plays them (its ``params`` are the evaluation's sampling: greedy, or sampled,
-            as it says).
+        runner: plays them (an ``EpisodeRunner`` or any ``EpisodePlayer``; its ``params`` are
+            the evaluation's sampling: greedy, or sampled, as it says).
         every: steps between evaluations in ``rl_loop`` (0: only after its last step).
         correct_at: the reward from which an episode counts as a success.
         concurrency: episodes in flight at once.
@@ -48,7 +65,7 @@ class EpisodeEvaluation(Evaluation):
     def __init__(
         self,
         tasks: list[Prompt],
-        runner: EpisodeRunner,
+        runner: EpisodePlayer,
         *,
         every: int = 0,
         correct_at: float = 1.0,

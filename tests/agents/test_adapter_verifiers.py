@@ -88,3 +88,64 @@ def test_a_verifiers_environment_runs_through_the_endpoint_against_a_rollout_rol
         # The endpoint required the run's key: the program's, written beside the secret.
         assert e["key_is_the_runs"]
     assert os.stat(os.path.join(run_dir, "api_key")).st_mode & 0o777 == 0o600
+
+
+def add(x: int, y: int) -> int:
+    """Add two numbers.
+
+    Args:
+        x: the first number
+        y: the second number
+    """
+    return x + y
+
+
+@pytest.mark.slow  # importing verifiers and datasets takes seconds (a minute on a loaded machine)
+@pytest.mark.timeout(300)
+def test_a_verifiers_tool_env_calls_its_tool_through_the_endpoint() -> None:
+    """A ``vf.ToolEnv`` with a Python tool, played through the endpoint in Qwen's tool format by
+    a scripted policy: the endpoint offers the tool, parses the policy's call into
+    ``tool_calls``, the environment runs the tool and sends its result back as a tool message,
+    and the rubric scores the answer; the trajectory holds the call and the answer as the
+    policy's tokens and the tool's result between them, masked out."""
+    import datasets
+    import transformers
+    import verifiers as vf
+
+    from asyncrl.roles.agents.adapters.verifiers import VerifiersRunner, make_env
+    from asyncrl.roles.agents.openai_server import OpenAIServer
+    from asyncrl.transport import run
+    from tests.agents.test_openai_server import Script
+
+    def right(completion: list[dict[str, str]], answer: str, **_: object) -> float:
+        return float(completion[-1]["content"].strip() == answer)
+
+    def build() -> object:
+        rows = datasets.Dataset.from_list([{"question": "add 2 3", "answer": "5"}])
+        return vf.ToolEnv(tools=[add], dataset=rows, rubric=vf.Rubric(funcs=[right]), max_turns=4)
+
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, "examples/qwen/tokenizer"))
+    env = make_env(build)
+    call = '<tool_call>\n{"name": "add", "arguments": {"x": 2, "y": 3}}\n</tool_call>'
+    rollout = Script(tok, [call, "5"])
+
+    async def main() -> object:
+        async with OpenAIServer(rollout, tokenizer=tok, context_length=8192) as srv:
+            async with VerifiersRunner(env, srv) as runner:
+                (row,) = runner.examples()
+                return await runner.run(row, "tool-ep")
+
+    episode = run(main())
+    assert episode.reward == 1.0 and episode.error == ""  # type: ignore[attr-defined]
+    assert episode.metrics["add_calls"] == 1.0  # type: ignore[attr-defined]
+    assert episode.metrics["num_turns"] == 2.0  # type: ignore[attr-defined]
+    first = tok.decode(rollout.prompts[0])
+    assert '"name": "add"' in first and "<tools>" in first  # offered in Qwen's format
+    segments = episode.trajectory.segments  # type: ignore[attr-defined]
+    assert [tok.decode(s.token_ids) for s in segments] == [
+        call + "<|im_end|>",
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "5<|im_end|>",
+    ]
+    assert [s.policy for s in segments] == [True, False, True]

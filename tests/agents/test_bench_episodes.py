@@ -116,13 +116,27 @@ def test_the_table_has_a_line_per_replica_count() -> None:
         "idle_fraction_sync": 0.6438,
         "idle_fraction_async": 0.4521,
     }
-    figures = {"params": PARAMS, "rows": [row], "wall_s": 68.2, "load_avg_1m": 2.81}
+    step = {
+        "endpoint_over_runner": 3.334,
+        "runner_step_s": 1.113,
+        "endpoint_step_s": 3.721,
+        "step_episodes": 64,
+    }
+    figures = {"params": PARAMS, "rows": [row], **step, "wall_s": 68.2, "load_avg_1m": 2.81}
     lines = format_table(figures).splitlines()
     assert "median 20 ms, sigma 1.0; 3 to 5 turns an episode; 6 x N episodes" in lines[1]
     header = "replicas episodes sync ep/s async ep/s async/sync model rollout idle sync async"
     assert " ".join(lines[3].split()) == header
     assert lines[4].split() == ["4", "24", "14.0", "19.5", "1.39", "1.39", "64.4%", "45.2%"]
+    assert lines[-3] == (
+        "an RL step of 64 episodes: runner 1.11 s, endpoint (openai client) 3.72 s; endpoint "
+        "over runner 3.33 (median of the rounds' ratios)"
+    )
     assert lines[-1] == "68 s, load average 2.8"
+    unmeasured = {**figures, "endpoint_over_runner": None, "endpoint_unavailable": "no openai"}
+    assert format_table(unmeasured).splitlines()[-3] == (
+        "endpoint over runner: not measured (no openai)"
+    )
 
 
 ROW_KEYS = {
@@ -150,13 +164,13 @@ def model_ratio(n: int, p: dict[str, Any]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_quick_json_runs_every_row_and_async_beats_sync_with_spread_latency() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "bench", "episodes", "--quick", "--json"],
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=230,
         cwd=ROOT,
         check=True,
     )
@@ -181,3 +195,8 @@ def test_quick_json_runs_every_row_and_async_beats_sync_with_spread_latency() ->
     assert four["ratio"] > 1.0
     assert four["episodes_per_s_async"] > four["episodes_per_s_sync"]
     assert four["idle_fraction_async"] < four["idle_fraction_sync"]
+    # The same RL step's episodes through the endpoint and through the runner, every round.
+    assert figures["step_episodes"] == 64 and len(figures["rounds_endpoint_over_runner"]) == 3
+    ratio = figures["endpoint_over_runner"]
+    assert ratio == statistics.median(figures["rounds_endpoint_over_runner"])
+    assert figures["runner_step_s"] > 0 and figures["endpoint_step_s"] > 0 and ratio > 0

@@ -9,8 +9,10 @@ masked in, everything between them masked out) with the rubric's reward, ready f
 
 Each rollout is tied to its episode by the request's ``user`` field (sent through the
 environment's sampling arguments), so concurrent rollouts never mix. Only the classic
-``verifiers`` environments (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv`` and those built on them)
-with chat messages are driven (the tests drive a ``vf.MultiTurnEnv``); their
+``verifiers`` environments (``vf.SingleTurnEnv``, ``vf.MultiTurnEnv`` and those built on them,
+``vf.ToolEnv`` among them) with chat messages are driven (the tests drive a ``vf.MultiTurnEnv``,
+and a ``vf.ToolEnv`` whose tool the policy calls in its family's format: the endpoint parses
+the call into ``tool_calls``, the environment runs the tool); their
 ``sampling_args`` ``max_tokens`` reaches the endpoint as ``max_completion_tokens``, which bounds
 each completion (the server's own ``max_tokens`` when none is given).
 

@@ -1,0 +1,237 @@
+"""An environment role driven by agent code: episodes reset, stepped and closed one call at a
+time, with the failures of the environment typed apart from the policy's results.
+
+``EpisodeRunner`` (``asyncrl.roles.agents.episodes``) plays whole episodes itself, asking the
+rollout group for each action. An agent that asks the policy through the OpenAI-compatible
+endpoint (``asyncrl.roles.agents.openai_server``), with the ``openai`` client, plays its own
+turns and needs the environment alone: ``EnvironmentClient`` gives it that, with the same rules
+as the runner:
+
+- ``reset`` starts an episode on a replica the quarantine allows (round robin over the healthy
+  ones; a probe now and then to a quarantined one); every step of the episode goes to that
+  replica.
+- ``step`` answers the environment's ``Transition``, or raises ``EnvironmentFailed`` with the
+  cause when the environment failed the step: ``"timeout"`` (past ``step_timeout_s``, unless the
+  environment declares its timeouts part of the task: then the timed-out ``Transition`` is the
+  answer), ``"error"`` (the environment raised) or ``"lost"`` (the replica lost the episode: it
+  died or was restarted, or did not answer within twice the deadline). Such an episode is the
+  environment's failure, not the policy's, and is never trained on: the agent returns it as a
+  trajectory flagged ``infra_failed`` with the cause, and the sample pipeline completes its
+  group with a fresh episode (``episode_id`` gives that one a fresh id).
+- Every step feeds the quarantine: a replica failing more than its share of its last steps
+  takes no new episode (``asyncrl.roles.agents.quarantine``). Episodes lost with a replica's
+  death do not count against it: the supervisor restarts it.
+- ``close`` forgets an episode on its replica without waiting (an episode that ended ``done``
+  needs none).
+
+A lost episode is not replayed here as the runner replays it: the agent's conversation with the
+endpoint went on from what the lost replica said, and the agent alone knows how to play it
+again, so it ends as ``"lost"`` and the pipeline plays the prompt afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+from asyncrl.errors import AsyncrlError, BrokenError, DeadlineExceededError, RemoteError
+from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
+from asyncrl.roles.agents.quarantine import Quarantine
+
+__all__ = ["EnvEpisode", "EnvironmentClient", "EnvironmentFailed"]
+
+log = logging.getLogger("asyncrl.agents")
+
+FAILED_KEPT = 4096
+"""The failed episodes whose next id ``episode_id`` remembers; past it, the oldest are
+forgotten (the pipeline plays a failed episode's prompt again at once, or never)."""
+
+LOST = "EpisodeLost"
+"""The remote type of the error a replica without the episode raises."""
+
+
+class EnvironmentFailed(AsyncrlError):
+    """The environment failed an episode through no fault of the policy. Recoverable: the
+    episode is not trained on, and a fresh one takes its place.
+
+    Attributes:
+        cause: ``"timeout"``, ``"error"`` or ``"lost"`` (what ``Sample.infra_failed`` records).
+        episode_id: the episode's id.
+    """
+
+    retryable = True
+
+    def __init__(self, episode_id: str, cause: str, detail: str) -> None:
+        super().__init__(f"episode {episode_id!r}: {detail}")
+        self.episode_id = episode_id
+        self.cause = cause
+
+
+class EnvEpisode:
+    """One episode on the environment: its id, the replica that holds it, the steps it took,
+    whether the environment ended it, and the timeouts and errors met on the way."""
+
+    def __init__(self, episode_id: str, replica: int, observation: str) -> None:
+        self.episode_id = episode_id
+        self.replica = replica
+        self.observation = observation
+        self.turn = 0
+        self.done = False
+        self.timeouts = 0
+        self.errors = 0
+
+
+class EnvironmentClient:
+    """Episodes of one environment group, for agent code (see the module).
+
+    Args:
+        env: the environment group's handle (``ctx["env"]``).
+        step_timeout_s: the deadline of a step (and of a reset).
+        quarantine_share, quarantine_window, probe_after_s: as ``EpisodeRunner``'s: a replica
+            that failed more than ``quarantine_share`` of its last ``quarantine_window`` steps
+            takes no new episode but a probe every ``probe_after_s`` seconds.
+
+    Raises:
+        ValueError: a bad quarantine setting or a ``step_timeout_s`` that is not positive.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        step_timeout_s: float = 30.0,
+        quarantine_share: float = 0.5,
+        quarantine_window: int = 20,
+        probe_after_s: float = 30.0,
+    ) -> None:
+        if not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: expected a number > 0, got {step_timeout_s!r}")
+        self.env = env
+        self.step_timeout_s = step_timeout_s
+        self.quarantine = Quarantine(
+            str(getattr(env, "name", "env")),
+            int(getattr(env, "replicas", 1)),
+            share=quarantine_share,
+            window=quarantine_window,
+            probe_after_s=probe_after_s,
+        )
+        self._failed: dict[str, int] = {}  # episode name -> its failed tries, until run again
+        self._closing: set[asyncio.Task[None]] = set()
+        self._counted = (0, 0)  # (quarantined, released) counted in metrics
+
+    def episode_id(self, name: str) -> str:
+        """The id to play episode ``name`` under: ``name`` itself, or ``name~<n>`` after it
+        failed ``n`` times, so that neither the endpoint nor a replica confuses the fresh
+        episode with the failed one."""
+        tries = self._failed.get(name, 0)
+        return f"{name}~{tries}" if tries else name
+
+    def failed(self, name: str) -> None:
+        """Episode ``name`` failed through no fault of the policy: its next ``episode_id`` is
+        a fresh one."""
+        self._failed[name] = self._failed.get(name, 0) + 1
+        while len(self._failed) > FAILED_KEPT:
+            del self._failed[next(iter(self._failed))]
+
+    def count(self, metrics: Counter[str]) -> None:
+        """Add the replicas quarantined and let back since the last call to ``metrics``
+        (``quarantined``, ``quarantine_released``)."""
+        quarantined, released = self._counted
+        self._counted = (self.quarantine.quarantined, self.quarantine.released)
+        metrics["quarantined"] += self.quarantine.quarantined - quarantined
+        metrics["quarantine_released"] += self.quarantine.released - released
+
+    async def reset(self, episode_id: str, task: Any) -> EnvEpisode:
+        """Start ``episode_id`` on ``task``, on a replica the quarantine allows.
+
+        Raises:
+            EnvironmentFailed: the reset raised (``"error"``) or was not answered (``"lost"``).
+            ReplicasQuarantinedError: every replica is quarantined.
+        """
+        replica = self.quarantine.pick()
+        try:
+            obs: Observation = await self.env.call(
+                "reset",
+                Reset(episode_id=episode_id, task=task),
+                Observation,
+                timeout=self.step_timeout_s,
+                key=(episode_id, "reset"),
+                replica=replica,
+            )
+        except RemoteError as exc:
+            raise EnvironmentFailed(episode_id, "error", f"the reset failed: {exc}") from exc
+        except (DeadlineExceededError, BrokenError) as exc:
+            raise EnvironmentFailed(episode_id, "lost", f"the reset was lost: {exc}") from exc
+        return EnvEpisode(episode_id, obs.replica, obs.text)
+
+    async def step(self, episode: EnvEpisode, action: str) -> Transition:
+        """Take ``action`` in the episode, on the replica that holds it.
+
+        Raises:
+            EnvironmentFailed: the step timed out (and the timeout is not part of the task),
+                raised, or was lost with the replica.
+        """
+        step = Step(
+            episode_id=episode.episode_id,
+            turn=episode.turn,
+            action=action,
+            deadline_s=self.step_timeout_s,
+        )
+        replica = episode.replica
+        try:
+            transition: Transition = await self.env.call(
+                "step",
+                step,
+                Transition,
+                timeout=2 * self.step_timeout_s,
+                key=(episode.episode_id, episode.turn),
+                replica=replica,
+            )
+        except RemoteError as exc:
+            if exc.remote_type == LOST:  # the replica restarted: the supervisor's business
+                raise EnvironmentFailed(episode.episode_id, "lost", str(exc)) from exc
+            self.quarantine.record(replica, failed=True)
+            episode.errors += 1
+            raise EnvironmentFailed(
+                episode.episode_id, "error", f"the environment failed turn {step.turn}: {exc}"
+            ) from exc
+        except DeadlineExceededError as exc:  # alive, but silent: its failure
+            self.quarantine.record(replica, failed=True)
+            raise EnvironmentFailed(
+                episode.episode_id, "lost", f"turn {step.turn} was not answered: {exc}"
+            ) from exc
+        except BrokenError as exc:  # it died with the step in flight
+            raise EnvironmentFailed(
+                episode.episode_id, "lost", f"turn {step.turn} was lost: {exc}"
+            ) from exc
+        infra_timeout = transition.timed_out and not transition.task_timeout
+        self.quarantine.record(replica, failed=infra_timeout)
+        if transition.timed_out:
+            episode.timeouts += 1
+        if infra_timeout:
+            raise EnvironmentFailed(
+                episode.episode_id,
+                "timeout",
+                f"turn {step.turn} ran past its deadline of {self.step_timeout_s:g} s",
+            )
+        episode.turn += 1
+        episode.done = transition.done
+        return transition
+
+    def close(self, episode: EnvEpisode) -> None:
+        """Tell the replica to forget the episode, without waiting (a cancelled agent cannot
+        wait); nothing for an episode the environment ended."""
+        if episode.done:
+            return
+        close = Close(episode_id=episode.episode_id)
+        task = asyncio.get_running_loop().create_task(self._close(close, episode.replica))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self, close: Close, replica: int) -> None:
+        try:
+            await self.env.call("close", close, None, timeout=5.0, replica=replica)
+        except Exception as exc:  # the replica forgets it when restarted anyway
+            log.debug("closing episode %r failed: %s", close.episode_id, exc)

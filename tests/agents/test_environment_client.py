@@ -1,0 +1,166 @@
+"""An environment role driven by agent code (asyncrl.roles.agents.environment_client): an
+adding tool, its replicas in this process behind a fake group handle that honours ``replica=``
+and deadlines as the dispatcher does. A step the environment fails
+raises ``EnvironmentFailed`` with its cause; a replica failing its steps is quarantined; a
+failed episode's next id is fresh."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import msgspec
+import pytest
+
+from asyncrl.errors import DeadlineExceededError, RemoteError
+from asyncrl.role import RoleContext
+from asyncrl.roles.agents.environment import Environment, Transition
+from asyncrl.roles.agents.environment_client import EnvironmentClient, EnvironmentFailed
+from asyncrl.roles.agents.quarantine import ReplicasQuarantinedError
+from asyncrl.transport import run
+
+
+class Adder(Environment):
+    """``add X Y`` answers ``= N``; ``answer V`` scores 1 for the sum and ends the episode.
+    Replica ``fail_replica`` fails every step: one in two hangs, the other raises."""
+
+    class Config(msgspec.Struct):
+        fail_replica: int = -1
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.failures = 0
+
+    async def start(self, task: Any) -> tuple[str, int]:
+        x, y = map(int, str(task).split())
+        return f"{x} + {y}", x + y
+
+    async def act(self, state: int, action: str) -> Transition:
+        if self.ctx.replica == self.config.fail_replica:
+            self.failures += 1
+            if self.failures % 2:
+                await asyncio.Event().wait()
+            raise RuntimeError(f"env.{self.ctx.replica}: the calculator's sandbox is gone")
+        verb, *args = action.split()
+        if verb == "add":
+            return Transition(observation=f"= {sum(map(int, args))}")
+        return Transition(observation="", reward=float(args == [str(state)]), done=True)
+
+
+class Group:
+    """Replicas of an environment class (``Adder``) in this process; env.``failing`` fails
+    every step."""
+
+    name = "env"
+
+    def __init__(self, replicas: int, failing: int = -1, env_class: Any = Adder) -> None:
+        self.replicas = replicas
+        self.make = lambda i: env_class(
+            RoleContext.local(name="env", replica=i, config={"fail_replica": failing})
+        )
+        self.roles = [self.make(i) for i in range(replicas)]
+        self.resets: list[int] = []  # the replica each reset went to
+        self.reset_ids: list[str] = []  # and its episode
+
+    def restart(self, replica: int) -> None:
+        self.roles[replica] = self.make(replica)
+
+    async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
+        replica = kw.get("replica")
+        replica = len(self.resets) % self.replicas if replica is None else replica
+        if method == "reset":
+            self.resets.append(replica)
+            self.reset_ids.append(payload.episode_id)
+        try:
+            async with asyncio.timeout(kw.get("timeout")):
+                return await getattr(self.roles[replica], method)(payload)
+        except TimeoutError as exc:
+            raise DeadlineExceededError(f"env.{replica} did not answer {method!r}") from exc
+        except Exception as exc:
+            raise RemoteError("handler_error", str(exc), remote_type=type(exc).__name__) from exc
+
+
+def test_an_episode_is_reset_and_stepped_on_the_replica_that_holds_it() -> None:
+    async def main() -> None:
+        group = Group(2)
+        env = EnvironmentClient(group, step_timeout_s=5.0)
+        episode = await env.reset("e", "17 25")
+        assert (episode.observation, episode.replica) == ("17 + 25", 0)
+        said = await env.step(episode, "add 17 25")
+        assert (said.observation, said.reward, said.done) == ("= 42", 0.0, False)
+        said = await env.step(episode, "answer 42")
+        assert (said.reward, said.done, episode.done, episode.turn) == (1.0, True, True, 2)
+        other = await env.reset("f", "1 2")
+        assert other.replica == 1  # round robin over the healthy replicas
+
+    run(main())
+
+
+def test_a_step_the_environment_fails_raises_its_cause_and_counts_against_the_replica() -> None:
+    async def main() -> None:
+        group = Group(2, failing=1)
+        env = EnvironmentClient(group, step_timeout_s=0.2, quarantine_window=2)
+        await env.reset("a", "1 2")
+        hung = await env.reset("b", "1 2")  # on env.1: its first step hangs past the deadline
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.step(hung, "add 1 2")
+        assert info.value.cause == "timeout" and hung.timeouts == 1
+        assert str(info.value) == "episode 'b': turn 0 ran past its deadline of 0.2 s"
+        await env.reset("c", "1 2")
+        raised = await env.reset("d", "1 2")  # round robin: c on env.0, d on env.1
+        assert raised.replica == 1
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.step(raised, "add 1 2")  # its second raises
+        assert info.value.cause == "error" and raised.errors == 1
+        assert "env.1: the calculator's sandbox is gone" in str(info.value)
+        # env.1 failed 2 of its last 2 steps: quarantined; new episodes go to env.0 alone.
+        assert env.quarantine.is_quarantined(1)
+        metrics: Counter[str] = Counter()
+        env.count(metrics)
+        assert metrics == Counter({"quarantined": 1})
+        replicas = [(await env.reset(f"n{i}", "1 2")).replica for i in range(4)]
+        assert replicas == [0, 0, 0, 0]
+
+    run(main())
+
+
+def test_an_episode_lost_with_a_restarted_replica_is_lost_not_held_against_it() -> None:
+    async def main() -> None:
+        group = Group(1)
+        env = EnvironmentClient(group, step_timeout_s=5.0, quarantine_window=1)
+        episode = await env.reset("e", "3 4")
+        group.restart(0)  # its episodes are gone with it
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.step(episode, "add 3 4")
+        assert info.value.cause == "lost"
+        assert not env.quarantine.is_quarantined(0)
+
+    run(main())
+
+
+def test_every_replica_quarantined_stops_new_episodes_by_name() -> None:
+    async def main() -> None:
+        group = Group(1, failing=0)
+        env = EnvironmentClient(group, step_timeout_s=0.1, quarantine_window=1)
+        episode = await env.reset("e", "3 4")
+        with pytest.raises(EnvironmentFailed):
+            await env.step(episode, "add 3 4")
+        with pytest.raises(ReplicasQuarantinedError, match=r"^every replica of 'env' is quar"):
+            await env.reset("f", "3 4")
+
+    run(main())
+
+
+def test_a_failed_episode_is_played_again_under_a_fresh_id() -> None:
+    env = EnvironmentClient(Group(1))
+    assert env.episode_id("p/0") == "p/0"
+    env.failed("p/0")
+    assert env.episode_id("p/0") == "p/0~1"
+    env.failed("p/0")
+    assert (env.episode_id("p/0"), env.episode_id("p/1")) == ("p/0~2", "p/1")
+
+
+def test_a_step_timeout_that_is_not_positive_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^step_timeout_s: expected a number > 0, got 0$"):
+        EnvironmentClient(Group(1), step_timeout_s=0)
