@@ -266,16 +266,16 @@ async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, A
     except ImportError as exc:
         return {"endpoint_over_runner": None, "endpoint_unavailable": str(exc)}
     runner = EpisodeRunner(
-        ctx.rollout,
-        ctx.tools,
+        ctx.roles["rollout"],
+        ctx.roles["tools"],
         encode=_encode,
         decode=_decode,
         params=SamplingParams(max_new_tokens=TOKENS),
         max_turns=MAX_TURNS,
         step_timeout_s=STEP_TIMEOUT_S,
     )
-    env = EnvironmentClient(ctx.tools, step_timeout_s=STEP_TIMEOUT_S)
-    server = OpenAIServer(ctx.rollout, encode=_encode, decode=_decode, context_length=4096)
+    env = EnvironmentClient(ctx.roles["tools"], step_timeout_s=STEP_TIMEOUT_S)
+    server = OpenAIServer(ctx.roles["rollout"], encode=_encode, decode=_decode, context_length=4096)
     times: dict[str, list[float]] = {"runner": [], "endpoint": []}
     async with server:
         client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)

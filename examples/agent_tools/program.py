@@ -62,9 +62,9 @@ DEFAULTS: dict[str, Any] = {
 async def main(ctx: Context) -> dict[str, Any]:
     cfg = {**DEFAULTS, **ctx.config}
     tok = await asyncio.to_thread(_tokenizer, ctx.model.tokenizer)  # seconds: off the loop
-    env = EnvironmentClient(ctx["env"], step_timeout_s=cfg["step_timeout_s"])
+    env = EnvironmentClient(ctx.roles["env"], step_timeout_s=cfg["step_timeout_s"])
     async with OpenAIServer(
-        ctx["rollout"], tokenizer=tok, context_length=cfg["context_length"]
+        ctx.roles["rollout"], tokenizer=tok, context_length=cfg["context_length"]
     ) as server:
         client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key)
         agent = CalculatorAgent(server, client, env, temperature=cfg["temperature"])

@@ -87,7 +87,7 @@ class EnvironmentClient:
     """Episodes of one environment group, for agent code (see the module).
 
     Args:
-        env: the environment group's handle (``ctx["env"]``).
+        env: the environment group's handle (``ctx.roles["env"]``).
         step_timeout_s: the deadline of a step (and of a reset).
         quarantine_share, quarantine_window, probe_after_s: as ``EpisodeRunner``'s: a replica
             that failed more than ``quarantine_share`` of its last ``quarantine_window`` steps
