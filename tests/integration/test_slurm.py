@@ -1,11 +1,12 @@
 """examples/slurm/asyncrl.sbatch under a real Slurm on this machine.
 
 The fixture starts a one-machine cluster in a temporary folder: munged, slurmctld and one slurmd
-per node name (n1, n2, n3: Slurm's multiple-slurmd form, each slurmd on its own port, every node
-on this host at 127.0.0.1). Tests submit the script with the main job (examples/slurm/qwen.yaml)
-shortened, wait on the job's state with a deadline, and read the run's summary.json. The second
-test takes a node away mid-run as Slurm sees a lost node (``scontrol update state=down``): the job
-is requeued, runs again on the nodes left, and the script resumes the run.
+per node name (n1 to n5: Slurm's multiple-slurmd form, each slurmd on its own port, every node on
+this host at 127.0.0.1). Two jobs of the main job (examples/slurm/qwen.yaml), shortened, are
+submitted together so that they overlap; the tests wait on each job's state with a deadline and
+read its run's summary.json. One runs undisturbed on n1 and n2. The other loses its node rank 1
+(n4) mid-run as Slurm sees a lost node (``scontrol update state=down``): Slurm requeues the job,
+runs it again on two of the nodes left, and the script resumes the run.
 
 Slurm comes from Debian's packages (``apt-get install -y slurm-wlm munge``; .ci/run installs them);
 without them, or without root (slurmd starts jobs as their user), the tests skip saying so.
@@ -30,12 +31,12 @@ import pytest
 from tests.conftest import ROOT
 from tests.helpers.waiting import wait_until
 
-# Each run starts 7 replicas over 2 nodes and stops them (about 75 s of a run under load here);
-# the requeue test runs twice.
+# Each run starts 7 replicas over 2 nodes and stops them (about 140 s a run on a loaded 2-core
+# machine); the requeued job runs twice, overlapping the other.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPT = os.path.join(ROOT, "examples", "slurm", "asyncrl.sbatch")
-NODES = ("n1", "n2", "n3")
+NODES = ("n1", "n2", "n3", "n4", "n5")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 INSTALL = "apt-get install -y slurm-wlm munge"
 SHORT = [
@@ -333,21 +334,24 @@ def _check_completed(cluster: Cluster, job: str, fields: dict[str, str], run_dir
     assert _json(os.path.join(run_dir, "report.json"))["status"] == "completed"
 
 
-def test_a_submitted_job_runs_the_main_job_over_two_nodes(cluster: Cluster) -> None:
-    run_dir = os.path.join(cluster.dir, "run")
-    job = cluster.submit(run_dir, _free_port(), *_sets())
-    fields = _wait_ended(cluster, job, timeout=400)
-    _check_completed(cluster, job, fields, run_dir)
-    assert fields["Restarts"] == "0"
-    assert fields["NodeList"] == "n[1-2]"
-    told = cluster.output(job)
-    assert "asyncrl: 2 nodes (n[1-2]), store on 127.0.0.1:" in told
-    assert "resuming the run" not in told
+class Jobs:
+    """The two runs, submitted together so that they overlap: ``done`` on n1 and n2 runs
+    undisturbed; ``lost`` on n3 and n4 loses n4 mid-run. n5 is spare."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.done_dir = os.path.join(cluster.dir, "done")
+        self.done = cluster.submit(self.done_dir, _free_port(), *_sets())
+        self.lost_dir = os.path.join(cluster.dir, "lost")
+        self.lost = cluster.submit(self.lost_dir, _free_port(), *_sets())
 
 
-def test_a_lost_node_requeues_the_job_which_resumes_the_run(cluster: Cluster) -> None:
-    run_dir = os.path.join(cluster.dir, "lost")
-    job = cluster.submit(run_dir, _free_port(), *_sets())
+@pytest.fixture(scope="module")
+def jobs(cluster: Cluster) -> Jobs:
+    return Jobs(cluster)
+
+
+def test_a_lost_node_requeues_the_job_which_resumes_the_run(cluster: Cluster, jobs: Jobs) -> None:
+    job, run_dir = jobs.lost, jobs.lost_dir
     history = os.path.join(run_dir, "history.jsonl")
     # Mid-run: past BC, into GRPO.
     wait_until(
@@ -358,8 +362,8 @@ def test_a_lost_node_requeues_the_job_which_resumes_the_run(cluster: Cluster) ->
         interval=0.5,
     )
     first = cluster.job(job)
-    assert (first["JobState"], first["NodeList"]) == ("RUNNING", "n[1-2]")
-    lost = "n2"  # node rank 1
+    assert (first["JobState"], first["NodeList"]) == ("RUNNING", "n[3-4]")
+    lost = "n4"  # node rank 1
     cluster.slurm("scontrol", "update", f"nodename={lost}", "state=down", "reason=lost")
     # Slurm holds a requeued job for 2 minutes (its begin time); let it start at once.
     wait_until(
@@ -373,7 +377,24 @@ def test_a_lost_node_requeues_the_job_which_resumes_the_run(cluster: Cluster) ->
     fields = _wait_ended(cluster, job, timeout=400)
     _check_completed(cluster, job, fields, run_dir)
     assert fields["Restarts"] == "1"
-    assert fields["NodeList"] == "n[1,3]"  # n3 takes the lost node's rank
+    # On two of the nodes left: n3 and n5, or n1 and n2 once the other job has ended.
+    again = cluster.slurm("scontrol", "show", "hostnames", fields["NodeList"]).split()
+    assert len(again) == 2 and lost not in again, again
     told = cluster.output(job)
-    assert f"asyncrl: job {job} requeued (1), resuming the run in {run_dir}" in told
+    resumed = f"asyncrl: job {job} requeued (1), resuming the run in {run_dir}"
+    assert resumed in told
+    # BC ended before the loss; the resumed run goes on in GRPO instead of starting over.
+    assert "BC plateau" in told.split(resumed)[0]
+    assert "BC plateau" not in told.split(resumed)[1], told
     assert cluster.node_states()[lost] == "down"
+
+
+def test_a_submitted_job_runs_the_main_job_over_two_nodes(cluster: Cluster, jobs: Jobs) -> None:
+    job, run_dir = jobs.done, jobs.done_dir
+    fields = _wait_ended(cluster, job, timeout=400)
+    _check_completed(cluster, job, fields, run_dir)
+    assert fields["Restarts"] == "0"
+    assert fields["NodeList"] == "n[1-2]"
+    told = cluster.output(job)
+    assert "asyncrl: 2 nodes (n[1-2]), store on 127.0.0.1:" in told
+    assert "resuming the run" not in told
