@@ -384,8 +384,8 @@ def test_a_lost_node_requeues_the_job_which_resumes_the_run(cluster: Cluster, jo
     resumed = f"asyncrl: job {job} requeued (1), resuming the run in {run_dir}"
     assert resumed in told
     # BC ended before the loss; the resumed run goes on in GRPO instead of starting over.
-    assert "BC plateau" in told.split(resumed)[0]
-    assert "BC plateau" not in told.split(resumed)[1], told
+    assert "BC plateau: held-out" in told.split(resumed)[0]
+    assert "BC plateau: held-out" not in told.split(resumed)[1], told
     assert cluster.node_states()[lost] == "down"
 
 
