@@ -21,8 +21,11 @@ SCRIPT = os.path.join(ROOT, "examples", "slurm", "asyncrl.sbatch")
 # runs one task per node.
 FAKES = {
     "scontrol": """\
-printf '%s\\n' "$@" > "$CALLS/scontrol"
+printf '%s\\n' "$@" > "$CALLS/scontrol.$2"
 [ "$1 $2" = "show hostnames" ] && printf 'gpu-a17\\ngpu-a18\\n'
+[ "$1 $2 $3" = "show node gpu-a17" ] && [ -n "$NODE_ADDR" ] &&
+    printf 'NodeName=gpu-a17 Arch=x86_64\\n   NodeAddr=%s NodeHostName=gpu-a17\\n' "$NODE_ADDR"
+exit 0
 """,
     "srun": """\
 printf '%s\\n' "$@" > "$CALLS/srun"
@@ -91,7 +94,13 @@ def test_each_node_starts_torchrun_with_its_rank_and_the_first_host_as_master(
     run_dir = os.path.join(tmp_path, "run")
     done, calls = _submit(tmp_path, "--set", "run.config.rl_steps=5", RUN_DIR=run_dir)
     assert done.returncode == 0, done.stderr
-    assert _lines(os.path.join(calls, "scontrol")) == ["show", "hostnames", "gpu-a[17-18]"]
+    assert _lines(os.path.join(calls, "scontrol.hostnames")) == [
+        "show",
+        "hostnames",
+        "gpu-a[17-18]",
+    ]
+    # The first node's address as Slurm knows it (NodeAddr); without one, its name.
+    assert _lines(os.path.join(calls, "scontrol.node")) == ["show", "node", "gpu-a17"]
     assert _lines(os.path.join(calls, "srun"))[:4] == [
         "--nodes=2",
         "--ntasks-per-node=1",
@@ -131,6 +140,7 @@ def test_the_variables_override_the_defaults(tmp_path: str) -> None:
         NETWORK_ADDRESS="ib0",
         MASTER_PORT="29500",
         MAX_RESTARTS="7",
+        NODE_ADDR="10.1.0.17",
     )
     assert done.returncode == 0, done.stderr
     assert not os.path.exists(os.path.join(calls, "asyncrl"))  # no keys made
@@ -138,7 +148,7 @@ def test_the_variables_override_the_defaults(tmp_path: str) -> None:
         "--nnodes=2",
         "--nproc-per-node=1",
         "--node-rank=1",
-        "--master-addr=gpu-a17",
+        "--master-addr=10.1.0.17",  # the first node's NodeAddr
         "--master-port=29500",
         "--max-restarts=7",
         "-m",
@@ -150,6 +160,64 @@ def test_the_variables_override_the_defaults(tmp_path: str) -> None:
         "network.address=ib0",
         "--resume",
     ]
+
+
+def _torchrun_launch(calls: str, node: int) -> list[str]:
+    """What node ``node``'s torchrun runs after ``-m asyncrl.launch MANIFEST``."""
+    args = _lines(os.path.join(calls, f"torchrun.{node}"))
+    return args[args.index("asyncrl.launch") + 2 :]
+
+
+def test_the_script_asks_slurm_to_requeue_the_job_and_append_its_output() -> None:
+    with open(SCRIPT) as f:
+        directives = re.findall(r"^#SBATCH (\S+)$", f.read(), re.M)
+    assert "--requeue" in directives
+    assert "--open-mode=append" in directives
+
+
+def test_a_requeued_job_resumes_the_run_its_first_try_started(tmp_path: str) -> None:
+    run_dir = os.path.join(tmp_path, "run")
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "manifest.json"), "w") as f:
+        f.write("{}")
+    done, calls = _submit(
+        tmp_path,
+        "--overwrite",
+        "--set",
+        "run.config.rl_steps=5",
+        RUN_DIR=run_dir,
+        SLURM_RESTART_COUNT="2",
+    )
+    assert done.returncode == 0, done.stderr
+    for node in (0, 1):
+        # --overwrite would delete what the first try trained; --resume continues it.
+        assert _torchrun_launch(calls, node) == [
+            "--run-dir",
+            run_dir,
+            "--set",
+            f"security.curve_keys={run_dir}.keys",
+            "--set",
+            "run.config.rl_steps=5",
+            "--resume",
+        ]
+    assert f"asyncrl: job 4242 requeued (2), resuming the run in {run_dir}" in done.stdout
+
+
+def test_a_job_requeued_before_its_run_saved_a_manifest_starts_it(tmp_path: str) -> None:
+    run_dir = os.path.join(tmp_path, "run")  # the first try never got as far as the manifest
+    done, calls = _submit(
+        tmp_path, "--set", "run.config.rl_steps=5", RUN_DIR=run_dir, SLURM_RESTART_COUNT="1"
+    )
+    assert done.returncode == 0, done.stderr
+    assert _torchrun_launch(calls, 1) == [
+        "--run-dir",
+        run_dir,
+        "--set",
+        f"security.curve_keys={run_dir}.keys",
+        "--set",
+        "run.config.rl_steps=5",
+    ]
+    assert "resuming the run" not in done.stdout
 
 
 def test_outside_slurm_the_script_says_so(tmp_path: str) -> None:
