@@ -25,11 +25,15 @@ driver. docs/multinode.md is the guide; in short:
 - The end: when the driver ends (or a node's supervisor gives up), its agent writes how the run
   ended under the attempt's ``stop`` key; every agent then stops its roles and exits with the
   run's status (0 completed, 1 failed, 130 interrupted).
-- Failures: agents raise a heartbeat key. An agent that sees another node's agent stop
-  answering, or restart, ends its attempt and exits 1: torchrun (``--max-restarts``) then starts
-  the worker group again, and the new attempt resumes the run in the same directories, as
-  ``asyncrl run --resume`` does. A run that ended for good (completed, or failed by its own
-  decision) leaves a ``final`` key: a later attempt exits at once with the same status.
+- Failures: agents raise a heartbeat key. A node other than 0 whose agent stops answering is
+  lost for good: node 0 marks it so, and the run goes on without it (``_Watch``,
+  ``asyncrl.manifest.membership``): its replicas leave or move, and every node records the
+  change in its ``membership.json``. An agent that sees node 0 stop answering, or another
+  node's agent restart, or a lost node the run cannot do without, ends its attempt and exits 1:
+  torchrun (``--max-restarts``) then starts the worker group again, and the new attempt resumes
+  the run in the same directories, as ``asyncrl run --resume`` does. A run that ended for good
+  (completed, or failed by its own decision) leaves a ``final`` key: a later attempt exits at
+  once with the same status.
 """
 
 from __future__ import annotations
@@ -48,9 +52,16 @@ import msgspec
 
 from asyncrl.errors import ManifestError
 from asyncrl.manifest.load import Manifest, load_manifest, resolve_run_dir
+from asyncrl.manifest.membership import MEMBERSHIP_FILE, Change, Membership, Moved, plan
 from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
-from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
+from asyncrl.supervision.agent import (
+    NodeView,
+    adopted_child,
+    install_secret,
+    run_manifest,
+    summary,
+)
 from asyncrl.supervision.hosts import HostRecord, announce, share
 from asyncrl.supervision.launch_secret import shared_secret
 from asyncrl.supervision.runreport import RunReport
@@ -67,6 +78,8 @@ __all__ = ["LaunchEnv", "NodeAttempt", "NodeRecord", "main", "node_dir"]
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between two heartbeats of a node agent in the store (and checks of the others')."""
+TORCHRUN_EXIT_BARRIER = "torchelastic/agent/terminal_state"
+"""The key prefix of torchrun's exit barrier (``torch.distributed.elastic``'s agent)."""
 EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 130}
 EXIT_USAGE = 2
 
@@ -191,6 +204,9 @@ class NodeAttempt:
         self.restart = ""
         self.sink = ""
         self.records: dict[int, NodeRecord] = {}
+        self.bind_host = self.host = ""
+        self.view: NodeView | None = None
+        self.lost: dict[int, str] = {}  # nodes lost for good, with why
 
     @classmethod
     async def join(
@@ -269,6 +285,7 @@ class NodeAttempt:
     async def discover(self, timeout_s: float) -> NodeView:
         """Publish this node's ``NodeRecord``, wait for every node's; return this node's view."""
         bind_host, host = node_address(self.manifest.network.address, self.env.master_addr)
+        self.bind_host, self.host = bind_host, host
         mine = [
             (name, i)
             for name, role in self.manifest.roles.items()
@@ -307,7 +324,7 @@ class NodeAttempt:
             for i, endpoint in by_index.items()
         }
         prefix = keys.prefix(self.attempt).removeprefix("asyncrl/")
-        return NodeView(
+        self.view = NodeView(
             node=self.node,
             tcp=tcp,
             span_env={
@@ -318,6 +335,7 @@ class NodeAttempt:
             bind_host=bind_host if bind_host != host else "",
             agents={node: record.agent for node, record in self.records.items()},
         )
+        return self.view
 
     async def finish(self, report: RunReport, timeout_s: float) -> int:
         """Tell the other nodes how the run ended (when it ended here); return the exit
@@ -344,14 +362,28 @@ class NodeAttempt:
             )
         await store.set(keys.done(self.attempt, self.node), json.dumps(counts))
         if self.node == 0:
+            await self._check_in_lost()
             await self._gather_counts(report, timeout_s)
             self._add_nodes()
         return EXIT_CODES[report.status]
 
+    async def _check_in_lost(self) -> None:
+        """Count each lost node in torchrun's exit barrier, which every node's torchrun joins
+        once its worker exits (``torchelastic/agent/terminal_state``, under the run id in the
+        static rendezvous): a lost node's torchrun never will, and the others would wait out
+        the barrier's 300 s before they exit."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        # Node 0's own torchrun checks in only after this worker exits, so the last to check
+        # in is a live torchrun, which releases the barrier as usual.
+        for _ in self.lost:
+            await self.store.add(f"{run_id}/{TORCHRUN_EXIT_BARRIER}/num_members", 1)
+
     async def _gather_counts(self, report: RunReport, timeout_s: float) -> None:
         """Wait for the other nodes to stop their roles; add their restarts and served requests
         to node 0's report (and its report.json), so that it covers the whole run."""
-        others = [self.keys.done(self.attempt, n) for n in range(1, self.env.nodes)]
+        others = [
+            self.keys.done(self.attempt, n) for n in range(1, self.env.nodes) if n not in self.lost
+        ]
         try:
             await self.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
         except StoreError as exc:
@@ -441,12 +473,23 @@ def _same_manifest(manifest: Manifest, run_dir: str) -> str:
 
 
 class _Watch:
-    """Beside the supervisor: raise this node's heartbeat, and end the attempt when the store
-    says it ended, a newer attempt started, or another node's agent stopped answering."""
+    """Beside the supervisor: raise this node's heartbeat, follow the run's membership, and end
+    the attempt when the store says it ended, a newer attempt started, or a node the run
+    cannot go on without stopped answering.
+
+    Node 0 (the store's host) decides when another node is lost for good: no heartbeat for
+    ``liveness_s``. When the run can go on without it (``asyncrl.manifest.membership.plan``),
+    node 0 marks it lost in the store, and every agent applies the new membership: the node
+    a moved replica goes to starts it and publishes its tcp endpoint, and each node writes its
+    view into its ``membership.json``, which its driver follows. Otherwise the attempt ends, and
+    torchrun starts every node's worker group again, as for node 0's own loss.
+    """
 
     def __init__(self, a: NodeAttempt, liveness_s: float) -> None:
         self.a = a
         self.liveness_s = liveness_s
+        self.membership = Membership(attempt=a.attempt, nodes=a.env.nodes)
+        self.moving: dict[tuple[str, int], int] = {}  # moved, its endpoint not yet known here
 
     async def __call__(self, supervisor: Supervisor) -> None:
         try:
@@ -476,6 +519,7 @@ class _Watch:
                 a.ended_here = False
                 supervisor.end(RunReport("failed", why))
                 return
+            await self._follow(supervisor)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _restart_reason(self, seen: dict[int, tuple[str | None, float]]) -> str:
@@ -485,7 +529,7 @@ class _Watch:
             return f"node 0 started attempt {current}: its agent restarted"
         now = time.monotonic()
         for peer in range(a.env.nodes):
-            if peer == a.node:
+            if peer == a.node or peer in a.lost:
                 continue
             if a.node == 0 and await store.check(keys.rejoin(a.attempt, peer)):
                 return f"the agent of node {peer} restarted"
@@ -493,9 +537,116 @@ class _Watch:
             last, since = seen.get(peer, (None, now))
             if beat != last:
                 seen[peer] = (beat, now)
-            elif now - since > self.liveness_s:
-                return f"the agent of node {peer} sent no heartbeat for {now - since:.0f} s"
+                continue
+            if now - since <= self.liveness_s:
+                continue
+            silent = f"the agent of node {peer} sent no heartbeat for {now - since:.0f} s"
+            if peer != 0 and a.node != 0:
+                continue  # node 0 decides whether the run goes on without it
+            if peer == 0:
+                return silent
+            blocked = plan(a.manifest, {*a.lost, peer}).blocked
+            if blocked:
+                return f"{silent}, and the run cannot go on without it: {'; '.join(blocked)}"
+            _say(a.node, f"{silent}: node {peer} is lost; the run goes on without it")
+            await store.set(keys.lost(a.attempt, peer), json.dumps({"reason": silent}))
         return ""
+
+    async def _follow(self, supervisor: Supervisor) -> None:
+        """Apply what node 0 marked lost since the last look, and the endpoints of replicas
+        that moved; write this node's ``membership.json`` when anything changed."""
+        a, keys, store = self.a, self.a.keys, self.a.store
+        changed = False
+        for peer in range(1, a.env.nodes):
+            if peer in a.lost or peer == a.node:
+                continue
+            said = await store.peek(keys.lost(a.attempt, peer))
+            if said is not None:
+                await self._lose(supervisor, peer, json.loads(said)["reason"])
+                changed = True
+        for (name, replica), node in list(self.moving.items()):
+            said = await store.peek(keys.moved(a.attempt, name, replica))
+            if said is None:
+                continue
+            endpoint = json.loads(said)["endpoint"]
+            if node == a.node:
+                assert a.view is not None
+                endpoint = a.view.groups[name].endpoints[replica]
+            self._reach(name, replica, endpoint)
+            self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
+            del self.moving[(name, replica)]
+            changed = True
+        if changed:
+            self._write()
+
+    async def _lose(self, supervisor: Supervisor, node: int, reason: str) -> None:
+        """Node ``node`` is lost for good: its replicas depart or move as ``plan`` says; those
+        that move here are started now."""
+        a = self.a
+        assert a.view is not None
+        a.lost[node] = reason
+        before = plan(a.manifest, set(a.lost) - {node})
+        now = plan(a.manifest, set(a.lost))
+        departed = {k: n for k, n in now.departed.items() if k not in before.departed}
+        moved = {k: n for k, n in now.moved.items() if before.moved.get(k) != n}
+        for (name, replica), lost_on in departed.items():
+            self.membership.departed.setdefault(name, {})[replica] = lost_on
+            self.membership.moved.get(name, {}).pop(replica, None)
+        for (name, replica), there in moved.items():
+            self.moving[(name, replica)] = there
+            if there == a.node:
+                await self._adopt(supervisor, name, replica)
+        self.membership.lost[node] = reason
+        self.membership.changes.append(
+            Change(
+                time=time.time(),
+                event="node_lost",
+                node=node,
+                reason=reason,
+                departed=[f"{name}[{i}]" for name, i in departed],
+                moved={f"{name}[{i}]": n for (name, i), n in moved.items()},
+            )
+        )
+        _say(
+            a.node,
+            f"node {node} lost ({reason}): "
+            + ", ".join(
+                [f"{n}[{i}] left the run" for n, i in departed]
+                + [f"{n}[{i}] moves to node {there}" for (n, i), there in moved.items()]
+            ),
+        )
+
+    async def _adopt(self, supervisor: Supervisor, name: str, replica: int) -> None:
+        """Start ``name``'s ``replica`` on this node, from its home node's folder, on a fresh
+        tcp port, which it publishes for the other nodes."""
+        a = self.a
+        assert a.view is not None
+        (port,) = free_ports(a.bind_host, 1)
+        published = f"tcp://{a.host}:{port}"
+        home = node_dir(a.run_dir, a.manifest.roles[name].placement.node_of(replica))
+        child = adopted_child(
+            a.manifest, name, replica, home, a.view, f"tcp://{a.bind_host}:{port}"
+        )
+        self._reach(name, replica, child.endpoint)
+        await supervisor.adopt(child)
+        said = json.dumps({"node": a.node, "endpoint": published})
+        await a.store.set(a.keys.moved(a.attempt, name, replica), said)
+
+    def _reach(self, name: str, replica: int, endpoint: str) -> None:
+        """The processes this node starts from now on reach ``name``'s ``replica`` at
+        ``endpoint``."""
+        assert self.a.view is not None
+        groups = self.a.view.groups
+        info = groups[name]
+        endpoints = list(info.endpoints)
+        endpoints[replica] = endpoint
+        groups[name] = msgspec.structs.replace(info, endpoints=endpoints)
+
+    def _write(self) -> None:
+        from asyncrl.safe_files import write_atomic
+
+        path = os.path.join(self.a.dir, MEMBERSHIP_FILE)
+        write_atomic(path, msgspec.json.format(msgspec.json.encode(self.membership)))
 
 
 async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) -> int:
@@ -531,7 +682,7 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         secret, problem = await shared_secret(
             store, prefix, a.node, a.dir, curve, args.join_timeout
         )
-        view = dataclasses.replace(view, secret=secret)
+        view = a.view = dataclasses.replace(view, secret=secret)
     if problem:
         _say(env.node, problem)
         said = _ended("failed", problem, env.node)

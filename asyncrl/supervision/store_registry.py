@@ -95,6 +95,16 @@ class LaunchKeys:
         """A counter the agent of ``node`` raises every heartbeat interval."""
         return f"{self.prefix(attempt)}/heartbeat/{node}"
 
+    def lost(self, attempt: int, node: int) -> str:
+        """Set by node 0 once ``node`` is lost for good (JSON ``{reason}``): every agent then
+        applies the run's new membership (``asyncrl.manifest.membership``)."""
+        return f"{self.prefix(attempt)}/lost/{node}"
+
+    def moved(self, attempt: int, role: str, replica: int) -> str:
+        """Set by the node that started ``role``'s ``replica`` again after its node was lost:
+        its tcp endpoint (JSON ``{node, endpoint}``)."""
+        return f"{self.prefix(attempt)}/moved/{role}/{replica}"
+
     def stop(self, attempt: int) -> str:
         """How the attempt ended (JSON ``{status, reason, node}``), first writer wins: every
         agent stops its roles when it appears."""

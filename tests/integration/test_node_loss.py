@@ -1,0 +1,245 @@
+"""A node lost for good, and the run goes on: three torchrun "nodes" on 127.0.0.1.
+
+Each node is its own torchrun with ``--nnodes=3`` and its own ``ASYNCRL_HOST_ID`` (nodes 1 and
+2), so no shared memory crosses between them and every call between nodes goes over tcp, as
+between machines. Node 2 is lost for good: its torchrun, its agent and every role under it are
+SIGKILLed at once. Nodes 0 and 1 go on: node 2's replicas of a role with several leave the
+dispatcher, its singleton moves to the next node its ``placement.nodes`` lists and starts there
+from its durable state (its home node's folder of the run directory), and the run completes with
+nothing lost and nothing counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.helpers.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+PROGRAM = """\
+import asyncio, json, os
+
+from examples.hello.roles import Line, Words
+
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "the dog sleeps and the fox runs",
+    "a fox is quick and a dog is lazy",
+]
+
+
+async def main(ctx):
+    lines = [Line(i, TEXT[i % 3]) for i in range(60)]
+    for start in range(0, 60, 6):
+        async for _, words in ctx.splitter.map("split", lines[start:start + 6], Words):
+            await ctx.counter.call("add", words)
+        if start + 6 == 18:
+            with open(os.path.join(ctx.run_dir, "progress"), "w") as f:
+                f.write(str(ctx.incarnation))
+            while not os.path.exists(ctx.config["gate"]):
+                await asyncio.sleep(0.05)
+    top = await ctx.counter.call("top", 3)
+    members = ctx.splitter.members
+    with open(os.path.join(ctx.run_dir, "summary.json"), "w") as f:
+        json.dump({"top": top, "splitters": members}, f)
+    return top
+"""
+
+MANIFEST = """\
+run:
+  name: nodeloss
+  program: {program}:main
+  config: {{gate: {gate}}}
+roles:
+  splitter:
+    class: examples.hello.roles:Splitter
+    replicas: 3
+    placement: {{nodes: [0, 1, 2]}}
+    supervision: {{backoff_initial_s: 0.05}}
+  counter:
+    class: examples.hello.roles:Counter
+    placement: {{nodes: [2, 0]}}
+"""
+
+EXPECTED = [["the", 80], ["dog", 60], ["fox", 60]]
+"""The hello example's top three words, for its three lines sent twenty times each."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class Nodes:
+    """``count`` torchrun processes running ``asyncrl.launch`` on one manifest, node R with
+    ``ASYNCRL_HOST_ID=nodeR`` (R > 0)."""
+
+    def __init__(self, tmp: str, count: int, options: tuple[str, ...]) -> None:
+        self.tmp, self.count, self.options = tmp, count, options
+        self.run_dir = os.path.join(tmp, "run")
+        self.gate = os.path.join(tmp, "gate")
+        program = os.path.join(tmp, "program.py")
+        with open(program, "w") as f:
+            f.write(PROGRAM)
+        self.manifest = os.path.join(tmp, "manifest.yaml")
+        with open(self.manifest, "w") as f:
+            f.write(MANIFEST.format(program=program, gate=self.gate))
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.port = _free_port()
+
+    def start(self) -> None:
+        for node in range(self.count):
+            env = {**os.environ, "PYTHONPATH": ROOT}
+            if node:
+                env["ASYNCRL_HOST_ID"] = f"node{node}"
+            out = open(os.path.join(self.tmp, f"node{node}.log"), "wb")  # noqa: SIM115
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        TORCHRUN,
+                        f"--nnodes={self.count}",
+                        "--nproc-per-node=1",
+                        f"--node-rank={node}",
+                        "--master-addr=127.0.0.1",
+                        f"--master-port={self.port}",
+                        "--max-restarts=0",
+                        "--monitor-interval=0.1",
+                        "-m",
+                        "asyncrl.launch",
+                        self.manifest,
+                        "--run-dir",
+                        self.run_dir,
+                        *self.options,
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            out.close()
+
+    def logs(self) -> str:
+        text = []
+        for node in range(self.count):
+            with open(os.path.join(self.tmp, f"node{node}.log"), errors="replace") as f:
+                text.append(f"--- node {node} ---\n" + f.read()[-5000:])
+        return "\n".join(text)
+
+    def path(self, node: int, *parts: str) -> str:
+        base = self.run_dir if node == 0 else os.path.join(self.run_dir, f"node-{node}")
+        return os.path.join(base, *parts)
+
+    def wait(self, what: str, ready: Callable[[], object], timeout: float = 120.0) -> None:
+        wait_until(ready, timeout=timeout, what=what, output=self.logs)
+
+    def lose(self, node: int) -> None:
+        """SIGKILL node ``node``'s torchrun, its agent and every process of its roles at once."""
+        pids = [self.procs[node].pid, _json(self.path(node, "launch.json"))["pid"]]
+        for name in os.listdir(self.path(node, "registry")):
+            entry = _json(self.path(node, "registry", name))
+            if entry and "pid" in entry:
+                pids.append(entry["pid"])
+        groups = {os.getpgid(pid) for pid in pids if _exists(pid)}
+        for group in groups:
+            os.killpg(group, signal.SIGKILL)
+        self.procs[node].wait()
+
+    def finish(self, nodes: list[int], timeout: float = 180.0) -> list[int]:
+        codes = []
+        for node in nodes:
+            try:
+                codes.append(self.procs[node].wait(timeout))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"node {node} did not end within {timeout:g} s\n{self.logs()}")
+        return codes
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def nodes(tmp_path: Any) -> Iterator[Nodes]:
+    launch = Nodes(str(tmp_path), 3, ("--agent-liveness=4", "--join-timeout=90"))
+    try:
+        yield launch
+    finally:
+        launch.kill()
+
+
+def test_a_node_lost_for_good_leaves_the_run_and_its_singleton_moves(nodes: Nodes) -> None:
+    """Node 2 (a splitter and the counter) SIGKILLed mid-run: node 0 marks it lost after the
+    agent liveness, the counter starts again on node 0 from node 2's folder (its ledger), the
+    splitter leaves the dispatcher, and the count is exact: no line lost or counted twice."""
+    nodes.start()
+    nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
+    counter = nodes.path(2, "registry", "counter.0.json")
+    nodes.wait("the counter registered on node 2", lambda: _json(counter) is not None)
+    killed = time.monotonic()
+    nodes.lose(2)
+    with open(nodes.gate, "w"):
+        pass  # the program goes on at once: its calls meet the lost node
+    membership = nodes.path(0, "membership.json")
+    nodes.wait("node 2 marked lost", lambda: "2" in ((_json(membership) or {}).get("lost") or {}))
+    marked = time.monotonic() - killed
+    assert nodes.finish([0, 1]) == [0, 0], nodes.logs()
+    driver = _json(nodes.path(0, "driver.json"))
+    assert driver["result"] == EXPECTED, nodes.logs()
+    assert _json(nodes.path(0, "summary.json"))["splitters"] == [0, 1]
+    seen = _json(membership)
+    assert seen["lost"] == {"2": seen["lost"]["2"]}
+    assert seen["lost"]["2"].startswith("the agent of node 2 sent no heartbeat for ")
+    assert seen["departed"] == {"splitter": {"2": 2}}
+    assert list(seen["moved"]) == ["counter"]
+    assert seen["moved"]["counter"]["0"]["node"] == 0
+    assert seen["moved"]["counter"]["0"]["endpoint"].startswith("ipc://")
+    (change,) = seen["changes"]
+    assert (change["event"], change["node"], change["departed"], change["moved"]) == (
+        "node_lost",
+        2,
+        ["splitter[2]"],
+        {"counter[0]": 0},
+    )
+    on_1 = _json(nodes.path(1, "membership.json"))
+    assert on_1["moved"]["counter"]["0"]["endpoint"].startswith("tcp://127.0.0.1:")
+    assert _json(nodes.path(0, "report.json"))["status"] == "completed"
+    assert driver["dispatch"]["splitter"]["replicas_departed"] == 1
+    assert driver["dispatch"]["counter"]["replicas_rebound"] == 1
+    with open(os.path.join(nodes.tmp, "node0.log")) as f:
+        assert "node 2 lost (the agent of node 2 sent no heartbeat for " in f.read()
+    print(f"node 2 marked lost {marked:.1f} s after the kill")
