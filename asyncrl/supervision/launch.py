@@ -597,16 +597,17 @@ class _Watch:
             if there == a.node:
                 await self._adopt(supervisor, name, replica)
         self.membership.lost[node] = reason
-        self.membership.changes.append(
-            Change(
-                time=time.time(),
-                event="node_lost",
-                node=node,
-                reason=reason,
-                departed=[f"{name}[{i}]" for name, i in departed],
-                moved={f"{name}[{i}]": n for (name, i), n in moved.items()},
-            )
+        change = Change(
+            time=time.time(),
+            event="node_lost",
+            node=node,
+            reason=reason,
+            departed=[f"{name}[{i}]" for name, i in departed],
+            moved={f"{name}[{i}]": n for (name, i), n in moved.items()},
         )
+        self.membership.changes.append(change)
+        if a.node == 0:
+            _record_change(a.run_dir, change)
         _say(
             a.node,
             f"node {node} lost ({reason}): "
@@ -647,6 +648,20 @@ class _Watch:
 
         path = os.path.join(self.a.dir, MEMBERSHIP_FILE)
         write_atomic(path, msgspec.json.format(msgspec.json.encode(self.membership)))
+
+
+def _record_change(run_dir: str, change: Change) -> None:
+    """Append ``change`` to the run's ``metrics.jsonl`` as one line, ``{"time", "membership"}``
+    (no ``step``: the readers of the steps pass it by). A file that cannot be written is said,
+    and the run goes on."""
+    from asyncrl.safe_files import open_append
+
+    line = {"time": change.time, "membership": msgspec.to_builtins(change)}
+    try:
+        with open_append(os.path.join(run_dir, "metrics.jsonl")) as f:
+            f.write((json.dumps(line) + "\n").encode())
+    except OSError as exc:
+        _say(0, f"the change of membership is not in metrics.jsonl: {exc}")
 
 
 async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) -> int:

@@ -47,10 +47,10 @@ async def main(ctx):
     for start in range(0, 60, 6):
         async for _, words in ctx.splitter.map("split", lines[start:start + 6], Words):
             await ctx.counter.call("add", words)
-        if start + 6 == 18:
-            with open(os.path.join(ctx.run_dir, "progress"), "w") as f:
+        if start + 6 in (18, 42):
+            with open(os.path.join(ctx.run_dir, f"progress{start + 6}"), "w") as f:
                 f.write(str(ctx.incarnation))
-            while not os.path.exists(ctx.config["gate"]):
+            while not os.path.exists(ctx.config["gate"] + str(start + 6)):
                 await asyncio.sleep(0.05)
     top = await ctx.counter.call("top", 3)
     members = ctx.splitter.members
@@ -207,16 +207,22 @@ def test_a_node_lost_for_good_leaves_the_run_and_its_singleton_moves(nodes: Node
     agent liveness, the counter starts again on node 0 from node 2's folder (its ledger), the
     splitter leaves the dispatcher, and the count is exact: no line lost or counted twice."""
     nodes.start()
-    nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
+    nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress18")))
     counter = nodes.path(2, "registry", "counter.0.json")
     nodes.wait("the counter registered on node 2", lambda: _json(counter) is not None)
     killed = time.monotonic()
     nodes.lose(2)
-    with open(nodes.gate, "w"):
+    with open(nodes.gate + "18", "w"):
         pass  # the program goes on at once: its calls meet the lost node
     membership = nodes.path(0, "membership.json")
     nodes.wait("node 2 marked lost", lambda: "2" in ((_json(membership) or {}).get("lost") or {}))
     marked = time.monotonic() - killed
+    nodes.wait(
+        "the program at its second gate", lambda: os.path.exists(nodes.path(0, "progress42"))
+    )
+    _check_status(nodes)
+    with open(nodes.gate + "42", "w"):
+        pass
     assert nodes.finish([0, 1]) == [0, 0], nodes.logs()
     driver = _json(nodes.path(0, "driver.json"))
     assert driver["result"] == EXPECTED, nodes.logs()
@@ -242,4 +248,36 @@ def test_a_node_lost_for_good_leaves_the_run_and_its_singleton_moves(nodes: Node
     assert driver["dispatch"]["counter"]["replicas_rebound"] == 1
     with open(os.path.join(nodes.tmp, "node0.log")) as f:
         assert "node 2 lost (the agent of node 2 sent no heartbeat for " in f.read()
+    with open(nodes.path(0, "metrics.jsonl")) as f:
+        (line,) = [r for r in map(json.loads, f) if "membership" in r]
+    assert line["membership"] == change
     print(f"node 2 marked lost {marked:.1f} s after the kill")
+
+
+def _check_status(nodes: Nodes) -> None:
+    """``asyncrl status`` asked on node 1 while the run goes on: node 2 is listed lost, the
+    counter runs on node 0, and the heading says what moved where."""
+    from asyncrl.observe.status import format_status
+
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "status", nodes.path(1), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    status = json.loads(out.stdout)
+    lost = [n for n in status["nodes"] if "lost" in n]
+    assert [(n["node"], n["lost"].startswith("the agent of node 2 sent no")) for n in lost] == [
+        (2, True)
+    ]
+    where = {
+        (p["role"], p["replica"]): n["node"]
+        for n in status["nodes"]
+        for p in n.get("processes", [])
+    }
+    assert where == {("splitter", 0): 0, ("counter", 0): 0, ("driver", 0): 0, ("splitter", 1): 1}
+    heading = format_status(status).splitlines()[1]
+    assert heading.startswith("node 2 lost at ")
+    assert heading.endswith(": splitter[2] left the run, counter[0] moved to node 0")
