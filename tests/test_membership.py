@@ -46,3 +46,20 @@ def test_a_group_over_the_lost_node_or_node_0_blocks_the_plan() -> None:
     assert plan(manifest, {0}).blocked == [
         "node 0 (the store's host, which runs the driver) was lost"
     ]
+
+
+def test_a_group_that_cannot_survive_a_node_is_warned_of_at_load_with_the_fix() -> None:
+    from asyncrl.manifest.membership import node_loss_warnings
+
+    manifest = parse_manifest(MANIFEST, nodes=3)
+    assert node_loss_warnings(manifest, 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], which does not "
+        "re-form at a smaller size: losing node 1 restarts every node, and the run resumes once "
+        "the node is back (after --join-timeout it fails). Its write-ahead log and checkpoints, "
+        "which the resume replays, are in RUN_DIR/node-1: keep the run directory on storage "
+        "every node shares. To keep training through a node's loss, place the group on node 0 "
+        "(placement: {node: 0})"
+    ]
+    on_0 = MANIFEST.replace("placement: {nodes: [0, 1]}", "placement: {node: 0}")
+    alone = parse_manifest(on_0, nodes=3)
+    assert node_loss_warnings(alone, 3) == []

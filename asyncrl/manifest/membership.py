@@ -26,7 +26,15 @@ import msgspec
 
 from asyncrl.manifest.load import Manifest
 
-__all__ = ["MEMBERSHIP_FILE", "Change", "Membership", "Moved", "Plan", "plan"]
+__all__ = [
+    "MEMBERSHIP_FILE",
+    "Change",
+    "Membership",
+    "Moved",
+    "Plan",
+    "node_loss_warnings",
+    "plan",
+]
 
 MEMBERSHIP_FILE = "membership.json"
 """The file in each node's folder of the run directory that holds its ``Membership``."""
@@ -126,3 +134,27 @@ def plan(manifest: Manifest, lost: set[int]) -> Plan:
             else:
                 out.departed[(name, i)] = where[i]
     return out
+
+
+def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
+    """What a launch of ``manifest`` over ``nodes`` nodes cannot carry through the loss of one
+    node other than 0, one warning per role, each with the fix: a ``one_for_all`` group over
+    several nodes (data-parallel learners or critics), whose ranks do not re-form at a smaller
+    size, so that losing one of its nodes restarts every node and the run resumes from its
+    checkpoints once the node is back."""
+    warnings = []
+    for name, role in manifest.roles.items():
+        where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
+        others = [n for n in where if 0 < n < nodes]
+        if role.supervision.strategy != "one_for_all" or len(where) < 2 or not others:
+            continue
+        folders = ", ".join(f"RUN_DIR/node-{n}" for n in others)
+        warnings.append(
+            f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}, "
+            f"which does not re-form at a smaller size: losing node {others[0]} restarts every "
+            f"node, and the run resumes once the node is back (after --join-timeout it fails). "
+            f"Its write-ahead log and checkpoints, which the resume replays, are in {folders}: "
+            f"keep the run directory on storage every node shares. To keep training through "
+            f"a node's loss, place the group on node 0 (placement: {{node: 0}})"
+        )
+    return warnings

@@ -52,7 +52,14 @@ import msgspec
 
 from asyncrl.errors import ManifestError
 from asyncrl.manifest.load import Manifest, load_manifest, resolve_run_dir
-from asyncrl.manifest.membership import MEMBERSHIP_FILE, Change, Membership, Moved, plan
+from asyncrl.manifest.membership import (
+    MEMBERSHIP_FILE,
+    Change,
+    Membership,
+    Moved,
+    node_loss_warnings,
+    plan,
+)
 from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
 from asyncrl.supervision.agent import (
@@ -802,6 +809,9 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
+    if env.node == 0:
+        for warning in node_loss_warnings(manifest, env.nodes):
+            _say(0, f"warning: {warning}")
     try:
         code: int = run(_launch(args, env, manifest))
     except StoreError as exc:
