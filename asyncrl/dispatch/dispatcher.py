@@ -255,8 +255,9 @@ class Group:
 
     async def rebind(self, index: int, endpoint: str) -> None:
         """Replica ``index`` now serves at ``endpoint`` (moved to another node): its old client
-        closes (its calls in flight run again), and ``connect`` reaches the new address."""
-        self.scheduler.rebind(index)
+        closes (its calls in flight run again), and ``connect`` reaches the new address. A
+        replica that departed with its node is back in the group (``Scheduler.restore``)."""
+        self.scheduler.restore(index)
         self.scheduler.replicas[index].endpoint = endpoint
         self.info = GroupInfo(
             [endpoint if i == index else e for i, e in enumerate(self.info.endpoints)],
@@ -355,11 +356,16 @@ class Dispatcher:
         for name, moved in membership.moved.items():
             group = self.groups.get(name)
             for index, where in moved.items():
-                if group is None or group.info.endpoints[index] == where.endpoint:
+                if group is None:
                     continue
+                replica = group.replicas[index]
+                if group.info.endpoints[index] == where.endpoint and not replica.departed:
+                    continue
+                back = replica.departed
                 await group.rebind(index, where.endpoint)
                 self._connect_later(group, index)
-                changed.append(f"{name}[{index}] moved to node {where.node} ({where.endpoint})")
+                how = "is back on" if back else "moved to"
+                changed.append(f"{name}[{index}] {how} node {where.node} ({where.endpoint})")
         return changed
 
     def _connect_later(self, group: Group, index: int) -> None:

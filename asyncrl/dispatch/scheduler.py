@@ -304,6 +304,17 @@ class Scheduler:
         self.stats["replicas_rebound"] += 1
         self._sync(replica)
 
+    def restore(self, index: int) -> None:
+        """Replica ``index``, departed with its node, is back (the node joined the run again):
+        it takes work again once it advertises credit, as after ``rebind``."""
+        replica = self.replicas[index]
+        if replica.departed:
+            replica.departed = False
+            replica.lost = None
+            self._lost -= 1
+            self.stats["replicas_back"] += 1
+        self.rebind(index)
+
     def members(self) -> list[int]:
         """The replicas that have not departed with a lost node, in replica order."""
         return [r.index for r in self.replicas if not r.departed]

@@ -57,7 +57,8 @@ class Change(msgspec.Struct, kw_only=True, frozen=True):
 
     Attributes:
         time: when the node's agent applied it (seconds since the epoch).
-        event: ``node_lost``.
+        event: ``node_lost``, or ``node_back`` (its torchrun started again, it joined the
+            running attempt; ``moved`` then names its replicas, back on it).
         node: the node it concerns.
         reason: why (``no heartbeat for 6 s``).
         departed: the replicas that left the run with it (``rollout[2]``).
@@ -80,7 +81,8 @@ class Membership(msgspec.Struct, kw_only=True):
         nodes: how many nodes the launch started with.
         lost: every node lost for good, with why.
         departed: per role, each replica that left the run, with the node it was on.
-        moved: per role, each replica that runs on another node than its manifest's.
+        moved: per role, each replica that runs at another address than at the start: on
+            another node than its manifest's, or back on its node after it was lost.
         changes: every change so far, oldest first.
     """
 

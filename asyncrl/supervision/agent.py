@@ -101,6 +101,9 @@ class NodeView:
     bind_host: str = ""
     agents: dict[int, str] = field(default_factory=dict)
     secret: str = ""
+    elsewhere: dict[tuple[str, int], str] = field(default_factory=dict)
+    """Replicas placed on this node that run on another now (they moved while the node was
+    lost, and stay there), with the endpoint this node reaches each at: not started here."""
     groups: dict[str, GroupInfo] = field(default_factory=dict)
     """Every group as this node's processes see it, filled by ``build_children``; a replica
     that moves (``asyncrl.manifest.membership``) is updated here, so that the incarnations
@@ -135,7 +138,9 @@ def build_children(
     for name, role in manifest.roles.items():
         where = [role.placement.node_of(i) for i in range(role.replicas)]
         endpoints = [
-            registry.endpoint(name, i)
+            view.elsewhere[(name, i)]
+            if (name, i) in view.elsewhere
+            else registry.endpoint(name, i)
             if node == view.node and not (role.command and view.tcp and node != 0)
             else view.tcp[(name, i)]
             for i, node in enumerate(where)
@@ -148,7 +153,7 @@ def build_children(
         )
         span = view.span_env if len(set(where)) > 1 else {}
         for replica, endpoint in enumerate(endpoints):
-            if where[replica] != view.node:
+            if where[replica] != view.node or (name, replica) in view.elsewhere:
                 continue
             local = _Local(endpoint, view.bind_endpoint(name, replica), keys, span)
             children.append(

@@ -214,6 +214,7 @@ class NodeAttempt:
         self.bind_host = self.host = ""
         self.view: NodeView | None = None
         self.lost: dict[int, str] = {}  # nodes lost for good, with why
+        self.rejoining = 0  # the generation of this node's loss that it comes back from; 0: none
 
     @classmethod
     async def join(
@@ -248,6 +249,12 @@ class NodeAttempt:
             attempt = int(await store.get(keys.current))
             if await store.set_once(keys.joined(attempt, env.node), me) == me:
                 return cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
+            generation = await _lost_generation(store, keys, attempt, env.node)
+            if generation:
+                # Node 0 took this node as lost and the run went on: join it again.
+                a = cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
+                a.rejoining = generation
+                return a
             await store.set(keys.rejoin(attempt, env.node), me)
             while int(await store.get(keys.current)) == attempt:
                 if time.monotonic() >= deadline:
@@ -287,7 +294,7 @@ class NodeAttempt:
         verdict = await self.store.get(claimed)
         if verdict != "ok":
             return f"node 0 could not use the run directory: {verdict}"
-        return _claim(args, self.dir, self.attempt == 0)
+        return _claim(args, self.dir, self.attempt == 0 and not self.rejoining)
 
     async def discover(self, timeout_s: float) -> NodeView:
         """Publish this node's ``NodeRecord``, wait for every node's; return this node's view."""
@@ -299,6 +306,13 @@ class NodeAttempt:
             for i in range(role.replicas)
             if role.placement.node_of(i) == self.node
         ]
+        elsewhere: dict[tuple[str, int], str] = {}
+        if self.rejoining:  # what moved away while this node was lost stays where it went
+            for name, i in mine:
+                said = await self.store.peek(self.keys.moved(self.attempt, name, i))
+                if said is not None:
+                    elsewhere[(name, i)] = json.loads(said)["endpoint"]
+            mine = [key for key in mine if key not in elsewhere]
         # One port a replica, one for this agent's status server (which the other agents ask),
         # and on node 0 of a traced launch one where the others send their traces.
         sink = self.trace and self.node == 0
@@ -341,6 +355,7 @@ class NodeAttempt:
             curve_keys=self.manifest.security.curve_keys,
             bind_host=bind_host if bind_host != host else "",
             agents={node: record.agent for node, record in self.records.items()},
+            elsewhere=elsewhere,
         )
         return self.view
 
@@ -497,6 +512,7 @@ class _Watch:
         self.liveness_s = liveness_s
         self.membership = Membership(attempt=a.attempt, nodes=a.env.nodes)
         self.moving: dict[tuple[str, int], int] = {}  # moved, its endpoint not yet known here
+        self.synced = False  # the losses before this agent started are known
 
     async def __call__(self, supervisor: Supervisor) -> None:
         try:
@@ -556,7 +572,10 @@ class _Watch:
             if blocked:
                 return f"{silent}, and the run cannot go on without it: {'; '.join(blocked)}"
             _say(a.node, f"{silent}: node {peer} is lost; the run goes on without it")
-            await store.set(keys.lost(a.attempt, peer), json.dumps({"reason": silent}))
+            earlier = await store.peek(keys.lost(a.attempt, peer))
+            generation = 1 + (int(json.loads(earlier)["generation"]) if earlier else 0)
+            said = json.dumps({"reason": silent, "generation": generation})
+            await store.set(keys.lost(a.attempt, peer), said)
         return ""
 
     async def _follow(self, supervisor: Supervisor) -> None:
@@ -565,12 +584,18 @@ class _Watch:
         a, keys, store = self.a, self.a.keys, self.a.store
         changed = False
         for peer in range(1, a.env.nodes):
-            if peer in a.lost or peer == a.node:
+            if peer == a.node:
                 continue
-            said = await store.peek(keys.lost(a.attempt, peer))
-            if said is not None:
-                await self._lose(supervisor, peer, json.loads(said)["reason"])
+            lost = await _lost_generation(store, keys, a.attempt, peer)
+            if lost and peer not in a.lost:
+                said = json.loads(await store.get(keys.lost(a.attempt, peer)))
+                # A node that joins again learns the losses before it; what moved then runs.
+                await self._lose(supervisor, peer, said["reason"], adopt=self.synced)
                 changed = True
+            elif not lost and peer in a.lost:
+                await self._back(peer)
+                changed = True
+        self.synced = True
         for (name, replica), node in list(self.moving.items()):
             said = await store.peek(keys.moved(a.attempt, name, replica))
             if said is None:
@@ -586,7 +611,37 @@ class _Watch:
         if changed:
             self._write()
 
-    async def _lose(self, supervisor: Supervisor, node: int, reason: str) -> None:
+    async def _back(self, node: int) -> None:
+        """Lost node ``node`` joined the run again: its replicas that departed are back, at
+        the endpoints it published anew (those that moved away stay where they went)."""
+        a = self.a
+        record = msgspec.json.decode(
+            await a.store.get(a.keys.endpoints(a.attempt, node)), type=NodeRecord
+        )
+        a.records[node] = record
+        del a.lost[node]
+        self.membership.lost.pop(node, None)
+        back = []
+        for name, by_index in record.replicas.items():
+            for replica, endpoint in by_index.items():
+                self.membership.departed.get(name, {}).pop(replica, None)
+                if not self.membership.departed.get(name, True):
+                    del self.membership.departed[name]
+                self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
+                self._reach(name, replica, endpoint)
+                back.append(f"{name}[{replica}]")
+        change = Change(
+            time=time.time(), event="node_back", node=node, reason="it joined the run again"
+        )
+        change = msgspec.structs.replace(change, departed=[], moved={b: node for b in back})
+        self.membership.changes.append(change)
+        if a.node == 0:
+            _record_change(a.run_dir, change)
+        _say(a.node, f"node {node} is back: {', '.join(back) or 'no replica'} back in the run")
+
+    async def _lose(
+        self, supervisor: Supervisor, node: int, reason: str, *, adopt: bool = True
+    ) -> None:
         """Node ``node`` is lost for good: its replicas depart or move as ``plan`` says; those
         that move here are started now."""
         a = self.a
@@ -601,7 +656,7 @@ class _Watch:
             self.membership.moved.get(name, {}).pop(replica, None)
         for (name, replica), there in moved.items():
             self.moving[(name, replica)] = there
-            if there == a.node:
+            if there == a.node and adopt:
                 await self._adopt(supervisor, name, replica)
         self.membership.lost[node] = reason
         change = Change(
@@ -655,6 +710,18 @@ class _Watch:
 
         path = os.path.join(self.a.dir, MEMBERSHIP_FILE)
         write_atomic(path, msgspec.json.format(msgspec.json.encode(self.membership)))
+
+
+async def _lost_generation(store: StoreClient, keys: LaunchKeys, attempt: int, node: int) -> int:
+    """The generation of ``node``'s loss in ``attempt`` that it has not come back from yet;
+    0 when it is not lost."""
+    lost = await store.peek(keys.lost(attempt, node))
+    if lost is None:
+        return 0
+    generation = int(json.loads(lost)["generation"])
+    back = await store.peek(keys.back(attempt, node))
+    answered = back is not None and int(json.loads(back)["generation"]) >= generation
+    return 0 if answered else generation
 
 
 def _record_change(run_dir: str, change: Change) -> None:
@@ -712,6 +779,9 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         await store.set_once(keys.final, said)
         await store.set(keys.done(attempt, env.node), json.dumps({"restarts": {}, "served": {}}))
         return EXIT_USAGE
+    if a.rejoining:
+        _say(env.node, f"attempt {attempt} goes on without this node: joining it again")
+        await store.set(keys.back(attempt, env.node), json.dumps({"generation": a.rejoining}))
     _say(env.node, f"attempt {attempt}: {len(view.tcp)} replicas over {env.nodes} nodes; starting")
     install_secret(a.dir, view.secret)  # the trace sink and sender below present it too
     sink = None

@@ -96,9 +96,15 @@ class LaunchKeys:
         return f"{self.prefix(attempt)}/heartbeat/{node}"
 
     def lost(self, attempt: int, node: int) -> str:
-        """Set by node 0 once ``node`` is lost for good (JSON ``{reason}``): every agent then
-        applies the run's new membership (``asyncrl.manifest.membership``)."""
+        """Set by node 0 once ``node`` is lost for good (JSON ``{reason, generation}``, the
+        generation one more each time the node is lost): every agent then applies the run's new
+        membership (``asyncrl.manifest.membership``)."""
         return f"{self.prefix(attempt)}/lost/{node}"
+
+    def back(self, attempt: int, node: int) -> str:
+        """Set by the agent of a lost ``node`` that joined the running attempt again, once its
+        endpoints are published (JSON ``{generation}``: the ``lost`` mark it answers)."""
+        return f"{self.prefix(attempt)}/back/{node}"
 
     def moved(self, attempt: int, role: str, replica: int) -> str:
         """Set by the node that started ``role``'s ``replica`` again after its node was lost:

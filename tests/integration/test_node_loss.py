@@ -112,36 +112,40 @@ class Nodes:
 
     def start(self) -> None:
         for node in range(self.count):
-            env = {**os.environ, "PYTHONPATH": ROOT}
-            if node:
-                env["ASYNCRL_HOST_ID"] = f"node{node}"
-            out = open(os.path.join(self.tmp, f"node{node}.log"), "wb")  # noqa: SIM115
-            self.procs.append(
-                subprocess.Popen(
-                    [
-                        TORCHRUN,
-                        f"--nnodes={self.count}",
-                        "--nproc-per-node=1",
-                        f"--node-rank={node}",
-                        "--master-addr=127.0.0.1",
-                        f"--master-port={self.port}",
-                        "--max-restarts=0",
-                        "--monitor-interval=0.1",
-                        "-m",
-                        "asyncrl.launch",
-                        self.manifest,
-                        "--run-dir",
-                        self.run_dir,
-                        *self.options,
-                    ],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            self.procs.append(self._torchrun(node, f"node{node}.log"))
+
+    def restart(self, node: int) -> None:
+        """Start node ``node``'s torchrun again (it was lost), logging to ``nodeR-back.log``."""
+        self.procs[node] = self._torchrun(node, f"node{node}-back.log")
+
+    def _torchrun(self, node: int, log: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        if node:
+            env["ASYNCRL_HOST_ID"] = f"node{node}"
+        with open(os.path.join(self.tmp, log), "wb") as out:
+            return subprocess.Popen(
+                [
+                    TORCHRUN,
+                    f"--nnodes={self.count}",
+                    "--nproc-per-node=1",
+                    f"--node-rank={node}",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={self.port}",
+                    "--max-restarts=0",
+                    "--monitor-interval=0.1",
+                    "-m",
+                    "asyncrl.launch",
+                    self.manifest,
+                    "--run-dir",
+                    self.run_dir,
+                    *self.options,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-            out.close()
 
     def logs(self) -> str:
         text = []
@@ -281,3 +285,64 @@ def _check_status(nodes: Nodes) -> None:
     heading = format_status(status).splitlines()[1]
     assert heading.startswith("node 2 lost at ")
     assert heading.endswith(": splitter[2] left the run, counter[0] moved to node 0")
+
+
+def _driver_sees(nodes: Nodes, role: str, replica: int) -> bool:
+    """Whether the driver's dispatcher holds a connected replica with credit (``asyncrl
+    status``)."""
+    import asyncio
+
+    from asyncrl.observe.status import NotRunningError, ask
+
+    try:
+        status = asyncio.run(ask(nodes.run_dir, 10.0))
+    except (NotRunningError, OSError):
+        return False
+    driver = next((n["driver"] for n in status["nodes"] if "driver" in n), {})
+    rows = driver.get("roles", {}).get(role, {}).get("replicas", [])
+    return any(r["replica"] == replica and r["connected"] and r["credit"] > 0 for r in rows)
+
+
+def test_a_lost_node_started_again_joins_the_running_attempt(nodes: Nodes) -> None:
+    """Node 2 lost mid-run, then its torchrun started again: it joins the attempt that went on
+    (no restart of the others), its splitter is back in the dispatcher and takes work, the
+    counter stays on node 0 where it moved, and the count is exact."""
+    nodes.start()
+    nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress18")))
+    counter = nodes.path(2, "registry", "counter.0.json")
+    nodes.wait("the counter registered on node 2", lambda: _json(counter) is not None)
+    nodes.lose(2)
+    with open(nodes.gate + "18", "w"):
+        pass
+    membership = nodes.path(0, "membership.json")
+    nodes.wait("node 2 marked lost", lambda: "2" in ((_json(membership) or {}).get("lost") or {}))
+    nodes.wait(
+        "the program at its second gate", lambda: os.path.exists(nodes.path(0, "progress42"))
+    )
+    started = time.monotonic()
+    nodes.restart(2)
+    nodes.wait("node 2 back", lambda: not (_json(membership) or {}).get("lost"), timeout=180)
+    nodes.wait("splitter[2] serving the driver", lambda: _driver_sees(nodes, "splitter", 2))
+    serving = time.monotonic() - started
+    with open(nodes.gate + "42", "w"):
+        pass
+    assert nodes.finish([0, 1, 2]) == [0, 0, 0], nodes.logs()
+    assert _json(nodes.path(0, "driver.json"))["result"] == EXPECTED, nodes.logs()
+    assert _json(nodes.path(0, "summary.json"))["splitters"] == [0, 1, 2]
+    seen = _json(membership)
+    assert (seen["lost"], seen["departed"]) == ({}, {})
+    assert {n: {i: m["node"] for i, m in by.items()} for n, by in seen["moved"].items()} == {
+        "counter": {"0": 0},
+        "splitter": {"2": 2},
+    }
+    assert [(c["event"], c["node"], c["moved"]) for c in seen["changes"]] == [
+        ("node_lost", 2, {"counter[0]": 0}),
+        ("node_back", 2, {"splitter[2]": 2}),
+    ]
+    back = _json(nodes.path(2, "report.json"))
+    assert back["status"] == "completed" and back["served"]["splitter"] > 0
+    assert "counter" not in back["served"]  # it stayed on node 0
+    assert _json(nodes.path(1, "launch.json"))["attempt"] == 0  # nobody restarted
+    with open(os.path.join(nodes.tmp, "node2-back.log")) as f:
+        assert "attempt 0 goes on without this node: joining it again" in f.read()
+    print(f"node 2's splitter served the driver {serving:.1f} s after its torchrun started")
