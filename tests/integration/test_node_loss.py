@@ -110,6 +110,11 @@ class Nodes:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.port = _free_port()
 
+    def use(self, manifest: str, *options: str) -> None:
+        """Launch ``manifest`` (a path from the repository's root) with ``options`` instead."""
+        self.manifest = os.path.join(ROOT, manifest)
+        self.options = (*self.options, *options)
+
     def start(self) -> None:
         for node in range(self.count):
             self.procs.append(self._torchrun(node, f"node{node}.log"))
@@ -346,3 +351,53 @@ def test_a_lost_node_started_again_joins_the_running_attempt(nodes: Nodes) -> No
     with open(os.path.join(nodes.tmp, "node2-back.log")) as f:
         assert "attempt 0 goes on without this node: joining it again" in f.read()
     print(f"node 2's splitter served the driver {serving:.1f} s after its torchrun started")
+
+
+RL_STEPS = 16
+
+
+@pytest.mark.timeout(900)
+def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
+    """examples/arith/multinode3.yaml, shortened: node 2 (a rollout replica, its host's relay
+    and the reward) is lost for good after a few RL steps. The reward starts again on node 0,
+    the rollout replica and relay leave, and the run completes every step: no sample lost, none
+    consumed twice, no step repeated or skipped."""
+    from asyncrl.tools.accounting import run_figures
+
+    short = [
+        "run.config.bc_max_steps=100",
+        "run.config.bc_eval_every=100",
+        f"run.config.rl_steps={RL_STEPS}",
+        f"run.config.rl_eval_every={RL_STEPS}",
+        "run.config.prompts_per_step=8",
+    ]
+    nodes.use("examples/arith/multinode3.yaml", *(a for o in short for a in ("--set", o)))
+    nodes.start()
+    metrics = nodes.path(0, "metrics.jsonl")
+
+    def steps() -> int:
+        try:
+            with open(metrics) as f:
+                return sum(1 for line in f if '"step"' in line)
+        except OSError:
+            return 0
+
+    nodes.wait("4 RL steps", lambda: steps() >= 4, timeout=300)
+    killed = time.monotonic()
+    nodes.lose(2)
+    membership = nodes.path(0, "membership.json")
+    nodes.wait("node 2 marked lost", lambda: "2" in ((_json(membership) or {}).get("lost") or {}))
+    marked = time.monotonic() - killed
+    at_loss = steps()
+    assert nodes.finish([0, 1], timeout=360) == [0, 0], nodes.logs()
+    figures = run_figures(nodes.run_dir)
+    assert (
+        figures["samples_lost"],
+        figures["duplicate_consumptions"],
+        figures["steps_repeated"],
+    ) == (0, 0, 0), figures
+    assert steps() == RL_STEPS > at_loss
+    seen = _json(membership)
+    assert seen["departed"] == {"rollout": {"2": 2}, "relay2": {"0": 2}}
+    assert seen["moved"]["reward"]["0"]["node"] == 0
+    print(f"node 2 marked lost {marked:.1f} s after the kill, at step {at_loss}; {figures}")
