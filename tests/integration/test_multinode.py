@@ -278,12 +278,22 @@ def test_a_role_killed_on_node_1_is_restarted_there_and_the_run_completes(
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_an_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
-    nodes: TwoNodes, victim: int
+    tmp_path: Any, victim: int
 ) -> None:
     """Node 1's agent: its restarted worker finds the attempt joined, node 0 ends it. Node 0's
     agent (and the driver with it): its restarted worker starts the next attempt, node 1 sees it.
     Either way both nodes move to attempt 1, and the program resumes (the counter's ledger
-    refuses the lines it counted before)."""
+    refuses the lines it counted before). The agent liveness is long enough that torchrun
+    restarts the worker before node 0 could take node 1 as lost (then it would join the running
+    attempt instead: tests/integration/test_node_loss.py)."""
+    nodes = TwoNodes(str(tmp_path), options=("--agent-liveness=90", "--join-timeout=60"))
+    try:
+        _agent_killed(nodes, victim)
+    finally:
+        nodes.kill()
+
+
+def _agent_killed(nodes: TwoNodes, victim: int) -> None:
     nodes.start()
     nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
     agent = _json(nodes.path(victim, "launch.json"))
