@@ -131,3 +131,21 @@ def test_without_tensorboard_one_line_says_how_to_install_it(
     ]
     assert not os.path.exists(os.path.join(run_dir, TENSORBOARD_DIR))
     assert [r["step"] for r in read_metrics(os.path.join(run_dir, METRICS_FILE))] == [1, 2]
+
+
+def test_a_resumed_log_keeps_the_changes_of_membership_and_its_last_step(tmp_path: Any) -> None:
+    """A launch's node lost for good is a line of its own, without a step (node 0's agent
+    appends it): a resumed loop keeps it, and its last step and wall time are its steps'."""
+    run_dir = str(tmp_path)
+    write_steps(run_dir, range(1, 4), done=0)
+    change = {"time": 5.0, "membership": {"event": "node_lost", "node": 2}}
+    with open(os.path.join(run_dir, METRICS_FILE), "a") as f:
+        f.write(json.dumps(change) + "\n")
+
+    async def resume() -> tuple[float, int]:
+        async with MetricsLog(run_dir, done=3, tensorboard=False) as log:
+            return log.wall_s, log.last_step
+
+    assert asyncio.run(resume()) == (3.0, 3)
+    got = read_metrics(os.path.join(run_dir, METRICS_FILE))
+    assert got[-1] == change and [r.get("step") for r in got] == [1, 2, 3, None]

@@ -618,3 +618,58 @@ def test_once_no_replica_can_be_spoken_to_every_call_fails() -> None:
         assert not scheduler.queue
 
     run(scenario)
+
+
+def test_a_departed_replica_s_calls_run_again_once_elsewhere_and_it_takes_no_more() -> None:
+    """Its node lost for good: the idempotent call it held runs again on the other replica
+    (attempt 1, once), the once call fails with the client's error, what was aimed at it fails
+    with RoleDeadError naming the node, and later work never goes to it."""
+
+    async def scenario() -> None:
+        scheduler, (a, b) = scheduler_with(2, 1)
+        first = submit(scheduler, "work", "x")  # the freest: replica 0
+        once = submit(scheduler, "charge", "c")
+        assert [s.payload for s in a.sent] == ["x", "c"]
+        aimed = submit(scheduler, "work", "t", target=0)  # replica 0 is full: it waits there
+        scheduler.depart(0, "its node 1 was lost")
+        assert scheduler.members() == [1]
+        with pytest.raises(RoleDeadError) as err:
+            await aimed.future
+        assert (err.value.replica, "its node 1 was lost" in str(err.value)) == (0, True)
+        closed = ClosedError("client driver->g.0 is closed or not connected")
+        for sent in a.sent:
+            sent.reply.set_exception(closed)
+        await asyncio.sleep(0)
+        assert [(s.payload, s.attempt) for s in b.sent] == [("x", 1)]
+        with pytest.raises(ClosedError):
+            await once.future
+        b.answer(0)
+        assert await first.future == ["x"]
+        later = submit(scheduler, "work", "y")
+        scheduler.credit(1, 1, incarnation=0)
+        assert [s.payload for s in b.sent] == ["x", "y"] and len(a.sent) == 2
+        b.answer(1)
+        assert await later.future == ["y"]
+        stats = scheduler.stats
+        assert (stats["retries"], stats["replicas_departed"]) == (1, 1)
+
+    run(scenario)
+
+
+def test_a_rebound_replica_s_calls_run_again_when_it_serves_at_its_new_address() -> None:
+    async def scenario() -> None:
+        scheduler, (a,) = scheduler_with(1)
+        work = submit(scheduler, "work", "x")
+        scheduler.rebind(0)
+        a.sent[0].reply.set_exception(ClosedError("client driver->g.0 is closed"))
+        await asyncio.sleep(0)
+        moved = FakeClient()
+        scheduler.attach(0, moved)
+        assert moved.sent == []  # no credit from the new incarnation yet
+        scheduler.credit(0, 1, incarnation=0)
+        assert [(s.payload, s.attempt) for s in moved.sent] == [("x", 1)]
+        moved.answer(0)
+        assert await work.future == ["x"]
+        assert scheduler.members() == [0]
+
+    run(scenario)

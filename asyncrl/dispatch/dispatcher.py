@@ -28,6 +28,7 @@ from typing import Any
 
 from asyncrl.dispatch.scheduler import Replica, Scheduler, Work
 from asyncrl.errors import ProtocolVersionError, RemoteError, TransportError
+from asyncrl.manifest.membership import Membership
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import Delivery
 from asyncrl.transport import ChannelOptions, Client, ErrorCode, PeerEvent
@@ -242,6 +243,32 @@ class Group:
         assert client is not None
         self.scheduler.peer_event(index, event.kind, client.peer_incarnation)
 
+    async def depart(self, index: int, reason: str) -> None:
+        """Replica ``index`` left the run with its node (``Scheduler.depart``): its calls in
+        flight run again elsewhere as its client closes."""
+        if self.scheduler.replicas[index].lost is not None:
+            return
+        self.scheduler.depart(index, reason)
+        client = self._clients[index]
+        if client is not None:
+            await client.close()
+
+    async def rebind(self, index: int, endpoint: str) -> None:
+        """Replica ``index`` now serves at ``endpoint`` (moved to another node): its old client
+        closes (its calls in flight run again), and ``connect`` reaches the new address. A
+        replica that departed with its node is back in the group (``Scheduler.restore``)."""
+        self.scheduler.restore(index)
+        self.scheduler.replicas[index].endpoint = endpoint
+        self.info = GroupInfo(
+            [endpoint if i == index else e for i, e in enumerate(self.info.endpoints)],
+            self.info.heartbeat_interval_s,
+            self.info.liveness,
+            delivery=self.info.delivery,
+        )
+        client = self._clients[index]
+        if client is not None:
+            await client.close()
+
     async def wait_ready(self) -> None:
         """Wait until some replica has described its endpoints.
 
@@ -286,6 +313,7 @@ class Dispatcher:
             for name, info in groups.items()
         }
         self._owner: asyncio.Task[None] | None = None
+        self._later: set[asyncio.Task[None]] = set()  # connections to moved replicas
 
     def start(self) -> None:
         """Connect to every replica in the background; calls may be made at once."""
@@ -309,12 +337,52 @@ class Dispatcher:
         for group in self.groups.values():
             group.fail(exc)
 
+    async def apply(self, membership: Membership) -> list[str]:
+        """Follow the run's membership (``asyncrl.supervision.membership``): each replica that
+        departed with a lost node leaves its group (``Group.depart``), and each replica that
+        moved to another node is reached at its new address (``Group.rebind``, then connected
+        in the background). Return what changed, one line each; a change already applied is
+        not applied again.
+        """
+        changed: list[str] = []
+        for name, departed in membership.departed.items():
+            group = self.groups.get(name)
+            for index, node in departed.items():
+                if group is None or group.replicas[index].lost is not None:
+                    continue
+                reason = f"its node {node} was lost"
+                await group.depart(index, reason)
+                changed.append(f"{name}[{index}] left the run: {reason}")
+        for name, moved in membership.moved.items():
+            group = self.groups.get(name)
+            for index, where in moved.items():
+                if group is None:
+                    continue
+                replica = group.replicas[index]
+                if group.info.endpoints[index] == where.endpoint and not replica.departed:
+                    continue
+                back = replica.departed
+                await group.rebind(index, where.endpoint)
+                self._connect_later(group, index)
+                how = "is back on" if back else "moved to"
+                changed.append(f"{name}[{index}] {how} node {where.node} ({where.endpoint})")
+        return changed
+
+    def _connect_later(self, group: Group, index: int) -> None:
+        task = asyncio.get_running_loop().create_task(group.connect(index))
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
     async def close(self) -> None:
         """Stop connecting and close every group: every call queued, in flight or made
         afterwards fails with ``RoleDeadError``."""
         if self._owner is not None:
             self._owner.cancel()
             await asyncio.wait({self._owner})  # its failure, if any, went to the calls
+        for task in list(self._later):
+            task.cancel()
+        if self._later:
+            await asyncio.wait(set(self._later))
         await asyncio.gather(*(g.close() for g in self.groups.values()))
 
     def summary(self) -> dict[str, Any]:

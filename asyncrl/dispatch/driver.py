@@ -39,6 +39,7 @@ from asyncrl.dispatch.handles import Context
 from asyncrl.dispatch.watchdog import Watchdog
 from asyncrl.errors import ConfigProblem
 from asyncrl.exits import EXIT_PROGRAM, EXIT_STOPPED
+from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.manifest.spec import ProcessSpec
 from asyncrl.observe import logs, metrics
@@ -46,7 +47,7 @@ from asyncrl.safe_files import write_atomic
 from asyncrl.transport import ChannelOptions, Server
 from asyncrl.transport.sockets import reserve_sockets
 
-__all__ = ["Program", "freeze_start_up", "load_program", "serve_driver"]
+__all__ = ["Program", "follow_membership", "freeze_start_up", "load_program", "serve_driver"]
 
 Program = Callable[[Context], Coroutine[Any, Any, Any]]
 
@@ -135,16 +136,19 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
     program_task = loop.create_task(program(ctx))
     stop_task = loop.create_task(stop.wait())
     watch_task = loop.create_task(watchdog.run())
+    follow_task = loop.create_task(follow_membership(spec.run_dir, dispatcher, log))
     try:
         await asyncio.wait(
             {program_task, stop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
-        for task in (stop_task, watch_task):
+        for task in (stop_task, watch_task, follow_task):
             task.cancel()
         if not program_task.done():
             program_task.cancel()
-        await asyncio.gather(program_task, stop_task, watch_task, return_exceptions=True)
+        await asyncio.gather(
+            program_task, stop_task, watch_task, follow_task, return_exceptions=True
+        )
         summary = dispatcher.summary()
         await dispatcher.close()
         await server.close()
@@ -171,6 +175,36 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
     await _record(spec.run_dir, finished=True, result=_jsonable(result), dispatch=summary)
     log.info("program finished")
     return 0
+
+
+MEMBERSHIP_POLL_S = 0.5
+"""Seconds between two looks of the driver at its node's ``membership.json``."""
+
+
+async def follow_membership(run_dir: str, dispatcher: Dispatcher, log: Any) -> None:
+    """Apply the run's membership (``asyncrl.manifest.membership``), as node 0's agent writes
+    it into ``RUN_DIR/membership.json``, to ``dispatcher`` until cancelled: at start (a driver
+    restarted after a node was lost) and each time the file changes. Each change is logged;
+    a file that does not decode is logged and looked at again when it changes."""
+    path = os.path.join(run_dir, MEMBERSHIP_FILE)
+    seen: tuple[int, int] | None = None
+    while True:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        stamp = None if st is None else (st.st_mtime_ns, st.st_size)
+        if stamp is not None and stamp != seen:
+            seen = stamp
+            try:
+                with open(path, "rb") as f:
+                    membership = msgspec.json.decode(f.read(), type=Membership)
+            except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.error("membership.json cannot be read", path=path, error=str(exc))
+            else:
+                for line in await dispatcher.apply(membership):
+                    log.warning("membership changed", change=line)
+        await asyncio.sleep(MEMBERSHIP_POLL_S)
 
 
 def _inbox(spec: ProcessSpec, stop: asyncio.Event) -> Server:

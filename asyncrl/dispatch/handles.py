@@ -56,6 +56,11 @@ class Handle:
     def replicas(self) -> int:
         return len(self._group.replicas)
 
+    @property
+    def members(self) -> list[int]:
+        """The replicas still in the run (none of them departed with a lost node)."""
+        return self._group.scheduler.members()
+
     def _work(
         self,
         method: str,
@@ -163,17 +168,29 @@ class Handle:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> list[Any]:
-        """Call ``method`` on every replica; return the replies in replica order.
+        """Call ``method`` on every replica still in the run; return the replies in replica
+        order. A replica whose node was lost for good has left the run and is not called (its
+        group's ``members``); a group none of whose replicas is left answers ``[]``.
 
         Raises:
             The first error of any replica, as ``call`` does.
         """
-        works = [
-            self._work(method, payload, reply_type, timeout, target=i) for i in range(self.replicas)
-        ]
+        works = [self._work(method, payload, reply_type, timeout, target=i) for i in self.members]
         for work in works:
             self._group.submit(work)
-        return list(await self._outcome(asyncio.gather(*(w.future for w in works))))
+        futures = (w.future for w in works)
+        replies = await asyncio.gather(*futures, return_exceptions=True)
+        members = set(self.members)
+        out: list[Any] = []
+        for work, reply in zip(works, replies, strict=True):
+            if isinstance(reply, RoleDeadError) and work.target not in members:
+                continue  # it departed with its node while the call was on its way
+            if isinstance(reply, ClosedError):
+                raise RoleDeadError(self.name, SHUTTING_DOWN) from reply
+            if isinstance(reply, BaseException):
+                raise reply
+            out.append(reply)
+        return out
 
     async def map(
         self,

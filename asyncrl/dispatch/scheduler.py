@@ -33,9 +33,15 @@ name is ``once``):
 
 A replica that can never be spoken to (it speaks another protocol version) is *lost*
 (``lose``): work aimed at it fails with ``RoleDeadError`` naming it, and other work goes to the
-rest of the group. Once ``close`` is called (the run is shutting down), every call still queued,
-every later one, and every call in flight that its client's closing ends or that would run again
-fails with ``RoleDeadError`` (``SHUTTING_DOWN``): nothing will answer it now.
+rest of the group. A replica whose node was lost for good *departs* (``depart``): it is lost in
+the same way, and each call it held in flight runs again elsewhere under its delivery class
+(exactly once more: its future resolves once). A replica started again at another address (a
+role moved to a surviving node) is *rebound* (``rebind``): its calls in flight run again, and it
+takes work again once its new incarnation advertises credit.
+
+Once ``close`` is called (the run is shutting down), every call still queued, every later one,
+and every call in flight that its client's closing ends or that would run again fails with
+``RoleDeadError`` (``SHUTTING_DOWN``): nothing will answer it now.
 """
 
 from __future__ import annotations
@@ -151,6 +157,7 @@ class Replica:
         "alive",
         "client",
         "credit",
+        "departed",
         "endpoint",
         "free",
         "incarnation",
@@ -158,6 +165,7 @@ class Replica:
         "inflight",
         "lost",
         "queue",
+        "rebound",
         "served",
         "soft",
     )
@@ -174,6 +182,8 @@ class Replica:
         self.soft: deque[Work] = deque()  # work that prefers this replica; others may steal it
         self.served = 0
         self.lost: str | None = None  # why it can never be spoken to, once it cannot
+        self.rebound = False  # started again at another address (``Scheduler.rebind``)
+        self.departed = False  # left the run with its node (``Scheduler.depart``)
         self.free = 0
 
 
@@ -264,6 +274,50 @@ class Scheduler:
                 self._fail(work, dead)
             self.queue.clear()
         self.pump()
+
+    def depart(self, index: int, reason: str) -> None:
+        """Replica ``index`` left the run (its node was lost for good): it is lost as ``lose``
+        says, work that preferred it goes back to the shared queue, and each call it holds in
+        flight runs again on another replica when its client fails it (``BrokenError`` or
+        ``ClosedError``), unless its delivery class is ``once``. A replica already lost stays
+        as it was."""
+        replica = self.replicas[index]
+        if replica.lost is not None:
+            return
+        replica.alive = False
+        replica.departed = True
+        self.stats["replicas_departed"] += 1
+        for work in replica.soft:
+            self.queue.append(work)
+        replica.soft.clear()
+        self.lose(index, reason)
+
+    def rebind(self, index: int) -> None:
+        """Replica ``index`` moved to another address: until its new incarnation advertises
+        credit it takes no work, and each call its old client fails runs again as ``depart``
+        says."""
+        replica = self.replicas[index]
+        replica.alive = False
+        replica.credit = 0
+        replica.incarnation = -1
+        replica.rebound = True
+        self.stats["replicas_rebound"] += 1
+        self._sync(replica)
+
+    def restore(self, index: int) -> None:
+        """Replica ``index``, departed with its node, is back (the node joined the run again):
+        it takes work again once it advertises credit, as after ``rebind``."""
+        replica = self.replicas[index]
+        if replica.departed:
+            replica.departed = False
+            replica.lost = None
+            self._lost -= 1
+            self.stats["replicas_back"] += 1
+        self.rebind(index)
+
+    def members(self) -> list[int]:
+        """The replicas that have not departed with a lost node, in replica order."""
+        return [r.index for r in self.replicas if not r.departed]
 
     def all_lost(self) -> RoleDeadError | None:
         """The error of a group none of whose replicas can be spoken to; None while one can."""
@@ -503,6 +557,10 @@ class Scheduler:
     def _retry_or_fail(self, replica: Replica, work: Work, exc: BaseException) -> None:
         delivery = self.delivery.get(work.method, Delivery.ONCE)
         retryable = isinstance(exc, BrokenError) or (isinstance(exc, RemoteError) and exc.retryable)
+        # A client closed under its calls because its replica departed or moved (``depart``,
+        # ``rebind``): they run again elsewhere. Any other ClosedError is this side closing.
+        moved = replica.lost is not None or replica.rebound
+        retryable = retryable or (isinstance(exc, ClosedError) and moved and not self._closed)
         again = retryable and delivery != Delivery.ONCE
         if isinstance(exc, DeadlineExceededError):
             # Named by group and replica; the pid and incarnation that had the call stay.
@@ -526,6 +584,10 @@ class Scheduler:
             work.sent = False
             if work.target is None:
                 self.queue.appendleft(work)
+            elif self.replicas[work.target].lost is not None:
+                reason = self.replicas[work.target].lost or ""
+                self._fail(work, RoleDeadError(self.name, reason, work.target))
+                return
             else:
                 target = self.replicas[work.target]
                 target.queue.appendleft(work)

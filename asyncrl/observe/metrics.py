@@ -147,12 +147,14 @@ class MetricsLog:
 
     @property
     def wall_s(self) -> float:
-        """The ``wall_s`` of the last record (0 when there is none)."""
-        return float(self.records[-1].get("wall_s") or 0.0) if self.records else 0.0
+        """The ``wall_s`` of the last step's record (0 when there is none)."""
+        walls = (r.get("wall_s") for r in reversed(self.records) if "step" in r)
+        return float(next(walls, 0.0) or 0.0)
 
     @property
     def last_step(self) -> int:
-        return int(self.records[-1]["step"]) if self.records else 0
+        steps = (int(r["step"]) for r in reversed(self.records) if "step" in r)
+        return next(steps, 0)
 
     async def __aenter__(self) -> MetricsLog:
         await asyncio.to_thread(self._open)
@@ -164,7 +166,9 @@ class MetricsLog:
     def _open(self) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         found = read_metrics(self.path) if os.path.exists(self.path) else []
-        kept = [r for r in found if 0 < int(r.get("step", 0)) <= self.done]
+        # A record of a change of the run's membership (a launch's node lost: it has no step)
+        # is kept, as every step the loop already took.
+        kept = [r for r in found if 0 < int(r.get("step", 0)) <= self.done or "membership" in r]
         if kept != found or not os.path.exists(self.path):
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.records = kept

@@ -38,6 +38,7 @@ import io
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,11 @@ REPLICA_TIMEOUT_S = 1.0
 loop, which compute never holds)."""
 
 Rows = Callable[[], list[dict[str, Any]]]
+
+
+MEMBERSHIP_FILE = "membership.json"
+"""The file of a node's folder where its agent writes the run's membership (the name
+``asyncrl.manifest.membership`` gives it; the observe layer imports no manifest module)."""
 
 
 def agent_endpoint(run_dir: str) -> str:
@@ -156,14 +162,31 @@ class AgentStatus:
         return ChannelOptions(run=self.run, shm=False)
 
     async def _status(self, _payload: Any, _call: Any) -> dict[str, Any]:
+        membership = self.membership()
+        lost = {int(n): why for n, why in membership.get("lost", {}).items()}
+        peers = {n: ep for n, ep in self.peers.items() if n not in lost}
         nodes = await asyncio.gather(
             self.node_status(),
             # Another node's agent may itself wait timeout_s for its driver.
-            *(self._ask(ep, "node_status", 2 * self.timeout_s) for ep in self.peers.values()),
+            *(self._ask(ep, "node_status", 2 * self.timeout_s) for ep in peers.values()),
         )
-        for node, answer in zip(self.peers, nodes[1:], strict=True):
+        for node, answer in zip(peers, nodes[1:], strict=True):
             answer.setdefault("node", node)
-        return {"run": self.run, "run_dir": self.run_dir, "nodes": sorted(nodes, key=_node)}
+        nodes.extend({"node": n, "lost": why} for n, why in lost.items())
+        answer = {"run": self.run, "run_dir": self.run_dir, "nodes": sorted(nodes, key=_node)}
+        if membership:
+            answer["membership"] = membership
+        return answer
+
+    def membership(self) -> dict[str, Any]:
+        """The run's membership as this node's agent last wrote it (``membership.json``: lost
+        nodes, replicas that left or moved, each change); ``{}`` while no node was lost."""
+        try:
+            with open(os.path.join(self.run_dir, MEMBERSHIP_FILE)) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
 
     async def _node_status(self, _payload: Any, _call: Any) -> dict[str, Any]:
         return await self.node_status()
@@ -352,6 +375,14 @@ def _cell(value: Any, fmt: str = "") -> str:
 def _heading(status: dict[str, Any]) -> list[str]:
     """The lines above the table: the run, the driver's step and version, node errors."""
     lines = [f"run {status['run']} in {status['run_dir']}"]
+    for change in status.get("membership", {}).get("changes", []):
+        when = time.strftime("%H:%M:%S", time.localtime(change["time"]))
+        moved = [f"{label} moved to node {n}" for label, n in change.get("moved", {}).items()]
+        left = [f"{label} left the run" for label in change.get("departed", [])]
+        lines.append(
+            f"node {change['node']} lost at {when} ({change['reason']})"
+            + (": " + ", ".join(left + moved) if left or moved else "")
+        )
     for node in status["nodes"]:
         if "error" in node:
             lines.append(f"node {node.get('node')}: {node['error']}")

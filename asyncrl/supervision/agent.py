@@ -51,6 +51,7 @@ __all__ = [
     "CONFIG_ENV_MAX",
     "CURVE_KEYS_ENV",
     "NodeView",
+    "adopted_child",
     "build_children",
     "install_secret",
     "run_manifest",
@@ -100,6 +101,13 @@ class NodeView:
     bind_host: str = ""
     agents: dict[int, str] = field(default_factory=dict)
     secret: str = ""
+    elsewhere: dict[tuple[str, int], str] = field(default_factory=dict)
+    """Replicas placed on this node that run on another now (they moved while the node was
+    lost, and stay there), with the endpoint this node reaches each at: not started here."""
+    groups: dict[str, GroupInfo] = field(default_factory=dict)
+    """Every group as this node's processes see it, filled by ``build_children``; a replica
+    that moves (``asyncrl.manifest.membership``) is updated here, so that the incarnations
+    started afterwards reach it at its new address."""
 
     def bind_endpoint(self, role: str, replica: int) -> str:
         """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or "";
@@ -125,12 +133,14 @@ def build_children(
     view = view or NodeView()
     registry = LocalRegistry(run_dir)
     children: list[ChildSpec] = []
-    groups: dict[str, GroupInfo] = {}
+    groups = view.groups
     keys = view.curve_keys or manifest.security.curve_keys
     for name, role in manifest.roles.items():
         where = [role.placement.node_of(i) for i in range(role.replicas)]
         endpoints = [
-            registry.endpoint(name, i)
+            view.elsewhere[(name, i)]
+            if (name, i) in view.elsewhere
+            else registry.endpoint(name, i)
             if node == view.node and not (role.command and view.tcp and node != 0)
             else view.tcp[(name, i)]
             for i, node in enumerate(where)
@@ -143,7 +153,7 @@ def build_children(
         )
         span = view.span_env if len(set(where)) > 1 else {}
         for replica, endpoint in enumerate(endpoints):
-            if where[replica] != view.node:
+            if where[replica] != view.node or (name, replica) in view.elsewhere:
                 continue
             local = _Local(endpoint, view.bind_endpoint(name, replica), keys, span)
             children.append(
@@ -163,6 +173,29 @@ def build_children(
         return children
     children.append(_driver_child(manifest, run_dir, parent_pid, groups, keys))
     return children
+
+
+def adopted_child(
+    manifest: Manifest, name: str, replica: int, home_dir: str, view: NodeView, tcp: str
+) -> ChildSpec:
+    """The ChildSpec of replica ``replica`` of ``name`` moved to this node from a lost one
+    (``asyncrl.manifest.membership``): it keeps its home node's folder of the run directory
+    (``home_dir``: its durable state, logs and ipc endpoint are there, on the run's shared
+    storage) and binds ``tcp`` for the other nodes. ``view.groups`` is what it is given as
+    its groups."""
+    role = manifest.roles[name]
+    endpoint = LocalRegistry(home_dir).endpoint(name, replica)
+    keys = view.curve_keys or manifest.security.curve_keys
+    local = _Local(endpoint, tcp, keys, {})
+    return ChildSpec(
+        name,
+        replica,
+        "command" if role.command else "role",
+        endpoint,
+        role.supervision,
+        _role_launcher(manifest, role, name, replica, local, home_dir, os.getpid(), view.groups),
+        "" if role.command else liveness_path(home_dir, name, replica),
+    )
 
 
 def _driver_child(

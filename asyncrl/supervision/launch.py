@@ -25,11 +25,15 @@ driver. docs/multinode.md is the guide; in short:
 - The end: when the driver ends (or a node's supervisor gives up), its agent writes how the run
   ended under the attempt's ``stop`` key; every agent then stops its roles and exits with the
   run's status (0 completed, 1 failed, 130 interrupted).
-- Failures: agents raise a heartbeat key. An agent that sees another node's agent stop
-  answering, or restart, ends its attempt and exits 1: torchrun (``--max-restarts``) then starts
-  the worker group again, and the new attempt resumes the run in the same directories, as
-  ``asyncrl run --resume`` does. A run that ended for good (completed, or failed by its own
-  decision) leaves a ``final`` key: a later attempt exits at once with the same status.
+- Failures: agents raise a heartbeat key. A node other than 0 whose agent stops answering is
+  lost for good: node 0 marks it so, and the run goes on without it (``_Watch``,
+  ``asyncrl.manifest.membership``): its replicas leave or move, and every node records the
+  change in its ``membership.json``. An agent that sees node 0 stop answering, or another
+  node's agent restart, or a lost node the run cannot do without, ends its attempt and exits 1:
+  torchrun (``--max-restarts``) then starts the worker group again, and the new attempt resumes
+  the run in the same directories, as ``asyncrl run --resume`` does. A run that ended for good
+  (completed, or failed by its own decision) leaves a ``final`` key: a later attempt exits at
+  once with the same status.
 """
 
 from __future__ import annotations
@@ -48,9 +52,23 @@ import msgspec
 
 from asyncrl.errors import ManifestError
 from asyncrl.manifest.load import Manifest, load_manifest, resolve_run_dir
+from asyncrl.manifest.membership import (
+    MEMBERSHIP_FILE,
+    Change,
+    Membership,
+    Moved,
+    node_loss_warnings,
+    plan,
+)
 from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
-from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
+from asyncrl.supervision.agent import (
+    NodeView,
+    adopted_child,
+    install_secret,
+    run_manifest,
+    summary,
+)
 from asyncrl.supervision.hosts import HostRecord, announce, share
 from asyncrl.supervision.launch_secret import shared_secret
 from asyncrl.supervision.runreport import RunReport
@@ -67,6 +85,8 @@ __all__ = ["LaunchEnv", "NodeAttempt", "NodeRecord", "main", "node_dir"]
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between two heartbeats of a node agent in the store (and checks of the others')."""
+TORCHRUN_EXIT_BARRIER = "torchelastic/agent/terminal_state"
+"""The key prefix of torchrun's exit barrier (``torch.distributed.elastic``'s agent)."""
 EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 130}
 EXIT_USAGE = 2
 
@@ -191,6 +211,10 @@ class NodeAttempt:
         self.restart = ""
         self.sink = ""
         self.records: dict[int, NodeRecord] = {}
+        self.bind_host = self.host = ""
+        self.view: NodeView | None = None
+        self.lost: dict[int, str] = {}  # nodes lost for good, with why
+        self.rejoining = 0  # the generation of this node's loss that it comes back from; 0: none
 
     @classmethod
     async def join(
@@ -225,6 +249,12 @@ class NodeAttempt:
             attempt = int(await store.get(keys.current))
             if await store.set_once(keys.joined(attempt, env.node), me) == me:
                 return cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
+            generation = await _lost_generation(store, keys, attempt, env.node)
+            if generation:
+                # Node 0 took this node as lost and the run went on: join it again.
+                a = cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
+                a.rejoining = generation
+                return a
             await store.set(keys.rejoin(attempt, env.node), me)
             while int(await store.get(keys.current)) == attempt:
                 if time.monotonic() >= deadline:
@@ -264,17 +294,25 @@ class NodeAttempt:
         verdict = await self.store.get(claimed)
         if verdict != "ok":
             return f"node 0 could not use the run directory: {verdict}"
-        return _claim(args, self.dir, self.attempt == 0)
+        return _claim(args, self.dir, self.attempt == 0 and not self.rejoining)
 
     async def discover(self, timeout_s: float) -> NodeView:
         """Publish this node's ``NodeRecord``, wait for every node's; return this node's view."""
         bind_host, host = node_address(self.manifest.network.address, self.env.master_addr)
+        self.bind_host, self.host = bind_host, host
         mine = [
             (name, i)
             for name, role in self.manifest.roles.items()
             for i in range(role.replicas)
             if role.placement.node_of(i) == self.node
         ]
+        elsewhere: dict[tuple[str, int], str] = {}
+        if self.rejoining:  # what moved away while this node was lost stays where it went
+            for name, i in mine:
+                said = await self.store.peek(self.keys.moved(self.attempt, name, i))
+                if said is not None:
+                    elsewhere[(name, i)] = json.loads(said)["endpoint"]
+            mine = [key for key in mine if key not in elsewhere]
         # One port a replica, one for this agent's status server (which the other agents ask),
         # and on node 0 of a traced launch one where the others send their traces.
         sink = self.trace and self.node == 0
@@ -307,7 +345,7 @@ class NodeAttempt:
             for i, endpoint in by_index.items()
         }
         prefix = keys.prefix(self.attempt).removeprefix("asyncrl/")
-        return NodeView(
+        self.view = NodeView(
             node=self.node,
             tcp=tcp,
             span_env={
@@ -317,7 +355,9 @@ class NodeAttempt:
             curve_keys=self.manifest.security.curve_keys,
             bind_host=bind_host if bind_host != host else "",
             agents={node: record.agent for node, record in self.records.items()},
+            elsewhere=elsewhere,
         )
+        return self.view
 
     async def finish(self, report: RunReport, timeout_s: float) -> int:
         """Tell the other nodes how the run ended (when it ended here); return the exit
@@ -344,14 +384,28 @@ class NodeAttempt:
             )
         await store.set(keys.done(self.attempt, self.node), json.dumps(counts))
         if self.node == 0:
+            await self._check_in_lost()
             await self._gather_counts(report, timeout_s)
             self._add_nodes()
         return EXIT_CODES[report.status]
 
+    async def _check_in_lost(self) -> None:
+        """Count each lost node in torchrun's exit barrier, which every node's torchrun joins
+        once its worker exits (``torchelastic/agent/terminal_state``, under the run id in the
+        static rendezvous): a lost node's torchrun never will, and the others would wait out
+        the barrier's 300 s before they exit."""
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        # Node 0's own torchrun checks in only after this worker exits, so the last to check
+        # in is a live torchrun, which releases the barrier as usual.
+        for _ in self.lost:
+            await self.store.add(f"{run_id}/{TORCHRUN_EXIT_BARRIER}/num_members", 1)
+
     async def _gather_counts(self, report: RunReport, timeout_s: float) -> None:
         """Wait for the other nodes to stop their roles; add their restarts and served requests
         to node 0's report (and its report.json), so that it covers the whole run."""
-        others = [self.keys.done(self.attempt, n) for n in range(1, self.env.nodes)]
+        others = [
+            self.keys.done(self.attempt, n) for n in range(1, self.env.nodes) if n not in self.lost
+        ]
         try:
             await self.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
         except StoreError as exc:
@@ -441,12 +495,24 @@ def _same_manifest(manifest: Manifest, run_dir: str) -> str:
 
 
 class _Watch:
-    """Beside the supervisor: raise this node's heartbeat, and end the attempt when the store
-    says it ended, a newer attempt started, or another node's agent stopped answering."""
+    """Beside the supervisor: raise this node's heartbeat, follow the run's membership, and end
+    the attempt when the store says it ended, a newer attempt started, or a node the run
+    cannot go on without stopped answering.
+
+    Node 0 (the store's host) decides when another node is lost for good: no heartbeat for
+    ``liveness_s``. When the run can go on without it (``asyncrl.manifest.membership.plan``),
+    node 0 marks it lost in the store, and every agent applies the new membership: the node
+    a moved replica goes to starts it and publishes its tcp endpoint, and each node writes its
+    view into its ``membership.json``, which its driver follows. Otherwise the attempt ends, and
+    torchrun starts every node's worker group again, as for node 0's own loss.
+    """
 
     def __init__(self, a: NodeAttempt, liveness_s: float) -> None:
         self.a = a
         self.liveness_s = liveness_s
+        self.membership = Membership(attempt=a.attempt, nodes=a.env.nodes)
+        self.moving: dict[tuple[str, int], int] = {}  # moved, its endpoint not yet known here
+        self.synced = False  # the losses before this agent started are known
 
     async def __call__(self, supervisor: Supervisor) -> None:
         try:
@@ -476,6 +542,7 @@ class _Watch:
                 a.ended_here = False
                 supervisor.end(RunReport("failed", why))
                 return
+            await self._follow(supervisor)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _restart_reason(self, seen: dict[int, tuple[str | None, float]]) -> str:
@@ -485,7 +552,7 @@ class _Watch:
             return f"node 0 started attempt {current}: its agent restarted"
         now = time.monotonic()
         for peer in range(a.env.nodes):
-            if peer == a.node:
+            if peer == a.node or peer in a.lost:
                 continue
             if a.node == 0 and await store.check(keys.rejoin(a.attempt, peer)):
                 return f"the agent of node {peer} restarted"
@@ -493,9 +560,182 @@ class _Watch:
             last, since = seen.get(peer, (None, now))
             if beat != last:
                 seen[peer] = (beat, now)
-            elif now - since > self.liveness_s:
-                return f"the agent of node {peer} sent no heartbeat for {now - since:.0f} s"
+                continue
+            if now - since <= self.liveness_s:
+                continue
+            silent = f"the agent of node {peer} sent no heartbeat for {now - since:.0f} s"
+            if peer != 0 and a.node != 0:
+                continue  # node 0 decides whether the run goes on without it
+            if peer == 0:
+                return silent
+            blocked = plan(a.manifest, {*a.lost, peer}).blocked
+            if blocked:
+                return f"{silent}, and the run cannot go on without it: {'; '.join(blocked)}"
+            _say(a.node, f"{silent}: node {peer} is lost; the run goes on without it")
+            earlier = await store.peek(keys.lost(a.attempt, peer))
+            generation = 1 + (int(json.loads(earlier)["generation"]) if earlier else 0)
+            said = json.dumps({"reason": silent, "generation": generation})
+            await store.set(keys.lost(a.attempt, peer), said)
         return ""
+
+    async def _follow(self, supervisor: Supervisor) -> None:
+        """Apply what node 0 marked lost since the last look, and the endpoints of replicas
+        that moved; write this node's ``membership.json`` when anything changed."""
+        a, keys, store = self.a, self.a.keys, self.a.store
+        changed = False
+        for peer in range(1, a.env.nodes):
+            if peer == a.node:
+                continue
+            lost = await _lost_generation(store, keys, a.attempt, peer)
+            if lost and peer not in a.lost:
+                said = json.loads(await store.get(keys.lost(a.attempt, peer)))
+                # A node that joins again learns the losses before it; what moved then runs.
+                await self._lose(supervisor, peer, said["reason"], adopt=self.synced)
+                changed = True
+            elif not lost and peer in a.lost:
+                await self._back(peer)
+                changed = True
+        self.synced = True
+        for (name, replica), node in list(self.moving.items()):
+            said = await store.peek(keys.moved(a.attempt, name, replica))
+            if said is None:
+                continue
+            endpoint = json.loads(said)["endpoint"]
+            if node == a.node:
+                assert a.view is not None
+                endpoint = a.view.groups[name].endpoints[replica]
+            self._reach(name, replica, endpoint)
+            self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
+            del self.moving[(name, replica)]
+            changed = True
+        if changed:
+            self._write()
+
+    async def _back(self, node: int) -> None:
+        """Lost node ``node`` joined the run again: its replicas that departed are back, at
+        the endpoints it published anew (those that moved away stay where they went)."""
+        a = self.a
+        record = msgspec.json.decode(
+            await a.store.get(a.keys.endpoints(a.attempt, node)), type=NodeRecord
+        )
+        a.records[node] = record
+        del a.lost[node]
+        self.membership.lost.pop(node, None)
+        back = []
+        for name, by_index in record.replicas.items():
+            for replica, endpoint in by_index.items():
+                self.membership.departed.get(name, {}).pop(replica, None)
+                if not self.membership.departed.get(name, True):
+                    del self.membership.departed[name]
+                self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
+                self._reach(name, replica, endpoint)
+                back.append(f"{name}[{replica}]")
+        change = Change(
+            time=time.time(), event="node_back", node=node, reason="it joined the run again"
+        )
+        change = msgspec.structs.replace(change, departed=[], moved={b: node for b in back})
+        self.membership.changes.append(change)
+        if a.node == 0:
+            _record_change(a.run_dir, change)
+        _say(a.node, f"node {node} is back: {', '.join(back) or 'no replica'} back in the run")
+
+    async def _lose(
+        self, supervisor: Supervisor, node: int, reason: str, *, adopt: bool = True
+    ) -> None:
+        """Node ``node`` is lost for good: its replicas depart or move as ``plan`` says; those
+        that move here are started now."""
+        a = self.a
+        assert a.view is not None
+        a.lost[node] = reason
+        before = plan(a.manifest, set(a.lost) - {node})
+        now = plan(a.manifest, set(a.lost))
+        departed = {k: n for k, n in now.departed.items() if k not in before.departed}
+        moved = {k: n for k, n in now.moved.items() if before.moved.get(k) != n}
+        for (name, replica), lost_on in departed.items():
+            self.membership.departed.setdefault(name, {})[replica] = lost_on
+            self.membership.moved.get(name, {}).pop(replica, None)
+        for (name, replica), there in moved.items():
+            self.moving[(name, replica)] = there
+            if there == a.node and adopt:
+                await self._adopt(supervisor, name, replica)
+        self.membership.lost[node] = reason
+        change = Change(
+            time=time.time(),
+            event="node_lost",
+            node=node,
+            reason=reason,
+            departed=[f"{name}[{i}]" for name, i in departed],
+            moved={f"{name}[{i}]": n for (name, i), n in moved.items()},
+        )
+        self.membership.changes.append(change)
+        if a.node == 0:
+            _record_change(a.run_dir, change)
+        _say(
+            a.node,
+            f"node {node} lost ({reason}): "
+            + ", ".join(
+                [f"{n}[{i}] left the run" for n, i in departed]
+                + [f"{n}[{i}] moves to node {there}" for (n, i), there in moved.items()]
+            ),
+        )
+
+    async def _adopt(self, supervisor: Supervisor, name: str, replica: int) -> None:
+        """Start ``name``'s ``replica`` on this node, from its home node's folder, on a fresh
+        tcp port, which it publishes for the other nodes."""
+        a = self.a
+        assert a.view is not None
+        (port,) = free_ports(a.bind_host, 1)
+        published = f"tcp://{a.host}:{port}"
+        home = node_dir(a.run_dir, a.manifest.roles[name].placement.node_of(replica))
+        child = adopted_child(
+            a.manifest, name, replica, home, a.view, f"tcp://{a.bind_host}:{port}"
+        )
+        self._reach(name, replica, child.endpoint)
+        await supervisor.adopt(child)
+        said = json.dumps({"node": a.node, "endpoint": published})
+        await a.store.set(a.keys.moved(a.attempt, name, replica), said)
+
+    def _reach(self, name: str, replica: int, endpoint: str) -> None:
+        """The processes this node starts from now on reach ``name``'s ``replica`` at
+        ``endpoint``."""
+        assert self.a.view is not None
+        groups = self.a.view.groups
+        info = groups[name]
+        endpoints = list(info.endpoints)
+        endpoints[replica] = endpoint
+        groups[name] = msgspec.structs.replace(info, endpoints=endpoints)
+
+    def _write(self) -> None:
+        from asyncrl.safe_files import write_atomic
+
+        path = os.path.join(self.a.dir, MEMBERSHIP_FILE)
+        write_atomic(path, msgspec.json.format(msgspec.json.encode(self.membership)))
+
+
+async def _lost_generation(store: StoreClient, keys: LaunchKeys, attempt: int, node: int) -> int:
+    """The generation of ``node``'s loss in ``attempt`` that it has not come back from yet;
+    0 when it is not lost."""
+    lost = await store.peek(keys.lost(attempt, node))
+    if lost is None:
+        return 0
+    generation = int(json.loads(lost)["generation"])
+    back = await store.peek(keys.back(attempt, node))
+    answered = back is not None and int(json.loads(back)["generation"]) >= generation
+    return 0 if answered else generation
+
+
+def _record_change(run_dir: str, change: Change) -> None:
+    """Append ``change`` to the run's ``metrics.jsonl`` as one line, ``{"time", "membership"}``
+    (no ``step``: the readers of the steps pass it by). A file that cannot be written is said,
+    and the run goes on."""
+    from asyncrl.safe_files import open_append
+
+    line = {"time": change.time, "membership": msgspec.to_builtins(change)}
+    try:
+        with open_append(os.path.join(run_dir, "metrics.jsonl")) as f:
+            f.write((json.dumps(line) + "\n").encode())
+    except OSError as exc:
+        _say(0, f"the change of membership is not in metrics.jsonl: {exc}")
 
 
 async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) -> int:
@@ -531,7 +771,7 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         secret, problem = await shared_secret(
             store, prefix, a.node, a.dir, curve, args.join_timeout
         )
-        view = dataclasses.replace(view, secret=secret)
+        view = a.view = dataclasses.replace(view, secret=secret)
     if problem:
         _say(env.node, problem)
         said = _ended("failed", problem, env.node)
@@ -539,6 +779,9 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
         await store.set_once(keys.final, said)
         await store.set(keys.done(attempt, env.node), json.dumps({"restarts": {}, "served": {}}))
         return EXIT_USAGE
+    if a.rejoining:
+        _say(env.node, f"attempt {attempt} goes on without this node: joining it again")
+        await store.set(keys.back(attempt, env.node), json.dumps({"generation": a.rejoining}))
     _say(env.node, f"attempt {attempt}: {len(view.tcp)} replicas over {env.nodes} nodes; starting")
     install_secret(a.dir, view.secret)  # the trace sink and sender below present it too
     sink = None
@@ -636,6 +879,9 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
+    if env.node == 0:
+        for warning in node_loss_warnings(manifest, env.nodes):
+            _say(0, f"warning: {warning}")
     try:
         code: int = run(_launch(args, env, manifest))
     except StoreError as exc:

@@ -95,6 +95,22 @@ class LaunchKeys:
         """A counter the agent of ``node`` raises every heartbeat interval."""
         return f"{self.prefix(attempt)}/heartbeat/{node}"
 
+    def lost(self, attempt: int, node: int) -> str:
+        """Set by node 0 once ``node`` is lost for good (JSON ``{reason, generation}``, the
+        generation one more each time the node is lost): every agent then applies the run's new
+        membership (``asyncrl.manifest.membership``)."""
+        return f"{self.prefix(attempt)}/lost/{node}"
+
+    def back(self, attempt: int, node: int) -> str:
+        """Set by the agent of a lost ``node`` that joined the running attempt again, once its
+        endpoints are published (JSON ``{generation}``: the ``lost`` mark it answers)."""
+        return f"{self.prefix(attempt)}/back/{node}"
+
+    def moved(self, attempt: int, role: str, replica: int) -> str:
+        """Set by the node that started ``role``'s ``replica`` again after its node was lost:
+        its tcp endpoint (JSON ``{node, endpoint}``)."""
+        return f"{self.prefix(attempt)}/moved/{role}/{replica}"
+
     def stop(self, attempt: int) -> str:
         """How the attempt ended (JSON ``{status, reason, node}``), first writer wins: every
         agent stops its roles when it appears."""

@@ -226,6 +226,15 @@ class Supervisor:
             rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": age, "forked": forked})
         return rows
 
+    async def adopt(self, spec: ChildSpec) -> None:
+        """Supervise one more process from now on (a replica moved here from a lost node),
+        started at once, under its own policy; ignored once the run is ending."""
+        if self._stopping or self._tasks is None:
+            return
+        child = _Child(spec, os.path.join(self.log_dir, f"{spec.name}.{spec.replica}.stderr"))
+        self._children.append(child)
+        await self._spawn(child)
+
     def stop(self, reason: str = "interrupted") -> None:
         """End the run (a signal arrived): every process is stopped in order."""
         self._finish(RunReport("interrupted", reason))

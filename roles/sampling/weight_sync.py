@@ -143,7 +143,7 @@ class WeightSync:
         """Broadcast ``method`` to ``group`` until each answers at least ``version``."""
         while True:
             versions = await group.broadcast(method, payload, timeout=self.timeout)
-            if version is None or min(int(v) for v in versions) >= version:
+            if version is None or min((int(v) for v in versions), default=version) >= version:
                 return versions
             if self.clock.now() >= deadline:
                 raise StallError(

@@ -278,12 +278,22 @@ def test_a_role_killed_on_node_1_is_restarted_there_and_the_run_completes(
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_an_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
-    nodes: TwoNodes, victim: int
+    tmp_path: Any, victim: int
 ) -> None:
     """Node 1's agent: its restarted worker finds the attempt joined, node 0 ends it. Node 0's
     agent (and the driver with it): its restarted worker starts the next attempt, node 1 sees it.
     Either way both nodes move to attempt 1, and the program resumes (the counter's ledger
-    refuses the lines it counted before)."""
+    refuses the lines it counted before). The agent liveness is long enough that torchrun
+    restarts the worker before node 0 could take node 1 as lost (then it would join the running
+    attempt instead: tests/integration/test_node_loss.py)."""
+    nodes = TwoNodes(str(tmp_path), options=("--agent-liveness=90", "--join-timeout=60"))
+    try:
+        _agent_killed(nodes, victim)
+    finally:
+        nodes.kill()
+
+
+def _agent_killed(nodes: TwoNodes, victim: int) -> None:
     nodes.start()
     nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
     agent = _json(nodes.path(victim, "launch.json"))
@@ -307,10 +317,14 @@ def test_an_agent_killed_torchrun_restarts_the_group_and_the_run_resumes(
 
 
 @pytest.mark.slow
-def test_a_node_lost_for_good_fails_the_run_after_the_join_timeout(tmp_path: Any) -> None:
-    """Node 1's torchrun and everything under it killed: node 0 sees no heartbeat, ends its
-    attempt, is restarted by torchrun, waits --join-timeout for node 1, and fails."""
-    nodes = TwoNodes(str(tmp_path), options=("--agent-liveness=3", "--join-timeout=6"))
+def test_a_node_lost_for_good_with_every_replica_of_a_role_fails_the_run_naming_it(
+    tmp_path: Any,
+) -> None:
+    """Node 1's torchrun and everything under it killed: node 0 sees no heartbeat and marks it
+    lost, the run goes on without it (tests/integration/test_node_loss.py), but both splitters
+    were on node 1 and none is left, so the program's next call fails naming the lost node,
+    and so does the run, at once rather than after a restart and the join timeout."""
+    nodes = TwoNodes(str(tmp_path), options=("--agent-liveness=3", "--join-timeout=60"))
     try:
         nodes.start()
         nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
@@ -318,15 +332,19 @@ def test_a_node_lost_for_good_fails_the_run_after_the_join_timeout(tmp_path: Any
         os.killpg(nodes.procs[1].pid, signal.SIGKILL)  # torchrun, so that nothing restarts
         nodes.procs[1].wait()
         os.kill(agent, signal.SIGKILL)  # its worker has a session of its own
+        with open(nodes.gate, "w"):
+            pass
         try:
             code = nodes.procs[0].wait(60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"node 0 did not give up on node 1\n{nodes.logs()}")
+            pytest.fail(f"node 0 did not end the run\n{nodes.logs()}")
         assert code == 1, nodes.logs()
         with open(os.path.join(nodes.tmp, "node0.log")) as f:
             log = f.read()
         assert "the agent of node 1 sent no heartbeat for " in log
-        assert "waited 6 s for asyncrl/twonodes/1/endpoints/1 in the store at " in log
+        assert "node 1 is lost; the run goes on without it" in log
+        error = _json(nodes.path(0, "driver.json"))["error"]
+        assert "replica 0: its node 1 was lost; replica 1: its node 1 was lost" in error
     finally:
         nodes.kill()
 

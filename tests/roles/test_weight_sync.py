@@ -226,3 +226,17 @@ def test_close_waits_for_the_pushes_in_flight_and_raises_a_failure_not_raised_ye
         assert group.cancelled == []
 
     run(main())
+
+
+def test_a_relay_group_left_without_replicas_is_reached_at_once() -> None:
+    """The relays' node was lost for good: their group answers a broadcast with nothing, and
+    the push goes on to the rollout replicas left."""
+
+    async def main() -> None:
+        relays, rollout = FakeGroup([[]]), FakeGroup([[3]])
+        sync = WeightSync(rollout, relays=[relays], wait=True, timeout=5.0, clock=FakeClock())
+        assert await asyncio.wait_for(sync.ensure(3), WAIT_S) == [3]
+        assert (len(relays.calls), len(rollout.calls)) == (1, 1)
+        await sync.close()
+
+    run(main())

@@ -1,0 +1,162 @@
+"""Which node runs which replica once nodes of a launch are lost for good: the run's membership.
+
+A launch over several nodes (``asyncrl.supervision.launch``) keeps running when a node other
+than the store's host (node 0) is lost. ``plan`` says, from the manifest alone, what becomes of
+each replica that was on a lost node, so every node reaches the same answer without asking:
+
+- a role with one replica (a reward, a prompt source, a reference, a relay) *moves* to the first
+  node of its ``placement.nodes`` that is not lost (the candidates, in order), and starts there
+  again from its durable state, which lives in its home node's folder of the run directory;
+- a replica of a role with several (rollouts, environments) *departs*: it leaves its group, and
+  the calls it held run again on the others under their delivery class;
+- a role whose replicas span nodes as one ``one_for_all`` unit (a ``torch.distributed`` group:
+  data-parallel learners or critics) *blocks*: its ranks cannot re-form at a smaller size, so
+  the launch restarts every node's worker group, as for the store's host.
+
+``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
+run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``) and
+``asyncrl status`` shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from asyncrl.manifest.load import Manifest
+
+__all__ = [
+    "MEMBERSHIP_FILE",
+    "Change",
+    "Membership",
+    "Moved",
+    "Plan",
+    "node_loss_warnings",
+    "plan",
+]
+
+MEMBERSHIP_FILE = "membership.json"
+"""The file in each node's folder of the run directory that holds its ``Membership``."""
+
+
+class Moved(msgspec.Struct, frozen=True):
+    """Where a moved replica runs now.
+
+    Attributes:
+        node: the node that runs it.
+        endpoint: its address as the reading node reaches it (ipc on that node, tcp elsewhere).
+    """
+
+    node: int
+    endpoint: str
+
+
+class Change(msgspec.Struct, kw_only=True, frozen=True):
+    """One change of membership, as ``metrics.jsonl`` and ``asyncrl status`` record it.
+
+    Attributes:
+        time: when the node's agent applied it (seconds since the epoch).
+        event: ``node_lost``, or ``node_back`` (its torchrun started again, it joined the
+            running attempt; ``moved`` then names its replicas, back on it).
+        node: the node it concerns.
+        reason: why (``no heartbeat for 6 s``).
+        departed: the replicas that left the run with it (``rollout[2]``).
+        moved: the replicas started again elsewhere, with the node that now runs each.
+    """
+
+    time: float
+    event: str
+    node: int
+    reason: str
+    departed: list[str] = []
+    moved: dict[str, int] = {}
+
+
+class Membership(msgspec.Struct, kw_only=True):
+    """The run's membership as one node sees it.
+
+    Attributes:
+        attempt: the launch's attempt.
+        nodes: how many nodes the launch started with.
+        lost: every node lost for good, with why.
+        departed: per role, each replica that left the run, with the node it was on.
+        moved: per role, each replica that runs at another address than at the start: on
+            another node than its manifest's, or back on its node after it was lost.
+        changes: every change so far, oldest first.
+    """
+
+    attempt: int = 0
+    nodes: int = 1
+    lost: dict[int, str] = {}
+    departed: dict[str, dict[int, int]] = {}
+    moved: dict[str, dict[int, Moved]] = {}
+    changes: list[Change] = []
+
+
+@dataclass
+class Plan:
+    """What becomes of the replicas of the lost nodes (``plan``).
+
+    Attributes:
+        moved: (role, replica) -> the node that runs it now.
+        departed: (role, replica) -> the lost node it was on.
+        blocked: why the run cannot go on without the lost nodes (empty when it can).
+    """
+
+    moved: dict[tuple[str, int], int] = field(default_factory=dict)
+    departed: dict[tuple[str, int], int] = field(default_factory=dict)
+    blocked: list[str] = field(default_factory=list)
+
+
+def plan(manifest: Manifest, lost: set[int]) -> Plan:
+    """What becomes of every replica placed on a node of ``lost`` (see the module's docstring).
+
+    Node 0 runs the driver and the store: with node 0 in ``lost`` the plan is blocked.
+    """
+    out = Plan()
+    if 0 in lost:
+        out.blocked.append("node 0 (the store's host, which runs the driver) was lost")
+        return out
+    for name, role in manifest.roles.items():
+        where = [role.placement.node_of(i) for i in range(role.replicas)]
+        gone = [i for i, node in enumerate(where) if node in lost]
+        if not gone:
+            continue
+        if role.supervision.strategy == "one_for_all" and len(set(where)) > 1:
+            out.blocked.append(
+                f"roles.{name}: its {role.replicas} replicas form one group over nodes "
+                f"{sorted(set(where))}, and a group does not re-form at a smaller size"
+            )
+            continue
+        for i in gone:
+            candidates = [n for n in role.placement.nodes if n not in lost]
+            if role.replicas == 1 and candidates:
+                out.moved[(name, i)] = candidates[0]
+            else:
+                out.departed[(name, i)] = where[i]
+    return out
+
+
+def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
+    """What a launch of ``manifest`` over ``nodes`` nodes cannot carry through the loss of one
+    node other than 0, one warning per role, each with the fix: a ``one_for_all`` group over
+    several nodes (data-parallel learners or critics), whose ranks do not re-form at a smaller
+    size, so that losing one of its nodes restarts every node and the run resumes from its
+    checkpoints once the node is back."""
+    warnings = []
+    for name, role in manifest.roles.items():
+        where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
+        others = [n for n in where if 0 < n < nodes]
+        if role.supervision.strategy != "one_for_all" or len(where) < 2 or not others:
+            continue
+        folders = ", ".join(f"RUN_DIR/node-{n}" for n in others)
+        warnings.append(
+            f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}, "
+            f"which does not re-form at a smaller size: losing node {others[0]} restarts every "
+            f"node, and the run resumes once the node is back (after --join-timeout it fails). "
+            f"Its write-ahead log and checkpoints, which the resume replays, are in {folders}: "
+            f"keep the run directory on storage every node shares. To keep training through "
+            f"a node's loss, place the group on node 0 (placement: {{node: 0}})"
+        )
+    return warnings

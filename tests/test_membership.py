@@ -1,0 +1,65 @@
+"""What becomes of each replica of a node lost for good (``asyncrl.manifest.membership.plan``)."""
+
+from __future__ import annotations
+
+from asyncrl.manifest.load import parse_manifest
+from asyncrl.manifest.membership import plan
+
+MANIFEST = """\
+run: {name: elastic, program: "examples.hello.program:main"}
+roles:
+  rollout:
+    class: examples.hello.roles:Splitter
+    replicas: 3
+    placement: {nodes: [0, 1, 2]}
+  reward:
+    class: examples.hello.roles:Counter
+    placement: {nodes: [2, 1, 0]}
+  relay:
+    class: examples.hello.roles:Counter
+    placement: {node: 2}
+  learner:
+    class: examples.hello.roles:Counter
+    replicas: 2
+    placement: {nodes: [0, 1]}
+    supervision: {strategy: one_for_all}
+"""
+
+
+def test_a_lost_node_s_singletons_move_to_the_next_candidate_and_its_replicas_depart() -> None:
+    manifest = parse_manifest(MANIFEST, nodes=3)
+    two = plan(manifest, {2})
+    assert two.moved == {("reward", 0): 1}  # the first candidate after node 2 that is not lost
+    assert two.departed == {("rollout", 2): 2, ("relay", 0): 2}  # no candidate: it departs
+    assert two.blocked == []
+    both = plan(manifest, {1, 2})
+    assert both.moved == {("reward", 0): 0}
+    assert both.departed == {("rollout", 1): 1, ("rollout", 2): 2, ("relay", 0): 2}
+
+
+def test_a_group_over_the_lost_node_or_node_0_blocks_the_plan() -> None:
+    manifest = parse_manifest(MANIFEST, nodes=3)
+    assert plan(manifest, {1}).blocked == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], and a group does not "
+        "re-form at a smaller size"
+    ]
+    assert plan(manifest, {0}).blocked == [
+        "node 0 (the store's host, which runs the driver) was lost"
+    ]
+
+
+def test_a_group_that_cannot_survive_a_node_is_warned_of_at_load_with_the_fix() -> None:
+    from asyncrl.manifest.membership import node_loss_warnings
+
+    manifest = parse_manifest(MANIFEST, nodes=3)
+    assert node_loss_warnings(manifest, 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], which does not "
+        "re-form at a smaller size: losing node 1 restarts every node, and the run resumes once "
+        "the node is back (after --join-timeout it fails). Its write-ahead log and checkpoints, "
+        "which the resume replays, are in RUN_DIR/node-1: keep the run directory on storage "
+        "every node shares. To keep training through a node's loss, place the group on node 0 "
+        "(placement: {node: 0})"
+    ]
+    on_0 = MANIFEST.replace("placement: {nodes: [0, 1]}", "placement: {node: 0}")
+    alone = parse_manifest(on_0, nodes=3)
+    assert node_loss_warnings(alone, 3) == []
