@@ -45,15 +45,15 @@ TEXT = [
 async def main(ctx):
     lines = [Line(i, TEXT[i % 3]) for i in range(60)]
     for start in range(0, 60, 6):
-        async for _, words in ctx.splitter.map("split", lines[start:start + 6], Words):
-            await ctx.counter.call("add", words)
+        async for _, words in ctx.roles["splitter"].map("split", lines[start:start + 6], Words):
+            await ctx.roles["counter"].call("add", words)
         if start + 6 in (18, 42):
             with open(os.path.join(ctx.run_dir, f"progress{start + 6}"), "w") as f:
                 f.write(str(ctx.incarnation))
             while not os.path.exists(ctx.config["gate"] + str(start + 6)):
                 await asyncio.sleep(0.05)
-    top = await ctx.counter.call("top", 3)
-    members = ctx.splitter.members
+    top = await ctx.roles["counter"].call("top", 3)
+    members = ctx.roles["splitter"].members
     with open(os.path.join(ctx.run_dir, "summary.json"), "w") as f:
         json.dump({"top": top, "splitters": members}, f)
     return top
