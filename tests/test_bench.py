@@ -130,6 +130,7 @@ def test_runtime_benchmark_json() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # the command's own limit is 300 s; compiling takes most of it
 def test_learner_benchmark_json() -> None:
     out = subprocess.run(
         [

@@ -219,15 +219,15 @@ def _breakdown(run_dir: str, steps: int, driver_ms: float) -> dict[str, float]:
     asyncio.run(learner.setup())
     acc: dict[str, float] = collections.defaultdict(float)
     wrapped = {
-        "_train_step": learner,
-        "_train": learner,
+        "train": learner,
+        "_epochs": learner,
         "_optimizer_step": learner,
         "_loss": learner,
-        "_forward_logprobs": learner,
-        "_model_logprobs": learner,
+        "forward": learner.trainer,
+        "model_logprobs": learner.trainer,
         "_durable_step": learner,
         "publish": learner.published,
-        "step": learner.optimizer,
+        "step": learner.trainer.optimizer,
     }
     for name, owner in wrapped.items():
         setattr(owner, name, _timed(acc, name, getattr(owner, name)))
@@ -239,7 +239,7 @@ def _breakdown(run_dir: str, steps: int, driver_ms: float) -> dict[str, float]:
                 acc.clear()
             batch = small_batch(step)
             t0 = time.perf_counter()
-            result = learner._train_step(batch)
+            result = learner.train(batch)
             totals.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             msgspec.msgpack.encode(result)
@@ -248,17 +248,15 @@ def _breakdown(run_dir: str, steps: int, driver_ms: float) -> dict[str, float]:
     ms = {k: v / steps * 1e3 for k, v in acc.items()}
     in_process = statistics.median(totals[WARMUP:]) * 1e3
     return {
-        "batching (pad, to device)": ms["_forward_logprobs"] - ms["_model_logprobs"],
-        "forward": ms["_model_logprobs"],
-        "loss": ms["_loss"] - ms["_forward_logprobs"],
+        "batching (pad, to device)": ms["forward"] - ms["model_logprobs"],
+        "forward": ms["model_logprobs"],
+        "loss": ms["_loss"] - ms["forward"],
         "backward and grad clip": ms["_optimizer_step"] - ms["_loss"] - ms["step"],
         "optimizer": ms["step"],
-        "advantages and split": ms["_train"] - ms["_optimizer_step"],
+        "advantages and split": ms["_epochs"] - ms["_optimizer_step"],
         "step log (durable: false)": ms["_durable_step"],
         "weight publish": ms["publish"],
-        "metrics and ledger": (
-            ms["_train_step"] - ms["_train"] - ms["_durable_step"] - ms["publish"]
-        ),
+        "metrics and ledger": (ms["train"] - ms["_epochs"] - ms["_durable_step"] - ms["publish"]),
         "reply encode": encode / steps * 1e3,
         "rpc and codec": driver_ms - in_process - encode / steps * 1e3,
     }

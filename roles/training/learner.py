@@ -32,6 +32,11 @@ either way the step is the one a single learner takes on the whole batch. Each r
 step log and checkpoints; replica 0 publishes the weights
 (``asyncrl.roles.training.learner_weights``).
 
+The model, its placement and sharding, the optimizer and schedule and the micro-batched
+optimizer step belong to its ``Trainer`` (``asyncrl.roles.training.trainer``); the learner holds
+what makes it the policy's: the objective of each batch, its advantages, epochs and
+mini-batches, the ledger, the version, and the endpoints.
+
 Log-probs are computed with left padding and position ids derived from the attention mask, the
 same convention as the rollout engine (``asyncrl.roles.learning.batching``), so the learner's
 recompute of a sample equals its behaviour log-probs under the same weights.
@@ -50,7 +55,7 @@ import torch
 
 from asyncrl.observe.trace import traced
 from asyncrl.plugins.registry import current as current_plugin
-from asyncrl.plugins.registry import device_for, dtype_for, sharding_for
+from asyncrl.plugins.registry import device_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.generation.rollout import WeightsUpdate
@@ -63,8 +68,6 @@ from asyncrl.roles.learning.batching import (
     gae_targets,
     loss_masks,
     mean_over_steps,
-    micro_batches,
-    mini_batch_indices,
     pad_batch,
 )
 from asyncrl.roles.learning.statistics import percentiles, staleness
@@ -77,10 +80,7 @@ from asyncrl.roles.training.data_parallel import (
     check_restored,
     fingerprint,
     join_role,
-    rank_chunks,
-    share_out,
 )
-from asyncrl.roles.training.learner_compile import CompiledStep
 from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.roles.training.learner_durable import DurableSteps
 from asyncrl.roles.training.learner_export import export_pretrained, writable
@@ -88,14 +88,13 @@ from asyncrl.roles.training.learner_weights import PublishedWeights, WeightBroad
 from asyncrl.roles.training.models import build_model, preload_model_class
 from asyncrl.roles.training.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.training.objective import (
-    Forward,
     MicroBatch,
     Objective,
-    batch_advantages,
     batch_objective,
     bc_coef,
     nll,
 )
+from asyncrl.roles.training.trainer import Trainer, TrainerSettings
 from asyncrl.supervision.faults import FaultPlan
 
 __all__ = [
@@ -116,6 +115,38 @@ ALGORITHMS = tuple(_ALGORITHMS)
 MEMORY_EVERY_S = 1.0
 """The step metric ``memory_allocated_mib`` is read at most this often (on the host a read is
 two files of /proc, a millisecond of a small step)."""
+
+
+def trainer_settings(cfg: LearnerConfig, sharded: bool) -> TrainerSettings:
+    """The ``Trainer``'s settings from a learner's config; ``sharded``: ``parallel: fsdp``
+    with replicas (a sharded rank reads its slices of ``model_path``)."""
+    return TrainerSettings(
+        seed=cfg.seed,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
+        fused_optimizer=cfg.fused_optimizer,
+        grad_clip=cfg.grad_clip,
+        aggregation=cfg.aggregation,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        pad_id=cfg.pad_id,
+        dtype=cfg.dtype,
+        sharded=sharded,
+        activation_checkpointing=cfg.activation_checkpointing,
+        dropout=cfg.dropout,
+        pretrained=cfg.model_path if sharded else "",
+        compile=cfg.compile,
+    )
+
+
+def policy_model(cfg: LearnerConfig, sharded: bool) -> torch.nn.Module:
+    """The policy of a learner's config: ``model_path``'s, or one built from
+    ``model_config``; a ``sharded`` rank builds a pretrained model empty (on ``meta``) and
+    then reads only its own slices (``Trainer.join``)."""
+    if sharded and cfg.model_path:
+        model: torch.nn.Module = sh.empty_pretrained(cfg.model_path)
+        return model
+    return build_model(cfg.model_path, cfg.model_config, cfg.seed)
 
 
 class Learner(DurableSteps, WeightBroadcast, Role):
@@ -148,8 +179,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.device
             )
             keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
-            if self.sharded:
-                await self.ctx.offload(self._shard)
+            await self.ctx.offload(self.trainer.join, self.dp)
         self._open_journal(keep)
         # The newest checkpoint, then the logged steps after it: only then does it serve.
         await self.ctx.offload(traced("restore", self._restore))
@@ -157,7 +187,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             await self.ctx.offload(
                 check_restored,
                 self.dp,
-                None if self.sharded else self.model,
+                None if self.trainer.sharded else self.trainer.model,
                 self.step,
                 self.version,
                 self.consumed,
@@ -166,9 +196,9 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         # gather each bucket together, and the first writes it).
         self.published = PublishedWeights(
             self.ctx,
-            self.model,
-            dtype=self.dtype,
-            sharded=self.sharded,
+            self.trainer.model,
+            dtype=self.trainer.dtype,
+            sharded=self.trainer.sharded,
             bucket_bytes=cfg.bucket_mib * 2**20,
             enabled=cfg.publish_weights,
         )
@@ -182,62 +212,23 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.device = device_for(self.ctx.device, self.plugin)
         # Before the model lands on a device it may share: the placement's memory share.
         self.share = DeviceShare.for_role(self.ctx, self.device, self.plugin)
-        # The dtype weights are computed and published in.
-        self.dtype = dtype_for(cfg.dtype, self.device, self.plugin)
-        self.sharded = cfg.parallel == "fsdp" and self.ctx.replicas > 1
-        # Sharded ranks keep float32 parameters unless the config names a dtype, and compute
-        # in the plugin's precision (its mixed-precision policy: bf16 with float32 reduction).
-        storage = torch.float32 if self.sharded and not cfg.dtype else self.dtype
-        self.plugin.device.manual_seed(cfg.seed)
-        # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
-        # differ from its behaviour log-probs under the very same weights.
-        # A sharded rank builds a pretrained model empty, then reads only its own slices.
-        if self.sharded and cfg.model_path:
-            model = sh.empty_pretrained(cfg.model_path)
-        else:
-            model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
-        self.model = sh.placed(model, self.device, storage).train(cfg.dropout)
+        sharded = cfg.parallel == "fsdp" and self.ctx.replicas > 1
+        self.trainer = Trainer(
+            trainer_settings(cfg, sharded),
+            lambda: policy_model(cfg, sharded),
+            plugin=self.plugin,
+            device=self.device,
+            schedule=cfg.lr_factor,
+        )
         # The published tensors' names, dtypes and shapes, whole (sharding splits them).
+        dtype = self.trainer.dtype
         self.template = {
             name: torch.empty(
-                t.shape, dtype=self.dtype if t.is_floating_point() else t.dtype, device="meta"
+                t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"
             )
-            for name, t in self.model.state_dict().items()
+            for name, t in self.trainer.model.state_dict().items()
         }
-        self._make_optimizer()
-        # compile: true: the forward pass now, each correction's policy loss when first used.
-        self.compiled: CompiledStep | None = None
-        if cfg.compile:
-            model = None if cfg.activation_checkpointing else self.model
-            self.compiled = CompiledStep(self.plugin.compiler, self._model_logprobs, model)
         self._memory_mib, self._memory_at = 0.0, -MEMORY_EVERY_S
-
-    def _make_optimizer(self) -> None:
-        """AdamW; fused (one kernel for all parameters) with ``fused_optimizer`` where the
-        device has one, unless sharded."""
-        cfg, params = self.config, list(self.model.parameters())
-        options = {"lr": cfg.lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay}
-        try:
-            fused = (cfg.fused_optimizer and not self.sharded) or None
-            self.optimizer = torch.optim.AdamW(params, fused=fused, **options)
-        except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
-            self.optimizer = torch.optim.AdamW(params, **options)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-
-    def _shard(self) -> None:
-        """FSDP2 over the data-parallel group (``asyncrl.roles.training.sharding``); the optimizer
-        is made again over the sharded parameters."""
-        assert self.dp is not None
-        sh.shard(
-            self.model,
-            sharding_for(self.plugin),
-            self.dp.world,
-            activation_checkpointing=self.config.activation_checkpointing,
-        )
-        if self.config.model_path:
-            path, rank, world = self.config.model_path, self.dp.rank, self.dp.world
-            sh.load_pretrained_shards(self.model, path, rank, world, self.device)
-        self._make_optimizer()
 
     async def teardown(self) -> None:
         await self.ctx.offload(self.journal.close)
@@ -249,15 +240,12 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         """The device's memory and this replica's share of it, for ``asyncrl status``."""
         return {} if self.share is None else self.share.status()
 
-    def _lr_factor(self, step: int) -> float:
-        return float(self.config.lr_factor(step))
-
     # -- endpoints ------------------------------------------------------------------------
 
     @endpoint(Delivery.ONCE)
     async def train_step(self, batch: TrainBatch) -> StepResult:
         try:
-            return await self.ctx.offload(traced("training step", self._train_step), batch)
+            return await self.ctx.offload(traced("training step", self.train), batch)
         except DataParallelError:
             if self.dp is not None and self.dp.broken:
                 # A broken group never mends in place: exit, so that the supervisor restarts the
@@ -274,20 +262,20 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         return await self.ctx.offload(traced("weight copy", self._weights))
 
     def _weights(self) -> WeightsUpdate:
-        if self.sharded:
+        if self.trainer.sharded:
             return WeightsUpdate(*self.published.read())
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
         return WeightsUpdate(self.version, state)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        if self.sharded:
+        if self.trainer.sharded:
             # Every forward pass of a sharded model is a collective of all its ranks.
             raise ValueError(
                 f"{self.ctx.name}: a sharded learner (parallel: fsdp) does not serve logprobs: "
                 f"a forward pass needs every rank; compute them with a reference role"
             )
-        return await self.ctx.offload(self._logprobs, samples)
+        return await self.ctx.offload(self.trainer.logprobs, samples)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def export(self, path: str) -> str:
@@ -312,48 +300,17 @@ class Learner(DurableSteps, WeightBroadcast, Role):
 
     # -- compute (worker thread) ------------------------------------------------------------
 
-    def _forward_logprobs(self, samples: list[Sample], compiled: bool = False) -> Forward:
-        """The forward pass on the samples' left-padded rows, the target mask honouring their
-        loss masks; ``compiled``: through the compiled graph of the rows' length bucket."""
-        rows = ([s.prompt_ids for s in samples], [s.token_ids for s in samples])
-        input_ids, attention, positions, target = (
-            t.to(self.device) for t in pad_batch(*rows, self.config.pad_id, loss_masks(samples))
-        )
-        run: Any = self._model_logprobs
-        if compiled and self.compiled is not None:
-            run = self.compiled.forward
-        logprobs, logits = run(input_ids, attention, positions)
-        return Forward(logprobs[:, :-1], target, logits[:, :-1])
+    def train(self, batch: TrainBatch) -> StepResult:
+        """Take one step on ``batch`` in the calling thread (``train_step`` runs it in the
+        compute thread): the ledger's fresh samples, ``ppo_epochs x mini_batches`` optimizer
+        steps, the step made durable and its weights published; a batch re-sent with the last
+        step's id gets that step's result back (``replayed``).
 
-    def _model_logprobs(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's log-prob of the next one, [B, L] (the last column 0), and the logits
-        [B, L, V]: every output keeps the input's length, so a compiled graph's padded outputs
-        are cut back (``Compiler.compile``)."""
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
-        ).logits
-        # At least float32 (a bf16 model's logits are widened); a float64 model keeps float64.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        logprobs = self.plugin.ops.logprobs(logits[:, :-1], input_ids[:, 1:])
-        return torch.nn.functional.pad(logprobs, (0, 1)), logits
-
-    def _logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                logprobs, target, _ = self._forward_logprobs(samples)
-        finally:
-            self.model.train(self.config.dropout)
-        out = []
-        for i, s in enumerate(samples):
-            n = len(s.token_ids)
-            out.append(logprobs[i, logprobs.shape[1] - n :].tolist() if n else [])
-        del target
-        return out
-
-    def _train_step(self, batch: TrainBatch) -> StepResult:
+        Raises:
+            ValueError: an unknown algorithm or correction, or fewer samples than
+                ``mini_batches``.
+            DataParallelError: the ranks disagree on the batch, or a collective failed.
+        """
         rng = self._step_rng()
         if batch.id and batch.id == self.last.get("id"):
             # Re-sent after a failure that lost the reply: the step happened; say what it did.
@@ -362,9 +319,9 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             return result
         objective = batch_objective(self.config, batch, self.ctx.name)
         graphs, started = 0, time.perf_counter()
-        if self.compiled is not None:
-            objective = self.compiled.objective(objective, batch)
-            graphs = self.compiled.graphs()
+        if self.trainer.compiled is not None:
+            objective = self.trainer.compiled.objective(objective, batch)
+            graphs = self.trainer.compiled.graphs()
         if self.dp is not None:
             ids = [(s.sample.prompt_id, s.sample.sample_index) for s in batch.samples]
             self.dp.check_same(
@@ -381,13 +338,10 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         metrics: dict[str, float] = {}
         if batch.lr:
             # A new peak: the scheduler scales it from now on, and this step already uses it.
-            self.scheduler.base_lrs = [batch.lr] * len(self.optimizer.param_groups)
-            for group in self.optimizer.param_groups:
-                group["initial_lr"] = batch.lr
-                group["lr"] = batch.lr * self._lr_factor(self.scheduler.last_epoch)
+            self.trainer.set_peak_lr(batch.lr)
         if fresh:
             self.env_tokens_trained = 0.0
-            metrics = self._train(objective, fresh, batch)
+            metrics = self._epochs(objective, fresh, batch)
             if any(s.sample.loss_mask for s in fresh):  # episodes: 0 unless the mask broke
                 metrics["env_tokens_trained"] = self.env_tokens_trained
                 # ... and 0 unless an episode the environment failed reached the learner
@@ -401,9 +355,9 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             metrics["reward_mean"] = float(np.mean([s.reward for s in fresh]))
             if self.share is not None:  # the step's footprint, before any release
                 metrics["memory_allocated_mib"] = self._memory_allocated_mib()
-            if self.compiled is not None:
+            if self.trainer.compiled is not None:
                 seconds = time.perf_counter() - started
-                self.compiled.report(graphs, seconds, metrics, self.ctx.log, self.ctx.name)
+                self.trainer.compiled.report(graphs, seconds, metrics, self.ctx.log, self.ctx.name)
             if objective.algorithm.rl:
                 # Measured against the version that consumed them: the one before this step.
                 ages = [staleness(self.version - 1, s.sample.policy_versions) for s in fresh]
@@ -426,7 +380,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 self.share.idle()
         return result
 
-    def _train(
+    def _epochs(
         self, objective: Objective, fresh: list[Scored], batch: TrainBatch
     ) -> dict[str, float]:
         """The advantages over the whole batch, then ``ppo_epochs x mini_batches`` optimizer
@@ -440,29 +394,26 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         proximal = None
         if objective.needs_proximal and epochs * parts > 1:
             proximal = self._proximal_logprobs(fresh, objective, advantages)
-        steps = []
+
+        def mini_batch(part: list[int]) -> dict[str, float]:
+            return self._optimizer_step(
+                objective,
+                [fresh[i] for i in part],
+                [advantages[i] for i in part],
+                None if proximal is None else [proximal[i] for i in part],
+                batch.demos,
+            )
+
         # BC on a few demonstrations memorises them unless dropout is on (``bc_dropout``); RL
         # steps keep it as ``dropout`` says, so their log-probs are the sampler's.
-        self.model.train(cfg.dropout or (cfg.bc_dropout and not objective.algorithm.rl))
+        model = self.trainer.model
+        model.train(cfg.dropout or (cfg.bc_dropout and not objective.algorithm.rl))
         try:
-            for epoch in range(epochs):
-                split = mini_batch_indices(
-                    len(fresh), parts, seed=cfg.seed, step=self.step, epoch=epoch
-                )
-                for part in split:
-                    steps.append(
-                        self._optimizer_step(
-                            objective,
-                            [fresh[i] for i in part],
-                            [advantages[i] for i in part],
-                            None if proximal is None else [proximal[i] for i in part],
-                            batch.demos,
-                        )
-                    )
+            steps = self.trainer.train_epochs(
+                len(fresh), epochs=epochs, parts=parts, step=self.step, run=mini_batch
+            )
         finally:
-            self.model.train(cfg.dropout)
-        if self.dp is not None:
-            steps = self.dp.sum_metrics(steps)
+            model.train(cfg.dropout)
         zeros = zero_rows.zero_advantage_metric(objective, advantages, cfg.skip_zero_advantage)
         return {**mean_over_steps(steps), "optimizer_steps": float(len(steps)), **zeros}
 
@@ -489,18 +440,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         return out
 
     def _proximal_of(self, samples: list[Scored]) -> list[list[float]]:
-        shares, rank = share_out(samples, self.dp)
-        mine = [samples[i] for i in shares[rank]]
-        out: list[list[float]] = []
-        chunks = micro_batches(mine, self.config.micro_batch_tokens) if mine else []
-        for chunk in chunks:
-            out += self._logprobs([mine[i].sample for i in chunk])
-        if self.sharded:
-            assert self.dp is not None
-            sh.keep_pace(self.model, samples, self.dp, self.config, len(chunks), backward=False)
-        if self.dp is None:
-            return out
-        return self.dp.gather_rows(out, shares, [len(s.sample.token_ids) for s in samples])
+        return self.trainer.rows(samples, self.trainer.logprobs)
 
     def _optimizer_step(
         self,
@@ -510,67 +450,48 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         proximal: list[list[float]] | None,
         demos: list[Sample],
     ) -> dict[str, float]:
-        """One optimizer and scheduler step on a mini-batch; returns its metrics.
+        """One optimizer and scheduler step on a mini-batch (``Trainer.optimizer_step``) under
+        ``objective``; returns its metrics.
 
-        Each micro-batch weighs what it adds to the mini-batch's aggregate (its tokens for a
-        token mean, its non-empty sequences for a sequence mean), so the summed gradient is the
-        mini-batch's whatever the split.
+        The rows ``trained_rows`` leaves out (advantage 0) are left out of its passes, and the
+        mini-batch's aggregate keeps its whole denominator; the BC term on the batch's
+        demonstrations is backpropagated once.
         """
         cfg = self.config
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
         mask = completion_mask([len(s.sample.token_ids) for s in samples], loss_masks(samples))
         # The whole mini-batch's denominator, over the rows that can have a gradient.
         total = float(alg.aggregate_weight(mask, cfg.aggregation))
         rows = zero_rows.trained_rows(objective, advantages, cfg.skip_zero_advantage)
-        if skipped := len(samples) - len(rows):
+        adjust = None
+        if len(samples) - len(rows):
             samples, advantages, mask = (
                 [samples[i] for i in rows],
                 [advantages[i] for i in rows],
                 mask[rows],
             )
             proximal = None if proximal is None else [proximal[i] for i in rows]
-        chunks, _ = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
-        shares = [float(alg.aggregate_weight(mask[chunk], cfg.aggregation)) for chunk in chunks]
-        for chunk, share in zip(chunks, shares, strict=True):
-            weight = share / total if total else 0.0
-            loss, parts = self._loss(
+            trained = float(alg.aggregate_weight(mask, cfg.aggregation))
+
+            def adjust(sums: dict[str, float]) -> dict[str, float]:
+                return zero_rows.over_trained_rows(sums, total, trained)
+
+        def loss(chunk: list[int], weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+            value, parts = self._loss(
                 objective,
                 [samples[i] for i in chunk],
                 [advantages[i] for i in chunk],
                 None if proximal is None else [proximal[i] for i in chunk],
             )
-            (loss * weight).backward()  # type: ignore[no-untyped-call]
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + value * weight
-        if skipped:
-            sums = zero_rows.over_trained_rows(
-                sums, total, float(alg.aggregate_weight(mask, cfg.aggregation))
-            )
-        if self.sharded:
-            assert self.dp is not None
-            sh.keep_pace(self.model, samples, self.dp, cfg, len(chunks), backward=True)
-            # Every rank runs the BC term's passes (collectives), each a 1/world share of it.
-            bc = self._bc_term(demos, 1.0 / self.dp.world)
-            if self.dp.rank == 0:
-                sums.update(bc)
-        elif self.dp is None or self.dp.rank == 0:  # once: the reduction sums the ranks' grads
-            sums.update(self._bc_term(demos))
-        if self.dp is not None and not self.sharded:  # sharded: FSDP reduce-scatters them
-            self.dp.all_reduce_grads(self.model.parameters())
-        grad_norm = sh.full_tensor(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            return value, {key: part * weight for key, part in parts.items()}
+
+        return self.trainer.optimizer_step(
+            samples,
+            loss,
+            mask=mask,
+            total=total,
+            adjust=adjust,
+            once=lambda share: self._bc_term(demos, share),
         )
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
-        return {**sums, "grad_norm": float(grad_norm), "lr": lr}
-
-    def _micro_batches(self, samples: list[Scored]) -> list[list[int]]:
-        return micro_batches(samples, self.config.micro_batch_tokens)
-
-    def _advantages(self, algorithm: str, samples: list[Scored]) -> list[Any]:
-        return batch_advantages(self.config, algorithm, samples)
 
     def _loss(
         self,
@@ -580,7 +501,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         proximal: list[list[float]] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's forward pass and its loss under ``objective``."""
-        forward = self._forward_logprobs([s.sample for s in samples], self.config.compile)
+        forward = self.trainer.forward([s.sample for s in samples], self.config.compile)
         self.env_tokens_trained += env_tokens_in(forward.target, [s.sample for s in samples])
         return objective(MicroBatch(samples, advantages, proximal, forward))
 
@@ -590,14 +511,14 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         coef = bc_coef(self.config, self.step)
         if not (coef and demos):
             return {}
-        demo_logp, demo_target, _ = self._forward_logprobs(demos)
+        demo_logp, demo_target, _ = self.trainer.forward(demos)
         loss = nll(self.config, demo_logp, demo_target)
         (coef * share * loss).backward()  # type: ignore[no-untyped-call]
         return {"bc_nll": float(loss.detach())}
 
     def _export(self, path: str) -> str:
         where = writable(path, self.ctx.name, self.ctx.run_dir, self.config.write_paths)
-        if self.sharded:
+        if self.trainer.sharded:
             model = self.published.whole_model()
             return export_pretrained(model, where, self.config.tokenizer_path)
-        return export_pretrained(self.model, where, self.config.tokenizer_path)
+        return export_pretrained(self.trainer.model, where, self.config.tokenizer_path)

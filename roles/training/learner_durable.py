@@ -15,12 +15,10 @@ import time
 from typing import Any
 
 import msgspec
-import torch
 
 from asyncrl.observe.trace import traced
 from asyncrl.role import Delivery, RoleContext, endpoint
 from asyncrl.roles.payloads import StepResult, TrainBatch
-from asyncrl.roles.training import sharding as sh
 from asyncrl.roles.training.checkpoints import (
     CheckpointDir,
     StepLog,
@@ -31,6 +29,7 @@ from asyncrl.roles.training.checkpoints import (
 )
 from asyncrl.roles.training.data_parallel import DataParallel
 from asyncrl.roles.training.journal import Journal, durability, replay_summary, wal_path
+from asyncrl.roles.training.trainer import Trainer
 from asyncrl.roles.training.wal import KeepEntry, StepEntry, WalError
 
 __all__ = ["DurableSteps"]
@@ -41,11 +40,8 @@ class DurableSteps:
 
     ctx: RoleContext
     config: Any
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
+    trainer: Trainer
     dp: DataParallel | None
-    sharded: bool
     plugin: Any
     faults: Any
     version: int
@@ -136,10 +132,8 @@ class DurableSteps:
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds (a sharded rank: its own shards; ranks need no shared
         disk)."""
-        world = self.dp.world if self.sharded and self.dp is not None else None
         return {
-            **sh.training_state(self.model, self.optimizer, world),
-            "scheduler": self.scheduler.state_dict(),
+            **self.trainer.state(),
             "version": self.version,
             "step": self.step,
             "keep": self.keep,
@@ -149,9 +143,7 @@ class DurableSteps:
 
     def _load(self, path: str) -> None:
         state = CheckpointDir.load(path)
-        world = self.dp.world if self.sharded and self.dp is not None else None
-        sh.load_training_state(self.model, self.optimizer, state, world)
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.trainer.load_state(state)
         self.version = state["version"]
         self.step = state["step"]
         self.keep = state["keep"]
@@ -185,7 +177,7 @@ class DurableSteps:
             batch = msgspec.msgpack.decode(entry.batch, type=TrainBatch)
             self.replaying = True
             try:
-                result: StepResult = self._train_step(batch)  # type: ignore[attr-defined]
+                result: StepResult = self.train(batch)  # type: ignore[attr-defined]
             finally:
                 self.replaying = False
             if result.step != entry.step:

@@ -153,21 +153,23 @@ def test_a_restart_replays_the_logged_steps_bit_for_bit(tmp_path: Any) -> None:
     torch.set_num_threads(1)
     straight = make(tmp_path / "straight")
     for step in range(STEPS):
-        straight._train_step(batch(step))
+        straight.train(batch(step))
     first = make(tmp_path / "run")
     results = []
     for step in range(STEPS - 1):
-        results.append(first._train_step(batch(step)))
+        results.append(first.train(batch(step)))
         first.journal.wait()  # each save complete before the next is due: steps 3 and 6
     asyncio.run(first.checkpoint({"phase": "eval"}))  # a keep between steps, logged
     restarted = make(tmp_path / "run")
     assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (6, 1, 7)
     assert restarted.keep == {"cursor": STEPS - 2, "phase": "eval"}
-    again = restarted._train_step(batch(STEPS - 2))  # the last reply was lost: re-sent
+    again = restarted.train(batch(STEPS - 2))  # the last reply was lost: re-sent
     assert again.replayed and again.metrics == results[-1].metrics
-    restarted._train_step(batch(STEPS - 1))
+    restarted.train(batch(STEPS - 1))
     for (name, a), b in zip(
-        straight.model.state_dict().items(), restarted.model.state_dict().values(), strict=True
+        straight.trainer.model.state_dict().items(),
+        restarted.trainer.model.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b), name
     # The ledger holds each step once. The replay was checkpointed (step 7); the log keeps
@@ -188,10 +190,10 @@ def test_a_damaged_newest_checkpoint_goes_back_one_and_replays_more(tmp_path: An
     torch.set_num_threads(1)
     straight = make(tmp_path / "straight")
     for step in range(STEPS):
-        straight._train_step(batch(step))
+        straight.train(batch(step))
     first = make(tmp_path / "run")
     for step in range(STEPS):
-        first._train_step(batch(step))
+        first.train(batch(step))
         first.journal.wait()
     newest = first.checkpoints.latest() or ""
     shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
@@ -199,7 +201,9 @@ def test_a_damaged_newest_checkpoint_goes_back_one_and_replays_more(tmp_path: An
     restarted = make(tmp_path / "run")
     assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (3, 5, 8)
     for a, b in zip(
-        straight.model.state_dict().values(), restarted.model.state_dict().values(), strict=True
+        straight.trainer.model.state_dict().values(),
+        restarted.trainer.model.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b)
 
@@ -230,7 +234,8 @@ async def main():
         with open(acks, "a") as f:
             f.write(f"{step} ")
     await learner.teardown()
-    state = {k: getattr(v, "to_local", lambda: v)() for k, v in learner.model.state_dict().items()}
+    weights = learner.trainer.model.state_dict()
+    state = {k: getattr(v, "to_local", lambda: v)() for k, v in weights.items()}
     torch.save(state, os.path.join(run_dir, f"final.{rank}.pt"))
     with open(os.path.join(run_dir, f"status.{rank}.json"), "w") as f:
         json.dump({"replayed": learner.replayed_steps, "incarnation": incarnation}, f)
