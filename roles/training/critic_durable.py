@@ -13,11 +13,9 @@ import time
 from typing import Any
 
 import msgspec
-import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.payloads import CriticBatch, CriticStepResult
-from asyncrl.roles.training import sharding as sh
 from asyncrl.roles.training.checkpoints import (
     CheckpointDir,
     rng_bytes,
@@ -27,6 +25,7 @@ from asyncrl.roles.training.checkpoints import (
 )
 from asyncrl.roles.training.data_parallel import DataParallel
 from asyncrl.roles.training.journal import Journal, durability, replay_summary, wal_path
+from asyncrl.roles.training.trainer import Trainer
 from asyncrl.roles.training.wal import StepEntry, WalError
 from asyncrl.supervision.faults import FaultPlan
 
@@ -38,10 +37,8 @@ class CriticDurable:
 
     ctx: RoleContext
     config: Any
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    trainer: Trainer
     dp: DataParallel | None
-    sharded: bool
     plugin: Any
     step: int
     last: dict[str, Any]
@@ -89,7 +86,7 @@ class CriticDurable:
             batch = msgspec.msgpack.decode(entry.batch, type=CriticBatch)
             self.replaying = True
             try:
-                result: CriticStepResult = self._train_step(batch)  # type: ignore[attr-defined]
+                result: CriticStepResult = self.train(batch)  # type: ignore[attr-defined]
             finally:
                 self.replaying = False
             if result.step != entry.step:
@@ -133,9 +130,8 @@ class CriticDurable:
         self.faults.at("after_log")
 
     def _state(self) -> dict[str, Any]:
-        world = self.dp.world if self.sharded and self.dp is not None else None
         return {
-            **sh.training_state(self.model, self.optimizer, world),
+            **self.trainer.state(),
             "step": self.step,
             "last": json.dumps(self.last),
             "rng": rng_state(),
@@ -143,8 +139,7 @@ class CriticDurable:
 
     def _load(self, path: str) -> None:
         state = CheckpointDir.load(path)
-        world = self.dp.world if self.sharded and self.dp is not None else None
-        sh.load_training_state(self.model, self.optimizer, state, world)
+        self.trainer.load_state(state)
         self.step = state["step"]
         self.last = json.loads(state.get("last", "{}"))
         set_rng_state(state["rng"])

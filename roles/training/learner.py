@@ -146,7 +146,8 @@ def policy_model(cfg: LearnerConfig, sharded: bool) -> torch.nn.Module:
     if sharded and cfg.model_path:
         model: torch.nn.Module = sh.empty_pretrained(cfg.model_path)
         return model
-    return build_model(cfg.model_path, cfg.model_config, cfg.seed)
+    built: torch.nn.Module = build_model(cfg.model_path, cfg.model_config, cfg.seed)
+    return built
 
 
 class Learner(DurableSteps, WeightBroadcast, Role):

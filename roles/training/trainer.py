@@ -160,7 +160,7 @@ class Trainer:
 
     def _make_optimizer(self) -> None:
         s, params = self.settings, list(self.model.parameters())
-        options = {"lr": s.lr, "betas": s.betas, "weight_decay": s.weight_decay}
+        options: dict[str, Any] = {"lr": s.lr, "betas": s.betas, "weight_decay": s.weight_decay}
         try:
             fused = (s.fused_optimizer and not self.sharded) or None
             self.optimizer = torch.optim.AdamW(params, fused=fused, **options)
@@ -350,7 +350,8 @@ class Trainer:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
         if mask is None:
-            mask = completion_mask([len(x.sample.token_ids) for x in samples], loss_masks(samples))
+            rows = list(samples)
+            mask = completion_mask([len(x.sample.token_ids) for x in rows], loss_masks(rows))
         chunks, whole = rank_chunks(samples, mask, self.dp, s.micro_batch_tokens, s.aggregation)
         total = whole if total is None else total
         sums: dict[str, float] = {}

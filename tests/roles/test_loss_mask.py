@@ -278,7 +278,7 @@ def test_the_critic_learns_the_values_of_the_policy_tokens_only() -> None:
         asyncio.run(critic.setup())
         values = [0.1, 0.2, env_value, env_value, env_value, 0.3, 0.4]
         scored = Scored(sample=episode(mask=mask), reward=1.0, values=values)
-        return critic._train_step([scored]).value_loss
+        return critic.train([scored]).value_loss
 
     masked = step(MASK, 0.0)
     assert step(MASK, 5.0) == pytest.approx(masked, rel=1e-6)

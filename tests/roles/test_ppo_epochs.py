@@ -344,12 +344,14 @@ def test_critic_mini_batches_are_steps_on_shuffled_shares(tmp_path: Any) -> None
         batch.append(
             Scored(sample=sample, reward=rng.random(), values=[rng.random() for _ in tokens])
         )
-    metrics = epochs._train_step(batch)
+    metrics = epochs.train(batch)
     losses = []
     for epoch in range(2):
         for part in mini_batch_indices(5, 2, seed=0, step=0, epoch=epoch):
-            losses.append(steps._train_step([batch[i] for i in part]).value_loss)
+            losses.append(steps.train([batch[i] for i in part]).value_loss)
     assert (metrics.optimizer_steps, metrics.step, epochs.step) == (4, 1, 1)
     assert metrics.value_loss == pytest.approx(sum(losses) / 4, rel=1e-12)
-    for a, b in zip(epochs.model.parameters(), steps.model.parameters(), strict=True):
+    for a, b in zip(
+        epochs.trainer.model.parameters(), steps.trainer.model.parameters(), strict=True
+    ):
         assert torch.equal(a, b)

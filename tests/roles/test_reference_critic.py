@@ -14,7 +14,7 @@ from asyncrl.roles.generation.rollout import Sample, WeightsUpdate
 from asyncrl.roles.payloads import CriticStepResult
 from asyncrl.roles.program.clients import CriticClient
 from asyncrl.roles.services.reference import Reference
-from asyncrl.roles.training.critic import Critic, check_matches_learner
+from asyncrl.roles.training.critic import Critic, check_matches_learner, value_targets
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 from asyncrl.roles.training.objective import batch_advantages, bc_coef
 
@@ -164,9 +164,7 @@ def test_bc_term_anneals_to_zero(tmp_path: Any) -> None:
         batch = [
             Scored(sample=sample(f"p{step}", [2, 13], [4, 1], i), reward=float(i)) for i in range(2)
         ]
-        metrics = learner.train(
-            TrainBatch(samples=batch, algorithm="grpo", demos=[demo])
-        ).metrics
+        metrics = learner.train(TrainBatch(samples=batch, algorithm="grpo", demos=[demo])).metrics
         assert ("bc_nll" in metrics) == (coefs[-1] > 0)
     assert coefs == [0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
 
@@ -221,7 +219,7 @@ def test_critic_targets_are_the_returns_of_the_learners_advantages(
     asyncio.run(critic.setup())
     batch = _ppo_batch()
     advantages = batch_advantages(learner.config, "ppo", batch)
-    old, returns = critic._targets(batch)
+    old, returns = value_targets(critic.config, batch)
     width = returns.shape[1]
     for i, s in enumerate(batch):
         n = len(s.sample.token_ids)
@@ -257,7 +255,7 @@ def test_critic_dr_grpo_aggregation_divides_by_norm_len(tmp_path: Any) -> None:
     def loss(**config: Any) -> float:
         critic = Critic(RoleContext.local(config={"model_config": MODEL, "lr": 0.0, **config}))
         asyncio.run(critic.setup())
-        return critic._train_step(_ppo_batch()).value_loss
+        return critic.train(_ppo_batch()).value_loss
 
     summed = loss(aggregation="seq_mean_token_sum")
     assert summed > 0.01
