@@ -45,8 +45,8 @@ the group.
 **Durable** (``durable: wal``, the default, as the learner): each step's batch is in a
 write-ahead log before the reply, checkpoints are written in the background, and a restarted
 critic (or group) loads the newest and replays the steps after it, bit for bit
-(``asyncrl.roles.training.critic_durable``); a batch re-sent with its id gets the step's result
-back.
+(``asyncrl.roles.training.durability``, as the learner's); a batch re-sent with its id gets the
+step's result back.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ from asyncrl.roles.learning.batching import (
     mean_over_steps,
 )
 from asyncrl.roles.payloads import CriticBatch, CriticStepResult, Scored
-from asyncrl.roles.training.critic_durable import CriticDurable
 from asyncrl.roles.training.critic_lockstep import CriticCall, Lockstep, TrainStep, Values
 from asyncrl.roles.training.data_parallel import (
     DataParallel,
@@ -81,6 +80,7 @@ from asyncrl.roles.training.data_parallel import (
     join_role,
     state_checksum,
 )
+from asyncrl.roles.training.durability import Durability
 from asyncrl.roles.training.trainer import Trainer, TrainerSettings
 
 __all__ = ["RETURN_SETTINGS", "Critic", "check_matches_learner", "value_model", "value_targets"]
@@ -162,7 +162,7 @@ def value_targets(config: Any, batch: list[Scored]) -> tuple[torch.Tensor, torch
 T = TypeVar("T")
 
 
-class Critic(CriticDurable, Role):
+class Critic(Role):
     """Serves per-token values and learns them. With replicas (replicated, or sharded with
     ``parallel: fsdp``), callers send every call to replica 0, which runs it on every rank in
     one order (docs/sharding.md)."""
@@ -263,7 +263,17 @@ class Critic(CriticDurable, Role):
             )
             self.dp.hint = GROUP_HINT
             await self.ctx.offload(self.trainer.join, self.dp)
-        self._open_journal()
+        cfg = self.config
+        self.durability = Durability(
+            self.ctx,
+            durable=cfg.durable,
+            every=cfg.checkpoint_every,
+            every_s=cfg.checkpoint_every_s,
+            keep=cfg.keep_checkpoints if self.dp is None else max(2, cfg.keep_checkpoints),
+            dp=self.dp,
+            pin=self.plugin.device.pin,
+            step_log=False,  # its batches are the learner's, which keeps the ledger
+        )
         # The newest checkpoint, then the logged steps after it: only then does it serve.
         await self.ctx.offload(self._restore)
         if self.dp is not None:
@@ -322,7 +332,7 @@ class Critic(CriticDurable, Role):
         os._exit(1)
 
     async def teardown(self) -> None:
-        await self.ctx.offload(self.journal.close)
+        await self.ctx.offload(self.durability.close)
         if self.lockstep is not None:
             try:
                 ended = await self.ctx.offload(self.lockstep.close, self.config.dist_timeout_s)
@@ -443,8 +453,8 @@ class Critic(CriticDurable, Role):
         """
         if not isinstance(critic_batch, CriticBatch):
             critic_batch = CriticBatch(critic_batch)
-        rng = self._step_rng()
-        repeat = self._repeat(critic_batch)
+        rng = self.durability.step_rng()
+        repeat = self.durability.repeat(critic_batch.id, CriticStepResult)
         if repeat is not None:
             return repeat
         cfg, batch = self.config, critic_batch.samples
@@ -470,8 +480,28 @@ class Critic(CriticDurable, Role):
             value_clip_fraction=means["value_clip_fraction"],
             grad_norm=means["grad_norm"],
         )
-        self._durable_step(critic_batch, result, rng)
+        self.durability.took(critic_batch.id, result)
+        self.durability.made_durable(self.step, critic_batch, rng, self._state)
         return result
+
+    # -- durable state (worker thread) -------------------------------------------------------
+
+    def _restore(self) -> None:
+        """The newest checkpoint, then the logged steps after it (``Durability.restore``)."""
+        self.durability.restore(
+            load=self._load,
+            replay=lambda data: self.train(msgspec.msgpack.decode(data, type=CriticBatch)).step,
+            state=self._state,
+        )
+
+    def _state(self) -> dict[str, Any]:
+        """The critic's part of a checkpoint: its trainer's state and its step."""
+        return {**self.trainer.state(), "step": self.step}
+
+    def _load(self, state: dict[str, Any]) -> int:
+        self.trainer.load_state(state)
+        self.step = int(state["step"])
+        return self.step
 
     def _optimizer_step(
         self, samples: list[Scored], old: torch.Tensor, returns: torch.Tensor

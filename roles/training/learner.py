@@ -19,7 +19,7 @@ in a write-ahead log on disk, and checkpoints are written in the background ever
 ``checkpoint_every`` steps or ``checkpoint_every_s`` seconds; a restarted learner loads the newest
 and replays the logged steps after it, so it resumes at its last acknowledged step, bit for bit,
 and a re-sent ``TrainBatch.id`` gets that step's result back (``asyncrl.roles.training.journal``,
-``asyncrl.roles.training.learner_durable``, docs/reliability.md). ``durable: checkpoint`` writes a
+``asyncrl.roles.training.durability``, docs/reliability.md). ``durable: checkpoint`` writes a
 whole checkpoint before every reply instead. ``export`` writes only into ``RUN_DIR/exports`` (a
 relative path goes there) or the ``write_paths`` the manifest allows, never over the run's own
 state (``asyncrl.roles.training.learner_export``).
@@ -81,8 +81,8 @@ from asyncrl.roles.training.data_parallel import (
     fingerprint,
     join_role,
 )
+from asyncrl.roles.training.durability import Durability
 from asyncrl.roles.training.learner_config import LearnerConfig
-from asyncrl.roles.training.learner_durable import DurableSteps
 from asyncrl.roles.training.learner_export import export_pretrained, writable
 from asyncrl.roles.training.learner_weights import PublishedWeights, WeightBroadcast
 from asyncrl.roles.training.models import build_model, preload_model_class
@@ -95,7 +95,6 @@ from asyncrl.roles.training.objective import (
     nll,
 )
 from asyncrl.roles.training.trainer import Trainer, TrainerSettings
-from asyncrl.supervision.faults import FaultPlan
 
 __all__ = [
     "Learner",
@@ -150,7 +149,7 @@ def policy_model(cfg: LearnerConfig, sharded: bool) -> torch.nn.Module:
     return built
 
 
-class Learner(DurableSteps, WeightBroadcast, Role):
+class Learner(WeightBroadcast, Role):
     """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
 
     Config = LearnerConfig
@@ -170,9 +169,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.step = 0
         self.consumed: set[tuple[str, int]] = set()
         self.keep: dict[str, Any] = {}
-        self.last: dict[str, Any] = {}  # the last step: its batch id and result
         self.env_tokens_trained = 0.0  # in this step's loss (episodes; see env_tokens_in)
-        self.faults = FaultPlan.from_env(self.ctx.incarnation)
         self.dp: DataParallel | None = None
         keep = cfg.keep_checkpoints
         if self.ctx.replicas > 1:
@@ -181,7 +178,16 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             )
             keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
             await self.ctx.offload(self.trainer.join, self.dp)
-        self._open_journal(keep)
+        self.durability = Durability(
+            self.ctx,
+            durable=cfg.durable,
+            every=cfg.checkpoint_every,
+            every_s=cfg.checkpoint_every_s,
+            keep=keep,
+            dp=self.dp,
+            pin=self.plugin.device.pin,
+            step_log=True,
+        )
         # The newest checkpoint, then the logged steps after it: only then does it serve.
         await self.ctx.offload(traced("restore", self._restore))
         if self.dp is not None:
@@ -232,7 +238,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self._memory_mib, self._memory_at = 0.0, -MEMORY_EVERY_S
 
     async def teardown(self) -> None:
-        await self.ctx.offload(self.journal.close)
+        await self.ctx.offload(self.durability.close)
         self.published.close()
         if self.dp is not None:
             await self.ctx.offload(self.dp.close)
@@ -290,14 +296,56 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             step=self.step,
             consumed=len(self.consumed),
             keep=self.keep,
-            last=self.last,
-            durable=self.journal.mode != "off",
-            replayed=self.replayed_steps,
-            restored_step=self.restored_step,
+            last=self.durability.last,
+            durable=self.durability.mode != "off",
+            replayed=self.durability.replayed_steps,
+            restored_step=self.durability.restored_step,
             # How GRPO advantages are computed here: a program's sample pipeline attaches
             # advantages computed the same way (asyncrl.roles.sampling.pipeline.group_advantages).
             advantages={"normalize_std": self.config.normalize_std, "std": self.config.std},
         )
+
+    @endpoint(Delivery.ONCE)
+    async def checkpoint(self, keep: dict[str, Any]) -> str:
+        """Keep ``keep`` (the program's position) durably; returns where it is kept."""
+        return await self.ctx.offload(traced("checkpoint", self._checkpoint), keep)
+
+    # -- durable state (worker thread) -------------------------------------------------------
+
+    def _checkpoint(self, keep: dict[str, Any]) -> str:
+        self.keep.update(keep)
+        return self.durability.keep_position(self.step, keep, self._state)
+
+    def _restore(self) -> None:
+        """The newest checkpoint, the ledger up to it, the logged steps after it
+        (``Durability.restore``)."""
+        self.durability.restore(
+            load=self._load,
+            replay=lambda data: self.train(msgspec.msgpack.decode(data, type=TrainBatch)).step,
+            state=self._state,
+            ledger=self._set_consumed,
+            keep=lambda keep: self.keep.update(keep),
+        )
+
+    def _set_consumed(self, consumed: set[tuple[str, int]]) -> None:
+        self.consumed = consumed
+
+    def _state(self) -> dict[str, Any]:
+        """The learner's part of a checkpoint: its trainer's state (a sharded rank: its own
+        shards), version, step and the program's position."""
+        return {
+            **self.trainer.state(),
+            "version": self.version,
+            "step": self.step,
+            "keep": self.keep,
+        }
+
+    def _load(self, state: dict[str, Any]) -> int:
+        self.trainer.load_state(state)
+        self.version = state["version"]
+        self.step = state["step"]
+        self.keep = state["keep"]
+        return self.step
 
     # -- compute (worker thread) ------------------------------------------------------------
 
@@ -312,12 +360,11 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 ``mini_batches``.
             DataParallelError: the ranks disagree on the batch, or a collective failed.
         """
-        rng = self._step_rng()
-        if batch.id and batch.id == self.last.get("id"):
-            # Re-sent after a failure that lost the reply: the step happened; say what it did.
-            result = msgspec.convert(self.last["result"], StepResult)
-            result.replayed = True
-            return result
+        rng = self.durability.step_rng()
+        # Re-sent after a failure that lost the reply: the step happened; say what it did.
+        repeat = self.durability.repeat(batch.id, StepResult)
+        if repeat is not None:
+            return repeat
         objective = batch_objective(self.config, batch, self.ctx.name)
         graphs, started = 0, time.perf_counter()
         if self.trainer.compiled is not None:
@@ -372,9 +419,17 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             metrics=metrics,
         )
         if fresh:
-            self.last = {"id": batch.id, "result": msgspec.to_builtins(result)}
-            self._durable_step(batch, ids, skipped, rng)
-            if self.replaying:
+            self.durability.took(batch.id, result)
+            record = {
+                "step": self.step,
+                "version": self.version,
+                "ids": ids,
+                "skipped": skipped,
+                "incarnation": self.ctx.incarnation,
+                "phase": str(self.keep.get("phase", "")),
+            }
+            self.durability.made_durable(self.step, batch, rng, self._state, record)
+            if self.durability.replaying:
                 return result
             traced("weight publish", self.published.publish)(self.version)
             if self.share is not None:  # placement.release_when_idle: the cache goes back

@@ -70,9 +70,13 @@ def test_a_restarted_critic_replays_its_log_bit_for_bit(tmp_path: Any) -> None:
     results = []
     for step in range(STEPS):
         results.append(first.train(batch(step)))
-        first.journal.wait()  # saves at steps 2 and 4, each complete before the next
+        first.durability.journal.wait()  # saves at steps 2 and 4, each complete before the next
     restarted = make(tmp_path / "run")
-    assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (4, 1, 5)
+    assert (
+        restarted.durability.restored_step,
+        restarted.durability.replayed_steps,
+        restarted.step,
+    ) == (4, 1, 5)
     again = restarted.train(batch(STEPS - 1))  # the reply was lost: re-sent
     assert again.replayed and again.step == STEPS
     assert again.value_loss == results[-1].value_loss
@@ -99,7 +103,8 @@ async def main():
                             incarnation=incarnation)
     critic = Critic(ctx)
     await critic.setup()
-    print(json.dumps({"step": critic.step, "replayed": critic.replayed_steps}), flush=True)
+    replayed = critic.durability.replayed_steps
+    print(json.dumps({"step": critic.step, "replayed": replayed}), flush=True)
     for step in range(critic.step, STEPS):
         await critic.train_step(batch(step))
     await critic.teardown()

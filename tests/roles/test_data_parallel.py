@@ -109,11 +109,12 @@ async def main():
     await first.teardown()
     if rank == 1:
         # Rank 1 died after its last step's log line, before that step's checkpoint.
-        shutil.rmtree(first.checkpoints.latest())
+        shutil.rmtree(first.durability.checkpoints.latest())
     second = learner(1)
     await second.setup()
     resumed = {"step": second.step, "version": second.version,
-               "consumed": len(second.consumed), "checkpoints": second.checkpoints.steps()}
+               "consumed": len(second.consumed),
+               "checkpoints": second.durability.checkpoints.steps()}
     again = await second.train_step(batches()[-1])
     same = all(torch.equal(v, params[k]) for k, v in second.trainer.model.state_dict().items())
     await second.teardown()

@@ -158,10 +158,14 @@ def test_a_restart_replays_the_logged_steps_bit_for_bit(tmp_path: Any) -> None:
     results = []
     for step in range(STEPS - 1):
         results.append(first.train(batch(step)))
-        first.journal.wait()  # each save complete before the next is due: steps 3 and 6
+        first.durability.journal.wait()  # each save complete before the next is due: steps 3 and 6
     asyncio.run(first.checkpoint({"phase": "eval"}))  # a keep between steps, logged
     restarted = make(tmp_path / "run")
-    assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (6, 1, 7)
+    assert (
+        restarted.durability.restored_step,
+        restarted.durability.replayed_steps,
+        restarted.step,
+    ) == (6, 1, 7)
     assert restarted.keep == {"cursor": STEPS - 2, "phase": "eval"}
     again = restarted.train(batch(STEPS - 2))  # the last reply was lost: re-sent
     assert again.replayed and again.metrics == results[-1].metrics
@@ -176,9 +180,9 @@ def test_a_restart_replays_the_logged_steps_bit_for_bit(tmp_path: Any) -> None:
     # the steps after the older of the two newest checkpoints (6, 7).
     with open(tmp_path / "run" / "ledger" / "learner.0.steps.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
-    restarted.journal.wait()
-    assert restarted.checkpoints.steps() == [6, 7]
-    entries = restarted.journal.wal.entries()  # type: ignore[union-attr]
+    restarted.durability.journal.wait()
+    assert restarted.durability.checkpoints.steps() == [6, 7]
+    entries = restarted.durability.journal.wal.entries()  # type: ignore[union-attr]
     assert [(type(e).__name__, e.step) for e in entries] == [
         ("StepEntry", 7),
         ("KeepEntry", 7),
@@ -194,12 +198,16 @@ def test_a_damaged_newest_checkpoint_goes_back_one_and_replays_more(tmp_path: An
     first = make(tmp_path / "run")
     for step in range(STEPS):
         first.train(batch(step))
-        first.journal.wait()
-    newest = first.checkpoints.latest() or ""
+        first.durability.journal.wait()
+    newest = first.durability.checkpoints.latest() or ""
     shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
     os.remove(os.path.join(newest, shard))
     restarted = make(tmp_path / "run")
-    assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (3, 5, 8)
+    assert (
+        restarted.durability.restored_step,
+        restarted.durability.replayed_steps,
+        restarted.step,
+    ) == (3, 5, 8)
     for a, b in zip(
         straight.trainer.model.state_dict().values(),
         restarted.trainer.model.state_dict().values(),
@@ -230,7 +238,7 @@ async def main():
     done = len(open(acks).read().split()) if os.path.exists(acks) else 0
     for step in range(done, STEPS):
         await learner.train_step(batch(step))
-        learner.faults.after_work("train_step")  # the reply, as the runtime sends it
+        learner.durability.faults.after_work("train_step")  # the reply, as the runtime sends it
         with open(acks, "a") as f:
             f.write(f"{step} ")
     await learner.teardown()
@@ -238,7 +246,7 @@ async def main():
     state = {k: getattr(v, "to_local", lambda: v)() for k, v in weights.items()}
     torch.save(state, os.path.join(run_dir, f"final.{rank}.pt"))
     with open(os.path.join(run_dir, f"status.{rank}.json"), "w") as f:
-        json.dump({"replayed": learner.replayed_steps, "incarnation": incarnation}, f)
+        json.dump({"replayed": learner.durability.replayed_steps, "incarnation": incarnation}, f)
 
 asyncio.run(main())
 """
