@@ -30,7 +30,8 @@ They either replicate the model and all-reduce gradients (``asyncrl.roles.traini
 or, with ``parallel: fsdp``, shard it (``asyncrl.roles.training.sharding``, docs/sharding.md);
 either way the step is the one a single learner takes on the whole batch. Each rank keeps its own
 step log and checkpoints; replica 0 publishes the weights
-(``asyncrl.roles.training.learner_weights``).
+(``asyncrl.roles.training.learner_weights``) and sends them to relays of other hosts
+(``broadcast_weights``, ``asyncrl.weights.broadcast``).
 
 The model, its placement and sharding, the optimizer and schedule and the micro-batched
 optimizer step belong to its ``Trainer`` (``asyncrl.roles.training.trainer``); the learner holds
@@ -44,6 +45,7 @@ recompute of a sample equals its behaviour log-probs under the same weights.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping
@@ -84,7 +86,7 @@ from asyncrl.roles.training.data_parallel import (
 from asyncrl.roles.training.durability import Durability
 from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.roles.training.learner_export import export_pretrained, writable
-from asyncrl.roles.training.learner_weights import PublishedWeights, WeightBroadcast
+from asyncrl.roles.training.learner_weights import PublishedWeights
 from asyncrl.roles.training.models import build_model, preload_model_class
 from asyncrl.roles.training.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.training.objective import (
@@ -95,6 +97,7 @@ from asyncrl.roles.training.objective import (
     nll,
 )
 from asyncrl.roles.training.trainer import Trainer, TrainerSettings
+from asyncrl.weights.broadcast import Rendezvous
 
 __all__ = [
     "Learner",
@@ -149,7 +152,7 @@ def policy_model(cfg: LearnerConfig, sharded: bool) -> torch.nn.Module:
     return built
 
 
-class Learner(WeightBroadcast, Role):
+class Learner(Role):
     """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
 
     Config = LearnerConfig
@@ -273,6 +276,15 @@ class Learner(WeightBroadcast, Role):
             return WeightsUpdate(*self.published.read())
         state = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
         return WeightsUpdate(self.version, state)
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def broadcast_weights(self, rendezvous: Rendezvous) -> int:
+        """Broadcast the latest published version to the relay waiting at ``rendezvous``;
+        return that version (``PublishedWeights.broadcast``). In a thread of its own, not the
+        compute thread: a step in progress goes on, and its publish lands in the store's other
+        slot."""
+        send = traced("weight broadcast", self.published.broadcast)
+        return await asyncio.to_thread(send, rendezvous)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
