@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from asyncrl.observe.trace import traced
+from asyncrl.observe.trace import span, traced
 from asyncrl.role import RoleContext
 from asyncrl.roles.training.checkpoints import (
     CheckpointDir,
@@ -224,9 +224,20 @@ class Durability:
         if self.replaying:
             self.journal.replayed(record or {})
             return
+        with span("step log"):
+            self._log(step, batch, rng, state, record or {})
+
+    def _log(
+        self,
+        step: int,
+        batch: msgspec.Struct,
+        rng: dict[str, Any],
+        state: Callable[[], dict[str, Any]],
+        record: dict[str, Any],
+    ) -> None:
         self.faults.at("mid_step")
         encoded = msgspec.msgpack.encode(batch)
-        self.journal.log_step(step, record or {}, encoded, rng, self.last["result"])
+        self.journal.log_step(step, record, encoded, rng, self.last["result"])
         traced("checkpoint", self.journal.after_step)(step, lambda: self.state(state))
         if self.dp is not None:
             # No rank publishes nor replies before every rank has the step on disk.

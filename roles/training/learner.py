@@ -55,7 +55,7 @@ import msgspec
 import numpy as np
 import torch
 
-from asyncrl.observe.trace import traced
+from asyncrl.observe.trace import span, traced
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.plugins.registry import device_for
 from asyncrl.role import Delivery, Role, endpoint
@@ -401,7 +401,8 @@ class Learner(Role):
             self.trainer.set_peak_lr(batch.lr)
         if fresh:
             self.env_tokens_trained = 0.0
-            metrics = self._epochs(objective, fresh, batch)
+            with span("training epochs"):  # advantages, mini-batches, optimizer steps
+                metrics = self._epochs(objective, fresh, batch)
             if any(s.sample.loss_mask for s in fresh):  # episodes: 0 unless the mask broke
                 metrics["env_tokens_trained"] = self.env_tokens_trained
                 # ... and 0 unless an episode the environment failed reached the learner

@@ -26,6 +26,11 @@ in-process through these methods. The role around it adds the endpoints, the dur
   ranks' gradients summed, clipped to ``grad_clip``, one AdamW step and one schedule step.
   ``train_epochs`` runs ``epochs x parts`` of them over a batch, shuffled by ``(seed, step,
   epoch)``, so a resumed trainer draws the same split.
+- **Spans.** With tracing on (``asyncrl.observe.trace``) it records where a step's time goes:
+  ``forward`` (rows padded and moved to the device, then the model), ``model forward``,
+  ``micro-batch loss`` (the objective on a micro-batch, its forward pass included),
+  ``optimizer step`` (a whole step) and ``optimizer`` (AdamW and the schedule);
+  ``asyncrl bench learner`` reads them.
 - **State.** ``state`` is what a checkpoint holds of the trainer (a sharded rank: its own
   shards and the group size); ``load_state`` puts back one state written at this world size,
   ``load_states`` the states of every rank of a group of any size (resharding).
@@ -39,6 +44,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.observe.trace import span
 from asyncrl.plugins.registry import dtype_for, sharding_for
 from asyncrl.roles.learning import algorithms as alg
 from asyncrl.roles.learning.batching import (
@@ -219,9 +225,13 @@ class Trainer:
         """Each token's log-prob of the next one, [B, L] (the last column 0), and the logits
         [B, L, V], of a causal LM: every output keeps the input's length, so a compiled graph's
         padded outputs are cut back (``Compiler.compile``)."""
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
-        ).logits
+        with span("model forward"):
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=False,
+            ).logits
         # At least float32 (a bf16 model's logits are widened); a float64 model keeps float64.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logprobs = self.plugin.ops.logprobs(logits[:, :-1], input_ids[:, 1:])
@@ -231,12 +241,13 @@ class Trainer:
         """A causal LM's forward pass on the samples (with gradients): each completion
         position's log-prob, the target mask, the logits; ``compiled``: through the compiled
         graph of the rows' length bucket (with ``settings.compile``)."""
-        input_ids, attention, positions, target = self.inputs(samples)
-        run: Any = self.model_logprobs
-        if compiled and self.compiled is not None:
-            run = self.compiled.forward
-        logprobs, logits = run(input_ids, attention, positions)
-        return Forward(logprobs[:, :-1], target, logits[:, :-1])
+        with span("forward"):
+            input_ids, attention, positions, target = self.inputs(samples)
+            run: Any = self.model_logprobs
+            if compiled and self.compiled is not None:
+                run = self.compiled.forward
+            logprobs, logits = run(input_ids, attention, positions)
+            return Forward(logprobs[:, :-1], target, logits[:, :-1])
 
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Each sample's completion log-probs under the current weights, in eval mode and
@@ -347,6 +358,18 @@ class Trainer:
             adjust: applied to the summed metrics before ``once``'s are added.
             once: a term backpropagated once per step (``OnceTerm``).
         """
+        with span("optimizer step"):
+            return self._optimizer_step(samples, loss, mask, total, adjust, once)
+
+    def _optimizer_step(
+        self,
+        samples: Sequence[Scored],
+        loss: MicroLoss,
+        mask: torch.Tensor | None,
+        total: float | None,
+        adjust: Callable[[dict[str, float]], dict[str, float]] | None,
+        once: OnceTerm | None,
+    ) -> dict[str, float]:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
         if mask is None:
@@ -358,7 +381,8 @@ class Trainer:
         for chunk in chunks:
             share = float(alg.aggregate_weight(mask[chunk], s.aggregation))
             weight = share / total if total else 0.0
-            value, parts = loss(chunk, weight)
+            with span("micro-batch loss"):
+                value, parts = loss(chunk, weight)
             (value * weight).backward()  # type: ignore[no-untyped-call]
             for key, part in parts.items():
                 sums[key] = sums.get(key, 0.0) + part
@@ -382,9 +406,10 @@ class Trainer:
         metrics = {**sums, "grad_norm": float(grad_norm)}
         if self.scheduler is not None:
             metrics["lr"] = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        with span("optimizer"):
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
         return metrics
 
     # -- state --------------------------------------------------------------------------------
