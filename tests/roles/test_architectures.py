@@ -449,10 +449,10 @@ def test_critic_values_line_up_with_completion_tokens(tmp_path: Any, arch: str) 
 
         learner = unstarted_learner(tmp_path, arch, tied=True)
         await learner.setup()
-        path = asyncio.run(learner.export(os.path.join(str(tmp_path), "exports", "policy")))
+        path = await learner.export(os.path.join(str(tmp_path), "exports", "policy"))
         loaded = Critic(RoleContext.local(config={"model_path": path}))
         await loaded.setup()
-        body, policy = loaded.model.state_dict(), learner.trainer.model.state_dict()
+        body, policy = loaded.trainer.model.state_dict(), learner.trainer.model.state_dict()
         shared = [k for k in body if k.startswith("model.")]
         assert shared and all(torch.equal(body[k], policy[k]) for k in shared)
         assert [len(v) for v in await loaded.values(samples)] == [len(s.token_ids) for s in samples]
