@@ -115,15 +115,15 @@ async def _rank_main(args: dict[str, Any]) -> dict[str, Any]:
     peak = _peak_mib()  # before any comparison adds to it
     diff = moved = None
     if ranks == 1:
-        torch.save(learner.model.state_dict(), args["reference"])
+        torch.save(learner.trainer.model.state_dict(), args["reference"])
         # How far the steps moved the weights: what a parity of 0 is to be read against.
         start = build_model("", MODEL, 0).state_dict()
-        trained = learner.model.state_dict()
+        trained = learner.trainer.model.state_dict()
         moved = max(float((trained[k] - start[k]).abs().max()) for k in start)
     elif os.path.exists(args["reference"]):
         reference = torch.load(args["reference"], mmap=True, weights_only=True)
         diff = 0.0
-        for bucket in full_buckets(learner.model, 256 << 20):
+        for bucket in full_buckets(learner.trainer.model, 256 << 20):
             for name, t in bucket.items():
                 if rank == 0:
                     diff = max(diff, float((t - reference[name]).abs().max()))

@@ -130,6 +130,7 @@ def test_runtime_benchmark_json() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # the command's own limit is 300 s; compiling takes most of it
 def test_learner_benchmark_json() -> None:
     out = subprocess.run(
         [
@@ -159,6 +160,23 @@ def test_learner_benchmark_json() -> None:
         figures["durable_step_ms_p50"] / figures["learner_step_ms_p50"]
     )
     assert figures["rollout_tokens_per_s"] > 0
+    # Where the small step's time goes, from the learner's and its trainer's tracing spans:
+    # each part a span, or a span less those nested in it, so none is negative.
+    parts = figures["small_breakdown_ms"]
+    assert list(parts) == [
+        "batching (pad, to device)",
+        "forward",
+        "loss",
+        "backward and grad clip",
+        "optimizer",
+        "advantages and split",
+        "step log (durable: false)",
+        "weight publish",
+        "metrics and ledger",
+        "reply encode",
+        "rpc and codec",
+    ]
+    assert all(parts[k] > 0 for k in list(parts)[:9]), parts
 
 
 def test_the_multinode_benchmarks_manifest_runs_on_one_node_with_its_overrides() -> None:

@@ -160,14 +160,14 @@ def test_the_learner_reports_its_memory_and_releases_after_each_step(
     assert (status["device"], status["memory_fraction"], status["releases"]) == ("cpu", 0.5, 0)
     assert status["memory"]["limit"] == int(0.5 * status["memory"]["total"])
     assert status["memory"]["allocated"] > 0
-    result = learner._train_step(_batch(4))
+    result = learner.train(_batch(4))
     assert result.step == 1
     status = learner.status()
     assert status["releases"] == 1
     before = status["last_release"]["allocated_before"]
     assert abs(result.metrics["memory_allocated_mib"] - before / 2**20) < 8
     assert status["last_release"]["allocated_before"] > 0
-    learner._train_step(_batch(4))  # the same samples: skipped, no step, nothing released
+    learner.train(_batch(4))  # the same samples: skipped, no step, nothing released
     assert learner.status()["releases"] == 1
 
 

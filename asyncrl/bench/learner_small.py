@@ -15,9 +15,12 @@ to the shared-memory store every step (the default). Three series, interleaved s
   keeps glibc's allocator as a user's script has it, where a role process holds its heap
   (``asyncrl.supervision.heap``); that is worth about 1,100 page faults a step to the loop.
 
-``small_breakdown_ms`` then runs the eager learner's ``_train_step`` in a process of its own and
-says where a step's time goes (means per step), with ``rpc and codec`` the driver's median less
-the in-process one. That process holds its heap as a role process does.
+``small_breakdown_ms`` then runs the eager learner's steps (``Learner.train``) in a process of its
+own with tracing on and says where a step's time goes (means per step), from the spans the
+learner and its trainer record (``training epochs``, ``optimizer step``, ``micro-batch loss``,
+``forward``, ``model forward``, ``optimizer``, ``step log``, ``weight publish``), with ``rpc and
+codec`` the driver's median less the in-process one. That process holds its heap as a role
+process does.
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ import os
 import random
 import statistics
 import time
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -41,6 +42,7 @@ from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.handles import Context
 from asyncrl.manifest.load import Supervision
 from asyncrl.manifest.spec import GroupInfo
+from asyncrl.observe import trace
 from asyncrl.role import RoleContext
 from asyncrl.roles.learning import algorithms as alg
 from asyncrl.roles.payloads import Sample
@@ -54,7 +56,7 @@ from asyncrl.roles.training.learner import (
 )
 from asyncrl.supervision.heap import hold_heap
 from asyncrl.supervision.supervisor import Supervisor
-from asyncrl.transport import LocalRegistry
+from asyncrl.transport import LocalRegistry, tracing
 
 __all__ = ["ARITH_MODEL", "PlainStep", "breakdown", "small_batch", "small_remote"]
 
@@ -194,17 +196,6 @@ async def small_remote(
     return times
 
 
-def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[name] += time.perf_counter() - t0
-
-    return run
-
-
 def breakdown(run_dir: str, steps: int, driver_ms: float) -> dict[str, float]:
     """Where the eager learner's step goes, in ms per step (see the module docstring), measured
     in a process of its own."""
@@ -216,50 +207,43 @@ def breakdown(run_dir: str, steps: int, driver_ms: float) -> dict[str, float]:
 def _breakdown(run_dir: str, steps: int, driver_ms: float) -> dict[str, float]:
     torch.set_num_threads(1)
     hold_heap()  # as a role process does
+    folder = os.path.join(run_dir, "trace")
+    recorder = tracing.install(tracing.Recorder(folder, "learner.0"))
     ctx = RoleContext.local(config=CONFIG, run_dir=run_dir, name="learner")
     learner = Learner(ctx)
     asyncio.run(learner.setup())
-    acc: dict[str, float] = collections.defaultdict(float)
-    wrapped = {
-        "_train_step": learner,
-        "_train": learner,
-        "_optimizer_step": learner,
-        "_loss": learner,
-        "_forward_logprobs": learner,
-        "_model_logprobs": learner,
-        "_durable_step": learner,
-        "publish": learner.published,
-        "step": learner.optimizer,
-    }
-    for name, owner in wrapped.items():
-        setattr(owner, name, _timed(acc, name, getattr(owner, name)))
-    totals, encode = [], 0.0
-    with warnings.catch_warnings():  # the scheduler sees optimizer.step wrapped
-        warnings.simplefilter("ignore", UserWarning)
-        for step in range(steps + WARMUP):
-            if step == WARMUP:
-                acc.clear()
-            batch = small_batch(step)
-            t0 = time.perf_counter()
-            result = learner._train_step(batch)
-            totals.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            msgspec.msgpack.encode(result)
-            encode += time.perf_counter() - t0 if step >= WARMUP else 0.0
+    totals, encode, timed_from = [], 0.0, 0
+    for step in range(steps + WARMUP):
+        if step == WARMUP:
+            timed_from = tracing.clock()
+        batch = small_batch(step)
+        t0 = time.perf_counter()
+        result = learner.train(batch)
+        totals.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        msgspec.msgpack.encode(result)
+        encode += time.perf_counter() - t0 if step >= WARMUP else 0.0
     asyncio.run(learner.teardown())
-    ms = {k: v / steps * 1e3 for k, v in acc.items()}
+    recorder.flush()
+    tracing.uninstall()
+    ms: dict[str, float] = collections.defaultdict(float)
+    for proc in trace.load(folder):
+        for _, name, _thread, start, end, *_ in proc.spans:
+            if start >= timed_from:
+                ms[name] += (end - start) / 1e6 / steps
     in_process = statistics.median(totals[WARMUP:]) * 1e3
+    step_ms = statistics.fmean(totals[WARMUP:]) * 1e3
     return {
-        "batching (pad, to device)": ms["_forward_logprobs"] - ms["_model_logprobs"],
-        "forward": ms["_model_logprobs"],
-        "loss": ms["_loss"] - ms["_forward_logprobs"],
-        "backward and grad clip": ms["_optimizer_step"] - ms["_loss"] - ms["step"],
-        "optimizer": ms["step"],
-        "advantages and split": ms["_train"] - ms["_optimizer_step"],
-        "step log (durable: false)": ms["_durable_step"],
-        "weight publish": ms["publish"],
+        "batching (pad, to device)": ms["forward"] - ms["model forward"],
+        "forward": ms["model forward"],
+        "loss": ms["micro-batch loss"] - ms["forward"],
+        "backward and grad clip": ms["optimizer step"] - ms["micro-batch loss"] - ms["optimizer"],
+        "optimizer": ms["optimizer"],
+        "advantages and split": ms["training epochs"] - ms["optimizer step"],
+        "step log (durable: false)": ms["step log"],
+        "weight publish": ms["weight publish"],
         "metrics and ledger": (
-            ms["_train_step"] - ms["_train"] - ms["_durable_step"] - ms["publish"]
+            step_ms - ms["training epochs"] - ms["step log"] - ms["weight publish"]
         ),
         "reply encode": encode / steps * 1e3,
         "rpc and codec": driver_ms - in_process - encode / steps * 1e3,

@@ -1,8 +1,9 @@
 """The weight store: versioned weights from a publisher to the readers of one host, through
 shared memory.
 
-Owns: the segment's layout (``layout``), its writer (``store``), its reader (``reader``) and
-where a publisher leaves its handle (``handles``, which also describes the protocol).
+Owns: the segment's layout (``layout``), its writer (``store``), its reader (``reader``),
+where a publisher leaves its handle (``handles``, which also describes the protocol), and the
+broadcast of a store's version to a relay of another host (``broadcast``).
 
 May import: the core (``asyncrl.errors``, ``asyncrl.safe_files``) and the transport.
 """

@@ -33,7 +33,7 @@ With ``transport: broadcast`` the weights cross through the hardware plugin's br
 on CPU, NCCL on GPUs) instead of tensor frames. For each transfer the relay hosts a rendezvous
 store (a ``torch.distributed.TCPStore`` on a free port, which the source reaches at this host's
 address that routes to it, or ``broadcast_address``) and calls the source's ``broadcast_weights``
-(``asyncrl.roles.training.learner_weights``) with it; the two form a standalone group of two ranks
+(``asyncrl.weights.broadcast``) with it; the two form a standalone group of two ranks
 (``Communication.pair_group``, never the default group: a data-parallel learner is in one).
 The source, rank 0, broadcasts the version its store holds: a header (version, tensor table,
 bucket sizes), then one flat uint8 buffer per bucket of at most ``bucket_mib`` (a larger
@@ -68,17 +68,23 @@ import msgspec
 import torch
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from asyncrl.errors import AsyncrlError, ConfigProblem, StallError, TornReadError
+from asyncrl.errors import AsyncrlError, ConfigProblem, StallError
 from asyncrl.plugins.contract import CollectiveTimeoutError
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.generation.rollout import WeightsUpdate
-from asyncrl.roles.training.learner_weights import READY, BucketTable, Rendezvous, remaining
 from asyncrl.supervision.store_registry import node_address
 from asyncrl.transport import ChannelOptions, Client
 from asyncrl.transport.codec import torch_dtypes
 from asyncrl.transport.shm import host_id
 from asyncrl.weights import NO_VERSION, WeightStore, handle_path, write_handle
+from asyncrl.weights.broadcast import (
+    READY,
+    BucketTable,
+    Rendezvous,
+    received_buckets,
+    remaining,
+)
 from asyncrl.weights.layout import check_names, check_tensor
 
 __all__ = ["Relay", "RelayStatus"]
@@ -399,7 +405,7 @@ class Relay(Role):
             header = torch.empty(int(length.item()), dtype=torch.uint8)
             receive(header)
             table = msgspec.msgpack.decode(header.numpy().tobytes(), type=BucketTable)
-            self._publish_buckets(table, _buckets(table, receive, self.config.source))
+            self._publish_buckets(table, received_buckets(table, receive, self.config.source))
         self.pulls += 1
         self.bytes_pulled += sum(spec.nbytes for spec in table.tensors)
         return table.version
@@ -486,35 +492,6 @@ class Relay(Role):
                         f"this host?"
                     ) from exc
             await asyncio.sleep(_RETRY_S)
-
-
-def _buckets(
-    table: BucketTable, receive: Callable[[torch.Tensor], None], source: str
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Each bucket of ``table`` as it is received, its tensors views of one reused buffer
-    (a bucket is written into the store before the next one is received).
-
-    Raises:
-        TornReadError: the source overwrote the version while it sent this bucket.
-    """
-    dtypes = torch_dtypes()
-    buffer = torch.empty(max(table.sizes, default=0) + 1, dtype=torch.uint8)
-    first = 0
-    for number, (count, size) in enumerate(zip(table.buckets, table.sizes, strict=True)):
-        chunk = buffer[: size + 1]
-        receive(chunk)
-        if chunk[size].item():
-            raise TornReadError(
-                f"{source} overwrote version {table.version} while sending bucket {number}; "
-                f"the relay asks again"
-            )
-        yield {
-            spec.name: chunk[spec.offset : spec.offset + spec.nbytes]
-            .view(dtypes[spec.dtype])
-            .view(spec.shape)
-            for spec in table.tensors[first : first + count]
-        }
-        first += count
 
 
 def _fits(store: WeightStore, update: WeightsUpdate) -> bool:

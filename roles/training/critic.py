@@ -20,6 +20,10 @@ one step per batch. It replies with a ``CriticStepResult``: the step count, the 
 taken and the loss figures averaged over them (a fixed set, so typed fields rather than the
 learner's open metrics dict).
 
+The model, its placement and sharding, the optimizer and the micro-batched step belong to its
+``Trainer`` (``asyncrl.roles.training.trainer``), the learner's too: the clipped value loss is
+the objective the critic hands it (``_optimizer_step``).
+
 The returns must be the ones the learner's advantages came from, so the settings that shape
 them (``gamma``, ``lam``, and with ``kl_mode: reward`` the per-token penalty ``-kl_coef * KL``
 with ``kl_estimator``) mirror the learner's config; ``check_matches_learner`` says where two
@@ -41,8 +45,8 @@ the group.
 **Durable** (``durable: wal``, the default, as the learner): each step's batch is in a
 write-ahead log before the reply, checkpoints are written in the background, and a restarted
 critic (or group) loads the newest and replays the steps after it, bit for bit
-(``asyncrl.roles.training.critic_durable``); a batch re-sent with its id gets the step's result
-back.
+(``asyncrl.roles.training.durability``, as the learner's); a batch re-sent with its id gets the
+step's result back.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import msgspec
 import torch
 
 from asyncrl.plugins.registry import current as current_plugin
-from asyncrl.plugins.registry import device_for, dtype_for, sharding_for
+from asyncrl.plugins.registry import device_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.generation.rollout import Sample
@@ -66,25 +70,20 @@ from asyncrl.roles.learning.batching import (
     gae_targets,
     loss_masks,
     mean_over_steps,
-    micro_batches,
-    mini_batch_indices,
-    pad_batch,
 )
 from asyncrl.roles.payloads import CriticBatch, CriticStepResult, Scored
-from asyncrl.roles.training import sharding as sh
-from asyncrl.roles.training.critic_durable import CriticDurable
 from asyncrl.roles.training.critic_lockstep import CriticCall, Lockstep, TrainStep, Values
 from asyncrl.roles.training.data_parallel import (
     DataParallel,
     DataParallelError,
     fingerprint,
     join_role,
-    rank_chunks,
-    share_out,
     state_checksum,
 )
+from asyncrl.roles.training.durability import Durability
+from asyncrl.roles.training.trainer import Trainer, TrainerSettings
 
-__all__ = ["RETURN_SETTINGS", "Critic", "check_matches_learner"]
+__all__ = ["RETURN_SETTINGS", "Critic", "check_matches_learner", "value_model", "value_targets"]
 
 RETURN_SETTINGS = ("gamma", "lam", "kl_mode", "kl_coef", "kl_estimator")
 """The config keys, shared by learner and critic, that shape PPO's returns."""
@@ -122,10 +121,48 @@ def check_matches_learner(learner: Mapping[str, Any], critic: Mapping[str, Any])
         )
 
 
+def value_model(config: Any) -> torch.nn.Module:
+    """The value model of a critic's config: a one-output token-classification head on
+    ``model_path``'s body (a new head) or on one built from ``model_config``.
+
+    Raises:
+        ValueError: neither is set.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    auto: Any = AutoModelForTokenClassification  # its class methods are untyped
+    if config.model_path:
+        model: torch.nn.Module = auto.from_pretrained(config.model_path, num_labels=1)
+    elif config.model_config:
+        model = auto.from_config(AutoConfig.for_model(**config.model_config, num_labels=1))
+    else:
+        raise ValueError("critic: set model_path or model_config")
+    return model
+
+
+def value_targets(config: Any, batch: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old values and the return targets of ``batch`` under a critic's ``config``, [B, T]
+    right-aligned (T: the longest completion): the same returns the learner's advantages come
+    from (``gae_targets``)."""
+    _, returns, mask = gae_targets(
+        batch,
+        gamma=config.gamma,
+        lam=config.lam,
+        kl_coef=config.kl_coef,
+        kl_estimator=config.kl_estimator,
+        kl_mode=config.kl_mode,
+    )
+    old = torch.zeros_like(mask)
+    for i, s in enumerate(batch):
+        if s.values:
+            old[i, mask.shape[1] - len(s.values) :] = torch.tensor(s.values)
+    return old, returns
+
+
 T = TypeVar("T")
 
 
-class Critic(CriticDurable, Role):
+class Critic(Role):
     """Serves per-token values and learns them. With replicas (replicated, or sharded with
     ``parallel: fsdp``), callers send every call to replica 0, which runs it on every rank in
     one order (docs/sharding.md)."""
@@ -225,9 +262,18 @@ class Critic(CriticDurable, Role):
                 join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.device
             )
             self.dp.hint = GROUP_HINT
-            if self.sharded:
-                await self.ctx.offload(self._shard)
-        self._open_journal()
+            await self.ctx.offload(self.trainer.join, self.dp)
+        cfg = self.config
+        self.durability = Durability(
+            self.ctx,
+            durable=cfg.durable,
+            every=cfg.checkpoint_every,
+            every_s=cfg.checkpoint_every_s,
+            keep=cfg.keep_checkpoints if self.dp is None else max(2, cfg.keep_checkpoints),
+            dp=self.dp,
+            pin=self.plugin.device.pin,
+            step_log=False,  # its batches are the learner's, which keeps the ledger
+        )
         # The newest checkpoint, then the logged steps after it: only then does it serve.
         await self.ctx.offload(self._restore)
         if self.dp is not None:
@@ -241,45 +287,28 @@ class Critic(CriticDurable, Role):
             self.lockstep.start()
 
     def _build(self) -> None:
-        from transformers import AutoConfig, AutoModelForTokenClassification
-
         cfg = self.config
         # Device, dtype and RNG seeding come from the hardware plugin registry.
         self.plugin = current_plugin()
         self.device = device_for(self.ctx.device, self.plugin)
         # Before the model lands on a device it may share: the placement's memory share.
         self.share = DeviceShare.for_role(self.ctx, self.device, self.plugin)
-        self.sharded = cfg.parallel == "fsdp" and self.ctx.replicas > 1
-        auto: Any = AutoModelForTokenClassification  # its class methods are untyped
-        # Seeded either way: a pretrained body gets a new value head, the same on every rank.
-        self.plugin.device.manual_seed(cfg.seed)
-        if cfg.model_path:
-            model = auto.from_pretrained(cfg.model_path, num_labels=1)
-        elif cfg.model_config:
-            model = auto.from_config(AutoConfig.for_model(**cfg.model_config, num_labels=1))
-        else:
-            raise ValueError("critic: set model_path or model_config")
-        dtype = dtype_for(cfg.dtype, self.device, self.plugin)
-        # Sharded ranks keep float32 parameters unless the config names a dtype, and compute
-        # in the plugin's precision (its mixed-precision policy), as a sharded learner does.
-        storage = torch.float32 if self.sharded and not cfg.dtype else dtype
-        self.model = model.to(device=self.device, dtype=storage)
-        self.model.train(False)  # no dropout: values must not depend on the call
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        self.step = 0
-
-    def _shard(self) -> None:
-        """FSDP2 over the group (``asyncrl.roles.training.sharding``); the optimizer is made again
-        over the sharded parameters."""
-        assert self.dp is not None
-        cfg = self.config
-        sh.shard(
-            self.model,
-            sharding_for(self.plugin),
-            self.dp.world,
+        # Seeded either way (the trainer seeds before it builds): a pretrained body gets a new
+        # value head, the same on every rank. No dropout: values must not depend on the call.
+        settings = TrainerSettings(
+            seed=cfg.seed,
+            lr=cfg.lr,
+            grad_clip=cfg.grad_clip,
+            aggregation=cfg.aggregation,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            pad_id=cfg.pad_id,
+            dtype=cfg.dtype,
+            sharded=cfg.parallel == "fsdp" and self.ctx.replicas > 1,
             activation_checkpointing=cfg.activation_checkpointing,
         )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        build = lambda: value_model(cfg)  # noqa: E731
+        self.trainer = Trainer(settings, build, plugin=self.plugin, device=self.device)
+        self.step = 0
 
     def _check_same_start(self) -> None:
         """Raise unless every rank has the same config and step (and, replicated, the same
@@ -287,8 +316,8 @@ class Critic(CriticDurable, Role):
         assert self.dp is not None
         values = [fingerprint(msgspec.json.encode(self.config)), self.step]
         labels = ["config", "step"]
-        if not self.sharded:
-            values.append(state_checksum(self.model))
+        if not self.trainer.sharded:
+            values.append(state_checksum(self.trainer.model))
             labels.append("weights")
         self.dp.check_same("the critic's start", values, labels)
 
@@ -303,7 +332,7 @@ class Critic(CriticDurable, Role):
         os._exit(1)
 
     async def teardown(self) -> None:
-        await self.ctx.offload(self.journal.close)
+        await self.ctx.offload(self.durability.close)
         if self.lockstep is not None:
             try:
                 ended = await self.ctx.offload(self.lockstep.close, self.config.dist_timeout_s)
@@ -335,7 +364,7 @@ class Critic(CriticDurable, Role):
             batch = CriticBatch(batch)
         if self.lockstep is None:
             self._check_batch(batch.samples)
-            return await self.ctx.offload(self._working(self._train_step), batch)
+            return await self.ctx.offload(self._working(self.train), batch)
         self._refuse_unless_leader("train_step")
         self._check_batch(batch.samples)  # before every rank has it: a refusal breaks nothing
         call = TrainStep(batch.samples, batch.id)
@@ -360,7 +389,7 @@ class Critic(CriticDurable, Role):
         self._select_device()
         if isinstance(call, Values):
             return self._values(call.samples)
-        return self._train_step(CriticBatch(call.batch, call.id))
+        return self.train(CriticBatch(call.batch, call.id))
 
     def _working(self, fn: Callable[..., T]) -> Callable[..., T]:
         """``fn`` as a unit of work of the device share (released after, when idle)."""
@@ -375,20 +404,21 @@ class Critic(CriticDurable, Role):
     def _forward(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         """The values of every position that predicts a token, [B, L-1] in at least float32,
         and the target mask of the completion tokens (``pad_batch``)."""
-        input_ids, attention, positions, target = (
-            t.to(self.device)
-            for t in pad_batch(
-                [s.prompt_ids for s in samples],
-                [s.token_ids for s in samples],
-                self.config.pad_id,
-                loss_masks(samples),
-            )
-        )
-        out = self.model(
+        input_ids, attention, positions, target = self.trainer.inputs(samples)
+        out = self.trainer.model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
         )
         values = out.logits[:, :-1, 0]
         return values.to(torch.promote_types(values.dtype, torch.float32)), target
+
+    def _value_rows(self, samples: list[Sample]) -> list[list[float]]:
+        """Each sample's values, from one forward pass (no gradient)."""
+        values, _ = self._forward(samples)
+        width = values.shape[1]
+        return [
+            values[i, width - len(s.token_ids) :].tolist() if s.token_ids else []
+            for i, s in enumerate(samples)
+        ]
 
     def _values(self, samples: list[Sample]) -> list[list[float]]:
         """Each sample's values; with replicas, each rank computes those of its token share
@@ -396,46 +426,7 @@ class Critic(CriticDurable, Role):
         if not samples:
             return []
         scored = [Scored(sample=s) for s in samples]  # what the shares and micro-batches read
-        shares, rank = share_out(scored, self.dp)
-        share = shares[rank]
-        mine = [samples[i] for i in share]
-        budget = self.config.micro_batch_tokens
-        rows: list[list[float]] = []
-        with torch.no_grad():
-            chunks = micro_batches([scored[i] for i in share], budget) if share else []
-            for chunk in chunks:
-                part = [mine[i] for i in chunk]
-                values, _ = self._forward(part)
-                width = values.shape[1]
-                rows += [
-                    values[i, width - len(s.token_ids) :].tolist() if s.token_ids else []
-                    for i, s in enumerate(part)
-                ]
-            if self.sharded:
-                assert self.dp is not None
-                sh.keep_pace(self.model, scored, self.dp, self.config, len(chunks), backward=False)
-        if self.dp is None:
-            return rows
-        lengths = [len(s.token_ids) for s in samples]
-        return self.dp.gather_rows(rows, shares, lengths, what="the values' all-gather")
-
-    def _targets(self, batch: list[Scored]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The old values and the return targets, [B, T] right-aligned (T: the longest
-        completion), the same returns the learner's advantages come from."""
-        cfg = self.config
-        _, returns, mask = gae_targets(
-            batch,
-            gamma=cfg.gamma,
-            lam=cfg.lam,
-            kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator,
-            kl_mode=cfg.kl_mode,
-        )
-        old = torch.zeros_like(mask)
-        for i, s in enumerate(batch):
-            if s.values:
-                old[i, mask.shape[1] - len(s.values) :] = torch.tensor(s.values)
-        return old, returns
+        return self.trainer.rows(scored, self._value_rows, what="the values' all-gather")
 
     def _check_batch(self, batch: list[Scored]) -> None:
         """Raise unless ``batch`` can be split into ``mini_batches``.
@@ -451,33 +442,35 @@ class Critic(CriticDurable, Role):
                 f"samples or lower roles.{self.ctx.name}.config.mini_batches"
             )
 
-    def _train_step(self, critic_batch: CriticBatch | list[Scored]) -> CriticStepResult:
-        """``ppo_epochs x mini_batches`` value-loss steps on the batch; the metrics averaged
-        over the steps, and their count (the last step's result, for its batch re-sent).
+    def train(self, critic_batch: CriticBatch | list[Scored]) -> CriticStepResult:
+        """``ppo_epochs x mini_batches`` value-loss steps on the batch, in the calling thread
+        (``train_step`` runs it in the compute thread, on every rank of a group); the metrics
+        averaged over the steps, and their count (the last step's result, for its batch
+        re-sent).
 
         Raises:
             ValueError: the batch holds fewer samples than ``mini_batches``.
         """
         if not isinstance(critic_batch, CriticBatch):
             critic_batch = CriticBatch(critic_batch)
-        rng = self._step_rng()
-        repeat = self._repeat(critic_batch)
+        rng = self.durability.step_rng()
+        repeat = self.durability.repeat(critic_batch.id, CriticStepResult)
         if repeat is not None:
             return repeat
         cfg, batch = self.config, critic_batch.samples
         self._check_batch(batch)
-        old, returns = self._targets(batch)
-        steps = []
-        for epoch in range(cfg.ppo_epochs):
-            split = mini_batch_indices(
-                len(batch), cfg.mini_batches, seed=cfg.seed, step=self.step, epoch=epoch
-            )
-            for part in split:
-                steps.append(
-                    self._optimizer_step([batch[i] for i in part], old[part], returns[part])
-                )
-        if self.dp is not None:
-            steps = self.dp.sum_metrics(steps)
+        old, returns = value_targets(cfg, batch)
+
+        def mini_batch(part: list[int]) -> dict[str, float]:
+            return self._optimizer_step([batch[i] for i in part], old[part], returns[part])
+
+        steps = self.trainer.train_epochs(
+            len(batch),
+            epochs=cfg.ppo_epochs,
+            parts=cfg.mini_batches,
+            step=self.step,
+            run=mini_batch,
+        )
         self.step += 1
         means = mean_over_steps(steps)
         result = CriticStepResult(
@@ -487,26 +480,43 @@ class Critic(CriticDurable, Role):
             value_clip_fraction=means["value_clip_fraction"],
             grad_norm=means["grad_norm"],
         )
-        self._durable_step(critic_batch, result, rng)
+        self.durability.took(critic_batch.id, result)
+        self.durability.made_durable(self.step, critic_batch, rng, self._state)
         return result
+
+    # -- durable state (worker thread) -------------------------------------------------------
+
+    def _restore(self) -> None:
+        """The newest checkpoint, then the logged steps after it (``Durability.restore``)."""
+        self.durability.restore(
+            load=self._load,
+            replay=lambda data: self.train(msgspec.msgpack.decode(data, type=CriticBatch)).step,
+            state=self._state,
+        )
+
+    def _state(self) -> dict[str, Any]:
+        """The critic's part of a checkpoint: its trainer's state and its step."""
+        return {**self.trainer.state(), "step": self.step}
+
+    def _load(self, state: dict[str, Any]) -> int:
+        self.trainer.load_state(state)
+        self.step = int(state["step"])
+        return self.step
 
     def _optimizer_step(
         self, samples: list[Scored], old: torch.Tensor, returns: torch.Tensor
     ) -> dict[str, float]:
-        """One clipped value-loss step on a mini-batch; ``old`` and ``returns`` are its rows of
-        the batch's [B, T] right-aligned targets.
+        """One clipped value-loss step on a mini-batch (``Trainer.optimizer_step``); ``old``
+        and ``returns`` are its rows of the batch's [B, T] right-aligned targets.
 
-        This rank's micro-batches (all of the mini-batch's, alone; its token share, with
-        replicas: ``rank_chunks``) each weigh their part of the mini-batch's aggregate, so the
-        gradients, summed over micro-batches and ranks, are the mini-batch's; the clip fraction
-        is weighed by tokens, so it is the mini-batch's token mean."""
+        Each micro-batch weighs its part of the mini-batch's aggregate (the trainer's
+        weight), so the gradients, summed over micro-batches and ranks, are the mini-batch's;
+        the clip fraction is weighed by tokens, so it is the mini-batch's token mean."""
         cfg = self.config
-        self.optimizer.zero_grad(set_to_none=True)
         mask = completion_mask([len(s.sample.token_ids) for s in samples], loss_masks(samples))
-        chunks, total = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
         tokens = float(mask.sum())
-        sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
-        for chunk in chunks:
+
+        def value_loss(chunk: list[int], weight: float) -> tuple[torch.Tensor, dict[str, float]]:
             part = [samples[i] for i in chunk]
             values, target = self._forward([s.sample for s in part])
             # The targets' columns end where the completions end; the micro-batch's longest
@@ -526,20 +536,12 @@ class Critic(CriticDurable, Role):
                 cfg.aggregation,
                 norm_len=cfg.norm_len,
             )
-            weight = (
-                float(alg.aggregate_weight(mask[chunk], cfg.aggregation)) / total if total else 0.0
-            )
-            (loss * weight).backward()  # type: ignore[no-untyped-call]
-            sums["value_loss"] += float(loss.detach()) * weight
             counted = float(target.sum()) / tokens if tokens else 0.0
-            sums["value_clip_fraction"] += float(stats["value_clip_fraction"]) * counted
-        if self.sharded:
-            assert self.dp is not None
-            sh.keep_pace(self.model, samples, self.dp, cfg, len(chunks), backward=True)
-        elif self.dp is not None:  # replicated: sum them (FSDP reduce-scatters sharded ones)
-            self.dp.all_reduce_grads(self.model.parameters())
-        grad_norm = sh.full_tensor(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        )
-        self.optimizer.step()
-        return {**sums, "grad_norm": float(grad_norm)}
+            return loss, {
+                "value_loss": float(loss.detach()) * weight,
+                "value_clip_fraction": float(stats["value_clip_fraction"]) * counted,
+            }
+
+        metrics = self.trainer.optimizer_step(samples, value_loss, mask=mask)
+        # Both figures, 0 on a rank with no micro-batch of this mini-batch.
+        return {"value_loss": 0.0, "value_clip_fraction": 0.0, **metrics}

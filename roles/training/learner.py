@@ -19,7 +19,7 @@ in a write-ahead log on disk, and checkpoints are written in the background ever
 ``checkpoint_every`` steps or ``checkpoint_every_s`` seconds; a restarted learner loads the newest
 and replays the logged steps after it, so it resumes at its last acknowledged step, bit for bit,
 and a re-sent ``TrainBatch.id`` gets that step's result back (``asyncrl.roles.training.journal``,
-``asyncrl.roles.training.learner_durable``, docs/reliability.md). ``durable: checkpoint`` writes a
+``asyncrl.roles.training.durability``, docs/reliability.md). ``durable: checkpoint`` writes a
 whole checkpoint before every reply instead. ``export`` writes only into ``RUN_DIR/exports`` (a
 relative path goes there) or the ``write_paths`` the manifest allows, never over the run's own
 state (``asyncrl.roles.training.learner_export``).
@@ -30,7 +30,13 @@ They either replicate the model and all-reduce gradients (``asyncrl.roles.traini
 or, with ``parallel: fsdp``, shard it (``asyncrl.roles.training.sharding``, docs/sharding.md);
 either way the step is the one a single learner takes on the whole batch. Each rank keeps its own
 step log and checkpoints; replica 0 publishes the weights
-(``asyncrl.roles.training.learner_weights``).
+(``asyncrl.roles.training.learner_weights``) and sends them to relays of other hosts
+(``broadcast_weights``, ``asyncrl.weights.broadcast``).
+
+The model, its placement and sharding, the optimizer and schedule and the micro-batched
+optimizer step belong to its ``Trainer`` (``asyncrl.roles.training.trainer``); the learner holds
+what makes it the policy's: the objective of each batch, its advantages, epochs and
+mini-batches, the ledger, the version, and the endpoints.
 
 Log-probs are computed with left padding and position ids derived from the attention mask, the
 same convention as the rollout engine (``asyncrl.roles.learning.batching``), so the learner's
@@ -39,6 +45,7 @@ recompute of a sample equals its behaviour log-probs under the same weights.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping
@@ -48,9 +55,9 @@ import msgspec
 import numpy as np
 import torch
 
-from asyncrl.observe.trace import traced
+from asyncrl.observe.trace import span, traced
 from asyncrl.plugins.registry import current as current_plugin
-from asyncrl.plugins.registry import device_for, dtype_for, sharding_for
+from asyncrl.plugins.registry import device_for
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.device_report import DeviceShare
 from asyncrl.roles.generation.rollout import WeightsUpdate
@@ -63,8 +70,6 @@ from asyncrl.roles.learning.batching import (
     gae_targets,
     loss_masks,
     mean_over_steps,
-    micro_batches,
-    mini_batch_indices,
     pad_batch,
 )
 from asyncrl.roles.learning.statistics import percentiles, staleness
@@ -84,26 +89,22 @@ from asyncrl.roles.training.data_parallel import (
     check_restored,
     fingerprint,
     join_role,
-    rank_chunks,
-    share_out,
 )
-from asyncrl.roles.training.learner_compile import CompiledStep
+from asyncrl.roles.training.durability import Durability
 from asyncrl.roles.training.learner_config import LearnerConfig
-from asyncrl.roles.training.learner_durable import DurableSteps
 from asyncrl.roles.training.learner_export import export_pretrained, writable
-from asyncrl.roles.training.learner_weights import PublishedWeights, WeightBroadcast
+from asyncrl.roles.training.learner_weights import PublishedWeights
 from asyncrl.roles.training.models import build_model, preload_model_class
 from asyncrl.roles.training.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.training.objective import (
-    Forward,
     MicroBatch,
     Objective,
-    batch_advantages,
     batch_objective,
     bc_coef,
     nll,
 )
-from asyncrl.supervision.faults import FaultPlan
+from asyncrl.roles.training.trainer import Trainer, TrainerSettings
+from asyncrl.weights.broadcast import Rendezvous
 
 __all__ = [
     "Learner",
@@ -125,7 +126,40 @@ MEMORY_EVERY_S = 1.0
 two files of /proc, a millisecond of a small step)."""
 
 
-class Learner(DurableSteps, WeightBroadcast, Role):
+def trainer_settings(cfg: LearnerConfig, sharded: bool) -> TrainerSettings:
+    """The ``Trainer``'s settings from a learner's config; ``sharded``: ``parallel: fsdp``
+    with replicas (a sharded rank reads its slices of ``model_path``)."""
+    return TrainerSettings(
+        seed=cfg.seed,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
+        fused_optimizer=cfg.fused_optimizer,
+        grad_clip=cfg.grad_clip,
+        aggregation=cfg.aggregation,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        pad_id=cfg.pad_id,
+        dtype=cfg.dtype,
+        sharded=sharded,
+        activation_checkpointing=cfg.activation_checkpointing,
+        dropout=cfg.dropout,
+        pretrained=cfg.model_path if sharded else "",
+        compile=cfg.compile,
+    )
+
+
+def policy_model(cfg: LearnerConfig, sharded: bool) -> torch.nn.Module:
+    """The policy of a learner's config: ``model_path``'s, or one built from
+    ``model_config``; a ``sharded`` rank builds a pretrained model empty (on ``meta``) and
+    then reads only its own slices (``Trainer.join``)."""
+    if sharded and cfg.model_path:
+        model: torch.nn.Module = sh.empty_pretrained(cfg.model_path)
+        return model
+    built: torch.nn.Module = build_model(cfg.model_path, cfg.model_config, cfg.seed)
+    return built
+
+
+class Learner(Role):
     """Trains the policy; serves its weights, log-probs, checkpoints and exports."""
 
     Config = LearnerConfig
@@ -145,9 +179,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.step = 0
         self.consumed: set[tuple[str, int]] = set()
         self.keep = ProgramState()
-        self.last: dict[str, Any] = {}  # the last step: its batch id and result
         self.env_tokens_trained = 0.0  # in this step's loss (episodes; see env_tokens_in)
-        self.faults = FaultPlan.from_env(self.ctx.incarnation)
         self.dp: DataParallel | None = None
         keep = cfg.keep_checkpoints
         if self.ctx.replicas > 1:
@@ -155,16 +187,24 @@ class Learner(DurableSteps, WeightBroadcast, Role):
                 join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.device
             )
             keep = max(2, keep)  # a rank may have to go back one checkpoint to meet the others
-            if self.sharded:
-                await self.ctx.offload(self._shard)
-        self._open_journal(keep)
+            await self.ctx.offload(self.trainer.join, self.dp)
+        self.durability = Durability(
+            self.ctx,
+            durable=cfg.durable,
+            every=cfg.checkpoint_every,
+            every_s=cfg.checkpoint_every_s,
+            keep=keep,
+            dp=self.dp,
+            pin=self.plugin.device.pin,
+            step_log=True,
+        )
         # The newest checkpoint, then the logged steps after it: only then does it serve.
         await self.ctx.offload(traced("restore", self._restore))
         if self.dp is not None:
             await self.ctx.offload(
                 check_restored,
                 self.dp,
-                None if self.sharded else self.model,
+                None if self.trainer.sharded else self.trainer.model,
                 self.step,
                 self.version,
                 self.consumed,
@@ -173,9 +213,9 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         # gather each bucket together, and the first writes it).
         self.published = PublishedWeights(
             self.ctx,
-            self.model,
-            dtype=self.dtype,
-            sharded=self.sharded,
+            self.trainer.model,
+            dtype=self.trainer.dtype,
+            sharded=self.trainer.sharded,
             bucket_bytes=cfg.bucket_mib * 2**20,
             enabled=cfg.publish_weights,
         )
@@ -189,65 +229,26 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         self.device = device_for(self.ctx.device, self.plugin)
         # Before the model lands on a device it may share: the placement's memory share.
         self.share = DeviceShare.for_role(self.ctx, self.device, self.plugin)
-        # The dtype weights are computed and published in.
-        self.dtype = dtype_for(cfg.dtype, self.device, self.plugin)
-        self.sharded = cfg.parallel == "fsdp" and self.ctx.replicas > 1
-        # Sharded ranks keep float32 parameters unless the config names a dtype, and compute
-        # in the plugin's precision (its mixed-precision policy: bf16 with float32 reduction).
-        storage = torch.float32 if self.sharded and not cfg.dtype else self.dtype
-        self.plugin.device.manual_seed(cfg.seed)
-        # Dropout stays off unless asked for: with it, the learner's log-probs of a sample would
-        # differ from its behaviour log-probs under the very same weights.
-        # A sharded rank builds a pretrained model empty, then reads only its own slices.
-        if self.sharded and cfg.model_path:
-            model = sh.empty_pretrained(cfg.model_path)
-        else:
-            model = build_model(cfg.model_path, cfg.model_config, cfg.seed)
-        self.model = sh.placed(model, self.device, storage).train(cfg.dropout)
+        sharded = cfg.parallel == "fsdp" and self.ctx.replicas > 1
+        self.trainer = Trainer(
+            trainer_settings(cfg, sharded),
+            lambda: policy_model(cfg, sharded),
+            plugin=self.plugin,
+            device=self.device,
+            schedule=cfg.lr_factor,
+        )
         # The published tensors' names, dtypes and shapes, whole (sharding splits them).
+        dtype = self.trainer.dtype
         self.template = {
             name: torch.empty(
-                t.shape, dtype=self.dtype if t.is_floating_point() else t.dtype, device="meta"
+                t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta"
             )
-            for name, t in self.model.state_dict().items()
+            for name, t in self.trainer.model.state_dict().items()
         }
-        self._make_optimizer()
-        # compile: true: the forward pass now, each correction's policy loss when first used.
-        self.compiled: CompiledStep | None = None
-        if cfg.compile:
-            model = None if cfg.activation_checkpointing else self.model
-            self.compiled = CompiledStep(self.plugin.compiler, self._model_logprobs, model)
         self._memory_mib, self._memory_at = 0.0, -MEMORY_EVERY_S
 
-    def _make_optimizer(self) -> None:
-        """AdamW; fused (one kernel for all parameters) with ``fused_optimizer`` where the
-        device has one, unless sharded."""
-        cfg, params = self.config, list(self.model.parameters())
-        options = {"lr": cfg.lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay}
-        try:
-            fused = (cfg.fused_optimizer and not self.sharded) or None
-            self.optimizer = torch.optim.AdamW(params, fused=fused, **options)
-        except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
-            self.optimizer = torch.optim.AdamW(params, **options)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-
-    def _shard(self) -> None:
-        """FSDP2 over the data-parallel group (``asyncrl.roles.training.sharding``); the optimizer
-        is made again over the sharded parameters."""
-        assert self.dp is not None
-        sh.shard(
-            self.model,
-            sharding_for(self.plugin),
-            self.dp.world,
-            activation_checkpointing=self.config.activation_checkpointing,
-        )
-        if self.config.model_path:
-            path, rank, world = self.config.model_path, self.dp.rank, self.dp.world
-            sh.load_pretrained_shards(self.model, path, rank, world, self.device)
-        self._make_optimizer()
-
     async def teardown(self) -> None:
-        await self.ctx.offload(self.journal.close)
+        await self.ctx.offload(self.durability.close)
         self.published.close()
         if self.dp is not None:
             await self.ctx.offload(self.dp.close)
@@ -256,15 +257,12 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         """The device's memory and this replica's share of it, for ``asyncrl status``."""
         return {} if self.share is None else self.share.status()
 
-    def _lr_factor(self, step: int) -> float:
-        return float(self.config.lr_factor(step))
-
     # -- endpoints ------------------------------------------------------------------------
 
     @endpoint(Delivery.ONCE)
     async def train_step(self, batch: TrainBatch) -> StepResult:
         try:
-            return await self.ctx.offload(traced("training step", self._train_step), batch)
+            return await self.ctx.offload(traced("training step", self.train), batch)
         except DataParallelError:
             if self.dp is not None and self.dp.broken:
                 # A broken group never mends in place: exit, so that the supervisor restarts the
@@ -281,20 +279,29 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         return await self.ctx.offload(traced("weight copy", self._weights))
 
     def _weights(self) -> WeightsUpdate:
-        if self.sharded:
+        if self.trainer.sharded:
             return WeightsUpdate(*self.published.read())
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
         return WeightsUpdate(self.version, state)
 
     @endpoint(Delivery.IDEMPOTENT)
+    async def broadcast_weights(self, rendezvous: Rendezvous) -> int:
+        """Broadcast the latest published version to the relay waiting at ``rendezvous``;
+        return that version (``PublishedWeights.broadcast``). In a thread of its own, not the
+        compute thread: a step in progress goes on, and its publish lands in the store's other
+        slot."""
+        send = traced("weight broadcast", self.published.broadcast)
+        return await asyncio.to_thread(send, rendezvous)
+
+    @endpoint(Delivery.IDEMPOTENT)
     async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        if self.sharded:
+        if self.trainer.sharded:
             # Every forward pass of a sharded model is a collective of all its ranks.
             raise ValueError(
                 f"{self.ctx.name}: a sharded learner (parallel: fsdp) does not serve logprobs: "
                 f"a forward pass needs every rank; compute them with a reference role"
             )
-        return await self.ctx.offload(self._logprobs, samples)
+        return await self.ctx.offload(self.trainer.logprobs, samples)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def export(self, path: str) -> str:
@@ -308,70 +315,83 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             step=self.step,
             consumed=len(self.consumed),
             keep=self.keep,
-            last=self.last,
-            durable=self.journal.mode != "off",
-            replayed=self.replayed_steps,
-            restored_step=self.restored_step,
+            last=self.durability.last,
+            durable=self.durability.mode != "off",
+            replayed=self.durability.replayed_steps,
+            restored_step=self.durability.restored_step,
             # How GRPO advantages are computed here: a program's sample pipeline attaches
             # advantages computed the same way (asyncrl.roles.sampling.pipeline.group_advantages).
             advantages={"normalize_std": self.config.normalize_std, "std": self.config.std},
         )
 
+    @endpoint(Delivery.ONCE)
+    async def checkpoint(self, keep: ProgramState) -> str:
+        """Keep ``keep`` (the program's position) durably; returns where it is kept."""
+        return await self.ctx.offload(traced("checkpoint", self._checkpoint), keep)
+
+    # -- durable state (worker thread) -------------------------------------------------------
+
+    def _checkpoint(self, keep: ProgramState) -> str:
+        self.keep = self.keep.merged(keep)
+        return self.durability.keep_position(self.step, keep, self._state)
+
+    def _merge_keep(self, keep: ProgramState) -> None:
+        self.keep = self.keep.merged(keep)
+
+    def _restore(self) -> None:
+        """The newest checkpoint, the ledger up to it, the logged steps after it
+        (``Durability.restore``)."""
+        self.durability.restore(
+            load=self._load,
+            replay=lambda data: self.train(msgspec.msgpack.decode(data, type=TrainBatch)).step,
+            state=self._state,
+            ledger=self._set_consumed,
+            keep=self._merge_keep,
+        )
+
+    def _set_consumed(self, consumed: set[tuple[str, int]]) -> None:
+        self.consumed = consumed
+
+    def _state(self) -> dict[str, Any]:
+        """The learner's part of a checkpoint: its trainer's state (a sharded rank: its own
+        shards), version, step and the program's position."""
+        return {
+            **self.trainer.state(),
+            "version": self.version,
+            "step": self.step,
+            "keep": msgspec.to_builtins(self.keep),
+        }
+
+    def _load(self, state: dict[str, Any]) -> int:
+        self.trainer.load_state(state)
+        self.version = state["version"]
+        self.step = state["step"]
+        self.keep = msgspec.convert(state["keep"], ProgramState)
+        return self.step
+
     # -- compute (worker thread) ------------------------------------------------------------
 
-    def _forward_logprobs(self, samples: list[Sample], compiled: bool = False) -> Forward:
-        """The forward pass on the samples' left-padded rows, the target mask honouring their
-        loss masks; ``compiled``: through the compiled graph of the rows' length bucket."""
-        rows = ([s.prompt_ids for s in samples], [s.token_ids for s in samples])
-        input_ids, attention, positions, target = (
-            t.to(self.device) for t in pad_batch(*rows, self.config.pad_id, loss_masks(samples))
-        )
-        run: Any = self._model_logprobs
-        if compiled and self.compiled is not None:
-            run = self.compiled.forward
-        logprobs, logits = run(input_ids, attention, positions)
-        return Forward(logprobs[:, :-1], target, logits[:, :-1])
+    def train(self, batch: TrainBatch) -> StepResult:
+        """Take one step on ``batch`` in the calling thread (``train_step`` runs it in the
+        compute thread): the ledger's fresh samples, ``ppo_epochs x mini_batches`` optimizer
+        steps, the step made durable and its weights published; a batch re-sent with the last
+        step's id gets that step's result back (``replayed``).
 
-    def _model_logprobs(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's log-prob of the next one, [B, L] (the last column 0), and the logits
-        [B, L, V]: every output keeps the input's length, so a compiled graph's padded outputs
-        are cut back (``Compiler.compile``)."""
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False
-        ).logits
-        # At least float32 (a bf16 model's logits are widened); a float64 model keeps float64.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        logprobs = self.plugin.ops.logprobs(logits[:, :-1], input_ids[:, 1:])
-        return torch.nn.functional.pad(logprobs, (0, 1)), logits
-
-    def _logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                logprobs, target, _ = self._forward_logprobs(samples)
-        finally:
-            self.model.train(self.config.dropout)
-        out = []
-        for i, s in enumerate(samples):
-            n = len(s.token_ids)
-            out.append(logprobs[i, logprobs.shape[1] - n :].tolist() if n else [])
-        del target
-        return out
-
-    def _train_step(self, batch: TrainBatch) -> StepResult:
-        rng = self._step_rng()
-        if batch.id and batch.id == self.last.get("id"):
-            # Re-sent after a failure that lost the reply: the step happened; say what it did.
-            result = msgspec.convert(self.last["result"], StepResult)
-            result.replayed = True
-            return result
+        Raises:
+            ValueError: an unknown algorithm or correction, or fewer samples than
+                ``mini_batches``.
+            DataParallelError: the ranks disagree on the batch, or a collective failed.
+        """
+        rng = self.durability.step_rng()
+        # Re-sent after a failure that lost the reply: the step happened; say what it did.
+        repeat = self.durability.repeat(batch.id, StepResult)
+        if repeat is not None:
+            return repeat
         objective = batch_objective(self.config, batch, self.ctx.name)
         graphs, started = 0, time.perf_counter()
-        if self.compiled is not None:
-            objective = self.compiled.objective(objective, batch)
-            graphs = self.compiled.graphs()
+        if self.trainer.compiled is not None:
+            objective = self.trainer.compiled.objective(objective, batch)
+            graphs = self.trainer.compiled.graphs()
         if self.dp is not None:
             ids = [(s.sample.prompt_id, s.sample.sample_index) for s in batch.samples]
             self.dp.check_same(
@@ -388,13 +408,11 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         metrics: dict[str, float] = {}
         if batch.lr:
             # A new peak: the scheduler scales it from now on, and this step already uses it.
-            self.scheduler.base_lrs = [batch.lr] * len(self.optimizer.param_groups)
-            for group in self.optimizer.param_groups:
-                group["initial_lr"] = batch.lr
-                group["lr"] = batch.lr * self._lr_factor(self.scheduler.last_epoch)
+            self.trainer.set_peak_lr(batch.lr)
         if fresh:
             self.env_tokens_trained = 0.0
-            metrics = self._train(objective, fresh, batch)
+            with span("training epochs"):  # advantages, mini-batches, optimizer steps
+                metrics = self._epochs(objective, fresh, batch)
             if any(s.sample.loss_mask for s in fresh):  # episodes: 0 unless the mask broke
                 metrics["env_tokens_trained"] = self.env_tokens_trained
                 # ... and 0 unless an episode the environment failed reached the learner
@@ -408,9 +426,9 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             metrics["reward_mean"] = float(np.mean([s.reward for s in fresh]))
             if self.share is not None:  # the step's footprint, before any release
                 metrics["memory_allocated_mib"] = self._memory_allocated_mib()
-            if self.compiled is not None:
+            if self.trainer.compiled is not None:
                 seconds = time.perf_counter() - started
-                self.compiled.report(graphs, seconds, metrics, self.ctx.log, self.ctx.name)
+                self.trainer.compiled.report(graphs, seconds, metrics, self.ctx.log, self.ctx.name)
             if objective.algorithm.rl:
                 # Measured against the version that consumed them: the one before this step.
                 ages = [staleness(self.version - 1, s.sample.policy_versions) for s in fresh]
@@ -424,16 +442,24 @@ class Learner(DurableSteps, WeightBroadcast, Role):
             metrics=metrics,
         )
         if fresh:
-            self.last = {"id": batch.id, "result": msgspec.to_builtins(result)}
-            self._durable_step(batch, ids, skipped, rng)
-            if self.replaying:
+            self.durability.took(batch.id, result)
+            record = {
+                "step": self.step,
+                "version": self.version,
+                "ids": ids,
+                "skipped": skipped,
+                "incarnation": self.ctx.incarnation,
+                "phase": self.keep.phase or "",
+            }
+            self.durability.made_durable(self.step, batch, rng, self._state, record)
+            if self.durability.replaying:
                 return result
             traced("weight publish", self.published.publish)(self.version)
             if self.share is not None:  # placement.release_when_idle: the cache goes back
                 self.share.idle()
         return result
 
-    def _train(
+    def _epochs(
         self, objective: Objective, fresh: list[Scored], batch: TrainBatch
     ) -> dict[str, float]:
         """The advantages over the whole batch, then ``ppo_epochs x mini_batches`` optimizer
@@ -447,29 +473,26 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         proximal = None
         if objective.needs_proximal and epochs * parts > 1:
             proximal = self._proximal_logprobs(fresh, objective, advantages)
-        steps = []
+
+        def mini_batch(part: list[int]) -> dict[str, float]:
+            return self._optimizer_step(
+                objective,
+                [fresh[i] for i in part],
+                [advantages[i] for i in part],
+                None if proximal is None else [proximal[i] for i in part],
+                batch.demos,
+            )
+
         # BC on a few demonstrations memorises them unless dropout is on (``bc_dropout``); RL
         # steps keep it as ``dropout`` says, so their log-probs are the sampler's.
-        self.model.train(cfg.dropout or (cfg.bc_dropout and not objective.algorithm.rl))
+        model = self.trainer.model
+        model.train(cfg.dropout or (cfg.bc_dropout and not objective.algorithm.rl))
         try:
-            for epoch in range(epochs):
-                split = mini_batch_indices(
-                    len(fresh), parts, seed=cfg.seed, step=self.step, epoch=epoch
-                )
-                for part in split:
-                    steps.append(
-                        self._optimizer_step(
-                            objective,
-                            [fresh[i] for i in part],
-                            [advantages[i] for i in part],
-                            None if proximal is None else [proximal[i] for i in part],
-                            batch.demos,
-                        )
-                    )
+            steps = self.trainer.train_epochs(
+                len(fresh), epochs=epochs, parts=parts, step=self.step, run=mini_batch
+            )
         finally:
-            self.model.train(cfg.dropout)
-        if self.dp is not None:
-            steps = self.dp.sum_metrics(steps)
+            model.train(cfg.dropout)
         zeros = zero_rows.zero_advantage_metric(objective, advantages, cfg.skip_zero_advantage)
         return {**mean_over_steps(steps), "optimizer_steps": float(len(steps)), **zeros}
 
@@ -496,18 +519,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         return out
 
     def _proximal_of(self, samples: list[Scored]) -> list[list[float]]:
-        shares, rank = share_out(samples, self.dp)
-        mine = [samples[i] for i in shares[rank]]
-        out: list[list[float]] = []
-        chunks = micro_batches(mine, self.config.micro_batch_tokens) if mine else []
-        for chunk in chunks:
-            out += self._logprobs([mine[i].sample for i in chunk])
-        if self.sharded:
-            assert self.dp is not None
-            sh.keep_pace(self.model, samples, self.dp, self.config, len(chunks), backward=False)
-        if self.dp is None:
-            return out
-        return self.dp.gather_rows(out, shares, [len(s.sample.token_ids) for s in samples])
+        return self.trainer.rows(samples, self.trainer.logprobs)
 
     def _optimizer_step(
         self,
@@ -517,67 +529,48 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         proximal: list[list[float]] | None,
         demos: list[Sample],
     ) -> dict[str, float]:
-        """One optimizer and scheduler step on a mini-batch; returns its metrics.
+        """One optimizer and scheduler step on a mini-batch (``Trainer.optimizer_step``) under
+        ``objective``; returns its metrics.
 
-        Each micro-batch weighs what it adds to the mini-batch's aggregate (its tokens for a
-        token mean, its non-empty sequences for a sequence mean), so the summed gradient is the
-        mini-batch's whatever the split.
+        The rows ``trained_rows`` leaves out (advantage 0) are left out of its passes, and the
+        mini-batch's aggregate keeps its whole denominator; the BC term on the batch's
+        demonstrations is backpropagated once.
         """
         cfg = self.config
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
         mask = completion_mask([len(s.sample.token_ids) for s in samples], loss_masks(samples))
         # The whole mini-batch's denominator, over the rows that can have a gradient.
         total = float(alg.aggregate_weight(mask, cfg.aggregation))
         rows = zero_rows.trained_rows(objective, advantages, cfg.skip_zero_advantage)
-        if skipped := len(samples) - len(rows):
+        adjust = None
+        if len(samples) - len(rows):
             samples, advantages, mask = (
                 [samples[i] for i in rows],
                 [advantages[i] for i in rows],
                 mask[rows],
             )
             proximal = None if proximal is None else [proximal[i] for i in rows]
-        chunks, _ = rank_chunks(samples, mask, self.dp, cfg.micro_batch_tokens, cfg.aggregation)
-        shares = [float(alg.aggregate_weight(mask[chunk], cfg.aggregation)) for chunk in chunks]
-        for chunk, share in zip(chunks, shares, strict=True):
-            weight = share / total if total else 0.0
-            loss, parts = self._loss(
+            trained = float(alg.aggregate_weight(mask, cfg.aggregation))
+
+            def adjust(sums: dict[str, float]) -> dict[str, float]:
+                return zero_rows.over_trained_rows(sums, total, trained)
+
+        def loss(chunk: list[int], weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+            value, parts = self._loss(
                 objective,
                 [samples[i] for i in chunk],
                 [advantages[i] for i in chunk],
                 None if proximal is None else [proximal[i] for i in chunk],
             )
-            (loss * weight).backward()  # type: ignore[no-untyped-call]
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + value * weight
-        if skipped:
-            sums = zero_rows.over_trained_rows(
-                sums, total, float(alg.aggregate_weight(mask, cfg.aggregation))
-            )
-        if self.sharded:
-            assert self.dp is not None
-            sh.keep_pace(self.model, samples, self.dp, cfg, len(chunks), backward=True)
-            # Every rank runs the BC term's passes (collectives), each a 1/world share of it.
-            bc = self._bc_term(demos, 1.0 / self.dp.world)
-            if self.dp.rank == 0:
-                sums.update(bc)
-        elif self.dp is None or self.dp.rank == 0:  # once: the reduction sums the ranks' grads
-            sums.update(self._bc_term(demos))
-        if self.dp is not None and not self.sharded:  # sharded: FSDP reduce-scatters them
-            self.dp.all_reduce_grads(self.model.parameters())
-        grad_norm = sh.full_tensor(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            return value, {key: part * weight for key, part in parts.items()}
+
+        return self.trainer.optimizer_step(
+            samples,
+            loss,
+            mask=mask,
+            total=total,
+            adjust=adjust,
+            once=lambda share: self._bc_term(demos, share),
         )
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
-        return {**sums, "grad_norm": float(grad_norm), "lr": lr}
-
-    def _micro_batches(self, samples: list[Scored]) -> list[list[int]]:
-        return micro_batches(samples, self.config.micro_batch_tokens)
-
-    def _advantages(self, algorithm: str, samples: list[Scored]) -> list[Any]:
-        return batch_advantages(self.config, algorithm, samples)
 
     def _loss(
         self,
@@ -587,7 +580,7 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         proximal: list[list[float]] | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's forward pass and its loss under ``objective``."""
-        forward = self._forward_logprobs([s.sample for s in samples], self.config.compile)
+        forward = self.trainer.forward([s.sample for s in samples], self.config.compile)
         self.env_tokens_trained += env_tokens_in(forward.target, [s.sample for s in samples])
         return objective(MicroBatch(samples, advantages, proximal, forward))
 
@@ -597,14 +590,14 @@ class Learner(DurableSteps, WeightBroadcast, Role):
         coef = bc_coef(self.config, self.step)
         if not (coef and demos):
             return {}
-        demo_logp, demo_target, _ = self._forward_logprobs(demos)
+        demo_logp, demo_target, _ = self.trainer.forward(demos)
         loss = nll(self.config, demo_logp, demo_target)
         (coef * share * loss).backward()  # type: ignore[no-untyped-call]
         return {"bc_nll": float(loss.detach())}
 
     def _export(self, path: str) -> str:
         where = writable(path, self.ctx.name, self.ctx.run_dir, self.config.write_paths)
-        if self.sharded:
+        if self.trainer.sharded:
             model = self.published.whole_model()
             return export_pretrained(model, where, self.config.tokenizer_path)
-        return export_pretrained(self.model, where, self.config.tokenizer_path)
+        return export_pretrained(self.trainer.model, where, self.config.tokenizer_path)

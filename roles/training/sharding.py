@@ -15,7 +15,9 @@ each mini-batch. What changes is where the state lives and how gradients meet:
   the same number of passes: ``lockstep_passes`` says how many, and a rank with fewer
   micro-batches runs ``idle_pass``, a forward and backward that adds nothing to any gradient.
 - A checkpoint holds each rank's own shards (``local_state``), so ranks need no shared disk;
-  ``load_local_state`` puts them back on a group of the same size.
+  ``load_local_state`` puts them back on a group of the same size; ``whole_training_state``
+  puts every rank's shards of a group of any size together and ``slice_training_state`` cuts
+  this rank's out of them, so a checkpoint loads at another world size (``Trainer.load_states``).
 - Weights leave the group bucket by bucket (``full_buckets``): every rank gathers one bucket of
   full tensors in lockstep, the publishing rank writes it into the weight store, and the bucket
   is dropped before the next, so no rank ever holds a second full copy of the model.
@@ -51,7 +53,9 @@ __all__ = [
     "lockstep_passes",
     "placed",
     "shard",
+    "slice_training_state",
     "training_state",
+    "whole_training_state",
 ]
 
 
@@ -362,6 +366,104 @@ def load_training_state(
         optimizer.load_state_dict(state["optimizer"])
     else:
         load_local_state(model, optimizer, state, world)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _joined(parts: list[Any], shape: tuple[int, ...]) -> Any:
+    """One tensor whole from every rank's ``parts`` of it (in rank order): the first part when
+    it already has the whole ``shape`` (a replicated buffer, a scalar, one rank), else the
+    parts concatenated along dimension 0 (FSDP2 shards dimension 0)."""
+    first = parts[0]
+    if not isinstance(first, torch.Tensor) or first.dim() == 0 or tuple(first.shape) == shape:
+        return first
+    return torch.cat(parts, dim=0)
+
+
+def whole_training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, states: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The whole model's and optimizer's state from what every rank of a group saved
+    (``training_state``, in rank order): one whole state as it is, or the ``world`` sharded
+    states of a sharded group put together. ``model`` and ``optimizer`` (whole or sharded over
+    any group) give each tensor's whole shape.
+
+    Raises:
+        ShardingError: not one whole state nor every rank's shards of one group; or a tensor
+            whose shards do not make this model's.
+    """
+    worlds = [s.get("world") for s in states]
+    if worlds == [None]:
+        return {"model": states[0]["model"], "optimizer": states[0]["optimizer"]}
+    if not states or any(w != len(states) for w in worlds):
+        raise ShardingError(
+            f"expected one whole state or every rank's shards of one sharded group, got "
+            f"{len(states)} state(s) written by groups of {worlds} rank(s); pass the newest "
+            f"checkpoint of every rank of the group that wrote it, in rank order"
+        )
+    model_state, problems = {}, []
+    for name, t in model.state_dict().items():
+        if any(name not in s["model"] for s in states):
+            problems.append(f"{name}: missing")
+            continue
+        joined = _joined([s["model"][name] for s in states], tuple(t.shape))
+        if tuple(joined.shape) != tuple(t.shape):
+            problems.append(f"{name}: whole {tuple(t.shape)}, shards make {tuple(joined.shape)}")
+        model_state[name] = joined
+    if problems:
+        raise ShardingError(
+            "the sharded checkpoint does not fit this model: " + "; ".join(problems[:5])
+        )
+    params = _params(optimizer)
+    optim = dict(states[0]["optimizer"])
+    optim["state"] = {
+        index: {
+            key: _joined(
+                [s["optimizer"]["state"][index][key] for s in states],
+                tuple(params[int(index)].shape),
+            )
+            for key in entry
+        }
+        for index, entry in optim["state"].items()
+    }
+    return {"model": model_state, "optimizer": optim}
+
+
+def _slice(value: Any, like: torch.Tensor, rank: int, world: int) -> Any:
+    """This rank's FSDP2 slice (``torch.chunk`` along dimension 0, empty past the chunks) of a
+    whole tensor ``value`` of the sharded parameter ``like``; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(like, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0):
+        return value
+    chunks = torch.chunk(value, world, dim=0)
+    return chunks[rank] if rank < len(chunks) else value[0:0]
+
+
+def slice_training_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    whole: dict[str, Any],
+    rank: int,
+    world: int,
+) -> dict[str, Any]:
+    """What ``local_state`` would hold on ``rank`` of a group of ``world`` sharding ``model``,
+    cut from the whole state ``whole`` (``whole_training_state``): load it with
+    ``load_local_state``."""
+    model_state = {
+        name: _slice(whole["model"][name], t, rank, world)
+        for name, t in model.state_dict().items()
+        if name in whole["model"]
+    }
+    params = _params(optimizer)
+    optim = dict(whole["optimizer"])
+    optim["state"] = {
+        index: {key: _slice(value, params[int(index)], rank, world) for key, value in entry.items()}
+        for index, entry in optim["state"].items()
+    }
+    return {"model": model_state, "optimizer": optim, "world": world}
 
 
 _WRAPPED = "_checkpoint_wrapped_module."

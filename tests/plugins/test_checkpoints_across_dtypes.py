@@ -75,15 +75,15 @@ def _one_thread() -> None:
 @pytest.mark.parametrize(("saved", "loaded"), [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_a_checkpoint_loads_under_the_other_dtype(tmp_path: Any, saved: str, loaded: str) -> None:
     writer = _make(tmp_path, saved)
-    writer._train_step(_batch(0))
+    writer.train(_batch(0))
     probe = [_sample("probe", [6, 7, 1])]
-    before = writer._logprobs(probe)[0]
+    before = writer.trainer.logprobs(probe)[0]
     reader = _make(tmp_path, loaded)  # setup() loads the writer's checkpoint
     assert (reader.step, reader.version) == (1, 1)
-    assert next(reader.model.parameters()).dtype == getattr(torch, loaded)
-    after = reader._logprobs(probe)[0]
+    assert next(reader.trainer.model.parameters()).dtype == getattr(torch, loaded)
+    after = reader.trainer.logprobs(probe)[0]
     assert max(abs(a - b) for a, b in zip(before, after, strict=True)) <= TOLERANCE
     assert before != after  # the dtypes really differ: the probe sees the rounding
-    result = reader._train_step(_batch(1))
+    result = reader.train(_batch(1))
     assert (result.step, reader.version) == (2, 2)
-    assert all(torch.isfinite(p).all() for p in reader.model.parameters())
+    assert all(torch.isfinite(p).all() for p in reader.trainer.model.parameters())

@@ -243,8 +243,11 @@ def test_behaviour_logprobs_weights_and_reference_agree(
     async def go() -> None:
         learner = unstarted_learner(tmp_path, arch, tied, lr=0.01, publish_weights=True)
         await learner.setup()
-        assert tied_in(learner.model) == tied
-        assert learner.model.config.num_key_value_heads < learner.model.config.num_attention_heads
+        assert tied_in(learner.trainer.model) == tied
+        assert (
+            learner.trainer.model.config.num_key_value_heads
+            < learner.trainer.model.config.num_attention_heads
+        )
         rollout = Rollout(
             RoleContext.local(
                 config={
@@ -260,7 +263,7 @@ def test_behaviour_logprobs_weights_and_reference_agree(
         await rollout.setup()
         engine = rollout.engine
         assert isinstance(engine, HFEngine)
-        assert same_weights(engine.model, learner.model) == []
+        assert same_weights(engine.model, learner.trainer.model) == []
         assert tied_in(engine.model) == tied
 
         samples = await rollout.generate(GenerateBatch(requests(arch, 2, temperature=1.0)))
@@ -270,30 +273,32 @@ def test_behaviour_logprobs_weights_and_reference_agree(
             or (s.token_ids[-1], s.stop_reason) == (eos, "stop")
             for s in samples
         )
-        assert_close(learner._logprobs(samples), [s.logprobs for s in samples], atol=1e-5)
+        assert_close(learner.trainer.logprobs(samples), [s.logprobs for s in samples], atol=1e-5)
 
-        before = {k: v.clone() for k, v in learner.model.state_dict().items()}
-        result = learner._train_step(grpo_batch(samples))
+        before = {k: v.clone() for k, v in learner.trainer.model.state_dict().items()}
+        result = learner.train(grpo_batch(samples))
         assert (result.version, result.consumed) == (1, 6)
         changed = [
-            k for k, v in learner.model.state_dict().items() if not torch.equal(v, before[k])
+            k
+            for k, v in learner.trainer.model.state_dict().items()
+            if not torch.equal(v, before[k])
         ]
         assert "model.embed_tokens.weight" in changed and "lm_head.weight" in changed
 
         assert await rollout.sync(None) == 1
-        assert same_weights(engine.model, learner.model) == []
+        assert same_weights(engine.model, learner.trainer.model) == []
         assert tied_in(engine.model) == tied  # loading both names kept the one tensor
         again = await rollout.generate(GenerateBatch(requests(arch, temperature=1.0)))
         assert all(s.versions == [1] * len(s.token_ids) for s in again)
-        assert_close(learner._logprobs(again), [s.logprobs for s in again], atol=1e-5)
+        assert_close(learner.trainer.logprobs(again), [s.logprobs for s in again], atol=1e-5)
 
         reference = Reference(
             RoleContext.local(config={"model_config": model_config(arch, tied), "seed": 9})
         )
         await reference.setup()
-        state = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        state = {k: v.clone() for k, v in learner.trainer.model.state_dict().items()}
         assert await reference.set_weights(WeightsUpdate(1, state)) == 1
-        assert_close(await reference.logprobs(again), learner._logprobs(again), atol=1e-5)
+        assert_close(await reference.logprobs(again), learner.trainer.logprobs(again), atol=1e-5)
         await rollout.teardown()
         await learner.teardown()
 
@@ -323,9 +328,9 @@ def test_a_demonstration_is_learnt_and_generation_stops_on_the_eos(
             finished=True,
             stop_reason="stop",
         )
-        learner._train_step(TrainBatch(samples=[Scored(sample=demo)], algorithm="bc"))
+        learner.train(TrainBatch(samples=[Scored(sample=demo)], algorithm="bc"))
     engine = HFEngine.from_config(model_config(arch, True), seed=3)
-    engine.set_weights(learner.model.state_dict(), learner.version)
+    engine.set_weights(learner.trainer.model.state_dict(), learner.version)
     params = SamplingParams(greedy=True, max_new_tokens=8, stop_token_ids=[tok.eos_token_id])
     (sample,) = engine.generate(
         [
@@ -378,15 +383,17 @@ def test_export_reloads_with_transformers_and_generates_the_same(
     samples = HFEngine.from_config(model_config(arch, tied), seed=4).generate(
         requests(arch, 2, temperature=1.0)
     )
-    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    learner._train_step(grpo_batch(samples))
-    assert not torch.equal(before["lm_head.weight"], learner.model.state_dict()["lm_head.weight"])
-    path = learner._export(os.path.join(str(tmp_path), "exports", "final"))
+    before = {k: v.clone() for k, v in learner.trainer.model.state_dict().items()}
+    learner.train(grpo_batch(samples))
+    assert not torch.equal(
+        before["lm_head.weight"], learner.trainer.model.state_dict()["lm_head.weight"]
+    )
+    path = asyncio.run(learner.export(os.path.join(str(tmp_path), "exports", "final")))
 
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.model_type == arch and model.config.tie_word_embeddings == tied
     assert tied_in(model) == tied
-    assert same_weights(model, learner.model) == []
+    assert same_weights(model, learner.trainer.model) == []
     tok = AutoTokenizer.from_pretrained(path)
     family = FAMILY[arch]
     assert (tok.eos_token, tok.bos_token) == (
@@ -397,12 +404,12 @@ def test_export_reloads_with_transformers_and_generates_the_same(
     assert tok.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == CHAT[family]
 
     exported = HFEngine.from_pretrained(path)
-    trained = HFEngine(learner.model)
+    trained = HFEngine(learner.trainer.model)
     greedy = requests(arch, greedy=True)
     assert [s.token_ids for s in exported.generate(greedy)] == [
         s.token_ids for s in trained.generate(greedy)
     ]
-    learner.model.train(False)
+    learner.trainer.model.train(False)
 
 
 # -- critic -------------------------------------------------------------------------------------
@@ -442,10 +449,10 @@ def test_critic_values_line_up_with_completion_tokens(tmp_path: Any, arch: str) 
 
         learner = unstarted_learner(tmp_path, arch, tied=True)
         await learner.setup()
-        path = learner._export(os.path.join(str(tmp_path), "exports", "policy"))
+        path = await learner.export(os.path.join(str(tmp_path), "exports", "policy"))
         loaded = Critic(RoleContext.local(config={"model_path": path}))
         await loaded.setup()
-        body, policy = loaded.model.state_dict(), learner.model.state_dict()
+        body, policy = loaded.trainer.model.state_dict(), learner.trainer.model.state_dict()
         shared = [k for k in body if k.startswith("model.")]
         assert shared and all(torch.equal(body[k], policy[k]) for k in shared)
         assert [len(v) for v in await loaded.values(samples)] == [len(s.token_ids) for s in samples]

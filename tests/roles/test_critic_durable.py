@@ -65,19 +65,25 @@ def test_a_restarted_critic_replays_its_log_bit_for_bit(tmp_path: Any) -> None:
     torch.set_num_threads(1)
     straight = make(tmp_path / "straight")
     for step in range(STEPS):
-        straight._train_step(batch(step))
+        straight.train(batch(step))
     first = make(tmp_path / "run")
     results = []
     for step in range(STEPS):
-        results.append(first._train_step(batch(step)))
-        first.journal.wait()  # saves at steps 2 and 4, each complete before the next
+        results.append(first.train(batch(step)))
+        first.durability.journal.wait()  # saves at steps 2 and 4, each complete before the next
     restarted = make(tmp_path / "run")
-    assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (4, 1, 5)
-    again = restarted._train_step(batch(STEPS - 1))  # the reply was lost: re-sent
+    assert (
+        restarted.durability.restored_step,
+        restarted.durability.replayed_steps,
+        restarted.step,
+    ) == (4, 1, 5)
+    again = restarted.train(batch(STEPS - 1))  # the reply was lost: re-sent
     assert again.replayed and again.step == STEPS
     assert again.value_loss == results[-1].value_loss
     for (name, a), b in zip(
-        straight.model.state_dict().items(), restarted.model.state_dict().values(), strict=True
+        straight.trainer.model.state_dict().items(),
+        restarted.trainer.model.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b), name
 
@@ -97,11 +103,12 @@ async def main():
                             incarnation=incarnation)
     critic = Critic(ctx)
     await critic.setup()
-    print(json.dumps({"step": critic.step, "replayed": critic.replayed_steps}), flush=True)
+    replayed = critic.durability.replayed_steps
+    print(json.dumps({"step": critic.step, "replayed": replayed}), flush=True)
     for step in range(critic.step, STEPS):
         await critic.train_step(batch(step))
     await critic.teardown()
-    torch.save(critic.model.state_dict(), os.path.join(run_dir, "final.pt"))
+    torch.save(critic.trainer.model.state_dict(), os.path.join(run_dir, "final.pt"))
 
 asyncio.run(main())
 """
@@ -129,6 +136,6 @@ def test_a_critic_killed_after_logging_a_step_comes_back_with_it(tmp_path: Any) 
     assert starts[1]["step"] == 3 and starts[1]["replayed"] in (1, 3)
     straight = make(tmp_path / "straight")
     for step in range(STEPS):
-        straight._train_step(batch(step))
+        straight.train(batch(step))
     final = torch.load(os.path.join(run_dir, "final.pt"), weights_only=True)
-    assert all(torch.equal(v, final[k]) for k, v in straight.model.state_dict().items())
+    assert all(torch.equal(v, final[k]) for k, v in straight.trainer.model.state_dict().items())

@@ -145,7 +145,7 @@ async def main():
 
     critic._call = recorded  # what the group's lockstep runs, on either rank
     await critic.setup()
-    report = {"blocks": sorted({type(m).__name__ for m in critic.model.modules()}
+    report = {"blocks": sorted({type(m).__name__ for m in critic.trainer.model.modules()}
                                & {"FSDPCheckpointWrapper", "GPT2Block"})}
     if rank == 0:
         if mode == "rounds":
@@ -174,7 +174,7 @@ async def main():
         report["idles"] = critic.lockstep.idles
     report["ran"] = ran
     # Both ranks left the lockstep: gather the whole model together, then leave the group.
-    whole = {k: v.clone() for b in full_buckets(critic.model, 2**20) for k, v in b.items()}
+    whole = {k: v.clone() for b in full_buckets(critic.trainer.model, 2**20) for k, v in b.items()}
     torch.save(whole, f"{out}/{parallel}-{mode}{rank}.pt")
     await critic.teardown()
     with open(f"{out}/{parallel}-{mode}{rank}.json", "w") as f:
@@ -226,7 +226,7 @@ REFUSED = (
 def test_two_critic_ranks_give_one_critics_values_and_steps(tmp_path: Any, parallel: str) -> None:
     ranks = _two_ranks(tmp_path, parallel, "rounds")
     one = _one_critic(tmp_path)
-    start = {k: v.clone() for k, v in one.model.state_dict().items()}
+    start = {k: v.clone() for k, v in one.trainer.model.state_dict().items()}
     single = asyncio.run(ppo_rounds(one))
     rounds = ranks[0]["rounds"]
     # Every values call (a batch's before its step, HELDOUT's after it) within 1e-10.
@@ -243,8 +243,8 @@ def test_two_critic_ranks_give_one_critics_values_and_steps(tmp_path: Any, paral
         torch.load(tmp_path / f"{parallel}-rounds{r}.pt", weights_only=True) for r in range(2)
     ]
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
-    assert _max_diff(params[0], one.model.state_dict()) < 1e-10
-    assert _max_diff(start, one.model.state_dict()) > 1e-3  # the steps moved the weights
+    assert _max_diff(params[0], one.trainer.model.state_dict()) < 1e-10
+    assert _max_diff(start, one.trainer.model.state_dict()) > 1e-3  # the steps moved the weights
     # Replica 1 ran the same six calls (its share of each) and refused the ones sent to it.
     assert [r["call"] for r in ranks[1]["ran"]] == [r["call"] for r in ranks[0]["ran"]]
     assert [r["call"]["type"] for r in ranks[0]["ran"]] == ["values", "train_step", "values"] * 3
@@ -286,7 +286,7 @@ def test_concurrent_calls_to_two_sharded_critic_ranks_run_in_one_order(tmp_path:
     steps = [r["result"]["step"] for r in leader["ran"] if r["call"]["type"] == "train_step"]
     assert steps == [1, 2, 3]
     params = torch.load(tmp_path / "fsdp-concurrent0.pt", weights_only=True)
-    assert _max_diff(params, one.model.state_dict()) < 1e-10
+    assert _max_diff(params, one.trainer.model.state_dict()) < 1e-10
 
 
 DEATH_SCRIPT = """

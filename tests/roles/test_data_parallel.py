@@ -104,18 +104,19 @@ async def main():
     first = learner(0)
     await first.setup()
     results = [await first.train_step(b) for b in batches()]
-    params = {k: v.clone() for k, v in first.model.state_dict().items()}
+    params = {k: v.clone() for k, v in first.trainer.model.state_dict().items()}
     torch.save(params, f"{out}/rank{rank}.pt")
     await first.teardown()
     if rank == 1:
         # Rank 1 died after its last step's log line, before that step's checkpoint.
-        shutil.rmtree(first.checkpoints.latest())
+        shutil.rmtree(first.durability.checkpoints.latest())
     second = learner(1)
     await second.setup()
     resumed = {"step": second.step, "version": second.version,
-               "consumed": len(second.consumed), "checkpoints": second.checkpoints.steps()}
+               "consumed": len(second.consumed),
+               "checkpoints": second.durability.checkpoints.steps()}
     again = await second.train_step(batches()[-1])
-    same = all(torch.equal(v, params[k]) for k, v in second.model.state_dict().items())
+    same = all(torch.equal(v, params[k]) for k, v in second.trainer.model.state_dict().items())
     await second.teardown()
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"results": [r.metrics | {"version": r.version, "consumed": r.consumed}
@@ -162,7 +163,7 @@ def _one_learner(tmp_path: Any) -> tuple[dict[str, torch.Tensor], list[dict[str,
     asyncio.run(learner.setup())
     results = [asyncio.run(learner.train_step(b)) for b in batches()]
     asyncio.run(learner.teardown())
-    return learner.model.state_dict(), [r.metrics for r in results]
+    return learner.trainer.model.state_dict(), [r.metrics for r in results]
 
 
 @pytest.mark.slow
@@ -182,7 +183,10 @@ def test_two_ranks_take_one_learners_step_with_identical_parameters(tmp_path: An
     assert moved < 1e-10
     start = Learner(RoleContext.local(config=dict(CONFIG), run_dir=str(tmp_path / "init")))
     asyncio.run(start.setup())
-    assert max(float((one[k] - v).abs().max()) for k, v in start.model.state_dict().items()) > 1e-3
+    assert (
+        max(float((one[k] - v).abs().max()) for k, v in start.trainer.model.state_dict().items())
+        > 1e-3
+    )
     assert [(r["version"], r["consumed"]) for r in ranks[0]["results"]] == [(1, 6), (2, 6), (3, 6)]
     for dp, single in zip(ranks[0]["results"], metrics, strict=True):
         assert dp["optimizer_steps"] == 4.0

@@ -15,6 +15,7 @@ import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.learning.batching import micro_batches
 from asyncrl.roles.payloads import LearnerStatus, ProgramState
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch, pad_batch
 from asyncrl.roles.training.learner_config import LearnerConfig
@@ -27,6 +28,7 @@ from asyncrl.roles.training.objective import (
     MicroBatch,
     PolicyGradient,
     TruncatedImportance,
+    batch_advantages,
     objective_for,
 )
 
@@ -92,8 +94,8 @@ def test_logprobs_do_not_depend_on_padding(tmp_path: Any) -> None:
     learner = make(tmp_path)
     a = sample("a", [5, 6, 7, 8, 9], [2, 3, 1])
     b = sample("b", [5], [4, 1])
-    together = learner._logprobs([a, b])
-    alone = learner._logprobs([a]) + learner._logprobs([b])
+    together = learner.trainer.logprobs([a, b])
+    alone = learner.trainer.logprobs([a]) + learner.trainer.logprobs([b])
     for x, y in zip(together, alone, strict=True):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
 
@@ -103,14 +105,14 @@ def test_bc_lowers_the_nll_of_demonstrations(tmp_path: Any) -> None:
     demos = [sample(f"d{i}", [2 + i, 12, 3, 13], [4 + i, 1]) for i in range(4)]
 
     def nll() -> float:
-        return -sum(sum(lp) for lp in learner._logprobs(demos))
+        return -sum(sum(lp) for lp in learner.trainer.logprobs(demos))
 
     before = nll()
     for step in range(10):
         batch = [
             Scored(sample=sample(f"{d.prompt_id}@{step}", d.prompt_ids, d.token_ids)) for d in demos
         ]
-        learner._train_step(TrainBatch(samples=batch, algorithm="bc"))
+        learner.train(TrainBatch(samples=batch, algorithm="bc"))
     assert nll() < before * 0.5
     assert learner.version == 10 and learner.step == 10
 
@@ -121,16 +123,16 @@ def test_grpo_raises_the_probability_of_rewarded_samples(tmp_path: Any) -> None:
     good, bad = [6, 7, 1], [8, 9, 1]
 
     def logp(tokens: list[int]) -> float:
-        return sum(learner._logprobs([sample("x", prompt, tokens)])[0])
+        return sum(learner.trainer.logprobs([sample("x", prompt, tokens)])[0])
 
     before = logp(good) - logp(bad)
     for step in range(5):
-        behaviour = learner._logprobs([sample("x", prompt, good), sample("x", prompt, bad)])
+        behaviour = learner.trainer.logprobs([sample("x", prompt, good), sample("x", prompt, bad)])
         group = [
             Scored(sample=sample(f"p{step}", prompt, good, 0, behaviour[0]), reward=1.0),
             Scored(sample=sample(f"p{step}", prompt, bad, 1, behaviour[1]), reward=0.0),
         ]
-        result = learner._train_step(TrainBatch(samples=group, algorithm="grpo"))
+        result = learner.train(TrainBatch(samples=group, algorithm="grpo"))
         assert result.consumed == 2
     assert logp(good) - logp(bad) > before + 1.0
 
@@ -138,13 +140,13 @@ def test_grpo_raises_the_probability_of_rewarded_samples(tmp_path: Any) -> None:
 def test_zero_learning_rate_changes_nothing(tmp_path: Any) -> None:
     learner = make(tmp_path, lr=0.0)
     prompt = [2, 3, 12, 4, 5, 13]
-    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    before = {k: v.clone() for k, v in learner.trainer.model.state_dict().items()}
     group = [
         Scored(sample=sample("p", prompt, [6, 1], 0), reward=1.0),
         Scored(sample=sample("p", prompt, [7, 1], 1)),
     ]
-    learner._train_step(TrainBatch(samples=group, algorithm="grpo"))
-    for k, v in learner.model.state_dict().items():
+    learner.train(TrainBatch(samples=group, algorithm="grpo"))
+    for k, v in learner.trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
 
@@ -153,8 +155,8 @@ def test_consumed_samples_are_skipped(tmp_path: Any) -> None:
     batch = TrainBatch(
         samples=[Scored(sample=sample("p", [2, 13], [3, 1], i), reward=float(i)) for i in range(2)]
     )
-    first = learner._train_step(batch)
-    again = learner._train_step(batch)
+    first = learner.train(batch)
+    again = learner.train(batch)
     assert (first.consumed, first.skipped) == (2, 0)
     assert (again.consumed, again.skipped) == (0, 2)
     assert learner.version == 1
@@ -165,12 +167,16 @@ def test_micro_batches_give_the_same_step(tmp_path: Any) -> None:
     demos = [sample(f"d{i}", [2 + i, 12, 3, 13], [4 + i, 5, 1]) for i in range(6)]
     whole = make(tmp_path / "a", lr=0.01, micro_batch_tokens=10_000)
     split = make(tmp_path / "b", lr=0.01, micro_batch_tokens=8)
-    assert len(split._micro_batches([Scored(sample=d) for d in demos])) == 6
-    whole._train_step(TrainBatch(samples=[Scored(sample=d) for d in demos], algorithm="bc"))
-    split._train_step(TrainBatch(samples=[Scored(sample=d) for d in demos], algorithm="bc"))
+    assert (
+        len(micro_batches([Scored(sample=d) for d in demos], split.config.micro_batch_tokens)) == 6
+    )
+    whole.train(TrainBatch(samples=[Scored(sample=d) for d in demos], algorithm="bc"))
+    split.train(TrainBatch(samples=[Scored(sample=d) for d in demos], algorithm="bc"))
     # Compare the accumulated gradients: Adam's first step divides by |g|, which would blow up
     # float rounding in gradients that are nearly zero.
-    for (name, a), b in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
+    for (name, a), b in zip(
+        whole.trainer.model.named_parameters(), split.trainer.model.parameters(), strict=True
+    ):
         assert a.grad is not None and b.grad is not None
         torch.testing.assert_close(
             a.grad, b.grad, atol=1e-7, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
@@ -190,18 +196,20 @@ def test_checkpoints_resume_exactly(tmp_path: Any) -> None:
 
     straight = make(tmp_path / "straight", lr=0.01)
     for step in range(3):
-        straight._train_step(batch(step))
+        straight.train(batch(step))
 
     first = make(tmp_path / "resumed", lr=0.01, checkpoint_every=2)
     for step in range(2):
-        first._train_step(batch(step))
+        first.train(batch(step))
     resumed = make(tmp_path / "resumed", lr=0.01, checkpoint_every=2)  # setup() loads step 2
     assert (resumed.step, resumed.version, resumed.keep) == (2, 2, ProgramState(cursor=1))
     assert len(resumed.consumed) == 4
-    assert resumed._train_step(batch(1)).skipped == 2  # already consumed before the crash
-    resumed._train_step(batch(2))
+    assert resumed.train(batch(1)).skipped == 2  # already consumed before the crash
+    resumed.train(batch(2))
     for (name, a), b in zip(
-        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+        straight.trainer.model.state_dict().items(),
+        resumed.trainer.model.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b), name
 
@@ -210,11 +218,11 @@ def test_export_loads_with_transformers(tmp_path: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     learner = make(tmp_path)
-    path = learner._export("final")
+    path = asyncio.run(learner.export("final"))
     assert path == str(tmp_path / "exports" / "final")
     loaded = AutoModelForCausalLM.from_pretrained(path)
     for (name, a), b in zip(
-        learner.model.state_dict().items(), loaded.state_dict().values(), strict=True
+        learner.trainer.model.state_dict().items(), loaded.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
     assert not os.path.exists(path + ".tmp")
@@ -223,7 +231,7 @@ def test_export_loads_with_transformers(tmp_path: Any) -> None:
 def _group(learner: Learner, pid: str, versions: int = 0) -> list[Scored]:
     prompt = [2, 3, 12, 4, 5, 13]
     tokens = [[6, 7, 1], [8, 9, 1], [6, 9, 1]]
-    behaviour = learner._logprobs([sample(pid, prompt, t) for t in tokens])
+    behaviour = learner.trainer.logprobs([sample(pid, prompt, t) for t in tokens])
     return [
         Scored(
             sample=Sample(
@@ -248,11 +256,11 @@ def test_corrections_give_plain_ppo_gradients_on_fresh_samples(
 ) -> None:
     plain = make(tmp_path / "a", lr=0.01)
     other = make(tmp_path / "b", lr=0.01)
-    plain._train_step(TrainBatch(samples=_group(plain, "p"), algorithm="grpo", correction="clip"))
-    other._train_step(
-        TrainBatch(samples=_group(other, "p"), algorithm="grpo", correction=correction)
-    )
-    for a, b in zip(plain.model.parameters(), other.model.parameters(), strict=True):
+    plain.train(TrainBatch(samples=_group(plain, "p"), algorithm="grpo", correction="clip"))
+    other.train(TrainBatch(samples=_group(other, "p"), algorithm="grpo", correction=correction))
+    for a, b in zip(
+        plain.trainer.model.parameters(), other.trainer.model.parameters(), strict=True
+    ):
         assert a.grad is not None and b.grad is not None
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4)
 
@@ -262,19 +270,17 @@ def test_stale_samples_are_weighted_by_their_importance(tmp_path: Any) -> None:
     the staleness is reported against the version that consumed the samples."""
     learner = make(tmp_path, lr=0.01)
     for step in range(2):  # two steps: the policy is now version 2
-        learner._train_step(TrainBatch(samples=_group(learner, f"warm{step}"), algorithm="grpo"))
+        learner.train(TrainBatch(samples=_group(learner, f"warm{step}"), algorithm="grpo"))
     stale = _group(make(tmp_path / "old", lr=0.01), "stale", versions=0)
     grads = {}
     for correction in ("clip", "decoupled", "tis"):
         fresh = make(tmp_path / correction, lr=0.01)
-        fresh.model.load_state_dict(learner.model.state_dict())
+        fresh.trainer.model.load_state_dict(learner.trainer.model.state_dict())
         fresh.version = learner.version
-        result = fresh._train_step(
-            TrainBatch(samples=stale, algorithm="grpo", correction=correction)
-        )
+        result = fresh.train(TrainBatch(samples=stale, algorithm="grpo", correction=correction))
         assert result.metrics["staleness_max"] == 2 and result.metrics["staleness_p50"] == 2
         grads[correction] = torch.cat(
-            [p.grad.flatten() for p in fresh.model.parameters() if p.grad is not None]
+            [p.grad.flatten() for p in fresh.trainer.model.parameters() if p.grad is not None]
         )
     assert not torch.allclose(grads["clip"], grads["decoupled"])
     # One optimizer step per batch (the default): decoupled PPO's proximal policy is the current
@@ -285,12 +291,12 @@ def test_stale_samples_are_weighted_by_their_importance(tmp_path: Any) -> None:
 def test_given_advantages_are_used_and_whitened_over_the_batch(tmp_path: Any) -> None:
     learner = make(tmp_path, whiten_advantages=True)
     group = _group(learner, "p")
-    computed = learner._advantages("grpo", group)
+    computed = batch_advantages(learner.config, "grpo", group)
     given = [
         Scored(sample=s.sample, reward=s.reward, advantage=a)
         for s, a in zip(group, [3.0, 1.0, -1.0], strict=True)
     ]
-    assert learner._advantages("grpo", given) == pytest.approx(
+    assert batch_advantages(learner.config, "grpo", given) == pytest.approx(
         [(a - 1.0) / (8 / 3) ** 0.5 for a in (3.0, 1.0, -1.0)], rel=1e-6
     )
     assert sum(computed) == pytest.approx(0.0, abs=1e-6)
@@ -352,15 +358,17 @@ def test_a_durable_step_is_never_lost_and_a_resent_batch_is_not_trained_twice(
         return TrainBatch(samples=samples, algorithm="grpo", keep=keep, id=f"rl-{step}")
 
     first = make(tmp_path, lr=0.01)
-    results = [first._train_step(batch(step)) for step in range(3)]
+    results = [first.train(batch(step)) for step in range(3)]
     restarted = make(tmp_path, lr=0.01)  # a new incarnation, from the run directory
     assert (restarted.step, restarted.version) == (3, 3)
-    again = restarted._train_step(batch(2))  # its reply was lost: re-sent
+    again = restarted.train(batch(2))  # its reply was lost: re-sent
     assert again.replayed and (again.step, again.version, again.consumed) == (3, 3, 2)
     assert again.metrics == results[-1].metrics
     assert restarted.step == 3
     for a, b in zip(
-        first.model.state_dict().values(), restarted.model.state_dict().values(), strict=True
+        first.trainer.model.state_dict().values(),
+        restarted.trainer.model.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b)
     with open(tmp_path / "ledger" / "learner.0.steps.jsonl") as f:
@@ -382,7 +390,7 @@ def test_a_torn_checkpoint_and_an_orphan_log_line_are_never_loaded(tmp_path: Any
     trained again, once)."""
     learner = make(tmp_path, lr=0.01)
     for step in range(2):
-        learner._train_step(
+        learner.train(
             TrainBatch(
                 samples=[Scored(sample=sample(f"p{step}", [2, 3], [4, 1]), reward=1.0)],
                 algorithm="grpo",
@@ -403,23 +411,25 @@ def test_a_torn_checkpoint_and_an_orphan_log_line_are_never_loaded(tmp_path: Any
 def test_export_writes_only_inside_the_run_directory(tmp_path: Any) -> None:
     run_dir = tmp_path / "run"
     learner = make(run_dir)
-    inside = learner._export(str(run_dir / "exports" / "final"))
+    inside = asyncio.run(learner.export(str(run_dir / "exports" / "final")))
     assert os.path.exists(os.path.join(inside, "config.json"))
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (outside / "keep.txt").write_text("precious")
     with pytest.raises(PermissionError, match=r"refusing to write .* it is outside .*/exports'"):
-        learner._export(str(outside))
+        asyncio.run(learner.export(str(outside)))
     os.symlink(outside, run_dir / "exports" / "link")
     with pytest.raises(PermissionError):
-        learner._export(str(run_dir / "exports" / "link"))  # a link out of the run directory
+        asyncio.run(
+            learner.export(str(run_dir / "exports" / "link"))
+        )  # a link out of the run directory
     with pytest.raises(PermissionError, match="part of the run's own state"):
-        learner._export(str(run_dir / "roles" / "learner.0"))  # its checkpoints
+        asyncio.run(learner.export(str(run_dir / "roles" / "learner.0")))  # its checkpoints
     with pytest.raises(PermissionError):
-        learner._export(str(run_dir))  # never the run directory itself
+        asyncio.run(learner.export(str(run_dir)))  # never the run directory itself
     assert (outside / "keep.txt").read_text() == "precious"
     allowed = make(tmp_path / "run2", write_paths=[str(outside)])
-    assert allowed._export(str(outside / "model")) == str(outside / "model")
+    assert asyncio.run(allowed.export(str(outside / "model"))) == str(outside / "model")
 
 
 AGGREGATIONS = [
@@ -443,7 +453,7 @@ def _uneven_batch(learner: Learner) -> list[Scored]:
     out = []
     for i, (pid, prompt, tokens, reward) in enumerate(rows):
         # Behaviour log-probs a little off the current ones, so that no ratio is 1.
-        current = learner._logprobs([sample(pid, prompt, tokens)])[0]
+        current = learner.trainer.logprobs([sample(pid, prompt, tokens)])[0]
         behaviour = [lp - 0.03 * (j + 1) for j, lp in enumerate(current)]
         out.append(Scored(sample=sample(pid, prompt, tokens, i, behaviour), reward=reward))
     return out
@@ -464,13 +474,15 @@ def test_micro_batches_weigh_like_the_whole_batch(tmp_path: Any, aggregation: st
     whole = make(tmp_path / "whole", micro_batch_tokens=10_000, **config)
     split = make(tmp_path / "split", micro_batch_tokens=6, **config)
     batch = _uneven_batch(whole)
-    assert len(split._micro_batches(batch)) == 6
-    a = whole._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics
-    b = split._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics
+    assert len(micro_batches(batch, split.config.micro_batch_tokens)) == 6
+    a = whole.train(TrainBatch(samples=batch, algorithm="grpo")).metrics
+    b = split.train(TrainBatch(samples=batch, algorithm="grpo")).metrics
     assert abs(a["policy_loss"]) > 0.01
     assert b["policy_loss"] == pytest.approx(a["policy_loss"], rel=1e-6, abs=1e-6)
     assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-6, abs=1e-6)
-    for (name, x), y in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
+    for (name, x), y in zip(
+        whole.trainer.model.named_parameters(), split.trainer.model.parameters(), strict=True
+    ):
         assert x.grad is not None and y.grad is not None
         torch.testing.assert_close(
             x.grad, y.grad, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
@@ -478,7 +490,9 @@ def test_micro_batches_weigh_like_the_whole_batch(tmp_path: Any, aggregation: st
 
 
 def _grads(learner: Learner) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
+    return torch.cat(
+        [p.grad.flatten() for p in learner.trainer.model.parameters() if p.grad is not None]
+    )
 
 
 def test_dr_grpo_aggregation_divides_sequence_sums_by_norm_len(tmp_path: Any) -> None:
@@ -487,8 +501,8 @@ def test_dr_grpo_aggregation_divides_sequence_sums_by_norm_len(tmp_path: Any) ->
     summed = make(tmp_path / "sum", aggregation="seq_mean_token_sum", **common)
     normed = make(tmp_path / "norm", aggregation="seq_mean_token_sum_norm", norm_len=8, **common)
     batch = _uneven_batch(summed)
-    a = summed._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics["policy_loss"]
-    b = normed._train_step(TrainBatch(samples=batch, algorithm="grpo")).metrics["policy_loss"]
+    a = summed.train(TrainBatch(samples=batch, algorithm="grpo")).metrics["policy_loss"]
+    b = normed.train(TrainBatch(samples=batch, algorithm="grpo")).metrics["policy_loss"]
     assert b == pytest.approx(a / 8, rel=1e-6)
     torch.testing.assert_close(_grads(normed), _grads(summed) / 8, atol=1e-6, rtol=0)
 
@@ -541,12 +555,12 @@ def test_ppo_advantages_are_whitened_over_the_batch_tokens(tmp_path: Any) -> Non
     white = make(tmp_path / "b", algorithm="ppo", gamma=1.0, lam=1.0, whiten_advantages=True)
     batch = _ppo_batch()
     raw = [1.0 - 0.1, 1.0 - 0.4, 1.0 - 0.2, 0.0 - 0.5, 0.0 + 0.3]
-    got = plain._advantages("ppo", batch)
+    got = batch_advantages(plain.config, "ppo", batch)
     assert [len(row) for row in got] == [3, 2, 0]
     assert [a for row in got for a in row] == pytest.approx(raw, abs=1e-6)
     mean = sum(raw) / 5
     std = (sum((a - mean) ** 2 for a in raw) / 5) ** 0.5
-    whitened = white._advantages("ppo", batch)
+    whitened = batch_advantages(white.config, "ppo", batch)
     assert [len(row) for row in whitened] == [3, 2, 0]
     flat = [a for row in whitened for a in row]
     assert flat == pytest.approx([(a - mean) / (std + 1e-8) for a in raw], abs=1e-6)
@@ -559,7 +573,9 @@ def test_ppo_kl_in_the_reward_uses_the_configured_estimator(tmp_path: Any) -> No
     kl = [math.expm1(-x) + x for x in kl]  # k3 (the default): exp(ref - logp) - (ref - logp) - 1
     values = [0.1, 0.4, 0.2]
     expected = [1.0 - 0.5 * sum(kl[t:]) - values[t] for t in range(3)]
-    assert learner._advantages("ppo", _ppo_batch())[0] == pytest.approx(expected, abs=1e-6)
+    assert batch_advantages(learner.config, "ppo", _ppo_batch())[0] == pytest.approx(
+        expected, abs=1e-6
+    )
 
 
 @pytest.mark.parametrize("std", ["population", "unbiased"])
@@ -575,7 +591,7 @@ def test_grpo_std_convention(tmp_path: Any, std: str) -> None:
     squares = (2 / 3) ** 2 + 2 * (1 / 3) ** 2
     sd = (squares / (3 if std == "population" else 2)) ** 0.5
     expected = [(2 / 3) / (sd + 1e-6), (-1 / 3) / (sd + 1e-6), (-1 / 3) / (sd + 1e-6), 0.0]
-    assert learner._advantages("grpo", batch) == pytest.approx(expected, abs=1e-6)
+    assert batch_advantages(learner.config, "grpo", batch) == pytest.approx(expected, abs=1e-6)
 
 
 def test_rloo_is_selectable(tmp_path: Any) -> None:
@@ -589,21 +605,23 @@ def test_rloo_is_selectable(tmp_path: Any) -> None:
         )
         for i, r in enumerate(rewards)
     ]
-    assert learner._advantages("rloo", batch) == pytest.approx([0.75, -0.75, 0.0, 0.0], abs=1e-6)
-    result = learner._train_step(TrainBatch(samples=batch))  # the configured algorithm
+    assert batch_advantages(learner.config, "rloo", batch) == pytest.approx(
+        [0.75, -0.75, 0.0, 0.0], abs=1e-6
+    )
+    result = learner.train(TrainBatch(samples=batch))  # the configured algorithm
     # The same step as GRPO given those advantages.
     given = make(tmp_path / "given", lr=0.01)
     rloo = [
         Scored(sample=s.sample, reward=s.reward, advantage=a)
         for s, a in zip(batch, [0.75, -0.75, 0, 0], strict=True)
     ]
-    expected = given._train_step(TrainBatch(samples=rloo, algorithm="grpo"))
+    expected = given.train(TrainBatch(samples=rloo, algorithm="grpo"))
     assert result.consumed == 4
     assert result.metrics["policy_loss"] == pytest.approx(expected.metrics["policy_loss"])
     assert abs(result.metrics["policy_loss"]) > 0.01
     torch.testing.assert_close(_grads(learner), _grads(given), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match=r"unknown algorithm 'reinforce' in TrainBatch"):
-        learner._train_step(TrainBatch(samples=batch, algorithm="reinforce"))
+        learner.train(TrainBatch(samples=batch, algorithm="reinforce"))
 
 
 def test_the_objective_is_composed_once_from_the_config_and_the_batch(tmp_path: Any) -> None:
@@ -636,7 +654,7 @@ def test_the_objective_is_composed_once_from_the_config_and_the_batch(tmp_path: 
         objective_for(cfg, "reinforce", "clip", 2.0)
     learner = make(tmp_path)
     with pytest.raises(ValueError, match=r"^unknown correction 'ppo'; expected one of"):
-        learner._train_step(TrainBatch(samples=_group(learner, "p"), correction="ppo"))  # type: ignore[arg-type]
+        learner.train(TrainBatch(samples=_group(learner, "p"), correction="ppo"))  # type: ignore[arg-type]
 
 
 def test_a_term_composes_into_the_loss_with_its_coefficient(tmp_path: Any) -> None:
@@ -654,7 +672,7 @@ def test_a_term_composes_into_the_loss_with_its_coefficient(tmp_path: Any) -> No
     group = _group(learner, "p")
     plain = objective_for(learner.config, "grpo", "clip", 2.0)
     advantages = plain.advantages(learner.config, group)
-    forward = learner._forward_logprobs([s.sample for s in group])
+    forward = learner.trainer.forward([s.sample for s in group])
     micro = MicroBatch(group, advantages, None, forward)
     base, base_parts = plain(micro)
     terms = (
@@ -678,16 +696,19 @@ def test_bc_dropout_acts_in_bc_steps_only(tmp_path: Any) -> None:
     plain = make(tmp_path / "plain", lr=0.01, model_config=model)
     dropped = make(tmp_path / "dropped", lr=0.01, model_config=model, bc_dropout=True)
     for learner in (plain, dropped):
-        learner._train_step(TrainBatch(samples=demos, algorithm="bc"))
-        assert not learner.model.training
-    after_bc = [p.clone() for p in dropped.model.parameters()]
+        learner.train(TrainBatch(samples=demos, algorithm="bc"))
+        assert not learner.trainer.model.training
+    after_bc = [p.clone() for p in dropped.trainer.model.parameters()]
     assert any(
-        not torch.equal(a, b) for a, b in zip(plain.model.parameters(), after_bc, strict=True)
+        not torch.equal(a, b)
+        for a, b in zip(plain.trainer.model.parameters(), after_bc, strict=True)
     )
     again = make(tmp_path / "again", lr=0.01, model_config=model, bc_dropout=True)
     reference = make(tmp_path / "reference", lr=0.01, model_config=model)
     for learner in (again, reference):
-        learner._train_step(TrainBatch(samples=rl, algorithm="grpo"))
-        assert not learner.model.training
-    for a, b in zip(again.model.parameters(), reference.model.parameters(), strict=True):
+        learner.train(TrainBatch(samples=rl, algorithm="grpo"))
+        assert not learner.trainer.model.training
+    for a, b in zip(
+        again.trainer.model.parameters(), reference.trainer.model.parameters(), strict=True
+    ):
         assert torch.equal(a, b)

@@ -90,19 +90,21 @@ def test_the_compiled_step_matches_the_eager_one(tmp_path: Any) -> None:
     # fourth does not; the fourth is decoupled PPO, whose policy loss is compiled anew.
     steps = [(0, 7, "clip"), (1, 8, "clip"), (2, 19, "clip"), (3, 8, "decoupled")]
     for step, prompt_len, correction in steps:
-        a = eager._train_step(batch(step, prompt_len, correction)).metrics
-        b = compiled._train_step(batch(step, prompt_len, correction)).metrics
+        a = eager.train(batch(step, prompt_len, correction)).metrics
+        b = compiled.train(batch(step, prompt_len, correction)).metrics
         for key in ("policy_loss", "entropy", "clip_fraction", "approx_kl", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key)
         assert ("compile_s" in b) == (step in (0, 2, 3)), step
         assert "compile_s" not in a
-    assert compiled.compiled is not None
-    functions = compiled.compiled.functions
+    assert compiled.trainer.compiled is not None
+    functions = compiled.trainer.compiled.functions
     assert not any(c.eager for c in functions), [c.error for c in functions]
     # The forward pass: buckets 12 and 24; each policy loss: bucket 12, and 24 for clip.
     assert [c.compiles for c in functions] == [2, 2, 1]
     for (name, x), y in zip(
-        eager.model.state_dict().items(), compiled.model.state_dict().values(), strict=True
+        eager.trainer.model.state_dict().items(),
+        compiled.trainer.model.state_dict().values(),
+        strict=True,
     ):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5, msg=name)
 

@@ -14,6 +14,7 @@ from asyncrl.role import RoleContext
 from asyncrl.roles.learning.batching import completion_mask, gae_targets, loss_masks, pad_batch
 from asyncrl.roles.payloads import Sample, Scored, TrainBatch
 from asyncrl.roles.training.learner import Learner
+from asyncrl.roles.training.objective import batch_advantages
 
 MODEL = {
     "model_type": "gpt2",
@@ -69,7 +70,9 @@ def episode(
 
 
 def grads(learner: Learner) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
+    return torch.cat(
+        [p.grad.flatten() for p in learner.trainer.model.parameters() if p.grad is not None]
+    )
 
 
 class Legacy(msgspec.Struct, kw_only=True):
@@ -129,14 +132,14 @@ def test_policy_gradient_reaches_the_policy_tokens_only(tmp_path: Any) -> None:
     tokens (token mean). What the environment wrote is context: changing its behaviour
     log-probs (which no one reads) changes nothing."""
     learner = make(tmp_path)
-    current = learner._logprobs([episode()])[0]
+    current = learner.trainer.logprobs([episode()])[0]
     batch = [Scored(sample=episode(logprobs=current), advantage=1.5)]
-    learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
+    learner.train(TrainBatch(samples=batch, algorithm="grpo"))
     got = grads(learner)
 
     other = make(tmp_path / "other")
     noisy = [lp if m else lp - 3.0 for lp, m in zip(current, MASK, strict=True)]
-    other._train_step(
+    other.train(
         TrainBatch(
             samples=[Scored(sample=episode(logprobs=noisy), advantage=1.5)], algorithm="grpo"
         )
@@ -144,8 +147,8 @@ def test_policy_gradient_reaches_the_policy_tokens_only(tmp_path: Any) -> None:
     torch.testing.assert_close(grads(other), got, atol=1e-7, rtol=0)
 
     manual = make(tmp_path / "manual")
-    manual.model.zero_grad()
-    forward = manual._forward_logprobs([episode(mask=[])])
+    manual.trainer.model.zero_grad()
+    forward = manual.trainer.forward([episode(mask=[])])
     policy = forward.logprobs[0, -7:][torch.tensor(MASK, dtype=torch.bool)]
     (-1.5 * policy.mean()).backward()
     torch.testing.assert_close(got, grads(manual), atol=1e-6, rtol=0)
@@ -154,11 +157,9 @@ def test_policy_gradient_reaches_the_policy_tokens_only(tmp_path: Any) -> None:
 
 def test_bc_imitates_the_policy_tokens_only(tmp_path: Any) -> None:
     learner = make(tmp_path)
-    metrics = learner._train_step(
-        TrainBatch(samples=[Scored(sample=episode())], algorithm="bc")
-    ).metrics
+    metrics = learner.train(TrainBatch(samples=[Scored(sample=episode())], algorithm="bc")).metrics
     with torch.no_grad():
-        forward = learner._forward_logprobs([episode(mask=[])])
+        forward = learner.trainer.forward([episode(mask=[])])
     policy = forward.logprobs[0, -7:][torch.tensor(MASK, dtype=torch.bool)]
     assert metrics["nll"] == pytest.approx(-float(policy.mean()), rel=1e-5)
     everything = -float(forward.logprobs[0, -7:].mean())
@@ -168,16 +169,16 @@ def test_bc_imitates_the_policy_tokens_only(tmp_path: Any) -> None:
 def test_an_all_ones_mask_trains_exactly_like_no_mask(tmp_path: Any) -> None:
     """The single-turn path is untouched: a mask of ones gives the same step, bit for bit."""
     a, b = make(tmp_path / "a", lr=1e-2), make(tmp_path / "b", lr=1e-2)
-    current = a._logprobs([episode(mask=[])])[0]
+    current = a.trainer.logprobs([episode(mask=[])])[0]
     behaviour = [lp - 0.05 * i for i, lp in enumerate(current)]
     for learner, mask in ((a, []), (b, [1] * 7)):
         samples = [
             Scored(sample=episode(0, mask, behaviour), reward=1.0),
             Scored(sample=episode(1, mask, current), reward=0.0),
         ]
-        learner._train_step(TrainBatch(samples=samples, algorithm="grpo"))
+        learner.train(TrainBatch(samples=samples, algorithm="grpo"))
     assert torch.equal(grads(a), grads(b))
-    for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True):
+    for x, y in zip(a.trainer.model.parameters(), b.trainer.model.parameters(), strict=True):
         assert torch.equal(x, y)
 
 
@@ -212,7 +213,7 @@ def test_ppo_whitens_over_the_policy_tokens_and_leaves_the_environment_at_zero(
     learner = make(tmp_path, algorithm="ppo", gamma=1.0, lam=1.0, whiten_advantages=True)
     values = [0.1, 0.2, 5.0, 5.0, 5.0, 0.3, 0.4]
     scored = Scored(sample=episode(), reward=1.0, values=values)
-    (row,) = learner._advantages("ppo", [scored])
+    (row,) = batch_advantages(learner.config, "ppo", [scored])
     raw = [1.0 - values[i] for i, m in enumerate(MASK) if m]
     mean = sum(raw) / len(raw)
     std = (sum((a - mean) ** 2 for a in raw) / len(raw)) ** 0.5
@@ -227,7 +228,7 @@ def test_staleness_counts_the_policy_tokens_versions(tmp_path: Any) -> None:
     assert s.policy_versions == [2, 2, 3, 3]
     learner = make(tmp_path)
     learner.version = 5
-    metrics = learner._train_step(
+    metrics = learner.train(
         TrainBatch(samples=[Scored(sample=s, advantage=1.0)], algorithm="grpo")
     ).metrics
     assert metrics["staleness_max"] == 3.0
@@ -238,17 +239,18 @@ def test_a_step_on_episodes_reports_the_environment_tokens_its_loss_saw(tmp_path
     from it: 0 for a sound mask, the environment's tokens when the mask is lost on the way."""
     learner = make(tmp_path)
     batch = TrainBatch(samples=[Scored(sample=episode(), advantage=1.0)], algorithm="grpo")
-    assert learner._train_step(batch).metrics["env_tokens_trained"] == 0.0
-    plain = learner._train_step(
+    assert learner.train(batch).metrics["env_tokens_trained"] == 0.0
+    plain = learner.train(
         TrainBatch(samples=[Scored(sample=episode(1, mask=[]), advantage=1.0)], algorithm="grpo")
     )
     assert "env_tokens_trained" not in plain.metrics
     broken = make(tmp_path / "broken")
-    broken._forward_logprobs = lambda samples, compiled=False: Learner._forward_logprobs(  # type: ignore[method-assign]
-        broken, [msgspec.structs.replace(s, loss_mask=[]) for s in samples], compiled
+    forward = broken.trainer.forward
+    broken.trainer.forward = lambda samples, compiled=False: forward(  # type: ignore[method-assign]
+        [msgspec.structs.replace(s, loss_mask=[]) for s in samples], compiled
     )
     batch = TrainBatch(samples=[Scored(sample=episode(2), advantage=1.0)], algorithm="grpo")
-    assert broken._train_step(batch).metrics["env_tokens_trained"] == 3.0
+    assert broken.train(batch).metrics["env_tokens_trained"] == 3.0
 
 
 def test_a_step_on_episodes_counts_the_infra_failed_episodes_it_received(tmp_path: Any) -> None:
@@ -257,13 +259,13 @@ def test_a_step_on_episodes_counts_the_infra_failed_episodes_it_received(tmp_pat
     1 for each that reaches it."""
     learner = make(tmp_path)
     batch = TrainBatch(samples=[Scored(sample=episode(), advantage=1.0)], algorithm="grpo")
-    assert learner._train_step(batch).metrics["infra_failed_trained"] == 0.0
+    assert learner.train(batch).metrics["infra_failed_trained"] == 0.0
     failed = msgspec.structs.replace(episode(1), infra_failed="timeout")
     batch = TrainBatch(
         samples=[Scored(sample=failed, advantage=1.0), Scored(sample=episode(2), advantage=0.5)],
         algorithm="grpo",
     )
-    assert learner._train_step(batch).metrics["infra_failed_trained"] == 1.0
+    assert learner.train(batch).metrics["infra_failed_trained"] == 1.0
 
 
 def test_the_critic_learns_the_values_of_the_policy_tokens_only() -> None:
@@ -276,7 +278,7 @@ def test_the_critic_learns_the_values_of_the_policy_tokens_only() -> None:
         asyncio.run(critic.setup())
         values = [0.1, 0.2, env_value, env_value, env_value, 0.3, 0.4]
         scored = Scored(sample=episode(mask=mask), reward=1.0, values=values)
-        return critic._train_step([scored]).value_loss
+        return critic.train([scored]).value_loss
 
     masked = step(MASK, 0.0)
     assert step(MASK, 5.0) == pytest.approx(masked, rel=1e-6)

@@ -68,7 +68,7 @@ def stale_batch(
             finished=True,
             stop_reason="stop",
         )
-        current = learner._logprobs([sample])[0]
+        current = learner.trainer.logprobs([sample])[0]
         sample.logprobs = [lp - offset - jitter * j for j, lp in enumerate(current)]
         advantage = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.5, -1.5][i % 8]
         out.append(Scored(sample=sample, reward=float(advantage > 0), advantage=advantage))
@@ -76,7 +76,7 @@ def stale_batch(
 
 
 def params(learner: Learner) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in learner.model.parameters()]
+    return [p.detach().clone() for p in learner.trainer.model.parameters()]
 
 
 def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -86,7 +86,7 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def adam_steps(learner: Learner) -> int:
-    return int(next(iter(learner.optimizer.state.values()))["step"])
+    return int(next(iter(learner.trainer.optimizer.state.values()))["step"])
 
 
 def test_mini_batch_indices_split_and_shuffle_deterministically() -> None:
@@ -117,16 +117,16 @@ def test_epochs_and_mini_batches_are_validated(tmp_path: Any) -> None:
         match=r"^learner: a batch of 3 samples cannot be split into mini_batches=4; send "
         r"batches of at least 4 samples or lower roles.learner.config.mini_batches$",
     ):
-        learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
+        learner.train(TrainBatch(samples=batch, algorithm="grpo"))
     assert learner.version == 0 and adam_steps_or_zero(learner) == 0
     # BC takes one step per batch whatever the epochs and mini-batches say.
     bc = make(tmp_path / "bc", ppo_epochs=3, mini_batches=4)
-    result = bc._train_step(TrainBatch(samples=stale_batch(bc, "d", n=2), algorithm="bc"))
+    result = bc.train(TrainBatch(samples=stale_batch(bc, "d", n=2), algorithm="bc"))
     assert result.metrics["optimizer_steps"] == 1.0 and adam_steps(bc) == 1
 
 
 def adam_steps_or_zero(learner: Learner) -> int:
-    return adam_steps(learner) if learner.optimizer.state else 0
+    return adam_steps(learner) if learner.trainer.optimizer.state else 0
 
 
 @pytest.mark.parametrize("correction", ["clip", "decoupled", "tis"])
@@ -138,10 +138,10 @@ def test_one_epoch_and_one_mini_batch_is_the_single_step_it_was(
     learner = make(tmp_path / "l", lr=0.01, ppo_epochs=1, mini_batches=1)
     by_hand = make(tmp_path / "h", lr=0.01)
     batch = stale_batch(learner, "s")
-    result = learner._train_step(TrainBatch(samples=batch, algorithm="grpo", correction=correction))
+    result = learner.train(TrainBatch(samples=batch, algorithm="grpo", correction=correction))
     assert result.metrics["optimizer_steps"] == 1.0 and adam_steps(learner) == 1
 
-    logprobs, target, _ = by_hand._forward_logprobs([s.sample for s in batch])
+    logprobs, target, _ = by_hand.trainer.forward([s.sample for s in batch])
     behaviour = aligned([s.sample.logprobs for s in batch], target)
     adv = torch.tensor([s.advantage for s in batch])[:, None].expand_as(target) * target
     if correction == "clip":
@@ -153,10 +153,10 @@ def test_one_epoch_and_one_mini_batch_is_the_single_step_it_was(
     else:
         weight = alg.truncated_importance_weights(logprobs, behaviour, 2.0, mask=target)
         loss = alg.aggregate(-(weight * adv * logprobs), target, "token_mean")
-    by_hand.optimizer.zero_grad()
+    by_hand.trainer.optimizer.zero_grad()
     (loss * 1.0).backward()  # type: ignore[no-untyped-call]
-    torch.nn.utils.clip_grad_norm_(by_hand.model.parameters(), 1.0)
-    by_hand.optimizer.step()
+    torch.nn.utils.clip_grad_norm_(by_hand.trainer.model.parameters(), 1.0)
+    by_hand.trainer.optimizer.step()
     assert result.metrics["policy_loss"] == float(loss.detach())
     assert_same(params(learner), params(by_hand))
 
@@ -174,7 +174,7 @@ def test_mini_batches_are_optimizer_steps_on_shuffled_shares(
     batch = stale_batch(learner, "m")
     for s in batch:
         s.values = [0.1 * j for j in range(len(s.sample.token_ids))]  # PPO's critic values
-    result = learner._train_step(TrainBatch(samples=batch, algorithm=algorithm))
+    result = learner.train(TrainBatch(samples=batch, algorithm=algorithm))
     expected = []
     for epoch in range(epochs):
         for part in mini_batch_indices(6, 2, seed=0, step=0, epoch=epoch):
@@ -185,10 +185,10 @@ def test_mini_batches_are_optimizer_steps_on_shuffled_shares(
             for share, i in zip(shares, part, strict=True):
                 share.advantage = batch[i].advantage
                 share.sample = msgspec.structs.replace(share.sample, prompt_id=f"{epoch}{i}")
-            expected.append(steps._train_step(TrainBatch(samples=shares, algorithm=algorithm)))
+            expected.append(steps.train(TrainBatch(samples=shares, algorithm=algorithm)))
     assert (result.version, result.step, result.consumed) == (1, 1, 6)
     assert result.metrics["optimizer_steps"] == 2 * epochs
-    assert adam_steps(learner) == 2 * epochs and learner.scheduler.last_epoch == 2 * epochs
+    assert adam_steps(learner) == 2 * epochs and learner.trainer.scheduler.last_epoch == 2 * epochs
     assert steps.version == 2 * epochs
     mean_loss = sum(r.metrics["policy_loss"] for r in expected) / len(expected)
     assert result.metrics["policy_loss"] == pytest.approx(mean_loss, rel=1e-12)
@@ -200,20 +200,20 @@ def _decoupled_by_hand(
 ) -> list[dict[str, float]]:
     """``steps`` optimizer steps of decoupled PPO on the whole batch, written out; the proximal
     log-probs are the batch's start (``fixed_proximal``) or each step's current policy."""
-    start = learner._logprobs([s.sample for s in batch])
+    start = learner.trainer.logprobs([s.sample for s in batch])
     stats = []
     for _ in range(steps):
-        logprobs, target, _ = learner._forward_logprobs([s.sample for s in batch])
+        logprobs, target, _ = learner.trainer.forward([s.sample for s in batch])
         proximal = aligned(start, target) if fixed_proximal else logprobs.detach()
         behaviour = aligned([s.sample.logprobs for s in batch], target)
         adv = torch.tensor([s.advantage for s in batch])[:, None].expand_as(target) * target
         loss, step_stats = alg.decoupled_ppo_policy_loss(
             logprobs, proximal, behaviour, adv, target, clip_eps, importance_cap=2.0
         )
-        learner.optimizer.zero_grad()
+        learner.trainer.optimizer.zero_grad()
         (loss * 1.0).backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(learner.model.parameters(), 1.0)
-        learner.optimizer.step()
+        torch.nn.utils.clip_grad_norm_(learner.trainer.model.parameters(), 1.0)
+        learner.trainer.optimizer.step()
         stats.append(
             {"policy_loss": float(loss.detach()), **{k: float(v) for k, v in step_stats.items()}}
         )
@@ -228,9 +228,7 @@ def test_decoupled_epochs_clip_against_the_proximal_policy(tmp_path: Any) -> Non
     config = {"lr": 0.05, "clip_eps": 0.02, "ppo_epochs": 2}
     learner = make(tmp_path / "l", **config)
     batch = stale_batch(learner, "d")
-    result = learner._train_step(
-        TrainBatch(samples=batch, algorithm="grpo", correction="decoupled")
-    )
+    result = learner.train(TrainBatch(samples=batch, algorithm="grpo", correction="decoupled"))
     fixed = make(tmp_path / "f", **config)
     by_hand = _decoupled_by_hand(fixed, batch, 2, fixed_proximal=True, clip_eps=0.02)
     current = make(tmp_path / "c", **config)
@@ -259,22 +257,22 @@ def test_a_resumed_learner_with_epochs_replays_a_batch_and_shuffles_alike(tmp_pa
     first = make(tmp_path, **config)
     batches = [stale_batch(first, f"r{step}") for step in range(3)]
     for step in range(2):
-        first._train_step(
+        first.train(
             TrainBatch(
                 samples=batches[step], algorithm="grpo", correction="decoupled", id=f"rl-{step}"
             )
         )
     restarted = make(tmp_path, **config)
     before = params(restarted)
-    again = restarted._train_step(
+    again = restarted.train(
         TrainBatch(samples=batches[1], algorithm="grpo", correction="decoupled", id="rl-1")
     )
     assert again.replayed and (again.version, again.step) == (2, 2)
     assert again.metrics["optimizer_steps"] == 4.0
     assert_same(params(restarted), before)
-    assert adam_steps(restarted) == 8 and restarted.scheduler.last_epoch == 8
+    assert adam_steps(restarted) == 8 and restarted.trainer.scheduler.last_epoch == 8
     for learner in (first, restarted):
-        learner._train_step(
+        learner.train(
             TrainBatch(samples=batches[2], algorithm="grpo", correction="decoupled", id="rl-2")
         )
     assert_same(params(first), params(restarted))
@@ -285,9 +283,9 @@ def test_a_batch_with_skipped_samples_splits_what_is_left(tmp_path: Any) -> None
     crash without its id): each is then a mini-batch of its own."""
     learner = make(tmp_path, mini_batches=3)
     batch = stale_batch(learner, "k", n=4)
-    first = learner._train_step(TrainBatch(samples=batch[:3], algorithm="grpo"))
+    first = learner.train(TrainBatch(samples=batch[:3], algorithm="grpo"))
     assert first.metrics["optimizer_steps"] == 3.0
-    result = learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
+    result = learner.train(TrainBatch(samples=batch, algorithm="grpo"))
     assert (result.consumed, result.skipped) == (1, 3)
     assert result.metrics["optimizer_steps"] == 1.0
 
@@ -298,9 +296,9 @@ def test_sequence_importance_reaches_the_learners_loss(tmp_path: Any) -> None:
 
     def grads(importance: str, batch: list[Scored], name: str) -> torch.Tensor:
         learner = make(tmp_path / name, lr=0.0, grad_clip=1e9, importance=importance)
-        learner._train_step(TrainBatch(samples=batch, algorithm="grpo", correction="clip"))
+        learner.train(TrainBatch(samples=batch, algorithm="grpo", correction="clip"))
         return torch.cat(
-            [p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]
+            [p.grad.flatten() for p in learner.trainer.model.parameters() if p.grad is not None]
         )
 
     reference = make(tmp_path / "ref")
@@ -346,12 +344,14 @@ def test_critic_mini_batches_are_steps_on_shuffled_shares(tmp_path: Any) -> None
         batch.append(
             Scored(sample=sample, reward=rng.random(), values=[rng.random() for _ in tokens])
         )
-    metrics = epochs._train_step(batch)
+    metrics = epochs.train(batch)
     losses = []
     for epoch in range(2):
         for part in mini_batch_indices(5, 2, seed=0, step=0, epoch=epoch):
-            losses.append(steps._train_step([batch[i] for i in part]).value_loss)
+            losses.append(steps.train([batch[i] for i in part]).value_loss)
     assert (metrics.optimizer_steps, metrics.step, epochs.step) == (4, 1, 1)
     assert metrics.value_loss == pytest.approx(sum(losses) / 4, rel=1e-12)
-    for a, b in zip(epochs.model.parameters(), steps.model.parameters(), strict=True):
+    for a, b in zip(
+        epochs.trainer.model.parameters(), steps.trainer.model.parameters(), strict=True
+    ):
         assert torch.equal(a, b)

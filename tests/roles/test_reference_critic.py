@@ -14,9 +14,9 @@ from asyncrl.roles.generation.rollout import Sample, WeightsUpdate
 from asyncrl.roles.payloads import CriticStepResult
 from asyncrl.roles.program.clients import CriticClient
 from asyncrl.roles.services.reference import Reference
-from asyncrl.roles.training.critic import Critic, check_matches_learner
+from asyncrl.roles.training.critic import Critic, check_matches_learner, value_targets
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
-from asyncrl.roles.training.objective import bc_coef
+from asyncrl.roles.training.objective import batch_advantages, bc_coef
 
 MODEL = {
     "model_type": "gpt2",
@@ -60,11 +60,11 @@ def test_reference_scores_like_the_learner_it_was_given(tmp_path: Any) -> None:
         await learner.setup()
         reference = Reference(RoleContext.local(config={"model_config": MODEL, "seed": 9}))
         await reference.setup()
-        state = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        state = {k: v.clone() for k, v in learner.trainer.model.state_dict().items()}
         assert await reference.set_weights(WeightsUpdate(5, state)) == 5
         samples = [sample("a", [2, 3, 12, 4, 13], [5, 6, 1]), sample("b", [7, 13], [8, 1])]
         ref = await reference.logprobs(samples)
-        mine = learner._logprobs(samples)
+        mine = learner.trainer.logprobs(samples)
         for r, m in zip(ref, mine, strict=True):
             torch.testing.assert_close(torch.tensor(r), torch.tensor(m), atol=1e-5, rtol=0)
 
@@ -113,15 +113,15 @@ def test_kl_loss_pulls_towards_the_reference(tmp_path: Any) -> None:
     )
     asyncio.run(learner.setup())
     s = sample("p", [2, 3, 12, 4, 13], [5, 6, 1])
-    ref = [lp - 0.5 for lp in learner._logprobs([s])[0]]  # a reference that disagrees
+    ref = [lp - 0.5 for lp in learner.trainer.logprobs([s])[0]]  # a reference that disagrees
 
     def gap() -> float:
-        now = learner._logprobs([s])[0]
+        now = learner.trainer.logprobs([s])[0]
         return sum(abs(a - b) for a, b in zip(now, ref, strict=True))
 
     before = gap()
     for step in range(5):
-        behaviour = learner._logprobs([s])[0]
+        behaviour = learner.trainer.logprobs([s])[0]
         batch = [
             Scored(
                 sample=Sample(
@@ -139,7 +139,7 @@ def test_kl_loss_pulls_towards_the_reference(tmp_path: Any) -> None:
             )
             for i in range(2)
         ]
-        result = learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
+        result = learner.train(TrainBatch(samples=batch, algorithm="grpo"))
         assert "kl" in result.metrics
     assert gap() < before
 
@@ -164,9 +164,7 @@ def test_bc_term_anneals_to_zero(tmp_path: Any) -> None:
         batch = [
             Scored(sample=sample(f"p{step}", [2, 13], [4, 1], i), reward=float(i)) for i in range(2)
         ]
-        metrics = learner._train_step(
-            TrainBatch(samples=batch, algorithm="grpo", demos=[demo])
-        ).metrics
+        metrics = learner.train(TrainBatch(samples=batch, algorithm="grpo", demos=[demo])).metrics
         assert ("bc_nll" in metrics) == (coefs[-1] > 0)
     assert coefs == [0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
 
@@ -220,8 +218,8 @@ def test_critic_targets_are_the_returns_of_the_learners_advantages(
     critic = Critic(RoleContext.local(config={"model_config": MODEL, **config}))
     asyncio.run(critic.setup())
     batch = _ppo_batch()
-    advantages = learner._advantages("ppo", batch)
-    old, returns = critic._targets(batch)
+    advantages = batch_advantages(learner.config, "ppo", batch)
+    old, returns = value_targets(critic.config, batch)
     width = returns.shape[1]
     for i, s in enumerate(batch):
         n = len(s.sample.token_ids)
@@ -257,7 +255,7 @@ def test_critic_dr_grpo_aggregation_divides_by_norm_len(tmp_path: Any) -> None:
     def loss(**config: Any) -> float:
         critic = Critic(RoleContext.local(config={"model_config": MODEL, "lr": 0.0, **config}))
         asyncio.run(critic.setup())
-        return critic._train_step(_ppo_batch()).value_loss
+        return critic.train(_ppo_batch()).value_loss
 
     summed = loss(aggregation="seq_mean_token_sum")
     assert summed > 0.01

@@ -25,15 +25,11 @@ from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.generation.rollout import WeightsUpdate
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.services.relay import Relay, RelayStatus
-from asyncrl.roles.training.learner_weights import (
-    PublishedWeights,
-    Rendezvous,
-    WeightBroadcast,
-    bucket_plan,
-)
+from asyncrl.roles.training.learner_weights import PublishedWeights
 from asyncrl.transport import run
 from asyncrl.transport.shm import HOST_ID_ENV
 from asyncrl.weights import WeightStore
+from asyncrl.weights.broadcast import Rendezvous, bucket_plan
 from asyncrl.weights.layout import TensorSpec
 from tests.roles.test_relay import (
     MODEL,
@@ -60,7 +56,7 @@ class _Faulty(PublishedWeights):
     seed = 0
     latest = 0
 
-    def _after_bucket(self, number: int) -> None:
+    def after_bucket(self, number: int) -> None:
         if self.armed == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.armed == "lap" and self.store is not None:
@@ -70,7 +66,7 @@ class _Faulty(PublishedWeights):
                 self.store.publish(state_of(self.seed, self.latest), self.latest)
 
 
-class Publisher(WeightBroadcast, Role):
+class Publisher(Role):
     """A learner's weight endpoints over a real ``PublishedWeights`` store: ``status``,
     ``broadcast_weights`` (the learner's own code; each outcome recorded), ``bump`` to publish
     the next version, ``arm`` a fault in the next transfer, ``outcomes`` to wait for them."""
@@ -107,7 +103,7 @@ class Publisher(WeightBroadcast, Role):
     @endpoint(Delivery.IDEMPOTENT)
     async def broadcast_weights(self, rendezvous: Rendezvous) -> int:
         try:
-            version = await WeightBroadcast.broadcast_weights(self, rendezvous)
+            version = await asyncio.to_thread(self.published.broadcast, rendezvous)
         except Exception as exc:
             self.done.append(type(exc).__name__)
             raise

@@ -52,7 +52,7 @@ if extra.get("model_path") and parallel == "fsdp":
     learner_module.build_model = whole_model_built
 
 def whole(learner):
-    buckets = full_buckets(learner.model, 2**20)
+    buckets = full_buckets(learner.trainer.model, 2**20)
     return {k: v.clone() for bucket in buckets for k, v in bucket.items()}
 
 async def main():
@@ -76,16 +76,17 @@ async def main():
     await first.teardown()
     if rank == 1:
         # Rank 1 died after its last step's log line, before that step's checkpoint.
-        shutil.rmtree(first.checkpoints.latest())
+        shutil.rmtree(first.durability.checkpoints.latest())
     second = learner(1)
     await second.setup()
     resumed = {"step": second.step, "version": second.version,
-               "consumed": len(second.consumed), "checkpoints": second.checkpoints.steps()}
+               "consumed": len(second.consumed),
+               "checkpoints": second.durability.checkpoints.steps()}
     again = await second.train_step(with_demos()[-1])
     after = whole(second)
     same = all(torch.equal(v, params[k]) for k, v in after.items())
     await second.teardown()
-    block = sorted({type(m).__name__ for m in first.model.modules()} & BLOCKS)
+    block = sorted({type(m).__name__ for m in first.trainer.model.modules()} & BLOCKS)
     with open(f"{out}/{parallel}{rank}.json", "w") as f:
         json.dump({"results": [r.metrics | {"version": r.version, "consumed": r.consumed}
                                for r in results], "published": published, "block": block,
@@ -131,7 +132,7 @@ def _one_learner(
     asyncio.run(learner.setup())
     results = [asyncio.run(learner.train_step(b)) for b in with_demos()]
     asyncio.run(learner.teardown())
-    return learner.model.state_dict(), [r.metrics for r in results]
+    return learner.trainer.model.state_dict(), [r.metrics for r in results]
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -155,7 +156,7 @@ def test_two_sharded_ranks_take_one_learners_step_and_resume_from_their_shards(
     assert _max_diff(torch.load(tmp_path / "replicate0.pt", weights_only=True), params[0]) < 1e-10
     start = Learner(RoleContext.local(config=dict(CONFIG), run_dir=str(tmp_path / "init")))
     asyncio.run(start.setup())
-    assert _max_diff(one, start.model.state_dict()) > 1e-3  # the steps moved the weights
+    assert _max_diff(one, start.trainer.model.state_dict()) > 1e-3  # the steps moved the weights
     for report in sharded:
         assert [(r["version"], r["consumed"]) for r in report["results"]] == [
             (1, 6),

@@ -533,19 +533,21 @@ def test_qwen_and_llama_take_the_learners_weights_and_agree_with_its_recompute(
         await learner.setup()
         try:
             for version in (0, 1):
-                state = learner.model.state_dict()
+                state = learner.trainer.model.state_dict()
                 engine.set_weights(state, version)
                 assert engine.apply_pending() == version
                 samples = engine.generate(sampled)
                 assert all(s.versions == [version] * len(s.token_ids) for s in samples)
-                assert worst([s.logprobs for s in samples], learner._logprobs(samples)) <= 1e-5
+                assert (
+                    worst([s.logprobs for s in samples], learner.trainer.logprobs(samples)) <= 1e-5
+                )
                 hf = HFEngine.from_config(config)
                 hf.set_weights(state, version)
                 assert [s.token_ids for s in engine.generate(argmax)] == [
                     s.token_ids for s in hf.generate(argmax)
                 ]
                 batch = [Scored(sample=s, reward=float(s.sample_index == 0)) for s in samples]
-                learner._train_step(TrainBatch(samples=batch, algorithm="grpo"))
+                learner.train(TrainBatch(samples=batch, algorithm="grpo"))
         finally:
             await learner.teardown()
             learner.ctx.close()

@@ -155,30 +155,36 @@ def test_a_restart_replays_the_logged_steps_bit_for_bit(tmp_path: Any) -> None:
     torch.set_num_threads(1)
     straight = make(tmp_path / "straight")
     for step in range(STEPS):
-        straight._train_step(batch(step))
+        straight.train(batch(step))
     first = make(tmp_path / "run")
     results = []
     for step in range(STEPS - 1):
-        results.append(first._train_step(batch(step)))
-        first.journal.wait()  # each save complete before the next is due: steps 3 and 6
+        results.append(first.train(batch(step)))
+        first.durability.journal.wait()  # each save complete before the next is due: steps 3 and 6
     asyncio.run(first.checkpoint(ProgramState(phase="eval")))  # a keep between steps, logged
     restarted = make(tmp_path / "run")
-    assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (6, 1, 7)
+    assert (
+        restarted.durability.restored_step,
+        restarted.durability.replayed_steps,
+        restarted.step,
+    ) == (6, 1, 7)
     assert restarted.keep == ProgramState(cursor=STEPS - 2, phase="eval")
-    again = restarted._train_step(batch(STEPS - 2))  # the last reply was lost: re-sent
+    again = restarted.train(batch(STEPS - 2))  # the last reply was lost: re-sent
     assert again.replayed and again.metrics == results[-1].metrics
-    restarted._train_step(batch(STEPS - 1))
+    restarted.train(batch(STEPS - 1))
     for (name, a), b in zip(
-        straight.model.state_dict().items(), restarted.model.state_dict().values(), strict=True
+        straight.trainer.model.state_dict().items(),
+        restarted.trainer.model.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b), name
     # The ledger holds each step once. The replay was checkpointed (step 7); the log keeps
     # the steps after the older of the two newest checkpoints (6, 7).
     with open(tmp_path / "run" / "ledger" / "learner.0.steps.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
-    restarted.journal.wait()
-    assert restarted.checkpoints.steps() == [6, 7]
-    entries = restarted.journal.wal.entries()  # type: ignore[union-attr]
+    restarted.durability.journal.wait()
+    assert restarted.durability.checkpoints.steps() == [6, 7]
+    entries = restarted.durability.journal.wal.entries()  # type: ignore[union-attr]
     assert [(type(e).__name__, e.step) for e in entries] == [
         ("StepEntry", 7),
         ("KeepEntry", 7),
@@ -190,18 +196,24 @@ def test_a_damaged_newest_checkpoint_goes_back_one_and_replays_more(tmp_path: An
     torch.set_num_threads(1)
     straight = make(tmp_path / "straight")
     for step in range(STEPS):
-        straight._train_step(batch(step))
+        straight.train(batch(step))
     first = make(tmp_path / "run")
     for step in range(STEPS):
-        first._train_step(batch(step))
-        first.journal.wait()
-    newest = first.checkpoints.latest() or ""
+        first.train(batch(step))
+        first.durability.journal.wait()
+    newest = first.durability.checkpoints.latest() or ""
     shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
     os.remove(os.path.join(newest, shard))
     restarted = make(tmp_path / "run")
-    assert (restarted.restored_step, restarted.replayed_steps, restarted.step) == (3, 5, 8)
+    assert (
+        restarted.durability.restored_step,
+        restarted.durability.replayed_steps,
+        restarted.step,
+    ) == (3, 5, 8)
     for a, b in zip(
-        straight.model.state_dict().values(), restarted.model.state_dict().values(), strict=True
+        straight.trainer.model.state_dict().values(),
+        restarted.trainer.model.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b)
 
@@ -228,14 +240,15 @@ async def main():
     done = len(open(acks).read().split()) if os.path.exists(acks) else 0
     for step in range(done, STEPS):
         await learner.train_step(batch(step))
-        learner.faults.after_work("train_step")  # the reply, as the runtime sends it
+        learner.durability.faults.after_work("train_step")  # the reply, as the runtime sends it
         with open(acks, "a") as f:
             f.write(f"{step} ")
     await learner.teardown()
-    state = {k: getattr(v, "to_local", lambda: v)() for k, v in learner.model.state_dict().items()}
+    weights = learner.trainer.model.state_dict()
+    state = {k: getattr(v, "to_local", lambda: v)() for k, v in weights.items()}
     torch.save(state, os.path.join(run_dir, f"final.{rank}.pt"))
     with open(os.path.join(run_dir, f"status.{rank}.json"), "w") as f:
-        json.dump({"replayed": learner.replayed_steps, "incarnation": incarnation}, f)
+        json.dump({"replayed": learner.durability.replayed_steps, "incarnation": incarnation}, f)
 
 asyncio.run(main())
 """

@@ -66,7 +66,7 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
             finished=True,
             stop_reason="stop",
         )
-        learner._train_step(TrainBatch(samples=[Scored(sample=demo)], algorithm="bc"))
+        learner.train(TrainBatch(samples=[Scored(sample=demo)], algorithm="bc"))
         assert learner.version == 1
 
         rollout = Rollout(
@@ -80,7 +80,7 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
         await rollout.setup()  # a (re)started replica loads the latest weights before work
         assert await rollout.version(None) == 1
 
-        learner._train_step(
+        learner.train(
             TrainBatch(
                 samples=[
                     Scored(
@@ -100,7 +100,7 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
             )
         )
         assert await rollout.sync(None) == 2
-        for name, tensor in learner.model.state_dict().items():
+        for name, tensor in learner.trainer.model.state_dict().items():
             assert torch.equal(rollout.engine.model.state_dict()[name], tensor), name
 
         prompts = [[2, 3, 12, 4, 5, 13], [9, 13], [4, 12, 7, 13, 2, 2, 2, 3]]  # left padding
@@ -113,7 +113,7 @@ def test_weights_flow_through_shared_memory_and_log_probs_agree(tmp_path: Any) -
         ]
         samples = await rollout.generate(GenerateBatch(requests))
         assert all(s.versions == [2] * len(s.token_ids) for s in samples)
-        recomputed = learner._logprobs(samples)
+        recomputed = learner.trainer.logprobs(samples)
         for s, again in zip(samples, recomputed, strict=True):
             torch.testing.assert_close(
                 torch.tensor(again), torch.tensor(s.logprobs), atol=1e-4, rtol=0

@@ -42,19 +42,19 @@ def batch(seed: int, rewards: dict[str, list[float]] = REWARDS) -> list[Scored]:
 
 
 def params(learner: Any) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in learner.model.parameters()]
+    return [p.detach().clone() for p in learner.trainer.model.parameters()]
 
 
 def rows_forwarded(learner: Any) -> list[int]:
     """Record how many rows each training forward pass of ``learner`` takes."""
     seen: list[int] = []
-    forward = learner._forward_logprobs
+    forward = learner.trainer.forward
 
     def counting(samples: list[Sample], *args: Any) -> Any:
         seen.append(len(samples))
         return forward(samples, *args)
 
-    learner._forward_logprobs = counting
+    learner.trainer.forward = counting
     return seen
 
 
@@ -91,7 +91,7 @@ def test_skipping_zero_rows_takes_the_same_step(
     # Two steps, the second of nothing but uniform groups: AdamW still moves on its momentum.
     for seed, rewards in ((0, first), (1, {"solved": solved, "failed": [0.0] * 4})):
         results = [
-            learner._train_step(
+            learner.train(
                 TrainBatch(samples=batch(seed, rewards), algorithm=algorithm, correction=correction)
             )
             for learner in (skip, full)
@@ -113,15 +113,15 @@ def test_decoupled_ppo_takes_proximal_log_probs_of_the_rows_trained_only(tmp_pat
     skip = make(tmp_path / "skip", **common)
     full = make(tmp_path / "full", skip_zero_advantage=False, **common)
     proximal_rows: list[int] = []
-    logprobs = skip._logprobs
+    logprobs = skip.trainer.logprobs
 
     def counting(samples: list[Sample]) -> Any:
         proximal_rows.append(len(samples))
         return logprobs(samples)
 
-    skip._logprobs = counting
+    skip.trainer.logprobs = counting
     for learner in (skip, full):
-        learner._train_step(TrainBatch(samples=batch(0), algorithm="grpo", correction="decoupled"))
+        learner.train(TrainBatch(samples=batch(0), algorithm="grpo", correction="decoupled"))
     # Four AdamW steps amplify the rounding of proximal passes over other paddings (float64).
     for a, b in zip(params(skip), params(full), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
@@ -132,8 +132,8 @@ def test_stats_are_over_the_rows_trained(tmp_path: Any) -> None:
     skip = make(tmp_path / "skip", dtype="float64")
     alone = make(tmp_path / "alone", dtype="float64", skip_zero_advantage=False)
     mixed = batch(0)[:4]  # the mixed group by itself: the very rows the other learner trains
-    got = skip._train_step(TrainBatch(samples=batch(0), algorithm="grpo")).metrics
-    want = alone._train_step(TrainBatch(samples=mixed, algorithm="grpo")).metrics
+    got = skip.train(TrainBatch(samples=batch(0), algorithm="grpo")).metrics
+    want = alone.train(TrainBatch(samples=mixed, algorithm="grpo")).metrics
     stats = ["clip_fraction", "approx_kl"]
     assert set(stats) <= set(want), want
     for key in stats:
@@ -150,7 +150,7 @@ def test_every_row_is_trained_when_a_term_reads_it(tmp_path: Any, config: dict[s
     if "kl_coef" in config:  # the KL term needs the reference's log-probs
         for s in samples:
             s.ref_logprobs = [lp - 0.1 for lp in s.sample.logprobs]
-    result = learner._train_step(TrainBatch(samples=samples, algorithm="grpo"))
+    result = learner.train(TrainBatch(samples=samples, algorithm="grpo"))
     assert sum(seen) == len(samples)
     assert "zero_advantage_rows" not in result.metrics
 
@@ -158,7 +158,7 @@ def test_every_row_is_trained_when_a_term_reads_it(tmp_path: Any, config: dict[s
 def test_bc_trains_every_row(tmp_path: Any) -> None:
     learner = make(tmp_path)
     seen = rows_forwarded(learner)
-    learner._train_step(TrainBatch(samples=batch(0), algorithm="bc"))
+    learner.train(TrainBatch(samples=batch(0), algorithm="bc"))
     assert sum(seen) == 12
 
 
@@ -184,7 +184,7 @@ async def main():
         samples = batch(seed, rewards)
         result = await learner.train_step(TrainBatch(samples=samples, algorithm="grpo"))
         zeros.append(result.metrics["zero_advantage_rows"])
-    buckets = full_buckets(learner.model, 2**20)
+    buckets = full_buckets(learner.trainer.model, 2**20)
     params = {k: v.clone() for bucket in buckets for k, v in bucket.items()}
     torch.save(params, f"{out}/{parallel}{rank}.pt")
     await learner.teardown()
@@ -223,8 +223,8 @@ def test_two_ranks_skip_zero_rows_and_take_one_learners_steps(tmp_path: Any, par
     ranks = [torch.load(tmp_path / f"{parallel}{r}.pt", weights_only=True) for r in range(2)]
     one = make(tmp_path / "one", skip_zero_advantage=False, **CONFIG)
     for seed, rewards in two_steps():
-        one._train_step(TrainBatch(samples=batch(seed, rewards), algorithm="grpo"))
-    for name, value in one.model.state_dict().items():
+        one.train(TrainBatch(samples=batch(seed, rewards), algorithm="grpo"))
+    for name, value in one.trainer.model.state_dict().items():
         torch.testing.assert_close(ranks[0][name], value, rtol=0, atol=1e-10)
         assert torch.equal(ranks[0][name], ranks[1][name])
     assert zeros == [[8.0, 8.0], [8.0, 8.0]]  # each rank reports the batch's, not a sum
