@@ -74,7 +74,8 @@ def build_model(config: dict[str, Any], seed: int) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    auto: Any = AutoModelForCausalLM
+    return auto.from_config(AutoConfig.for_model(**config))
 
 
 class Arith:
@@ -227,7 +228,8 @@ class PlainGRPO:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path)
+        self.model.eval()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.task = task
         self.prompts_per_step, self.group_size = prompts_per_step, group_size

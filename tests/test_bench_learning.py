@@ -39,13 +39,14 @@ def test_the_asyncrl_arms_run_the_main_jobs_manifest_with_the_seed_and_mode_chan
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_quick_bench_times_three_arms_on_one_heldout_set_and_the_plain_loop_learns() -> None:
     env = {**os.environ, "PYTHONPATH": ROOT}
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "bench", "learning", "--quick", "--json"],
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=1400,
         cwd=ROOT,
         env=env,
     )
