@@ -373,9 +373,10 @@ def format_table(f: dict[str, Any]) -> str:
         "asyncrl learning benchmark: time to held-out accuracy from one BC checkpoint",
         f"{p['seeds']} seeds, {p['prompts_per_step']} x {p['group_size']} samples a step, at most "
         f"{p['max_steps']} steps, held-out ({f['heldout']['count']} problems) every "
-        f"{p['eval_every']} steps; BC {f['bc']['steps']} steps, {f['bc']['accuracy']:.3f} "
-        f"held-out; plain loop on {p['plain_threads']} torch threads. Medians over seeds, "
-        "seconds without evaluation (reached: seeds).",
+        f"{p['eval_every']} steps;",
+        f"BC {f['bc']['steps']} steps, {f['bc']['accuracy']:.3f} held-out; plain loop on "
+        f"{p['plain_threads']} torch threads.",
+        "Medians over seeds, seconds without evaluation (reached: seeds that reached it).",
         "",
         f"{'arm':<8}"
         + "".join(f"{'s to ' + k:>10}{'reached':>9}" for k in keys)
