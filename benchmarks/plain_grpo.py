@@ -228,7 +228,8 @@ class PlainGRPO:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path)
+        auto: Any = AutoModelForCausalLM  # its class methods are untyped
+        self.model: Any = auto.from_pretrained(model_path)
         self.model.eval()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.task = task
