@@ -78,6 +78,7 @@ bench: setup
 	$(BIN)/asyncrl bench sharding
 	$(BIN)/asyncrl bench durability
 	$(BIN)/asyncrl bench episodes
+	$(BIN)/asyncrl bench learning
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build .mypy_cache .ruff_cache .pytest_cache .hypothesis

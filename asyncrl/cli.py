@@ -63,7 +63,15 @@ from asyncrl import __version__
 BENCHMARKS = ("transport", "runtime", "learner")
 """The benchmarks the wheel ships, user-facing checks: each the module of that name in
 ``asyncrl.bench``."""
-DEVELOPER_BENCHMARKS = ("pipeline", "scale", "multinode", "sharding", "durability", "episodes")
+DEVELOPER_BENCHMARKS = (
+    "pipeline",
+    "scale",
+    "multinode",
+    "sharding",
+    "durability",
+    "episodes",
+    "learning",
+)
 """The developers' benchmarks (simulators, the pipeline's model, the sharding and durability
 benches): each the module of that name in the top-level ``benchmarks`` package of a source
 checkout, outside the wheel."""
