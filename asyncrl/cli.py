@@ -274,15 +274,15 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
-    from asyncrl.manifest.load import resolve_run_dir
-    from asyncrl.supervision.rundir import PRIVATE_UMASK
-    from asyncrl.tools.chaos import (
+    from asyncrl.chaos.campaign import (
         ChaosPlan,
         budget_overrides,
         budgets,
         check_roles,
         run_chaos,
     )
+    from asyncrl.manifest.load import resolve_run_dir
+    from asyncrl.supervision.rundir import PRIVATE_UMASK
 
     if args.stop_every is None and args.kill_every is None:
         return _fail("nothing to do: give --kill-every or --stop-every")
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     chaos.add_argument("manifest", help="the role manifest (YAML); see docs/manifest.md")
     _run_dir_options(chaos, default="the manifest's run_dir + '-chaos'")
-    from asyncrl.tools.chaos import add_arguments
+    from asyncrl.chaos.campaign import add_arguments
 
     add_arguments(chaos)
     chaos.set_defaults(func=_chaos)

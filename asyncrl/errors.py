@@ -134,7 +134,7 @@ class RoleDeadError(AsyncrlError):
 
 
 class WeightsError(AsyncrlError):
-    """Something went wrong with the shared-memory weight store (``asyncrl.weights.handles``).
+    """Something went wrong with the shared-memory weight store (``asyncrl.weights.publishing``).
 
     A runtime error, not a transport one: the store is memory shared on one host, not a channel.
     """

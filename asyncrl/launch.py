@@ -1,6 +1,6 @@
 """``torchrun ... -m asyncrl.launch MANIFEST``: one node's agent of a launch over several nodes.
 
-The launch itself is ``asyncrl.supervision.launch`` (docs/multinode.md); this module is the short
+The launch itself is ``asyncrl.supervision.multinode`` (docs/multinode.md); this module is the short
 name torchrun is given.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from asyncrl.supervision.launch import LaunchEnv, main, node_dir
+from asyncrl.supervision.multinode import LaunchEnv, main, node_dir
 
 __all__ = ["LaunchEnv", "main", "node_dir"]
 

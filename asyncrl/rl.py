@@ -29,8 +29,8 @@ from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, Scored, StepR
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.episode_evaluation import EpisodeEvaluation
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
-from asyncrl.roles.program.loop import PromptFeed, RLLoop, RLStep, Stop, rl_loop
 from asyncrl.roles.program.programs import grpo, ppo, rloo
+from asyncrl.roles.program.rl_loop import PromptFeed, RLLoop, RLStep, Stop, rl_loop
 from asyncrl.roles.program.run import Run
 
 __all__ = [

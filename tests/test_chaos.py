@@ -14,9 +14,7 @@ from typing import Any
 import pytest
 
 from asyncrl import cli
-from asyncrl.manifest.load import parse_manifest
-from asyncrl.supervision.supervisor import ProcessInfo
-from asyncrl.tools.accounting import (
+from asyncrl.chaos.accounting import (
     account,
     format_accounting,
     ledger_figures,
@@ -25,7 +23,7 @@ from asyncrl.tools.accounting import (
     recoveries,
     run_figures,
 )
-from asyncrl.tools.chaos import (
+from asyncrl.chaos.campaign import (
     ChaosPlan,
     Disruptor,
     aim_figures,
@@ -36,6 +34,8 @@ from asyncrl.tools.chaos import (
     parse_duration,
     phase_began,
 )
+from asyncrl.manifest.load import parse_manifest
+from asyncrl.supervision.supervisor import ProcessInfo
 
 MANIFEST = """
 run: {name: t, program: "p:main"}

@@ -383,7 +383,7 @@ def test_launch_takes_the_run_directory_as_asyncrl_run_does(
 ) -> None:
     """``asyncrl.launch --overwrite`` refuses a live run's directory; ``--resume`` makes
     an earlier version's run directory private and marks it."""
-    from asyncrl.supervision.launch import _claim, _parser
+    from asyncrl.supervision.multinode import _claim, _parser
 
     old = str(tmp_path / "old")
     os.makedirs(os.path.join(old, "logs"), mode=0o777)

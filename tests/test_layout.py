@@ -118,7 +118,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "asyncrl.weights": (CORE,),
     "asyncrl.dispatch": (CORE, "asyncrl.manifest", "asyncrl.observe"),
     "asyncrl.supervision": (CORE, "asyncrl.manifest", "asyncrl.observe", "asyncrl.dispatch"),
-    "asyncrl.tools": (
+    "asyncrl.chaos": (
         CORE,
         "asyncrl.manifest",
         "asyncrl.observe",

@@ -28,7 +28,7 @@ from .errors import (
     UnknownKindError,
 )
 from .events import PeerEvent
-from .loop import run
+from .event_loop import run
 from .options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, ChannelOptions
 from .protocol import PROTOCOL_VERSION, Envelope, ErrorCode, ErrorInfo, Hello, Kind, TensorDesc
 from .registry import Entry, LocalRegistry, Registry

@@ -59,7 +59,7 @@ from asyncrl.transport import (
     tracing,
 )
 from asyncrl.transport.codec import Codec
-from asyncrl.transport.loop import loop_name
+from asyncrl.transport.event_loop import loop_name
 from asyncrl.transport.protocol import PROTOCOL_VERSION
 
 __all__ = ["main", "measure", "measure_curve"]

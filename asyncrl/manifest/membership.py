@@ -1,6 +1,6 @@
 """Which node runs which replica once nodes of a launch are lost for good: the run's membership.
 
-A launch over several nodes (``asyncrl.supervision.launch``) keeps running when a node other
+A launch over several nodes (``asyncrl.supervision.multinode``) keeps running when a node other
 than the store's host (node 0) is lost. ``plan`` says, from the manifest alone, what becomes of
 each replica that was on a lost node, so every node reaches the same answer without asking:
 

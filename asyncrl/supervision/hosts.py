@@ -1,11 +1,11 @@
 """Nodes of a launch that share a host share its weight store.
 
-A publisher of weights (the learner, a relay) leaves the handle of its shared-memory store in
-its node's ``weights`` folder (``asyncrl.weights.handles.handle_path``), and the rollout replicas of
+A publisher of weights (the learner, a relay) leaves the handle of its shared-memory store in its
+node's ``weights`` folder (``asyncrl.weights.publishing.handle_path``), and the rollout replicas of
 the node read it there. Two node ranks on one host (one machine, without ``ASYNCRL_HOST_ID``) have
-two run folders, RUN_DIR and RUN_DIR/node-1, so before this module node 1's rollouts never
-found the learner's handle, and its relay copied nothing (its source was on its own host): node
-1 stayed at version 0 until the program's wait failed with ``StallError``.
+two run folders, RUN_DIR and RUN_DIR/node-1, so before this module node 1's rollouts never found the
+learner's handle, and its relay copied nothing (its source was on its own host): node 1 stayed at
+version 0 until the program's wait failed with ``StallError``.
 
 So at start, each agent of a launch (``asyncrl.launch``):
 

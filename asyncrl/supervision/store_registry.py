@@ -88,7 +88,7 @@ class LaunchKeys:
 
     def endpoints(self, attempt: int, node: int) -> str:
         """What ``node`` publishes before anything starts: its replicas' tcp endpoints, its
-        agent's and its host (``asyncrl.supervision.launch.NodeRecord``, JSON)."""
+        agent's and its host (``asyncrl.supervision.multinode.NodeRecord``, JSON)."""
         return f"{self.prefix(attempt)}/endpoints/{node}"
 
     def heartbeat(self, attempt: int, node: int) -> str:

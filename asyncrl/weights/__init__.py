@@ -11,8 +11,8 @@ May import: the core (``asyncrl.errors``, ``asyncrl.safe_files``) and the transp
 from __future__ import annotations
 
 from asyncrl.errors import NothingPublishedError, TornReadError, WeightsError, WeightsGoneError
-from asyncrl.weights.handles import handle_path, read_handle, write_handle
 from asyncrl.weights.layout import NO_VERSION, TensorSpec, WeightsHandle
+from asyncrl.weights.publishing import handle_path, read_handle, write_handle
 from asyncrl.weights.reader import WeightReader
 from asyncrl.weights.store import WeightStore
 

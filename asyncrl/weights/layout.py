@@ -1,6 +1,6 @@
 """The weight store's segment: its memory layout, the tensor table that travels to readers, and
 the memory fence the seqlock needs. ``WeightStore`` (``asyncrl.weights.store``) writes it and
-``WeightReader`` (``asyncrl.weights.reader``) reads it; ``asyncrl.weights.handles`` describes the
+``WeightReader`` (``asyncrl.weights.reader``) reads it; ``asyncrl.weights.publishing`` describes the
 protocol.
 
 Memory layout

@@ -1,6 +1,6 @@
 """A rollout replica's side of the weight store: ``WeightReader`` maps the writer's segment
 read-only and copies out the latest complete version, retrying when it raced with the writer
-(the protocol is in ``asyncrl.weights.handles``, the layout in ``asyncrl.weights.layout``).
+(the protocol is in ``asyncrl.weights.publishing``, the layout in ``asyncrl.weights.layout``).
 """
 
 from __future__ import annotations

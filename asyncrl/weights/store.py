@@ -1,6 +1,6 @@
 """The learner's side of the weight store: ``WeightStore`` creates the shared segment, publishes
 each version into the slot readers are not directed to, under the seqlock, and unlinks the
-segment when it closes (the protocol is in ``asyncrl.weights.handles``, the layout in
+segment when it closes (the protocol is in ``asyncrl.weights.publishing``, the layout in
 ``asyncrl.weights.layout``).
 """
 

@@ -28,11 +28,11 @@ returned as ``heldout``: ``[{"step": s, "accuracy": a}, ...]``. An ``evaluation`
 program replaces that role's. ``stop_at`` ends RL early on a
 target (``{"accuracy": 0.95}``), ``budget_s`` on a wall budget.
 
-``rl_loop`` (``asyncrl.roles.program.loop``, re-exported here) is the RL loop itself, for
+``rl_loop`` (``asyncrl.roles.program.rl_loop``, re-exported here) is the RL loop itself, for
 programs of your own (the examples' are): it samples through the pipeline, trains, moves the
 weights to the rollout replicas, evaluates on a schedule, stops on a target, a callback's
 ``Stop`` or a budget, writes every step to ``RUN_DIR/metrics.jsonl`` (and TensorBoard) and shows
-a progress display (``asyncrl.roles.program.metrics``). With a ``Run``
+a progress display (``asyncrl.roles.program.step_report``). With a ``Run``
 (``asyncrl.roles.program.run``) it also keeps the run's history and phases.
 
 A restarted driver resumes, never replays: each learner step keeps the program's position with
@@ -58,7 +58,7 @@ from asyncrl.roles.payloads import (
 )
 from asyncrl.roles.program.clients import PromptsClient, RLContext, resend
 from asyncrl.roles.program.evaluation import Evaluation
-from asyncrl.roles.program.loop import (
+from asyncrl.roles.program.rl_loop import (
     PromptFeed,
     RLLoop,
     RLStep,

@@ -52,8 +52,8 @@ from asyncrl.roles.payloads import (
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.history import History
-from asyncrl.roles.program.loop import OnStep, PromptFeed, RLLoop, RLStep, rl_loop, weight_sync
 from asyncrl.roles.program.report import summarize
+from asyncrl.roles.program.rl_loop import OnStep, PromptFeed, RLLoop, RLStep, rl_loop, weight_sync
 from asyncrl.roles.sampling.contract import Scorer
 from asyncrl.roles.sampling.pipeline import WeightSync
 

@@ -1,7 +1,7 @@
 """The per-host weight relay: each new version crosses the network once per host, not once per
 rollout replica.
 
-The learner publishes its weights into a shared-memory store (``asyncrl.weights.handles``), which
+The learner publishes its weights into a shared-memory store (``asyncrl.weights.publishing``), which
 only processes on its own host can map. A host without a learner runs one ``Relay``: its ``sync``
 endpoint asks the source (the publisher, ``source: learner``) for its version, and when that is
 newer than the one it holds, pulls the weights from the source's ``weights`` endpoint over the

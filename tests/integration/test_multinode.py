@@ -429,7 +429,7 @@ def test_node_1_in_its_own_network_and_mount_namespace(
 
 
 def test_launch_env_reads_what_torchrun_sets_and_names_what_is_missing() -> None:
-    from asyncrl.supervision.launch import LaunchEnv
+    from asyncrl.supervision.multinode import LaunchEnv
 
     env = {
         "GROUP_RANK": "1",
@@ -453,7 +453,7 @@ def test_launch_env_reads_what_torchrun_sets_and_names_what_is_missing() -> None
 
 
 def test_launch_outside_torchrun_says_how_to_start_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from asyncrl.supervision.launch import main
+    from asyncrl.supervision.multinode import main
 
     for var in ("GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         assert var not in os.environ

@@ -362,7 +362,7 @@ def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
     and the reward) is lost for good after a few RL steps. The reward starts again on node 0,
     the rollout replica and relay leave, and the run completes every step: no sample lost, none
     consumed twice, no step repeated or skipped."""
-    from asyncrl.tools.accounting import run_figures
+    from asyncrl.chaos.accounting import run_figures
 
     short = [
         "run.config.bc_max_steps=100",

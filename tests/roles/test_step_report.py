@@ -1,4 +1,5 @@
-"""What rl_loop reports at every step (asyncrl.roles.program.metrics), in-process with fake roles.
+"""What rl_loop reports at every step (asyncrl.roles.program.step_report), in-process, with
+fake roles.
 
 The fakes answer at once: a rollout handle whose samples finish when asked (1, 2 or 3 tokens by
 sample index), a learner that takes every batch and keeps the program's position with it, and

@@ -17,7 +17,7 @@ when the phase never began, and nothing was disrupted).
 The supervisor's ``observer`` records when each process exited and served again, which times
 recovery. Unless told otherwise the same manifest first runs undisturbed, for the comparison.
 Each run's directory gets ``chaos.json`` (wall time, kills, stops, events) beside the files the
-run writes itself; ``asyncrl.tools.accounting`` reads them all back.
+run writes itself; ``asyncrl.chaos.accounting`` reads them all back.
 
 The default restart budget (5 in 60 s) cannot absorb a kill every few seconds, so the targeted
 roles get budgets sized to the schedule, set through the same overrides as ``--set`` (which
@@ -43,9 +43,9 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.chaos.accounting import CHAOS_FILE, account, format_accounting
 from asyncrl.manifest.load import Manifest, Supervision
 from asyncrl.safe_files import write_atomic
-from asyncrl.tools.accounting import CHAOS_FILE, account, format_accounting
 
 __all__ = [
     "ChaosPlan",

@@ -5,7 +5,7 @@
 ``rl_loop`` samples through the sample pipeline (``asyncrl.roles.sampling.pipeline``) in the
 manifest's mode, takes a learner step per batch (``learn``), moves the weights to the rollout
 replicas (``weight_sync``), evaluates at the evaluation boundaries, writes every step to
-``RUN_DIR/metrics.jsonl`` (``asyncrl.roles.program.metrics``) and, given a ``Run``
+``RUN_DIR/metrics.jsonl`` (``asyncrl.roles.program.step_report``) and, given a ``Run``
 (``asyncrl.roles.program.run``), to the run's history, and reports each step to ``on_step``.
 
 It stops at ``RLLoop.steps``, or earlier:
@@ -51,7 +51,7 @@ from asyncrl.roles.payloads import (
 )
 from asyncrl.roles.program.clients import RewardClient, RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
-from asyncrl.roles.program.metrics import StepReport
+from asyncrl.roles.program.step_report import StepReport
 from asyncrl.roles.sampling.contract import PromptsExhausted, SampleSource
 from asyncrl.roles.sampling.pipeline import Batch, BatchSettings, SamplePipeline, WeightSync
 from asyncrl.roles.sampling.weight_sync import relay_groups

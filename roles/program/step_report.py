@@ -1,6 +1,6 @@
 """What the RL loop reports at every step: ``metrics.jsonl``, TensorBoard and a progress display.
 
-``StepReport`` is what ``asyncrl.roles.program.loop.rl_loop`` opens around its steps; every
+``StepReport`` is what ``asyncrl.roles.program.rl_loop.rl_loop`` opens around its steps; every
 program built on that loop (the built-in ones, the arith example) reports the same way, without code
 of its own. Each step is one record of ``RUN_DIR/metrics.jsonl`` (written by
 ``asyncrl.observe.metrics.MetricsLog``, mirrored to TensorBoard when it is installed):
@@ -54,7 +54,7 @@ from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import LearnerStatus, Sample
 
 if TYPE_CHECKING:
-    from asyncrl.roles.program.loop import RLStep
+    from asyncrl.roles.program.rl_loop import RLStep
 
 __all__ = ["StepReport"]
 
