@@ -18,8 +18,8 @@ from asyncrl.roles.program.run import Run
 from asyncrl.roles.program.settings import LearnerSettings, Settings
 from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.transport import run
-from tests.roles.test_metrics import PROMPTS, FakeRL, G, feed, score
 from tests.roles.test_programs_run import RL, Recording, demo_sample
+from tests.roles.test_step_report import PROMPTS, FakeRL, G, feed, score
 
 LEARNER = "asyncrl.roles.training.learner:Learner"
 

@@ -1,5 +1,5 @@
 """A program's run state (asyncrl.roles.program.run, .history), in-process with the fakes of
-test_metrics: phases carried by the learner, a history resumed exactly, the summary."""
+test_step_report: phases carried by the learner, a history resumed exactly, the summary."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from asyncrl.roles.program.history import HISTORY_FILE, History
 from asyncrl.roles.program.programs import RLLoop, rl_loop
 from asyncrl.roles.program.run import DONE, Run
 from asyncrl.transport import run
-from tests.roles.test_metrics import PROMPTS, FakeRL, G, feed, score
 from tests.roles.test_programs_stop import Learner
+from tests.roles.test_step_report import PROMPTS, FakeRL, G, feed, score
 
 
 class Counting(Evaluation):

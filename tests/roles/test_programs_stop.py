@@ -1,5 +1,5 @@
 """When rl_loop stops: at its steps, on a target, on a callback's Stop, on a wall budget; with an
-evaluation, on an evaluation boundary. In-process, with the fakes of test_metrics and a fake
+evaluation, on an evaluation boundary. In-process, with the fakes of test_step_report and a fake
 clock that the learner moves 10 s a step (nothing sleeps)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult
 from asyncrl.roles.program.programs import RLLoop, RLStep, Stop, rl_loop
 from asyncrl.transport import run
-from tests.roles.test_metrics import PROMPTS, FakeLearner, FakeRL, G, feed, score
+from tests.roles.test_step_report import PROMPTS, FakeLearner, FakeRL, G, feed, score
 
 STEP_S = 10.0
 
