@@ -27,8 +27,8 @@ from .errors import (
     TransportError,
     UnknownKindError,
 )
-from .events import PeerEvent
 from .event_loop import run
+from .events import PeerEvent
 from .options import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, ChannelOptions
 from .protocol import PROTOCOL_VERSION, Envelope, ErrorCode, ErrorInfo, Hello, Kind, TensorDesc
 from .registry import Entry, LocalRegistry, Registry
