@@ -17,6 +17,7 @@ import pytest
 
 from asyncrl.dispatch.scheduler import Scheduler, Work
 from asyncrl.errors import (
+    BrokenError,
     ClosedError,
     DeadlineExceededError,
     DisconnectedError,
@@ -622,8 +623,8 @@ def test_once_no_replica_can_be_spoken_to_every_call_fails() -> None:
 
 def test_a_departed_replica_s_calls_run_again_once_elsewhere_and_it_takes_no_more() -> None:
     """Its node lost for good: the idempotent call it held runs again on the other replica
-    (attempt 1, once), the once call fails with the client's error, what was aimed at it fails
-    with RoleDeadError naming the node, and later work never goes to it."""
+    (attempt 1, once), the once call fails as broken (its caller may send it again), what was
+    aimed at it fails with RoleDeadError naming the node, and later work never goes to it."""
 
     async def scenario() -> None:
         scheduler, (a, b) = scheduler_with(2, 1)
@@ -641,8 +642,10 @@ def test_a_departed_replica_s_calls_run_again_once_elsewhere_and_it_takes_no_mor
             sent.reply.set_exception(closed)
         await asyncio.sleep(0)
         assert [(s.payload, s.attempt) for s in b.sent] == [("x", 1)]
-        with pytest.raises(ClosedError):
+        with pytest.raises(BrokenError) as broke:
             await once.future
+        assert str(broke.value) == "g[0] left the run with its node with the call in flight"
+        assert broke.value.__cause__ is closed
         b.answer(0)
         assert await first.future == ["x"]
         later = submit(scheduler, "work", "y")

@@ -3,9 +3,10 @@
 - learner step: one GRPO ``train_step`` on a fixed batch, timed from the caller's
   ``await call("train_step", batch)`` through a handle to a supervised learner process, against
   a plain single-process PyTorch loop doing the same forward, loss, backward, clipping and AdamW
-  step on the same model and batch. Both use one torch thread, both are measured in this run;
-  medians over ``--steps`` steps. The target is at most 10% overhead. That learner does not
-  checkpoint (``durable: false``).
+  step on the same model and batch. Both use one torch thread and are interleaved step by step
+  (the plain step runs in the benchmark's process between the learner's steps, so both see
+  the same load); medians over ``--steps`` steps. The target is at most 10% overhead. That
+  learner does not checkpoint (``durable: false``).
 - durable step: the same step on a second learner with ``durable: wal`` (the default: the
   step's batch is in the write-ahead log, fsynced, before the reply; its checkpoints in the
   background), interleaved step by step with the first, so the ratio is the price of never
@@ -98,18 +99,20 @@ def _batch(n: int, step: int) -> list[Scored]:
     return out
 
 
-def _plain_steps(samples_per_step: int, steps: int) -> list[float]:
+class _PlainStep:
     """The baseline: the same GRPO step, in this process, with nothing around it."""
-    model = build_model("", MODEL, 0).train(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
-    for step in range(steps + 2):
-        batch = _batch(samples_per_step, step)
+
+    def __init__(self) -> None:
+        self.model = build_model("", MODEL, 0).train(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def __call__(self, batch: list[Scored]) -> float:
+        """One step on ``batch``; returns its seconds."""
         t0 = time.perf_counter()
         ids, attention, positions, target = pad_batch(
             [s.sample.prompt_ids for s in batch], [s.sample.token_ids for s in batch]
         )
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
         logprobs = alg.token_logprobs(logits[:, :-1].float(), ids[:, 1:])
         groups = torch.zeros(len(batch), dtype=torch.long)
         adv = alg.grpo_advantages(torch.tensor([s.reward for s in batch]), groups)
@@ -117,13 +120,11 @@ def _plain_steps(samples_per_step: int, steps: int) -> list[float]:
         loss, _ = alg.ppo_policy_loss(
             logprobs, old, adv[:, None].expand_as(target) * target, target, 0.2
         )
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step >= 2:  # two warm-up steps, as for the learner
-            times.append(time.perf_counter() - t0)
-    return times
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return time.perf_counter() - t0
 
 
 async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, Any]:
@@ -154,17 +155,25 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
     ctx = Context(dispatcher, run="bench", run_dir=run_dir, log=None)
     out: dict[str, Any] = {}
     try:
-        times: dict[str, list[float]] = {"learner": [], "durable": []}
+        # Interleaved step by step: the plain step runs in this process between the learners'
+        # steps (each waits for the one before), so every series sees the same load.
+        plain = _PlainStep()
+        times: dict[str, list[float]] = {"learner": [], "durable": [], "plain": []}
         for step in range(steps + 2):
-            batch = TrainBatch(samples=_batch(samples_per_step, step), algorithm="grpo")
-            for name, series in times.items():
+            samples = _batch(samples_per_step, step)
+            batch = TrainBatch(samples=samples, algorithm="grpo")
+            took = {"plain": plain(samples)}
+            for name in ("learner", "durable"):
                 t0 = time.perf_counter()
                 result = await ctx.roles[name].call("train_step", batch, StepResult, timeout=300)
-                if step >= 2:
-                    series.append(time.perf_counter() - t0)
+                took[name] = time.perf_counter() - t0
                 assert result.consumed == samples_per_step
+            if step >= 2:  # two warm-up steps for each
+                for name, seconds in took.items():
+                    times[name].append(seconds)
         out["learner_step_ms"] = times["learner"]
         out["durable_step_ms"] = times["durable"]
+        out["plain_step_ms"] = times["plain"]
         params = SamplingParams(max_new_tokens=16, temperature=1.0)
         requests = [
             GenerateRequest(
@@ -201,11 +210,10 @@ def measure(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
         remote = run(_remote(tmp, samples_per_step, steps))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    plain = _plain_steps(samples_per_step, steps)
     small = measure_small(steps=max(20, 2 * steps))
     handle_ms = statistics.median(remote["learner_step_ms"]) * 1e3
     durable_ms = statistics.median(remote["durable_step_ms"]) * 1e3
-    plain_ms = statistics.median(plain) * 1e3
+    plain_ms = statistics.median(remote["plain_step_ms"]) * 1e3
     return {
         "learner_step_ms_p50": handle_ms,
         "plain_step_ms_p50": plain_ms,

@@ -338,7 +338,7 @@ class Dispatcher:
             group.fail(exc)
 
     async def apply(self, membership: Membership) -> list[str]:
-        """Follow the run's membership (``asyncrl.supervision.membership``): each replica that
+        """Follow the run's membership (``asyncrl.manifest.membership``): each replica that
         departed with a lost node leaves its group (``Group.depart``), and each replica that
         moved to another node is reached at its new address (``Group.rebind``, then connected
         in the background). Return what changed, one line each; a change already applied is

@@ -21,6 +21,7 @@ sight (``freeze_start_up``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import importlib
 import importlib.util
@@ -137,6 +138,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
     stop_task = loop.create_task(stop.wait())
     watch_task = loop.create_task(watchdog.run())
     follow_task = loop.create_task(follow_membership(spec.run_dir, dispatcher, log))
+    follow_task.add_done_callback(functools.partial(_followed, log))
     try:
         await asyncio.wait(
             {program_task, stop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED
@@ -179,6 +181,13 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
 
 MEMBERSHIP_POLL_S = 0.5
 """Seconds between two looks of the driver at its node's ``membership.json``."""
+
+
+def _followed(log: Any, task: asyncio.Task[None]) -> None:
+    """Log why following the membership stopped, unless it was cancelled at the end: from then
+    on the dispatcher no longer learns of lost or moved replicas."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("following the run's membership failed", error=repr(task.exception()))
 
 
 async def follow_membership(run_dir: str, dispatcher: Dispatcher, log: Any) -> None:

@@ -279,8 +279,9 @@ class Scheduler:
         """Replica ``index`` left the run (its node was lost for good): it is lost as ``lose``
         says, work that preferred it goes back to the shared queue, and each call it holds in
         flight runs again on another replica when its client fails it (``BrokenError`` or
-        ``ClosedError``), unless its delivery class is ``once``. A replica already lost stays
-        as it was."""
+        ``ClosedError``), unless its delivery class is ``once``: that one fails with
+        ``BrokenError``, so its caller may send it again. A replica already lost stays as it
+        was."""
         replica = self.replicas[index]
         if replica.lost is not None:
             return
@@ -465,8 +466,8 @@ class Scheduler:
         if work.affinity is None:
             return None
         index = self._homes.get(work.affinity)
-        if index is None or index == work.avoid:
-            return None  # unbound yet, or the replica that failed it: pick afresh
+        if index is None or index == work.avoid or self.replicas[index].lost is not None:
+            return None  # unbound yet, the replica that failed it, or one gone: pick afresh
         return self.replicas[index]
 
     def _bind(self, key: Any, index: int) -> None:
@@ -585,8 +586,7 @@ class Scheduler:
             if work.target is None:
                 self.queue.appendleft(work)
             elif self.replicas[work.target].lost is not None:
-                reason = self.replicas[work.target].lost or ""
-                self._fail(work, RoleDeadError(self.name, reason, work.target))
+                self._fail(work, self._gone(self.replicas[work.target], exc))
                 return
             else:
                 target = self.replicas[work.target]
@@ -601,8 +601,23 @@ class Scheduler:
                 type(exc).__name__,
                 replica.index,
             )
+        elif isinstance(exc, ClosedError) and moved:
+            # A ``once`` call its replica held when it departed or moved: broken, not closed by
+            # this side, so the caller may send it again (the role answers a repeat).
+            self._fail(work, self._gone(replica, exc))
         else:
             self._fail(work, exc)
+
+    def _gone(self, replica: Replica, exc: BaseException) -> BaseException:
+        """The error of a call ``replica`` held or was aimed at, now that it is gone: broken when
+        it departed with its node or moved (the caller may send it again, as after a replica's
+        death; the role answers a repeat), else the replica is dead for good."""
+        if replica.departed or replica.rebound:
+            how = "left the run with its node" if replica.departed else "moved to another node"
+            err = BrokenError(f"{self.name}[{replica.index}] {how} with the call in flight")
+            err.__cause__ = exc
+            return err
+        return RoleDeadError(self.name, replica.lost or "", replica.index)
 
     def _expire(self, work: Work) -> None:
         if work.future.done() or work.sent:

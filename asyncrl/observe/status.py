@@ -379,8 +379,9 @@ def _heading(status: dict[str, Any]) -> list[str]:
         when = time.strftime("%H:%M:%S", time.localtime(change["time"]))
         moved = [f"{label} moved to node {n}" for label, n in change.get("moved", {}).items()]
         left = [f"{label} left the run" for label in change.get("departed", [])]
+        what = "back" if change.get("event") == "node_back" else "lost"
         lines.append(
-            f"node {change['node']} lost at {when} ({change['reason']})"
+            f"node {change['node']} {what} at {when} ({change['reason']})"
             + (": " + ", ".join(left + moved) if left or moved else "")
         )
     for node in status["nodes"]:

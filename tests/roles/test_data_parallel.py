@@ -15,6 +15,7 @@ import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.generation.rollout import Sample
+from asyncrl.roles.payloads import ProgramState
 from asyncrl.roles.training.checkpoints import CheckpointDir
 from asyncrl.roles.training.data_parallel import DataParallelError, fingerprint, token_shares
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
@@ -380,8 +381,9 @@ def test_learner_client_broadcasts_to_data_parallel_replicas_and_checks_them() -
         "together (supervision.strategy: one_for_all)"
     )
     paths = FakeGroup(["run/roles/learner.0/checkpoints/step-00000003", "other"])
-    assert asyncio.run(LearnerClient(paths).checkpoint({"cursor": 4})) == paths.replies[0]  # type: ignore[arg-type]
-    assert paths.sent == [("checkpoint", {"cursor": 4})]
+    keep = ProgramState(cursor=4)
+    assert asyncio.run(LearnerClient(paths).checkpoint(keep)) == paths.replies[0]  # type: ignore[arg-type]
+    assert paths.sent == [("checkpoint", keep)]
 
 
 JOIN_SCRIPT = """
