@@ -83,6 +83,29 @@ class EnvEpisode:
         self.errors = 0
 
 
+class Closes:
+    """``close`` calls sent to an environment group without waiting (a cancelled episode cannot
+    wait), each task kept until it ends; a close that fails is only logged, since a replica
+    forgets its episodes when it restarts anyway. Shared by ``EnvironmentClient`` and the
+    episode runner (``asyncrl.roles.agents.episodes``)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def send(self, close: Close, replica: int) -> None:
+        """Tell ``replica`` to forget ``close.episode_id``."""
+        task = asyncio.get_running_loop().create_task(self._close(close, replica))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _close(self, close: Close, replica: int) -> None:
+        try:
+            await self.env.call("close", close, None, timeout=5.0, replica=replica)
+        except Exception as exc:
+            log.debug("closing episode %r failed: %s", close.episode_id, exc)
+
+
 class EnvironmentClient:
     """Episodes of one environment group, for agent code (see the module).
 
@@ -118,7 +141,7 @@ class EnvironmentClient:
             probe_after_s=probe_after_s,
         )
         self._failed: dict[str, int] = {}  # episode name -> its failed tries, until run again
-        self._closing: set[asyncio.Task[None]] = set()
+        self.closes = Closes(env)
         self._counted = (0, 0)  # (quarantined, released) counted in metrics
 
     def episode_id(self, name: str) -> str:
@@ -223,15 +246,5 @@ class EnvironmentClient:
     def close(self, episode: EnvEpisode) -> None:
         """Tell the replica to forget the episode, without waiting (a cancelled agent cannot
         wait); nothing for an episode the environment ended."""
-        if episode.done:
-            return
-        close = Close(episode_id=episode.episode_id)
-        task = asyncio.get_running_loop().create_task(self._close(close, episode.replica))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def _close(self, close: Close, replica: int) -> None:
-        try:
-            await self.env.call("close", close, None, timeout=5.0, replica=replica)
-        except Exception as exc:  # the replica forgets it when restarted anyway
-            log.debug("closing episode %r failed: %s", close.episode_id, exc)
+        if not episode.done:
+            self.closes.send(Close(episode_id=episode.episode_id), episode.replica)

@@ -35,7 +35,6 @@ the same prompt (``source`` gives it a fresh episode id) or drops the group, as 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections import Counter
@@ -46,6 +45,7 @@ import msgspec
 
 from asyncrl.errors import AsyncrlError, BrokenError, DeadlineExceededError, RemoteError
 from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
+from asyncrl.roles.agents.environment_client import Closes
 from asyncrl.roles.agents.quarantine import Quarantine
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 
@@ -265,7 +265,7 @@ class EpisodeRunner:
         self.max_restarts = max_restarts
         self.generate_timeout_s = generate_timeout_s
         self.task_of = task_of
-        self._closing: set[asyncio.Task[None]] = set()
+        self.closes = Closes(env)
         self._failed: dict[str, int] = {}  # episode -> its infra failures, until run again
         self.quarantine = Quarantine(
             str(getattr(env, "name", "env")),
@@ -422,18 +422,8 @@ class EpisodeRunner:
     def _forget(self, episode_id: str, attempt: _Attempt) -> None:
         """Tell the replica that holds the attempt's episode to forget it, without waiting (a
         cancelled episode cannot wait); the task is kept until it ends."""
-        if attempt.replica is None:
-            return
-        close = Close(episode_id=episode_id, attempt=attempt.number)
-        task = asyncio.get_running_loop().create_task(self._close(close, attempt.replica))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def _close(self, close: Close, replica: int) -> None:
-        try:
-            await self.env.call("close", close, None, timeout=5.0, replica=replica)
-        except Exception as exc:  # the replica forgets it when restarted anyway
-            log.debug("closing episode %r failed: %s", close.episode_id, exc)
+        if attempt.replica is not None:
+            self.closes.send(Close(episode_id=episode_id, attempt=attempt.number), attempt.replica)
 
     async def _generate(self, traj: Trajectory, attempt: int) -> Sample:
         context = [*traj.prompt_ids, *traj.token_ids]

@@ -512,7 +512,7 @@ def test_a_cancelled_episode_is_closed_on_the_replica_that_holds_it() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.gather(*r._closing)
+        await asyncio.gather(*r.closes.tasks)
         return env
 
     env = run(main())
