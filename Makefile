@@ -18,8 +18,8 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 # The tests that run an engine: the vLLM ones skip where vLLM is not installed.
-ENGINE_TESTS := tests/roles/test_vllm_engine.py tests/roles/test_engine.py \
-	tests/roles/test_rollout.py tests/roles/test_partial_rollouts.py \
+ENGINE_TESTS := tests/generation/test_vllm_engine.py tests/generation/test_engine.py \
+	tests/generation/test_rollout.py tests/generation/test_partial_rollouts.py \
 	tests/integration/test_arith.py::test_grpo_with_vllm_rollouts_raises_the_reward \
 	tests/integration/test_arith.py::test_vllm_rollouts_with_learning_rate_zero_do_not
 

@@ -23,7 +23,7 @@ import pytest
 from asyncrl.observe import trace
 from tests.conftest import ROOT
 from tests.integration.test_multinode import EXPECTED, TwoNodes
-from tests.test_trace import SVG
+from tests.observe.test_trace import SVG
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from asyncrl.observe import trace
 from tests.conftest import ROOT
-from tests.test_trace import SVG, _chromium, drawn_pixels, screenshot
+from tests.observe.test_trace import SVG, _chromium, drawn_pixels, screenshot
 
 
 def _asyncrl(*args: str) -> subprocess.CompletedProcess[str]:
