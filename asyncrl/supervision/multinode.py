@@ -190,6 +190,8 @@ class NodeAttempt:
         trace: ``--trace``: record, and gather every node's trace on node 0.
         ended_here: the run ended by this node's supervisor, not by the store.
         restart: why this node leaves for a new attempt (another node restarted, died); "".
+        leave: why this node leaves the running attempt, which goes on without it (node 0
+            took it as lost while it ran); "".
         sink: where node 0 takes the traces (bound there, sent to elsewhere).
         records: every node's ``NodeRecord``, by rank, once ``discover`` has them.
     """
@@ -209,6 +211,7 @@ class NodeAttempt:
         self.attempt, self.manifest, self.run_dir, self.trace = attempt, manifest, run_dir, trace
         self.ended_here = True
         self.restart = ""
+        self.leave = ""
         self.sink = ""
         self.records: dict[int, NodeRecord] = {}
         self.bind_host = self.host = ""
@@ -329,7 +332,6 @@ class NodeAttempt:
             trace_sink=f"tcp://{host}:{ports[-1]}" if sink else "",
         )
         keys, store = self.keys, self.store
-        await store.set(keys.heartbeat(self.attempt, self.node), "0")
         published = msgspec.json.encode(record).decode()
         await store.set(keys.endpoints(self.attempt, self.node), published)
         every = [keys.endpoints(self.attempt, n) for n in range(self.env.nodes)]
@@ -359,12 +361,33 @@ class NodeAttempt:
         )
         return self.view
 
+    async def heartbeat(self) -> None:
+        """Raise this node's heartbeat key every ``HEARTBEAT_INTERVAL_S`` s until cancelled.
+
+        It runs on its own from before discovery to the attempt's end, so that nothing else the
+        agent does meanwhile (starting its supervisor and roles, adopting a moved replica,
+        following the membership) delays a beat: node 0 takes a node whose beats stop for
+        ``--agent-liveness`` s as lost. A store that stops answering ends the beats; the
+        agent's watch meets the same failure and ends the attempt.
+        """
+        key, beats = self.keys.heartbeat(self.attempt, self.node), 0
+        while True:
+            try:
+                await self.store.set(key, str(beats))
+            except StoreError:
+                return
+            beats += 1
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
     async def finish(self, report: RunReport, timeout_s: float) -> int:
         """Tell the other nodes how the run ended (when it ended here); return the exit
         status."""
         keys, store = self.keys, self.store
         if self.restart:
             _say(self.node, f"{self.restart}; exiting so that torchrun starts the group again")
+            return 1
+        if self.leave:
+            _say(self.node, f"{self.leave}; exiting so that torchrun starts it again to rejoin")
             return 1
         if self.ended_here:
             said = _ended(report.status, report.reason, self.node)
@@ -513,6 +536,8 @@ class _Watch:
         self.membership = Membership(attempt=a.attempt, nodes=a.env.nodes)
         self.moving: dict[tuple[str, int], int] = {}  # moved, its endpoint not yet known here
         self.synced = False  # the losses before this agent started are known
+        # Per other node: the last heartbeat value seen, and since when (this node's clock).
+        self.seen: dict[int, tuple[str | None, float]] = {}
 
     async def __call__(self, supervisor: Supervisor) -> None:
         try:
@@ -524,11 +549,7 @@ class _Watch:
 
     async def _watch(self, supervisor: Supervisor) -> None:
         a, keys, store = self.a, self.a.keys, self.a.store
-        beats = 0
-        seen: dict[int, tuple[str | None, float]] = {}
         while True:
-            beats += 1
-            await store.set(keys.heartbeat(a.attempt, a.node), str(beats))
             ended = await store.peek(keys.stop(a.attempt))
             if ended is not None:
                 said = json.loads(ended)
@@ -536,17 +557,23 @@ class _Watch:
                 reason = f"node {said['node']} ended the run: {said['reason']}"
                 supervisor.end(RunReport(said["status"], reason))
                 return
-            why = await self._restart_reason(seen)
+            why = await self._restart_reason()
             if why:
                 a.restart = why
                 a.ended_here = False
                 supervisor.end(RunReport("failed", why))
                 return
-            await self._follow(supervisor)
+            why = await self._follow(supervisor)
+            if why:
+                a.leave = why
+                a.ended_here = False
+                supervisor.end(RunReport("failed", why))
+                return
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def _restart_reason(self, seen: dict[int, tuple[str | None, float]]) -> str:
+    async def _restart_reason(self) -> str:
         a, keys, store = self.a, self.a.keys, self.a.store
+        seen = self.seen
         current = int(await store.get(keys.current))
         if current != a.attempt:
             return f"node 0 started attempt {current}: its agent restarted"
@@ -578,10 +605,18 @@ class _Watch:
             await store.set(keys.lost(a.attempt, peer), said)
         return ""
 
-    async def _follow(self, supervisor: Supervisor) -> None:
+    async def _follow(self, supervisor: Supervisor) -> str:
         """Apply what node 0 marked lost since the last look, and the endpoints of replicas
-        that moved; write this node's ``membership.json`` when anything changed."""
+        that moved; write this node's ``membership.json`` when anything changed. Return why
+        this node must leave the attempt (node 0 took it as lost while it ran: what moved
+        away from it runs elsewhere now), or ""."""
         a, keys, store = self.a, self.a.keys, self.a.store
+        if a.node != 0 and await _lost_generation(store, keys, a.attempt, a.node):
+            said = json.loads(await store.get(keys.lost(a.attempt, a.node)))
+            return (
+                f"node 0 took this node as lost while it ran ({said['reason']}), and the run "
+                "went on without it: its roles stop, so that none runs twice"
+            )
         changed = False
         for peer in range(1, a.env.nodes):
             if peer == a.node:
@@ -610,6 +645,7 @@ class _Watch:
             changed = True
         if changed:
             self._write()
+        return ""
 
     async def _back(self, node: int) -> None:
         """Lost node ``node`` joined the run again: its replicas that departed are back, at
@@ -620,6 +656,7 @@ class _Watch:
         )
         a.records[node] = record
         del a.lost[node]
+        self.seen.pop(node, None)  # its liveness counts from its return, its beats anew
         self.membership.lost.pop(node, None)
         back = []
         for name, by_index in record.replicas.items():
@@ -650,7 +687,14 @@ class _Watch:
         before = plan(a.manifest, set(a.lost) - {node})
         now = plan(a.manifest, set(a.lost))
         departed = {k: n for k, n in now.departed.items() if k not in before.departed}
-        moved = {k: n for k, n in now.moved.items() if before.moved.get(k) != n}
+        # A replica that already runs where the plan puts it (it moved there at an earlier loss
+        # of this node, and stayed when the node came back) is not started a second time.
+        moved = {
+            (name, i): n
+            for (name, i), n in now.moved.items()
+            if before.moved.get((name, i)) != n
+            and getattr(self.membership.moved.get(name, {}).get(i), "node", None) != n
+        }
         for (name, replica), lost_on in departed.items():
             self.membership.departed.setdefault(name, {})[replica] = lost_on
             self.membership.moved.get(name, {}).pop(replica, None)
@@ -751,7 +795,6 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     a = await NodeAttempt.join(
         env, store, keys, manifest, run_dir, trace=args.trace, timeout_s=args.join_timeout
     )
-    attempt = a.attempt
     final = await store.peek(keys.final)
     if final is not None:
         said = json.loads(final)
@@ -764,6 +807,18 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
             await store.set_once(keys.final, _ended("failed", problem, 0))
         return EXIT_USAGE
     a.write_launch()
+    async with asyncio.TaskGroup() as tasks:
+        beating = tasks.create_task(a.heartbeat())
+        try:
+            return await _take_part(args, a)
+        finally:
+            beating.cancel()
+
+
+async def _take_part(args: argparse.Namespace, a: NodeAttempt) -> int:
+    """Node ``a``'s part in its attempt, from discovery to the end of the run; its exit
+    status."""
+    env, store, keys, manifest, attempt = a.env, a.store, a.keys, a.manifest, a.attempt
     view = await a.discover(args.join_timeout)
     problem = share(a.node, a.dir, a.hosts)
     if not problem:
