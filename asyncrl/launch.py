@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from asyncrl.supervision.multinode import LaunchEnv, main, node_dir
+from asyncrl.supervision.multinode import LaunchEnv, main
+from asyncrl.supervision.rundir import node_dir
 
 __all__ = ["LaunchEnv", "main", "node_dir"]
 

@@ -25,13 +25,15 @@ driver. docs/multinode.md is the guide; in short:
 - The end: when the driver ends (or a node's supervisor gives up), its agent writes how the run
   ended under the attempt's ``stop`` key; every agent then stops its roles and exits with the
   run's status (0 completed, 1 failed, 130 interrupted).
-- Failures: agents raise a heartbeat key. A node other than 0 whose agent stops answering is
-  lost for good: node 0 marks it so, and the run goes on without it (``_Watch``,
-  ``asyncrl.manifest.membership``): its replicas leave or move, and every node records the
-  change in its ``membership.json``. An agent that sees node 0 stop answering, or another
-  node's agent restart, or a lost node the run cannot do without, ends its attempt and exits 1:
-  torchrun (``--max-restarts``) then starts the worker group again, and the new attempt resumes
-  the run in the same directories, as ``asyncrl run --resume`` does. A run that ended for good
+- Failures: agents raise a heartbeat key (``NodeAttempt.heartbeat``). A node other than 0
+  whose agent stops answering is lost for good: node 0 marks it so, and the run goes on
+  without it: its replicas leave or move (``asyncrl.manifest.membership``), and every node's
+  ``MembershipFollower`` (``asyncrl.supervision.membership_follower``) applies the change and
+  records it in its ``membership.json``; a lost node started again joins the running attempt.
+  An agent that sees node 0 stop answering, or another node's agent restart, or a lost node
+  the run cannot do without, ends its attempt and exits 1: torchrun (``--max-restarts``) then
+  starts the worker group again, and the new attempt resumes the run in the same
+  directories, as ``asyncrl run --resume`` does. A run that ended for good
   (completed, or failed by its own decision) leaves a ``final`` key: a later attempt exits at
   once with the same status.
 """
@@ -45,6 +47,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,28 +55,18 @@ import msgspec
 
 from asyncrl.errors import ManifestError
 from asyncrl.manifest.load import Manifest, load_manifest, resolve_run_dir
-from asyncrl.manifest.membership import (
-    MEMBERSHIP_FILE,
-    Change,
-    Membership,
-    Moved,
-    node_loss_warnings,
-    plan,
-)
+from asyncrl.manifest.membership import node_loss_warnings, plan
 from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
-from asyncrl.supervision.agent import (
-    NodeView,
-    adopted_child,
-    install_secret,
-    run_manifest,
-    summary,
-)
+from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
 from asyncrl.supervision.hosts import HostRecord, announce, share
 from asyncrl.supervision.launch_secret import shared_secret
+from asyncrl.supervision.membership_follower import MembershipFollower, lost_generation
+from asyncrl.supervision.rundir import node_dir
 from asyncrl.supervision.runreport import RunReport
 from asyncrl.supervision.store_registry import (
     LaunchKeys,
+    NodeRecord,
     StoreClient,
     StoreError,
     free_ports,
@@ -81,7 +74,7 @@ from asyncrl.supervision.store_registry import (
 )
 from asyncrl.supervision.supervisor import Supervisor
 
-__all__ = ["LaunchEnv", "NodeAttempt", "NodeRecord", "main", "node_dir"]
+__all__ = ["LaunchEnv", "NodeAttempt", "main"]
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between two heartbeats of a node agent in the store (and checks of the others')."""
@@ -147,33 +140,12 @@ class LaunchEnv:
         )
 
 
-def node_dir(run_dir: str, node: int) -> str:
-    """Where node ``node`` keeps its files: RUN_DIR on node 0, RUN_DIR/node-R on the others."""
-    return run_dir if node == 0 else os.path.join(run_dir, f"node-{node}")
-
-
 def _say(node: int, message: str) -> None:
     print(f"asyncrl.launch[node {node}]: {message}", file=sys.stderr, flush=True)
 
 
 def _ended(status: str, reason: str, node: int) -> str:
     return json.dumps({"status": status, "reason": reason, "node": node})
-
-
-class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
-    """What one node publishes in the store for an attempt, before anything starts.
-
-    Attributes:
-        replicas: the tcp endpoint of each replica the node runs, by role and replica index.
-        agent: the tcp endpoint of its agent's status server (``asyncrl.observe.status``).
-        host: its host's record (``asyncrl.supervision.hosts``).
-        trace_sink: node 0 of a traced launch: where the other nodes send their traces.
-    """
-
-    replicas: dict[str, dict[int, str]]
-    agent: str
-    host: HostRecord
-    trace_sink: str = ""
 
 
 class NodeAttempt:
@@ -190,6 +162,8 @@ class NodeAttempt:
         trace: ``--trace``: record, and gather every node's trace on node 0.
         ended_here: the run ended by this node's supervisor, not by the store.
         restart: why this node leaves for a new attempt (another node restarted, died); "".
+        leave: why this node leaves the running attempt, which goes on without it (node 0
+            took it as lost while it ran); "".
         sink: where node 0 takes the traces (bound there, sent to elsewhere).
         records: every node's ``NodeRecord``, by rank, once ``discover`` has them.
     """
@@ -209,11 +183,11 @@ class NodeAttempt:
         self.attempt, self.manifest, self.run_dir, self.trace = attempt, manifest, run_dir, trace
         self.ended_here = True
         self.restart = ""
+        self.leave = ""
         self.sink = ""
         self.records: dict[int, NodeRecord] = {}
         self.bind_host = self.host = ""
         self.view: NodeView | None = None
-        self.lost: dict[int, str] = {}  # nodes lost for good, with why
         self.rejoining = 0  # the generation of this node's loss that it comes back from; 0: none
 
     @classmethod
@@ -249,7 +223,7 @@ class NodeAttempt:
             attempt = int(await store.get(keys.current))
             if await store.set_once(keys.joined(attempt, env.node), me) == me:
                 return cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
-            generation = await _lost_generation(store, keys, attempt, env.node)
+            generation = await lost_generation(store, keys, attempt, env.node)
             if generation:
                 # Node 0 took this node as lost and the run went on: join it again.
                 a = cls(env, store, keys, attempt, manifest, run_dir, trace=trace)
@@ -329,7 +303,6 @@ class NodeAttempt:
             trace_sink=f"tcp://{host}:{ports[-1]}" if sink else "",
         )
         keys, store = self.keys, self.store
-        await store.set(keys.heartbeat(self.attempt, self.node), "0")
         published = msgspec.json.encode(record).decode()
         await store.set(keys.endpoints(self.attempt, self.node), published)
         every = [keys.endpoints(self.attempt, n) for n in range(self.env.nodes)]
@@ -359,12 +332,33 @@ class NodeAttempt:
         )
         return self.view
 
-    async def finish(self, report: RunReport, timeout_s: float) -> int:
+    async def heartbeat(self) -> None:
+        """Raise this node's heartbeat key every ``HEARTBEAT_INTERVAL_S`` s until cancelled.
+
+        It runs on its own from before discovery to the attempt's end, so that nothing else the
+        agent does meanwhile (starting its supervisor and roles, adopting a moved replica,
+        following the membership) delays a beat: node 0 takes a node whose beats stop for
+        ``--agent-liveness`` s as lost. A store that stops answering ends the beats; the
+        agent's watch meets the same failure and ends the attempt.
+        """
+        key, beats = self.keys.heartbeat(self.attempt, self.node), 0
+        while True:
+            try:
+                await self.store.set(key, str(beats))
+            except StoreError:
+                return
+            beats += 1
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def finish(self, report: RunReport, timeout_s: float, lost: Collection[int] = ()) -> int:
         """Tell the other nodes how the run ended (when it ended here); return the exit
-        status."""
+        status. ``lost``: the nodes lost for good, which node 0 neither waits for nor counts."""
         keys, store = self.keys, self.store
         if self.restart:
             _say(self.node, f"{self.restart}; exiting so that torchrun starts the group again")
+            return 1
+        if self.leave:
+            _say(self.node, f"{self.leave}; exiting so that torchrun starts it again to rejoin")
             return 1
         if self.ended_here:
             said = _ended(report.status, report.reason, self.node)
@@ -384,12 +378,12 @@ class NodeAttempt:
             )
         await store.set(keys.done(self.attempt, self.node), json.dumps(counts))
         if self.node == 0:
-            await self._check_in_lost()
-            await self._gather_counts(report, timeout_s)
+            await self._check_in_lost(lost)
+            await self._gather_counts(report, timeout_s, lost)
             self._add_nodes()
         return EXIT_CODES[report.status]
 
-    async def _check_in_lost(self) -> None:
+    async def _check_in_lost(self, lost: Collection[int]) -> None:
         """Count each lost node in torchrun's exit barrier, which every node's torchrun joins
         once its worker exits (``torchelastic/agent/terminal_state``, under the run id in the
         static rendezvous): a lost node's torchrun never will, and the others would wait out
@@ -397,14 +391,16 @@ class NodeAttempt:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         # Node 0's own torchrun checks in only after this worker exits, so the last to check
         # in is a live torchrun, which releases the barrier as usual.
-        for _ in self.lost:
+        for _ in lost:
             await self.store.add(f"{run_id}/{TORCHRUN_EXIT_BARRIER}/num_members", 1)
 
-    async def _gather_counts(self, report: RunReport, timeout_s: float) -> None:
+    async def _gather_counts(
+        self, report: RunReport, timeout_s: float, lost: Collection[int]
+    ) -> None:
         """Wait for the other nodes to stop their roles; add their restarts and served requests
         to node 0's report (and its report.json), so that it covers the whole run."""
         others = [
-            self.keys.done(self.attempt, n) for n in range(1, self.env.nodes) if n not in self.lost
+            self.keys.done(self.attempt, n) for n in range(1, self.env.nodes) if n not in lost
         ]
         try:
             await self.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
@@ -495,24 +491,23 @@ def _same_manifest(manifest: Manifest, run_dir: str) -> str:
 
 
 class _Watch:
-    """Beside the supervisor: raise this node's heartbeat, follow the run's membership, and end
-    the attempt when the store says it ended, a newer attempt started, or a node the run
-    cannot go on without stopped answering.
+    """Beside the supervisor: follow the run's membership (``MembershipFollower``), and end
+    the attempt when the store says it ended, a newer attempt started, a node the run cannot
+    go on without stopped answering, or node 0 took this node as lost while it ran.
 
     Node 0 (the store's host) decides when another node is lost for good: no heartbeat for
-    ``liveness_s``. When the run can go on without it (``asyncrl.manifest.membership.plan``),
-    node 0 marks it lost in the store, and every agent applies the new membership: the node
-    a moved replica goes to starts it and publishes its tcp endpoint, and each node writes its
-    view into its ``membership.json``, which its driver follows. Otherwise the attempt ends, and
+    ``liveness_s`` (each agent raises its own, ``NodeAttempt.heartbeat``). When the run can go
+    on without it (``asyncrl.manifest.membership.plan``), node 0 marks it lost in the store,
+    and every agent's follower applies the new membership. Otherwise the attempt ends, and
     torchrun starts every node's worker group again, as for node 0's own loss.
     """
 
-    def __init__(self, a: NodeAttempt, liveness_s: float) -> None:
+    def __init__(self, a: NodeAttempt, follower: MembershipFollower, liveness_s: float) -> None:
         self.a = a
+        self.follower = follower
         self.liveness_s = liveness_s
-        self.membership = Membership(attempt=a.attempt, nodes=a.env.nodes)
-        self.moving: dict[tuple[str, int], int] = {}  # moved, its endpoint not yet known here
-        self.synced = False  # the losses before this agent started are known
+        # Per other node: the last heartbeat value seen, and since when (this node's clock).
+        self.seen: dict[int, tuple[str | None, float]] = {}
 
     async def __call__(self, supervisor: Supervisor) -> None:
         try:
@@ -524,11 +519,7 @@ class _Watch:
 
     async def _watch(self, supervisor: Supervisor) -> None:
         a, keys, store = self.a, self.a.keys, self.a.store
-        beats = 0
-        seen: dict[int, tuple[str | None, float]] = {}
         while True:
-            beats += 1
-            await store.set(keys.heartbeat(a.attempt, a.node), str(beats))
             ended = await store.peek(keys.stop(a.attempt))
             if ended is not None:
                 said = json.loads(ended)
@@ -536,23 +527,31 @@ class _Watch:
                 reason = f"node {said['node']} ended the run: {said['reason']}"
                 supervisor.end(RunReport(said["status"], reason))
                 return
-            why = await self._restart_reason(seen)
+            why = await self._restart_reason()
             if why:
                 a.restart = why
                 a.ended_here = False
                 supervisor.end(RunReport("failed", why))
                 return
-            await self._follow(supervisor)
+            why = await self.follower.follow(supervisor)
+            if why:
+                a.leave = why
+                a.ended_here = False
+                supervisor.end(RunReport("failed", why))
+                return
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def _restart_reason(self, seen: dict[int, tuple[str | None, float]]) -> str:
-        a, keys, store = self.a, self.a.keys, self.a.store
+    async def _restart_reason(self) -> str:
+        a, keys, store, lost = self.a, self.a.keys, self.a.store, self.follower.lost
+        seen = self.seen
         current = int(await store.get(keys.current))
         if current != a.attempt:
             return f"node 0 started attempt {current}: its agent restarted"
         now = time.monotonic()
         for peer in range(a.env.nodes):
-            if peer == a.node or peer in a.lost:
+            if peer in lost:
+                seen.pop(peer, None)  # once back, its liveness counts from its return
+            if peer == a.node or peer in lost:
                 continue
             if a.node == 0 and await store.check(keys.rejoin(a.attempt, peer)):
                 return f"the agent of node {peer} restarted"
@@ -568,174 +567,12 @@ class _Watch:
                 continue  # node 0 decides whether the run goes on without it
             if peer == 0:
                 return silent
-            blocked = plan(a.manifest, {*a.lost, peer}).blocked
+            blocked = plan(a.manifest, {*lost, peer}).blocked
             if blocked:
                 return f"{silent}, and the run cannot go on without it: {'; '.join(blocked)}"
             _say(a.node, f"{silent}: node {peer} is lost; the run goes on without it")
-            earlier = await store.peek(keys.lost(a.attempt, peer))
-            generation = 1 + (int(json.loads(earlier)["generation"]) if earlier else 0)
-            said = json.dumps({"reason": silent, "generation": generation})
-            await store.set(keys.lost(a.attempt, peer), said)
+            await self.follower.mark_lost(peer, silent)
         return ""
-
-    async def _follow(self, supervisor: Supervisor) -> None:
-        """Apply what node 0 marked lost since the last look, and the endpoints of replicas
-        that moved; write this node's ``membership.json`` when anything changed."""
-        a, keys, store = self.a, self.a.keys, self.a.store
-        changed = False
-        for peer in range(1, a.env.nodes):
-            if peer == a.node:
-                continue
-            lost = await _lost_generation(store, keys, a.attempt, peer)
-            if lost and peer not in a.lost:
-                said = json.loads(await store.get(keys.lost(a.attempt, peer)))
-                # A node that joins again learns the losses before it; what moved then runs.
-                await self._lose(supervisor, peer, said["reason"], adopt=self.synced)
-                changed = True
-            elif not lost and peer in a.lost:
-                await self._back(peer)
-                changed = True
-        self.synced = True
-        for (name, replica), node in list(self.moving.items()):
-            said = await store.peek(keys.moved(a.attempt, name, replica))
-            if said is None:
-                continue
-            endpoint = json.loads(said)["endpoint"]
-            if node == a.node:
-                assert a.view is not None
-                endpoint = a.view.groups[name].endpoints[replica]
-            self._reach(name, replica, endpoint)
-            self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
-            del self.moving[(name, replica)]
-            changed = True
-        if changed:
-            self._write()
-
-    async def _back(self, node: int) -> None:
-        """Lost node ``node`` joined the run again: its replicas that departed are back, at
-        the endpoints it published anew (those that moved away stay where they went)."""
-        a = self.a
-        record = msgspec.json.decode(
-            await a.store.get(a.keys.endpoints(a.attempt, node)), type=NodeRecord
-        )
-        a.records[node] = record
-        del a.lost[node]
-        self.membership.lost.pop(node, None)
-        back = []
-        for name, by_index in record.replicas.items():
-            for replica, endpoint in by_index.items():
-                self.membership.departed.get(name, {}).pop(replica, None)
-                if not self.membership.departed.get(name, True):
-                    del self.membership.departed[name]
-                self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
-                self._reach(name, replica, endpoint)
-                back.append(f"{name}[{replica}]")
-        change = Change(
-            time=time.time(), event="node_back", node=node, reason="it joined the run again"
-        )
-        change = msgspec.structs.replace(change, departed=[], moved={b: node for b in back})
-        self.membership.changes.append(change)
-        if a.node == 0:
-            _record_change(a.run_dir, change)
-        _say(a.node, f"node {node} is back: {', '.join(back) or 'no replica'} back in the run")
-
-    async def _lose(
-        self, supervisor: Supervisor, node: int, reason: str, *, adopt: bool = True
-    ) -> None:
-        """Node ``node`` is lost for good: its replicas depart or move as ``plan`` says; those
-        that move here are started now."""
-        a = self.a
-        assert a.view is not None
-        a.lost[node] = reason
-        before = plan(a.manifest, set(a.lost) - {node})
-        now = plan(a.manifest, set(a.lost))
-        departed = {k: n for k, n in now.departed.items() if k not in before.departed}
-        moved = {k: n for k, n in now.moved.items() if before.moved.get(k) != n}
-        for (name, replica), lost_on in departed.items():
-            self.membership.departed.setdefault(name, {})[replica] = lost_on
-            self.membership.moved.get(name, {}).pop(replica, None)
-        for (name, replica), there in moved.items():
-            self.moving[(name, replica)] = there
-            if there == a.node and adopt:
-                await self._adopt(supervisor, name, replica)
-        self.membership.lost[node] = reason
-        change = Change(
-            time=time.time(),
-            event="node_lost",
-            node=node,
-            reason=reason,
-            departed=[f"{name}[{i}]" for name, i in departed],
-            moved={f"{name}[{i}]": n for (name, i), n in moved.items()},
-        )
-        self.membership.changes.append(change)
-        if a.node == 0:
-            _record_change(a.run_dir, change)
-        _say(
-            a.node,
-            f"node {node} lost ({reason}): "
-            + ", ".join(
-                [f"{n}[{i}] left the run" for n, i in departed]
-                + [f"{n}[{i}] moves to node {there}" for (n, i), there in moved.items()]
-            ),
-        )
-
-    async def _adopt(self, supervisor: Supervisor, name: str, replica: int) -> None:
-        """Start ``name``'s ``replica`` on this node, from its home node's folder, on a fresh
-        tcp port, which it publishes for the other nodes."""
-        a = self.a
-        assert a.view is not None
-        (port,) = free_ports(a.bind_host, 1)
-        published = f"tcp://{a.host}:{port}"
-        home = node_dir(a.run_dir, a.manifest.roles[name].placement.node_of(replica))
-        child = adopted_child(
-            a.manifest, name, replica, home, a.view, f"tcp://{a.bind_host}:{port}"
-        )
-        self._reach(name, replica, child.endpoint)
-        await supervisor.adopt(child)
-        said = json.dumps({"node": a.node, "endpoint": published})
-        await a.store.set(a.keys.moved(a.attempt, name, replica), said)
-
-    def _reach(self, name: str, replica: int, endpoint: str) -> None:
-        """The processes this node starts from now on reach ``name``'s ``replica`` at
-        ``endpoint``."""
-        assert self.a.view is not None
-        groups = self.a.view.groups
-        info = groups[name]
-        endpoints = list(info.endpoints)
-        endpoints[replica] = endpoint
-        groups[name] = msgspec.structs.replace(info, endpoints=endpoints)
-
-    def _write(self) -> None:
-        from asyncrl.safe_files import write_atomic
-
-        path = os.path.join(self.a.dir, MEMBERSHIP_FILE)
-        write_atomic(path, msgspec.json.format(msgspec.json.encode(self.membership)))
-
-
-async def _lost_generation(store: StoreClient, keys: LaunchKeys, attempt: int, node: int) -> int:
-    """The generation of ``node``'s loss in ``attempt`` that it has not come back from yet;
-    0 when it is not lost."""
-    lost = await store.peek(keys.lost(attempt, node))
-    if lost is None:
-        return 0
-    generation = int(json.loads(lost)["generation"])
-    back = await store.peek(keys.back(attempt, node))
-    answered = back is not None and int(json.loads(back)["generation"]) >= generation
-    return 0 if answered else generation
-
-
-def _record_change(run_dir: str, change: Change) -> None:
-    """Append ``change`` to the run's ``metrics.jsonl`` as one line, ``{"time", "membership"}``
-    (no ``step``: the readers of the steps pass it by). A file that cannot be written is said,
-    and the run goes on."""
-    from asyncrl.safe_files import open_append
-
-    line = {"time": change.time, "membership": msgspec.to_builtins(change)}
-    try:
-        with open_append(os.path.join(run_dir, "metrics.jsonl")) as f:
-            f.write((json.dumps(line) + "\n").encode())
-    except OSError as exc:
-        _say(0, f"the change of membership is not in metrics.jsonl: {exc}")
 
 
 async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) -> int:
@@ -751,7 +588,6 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
     a = await NodeAttempt.join(
         env, store, keys, manifest, run_dir, trace=args.trace, timeout_s=args.join_timeout
     )
-    attempt = a.attempt
     final = await store.peek(keys.final)
     if final is not None:
         said = json.loads(final)
@@ -764,6 +600,18 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
             await store.set_once(keys.final, _ended("failed", problem, 0))
         return EXIT_USAGE
     a.write_launch()
+    async with asyncio.TaskGroup() as tasks:
+        beating = tasks.create_task(a.heartbeat())
+        try:
+            return await _take_part(args, a)
+        finally:
+            beating.cancel()
+
+
+async def _take_part(args: argparse.Namespace, a: NodeAttempt) -> int:
+    """Node ``a``'s part in its attempt, from discovery to the end of the run; its exit
+    status."""
+    env, store, keys, manifest, attempt = a.env, a.store, a.keys, a.manifest, a.attempt
     view = await a.discover(args.join_timeout)
     problem = share(a.node, a.dir, a.hosts)
     if not problem:
@@ -795,11 +643,23 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
             curve_keys=manifest.security.curve_keys,
             say=_say,
         )
+    follower = MembershipFollower(
+        store=store,
+        keys=keys,
+        attempt=attempt,
+        node=a.node,
+        nodes=env.nodes,
+        manifest=manifest,
+        run_dir=a.run_dir,
+        view=view,
+        bind_host=a.bind_host,
+        host=a.host,
+        say=_say,
+    )
+    watch = _Watch(a, follower, args.agent_liveness)
     try:
-        report = await run_manifest(
-            manifest, a.dir, beside=_Watch(a, args.agent_liveness), view=view, console=True
-        )
-        code = await a.finish(report, args.join_timeout)
+        report = await run_manifest(manifest, a.dir, beside=watch, view=view, console=True)
+        code = await a.finish(report, args.join_timeout, follower.lost)
     finally:
         if sink is not None:
             await sink.close()

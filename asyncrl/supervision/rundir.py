@@ -40,6 +40,7 @@ __all__ = [
     "in_use",
     "load_saved_manifest",
     "manifest_differences",
+    "node_dir",
     "prepare_run_dir",
     "run_markers",
     "save_manifest",
@@ -122,6 +123,12 @@ _WRITTEN_NAME = re.compile(
     r"^(node-\d+|\.(?P<entry>[^/]+)\.[^./]+\.tmp|(?P<staged>[^/]+)\.\d+\.tmp)\Z"
 )
 _NODE = re.compile(r"^node-\d+\Z")
+
+
+def node_dir(run_dir: str, node: int) -> str:
+    """Where node ``node`` of a launch over several nodes keeps its files: RUN_DIR on node 0,
+    RUN_DIR/node-R on the others."""
+    return run_dir if node == 0 else os.path.join(run_dir, f"node-{node}")
 
 
 class RunDirError(Exception):

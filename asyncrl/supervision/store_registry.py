@@ -28,9 +28,19 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from asyncrl.errors import AsyncrlError
+import msgspec
 
-__all__ = ["LaunchKeys", "StoreClient", "StoreError", "free_ports", "node_address"]
+from asyncrl.errors import AsyncrlError
+from asyncrl.supervision.hosts import HostRecord
+
+__all__ = [
+    "LaunchKeys",
+    "NodeRecord",
+    "StoreClient",
+    "StoreError",
+    "free_ports",
+    "node_address",
+]
 
 T = TypeVar("T")
 
@@ -88,7 +98,7 @@ class LaunchKeys:
 
     def endpoints(self, attempt: int, node: int) -> str:
         """What ``node`` publishes before anything starts: its replicas' tcp endpoints, its
-        agent's and its host (``asyncrl.supervision.multinode.NodeRecord``, JSON)."""
+        agent's and its host (``NodeRecord``, JSON)."""
         return f"{self.prefix(attempt)}/endpoints/{node}"
 
     def heartbeat(self, attempt: int, node: int) -> str:
@@ -119,6 +129,22 @@ class LaunchKeys:
     def done(self, attempt: int, node: int) -> str:
         """Set by the agent of ``node`` once its roles have stopped."""
         return f"{self.prefix(attempt)}/done/{node}"
+
+
+class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """What one node publishes in the store for an attempt, before anything starts.
+
+    Attributes:
+        replicas: the tcp endpoint of each replica the node runs, by role and replica index.
+        agent: the tcp endpoint of its agent's status server (``asyncrl.observe.status``).
+        host: its host's record (``asyncrl.supervision.hosts``).
+        trace_sink: node 0 of a traced launch: where the other nodes send their traces.
+    """
+
+    replicas: dict[str, dict[int, str]]
+    agent: str
+    host: HostRecord
+    trace_sink: str = ""
 
 
 class StoreClient:

@@ -1,0 +1,285 @@
+"""What one node's agent does as the membership of a launch over several nodes changes.
+
+A launch (``asyncrl.supervision.multinode``) goes on when a node other than node 0 is lost for
+good. Node 0 decides it and marks the node lost in the launch's store (``lost/<node>``, with a
+generation that counts its losses); a lost node whose torchrun starts again joins the running
+attempt and marks itself back (``back/<node>``, with the generation it answers). Every node's
+agent runs one ``MembershipFollower``, which looks at the store once a heartbeat (``follow``)
+and applies what changed:
+
+- **a node lost:** its replicas depart or move as ``asyncrl.manifest.membership.plan`` says. A
+  replica that moves to this node is started here, from its home node's folder of the run
+  directory, on a fresh tcp port that it publishes (``moved/<role>/<replica>``); a replica that
+  already runs where the plan puts it (it moved there at an earlier loss of the node and stayed
+  when the node came back) is not started a second time;
+- **a node back:** its replicas that departed are back in their groups, at the endpoints it
+  published anew; what moved away while it was lost stays where it went;
+- **this node taken as lost while it runs** (its heartbeats reached node 0 too late): ``follow``
+  says why it must leave. What moved away from it runs elsewhere now, and its replicas left the
+  groups, so it stops its roles rather than run on unseen; torchrun starting it again brings it
+  back as any lost node comes back.
+
+Each change goes into this node's ``membership.json``, which its driver follows
+(``asyncrl.dispatch.driver.follow_membership``) and ``asyncrl status`` shows; node 0 also
+appends it to the run's ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from asyncrl.manifest.load import Manifest
+from asyncrl.manifest.membership import MEMBERSHIP_FILE, Change, Membership, Moved, plan
+from asyncrl.supervision.agent import NodeView, adopted_child
+from asyncrl.supervision.rundir import node_dir
+from asyncrl.supervision.store_registry import LaunchKeys, NodeRecord, StoreClient, free_ports
+from asyncrl.supervision.supervisor import Supervisor
+
+__all__ = ["MembershipFollower", "lost_generation", "record_change"]
+
+
+class MembershipFollower:
+    """One node's view of the run's membership, kept up to date from the launch's store.
+
+    Args:
+        store, keys: the launch's store and its keys.
+        attempt: the attempt this node takes part in.
+        node: this node's rank.
+        nodes: how many nodes the launch has.
+        manifest: the run's manifest.
+        run_dir: the run's (node 0's) directory.
+        view: this node's view of the launch (``NodeView``); the endpoints of moved and returned
+            replicas are written into its ``groups``, so that processes started later reach them.
+        bind_host, host: where this node binds tcp, and the address the others reach it at.
+        say: prints one line for a person, ``say(node, message)``.
+
+    Attributes:
+        lost: every node lost for good and not back, with why.
+        membership: what this node writes into its ``membership.json``.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: StoreClient,
+        keys: LaunchKeys,
+        attempt: int,
+        node: int,
+        nodes: int,
+        manifest: Manifest,
+        run_dir: str,
+        view: NodeView,
+        bind_host: str,
+        host: str,
+        say: Callable[[int, str], None],
+    ) -> None:
+        self.store, self.keys, self.attempt, self.node = store, keys, attempt, node
+        self.manifest, self.run_dir, self.view = manifest, run_dir, view
+        self.bind_host, self.host, self.say = bind_host, host, say
+        self.lost: dict[int, str] = {}
+        self.membership = Membership(attempt=attempt, nodes=nodes)
+        self.moving: dict[tuple[str, int], int] = {}  # moved, its endpoint not yet known here
+        self.synced = False  # the losses before this agent started are known
+
+    @property
+    def dir(self) -> str:
+        """This node's folder of the run directory, where its ``membership.json`` is."""
+        return node_dir(self.run_dir, self.node)
+
+    async def mark_lost(self, node: int, reason: str) -> None:
+        """Node 0: mark ``node`` lost for good in the store, with ``reason``, at the next
+        generation of its losses; every node (this one included) applies it at its next
+        ``follow``."""
+        key = self.keys.lost(self.attempt, node)
+        earlier = await self.store.peek(key)
+        generation = 1 + (int(json.loads(earlier)["generation"]) if earlier else 0)
+        await self.store.set(key, json.dumps({"reason": reason, "generation": generation}))
+
+    async def follow(self, supervisor: Supervisor) -> str:
+        """Apply what node 0 marked lost since the last look, the nodes back, and the endpoints
+        of replicas that moved; write ``membership.json`` when anything changed.
+
+        Returns:
+            Why this node must leave the attempt (node 0 took it as lost while it ran), or "".
+
+        Raises:
+            StoreError: the store stopped answering.
+        """
+        store, keys, attempt = self.store, self.keys, self.attempt
+        if self.node != 0 and await lost_generation(store, keys, attempt, self.node):
+            said = json.loads(await store.get(keys.lost(attempt, self.node)))
+            return (
+                f"node 0 took this node as lost while it ran ({said['reason']}), and the run "
+                "went on without it: its roles stop, so that none runs twice"
+            )
+        changed = False
+        for peer in range(1, self.membership.nodes):
+            if peer == self.node:
+                continue
+            lost = await lost_generation(store, keys, attempt, peer)
+            if lost and peer not in self.lost:
+                said = json.loads(await store.get(keys.lost(attempt, peer)))
+                # A node that joins again learns the losses before it; what moved then runs.
+                await self._lose(supervisor, peer, said["reason"], adopt=self.synced)
+                changed = True
+            elif not lost and peer in self.lost:
+                await self._back(peer)
+                changed = True
+        self.synced = True
+        for (name, replica), node in list(self.moving.items()):
+            said = await store.peek(keys.moved(attempt, name, replica))
+            if said is None:
+                continue
+            endpoint = json.loads(said)["endpoint"]
+            if node == self.node:
+                endpoint = self.view.groups[name].endpoints[replica]
+            self._reach(name, replica, endpoint)
+            self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
+            del self.moving[(name, replica)]
+            changed = True
+        if changed:
+            self._write()
+        return ""
+
+    async def _back(self, node: int) -> None:
+        """Lost node ``node`` joined the run again: its replicas that departed are back, at
+        the endpoints it published anew (those that moved away stay where they went)."""
+        raw = await self.store.get(self.keys.endpoints(self.attempt, node))
+        record = msgspec.json.decode(raw, type=NodeRecord)
+        self.view.agents[node] = record.agent
+        del self.lost[node]
+        self.membership.lost.pop(node, None)
+        back = []
+        for name, by_index in record.replicas.items():
+            for replica, endpoint in by_index.items():
+                self.membership.departed.get(name, {}).pop(replica, None)
+                if not self.membership.departed.get(name, True):
+                    del self.membership.departed[name]
+                self.membership.moved.setdefault(name, {})[replica] = Moved(node, endpoint)
+                self._reach(name, replica, endpoint)
+                back.append(f"{name}[{replica}]")
+        change = Change(
+            time=time.time(),
+            event="node_back",
+            node=node,
+            reason="it joined the run again",
+            moved={b: node for b in back},
+        )
+        self.membership.changes.append(change)
+        if self.node == 0:
+            record_change(self.run_dir, change, self.say)
+        what = ", ".join(back) or "no replica"
+        self.say(self.node, f"node {node} is back: {what} back in the run")
+
+    async def _lose(
+        self, supervisor: Supervisor, node: int, reason: str, *, adopt: bool = True
+    ) -> None:
+        """Node ``node`` is lost for good: its replicas depart or move as ``plan`` says; those
+        that move here are started now (unless ``adopt`` is false: this node learns of a loss
+        from before it joined, and what moved then runs already)."""
+        self.lost[node] = reason
+        before = plan(self.manifest, set(self.lost) - {node})
+        now = plan(self.manifest, set(self.lost))
+        departed = {k: n for k, n in now.departed.items() if k not in before.departed}
+        # A replica that already runs where the plan puts it (it moved there at an earlier loss
+        # of this node, and stayed when the node came back) is not started a second time.
+        moved = {
+            (name, i): n
+            for (name, i), n in now.moved.items()
+            if before.moved.get((name, i)) != n and self._runs_on(name, i) != n
+        }
+        for (name, replica), lost_on in departed.items():
+            self.membership.departed.setdefault(name, {})[replica] = lost_on
+            self.membership.moved.get(name, {}).pop(replica, None)
+            if not self.membership.moved.get(name, True):
+                del self.membership.moved[name]
+        for (name, replica), there in moved.items():
+            self.moving[(name, replica)] = there
+            if there == self.node and adopt:
+                await self._adopt(supervisor, name, replica)
+        self.membership.lost[node] = reason
+        change = Change(
+            time=time.time(),
+            event="node_lost",
+            node=node,
+            reason=reason,
+            departed=[f"{name}[{i}]" for name, i in departed],
+            moved={f"{name}[{i}]": n for (name, i), n in moved.items()},
+        )
+        self.membership.changes.append(change)
+        if self.node == 0:
+            record_change(self.run_dir, change, self.say)
+        self.say(
+            self.node,
+            f"node {node} lost ({reason}): "
+            + ", ".join(
+                [f"{n}[{i}] left the run" for n, i in departed]
+                + [f"{n}[{i}] moves to node {there}" for (n, i), there in moved.items()]
+            ),
+        )
+
+    def _runs_on(self, name: str, replica: int) -> int | None:
+        """The node a replica that moved (or came back) runs on now; None for one that never
+        moved."""
+        where = self.membership.moved.get(name, {}).get(replica)
+        return None if where is None else where.node
+
+    async def _adopt(self, supervisor: Supervisor, name: str, replica: int) -> None:
+        """Start ``name``'s ``replica`` on this node, from its home node's folder, on a fresh
+        tcp port, which it publishes for the other nodes."""
+        (port,) = free_ports(self.bind_host, 1)
+        published = f"tcp://{self.host}:{port}"
+        home = node_dir(self.run_dir, self.manifest.roles[name].placement.node_of(replica))
+        child = adopted_child(
+            self.manifest, name, replica, home, self.view, f"tcp://{self.bind_host}:{port}"
+        )
+        self._reach(name, replica, child.endpoint)
+        await supervisor.adopt(child)
+        said = json.dumps({"node": self.node, "endpoint": published})
+        await self.store.set(self.keys.moved(self.attempt, name, replica), said)
+
+    def _reach(self, name: str, replica: int, endpoint: str) -> None:
+        """The processes this node starts from now on reach ``name``'s ``replica`` at
+        ``endpoint``."""
+        groups = self.view.groups
+        info = groups[name]
+        endpoints = list(info.endpoints)
+        endpoints[replica] = endpoint
+        groups[name] = msgspec.structs.replace(info, endpoints=endpoints)
+
+    def _write(self) -> None:
+        from asyncrl.safe_files import write_atomic
+
+        path = os.path.join(self.dir, MEMBERSHIP_FILE)
+        write_atomic(path, msgspec.json.format(msgspec.json.encode(self.membership)))
+
+
+async def lost_generation(store: StoreClient, keys: LaunchKeys, attempt: int, node: int) -> int:
+    """The generation of ``node``'s loss in ``attempt`` that it has not come back from yet;
+    0 when it is not lost."""
+    lost = await store.peek(keys.lost(attempt, node))
+    if lost is None:
+        return 0
+    generation = int(json.loads(lost)["generation"])
+    back = await store.peek(keys.back(attempt, node))
+    answered = back is not None and int(json.loads(back)["generation"]) >= generation
+    return 0 if answered else generation
+
+
+def record_change(run_dir: str, change: Change, say: Callable[[int, str], None]) -> None:
+    """Append ``change`` to the run's ``metrics.jsonl`` as one line, ``{"time", "membership"}``
+    (no ``step``: the readers of the steps pass it by). A file that cannot be written is said,
+    and the run goes on."""
+    from asyncrl.safe_files import open_append
+
+    line = {"time": change.time, "membership": msgspec.to_builtins(change)}
+    try:
+        with open_append(os.path.join(run_dir, "metrics.jsonl")) as f:
+            f.write((json.dumps(line) + "\n").encode())
+    except OSError as exc:
+        say(0, f"the change of membership is not in metrics.jsonl: {exc}")

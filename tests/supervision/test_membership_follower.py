@@ -1,0 +1,214 @@
+"""What one node's agent does as the launch's membership changes
+(``asyncrl.supervision.membership_follower``) and its heartbeat (``NodeAttempt.heartbeat``),
+driven in-process over a store kept in a dict: no torchrun, no process started."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import msgspec
+
+from asyncrl.manifest.load import parse_manifest
+from asyncrl.manifest.spec import GroupInfo
+from asyncrl.supervision import multinode
+from asyncrl.supervision.agent import NodeView
+from asyncrl.supervision.hosts import HostRecord
+from asyncrl.supervision.membership_follower import MembershipFollower, lost_generation
+from asyncrl.supervision.multinode import LaunchEnv, NodeAttempt
+from asyncrl.supervision.store_registry import LaunchKeys, NodeRecord
+
+MANIFEST = """\
+run: {name: elastic, program: "examples.hello.program:main"}
+roles:
+  splitter:
+    class: examples.hello.roles:Splitter
+    replicas: 3
+    placement: {nodes: [0, 1, 2]}
+  counter:
+    class: examples.hello.roles:Counter
+    placement: {nodes: [2, 0]}
+"""
+
+KEYS = LaunchKeys("elastic")
+
+
+class DictStore:
+    """The launch store's calls that the follower and the heartbeat make, over a dict; every
+    ``set`` is kept in ``writes``."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.writes: list[tuple[str, str]] = []
+        self.changed = asyncio.Event()
+
+    async def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+        self.writes.append((key, value))
+        self.changed.set()
+
+    async def get(self, key: str) -> str:
+        return self.values[key]
+
+    async def peek(self, key: str) -> str | None:
+        return self.values.get(key)
+
+    async def check(self, key: str) -> bool:
+        return key in self.values
+
+
+class Adopter:
+    """A supervisor that records each replica it is given to adopt."""
+
+    def __init__(self) -> None:
+        self.adopted: list[tuple[str, int]] = []
+
+    async def adopt(self, spec: Any) -> None:
+        self.adopted.append((spec.name, spec.replica))
+
+
+def _follower(store: DictStore, node: int, run_dir: str) -> MembershipFollower:
+    view = NodeView(
+        node=node,
+        agents={0: "tcp://127.0.0.1:1000", 1: "tcp://127.0.0.1:1001", 2: "tcp://127.0.0.1:1002"},
+        groups={
+            "splitter": GroupInfo(["ipc://s0", "tcp://127.0.0.1:2001", "tcp://127.0.0.1:2002"]),
+            "counter": GroupInfo(["tcp://127.0.0.1:2100"]),
+        },
+    )
+    return MembershipFollower(
+        store=store,  # type: ignore[arg-type]
+        keys=KEYS,
+        attempt=0,
+        node=node,
+        nodes=3,
+        manifest=parse_manifest(MANIFEST, nodes=3),
+        run_dir=run_dir,
+        view=view,
+        bind_host="127.0.0.1",
+        host="127.0.0.1",
+        say=lambda node, message: None,
+    )
+
+
+def _lose(store: DictStore, node: int, generation: int) -> None:
+    reason = f"the agent of node {node} sent no heartbeat for 4 s"
+    store.values[KEYS.lost(0, node)] = json.dumps({"reason": reason, "generation": generation})
+
+
+def _back(store: DictStore, node: int, generation: int, splitter: str) -> None:
+    record = NodeRecord(
+        replicas={"splitter": {node: splitter}},
+        agent="tcp://127.0.0.1:3002",
+        host=HostRecord(host="node2", weights="/run/node-2/weights", token="t"),
+    )
+    store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
+    store.values[KEYS.back(0, node)] = json.dumps({"generation": generation})
+
+
+def test_a_node_taken_as_lost_while_it_runs_is_told_to_leave(tmp_path: Any) -> None:
+    """Node 2 came back from its first loss; node 0 then marks it lost again (its beats came
+    too late): its follower says why it must leave, rather than run on unseen while its
+    splitter is out of the groups and its counter runs on node 0."""
+    store = DictStore()
+    os.makedirs(tmp_path / "node-2")
+    follower = _follower(store, 2, str(tmp_path))
+    _lose(store, 2, 1)
+    _back(store, 2, 1, "tcp://127.0.0.1:4002")
+
+    async def main() -> tuple[str, str]:
+        answered = await follower.follow(Adopter())  # type: ignore[arg-type]
+        _lose(store, 2, 2)
+        return answered, await follower.follow(Adopter())  # type: ignore[arg-type]
+
+    answered, again = asyncio.run(main())
+    assert answered == ""
+    assert again == (
+        "node 0 took this node as lost while it ran (the agent of node 2 sent no heartbeat for "
+        "4 s), and the run went on without it: its roles stop, so that none runs twice"
+    )
+
+
+def test_a_singleton_moved_at_an_earlier_loss_is_not_started_again(tmp_path: Any) -> None:
+    """Node 2 is lost (the counter moves to node 0 and starts there), comes back (its splitter
+    rejoins at its new port, the counter stays), and is lost again: node 0's follower starts
+    the counter once, not twice, and its membership says so."""
+    store = DictStore()
+    follower = _follower(store, 0, str(tmp_path))
+    supervisor = Adopter()
+
+    async def main() -> None:
+        await follower.follow(supervisor)  # type: ignore[arg-type]  # in step with the store
+        _lose(store, 2, 1)
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        assert supervisor.adopted == [("counter", 0)]
+        _back(store, 2, 1, "tcp://127.0.0.1:4002")
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        assert follower.view.groups["splitter"].endpoints[2] == "tcp://127.0.0.1:4002"
+        assert follower.view.agents[2] == "tcp://127.0.0.1:3002"
+        _lose(store, 2, 2)
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.adopted == [("counter", 0)]
+    seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
+    assert seen["lost"] == {"2": "the agent of node 2 sent no heartbeat for 4 s"}
+    assert seen["departed"] == {"splitter": {"2": 2}}
+    assert {n: {i: m["node"] for i, m in by.items()} for n, by in seen["moved"].items()} == {
+        "counter": {"0": 0}
+    }
+    assert [(c["event"], c["departed"], c["moved"]) for c in seen["changes"]] == [
+        ("node_lost", ["splitter[2]"], {"counter[0]": 0}),
+        ("node_back", [], {"splitter[2]": 2}),
+        ("node_lost", ["splitter[2]"], {}),
+    ]
+
+
+def test_a_loss_answered_by_a_return_of_the_same_generation_is_over() -> None:
+    store = DictStore()
+
+    async def generation() -> int:
+        return await lost_generation(store, KEYS, 0, 2)  # type: ignore[arg-type]
+
+    assert asyncio.run(generation()) == 0
+    _lose(store, 2, 1)
+    assert asyncio.run(generation()) == 1
+    store.values[KEYS.back(0, 2)] = json.dumps({"generation": 1})
+    assert asyncio.run(generation()) == 0
+    _lose(store, 2, 2)
+    assert asyncio.run(generation()) == 2
+
+
+def test_the_heartbeat_beats_on_its_own_while_the_agent_is_busy(monkeypatch: Any) -> None:
+    """The heartbeat is a task of its own: it beats while the rest of the agent waits on
+    something else (here an event nobody sets), so that a node starting its roles is not
+    taken as lost."""
+    monkeypatch.setattr(multinode, "HEARTBEAT_INTERVAL_S", 0.001)
+    store = DictStore()
+    env = LaunchEnv(
+        node=2, nodes=3, master_addr="127.0.0.1", master_port=1, run_id="", agent_store=True
+    )
+    attempt = NodeAttempt(
+        env,
+        store,  # type: ignore[arg-type]
+        KEYS,
+        0,
+        parse_manifest(MANIFEST, nodes=3),
+        "/nonexistent",
+    )
+
+    async def main() -> None:
+        busy = asyncio.Event()
+        async with asyncio.TaskGroup() as tasks:
+            beating = tasks.create_task(attempt.heartbeat())
+            while len(store.writes) < 3:
+                store.changed.clear()
+                await store.changed.wait()
+            assert not busy.is_set()
+            beating.cancel()
+
+    asyncio.run(main())
+    key = KEYS.heartbeat(0, 2)
+    assert store.writes[:3] == [(key, "0"), (key, "1"), (key, "2")]
