@@ -11,7 +11,8 @@ to the shared-memory store every step (the default). Three series, interleaved s
 - ``small_compiled_ms``: the same on a second learner with ``compile: true``, after its
   warm-up steps have compiled the graphs;
 - ``small_plain_ms``: a plain eager PyTorch loop in one process of its own (started like the
-  learners, one torch thread), the same work and nothing around it, timed in that process. It
+  learners, one torch thread), the same work and nothing around it (the learners' fused
+  AdamW included), timed in that process. It
   keeps glibc's allocator as a user's script has it, where a role process holds its heap
   (``asyncrl.supervision.heap``); that is worth about 1,100 page faults a step to the loop.
 
@@ -106,11 +107,16 @@ def small_batch(step: int) -> TrainBatch:
 
 class PlainStep:
     """The baseline: the same GRPO step in this process with nothing around it: pad, forward,
-    log-probs, GRPO's advantages per group, PPO's clipped loss, backward, clipping, AdamW."""
+    log-probs, GRPO's advantages per group, PPO's clipped loss, backward, clipping, AdamW (fused
+    where the device has the kernel, as the learners' ``fused_optimizer`` makes theirs)."""
 
     def __init__(self) -> None:
         self.model = build_model("", ARITH_MODEL, 0).train(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        params = list(self.model.parameters())
+        try:
+            self.opt = torch.optim.AdamW(params, lr=LR, fused=CONFIG["fused_optimizer"] or None)
+        except (RuntimeError, ValueError):  # no fused kernel here: the learners' fallback too
+            self.opt = torch.optim.AdamW(params, lr=LR)
 
     def __call__(self, batch: TrainBatch) -> None:
         samples = [s.sample for s in batch.samples]
