@@ -50,6 +50,8 @@ def test_the_small_plain_step_takes_the_eager_learners_step(
         plain = small.PlainStep()
         # The learners' fused AdamW: the same optimizer, not the slower per-tensor default.
         assert plain.opt.defaults["fused"] is True
+        assert plain.opt.defaults["weight_decay"] == 0.0  # the learner's, not torch's 0.01
+        assert learner.trainer.optimizer.defaults["weight_decay"] == 0.0
         _assert_same_weights(learner, plain.model)  # the same start
         for step in range(3):
             batch = small.small_batch(step)
@@ -67,6 +69,8 @@ def test_the_256_sample_plain_step_takes_the_learners_step(
     learner = _learner(config, tmp_path)
     try:
         plain = big.PlainStep()
+        assert plain.opt.defaults["weight_decay"] == 0.0  # the learner's, not torch's 0.01
+        assert learner.trainer.optimizer.defaults["weight_decay"] == 0.0
         _assert_same_weights(learner, plain.model)
         for step in range(2):
             samples = big.grpo_batch(256, step)

@@ -59,6 +59,7 @@ from asyncrl.roles.generation.rollout import (
 from asyncrl.roles.learning import algorithms as alg
 from asyncrl.roles.program.clients import LearnerClient
 from asyncrl.roles.training.learner import Scored, StepResult, TrainBatch, build_model, pad_batch
+from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from asyncrl.transport import LocalRegistry, run
 
@@ -108,7 +109,9 @@ class PlainStep:
 
     def __init__(self) -> None:
         self.model = build_model("", MODEL, 0).train(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        # The learner's AdamW: its default weight decay (0), not torch's (0.01).
+        decay = LearnerConfig().weight_decay
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=decay)
 
     def __call__(self, batch: list[Scored]) -> float:
         """One step on ``batch``; returns its seconds."""

@@ -55,6 +55,7 @@ from asyncrl.roles.training.learner import (
     build_model,
     pad_batch,
 )
+from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.supervision.heap import hold_heap
 from asyncrl.supervision.supervisor import Supervisor
 from asyncrl.transport import LocalRegistry, tracing
@@ -113,10 +114,13 @@ class PlainStep:
     def __init__(self) -> None:
         self.model = build_model("", ARITH_MODEL, 0).train(False)
         params = list(self.model.parameters())
+        # The learners' AdamW: their default weight decay (0), not torch's (0.01).
+        options: dict[str, Any] = {"lr": LR, "weight_decay": LearnerConfig().weight_decay}
         try:
-            self.opt = torch.optim.AdamW(params, lr=LR, fused=CONFIG["fused_optimizer"] or None)
+            fused = CONFIG["fused_optimizer"] or None
+            self.opt = torch.optim.AdamW(params, fused=fused, **options)
         except (RuntimeError, ValueError):  # no fused kernel here: the learners' fallback too
-            self.opt = torch.optim.AdamW(params, lr=LR)
+            self.opt = torch.optim.AdamW(params, **options)
 
     def __call__(self, batch: TrainBatch) -> None:
         samples = [s.sample for s in batch.samples]
