@@ -1,8 +1,9 @@
 """``asyncrl bench learner`` compares the learner with a plain PyTorch step doing the same work:
 from the same weights, steps of each on the same batches leave the same weights, up to float
-rounding (the learner computes GRPO's advantages in Python floats, the plain step in a tensor:
-AdamW turns a rounding difference in a near-zero gradient into up to a few percent of one
-update, 2e-5 at these learning rates)."""
+rounding: at 256 samples (one group) they agree to the bit; in the small case the learner
+computes GRPO's advantages of 8 groups in Python floats and the plain step in a tensor, and
+AdamW turns a rounding difference in a near-zero gradient into a few percent of one update
+(1.5e-5 after three steps at lr 5e-4)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_the_small_plain_step_takes_the_eager_learners_step(
             batch = small.small_batch(step)
             assert learner.train(batch).consumed == 64
             plain(batch)
-        _assert_same_weights(learner, plain.model, atol=0.05 * small.LR)
+        _assert_same_weights(learner, plain.model, atol=0.1 * small.LR)
     finally:
         asyncio.run(learner.teardown())
 
@@ -77,6 +78,6 @@ def test_the_256_sample_plain_step_takes_the_learners_step(
             result = learner.train(TrainBatch(samples=samples, algorithm="grpo"))
             assert result.consumed == 256
             assert plain(samples) > 0
-        _assert_same_weights(learner, plain.model, atol=0.05 * 1e-3)
+        _assert_same_weights(learner, plain.model, atol=1e-6)
     finally:
         asyncio.run(learner.teardown())
