@@ -2,11 +2,13 @@
 
 - learner step: one GRPO ``train_step`` on a fixed batch, timed from the caller's
   ``await call("train_step", batch)`` through a handle to a supervised learner process, against
-  a plain single-process PyTorch loop doing the same forward, loss, backward, clipping and AdamW
-  step on the same model and batch. Both use one torch thread and are interleaved step by step
-  (the plain step runs in the benchmark's process between the learner's steps, so both see
-  the same load); medians over ``--steps`` steps. The target is at most 10% overhead. That
-  learner does not checkpoint (``durable: false``).
+  a plain single-process PyTorch loop doing the same forward (no KV cache, as the learner's),
+  loss, backward, clipping and AdamW step on the same model and batch. Both use one torch
+  thread and are interleaved step by step (the plain step runs in the benchmark's process
+  between the learners' steps, the three series in an order that rotates with the step, so
+  every series sees the same load and none always comes first); medians over ``--steps``
+  steps. The target is at most 10% overhead. That learner does not checkpoint (``durable:
+  false``).
 - durable step: the same step on a second learner with ``durable: wal`` (the default: the
   step's batch is in the write-ahead log, fsynced, before the reply; its checkpoints in the
   background), interleaved step by step with the first, so the ratio is the price of never
@@ -57,10 +59,11 @@ from asyncrl.roles.generation.rollout import (
 from asyncrl.roles.learning import algorithms as alg
 from asyncrl.roles.program.clients import LearnerClient
 from asyncrl.roles.training.learner import Scored, StepResult, TrainBatch, build_model, pad_batch
+from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from asyncrl.transport import LocalRegistry, run
 
-__all__ = ["main", "measure", "measure_data_parallel"]
+__all__ = ["MODEL", "PlainStep", "grpo_batch", "main", "measure", "measure_data_parallel"]
 
 MODEL: dict[str, Any] = {
     "model_type": "gpt2",
@@ -75,7 +78,9 @@ MODEL: dict[str, Any] = {
 }
 
 
-def _batch(n: int, step: int) -> list[Scored]:
+def grpo_batch(n: int, step: int) -> list[Scored]:
+    """Step ``step``'s batch: ``n`` samples of one prompt id (one GRPO group), prompts of 6
+    tokens, completions of 5, rewards 0 or 1."""
     rng = random.Random(step)
     out = []
     for i in range(n):
@@ -99,12 +104,14 @@ def _batch(n: int, step: int) -> list[Scored]:
     return out
 
 
-class _PlainStep:
+class PlainStep:
     """The baseline: the same GRPO step, in this process, with nothing around it."""
 
     def __init__(self) -> None:
         self.model = build_model("", MODEL, 0).train(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        # The learner's AdamW: its default weight decay (0), not torch's (0.01).
+        decay = LearnerConfig().weight_decay
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=decay)
 
     def __call__(self, batch: list[Scored]) -> float:
         """One step on ``batch``; returns its seconds."""
@@ -112,7 +119,9 @@ class _PlainStep:
         ids, attention, positions, target = pad_batch(
             [s.sample.prompt_ids for s in batch], [s.sample.token_ids for s in batch]
         )
-        logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        logits = self.model(
+            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False
+        ).logits
         logprobs = alg.token_logprobs(logits[:, :-1].float(), ids[:, 1:])
         groups = torch.zeros(len(batch), dtype=torch.long)
         adv = alg.grpo_advantages(torch.tensor([s.reward for s in batch]), groups)
@@ -156,20 +165,26 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
     out: dict[str, Any] = {}
     try:
         # Interleaved step by step: the plain step runs in this process between the learners'
-        # steps (each waits for the one before), so every series sees the same load.
-        plain = _PlainStep()
+        # steps (each waits for the one before), so every series sees the same load; the
+        # order rotates with the step, so no series always follows the same one.
+        plain = PlainStep()
         times: dict[str, list[float]] = {"learner": [], "durable": [], "plain": []}
         for step in range(steps + 2):
-            samples = _batch(samples_per_step, step)
+            samples = grpo_batch(samples_per_step, step)
             batch = TrainBatch(samples=samples, algorithm="grpo")
-            took = {"plain": plain(samples)}
-            for name in ("learner", "durable"):
-                t0 = time.perf_counter()
-                result = await ctx.roles[name].call("train_step", batch, StepResult, timeout=300)
-                took[name] = time.perf_counter() - t0
-                assert result.consumed == samples_per_step
-            if step >= 2:  # two warm-up steps for each
-                for name, seconds in took.items():
+            order = list(times)
+            order = order[step % len(order) :] + order[: step % len(order)]
+            for name in order:
+                if name == "plain":
+                    seconds = plain(samples)
+                else:
+                    t0 = time.perf_counter()
+                    result = await ctx.roles[name].call(
+                        "train_step", batch, StepResult, timeout=300
+                    )
+                    seconds = time.perf_counter() - t0
+                    assert result.consumed == samples_per_step
+                if step >= 2:  # two warm-up steps for each
                     times[name].append(seconds)
         out["learner_step_ms"] = times["learner"]
         out["durable_step_ms"] = times["durable"]
@@ -302,7 +317,7 @@ async def _data_parallel(run_dir: str, samples_per_step: int, steps: int) -> dic
     times: dict[str, list[float]] = {name: [] for name in sizes}
     try:
         for step in range(steps + 2):
-            batch = TrainBatch(samples=_batch(samples_per_step, step), algorithm="grpo")
+            batch = TrainBatch(samples=grpo_batch(samples_per_step, step), algorithm="grpo")
             for name, series in times.items():
                 t0 = time.perf_counter()
                 result = await LearnerClient(ctx.roles[name]).train_step(batch)

@@ -11,7 +11,8 @@ to the shared-memory store every step (the default). Three series, interleaved s
 - ``small_compiled_ms``: the same on a second learner with ``compile: true``, after its
   warm-up steps have compiled the graphs;
 - ``small_plain_ms``: a plain eager PyTorch loop in one process of its own (started like the
-  learners, one torch thread), the same work and nothing around it, timed in that process. It
+  learners, one torch thread), the same work and nothing around it (the learners' fused
+  AdamW included), timed in that process. It
   keeps glibc's allocator as a user's script has it, where a role process holds its heap
   (``asyncrl.supervision.heap``); that is worth about 1,100 page faults a step to the loop.
 
@@ -54,6 +55,7 @@ from asyncrl.roles.training.learner import (
     build_model,
     pad_batch,
 )
+from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.supervision.heap import hold_heap
 from asyncrl.supervision.supervisor import Supervisor
 from asyncrl.transport import LocalRegistry, tracing
@@ -106,11 +108,19 @@ def small_batch(step: int) -> TrainBatch:
 
 class PlainStep:
     """The baseline: the same GRPO step in this process with nothing around it: pad, forward,
-    log-probs, GRPO's advantages per group, PPO's clipped loss, backward, clipping, AdamW."""
+    log-probs, GRPO's advantages per group, PPO's clipped loss, backward, clipping, AdamW (fused
+    where the device has the kernel, as the learners' ``fused_optimizer`` makes theirs)."""
 
     def __init__(self) -> None:
         self.model = build_model("", ARITH_MODEL, 0).train(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        params = list(self.model.parameters())
+        # The learners' AdamW: their default weight decay (0), not torch's (0.01).
+        options: dict[str, Any] = {"lr": LR, "weight_decay": LearnerConfig().weight_decay}
+        try:
+            fused = CONFIG["fused_optimizer"] or None
+            self.opt = torch.optim.AdamW(params, fused=fused, **options)
+        except (RuntimeError, ValueError):  # no fused kernel here: the learners' fallback too
+            self.opt = torch.optim.AdamW(params, **options)
 
     def __call__(self, batch: TrainBatch) -> None:
         samples = [s.sample for s in batch.samples]

@@ -485,14 +485,13 @@ class Learner(Role):
 
         # BC on a few demonstrations memorises them unless dropout is on (``bc_dropout``); RL
         # steps keep it as ``dropout`` says, so their log-probs are the sampler's.
-        model = self.trainer.model
-        model.train(cfg.dropout or (cfg.bc_dropout and not objective.algorithm.rl))
+        self.trainer.set_dropout(cfg.dropout or (cfg.bc_dropout and not objective.algorithm.rl))
         try:
             steps = self.trainer.train_epochs(
                 len(fresh), epochs=epochs, parts=parts, step=self.step, run=mini_batch
             )
         finally:
-            model.train(cfg.dropout)
+            self.trainer.set_dropout(cfg.dropout)
         zeros = zero_rows.zero_advantage_metric(objective, advantages, cfg.skip_zero_advantage)
         return {**mean_over_steps(steps), "optimizer_steps": float(len(steps)), **zeros}
 

@@ -252,12 +252,12 @@ class Trainer:
     def logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Each sample's completion log-probs under the current weights, in eval mode and
         without gradients (one pass: no micro-batching, no group)."""
-        self.model.eval()
+        self.set_dropout(False)
         try:
             with torch.no_grad():
                 logprobs, _, _ = self.forward(samples)
         finally:
-            self.model.train(self.settings.dropout)
+            self.set_dropout(self.settings.dropout)
         out = []
         for i, s in enumerate(samples):
             n = len(s.token_ids)
@@ -295,6 +295,14 @@ class Trainer:
             sh.keep_pace(self.model, samples, self.dp, self.settings, done, backward=backward)
 
     # -- training -----------------------------------------------------------------------------
+
+    def set_dropout(self, on: bool) -> None:
+        """Run the next passes with the model's dropout ``on`` or off (its train or eval mode).
+        Modes are set on the whole model, so its root's flag says which it is in, and a mode it
+        is already in is left as it is: ``Module.train`` visits every module (a Hugging Face
+        model's does more), about a millisecond of a small step each time."""
+        if self.model.training != on:
+            self.model.train(on)
 
     def set_peak_lr(self, lr: float) -> None:
         """A new peak learning rate: the schedule scales it from now on, and the next step

@@ -211,3 +211,29 @@ def test_one_whole_state_loads_through_load_states() -> None:
         trainer.model.state_dict().items(), other.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), k
+
+
+def test_set_dropout_sets_the_whole_models_mode_and_leaves_a_mode_it_is_in_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer = make()
+    assert not any(m.training for m in trainer.model.modules())  # settings.dropout is off
+    walks: list[bool] = []
+    train = trainer.model.train
+
+    def counted(mode: bool = True) -> Any:
+        walks.append(mode)
+        return train(mode)
+
+    monkeypatch.setattr(trainer.model, "train", counted)
+    trainer.set_dropout(False)
+    assert walks == []  # already off: no module visited
+    trainer.set_dropout(True)
+    assert walks == [True]
+    assert all(m.training for m in trainer.model.modules())
+    trainer.set_dropout(True)
+    assert walks == [True]
+    # Log-probs are computed in eval mode, then the settings' mode (off) is put back.
+    trainer.logprobs([s.sample for s in demos()])
+    assert walks == [True, False]
+    assert not any(m.training for m in trainer.model.modules())
