@@ -7,14 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 from typing import Any
 
 import msgspec
 
 from asyncrl.manifest.load import parse_manifest
 from asyncrl.manifest.spec import GroupInfo
+from asyncrl.observe.status import AgentStatus, ask
 from asyncrl.supervision import multinode
-from asyncrl.supervision.agent import NodeView
+from asyncrl.supervision.agent import NodeView, status_server
 from asyncrl.supervision.hosts import HostRecord
 from asyncrl.supervision.membership_follower import MembershipFollower, lost_generation
 from asyncrl.supervision.multinode import LaunchEnv, NodeAttempt
@@ -98,10 +100,16 @@ def _lose(store: DictStore, node: int, generation: int) -> None:
     store.values[KEYS.lost(0, node)] = json.dumps({"reason": reason, "generation": generation})
 
 
-def _back(store: DictStore, node: int, generation: int, splitter: str) -> None:
+def _back(
+    store: DictStore,
+    node: int,
+    generation: int,
+    splitter: str,
+    agent: str = "tcp://127.0.0.1:3002",
+) -> None:
     record = NodeRecord(
         replicas={"splitter": {node: splitter}},
-        agent="tcp://127.0.0.1:3002",
+        agent=agent,
         host=HostRecord(host="node2", weights="/run/node-2/weights", token="t"),
     )
     store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
@@ -212,3 +220,82 @@ def test_the_heartbeat_beats_on_its_own_while_the_agent_is_busy(monkeypatch: Any
     asyncio.run(main())
     key = KEYS.heartbeat(0, 2)
     assert store.writes[:3] == [(key, "0"), (key, "1"), (key, "2")]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rows(node: int) -> list[dict[str, Any]]:
+    """The one process a node's supervisor reports: its splitter replica, not serving yet."""
+    return [
+        {
+            "role": "splitter",
+            "replica": node,
+            "kind": "role",
+            "incarnation": 0,
+            "pid": 1000 + node,
+            "alive": True,
+            "serving": False,
+            "standby_pid": None,
+            "restarts": 0,
+            "heartbeat_age_s": 0.1,
+        }
+    ]
+
+
+def test_status_asks_a_returned_node_at_its_new_agent(tmp_path: Any) -> None:
+    """Node 2 is lost (``asyncrl status`` on node 0 lists it lost), then its torchrun starts
+    again with a new agent on another port: the follower writes that endpoint into the view,
+    and node 0's status server, built on the same view, asks the new agent and shows node 2
+    back with its processes, not an error from the dead agent's old port."""
+    store = DictStore()
+    run_dir = str(tmp_path)
+    follower = _follower(store, 0, run_dir)
+    agents = {n: f"tcp://127.0.0.1:{_port()}" for n in (0, 1, 2)}
+    follower.view.agents.update(agents)
+    returned = f"tcp://127.0.0.1:{_port()}"
+    manifest = parse_manifest(MANIFEST, nodes=3)
+    node_0 = status_server(lambda: _rows(0), manifest, run_dir, follower.view, log=None)
+    node_0.timeout_s = 0.5  # node 0 has no driver here: it answers with the error at once
+    node_1 = AgentStatus(
+        lambda: _rows(1), run="elastic", run_dir=str(tmp_path / "node-1"), node=1, tcp=agents[1]
+    )
+    node_2 = AgentStatus(
+        lambda: _rows(2), run="elastic", run_dir=str(tmp_path / "node-2"), node=2, tcp=returned
+    )
+    supervisor = Adopter()
+
+    def seen(answer: dict[str, Any]) -> list[tuple[int, str]]:
+        return [
+            (n["node"], n.get("lost") or n.get("error") or f"pid {n['processes'][0]['pid']}")
+            for n in answer["nodes"]
+        ]
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        await node_0.start()
+        await node_1.start()
+        try:
+            _lose(store, 2, 1)
+            await follower.follow(supervisor)  # type: ignore[arg-type]
+            while_lost = await ask(run_dir, 0.5)
+            await node_2.start()
+            _back(store, 2, 1, "tcp://127.0.0.1:4002", agent=returned)
+            await follower.follow(supervisor)  # type: ignore[arg-type]
+            return while_lost, await ask(run_dir, 0.5)
+        finally:
+            for agent in (node_0, node_1, node_2):
+                await agent.close()
+
+    while_lost, after = asyncio.run(main())
+    assert follower.view.agents[2] == returned
+    assert seen(while_lost) == [
+        (0, "pid 1000"),
+        (1, "pid 1001"),
+        (2, "the agent of node 2 sent no heartbeat for 4 s"),
+    ]
+    assert seen(after) == [(0, "pid 1000"), (1, "pid 1001"), (2, "pid 1002")]
+    assert [c["event"] for c in after["membership"]["changes"]] == ["node_lost", "node_back"]
