@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.manifest.load import parse_manifest
+from asyncrl.manifest.membership import Moved
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.observe.status import AgentStatus, ask
 from asyncrl.supervision import multinode
@@ -33,6 +34,9 @@ roles:
     class: examples.hello.roles:Counter
     placement: {nodes: [2, 0]}
 """
+
+CHAIN = MANIFEST.replace("placement: {nodes: [2, 0]}", "placement: {nodes: [2, 1, 0]}")
+"""The counter's candidates are nodes 2, 1 and 0: lost with node 2, it moves to node 1."""
 
 KEYS = LaunchKeys("elastic")
 
@@ -71,7 +75,9 @@ class Adopter:
         self.adopted.append((spec.name, spec.replica))
 
 
-def _follower(store: DictStore, node: int, run_dir: str) -> MembershipFollower:
+def _follower(
+    store: DictStore, node: int, run_dir: str, manifest: str = MANIFEST
+) -> MembershipFollower:
     view = NodeView(
         node=node,
         agents={0: "tcp://127.0.0.1:1000", 1: "tcp://127.0.0.1:1001", 2: "tcp://127.0.0.1:1002"},
@@ -86,7 +92,7 @@ def _follower(store: DictStore, node: int, run_dir: str) -> MembershipFollower:
         attempt=0,
         node=node,
         nodes=3,
-        manifest=parse_manifest(MANIFEST, nodes=3),
+        manifest=parse_manifest(manifest, nodes=3),
         run_dir=run_dir,
         view=view,
         bind_host="127.0.0.1",
@@ -172,6 +178,84 @@ def test_a_singleton_moved_at_an_earlier_loss_is_not_started_again(tmp_path: Any
         ("node_back", [], {"splitter[2]": 2}),
         ("node_lost", ["splitter[2]"], {}),
     ]
+
+
+def _moved(store: DictStore, node: int, endpoint: str, loss: list[int]) -> None:
+    """The counter's new node publishes where it runs, with the loss that moved it there."""
+    said = {"node": node, "endpoint": endpoint, "lost": loss}
+    store.values[KEYS.moved(0, "counter", 0)] = json.dumps(said)
+
+
+def _moves(follower: MembershipFollower) -> list[tuple[str, int, list[str], dict[str, int]]]:
+    with open(os.path.join(follower.dir, "membership.json"), "rb") as f:
+        seen = msgspec.json.decode(f.read())
+    return [(c["event"], c["node"], c["departed"], c["moved"]) for c in seen["changes"]]
+
+
+def test_a_singleton_moved_onto_a_node_moves_on_when_that_node_is_lost(tmp_path: Any) -> None:
+    """Node 2 is lost: the counter moves to node 1. Node 2 comes back (the counter stays on
+    node 1), then node 1 is lost: the counter runs there now, so it moves again, to its first
+    candidate not lost, node 2. Node 0 reaches it at node 2's new address once node 2
+    publishes it, never at node 1's dead one, which the store still holds meanwhile."""
+    store = DictStore()
+    follower = _follower(store, 0, str(tmp_path), CHAIN)
+    supervisor = Adopter()
+
+    async def follow() -> None:
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await follow()
+        _lose(store, 2, 1)
+        await follow()
+        _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
+        await follow()
+        _back(store, 2, 1, "tcp://127.0.0.1:4002")
+        await follow()
+        _lose(store, 1, 1)
+        await follow()
+        assert follower.membership.moved["counter"][0].endpoint == "tcp://127.0.0.1:5001"
+        assert follower.view.groups["counter"].endpoints == ["tcp://127.0.0.1:5001"]
+        _moved(store, 2, "tcp://127.0.0.1:5002", [1, 1])
+        await follow()
+
+    asyncio.run(main())
+    assert supervisor.adopted == []  # node 1, then node 2 starts it
+    assert follower.membership.moved["counter"][0] == Moved(2, "tcp://127.0.0.1:5002")
+    assert follower.view.groups["counter"].endpoints == ["tcp://127.0.0.1:5002"]
+    assert _moves(follower) == [
+        ("node_lost", 2, ["splitter[2]"], {"counter[0]": 1}),
+        ("node_back", 2, [], {"splitter[2]": 2}),
+        ("node_lost", 1, ["splitter[1]"], {"counter[0]": 2}),
+    ]
+
+
+def test_a_returned_node_starts_a_singleton_that_moves_on_to_it(tmp_path: Any) -> None:
+    """Node 2 came back while the counter, moved away from it at its loss, runs on node 1:
+    its new agent's follower learns that from the store, and when node 1 is lost it starts
+    the counter (its home's folder, a fresh tcp port) and publishes it with that loss."""
+    store = DictStore()
+    os.makedirs(tmp_path / "node-2")
+    _lose(store, 2, 1)
+    _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
+    _back(store, 2, 1, "tcp://127.0.0.1:4002")
+    follower = _follower(store, 2, str(tmp_path), CHAIN)
+    supervisor = Adopter()
+
+    async def main() -> None:
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert supervisor.adopted == []
+        _lose(store, 1, 1)
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.adopted == [("counter", 0)]
+    published = json.loads(store.values[KEYS.moved(0, "counter", 0)])
+    assert (published["node"], published["lost"]) == (2, [1, 1])
+    assert published["endpoint"].startswith("tcp://127.0.0.1:")
+    assert follower.membership.moved["counter"][0].node == 2
+    assert _moves(follower) == [("node_lost", 1, ["splitter[1]"], {"counter[0]": 2})]
 
 
 def test_a_loss_answered_by_a_return_of_the_same_generation_is_over() -> None:
