@@ -1,12 +1,15 @@
 """Which node runs which replica once nodes of a launch are lost for good: the run's membership.
 
 A launch over several nodes (``asyncrl.supervision.multinode``) keeps running when a node other
-than the store's host (node 0) is lost. ``plan`` says, from the manifest alone, what becomes of
-each replica that was on a lost node, so every node reaches the same answer without asking:
+than the store's host (node 0) is lost. ``plan`` says, from the manifest and from where the
+replicas that moved at earlier losses run now, what becomes of each replica that runs on a lost
+node, so every node reaches the same answer without asking:
 
 - a role with one replica (a reward, a prompt source, a reference, a relay) *moves* to the first
   node of its ``placement.nodes`` that is not lost (the candidates, in order), and starts there
-  again from its durable state, which lives in its home node's folder of the run directory;
+  again from its durable state, which lives in its home node's folder of the run directory. One
+  that moved at an earlier loss runs where it went: when that node is lost in turn, it moves
+  again, to the first candidate not lost then;
 - a replica of a role with several (rollouts, environments) *departs*: it leaves its group, and
   the calls it held run again on the others under their delivery class;
 - a role whose replicas span nodes as one ``one_for_all`` unit (a ``torch.distributed`` group:
@@ -20,6 +23,7 @@ run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -109,8 +113,19 @@ class Plan:
     blocked: list[str] = field(default_factory=list)
 
 
-def plan(manifest: Manifest, lost: set[int]) -> Plan:
-    """What becomes of every replica placed on a node of ``lost`` (see the module's docstring).
+def plan(
+    manifest: Manifest, lost: set[int], runs_on: Mapping[tuple[str, int], int] | None = None
+) -> Plan:
+    """What becomes of every replica that runs on a node of ``lost`` (see the module's
+    docstring).
+
+    Args:
+        manifest: the run's manifest; a replica runs where its placement puts it unless
+            ``runs_on`` says otherwise.
+        lost: the nodes lost for good and not back.
+        runs_on: (role, replica) -> the node it runs on now, for each replica that runs
+            elsewhere than its placement (it moved at an earlier loss: the run's current
+            membership); None: every replica runs where its placement puts it.
 
     Node 0 runs the driver and the store: with node 0 in ``lost`` the plan is blocked.
     """
@@ -118,8 +133,9 @@ def plan(manifest: Manifest, lost: set[int]) -> Plan:
     if 0 in lost:
         out.blocked.append("node 0 (the store's host, which runs the driver) was lost")
         return out
+    now = runs_on or {}
     for name, role in manifest.roles.items():
-        where = [role.placement.node_of(i) for i in range(role.replicas)]
+        where = [now.get((name, i), role.placement.node_of(i)) for i in range(role.replicas)]
         gone = [i for i, node in enumerate(where) if node in lost]
         if not gone:
             continue

@@ -23,7 +23,10 @@ agent answers with:
   Each agent also binds its status endpoint on a tcp port, published in the launch's store next to
   the replicas' endpoints (Curve applies as to every tcp socket of the launch), and asks the others
   over it; so ``asyncrl status`` on any node, given RUN_DIR or RUN_DIR/node-R, shows the whole
-  run. A node that does not answer is listed with the error.
+  run. A node that does not answer is listed with the error. The agent reads the other
+  agents' endpoints anew at each question (``peers`` is the node's live map, which its
+  membership follower updates): a lost node whose torchrun started again is asked at its new
+  agent's endpoint, and shown back.
 
 When no agent answers, the run is not running: the command says so, names the endpoint it
 tried and the run's last report (``RUN_DIR/report.json``), and exits 1.
@@ -39,7 +42,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncrl.errors import AsyncrlError
@@ -91,7 +94,10 @@ class AgentStatus:
         node: this node's index (0 on one machine).
         driver: the driver's endpoint, on node 0; "" elsewhere.
         tcp: the tcp endpoint this agent also binds (a launch over several nodes), or "".
-        peers: the tcp status endpoint of every other node's agent, by node.
+        peers: the tcp status endpoint of every node's agent, by node (this node's own entry
+            is passed by). It is read at each question, never copied: the launch updates it
+            (``asyncrl.supervision.membership_follower``) when a lost node comes back with a
+            new agent, and the question after asks that agent.
         timeout_s: seconds the driver and each other agent have to answer.
         curve: the Curve keys of the tcp endpoint and of the clients to the other agents
             (``asyncrl.transport.CurveKeys``), or None: the process's default.
@@ -110,7 +116,7 @@ class AgentStatus:
         node: int = 0,
         driver: str = "",
         tcp: str = "",
-        peers: dict[int, str] | None = None,
+        peers: Mapping[int, str] | None = None,
         timeout_s: float = ASK_TIMEOUT_S,
         curve: Any = None,
         replicas: dict[tuple[str, int], str] | None = None,
@@ -122,7 +128,7 @@ class AgentStatus:
         self.node = node
         self.driver = driver
         self.tcp = tcp
-        self.peers = dict(peers or {})
+        self.peers: Mapping[int, str] = peers if peers is not None else {}
         self.timeout_s = timeout_s
         self.curve = curve
         self.replicas = dict(replicas or {})
@@ -130,6 +136,7 @@ class AgentStatus:
         self.endpoint = agent_endpoint(run_dir)
         self._servers: list[Server] = []
         self._clients: dict[str, Client] = {}
+        self._asked: dict[int, str] = {}  # the endpoint each other agent was last asked at
 
     async def start(self) -> None:
         """Bind the ipc endpoint (and the tcp one, if any) and answer ``status``, the whole
@@ -164,7 +171,8 @@ class AgentStatus:
     async def _status(self, _payload: Any, _call: Any) -> dict[str, Any]:
         membership = self.membership()
         lost = {int(n): why for n, why in membership.get("lost", {}).items()}
-        peers = {n: ep for n, ep in self.peers.items() if n not in lost}
+        peers = {n: ep for n, ep in self.peers.items() if n != self.node and n not in lost}
+        await self._forget(peers)
         nodes = await asyncio.gather(
             self.node_status(),
             # Another node's agent may itself wait timeout_s for its driver.
@@ -177,6 +185,16 @@ class AgentStatus:
         if membership:
             answer["membership"] = membership
         return answer
+
+    async def _forget(self, peers: dict[int, str]) -> None:
+        """Close the client of every agent endpoint that ``peers`` replaced (the agent of a
+        node that came back listens elsewhere now); the ones asked now are remembered."""
+        for node, endpoint in list(self._asked.items()):
+            if peers.get(node, endpoint) != endpoint:
+                client = self._clients.pop(endpoint, None)
+                if client is not None:
+                    await client.close()
+        self._asked.update(peers)
 
     def membership(self) -> dict[str, Any]:
         """The run's membership as this node's agent last wrote it (``membership.json``: lost

@@ -55,6 +55,7 @@ __all__ = [
     "build_children",
     "install_secret",
     "run_manifest",
+    "status_server",
     "summary",
 ]
 
@@ -534,7 +535,7 @@ async def _serve_status(
     """Serve the agent's status endpoint (``asyncrl status``) until cancelled; the inbox of
     every Python role replica among ``children`` is asked its own ``_status``. One that cannot
     be bound is logged, and the run goes on without it."""
-    status = _status_server(supervisor, manifest, run_dir, view or NodeView(), log)
+    status = status_server(supervisor.status, manifest, run_dir, view or NodeView(), log)
     status.replicas = {(c.name, c.replica): c.endpoint for c in children if c.kind == "role"}
     try:
         await status.start()
@@ -545,12 +546,19 @@ async def _serve_status(
         await status.close()
 
 
-def _status_server(
-    supervisor: Supervisor, manifest: Manifest, run_dir: str, view: NodeView, log: Any
+def status_server(
+    processes: Callable[[], list[dict[str, Any]]],
+    manifest: Manifest,
+    run_dir: str,
+    view: NodeView,
+    log: Any,
 ) -> AgentStatus:
-    """The agent's status endpoint: ipc in its run directory; in a launch over several nodes,
-    also tcp, asking the other nodes' agents (with the launch's Curve keys; keys that do not
-    load leave only the ipc endpoint, answering for this node)."""
+    """The agent's status endpoint (not started), answering with ``processes`` (its
+    supervisor's ``status``): ipc in its run directory; in a launch over several nodes, also
+    tcp, asking the other nodes' agents (with the launch's Curve keys; keys that do not load
+    leave only the ipc endpoint, answering for this node). It asks them at ``view.agents``
+    itself, not a copy, so that a lost node that comes back is asked at its new agent's
+    endpoint, which the membership follower writes there."""
     tcp, curve = view.bind_endpoint("", view.node), None
     keys = view.curve_keys or manifest.security.curve_keys
     if tcp and keys:
@@ -560,13 +568,13 @@ def _status_server(
             log.error("status over tcp is off: the Curve keys do not load", error=str(exc))
             tcp = ""
     return AgentStatus(
-        supervisor.status,
+        processes,
         run=manifest.run.name,
         run_dir=run_dir,
         node=view.node,
         driver=LocalRegistry(run_dir).endpoint("driver", 0) if view.node == 0 else "",
         tcp=tcp,
-        peers={n: ep for n, ep in view.agents.items() if n != view.node and tcp},
+        peers=view.agents if tcp else {},
         curve=curve,
     )
 

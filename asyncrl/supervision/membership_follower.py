@@ -7,11 +7,12 @@ attempt and marks itself back (``back/<node>``, with the generation it answers).
 agent runs one ``MembershipFollower``, which looks at the store once a heartbeat (``follow``)
 and applies what changed:
 
-- **a node lost:** its replicas depart or move as ``asyncrl.manifest.membership.plan`` says. A
+- **a node lost:** the replicas that run on it now depart or move as
+  ``asyncrl.manifest.membership.plan`` says, given where the replicas that moved run now. A
   replica that moves to this node is started here, from its home node's folder of the run
-  directory, on a fresh tcp port that it publishes (``moved/<role>/<replica>``); a replica that
-  already runs where the plan puts it (it moved there at an earlier loss of the node and stayed
-  when the node came back) is not started a second time;
+  directory, on a fresh tcp port that it publishes (``moved/<role>/<replica>``, with the loss it
+  answers); a replica that moved away from the node at an earlier loss, and stayed when the node
+  came back, is not started a second time; one that moved onto the node moves again;
 - **a node back:** its replicas that departed are back in their groups, at the endpoints it
   published anew; what moved away while it was lost stays where it went;
 - **this node taken as lost while it runs** (its heartbeats reached node 0 too late): ``follow``
@@ -83,7 +84,9 @@ class MembershipFollower:
         self.bind_host, self.host, self.say = bind_host, host, say
         self.lost: dict[int, str] = {}
         self.membership = Membership(attempt=attempt, nodes=nodes)
-        self.moving: dict[tuple[str, int], int] = {}  # moved, its endpoint not yet known here
+        # Moved, its endpoint not yet known here: the node it moves to, and the loss (node,
+        # generation) that moved it; None for a loss from before this agent started.
+        self.moving: dict[tuple[str, int], tuple[int, tuple[int, int] | None]] = {}
         self.synced = False  # the losses before this agent started are known
 
     @property
@@ -118,6 +121,8 @@ class MembershipFollower:
                 "went on without it: its roles stop, so that none runs twice"
             )
         changed = False
+        if not self.synced:
+            changed = await self._learn_moves()
         for peer in range(1, self.membership.nodes):
             if peer == self.node:
                 continue
@@ -125,17 +130,23 @@ class MembershipFollower:
             if lost and peer not in self.lost:
                 said = json.loads(await store.get(keys.lost(attempt, peer)))
                 # A node that joins again learns the losses before it; what moved then runs.
-                await self._lose(supervisor, peer, said["reason"], adopt=self.synced)
+                loss = (peer, lost) if self.synced else None
+                await self._lose(supervisor, peer, said["reason"], loss)
                 changed = True
             elif not lost and peer in self.lost:
                 await self._back(peer)
                 changed = True
         self.synced = True
-        for (name, replica), node in list(self.moving.items()):
+        for (name, replica), (node, loss) in list(self.moving.items()):
             said = await store.peek(keys.moved(attempt, name, replica))
             if said is None:
                 continue
-            endpoint = json.loads(said)["endpoint"]
+            published = json.loads(said)
+            if loss is None:
+                node = int(published["node"])
+            elif published.get("lost") != list(loss):
+                continue  # where it ran before this loss moved it again
+            endpoint = published["endpoint"]
             if node == self.node:
                 endpoint = self.view.groups[name].endpoints[replica]
             self._reach(name, replica, endpoint)
@@ -145,6 +156,24 @@ class MembershipFollower:
         if changed:
             self._write()
         return ""
+
+    async def _learn_moves(self) -> bool:
+        """A node that joins the running attempt again learns where the replicas that moved
+        run now (``moved/<role>/<replica>``), so that a later loss of their node moves them on;
+        one published on this node ran here before it was lost, and runs here no more. Returns
+        whether any was learned."""
+        learned = False
+        for name, role in self.manifest.roles.items():
+            if role.replicas != 1:
+                continue  # only a role with one replica moves
+            said = await self.store.peek(self.keys.moved(self.attempt, name, 0))
+            if said is None or int(json.loads(said)["node"]) == self.node:
+                continue
+            published = json.loads(said)
+            moved = Moved(int(published["node"]), published["endpoint"])
+            self.membership.moved.setdefault(name, {})[0] = moved
+            learned = True
+        return learned
 
     async def _back(self, node: int) -> None:
         """Lost node ``node`` joined the run again: its replicas that departed are back, at
@@ -177,31 +206,37 @@ class MembershipFollower:
         self.say(self.node, f"node {node} is back: {what} back in the run")
 
     async def _lose(
-        self, supervisor: Supervisor, node: int, reason: str, *, adopt: bool = True
+        self, supervisor: Supervisor, node: int, reason: str, loss: tuple[int, int] | None
     ) -> None:
-        """Node ``node`` is lost for good: its replicas depart or move as ``plan`` says; those
-        that move here are started now (unless ``adopt`` is false: this node learns of a loss
-        from before it joined, and what moved then runs already)."""
+        """Node ``node`` is lost for good: the replicas that run on it now depart or move as
+        ``plan`` says; those that move here are started now. ``loss`` is (``node``, the
+        generation of its loss); None: this node learns of a loss from before it joined, and
+        what moved then runs already."""
         self.lost[node] = reason
-        before = plan(self.manifest, set(self.lost) - {node})
-        now = plan(self.manifest, set(self.lost))
-        departed = {k: n for k, n in now.departed.items() if k not in before.departed}
-        # A replica that already runs where the plan puts it (it moved there at an earlier loss
-        # of this node, and stayed when the node came back) is not started a second time.
-        moved = {
-            (name, i): n
-            for (name, i), n in now.moved.items()
-            if before.moved.get((name, i)) != n and self._runs_on(name, i) != n
+        # Where the replicas that moved run now: one that moved away from a node and stayed
+        # there when the node came back is out of this loss; one that moved onto it moves on.
+        runs_on = {
+            (name, i): where.node
+            for name, by_index in self.membership.moved.items()
+            for i, where in by_index.items()
         }
+        runs_on |= {key: there for key, (there, _) in self.moving.items()}
+        now = plan(self.manifest, set(self.lost), runs_on)
+        departed = {
+            (name, i): n
+            for (name, i), n in now.departed.items()
+            if i not in self.membership.departed.get(name, {})
+        }
+        moved = now.moved
         for (name, replica), lost_on in departed.items():
             self.membership.departed.setdefault(name, {})[replica] = lost_on
             self.membership.moved.get(name, {}).pop(replica, None)
             if not self.membership.moved.get(name, True):
                 del self.membership.moved[name]
         for (name, replica), there in moved.items():
-            self.moving[(name, replica)] = there
-            if there == self.node and adopt:
-                await self._adopt(supervisor, name, replica)
+            self.moving[(name, replica)] = (there, loss)
+            if there == self.node and loss is not None:
+                await self._adopt(supervisor, name, replica, loss)
         self.membership.lost[node] = reason
         change = Change(
             time=time.time(),
@@ -223,15 +258,12 @@ class MembershipFollower:
             ),
         )
 
-    def _runs_on(self, name: str, replica: int) -> int | None:
-        """The node a replica that moved (or came back) runs on now; None for one that never
-        moved."""
-        where = self.membership.moved.get(name, {}).get(replica)
-        return None if where is None else where.node
-
-    async def _adopt(self, supervisor: Supervisor, name: str, replica: int) -> None:
+    async def _adopt(
+        self, supervisor: Supervisor, name: str, replica: int, loss: tuple[int, int]
+    ) -> None:
         """Start ``name``'s ``replica`` on this node, from its home node's folder, on a fresh
-        tcp port, which it publishes for the other nodes."""
+        tcp port, which it publishes for the other nodes with the ``loss`` that moved it (so
+        that none takes the address it had before for the new one)."""
         (port,) = free_ports(self.bind_host, 1)
         published = f"tcp://{self.host}:{port}"
         home = node_dir(self.run_dir, self.manifest.roles[name].placement.node_of(replica))
@@ -240,7 +272,7 @@ class MembershipFollower:
         )
         self._reach(name, replica, child.endpoint)
         await supervisor.adopt(child)
-        said = json.dumps({"node": self.node, "endpoint": published})
+        said = json.dumps({"node": self.node, "endpoint": published, "lost": list(loss)})
         await self.store.set(self.keys.moved(self.attempt, name, replica), said)
 
     def _reach(self, name: str, replica: int, endpoint: str) -> None:

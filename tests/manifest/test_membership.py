@@ -63,3 +63,20 @@ def test_a_group_that_cannot_survive_a_node_is_warned_of_at_load_with_the_fix() 
     on_0 = MANIFEST.replace("placement: {nodes: [0, 1]}", "placement: {node: 0}")
     alone = parse_manifest(on_0, nodes=3)
     assert node_loss_warnings(alone, 3) == []
+
+
+def test_a_singleton_goes_by_where_it_runs_now_not_by_its_placement() -> None:
+    """The reward moved to node 1 at node 2's loss, and node 2 came back: losing node 1 moves
+    it again, to its first candidate not lost (node 2, then node 0 with both lost); losing
+    node 2 again leaves it where it runs."""
+    without_group = MANIFEST.split("  learner:")[0]
+    manifest = parse_manifest(without_group, nodes=3)
+    on_1 = {("reward", 0): 1}
+    one = plan(manifest, {1}, on_1)
+    assert one.moved == {("reward", 0): 2}
+    assert one.departed == {("rollout", 1): 1}
+    assert plan(manifest, {1, 2}, on_1).moved == {("reward", 0): 0}
+    two = plan(manifest, {2}, on_1)
+    assert two.moved == {}
+    assert two.departed == {("rollout", 2): 2, ("relay", 0): 2}
+    assert plan(manifest, {1}).moved == {}  # by its placement alone it is on node 2

@@ -323,3 +323,39 @@ def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.Monkey
     )
     monkeypatch.setattr(metrics, "_latest", {"step": 7, "pipeline": {"batches": 3}})
     assert "episodes" not in driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]
+
+
+@sync
+async def test_a_node_whose_agent_moved_is_asked_at_its_new_endpoint(tmp_path: Any) -> None:
+    """The peers are read at each question: node 1's agent restarts on another port, the map
+    is updated (as the membership follower does), and the next question reaches it there; the
+    client of the old endpoint is closed, not kept reconnecting to a dead port."""
+    old, new = (f"tcp://127.0.0.1:{_port()}" for _ in range(2))
+    peers = {1: old}
+    node_0 = AgentStatus(lambda: [], run="r", run_dir=str(tmp_path), peers=peers, timeout_s=0.5)
+
+    def node_1(tcp: str) -> AgentStatus:
+        rows = [{**PROCESSES[0], "replica": 1}]
+        return AgentStatus(lambda: rows, run="r", run_dir=str(tmp_path / "node-1"), node=1, tcp=tcp)
+
+    await node_0.start()
+    first = node_1(old)
+    await first.start()
+    try:
+        before = await ask(str(tmp_path))
+        await first.close()
+        peers[1] = new
+        second = node_1(new)
+        await second.start()
+        try:
+            after = await ask(str(tmp_path))
+            assert list(node_0._clients) == [new]  # the old endpoint's client was closed
+        finally:
+            await second.close()
+    finally:
+        await node_0.close()
+    for answer in (before, after):
+        assert [(n["node"], [p["replica"] for p in n["processes"]]) for n in answer["nodes"]] == [
+            (0, []),
+            (1, [1]),
+        ]

@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 from typing import Any
 
 import msgspec
 
 from asyncrl.manifest.load import parse_manifest
+from asyncrl.manifest.membership import Moved
 from asyncrl.manifest.spec import GroupInfo
+from asyncrl.observe.status import AgentStatus, ask
 from asyncrl.supervision import multinode
-from asyncrl.supervision.agent import NodeView
+from asyncrl.supervision.agent import NodeView, status_server
 from asyncrl.supervision.hosts import HostRecord
 from asyncrl.supervision.membership_follower import MembershipFollower, lost_generation
 from asyncrl.supervision.multinode import LaunchEnv, NodeAttempt
@@ -31,6 +34,9 @@ roles:
     class: examples.hello.roles:Counter
     placement: {nodes: [2, 0]}
 """
+
+CHAIN = MANIFEST.replace("placement: {nodes: [2, 0]}", "placement: {nodes: [2, 1, 0]}")
+"""The counter's candidates are nodes 2, 1 and 0: lost with node 2, it moves to node 1."""
 
 KEYS = LaunchKeys("elastic")
 
@@ -69,7 +75,9 @@ class Adopter:
         self.adopted.append((spec.name, spec.replica))
 
 
-def _follower(store: DictStore, node: int, run_dir: str) -> MembershipFollower:
+def _follower(
+    store: DictStore, node: int, run_dir: str, manifest: str = MANIFEST
+) -> MembershipFollower:
     view = NodeView(
         node=node,
         agents={0: "tcp://127.0.0.1:1000", 1: "tcp://127.0.0.1:1001", 2: "tcp://127.0.0.1:1002"},
@@ -84,7 +92,7 @@ def _follower(store: DictStore, node: int, run_dir: str) -> MembershipFollower:
         attempt=0,
         node=node,
         nodes=3,
-        manifest=parse_manifest(MANIFEST, nodes=3),
+        manifest=parse_manifest(manifest, nodes=3),
         run_dir=run_dir,
         view=view,
         bind_host="127.0.0.1",
@@ -98,10 +106,16 @@ def _lose(store: DictStore, node: int, generation: int) -> None:
     store.values[KEYS.lost(0, node)] = json.dumps({"reason": reason, "generation": generation})
 
 
-def _back(store: DictStore, node: int, generation: int, splitter: str) -> None:
+def _back(
+    store: DictStore,
+    node: int,
+    generation: int,
+    splitter: str,
+    agent: str = "tcp://127.0.0.1:3002",
+) -> None:
     record = NodeRecord(
         replicas={"splitter": {node: splitter}},
-        agent="tcp://127.0.0.1:3002",
+        agent=agent,
         host=HostRecord(host="node2", weights="/run/node-2/weights", token="t"),
     )
     store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
@@ -166,6 +180,84 @@ def test_a_singleton_moved_at_an_earlier_loss_is_not_started_again(tmp_path: Any
     ]
 
 
+def _moved(store: DictStore, node: int, endpoint: str, loss: list[int]) -> None:
+    """The counter's new node publishes where it runs, with the loss that moved it there."""
+    said = {"node": node, "endpoint": endpoint, "lost": loss}
+    store.values[KEYS.moved(0, "counter", 0)] = json.dumps(said)
+
+
+def _moves(follower: MembershipFollower) -> list[tuple[str, int, list[str], dict[str, int]]]:
+    with open(os.path.join(follower.dir, "membership.json"), "rb") as f:
+        seen = msgspec.json.decode(f.read())
+    return [(c["event"], c["node"], c["departed"], c["moved"]) for c in seen["changes"]]
+
+
+def test_a_singleton_moved_onto_a_node_moves_on_when_that_node_is_lost(tmp_path: Any) -> None:
+    """Node 2 is lost: the counter moves to node 1. Node 2 comes back (the counter stays on
+    node 1), then node 1 is lost: the counter runs there now, so it moves again, to its first
+    candidate not lost, node 2. Node 0 reaches it at node 2's new address once node 2
+    publishes it, never at node 1's dead one, which the store still holds meanwhile."""
+    store = DictStore()
+    follower = _follower(store, 0, str(tmp_path), CHAIN)
+    supervisor = Adopter()
+
+    async def follow() -> None:
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await follow()
+        _lose(store, 2, 1)
+        await follow()
+        _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
+        await follow()
+        _back(store, 2, 1, "tcp://127.0.0.1:4002")
+        await follow()
+        _lose(store, 1, 1)
+        await follow()
+        assert follower.membership.moved["counter"][0].endpoint == "tcp://127.0.0.1:5001"
+        assert follower.view.groups["counter"].endpoints == ["tcp://127.0.0.1:5001"]
+        _moved(store, 2, "tcp://127.0.0.1:5002", [1, 1])
+        await follow()
+
+    asyncio.run(main())
+    assert supervisor.adopted == []  # node 1, then node 2 starts it
+    assert follower.membership.moved["counter"][0] == Moved(2, "tcp://127.0.0.1:5002")
+    assert follower.view.groups["counter"].endpoints == ["tcp://127.0.0.1:5002"]
+    assert _moves(follower) == [
+        ("node_lost", 2, ["splitter[2]"], {"counter[0]": 1}),
+        ("node_back", 2, [], {"splitter[2]": 2}),
+        ("node_lost", 1, ["splitter[1]"], {"counter[0]": 2}),
+    ]
+
+
+def test_a_returned_node_starts_a_singleton_that_moves_on_to_it(tmp_path: Any) -> None:
+    """Node 2 came back while the counter, moved away from it at its loss, runs on node 1:
+    its new agent's follower learns that from the store, and when node 1 is lost it starts
+    the counter (its home's folder, a fresh tcp port) and publishes it with that loss."""
+    store = DictStore()
+    os.makedirs(tmp_path / "node-2")
+    _lose(store, 2, 1)
+    _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
+    _back(store, 2, 1, "tcp://127.0.0.1:4002")
+    follower = _follower(store, 2, str(tmp_path), CHAIN)
+    supervisor = Adopter()
+
+    async def main() -> None:
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert supervisor.adopted == []
+        _lose(store, 1, 1)
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.adopted == [("counter", 0)]
+    published = json.loads(store.values[KEYS.moved(0, "counter", 0)])
+    assert (published["node"], published["lost"]) == (2, [1, 1])
+    assert published["endpoint"].startswith("tcp://127.0.0.1:")
+    assert follower.membership.moved["counter"][0].node == 2
+    assert _moves(follower) == [("node_lost", 1, ["splitter[1]"], {"counter[0]": 2})]
+
+
 def test_a_loss_answered_by_a_return_of_the_same_generation_is_over() -> None:
     store = DictStore()
 
@@ -212,3 +304,82 @@ def test_the_heartbeat_beats_on_its_own_while_the_agent_is_busy(monkeypatch: Any
     asyncio.run(main())
     key = KEYS.heartbeat(0, 2)
     assert store.writes[:3] == [(key, "0"), (key, "1"), (key, "2")]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rows(node: int) -> list[dict[str, Any]]:
+    """The one process a node's supervisor reports: its splitter replica, not serving yet."""
+    return [
+        {
+            "role": "splitter",
+            "replica": node,
+            "kind": "role",
+            "incarnation": 0,
+            "pid": 1000 + node,
+            "alive": True,
+            "serving": False,
+            "standby_pid": None,
+            "restarts": 0,
+            "heartbeat_age_s": 0.1,
+        }
+    ]
+
+
+def test_status_asks_a_returned_node_at_its_new_agent(tmp_path: Any) -> None:
+    """Node 2 is lost (``asyncrl status`` on node 0 lists it lost), then its torchrun starts
+    again with a new agent on another port: the follower writes that endpoint into the view,
+    and node 0's status server, built on the same view, asks the new agent and shows node 2
+    back with its processes, not an error from the dead agent's old port."""
+    store = DictStore()
+    run_dir = str(tmp_path)
+    follower = _follower(store, 0, run_dir)
+    agents = {n: f"tcp://127.0.0.1:{_port()}" for n in (0, 1, 2)}
+    follower.view.agents.update(agents)
+    returned = f"tcp://127.0.0.1:{_port()}"
+    manifest = parse_manifest(MANIFEST, nodes=3)
+    node_0 = status_server(lambda: _rows(0), manifest, run_dir, follower.view, log=None)
+    node_0.timeout_s = 0.5  # node 0 has no driver here: it answers with the error at once
+    node_1 = AgentStatus(
+        lambda: _rows(1), run="elastic", run_dir=str(tmp_path / "node-1"), node=1, tcp=agents[1]
+    )
+    node_2 = AgentStatus(
+        lambda: _rows(2), run="elastic", run_dir=str(tmp_path / "node-2"), node=2, tcp=returned
+    )
+    supervisor = Adopter()
+
+    def seen(answer: dict[str, Any]) -> list[tuple[int, str]]:
+        return [
+            (n["node"], n.get("lost") or n.get("error") or f"pid {n['processes'][0]['pid']}")
+            for n in answer["nodes"]
+        ]
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        await node_0.start()
+        await node_1.start()
+        try:
+            _lose(store, 2, 1)
+            await follower.follow(supervisor)  # type: ignore[arg-type]
+            while_lost = await ask(run_dir, 0.5)
+            await node_2.start()
+            _back(store, 2, 1, "tcp://127.0.0.1:4002", agent=returned)
+            await follower.follow(supervisor)  # type: ignore[arg-type]
+            return while_lost, await ask(run_dir, 0.5)
+        finally:
+            for agent in (node_0, node_1, node_2):
+                await agent.close()
+
+    while_lost, after = asyncio.run(main())
+    assert follower.view.agents[2] == returned
+    assert seen(while_lost) == [
+        (0, "pid 1000"),
+        (1, "pid 1001"),
+        (2, "the agent of node 2 sent no heartbeat for 4 s"),
+    ]
+    assert seen(after) == [(0, "pid 1000"), (1, "pid 1001"), (2, "pid 1002")]
+    assert [c["event"] for c in after["membership"]["changes"]] == ["node_lost", "node_back"]
