@@ -440,6 +440,15 @@ class Learner(Role):
         steps, the step made durable and its weights published; a batch re-sent with the last
         step's id gets that step's result back (``replayed``).
 
+        **The learning rate persists.** A batch with ``lr`` > 0 that takes a step makes ``lr``
+        the peak learning rate from that step on (this step's optimizer steps included; the
+        schedule's ``lr_factor`` scales it at each optimizer step): every later batch whose
+        ``lr`` is 0 trains at it too, until a batch that takes a step gives another. ``lr`` 0
+        never goes back to the config's ``lr``. A batch that takes no step (the ledger skips
+        every sample) and a re-sent batch answered with its step's result leave the peak as it
+        is. The peak is part of the optimizer's and the schedule's state: every checkpoint
+        holds it, and a restarted learner has it back, from its checkpoint or from the logged
+        batch its replay takes again.
 
         Raises:
             ValueError: an unknown algorithm or correction, or fewer samples than
@@ -463,10 +472,12 @@ class Learner(Role):
         ]
         skipped = len(batch.samples) - len(fresh)
         metrics: dict[str, float] = {}
-        if batch.lr:
-            # A new peak: the scheduler scales it from now on, and this step already uses it.
-            self.trainer.set_peak_lr(batch.lr)
         if fresh:
+            if batch.lr:
+                # A new peak: the schedule scales it from now on, and this step already uses
+                # it. Only with a step taken: a batch that takes none is in no log, so a replay
+                # would not set it again.
+                self.trainer.set_peak_lr(batch.lr)
             self.env_tokens_trained = 0.0
             with span("training epochs"):  # advantages, mini-batches, optimizer steps
                 metrics = self._epochs(objective, fresh, batch)
