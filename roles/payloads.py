@@ -257,8 +257,9 @@ class TrainBatch(msgspec.Struct, kw_only=True):
         demos: demonstrations for the optional BC term of GRPO and PPO.
         keep: the program's position after this step, kept with it (``ProgramState``: only
             what changed; the learner merges it into what it holds).
-        lr: the peak learning rate for this step and the next, until another is given (the
-            schedule still scales it); 0 for the configured one.
+        lr: the peak learning rate from this step on, until a later batch gives another (the
+            schedule still scales it); 0 keeps the peak in force: the config's ``lr`` until a
+            batch that takes a step gives one (``Learner.train`` says what persists).
         correction: the off-policy correction of the policy loss (GRPO, PPO): ``clip`` (PPO's
             clipped ratio against the behaviour log-probs, the importance ratio of stale tokens
             clipped), ``decoupled`` (PPO's trust region around the proximal policy, the

@@ -53,6 +53,7 @@ __all__ = [
     "RewardClient",
     "RolloutClient",
     "resend",
+    "to_replica_0",
 ]
 
 log = logging.getLogger("asyncrl.programs")
@@ -111,13 +112,39 @@ async def resend(
             pause = min(2 * pause, max_pause_s)
 
 
+async def to_replica_0(
+    handle: Handle,
+    method: str,
+    payload: Any,
+    reply_type: Any,
+    *,
+    timeout: float = LONG_S,
+    again: bool = False,
+) -> Any:
+    """Call ``method`` on replica 0, the one that takes the calls of a learner's or a critic's
+    group of replicas and runs them on every rank in one order
+    (``asyncrl.roles.training.lockstep``); with ``again`` (a once endpoint the role makes
+    harmless to repeat), sent again when the replica broke with it in flight (``resend``): a
+    broken group restarts whole, from its checkpoints, and answers a repeat with the step it
+    took.
+
+    Raises:
+        BrokenError: it broke (with ``again``: still, after ``timeout`` seconds).
+        DeadlineExceededError, RemoteError: as ``Handle.call``.
+    """
+    if again:
+        return await resend(handle, method, payload, reply_type, timeout=timeout, replica=0)
+    return await handle.call(method, payload, reply_type, timeout=timeout, replica=0)
+
+
 class LearnerClient:
     """The learner (``asyncrl.roles.training.learner.Learner``).
 
-    With data-parallel replicas (``replicas`` > 1), ``train_step`` and ``checkpoint`` go to
-    every replica (each trains its share of the batch and keeps its own checkpoints) and their
-    replies are merged; the other calls go to any one replica, since the replicas' weights and
-    state are the same.
+    ``train_step`` and ``checkpoint`` go to replica 0 (``to_replica_0``), as the critic's calls
+    do: with data-parallel or sharded replicas (``replicas`` > 1) replica 0 runs each on every
+    rank in one order (``asyncrl.roles.training.lockstep``), and the other replicas refuse them.
+    ``export`` and ``weights`` come from replica 0 too; ``status`` and ``logprobs`` from any one
+    replica, since the replicas' weights and state are the same.
     """
 
     def __init__(self, handle: Handle) -> None:
@@ -130,64 +157,18 @@ class LearnerClient:
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = LONG_S) -> StepResult:
         """One step. A batch with an ``id`` is re-sent when the learner died with it in flight,
-        and counted once (the learner answers a repeat with the step it took).
-
-        Raises:
-            DataParallelError: data-parallel replicas answered with different versions or
-                steps (the message lists each replica's).
-        """
-        if self.handle.replicas > 1:
-            results: list[StepResult] = await self._every(
-                "train_step", batch, StepResult, timeout, again=bool(batch.id)
-            )
-            return _agreed(self.handle.name, results)
-        if batch.id:
-            result: StepResult = await resend(
-                self.handle, "train_step", batch, StepResult, timeout=timeout
-            )
-        else:
-            result = await self.handle.call("train_step", batch, StepResult, timeout=timeout)
+        and counted once (the learner answers a repeat with the step it took)."""
+        result: StepResult = await to_replica_0(
+            self.handle, "train_step", batch, StepResult, timeout=timeout, again=bool(batch.id)
+        )
         return result
 
     async def checkpoint(self, keep: ProgramState) -> str:
         """Keep ``keep`` (merged into the position the learner holds) with a checkpoint
         written now, or a log entry under ``durable: wal``; return its path (replica 0's,
-        with data-parallel replicas: each writes its own)."""
-        if self.handle.replicas > 1:
-            paths: list[str] = await self._every("checkpoint", keep, str, LONG_S, again=True)
-            return paths[0]
-        path: str = await resend(self.handle, "checkpoint", keep, str)
+        with replicas: each keeps it in its own checkpoints)."""
+        path: str = await to_replica_0(self.handle, "checkpoint", keep, str, again=True)
         return path
-
-    async def _every(
-        self, method: str, payload: Any, reply_type: Any, timeout: float, *, again: bool
-    ) -> list[Any]:
-        """``method`` on every replica, their replies in replica order; with ``again``, sent
-        again to every replica when one broke with it in flight (``resend``'s pauses), which
-        the learner makes harmless: the whole group restarts from its checkpoints, and a
-        replica that already took the step answers with it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        pause = 0.05
-        while True:
-            try:
-                replies: list[Any] = await self.handle.broadcast(
-                    method, payload, reply_type, timeout=max(1.0, deadline - loop.time())
-                )
-                return replies
-            except BrokenError as exc:
-                if not again or loop.time() + pause >= deadline:
-                    raise
-                log.warning(
-                    "%s.%s broke in flight on a replica (%s); sending it to every replica "
-                    "again in %.2f s",
-                    self.handle.name,
-                    method,
-                    exc,
-                    pause,
-                )
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 1.0)
 
     async def export(self, path: str) -> str:
         """Write the policy in Hugging Face format under ``path``: a name in ``RUN_DIR/exports``
@@ -213,28 +194,6 @@ class LearnerClient:
             "logprobs", samples, list[list[float]], timeout=LONG_S
         )
         return out
-
-
-def _agreed(name: str, results: list[StepResult]) -> StepResult:
-    """Replica 0's result, once every data-parallel replica is known to have reached the same
-    version and step (their metrics are reduced over the group, so they agree too).
-
-    Raises:
-        DataParallelError: the replicas disagree.
-    """
-    first = results[0]
-    if any((r.version, r.step) != (first.version, first.step) for r in results):
-        # Imported here: it loads torch, which a driver that never sees a mismatch need not.
-        from asyncrl.roles.training.data_parallel import DataParallelError
-
-        table = ", ".join(
-            f"replica {i}: version {r.version} step {r.step}" for i, r in enumerate(results)
-        )
-        raise DataParallelError(
-            f"{name}: the data-parallel replicas answered train_step with different versions "
-            f"({table}); they must restart together (supervision.strategy: one_for_all)"
-        )
-    return first
 
 
 class RolloutClient:
@@ -305,9 +264,10 @@ class PromptsClient:
 class CriticClient:
     """The critic (``asyncrl.roles.training.critic.Critic``): PPO's value model.
 
-    Every call goes to replica 0 (``Handle.call(..., replica=0)``): with replicas (``replicas``
-    > 1, replicated or sharded with ``parallel: fsdp``) replica 0 runs each call on every rank
-    in one order (``asyncrl.roles.training.critic_lockstep``), and the other replicas refuse calls.
+    Every call goes to replica 0 (``to_replica_0``), as the learner's steps do: with replicas
+    (``replicas`` > 1, replicated or sharded with ``parallel: fsdp``) replica 0 runs each call on
+    every rank in one order (``asyncrl.roles.training.lockstep``), and the other replicas refuse
+    calls.
     """
 
     def __init__(self, handle: Handle) -> None:
@@ -315,8 +275,8 @@ class CriticClient:
 
     async def values(self, samples: list[Sample], *, timeout: float = LONG_S) -> list[list[float]]:
         """A value per completion token of each sample."""
-        out: list[list[float]] = await self.handle.call(
-            "values", samples, list[list[float]], timeout=timeout, replica=0
+        out: list[list[float]] = await to_replica_0(
+            self.handle, "values", samples, list[list[float]], timeout=timeout
         )
         return out
 
@@ -326,14 +286,13 @@ class CriticClient:
         """``ppo_epochs x mini_batches`` value-loss steps on the scored samples; their
         metrics. With an ``id`` (the learner's batch id), a call that broke in flight is sent
         again, and the critic answers a repeat with the step it took."""
-        payload = CriticBatch(batch, id)
-        if id:
-            again: CriticStepResult = await resend(
-                self.handle, "train_step", payload, CriticStepResult, timeout=timeout, replica=0
-            )
-            return again
-        out: CriticStepResult = await self.handle.call(
-            "train_step", payload, CriticStepResult, timeout=timeout, replica=0
+        out: CriticStepResult = await to_replica_0(
+            self.handle,
+            "train_step",
+            CriticBatch(batch, id),
+            CriticStepResult,
+            timeout=timeout,
+            again=bool(id),
         )
         return out
 

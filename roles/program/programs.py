@@ -7,8 +7,8 @@ run's history, ``summary.json``, plots and the exported policy (``exports/final`
 the loop's result (``rl_loop``), each step's reward (``rewards``), ``learner_steps``,
 ``samples_consumed`` and ``final``, and with an evaluation ``heldout`` and ``accuracy_final``. A
 program of your own calls one with its own evaluation: ``await grpo(ctx, evaluation=...)``
-(``examples/reasoning_gym/program.py``). ``bc`` is written on the typed clients of
-``asyncrl.roles.program.clients``. They expect these roles (by these names):
+(``examples/reasoning_gym/program.py``). ``bc`` is written on a ``Run`` too: one phase, ``bc``,
+of ``Run.bc_step``s, and the same summary. They expect these roles (by these names):
 ``prompts`` (PromptSource), ``rollout`` (Rollout with ``weights_from: learner``), ``reward``
 (Reward with a ``tokenizer_path``) and ``learner`` (Learner); PPO also ``critic``, and a
 ``reference`` is used for the KL term when present. Settings come from the manifest's
@@ -53,8 +53,6 @@ from asyncrl.observe.logs import PROGRESS
 from asyncrl.roles.payloads import (
     ProgramState,
     SamplingParams,
-    Scored,
-    TrainBatch,
 )
 from asyncrl.roles.program.clients import PromptsClient, RLContext, resend
 from asyncrl.roles.program.evaluation import Evaluation
@@ -249,23 +247,25 @@ def check_critic(ctx: Context) -> None:
 
 
 async def bc(ctx: Context) -> dict[str, Any]:
-    """Behaviour cloning on the prompt source's answers as demonstrations."""
+    """Behaviour cloning on the prompt source's answers as demonstrations, ``batch`` a step,
+    on a ``Run`` of one phase, ``bc``: each step a ``Run.bc_step`` (which mints the ledger
+    and batch ids, so a demonstration seen again is trained again), the demonstrations'
+    cursor kept with it, each step's ``nll`` in the run's history; then the run's summary
+    (``summary.json``, plots, ``exports/final``). Returns ``steps``, each step's ``nll``
+    (this incarnation's), the ``cursor``, ``learner_steps`` and ``final`` (the summary's
+    ``samples_consumed`` counts an RL loop's samples: 0 here)."""
     rl = RLContext(ctx)
     cfg = {**DEFAULTS, **rl.config}
-    status = await rl.learner.status()
-    cursor = status.keep.cursor or 0
+    run = await Run.open(rl, phases=["bc"])
+    cursor = (await rl.learner.status()).keep.cursor or 0
     losses: list[float] = []
-    for step in range(status.step, cfg["steps"]):
+    for _ in range(run.steps, int(cfg["steps"])):
         demos = await rl.prompts.demonstrations(cursor, cfg["batch"])
         cursor += len(demos)
-        batch = TrainBatch(
-            samples=[Scored(sample=d) for d in demos],
-            algorithm="bc",
-            keep=ProgramState(cursor=cursor),
-            lr=cfg["lr"],
-            id=f"bc-{step + 1}",
-        )
-        result = await rl.learner.train_step(batch)
+        result = await run.bc_step(demos, lr=float(cfg["lr"]), keep=ProgramState(cursor=cursor))
         losses.append(result.metrics.get("nll", float("nan")))
-        log.info("bc step %d: nll %.4f", step + 1, losses[-1])
-    return {"steps": cfg["steps"], "nll": losses, "cursor": cursor}
+        run.record(nll=losses[-1])
+        log.info("bc step %d: nll %.4f", run.steps, losses[-1])
+    summary = await run.finish()
+    totals = {k: summary[k] for k in ("learner_steps", "final")}
+    return {"steps": cfg["steps"], "nll": losses, "cursor": cursor, **totals}

@@ -173,11 +173,18 @@ class Run:
         return result
 
     async def bc_step(
-        self, samples: Sequence[Sample], *, lr: float = 0.0, algorithm: str = "bc"
+        self,
+        samples: Sequence[Sample],
+        *,
+        lr: float = 0.0,
+        algorithm: str = "bc",
+        keep: ProgramState | None = None,
     ) -> StepResult:
         """One behaviour-cloning step on ``samples`` (demonstrations: their tokens are the
         targets), with the ids it needs minted for it. ``lr``: 0 for the learner's
-        (``roles.learner.config.lr``); another overrides it as ``train_step`` says.
+        (``roles.learner.config.lr``); another overrides it as ``train_step`` says. ``keep``:
+        what the program keeps of its own with the step (a demonstrations cursor), besides
+        the run's position.
 
         A demonstration is used again and again, so each use gets a ledger id of its own
         (``<prompt id>#<phase><step>``), and the batch the id ``<phase>-<step + 1>`` that
@@ -189,7 +196,13 @@ class Run:
             Scored(sample=msgspec.structs.replace(s, prompt_id=f"{s.prompt_id}#{self.phase}{step}"))
             for s in samples
         ]
-        batch = TrainBatch(samples=uses, algorithm=algorithm, lr=lr, id=f"{self.phase}-{step + 1}")
+        batch = TrainBatch(
+            samples=uses,
+            algorithm=algorithm,
+            lr=lr,
+            id=f"{self.phase}-{step + 1}",
+            keep=keep or ProgramState(),
+        )
         return await self.train_step(batch)
 
     async def rl_loop(

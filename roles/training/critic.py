@@ -33,14 +33,14 @@ configs disagree. The epochs and mini-batches need not match the learner's.
 group, as a data-parallel learner's do (``asyncrl.roles.training.data_parallel``): they either
 replicate the model and all-reduce gradients or, with ``parallel: fsdp``, shard parameters,
 gradients and AdamW's state with FSDP2 (``asyncrl.roles.training.sharding``, docs/sharding.md).
-Every call then runs on every rank, in one order that replica 0 sets
-(``asyncrl.roles.training.critic_lockstep``): callers reach the critic through replica 0 only
-(``CriticClient`` does), which broadcasts each call to the other ranks before it runs it; another
-replica refuses a call sent to it. Each rank works on its token-balanced share of the samples
-(``token_shares``): ``values`` gathers the ranks' rows, ``train_step`` sums their gradients, so K
-ranks give the values and take the step one critic would, within float rounding. A rank that dies,
-or a call that fails on any rank, breaks the group: every rank exits and ``one_for_all`` restarts
-the group.
+Every call then runs on every rank, in one order that replica 0 sets, through the lockstep the
+learner's ranks use too (``asyncrl.roles.training.lockstep``): callers reach the critic through
+replica 0 only (``CriticClient`` does), which broadcasts each call (``Values``, ``TrainStep``)
+to the other ranks before it runs it; another replica refuses a call sent to it. Each rank
+works on its token-balanced share of the samples (``token_shares``): ``values`` gathers the
+ranks' rows, ``train_step`` sums their gradients, so K ranks give the values and take the step
+one critic would, within float rounding. A rank that dies, or a call that fails on any rank,
+breaks the group: every rank exits and ``one_for_all`` restarts the group.
 
 **Durable** (``durable: wal``, the default, as the learner): each step's batch is in a
 write-ahead log before the reply, checkpoints are written in the background, and a restarted
@@ -51,7 +51,6 @@ step's result back.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -72,29 +71,44 @@ from asyncrl.roles.learning.batching import (
     mean_over_steps,
 )
 from asyncrl.roles.payloads import CriticBatch, CriticStepResult, Scored
-from asyncrl.roles.training.critic_lockstep import CriticCall, Lockstep, TrainStep, Values
 from asyncrl.roles.training.data_parallel import (
     DataParallel,
-    DataParallelError,
     fingerprint,
     join_role,
     state_checksum,
 )
 from asyncrl.roles.training.durability import Durability
+from asyncrl.roles.training.lockstep import Lockstep, exit_when_broken, leave
 from asyncrl.roles.training.trainer import Trainer, TrainerSettings
 
-__all__ = ["RETURN_SETTINGS", "Critic", "check_matches_learner", "value_model", "value_targets"]
+__all__ = [
+    "RETURN_SETTINGS",
+    "Critic",
+    "TrainStep",
+    "Values",
+    "check_matches_learner",
+    "value_model",
+    "value_targets",
+]
 
 RETURN_SETTINGS = ("gamma", "lam", "kl_mode", "kl_coef", "kl_estimator")
 """The config keys, shared by learner and critic, that shape PPO's returns."""
 
 _DEFAULTS = {"gamma": 1.0, "lam": 0.95, "kl_mode": "loss", "kl_coef": 0.0, "kl_estimator": "k3"}
 
-GROUP_HINT = (
-    "every rank of the critic must run every call replica 0 announces (CriticClient sends "
-    "values and train_step to replica 0; a call sent to another replica is refused)"
-)
-"""What a failed collective of the critic's group says to check (``DataParallel.hint``)."""
+
+class Values(msgspec.Struct, tag="values", forbid_unknown_fields=True):
+    """``Critic.values`` on these samples, as every rank of a group runs it (``Lockstep``)."""
+
+    samples: list[Sample]
+
+
+class TrainStep(msgspec.Struct, tag="train_step", forbid_unknown_fields=True):
+    """``Critic.train_step`` on this batch (``id``: its ``CriticBatch.id``), as every rank of a
+    group runs it (``Lockstep``)."""
+
+    batch: list[Scored]
+    id: str = ""
 
 
 def check_matches_learner(learner: Mapping[str, Any], critic: Mapping[str, Any]) -> None:
@@ -261,7 +275,6 @@ class Critic(Role):
             self.dp = await self.ctx.offload(
                 join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.device
             )
-            self.dp.hint = GROUP_HINT
             await self.ctx.offload(self.trainer.join, self.dp)
         cfg = self.config
         self.durability = Durability(
@@ -280,8 +293,10 @@ class Critic(Role):
             await self.ctx.offload(self._check_same_start)
             self.lockstep = Lockstep(
                 self.dp,
+                (Values, TrainStep),
                 self._working(self._call),
-                on_broken=self._broken,
+                on_broken=exit_when_broken(self.ctx),
+                client="CriticClient",
                 thread_setup=self._select_device,
             )
             self.lockstep.start()
@@ -325,26 +340,14 @@ class Critic(Role):
         """This rank's device as the thread's current one (the current device is per thread)."""
         device_for(self.ctx.device, self.plugin)
 
-    def _broken(self, exc: DataParallelError) -> None:
-        """The group broke (``Lockstep.on_broken``): it never mends in place, so exit, and the
-        supervisor restarts the whole group (``one_for_all``)."""
-        self.ctx.log.error(f"{self.ctx.name}.{self.ctx.replica}: exiting: {exc}")
-        os._exit(1)
-
     async def teardown(self) -> None:
+        # The group's calls end first (a follower waits for the leader's Close): no step is
+        # in progress when the log closes.
+        if self.lockstep is not None and not await leave(
+            self.ctx, self.lockstep, self.config.dist_timeout_s
+        ):
+            return  # its thread is still in a collective: leave the group to the exit
         await self.ctx.offload(self.durability.close)
-        if self.lockstep is not None:
-            try:
-                ended = await self.ctx.offload(self.lockstep.close, self.config.dist_timeout_s)
-            except DataParallelError as exc:
-                self.ctx.log.warning(f"{self.ctx.name}: could not close the group's calls: {exc}")
-                ended = False
-            if not ended:
-                # Its thread is still in a collective: leave the group to the process's exit.
-                self.ctx.log.warning(
-                    f"{self.ctx.name}.{self.ctx.replica}: leaving with the group's calls open"
-                )
-                return
         if self.dp is not None:
             await self.ctx.offload(self.dp.close)
 
@@ -354,7 +357,7 @@ class Critic(Role):
     async def values(self, samples: list[Sample]) -> list[list[float]]:
         if self.lockstep is None:
             return await self.ctx.offload(self._working(self._values), samples)
-        self._refuse_unless_leader("values")
+        self.lockstep.check_leader("values")
         out: list[list[float]] = await self.ctx.offload(self.lockstep.lead, Values(samples))
         return out
 
@@ -365,26 +368,13 @@ class Critic(Role):
         if self.lockstep is None:
             self._check_batch(batch.samples)
             return await self.ctx.offload(self._working(self.train), batch)
-        self._refuse_unless_leader("train_step")
+        self.lockstep.check_leader("train_step")
         self._check_batch(batch.samples)  # before every rank has it: a refusal breaks nothing
         call = TrainStep(batch.samples, batch.id)
         result: CriticStepResult = await self.ctx.offload(self.lockstep.lead, call)
         return result
 
-    def _refuse_unless_leader(self, method: str) -> None:
-        """Raise unless this is replica 0, which alone takes calls of a group of replicas.
-
-        Raises:
-            ValueError: another replica (the message says to call replica 0).
-        """
-        if self.ctx.replica != 0:
-            raise ValueError(
-                f"{self.ctx.name}.{self.ctx.replica}: a critic with {self.ctx.replicas} "
-                f"replicas runs every call on all of them in the order replica 0 sets; send "
-                f"{method} to replica 0 (CriticClient does: Handle.call(..., replica=0))"
-            )
-
-    def _call(self, call: CriticCall) -> Any:
+    def _call(self, call: Values | TrainStep) -> Any:
         """Run one call of the group on this rank (``Lockstep.run``)."""
         self._select_device()
         if isinstance(call, Values):

@@ -1,8 +1,9 @@
-"""Data-parallel learners: the K replicas of one learner role as one ``torch.distributed`` group.
+"""Data-parallel learners and critics: the K replicas of a role as one ``torch.distributed`` group.
 
 With ``roles.<learner>.replicas: K`` (and ``supervision.strategy: one_for_all``, so the group
-restarts together), every rank receives the whole ``TrainBatch`` (``LearnerClient`` broadcasts
-it) and does everything that is cheap identically: the ledger's filter, the advantages over the
+restarts together), every rank receives the whole ``TrainBatch`` (replica 0 takes it from the
+caller and announces it to the others: ``asyncrl.roles.training.lockstep``, the critic's way
+too) and does everything that is cheap identically: the ledger's filter, the advantages over the
 whole batch (whitening included), the seeded mini-batch shuffle. The forward and backward passes
 are shared out: each mini-batch's samples are split between the ranks by ``token_shares`` (a
 deterministic partition balanced by token count, the same on every rank), each rank weighs its
@@ -65,7 +66,7 @@ from asyncrl.roles.training.checkpoints import CheckpointDir
 
 __all__ = [
     "GLOBAL_METRICS",
-    "LEARNER_HINT",
+    "GROUP_HINT",
     "PREFIX_ENV",
     "STORE_ENV",
     "DataParallel",
@@ -85,11 +86,11 @@ STORE_ENV = "ASYNCRL_DIST_STORE"
 PREFIX_ENV = "ASYNCRL_DIST_PREFIX"
 """The key prefix of this run's attempt in that store (run id and restart count)."""
 
-LEARNER_HINT = (
-    "every replica must get every train_step and checkpoint (LearnerClient broadcasts them; "
-    "a plain call reaches one replica only)"
+GROUP_HINT = (
+    "every rank must run every call replica 0 announces (LearnerClient and CriticClient send "
+    "their calls to replica 0; a call sent to another replica is refused)"
 )
-"""What a failed collective of the learner's group says to check (``DataParallel.hint``)."""
+"""What a failed collective of a learner's or critic's group says to check."""
 
 GLOBAL_METRICS = ("grad_norm", "lr")
 """Step metrics every rank computes from the reduced gradients: the same on every rank, so they
@@ -173,7 +174,8 @@ def _store(
 class DataParallel:
     """This rank's handle on its group: the collectives a data-parallel learner or critic
     needs, each bounded by ``timeout_s``. Every method is called by every rank in the same
-    order, by one thread at a time (the role's compute thread).
+    order, by one thread at a time (the thread running the group's call:
+    ``asyncrl.roles.training.lockstep``).
 
     Attributes:
         name: the learner role's name (in errors).
@@ -183,8 +185,6 @@ class DataParallel:
         device: where the collectives' own tensors live (the plugin's device for its backend).
         comm: the collectives (default: the hardware plugin's, ``registry.current().comm``).
         broken: why the group broke (a collective failed); empty while it works.
-        hint: what a failed collective's error tells the reader to check (the role's own
-            rule for reaching every rank; the learner's by default).
     """
 
     name: str
@@ -194,7 +194,6 @@ class DataParallel:
     device: str = "cpu"
     comm: Communication = field(default_factory=lambda: current_plugin().comm)
     broken: str = ""
-    hint: str = LEARNER_HINT
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
@@ -267,7 +266,7 @@ class DataParallel:
             self.broken = f"rank {self.rank}: {what} failed ({first})"
             raise DataParallelError(
                 f"{self.name}: {self.broken} in a group of {self.world} (the timeout is "
-                f"{self.timeout_s:g} s): a rank died, or did not take part; {self.hint}"
+                f"{self.timeout_s:g} s): a rank died, or did not take part; {GROUP_HINT}"
             ) from exc
 
     def all_gather_ints(self, what: str, values: Sequence[int]) -> list[list[int]]:

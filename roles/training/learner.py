@@ -25,7 +25,11 @@ relative path goes there) or the ``write_paths`` the manifest allows, never over
 state (``asyncrl.roles.training.learner_export``).
 
 **Replicas** (``replicas: K``, ``supervision.strategy: one_for_all``) form one torch.distributed
-group: each rank gets the whole batch and trains its token-balanced share of each mini-batch.
+group, kept in step as the critic's is (``asyncrl.roles.training.lockstep``): callers send
+``train_step`` and ``checkpoint`` to replica 0 (``LearnerClient`` does), which announces each
+(``TrainStep``, ``Checkpoint``) to the other ranks and runs it with them, in one order; another
+replica refuses them. Each rank gets the whole batch and trains its token-balanced share of each
+mini-batch.
 They either replicate the model and all-reduce gradients (``asyncrl.roles.training.data_parallel``)
 or, with ``parallel: fsdp``, shard it (``asyncrl.roles.training.sharding``, docs/sharding.md);
 either way the step is the one a single learner takes on the whole batch. Each rank keeps its own
@@ -46,10 +50,9 @@ recompute of a sample equals its behaviour log-probs under the same weights.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -83,17 +86,12 @@ from asyncrl.roles.payloads import (
 )
 from asyncrl.roles.training import sharding as sh
 from asyncrl.roles.training import zero_rows
-from asyncrl.roles.training.data_parallel import (
-    DataParallel,
-    DataParallelError,
-    check_restored,
-    fingerprint,
-    join_role,
-)
+from asyncrl.roles.training.data_parallel import DataParallel, check_restored, join_role
 from asyncrl.roles.training.durability import Durability
 from asyncrl.roles.training.learner_config import LearnerConfig
 from asyncrl.roles.training.learner_export import export_pretrained, writable
 from asyncrl.roles.training.learner_weights import PublishedWeights
+from asyncrl.roles.training.lockstep import Lockstep, exit_when_broken, leave
 from asyncrl.roles.training.models import build_model, preload_model_class
 from asyncrl.roles.training.objective import ALGORITHMS as _ALGORITHMS
 from asyncrl.roles.training.objective import (
@@ -107,10 +105,12 @@ from asyncrl.roles.training.trainer import Trainer, TrainerSettings
 from asyncrl.weights.broadcast import Rendezvous
 
 __all__ = [
+    "Checkpoint",
     "Learner",
     "Scored",
     "StepResult",
     "TrainBatch",
+    "TrainStep",
     "batch_moments",
     "build_model",
     "check_norm_len",
@@ -121,9 +121,24 @@ __all__ = [
 ALGORITHMS = tuple(_ALGORITHMS)
 """The algorithms a ``TrainBatch`` may name (``asyncrl.roles.training.objective.ALGORITHMS``)."""
 
+T = TypeVar("T")
+
 MEMORY_EVERY_S = 1.0
 """The step metric ``memory_allocated_mib`` is read at most this often (on the host a read is
 two files of /proc, a millisecond of a small step)."""
+
+
+class TrainStep(msgspec.Struct, tag="train_step", forbid_unknown_fields=True):
+    """``Learner.train_step`` on this batch, as every rank of a group runs it (``Lockstep``)."""
+
+    batch: TrainBatch
+
+
+class Checkpoint(msgspec.Struct, tag="checkpoint", forbid_unknown_fields=True):
+    """``Learner.checkpoint`` of this position, as every rank of a group runs it
+    (``Lockstep``)."""
+
+    keep: ProgramState
 
 
 def trainer_settings(cfg: LearnerConfig, sharded: bool) -> TrainerSettings:
@@ -164,6 +179,7 @@ class Learner(Role):
 
     Config = LearnerConfig
     share: DeviceShare | None = None
+    lockstep: Lockstep | None = None
 
     @classmethod
     def preload(cls, config: Mapping[str, Any]) -> None:
@@ -220,6 +236,17 @@ class Learner(Role):
             enabled=cfg.publish_weights,
         )
         await self.ctx.offload(self.published.open, self.template, self.version)
+        if self.dp is not None:
+            # Last: from here on the group's collectives run only inside its calls.
+            self.lockstep = Lockstep(
+                self.dp,
+                (TrainStep, Checkpoint),
+                self._call,
+                on_broken=exit_when_broken(self.ctx),
+                client="LearnerClient",
+                thread_setup=self._select_device,
+            )
+            self.lockstep.start()
 
     def _build(self) -> None:
         cfg = self.config
@@ -248,10 +275,40 @@ class Learner(Role):
         self._memory_mib, self._memory_at = 0.0, -MEMORY_EVERY_S
 
     async def teardown(self) -> None:
+        # The group's calls end first (a follower waits for the leader's Close): no step is
+        # in progress when the log and the weight store close.
+        if self.lockstep is not None and not await leave(
+            self.ctx, self.lockstep, self.config.dist_timeout_s
+        ):
+            return  # its thread is still in a collective: leave the group to the exit
         await self.ctx.offload(self.durability.close)
         self.published.close()
         if self.dp is not None:
             await self.ctx.offload(self.dp.close)
+
+    def _select_device(self) -> None:
+        """This rank's device as the thread's current one (the current device is per thread)."""
+        device_for(self.ctx.device, self.plugin)
+
+    def _call(self, call: TrainStep | Checkpoint) -> Any:
+        """Run one call of the group on this rank (``Lockstep.run``)."""
+        self._select_device()
+        if isinstance(call, TrainStep):
+            return traced("training step", self.train)(call.batch)
+        return traced("checkpoint", self._checkpoint)(call.keep)
+
+    def _exclusive(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn``, kept apart from the group's calls on this rank (``Lockstep.exclusive``):
+        what a replica computes from the model on its own never sees a step half-taken."""
+        lockstep = self.lockstep
+        if lockstep is None:
+            return fn
+
+        def run(*args: Any) -> T:
+            with lockstep.exclusive():
+                return fn(*args)
+
+        return run
 
     def status(self) -> dict[str, Any]:
         """The device's memory and this replica's share of it, for ``asyncrl status``."""
@@ -261,15 +318,13 @@ class Learner(Role):
 
     @endpoint(Delivery.ONCE)
     async def train_step(self, batch: TrainBatch) -> StepResult:
-        try:
+        if self.lockstep is None:
             return await self.ctx.offload(traced("training step", self.train), batch)
-        except DataParallelError:
-            if self.dp is not None and self.dp.broken:
-                # A broken group never mends in place: exit, so that the supervisor restarts the
-                # whole group (one_for_all) and the caller re-sends the batch to it.
-                self.ctx.log.error(f"{self.ctx.name}: exiting: {self.dp.broken}")
-                os._exit(1)
-            raise
+        self.lockstep.check_leader("train_step")
+        # Before every rank has it: a refusal breaks nothing.
+        batch_objective(self.config, batch, self.ctx.name)
+        result: StepResult = await self.ctx.offload(self.lockstep.lead, TrainStep(batch))
+        return result
 
     @endpoint(Delivery.IDEMPOTENT)
     async def weights(self, _: Any) -> WeightsUpdate:
@@ -281,6 +336,9 @@ class Learner(Role):
     def _weights(self) -> WeightsUpdate:
         if self.trainer.sharded:
             return WeightsUpdate(*self.published.read())
+        return self._exclusive(self._copy_weights)()
+
+    def _copy_weights(self) -> WeightsUpdate:
         state = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
         return WeightsUpdate(self.version, state)
 
@@ -301,11 +359,11 @@ class Learner(Role):
                 f"{self.ctx.name}: a sharded learner (parallel: fsdp) does not serve logprobs: "
                 f"a forward pass needs every rank; compute them with a reference role"
             )
-        return await self.ctx.offload(self.trainer.logprobs, samples)
+        return await self.ctx.offload(self._exclusive(self.trainer.logprobs), samples)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def export(self, path: str) -> str:
-        return await self.ctx.offload(self._export, path)
+        return await self.ctx.offload(self._exclusive(self._export), path)
 
     @endpoint(Delivery.IDEMPOTENT, name="status")
     async def learner_status(self, _: Any) -> LearnerStatus:
@@ -326,8 +384,13 @@ class Learner(Role):
 
     @endpoint(Delivery.ONCE)
     async def checkpoint(self, keep: ProgramState) -> str:
-        """Keep ``keep`` (the program's position) durably; returns where it is kept."""
-        return await self.ctx.offload(traced("checkpoint", self._checkpoint), keep)
+        """Keep ``keep`` (the program's position) durably; returns where it is kept (replica
+        0's path, with replicas: every rank keeps it in its own checkpoints)."""
+        if self.lockstep is None:
+            return await self.ctx.offload(traced("checkpoint", self._checkpoint), keep)
+        self.lockstep.check_leader("checkpoint")
+        path: str = await self.ctx.offload(self.lockstep.lead, Checkpoint(keep))
+        return path
 
     # -- durable state (worker thread) -------------------------------------------------------
 
@@ -377,10 +440,20 @@ class Learner(Role):
         steps, the step made durable and its weights published; a batch re-sent with the last
         step's id gets that step's result back (``replayed``).
 
+        **The learning rate persists.** A batch with ``lr`` > 0 that takes a step makes ``lr``
+        the peak learning rate from that step on (this step's optimizer steps included; the
+        schedule's ``lr_factor`` scales it at each optimizer step): every later batch whose
+        ``lr`` is 0 trains at it too, until a batch that takes a step gives another. ``lr`` 0
+        never goes back to the config's ``lr``. A batch that takes no step (the ledger skips
+        every sample) and a re-sent batch answered with its step's result leave the peak as it
+        is. The peak is part of the optimizer's and the schedule's state: every checkpoint
+        holds it, and a restarted learner has it back, from its checkpoint or from the logged
+        batch its replay takes again.
+
         Raises:
             ValueError: an unknown algorithm or correction, or fewer samples than
                 ``mini_batches``.
-            DataParallelError: the ranks disagree on the batch, or a collective failed.
+            DataParallelError: a collective failed.
         """
         rng = self.durability.step_rng()
         # Re-sent after a failure that lost the reply: the step happened; say what it did.
@@ -392,13 +465,6 @@ class Learner(Role):
         if self.trainer.compiled is not None:
             objective = self.trainer.compiled.objective(objective, batch)
             graphs = self.trainer.compiled.graphs()
-        if self.dp is not None:
-            ids = [(s.sample.prompt_id, s.sample.sample_index) for s in batch.samples]
-            self.dp.check_same(
-                "the batch",
-                [self.step, self.version, fingerprint(batch.id, ids, batch.lr, batch.algorithm)],
-                ["step", "version", "batch"],
-            )
         fresh = [
             s
             for s in batch.samples
@@ -406,10 +472,12 @@ class Learner(Role):
         ]
         skipped = len(batch.samples) - len(fresh)
         metrics: dict[str, float] = {}
-        if batch.lr:
-            # A new peak: the scheduler scales it from now on, and this step already uses it.
-            self.trainer.set_peak_lr(batch.lr)
         if fresh:
+            if batch.lr:
+                # A new peak: the schedule scales it from now on, and this step already uses
+                # it. Only with a step taken: a batch that takes none is in no log, so a replay
+                # would not set it again.
+                self.trainer.set_peak_lr(batch.lr)
             self.env_tokens_trained = 0.0
             with span("training epochs"):  # advantages, mini-batches, optimizer steps
                 metrics = self._epochs(objective, fresh, batch)

@@ -96,10 +96,13 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True):
             not hide a difference (the data-parallel equivalence test); the weights are
             published in it.
         dist_timeout_s: the longest data-parallel replicas wait for each other, to form
-            their group or in a collective, before failing with a ``DataParallelError``.
+            their group or in a collective (a follower waiting for replica 0's next call
+            included: replica 0 says it is alive every quarter of it), before failing with a
+            ``DataParallelError``.
         parallel: how ``replicas`` > 1 share the model: ``replicate`` (each rank holds all of
             it and all-reduces gradients) or ``fsdp`` (FSDP2 shards parameters, gradients and
-            optimizer state over the ranks: docs/sharding.md). One replica: no effect.
+            optimizer state over the ranks: docs/sharding.md). Either way replica 0 leads every
+            ``train_step`` and ``checkpoint``. One replica: no effect.
         activation_checkpointing: with ``fsdp``, recompute each block's activations in the
             backward pass instead of keeping them (less memory, about a third more compute).
         bucket_mib: with ``fsdp``, the most MiB of full tensors gathered at once to publish

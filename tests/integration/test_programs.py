@@ -84,10 +84,25 @@ def _run(args: list[str], path: str | None, run_dir: str) -> dict:  # type: igno
 
 
 def test_bc_lowers_the_loss(run_dir: str) -> None:
+    """The built-in ``bc`` runs on a ``Run``, as ``grpo`` does: each step's ``nll`` in the
+    run's history, the ledger ids minted by ``Run.bc_step``, the summary and the export."""
     result = run_program(run_dir, "bc", 40)
     assert result["steps"] == 40 and result["cursor"] == 40 * 32
     first, last = result["nll"][:5], result["nll"][-5:]
     assert sum(last) < 0.6 * sum(first)
+    assert result["learner_steps"] == 40
+    assert result["final"] == os.path.join(run_dir, "exports", "final")
+    assert os.path.exists(os.path.join(run_dir, "exports", "final", "config.json"))
+    with open(os.path.join(run_dir, "history.jsonl")) as f:
+        history = [json.loads(line) for line in f]
+    assert [(e["phase"], e["step"]) for e in history] == [("bc", s) for s in range(1, 41)]
+    assert [e["nll"] for e in history] == result["nll"]
+    with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    # Each use of a demonstration has an id of its own: "<prompt id>#bc<step>".
+    assert {pid.rpartition("#")[2] for pid, _ in steps[2]["ids"]} == {"bc2"}
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["learner_steps"] == 40
 
 
 def test_grpo_runs_and_evaluates_the_heldout_prompts(run_dir: str) -> None:

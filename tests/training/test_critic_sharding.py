@@ -1,7 +1,9 @@
 """Critics with replicas: two ranks in two processes (gloo, a FileStore), sharded with FSDP2
 (``parallel: fsdp``) or replicated, give the values and take the steps one critic gives and
 takes, run concurrent calls in replica 0's order on both ranks, refuse calls sent to replica 1,
-and exit when a rank dies; through ``asyncrl run``, PPO completes with a sharded critic."""
+and exit when a rank dies; through ``asyncrl run``, PPO completes with a sharded critic. What
+each rank ran is read from its trace: the span ``lockstep <call>`` the group's lockstep records
+for every call (``asyncrl.roles.training.lockstep``)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,17 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from typing import Any
 
 import msgspec
 import pytest
 import torch
 
+from asyncrl.observe import trace
 from asyncrl.role import RoleContext
 from asyncrl.roles.payloads import Sample, Scored
-from asyncrl.roles.training.critic import Critic
-from asyncrl.roles.training.critic_lockstep import Announcement, TrainStep, Values
+from asyncrl.roles.training.critic import Critic, TrainStep, Values
 from tests.conftest import ROOT
 from tests.training.test_data_parallel import batches, run_ranks
 
@@ -109,15 +112,32 @@ def concurrent_calls() -> list[Values | TrainStep]:
     return calls
 
 
+def ran(folder: str) -> list[list[Any]]:
+    """What each rank of a group ran, in rank order, from the traces in ``folder``: each
+    ``lockstep`` span as ``[call, index, crc, thread]``, in the order the rank ran them."""
+    by_rank: dict[int, list[list[Any]]] = {}
+    for proc in trace.load(folder):
+        spans = sorted((e for e in proc.spans if e[1].startswith("lockstep ")), key=lambda e: e[3])
+        by_rank[proc.replica] = [
+            [e[1].removeprefix("lockstep "), e[5]["index"], e[5]["crc"], e[2]] for e in spans
+        ]
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+def crc(call: Values | TrainStep) -> int:
+    """The checksum a ``lockstep`` span records of ``call``: of its bytes on the group."""
+    return zlib.crc32(msgspec.msgpack.encode(call))
+
+
 RANK_SCRIPT = """
 import asyncio, functools, json, sys
 import msgspec, torch
 torch.set_num_threads(1)
 import asyncrl.roles.training.critic as critic_module
 from asyncrl.role import RoleContext
-from asyncrl.roles.training.critic import Critic
-from asyncrl.roles.training.critic_lockstep import TrainStep, Values, encode
+from asyncrl.roles.training.critic import Critic, TrainStep, Values
 from asyncrl.roles.training.sharding import full_buckets
+from asyncrl.transport import tracing
 from tests.training.test_critic_sharding import (
     CONFIG, HELDOUT, concurrent_calls, ppo_rounds, replica_calls,
 )
@@ -126,6 +146,8 @@ from tests.helpers.waiting import wait_until_async
 rank, run_dir, out, parallel, mode = (
     int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 )
+# What the group runs, as its lockstep records it: a trace per rank.
+tracing.install(tracing.Recorder(f"{out}/trace-{parallel}-{mode}", label=f"critic.{rank}"))
 
 if mode == "concurrent":
     # Replica 0's keep-alive announces Idle after 2 ms without a call: between the calls too.
@@ -135,15 +157,6 @@ async def main():
     ctx = RoleContext.local(config=dict(CONFIG, parallel=parallel), name="critic",
                             replica=rank, replicas=2, run_dir=run_dir, capacity=4)
     critic = Critic(ctx)
-    ran = []
-    run = critic._call
-
-    def recorded(call):
-        result = run(call)
-        ran.append({"call": msgspec.to_builtins(call), "result": msgspec.to_builtins(result)})
-        return result
-
-    critic._call = recorded  # what the group's lockstep runs, on either rank
     await critic.setup()
     report = {"blocks": sorted({type(m).__name__ for m in critic.trainer.model.modules()}
                                & {"FSDPCheckpointWrapper", "GPT2Block"})}
@@ -172,7 +185,6 @@ async def main():
         report["refused"] = refused
         report["closed"] = await critic.ctx.offload(critic.lockstep.close, 120.0)
         report["idles"] = critic.lockstep.idles
-    report["ran"] = ran
     # Both ranks left the lockstep: gather the whole model together, then leave the group.
     whole = {k: v.clone() for b in full_buckets(critic.trainer.model, 2**20) for k, v in b.items()}
     torch.save(whole, f"{out}/{parallel}-{mode}{rank}.pt")
@@ -245,9 +257,13 @@ def test_two_critic_ranks_give_one_critics_values_and_steps(tmp_path: Any, paral
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
     assert _max_diff(params[0], one.trainer.model.state_dict()) < 1e-10
     assert _max_diff(start, one.trainer.model.state_dict()) > 1e-3  # the steps moved the weights
-    # Replica 1 ran the same six calls (its share of each) and refused the ones sent to it.
-    assert [r["call"] for r in ranks[1]["ran"]] == [r["call"] for r in ranks[0]["ran"]]
-    assert [r["call"]["type"] for r in ranks[0]["ran"]] == ["values", "train_step", "values"] * 3
+    # Replica 1 ran the same nine calls (its share of each), in the thread of the group's
+    # lockstep, and refused the ones sent to it.
+    leader, follower = ran(str(tmp_path / f"trace-{parallel}-rounds"))
+    assert [r[:3] for r in follower] == [r[:3] for r in leader]
+    assert [r[0] for r in leader] == ["values", "train_step", "values"] * 3
+    assert [r[1] for r in leader] == list(range(9))
+    assert {r[3] for r in follower} == {"critic.1 lockstep follower"}
     assert ranks[1]["refused"] == [REFUSED.format(method=m) for m, _ in replica_calls()]
     assert ranks[1]["closed"] is True
     blocks = ["FSDPCheckpointWrapper", "GPT2Block"] if parallel == "fsdp" else ["GPT2Block"]
@@ -262,28 +278,29 @@ def test_concurrent_calls_to_two_sharded_critic_ranks_run_in_one_order(tmp_path:
     sequence, and one critic running that sequence gives the same replies and weights."""
     leader, follower = _two_ranks(tmp_path, "fsdp", "concurrent")
     calls = concurrent_calls()
-    assert len(leader["ran"]) == len(calls)
+    led, followed = ran(str(tmp_path / "trace-fsdp-concurrent"))
+    assert len(led) == len(calls)
     assert leader["idles"] >= 3
-    assert [r["call"] for r in follower["ran"]] == [r["call"] for r in leader["ran"]]
+    assert [r[:3] for r in followed] == [r[:3] for r in led]
     assert follower["idles"] == leader["idles"]
-    # Replica 0's order, replayed by one critic: each call's reply within 1e-10.
+    # Every call ran once, in an order of replica 0's making; each caller's reply, that of
+    # its own call, is within 1e-10 of one critic's running replica 0's order.
+    replies = zip(calls, leader["replies"], strict=True)
+    by_crc = {crc(call): (call, reply) for call, reply in replies}
+    assert len(by_crc) == len(calls) and sorted(r[2] for r in led) == sorted(by_crc)
     one = _one_critic(tmp_path)
-    replies: dict[bytes, Any] = {}
-    for ran in leader["ran"]:
-        call = msgspec.convert(ran["call"], Announcement)
+    steps = []
+    for kind, _, checksum, _ in led:
+        call, reply = by_crc[checksum]
         if isinstance(call, Values):
-            mine = asyncio.run(one.values(call.samples))
-            assert _rows_diff(ran["result"], mine) < 1e-10
+            assert kind == "values"
+            assert _rows_diff(reply, asyncio.run(one.values(call.samples))) < 1e-10
         else:
-            assert isinstance(call, TrainStep)
+            assert kind == "train_step"
             mine = msgspec.to_builtins(asyncio.run(one.train_step(call.batch)))
-            assert ran["result"]["step"] == mine["step"]
-            assert ran["result"]["value_loss"] == pytest.approx(mine["value_loss"], rel=1e-6)
-        replies[msgspec.json.encode(call)] = ran["result"]
-    # Each caller got the reply of its own call, and the order was one of its own making.
-    for call, reply in zip(calls, leader["replies"], strict=True):
-        assert replies[msgspec.json.encode(call)] == reply
-    steps = [r["result"]["step"] for r in leader["ran"] if r["call"]["type"] == "train_step"]
+            assert reply["step"] == mine["step"]
+            assert reply["value_loss"] == pytest.approx(mine["value_loss"], rel=1e-6)
+            steps.append(reply["step"])
     assert steps == [1, 2, 3]
     params = torch.load(tmp_path / "fsdp-concurrent0.pt", weights_only=True)
     assert _max_diff(params, one.trainer.model.state_dict()) < 1e-10
@@ -343,12 +360,12 @@ def test_when_a_critic_rank_dies_the_other_exits(tmp_path: Any, dead: int) -> No
     exiting = next(line for line in outs[alive][1].splitlines() if "exiting" in line)
     hint = (
         "in a group of 2 (the timeout is 20 s): a rank died, or did not take part; every rank "
-        "of the critic must run every call replica 0 announces (CriticClient sends values and "
-        "train_step to replica 0; a call sent to another replica is refused)"
+        "must run every call replica 0 announces (LearnerClient and CriticClient send their "
+        "calls to replica 0; a call sent to another replica is refused)"
     )
     if alive == 1:  # waiting for the next call: the wait is what fails
         assert exiting.startswith(
-            "critic.1: exiting: critic: rank 1: the critic's next call (its size) failed ("
+            "critic.1: exiting: critic: rank 1: the group's next call (its size) failed ("
         ), exiting
         assert exiting.endswith(hint), exiting
     else:

@@ -1,5 +1,6 @@
 """Data-parallel learners: two ranks in two processes (gloo, a FileStore) take the step one
-learner takes on the whole batch, keep bit-identical parameters, and agree where to resume."""
+learner takes on the whole batch (replica 0 takes the calls and runs them on both ranks:
+``asyncrl.roles.training.lockstep``), keep bit-identical parameters, and agree where to resume."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch
 
 from asyncrl.role import RoleContext
 from asyncrl.roles.generation.rollout import Sample
-from asyncrl.roles.payloads import ProgramState
 from asyncrl.roles.training.checkpoints import CheckpointDir
 from asyncrl.roles.training.data_parallel import DataParallelError, fingerprint, token_shares
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
@@ -102,12 +102,17 @@ async def main():
         ctx = RoleContext.local(config=dict(CONFIG), name="learner", replica=rank, replicas=2,
                                 run_dir=run_dir, incarnation=incarnation)
         return Learner(ctx)
+    def last(status):
+        return {**status.last["result"]["metrics"], "version": status.version,
+                "consumed": status.last["result"]["consumed"]}
     first = learner(0)
     await first.setup()
-    results = [await first.train_step(b) for b in batches()]
+    # Replica 0 takes the calls; replica 1 runs each with it, until replica 0 closes.
+    results = [await first.train_step(b) for b in batches()] if rank == 0 else []
+    await first.teardown()
     params = {k: v.clone() for k, v in first.trainer.model.state_dict().items()}
     torch.save(params, f"{out}/rank{rank}.pt")
-    await first.teardown()
+    status = await first.learner_status(None)
     if rank == 1:
         # Rank 1 died after its last step's log line, before that step's checkpoint.
         shutil.rmtree(first.durability.checkpoints.latest())
@@ -116,13 +121,13 @@ async def main():
     resumed = {"step": second.step, "version": second.version,
                "consumed": len(second.consumed),
                "checkpoints": second.durability.checkpoints.steps()}
-    again = await second.train_step(batches()[-1])
-    same = all(torch.equal(v, params[k]) for k, v in second.trainer.model.state_dict().items())
+    again = (await second.train_step(batches()[-1])).replayed if rank == 0 else None
     await second.teardown()
+    same = all(torch.equal(v, params[k]) for k, v in second.trainer.model.state_dict().items())
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"results": [r.metrics | {"version": r.version, "consumed": r.consumed}
-                               for r in results],
-                   "resumed": resumed, "again": again.replayed, "retrained_same": same}, f)
+                               for r in results], "last": last(status),
+                   "resumed": resumed, "again": again, "retrained_same": same}, f)
 
 asyncio.run(main())
 """
@@ -174,10 +179,14 @@ def test_two_ranks_take_one_learners_step_with_identical_parameters(tmp_path: An
     # Bit for bit: the same reduced gradients met the same optimizer on both ranks.
     assert params[0].keys() == params[1].keys()
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
-    # The same results but each rank's own memory (its process's), which every step reports.
-    own = [[r.pop("memory_allocated_mib") for r in rank["results"]] for rank in ranks]
-    assert all(m > 0 for m in own[0] + own[1])
-    assert ranks[0]["results"] == ranks[1]["results"]
+    # Replica 1 took no call itself; its last step gave replica 0's result but its own memory
+    # (its process's), which every step reports.
+    assert ranks[1]["results"] == []
+    assert ranks[0]["last"] == ranks[0]["results"][-1]
+    own = [r["last"].pop("memory_allocated_mib") for r in ranks]
+    own += [r.pop("memory_allocated_mib") for r in ranks[0]["results"]]
+    assert all(m > 0 for m in own)
+    assert ranks[0]["last"] == ranks[1]["last"]
     # One learner on the whole batch: the same losses and update, to float rounding.
     one, metrics = _one_learner(tmp_path)
     moved = max(float((one[k] - params[0][k]).abs().max()) for k in one)
@@ -199,7 +208,8 @@ def test_two_ranks_take_one_learners_step_with_identical_parameters(tmp_path: An
     # dropped its step 3 (another timeline), and retraining batch 3 gives the same weights.
     for r in ranks:
         assert r["resumed"] == {"step": 2, "version": 2, "consumed": 12, "checkpoints": [2]}
-        assert r["again"] is False and r["retrained_same"] is True
+        assert r["retrained_same"] is True
+    assert [r["again"] for r in ranks] == [False, None]
 
 
 def test_token_shares_balance_tokens_deterministically() -> None:
@@ -326,64 +336,12 @@ def test_a_collective_with_a_dead_rank_breaks_the_group_for_good(tmp_path: Any) 
     first, again = outs[0][0].splitlines()
     assert first.startswith("learner: rank 0: the test's barrier failed (RuntimeError: "), first
     assert first.endswith(
-        "in a group of 2 (the timeout is 20 s): a rank died, or did not take part; every "
-        "replica must get every train_step and checkpoint (LearnerClient broadcasts them; a "
-        "plain call reaches one replica only)"
+        "in a group of 2 (the timeout is 20 s): a rank died, or did not take part; every rank "
+        "must run every call replica 0 announces (LearnerClient and CriticClient send their "
+        "calls to replica 0; a call sent to another replica is refused)"
     )
     assert again.startswith("learner: rank 0: the data-parallel group broke earlier (rank 0: ")
     assert again.endswith("); the group must restart")
-
-
-class FakeGroup:
-    """A learner group of two replicas as ``LearnerClient`` sees it: a first broadcast of
-    ``breaks`` fails as a replica dying in flight would; then the replicas answer ``replies``."""
-
-    name = "learner"
-    replicas = 2
-
-    def __init__(self, replies: list[Any], breaks: int = 0) -> None:
-        self.replies = replies
-        self.breaks = breaks
-        self.sent: list[tuple[str, Any]] = []
-
-    async def broadcast(self, method: str, payload: Any, reply_type: Any, *, timeout: float) -> Any:
-        from asyncrl.errors import DisconnectedError
-
-        self.sent.append((method, payload))
-        if self.breaks:
-            self.breaks -= 1
-            raise DisconnectedError("learner.1 died with the call in flight")
-        return self.replies
-
-
-def test_learner_client_broadcasts_to_data_parallel_replicas_and_checks_them() -> None:
-    from asyncrl.roles.payloads import StepResult
-    from asyncrl.roles.program.clients import LearnerClient
-
-    batch = TrainBatch(samples=[], id="b7")
-    same = [
-        StepResult(version=3, step=3, consumed=6, skipped=0, metrics={"loss": 0.5}),
-        StepResult(version=3, step=3, consumed=6, skipped=0, metrics={"loss": 0.5}),
-    ]
-    group = FakeGroup(same, breaks=1)
-    result = asyncio.run(LearnerClient(group).train_step(batch))  # type: ignore[arg-type]
-    assert result == same[0]
-    assert group.sent == [("train_step", batch)] * 2  # re-sent to both after the break
-    apart = [
-        StepResult(version=3, step=3, consumed=6, skipped=0, metrics={}),
-        StepResult(version=2, step=2, consumed=6, skipped=0, metrics={}),
-    ]
-    with pytest.raises(DataParallelError) as caught:
-        asyncio.run(LearnerClient(FakeGroup(apart)).train_step(batch))  # type: ignore[arg-type]
-    assert str(caught.value) == (
-        "learner: the data-parallel replicas answered train_step with different versions "
-        "(replica 0: version 3 step 3, replica 1: version 2 step 2); they must restart "
-        "together (supervision.strategy: one_for_all)"
-    )
-    paths = FakeGroup(["run/roles/learner.0/checkpoints/step-00000003", "other"])
-    keep = ProgramState(cursor=4)
-    assert asyncio.run(LearnerClient(paths).checkpoint(keep)) == paths.replies[0]  # type: ignore[arg-type]
-    assert paths.sent == [("checkpoint", keep)]
 
 
 JOIN_SCRIPT = """
@@ -515,7 +473,8 @@ def test_a_collective_a_rank_skips_times_out_through_the_plugin_naming_that_rank
         "learner: rank 0: the test's barrier failed (CollectiveTimeoutError: barrier: rank(s) "
         "[1] did not arrive within 1 s (this is rank 0); check that process's log for a crash "
         "or a hang, or raise dist_timeout_s in the manifest) in a group of 2 (the timeout is "
-        "1 s): a rank died, or did not take part; every replica must get every train_step and "
-        "checkpoint (LearnerClient broadcasts them; a plain call reaches one replica only)"
+        "1 s): a rank died, or did not take part; every rank must run every call replica 0 "
+        "announces (LearnerClient and CriticClient send their calls to replica 0; a call sent "
+        "to another replica is refused)"
     )
     assert cause == "CollectiveTimeoutError barrier [1]"

@@ -712,3 +712,39 @@ def test_bc_dropout_acts_in_bc_steps_only(tmp_path: Any) -> None:
         again.trainer.model.parameters(), reference.trainer.model.parameters(), strict=True
     ):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("durable", ["wal", "checkpoint"])
+def test_a_given_lr_stays_the_peak_until_another_is_given_across_a_restart(
+    tmp_path: Any, durable: str
+) -> None:
+    """``TrainBatch.lr`` > 0 is the peak from that step on; 0 keeps the last one given, never
+    the config's; a batch whose samples the ledger skips takes no step and changes nothing; a
+    restarted learner has the peak back (from its checkpoint, or from the batch its log
+    replays)."""
+
+    def batch(step: int, lr: float, pid: str = "") -> TrainBatch:
+        samples = [
+            Scored(sample=sample(pid or f"p{step}", [2, 3], [4 + step, 1], i), reward=float(i))
+            for i in range(2)
+        ]
+        return TrainBatch(samples=samples, algorithm="grpo", lr=lr, id=f"b{step}")
+
+    def rate(learner: Learner) -> float:  # what the next step takes (the schedule: constant)
+        return float(learner.trainer.optimizer.param_groups[0]["lr"])
+
+    learner = make(tmp_path, lr=0.01, durable=durable)
+    rates = []
+    for step, lr in enumerate([0.0, 0.5, 0.0]):
+        learner.train(batch(step, lr))
+        rates.append(rate(learner))
+    assert rates == [0.01, 0.5, 0.5]
+    skipped = learner.train(batch(3, 0.2, pid="p2"))  # p2's samples: consumed at step 3
+    assert (skipped.step, skipped.consumed, skipped.skipped) == (3, 0, 2)
+    assert rate(learner) == 0.5
+    learner.train(batch(4, 0.0))
+    run(learner.teardown())
+    restarted = make(tmp_path, lr=0.01, durable=durable)
+    assert (restarted.step, rate(restarted)) == (4, 0.5)
+    restarted.train(batch(5, 0.0))
+    assert rate(restarted) == 0.5

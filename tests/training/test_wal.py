@@ -238,7 +238,8 @@ async def main():
     learner = Learner(ctx)
     await learner.setup()
     done = len(open(acks).read().split()) if os.path.exists(acks) else 0
-    for step in range(done, STEPS):
+    # Replica 0 takes the calls; another replica runs each with it, until replica 0 closes.
+    for step in range(done, STEPS) if rank == 0 else []:
         await learner.train_step(batch(step))
         learner.durability.faults.after_work("train_step")  # the reply, as the runtime sends it
         with open(acks, "a") as f:

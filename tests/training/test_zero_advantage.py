@@ -180,10 +180,14 @@ async def main():
     learner = Learner(ctx)
     await learner.setup()
     zeros = []
-    for seed, rewards in two_steps():
+    for seed, rewards in two_steps() if rank == 0 else []:  # replica 0 takes the calls
         samples = batch(seed, rewards)
         result = await learner.train_step(TrainBatch(samples=samples, algorithm="grpo"))
         zeros.append(result.metrics["zero_advantage_rows"])
+    await learner.ctx.offload(learner.lockstep.close, 120.0)  # replica 1: when it closes
+    if rank == 1:  # it ran both steps with replica 0: its last step's metric
+        last = (await learner.learner_status(None)).last["result"]
+        zeros.append(last["metrics"]["zero_advantage_rows"])
     buckets = full_buckets(learner.trainer.model, 2**20)
     params = {k: v.clone() for bucket in buckets for k, v in bucket.items()}
     torch.save(params, f"{out}/{parallel}{rank}.pt")
@@ -227,4 +231,5 @@ def test_two_ranks_skip_zero_rows_and_take_one_learners_steps(tmp_path: Any, par
     for name, value in one.trainer.model.state_dict().items():
         torch.testing.assert_close(ranks[0][name], value, rtol=0, atol=1e-10)
         assert torch.equal(ranks[0][name], ranks[1][name])
-    assert zeros == [[8.0, 8.0], [8.0, 8.0]]  # each rank reports the batch's, not a sum
+    # Each rank reports the batch's, not a sum (replica 1: of its last step).
+    assert zeros == [[8.0, 8.0], [8.0]]
