@@ -66,9 +66,13 @@ class Group:
     def restart(self, replica: int) -> None:
         self.roles[replica] = self.make(replica)
 
+    def choose(self, avoid: int | None) -> int:
+        """The replica a call to any goes to: the next in turn."""
+        return len(self.resets) % self.replicas
+
     async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
         replica = kw.get("replica")
-        replica = len(self.resets) % self.replicas if replica is None else replica
+        replica = self.choose(kw.get("avoid")) if replica is None else replica
         if method == "reset":
             self.resets.append(replica)
             self.reset_ids.append(payload.episode_id)
@@ -148,6 +152,34 @@ def test_every_replica_quarantined_stops_new_episodes_by_name() -> None:
             await env.step(episode, "add 3 4")
         with pytest.raises(ReplicasQuarantinedError, match=r"^every replica of 'env' is quar"):
             await env.reset("f", "3 4")
+
+    run(main())
+
+
+class FailsAtOnce(Group):
+    """A call to any replica goes to the freest, as the dispatcher sends it: the failing
+    replica, which answers at once, unless the call avoids it (then the next)."""
+
+    def choose(self, avoid: int | None) -> int:
+        return 0 if avoid != 0 else 1
+
+
+def test_an_episode_played_again_goes_to_another_replica_than_the_one_that_failed_it() -> None:
+    async def main() -> None:
+        group = FailsAtOnce(3, failing=0)
+        env = EnvironmentClient(group, step_timeout_s=0.2)
+        for episode_id in ("eval-0", "eval-0~1", "p/0", "p/0", "q/0"):
+            episode = await env.reset(episode_id, "1 2")
+            try:
+                await env.step(episode, "add 1 2")
+            except EnvironmentFailed as exc:
+                assert exc.cause in ("timeout", "error")
+                env.close(episode)
+        # eval-0 failed on env.0: its fresh id goes elsewhere; so does p/0 started again under
+        # the same id; q/0, failed by none, goes to the freest.
+        assert group.resets == [0, 1, 0, 1, 0]
+        assert group.reset_ids == ["eval-0", "eval-0~1", "p/0", "p/0", "q/0"]
+        assert not env.quarantine.is_quarantined(0)  # 3 of its 20 steps: not judged yet
 
     run(main())
 
