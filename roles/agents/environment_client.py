@@ -1,11 +1,11 @@
 """An environment role driven by agent code: episodes reset, stepped and closed one call at a
 time, with the failures of the environment typed apart from the policy's results.
 
-``EpisodeRunner`` (``asyncrl.roles.agents.episodes``) plays whole episodes itself, asking the
-rollout group for each action. An agent that asks the policy through the OpenAI-compatible
-endpoint (``asyncrl.roles.agents.openai_server``), with the ``openai`` client, plays its own
-turns and needs the environment alone: ``EnvironmentClient`` gives it that, with the same rules
-as the runner:
+``EnvironmentClient`` is the one place that owns the rules for an environment's failures, for
+both of its users: ``EpisodeRunner`` (``asyncrl.roles.agents.episodes``), which plays whole
+episodes and asks the rollout group for each action, and an agent that asks the policy through
+the OpenAI-compatible endpoint (``asyncrl.roles.agents.openai_server``), with the ``openai``
+client, and plays its own turns. The rules:
 
 - ``reset`` starts an episode on a replica the quarantine allows (round robin over the healthy
   ones; a probe now and then to a quarantined one); every step of the episode goes to that
@@ -27,9 +27,10 @@ as the runner:
 - ``close`` forgets an episode on its replica without waiting (an episode that ended ``done``
   needs none).
 
-A lost episode is not replayed here as the runner replays it: the agent's conversation with the
-endpoint went on from what the lost replica said, and the agent alone knows how to play it
-again, so it ends as ``"lost"`` and the pipeline plays the prompt afresh.
+A lost episode is not replayed here: the runner replays one (or restarts it from ``reset``)
+itself, while an agent's conversation with the endpoint went on from what the lost replica
+said, and the agent alone knows how to play it again, so there it ends as ``"lost"`` and the
+pipeline plays the prompt afresh.
 """
 
 from __future__ import annotations
@@ -100,8 +101,7 @@ class EnvEpisode:
 class Closes:
     """``close`` calls sent to an environment group without waiting (a cancelled episode cannot
     wait), each task kept until it ends; a close that fails is only logged, since a replica
-    forgets its episodes when it restarts anyway. Shared by ``EnvironmentClient`` and the
-    episode runner (``asyncrl.roles.agents.episodes``)."""
+    forgets its episodes when it restarts anyway."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
