@@ -23,7 +23,9 @@ client, and plays its own turns. The rules:
   group with a fresh episode (``episode_id`` gives that one a fresh id).
 - Every step feeds the quarantine: a replica failing more than its share of its last steps
   takes no new episode (``asyncrl.roles.agents.quarantine``). Episodes lost with a replica's
-  death do not count against it: the supervisor restarts it.
+  death do not count against it: the supervisor restarts it. That includes a step that no
+  process took before its deadline (the replica was down, its restart not yet up: the
+  deadline error names no pid); a step a live replica took and did not answer counts.
 - ``close`` forgets an episode on its replica without waiting (an episode that ended ``done``
   needs none).
 
@@ -248,9 +250,12 @@ class EnvironmentClient:
             raise EnvironmentFailed(
                 episode.episode_id, "error", f"the environment failed turn {step.turn}: {exc}"
             ) from exc
-        except DeadlineExceededError as exc:  # alive, but silent: its failure
+        except DeadlineExceededError as exc:
             self._failed_by(episode)
-            self.quarantine.record(replica, failed=True)
+            if exc.pid is not None:  # a live process took the step and was silent: its failure
+                self.quarantine.record(replica, failed=True)
+            # Else no process took it before its deadline: the replica was down (killed, and
+            # not yet restarted), so the episode is lost with its death, as below.
             raise EnvironmentFailed(
                 episode.episode_id, "lost", f"turn {step.turn} was not answered: {exc}"
             ) from exc
