@@ -73,14 +73,15 @@ def test_the_agent_plays_through_the_endpoint_and_a_failing_replica_is_never_tra
     samples, metrics, held = run(main())
     first, failed, third, again = samples
     # Round robin: sample 0 on env.0, 1 on env.1 (its step hangs past the deadline), 2 on
-    # env.0 again; the replacement of sample 1 on env.1, whose second failure raises.
+    # env.0 again; the replacement of sample 1 avoids env.1, which failed it, and plays on env.0.
     assert (first.infra_failed, first.turn_rewards) == ("", [0.0, 1.0])
     assert (failed.infra_failed, failed.token_ids) == ("timeout", [])
     assert third.infra_failed == "" and third.token_ids == first.token_ids
-    assert (again.infra_failed, again.prompt_id, again.sample_index) == ("error", "sum-0", 1)
+    assert (again.infra_failed, again.prompt_id, again.sample_index) == ("", "sum-0", 1)
     assert group.reset_ids == ["sum-0/0", "sum-0/1", "sum-0/2", "sum-0/1~1"]
+    assert group.resets == [0, 1, 0, 0]
     assert metrics["episodes"] == 4 and metrics["env_timeouts"] == 1
-    assert metrics["env_errors"] == 1 and metrics["tool_calls"] == 2
+    assert metrics["env_errors"] == 0 and metrics["tool_calls"] == 3
     assert held == {}  # every conversation closed on the endpoint
 
 

@@ -67,8 +67,10 @@ class Group:
         self.roles[replica] = self.make(replica)
 
     def choose(self, avoid: int | None) -> int:
-        """The replica a call to any goes to: the next in turn."""
-        return len(self.resets) % self.replicas
+        """The replica a call to any goes to: the next in turn, or the one after it when the
+        call avoids that one, as the dispatcher prefers any other to the replica avoided."""
+        turn = len(self.resets) % self.replicas
+        return (turn + 1) % self.replicas if turn == avoid else turn
 
     async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
         replica = kw.get("replica")
