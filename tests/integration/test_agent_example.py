@@ -44,7 +44,7 @@ def test_the_agent_learns_the_game(run_dir: str) -> None:
     assert pipe["admitted_samples"] == (
         pipe["consumed_samples"] + pipe["wasted_samples"] + pipe["in_flight_at_end"]
     )
-    assert pipe["env_tokens"] > 0 and pipe["env_errors"] == 0
+    assert pipe["env_tokens"] > 0 and pipe.get("env_errors", 0) == 0  # counters at 0 left out
     trained = [m["learner"]["env_tokens_trained"] for m in _lines(f"{run_dir}/metrics.jsonl")]
     assert len(trained) == 300 and set(trained) == {0.0}
 
