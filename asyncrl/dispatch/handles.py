@@ -71,6 +71,7 @@ class Handle:
         key: Any = None,
         target: int | None = None,
         affinity: Any = None,
+        avoid: int = -1,
         settle: bool = True,
     ) -> Work:
         """A call's ``Work``, counted in flight until it settles: by a callback on its future
@@ -89,6 +90,7 @@ class Handle:
             key=key,
             target=target,
             affinity=affinity,
+            avoid=avoid,
         )
         self._in_flight[work] = loop.time()
         if settle:
@@ -126,12 +128,15 @@ class Handle:
         key: Any = None,
         affinity: Any = None,
         replica: int | None = None,
+        avoid: int | None = None,
     ) -> Any:
         """Call ``method`` on whichever replica has room; return its reply.
 
         Calls with the same ``affinity`` key prefer the replica the first of them went to
         (an idle replica still steals them; see ``asyncrl.dispatch.scheduler``). ``replica`` sends
         the call to that replica only (one that alone can answer it: a sharded learner's first).
+        ``avoid`` sends it to any other replica that has room, before that one (a call that
+        repeats one the replica failed, as a retry does).
 
         Raises:
             DeadlineExceededError: no reply within ``timeout`` seconds (names role and replica).
@@ -147,6 +152,7 @@ class Handle:
             key=key,
             affinity=affinity,
             target=replica,
+            avoid=-1 if avoid is None else avoid,
             settle=False,
         )
         self._group.submit(work)

@@ -103,7 +103,9 @@ class ReplicaClient(Protocol):
 
 
 class Work:
-    """One request on its way to some replica of a group."""
+    """One request on its way to some replica of a group. ``avoid`` names a replica it should
+    go elsewhere than, when another has room: the one that failed it (a retry sets it; so may
+    its caller, for a request that repeats one a replica failed)."""
 
     __slots__ = (
         "affinity",
@@ -133,6 +135,7 @@ class Work:
         key: Any = None,
         target: int | None = None,
         affinity: Any = None,
+        avoid: int = -1,
     ) -> None:
         self.method = method
         self.payload = payload
@@ -144,7 +147,7 @@ class Work:
         self.target = target
         self.affinity = affinity
         self.attempt = 0
-        self.avoid = -1
+        self.avoid = avoid
         self.sent = False
         self.armed: list[Any] | None = None  # queued, due to fail at its deadline (``Deadlines``)
 

@@ -17,6 +17,8 @@ import json
 from collections import Counter
 from typing import Any
 
+import openai
+
 from asyncrl.roles.agents.environment_client import EnvEpisode, EnvironmentClient, EnvironmentFailed
 from asyncrl.roles.agents.episodes import Trajectory, count
 from asyncrl.roles.agents.openai_server import OpenAIServer
@@ -34,16 +36,22 @@ async def play(
     the calculator, whose result goes back as the tool's message; its first reply without a
     call is its answer. Every request names the ``conversation`` (``user``), so the endpoint
     records it as one episode. The reward the environment gives the answer (0 when the policy
-    does not answer within ``MAX_TURNS`` replies), and the calls made."""
+    does not answer within ``MAX_TURNS`` replies, or before the conversation outgrows the
+    model's context), and the calls made."""
     messages: list[Any] = [{"role": "user", "content": episode.observation}]
     for calls in range(MAX_TURNS):
-        reply = await client.chat.completions.create(
-            model="policy",
-            messages=messages,
-            tools=[ADD_TOOL],
-            user=conversation,
-            **sampling,
-        )
+        try:
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                tools=[ADD_TOOL],
+                user=conversation,
+                **sampling,
+            )
+        except openai.BadRequestError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            return 0.0, calls  # the policy's calls filled the context: its result, as out of turns
         message = reply.choices[0].message
         if not message.tool_calls:
             said = await env.step(episode, f"answer {message.content or ''}")

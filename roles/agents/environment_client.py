@@ -1,15 +1,18 @@
 """An environment role driven by agent code: episodes reset, stepped and closed one call at a
 time, with the failures of the environment typed apart from the policy's results.
 
-``EpisodeRunner`` (``asyncrl.roles.agents.episodes``) plays whole episodes itself, asking the
-rollout group for each action. An agent that asks the policy through the OpenAI-compatible
-endpoint (``asyncrl.roles.agents.openai_server``), with the ``openai`` client, plays its own
-turns and needs the environment alone: ``EnvironmentClient`` gives it that, with the same rules
-as the runner:
+``EnvironmentClient`` is the one place that owns the rules for an environment's failures, for
+both of its users: ``EpisodeRunner`` (``asyncrl.roles.agents.episodes``), which plays whole
+episodes and asks the rollout group for each action, and an agent that asks the policy through
+the OpenAI-compatible endpoint (``asyncrl.roles.agents.openai_server``), with the ``openai``
+client, and plays its own turns. The rules:
 
 - ``reset`` starts an episode on a replica the quarantine allows (round robin over the healthy
   ones; a probe now and then to a quarantined one); every step of the episode goes to that
-  replica.
+  replica. An episode played again after the environment failed it (its fresh id
+  ``<name>~<n>``, or the same id started again) goes to another replica than the one that
+  failed it, while another has room: a replica that fails at once is the freest, and would
+  otherwise draw every retry until the quarantine takes it out.
 - ``step`` answers the environment's ``Transition``, or raises ``EnvironmentFailed`` with the
   cause when the environment failed the step: ``"timeout"`` (past ``step_timeout_s``, unless the
   environment declares its timeouts part of the task: then the timed-out ``Transition`` is the
@@ -20,13 +23,16 @@ as the runner:
   group with a fresh episode (``episode_id`` gives that one a fresh id).
 - Every step feeds the quarantine: a replica failing more than its share of its last steps
   takes no new episode (``asyncrl.roles.agents.quarantine``). Episodes lost with a replica's
-  death do not count against it: the supervisor restarts it.
+  death do not count against it: the supervisor restarts it. That includes a step that no
+  process took before its deadline (the replica was down, its restart not yet up: the
+  deadline error names no pid); a step a live replica took and did not answer counts.
 - ``close`` forgets an episode on its replica without waiting (an episode that ended ``done``
   needs none).
 
-A lost episode is not replayed here as the runner replays it: the agent's conversation with the
-endpoint went on from what the lost replica said, and the agent alone knows how to play it
-again, so it ends as ``"lost"`` and the pipeline plays the prompt afresh.
+A lost episode is not replayed here: the runner replays one (or restarts it from ``reset``)
+itself, while an agent's conversation with the endpoint went on from what the lost replica
+said, and the agent alone knows how to play it again, so there it ends as ``"lost"`` and the
+pipeline plays the prompt afresh.
 """
 
 from __future__ import annotations
@@ -51,6 +57,15 @@ forgotten (the pipeline plays a failed episode's prompt again at once, or never)
 LOST = "EpisodeLost"
 """The remote type of the error a replica without the episode raises."""
 
+FRESH = "~"
+"""What separates an episode's name from the count of its failed tries in a fresh id."""
+
+
+def name_of(episode_id: str) -> str:
+    """The episode an id plays: ``p/0`` for ``p/0`` and for its fresh ids ``p/0~<n>``."""
+    name, sep, tries = episode_id.rpartition(FRESH)
+    return name if sep and tries.isdigit() else episode_id
+
 
 class EnvironmentFailed(AsyncrlError):
     """The environment failed an episode through no fault of the policy. Recoverable: the
@@ -70,12 +85,14 @@ class EnvironmentFailed(AsyncrlError):
 
 
 class EnvEpisode:
-    """One episode on the environment: its id, the replica that holds it, the steps it took,
-    whether the environment ended it, and the timeouts and errors met on the way."""
+    """One episode on the environment: its id, the replica that holds it, which start of the
+    episode this is (``attempt``), the steps it took, whether the environment ended it, and
+    the timeouts and errors met on the way."""
 
-    def __init__(self, episode_id: str, replica: int, observation: str) -> None:
+    def __init__(self, episode_id: str, replica: int, observation: str, attempt: int = 0) -> None:
         self.episode_id = episode_id
         self.replica = replica
+        self.attempt = attempt
         self.observation = observation
         self.turn = 0
         self.done = False
@@ -86,8 +103,7 @@ class EnvEpisode:
 class Closes:
     """``close`` calls sent to an environment group without waiting (a cancelled episode cannot
     wait), each task kept until it ends; a close that fails is only logged, since a replica
-    forgets its episodes when it restarts anyway. Shared by ``EnvironmentClient`` and the
-    episode runner (``asyncrl.roles.agents.episodes``)."""
+    forgets its episodes when it restarts anyway."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
@@ -141,6 +157,7 @@ class EnvironmentClient:
             probe_after_s=probe_after_s,
         )
         self._failed: dict[str, int] = {}  # episode name -> its failed tries, until run again
+        self._failed_on: dict[str, int] = {}  # episode name -> the replica that failed it last
         self.closes = Closes(env)
         self._counted = (0, 0)  # (quarantined, released) counted in metrics
 
@@ -149,7 +166,7 @@ class EnvironmentClient:
         failed ``n`` times, so that neither the endpoint nor a replica confuses the fresh
         episode with the failed one."""
         tries = self._failed.get(name, 0)
-        return f"{name}~{tries}" if tries else name
+        return f"{name}{FRESH}{tries}" if tries else name
 
     def failed(self, name: str) -> None:
         """Episode ``name`` failed through no fault of the policy: its next ``episode_id`` is
@@ -166,28 +183,40 @@ class EnvironmentClient:
         metrics["quarantined"] += self.quarantine.quarantined - quarantined
         metrics["quarantine_released"] += self.quarantine.released - released
 
-    async def reset(self, episode_id: str, task: Any) -> EnvEpisode:
-        """Start ``episode_id`` on ``task``, on a replica the quarantine allows.
+    def _failed_by(self, episode: EnvEpisode) -> None:
+        """``episode``'s replica failed it: the next reset of its name goes elsewhere."""
+        name = name_of(episode.episode_id)
+        self._failed_on.pop(name, None)
+        self._failed_on[name] = episode.replica
+        while len(self._failed_on) > FAILED_KEPT:
+            del self._failed_on[next(iter(self._failed_on))]
+
+    async def reset(self, episode_id: str, task: Any, *, attempt: int = 0) -> EnvEpisode:
+        """Start ``episode_id`` on ``task``, on a replica the quarantine allows, and another
+        than the one that failed it last while another has room. ``attempt`` counts the starts
+        of this episode id (0 first; the episode runner starts a lost episode again).
 
         Raises:
             EnvironmentFailed: the reset raised (``"error"``) or was not answered (``"lost"``).
             ReplicasQuarantinedError: every replica is quarantined.
         """
-        replica = self.quarantine.pick()
+        avoid = self._failed_on.pop(name_of(episode_id), None)
+        replica = self.quarantine.pick(avoid)
         try:
             obs: Observation = await self.env.call(
                 "reset",
-                Reset(episode_id=episode_id, task=task),
+                Reset(episode_id=episode_id, task=task, attempt=attempt),
                 Observation,
                 timeout=self.step_timeout_s,
-                key=(episode_id, "reset"),
+                key=(episode_id, attempt, "reset"),
                 replica=replica,
+                avoid=avoid,
             )
         except RemoteError as exc:
             raise EnvironmentFailed(episode_id, "error", f"the reset failed: {exc}") from exc
         except (DeadlineExceededError, BrokenError) as exc:
             raise EnvironmentFailed(episode_id, "lost", f"the reset was lost: {exc}") from exc
-        return EnvEpisode(episode_id, obs.replica, obs.text)
+        return EnvEpisode(episode_id, obs.replica, obs.text, attempt)
 
     async def step(self, episode: EnvEpisode, action: str) -> Transition:
         """Take ``action`` in the episode, on the replica that holds it.
@@ -209,10 +238,11 @@ class EnvironmentClient:
                 step,
                 Transition,
                 timeout=2 * self.step_timeout_s,
-                key=(episode.episode_id, episode.turn),
+                key=(episode.episode_id, episode.attempt, episode.turn),
                 replica=replica,
             )
         except RemoteError as exc:
+            self._failed_by(episode)
             if exc.remote_type == LOST:  # the replica restarted: the supervisor's business
                 raise EnvironmentFailed(episode.episode_id, "lost", str(exc)) from exc
             self.quarantine.record(replica, failed=True)
@@ -220,12 +250,17 @@ class EnvironmentClient:
             raise EnvironmentFailed(
                 episode.episode_id, "error", f"the environment failed turn {step.turn}: {exc}"
             ) from exc
-        except DeadlineExceededError as exc:  # alive, but silent: its failure
-            self.quarantine.record(replica, failed=True)
+        except DeadlineExceededError as exc:
+            self._failed_by(episode)
+            if exc.pid is not None:  # a live process took the step and was silent: its failure
+                self.quarantine.record(replica, failed=True)
+            # Else no process took it before its deadline: the replica was down (killed, and
+            # not yet restarted), so the episode is lost with its death, as below.
             raise EnvironmentFailed(
                 episode.episode_id, "lost", f"turn {step.turn} was not answered: {exc}"
             ) from exc
         except BrokenError as exc:  # it died with the step in flight
+            self._failed_by(episode)
             raise EnvironmentFailed(
                 episode.episode_id, "lost", f"turn {step.turn} was lost: {exc}"
             ) from exc
@@ -234,6 +269,7 @@ class EnvironmentClient:
         if transition.timed_out:
             episode.timeouts += 1
         if infra_timeout:
+            self._failed_by(episode)
             raise EnvironmentFailed(
                 episode.episode_id,
                 "timeout",
@@ -247,4 +283,5 @@ class EnvironmentClient:
         """Tell the replica to forget the episode, without waiting (a cancelled agent cannot
         wait); nothing for an episode the environment ended."""
         if not episode.done:
-            self.closes.send(Close(episode_id=episode.episode_id), episode.replica)
+            close = Close(episode_id=episode.episode_id, attempt=episode.attempt)
+            self.closes.send(close, episode.replica)

@@ -9,7 +9,10 @@ are the policy's; ``turn_starts`` where each segment begins.
 
 ``EpisodeRunner.run`` drives one episode; a program runs many at once, so fast episodes never
 wait for slow ones (each is its own task; its generate calls and steps go to whichever replicas
-have room, and its steps to the environment replica that holds it). Failures:
+have room, and its steps to the environment replica that holds it). It reaches the environment
+through an ``EnvironmentClient`` (``asyncrl.roles.agents.environment_client``), as agent code
+does, so what counts as the environment's failure, the quarantine, and where an episode played
+again starts are decided in one place. Failures:
 
 - A step past ``step_timeout_s`` is cancelled by the environment (counted in ``timeouts``) and
   ends the episode as ``infra_failed`` (``"timeout"``): the environment failed, not the policy,
@@ -43,10 +46,9 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.errors import AsyncrlError, BrokenError, DeadlineExceededError, RemoteError
-from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
-from asyncrl.roles.agents.environment_client import Closes
-from asyncrl.roles.agents.quarantine import Quarantine
+from asyncrl.errors import AsyncrlError
+from asyncrl.roles.agents.environment import Transition
+from asyncrl.roles.agents.environment_client import EnvEpisode, EnvironmentClient, EnvironmentFailed
 from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, Sample, SamplingParams
 
 __all__ = [
@@ -59,13 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("asyncrl.agents")
-
-FAILED_KEPT = 4096
-"""The infra-failed episodes ``source`` remembers, to give the next episode of each a fresh id;
-past it, the oldest are forgotten (the pipeline replaces a failed episode at once, or never)."""
-
-LOST = "EpisodeLost"
-"""The remote type of the error a replica without the episode raises."""
 
 
 class Segment(msgspec.Struct, kw_only=True):
@@ -207,6 +202,12 @@ class _Lost(Exception):
 class EpisodeRunner:
     """Runs episodes of a policy (the rollout group) against an environment role.
 
+    The environment is reached through an ``EnvironmentClient``
+    (``asyncrl.roles.agents.environment_client``, the runner's ``environment``), which owns
+    the rules for what the environment failed, the quarantine, the fresh ids of episodes played
+    again and the replica each is sent to; the runner owns the turns, the restarts and replays
+    of a lost episode, and the trajectory.
+
     Args:
         rollout: the rollout group's handle (``generate`` takes one sample per call).
         env: the environment group's handle.
@@ -226,6 +227,10 @@ class EpisodeRunner:
             ``quarantine_share`` of its last ``quarantine_window`` steps is quarantined: no new
             episode starts on it but a probe every ``probe_after_s`` seconds, which lets it
             back once it serves a step (``asyncrl.roles.agents.quarantine``).
+
+    Raises:
+        ValueError: a bad ``on_timeout``, ``max_turns``, ``step_timeout_s`` or quarantine
+            setting.
     """
 
     def __init__(
@@ -253,28 +258,23 @@ class EpisodeRunner:
         if max_turns < 1:
             raise ValueError(f"max_turns: expected an int >= 1, got {max_turns}")
         self.rollout = rollout
-        self.env = env
+        self.environment = EnvironmentClient(
+            env,
+            step_timeout_s=step_timeout_s,
+            quarantine_share=quarantine_share,
+            quarantine_window=quarantine_window,
+            probe_after_s=probe_after_s,
+        )
         self.encode = encode
         self.decode = decode
         self.params = params
         self.max_turns = max_turns
-        self.step_timeout_s = step_timeout_s
         self.on_timeout = on_timeout
         self.timeout_text = timeout_text
         self.deterministic = deterministic
         self.max_restarts = max_restarts
         self.generate_timeout_s = generate_timeout_s
         self.task_of = task_of
-        self.closes = Closes(env)
-        self._failed: dict[str, int] = {}  # episode -> its infra failures, until run again
-        self.quarantine = Quarantine(
-            str(getattr(env, "name", "env")),
-            int(getattr(env, "replicas", 1)),
-            share=quarantine_share,
-            window=quarantine_window,
-            probe_after_s=probe_after_s,
-        )
-        self._quarantines_counted = (0, 0)  # (quarantined, released) counted in metrics
 
     async def source(self, prompt: Prompt, index: int, metrics: Counter[str]) -> Sample:
         """The sample pipeline's ``SampleSource``: sample ``index`` of ``prompt`` is episode
@@ -286,10 +286,11 @@ class EpisodeRunner:
         An episode that failed through no fault of the policy comes back flagged
         (``Sample.infra_failed``): a step timed out or raised, its reset raised, or it was lost
         more than ``max_restarts`` times. The pipeline's fresh episode in its place is
-        ``<prompt id>/<index>~<n>``, so that no replica confuses it with the failed one."""
+        ``<prompt id>/<index>~<n>`` (``EnvironmentClient.episode_id``), so that no replica
+        confuses it with the failed one, and it starts on another replica than the one that
+        failed it."""
         name = f"{prompt.id}/{index}"
-        tries = self._failed.pop(name, 0)
-        episode_id = f"{name}~{tries}" if tries else name
+        episode_id = self.environment.episode_id(name)
         try:
             traj = await self.run(episode_id, self.task_of(prompt), prompt.token_ids)
         except EpisodeFailedError as exc:
@@ -300,27 +301,19 @@ class EpisodeRunner:
                 restarts=self.max_restarts,
                 infra_failed="lost",
             )
-        except RemoteError as exc:  # its reset raised
-            log.warning("episode %r: the environment's reset failed: %s", episode_id, exc)
-            traj = Trajectory(
-                episode_id=episode_id, prompt_ids=prompt.token_ids, errors=1, infra_failed="error"
-            )
         if traj.infra_failed:
-            self._failed[name] = tries + 1
-            if len(self._failed) > FAILED_KEPT:  # never run again (``infra_failed: drop``)
-                del self._failed[next(iter(self._failed))]
+            self.environment.failed(name)
         count(metrics, traj)
-        quarantined, released = self._quarantines_counted
-        self._quarantines_counted = (self.quarantine.quarantined, self.quarantine.released)
-        metrics["quarantined"] += self.quarantine.quarantined - quarantined
-        metrics["quarantine_released"] += self.quarantine.released - released
+        self.environment.count(metrics)
         return traj.sample(prompt.id, index)
 
     async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
-        """Run one episode to its end; its trajectory, exact to the token.
+        """Run one episode to its end; its trajectory, exact to the token (flagged
+        ``infra_failed`` when its reset raised, or a step timed out or raised).
 
         Raises:
             EpisodeFailedError: the episode was lost more than ``max_restarts`` times.
+            ReplicasQuarantinedError: every environment replica is quarantined.
         """
         restarts = replays = 0
         resumed: Trajectory | None = None
@@ -329,7 +322,7 @@ class EpisodeRunner:
             try:
                 traj = await self._episode(episode_id, task, prompt_ids, resumed, attempt)
             except (_Lost, _Unreplayable) as exc:
-                self._forget(episode_id, attempt)  # a replica still holding it lets it go
+                self._forget(attempt)  # a replica still holding it lets it go
                 if restarts + replays >= self.max_restarts:
                     raise EpisodeFailedError(
                         episode_id, restarts, replays, self.max_restarts, exc
@@ -344,11 +337,10 @@ class EpisodeRunner:
                     resumed = None
                 continue
             except BaseException:  # cancelled (its group was released), or failed
-                self._forget(episode_id, attempt)
+                self._forget(attempt)
                 raise
             traj.restarts, traj.replays = restarts, replays
-            if not traj.done:  # the environment still holds it: let it go
-                self._forget(episode_id, attempt)
+            self._forget(attempt)  # nothing for an episode the environment ended
             return traj
 
     async def _episode(
@@ -360,22 +352,25 @@ class EpisodeRunner:
         attempt: _Attempt,
     ) -> Trajectory:
         """One attempt: reset (and replay ``resumed``'s actions), then take turns to the end."""
-        obs = await self._env(
-            "reset",
-            Reset(episode_id=episode_id, task=task, attempt=attempt.number),
-            Observation,
-            timeout=self.step_timeout_s,
-            key=(episode_id, attempt.number, "reset"),
-            replica=self.quarantine.pick(),
-        )
-        attempt.replica = obs.replica
+        try:
+            episode = await self.environment.reset(episode_id, task, attempt=attempt.number)
+        except EnvironmentFailed as exc:
+            if exc.cause == "lost":
+                raise _Lost(str(exc)) from exc
+            log.warning("episode %r: the environment's reset failed: %s", episode_id, exc)
+            return Trajectory(
+                episode_id=episode_id, prompt_ids=prompt_ids, errors=1, infra_failed=exc.cause
+            )
+        attempt.episode = episode
         if resumed is None:
-            traj = Trajectory(episode_id=episode_id, prompt_ids=prompt_ids + self.encode(obs.text))
+            traj = Trajectory(
+                episode_id=episode_id, prompt_ids=prompt_ids + self.encode(episode.observation)
+            )
         else:
             traj = resumed
         attempt.traj = traj  # what a replay goes on from, if this attempt loses the episode
         if resumed is not None:
-            await self._replay(traj, obs.replica, attempt.number)
+            await self._replay(traj, episode)
         while not traj.done:
             turn = len(traj.turn_rewards)  # steps taken; a replayed episode may owe one
             if turn == traj.turns:
@@ -391,9 +386,7 @@ class EpisodeRunner:
                     )
                 )
             action = self.decode(traj.segments[-1].token_ids)
-            transition = await self._step(
-                episode_id, turn, action, obs.replica, attempt.number, traj
-            )
+            transition = await self._step(episode, action, traj)
             if transition is None:  # ended on a timeout or an error
                 break
             traj.said.append(None if transition.timed_out else transition.observation)
@@ -406,24 +399,11 @@ class EpisodeRunner:
                 )
         return traj
 
-    async def _env(self, method: str, payload: Any, reply: Any, **kw: Any) -> Any:
-        """A call to the environment; a replica that lost the episode (``EpisodeLost``), broke
-        the connection with the call in flight (it died: its state is gone with it) or did not
-        answer in time raises ``_Lost``."""
-        try:
-            return await self.env.call(method, payload, reply, **kw)
-        except (DeadlineExceededError, BrokenError) as exc:
-            raise _Lost(f"the environment did not answer {method!r}: {exc}") from exc
-        except RemoteError as exc:
-            if exc.remote_type == LOST:
-                raise _Lost(str(exc)) from exc
-            raise
-
-    def _forget(self, episode_id: str, attempt: _Attempt) -> None:
+    def _forget(self, attempt: _Attempt) -> None:
         """Tell the replica that holds the attempt's episode to forget it, without waiting (a
-        cancelled episode cannot wait); the task is kept until it ends."""
-        if attempt.replica is not None:
-            self.closes.send(Close(episode_id=episode_id, attempt=attempt.number), attempt.replica)
+        cancelled episode cannot wait)."""
+        if attempt.episode is not None:
+            self.environment.close(attempt.episode)
 
     async def _generate(self, traj: Trajectory, attempt: int) -> Sample:
         context = [*traj.prompt_ids, *traj.token_ids]
@@ -444,46 +424,28 @@ class EpisodeRunner:
                 prompt=prompt, sample_index=0, params=self.params, partial=sample
             )
 
-    async def _step(
-        self, episode_id: str, turn: int, action: str, replica: int, attempt: int, traj: Trajectory
-    ) -> Transition | None:
-        """One step on the replica that holds the episode; None when a timeout ends it."""
-        step = Step(episode_id=episode_id, turn=turn, action=action, deadline_s=self.step_timeout_s)
+    async def _step(self, episode: EnvEpisode, action: str, traj: Trajectory) -> Transition | None:
+        """One step on the replica that holds the episode; None when a timeout or an error of
+        the environment ends it (``infra_failed``), or a task's timeout with ``on_timeout``
+        ``"end"``."""
         try:
-            transition: Transition = await self._env(
-                "step",
-                step,
-                Transition,
-                timeout=2 * self.step_timeout_s,
-                key=(episode_id, attempt, turn),
-                replica=replica,
-            )
-        except RemoteError as exc:
-            log.debug("episode %r: the environment failed turn %d: %s", episode_id, turn, exc)
-            self.quarantine.record(replica, failed=True)
-            traj.errors += 1
-            traj.infra_failed = "error"
+            transition = await self.environment.step(episode, action)
+        except EnvironmentFailed as exc:
+            if exc.cause == "lost":
+                raise _Lost(str(exc)) from exc
+            log.debug("%s", exc)
+            traj.timeouts += exc.cause == "timeout"
+            traj.errors += exc.cause == "error"
+            traj.infra_failed = exc.cause
             return None
-        except _Lost as exc:
-            # A replica that did not answer in time failed the step; one that died or was
-            # restarted (its episodes lost with it) is the supervisor's to restart, not ours to
-            # judge: one death loses every episode it held at once.
-            if isinstance(exc.__cause__, DeadlineExceededError):
-                self.quarantine.record(replica, failed=True)
-            raise
-        infra_timeout = transition.timed_out and not transition.task_timeout
-        self.quarantine.record(replica, failed=infra_timeout)
-        if transition.timed_out:
+        if transition.timed_out:  # part of the task: the policy's result
             traj.timeouts += 1
-            if infra_timeout:
-                traj.infra_failed = "timeout"
-                return None
             if self.on_timeout == "end":
                 return None
             return Transition(observation=self.timeout_text, timed_out=True)
         return transition
 
-    async def _replay(self, traj: Trajectory, replica: int, attempt: int) -> None:
+    async def _replay(self, traj: Trajectory, episode: EnvEpisode) -> None:
         """Take a resumed trajectory's actions again on a fresh reset; the environment is
         deterministic, so it answers each as it did. A turn that timed out, an answer that
         differs or an error raises ``_Unreplayable``: the episode then restarts from reset."""
@@ -492,20 +454,10 @@ class EpisodeRunner:
             if traj.said[turn] is None:
                 raise _Unreplayable(f"turn {turn} timed out; its answer cannot be replayed")
             try:
-                transition = await self._env(
-                    "step",
-                    Step(
-                        episode_id=traj.episode_id,
-                        turn=turn,
-                        action=action,
-                        deadline_s=self.step_timeout_s,
-                    ),
-                    Transition,
-                    timeout=2 * self.step_timeout_s,
-                    key=(traj.episode_id, attempt, "replay", turn),
-                    replica=replica,
-                )
-            except RemoteError as exc:
+                transition = await self.environment.step(episode, action)
+            except EnvironmentFailed as exc:
+                if exc.cause == "lost":
+                    raise _Lost(str(exc)) from exc
                 raise _Unreplayable(f"turn {turn} failed on replay: {exc}") from exc
             if transition.timed_out or transition.observation != traj.said[turn]:
                 raise _Unreplayable(
@@ -515,11 +467,12 @@ class EpisodeRunner:
 
 
 class _Attempt:
-    """One attempt at an episode: its number, the replica its reset named, its trajectory."""
+    """One attempt at an episode: its number, its episode on the environment once reset, its
+    trajectory."""
 
     def __init__(self, number: int) -> None:
         self.number = number
-        self.replica: int | None = None
+        self.episode: EnvEpisode | None = None
         self.traj: Trajectory | None = None
 
 

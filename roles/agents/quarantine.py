@@ -107,9 +107,11 @@ class Quarantine:
     def is_quarantined(self, replica: int) -> bool:
         return self._state[replica].quarantined
 
-    def pick(self) -> int | None:
+    def pick(self, avoid: int | None = None) -> int | None:
         """The replica a new episode starts on: None (any: none is quarantined), a quarantined
-        one due a probe, or the next healthy one.
+        one due a probe, or the next healthy one. ``avoid`` (the replica that failed the
+        episode this one plays again) is neither probed nor picked while another healthy
+        replica is there.
 
         Raises:
             ReplicasQuarantinedError: every replica is quarantined and none is due a probe.
@@ -118,11 +120,14 @@ class Quarantine:
         if not out:
             return None
         now = self.clock.now()
-        for r in out:
-            if now >= self._state[r].next_probe:
-                self._state[r].next_probe = now + self.probe_after_s
-                return r
         healthy = [r for r, s in enumerate(self._state) if not s.quarantined]
+        due = [r for r in out if now >= self._state[r].next_probe]
+        probe = next((r for r in due if r != avoid), due[0] if due and not healthy else None)
+        if probe is not None:
+            self._state[probe].next_probe = now + self.probe_after_s
+            return probe
+        if avoid in healthy and len(healthy) > 1:
+            healthy.remove(avoid)
         if not healthy:
             named = "; ".join(f"{self.name}.{r} {self._state[r].why}" for r in out)
             raise ReplicasQuarantinedError(

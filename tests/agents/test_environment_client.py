@@ -66,9 +66,15 @@ class Group:
     def restart(self, replica: int) -> None:
         self.roles[replica] = self.make(replica)
 
+    def choose(self, avoid: int | None) -> int:
+        """The replica a call to any goes to: the next in turn, or the one after it when the
+        call avoids that one, as the dispatcher prefers any other to the replica avoided."""
+        turn = len(self.resets) % self.replicas
+        return (turn + 1) % self.replicas if turn == avoid else turn
+
     async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
         replica = kw.get("replica")
-        replica = len(self.resets) % self.replicas if replica is None else replica
+        replica = self.choose(kw.get("avoid")) if replica is None else replica
         if method == "reset":
             self.resets.append(replica)
             self.reset_ids.append(payload.episode_id)
@@ -76,9 +82,19 @@ class Group:
             async with asyncio.timeout(kw.get("timeout")):
                 return await getattr(self.roles[replica], method)(payload)
         except TimeoutError as exc:
-            raise DeadlineExceededError(f"env.{replica} did not answer {method!r}") from exc
+            # A live process (its pid known) took the call and did not answer it.
+            pid = 1000 + replica
+            raise DeadlineExceededError(f"env.{replica}", method, kw["timeout"], pid=pid) from exc
         except Exception as exc:
             raise RemoteError("handler_error", str(exc), remote_type=type(exc).__name__) from exc
+
+
+class FailsAtOnce(Group):
+    """A call to any replica goes to the freest, as the dispatcher sends it: the failing
+    replica, which answers at once, unless the call avoids it (then the next)."""
+
+    def choose(self, avoid: int | None) -> int:
+        return 0 if avoid != 0 else 1
 
 
 def test_an_episode_is_reset_and_stepped_on_the_replica_that_holds_it() -> None:
@@ -139,6 +155,52 @@ def test_an_episode_lost_with_a_restarted_replica_is_lost_not_held_against_it() 
     run(main())
 
 
+class Down(FailsAtOnce):
+    """env.0 is down past every step's deadline: the dispatcher holds each step for its restart
+    until the deadline passes, so no process took it (the error names no pid)."""
+
+    down = False
+
+    async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
+        if method == "step" and self.down:
+            raise DeadlineExceededError("env[0] (no replica took it)", method, kw["timeout"])
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_a_step_no_process_took_while_its_replica_was_down_is_lost_not_held_against_it() -> None:
+    async def main() -> None:
+        group = Down(2)
+        env = EnvironmentClient(group, step_timeout_s=0.2, quarantine_window=1)
+        episode = await env.reset("e", "3 4")
+        group.down = True
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.step(episode, "add 3 4")
+        assert info.value.cause == "lost" and not env.quarantine.is_quarantined(0)
+        assert (await env.reset("e", "3 4")).replica == 1  # started again elsewhere
+
+    run(main())
+
+
+class Silent(Group):
+    """Every step reaches a live env.0, which never answers it."""
+
+    async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
+        if method == "step":
+            raise DeadlineExceededError("env[0]", method, kw["timeout"], pid=4242)
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_a_step_a_live_replica_took_and_never_answered_counts_against_it() -> None:
+    async def main() -> None:
+        env = EnvironmentClient(Silent(2), step_timeout_s=0.2, quarantine_window=1)
+        episode = await env.reset("e", "3 4")
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.step(episode, "add 3 4")
+        assert info.value.cause == "lost" and env.quarantine.is_quarantined(0)
+
+    run(main())
+
+
 def test_every_replica_quarantined_stops_new_episodes_by_name() -> None:
     async def main() -> None:
         group = Group(1, failing=0)
@@ -148,6 +210,26 @@ def test_every_replica_quarantined_stops_new_episodes_by_name() -> None:
             await env.step(episode, "add 3 4")
         with pytest.raises(ReplicasQuarantinedError, match=r"^every replica of 'env' is quar"):
             await env.reset("f", "3 4")
+
+    run(main())
+
+
+def test_an_episode_played_again_goes_to_another_replica_than_the_one_that_failed_it() -> None:
+    async def main() -> None:
+        group = FailsAtOnce(3, failing=0)
+        env = EnvironmentClient(group, step_timeout_s=0.2)
+        for episode_id in ("eval-0", "eval-0~1", "p/0", "p/0", "q/0"):
+            episode = await env.reset(episode_id, "1 2")
+            try:
+                await env.step(episode, "add 1 2")
+            except EnvironmentFailed as exc:
+                assert exc.cause in ("timeout", "error")
+                env.close(episode)
+        # eval-0 failed on env.0: its fresh id goes elsewhere; so does p/0 started again under
+        # the same id; q/0, failed by none, goes to the freest.
+        assert group.resets == [0, 1, 0, 1, 0]
+        assert group.reset_ids == ["eval-0", "eval-0~1", "p/0", "p/0", "q/0"]
+        assert not env.quarantine.is_quarantined(0)  # 3 of its 20 steps: not judged yet
 
     run(main())
 

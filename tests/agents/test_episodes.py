@@ -216,7 +216,7 @@ def test_a_step_that_times_out_or_raises_marks_the_episode_infra_failed() -> Non
     raised, metrics, r = run(main(Raises, 2))
     assert raised.infra_failed == "error" and metrics["env_errors"] == 1
     assert (raised.prompt_id, raised.sample_index) == ("p", 2)
-    assert r._failed == {"p/2": 1}  # the next episode of this sample gets a fresh id
+    assert r.environment.episode_id("p/2") == "p/2~1"  # the next episode of it: a fresh id
 
 
 def test_a_reset_that_raises_is_an_infra_failed_sample_of_the_pipelines_source() -> None:
@@ -240,7 +240,7 @@ def test_a_fresh_episode_in_place_of_an_infra_failed_one_has_an_id_of_its_own() 
         env = Handle(lambda n: Raises(RoleContext.local(name="env")))
         r = runner(env)
         prompt = Prompt(id="p", token_ids=[1], answer="7")  # right at the first guess
-        r._failed["p/0"] = 1  # as after a failed episode of this sample
+        r.environment.failed("p/0")  # as after a failed episode of this sample
         sample = await r.source(prompt, 0, Counter())
         return [p.episode_id for m, p in env.calls if m == "reset"], sample
 
@@ -317,6 +317,35 @@ def test_a_replica_failing_its_steps_is_quarantined_and_new_episodes_go_to_the_o
     assert metrics["quarantined"] == 1 and metrics["quarantine_released"] == 0
 
 
+class FreestFails(Replicas):
+    """A reset to any replica goes to the freest, as the dispatcher sends it: replica 1, which
+    fails at once, unless the call avoids it."""
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **kw: Any) -> Any:
+        if kw.get("replica") is None:
+            kw["replica"] = 0 if kw.get("avoid") == 1 else 1
+        return await super().call(method, payload, reply_type, **kw)
+
+
+def test_an_episode_played_again_after_a_failure_starts_on_another_replica() -> None:
+    async def main() -> tuple[list[Sample], Trajectory, Replicas]:
+        env = FreestFails(
+            Guess(RoleContext.local(name="env", replica=0)),
+            Broken(RoleContext.local(name="env", replica=1)),
+        )
+        r = runner(env)
+        prompt = Prompt(id="p", token_ids=[1], answer="7")  # right at the first guess
+        samples = [await r.source(prompt, 0, Counter()) for _ in range(2)]
+        # A held-out episode played again under its fresh id, as EpisodeEvaluation plays it.
+        assert (await r.run("eval-0", 7, [])).infra_failed == "error"
+        return samples, await r.run("eval-0~1", 7, []), env
+
+    samples, again, env = run(main())
+    assert [s.infra_failed for s in samples] == ["error", ""]
+    assert env.resets == [1, 0, 1, 0]  # each failed episode's next start avoids env.1
+    assert again.infra_failed == "" and again.reward == 1.0
+
+
 class Unanswering(Handle):
     """The replica holding the episodes never answers a step (hung or gone)."""
 
@@ -353,7 +382,7 @@ def test_an_episode_lost_with_its_replica_restarts_from_reset() -> None:
 
     traj, env, r = run(main())
     assert traj.restarts == 1 and traj.replays == 0 and traj.done
-    assert r.quarantine.quarantined == 0  # a restart is not the replica failing its steps
+    assert r.environment.quarantine.quarantined == 0  # a restart: not the replica failing steps
     assert [decode(s.token_ids) for s in traj.segments if s.policy] == ["7;", "11;", "13;"]
     resets = [p for m, p in env.calls if m == "reset"]
     assert len(resets) == 2  # the first attempt's tokens were dropped with it
@@ -512,7 +541,7 @@ def test_a_cancelled_episode_is_closed_on_the_replica_that_holds_it() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.gather(*r.closes.tasks)
+        await asyncio.gather(*r.environment.closes.tasks)
         return env
 
     env = run(main())

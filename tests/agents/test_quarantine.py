@@ -51,6 +51,22 @@ def test_a_quarantined_replica_gets_a_probe_and_is_let_back_when_it_serves_it() 
     assert not q.is_quarantined(2)
 
 
+def test_an_episode_played_again_is_not_sent_to_the_replica_that_failed_it() -> None:
+    clock = FakeClock()
+    q = quarantine(clock)
+    for _ in range(4):
+        q.record(2, True)
+    assert {q.pick(avoid=0) for _ in range(10)} == {1}  # of the healthy 0 and 1
+    clock.advance(30.0)
+    assert q.pick(avoid=2) == 1  # env.2 is due a probe, but not with the episode it failed
+    assert q.pick() == 2  # the next new episode probes it
+    alone = quarantine(clock, replicas=1)
+    for _ in range(4):
+        alone.record(0, True)
+    clock.advance(30.0)
+    assert alone.pick(avoid=0) == 0  # nothing else could take it: probed all the same
+
+
 def test_when_every_replica_is_quarantined_the_error_names_them() -> None:
     q = quarantine(FakeClock(), replicas=2)
     for replica in (0, 1):

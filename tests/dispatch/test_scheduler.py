@@ -109,6 +109,7 @@ def submit(
     timeout: float = TIMEOUT_S,
     target: int | None = None,
     affinity: Any = None,
+    avoid: int = -1,
 ) -> Work:
     loop = asyncio.get_running_loop()
     work = Work(
@@ -120,6 +121,7 @@ def submit(
         loop.create_future(),
         target=target,
         affinity=affinity,
+        avoid=avoid,
     )
     scheduler.submit(work)
     return work
@@ -307,6 +309,17 @@ def test_an_idempotent_call_whose_replica_died_runs_again_on_another() -> None:
         assert scheduler.stats["retries"] == 1
         assert scheduler.stats["replica_disconnected"] == 1
         assert scheduler.stats["failures"] == 0
+
+    run(scenario)
+
+
+def test_a_call_that_avoids_a_replica_goes_to_another_with_room_before_it() -> None:
+    async def scenario() -> None:
+        scheduler, (a, b, c) = scheduler_with(2, 0, 1)
+        submit(scheduler, "work", "x", avoid=0)  # a is the freest
+        submit(scheduler, "work", "y", avoid=0)  # a alone has room now
+        submit(scheduler, "work", "z", avoid=2)
+        assert (a.payloads(), b.payloads(), c.payloads()) == (["y", "z"], [], ["x"])
 
     run(scenario)
 

@@ -62,11 +62,6 @@ SHORT = [
 ]
 
 
-@pytest.mark.skip(
-    reason="a held-out evaluation can fail the run: the failing replica answers at once, so "
-    "the dispatcher gives it the evaluation's fresh attempts, and an episode failed 8 times "
-    "before the quarantine took that replica out (docs/agents.md, 'Infrastructure failures')"
-)
 def test_chaos_with_a_replica_failing_every_step_trains_none_of_its_episodes(
     run_dir: str,
 ) -> None:
