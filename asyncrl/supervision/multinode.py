@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -600,12 +601,15 @@ async def _launch(args: argparse.Namespace, env: LaunchEnv, manifest: Manifest) 
             await store.set_once(keys.final, _ended("failed", problem, 0))
         return EXIT_USAGE
     a.write_launch()
-    async with asyncio.TaskGroup() as tasks:
-        beating = tasks.create_task(a.heartbeat())
-        try:
-            return await _take_part(args, a)
-        finally:
-            beating.cancel()
+    # A task beside the attempt, not a TaskGroup: a group would wrap the attempt's StoreError
+    # in an ExceptionGroup, and main says a store's failure in one line.
+    beating = asyncio.create_task(a.heartbeat())
+    try:
+        return await _take_part(args, a)
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
 
 
 async def _take_part(args: argparse.Namespace, a: NodeAttempt) -> int:
