@@ -143,8 +143,9 @@ class LearnerClient:
     ``train_step`` and ``checkpoint`` go to replica 0 (``to_replica_0``), as the critic's calls
     do: with data-parallel or sharded replicas (``replicas`` > 1) replica 0 runs each on every
     rank in one order (``asyncrl.roles.training.lockstep``), and the other replicas refuse them.
-    ``export`` and ``weights`` come from replica 0 too; ``status`` and ``logprobs`` from any one
-    replica, since the replicas' weights and state are the same.
+    ``status``, ``logprobs``, ``export`` and ``weights`` come from replica 0 too: the other
+    ranks may still be finishing a step that replica 0 has answered, and a status or a
+    log-prob from one of them could be a step behind.
     """
 
     def __init__(self, handle: Handle) -> None:
@@ -152,7 +153,7 @@ class LearnerClient:
 
     async def status(self) -> LearnerStatus:
         """Its version, step, the program's kept position and its last step."""
-        reply: LearnerStatus = await self.handle.call("status", None, LearnerStatus)
+        reply: LearnerStatus = await to_replica_0(self.handle, "status", None, LearnerStatus)
         return reply
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = LONG_S) -> StepResult:
@@ -190,8 +191,8 @@ class LearnerClient:
 
     async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-token log-probs of the samples' completions under the current policy."""
-        out: list[list[float]] = await self.handle.call(
-            "logprobs", samples, list[list[float]], timeout=LONG_S
+        out: list[list[float]] = await to_replica_0(
+            self.handle, "logprobs", samples, list[list[float]]
         )
         return out
 

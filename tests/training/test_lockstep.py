@@ -18,6 +18,7 @@ import pytest
 from asyncrl.errors import ClosedError
 from asyncrl.roles.payloads import (
     CriticStepResult,
+    LearnerStatus,
     ProgramState,
     Sample,
     Scored,
@@ -373,8 +374,10 @@ class TargetHandle:
         if self.breaks:
             self.breaks -= 1
             raise DisconnectedError(f"{self.name}.0 died with the call in flight")
-        if method == "values":
+        if method in ("values", "logprobs"):
             return [[0.0] * len(s.token_ids) for s in payload]
+        if method == "status":
+            return LearnerStatus(version=3, step=3)
         if method == "checkpoint":
             return "run/roles/learner.0/checkpoints/step-00000003"
         if self.name == "learner":
@@ -397,10 +400,19 @@ def test_the_learner_and_critic_clients_send_their_calls_to_replica_0() -> None:
         assert (await client.train_step(TrainBatch(samples=scored, id="b1"))).step == 3
         path = await client.checkpoint(ProgramState(cursor=4))
         assert path == "run/roles/learner.0/checkpoints/step-00000003"
+        # The step is whole on replica 0 when it answers; another rank may still be in it.
+        assert (await client.status()).step == 3
+        assert await client.logprobs([sample("a", 2)]) == [[0.0, 0.0]]
 
     asyncio.run(go())
     assert critic.sent == [("train_step", 0), ("train_step", 0), ("values", 0)]
-    assert learners.sent == [("train_step", 0), ("train_step", 0), ("checkpoint", 0)]
+    assert learners.sent == [
+        ("train_step", 0),
+        ("train_step", 0),
+        ("checkpoint", 0),
+        ("status", 0),
+        ("logprobs", 0),
+    ]
 
 
 # -- both roles, a real group of two ranks --------------------------------------------------------
