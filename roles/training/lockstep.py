@@ -147,7 +147,12 @@ class Lockstep:
         announcement: Any = functools.reduce(operator.or_, (*calls, Idle, Close))
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(announcement)
-        self._lock = threading.Lock()
+        # Two locks, taken in this order: ``_order`` keeps the leader's announcements in one
+        # sequence (a call's announce-and-run, the keep-alive's Idle, Close); ``_model`` keeps
+        # a group call apart from what this rank computes on its own (``exclusive``), so the
+        # keep-alive still reaches the followers while the leader computes on its own.
+        self._order = threading.Lock()
+        self._model = threading.Lock()
         self._last = time.monotonic()  # the end of the last announcement or call
         self._closed = False
         self._told = False
@@ -187,8 +192,10 @@ class Lockstep:
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold this rank's group calls off for the block (they wait for it, and it waits for
-        the call in progress): for what a rank computes on its own from the model."""
-        with self._lock:
+        the call in progress): for what a rank computes on its own from the model. The
+        leader's keep-alive goes on meanwhile, so a long block (an export) never leaves the
+        followers waiting past their collective's timeout."""
+        with self._model:
             yield
 
     def start(self) -> None:
@@ -229,7 +236,7 @@ class Lockstep:
         """
         if not self.leader:
             raise ValueError(f"{self.where}: only rank 0 leads its group's calls")
-        with self._lock:
+        with self._order:
             if self._closed:
                 raise ClosedError(f"{self.where}: the {self.dp.name} group is closed; no call runs")
             data = self.encode(call)
@@ -238,10 +245,11 @@ class Lockstep:
             except DataParallelError as exc:
                 self._broke(exc)
                 raise
-            return self._run(call, data)
+            with self._model:
+                return self._run(call, data)
 
     def _announce(self, message: msgspec.Struct, data: bytes) -> None:
-        """Broadcast ``message`` encoded as ``data`` (the lock held).
+        """Broadcast ``message`` encoded as ``data`` (``_order`` held).
 
         Raises:
             DataParallelError: the broadcast failed, or the group broke earlier.
@@ -252,7 +260,7 @@ class Lockstep:
     def _keep_alive(self) -> None:
         """The leader's thread: ``Idle`` whenever nothing was announced for ``idle_s``."""
         while not self._stop.wait(self.idle_s / 2):
-            with self._lock:
+            with self._order:
                 if self._closed or self.dp.broken:
                     return
                 if time.monotonic() - self._last < self.idle_s:
@@ -275,13 +283,13 @@ class Lockstep:
             if isinstance(message, Idle):
                 self.idles += 1
                 continue
-            with self._lock:
+            with self._model:
                 self._run(message, data)
 
     # -- both ---------------------------------------------------------------------------------
 
     def _run(self, call: msgspec.Struct, data: bytes) -> Any:
-        """``run(call)`` (the lock held), as the span ``lockstep <tag>``; anything it raises
+        """``run(call)`` (``_model`` held), as the span ``lockstep <tag>``; anything it raises
         breaks the group (``on_broken`` is told)."""
         kind = tag(call)
         try:
@@ -331,7 +339,7 @@ class Lockstep:
         """
         if self.leader:
             self._stop.set()
-            with self._lock:
+            with self._order:
                 if not self._closed:
                     self._closed = True
                     if not self.dp.broken:

@@ -217,6 +217,20 @@ def test_an_idle_leader_keeps_its_followers_waiting_past_their_timeout() -> None
     assert not broken[0].told and not broken[1].told
 
 
+def test_the_keep_alive_reaches_the_followers_while_the_leader_computes_on_its_own() -> None:
+    # An export on replica 0 (exclusive) that outlasts the followers' timeout breaks nothing.
+    wire, (leader, follower), runs, broken = group(timeout_s=0.2, idle_s=0.05)
+    with leader.exclusive():
+        wire.enough = 20  # messages: at least 1 s inside the block, five times the timeout
+        assert wire.heard.wait(timeout=60)
+    assert leader.lead(Values([sample("a", 3)])) == [[3.0]]
+    leader.close()
+    assert follower.close(timeout_s=30) is True
+    assert follower.idles >= 19
+    assert runs[1].calls == [encode(Values([sample("a", 3)]))]
+    assert not broken[0].told and not broken[1].told
+
+
 def test_a_follower_whose_leader_is_silent_breaks_the_group() -> None:
     wire = Wire()
     broken = Broken()
