@@ -86,7 +86,7 @@ class MembershipFollower:
         self.membership = Membership(attempt=attempt, nodes=nodes)
         # Moved, its endpoint not yet known here: the node it moves to, and the loss (node,
         # generation) that moved it; None for a loss from before this agent started.
-        self.moving: dict[tuple[str, int], tuple[int, tuple[int, int] | None]] = {}
+        self.moving: dict[tuple[str, int], tuple[int, tuple[int, int]]] = {}
         self.synced = False  # the losses before this agent started are known
 
     @property
@@ -101,7 +101,11 @@ class MembershipFollower:
         key = self.keys.lost(self.attempt, node)
         earlier = await self.store.peek(key)
         generation = 1 + (int(json.loads(earlier)["generation"]) if earlier else 0)
-        await self.store.set(key, json.dumps({"reason": reason, "generation": generation}))
+        # The nodes lost with it, as node 0 sees them now: every node plans this loss with
+        # them, so that a node that joins again meanwhile moves a singleton where the others do.
+        with_ = sorted({*self.lost, node})
+        said = {"reason": reason, "generation": generation, "with": with_}
+        await self.store.set(key, json.dumps(said))
 
     async def follow(self, supervisor: Supervisor) -> str:
         """Apply what node 0 marked lost since the last look, the nodes back, and the endpoints
@@ -129,9 +133,8 @@ class MembershipFollower:
             lost = await lost_generation(store, keys, attempt, peer)
             if lost and peer not in self.lost:
                 said = json.loads(await store.get(keys.lost(attempt, peer)))
-                # A node that joins again learns the losses before it; what moved then runs.
-                loss = (peer, lost) if self.synced else None
-                await self._lose(supervisor, peer, said["reason"], loss)
+                planned = {int(n) for n in said.get("with", ())} | {peer}
+                await self._lose(supervisor, peer, said["reason"], (peer, lost), planned)
                 changed = True
             elif not lost and peer in self.lost:
                 await self._back(peer)
@@ -142,10 +145,9 @@ class MembershipFollower:
             if said is None:
                 continue
             published = json.loads(said)
-            if loss is None:
-                node = int(published["node"])
-            elif published.get("lost") != list(loss):
+            if published.get("lost") != list(loss):
                 continue  # where it ran before this loss moved it again
+            node = int(published["node"])
             endpoint = published["endpoint"]
             if node == self.node:
                 endpoint = self.view.groups[name].endpoints[replica]
@@ -206,12 +208,18 @@ class MembershipFollower:
         self.say(self.node, f"node {node} is back: {what} back in the run")
 
     async def _lose(
-        self, supervisor: Supervisor, node: int, reason: str, loss: tuple[int, int] | None
+        self,
+        supervisor: Supervisor,
+        node: int,
+        reason: str,
+        loss: tuple[int, int],
+        planned: set[int],
     ) -> None:
         """Node ``node`` is lost for good: the replicas that run on it now depart or move as
-        ``plan`` says; those that move here are started now. ``loss`` is (``node``, the
-        generation of its loss); None: this node learns of a loss from before it joined, and
-        what moved then runs already."""
+        ``plan`` says for the nodes ``planned`` lost with it (node 0's view when it marked the
+        loss, the same on every node); those that move here are started now. ``loss`` is
+        (``node``, the generation of its loss), which the moved replica's new endpoint names
+        when it is published."""
         self.lost[node] = reason
         # Where the replicas that moved run now: one that moved away from a node and stayed
         # there when the node came back is out of this loss; one that moved onto it moves on.
@@ -221,13 +229,18 @@ class MembershipFollower:
             for i, where in by_index.items()
         }
         runs_on |= {key: there for key, (there, _) in self.moving.items()}
-        now = plan(self.manifest, set(self.lost), runs_on)
+        roles = self.manifest.roles
+        now = plan(self.manifest, planned, runs_on)
+
+        def on_it(name: str, i: int) -> bool:
+            return runs_on.get((name, i), roles[name].placement.node_of(i)) == node
+
         departed = {
             (name, i): n
             for (name, i), n in now.departed.items()
-            if i not in self.membership.departed.get(name, {})
+            if n == node and i not in self.membership.departed.get(name, {})
         }
-        moved = now.moved
+        moved = {key: there for key, there in now.moved.items() if on_it(*key)}
         for (name, replica), lost_on in departed.items():
             self.membership.departed.setdefault(name, {})[replica] = lost_on
             self.membership.moved.get(name, {}).pop(replica, None)
@@ -235,7 +248,7 @@ class MembershipFollower:
                 del self.membership.moved[name]
         for (name, replica), there in moved.items():
             self.moving[(name, replica)] = (there, loss)
-            if there == self.node and loss is not None:
+            if there == self.node:
                 await self._adopt(supervisor, name, replica, loss)
         self.membership.lost[node] = reason
         change = Change(

@@ -258,6 +258,82 @@ def test_a_returned_node_starts_a_singleton_that_moves_on_to_it(tmp_path: Any) -
     assert _moves(follower) == [("node_lost", 1, ["splitter[1]"], {"counter[0]": 2})]
 
 
+def _lose_with(store: DictStore, node: int, generation: int, lost_with: list[int]) -> None:
+    """Node 0 marks ``node`` lost, having planned it with the nodes ``lost_with``."""
+    reason = f"the agent of node {node} sent no heartbeat for 4 s"
+    said = {"reason": reason, "generation": generation, "with": lost_with}
+    store.values[KEYS.lost(0, node)] = json.dumps(said)
+
+
+def test_a_returned_node_plans_a_loss_in_progress_as_node_0_did(tmp_path: Any) -> None:
+    """Node 1 is lost while node 2, back, has not looked yet; node 0 planned that loss with
+    node 2 still lost, so the counter (on node 1, candidates 2, 1, 0) moves to node 0. Node 2
+    starts no second counter, and never takes node 1's dead address, which the store holds
+    until node 0 publishes the counter's new one."""
+    store = DictStore()
+    os.makedirs(tmp_path / "node-2")
+    _lose(store, 2, 1)
+    _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
+    _back(store, 2, 1, "tcp://127.0.0.1:4002")
+    _lose_with(store, 1, 1, [1, 2])
+    follower = _follower(store, 2, str(tmp_path), CHAIN)
+    supervisor = Adopter()
+
+    async def main() -> None:
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert follower.view.groups["counter"].endpoints != ["tcp://127.0.0.1:5001"]
+        _moved(store, 0, "tcp://127.0.0.1:5000", [1, 1])
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.adopted == []
+    assert follower.membership.moved["counter"][0] == Moved(0, "tcp://127.0.0.1:5000")
+    assert follower.view.groups["counter"].endpoints == ["tcp://127.0.0.1:5000"]
+
+
+def test_a_returned_node_starts_a_singleton_that_a_loss_before_its_first_look_moves_to_it(
+    tmp_path: Any,
+) -> None:
+    """Node 1 is lost after node 2 came back, before node 2's first look: node 0 planned it
+    with node 1 alone, so the counter moves to node 2, which starts it."""
+    store = DictStore()
+    os.makedirs(tmp_path / "node-2")
+    _lose(store, 2, 1)
+    _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
+    _back(store, 2, 1, "tcp://127.0.0.1:4002")
+    _lose_with(store, 1, 1, [1])
+    follower = _follower(store, 2, str(tmp_path), CHAIN)
+    supervisor = Adopter()
+
+    async def main() -> None:
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.adopted == [("counter", 0)]
+    published = json.loads(store.values[KEYS.moved(0, "counter", 0)])
+    assert (published["node"], published["lost"]) == (2, [1, 1])
+    assert follower.membership.moved["counter"][0].node == 2
+
+
+def test_node_0_marks_a_loss_with_the_nodes_lost_beside_it(tmp_path: Any) -> None:
+    store = DictStore()
+    follower = _follower(store, 0, str(tmp_path), CHAIN)
+
+    async def main() -> None:
+        await follower.mark_lost(2, "silent")
+        assert await follower.follow(Adopter()) == ""  # type: ignore[arg-type]
+        await follower.mark_lost(1, "silent too")
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.lost(0, 2)]) == {
+        "reason": "silent",
+        "generation": 1,
+        "with": [2],
+    }
+    assert json.loads(store.values[KEYS.lost(0, 1)])["with"] == [1, 2]
+
+
 def test_a_loss_answered_by_a_return_of_the_same_generation_is_over() -> None:
     store = DictStore()
 
