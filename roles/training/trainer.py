@@ -412,8 +412,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)
         )
         metrics = {**sums, "grad_norm": float(grad_norm)}
-        if self.scheduler is not None:
-            metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        if self.scheduler is not None:  # the rate this step takes (a new peak already counts)
+            metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         with span("optimizer"):
             self.optimizer.step()
             if self.scheduler is not None:

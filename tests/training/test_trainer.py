@@ -117,7 +117,7 @@ def test_a_schedule_scales_the_peak_and_a_new_peak_applies_at_once() -> None:
     assert nll_step(trainer, demos())["lr"] == 0.05
     trainer.set_peak_lr(0.3)  # two steps taken: factor 1/3
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1, rel=1e-12)
-    nll_step(trainer, demos())
+    assert nll_step(trainer, demos())["lr"] == pytest.approx(0.1, rel=1e-12)  # the step's rate
     assert trainer.optimizer_steps == 3
     assert nll_step(trainer, demos())["lr"] == pytest.approx(0.3 / 4, rel=1e-12)
 
