@@ -230,6 +230,12 @@ def test_a_node_lost_for_good_leaves_the_run_and_its_singleton_moves(nodes: Node
     nodes.wait(
         "the program at its second gate", lambda: os.path.exists(nodes.path(0, "progress42"))
     )
+    # Node 1's agent answers status from its own membership, which follows node 0's mark at
+    # its next look at the store.
+    on_node_1 = nodes.path(1, "membership.json")
+    nodes.wait(
+        "node 1 saw node 2 lost", lambda: "2" in ((_json(on_node_1) or {}).get("lost") or {})
+    )
     _check_status(nodes)
     with open(nodes.gate + "42", "w"):
         pass
