@@ -19,8 +19,9 @@ both roles:
 - **The others follow.** Each other rank runs a loop in a thread of its own that receives the
   calls and runs exactly the same sequence; a result it computes is dropped (the collectives
   inside the call gather what replica 0 returns).
-- **What a rank does on its own** (the learner's log-probs or weight copy on any replica) holds
-  ``exclusive()``, the lock a group call holds on that rank, so it never sees a step half-taken.
+- **What a rank does on its own** (the learner's log-probs, weight copy or export) holds
+  ``exclusive()``, the lock a group call holds while it runs on that rank, so it never sees a
+  step half-taken.
 - **Seen in traces.** Each call a rank runs is the span ``lockstep <tag>`` (``lockstep
   train_step``) with the group (``group``: the role's name), its place in the sequence
   (``index``) and a checksum of its bytes (``crc``): the same on every rank of a group that
@@ -28,7 +29,8 @@ both roles:
 - **Liveness.** A follower waits for the next call in a collective bounded by the group's
   timeout (``dist_timeout_s``). So that a leader with no work is not taken for a dead one, it
   broadcasts ``Idle`` when it announced nothing for ``idle_s`` (a quarter of the timeout by
-  default), from a thread of its own that takes the same lock.
+  default), from a thread of its own that takes the lock ``lead`` holds, not ``exclusive``'s:
+  it goes on while replica 0 computes on its own, however long that takes.
 - **Failure.** A collective that fails (a rank died or did not come in time) breaks the group
   for good (``DataParallel.broken``); so does a call that raises on any rank once it was
   announced, since the ranks may then wait at different collectives. Either way ``on_broken``
