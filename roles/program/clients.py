@@ -153,7 +153,7 @@ class LearnerClient:
 
     async def status(self) -> LearnerStatus:
         """Its version, step, the program's kept position and its last step."""
-        reply: LearnerStatus = await to_replica_0(self.handle, "status", None, LearnerStatus)
+        reply: LearnerStatus = await self.handle.call("status", None, LearnerStatus, replica=0)
         return reply
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = LONG_S) -> StepResult:
