@@ -4,7 +4,6 @@ and ``--quick --json`` end to end on real processes."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,8 +25,7 @@ from benchmarks.episode_sim import (
     turns_of,
 )
 from benchmarks.episodes import PARAMS, QUICK, format_table, ideal_seconds, main, task_plan
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
 
 
 def test_the_model_waits_for_each_batchs_slowest_in_sync_and_fills_free_replicas_in_async() -> None:

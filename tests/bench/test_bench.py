@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
 
 KEYS = {
     "rtt_p50_us",

@@ -5,15 +5,13 @@ steps into the weights of a learner never killed."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from benchmarks.durability import format_table
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
 
 ARGS = ["--steps", "2", "--warmup", "1", "--k", "3"]
 KEYS = {

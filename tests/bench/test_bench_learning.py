@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from benchmarks.learning import ARMS, THRESHOLDS, _median, heldout_digest, manifest
+from tests.conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = ["0.7", "0.9", "0.95"]
 
 

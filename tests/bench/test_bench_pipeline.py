@@ -4,7 +4,6 @@ real processes, every figure next to its model (exactly ``pipeline_model.simulat
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -24,8 +23,7 @@ from asyncrl.transport import run
 from benchmarks.pipeline import workload
 from benchmarks.pipeline_model import sample_duration, simulate
 from benchmarks.sim import SimLearner, SimRollout
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
 
 
 def rollout(replica: int = 1, **config: object) -> SimRollout:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -24,8 +23,7 @@ from benchmarks.scale import (
     summarize,
     turnarounds,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
 
 
 def test_turnaround_pairs_each_start_with_the_end_that_freed_its_slot() -> None:

@@ -30,8 +30,7 @@ from asyncrl.manifest.load import (
 from asyncrl.manifest.model_section import inherited_config
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.role import Delivery, Role, endpoint
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
 
 MINIMAL = """\
 run:

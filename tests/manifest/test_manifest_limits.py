@@ -24,8 +24,8 @@ from asyncrl.manifest.load import ManifestError, parse_manifest
 from asyncrl.transport.registry import LocalRegistry
 from asyncrl.transport.shm import segment_name
 from asyncrl.transport.sockets import IPC_PATH_MAX
+from tests.conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "tests", "manifests", "broken")
 
 

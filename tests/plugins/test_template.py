@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.conftest import ROOT
+
 TEMPLATE = os.path.join(ROOT, "examples", "plugin_template")
 
 

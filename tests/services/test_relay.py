@@ -36,8 +36,8 @@ from asyncrl.transport import Client, run
 from asyncrl.transport.shm import HOST_ID_ENV, sweep
 from asyncrl.weights import NO_VERSION, WeightReader, handle_path, read_handle
 from benchmarks import multinode
+from tests.conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_S = 90.0  # a process's start-up (imports torch, and transformers for the learner)
 
 MODEL = {
