@@ -351,9 +351,17 @@ class NodeAttempt:
             beats += 1
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
-    async def finish(self, report: RunReport, timeout_s: float, lost: Collection[int] = ()) -> int:
+    async def finish(
+        self,
+        report: RunReport,
+        timeout_s: float,
+        lost: Collection[int] = (),
+        liveness_s: float | None = None,
+    ) -> int:
         """Tell the other nodes how the run ended (when it ended here); return the exit
-        status. ``lost``: the nodes lost for good, which node 0 neither waits for nor counts."""
+        status. ``lost``: the nodes lost for good, which node 0 neither waits for nor counts;
+        ``liveness_s``: node 0 stops waiting for a node whose heartbeat stops for that long
+        meanwhile (default ``timeout_s``)."""
         keys, store = self.keys, self.store
         if self.restart:
             _say(self.node, f"{self.restart}; exiting so that torchrun starts the group again")
@@ -380,7 +388,7 @@ class NodeAttempt:
         await store.set(keys.done(self.attempt, self.node), json.dumps(counts))
         if self.node == 0:
             await self._check_in_lost(lost)
-            await self._gather_counts(report, timeout_s, lost)
+            await self._gather_counts(report, timeout_s, lost, liveness_s or timeout_s)
             self._add_nodes()
         return EXIT_CODES[report.status]
 
@@ -396,7 +404,7 @@ class NodeAttempt:
             await self.store.add(f"{run_id}/{TORCHRUN_EXIT_BARRIER}/num_members", 1)
 
     async def _gather_counts(
-        self, report: RunReport, timeout_s: float, lost: Collection[int]
+        self, report: RunReport, timeout_s: float, lost: Collection[int], liveness_s: float
     ) -> None:
         """Wait for the other nodes to stop their roles; add their restarts and served requests
         to node 0's report (and its report.json), so that it covers the whole run."""
@@ -404,7 +412,9 @@ class NodeAttempt:
             self.keys.done(self.attempt, n) for n in range(1, self.env.nodes) if n not in lost
         ]
         try:
-            await self.store.wait_for(others, timeout_s, why="the other nodes stop their roles")
+            await self._wait_for_others(
+                [n for n in range(1, self.env.nodes) if n not in lost], timeout_s, liveness_s
+            )
         except StoreError as exc:
             _say(self.node, str(exc))
         for key in others:
@@ -421,6 +431,44 @@ class NodeAttempt:
                     mine[role] = mine.get(role, 0) + n
         with open(os.path.join(self.dir, "report.json"), "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(report)))
+
+    async def _wait_for_others(self, nodes: list[int], timeout_s: float, liveness_s: float) -> None:
+        """Wait up to ``timeout_s`` for each of ``nodes`` to say it stopped its roles. A node
+        whose heartbeat stops for ``liveness_s`` meanwhile (it was lost as the run ended, before
+        the watch took it as lost) is not waited for, and is counted in torchrun's exit barrier
+        as a lost node is."""
+        deadline = time.monotonic() + timeout_s
+        seen: dict[int, tuple[str | None, float]] = {n: (None, time.monotonic()) for n in nodes}
+        pending = list(nodes)
+        while pending:
+            now = time.monotonic()
+            for node in list(pending):
+                if await self.store.check(self.keys.done(self.attempt, node)):
+                    pending.remove(node)
+                    continue
+                beat = await self.store.peek(self.keys.heartbeat(self.attempt, node))
+                last, since = seen[node]
+                if beat != last:
+                    seen[node] = (beat, now)
+                elif now - since > liveness_s:
+                    _say(
+                        self.node,
+                        f"the agent of node {node} sent no heartbeat for {now - since:.0f} s as "
+                        f"the run ended: node {node} is lost; not waiting for it",
+                    )
+                    pending.remove(node)
+                    await self._check_in_lost([node])
+            if not pending:
+                return
+            if now >= deadline:
+                waited = ", ".join(self.keys.done(self.attempt, n) for n in pending)
+                _say(
+                    self.node,
+                    f"waited {timeout_s:g} s for {waited} in the store: the other nodes stop "
+                    f"their roles",
+                )
+                return
+            await asyncio.sleep(min(0.2, HEARTBEAT_INTERVAL_S))
 
     def _add_nodes(self) -> None:
         """Add ``nodes`` (the number of nodes that ran roles) to the program's summary.json."""
@@ -663,7 +711,7 @@ async def _take_part(args: argparse.Namespace, a: NodeAttempt) -> int:
     watch = _Watch(a, follower, args.agent_liveness)
     try:
         report = await run_manifest(manifest, a.dir, beside=watch, view=view, console=True)
-        code = await a.finish(report, args.join_timeout, follower.lost)
+        code = await a.finish(report, args.join_timeout, follower.lost, args.agent_liveness)
     finally:
         if sink is not None:
             await sink.close()

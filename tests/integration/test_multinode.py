@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers.nodes import lose_node
 from tests.helpers.waiting import wait_until
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -328,14 +329,12 @@ def test_a_node_lost_for_good_with_every_replica_of_a_role_fails_the_run_naming_
     try:
         nodes.start()
         nodes.wait("the program at its gate", lambda: os.path.exists(nodes.path(0, "progress")))
-        agent = _json(nodes.path(1, "launch.json"))["pid"]
-        os.killpg(nodes.procs[1].pid, signal.SIGKILL)  # torchrun, so that nothing restarts
-        nodes.procs[1].wait()
-        os.kill(agent, signal.SIGKILL)  # its worker has a session of its own
+        # Node 1's splitters gone before the program sends its next line, not after.
+        lose_node(nodes.procs[1], nodes.path(1))
         with open(nodes.gate, "w"):
             pass
         try:
-            code = nodes.procs[0].wait(60)
+            code = nodes.procs[0].wait(120)
         except subprocess.TimeoutExpired:
             pytest.fail(f"node 0 did not end the run\n{nodes.logs()}")
         assert code == 1, nodes.logs()

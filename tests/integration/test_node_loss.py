@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers.nodes import lose_node
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -169,15 +170,7 @@ class Nodes:
 
     def lose(self, node: int) -> None:
         """SIGKILL node ``node``'s torchrun, its agent and every process of its roles at once."""
-        pids = [self.procs[node].pid, _json(self.path(node, "launch.json"))["pid"]]
-        for name in os.listdir(self.path(node, "registry")):
-            entry = _json(self.path(node, "registry", name))
-            if entry and "pid" in entry:
-                pids.append(entry["pid"])
-        groups = {os.getpgid(pid) for pid in pids if _exists(pid)}
-        for group in groups:
-            os.killpg(group, signal.SIGKILL)
-        self.procs[node].wait()
+        lose_node(self.procs[node], self.path(node))
 
     def finish(self, nodes: list[int], timeout: float = 180.0) -> list[int]:
         codes = []
@@ -193,14 +186,6 @@ class Nodes:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture
