@@ -70,7 +70,10 @@ def test_the_console_shows_progress_and_the_summary_and_v_brings_the_rest_back(
     lines = quiet.splitlines()
     assert not [line for line in lines if "checkpoint of step" in line]
     assert not [line for line in lines if "[info" in line or "[debug" in line]
-    assert not [line for line in lines if "[asyncrl.supervision." in line]  # starts, serving
+    # No supervisor's starts and serving; a warning (a slow stop on a loaded machine) may show.
+    assert not [
+        line for line in lines if "[asyncrl.supervision." in line and "[warning" not in line
+    ]
     assert "BC plateau: held-out accuracy" in quiet
     assert "GRPO 12/12" in quiet
     for row in table_rows(quiet_dir):
