@@ -77,6 +77,7 @@ bench: setup
 	$(BIN)/asyncrl bench multinode
 	$(BIN)/asyncrl bench sharding
 	$(BIN)/asyncrl bench durability
+	$(BIN)/asyncrl bench elastic
 	$(BIN)/asyncrl bench episodes
 	$(BIN)/asyncrl bench learning
 

@@ -28,6 +28,9 @@
 - ``asyncrl bench durability [--json] [--small] [--k K]``: a learner step with ``durable: false``,
   ``wal`` and ``checkpoint`` on a 303M-parameter Qwen2, interleaved; a write-ahead-logged learner
   SIGKILLed K steps past its checkpoint: time to serve again, steps replayed, weights bit-identical.
+- ``asyncrl bench elastic [--json] [--small]``: a sharded learner's state carried from 2 ranks
+  onto 1 and back (a node's loss and return) on a 303M-parameter Qwen2: start, load and
+  resharding seconds against a same-size restore, and the weights' parity.
 - ``asyncrl bench episodes [--json] [--quick] [--replicas 1,2,4,8]``: multi-turn episodes/s
   against the number of environment replicas, sync batches against episodes always in flight,
   with environment step latency spread log-normally (sigma 1.0), and the rollout's idle fraction.
@@ -69,6 +72,7 @@ DEVELOPER_BENCHMARKS = (
     "multinode",
     "sharding",
     "durability",
+    "elastic",
     "episodes",
     "learning",
 )
