@@ -33,7 +33,10 @@ tasks, rollout and environment (the ``tools`` role: ``STEP_ENV_REPLICAS`` replic
 simulated environment with room for the whole step), ``--rounds`` rounds, each runner then
 endpoint; the median of the rounds' ratios, with each path's median step seconds
 (``runner_step_s``, ``endpoint_step_s``). It measures what the endpoint adds (HTTP, the chat
-rendering, the history check, the trajectory): the rollout and the environment wait the same.
+rendering, the history check, the trajectory) and what the ``openai`` client costs in the same
+event loop: the rollout and the environment wait the same. ``plain_http_over_runner`` (with
+``plain_http_step_s``) plays the same agent with one ``aiohttp`` session posting the request's
+JSON itself, in the same rounds: what the endpoint costs an agent whose HTTP client adds little.
 ``null`` when ``openai`` or ``aiohttp`` is not installed (``endpoint_unavailable`` says which).
 """
 
@@ -257,9 +260,36 @@ async def _endpoint_episode(
     return traj
 
 
+async def _plain_http_episode(
+    session: Any, server: Any, env: EnvironmentClient, episode_id: str, task: int
+) -> Trajectory:
+    """``_endpoint_episode``'s agent posting each chat request's JSON with ``aiohttp``."""
+    url = f"{server.url}/chat/completions"
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    episode = await env.reset(episode_id, task)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": episode.observation}]
+    reward = 0.0
+    while not episode.done:
+        body = {"model": "policy", "messages": messages, "user": episode_id, "max_tokens": TOKENS}
+        async with session.post(url, json=body, headers=headers) as response:
+            response.raise_for_status()
+            reply = await response.json()
+        text = reply["choices"][0]["message"]["content"]
+        said = await env.step(episode, text)
+        reward += said.reward
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": said.observation},
+        ]
+    traj: Trajectory = server.trajectory(episode_id, reward=reward)
+    server.close(episode_id)
+    return traj
+
+
 async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, Any]:
     """The figures of ``endpoint_over_runner`` (see the module docstring)."""
     try:
+        import aiohttp
         import openai
 
         from asyncrl.roles.agents.openai_server import OpenAIServer
@@ -276,22 +306,26 @@ async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, A
     )
     env = EnvironmentClient(ctx.roles["tools"], step_timeout_s=STEP_TIMEOUT_S)
     server = OpenAIServer(ctx.roles["rollout"], encode=_encode, decode=_decode, context_length=4096)
-    times: dict[str, list[float]] = {"runner": [], "endpoint": []}
-    async with server:
+    times: dict[str, list[float]] = {"runner": [], "endpoint": [], "plain": []}
+    async with server, aiohttp.ClientSession() as session:
         client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
         first = 1_000_000
-        for r in range(rounds + 1):  # the first round warms both paths up, and is not kept
+        for r in range(rounds + 1):  # the first round warms every path up, and is not kept
             tasks = list(range(first + r * STEP_EPISODES, first + (r + 1) * STEP_EPISODES))
-            for path in ("runner", "endpoint"):
+            for path in ("runner", "endpoint", "plain"):
                 tag = f"step{r}.{path}"
                 start = time.perf_counter()
                 if path == "runner":
                     played = await asyncio.gather(
                         *(runner.run(f"{tag}.{t}", t, PROMPT) for t in tasks)
                     )
-                else:
+                elif path == "endpoint":
                     played = await asyncio.gather(
                         *(_endpoint_episode(client, server, env, f"{tag}.{t}", t) for t in tasks)
+                    )
+                else:
+                    played = await asyncio.gather(
+                        *(_plain_http_episode(session, server, env, f"{tag}.{t}", t) for t in tasks)
                     )
                 seconds = time.perf_counter() - start
                 for traj, task in zip(played, tasks, strict=True):
@@ -300,12 +334,16 @@ async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, A
                     times[path].append(seconds)
         await client.close()
     ratios = [e / r for e, r in zip(times["endpoint"], times["runner"], strict=True)]
+    plain = [p / r for p, r in zip(times["plain"], times["runner"], strict=True)]
     return {
         "endpoint_over_runner": statistics.median(ratios),
+        "plain_http_over_runner": statistics.median(plain),
         "runner_step_s": statistics.median(times["runner"]),
         "endpoint_step_s": statistics.median(times["endpoint"]),
+        "plain_http_step_s": statistics.median(times["plain"]),
         "step_episodes": STEP_EPISODES,
         "rounds_endpoint_over_runner": ratios,
+        "rounds_plain_http_over_runner": plain,
     }
 
 
@@ -429,8 +467,9 @@ def format_table(figures: dict[str, Any]) -> str:
             "",
             f"an RL step of {figures['step_episodes']} episodes: runner "
             f"{figures['runner_step_s']:.2f} s, endpoint (openai client) "
-            f"{figures['endpoint_step_s']:.2f} s; endpoint over runner {ratio:.2f} "
-            "(median of the rounds' ratios)",
+            f"{figures['endpoint_step_s']:.2f} s, endpoint (plain HTTP) "
+            f"{figures['plain_http_step_s']:.2f} s; over runner: openai client {ratio:.2f}, "
+            f"plain HTTP {figures['plain_http_over_runner']:.2f} (medians of the rounds' ratios)",
         ]
     lines += ["", f"{figures['wall_s']:.0f} s, load average {figures['load_avg_1m']:.1f}"]
     return "\n".join(lines)

@@ -116,8 +116,10 @@ def test_the_table_has_a_line_per_replica_count() -> None:
     }
     step = {
         "endpoint_over_runner": 3.334,
+        "plain_http_over_runner": 1.284,
         "runner_step_s": 1.113,
         "endpoint_step_s": 3.721,
+        "plain_http_step_s": 1.429,
         "step_episodes": 64,
     }
     figures = {"params": PARAMS, "rows": [row], **step, "wall_s": 68.2, "load_avg_1m": 2.81}
@@ -127,8 +129,9 @@ def test_the_table_has_a_line_per_replica_count() -> None:
     assert " ".join(lines[3].split()) == header
     assert lines[4].split() == ["4", "24", "14.0", "19.5", "1.39", "1.39", "64.4%", "45.2%"]
     assert lines[-3] == (
-        "an RL step of 64 episodes: runner 1.11 s, endpoint (openai client) 3.72 s; endpoint "
-        "over runner 3.33 (median of the rounds' ratios)"
+        "an RL step of 64 episodes: runner 1.11 s, endpoint (openai client) 3.72 s, endpoint "
+        "(plain HTTP) 1.43 s; over runner: openai client 3.33, plain HTTP 1.28 (medians of the "
+        "rounds' ratios)"
     )
     assert lines[-1] == "68 s, load average 2.8"
     unmeasured = {**figures, "endpoint_over_runner": None, "endpoint_unavailable": "no openai"}
@@ -198,3 +201,7 @@ def test_quick_json_runs_every_row_and_async_beats_sync_with_spread_latency() ->
     ratio = figures["endpoint_over_runner"]
     assert ratio == statistics.median(figures["rounds_endpoint_over_runner"])
     assert figures["runner_step_s"] > 0 and figures["endpoint_step_s"] > 0 and ratio > 0
+    plain = figures["plain_http_over_runner"]
+    assert plain == statistics.median(figures["rounds_plain_http_over_runner"])
+    assert len(figures["rounds_plain_http_over_runner"]) == 3
+    assert figures["plain_http_step_s"] > 0 and plain > 0
