@@ -267,8 +267,12 @@ class Supervisor:
             self._log.info(
                 "restarting", process=child.label, **self._identity(child), reason=reason
             )
+            # A standby that finished starting meanwhile was made for the group as it was.
+            stale = self._discard_spare(child)
             await self._spawn(child)
             restarted.append(child.label)
+            if stale is not None:
+                await stale.wait()
         return restarted
 
     def stop(self, reason: str = "interrupted") -> None:
