@@ -314,6 +314,40 @@ def test_a_group_that_went_on_smaller_stays_so_in_the_next_attempt(tmp_path: Any
     assert (seen["shrunk"], seen["departed"]) == ({"learner": [0, 2]}, {"learner": {"1": 1}})
 
 
+def test_a_returned_node_does_not_start_its_rank_of_a_group_that_went_on(tmp_path: Any) -> None:
+    """Node 1 was lost and the learner went on without its rank; node 1's torchrun started
+    again joins the running attempt: its splitter starts, its learner rank does not (the
+    others reach it, unserved, where it was), and its membership says it left."""
+    from asyncrl.supervision.agent import build_children
+    from asyncrl.supervision.rundir import node_dir
+
+    run_dir = str(tmp_path)
+    manifest = parse_manifest(GROUP, nodes=3)
+    store = DictStore()
+    host = HostRecord(host="h", weights="/w", token="t")
+    for node in range(3):
+        os.makedirs(node_dir(run_dir, node), exist_ok=True)
+        replicas = {"splitter": {node: f"tcp://127.0.0.1:{2000 + node}"}}
+        replicas["learner"] = {node: f"tcp://127.0.0.1:{2200 + node}"}
+        if node == 2:
+            replicas["counter"] = {0: "tcp://127.0.0.1:2100"}
+        record = NodeRecord(replicas=replicas, agent=f"tcp://127.0.0.1:{1000 + node}", host=host)
+        store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
+    env = LaunchEnv(1, 3, "127.0.0.1", 1, "", False)
+    back = NodeAttempt(env, store, KEYS, 0, manifest, run_dir)  # type: ignore[arg-type]
+    back.rejoining = 1
+    view = asyncio.run(back.discover(30.0))
+    assert back.shrunk_away == [("learner", 1)]
+    assert view.elsewhere == {("learner", 1): "tcp://127.0.0.1:2201"}
+    published = msgspec.json.decode(store.values[KEYS.endpoints(0, 1)], type=NodeRecord)
+    assert list(published.replicas) == ["splitter"]
+    started = [
+        (c.name, c.replica)
+        for c in build_children(manifest, node_dir(run_dir, 1), parent_pid=1, view=view)
+    ]
+    assert started == [("splitter", 1)]
+
+
 def _moved(store: DictStore, node: int, endpoint: str, loss: list[int]) -> None:
     """The counter's new node publishes where it runs, with the loss that moved it there."""
     said = {"node": node, "endpoint": endpoint, "lost": loss}
