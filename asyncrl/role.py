@@ -138,7 +138,10 @@ class RoleContext:
         threads: CPU threads this process may use for compute.
         device: the placement's device string.
         capacity: requests one replica works on at once.
-        replicas: how many replicas the role has (a data-parallel group's world size).
+        replicas: how many replicas the role has.
+        members: the replicas of its data-parallel group that run now, in rank order, once the
+            group went on at a smaller size after a node's loss (docs/multinode.md); empty: all
+            ``replicas``. ``group_rank`` and ``group_size`` follow from it.
         groups: every role group of the run by name (``asyncrl.manifest.spec.GroupInfo``: endpoints
             as seen from this node), for a role that calls another.
     """
@@ -153,6 +156,7 @@ class RoleContext:
     device: str = "cpu"
     capacity: int = 1
     replicas: int = 1
+    members: list[int] = field(default_factory=list)
     groups: dict[str, Any] = field(default_factory=dict)
     log: Any = field(default_factory=lambda: logging.getLogger("asyncrl.role"))
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -168,6 +172,16 @@ class RoleContext:
             kw["run_dir"] = tempfile.mkdtemp(prefix="asyncrl-local-")
             atexit.register(shutil.rmtree, kw["run_dir"], ignore_errors=True)
         return cls(config=config, **kw)
+
+    @property
+    def group_size(self) -> int:
+        """The size of this replica's data-parallel group now (its world size)."""
+        return len(self.members) if self.members else self.replicas
+
+    @property
+    def group_rank(self) -> int:
+        """This replica's rank in its data-parallel group now."""
+        return self.members.index(self.replica) if self.members else self.replica
 
     async def offload(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` in this role's worker threads and return its result."""

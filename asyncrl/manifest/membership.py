@@ -13,8 +13,13 @@ node, so every node reaches the same answer without asking:
 - a replica of a role with several (rollouts, environments) *departs*: it leaves its group, and
   the calls it held run again on the others under their delivery class;
 - a role whose replicas span nodes as one ``one_for_all`` unit (a ``torch.distributed`` group:
-  data-parallel learners or critics) *blocks*: its ranks cannot re-form at a smaller size, so
-  the launch restarts every node's worker group, as for the store's host.
+  data-parallel learners or critics) *shrinks*: its ranks on the lost node depart, and the
+  replicas left (``Plan.shrunk``) form the group again at the smaller size, each restarted
+  where it runs, from its own checkpoints and write-ahead log. Two such groups *block* (the
+  launch restarts every node's worker group, as for the store's host): one whose replica 0 was
+  lost (it leads the group's calls and is the replica callers reach), and a sharded one
+  (``config.parallel: fsdp``: each rank's checkpoint holds only its own shards, so the state of
+  the lost ranks is gone with them).
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``) and
@@ -23,7 +28,7 @@ run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -38,6 +43,8 @@ __all__ = [
     "Plan",
     "node_loss_warnings",
     "plan",
+    "sharded",
+    "spans_nodes",
 ]
 
 MEMBERSHIP_FILE = "membership.json"
@@ -67,6 +74,7 @@ class Change(msgspec.Struct, kw_only=True, frozen=True):
         reason: why (``no heartbeat for 6 s``).
         departed: the replicas that left the run with it (``rollout[2]``).
         moved: the replicas started again elsewhere, with the node that now runs each.
+        shrunk: each group that went on at a smaller size, with the replicas that form it now.
     """
 
     time: float
@@ -75,6 +83,7 @@ class Change(msgspec.Struct, kw_only=True, frozen=True):
     reason: str
     departed: list[str] = []
     moved: dict[str, int] = {}
+    shrunk: dict[str, list[int]] = {}
 
 
 class Membership(msgspec.Struct, kw_only=True):
@@ -87,6 +96,8 @@ class Membership(msgspec.Struct, kw_only=True):
         departed: per role, each replica that left the run, with the node it was on.
         moved: per role, each replica that runs at another address than at the start: on
             another node than its manifest's, or back on its node after it was lost.
+        shrunk: per data-parallel group that went on at a smaller size, the replicas that
+            form it now (in rank order: a replica's rank is its place in the list).
         changes: every change so far, oldest first.
     """
 
@@ -95,6 +106,7 @@ class Membership(msgspec.Struct, kw_only=True):
     lost: dict[int, str] = {}
     departed: dict[str, dict[int, int]] = {}
     moved: dict[str, dict[int, Moved]] = {}
+    shrunk: dict[str, list[int]] = {}
     changes: list[Change] = []
 
 
@@ -105,16 +117,36 @@ class Plan:
     Attributes:
         moved: (role, replica) -> the node that runs it now.
         departed: (role, replica) -> the lost node it was on.
+        shrunk: role -> the replicas of its data-parallel group that remain, in rank order
+            (its replicas on the lost nodes are in ``departed``).
         blocked: why the run cannot go on without the lost nodes (empty when it can).
     """
 
     moved: dict[tuple[str, int], int] = field(default_factory=dict)
     departed: dict[tuple[str, int], int] = field(default_factory=dict)
+    shrunk: dict[str, list[int]] = field(default_factory=dict)
     blocked: list[str] = field(default_factory=list)
 
 
+def spans_nodes(manifest: Manifest, name: str) -> bool:
+    """Whether ``name``'s replicas form one ``one_for_all`` group over several nodes (a
+    data-parallel learner's or critic's ``torch.distributed`` group)."""
+    role = manifest.roles[name]
+    where = {role.placement.node_of(i) for i in range(role.replicas)}
+    return role.supervision.strategy == "one_for_all" and len(where) > 1
+
+
+def sharded(manifest: Manifest, name: str) -> bool:
+    """Whether ``name``'s ranks each hold only their shards of its state (``config.parallel:
+    fsdp``): a group that cannot go on without one of them."""
+    return manifest.roles[name].config.get("parallel") == "fsdp"
+
+
 def plan(
-    manifest: Manifest, lost: set[int], runs_on: Mapping[tuple[str, int], int] | None = None
+    manifest: Manifest,
+    lost: set[int],
+    runs_on: Mapping[tuple[str, int], int] | None = None,
+    members: Mapping[str, Sequence[int]] | None = None,
 ) -> Plan:
     """What becomes of every replica that runs on a node of ``lost`` (see the module's
     docstring).
@@ -126,6 +158,9 @@ def plan(
         runs_on: (role, replica) -> the node it runs on now, for each replica that runs
             elsewhere than its placement (it moved at an earlier loss: the run's current
             membership); None: every replica runs where its placement puts it.
+        members: role -> the replicas that form its data-parallel group now, for each group
+            that went on at a smaller size at an earlier loss (``Membership.shrunk``); its
+            other replicas are out of it already, whether their node is lost or back.
 
     Node 0 runs the driver and the store: with node 0 in ``lost`` the plan is blocked.
     """
@@ -133,17 +168,28 @@ def plan(
     if 0 in lost:
         out.blocked.append("node 0 (the store's host, which runs the driver) was lost")
         return out
-    now = runs_on or {}
+    now, groups = runs_on or {}, members or {}
     for name, role in manifest.roles.items():
         where = [now.get((name, i), role.placement.node_of(i)) for i in range(role.replicas)]
-        gone = [i for i, node in enumerate(where) if node in lost]
+        live = list(groups.get(name, range(role.replicas)))
+        gone = [i for i in live if where[i] in lost]
         if not gone:
             continue
         if role.supervision.strategy == "one_for_all" and len(set(where)) > 1:
-            out.blocked.append(
-                f"roles.{name}: its {role.replicas} replicas form one group over nodes "
-                f"{sorted(set(where))}, and a group does not re-form at a smaller size"
-            )
+            group = f"roles.{name}: its {role.replicas} replicas form one group over nodes "
+            group += f"{sorted(set(where))}"
+            if 0 in gone:
+                out.blocked.append(
+                    f"{group}, and its replica 0, which leads the group, ran on node {where[0]}"
+                )
+            elif sharded(manifest, name):
+                out.blocked.append(
+                    f"{group}, sharded (parallel: fsdp): the lost ranks' shards of its state "
+                    f"are gone with them"
+                )
+            else:
+                out.shrunk[name] = [i for i in live if i not in gone]
+                out.departed |= {(name, i): where[i] for i in gone}
             continue
         for i in gone:
             candidates = [n for n in role.placement.nodes if n not in lost]
@@ -157,22 +203,34 @@ def plan(
 def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
     """What a launch of ``manifest`` over ``nodes`` nodes cannot carry through the loss of one
     node other than 0, one warning per role, each with the fix: a ``one_for_all`` group over
-    several nodes (data-parallel learners or critics), whose ranks do not re-form at a smaller
-    size, so that losing one of its nodes restarts every node and the run resumes from its
-    checkpoints once the node is back."""
+    several nodes (data-parallel learners or critics) that does not go on at a smaller size
+    (``plan`` blocks): a sharded one, or one whose replica 0 runs on a node other than 0. Losing
+    one of its nodes restarts every node, and the run resumes from its checkpoints once the
+    node is back."""
     warnings = []
     for name, role in manifest.roles.items():
         where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
         others = [n for n in where if 0 < n < nodes]
-        if role.supervision.strategy != "one_for_all" or len(where) < 2 or not others:
+        if not spans_nodes(manifest, name) or not others:
+            continue
+        lead = role.placement.node_of(0)
+        if sharded(manifest, name):
+            why = (
+                "sharded (parallel: fsdp), which does not go on at a smaller size: each rank's "
+                "checkpoint holds only its own shards"
+            )
+            lose, fix = others[0], "use parallel: replicate, or place the group on node 0"
+        elif lead != 0:
+            why = f"led by its replica 0 on node {lead}, without which it does not go on"
+            lose, fix = lead, "place its replica 0 on node 0 (placement.nodes: [0, ...])"
+        else:
             continue
         folders = ", ".join(f"RUN_DIR/node-{n}" for n in others)
         warnings.append(
             f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}, "
-            f"which does not re-form at a smaller size: losing node {others[0]} restarts every "
-            f"node, and the run resumes once the node is back (after --join-timeout it fails). "
-            f"Its write-ahead log and checkpoints, which the resume replays, are in {folders}: "
-            f"keep the run directory on storage every node shares. To keep training through "
-            f"a node's loss, place the group on node 0 (placement: {{node: 0}})"
+            f"{why}: losing node {lose} restarts every node, and the run resumes once the node "
+            f"is back (after --join-timeout it fails). Its write-ahead log and checkpoints, "
+            f"which the resume replays, are in {folders}: keep the run directory on storage "
+            f"every node shares. To keep training through a node's loss, {fix}"
         )
     return warnings

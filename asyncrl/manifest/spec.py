@@ -88,6 +88,9 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
             with the loop's stack.
         parent_pid: the node agent's pid; the process exits if its parent is not this one.
         replicas: how many replicas the role has (a data-parallel group's world size).
+        members: the replicas of its data-parallel group that run now, in rank order, once the
+            group went on at a smaller size (a node holding some of its ranks was lost:
+            ``asyncrl.manifest.membership``); empty: all ``replicas``.
         groups: every role group, by name, with endpoints as seen from this process's node (the
             driver calls them; a role may call another, e.g. a relay its publisher).
         pipeline: for the driver: the manifest's ``pipeline`` section.
@@ -121,6 +124,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     warn_after_s: float = 5.0
     parent_pid: int = 0
     replicas: int = 1
+    members: list[int] = []
     groups: dict[str, GroupInfo] = {}
     pipeline: dict[str, Any] = {}
     model: dict[str, Any] = {}

@@ -397,10 +397,15 @@ def _heading(status: dict[str, Any]) -> list[str]:
         when = time.strftime("%H:%M:%S", time.localtime(change["time"]))
         moved = [f"{label} moved to node {n}" for label, n in change.get("moved", {}).items()]
         left = [f"{label} left the run" for label in change.get("departed", [])]
+        shrunk = [
+            f"{name} goes on with replicas {members}"
+            for name, members in change.get("shrunk", {}).items()
+        ]
         what = "back" if change.get("event") == "node_back" else "lost"
+        said = left + moved + shrunk
         lines.append(
             f"node {change['node']} {what} at {when} ({change['reason']})"
-            + (": " + ", ".join(left + moved) if left or moved else "")
+            + (": " + ", ".join(said) if said else "")
         )
     for node in status["nodes"]:
         if "error" in node:

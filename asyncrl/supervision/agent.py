@@ -109,6 +109,10 @@ class NodeView:
     """Every group as this node's processes see it, filled by ``build_children``; a replica
     that moves (``asyncrl.manifest.membership``) is updated here, so that the incarnations
     started afterwards reach it at its new address."""
+    members: dict[str, list[int]] = field(default_factory=dict)
+    """Per data-parallel group that went on at a smaller size, the replicas that form it now
+    (``asyncrl.manifest.membership``): the incarnations started afterwards are given it
+    (``ProcessSpec.members``), and join the group at its new size."""
 
     def bind_endpoint(self, role: str, replica: int) -> str:
         """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or "";
@@ -165,7 +169,15 @@ def build_children(
                     endpoint,
                     role.supervision,
                     _role_launcher(
-                        manifest, role, name, replica, local, run_dir, parent_pid, groups
+                        manifest,
+                        role,
+                        name,
+                        replica,
+                        local,
+                        run_dir,
+                        parent_pid,
+                        groups,
+                        view.members,
                     ),
                     "" if role.command else liveness_path(run_dir, name, replica),
                 )
@@ -194,7 +206,9 @@ def adopted_child(
         "command" if role.command else "role",
         endpoint,
         role.supervision,
-        _role_launcher(manifest, role, name, replica, local, home_dir, os.getpid(), view.groups),
+        _role_launcher(
+            manifest, role, name, replica, local, home_dir, os.getpid(), view.groups, view.members
+        ),
         "" if role.command else liveness_path(home_dir, name, replica),
     )
 
@@ -269,9 +283,11 @@ def _role_launcher(
     run_dir: str,
     parent_pid: int,
     groups: dict[str, GroupInfo],
+    members: dict[str, list[int]],
 ) -> Any:
     """The launcher of one role replica. ``groups`` is filled as the manifest's roles are read,
-    so by the first launch it holds every group."""
+    so by the first launch it holds every group; ``members`` (``NodeView.members``) is read at
+    each launch, so an incarnation started after its group shrank joins it at its new size."""
     run = manifest.run
     endpoint = local.endpoint
 
@@ -329,6 +345,7 @@ def _role_launcher(
             warn_after_s=role.supervision.warn_after_s,
             parent_pid=parent_pid,
             replicas=role.replicas,
+            members=list(members.get(name, [])),
             groups=groups,
             model=msgspec.to_builtins(manifest.model),
             tcp_endpoint="" if local.tcp == endpoint else local.tcp,

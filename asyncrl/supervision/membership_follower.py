@@ -12,7 +12,11 @@ and applies what changed:
   replica that moves to this node is started here, from its home node's folder of the run
   directory, on a fresh tcp port that it publishes (``moved/<role>/<replica>``, with the loss it
   answers); a replica that moved away from the node at an earlier loss, and stayed when the node
-  came back, is not started a second time; one that moved onto the node moves again;
+  came back, is not started a second time; one that moved onto the node moves again. A
+  data-parallel group that had ranks there goes on with the replicas left: this node's replicas
+  of it are started again at once (``Supervisor.restart_role``), given the group's new
+  membership (``NodeView.members``), so that they leave the broken collective and form the
+  group at its smaller size, from their checkpoints and write-ahead logs;
 - **a node back:** its replicas that departed are back in their groups, at the endpoints it
   published anew; what moved away while it was lost stays where it went;
 - **this node taken as lost while it runs** (its heartbeats reached node 0 too late): ``follow``
@@ -30,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -93,6 +97,24 @@ class MembershipFollower:
     def dir(self) -> str:
         """This node's folder of the run directory, where its ``membership.json`` is."""
         return node_dir(self.run_dir, self.node)
+
+    def keep_shrunk(
+        self, shrunk: Mapping[str, Sequence[int]], away: Sequence[tuple[str, int]] = ()
+    ) -> None:
+        """At the attempt's start: the data-parallel groups that went on at a smaller size in an
+        earlier attempt (``shrunk``, node 0's record) stay so, their other replicas out of the
+        run; ``away``: this node's replicas that departed with its loss in this attempt, which it
+        joins again. Written into ``membership.json`` when there is any."""
+        for name, members in shrunk.items():
+            self.membership.shrunk[name] = list(members)
+            role = self.manifest.roles[name]
+            for i in range(role.replicas):
+                if i not in members:
+                    self.membership.departed.setdefault(name, {})[i] = role.placement.node_of(i)
+        for name, replica in away:
+            self.membership.departed.setdefault(name, {})[replica] = self.node
+        if shrunk or away:
+            self._write()
 
     async def mark_lost(self, node: int, reason: str) -> None:
         """Node 0: mark ``node`` lost for good in the store, with ``reason``, at the next
@@ -230,7 +252,7 @@ class MembershipFollower:
         }
         runs_on |= {key: there for key, (there, _) in self.moving.items()}
         roles = self.manifest.roles
-        now = plan(self.manifest, planned, runs_on)
+        now = plan(self.manifest, planned, runs_on, self.membership.shrunk)
 
         def on_it(name: str, i: int) -> bool:
             return runs_on.get((name, i), roles[name].placement.node_of(i)) == node
@@ -241,6 +263,11 @@ class MembershipFollower:
             if n == node and i not in self.membership.departed.get(name, {})
         }
         moved = {key: there for key, there in now.moved.items() if on_it(*key)}
+        shrunk = {
+            name: members
+            for name, members in now.shrunk.items()
+            if any(n == name for n, _ in departed)
+        }
         for (name, replica), lost_on in departed.items():
             self.membership.departed.setdefault(name, {})[replica] = lost_on
             self.membership.moved.get(name, {}).pop(replica, None)
@@ -250,6 +277,13 @@ class MembershipFollower:
             self.moving[(name, replica)] = (there, loss)
             if there == self.node:
                 await self._adopt(supervisor, name, replica, loss)
+        for name, members in shrunk.items():
+            self.membership.shrunk[name] = members
+            self.view.members[name] = members
+            why = f"its group goes on with replicas {members} after node {node}'s loss"
+            restarted = await supervisor.restart_role(name, why)
+            if restarted:
+                self.say(self.node, f"{', '.join(restarted)} start again: {why}")
         self.membership.lost[node] = reason
         change = Change(
             time=time.time(),
@@ -258,6 +292,7 @@ class MembershipFollower:
             reason=reason,
             departed=[f"{name}[{i}]" for name, i in departed],
             moved={f"{name}[{i}]": n for (name, i), n in moved.items()},
+            shrunk=shrunk,
         )
         self.membership.changes.append(change)
         if self.node == 0:
@@ -268,6 +303,7 @@ class MembershipFollower:
             + ", ".join(
                 [f"{n}[{i}] left the run" for n, i in departed]
                 + [f"{n}[{i}] moves to node {there}" for (n, i), there in moved.items()]
+                + [f"{n} goes on with replicas {members}" for n, members in shrunk.items()]
             ),
         )
 

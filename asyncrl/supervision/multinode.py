@@ -56,7 +56,13 @@ import msgspec
 
 from asyncrl.errors import ManifestError
 from asyncrl.manifest.load import Manifest, load_manifest, resolve_run_dir
-from asyncrl.manifest.membership import node_loss_warnings, plan
+from asyncrl.manifest.membership import (
+    MEMBERSHIP_FILE,
+    Membership,
+    node_loss_warnings,
+    plan,
+    spans_nodes,
+)
 from asyncrl.observe.trace import merge_and_tell
 from asyncrl.observe.trace_nodes import send_node_trace, start_node_trace
 from asyncrl.supervision.agent import NodeView, install_secret, run_manifest, summary
@@ -190,6 +196,8 @@ class NodeAttempt:
         self.bind_host = self.host = ""
         self.view: NodeView | None = None
         self.rejoining = 0  # the generation of this node's loss that it comes back from; 0: none
+        # Its replicas of data-parallel groups that went on without them when it was lost.
+        self.shrunk_away: list[tuple[str, int]] = []
 
     @classmethod
     async def join(
@@ -287,6 +295,15 @@ class NodeAttempt:
                 said = await self.store.peek(self.keys.moved(self.attempt, name, i))
                 if said is not None:
                     elsewhere[(name, i)] = json.loads(said)["endpoint"]
+            # Its ranks of a data-parallel group over several nodes departed, and the group went
+            # on without them (the attempt would have ended otherwise): it stays at its smaller
+            # size, so they do not start. The others reach them, unserved, where they were.
+            before = await self.store.peek(self.keys.endpoints(self.attempt, self.node))
+            was = msgspec.json.decode(before, type=NodeRecord).replicas if before else {}
+            for name, i in mine:
+                if spans_nodes(self.manifest, name):
+                    self.shrunk_away.append((name, i))
+                    elsewhere[(name, i)] = was.get(name, {}).get(i, "")
             mine = [key for key in mine if key not in elsewhere]
         # One port a replica, one for this agent's status server (which the other agents ask),
         # and on node 0 of a traced launch one where the others send their traces.
@@ -302,6 +319,7 @@ class NodeAttempt:
             agent=f"tcp://{host}:{ports[len(mine)]}",
             host=announce(self.dir),
             trace_sink=f"tcp://{host}:{ports[-1]}" if sink else "",
+            shrunk=shrunk_before(self.dir) if self.node == 0 else {},
         )
         keys, store = self.keys, self.store
         published = msgspec.json.encode(record).decode()
@@ -312,6 +330,13 @@ class NodeAttempt:
             self.records[node] = msgspec.json.decode(await store.get(key), type=NodeRecord)
         if self.node != 0:
             self.sink = self.records[0].trace_sink
+        # A group that went on at a smaller size in an earlier attempt stays so: its replicas
+        # left out hold state from before (docs/multinode.md), and do not start.
+        shrunk = self.records[0].shrunk
+        for name, i in mine:
+            if name in shrunk and i not in shrunk[name]:
+                self.shrunk_away.append((name, i))
+                elsewhere[(name, i)] = replicas[name][i]
         tcp = {
             (name, i): endpoint
             for record in self.records.values()
@@ -330,6 +355,7 @@ class NodeAttempt:
             bind_host=bind_host if bind_host != host else "",
             agents={node: record.agent for node, record in self.records.items()},
             elsewhere=elsewhere,
+            members={name: list(members) for name, members in shrunk.items()},
         )
         return self.view
 
@@ -502,6 +528,16 @@ class NodeAttempt:
         write_atomic(os.path.join(self.dir, "launch.json"), json.dumps(record).encode())
 
 
+def shrunk_before(directory: str) -> dict[str, list[int]]:
+    """The data-parallel groups that went on at a smaller size in an earlier attempt or launch
+    of the run in ``directory`` (node 0's), from its ``membership.json``; {} when none did."""
+    try:
+        with open(os.path.join(directory, MEMBERSHIP_FILE), "rb") as f:
+            return msgspec.json.decode(f.read(), type=Membership).shrunk
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return {}
+
+
 def _claim(args: argparse.Namespace, directory: str, fresh: bool) -> str:
     """Make ``directory`` ready (``prepare_run_dir``), or say why not (a later attempt finds it)."""
     from asyncrl.supervision.rundir import RunDirError, prepare_run_dir
@@ -616,7 +652,7 @@ class _Watch:
                 continue  # node 0 decides whether the run goes on without it
             if peer == 0:
                 return silent
-            blocked = plan(a.manifest, {*lost, peer}).blocked
+            blocked = plan(a.manifest, {*lost, peer}, None, self.follower.membership.shrunk).blocked
             if blocked:
                 return f"{silent}, and the run cannot go on without it: {'; '.join(blocked)}"
             _say(a.node, f"{silent}: node {peer} is lost; the run goes on without it")
@@ -708,6 +744,7 @@ async def _take_part(args: argparse.Namespace, a: NodeAttempt) -> int:
         host=a.host,
         say=_say,
     )
+    follower.keep_shrunk(view.members, a.shrunk_away)
     watch = _Watch(a, follower, args.agent_liveness)
     try:
         report = await run_manifest(manifest, a.dir, beside=watch, view=view, console=True)

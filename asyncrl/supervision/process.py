@@ -250,6 +250,7 @@ async def serve_role(spec: ProcessSpec, *, on_ready: Callable[[], None] = lambda
         device=spec.device,
         capacity=spec.capacity,
         replicas=spec.replicas,
+        members=list(spec.members),
         groups=dict(spec.groups),
         log=log,
     )

@@ -139,12 +139,16 @@ class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
         agent: the tcp endpoint of its agent's status server (``asyncrl.observe.status``).
         host: its host's record (``asyncrl.supervision.hosts``).
         trace_sink: node 0 of a traced launch: where the other nodes send their traces.
+        shrunk: node 0: each data-parallel group that went on at a smaller size in an earlier
+            attempt of the run, with the replicas that form it (``Membership.shrunk``); it
+            stays so (docs/multinode.md).
     """
 
     replicas: dict[str, dict[int, str]]
     agent: str
     host: HostRecord
     trace_sink: str = ""
+    shrunk: dict[str, list[int]] = {}
 
 
 class StoreClient:

@@ -235,6 +235,46 @@ class Supervisor:
         self._children.append(child)
         await self._spawn(child)
 
+    async def restart_role(self, name: str, reason: str) -> list[str]:
+        """Start every process of role ``name`` on this node again at once (its data-parallel
+        group went on at a smaller size): each is killed (SIGKILL: one blocked in a collective
+        with a lost rank answers nothing else) and started again, its standby discarded (it
+        was made for the group as it was), outside its restart budget. A process that a
+        failure is already restarting is left to that restart, which starts it as the group
+        is now. Returns the labels of the processes restarted; none once the run is ending."""
+        if self._stopping or self._tasks is None:
+            return []
+        mine = [c for c in self._children if c.spec.name == name]
+        spares = [s for s in map(self._discard_spare, mine) if s is not None]
+        await asyncio.gather(*(spare.wait() for spare in spares))
+        return await self._restart_group([c for c in mine if not c.restarting], reason)
+
+    async def _restart_group(self, group: list[_Child], reason: str) -> list[str]:
+        """Kill ``group``'s processes and start each again (``restart_role``)."""
+        for child in group:
+            child.restarting = True
+        for child in group:
+            if child.alive:
+                child.expected_exit = True
+                self._kill(child, signal.SIGKILL)
+                await child.exited.wait()
+        restarted: list[str] = []
+        for child in group:
+            if self._stopping:
+                return restarted
+            child.restarting = False
+            child.restarts += 1
+            self._log.info(
+                "restarting", process=child.label, **self._identity(child), reason=reason
+            )
+            # A standby that finished starting meanwhile was made for the group as it was.
+            stale = self._discard_spare(child)
+            await self._spawn(child)
+            restarted.append(child.label)
+            if stale is not None:
+                await stale.wait()
+        return restarted
+
     def stop(self, reason: str = "interrupted") -> None:
         """End the run (a signal arrived): every process is stopped in order."""
         self._finish(RunReport("interrupted", reason))

@@ -270,7 +270,7 @@ class Critic(Role):
         # In the worker thread: importing transformers and building the model take seconds,
         # and the loop must keep answering heartbeats meanwhile.
         await self.ctx.offload(self._build)
-        if self.ctx.replicas > 1:
+        if self.ctx.group_size > 1:
             cfg = self.config
             self.dp = await self.ctx.offload(
                 join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.device
@@ -318,7 +318,7 @@ class Critic(Role):
             micro_batch_tokens=cfg.micro_batch_tokens,
             pad_id=cfg.pad_id,
             dtype=cfg.dtype,
-            sharded=cfg.parallel == "fsdp" and self.ctx.replicas > 1,
+            sharded=cfg.parallel == "fsdp" and self.ctx.group_size > 1,
             activation_checkpointing=cfg.activation_checkpointing,
         )
         build = lambda: value_model(cfg)  # noqa: E731

@@ -16,7 +16,10 @@ The group is formed in the role's compute thread, never on its event loop (``joi
 
 - with ``ASYNCRL_DIST_STORE=HOST:PORT`` (set by a multi-node launch: torchrun's TCPStore), every
   rank connects to that store as a client, under the key prefix
-  ``{ASYNCRL_DIST_PREFIX}/{role}/{generation}``;
+  ``{ASYNCRL_DIST_PREFIX}/{role}/{generation}``, or ``{ASYNCRL_DIST_PREFIX}/{role}/members-0-2/
+  {generation}`` once the group went on at a smaller size (``ctx.members``: the replicas left
+  after a node's loss, docs/multinode.md), so that the group at its old size and at its new
+  one never meet;
 - otherwise through a ``FileStore`` in ``RUN_DIR/dist/``, named by the role, the node agent's
   process id and the generation, so a file from an earlier run or attempt is never read.
 
@@ -134,10 +137,16 @@ def fingerprint(*parts: Any) -> int:
 
 
 def _store(
-    name: str, run_dir: str, generation: int, timeout_s: float, rank: int = 0
+    name: str,
+    run_dir: str,
+    generation: int,
+    timeout_s: float,
+    rank: int = 0,
+    members: Sequence[int] = (),
 ) -> tuple[Any, str]:
     """The rendezvous store of this group and generation, and where it is (for errors).
-    With the launch's store, the generation is this rank's count of earlier joins instead."""
+    With the launch's store, the generation is this rank's count of earlier joins instead, under
+    the group's ``members`` when it went on at a smaller size."""
     timeout = datetime.timedelta(seconds=timeout_s)
     address = os.environ.get(STORE_ENV, "")
     if address:
@@ -157,6 +166,8 @@ def _store(
                 f"{timeout_s:g} s ({exc}); check that the launch's node 0 is up"
             ) from exc
         base = f"{os.environ.get(PREFIX_ENV, '')}/{name}"
+        if members:
+            base += "/members-" + "-".join(map(str, members))
         joined = int(client.add(f"{base}/joins/{rank}", 1)) - 1
         prefix = f"{base}/{joined}"
         return PrefixStore(prefix, client), f"tcp store {address} under {prefix!r}"
@@ -209,15 +220,17 @@ class DataParallel:
         backend: str = "gloo",
         device: str = "cpu",
         comm: Communication | None = None,
+        members: Sequence[int] = (),
     ) -> DataParallel:
         """Form the group (blocking: call it in the compute thread) and return this rank's
-        handle on it.
+        handle on it. ``members``: the replicas that form the group once it went on at a
+        smaller size (``RoleContext.members``); it names the group in the store.
 
         Raises:
             DataParallelError: not every rank arrived within ``timeout_s`` (the message names
                 the missing ones), or the store is unusable.
         """
-        store, where = _store(name, run_dir, generation, timeout_s, rank)
+        store, where = _store(name, run_dir, generation, timeout_s, rank, members)
         store.set(f"arrived/{rank}", str(os.getpid()))
         keys = [f"arrived/{r}" for r in range(world)]
         try:
@@ -450,21 +463,24 @@ def state_checksum(model: torch.nn.Module) -> int:
 def join_role(
     ctx: RoleContext, backend: str, timeout_s: float, device: torch.device
 ) -> DataParallel:
-    """``DataParallel.join`` for a replica of a role: its name, replica and replicas, run
-    directory and incarnation (the generation). ``backend`` empty: the hardware plugin's
+    """``DataParallel.join`` for a replica of a role: its name, its rank and the group's size
+    (``ctx.group_rank``, ``ctx.group_size``: its replica and replicas, or its place among the
+    replicas left once the group went on at a smaller size), run directory and incarnation (the
+    generation). ``backend`` empty: the hardware plugin's
     (``asyncrl.plugins.registry``) when ``device`` (the model's) is the plugin's, ``gloo``
     when it is the host. Collective buffers go to ``device``."""
     plugin = current_plugin()
     return DataParallel.join(
         name=ctx.name,
-        rank=ctx.replica,
-        world=ctx.replicas,
+        rank=ctx.group_rank,
+        world=ctx.group_size,
         run_dir=ctx.run_dir,
         generation=ctx.incarnation,
         timeout_s=timeout_s,
         backend=backend or (plugin.comm.backend if device.type == plugin.device.kind else "gloo"),
         device=str(device),
         comm=plugin.comm,
+        members=ctx.members,
     )
 
 

@@ -198,7 +198,7 @@ class Learner(Role):
         self.env_tokens_trained = 0.0  # in this step's loss (episodes; see env_tokens_in)
         self.dp: DataParallel | None = None
         keep = cfg.keep_checkpoints
-        if self.ctx.replicas > 1:
+        if self.ctx.group_size > 1:
             self.dp = await self.ctx.offload(
                 join_role, self.ctx, cfg.dist_backend, cfg.dist_timeout_s, self.device
             )
@@ -256,7 +256,7 @@ class Learner(Role):
         self.device = device_for(self.ctx.device, self.plugin)
         # Before the model lands on a device it may share: the placement's memory share.
         self.share = DeviceShare.for_role(self.ctx, self.device, self.plugin)
-        sharded = cfg.parallel == "fsdp" and self.ctx.replicas > 1
+        sharded = cfg.parallel == "fsdp" and self.ctx.group_size > 1
         self.trainer = Trainer(
             trainer_settings(cfg, sharded),
             lambda: policy_model(cfg, sharded),

@@ -393,3 +393,88 @@ def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
     assert seen["departed"] == {"rollout": {"2": 2}, "relay2": {"0": 2}}
     assert seen["moved"]["reward"]["0"]["node"] == 0
     print(f"node 2 marked lost {marked:.1f} s after the kill, at step {at_loss}; {figures}")
+
+
+def _learner_over_nodes_0_and_1(tmp: str) -> str:
+    """examples/arith/multinode3.yaml with its learner as two data-parallel ranks, on nodes 0
+    and 1, checkpointing every 4 steps; written into ``tmp``."""
+    with open(os.path.join(ROOT, "examples/arith/multinode3.yaml")) as f:
+        text = f.read()
+    single = "  learner:\n    class: asyncrl.roles.training.learner:Learner\n    threads: 1\n"
+    assert single in text
+    text = text.replace(
+        single,
+        single + "    replicas: 2\n    placement: {nodes: [0, 1]}\n"
+        "    supervision: {strategy: one_for_all, backoff_initial_s: 0.05}\n",
+    )
+    text = text.replace("checkpoint_every: 10", "checkpoint_every: 4\n      dist_timeout_s: 60")
+    text = text.replace(
+        "tokenizer: examples/arith/tokenizer",
+        "tokenizer: " + os.path.join(ROOT, "examples/arith/tokenizer"),
+    )
+    path = os.path.join(tmp, "learners.yaml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+@pytest.mark.timeout(900)
+def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes) -> None:
+    """The main job with its learner as two data-parallel ranks on nodes 0 and 1: node 1 (a
+    learner rank, a rollout replica and its host's relay) is lost for good mid-RL. The learner's
+    group goes on with replica 0 alone, from its checkpoint and write-ahead log, and the run
+    completes every step: no sample lost, none consumed twice, no step repeated or skipped."""
+    from asyncrl.chaos.accounting import run_figures
+
+    short = [
+        "run.config.bc_max_steps=20",
+        "run.config.bc_eval_every=100",
+        f"run.config.rl_steps={RL_STEPS}",
+        f"run.config.rl_eval_every={RL_STEPS}",
+        "run.config.prompts_per_step=8",
+    ]
+    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp)
+    nodes.options = (*nodes.options, *(a for o in short for a in ("--set", o)))
+    started = time.monotonic()
+    nodes.start()
+    metrics = nodes.path(0, "metrics.jsonl")
+
+    def steps() -> int:
+        try:
+            with open(metrics) as f:
+                return sum(1 for line in f if '"step"' in line)
+        except OSError:
+            return 0
+
+    nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
+    killed = time.monotonic()
+    nodes.lose(1)
+    membership = nodes.path(0, "membership.json")
+    nodes.wait("node 1 marked lost", lambda: "1" in ((_json(membership) or {}).get("lost") or {}))
+    marked = time.monotonic() - killed
+    at_loss = steps()
+    nodes.wait("a step trained after the loss", lambda: steps() > at_loss, timeout=300)
+    first_step = time.monotonic() - killed
+    assert nodes.finish([0, 2], timeout=360) == [0, 0], nodes.logs()
+    figures = run_figures(nodes.run_dir)
+    assert (
+        figures["samples_lost"],
+        figures["duplicate_consumptions"],
+        figures["steps_repeated"],
+        figures["steps_skipped"],
+    ) == (0, 0, 0, 0), figures
+    assert steps() == RL_STEPS > at_loss
+    seen = _json(membership)
+    assert seen["shrunk"] == {"learner": [0]}
+    assert seen["departed"] == {"rollout": {"1": 1}, "relay1": {"0": 1}, "learner": {"1": 1}}
+    (change,) = seen["changes"]
+    assert change["shrunk"] == {"learner": [0]}
+    assert _json(nodes.path(2, "membership.json"))["shrunk"] == {"learner": [0]}
+    with open(os.path.join(nodes.tmp, "node0.log")) as f:
+        log = f.read()
+    assert "learner[0] start again: its group goes on with replicas [0] after node 1's loss" in log
+    print(
+        f"node 1 marked lost {marked:.1f} s after the kill, at step {at_loss}; the first step "
+        f"at one rank {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in all; "
+        f"{figures}"
+    )

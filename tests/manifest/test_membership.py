@@ -34,17 +34,53 @@ def test_a_lost_node_s_singletons_move_to_the_next_candidate_and_its_replicas_de
     assert two.blocked == []
     both = plan(manifest, {1, 2})
     assert both.moved == {("reward", 0): 0}
-    assert both.departed == {("rollout", 1): 1, ("rollout", 2): 2, ("relay", 0): 2}
+    assert both.departed == {
+        ("rollout", 1): 1,
+        ("rollout", 2): 2,
+        ("relay", 0): 2,
+        ("learner", 1): 1,
+    }
 
 
-def test_a_group_over_the_lost_node_or_node_0_blocks_the_plan() -> None:
+def test_a_group_over_a_lost_node_shrinks_to_the_replicas_left() -> None:
+    """The learner's rank on node 1 departs and the group goes on with replica 0 alone; with a
+    third rank on node 2, losing node 1 leaves replicas 0 and 2 (ranks 0 and 1 now)."""
     manifest = parse_manifest(MANIFEST, nodes=3)
-    assert plan(manifest, {1}).blocked == [
-        "roles.learner: its 2 replicas form one group over nodes [0, 1], and a group does not "
-        "re-form at a smaller size"
-    ]
+    one = plan(manifest, {1})
+    assert one.blocked == []
+    assert one.shrunk == {"learner": [0]}
+    assert one.departed == {("learner", 1): 1, ("rollout", 1): 1}
+    three = parse_manifest(
+        MANIFEST.replace(
+            "replicas: 2\n    placement: {nodes: [0, 1]}",
+            "replicas: 3\n    placement: {nodes: [0, 1, 2]}",
+        ),
+        nodes=3,
+    )
+    assert plan(three, {1}).shrunk == {"learner": [0, 2]}
+    assert plan(three, {1, 2}).shrunk == {"learner": [0]}
+    assert plan(manifest, {2}).shrunk == {}  # no rank of it was there
+    # Node 1 came back (its rank stays out of the group), then node 2 is lost: replica 0 is
+    # left; node 1 lost again takes no rank of the group with it.
+    assert plan(three, {2}, members={"learner": [0, 2]}).shrunk == {"learner": [0]}
+    again = plan(three, {1}, members={"learner": [0, 2]})
+    assert (again.shrunk, again.departed) == ({}, {("rollout", 1): 1})
+
+
+def test_a_group_without_its_replica_0_or_sharded_or_node_0_blocks_the_plan() -> None:
+    manifest = parse_manifest(MANIFEST, nodes=3)
     assert plan(manifest, {0}).blocked == [
         "node 0 (the store's host, which runs the driver) was lost"
+    ]
+    led_by_1 = parse_manifest(MANIFEST.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
+    assert plan(led_by_1, {1}).blocked == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], and its replica 0, "
+        "which leads the group, ran on node 1"
+    ]
+    fsdp = MANIFEST + "    config: {parallel: fsdp}\n"
+    assert plan(parse_manifest(fsdp, nodes=3), {1}).blocked == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], sharded (parallel: "
+        "fsdp): the lost ranks' shards of its state are gone with them"
     ]
 
 
@@ -52,17 +88,26 @@ def test_a_group_that_cannot_survive_a_node_is_warned_of_at_load_with_the_fix() 
     from asyncrl.manifest.membership import node_loss_warnings
 
     manifest = parse_manifest(MANIFEST, nodes=3)
-    assert node_loss_warnings(manifest, 3) == [
-        "roles.learner: its 2 replicas form one group over nodes [0, 1], which does not "
-        "re-form at a smaller size: losing node 1 restarts every node, and the run resumes once "
-        "the node is back (after --join-timeout it fails). Its write-ahead log and checkpoints, "
-        "which the resume replays, are in RUN_DIR/node-1: keep the run directory on storage "
-        "every node shares. To keep training through a node's loss, place the group on node 0 "
-        "(placement: {node: 0})"
+    assert node_loss_warnings(manifest, 3) == []  # it shrinks
+    fsdp = parse_manifest(MANIFEST + "    config: {parallel: fsdp}\n", nodes=3)
+    assert node_loss_warnings(fsdp, 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], sharded (parallel: "
+        "fsdp), which does not go on at a smaller size: each rank's checkpoint holds only its "
+        "own shards: losing node 1 restarts every node, and the run resumes once the node is "
+        "back (after --join-timeout it fails). Its write-ahead log and checkpoints, which the "
+        "resume replays, are in RUN_DIR/node-1: keep the run directory on storage every node "
+        "shares. To keep training through a node's loss, use parallel: replicate, or place "
+        "the group on node 0"
     ]
-    on_0 = MANIFEST.replace("placement: {nodes: [0, 1]}", "placement: {node: 0}")
-    alone = parse_manifest(on_0, nodes=3)
-    assert node_loss_warnings(alone, 3) == []
+    led_by_1 = parse_manifest(MANIFEST.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
+    assert node_loss_warnings(led_by_1, 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], led by its replica 0 "
+        "on node 1, without which it does not go on: losing node 1 restarts every node, and the "
+        "run resumes once the node is back (after --join-timeout it fails). Its write-ahead log "
+        "and checkpoints, which the resume replays, are in RUN_DIR/node-1: keep the run "
+        "directory on storage every node shares. To keep training through a node's loss, place "
+        "its replica 0 on node 0 (placement.nodes: [0, ...])"
+    ]
 
 
 def test_a_singleton_goes_by_where_it_runs_now_not_by_its_placement() -> None:

@@ -359,3 +359,23 @@ async def test_a_node_whose_agent_moved_is_asked_at_its_new_endpoint(tmp_path: A
             (0, []),
             (1, [1]),
         ]
+
+
+def test_the_heading_says_a_group_went_on_at_a_smaller_size() -> None:
+    from asyncrl.observe.status import format_status
+
+    change = {
+        "time": 0.0,
+        "event": "node_lost",
+        "node": 1,
+        "reason": "the agent of node 1 sent no heartbeat for 4 s",
+        "departed": ["rollout[1]", "learner[1]"],
+        "moved": {},
+        "shrunk": {"learner": [0]},
+    }
+    status = {"run": "r", "run_dir": "/r", "nodes": [], "membership": {"changes": [change]}}
+    line = format_status(status).splitlines()[1]
+    assert line.endswith(
+        "(the agent of node 1 sent no heartbeat for 4 s): rollout[1] left the run, learner[1] "
+        "left the run, learner goes on with replicas [0]"
+    )

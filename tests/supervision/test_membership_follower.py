@@ -14,7 +14,7 @@ import msgspec
 
 from asyncrl.manifest.load import parse_manifest
 from asyncrl.manifest.membership import Moved
-from asyncrl.manifest.spec import GroupInfo
+from asyncrl.manifest.spec import SPEC_FILE_ENV, GroupInfo, ProcessSpec
 from asyncrl.observe.status import AgentStatus, ask
 from asyncrl.supervision import multinode
 from asyncrl.supervision.agent import NodeView, status_server
@@ -63,6 +63,12 @@ class DictStore:
 
     async def check(self, key: str) -> bool:
         return key in self.values
+
+    async def wait_for(self, keys: list[str], timeout_s: float, **_: Any) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not all(k in self.values for k in keys):
+                self.changed.clear()
+                await self.changed.wait()
 
 
 class Adopter:
@@ -178,6 +184,168 @@ def test_a_singleton_moved_at_an_earlier_loss_is_not_started_again(tmp_path: Any
         ("node_back", [], {"splitter[2]": 2}),
         ("node_lost", ["splitter[2]"], {}),
     ]
+
+
+GROUP = (
+    MANIFEST
+    + """\
+  learner:
+    class: examples.hello.roles:Counter
+    replicas: 3
+    placement: {nodes: [0, 1, 2]}
+    supervision: {strategy: one_for_all}
+"""
+)
+"""A data-parallel group with a rank on each node."""
+
+
+class Restarter(Adopter):
+    """A supervisor that records each role it is told to start again, with the group's
+    members its processes would be given then."""
+
+    def __init__(self, view: NodeView) -> None:
+        super().__init__()
+        self.view = view
+        self.restarted: list[tuple[str, list[int]]] = []
+
+    async def restart_role(self, name: str, reason: str) -> list[str]:
+        self.restarted.append((name, list(self.view.members[name])))
+        return [f"{name}[0]"]
+
+
+def test_a_group_over_a_lost_node_goes_on_with_the_replicas_left(tmp_path: Any) -> None:
+    """Node 1 is lost, then node 2: the learner's group goes on with replicas 0 and 2, then
+    with replica 0 alone. Each time node 0 starts its rank again, given the group as it is
+    then, and records the change in membership.json and metrics.jsonl."""
+    store = DictStore()
+    follower = _follower(store, 0, str(tmp_path), GROUP)
+    follower.view.groups["learner"] = GroupInfo(
+        ["ipc://l0", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
+    )
+    supervisor = Restarter(follower.view)
+
+    async def main() -> None:
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        assert supervisor.restarted == [("learner", [0, 2])]
+        _lose(store, 2, 1)
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.restarted == [("learner", [0, 2]), ("learner", [0])]
+    assert supervisor.adopted == [("counter", 0)]
+    seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
+    assert seen["shrunk"] == {"learner": [0]}
+    assert seen["departed"] == {"splitter": {"1": 1, "2": 2}, "learner": {"1": 1, "2": 2}}
+    assert [(c["node"], c["departed"], c["shrunk"]) for c in seen["changes"]] == [
+        (1, ["splitter[1]", "learner[1]"], {"learner": [0, 2]}),
+        (2, ["splitter[2]", "learner[2]"], {"learner": [0]}),
+    ]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["membership"]["shrunk"] for line in lines] == [
+        {"learner": [0, 2]},
+        {"learner": [0]},
+    ]
+
+
+def test_a_node_without_a_rank_of_the_group_restarts_nothing(tmp_path: Any) -> None:
+    """Node 1 is lost: node 2's follower records the learner's new membership, and its own
+    rank (replica 2) starts again with it; with node 2 lost instead, node 1 does the same."""
+    store = DictStore()
+    os.makedirs(tmp_path / "node-2")
+    follower = _follower(store, 2, str(tmp_path), GROUP)
+    follower.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "ipc://l2"])
+    supervisor = Restarter(follower.view)
+
+    async def main() -> None:
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.restarted == [("learner", [0, 2])]
+    assert follower.membership.shrunk == {"learner": [0, 2]}
+
+
+def test_a_group_that_went_on_smaller_stays_so_in_the_next_attempt(tmp_path: Any) -> None:
+    """The learner went on with replicas 0 and 2 in an earlier attempt (node 0's
+    membership.json): in the next, node 0 publishes it, node 1 does not start its rank (its
+    state is from before the loss), every node gives the group's processes members [0, 2], and
+    membership.json keeps replica 1 out of the run."""
+    from asyncrl.manifest.membership import Membership
+    from asyncrl.supervision.agent import build_children
+    from asyncrl.supervision.rundir import node_dir
+
+    run_dir = str(tmp_path)
+    earlier = Membership(attempt=0, nodes=3, shrunk={"learner": [0, 2]})
+    (tmp_path / "membership.json").write_bytes(msgspec.json.encode(earlier))
+    manifest = parse_manifest(GROUP, nodes=3)
+    store = DictStore()
+    attempts = []
+    for node in range(3):
+        os.makedirs(node_dir(run_dir, node), exist_ok=True)
+        env = LaunchEnv(node, 3, "127.0.0.1", 1, "", False)
+        attempts.append(NodeAttempt(env, store, KEYS, 1, manifest, run_dir))  # type: ignore[arg-type]
+
+    async def main() -> list[NodeView]:
+        return list(await asyncio.gather(*(a.discover(30.0) for a in attempts)))
+
+    views = asyncio.run(main())
+    assert [v.members for v in views] == [{"learner": [0, 2]}] * 3
+    assert [a.shrunk_away for a in attempts] == [[], [("learner", 1)], []]
+    started = [
+        (c.name, c.replica)
+        for c in build_children(manifest, node_dir(run_dir, 1), parent_pid=1, view=views[1])
+    ]
+    assert started == [("splitter", 1)]
+    (learner,) = [
+        c
+        for c in build_children(manifest, run_dir, parent_pid=1, view=views[0])
+        if c.name == "learner"
+    ]
+    _, env = learner.argv_env(0)
+    with open(env[SPEC_FILE_ENV], "rb") as f:
+        spec = msgspec.json.decode(f.read(), type=ProcessSpec)
+    assert (spec.replica, spec.replicas, spec.members) == (0, 3, [0, 2])
+    follower = _follower(store, 1, run_dir, GROUP)
+    follower.keep_shrunk(views[1].members, attempts[1].shrunk_away)
+    seen = msgspec.json.decode((tmp_path / "node-1" / "membership.json").read_bytes())
+    assert (seen["shrunk"], seen["departed"]) == ({"learner": [0, 2]}, {"learner": {"1": 1}})
+
+
+def test_a_returned_node_does_not_start_its_rank_of_a_group_that_went_on(tmp_path: Any) -> None:
+    """Node 1 was lost and the learner went on without its rank; node 1's torchrun started
+    again joins the running attempt: its splitter starts, its learner rank does not (the
+    others reach it, unserved, where it was), and its membership says it left."""
+    from asyncrl.supervision.agent import build_children
+    from asyncrl.supervision.rundir import node_dir
+
+    run_dir = str(tmp_path)
+    manifest = parse_manifest(GROUP, nodes=3)
+    store = DictStore()
+    host = HostRecord(host="h", weights="/w", token="t")
+    for node in range(3):
+        os.makedirs(node_dir(run_dir, node), exist_ok=True)
+        replicas = {"splitter": {node: f"tcp://127.0.0.1:{2000 + node}"}}
+        replicas["learner"] = {node: f"tcp://127.0.0.1:{2200 + node}"}
+        if node == 2:
+            replicas["counter"] = {0: "tcp://127.0.0.1:2100"}
+        record = NodeRecord(replicas=replicas, agent=f"tcp://127.0.0.1:{1000 + node}", host=host)
+        store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
+    env = LaunchEnv(1, 3, "127.0.0.1", 1, "", False)
+    back = NodeAttempt(env, store, KEYS, 0, manifest, run_dir)  # type: ignore[arg-type]
+    back.rejoining = 1
+    view = asyncio.run(back.discover(30.0))
+    assert back.shrunk_away == [("learner", 1)]
+    assert view.elsewhere == {("learner", 1): "tcp://127.0.0.1:2201"}
+    published = msgspec.json.decode(store.values[KEYS.endpoints(0, 1)], type=NodeRecord)
+    assert list(published.replicas) == ["splitter"]
+    started = [
+        (c.name, c.replica)
+        for c in build_children(manifest, node_dir(run_dir, 1), parent_pid=1, view=view)
+    ]
+    assert started == [("splitter", 1)]
 
 
 def _moved(store: DictStore, node: int, endpoint: str, loss: list[int]) -> None:

@@ -426,6 +426,38 @@ def test_across_nodes_the_generation_counts_a_ranks_joins_not_its_incarnation(
     ]
 
 
+def test_a_group_that_went_on_smaller_meets_apart_with_ranks_by_place(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After node 1's loss the learner goes on with replicas 0 and 2: replica 2 is rank 1 of 2,
+    and the group meets under its members in the store, never with the group of 3."""
+    import datetime
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from asyncrl.role import RoleContext
+    from asyncrl.roles.training.data_parallel import _store
+
+    ctx = RoleContext(name="learner", replica=2, replicas=3, members=[0, 2], run_dir=str(tmp_path))
+    assert (ctx.group_rank, ctx.group_size) == (1, 2)
+    whole = RoleContext(name="learner", replica=2, replicas=3, run_dir=str(tmp_path))
+    assert (whole.group_rank, whole.group_size) == (2, 3)
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    monkeypatch.setenv("ASYNCRL_DIST_STORE", f"127.0.0.1:{store.port}")
+    monkeypatch.setenv("ASYNCRL_DIST_PREFIX", "asyncrl/run7/0")
+    before = _store("learner", str(tmp_path), 0, 30.0, 1)[1]
+    after = _store("learner", str(tmp_path), 5, 30.0, 1, [0, 2])[1]
+    assert before.rpartition(" under ")[2] == "'asyncrl/run7/0/learner/0'"
+    assert after.rpartition(" under ")[2] == "'asyncrl/run7/0/learner/members-0-2/0'"
+
+
 SKIPPING_SCRIPT = """
 import os, sys
 from asyncrl.roles.training.data_parallel import DataParallel, DataParallelError
