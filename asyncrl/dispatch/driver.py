@@ -37,6 +37,7 @@ import msgspec
 
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.handles import Context
+from asyncrl.dispatch.restarts import Restarts
 from asyncrl.dispatch.watchdog import Watchdog
 from asyncrl.errors import ConfigProblem
 from asyncrl.exits import EXIT_PROGRAM, EXIT_STOPPED
@@ -119,6 +120,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
     dispatcher = Dispatcher(spec.groups, run=spec.run)
     dispatcher.start()
     server.add("status", _status(spec, dispatcher))
+    restarts = Restarts(spec.run_dir, run=spec.run)
     ctx = Context(
         dispatcher,
         run=spec.run,
@@ -130,6 +132,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
         incarnation=spec.incarnation,
         model=spec.model,
         roles=spec.roles,
+        restarts=restarts,
     )
     freeze_start_up()
     on_ready()
@@ -152,6 +155,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
             program_task, stop_task, watch_task, follow_task, return_exceptions=True
         )
         summary = dispatcher.summary()
+        await restarts.close()
         await dispatcher.close()
         await server.close()
         gc.unfreeze()  # the process ends now; a test that called this goes on as before
