@@ -267,10 +267,12 @@ EPISODE_COUNTERS = (
     "infra_failed",
     "quarantined",
     "quarantine_released",
+    "quarantine_restarts",
 )
 """The sample pipeline's episode counters that ``asyncrl status`` shows (docs/agents.md): the
 episodes played, restarted and replayed, the environment's timeouts and errors, the episodes it
-failed (``infra_failed``, never trained) and the times a replica was quarantined and let back."""
+failed (``infra_failed``, never trained) and the times a replica was quarantined, let back, and
+restarted by its supervisor on the quarantine's request."""
 
 
 def _status(spec: ProcessSpec, dispatcher: Dispatcher) -> Callable[[Any, Any], dict[str, Any]]:

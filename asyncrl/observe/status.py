@@ -13,7 +13,7 @@ agent answers with:
   and queued, calls served and seconds busy (``Dispatcher.status``); and for a run on
   multi-turn episodes, the episodes played, restarted and replayed, the environment's
   timeouts and errors, the episodes it failed (never trained) and the times an environment
-  replica was quarantined and let back, so far;
+  replica was quarantined, let back, and restarted by its supervisor, so far;
 - each serving Python role replica of the node, asked by the agent: its own ``_status``
   (``asyncrl.supervision.process``): calls answered per method and seconds busy in its handlers,
   whoever called it (the driver, another role, a relay), and what the role reports of itself
@@ -480,7 +480,8 @@ def _heading(status: dict[str, Any]) -> list[str]:
                 f"{episodes['env_timeouts']}, errors {episodes['env_errors']}; "
                 f"infra-failed {episodes.get('infra_failed', 0)} (never trained); replicas "
                 f"quarantined {episodes.get('quarantined', 0)}, let back "
-                f"{episodes.get('quarantine_released', 0)}"
+                f"{episodes.get('quarantine_released', 0)}, restarted "
+                f"{episodes.get('quarantine_restarts', 0)}"
             )
     return lines
 

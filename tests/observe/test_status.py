@@ -308,6 +308,7 @@ def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.Monkey
         "env_errors": 1,
         "infra_failed": 4,
         "quarantined": 1,
+        "quarantine_restarts": 1,
     }
     monkeypatch.setattr(metrics, "_latest", {"step": 7, "version": 6, "pipeline": counters})
     answer = driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]
@@ -320,11 +321,12 @@ def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.Monkey
         "infra_failed": 4,
         "quarantined": 1,
         "quarantine_released": 0,
+        "quarantine_restarts": 1,
     }
     status = {"run": "r", "run_dir": "/x", "nodes": [{"node": 0, "driver": answer}]}
     assert format_status(status, width=140).splitlines()[2] == (
         "episodes played 90: restarted 2, replayed 5; environment timeouts 0, errors 1; "
-        "infra-failed 4 (never trained); replicas quarantined 1, let back 0"
+        "infra-failed 4 (never trained); replicas quarantined 1, let back 0, restarted 1"
     )
     monkeypatch.setattr(metrics, "_latest", {"step": 7, "pipeline": {"batches": 3}})
     assert "episodes" not in driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]
