@@ -64,7 +64,9 @@ class Group:
     ) -> None:
         self.replicas = replicas
         self.incarnations = [0] * replicas
-        config = {"fail_replica": failing, "fail_resets": fail_resets}
+        config: dict[str, Any] = {"fail_replica": failing}
+        if fail_resets:  # Adder's alone: another class may not take it
+            config["fail_resets"] = True
         self.make = lambda i: env_class(
             RoleContext.local(
                 name="env", replica=i, incarnation=self.incarnations[i], config=config
