@@ -133,13 +133,13 @@ class Quarantine:
         state.steps.clear()
         self.quarantined += 1
         log.warning(
-            "%s.%d quarantined (%d in a row): it %s (more than %.0f%% fails it); no new episode "
-            "goes to it until a probe in %.0f s",
+            "%s.%d quarantined (%d in a row): it %s (quarantine_share %g); no new episode goes "
+            "to it until a probe in %.0f s",
             self.name,
             replica,
             state.streak,
             why,
-            100 * self.share,
+            self.share,
             wait,
         )
         return f"quarantined: it {why}"
