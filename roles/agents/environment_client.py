@@ -51,7 +51,13 @@ import logging
 from collections import Counter
 from typing import Any
 
-from asyncrl.errors import AsyncrlError, BrokenError, DeadlineExceededError, RemoteError
+from asyncrl.errors import (
+    AsyncrlError,
+    BrokenError,
+    DeadlineExceededError,
+    RemoteError,
+    TransportError,
+)
 from asyncrl.roles.agents.environment import Close, Observation, Reset, Step, Transition
 from asyncrl.roles.agents.quarantine import Quarantine
 
@@ -93,10 +99,10 @@ class EnvironmentFailed(AsyncrlError):
         self.cause = cause
 
 
-def _failed_on(exc: AsyncrlError, replica: int | None) -> int | None:
+def _failed_on(exc: TransportError, replica: int | None) -> int | None:
     """The replica a failed call went to: the one it was aimed at, or the one the dispatcher
     sent it to (the error's ``replica``)."""
-    return replica if replica is not None else getattr(exc, "replica", None)
+    return replica if replica is not None else exc.replica
 
 
 class EnvEpisode:
