@@ -685,6 +685,7 @@ def test_an_episode_run_reports_episodes_lost_counted_twice_and_env_tokens_train
         "infra_failed": 2,
         "quarantined": 3,
         "quarantine_released": 1,
+        "quarantine_restarts": 2,
     }
     steps = [*STEPS, step(5, [["p2", 1], ["p3", 0]])]  # p2/1 trained a second time
     make_run(run_dir, accuracy=0.5, wall_s=5.0, pipeline=episodes, steps=steps, kills=2)
@@ -702,12 +703,15 @@ def test_an_episode_run_reports_episodes_lost_counted_twice_and_env_tokens_train
     assert acc["env_tokens_trained"] == 4.0
     assert (acc["episode_restarts"], acc["episode_replays"], acc["env_errors"]) == (3, 0, 0)
     assert (acc["infra_failed"], acc["infra_failed_trained"]) == (2, 1)
-    assert (acc["quarantined"], acc["quarantine_released"]) == (3, 1)
+    assert (acc["quarantined"], acc["quarantine_released"], acc["quarantine_restarts"]) == (3, 1, 2)
     text = format_accounting(acc)
     assert "episodes counted twice          1" in text
     assert "environment tokens trained      4.0" in text
     assert "infra-failed episodes trained   1" in text
-    assert "env replicas quarantined        3\n  let back after a probe        1\n" in text
+    assert (
+        "env replicas quarantined        3\n  let back after a probe        1\n"
+        "  restarted by their supervisor 2\n"
+    ) in text
 
     single = os.path.join(tmp_path, "single")
     make_run(single, accuracy=0.5, wall_s=5.0, pipeline=PIPELINE, steps=STEPS)

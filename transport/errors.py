@@ -52,7 +52,15 @@ class AsyncrlError(Exception):
 
 
 class TransportError(AsyncrlError):
-    """Something went wrong moving bytes between two processes."""
+    """Something went wrong moving bytes between two processes.
+
+    Attributes:
+        replica: the index, in its group, of the replica a dispatcher had sent the failed
+            request to (the one that answered it with an error, broke with it or let its
+            deadline pass); None when no replica took it, or no dispatcher sent it.
+    """
+
+    replica: int | None = None
 
 
 class ClosedError(TransportError):

@@ -378,6 +378,7 @@ _EPISODE_COUNTERS = (
     ("infra_failed", "infra_failed"),
     ("quarantined", "quarantined"),
     ("quarantine_released", "quarantine_released"),
+    ("quarantine_restarts", "quarantine_restarts"),
 )
 
 
@@ -390,8 +391,9 @@ def _episode_figures(
     summed over ``metrics.jsonl``), and the restarts, replays, timeouts and errors of the
     environment, its ``infra_failed`` episodes (never trained) and ``infra_failed_trained``
     (the learner's count of such episodes it received, summed over ``metrics.jsonl``: 0), and
-    ``quarantined`` and ``quarantine_released`` (times an environment replica was quarantined
-    for failing its steps, and let back after serving a probe).
+    ``quarantined``, ``quarantine_released`` and ``quarantine_restarts`` (times an environment
+    replica was quarantined for failing its steps, let back after serving a probe, and
+    restarted by its supervisor on the quarantine's request).
     ``None`` for a single-turn run."""
     pipeline = summary.get("pipeline")
     keys = ("episodes_lost", "episodes_counted_twice", "env_tokens_trained", "infra_failed_trained")
@@ -483,6 +485,7 @@ _TOP = (
     "infra_failed_trained",
     "quarantined",
     "quarantine_released",
+    "quarantine_restarts",
     "dispatch",
 )
 
@@ -596,6 +599,7 @@ def format_accounting(acc: dict[str, Any]) -> str:
                 ("infra-failed episodes trained", acc.get("infra_failed_trained")),
                 ("env replicas quarantined", acc.get("quarantined")),
                 ("  let back after a probe", acc.get("quarantine_released")),
+                ("  restarted by their supervisor", acc.get("quarantine_restarts")),
             ]
         ),
         ("learner steps", acc.get("learner_steps")),

@@ -37,6 +37,7 @@ import msgspec
 
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.handles import Context
+from asyncrl.dispatch.restarts import Restarts
 from asyncrl.dispatch.watchdog import Watchdog
 from asyncrl.errors import ConfigProblem
 from asyncrl.exits import EXIT_PROGRAM, EXIT_STOPPED
@@ -119,6 +120,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
     dispatcher = Dispatcher(spec.groups, run=spec.run)
     dispatcher.start()
     server.add("status", _status(spec, dispatcher))
+    restarts = Restarts(spec.run_dir, run=spec.run)
     ctx = Context(
         dispatcher,
         run=spec.run,
@@ -130,6 +132,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
         incarnation=spec.incarnation,
         model=spec.model,
         roles=spec.roles,
+        restarts=restarts,
     )
     freeze_start_up()
     on_ready()
@@ -152,6 +155,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
             program_task, stop_task, watch_task, follow_task, return_exceptions=True
         )
         summary = dispatcher.summary()
+        await restarts.close()
         await dispatcher.close()
         await server.close()
         gc.unfreeze()  # the process ends now; a test that called this goes on as before
@@ -263,10 +267,12 @@ EPISODE_COUNTERS = (
     "infra_failed",
     "quarantined",
     "quarantine_released",
+    "quarantine_restarts",
 )
 """The sample pipeline's episode counters that ``asyncrl status`` shows (docs/agents.md): the
 episodes played, restarted and replayed, the environment's timeouts and errors, the episodes it
-failed (``infra_failed``, never trained) and the times a replica was quarantined and let back."""
+failed (``infra_failed``, never trained) and the times a replica was quarantined, let back, and
+restarted by its supervisor on the quarantine's request."""
 
 
 def _status(spec: ProcessSpec, dispatcher: Dispatcher) -> Callable[[Any, Any], dict[str, Any]]:

@@ -24,12 +24,14 @@ from typing import Any
 import msgspec
 
 from asyncrl.dispatch.dispatcher import Dispatcher, Group, Work
+from asyncrl.dispatch.restarts import Restarts
 from asyncrl.dispatch.scheduler import SHUTTING_DOWN
 from asyncrl.dispatch.watchdog import Watchdog
 from asyncrl.errors import ClosedError, ConfigProblem, RoleDeadError
 from asyncrl.manifest.model_section import ModelSpec, inherited_config
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.observe.metrics import IdleFractions
+from asyncrl.restart_request import RestartAnswer, RestartRequest
 from asyncrl.transport.control import run_api_key
 
 __all__ = ["Context", "Handle", "Roles"]
@@ -38,11 +40,15 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class Handle:
-    """Calls into one role group."""
+    """Calls into one role group; ``restarts``: the line to the supervisor that
+    ``restart_replica`` asks (None outside a run)."""
 
-    def __init__(self, group: Group, watchdog: Watchdog | None = None) -> None:
+    def __init__(
+        self, group: Group, watchdog: Watchdog | None = None, restarts: Restarts | None = None
+    ) -> None:
         self._group = group
         self._watchdog = watchdog
+        self._restarts = restarts
         self._in_flight: dict[Work, float] = {}  # work -> when it was submitted
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the calls
         if watchdog is not None:
@@ -165,6 +171,44 @@ class Handle:
         if self._watchdog is not None:
             self._watchdog.progress()
         return result
+
+    async def restart_replica(
+        self, replica: int, reason: str, *, incarnation: int | None = None
+    ) -> RestartAnswer:
+        """Ask the supervisor to restart replica ``replica``, which is alive but no good (it
+        fails its work), because of ``reason`` (logged, and shown by ``asyncrl status``): its
+        process is stopped and a fresh one started from its durable state, as after a crash,
+        without spending its restart budget (``asyncrl.restart_request``). ``incarnation``:
+        only if that incarnation still runs. Calls in flight to it fail as on a crash (a
+        retried call runs again elsewhere).
+
+        Returns:
+            The supervisor's answer: restarted, or refused and why (``RestartAnswer``).
+
+        Raises:
+            ValueError: ``replica`` is not one of the group's, or ``reason`` is empty.
+            ClosedError: the handle has no supervisor to ask (it was made outside a run).
+            TransportError: the node agent did not answer (the run is ending).
+        """
+        if not 0 <= replica < self.replicas:
+            raise ValueError(
+                f"restart_replica: {self.name} has replicas 0 to {self.replicas - 1}, not {replica}"
+            )
+        request = RestartRequest(
+            role=self.name,
+            replica=replica,
+            reason=reason,
+            incarnation=-1 if incarnation is None else incarnation,
+        )
+        problem = request.problem()
+        if problem:
+            raise ValueError(f"restart_replica: {problem}")
+        if self._restarts is None:
+            raise ClosedError(
+                f"restart_replica: the handle of {self.name} has no supervisor to ask; only a "
+                "program run by asyncrl (its driver) can restart replicas"
+            )
+        return await self._restarts.restart(request)
 
     async def broadcast(
         self,
@@ -346,6 +390,7 @@ class Context:
         incarnation: int = 0,
         model: Mapping[str, Any] | None = None,
         roles: Mapping[str, Mapping[str, Any]] | None = None,
+        restarts: Restarts | None = None,
     ) -> None:
         self.run = run
         self.run_dir = run_dir
@@ -355,7 +400,10 @@ class Context:
         self.watchdog = watchdog or Watchdog(0)
         self.incarnation = incarnation
         self.roles = Roles(
-            {name: Handle(group, self.watchdog) for name, group in dispatcher.groups.items()}
+            {
+                name: Handle(group, self.watchdog, restarts)
+                for name, group in dispatcher.groups.items()
+            }
         )
         self._idle = IdleFractions(dispatcher.busy)
         self.model = msgspec.convert(dict(model or {}), ModelSpec)

@@ -566,18 +566,19 @@ class Scheduler:
         moved = replica.lost is not None or replica.rebound
         retryable = retryable or (isinstance(exc, ClosedError) and moved and not self._closed)
         again = retryable and delivery != Delivery.ONCE
+        if isinstance(exc, TransportError):
+            exc.replica = replica.index  # which replica failed it, for its caller to judge
         if isinstance(exc, DeadlineExceededError):
             # Named by group and replica; the pid and incarnation that had the call stay.
-            self._fail(
-                work,
-                DeadlineExceededError(
-                    f"{self.name}[{replica.index}] ({replica.endpoint})",
-                    work.method,
-                    work.timeout,
-                    pid=exc.pid,
-                    incarnation=exc.incarnation,
-                ),
+            late = DeadlineExceededError(
+                f"{self.name}[{replica.index}] ({replica.endpoint})",
+                work.method,
+                work.timeout,
+                pid=exc.pid,
+                incarnation=exc.incarnation,
             )
+            late.replica = replica.index
+            self._fail(work, late)
         elif self._closed and (again or isinstance(exc, ClosedError)):
             # It would run again, or its client closed under it: nothing will answer it now.
             self._fail(work, self._shutting_down(exc))

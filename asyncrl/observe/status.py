@@ -13,7 +13,7 @@ agent answers with:
   and queued, calls served and seconds busy (``Dispatcher.status``); and for a run on
   multi-turn episodes, the episodes played, restarted and replayed, the environment's
   timeouts and errors, the episodes it failed (never trained) and the times an environment
-  replica was quarantined and let back, so far;
+  replica was quarantined, let back, and restarted by its supervisor, so far;
 - each serving Python role replica of the node, asked by the agent: its own ``_status``
   (``asyncrl.supervision.process``): calls answered per method and seconds busy in its handlers,
   whoever called it (the driver, another role, a relay), and what the role reports of itself
@@ -28,6 +28,11 @@ agent answers with:
   membership follower updates): a lost node whose torchrun started again is asked at its new
   agent's endpoint, and shown back.
 
+The same endpoint takes the program's requests to restart a replica (``restart``, an
+``asyncrl.restart_request.RestartRequest``): the agent hands one for a replica of its node to
+its supervisor, and asks the other nodes' agents about any other (the first whose supervisor
+runs the replica answers).
+
 When no agent answers, the run is not running: the command says so, names the endpoint it
 tried and the run's last report (``RUN_DIR/report.json``), and exits 1.
 """
@@ -37,15 +42,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import io
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from asyncrl.errors import AsyncrlError
+from asyncrl.restart_request import RESTART_METHOD, RestartAnswer, RestartRequest
 from asyncrl.transport import ChannelOptions, Client, LocalRegistry, Server, TransportError
 from asyncrl.transport.control import SECRET_FILE, read_secret
 
@@ -72,6 +79,8 @@ REPLICA_TIMEOUT_S = 1.0
 loop, which compute never holds)."""
 
 Rows = Callable[[], list[dict[str, Any]]]
+Restart = Callable[[RestartRequest], RestartAnswer | Awaitable[RestartAnswer]]
+"""What restarts a replica of this node on request (``Supervisor.restart``)."""
 
 
 MEMBERSHIP_FILE = "membership.json"
@@ -105,6 +114,8 @@ class AgentStatus:
             replica): each serving one is asked its own ``_status``
             (``asyncrl.supervision.process``).
         replica_timeout_s: seconds each replica has to answer its ``_status``.
+        restart: what restarts a replica of this node on request (``Supervisor.restart``);
+            None: ``restart`` is refused (every request answers ``found`` False).
     """
 
     def __init__(
@@ -121,6 +132,7 @@ class AgentStatus:
         curve: Any = None,
         replicas: dict[tuple[str, int], str] | None = None,
         replica_timeout_s: float = REPLICA_TIMEOUT_S,
+        restart: Restart | None = None,
     ) -> None:
         self.processes = processes
         self.run = run
@@ -133,6 +145,7 @@ class AgentStatus:
         self.curve = curve
         self.replicas = dict(replicas or {})
         self.replica_timeout_s = replica_timeout_s
+        self.restart = restart
         self.endpoint = agent_endpoint(run_dir)
         self._servers: list[Server] = []
         self._clients: dict[str, Client] = {}
@@ -140,7 +153,7 @@ class AgentStatus:
 
     async def start(self) -> None:
         """Bind the ipc endpoint (and the tcp one, if any) and answer ``status``, the whole
-        run, and ``node_status``, this node alone.
+        run, ``node_status``, this node alone, and ``restart`` (a ``RestartRequest``).
 
         Raises:
             TransportError: an endpoint cannot be bound.
@@ -153,6 +166,8 @@ class AgentStatus:
             )
             server.add("status", self._status)
             server.add("node_status", self._node_status)
+            server.add(RESTART_METHOD, self._restart, RestartRequest)
+            server.add("node_restart", self._node_restart, RestartRequest)
             await server.start()
             self._servers.append(server)
 
@@ -185,6 +200,34 @@ class AgentStatus:
         if membership:
             answer["membership"] = membership
         return answer
+
+    async def _restart(self, request: RestartRequest, _call: Any) -> RestartAnswer:
+        """Restart the replica ``request`` names: this node's supervisor's answer, or, when
+        it does not run the replica, the answer of the first other node's agent that does."""
+        answer = await self.node_restart(request)
+        if answer.found:
+            return answer
+        for node, endpoint in sorted(self.peers.items()):
+            if node == self.node:
+                continue
+            found = await self._call(endpoint, "node_restart", request, 2 * self.timeout_s)
+            if isinstance(found, RestartAnswer) and found.found:
+                return found
+        return answer
+
+    async def _node_restart(self, request: RestartRequest, _call: Any) -> RestartAnswer:
+        return await self.node_restart(request)
+
+    async def node_restart(self, request: RestartRequest) -> RestartAnswer:
+        """This node's supervisor's answer to ``request``."""
+        if self.restart is None:
+            return RestartAnswer(
+                restarted=False,
+                found=False,
+                why=f"the agent of node {self.node} restarts nothing on request",
+            )
+        answer = self.restart(request)
+        return await answer if inspect.isawaitable(answer) else answer
 
     async def _forget(self, peers: dict[int, str]) -> None:
         """Close the client of every agent endpoint that ``peers`` replaced (the agent of a
@@ -244,6 +287,14 @@ class AgentStatus:
     async def _ask(self, endpoint: str, method: str, timeout_s: float) -> dict[str, Any]:
         """``method``'s answer from the server at ``endpoint``, or ``{"error": why}``. One
         client per endpoint is kept: it reconnects by itself across restarts."""
+        answer = await self._call(endpoint, method, None, timeout_s)
+        if isinstance(answer, str):
+            return {"error": answer}
+        return dict(answer)
+
+    async def _call(self, endpoint: str, method: str, payload: Any, timeout_s: float) -> Any:
+        """``method``'s answer to ``payload`` from the server at ``endpoint`` (a
+        ``RestartAnswer`` for the restart methods), or a string saying why there is none."""
         client = self._clients.get(endpoint)
         try:
             if client is None:
@@ -255,12 +306,12 @@ class AgentStatus:
                 if kept is not client:
                     await client.close()
                     client = kept
-            answer = await client.call(method, None, timeout=timeout_s)
+            reply = RestartAnswer if "restart" in method else Any
+            return await client.call(method, payload, reply, timeout=timeout_s)
         except TransportError as exc:
             if client is not None and self._clients.get(endpoint) is not client:
                 await client.close()  # never connected: the next question starts afresh
-            return {"error": f"{endpoint} did not answer {method!r}: {exc}"}
-        return dict(answer)
+            return f"{endpoint} did not answer {method!r}: {exc}"
 
 
 def _node(answer: dict[str, Any]) -> int:
@@ -434,7 +485,8 @@ def _heading(status: dict[str, Any]) -> list[str]:
                 f"{episodes['env_timeouts']}, errors {episodes['env_errors']}; "
                 f"infra-failed {episodes.get('infra_failed', 0)} (never trained); replicas "
                 f"quarantined {episodes.get('quarantined', 0)}, let back "
-                f"{episodes.get('quarantine_released', 0)}"
+                f"{episodes.get('quarantine_released', 0)}, restarted "
+                f"{episodes.get('quarantine_restarts', 0)}"
             )
     return lines
 

@@ -550,10 +550,12 @@ async def _serve_status(
     log: Any,
 ) -> None:
     """Serve the agent's status endpoint (``asyncrl status``) until cancelled; the inbox of
-    every Python role replica among ``children`` is asked its own ``_status``. One that cannot
+    every Python role replica among ``children`` is asked its own ``_status``, and the
+    program's restart requests go to ``supervisor`` (``Supervisor.restart``). One that cannot
     be bound is logged, and the run goes on without it."""
     status = status_server(supervisor.status, manifest, run_dir, view or NodeView(), log)
     status.replicas = {(c.name, c.replica): c.endpoint for c in children if c.kind == "role"}
+    status.restart = supervisor.restart
     try:
         await status.start()
         await asyncio.Event().wait()

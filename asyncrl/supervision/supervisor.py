@@ -15,6 +15,12 @@ Restarts back off exponentially within a budget of ``max_restarts`` in ``period_
 the run stops with a report naming the role and replica, the exit code or signal, the
 restarts, and the tail of its stderr.
 
+A replica that is alive but no good is restarted when the program asks (``restart``, with an
+``asyncrl.restart_request.RestartRequest`` the node agent hands over): it is stopped (STOP,
+SIGKILL after ``shutdown_timeout_s``) and its next incarnation started at once. Such a restart
+is not a crash: it spends none of the budget and has no backoff (the one asking backs off);
+its reason is logged and shown per process (``restart_requests``, ``restart_reason``).
+
 Every process is spawned from this event loop's thread (the parent-death signal that kills it
 with the agent is tied to that thread) in a session and process group of its own, so its own
 children die with it.
@@ -52,6 +58,7 @@ from asyncrl.exits import EXIT_PROGRAM
 from asyncrl.manifest.load import Supervision
 from asyncrl.manifest.spec import EXIT_CONFIG
 from asyncrl.observe import logs
+from asyncrl.restart_request import RestartAnswer, RestartRequest
 from asyncrl.supervision import standby
 from asyncrl.supervision.liveness import Watch
 from asyncrl.supervision.runreport import (
@@ -104,6 +111,9 @@ class _Child:
     streak: int = 0  # restarts in a row: the backoff's exponent
     served_at: float | None = None  # when this incarnation was first heard
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    requested: str = ""  # why a restart of this incarnation was asked for; empty: none was
+    restart_requests: int = 0  # restarts asked for and made
+    restart_reason: str = ""  # the reason of the latest of them
 
     @property
     def label(self) -> str:
@@ -223,8 +233,89 @@ class Supervisor:
             age = None if heard is None else round(now - heard, 3)
             row = {f: getattr(info, f) for f in info.__struct_fields__}
             forked = isinstance(c.proc, ForkedProcess)
-            rows.append(row | {"restarts": c.restarts, "heartbeat_age_s": age, "forked": forked})
+            rows.append(
+                row
+                | {
+                    "restarts": c.restarts,
+                    "heartbeat_age_s": age,
+                    "forked": forked,
+                    "restart_requests": c.restart_requests,
+                    "restart_reason": c.restart_reason,
+                }
+            )
         return rows
+
+    def restart(self, request: RestartRequest) -> RestartAnswer:
+        """Restart a replica that is alive but no good, as ``request`` asks (see the module):
+        stop its incarnation now and start the next one as soon as it has exited.
+
+        Returns:
+            ``restarted`` True with the incarnation being stopped and its pid; or a refusal
+            saying why: no such replica here (``found`` False), a bad request, the driver, a
+            role that restarts as a group, the run ending, the incarnation asked about gone
+            already, or the replica restarting already.
+        """
+        child = next(
+            (
+                c
+                for c in self._children
+                if c.spec.name == request.role and c.spec.replica == request.replica
+            ),
+            None,
+        )
+        label = f"{request.role}[{request.replica}]"
+        if child is None:
+            return RestartAnswer(
+                restarted=False, found=False, why=f"{label} is not supervised on this node"
+            )
+        pid = child.proc.pid if child.proc is not None else None
+
+        def refused(why: str) -> RestartAnswer:
+            self._log.info(
+                "restart refused", process=label, reason=request.reason, refused=why, pid=pid
+            )
+            return RestartAnswer(restarted=False, incarnation=child.incarnation, pid=pid, why=why)
+
+        problem = request.problem()
+        if problem:
+            return refused(f"a bad restart request: {problem}")
+        if child.spec.kind == "driver":
+            return refused("the driver is not restarted on request; it restarts when it crashes")
+        if child.spec.policy.strategy != "one_for_one":
+            return refused(
+                f"{request.role} restarts as a group (strategy {child.spec.policy.strategy}): "
+                "one replica alone is not restarted on request"
+            )
+        if self._stopping:
+            return refused("the run is ending")
+        if request.incarnation >= 0 and request.incarnation != child.incarnation:
+            return refused(
+                f"incarnation {request.incarnation} is gone already; incarnation "
+                f"{child.incarnation} runs now"
+            )
+        if child.requested or child.restarting or not child.alive or child.proc is None:
+            return refused(f"{label} is restarting already")
+        child.requested = request.reason
+        self._log.warning(
+            "restart requested", process=label, **self._identity(child), reason=request.reason
+        )
+        self._own(self._stop_to_restart(child, child.proc))
+        return RestartAnswer(restarted=True, incarnation=child.incarnation, pid=pid)
+
+    async def _stop_to_restart(self, child: _Child, proc: AnyProcess) -> None:
+        """Ask the incarnation to stop (STOP); kill it if it has not exited within its
+        ``shutdown_timeout_s``. Its watcher restarts it (``_restart_requested``)."""
+        exited = child.exited
+        if child.serving and child.client is not None:
+            with contextlib.suppress(TransportError):
+                child.client.send_stop()
+            try:
+                await asyncio.wait_for(exited.wait(), child.spec.policy.shutdown_timeout_s)
+                return
+            except TimeoutError:
+                self._log.warning("did not stop in time", process=child.label, sending="SIGKILL")
+        if child.proc is proc:
+            self._kill(child, signal.SIGKILL)
 
     async def adopt(self, spec: ChildSpec) -> None:
         """Supervise one more process from now on (a replica moved here from a lost node),
@@ -308,6 +399,7 @@ class Supervisor:
         child.hung = ""
         child.watch = None
         child.expected_exit = False
+        child.requested = ""
         child.exited = asyncio.Event()
         spare, child.spare = child.spare, None
         if spare is not None and await standby.activate(spare):
@@ -463,6 +555,9 @@ class Supervisor:
         if child.proc is not proc:
             return
         info = self._exit_info(child, proc.pid, code)
+        if child.requested and not (child.expected_exit or child.restarting or self._stopping):
+            await self._restart_requested(child, info)
+            return
         if child.expected_exit or child.restarting or self._stopping:
             return
         if child.spec.kind == "driver" and code == 0:
@@ -571,6 +666,24 @@ class Supervisor:
                 restarts=member.restarts,
             )
             await self._spawn(member)
+
+    async def _restart_requested(self, child: _Child, info: ExitInfo) -> None:
+        """Start the next incarnation of a replica stopped because a restart was asked for:
+        at once, outside its budget and backoff (see the module)."""
+        reason = child.requested
+        child.restarts += 1
+        child.restart_requests += 1
+        child.restart_reason = reason
+        self._log.warning(
+            "restarting on request",
+            process=child.label,
+            **self._identity(child, info.pid),
+            reason=reason,
+            exit=info.reason,
+            restarts=child.restarts,
+            restart_requests=child.restart_requests,
+        )
+        await self._spawn(child)
 
     def _restart_set(self, child: _Child) -> list[_Child]:
         strategy = child.spec.policy.strategy

@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "eval_games": 150,  # held-out games, played with the sampling of RL
     "rl_eval_every": 25,
     "step_timeout_s": 10.0,
+    "quarantine_window": 20,  # an environment replica failing most of these steps is restarted
+    "probe_after_s": 30.0,  # and tried again this long after (doubled each time in a row)
     "seed": 0,
 }
 
@@ -66,6 +68,8 @@ async def main(ctx: Context) -> dict[str, Any]:
             max_turns=game.MAX_TURNS,
             step_timeout_s=cfg["step_timeout_s"],
             deterministic=game.GuessingGame.deterministic,
+            quarantine_window=cfg["quarantine_window"],
+            probe_after_s=cfg["probe_after_s"],
         )
 
     prompt_ids = tok.encode(game.PROMPT, add_special_tokens=False)

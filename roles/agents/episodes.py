@@ -223,10 +223,13 @@ class EpisodeRunner:
         max_restarts: the most restarts (or replays) of one episode before it fails.
         generate_timeout_s: the deadline of one generate call.
         task_of: a prompt's task for ``reset`` (``source``); by default its ``answer``.
-        quarantine_share, quarantine_window, probe_after_s: a replica that failed more than
-            ``quarantine_share`` of its last ``quarantine_window`` steps is quarantined: no new
-            episode starts on it but a probe every ``probe_after_s`` seconds, which lets it
-            back once it serves a step (``asyncrl.roles.agents.quarantine``).
+        quarantine_share, quarantine_window, probe_after_s, probe_max_s: a replica that
+            failed more than ``quarantine_share`` of its last ``quarantine_window`` steps (a
+            failed reset counts as one) is quarantined and restarted by its supervisor: no
+            new episode starts on it until a probe ``probe_after_s`` seconds later (doubled
+            for each quarantine in a row, at most ``probe_max_s``, by default 16 times
+            ``probe_after_s``), which lets it back once
+            it serves a step (``asyncrl.roles.agents.quarantine``).
 
     Raises:
         ValueError: a bad ``on_timeout``, ``max_turns``, ``step_timeout_s`` or quarantine
@@ -252,6 +255,7 @@ class EpisodeRunner:
         quarantine_share: float = 0.5,
         quarantine_window: int = 20,
         probe_after_s: float = 30.0,
+        probe_max_s: float | None = None,
     ) -> None:
         if on_timeout not in ("observe", "end"):
             raise ValueError(f"on_timeout: expected 'observe' or 'end', got {on_timeout!r}")
@@ -264,6 +268,7 @@ class EpisodeRunner:
             quarantine_share=quarantine_share,
             quarantine_window=quarantine_window,
             probe_after_s=probe_after_s,
+            probe_max_s=probe_max_s,
         )
         self.encode = encode
         self.decode = decode

@@ -1,8 +1,9 @@
 """An environment role driven by agent code (asyncrl.roles.agents.environment_client): an
 adding tool, its replicas in this process behind a fake group handle that honours ``replica=``
-and deadlines as the dispatcher does. A step the environment fails
-raises ``EnvironmentFailed`` with its cause; a replica failing its steps is quarantined; a
-failed episode's next id is fresh."""
+and deadlines as the dispatcher does, names the replica a failed call went to, and restarts a
+replica in-process when asked. A step or reset the environment fails raises
+``EnvironmentFailed`` with its cause; a replica failing its steps or resets is quarantined and
+restarted; a failed episode's next id is fresh and starts elsewhere."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import msgspec
 import pytest
 
 from asyncrl.errors import DeadlineExceededError, RemoteError
+from asyncrl.restart_request import RestartAnswer
 from asyncrl.role import RoleContext
 from asyncrl.roles.agents.environment import Environment, Transition
 from asyncrl.roles.agents.environment_client import EnvironmentClient, EnvironmentFailed
@@ -27,12 +29,15 @@ class Adder(Environment):
 
     class Config(msgspec.Struct):
         fail_replica: int = -1
+        fail_resets: bool = False  # the failing replica fails its resets (not its steps)
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.failures = 0
 
     async def start(self, task: Any) -> tuple[str, int]:
+        if self.config.fail_resets and self.ctx.replica == self.config.fail_replica:
+            raise RuntimeError(f"env.{self.ctx.replica}: the sandbox does not start")
         x, y = map(int, str(task).split())
         return f"{x} + {y}", x + y
 
@@ -54,17 +59,39 @@ class Group:
 
     name = "env"
 
-    def __init__(self, replicas: int, failing: int = -1, env_class: Any = Adder) -> None:
+    def __init__(
+        self, replicas: int, failing: int = -1, env_class: Any = Adder, fail_resets: bool = False
+    ) -> None:
         self.replicas = replicas
+        self.incarnations = [0] * replicas
+        config: dict[str, Any] = {"fail_replica": failing}
+        if fail_resets:  # Adder's alone: another class may not take it
+            config["fail_resets"] = True
         self.make = lambda i: env_class(
-            RoleContext.local(name="env", replica=i, config={"fail_replica": failing})
+            RoleContext.local(
+                name="env", replica=i, incarnation=self.incarnations[i], config=config
+            )
         )
         self.roles = [self.make(i) for i in range(replicas)]
         self.resets: list[int] = []  # the replica each reset went to
         self.reset_ids: list[str] = []  # and its episode
+        self.restarted: list[tuple[int, str, int | None]] = []  # restart_replica's requests
 
     def restart(self, replica: int) -> None:
+        """A fresh process of ``replica``, without its episodes."""
+        self.incarnations[replica] += 1
         self.roles[replica] = self.make(replica)
+
+    async def restart_replica(
+        self, replica: int, reason: str, *, incarnation: int | None = None
+    ) -> RestartAnswer:
+        """As the supervisor answers ``Handle.restart_replica``: a fresh process, unless the
+        incarnation asked about is gone already."""
+        self.restarted.append((replica, reason, incarnation))
+        if incarnation is not None and incarnation != self.incarnations[replica]:
+            return RestartAnswer(restarted=False, why="gone already")
+        self.restart(replica)
+        return RestartAnswer(restarted=True, incarnation=self.incarnations[replica] - 1)
 
     def choose(self, avoid: int | None) -> int:
         """The replica a call to any goes to: the next in turn, or the one after it when the
@@ -84,9 +111,13 @@ class Group:
         except TimeoutError as exc:
             # A live process (its pid known) took the call and did not answer it.
             pid = 1000 + replica
-            raise DeadlineExceededError(f"env.{replica}", method, kw["timeout"], pid=pid) from exc
+            late = DeadlineExceededError(f"env.{replica}", method, kw["timeout"], pid=pid)
+            late.replica = replica  # as the dispatcher names the replica that failed a call
+            raise late from exc
         except Exception as exc:
-            raise RemoteError("handler_error", str(exc), remote_type=type(exc).__name__) from exc
+            error = RemoteError("handler_error", str(exc), remote_type=type(exc).__name__)
+            error.replica = replica
+            raise error from exc
 
 
 class FailsAtOnce(Group):
@@ -246,3 +277,102 @@ def test_a_failed_episode_is_played_again_under_a_fresh_id() -> None:
 def test_a_step_timeout_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^step_timeout_s: expected a number > 0, got 0$"):
         EnvironmentClient(Group(1), step_timeout_s=0)
+
+
+def test_a_failed_reset_counts_against_its_replica_and_the_next_start_goes_elsewhere() -> None:
+    async def main() -> None:
+        group = FailsAtOnce(3, failing=0, fail_resets=True)
+        env = EnvironmentClient(group, step_timeout_s=1.0, quarantine_window=2)
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.reset("p/0", "1 2")  # the freest is env.0, whose resets raise
+        assert info.value.cause == "error"
+        assert "env.0: the sandbox does not start" in str(info.value)
+        env.failed("p/0")
+        again = await env.reset(env.episode_id("p/0"), "1 2")
+        assert (again.episode_id, again.replica) == ("p/0~1", 1)  # not env.0 again
+        assert not env.quarantine.is_quarantined(0)  # 1 failure of a window of 2
+        with pytest.raises(EnvironmentFailed):
+            await env.reset("q/0", "1 2")
+        # A second failed reset: env.0 failed 2 of its last 2, as if they were steps.
+        assert env.quarantine.is_quarantined(0)
+        assert group.resets == [0, 1, 0]
+
+    run(main())
+
+
+def test_a_reset_a_live_replica_never_answered_counts_and_one_lost_with_it_does_not() -> None:
+    class SilentResets(FailsAtOnce):
+        pid: int | None = 4242
+
+        async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
+            if method == "reset" and kw.get("avoid") != 0:
+                error = DeadlineExceededError("env[0]", method, kw["timeout"], pid=self.pid)
+                error.replica = 0
+                raise error
+            return await super().call(method, payload, reply_type, **kw)
+
+    async def main() -> None:
+        group = SilentResets(2)
+        env = EnvironmentClient(group, step_timeout_s=0.2, quarantine_window=1)
+        group.pid = None  # no process took it: env.0 was down
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.reset("e", "3 4")
+        assert info.value.cause == "lost" and not env.quarantine.is_quarantined(0)
+        assert (await env.reset("e", "3 4")).replica == 1  # started again elsewhere
+        group.pid = 4242  # a live env.0 took it and was silent
+        with pytest.raises(EnvironmentFailed) as info:
+            await env.reset("f", "3 4")
+        assert info.value.cause == "lost" and env.quarantine.is_quarantined(0)
+
+    run(main())
+
+
+def test_a_quarantined_replica_is_restarted_with_the_reason_and_the_incarnation_judged() -> None:
+    async def main() -> None:
+        group = Group(2, failing=1)
+        env = EnvironmentClient(group, step_timeout_s=0.1, quarantine_window=1, probe_after_s=0.0)
+        await env.reset("a", "1 2")
+        failing = await env.reset("b", "1 2")  # on env.1, incarnation 0
+        with pytest.raises(EnvironmentFailed):
+            await env.step(failing, "add 1 2")  # hangs past its deadline: quarantined
+        await asyncio.gather(*env.restarts.tasks)
+        assert group.restarted == [
+            (1, "quarantined: it failed 1 of its last 1 steps (1 quarantine in a row)", 0)
+        ]
+        assert group.incarnations == [0, 1]
+        # Its probe goes to the fresh process, which fails it (its steps raise): restarted
+        # again, for the incarnation that failed the probe.
+        probe = await env.reset("c", "1 2")
+        assert probe.replica == 1
+        with pytest.raises(EnvironmentFailed):
+            await env.step(probe, "add 1 2")
+        await asyncio.gather(*env.restarts.tasks)
+        assert group.restarted[1] == (
+            1,
+            "quarantined: it failed its probe (2 quarantines in a row)",
+            1,
+        )
+        assert group.incarnations == [0, 2]
+        metrics: Counter[str] = Counter()
+        env.count(metrics)
+        assert metrics == Counter({"quarantined": 2, "quarantine_restarts": 2})
+
+    run(main())
+
+
+def test_a_restart_the_supervisor_refuses_is_not_counted() -> None:
+    async def main() -> None:
+        group = Group(2, failing=1)
+        env = EnvironmentClient(group, step_timeout_s=0.1, quarantine_window=1)
+        await env.reset("a", "1 2")
+        failing = await env.reset("b", "1 2")  # on env.1, incarnation 0
+        group.incarnations[1] = 1  # by the time it is judged, another incarnation runs
+        with pytest.raises(EnvironmentFailed):
+            await env.step(failing, "add 1 2")
+        await asyncio.gather(*env.restarts.tasks)
+        assert [(r, i) for r, _, i in group.restarted] == [(1, 0)]
+        metrics: Counter[str] = Counter()
+        env.count(metrics)
+        assert metrics == Counter({"quarantined": 1, "quarantine_restarts": 0})
+
+    run(main())

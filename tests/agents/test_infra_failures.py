@@ -1,8 +1,8 @@
 """An environment replica that fails every step, beside two healthy ones, in a real run of the
 agent example (processes and sockets): one failure in two hangs past the step's deadline, the
 other raises. The run completes; the failed episodes are counted by cause and never trained (the
-learner's own count of what it received is 0); the failing replica is quarantined while the
-healthy ones carry the run; every sample is accounted for."""
+learner's own count of what it received is 0); the failing replica is quarantined and restarted
+while the healthy ones carry the run; every sample is accounted for."""
 
 from __future__ import annotations
 
@@ -52,12 +52,16 @@ def test_a_replica_failing_every_step_is_never_trained_on_and_the_run_completes(
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
     pipe = summary["pipeline"]
-    assert pipe["infra_failed_timeout"] > 0 and pipe["infra_failed_error"] > 0
-    assert pipe["infra_failed"] == pipe["infra_failed_timeout"] + pipe["infra_failed_error"]
+    # Its errors come back at once, its hangs only at the deadline: the errors may fill its
+    # window of 20 first (27 errors and no timeout measured), and the steps hanging when it is
+    # restarted are lost with it and replayed elsewhere (the game is deterministic).
+    assert pipe["infra_failed_error"] > 0
+    timeouts = pipe.get("infra_failed_timeout", 0)
+    assert pipe["infra_failed"] == timeouts + pipe["infra_failed_error"]
     assert pipe["infra_failed"] == pipe["infra_replaced"] + pipe.get("groups_infra_dropped", 0)
-    assert pipe["quarantined"] >= 1  # env.1, after its first 20 steps
-    # Then it takes no new episode but a probe every 30 s: only the episodes already on it
-    # fail (64 measured; about 500 without quarantine).
+    assert pipe["quarantined"] >= 1 and pipe["quarantine_restarts"] >= 1  # env.1, after 20 steps
+    # Then it takes no new episode but a probe after 30 s: only the episodes already on it
+    # fail (27 measured; 78 when it was not restarted; about 500 without quarantine).
     assert pipe["infra_failed"] < 200
     assert pipe["admitted_samples"] == (
         pipe["consumed_samples"] + pipe["wasted_samples"] + pipe["in_flight_at_end"]

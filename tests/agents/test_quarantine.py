@@ -1,6 +1,7 @@
 """Quarantine of environment replicas (asyncrl.roles.agents.quarantine), with a fake clock: a
 replica failing more than its share of a window of steps takes no new episode but a probe, a
-probe it serves lets it back, and when every replica is out the error names them."""
+probe it serves lets it back, a probe it fails quarantines it again with the wait doubled, and
+when every replica is out the error names them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_a_replica_past_its_share_of_failed_steps_takes_no_new_episode() -> None
     assert not q.is_quarantined(1) and q.pick() is None  # 2 of 4 is not more than half
     q.record(1, True)  # the window: F, T, F, T
     assert not q.is_quarantined(1)
-    q.record(1, True)  # T, F, T, T: 3 of 4
+    assert q.record(1, True) == "quarantined: it failed 3 of its last 4 steps"  # T, F, T, T
     assert q.is_quarantined(1) and q.quarantined == 1
     assert {q.pick() for _ in range(10)} == {0, 2}  # the others carry the run
 
@@ -39,8 +40,10 @@ def test_a_quarantined_replica_gets_a_probe_and_is_let_back_when_it_serves_it() 
     clock.advance(1.0)
     assert q.pick() == 2  # the probe
     assert 2 not in {q.pick() for _ in range(10)}  # one probe a period
-    q.record(2, True)  # the probe failed: still out
-    assert q.is_quarantined(2)
+    assert q.record(2, True) == "quarantined: it failed its probe"  # out again
+    assert q.is_quarantined(2) and q.quarantined == 2
+    clock.advance(30.0)
+    assert 2 not in {q.pick() for _ in range(10)}  # the second wait is twice the first
     clock.advance(30.0)
     assert q.pick() == 2
     q.record(2, False)  # it served the probe
@@ -81,8 +84,45 @@ def test_when_every_replica_is_quarantined_the_error_names_them() -> None:
     )
 
 
+def test_quarantines_in_a_row_back_off_up_to_a_limit_and_a_served_window_forgives_them() -> None:
+    clock = FakeClock()
+    q = Quarantine("env", 2, share=0.5, window=2, probe_after_s=10.0, probe_max_s=35.0, clock=clock)
+    q.record(0, True)
+    assert q.record(0, True) == "quarantined: it failed 2 of its last 2 steps"
+    waits = []
+    for _ in range(4):  # each probe fails: 10, 20, 35 (not 40), 35 s before the next
+        waits.append(q.backoff_s(0))
+        clock.advance(q.backoff_s(0))
+        assert q.pick() == 0
+        assert q.record(0, True) == "quarantined: it failed its probe"
+    assert waits == [10.0, 20.0, 35.0, 35.0] and q.streak(0) == 5 and q.quarantined == 5
+    clock.advance(35.0)
+    assert q.pick() == 0
+    q.record(0, False)  # it served this probe: let back, still in its streak
+    assert not q.is_quarantined(0) and q.streak(0) == 5
+    q.record(0, False)
+    q.record(0, False)  # a whole window served: the streak is forgiven
+    assert q.streak(0) == 0
+    q.record(0, True)
+    q.record(0, True)
+    assert q.backoff_s(0) == 10.0  # quarantined again, it waits the first wait
+
+
+def test_a_failure_of_an_episode_it_held_from_before_is_no_failed_probe() -> None:
+    clock = FakeClock()
+    q = quarantine(clock)
+    for _ in range(4):
+        q.record(1, True)
+    assert q.record(1, True) == ""  # no probe went to it yet: the failure was judged already
+    assert q.quarantined == 1 and q.backoff_s(1) == 30.0
+
+
 def test_bad_quarantine_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"^quarantine_share: expected a number in \[0, 1\)"):
         Quarantine("env", 2, share=1.0)
     with pytest.raises(ValueError, match=r"^quarantine_window: expected an int >= 1, got 0$"):
         Quarantine("env", 2, window=0)
+    with pytest.raises(
+        ValueError, match=r"^probe_max_s: expected a number >= probe_after_s \(30\)"
+    ):
+        Quarantine("env", 2, probe_max_s=10.0)

@@ -371,7 +371,7 @@ def test_a_remote_error_is_not_retried_unless_it_says_it_may_be() -> None:
         b.sent[0].reply.set_exception(RemoteError("overloaded", "later", retryable=True))
         with pytest.raises(RemoteError) as info:
             await bad.future
-        assert info.value.code == "handler_error"
+        assert (info.value.code, info.value.replica) == ("handler_error", 0)  # a failed it
         # The retryable one runs again on the other replica (a is free now).
         assert [(s.payload, s.attempt) for s in a.sent] == [("bad", 0), ("busy", 1)]
         a.answer(1)
@@ -461,6 +461,7 @@ def test_a_deadline_with_no_replica_up_names_the_group() -> None:
         work = submit(scheduler, "work", 1, timeout=0.05)
         with pytest.raises(DeadlineExceededError) as info:
             await work.future
+        assert info.value.replica is None  # no replica took it
         assert str(info.value) == (
             "request 'work' to g (no replica took it: none was up with a free slot) got no "
             "answer within its deadline of 0.050 s; the peer is slow, hung or gone. Raise the "
@@ -480,10 +481,11 @@ def test_a_deadline_in_flight_names_the_replica_and_keeps_the_pid_and_incarnatio
         )
         with pytest.raises(DeadlineExceededError) as info:
             await work.future
-        assert (info.value.peer, info.value.pid, info.value.incarnation) == (
+        assert (info.value.peer, info.value.pid, info.value.incarnation, info.value.replica) == (
             "g[0] (ipc://g0)",
             4242,
             3,
+            0,
         )
         assert str(info.value) == (
             "request 'work' to g[0] (ipc://g0) got no answer within its deadline of 5.000 s; "

@@ -13,7 +13,11 @@ from typing import Any
 import pytest
 
 import asyncrl.observe.status as status_module
-from asyncrl.dispatch.dispatcher import Busy
+from asyncrl.dispatch.dispatcher import Busy, Group
+from asyncrl.dispatch.handles import Handle
+from asyncrl.dispatch.restarts import Restarts
+from asyncrl.errors import ClosedError
+from asyncrl.manifest.spec import GroupInfo
 from asyncrl.observe.metrics import IdleFractions
 from asyncrl.observe.status import (
     AgentStatus,
@@ -23,6 +27,7 @@ from asyncrl.observe.status import (
     format_status,
     main,
 )
+from asyncrl.restart_request import RestartAnswer, RestartRequest
 from asyncrl.transport import Server
 
 
@@ -303,6 +308,7 @@ def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.Monkey
         "env_errors": 1,
         "infra_failed": 4,
         "quarantined": 1,
+        "quarantine_restarts": 1,
     }
     monkeypatch.setattr(metrics, "_latest", {"step": 7, "version": 6, "pipeline": counters})
     answer = driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]
@@ -315,11 +321,12 @@ def test_a_run_on_episodes_shows_its_episode_counters(monkeypatch: pytest.Monkey
         "infra_failed": 4,
         "quarantined": 1,
         "quarantine_released": 0,
+        "quarantine_restarts": 1,
     }
     status = {"run": "r", "run_dir": "/x", "nodes": [{"node": 0, "driver": answer}]}
     assert format_status(status, width=140).splitlines()[2] == (
         "episodes played 90: restarted 2, replayed 5; environment timeouts 0, errors 1; "
-        "infra-failed 4 (never trained); replicas quarantined 1, let back 0"
+        "infra-failed 4 (never trained); replicas quarantined 1, let back 0, restarted 1"
     )
     monkeypatch.setattr(metrics, "_latest", {"step": 7, "pipeline": {"batches": 3}})
     assert "episodes" not in driver_module._status(spec, dispatcher)(None, None)  # type: ignore[arg-type]
@@ -378,4 +385,105 @@ def test_the_heading_says_a_group_went_on_at_a_smaller_size() -> None:
     assert line.endswith(
         "(the agent of node 1 sent no heartbeat for 4 s): rollout[1] left the run, learner[1] "
         "left the run, learner goes on with replicas [0]"
+    )
+
+
+@sync
+async def test_a_restart_request_reaches_the_supervisor_of_the_node_that_runs_the_replica(
+    tmp_path: Any,
+) -> None:
+    """The driver's ``Restarts`` asks node 0's agent; node 0 runs env[0] and answers itself;
+    env[1] runs on node 1, whose agent node 0 asks; a replica no node runs is refused with
+    node 0's answer. Each supervisor (a fake here) receives the typed request as sent."""
+    tcp = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
+    asked: list[tuple[int, RestartRequest]] = []
+
+    def supervisor(node: int) -> Callable[[RestartRequest], RestartAnswer]:
+        def restart(request: RestartRequest) -> RestartAnswer:
+            asked.append((node, request))
+            if request.replica != node:
+                why = f"{request.role}[{request.replica}] is not supervised on this node"
+                return RestartAnswer(restarted=False, found=False, why=why)
+            return RestartAnswer(restarted=True, incarnation=2, pid=4000 + node)
+
+        return restart
+
+    dirs = [str(tmp_path), str(tmp_path / "node-1")]
+    agents = [
+        AgentStatus(
+            lambda: [],
+            run="r",
+            run_dir=dirs[n],
+            node=n,
+            tcp=tcp[n],
+            peers={1 - n: tcp[1 - n]},
+            timeout_s=0.5,
+            restart=supervisor(n),
+        )
+        for n in (0, 1)
+    ]
+    for agent in agents:
+        await agent.start()
+    restarts = Restarts(dirs[0], run="r", timeout_s=5.0)
+    try:
+        why = "quarantined: it failed 20 of its last 20 steps (1 quarantine in a row)"
+        here = await restarts.restart(RestartRequest(role="env", replica=0, reason=why))
+        there = await restarts.restart(
+            RestartRequest(role="env", replica=1, reason=why, incarnation=2)
+        )
+        nowhere = await restarts.restart(RestartRequest(role="env", replica=7, reason=why))
+    finally:
+        await restarts.close()
+        for agent in agents:
+            await agent.close()
+    assert here == RestartAnswer(restarted=True, incarnation=2, pid=4000)
+    assert there == RestartAnswer(restarted=True, incarnation=2, pid=4001)
+    assert nowhere == RestartAnswer(
+        restarted=False, found=False, why="env[7] is not supervised on this node"
+    )
+    assert [(node, r.replica, r.incarnation, r.reason) for node, r in asked] == [
+        (0, 0, -1, why),
+        (0, 1, 2, why),
+        (1, 1, 2, why),
+        (0, 7, -1, why),
+        (1, 7, -1, why),
+    ]
+
+
+@sync
+async def test_a_handle_asks_for_a_restart_of_its_own_replicas_only(tmp_path: Any) -> None:
+    """``Handle.restart_replica`` names its group and checks what it sends; a handle made
+    outside a run has no supervisor to ask."""
+    got: list[RestartRequest] = []
+
+    def restart(request: RestartRequest) -> RestartAnswer:
+        got.append(request)
+        return RestartAnswer(restarted=False, incarnation=3, why="the run is ending")
+
+    agent = AgentStatus(lambda: [], run="r", run_dir=str(tmp_path), restart=restart)
+    await agent.start()
+    info = GroupInfo(["ipc:///nonexistent/env.0", "ipc:///nonexistent/env.1"], 1.0, 3)
+    group = Group("env", info, run="r", startup_timeout_s=1.0)
+    restarts = Restarts(str(tmp_path), run="r", timeout_s=5.0)
+    try:
+        env = Handle(group, restarts=restarts)
+        answer = await env.restart_replica(1, "it hangs", incarnation=3)
+        with pytest.raises(ValueError) as bad:
+            await env.restart_replica(2, "it hangs")
+        with pytest.raises(ValueError) as blank:
+            await env.restart_replica(0, "")
+        with pytest.raises(ClosedError) as outside:
+            await Handle(group).restart_replica(0, "it hangs")
+    finally:
+        await restarts.close()
+        await agent.close()
+    assert answer == RestartAnswer(restarted=False, incarnation=3, why="the run is ending")
+    assert got == [RestartRequest(role="env", replica=1, reason="it hangs", incarnation=3)]
+    assert str(bad.value) == "restart_replica: env has replicas 0 to 1, not 2"
+    assert str(blank.value) == (
+        "restart_replica: reason: expected why the replica should restart, got ''"
+    )
+    assert str(outside.value) == (
+        "restart_replica: the handle of env has no supervisor to ask; only a program run by "
+        "asyncrl (its driver) can restart replicas"
     )

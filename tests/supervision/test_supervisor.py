@@ -21,6 +21,7 @@ import pytest
 import structlog
 
 from asyncrl.manifest.load import Supervision
+from asyncrl.restart_request import RestartAnswer, RestartRequest
 from asyncrl.supervision.runreport import ExitInfo
 from asyncrl.supervision.supervisor import ChildSpec, Supervisor
 from tests.conftest import ROOT
@@ -245,3 +246,90 @@ def test_asyncrl_run_reports_a_fault_in_the_supervisor_and_exits_non_zero(run_di
         events = [json.loads(line) for line in f]
     (failure,) = [e for e in events if e["event"] == "supervisor task failed"]
     assert failure["traceback"].endswith("RuntimeError: injected fault in the watch task\n")
+
+
+def test_a_restart_asked_for_starts_a_fresh_process_outside_the_budget_and_says_why(
+    run_dir: str,
+) -> None:
+    """``Supervisor.restart``: the replica's process is replaced at once, its reason logged and
+    shown in its status row; three requested restarts with a budget of one crash do not fail
+    the run. A request for a replica it does not run, for an incarnation gone already, for the
+    driver, or while a restart is under way is refused, saying why."""
+    children = [
+        child(run_dir, "env", WAITS_FOR_A_SIGNAL),
+        child(run_dir, "driver", WAITS_FOR_A_SIGNAL, kind="driver"),
+    ]
+    children[0].policy = Supervision(
+        startup_timeout_s=WAIT_S, shutdown_timeout_s=WAIT_S, max_restarts=1
+    )
+    started: dict[int, asyncio.Event] = {}
+
+    def observe(event: str, label: str, incarnation: int) -> None:
+        if event == "started" and label == "env[0]":
+            started.setdefault(incarnation, asyncio.Event()).set()
+
+    supervisor = Supervisor(
+        children, run="sup-test", log_dir=os.path.join(run_dir, "logs"), observer=observe
+    )
+    reason = "quarantined: it failed 20 of its last 20 steps (1 quarantine in a row)"
+
+    async def until_started(incarnation: int) -> None:
+        event = started.setdefault(incarnation, asyncio.Event())
+        await asyncio.wait_for(event.wait(), WAIT_S)
+
+    async def main() -> None:
+        running = asyncio.create_task(supervisor.run())
+        await until_started(0)
+        first = supervisor.processes()[0].pid
+        assert first is not None
+        answer = supervisor.restart(RestartRequest(role="env", replica=0, reason=reason))
+        assert answer == RestartAnswer(restarted=True, incarnation=0, pid=first)
+        again = supervisor.restart(RestartRequest(role="env", replica=0, reason=reason))
+        assert (again.restarted, again.why) == (False, "env[0] is restarting already")
+        await until_started(1)
+        now = supervisor.processes()[0]
+        assert (now.incarnation, now.alive) == (1, True) and now.pid != first and gone(first)
+        stale = supervisor.restart(
+            RestartRequest(role="env", replica=0, reason=reason, incarnation=0)
+        )
+        assert (stale.restarted, stale.incarnation, stale.why) == (
+            False,
+            1,
+            "incarnation 0 is gone already; incarnation 1 runs now",
+        )
+        for incarnation in (1, 2):  # past its budget of one restart: requested ones are apart
+            request = RestartRequest(role="env", replica=0, reason=reason, incarnation=incarnation)
+            assert supervisor.restart(request).restarted
+            await until_started(incarnation + 1)
+        row = supervisor.status()[0]
+        assert (row["incarnation"], row["restarts"], row["restart_requests"]) == (3, 3, 3)
+        assert row["restart_reason"] == reason
+        unknown = supervisor.restart(RestartRequest(role="env", replica=4, reason=reason))
+        assert unknown == RestartAnswer(
+            restarted=False, found=False, why="env[4] is not supervised on this node"
+        )
+        driver = supervisor.restart(RestartRequest(role="driver", replica=0, reason=reason))
+        assert driver.why == "the driver is not restarted on request; it restarts when it crashes"
+        blank = supervisor.restart(RestartRequest(role="env", replica=0, reason=" "))
+        assert blank.why == (
+            "a bad restart request: reason: expected why the replica should restart, got ''"
+        )
+        assert not running.done()  # the run goes on
+        supervisor.stop("test over")
+        report = await asyncio.wait_for(running, WAIT_S)
+        assert (report.status, report.exits, report.restarts["env"]) == ("interrupted", [], 3)
+
+    with structlog.testing.capture_logs() as logged:
+        asyncio.run(main())
+    asked = [e for e in logged if e["event"] == "restart requested"]
+    made = [e for e in logged if e["event"] == "restarting on request"]
+    assert [(e["reason"], e["incarnation"]) for e in asked] == [
+        (reason, 0),
+        (reason, 1),
+        (reason, 2),
+    ]
+    assert [(e["reason"], e["restart_requests"], e["exit"]) for e in made] == [
+        (reason, 1, "killed by SIGKILL"),
+        (reason, 2, "killed by SIGKILL"),
+        (reason, 3, "killed by SIGKILL"),
+    ]
