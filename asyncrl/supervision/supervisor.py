@@ -93,6 +93,12 @@ class ChildSpec:
     liveness_path: str = ""
 
 
+def _set_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 @dataclass(eq=False)
 class _Child:
     spec: ChildSpec
@@ -111,6 +117,8 @@ class _Child:
     streak: int = 0  # restarts in a row: the backoff's exponent
     served_at: float | None = None  # when this incarnation was first heard
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    # Clear while ``_spawn`` starts an incarnation (``proc`` is still the one before it).
+    spawned: asyncio.Event = field(default_factory=_set_event)
     requested: str = ""  # why a restart of this incarnation was asked for; empty: none was
     restart_requests: int = 0  # restarts asked for and made
     restart_reason: str = ""  # the reason of the latest of them
@@ -336,6 +344,9 @@ class Supervisor:
         if self._stopping or self._tasks is None:
             return []
         mine = [c for c in self._children if c.spec.name == name]
+        # A process being started (a failure's restart: it was made for the group as it was)
+        # is killed and started again below, once its start has gone far enough to be killed.
+        await asyncio.gather(*(c.spawned.wait() for c in mine))
         spares = [s for s in map(self._discard_spare, mine) if s is not None]
         await asyncio.gather(*(spare.wait() for spare in spares))
         return await self._restart_group([c for c in mine if not c.restarting], reason)
@@ -401,14 +412,18 @@ class Supervisor:
         child.expected_exit = False
         child.requested = ""
         child.exited = asyncio.Event()
-        spare, child.spare = child.spare, None
-        if spare is not None and await standby.activate(spare):
-            child.proc = spare
-        else:
-            argv, env = child.spec.argv_env(child.incarnation)
-            child.proc = await self.launcher.start(
-                argv, env, child.log_path, child.spec.kind, child.incarnation
-            )
+        child.spawned.clear()
+        try:
+            spare, child.spare = child.spare, None
+            if spare is not None and await standby.activate(spare):
+                child.proc = spare
+            else:
+                argv, env = child.spec.argv_env(child.incarnation)
+                child.proc = await self.launcher.start(
+                    argv, env, child.log_path, child.spec.kind, child.incarnation
+                )
+        finally:
+            child.spawned.set()
         how = {"standby": child.proc is spare, "forked": isinstance(child.proc, ForkedProcess)}
         self._log.info("started", process=child.label, **self._identity(child), **how)
         if self._observer is not None:

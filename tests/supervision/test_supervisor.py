@@ -333,3 +333,55 @@ def test_a_restart_asked_for_starts_a_fresh_process_outside_the_budget_and_says_
         (reason, 2, "killed by SIGKILL"),
         (reason, 3, "killed by SIGKILL"),
     ]
+
+
+def test_a_group_restart_waits_for_a_start_under_way_and_leaves_one_process(
+    run_dir: str,
+) -> None:
+    """``restart_role`` (a data-parallel group going on at a smaller size) arrives while a
+    failure's restart is starting the replica's next incarnation (its old process dead, the new
+    one not yet there): it waits for that start, kills what it started (made for the group as
+    it was) and starts the replica once more. One process runs the replica at the end, none is
+    left behind; without the wait, both restarts started a process and the first ran on,
+    unwatched."""
+
+    def argv_env(incarnation: int) -> tuple[list[str], dict[str, str]]:
+        code = "import sys; sys.exit(3)" if incarnation == 0 else WAITS_FOR_A_SIGNAL
+        return [sys.executable, "-c", code], {}
+
+    policy = Supervision(startup_timeout_s=WAIT_S, shutdown_timeout_s=WAIT_S, backoff_initial_s=0)
+    spec = ChildSpec("learner", 0, "command", f"ipc://{run_dir}/learner", policy, argv_env)
+    supervisor = Supervisor([spec], run="sup-test", log_dir=os.path.join(run_dir, "logs"))
+    start = supervisor.launcher.start
+    starting, go = asyncio.Event(), asyncio.Event()
+    pids: dict[int, int] = {}
+
+    async def held_start(*args: Any) -> Any:
+        incarnation = args[-1]
+        if incarnation == 1:  # the failure's restart, held while the group restart arrives
+            starting.set()
+            await go.wait()
+        proc = await start(*args)
+        pids[incarnation] = proc.pid
+        return proc
+
+    supervisor.launcher.start = held_start  # type: ignore[method-assign]
+
+    async def main() -> None:
+        running = asyncio.create_task(supervisor.run())
+        await asyncio.wait_for(starting.wait(), WAIT_S)
+        group = asyncio.create_task(supervisor.restart_role("learner", "its group went on"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not group.done()  # it waits for the start under way
+        go.set()
+        assert await asyncio.wait_for(group, WAIT_S) == ["learner[0]"]
+        (now,) = supervisor.processes()
+        assert (now.incarnation, now.alive, now.pid) == (2, True, pids[2])
+        assert sorted(pids) == [0, 1, 2]
+        assert gone(pids[1])  # killed, and reaped before the group restart went on
+        supervisor.stop("test over")
+        await asyncio.wait_for(running, WAIT_S)
+
+    asyncio.run(main())
+    assert all(gone(pid) for pid in pids.values())
