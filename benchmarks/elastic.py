@@ -1,26 +1,28 @@
 """``asyncrl bench elastic``: a sharded learner's state carried from 2 ranks onto 1 and back.
 
-A learner group that loses a rank (its node lost for good) goes on at a smaller world size, and
-grows back when the node returns: the new group reads every rank's newest checkpoint of the old
-one and reshards it to its own size (``Trainer.load_states``: the shards put together, then this
-rank's slices cut out). This benchmark measures that on a Qwen2-architecture model built from a
-config (``asyncrl.bench.engines.QWEN2_300M``, about 303M parameters; ``--small``: a tiny one, for
-tests), with AdamW's state (its two moments) carried along, gloo on the CPU, one group after the
-other in this run:
+A sharded learner group that went on without a lost node's ranks, or grew back when the node
+returned, would read every rank's newest checkpoint of the old group and reshard it to its own
+size (``Trainer.load_states``: the shards put together, then this rank's slices cut out). A
+sharded group does neither on a node's loss yet (docs/multinode.md); this benchmark measures what
+the resharding costs, on a Qwen2-architecture model built from a config
+(``asyncrl.bench.engines.QWEN2_300M``, about 303M parameters; ``--small``: a tiny one, for tests),
+with AdamW's state (its two moments) carried along, gloo on the CPU, one group after the other in
+this run:
 
 1. 2 ranks (sharded with FSDP2, as ``parallel: fsdp``) take an optimizer step (the token-mean
    NLL of a batch) and each saves its state (its shards);
 2. **shrink**: 1 rank (the whole model) starts, loads both ranks' states, takes a step, saves;
-   then loads its own state (the same-size restore, the baseline);
-3. **grow**: 2 ranks start, load the 1 rank's state, take a step; then load step 1's states
-   (their own size: the baseline).
+   then loads its own state again (``Trainer.load_state``: the same-size restore a restart
+   makes, its baseline);
+3. **grow**: 2 ranks start, load the 1 rank's state, take a step; then each loads its own state
+   of step 1 (``Trainer.load_state``, the baseline).
 
-Per move: ``start_s`` (the process started to the learner built and in its group), ``load_s``
-(reading the checkpoint files and resharding), ``same_size_load_s`` (the baseline: a state of
-the group's own size, read and loaded in the same process), their ratio ``load_ratio``,
-``resume_s`` (``start_s + load_s`` plus the first step after it), and ``parity_max_abs_diff``:
-the whole model after the load against the one the other group saved (0: the weights came across
-bit for bit). ``--json`` prints ``{"model", "params", "shrink": {...}, "grow": {...}}``.
+Per move: ``start_s`` (the process started to the trainer built and in its group), ``load_s``
+(reading the checkpoint files and resharding), ``same_size_load_s`` (the baseline, read and
+loaded in the same process), their ratio ``load_ratio``, ``resume_s`` (``start_s + load_s`` plus
+the first step after it), and ``parity_max_abs_diff``: the whole model after the load against
+the one the other group saved (0: the weights came across bit for bit). ``--json`` prints
+``{"model", "params", "shrink": {...}, "grow": {...}}``.
 """
 
 from __future__ import annotations
@@ -128,11 +130,16 @@ def _rank_main(args: dict[str, Any]) -> dict[str, Any]:
             out[f"step_s/{name}"] = time.perf_counter() - start
         elif op == "save":
             torch.save(trainer.state(), os.path.join(folder, f"{name}.{rank}.pt"))
-        elif op == "load":
+        elif op == "load":  # every rank's states of a group of any size, resharded
             start = time.perf_counter()
             files = sorted(glob.glob(os.path.join(folder, f"{name}.*.pt")))
             trainer.load_states([torch.load(f, weights_only=False, mmap=True) for f in files])
             out[f"load_s/{name}"] = time.perf_counter() - start
+        elif op == "own":  # this rank's own state, at this group's size: a restart's restore
+            start = time.perf_counter()
+            path = os.path.join(folder, f"{name}.{rank}.pt")
+            trainer.load_state(torch.load(path, weights_only=False, mmap=True))
+            out[f"own_s/{name}"] = time.perf_counter() - start
         elif op in ("whole", "compare"):
             path = os.path.join(folder, f"{name}.whole")
             reference = torch.load(path, mmap=True) if op == "compare" else None
@@ -169,26 +176,32 @@ def _group(group: str, ranks: int, ops: list[str], model: dict[str, Any], folder
             "started": time.time(),
             "out": os.path.join(folder, f"{group}.{rank}.json"),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.elastic", "--worker", json.dumps(args)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
+        # Each rank's stderr to a file: a pipe nobody reads while the other rank is waited for
+        # could fill and stall both in a collective.
+        with open(os.path.join(folder, f"{group}.{rank}.stderr"), "w") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.elastic", "--worker", json.dumps(args)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
             )
-        )
-    errors = [p.communicate()[1] for p in procs]
+    for p in procs:
+        p.wait()
     if any(p.returncode for p in procs):
+        errors = []
+        for rank in range(ranks):
+            with open(os.path.join(folder, f"{group}.{rank}.stderr")) as f:
+                errors.append(f.read()[-3000:])
         raise RuntimeError(
-            f"bench elastic: a rank of the group {group!r} of {ranks} failed:\n"
-            + "\n".join(e[-3000:] for e in errors)
+            f"bench elastic: a rank of the group {group!r} of {ranks} failed:\n" + "\n".join(errors)
         )
     with open(os.path.join(folder, f"{group}.0.json")) as f:
         return json.load(f)
 
 
 def _move(report: dict[str, Any], load: str, same: str, step: str, whole: str) -> dict[str, Any]:
-    load_s, same_s = report[f"load_s/{load}"], report[f"load_s/{same}"]
+    load_s, same_s = report[f"load_s/{load}"], report[f"own_s/{same}"]
     return {
         "start_s": report["start_s"],
         "load_s": load_s,
@@ -207,16 +220,22 @@ def measure(small: bool = False) -> dict[str, Any]:
         one = _group(
             "one",
             1,
-            ["load:two", "compare:two", "step:1", "save:one", "whole:one", "load:one"],
+            ["load:two", "compare:two", "step:1", "save:one", "whole:one", "own:one"],
             model,
             folder,
         )
-        back = _group("back", 2, ["load:one", "compare:one", "step:2", "load:two"], model, folder)
+        back = _group(
+            "back",
+            2,
+            ["load:one", "compare:one", "step:2", "save:step2", "own:step2"],
+            model,
+            folder,
+        )
     return {
         "model": "qwen2-small" if small else "qwen2",
         "params": one["params"],
         "shrink": _move(one, "two", "one", "1", "two"),
-        "grow": _move(back, "one", "two", "2", "one"),
+        "grow": _move(back, "one", "step2", "2", "one"),
     }
 
 

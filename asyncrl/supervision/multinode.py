@@ -479,8 +479,9 @@ class NodeAttempt:
                 elif now - since > liveness_s:
                     _say(
                         self.node,
-                        f"the agent of node {node} sent no heartbeat for {now - since:.0f} s as "
-                        f"the run ended: node {node} is lost; not waiting for it",
+                        f"the agent of node {node} sent no heartbeat for {now - since:.1f} s as "
+                        f"the run ended: node {node} is lost; not waiting for it (its restarts "
+                        "and served calls are left out of report.json)",
                     )
                     pending.remove(node)
                     await self._check_in_lost([node])

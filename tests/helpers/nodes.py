@@ -24,7 +24,10 @@ def lose_node(torchrun: subprocess.Popen[bytes], node_dir: str) -> None:
         entry = _json(path)
         if isinstance(entry, dict) and "pid" in entry:
             pids.append(int(entry["pid"]))
-    for group in {_group(pid) for pid in pids} - {None}:
+    # A pid read from a file may have been reused by then: only a process of the launch (an
+    # asyncrl or torchrun command line) has its group killed, and never this test's own group.
+    groups = {_group(pid) for pid in pids if _of_the_launch(pid)} - {None, os.getpgrp()}
+    for group in groups:
         try:
             os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
@@ -57,6 +60,15 @@ def _group(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def _of_the_launch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read()
+    except OSError:
+        return False
+    return b"asyncrl" in argv or b"torchrun" in argv
 
 
 def _running(pid: int) -> bool:

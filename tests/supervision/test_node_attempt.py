@@ -139,6 +139,6 @@ def test_node_0_does_not_wait_for_a_node_lost_as_the_run_ends(
     assert store.values[barrier] == "1"
     err = capsys.readouterr().err
     assert re.search(
-        r"the agent of node 2 sent no heartbeat for \d+ s as the run ended: node 2 is lost", err
+        r"the agent of node 2 sent no heartbeat for \d+\.\d s as the run ended: node 2 is lost", err
     )
     assert "waited" not in err
