@@ -147,6 +147,13 @@ class LaunchEnv:
         )
 
 
+def _by_role(endpoints: dict[tuple[str, int], str]) -> dict[str, dict[int, str]]:
+    out: dict[str, dict[int, str]] = {}
+    for (name, i), endpoint in endpoints.items():
+        out.setdefault(name, {})[i] = endpoint
+    return out
+
+
 def _say(node: int, message: str) -> None:
     print(f"asyncrl.launch[node {node}]: {message}", file=sys.stderr, flush=True)
 
@@ -299,11 +306,16 @@ class NodeAttempt:
             # on without them (the attempt would have ended otherwise): it stays at its smaller
             # size, so they do not start. The others reach them, unserved, where they were.
             before = await self.store.peek(self.keys.endpoints(self.attempt, self.node))
-            was = msgspec.json.decode(before, type=NodeRecord).replicas if before else {}
+            was = msgspec.json.decode(before, type=NodeRecord) if before else None
             for name, i in mine:
                 if spans_nodes(self.manifest, name):
                     self.shrunk_away.append((name, i))
-                    elsewhere[(name, i)] = was.get(name, {}).get(i, "")
+                    # Its first record has it among its replicas; a record of an earlier
+                    # return, among those it did not start.
+                    known = (
+                        {**was.unserved.get(name, {}), **was.replicas.get(name, {})} if was else {}
+                    )
+                    elsewhere[(name, i)] = known.get(i, "")
             mine = [key for key in mine if key not in elsewhere]
         # One port a replica, one for this agent's status server (which the other agents ask),
         # and on node 0 of a traced launch one where the others send their traces.
@@ -320,6 +332,7 @@ class NodeAttempt:
             host=announce(self.dir),
             trace_sink=f"tcp://{host}:{ports[-1]}" if sink else "",
             shrunk=shrunk_before(self.dir) if self.node == 0 else {},
+            unserved=_by_role({key: elsewhere[key] for key in self.shrunk_away}),
         )
         keys, store = self.keys, self.store
         published = msgspec.json.encode(record).decode()

@@ -142,6 +142,9 @@ class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
         shrunk: node 0: each data-parallel group that went on at a smaller size in an earlier
             attempt of the run, with the replicas that form it (``Membership.shrunk``); it
             stays so (docs/multinode.md).
+        unserved: a node that joined the running attempt again: its ranks of a data-parallel
+            group that went on without them, at the endpoints the group knows them by, which
+            it does not start (kept for its next return).
     """
 
     replicas: dict[str, dict[int, str]]
@@ -149,6 +152,7 @@ class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
     host: HostRecord
     trace_sink: str = ""
     shrunk: dict[str, list[int]] = {}
+    unserved: dict[str, dict[int, str]] = {}
 
 
 class StoreClient:

@@ -10,6 +10,7 @@ import os
 import re
 from typing import Any
 
+import msgspec
 import pytest
 
 from asyncrl.supervision import multinode
@@ -142,3 +143,59 @@ def test_node_0_does_not_wait_for_a_node_lost_as_the_run_ends(
         r"the agent of node 2 sent no heartbeat for \d+\.\d s as the run ended: node 2 is lost", err
     )
     assert "waited" not in err
+
+
+class _RecordStore(_BeatingStore):
+    """``_BeatingStore`` with the calls ``discover`` makes."""
+
+    async def get(self, key: str) -> str:
+        return self.values[key]
+
+    async def wait_for(self, keys: list[str], timeout_s: float, *, why: str = "") -> None:
+        missing = [k for k in keys if k not in self.values]
+        assert not missing, missing
+
+
+def test_a_node_back_twice_keeps_the_endpoint_of_its_rank_that_the_group_went_on_without(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 1 holds learner[1] of a data-parallel group over nodes 0 and 1 that went on without
+    it. Back in the running attempt, the node does not start that rank, and the others know it
+    at the endpoint of node 1's first record; node 1's new record keeps it among those it does
+    not start, so that its second return (its record then replaced once already) still knows
+    it, rather than an empty endpoint."""
+    from asyncrl.manifest.load import load_manifest
+    from asyncrl.supervision.hosts import HostRecord
+    from asyncrl.supervision.store_registry import LaunchKeys, NodeRecord
+    from tests.integration.test_node_loss import _learner_over_nodes_0_and_1
+
+    monkeypatch.setattr(
+        multinode, "announce", lambda folder: HostRecord(host="h", weights="/w", token="t")
+    )
+    keys = LaunchKeys("r")
+    store = _RecordStore(set())
+    first = NodeRecord(
+        replicas={"learner": {1: "tcp://10.0.0.2:5001"}, "rollout": {1: "tcp://10.0.0.2:5002"}},
+        agent="tcp://10.0.0.2:5000",
+        host=HostRecord(host="h", weights="/w", token="t"),
+    )
+    for node in (0, 2):
+        other = NodeRecord(
+            replicas={}, agent="tcp://x:1", host=HostRecord(host="h", weights="/w", token="t")
+        )
+        store.values[keys.endpoints(0, node)] = msgspec.json.encode(other).decode()
+    store.values[keys.endpoints(0, 1)] = msgspec.json.encode(first).decode()
+    manifest = load_manifest(_learner_over_nodes_0_and_1(str(tmp_path)))
+    env = multinode.LaunchEnv(1, 3, "127.0.0.1", 1, "r", False)
+
+    def come_back(generation: int) -> tuple[Any, NodeRecord]:
+        a = multinode.NodeAttempt(env, store, keys, 0, manifest, str(tmp_path / "run"))  # type: ignore[arg-type]
+        a.rejoining = generation
+        view = asyncio.run(a.discover(5.0))
+        return view, msgspec.json.decode(store.values[keys.endpoints(0, 1)], type=NodeRecord)
+
+    for generation in (1, 2):
+        view, record = come_back(generation)
+        assert view.elsewhere == {("learner", 1): "tcp://10.0.0.2:5001"}, generation
+        assert record.unserved == {"learner": {1: "tcp://10.0.0.2:5001"}}, generation
+        assert "learner" not in record.replicas and set(record.replicas["rollout"]) == {1}
