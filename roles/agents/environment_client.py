@@ -38,6 +38,8 @@ client, and plays its own turns. The rules:
   ``restart_replica``) leaves the replica as it is.
 - ``close`` forgets an episode on its replica without waiting (an episode that ended ``done``
   needs none).
+- ``aclose``, once the client is done with, cancels the ``close`` calls and restart requests
+  still in flight and waits for them, so that none is left pending when the run ends.
 
 A lost episode is not replayed here: the runner replays one (or restarts it from ``reset``)
 itself, while an agent's conversation with the endpoint went on from what the lost replica
@@ -137,6 +139,13 @@ class Closes:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def close(self) -> None:
+        """Cancel the ``close`` calls still in flight, and wait until they have ended."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _close(self, close: Close, replica: int) -> None:
         try:
             await self.env.call("close", close, None, timeout=5.0, replica=replica)
@@ -144,10 +153,11 @@ class Closes:
             log.debug("closing episode %r failed: %s", close.episode_id, exc)
 
 
-class Restarts:
+class QuarantineRestarts:
     """Restart requests for quarantined replicas, sent without waiting (an episode's step
-    must not wait on a supervisor), each task kept until it ends. ``restarted`` counts those
-    the supervisor made; a refusal or an agent that does not answer is only logged."""
+    must not wait on a supervisor), each task kept until it ends or ``close`` cancels it.
+    ``restarted`` counts those the supervisor made; a refusal or an agent that does not
+    answer is only logged."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
@@ -181,6 +191,14 @@ class Restarts:
             )
         else:
             log.warning("%s was not restarted: %s", name, answer.why)
+
+    async def close(self) -> None:
+        """Cancel the requests still waiting for an answer, and wait until they have ended (a
+        supervisor that got one restarts the replica all the same)."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _name(env: Any) -> str:
@@ -228,7 +246,7 @@ class EnvironmentClient:
         self._failed: dict[str, int] = {}  # episode name -> its failed tries, until run again
         self._failed_on: dict[str, int] = {}  # episode name -> the replica that failed it last
         self.closes = Closes(env)
-        self.restarts = Restarts(env)
+        self.restarts = QuarantineRestarts(env)
         self._incarnations: dict[int, int] = {}  # replica -> the newest incarnation seen
         self._counted = (0, 0, 0)  # (quarantined, released, restarted) counted in metrics
 
@@ -390,6 +408,12 @@ class EnvironmentClient:
         episode.turn += 1
         episode.done = transition.done
         return transition
+
+    async def aclose(self) -> None:
+        """Cancel the ``close`` calls and restart requests still in flight and wait until they
+        have ended; call it once the client is done with (idempotent)."""
+        await self.closes.close()
+        await self.restarts.close()
 
     def close(self, episode: EnvEpisode) -> None:
         """Tell the replica to forget the episode, without waiting (a cancelled agent cannot

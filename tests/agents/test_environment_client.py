@@ -421,3 +421,37 @@ def test_a_replica_whose_resets_fail_after_a_restart_is_restarted_again() -> Non
         assert metrics == Counter({"quarantined": 3, "quarantine_restarts": 3})
 
     run(main())
+
+
+def test_closing_the_client_cancels_the_restart_requests_still_waiting() -> None:
+    """A restart request the supervisor has not answered yet is cancelled by ``aclose`` and
+    waited for, so none is left pending when the run ends."""
+
+    class Unanswered(Group):
+        asked = asyncio.Event()
+
+        async def restart_replica(
+            self, replica: int, reason: str, *, incarnation: int | None = None
+        ) -> RestartAnswer:
+            self.restarted.append((replica, reason, incarnation))
+            self.asked.set()
+            await asyncio.Event().wait()  # the agent never answers
+            raise AssertionError("unreachable")
+
+    async def main() -> None:
+        group = Unanswered(2, failing=1)
+        env = EnvironmentClient(group, step_timeout_s=0.1, quarantine_window=1)
+        await env.reset("a", "1 2")
+        failing = await env.reset("b", "1 2")
+        with pytest.raises(EnvironmentFailed):
+            await env.step(failing, "add 1 2")
+        await asyncio.wait_for(group.asked.wait(), 5.0)
+        (pending,) = env.restarts.tasks
+        await env.aclose()
+        assert pending.cancelled() and not env.restarts.tasks
+        await env.aclose()  # idempotent
+        metrics: Counter[str] = Counter()
+        env.count(metrics)
+        assert metrics == Counter({"quarantined": 1, "quarantine_restarts": 0})
+
+    run(main())
