@@ -14,7 +14,7 @@ __all__ = ["RESTART_TIMEOUT_S", "Restarts"]
 
 RESTART_TIMEOUT_S = 3 * ASK_TIMEOUT_S
 """Seconds the node agent has to answer a restart request (it may ask the other nodes' agents,
-each with twice ``ASK_TIMEOUT_S``)."""
+all at once, each with twice ``ASK_TIMEOUT_S``)."""
 
 
 class Restarts:

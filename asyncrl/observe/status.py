@@ -203,17 +203,28 @@ class AgentStatus:
 
     async def _restart(self, request: RestartRequest, _call: Any) -> RestartAnswer:
         """Restart the replica ``request`` names: this node's supervisor's answer, or, when
-        it does not run the replica, the answer of the first other node's agent that does."""
+        it does not run the replica, the answer of the other node's agent that does. The
+        other nodes' agents are asked all at once, each with twice ``timeout_s``, the nodes
+        lost for good left out (as in ``status``), so that the answer comes within the
+        driver's ``RESTART_TIMEOUT_S``; when none runs the replica, the answer says so."""
         answer = await self.node_restart(request)
         if answer.found:
             return answer
-        for node, endpoint in sorted(self.peers.items()):
-            if node == self.node:
-                continue
-            found = await self._call(endpoint, "node_restart", request, 2 * self.timeout_s)
-            if isinstance(found, RestartAnswer) and found.found:
-                return found
-        return answer
+        lost = {int(n) for n in self.membership().get("lost", {})}
+        peers = {n: ep for n, ep in self.peers.items() if n != self.node and n not in lost}
+        answers = await asyncio.gather(
+            *(self._call(ep, "node_restart", request, 2 * self.timeout_s) for ep in peers.values())
+        )
+        found = [a for a in answers if isinstance(a, RestartAnswer) and a.found]
+        if found:
+            return found[0]
+        why = f"{request.role}[{request.replica}] is not supervised on any node of the run"
+        unanswered = [answer.why] if self.restart is None else []
+        unanswered += [a for a in answers if isinstance(a, str)]
+        unanswered += [f"node {n} is lost" for n in sorted(lost) if n != self.node]
+        if unanswered:
+            why += f" that answered ({'; '.join(unanswered)})"
+        return RestartAnswer(restarted=False, found=False, why=why)
 
     async def _node_restart(self, request: RestartRequest, _call: Any) -> RestartAnswer:
         return await self.node_restart(request)

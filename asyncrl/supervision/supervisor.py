@@ -19,7 +19,9 @@ A replica that is alive but no good is restarted when the program asks (``restar
 ``asyncrl.restart_request.RestartRequest`` the node agent hands over): it is stopped (STOP,
 SIGKILL after ``shutdown_timeout_s``) and its next incarnation started at once. Such a restart
 is not a crash: it spends none of the budget and has no backoff (the one asking backs off);
-its reason is logged and shown per process (``restart_requests``, ``restart_reason``).
+its reason is logged and shown per process (``restart_requests``, ``restart_reason``). Only the
+exit the request causes counts so (code 0 or SIGKILL, not killed as hung): a crash or a hang
+of the incarnation before it stops is a failure as any other.
 
 Every process is spawned from this event loop's thread (the parent-death signal that kills it
 with the agent is tied to that thread) in a session and process group of its own, so its own
@@ -570,7 +572,9 @@ class Supervisor:
         if child.proc is not proc:
             return
         info = self._exit_info(child, proc.pid, code)
-        if child.requested and not (child.expected_exit or child.restarting or self._stopping):
+        if self._exit_requested(child, code) and not (
+            child.expected_exit or child.restarting or self._stopping
+        ):
             await self._restart_requested(child, info)
             return
         if child.expected_exit or child.restarting or self._stopping:
@@ -681,6 +685,16 @@ class Supervisor:
                 restarts=member.restarts,
             )
             await self._spawn(member)
+
+    @staticmethod
+    def _exit_requested(child: _Child, code: int) -> bool:
+        """Whether the incarnation's exit (``code``) is the one its restart request caused: a
+        restart was asked for, and it exited with code 0 (it stopped on the STOP) or by SIGKILL
+        (the request's, after ``shutdown_timeout_s``, or at once for one not yet serving), and
+        the liveness watch did not kill it as hung. Any other exit (a crash before the STOP
+        landed, or a hang) is the failure it is: logged, reported and restarted within the
+        budget, as without a request."""
+        return bool(child.requested) and not child.hung and code in (0, -signal.SIGKILL)
 
     async def _restart_requested(self, child: _Child, info: ExitInfo) -> None:
         """Start the next incarnation of a replica stopped because a restart was asked for:

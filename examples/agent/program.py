@@ -77,12 +77,16 @@ async def main(ctx: Context) -> dict[str, Any]:
         Prompt(id=f"eval-{i}", token_ids=prompt_ids, text=game.PROMPT, answer=str(secret))
         for i, secret in enumerate(game.games(cfg["eval_games"], seed=-1))
     ]
-    evaluation = EpisodeEvaluation(heldout, runner(), every=cfg["rl_eval_every"])
+    evaluating = runner()
+    evaluation = EpisodeEvaluation(heldout, evaluating, every=cfg["rl_eval_every"])
     run = await Run.open(ctx, phases=["bc", "rl"], evaluation=evaluation)
     if run.phase == "bc":
         await behaviour_cloning(run, cfg, tok)
     if run.phase == "rl":
-        await reinforce(run, cfg, runner())
+        playing = runner()
+        await reinforce(run, cfg, playing)
+        await playing.aclose()
+    await evaluating.aclose()
     before, final = run.values("bc")["accuracy"], run.values("rl")["accuracy"]
     say(f"held-out success: {before:.3f} after BC, {final:.3f} after RL")
     summary = await run.finish(

@@ -79,6 +79,7 @@ async def main(ctx: Context) -> dict[str, Any]:
         if run.phase == "rl":
             await reinforce(run, cfg, agent)
         await client.close()
+        await env.aclose()
     before, final = run.values("bc")["accuracy"], run.values("rl")["accuracy"]
     say(f"held-out success: {before:.3f} after BC, {final:.3f} after RL")
     summary = await run.finish(

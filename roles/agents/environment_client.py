@@ -31,12 +31,15 @@ client, and plays its own turns. The rules:
   pid); a step a live replica took and did not answer counts.
 - A replica the quarantine takes out (again: a failed probe) is restarted: its supervisor is
   asked for a fresh process (``Handle.restart_replica``, without waiting), with the reason,
-  for the incarnation that failed; its episodes in flight are lost with it and play again
-  elsewhere. The probe that lets it back goes to the fresh process, after the quarantine's
-  backoff, which doubles with each quarantine in a row. A handle that cannot restart (an
-  in-process stand-in without ``restart_replica``) leaves the replica as it is.
+  for the incarnation that failed (a reset that raised names none: whichever runs); its
+  episodes in flight are lost with it and play again elsewhere. The probe that lets it back
+  goes to the fresh process, after the quarantine's backoff, which doubles with each
+  quarantine in a row. A handle that cannot restart (an in-process stand-in without
+  ``restart_replica``) leaves the replica as it is.
 - ``close`` forgets an episode on its replica without waiting (an episode that ended ``done``
   needs none).
+- ``aclose``, once the client is done with, cancels the ``close`` calls and restart requests
+  still in flight and waits for them, so that none is left pending when the run ends.
 
 A lost episode is not replayed here: the runner replays one (or restarts it from ``reset``)
 itself, while an agent's conversation with the endpoint went on from what the lost replica
@@ -136,6 +139,13 @@ class Closes:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def close(self) -> None:
+        """Cancel the ``close`` calls still in flight, and wait until they have ended."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _close(self, close: Close, replica: int) -> None:
         try:
             await self.env.call("close", close, None, timeout=5.0, replica=replica)
@@ -143,10 +153,11 @@ class Closes:
             log.debug("closing episode %r failed: %s", close.episode_id, exc)
 
 
-class Restarts:
+class QuarantineRestarts:
     """Restart requests for quarantined replicas, sent without waiting (an episode's step
-    must not wait on a supervisor), each task kept until it ends. ``restarted`` counts those
-    the supervisor made; a refusal or an agent that does not answer is only logged."""
+    must not wait on a supervisor), each task kept until it ends or ``close`` cancels it.
+    ``restarted`` counts those the supervisor made; a refusal or an agent that does not
+    answer is only logged."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
@@ -180,6 +191,14 @@ class Restarts:
             )
         else:
             log.warning("%s was not restarted: %s", name, answer.why)
+
+    async def close(self) -> None:
+        """Cancel the requests still waiting for an answer, and wait until they have ended (a
+        supervisor that got one restarts the replica all the same)."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _name(env: Any) -> str:
@@ -227,7 +246,7 @@ class EnvironmentClient:
         self._failed: dict[str, int] = {}  # episode name -> its failed tries, until run again
         self._failed_on: dict[str, int] = {}  # episode name -> the replica that failed it last
         self.closes = Closes(env)
-        self.restarts = Restarts(env)
+        self.restarts = QuarantineRestarts(env)
         self._incarnations: dict[int, int] = {}  # replica -> the newest incarnation seen
         self._counted = (0, 0, 0)  # (quarantined, released, restarted) counted in metrics
 
@@ -256,14 +275,15 @@ class EnvironmentClient:
         metrics["quarantine_released"] += now[1] - released
         metrics["quarantine_restarts"] += now[2] - restarted
 
-    def _judge(self, replica: int, failed: bool) -> None:
+    def _judge(self, replica: int, failed: bool, incarnation: int | None) -> None:
         """Record a step (or a failed reset) of ``replica`` in the quarantine; restart the
-        replica when that quarantines it."""
+        replica when that quarantines it: the ``incarnation`` that failed (None: whichever
+        runs)."""
         why = self.quarantine.record(replica, failed)
         if why:
             streak = self.quarantine.streak(replica)
             reason = f"{why} ({streak} quarantine{'s' * (streak > 1)} in a row)"
-            self.restarts.send(replica, reason, self._incarnations.get(replica))
+            self.restarts.send(replica, reason, incarnation)
 
     def _failed_by(self, episode_id: str, replica: int | None) -> None:
         """``replica`` failed the episode: the next reset of its name goes elsewhere."""
@@ -301,28 +321,32 @@ class EnvironmentClient:
                 avoid=avoid,
             )
         except RemoteError as exc:
-            self._reset_failed(episode_id, _failed_on(exc, replica), counts=True)
+            self._reset_failed(episode_id, _failed_on(exc, replica), counts=True, incarnation=None)
             raise EnvironmentFailed(episode_id, "error", f"the reset failed: {exc}") from exc
         except DeadlineExceededError as exc:
             # A live process took it and was silent: its failure; else it was down, as a step.
             failed_on = _failed_on(exc, replica)
-            self._reset_failed(episode_id, failed_on, counts=exc.pid is not None)
+            counts = exc.pid is not None
+            self._reset_failed(episode_id, failed_on, counts=counts, incarnation=exc.incarnation)
             raise EnvironmentFailed(episode_id, "lost", f"the reset was lost: {exc}") from exc
         except BrokenError as exc:  # it died with the reset in flight
-            self._reset_failed(episode_id, _failed_on(exc, replica), counts=False)
+            self._reset_failed(episode_id, _failed_on(exc, replica), counts=False, incarnation=None)
             raise EnvironmentFailed(episode_id, "lost", f"the reset was lost: {exc}") from exc
         self._incarnations[obs.replica] = max(
             obs.incarnation, self._incarnations.get(obs.replica, 0)
         )
         return EnvEpisode(episode_id, obs.replica, obs.text, attempt)
 
-    def _reset_failed(self, episode_id: str, replica: int | None, *, counts: bool) -> None:
+    def _reset_failed(
+        self, episode_id: str, replica: int | None, *, counts: bool, incarnation: int | None
+    ) -> None:
         """``replica`` (None: not known) failed the reset of ``episode_id``: the next reset of
         the episode goes elsewhere; ``counts``: it counts against the replica as a failed
-        step."""
+        step, of its ``incarnation`` (None: not known, since no reset of the incarnation that
+        failed succeeded: a restart is asked for whichever runs)."""
         self._failed_by(episode_id, replica)
         if counts and replica is not None:
-            self._judge(replica, True)
+            self._judge(replica, True, incarnation)
 
     async def step(self, episode: EnvEpisode, action: str) -> Transition:
         """Take ``action`` in the episode, on the replica that holds it.
@@ -351,7 +375,7 @@ class EnvironmentClient:
             self._failed_by(episode.episode_id, episode.replica)
             if exc.remote_type == LOST:  # the replica restarted: the supervisor's business
                 raise EnvironmentFailed(episode.episode_id, "lost", str(exc)) from exc
-            self._judge(replica, True)
+            self._judge(replica, True, self._incarnations.get(replica))
             episode.errors += 1
             raise EnvironmentFailed(
                 episode.episode_id, "error", f"the environment failed turn {step.turn}: {exc}"
@@ -359,7 +383,7 @@ class EnvironmentClient:
         except DeadlineExceededError as exc:
             self._failed_by(episode.episode_id, episode.replica)
             if exc.pid is not None:  # a live process took the step and was silent: its failure
-                self._judge(replica, True)
+                self._judge(replica, True, self._incarnations.get(replica))
             # Else no process took it before its deadline: the replica was down (killed, and
             # not yet restarted), so the episode is lost with its death, as below.
             raise EnvironmentFailed(
@@ -371,7 +395,7 @@ class EnvironmentClient:
                 episode.episode_id, "lost", f"turn {step.turn} was lost: {exc}"
             ) from exc
         infra_timeout = transition.timed_out and not transition.task_timeout
-        self._judge(replica, infra_timeout)
+        self._judge(replica, infra_timeout, self._incarnations.get(replica))
         if transition.timed_out:
             episode.timeouts += 1
         if infra_timeout:
@@ -384,6 +408,12 @@ class EnvironmentClient:
         episode.turn += 1
         episode.done = transition.done
         return transition
+
+    async def aclose(self) -> None:
+        """Cancel the ``close`` calls and restart requests still in flight and wait until they
+        have ended; call it once the client is done with (idempotent)."""
+        await self.closes.close()
+        await self.restarts.close()
 
     def close(self, episode: EnvEpisode) -> None:
         """Tell the replica to forget the episode, without waiting (a cancelled agent cannot

@@ -312,6 +312,11 @@ class EpisodeRunner:
         self.environment.count(metrics)
         return traj.sample(prompt.id, index)
 
+    async def aclose(self) -> None:
+        """Cancel the environment's ``close`` calls and restart requests still in flight
+        (``EnvironmentClient.aclose``); call it once the runner is done with."""
+        await self.environment.aclose()
+
     async def run(self, episode_id: str, task: Any, prompt_ids: list[int]) -> Trajectory:
         """Run one episode to its end; its trajectory, exact to the token (flagged
         ``infra_failed`` when its reset raised, or a step timed out or raised).

@@ -376,3 +376,82 @@ def test_a_restart_the_supervisor_refuses_is_not_counted() -> None:
         assert metrics == Counter({"quarantined": 1, "quarantine_restarts": 0})
 
     run(main())
+
+
+def test_a_replica_whose_resets_fail_after_a_restart_is_restarted_again() -> None:
+    """Each restart request names the incarnation whose reset failed (a reset that was not
+    answered names it; one that raised names none: whichever runs), not the last one a reset
+    succeeded on, so a supervisor that refuses stale incarnations restarts it every time."""
+
+    class FailingResets(Group):
+        resets_fail = False
+
+        async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
+            replica = kw.get("replica")
+            replica = self.choose(kw.get("avoid")) if replica is None else replica
+            if method == "reset" and self.resets_fail and replica == 1:
+                self.resets.append(1)
+                if len(self.resets) % 2 == 0:  # the live incarnation took it, was silent
+                    incarnation = self.incarnations[1]
+                    error: Exception = DeadlineExceededError(
+                        "env.1", method, kw["timeout"], pid=4242, incarnation=incarnation
+                    )
+                else:  # it raised
+                    error = RemoteError("handler_error", "no sandbox", remote_type="RuntimeError")
+                error.replica = 1  # type: ignore[attr-defined]
+                raise error
+            return await super().call(method, payload, reply_type, **kw)
+
+    async def main() -> None:
+        group = FailingResets(2)
+        env = EnvironmentClient(group, step_timeout_s=1.0, quarantine_window=1, probe_after_s=0.0)
+        await env.reset("a", "1 2")
+        await env.reset("b", "1 2")  # on env.1, incarnation 0: its last successful reset
+        group.resets_fail = True
+        await env.reset("c", "1 2")  # on env.0
+        for name in ("d", "e", "f"):  # env.1's turn, then its probes: each fails
+            with pytest.raises(EnvironmentFailed):
+                await env.reset(name, "1 2")
+            await asyncio.gather(*env.restarts.tasks)
+        assert group.resets == [0, 1, 0, 1, 1, 1]
+        assert [(r, i) for r, _, i in group.restarted] == [(1, 0), (1, None), (1, 2)]
+        assert group.incarnations == [0, 3]  # every request accepted
+        metrics: Counter[str] = Counter()
+        env.count(metrics)
+        assert metrics == Counter({"quarantined": 3, "quarantine_restarts": 3})
+
+    run(main())
+
+
+def test_closing_the_client_cancels_the_restart_requests_still_waiting() -> None:
+    """A restart request the supervisor has not answered yet is cancelled by ``aclose`` and
+    waited for, so none is left pending when the run ends."""
+
+    class Unanswered(Group):
+        asked = asyncio.Event()
+
+        async def restart_replica(
+            self, replica: int, reason: str, *, incarnation: int | None = None
+        ) -> RestartAnswer:
+            self.restarted.append((replica, reason, incarnation))
+            self.asked.set()
+            await asyncio.Event().wait()  # the agent never answers
+            raise AssertionError("unreachable")
+
+    async def main() -> None:
+        group = Unanswered(2, failing=1)
+        env = EnvironmentClient(group, step_timeout_s=0.1, quarantine_window=1)
+        await env.reset("a", "1 2")
+        failing = await env.reset("b", "1 2")
+        with pytest.raises(EnvironmentFailed):
+            await env.step(failing, "add 1 2")
+        await asyncio.wait_for(group.asked.wait(), 5.0)
+        (pending,) = env.restarts.tasks
+        await env.aclose()
+        assert pending.cancelled() and not env.restarts.tasks
+        await env.aclose()  # idempotent
+        metrics: Counter[str] = Counter()
+        env.count(metrics)
+        assert metrics == Counter({"quarantined": 1, "quarantine_restarts": 0})
+
+    run(main())

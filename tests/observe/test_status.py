@@ -4,10 +4,12 @@ fractions (a live run is tests/integration/test_status_live.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import os
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from asyncrl.dispatch.dispatcher import Busy, Group
 from asyncrl.dispatch.handles import Handle
 from asyncrl.dispatch.restarts import Restarts
 from asyncrl.errors import ClosedError
+from asyncrl.manifest.membership import MEMBERSHIP_FILE
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.observe.metrics import IdleFractions
 from asyncrl.observe.status import (
@@ -393,8 +396,8 @@ async def test_a_restart_request_reaches_the_supervisor_of_the_node_that_runs_th
     tmp_path: Any,
 ) -> None:
     """The driver's ``Restarts`` asks node 0's agent; node 0 runs env[0] and answers itself;
-    env[1] runs on node 1, whose agent node 0 asks; a replica no node runs is refused with
-    node 0's answer. Each supervisor (a fake here) receives the typed request as sent."""
+    env[1] runs on node 1, whose agent node 0 asks; a replica no node runs is refused, saying
+    so. Each supervisor (a fake here) receives the typed request as sent."""
     tcp = [f"tcp://127.0.0.1:{_port()}" for _ in range(2)]
     asked: list[tuple[int, RestartRequest]] = []
 
@@ -439,7 +442,7 @@ async def test_a_restart_request_reaches_the_supervisor_of_the_node_that_runs_th
     assert here == RestartAnswer(restarted=True, incarnation=2, pid=4000)
     assert there == RestartAnswer(restarted=True, incarnation=2, pid=4001)
     assert nowhere == RestartAnswer(
-        restarted=False, found=False, why="env[7] is not supervised on this node"
+        restarted=False, found=False, why="env[7] is not supervised on any node of the run"
     )
     assert [(node, r.replica, r.incarnation, r.reason) for node, r in asked] == [
         (0, 0, -1, why),
@@ -447,6 +450,79 @@ async def test_a_restart_request_reaches_the_supervisor_of_the_node_that_runs_th
         (1, 1, 2, why),
         (0, 7, -1, why),
         (1, 7, -1, why),
+    ]
+
+
+@sync
+async def test_a_restart_request_asks_the_other_nodes_at_once_and_never_a_lost_one(
+    tmp_path: Any,
+) -> None:
+    """Node 0's agent leaves out node 1, lost for good (its agent still answers here), and asks
+    nodes 2 and 3 at once: node 2's supervisor answers only once node 3's was asked, which it
+    never would if they were asked one after the other. A replica no node runs is refused with
+    why, naming the lost node."""
+    tcp = [f"tcp://127.0.0.1:{_port()}" for _ in range(4)]
+    asked: list[tuple[int, int, bool]] = []  # node, replica, node 3 asked before node 2 answered
+    node_3_asked = asyncio.Event()
+
+    def supervisor(node: int) -> Callable[[RestartRequest], Awaitable[RestartAnswer]]:
+        async def restart(request: RestartRequest) -> RestartAnswer:
+            if node == 3:
+                node_3_asked.set()
+            elif node == 2:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(node_3_asked.wait(), 3.0)
+            asked.append((node, request.replica, node_3_asked.is_set()))
+            if request.replica != node:
+                why = f"{request.role}[{request.replica}] is not supervised on this node"
+                return RestartAnswer(restarted=False, found=False, why=why)
+            return RestartAnswer(restarted=True, incarnation=1, pid=4000 + node)
+
+        return restart
+
+    dirs = [str(tmp_path / f"node-{n}") for n in range(4)]
+    for folder in dirs:
+        os.makedirs(folder)
+    lost = {"1": "the agent of node 1 sent no heartbeat for 4 s"}
+    with open(os.path.join(dirs[0], MEMBERSHIP_FILE), "w") as f:
+        json.dump({"lost": lost}, f)
+    agents = [
+        AgentStatus(
+            lambda: [],
+            run="r",
+            run_dir=dirs[n],
+            node=n,
+            tcp=tcp[n],
+            peers={p: tcp[p] for p in range(4) if p != n},
+            timeout_s=5.0,
+            restart=supervisor(n),
+        )
+        for n in range(4)
+    ]
+    for agent in agents:
+        await agent.start()
+    restarts = Restarts(dirs[0], run="r", timeout_s=30.0)
+    try:
+        why = "quarantined: it failed its probe (2 quarantines in a row)"
+        there = await restarts.restart(RestartRequest(role="env", replica=3, reason=why))
+        nowhere = await restarts.restart(RestartRequest(role="env", replica=1, reason=why))
+    finally:
+        await restarts.close()
+        for agent in agents:
+            await agent.close()
+    assert there == RestartAnswer(restarted=True, incarnation=1, pid=4003)
+    assert nowhere == RestartAnswer(
+        restarted=False,
+        found=False,
+        why="env[1] is not supervised on any node of the run that answered (node 1 is lost)",
+    )
+    assert sorted(asked) == [
+        (0, 1, True),
+        (0, 3, False),
+        (2, 1, True),
+        (2, 3, True),
+        (3, 1, True),
+        (3, 3, True),
     ]
 
 

@@ -385,3 +385,60 @@ def test_a_group_restart_waits_for_a_start_under_way_and_leaves_one_process(
 
     asyncio.run(main())
     assert all(gone(pid) for pid in pids.values())
+
+
+def test_a_crash_or_a_hang_before_a_requested_restart_stops_the_process_is_a_failure(
+    run_dir: str,
+) -> None:
+    """Only the exit a restart request causes is a requested restart. Here the request's stop
+    has not landed yet when incarnation 0 is killed by another hand (SIGTERM: a crash) and,
+    after its restart, incarnation 1 is killed as hung: each is a failure, logged and
+    reported, and the second is past the budget of one restart, so the run fails."""
+    children = [child(run_dir, "env", WAITS_FOR_A_SIGNAL)]
+    children[0].policy = Supervision(
+        startup_timeout_s=WAIT_S, shutdown_timeout_s=WAIT_S, max_restarts=1
+    )
+    started: dict[int, asyncio.Event] = {}
+
+    def observe(event: str, label: str, incarnation: int) -> None:
+        if event == "started":
+            started.setdefault(incarnation, asyncio.Event()).set()
+
+    supervisor = Supervisor(
+        children, run="sup-test", log_dir=os.path.join(run_dir, "logs"), observer=observe
+    )
+
+    async def not_stopped_yet(_child: Any, _proc: Any) -> None:
+        """The request's STOP (and its SIGKILL) that has not landed when the process ends."""
+
+    supervisor._stop_to_restart = not_stopped_yet  # type: ignore[method-assign]
+    reason = "quarantined: it failed its probe (2 quarantines in a row)"
+
+    async def main() -> Any:
+        running = asyncio.create_task(supervisor.run())
+        await asyncio.wait_for(started.setdefault(0, asyncio.Event()).wait(), WAIT_S)
+        first = supervisor.processes()[0].pid
+        assert first is not None
+        assert supervisor.restart(RestartRequest(role="env", replica=0, reason=reason)).restarted
+        os.kill(first, signal.SIGTERM)
+        await asyncio.wait_for(started.setdefault(1, asyncio.Event()).wait(), WAIT_S)
+        second = supervisor.processes()[0].pid
+        assert second is not None and second != first
+        request = RestartRequest(role="env", replica=0, reason=reason, incarnation=1)
+        assert supervisor.restart(request).restarted
+        watched = supervisor._children[0]
+        watched.hung = "missed heartbeats"  # as the liveness watch kills a hung process
+        supervisor._kill(watched, signal.SIGKILL)
+        return await asyncio.wait_for(running, WAIT_S)
+
+    with structlog.testing.capture_logs() as logged:
+        report = asyncio.run(main())
+    assert report.status == "failed"
+    assert report.reason == "env[0] failed 2 times within 60 s, past its budget of 1 restarts"
+    assert [(e.incarnation, e.signal, e.reason) for e in report.exits] == [
+        (0, "SIGTERM", "killed by SIGTERM"),
+        (1, "SIGKILL", "hung (missed heartbeats) and was killed"),
+    ]
+    failed = [(e["incarnation"], e["reason"]) for e in logged if e["event"] == "process failed"]
+    assert failed == [(0, "killed by SIGTERM"), (1, "hung (missed heartbeats) and was killed")]
+    assert not [e for e in logged if e["event"] == "restarting on request"]
