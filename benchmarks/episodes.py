@@ -333,6 +333,8 @@ async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, A
                 if r:
                     times[path].append(seconds)
         await client.close()
+    await runner.aclose()
+    await env.aclose()
     ratios = [e / r for e, r in zip(times["endpoint"], times["runner"], strict=True)]
     plain = [p / r for p, r in zip(times["plain"], times["runner"], strict=True)]
     return {
@@ -371,6 +373,8 @@ async def program(ctx: Any) -> dict[str, Any]:
     for n, tasks in task_plan(counts, batches, rounds):
         tag = f"n{n}.r{len(measured[n])}"
         measured[n].append(await _measure(ctx, runners[:n], tasks, tag))
+    for runner in runners:
+        await runner.aclose()
     rows = [_row(n, batches * n, measured[n]) for n in counts]
     step = await _endpoint_over_runner(ctx, rounds, int(cfg["seed"]))
     return {"rows": rows, **step, "load_avg_1m": os.getloadavg()[0]}
