@@ -312,17 +312,15 @@ class NodeCampaign:
                 self.program_s = self.now()
         return self.program_s is not None or not self.launch.alive(0)
 
-    async def _until(self, ready: Callable[[], object], deadline: float | None = None) -> Any:
-        """``ready()``'s first true value; raises ``Ended`` once the run ends first, or at
-        ``deadline`` (Unix time) returns ``None``."""
+    async def _until(self, ready: Callable[[], object]) -> Any:
+        """``ready()``'s first true value, asked every ``POLL_S``; raises ``Ended`` once the
+        run ends first."""
         while True:
             value = ready()
             if value:
                 return value
             if self._ending():
                 raise Ended
-            if deadline is not None and time.time() >= deadline:
-                return None
             await asyncio.sleep(POLL_S)
 
     async def _sleep_until(self, moment: float) -> None:
@@ -485,11 +483,15 @@ def run_node_campaign(
 
     launch = NodeLaunch(manifest_path, overrides, run_dir, count, options)
     campaign = NodeCampaign(launch, plan, say)
+    interrupted = False
     try:
         run(campaign.run())
+    except KeyboardInterrupt:
+        interrupted = True
+        say("chaos: interrupted: every node's torchrun is killed")
     finally:
         launch.kill_all()
-    code = launch.procs[0].returncode
+    code = 130 if interrupted else launch.procs[0].returncode
     record = {
         "wall_s": campaign.now(),
         "program_s": campaign.program_s,
@@ -549,7 +551,7 @@ def run_node_chaos(
         say(f"chaos: undisturbed launch over {plan.nodes} nodes in {undisturbed}")
         first = launch(undisturbed, None)
         say(f"chaos: undisturbed launch ended with status {first}")
-        if first != 0:
+        if first not in (0, 130):
             reason = (
                 f"the undisturbed launch ended with status {first}, so there is nothing to "
                 f"compare with and no chaos launch was made; see {undisturbed} and its node "
@@ -560,8 +562,12 @@ def run_node_chaos(
             else:
                 say(f"chaos: {reason}")
             return 1
+    if first == 130:
+        return 130
     say(f"chaos: chaos launch over {plan.nodes} nodes in {disturbed}")
     code = launch(disturbed, plan)
+    if code == 130:
+        return 130
     say(f"chaos: chaos launch ended with status {code}")
     accounting = account(disturbed, undisturbed if baseline else None)
     accounting.update(aim_figures(disturbed))
