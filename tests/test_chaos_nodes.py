@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from asyncrl import cli
-from asyncrl.chaos.accounting import format_node_figures, node_figures, read_steps, run_figures
+from asyncrl.chaos.accounting import format_node_summary, node_figures, read_steps, run_figures
 from asyncrl.chaos.nodes import NodeLaunch, NodePlan, check_node_plan, node_tree
 from tests.conftest import ROOT
 from tests.helpers.waiting import wait_until
@@ -220,14 +220,42 @@ def test_node_figures_time_each_loss_to_the_next_step_after_its_mark() -> None:
         "rejoin_to_serving_s": [15.0, 12.0],
         "rejoin_to_serving_s_p50": 12.0,
     }
-    assert format_node_figures(figures).splitlines() == [
-        "node losses                     2",
+    acc = {
+        **figures,
+        "node_plan": {"nodes": 3, "kill_node": 2},
+        "exit_codes": {"0": 0, "1": 0, "2": 0},
+        "completed": True,
+        "samples_lost": 0,
+        "duplicates_consumed": 0,
+        "steps_repeated": 0,
+        "steps_skipped": 0,
+        "learner_steps": 450,
+        "consistent": True,
+        "accuracy_undisturbed": 0.563,
+        "accuracy_chaos": 0.55,
+        "program_s_undisturbed": 218.8,
+        "program_s_chaos": 230.1,
+        "slowdown": 1.0517,
+        "unknown": {"samples_scored": "summary.json's pipeline has no scored_samples"},
+    }
+    assert format_node_summary(acc).splitlines() == [
+        "launch over 3 nodes completed   yes",
+        "  exit statuses                 node 0 0, node 1 0, node 2 0",
+        "node 2 lost                     2",
         "  never marked lost             0",
-        "node rejoins                    2",
-        "loss to next step p50 (s)       6.500",
-        "  each (s)                      10.0, 6.5",
-        "rejoin to serving p50 (s)       12.0",
-        "  each (s)                      15.0, 12.0",
+        "node 2 back                     2",
+        "loss to next step p50 (s)       6.500 (each 10.0, 6.5)",
+        "rejoin to serving p50 (s)       12.0 (each 15.0, 12.0)",
+        "samples lost                    0",
+        "samples consumed twice          0",
+        "learner steps repeated/skipped  0 / 0",
+        "learner steps                   450",
+        "  pipeline and log agree        yes",
+        "accuracy undisturbed/chaos      0.563 / 0.550",
+        "program time undisturbed/chaos  218.8 / 230.1",
+        "slowdown (program time)         1.052",
+        "unknown figures, and why:",
+        "  samples_scored: summary.json's pipeline has no scored_samples",
     ]
 
 

@@ -39,7 +39,7 @@ __all__ = [
     "CHAOS_FILE",
     "account",
     "format_accounting",
-    "format_node_figures",
+    "format_node_summary",
     "ledger_figures",
     "node_figures",
     "percentile",
@@ -318,22 +318,44 @@ def node_figures(chaos: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[s
     }
 
 
-def format_node_figures(figures: dict[str, Any]) -> str:
-    """``node_figures`` as a person reads them."""
+def format_node_summary(acc: dict[str, Any]) -> str:
+    """The accounting of a campaign over nodes (``account`` with ``node_figures``, ``node_plan``
+    and ``exit_codes``) as a person reads it: a few lines, ``unknown`` where a figure is."""
 
-    def seconds(values: list[float]) -> str:
-        return ", ".join(f"{v:.1f}" for v in values) or "none"
+    def seconds(key: str) -> str:
+        each = ", ".join(f"{v:.1f}" for v in acc.get(key) or [])
+        return f"{_show(acc.get(key + '_p50'))}" + (f" (each {each})" if each else "")
 
+    def pair(a: str, b: str) -> str:
+        return f"{_show(acc.get(a))} / {_show(acc.get(b))}"
+
+    plan = acc.get("node_plan") or {}
+    node = plan.get("kill_node", "?")
+    codes = acc.get("exit_codes") or {}
+    statuses = ", ".join(f"node {n} {c}" for n, c in codes.items()) or "unknown"
     rows = [
-        ("node losses", figures.get("node_losses")),
-        ("  never marked lost", figures.get("node_losses_unmarked")),
-        ("node rejoins", figures.get("node_rejoins")),
-        ("loss to next step p50 (s)", figures.get("node_loss_to_step_s_p50")),
-        ("  each (s)", seconds(figures.get("node_loss_to_step_s") or [])),
-        ("rejoin to serving p50 (s)", figures.get("rejoin_to_serving_s_p50")),
-        ("  each (s)", seconds(figures.get("rejoin_to_serving_s") or [])),
+        (f"launch over {plan.get('nodes', '?')} nodes completed", acc.get("completed")),
+        ("  exit statuses", statuses),
+        (f"node {node} lost", acc.get("node_losses")),
+        ("  never marked lost", acc.get("node_losses_unmarked")),
+        (f"node {node} back", acc.get("node_rejoins")),
+        ("loss to next step p50 (s)", seconds("node_loss_to_step_s")),
+        ("rejoin to serving p50 (s)", seconds("rejoin_to_serving_s")),
+        ("samples lost", acc.get("samples_lost")),
+        ("samples consumed twice", acc.get("duplicates_consumed")),
+        ("learner steps repeated/skipped", pair("steps_repeated", "steps_skipped")),
+        ("learner steps", acc.get("learner_steps")),
+        ("  pipeline and log agree", acc.get("consistent")),
+        ("accuracy undisturbed/chaos", pair("accuracy_undisturbed", "accuracy_chaos")),
+        ("program time undisturbed/chaos", pair("program_s_undisturbed", "program_s_chaos")),
+        ("slowdown (program time)", acc.get("slowdown")),
     ]
-    return "\n".join(f"{label:<32}{_show(value)}" for label, value in rows)
+    lines = [f"{label:<32}{_show(value)}" for label, value in rows]
+    unknown = acc.get("unknown") or {}
+    if unknown:
+        lines.append("unknown figures, and why:")
+        lines += [f"  {key}: {why}" for key, why in unknown.items()]
+    return "\n".join(lines)
 
 
 def _count(events: list[dict[str, Any]]) -> dict[str, int]:

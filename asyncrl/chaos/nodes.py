@@ -526,13 +526,9 @@ def run_node_chaos(
     """Launch the manifest undisturbed over ``plan.nodes`` nodes (unless ``baseline`` is
     false), then again losing node ``plan.kill_node`` on ``plan``'s schedule, then print the
     accounting (the one-machine campaign's and ``node_figures``); return the exit status (0:
-    the chaos run completed)."""
-    from asyncrl.chaos.accounting import (
-        account,
-        format_accounting,
-        format_node_figures,
-        node_figures,
-    )
+    the chaos launch completed). ``--json`` prints the whole accounting, and a person gets
+    ``format_node_summary``; both are in ``RUN_DIR/accounting.json``."""
+    from asyncrl.chaos.accounting import account, format_node_summary, node_figures
     from asyncrl.chaos.campaign import aim_figures, format_aim
     from asyncrl.observe.metrics import read_metrics
 
@@ -584,8 +580,7 @@ def run_node_chaos(
     if as_json:
         print(json.dumps(accounting), flush=True)
     else:
-        print(format_accounting(accounting), flush=True)
-        print(format_node_figures(accounting), flush=True)
+        print(format_node_summary(accounting), flush=True)
         print(format_aim(accounting), flush=True)
         print(f"accounting: {os.path.join(run_dir, 'accounting.json')}", flush=True)
     return {0: 0, 130: 130}.get(code, 1)
