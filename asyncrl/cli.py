@@ -12,6 +12,11 @@
   [--run-dir DIR] [--overwrite]``: run a manifest undisturbed, then again while killing and
   freezing replicas (from the program's phase NAME, D after it or after the start), and print an
   accounting.
+- ``asyncrl chaos MANIFEST --nodes N --kill-node R --every D [--rejoin-after T] [--losses K]
+  [--agent-liveness D] [--join-timeout D] [--from-phase NAME] [--after D] [--json]
+  [--no-baseline] ...``: launch the manifest as N torchrun nodes on this machine, undisturbed and
+  then losing node R every D (its torchrun, agent and roles SIGKILLed at once), started again T
+  after each loss, and print the accounting with the nodes' figures (docs/multinode.md).
 - ``asyncrl bench transport [--json] [--quick]``: the transport's figures, side by side.
 - ``asyncrl bench runtime [--json] [--kills N]``: crash detection, restart, handle overhead.
 - ``asyncrl bench learner [--json]``: a learner step through a handle against plain PyTorch.
@@ -279,6 +284,7 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.chaos.campaign import (
+        NODES_ONLY,
         ChaosPlan,
         budget_overrides,
         budgets,
@@ -288,7 +294,16 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.manifest.load import resolve_run_dir
     from asyncrl.supervision.rundir import PRIVATE_UMASK
 
-    if args.stop_every is None and args.kill_every is None:
+    if args.nodes is not None:
+        return _chaos_nodes(args)
+    given = [flag for flag in NODES_ONLY if _given(args, flag)]
+    if given:
+        return _fail(
+            f"{given[0]} loses a node of a launch over several: give --nodes N with it (and "
+            "--kill-node R --every D), or leave it out to kill processes on one machine"
+        )
+    kill_every = 5.0 if args.kill_every is None else (args.kill_every or None)
+    if args.stop_every is None and kill_every is None:
         return _fail("nothing to do: give --kill-every or --stop-every")
     plain = _load(args.manifest, args.set)
     if plain is None:
@@ -300,10 +315,10 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
         return _fail(str(exc))
     plan = ChaosPlan(
         roles=tuple(roles),
-        kill_every=args.kill_every,
+        kill_every=kill_every,
         stop_every=args.stop_every,
-        stop_for=args.stop_for,
-        seed=args.seed,
+        stop_for=5.0 if args.stop_for is None else args.stop_for,
+        seed=args.seed or 0,
         from_phase=args.from_phase,
         after=args.after,
     )
@@ -311,9 +326,9 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     manifest = _load(args.manifest, [*budget_overrides(plain, plan), *args.set])
     if manifest is None:
         return 2
-    every = f"SIGKILL every {args.kill_every:g} s" if args.kill_every else "no SIGKILL"
+    every = f"SIGKILL every {kill_every:g} s" if kill_every else "no SIGKILL"
     if args.stop_every:
-        every += f", SIGSTOP for {args.stop_for:g} s every {args.stop_every:g} s"
+        every += f", SIGSTOP for {plan.stop_for:g} s every {args.stop_every:g} s"
     if args.from_phase:
         every += f", from the start of phase {args.from_phase}"
     if args.after:
@@ -336,6 +351,94 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
             return _fail(problem)
     os.umask(PRIVATE_UMASK)  # whatever the runs create is private (docs/reliability.md)
     return run_chaos(manifest, run_dir, plan, baseline=not args.no_baseline, as_json=args.json)
+
+
+def _given(args: argparse.Namespace, flag: str) -> bool:
+    """Whether ``flag`` (an option of ``asyncrl chaos`` whose default is ``None``) was given."""
+    return getattr(args, flag.removeprefix("--").replace("-", "_")) is not None
+
+
+def _at_most(losses: int | None) -> str:
+    if losses is None:
+        return ""
+    return ", once" if losses == 1 else f", at most {losses} times"
+
+
+def _chaos_nodes(args: argparse.Namespace) -> int:
+    """``asyncrl chaos MANIFEST --nodes N --kill-node K --every D [--rejoin-after T]``: lose
+    node K of a launch over N local torchrun nodes on a schedule (``asyncrl.chaos.nodes``)."""
+    from asyncrl.chaos.campaign import ONE_MACHINE_ONLY
+    from asyncrl.chaos.nodes import NodePlan, check_node_plan, run_node_chaos
+    from asyncrl.manifest.load import ManifestError, load_manifest, resolve_run_dir
+    from asyncrl.manifest.membership import node_loss_warnings
+    from asyncrl.supervision.rundir import PRIVATE_UMASK
+
+    other = [flag for flag in ONE_MACHINE_ONLY if _given(args, flag)]
+    if other:
+        return _fail(
+            f"{other[0]} kills processes on one machine; with --nodes the campaign loses "
+            "whole nodes (--kill-node R --every D [--rejoin-after T]): leave out "
+            f"{', '.join(other)}, or --nodes"
+        )
+    for flag, fix in (
+        ("--kill-node", "R, the node to lose (1 to N-1)"),
+        ("--every", "D, how often to lose it (e.g. 60s)"),
+    ):
+        if not _given(args, flag):
+            return _fail(f"--nodes needs {flag} {fix}")
+    plan = NodePlan(
+        nodes=args.nodes,
+        kill_node=args.kill_node,
+        every=args.every,
+        rejoin_after=args.rejoin_after,
+        losses=args.losses,
+        from_phase=args.from_phase,
+        after=args.after,
+        agent_liveness=15.0 if args.agent_liveness is None else args.agent_liveness,
+        join_timeout=300.0 if args.join_timeout is None else args.join_timeout,
+    )
+    try:
+        check_node_plan(plan)
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
+        manifest = load_manifest(args.manifest, args.set, nodes=plan.nodes)
+    except ManifestError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    for warning in node_loss_warnings(manifest, plan.nodes):
+        print(f"asyncrl: warning: {warning}", file=sys.stderr)
+    rejoin = (
+        f", started again {plan.rejoin_after:g} s after each loss"
+        if plan.rejoin_after is not None
+        else ", never started again"
+    )
+    aim = f" from the start of phase {plan.from_phase}" if plan.from_phase else ""
+    if plan.after:
+        aim += f", {plan.after:g} s after {'it' if plan.from_phase else 'the start'}"
+    print(
+        f"chaos: {plan.nodes} nodes; node {plan.kill_node} lost every {plan.every:g} s{aim}"
+        f"{rejoin}{_at_most(plan.losses)} (agent liveness "
+        f"{plan.agent_liveness:g} s)",
+        file=sys.stderr,
+    )
+    run_dir = (
+        os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest) + "-chaos"
+    )
+    parts = ["chaos"] if args.no_baseline else ["undisturbed", "chaos"]
+    for part in parts:
+        problem = _claim(os.path.join(run_dir, part), args.overwrite, resume_hint=False)
+        if problem:
+            return _fail(problem)
+    os.umask(PRIVATE_UMASK)  # whatever the runs create is private (docs/reliability.md)
+    return run_node_chaos(
+        os.path.abspath(args.manifest),
+        list(args.set),
+        run_dir,
+        plan,
+        baseline=not args.no_baseline,
+        as_json=args.json,
+    )
 
 
 def _plot(args: argparse.Namespace, rest: list[str]) -> int:

@@ -4,7 +4,8 @@
 Everything here is a pure function of files in run directories, so it is tested with files
 written by hand. The files, each optional:
 
-- ``ledger/<role>.<replica>.steps.jsonl``: one line per learner step,
+- ``ledger/<role>.<replica>.steps.jsonl``: one line per learner step (in a launch over several
+  nodes, node R's learners keep theirs in ``node-R/ledger/``, which is read too),
   ``{"step", "version", "ids": [[prompt_id, sample_index], ...], "skipped", "incarnation",
   "phase"}``;
 - ``summary.json``: the program's summary, with ``accuracy_final``, ``learner_steps``,
@@ -14,7 +15,10 @@ written by hand. The files, each optional:
   processes still restarting when the run ended);
 - ``driver.json``: the driver's record (``dispatch``: per role ``served`` and ``retries``);
 - ``chaos.json``: written by ``asyncrl chaos`` beside them: wall time, kills, stops and the
-  supervisor's ``exited``/``serving`` events with their times.
+  supervisor's ``exited``/``serving`` events with their times; for a campaign over nodes,
+  ``node_events`` (each loss, restart and return to service of a node, with its Unix time);
+- ``metrics.jsonl``: the program's steps (``step``, ``time``) and node 0's membership changes
+  (``{"time", "membership": {"event": "node_lost" | "node_back", "node", ...}}``).
 
 A figure whose file or field is missing is ``None`` (printed as ``unknown``), and the reason is
 kept under ``unknown``: never a made-up 0.
@@ -23,6 +27,7 @@ kept under ``unknown``: never a made-up 0.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -34,7 +39,9 @@ __all__ = [
     "CHAOS_FILE",
     "account",
     "format_accounting",
+    "format_node_summary",
     "ledger_figures",
+    "node_figures",
     "percentile",
     "read_steps",
     "recoveries",
@@ -65,24 +72,43 @@ def _read_json(path: str) -> Any:
         return None
 
 
+def _step_logs(run_dir: str) -> list[tuple[str, str]]:
+    """``(key, path)`` of every step log of the run: ``RUN_DIR/ledger/<name>`` keyed by its
+    ``<role>.<replica>``, and each ``RUN_DIR/node-R/ledger/<name>`` (a launch over several
+    nodes) keyed ``node-R/<role>.<replica>``."""
+    folders = [("", os.path.join(run_dir, LEDGER_DIR))]
+    with contextlib.suppress(OSError):
+        folders += [
+            (f"{name}/", os.path.join(run_dir, name, LEDGER_DIR))
+            for name in sorted(os.listdir(run_dir))
+            if name.startswith("node-") and name[5:].isdigit()
+        ]
+    found = []
+    for prefix, folder in folders:
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(STEPS_SUFFIX))
+        except OSError:
+            continue
+        found += [(prefix + n[: -len(STEPS_SUFFIX)], os.path.join(folder, n)) for n in names]
+    return found
+
+
 def read_steps(run_dir: str) -> dict[str, list[dict[str, Any]]] | None:
-    """The learner's step records by ``<role>.<replica>``, in file order.
+    """The learner's step records by ``<role>.<replica>`` (``node-R/<role>.<replica>`` for a
+    log in node R's folder of a launch over several nodes), in file order.
 
     ``None`` when the run has no ``ledger/`` step log at all. A line that is not a JSON object
     with an integer ``step`` (a learner killed mid-write leaves a partial last line) is skipped
     and counted under the key ``""`` as ``{"bad_line": n}`` records.
     """
-    folder = os.path.join(run_dir, LEDGER_DIR)
-    try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(STEPS_SUFFIX))
-    except OSError:
-        return None
-    if not names:
+    logs = _step_logs(run_dir)
+    if not logs:
         return None
     out: dict[str, list[dict[str, Any]]] = {}
-    for name in names:
+    for key, path in logs:
+        name = key + STEPS_SUFFIX
         records: list[dict[str, Any]] = []
-        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -94,7 +120,7 @@ def read_steps(run_dir: str) -> dict[str, list[dict[str, Any]]] | None:
                     out.setdefault("", []).append({"bad_line": n, "file": name})
                     continue
                 records.append(record)
-        out[name[: -len(STEPS_SUFFIX)]] = records
+        out[key] = records
     return out
 
 
@@ -217,6 +243,119 @@ def recoveries(chaos: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
             for role, times in sorted(by_role.items())
         },
     }
+
+
+def node_figures(chaos: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What losing nodes cost, from the ``node_events`` of a campaign over nodes
+    (``chaos.json``) and the run's ``metrics.jsonl`` lines (node 0's membership changes and the
+    program's steps, each with its Unix ``time``):
+
+    - ``node_losses``: nodes the campaign lost (SIGKILLed whole);
+    - ``node_rejoins``: torchruns started again whose node node 0 then recorded back
+      (``node_back``);
+    - ``node_loss_to_step_s``: per loss that node 0 marked (its first ``node_lost`` change of
+      that node at or after the kill), the seconds from the kill to the first step completed
+      after the mark; ``node_losses_unmarked``: losses never marked (the run ended first);
+    - ``rejoin_to_serving_s``: per restart, the seconds to the campaign's ``serving`` event of
+      that node (every replica it brought back connected to the driver with credit);
+    - ``..._p50``: their medians (nearest rank), ``None`` when there is none.
+    """
+    events = [e for e in chaos.get("node_events") or [] if isinstance(e, dict)]
+    changes = sorted(
+        (float(line["time"]), line["membership"])
+        for line in metrics
+        if isinstance(line.get("membership"), dict) and isinstance(line.get("time"), int | float)
+    )
+    steps = sorted(
+        float(line["time"])
+        for line in metrics
+        if "step" in line and "membership" not in line and isinstance(line.get("time"), int | float)
+    )
+
+    def change(kind: str, node: int, since: float) -> float | None:
+        return next(
+            (
+                t
+                for t, c in changes
+                if c.get("event") == kind and c.get("node") == node and t >= since
+            ),
+            None,
+        )
+
+    to_step: list[float] = []
+    to_serving: list[float] = []
+    unmarked = rejoins = 0
+    for n, event in enumerate(events):
+        node, at = int(event.get("node", -1)), float(event.get("time", 0.0))
+        later = events[n + 1 :]
+        if event.get("event") == "lost":
+            marked = change("node_lost", node, at)
+            if marked is None:
+                unmarked += 1
+                continue
+            step = next((t for t in steps if t > marked), None)
+            if step is not None:
+                to_step.append(step - at)
+        elif event.get("event") == "restarted":
+            if change("node_back", node, at) is not None:
+                rejoins += 1
+            for other in later:
+                if other.get("node") != node or other.get("event") == "lost":
+                    if other.get("node") == node:
+                        break  # lost again before it served
+                    continue
+                if other.get("event") == "serving":
+                    to_serving.append(float(other["time"]) - at)
+                    break
+    return {
+        "node_losses": sum(1 for e in events if e.get("event") == "lost"),
+        "node_losses_unmarked": unmarked,
+        "node_rejoins": rejoins,
+        "node_loss_to_step_s": to_step,
+        "node_loss_to_step_s_p50": percentile(to_step, 50),
+        "rejoin_to_serving_s": to_serving,
+        "rejoin_to_serving_s_p50": percentile(to_serving, 50),
+    }
+
+
+def format_node_summary(acc: dict[str, Any]) -> str:
+    """The accounting of a campaign over nodes (``account`` with ``node_figures``, ``node_plan``
+    and ``exit_codes``) as a person reads it: a few lines, ``unknown`` where a figure is."""
+
+    def seconds(key: str) -> str:
+        each = ", ".join(f"{v:.1f}" for v in acc.get(key) or [])
+        return f"{_show(acc.get(key + '_p50'))}" + (f" (each {each})" if each else "")
+
+    def pair(a: str, b: str) -> str:
+        return f"{_show(acc.get(a))} / {_show(acc.get(b))}"
+
+    plan = acc.get("node_plan") or {}
+    node = plan.get("kill_node", "?")
+    codes = acc.get("exit_codes") or {}
+    statuses = ", ".join(f"node {n} {c}" for n, c in codes.items()) or "unknown"
+    rows = [
+        (f"launch over {plan.get('nodes', '?')} nodes completed", acc.get("completed")),
+        ("  exit statuses", statuses),
+        (f"node {node} lost", acc.get("node_losses")),
+        ("  never marked lost", acc.get("node_losses_unmarked")),
+        (f"node {node} back", acc.get("node_rejoins")),
+        ("loss to next step p50 (s)", seconds("node_loss_to_step_s")),
+        ("rejoin to serving p50 (s)", seconds("rejoin_to_serving_s")),
+        ("samples lost", acc.get("samples_lost")),
+        ("samples consumed twice", acc.get("duplicates_consumed")),
+        ("learner steps repeated/skipped", pair("steps_repeated", "steps_skipped")),
+        ("learner steps", acc.get("learner_steps")),
+        ("  pipeline and log agree", acc.get("consistent")),
+        ("accuracy undisturbed/chaos", pair("accuracy_undisturbed", "accuracy_chaos")),
+        ("program time undisturbed/chaos", pair("program_s_undisturbed", "program_s_chaos")),
+        ("slowdown (program time)", acc.get("slowdown")),
+    ]
+    lines = [f"{label:<32}{_show(value)}" for label, value in rows]
+    unknown = acc.get("unknown") or {}
+    if unknown:
+        lines.append("unknown figures, and why:")
+        lines += [f"  {key}: {why}" for key, why in unknown.items()]
+    return "\n".join(lines)
 
 
 def _count(events: list[dict[str, Any]]) -> dict[str, int]:

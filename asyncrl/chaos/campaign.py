@@ -490,13 +490,27 @@ def format_aim(figures: dict[str, Any]) -> str:
     return f"disruption aimed at {aim}: began at {figures['disrupted_from_s']:.1f} s"
 
 
+ONE_MACHINE_ONLY = ("--kill-every", "--roles", "--stop-every", "--stop-for", "--seed")
+"""The options of the one-machine campaign, which kills processes; a campaign over nodes
+(``--nodes``) loses whole nodes and takes none of them."""
+NODES_ONLY = (
+    "--kill-node",
+    "--every",
+    "--rejoin-after",
+    "--losses",
+    "--agent-liveness",
+    "--join-timeout",
+)
+"""The options of a campaign over nodes, which need ``--nodes``."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``asyncrl chaos`` (besides the shared ``--set``, ``--run-dir``,
-    ``--overwrite``)."""
+    ``--overwrite``). Each option left out is ``None``, so that the command line can tell the
+    one-machine campaign's options from those of a campaign over nodes."""
     parser.add_argument(
         "--kill-every",
         type=_duration_or_off,
-        default=5.0,
         metavar="DURATION",
         help="SIGKILL one live replica of the named roles this often (default 5s; 'off' "
         "kills nothing, to only freeze)",
@@ -515,13 +529,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-for",
         type=_duration_arg,
-        default=5.0,
         metavar="DURATION",
         help="how long a stopped replica stays stopped before SIGCONT (default 5s)",
     )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seeds which replica is hit (default 0)"
-    )
+    parser.add_argument("--seed", type=int, help="seeds which replica is hit (default 0)")
     parser.add_argument(
         "--from-phase",
         metavar="NAME",
@@ -544,10 +555,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the undisturbed run (its figures are then unknown)",
     )
+    nodes = parser.add_argument_group(
+        "losing nodes (docs/multinode.md)",
+        "launch the manifest as N torchrun nodes on this machine and lose one of them whole",
+    )
+    nodes.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="launch over N local torchrun nodes (node R with ASYNCRL_HOST_ID=nodeR) and lose "
+        "--kill-node on the schedule, instead of killing processes on one machine",
+    )
+    nodes.add_argument(
+        "--kill-node",
+        type=int,
+        metavar="R",
+        help="the node lost (1 to N-1; node 0 holds the store)",
+    )
+    nodes.add_argument(
+        "--every",
+        type=_duration_arg,
+        metavar="DURATION",
+        help="lose the node this often: SIGKILL its torchrun, agent and roles at once",
+    )
+    nodes.add_argument(
+        "--rejoin-after",
+        type=_duration_arg,
+        metavar="DURATION",
+        help="start the lost node's torchrun again this long after each loss (shorter than "
+        "--every; default: it stays lost)",
+    )
+    nodes.add_argument(
+        "--losses",
+        type=int,
+        metavar="N",
+        help="lose the node at most N times (default: until the run ends)",
+    )
+    nodes.add_argument(
+        "--agent-liveness",
+        type=_duration_arg,
+        metavar="DURATION",
+        help="the launch's --agent-liveness: how long node 0 waits for a silent node's "
+        "heartbeat before it takes it as lost (default 15s)",
+    )
+    nodes.add_argument(
+        "--join-timeout",
+        type=_duration_arg,
+        metavar="DURATION",
+        help="the launch's --join-timeout (default 300s)",
+    )
 
 
-def _duration_or_off(text: str) -> float | None:
-    return None if text.strip() == "off" else _duration_arg(text)
+def _duration_or_off(text: str) -> float:
+    """A duration, or 0 for ``off``."""
+    return 0.0 if text.strip() == "off" else _duration_arg(text)
 
 
 def _duration_arg(text: str) -> float:
