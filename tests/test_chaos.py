@@ -315,6 +315,22 @@ def test_ledger_figures_across_replicas_and_without_phases() -> None:
     assert figures["ids_consumed_rl"] is None
 
 
+def test_ledger_figures_count_a_data_parallel_groups_step_once() -> None:
+    """The ranks of a data-parallel learner each record every step of the group, on one node
+    or in node folders: the same ids in the same step number are one consumption. An id in
+    two steps, or twice in one step, is still a duplicate."""
+    steps = {
+        "learner.0": [step(1, [["a", 0], ["b", 0]]), step(2, [["c", 0], ["a", 0]])],
+        "node-1/learner.1": [step(1, [["a", 0], ["b", 0]]), step(2, [["c", 0], ["a", 0]])],
+        "critic.0": [step(1, [["d", 0], ["d", 0]])],
+    }
+    figures = ledger_figures(steps)
+    assert figures["steps_repeated"] == 0
+    assert figures["duplicates_consumed"] == 2  # a#0 in steps 1 and 2; d#0 twice in one step
+    assert figures["duplicate_consumptions"] == 2
+    assert figures["ids_consumed"] == 4
+
+
 def test_read_steps_skips_a_partial_last_line(tmp_path: Any) -> None:
     path = os.path.join(tmp_path, "ledger", "learner.0.steps.jsonl")
     write(path, [step(1, [["a", 0]]), step(2, [["b", 0]]), '{"step": 3, "ids": [["c"'])

@@ -144,26 +144,31 @@ def test_a_manifest_placed_on_more_nodes_than_the_launch_is_refused(
 def test_a_group_over_the_lost_node_is_warned_of_and_the_plan_said(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """examples/arith/multinode.yaml's data-parallel learners span nodes 0 and 1: losing node 1
-    restarts the group, and the command says so before it launches (here it stops at the used
-    run directory)."""
+    """examples/arith/multinode.yaml's data-parallel learners span nodes 0 and 1: replicated,
+    they go on with replica 0 when node 1 is lost, and nothing is warned of; sharded
+    (``parallel: fsdp``), losing node 1 restarts the group, and the command says so before it
+    launches (here it stops at the used run directory)."""
     os.makedirs(os.path.join(tmp_path, "run", "chaos"))
     with open(os.path.join(tmp_path, "run", "chaos", "report.json"), "w") as f:
         f.write("{}")
     manifest = os.path.join(ROOT, "examples", "arith", "multinode.yaml")
     args = ["--nodes", "2", "--kill-node", "1", "--every", "60s", "--rejoin-after", "30s"]
-    assert chaos(tmp_path, *args, "--no-baseline", "--agent-liveness", "4s", manifest=manifest) == 2
+    args += ["--no-baseline", "--agent-liveness", "4s"]
+    said = (
+        "chaos: 2 nodes; node 1 lost every 60 s, started again 30 s after each loss "
+        "(agent liveness 4 s)"
+    )
+    used = "already holds a run (report.json); add --overwrite to delete it and start afresh"
+    assert chaos(tmp_path, *args, manifest=manifest) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == said and err[1].endswith(used) and len(err) == 2
+    sharded = ["--set", "roles.learner.config.parallel=fsdp"]
+    assert chaos(tmp_path, *args, *sharded, manifest=manifest) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith(
         "asyncrl: warning: roles.learner: its 2 replicas form one group over nodes [0, 1]"
     )
-    assert err[1] == (
-        "chaos: 2 nodes; node 1 lost every 60 s, started again 30 s after each loss "
-        "(agent liveness 4 s)"
-    )
-    assert err[2].endswith(
-        "already holds a run (report.json); add --overwrite to delete it and start afresh"
-    )
+    assert err[1] == said and err[2].endswith(used)
 
 
 def test_check_node_plan_accepts_a_plan_that_can_run() -> None:

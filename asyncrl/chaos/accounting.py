@@ -130,7 +130,9 @@ def ledger_figures(steps: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     - ``steps_repeated``: step numbers recorded more than once by the same learner replica;
     - ``steps_skipped``: numbers in ``1..max(step)`` a replica never recorded;
     - ``duplicates_consumed``: sample ids consumed more than once, in any steps of any replica
-      (BC demonstrations that are re-used carry distinct ids, so every id counts);
+      (BC demonstrations that are re-used carry distinct ids, so every id counts); the ranks
+      of a data-parallel group each record every step of the group, so an id that replicas of
+      one role record in the same step number is one consumption;
     - ``duplicate_consumptions``: the consumptions beyond the first, summed over those ids;
     - ``ids_consumed`` / ``ids_consumed_rl``: distinct ids consumed, in all steps / in steps
       whose phase is ``rl`` (``None`` when no record names its phase);
@@ -141,23 +143,36 @@ def ledger_figures(steps: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     phased = False
     repeated = skipped = top = records_n = 0
     bad = len(steps.get("", []))
+    # (role, step number, repeat) -> the ids its replicas consumed in it, with how often: the
+    # ranks of a data-parallel group record the same step each, so the most any of them
+    # recorded counts; a step a replica records again (a repeat) is counted on its own.
+    consumed: dict[tuple[str, int, int], collections.Counter[tuple[Any, ...]]] = {}
     for key, records in steps.items():
         if key == "":
             continue
+        role = key.rsplit("/", 1)[-1].rsplit(".", 1)[0]
         numbers = collections.Counter(int(r["step"]) for r in records)
         repeated += sum(1 for c in numbers.values() if c > 1)
         highest = max(numbers, default=0)
         skipped += sum(1 for s in range(1, highest + 1) if s not in numbers)
         top = max(top, highest)
         records_n += len(records)
+        seen: collections.Counter[int] = collections.Counter()
         for record in records:
             phase = record.get("phase") or ""
             phased = phased or bool(phase)
+            step = int(record["step"])
+            ids: collections.Counter[tuple[Any, ...]] = collections.Counter()
             for sample_id in record.get("ids") or []:
                 ident = tuple(sample_id) if isinstance(sample_id, list) else (sample_id,)
-                counts[ident] += 1
+                ids[ident] += 1
                 if phase == "rl":
                     rl_ids.add(ident)
+            where = (role, step, seen[step])
+            seen[step] += 1
+            consumed[where] = consumed.get(where, collections.Counter()) | ids
+    for ids in consumed.values():
+        counts.update(ids)
     return {
         "learner_steps": top,
         "step_records": records_n,
