@@ -52,7 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from asyncrl.bench.harness import finished_run
@@ -236,45 +236,49 @@ def task_plan(counts: Sequence[int], batches: int, rounds: int) -> list[tuple[in
     return plan
 
 
+Chat = Callable[[list[dict[str, Any]], str], Awaitable[str]]
+"""An agent's chat request: the messages and the episode id (``user``) -> the reply's text."""
+
+
+def _openai_chat(client: Any) -> Chat:
+    """A chat request on the official ``openai`` client."""
+
+    async def chat(messages: list[dict[str, Any]], user: str) -> str:
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, user=user, max_tokens=TOKENS
+        )
+        text: str = reply.choices[0].message.content
+        return text
+
+    return chat
+
+
+def _plain_http_chat(session: Any, server: Any) -> Chat:
+    """A chat request as JSON posted with one ``aiohttp`` session."""
+    url = f"{server.url}/chat/completions"
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+
+    async def chat(messages: list[dict[str, Any]], user: str) -> str:
+        body = {"model": "policy", "messages": messages, "user": user, "max_tokens": TOKENS}
+        async with session.post(url, json=body, headers=headers) as response:
+            response.raise_for_status()
+            reply = await response.json()
+        text: str = reply["choices"][0]["message"]["content"]
+        return text
+
+    return chat
+
+
 async def _endpoint_episode(
-    client: Any, server: Any, env: EnvironmentClient, episode_id: str, task: int
+    chat: Chat, server: Any, env: EnvironmentClient, episode_id: str, task: int
 ) -> Trajectory:
-    """One episode as an agent on the ``openai`` client plays it: a chat request a turn, the
+    """One episode as an agent plays it through the endpoint: a chat request a turn, the
     reply's text the action, the observation the next user message."""
     episode = await env.reset(episode_id, task)
     messages: list[dict[str, Any]] = [{"role": "user", "content": episode.observation}]
     reward = 0.0
     while not episode.done:
-        reply = await client.chat.completions.create(
-            model="policy", messages=messages, user=episode_id, max_tokens=TOKENS
-        )
-        text = reply.choices[0].message.content
-        said = await env.step(episode, text)
-        reward += said.reward
-        messages += [
-            {"role": "assistant", "content": text},
-            {"role": "user", "content": said.observation},
-        ]
-    traj: Trajectory = server.trajectory(episode_id, reward=reward)
-    server.close(episode_id)
-    return traj
-
-
-async def _plain_http_episode(
-    session: Any, server: Any, env: EnvironmentClient, episode_id: str, task: int
-) -> Trajectory:
-    """``_endpoint_episode``'s agent posting each chat request's JSON with ``aiohttp``."""
-    url = f"{server.url}/chat/completions"
-    headers = {"Authorization": f"Bearer {server.api_key}"}
-    episode = await env.reset(episode_id, task)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": episode.observation}]
-    reward = 0.0
-    while not episode.done:
-        body = {"model": "policy", "messages": messages, "user": episode_id, "max_tokens": TOKENS}
-        async with session.post(url, json=body, headers=headers) as response:
-            response.raise_for_status()
-            reply = await response.json()
-        text = reply["choices"][0]["message"]["content"]
+        text = await chat(messages, episode_id)
         said = await env.step(episode, text)
         reward += said.reward
         messages += [
@@ -309,6 +313,7 @@ async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, A
     times: dict[str, list[float]] = {"runner": [], "endpoint": [], "plain": []}
     async with server, aiohttp.ClientSession() as session:
         client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
+        chats = {"endpoint": _openai_chat(client), "plain": _plain_http_chat(session, server)}
         first = 1_000_000
         for r in range(rounds + 1):  # the first round warms every path up, and is not kept
             tasks = list(range(first + r * STEP_EPISODES, first + (r + 1) * STEP_EPISODES))
@@ -319,13 +324,10 @@ async def _endpoint_over_runner(ctx: Any, rounds: int, seed: int) -> dict[str, A
                     played = await asyncio.gather(
                         *(runner.run(f"{tag}.{t}", t, PROMPT) for t in tasks)
                     )
-                elif path == "endpoint":
-                    played = await asyncio.gather(
-                        *(_endpoint_episode(client, server, env, f"{tag}.{t}", t) for t in tasks)
-                    )
                 else:
+                    chat = chats[path]
                     played = await asyncio.gather(
-                        *(_plain_http_episode(session, server, env, f"{tag}.{t}", t) for t in tasks)
+                        *(_endpoint_episode(chat, server, env, f"{tag}.{t}", t) for t in tasks)
                     )
                 seconds = time.perf_counter() - start
                 for traj, task in zip(played, tasks, strict=True):
