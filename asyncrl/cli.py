@@ -282,6 +282,22 @@ def _run(args: argparse.Namespace, rest: list[str]) -> int:
     return {"completed": 0, "failed": 1, "interrupted": 130}[report.status]
 
 
+def _claim_chaos_dirs(args: argparse.Namespace, manifest: Any) -> tuple[str, str]:
+    """A chaos campaign's run directory (``--run-dir``, or the manifest's with ``-chaos``), and
+    why its ``undisturbed`` and ``chaos`` folders cannot be used ("" when they can)."""
+    from asyncrl.manifest.load import resolve_run_dir
+
+    run_dir = (
+        os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest) + "-chaos"
+    )
+    parts = ["chaos"] if args.no_baseline else ["undisturbed", "chaos"]
+    for part in parts:
+        problem = _claim(os.path.join(run_dir, part), args.overwrite, resume_hint=False)
+        if problem:
+            return run_dir, problem
+    return run_dir, ""
+
+
 def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
     from asyncrl.chaos.campaign import (
         NODES_ONLY,
@@ -291,7 +307,6 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
         check_roles,
         run_chaos,
     )
-    from asyncrl.manifest.load import resolve_run_dir
     from asyncrl.supervision.rundir import PRIVATE_UMASK
 
     if args.nodes is not None:
@@ -341,14 +356,9 @@ def _chaos(args: argparse.Namespace, rest: list[str]) -> int:
             f"backoff {budget['backoff_initial_s']:g} s doubling to {budget['backoff_max_s']:g} s",
             file=sys.stderr,
         )
-    run_dir = (
-        os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest) + "-chaos"
-    )
-    parts = ["chaos"] if args.no_baseline else ["undisturbed", "chaos"]
-    for part in parts:
-        problem = _claim(os.path.join(run_dir, part), args.overwrite, resume_hint=False)
-        if problem:
-            return _fail(problem)
+    run_dir, problem = _claim_chaos_dirs(args, manifest)
+    if problem:
+        return _fail(problem)
     os.umask(PRIVATE_UMASK)  # whatever the runs create is private (docs/reliability.md)
     return run_chaos(manifest, run_dir, plan, baseline=not args.no_baseline, as_json=args.json)
 
@@ -369,7 +379,7 @@ def _chaos_nodes(args: argparse.Namespace) -> int:
     node K of a launch over N local torchrun nodes on a schedule (``asyncrl.chaos.nodes``)."""
     from asyncrl.chaos.campaign import ONE_MACHINE_ONLY
     from asyncrl.chaos.nodes import NodePlan, check_node_plan, run_node_chaos
-    from asyncrl.manifest.load import ManifestError, load_manifest, resolve_run_dir
+    from asyncrl.manifest.load import ManifestError, load_manifest
     from asyncrl.manifest.membership import node_loss_warnings
     from asyncrl.supervision.rundir import PRIVATE_UMASK
 
@@ -422,14 +432,9 @@ def _chaos_nodes(args: argparse.Namespace) -> int:
         f"{plan.agent_liveness:g} s)",
         file=sys.stderr,
     )
-    run_dir = (
-        os.path.abspath(args.run_dir) if args.run_dir else resolve_run_dir(manifest) + "-chaos"
-    )
-    parts = ["chaos"] if args.no_baseline else ["undisturbed", "chaos"]
-    for part in parts:
-        problem = _claim(os.path.join(run_dir, part), args.overwrite, resume_hint=False)
-        if problem:
-            return _fail(problem)
+    run_dir, problem = _claim_chaos_dirs(args, manifest)
+    if problem:
+        return _fail(problem)
     os.umask(PRIVATE_UMASK)  # whatever the runs create is private (docs/reliability.md)
     return run_node_chaos(
         os.path.abspath(args.manifest),
