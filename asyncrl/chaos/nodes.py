@@ -44,6 +44,7 @@ __all__ = [
     "NodeLaunch",
     "NodePlan",
     "check_node_plan",
+    "kill_node",
     "node_tree",
     "run_node_campaign",
 ]
@@ -181,6 +182,34 @@ def _is_janitor(pid: int) -> bool:
         return False
 
 
+def kill_node(torchrun: subprocess.Popen[bytes], folder: str) -> list[int]:
+    """SIGKILL a node's ``torchrun``, its agent and every process of its roles at once; return
+    the pids killed. ``folder``: the node's folder of the run directory.
+
+    The agent's pid comes from the node's ``launch.json`` and its roles' from its
+    ``registry/``; every one of them must descend from the node's torchrun (a registry entry of
+    an earlier incarnation, or of a replica that moved to another node, is left alone), and so
+    must the processes they started. Each process group led by one of them is killed whole. The
+    node's janitor (``asyncrl.supervision.janitor``) is spared, as a signal to the node's
+    process groups spares it: it sweeps the shared memory and sockets of the processes killed,
+    which on a machine really lost go with it."""
+    tree = {pid for pid in node_tree(torchrun.pid) if not _is_janitor(pid)}
+    named = [torchrun.pid, (_read_json(os.path.join(folder, "launch.json")) or {}).get("pid")]
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(os.path.join(folder, "registry"))):
+            named.append((_read_json(os.path.join(folder, "registry", name)) or {}).get("pid"))
+    pids = sorted(tree | {p for p in named if isinstance(p, int) and p in tree})
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(pid)
+            if group in tree:
+                os.killpg(group, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    torchrun.wait()
+    return pids
+
+
 @dataclass
 class NodeLaunch:
     """``count`` torchrun processes on 127.0.0.1 running ``asyncrl.launch`` on one manifest, node
@@ -249,32 +278,9 @@ class NodeLaunch:
             )
 
     def lose(self, node: int) -> list[int]:
-        """SIGKILL node ``node``'s torchrun, its agent and every process of its roles at once;
-        return the pids killed.
-
-        The agent's pid comes from the node's ``launch.json`` and its roles' from its
-        ``registry/``; every one of them must descend from the node's torchrun (a registry
-        entry of an earlier incarnation, or of a replica that moved to another node, is left
-        alone), and so must the processes they started. Each process group led by one of them
-        is killed whole. The node's janitor (``asyncrl.supervision.janitor``) is spared, as a
-        signal to the node's process groups spares it: it sweeps the shared memory and sockets
-        of the processes killed, which on a machine really lost go with it."""
-        torchrun = self.procs[node]
-        tree = {pid for pid in node_tree(torchrun.pid) if not _is_janitor(pid)}
-        named = [torchrun.pid, (_read_json(self.folder(node, "launch.json")) or {}).get("pid")]
-        with contextlib.suppress(OSError):
-            for name in sorted(os.listdir(self.folder(node, "registry"))):
-                named.append((_read_json(self.folder(node, "registry", name)) or {}).get("pid"))
-        pids = sorted(tree | {p for p in named if isinstance(p, int) and p in tree})
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                group = os.getpgid(pid)
-                if group in tree:
-                    os.killpg(group, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGKILL)
-        torchrun.wait()
-        return pids
+        """SIGKILL node ``node``'s torchrun, its agent and every process of its roles at once
+        (``kill_node``); return the pids killed."""
+        return kill_node(self.procs[node], self.folder(node))
 
     def alive(self, node: int) -> bool:
         return node in self.procs and self.procs[node].poll() is None
