@@ -160,7 +160,7 @@ class WeightStore:
             if spec.name in state_dict:
                 problems += check_tensor(spec.name, state_dict[spec.name], spec, "state_dict")
         raise_problems("state_dict", problems)
-        self.publish_buckets([state_dict], version)
+        self._publish([state_dict], version, checked=True)
 
     def publish_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
         """Publish ``version`` from ``buckets``, each a part of the state dict, written into
@@ -174,6 +174,13 @@ class WeightStore:
                 never gave; or the version does not increase.
             ClosedError: the store was closed.
         """
+        self._publish(buckets, version, checked=False)
+
+    def _publish(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int, *, checked: bool
+    ) -> None:
+        """``publish_buckets``; ``checked``: every tensor's dtype and shape was already checked
+        against the template (``publish`` checks them all before a byte is written)."""
         with self._lock:
             if self._map is None:
                 raise ClosedError(
@@ -184,13 +191,14 @@ class WeightStore:
                     f"version {version} does not increase: {self._name} already holds version "
                     f"{self._latest}; versions are >= 0 and grow with every publish"
                 )
-            self._write(self._map, buckets, version)
+            self._write(self._map, buckets, version, checked)
 
     def _write(
         self,
         mapping: SegmentMap,
         buckets: Iterable[Mapping[str, torch.Tensor]],
         version: int,
+        checked: bool,
     ) -> None:
         header = mapping.header
         slot = 0 if self._current < 0 else 1 - self._current
@@ -208,7 +216,8 @@ class WeightStore:
                         problems.append(f"{name}: {'unknown' if index is None else 'given twice'}")
                         continue
                     spec = self._handle.tensors[index]
-                    problems += check_tensor(name, src, spec, "bucket")
+                    if not checked:
+                        problems += check_tensor(name, src, spec, "bucket")
                     if problems:
                         continue
                     if spec.nbytes:
