@@ -8,7 +8,12 @@
   between the learners' steps, the three series in an order that rotates with the step, so
   every series sees the same load and none always comes first); medians over ``--steps``
   steps. The target is at most 10% overhead. That learner does not checkpoint (``durable:
-  false``).
+  false``). Where a step's wall time goes is split by the scheduler's own accounting
+  (``/proc/<pid>/task/*/schedstat``, every thread of the learner's process, read before and
+  after each step): ``learner_cpu_ms_p50``, the CPU the learner's process ran for the step, to
+  compare with ``plain_cpu_ms_p50``, the plain step's thread CPU (``learner_cpu_ratio``, the
+  work the runtime adds whatever the load); ``learner_wait_ms_p50``, the time its threads were
+  ready but waited for a core (the machine's load, not the runtime's work).
 - durable step: the same step on a second learner with ``durable: wal`` (the default: the
   step's batch is in the write-ahead log, fsynced, before the reply; its checkpoints in the
   background), interleaved step by step with the first, so the ratio is the price of never
@@ -136,6 +141,30 @@ class PlainStep:
         return time.perf_counter() - t0
 
 
+def schedstat(pid: int) -> tuple[float, float]:
+    """Seconds every thread of process ``pid`` ran, and waited ready on a run queue, so far
+    (the sums of ``/proc/<pid>/task/*/schedstat``). A thread that ended meanwhile drops out of
+    the sums, so read it around a span no thread of ``pid`` starts or ends in."""
+    ran = waited = 0
+    tasks = f"/proc/{pid}/task"
+    for tid in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, tid, "schedstat")) as f:
+                fields = f.read().split()
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
+        ran += int(fields[0])
+        waited += int(fields[1])
+    return ran / 1e9, waited / 1e9
+
+
+def _pid(supervisor: Supervisor, role: str) -> int:
+    for row in supervisor.status():
+        if row["role"] == role and row["pid"] is not None:
+            return int(row["pid"])
+    raise RuntimeError(f"bench learner: no process of {role!r} runs")
+
+
 async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, Any]:
     registry = LocalRegistry(run_dir)
     policy = Supervision(startup_timeout_s=300.0)
@@ -169,6 +198,8 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
         # order rotates with the step, so no series always follows the same one.
         plain = PlainStep()
         times: dict[str, list[float]] = {"learner": [], "durable": [], "plain": []}
+        cpu: dict[str, list[float]] = {"learner": [], "learner_wait": [], "plain": []}
+        pid: int | None = None
         for step in range(steps + 2):
             samples = grpo_batch(samples_per_step, step)
             batch = TrainBatch(samples=samples, algorithm="grpo")
@@ -176,19 +207,36 @@ async def _remote(run_dir: str, samples_per_step: int, steps: int) -> dict[str, 
             order = order[step % len(order) :] + order[: step % len(order)]
             for name in order:
                 if name == "plain":
+                    c0 = time.thread_time()
                     seconds = plain(samples)
+                    ran, waited = time.thread_time() - c0, 0.0
                 else:
+                    ran, waited = 0.0, 0.0
+                    # The learner's process exists once its first step was answered.
+                    before = schedstat(pid) if pid is not None and name == "learner" else None
                     t0 = time.perf_counter()
                     result = await ctx.roles[name].call(
                         "train_step", batch, StepResult, timeout=300
                     )
                     seconds = time.perf_counter() - t0
                     assert result.consumed == samples_per_step
+                    if before is not None and pid is not None:
+                        after = schedstat(pid)
+                        ran, waited = after[0] - before[0], after[1] - before[1]
+                    if pid is None and name == "learner":
+                        pid = _pid(supervisor, "learner")
                 if step >= 2:  # two warm-up steps for each
                     times[name].append(seconds)
+                    if name in cpu:
+                        cpu[name].append(ran)
+                    if name == "learner":
+                        cpu["learner_wait"].append(waited)
         out["learner_step_ms"] = times["learner"]
         out["durable_step_ms"] = times["durable"]
         out["plain_step_ms"] = times["plain"]
+        out["learner_cpu"] = cpu["learner"]
+        out["learner_wait"] = cpu["learner_wait"]
+        out["plain_cpu"] = cpu["plain"]
         params = SamplingParams(max_new_tokens=16, temperature=1.0)
         requests = [
             GenerateRequest(
@@ -229,10 +277,16 @@ def measure(*, samples_per_step: int = 256, steps: int = 10) -> dict[str, Any]:
     handle_ms = statistics.median(remote["learner_step_ms"]) * 1e3
     durable_ms = statistics.median(remote["durable_step_ms"]) * 1e3
     plain_ms = statistics.median(remote["plain_step_ms"]) * 1e3
+    learner_cpu_ms = statistics.median(remote["learner_cpu"]) * 1e3
+    plain_cpu_ms = statistics.median(remote["plain_cpu"]) * 1e3
     return {
         "learner_step_ms_p50": handle_ms,
         "plain_step_ms_p50": plain_ms,
         "learner_overhead_ratio": handle_ms / plain_ms,
+        "learner_cpu_ms_p50": learner_cpu_ms,
+        "plain_cpu_ms_p50": plain_cpu_ms,
+        "learner_cpu_ratio": learner_cpu_ms / plain_cpu_ms,
+        "learner_wait_ms_p50": statistics.median(remote["learner_wait"]) * 1e3,
         "durable_step_ms_p50": durable_ms,
         "durable_ratio": durable_ms / handle_ms,
         "rollout_tokens_per_s": remote["rollout_tokens_per_s"],

@@ -159,6 +159,16 @@ def test_learner_benchmark_json() -> None:
     assert figures["durable_ratio"] == pytest.approx(
         figures["durable_step_ms_p50"] / figures["learner_step_ms_p50"]
     )
+    # The scheduler's split of the learner's step: CPU its process ran, against the plain
+    # step's; each is real work (a step is milliseconds of matrix products), and the
+    # learner's process cannot run more than its step's wall time on one torch thread and
+    # a few mostly idle ones, nor wait longer than the step took.
+    assert 0 < figures["plain_cpu_ms_p50"] <= figures["plain_step_ms_p50"] * 1.05
+    assert 0 < figures["learner_cpu_ms_p50"] <= figures["learner_step_ms_p50"] * 2
+    assert 0 <= figures["learner_wait_ms_p50"] <= figures["learner_step_ms_p50"] * 2
+    assert figures["learner_cpu_ratio"] == pytest.approx(
+        figures["learner_cpu_ms_p50"] / figures["plain_cpu_ms_p50"]
+    )
     assert figures["rollout_tokens_per_s"] > 0
     # Where the small step's time goes, from the learner's and its trainer's tracing spans:
     # each part a span, or a span less those nested in it, so none is negative.
