@@ -324,7 +324,7 @@ class CriticClient:
     async def values(self, samples: list[Sample], *, timeout: float = LONG_S) -> list[list[float]]:
         """A value per completion token of each sample."""
         out: list[list[float]] = await to_lead(
-            self.handle, "values", samples, list[list[float]], timeout=timeout
+            self.handle, "values", samples, list[list[float]], timeout=timeout, idempotent=True
         )
         return out
 
