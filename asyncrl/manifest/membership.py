@@ -15,19 +15,21 @@ node, so every node reaches the same answer without asking:
 - a role whose replicas span nodes as one ``one_for_all`` unit (a ``torch.distributed`` group:
   data-parallel learners or critics) *shrinks*: its ranks on the lost node depart, and the
   replicas left (``Plan.shrunk``) form the group again at the smaller size, each restarted
-  where it runs, from its own checkpoints and write-ahead log. Two such groups *block* (the
-  launch restarts every node's worker group, as for the store's host): one whose replica 0 was
-  lost (it leads the group's calls and is the replica callers reach), and a sharded one
-  (``config.parallel: fsdp``: each rank's checkpoint holds only its own shards, so the state of
-  the lost ranks is gone with them).
+  where it runs, from its own checkpoints and write-ahead log (a replicated rank holds the whole
+  state). The first of them leads the group (``lead``): when the lead is lost, the lowest
+  replica left leads from then on. Two such groups *block* (the launch restarts every node's
+  worker group, as for the store's host): a sharded one (``config.parallel: fsdp``: each rank's
+  checkpoint holds only its own shards, so the state of the lost ranks is gone with them), and
+  one with no rank left.
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
-run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``) and
-``asyncrl status`` shows it.
+run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``), a role
+that calls a group's lead finds it there (``lead``), and ``asyncrl status`` shows it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +43,8 @@ __all__ = [
     "Membership",
     "Moved",
     "Plan",
+    "goes_on",
+    "lead",
     "node_loss_warnings",
     "plan",
     "sharded",
@@ -178,10 +182,8 @@ def plan(
         if role.supervision.strategy == "one_for_all" and len(set(where)) > 1:
             group = f"roles.{name}: its {role.replicas} replicas form one group over nodes "
             group += f"{sorted(set(where))}"
-            if 0 in gone:
-                out.blocked.append(
-                    f"{group}, and its replica 0, which leads the group, ran on node {where[0]}"
-                )
+            if len(gone) == len(live):
+                out.blocked.append(f"{group}, and no rank of it is left")
             elif sharded(manifest, name):
                 out.blocked.append(
                     f"{group}, sharded (parallel: fsdp): the lost ranks' shards of its state "
@@ -204,27 +206,21 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
     """What a launch of ``manifest`` over ``nodes`` nodes cannot carry through the loss of one
     node other than 0, one warning per role, each with the fix: a ``one_for_all`` group over
     several nodes (data-parallel learners or critics) that does not go on at a smaller size
-    (``plan`` blocks): a sharded one, or one whose replica 0 runs on a node other than 0. Losing
-    one of its nodes restarts every node, and the run resumes from its checkpoints once the
-    node is back."""
+    (``plan`` blocks): a sharded one. Losing one of its nodes restarts every node, and the run
+    resumes from its checkpoints once the node is back."""
     warnings = []
     for name, role in manifest.roles.items():
         where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
         others = [n for n in where if 0 < n < nodes]
         if not spans_nodes(manifest, name) or not others:
             continue
-        lead = role.placement.node_of(0)
-        if sharded(manifest, name):
-            why = (
-                "sharded (parallel: fsdp), which does not go on at a smaller size: each rank's "
-                "checkpoint holds only its own shards"
-            )
-            lose, fix = others[0], "use parallel: replicate, or place the group on node 0"
-        elif lead != 0:
-            why = f"led by its replica 0 on node {lead}, without which it does not go on"
-            lose, fix = lead, "place its replica 0 on node 0 (placement.nodes: [0, ...])"
-        else:
+        if not sharded(manifest, name):
             continue
+        why = (
+            "sharded (parallel: fsdp), which does not go on at a smaller size: each rank's "
+            "checkpoint holds only its own shards"
+        )
+        lose, fix = others[0], "use parallel: replicate, or place the group on node 0"
         folders = ", ".join(f"RUN_DIR/node-{n}" for n in others)
         warnings.append(
             f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}, "
@@ -234,3 +230,37 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
             f"every node shares. To keep training through a node's loss, {fix}"
         )
     return warnings
+
+
+def goes_on(name: str, members: Sequence[int]) -> str:
+    """How a group that went on at a smaller size is said in the agents' logs (``asyncrl
+    status`` says it the same way): ``learner goes on with replicas [0]``, and ``, led by
+    replica 1`` when its lead is no longer replica 0."""
+    said = f"{name} goes on with replicas {list(members)}"
+    return said + (f", led by replica {members[0]}" if members and members[0] != 0 else "")
+
+
+def lead(directory: str, name: str, endpoints: Sequence[str]) -> tuple[int, str]:
+    """The replica of role ``name`` that leads its group now, and its address: the first of
+    the replicas that form the group (``Membership.shrunk``) as the ``membership.json`` in
+    ``directory`` (a node's folder of the run directory) says, replica 0 while the group has
+    its full size or the file is not there. A group's lead is the replica its callers reach
+    (a learner's ``train_step``, a relay's weight pulls) and the one that publishes its
+    weights.
+
+    Args:
+        directory: the folder of the node the caller runs on (a role's ``ctx.run_dir``).
+        name: the role.
+        endpoints: the address of each replica as this node reaches it
+            (``GroupInfo.endpoints``); a replica back on its node after a loss is reached at
+            the address ``membership.json`` records for it (``Membership.moved``).
+    """
+    try:
+        with open(os.path.join(directory, MEMBERSHIP_FILE), "rb") as f:
+            membership = msgspec.json.decode(f.read(), type=Membership)
+    except (OSError, msgspec.DecodeError):
+        return 0, endpoints[0]
+    members = membership.shrunk.get(name) or [0]
+    first = members[0]
+    moved = membership.moved.get(name, {}).get(first)
+    return first, moved.endpoint if moved is not None else endpoints[first]

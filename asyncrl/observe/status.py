@@ -461,6 +461,7 @@ def _heading(status: dict[str, Any]) -> list[str]:
         left = [f"{label} left the run" for label in change.get("departed", [])]
         shrunk = [
             f"{name} goes on with replicas {members}"
+            + (f", led by replica {members[0]}" if members and members[0] != 0 else "")
             for name, members in change.get("shrunk", {}).items()
         ]
         what = "back" if change.get("event") == "node_back" else "lost"

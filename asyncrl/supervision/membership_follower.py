@@ -16,7 +16,9 @@ and applies what changed:
   data-parallel group that had ranks there goes on with the replicas left: this node's replicas
   of it are started again at once (``Supervisor.restart_role``), given the group's new
   membership (``NodeView.members``), so that they leave the broken collective and form the
-  group at its smaller size, from their checkpoints and write-ahead logs;
+  group at its smaller size, from their checkpoints and write-ahead logs. The first of the
+  members leads the group (``asyncrl.manifest.membership.lead``): when the lost node held the
+  lead, the lowest replica left leads from then on;
 - **a node back:** its replicas that departed are back in their groups, at the endpoints it
   published anew; what moved away while it was lost stays where it went;
 - **this node taken as lost while it runs** (its heartbeats reached node 0 too late): ``follow``
@@ -39,7 +41,14 @@ from collections.abc import Callable, Mapping, Sequence
 import msgspec
 
 from asyncrl.manifest.load import Manifest
-from asyncrl.manifest.membership import MEMBERSHIP_FILE, Change, Membership, Moved, plan
+from asyncrl.manifest.membership import (
+    MEMBERSHIP_FILE,
+    Change,
+    Membership,
+    Moved,
+    goes_on,
+    plan,
+)
 from asyncrl.supervision.agent import NodeView, adopted_child
 from asyncrl.supervision.rundir import node_dir
 from asyncrl.supervision.store_registry import LaunchKeys, NodeRecord, StoreClient, free_ports
@@ -303,7 +312,7 @@ class MembershipFollower:
             + ", ".join(
                 [f"{n}[{i}] left the run" for n, i in departed]
                 + [f"{n}[{i}] moves to node {there}" for (n, i), there in moved.items()]
-                + [f"{n} goes on with replicas {members}" for n, members in shrunk.items()]
+                + [goes_on(n, members) for n, members in shrunk.items()]
             ),
         )
 

@@ -20,9 +20,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.dispatch.handles import Context, Handle
+from asyncrl.dispatch.handles import DEFAULT_TIMEOUT_S, Context, Handle
 from asyncrl.dispatch.watchdog import Watchdog
-from asyncrl.errors import BrokenError
+from asyncrl.errors import BrokenError, RoleDeadError
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.roles.payloads import (
     CriticBatch,
@@ -52,8 +52,9 @@ __all__ = [
     "ReferenceClient",
     "RewardClient",
     "RolloutClient",
+    "lead",
     "resend",
-    "to_replica_0",
+    "to_lead",
 ]
 
 log = logging.getLogger("asyncrl.programs")
@@ -80,7 +81,9 @@ async def resend(
 
     Use it only where the role makes a repeat harmless: ``train_step`` with a ``TrainBatch.id``
     (the learner answers a repeat with the step it took) or a ``CriticBatch.id``,
-    ``checkpoint``. ``replica``: send it to that replica only (``Handle.call``).
+    ``checkpoint``. ``replica``: send it to that replica only (``Handle.call``), and not again
+    once it left the run with its node (``Handle.members``; ``to_lead`` sends it on to the
+    group's new lead).
 
     Raises:
         BrokenError: it still broke after ``timeout`` seconds.
@@ -99,6 +102,8 @@ async def resend(
         except BrokenError as exc:
             if loop.time() + pause >= deadline:
                 raise
+            if replica is not None and replica not in handle.members:
+                raise  # it left the run with its node: nothing there answers again
             attempt += 1
             log.warning(
                 "%s.%s broke in flight (%s); sending it again in %.2f s (attempt %d)",
@@ -112,7 +117,15 @@ async def resend(
             pause = min(2 * pause, max_pause_s)
 
 
-async def to_replica_0(
+def lead(handle: Handle) -> int:
+    """The replica that leads ``handle``'s group now: the lowest still in the run. Replica 0
+    until a node's loss takes it out (docs/multinode.md): the group then goes on led by the
+    lowest replica left, which the others follow."""
+    members = handle.members
+    return members[0] if members else 0
+
+
+async def to_lead(
     handle: Handle,
     method: str,
     payload: Any,
@@ -120,31 +133,63 @@ async def to_replica_0(
     *,
     timeout: float = LONG_S,
     again: bool = False,
+    idempotent: bool = False,
 ) -> Any:
-    """Call ``method`` on replica 0, the one that takes the calls of a learner's or a critic's
+    """Call ``method`` on the group's lead (``lead``: replica 0, or the lowest replica left
+    once a node's loss took it out), the one that takes the calls of a learner's or a critic's
     group of replicas and runs them on every rank in one order
     (``asyncrl.roles.training.lockstep``); with ``again`` (a once endpoint the role makes
     harmless to repeat), sent again when the replica broke with it in flight (``resend``): a
     broken group restarts whole, from its checkpoints, and answers a repeat with the step it
     took.
 
+    A lead that leaves the run with its node while the call waits for it (``RoleDeadError``:
+    it was never sent) passes the call to the new lead; one that leaves with the call in flight
+    (``BrokenError``) does so only when a repeat is harmless (``again``, or an ``idempotent``
+    endpoint). The new lead resumes from its own checkpoints and write-ahead log, so it
+    answers a repeated step with the step the group took.
+
     Raises:
         BrokenError: it broke (with ``again``: still, after ``timeout`` seconds).
+        RoleDeadError: the group has no replica left, or the run is ending.
         DeadlineExceededError, RemoteError: as ``Handle.call``.
     """
-    if again:
-        return await resend(handle, method, payload, reply_type, timeout=timeout, replica=0)
-    return await handle.call(method, payload, reply_type, timeout=timeout, replica=0)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        first = lead(handle)
+        left = max(1.0, deadline - loop.time())
+        try:
+            if again:
+                return await resend(
+                    handle, method, payload, reply_type, timeout=left, replica=first
+                )
+            return await handle.call(method, payload, reply_type, timeout=left, replica=first)
+        except (BrokenError, RoleDeadError) as exc:
+            harmless = isinstance(exc, RoleDeadError) or again or idempotent
+            now = lead(handle)
+            if not harmless or now == first or first in handle.members:
+                raise
+            log.warning(
+                "%s[%d] left the run with its node (%s); %s goes to replica %d, which leads "
+                "the group now",
+                handle.name,
+                first,
+                exc,
+                method,
+                now,
+            )
 
 
 class LearnerClient:
     """The learner (``asyncrl.roles.training.learner.Learner``).
 
-    ``train_step`` and ``checkpoint`` go to replica 0 (``to_replica_0``), as the critic's calls
-    do: with data-parallel or sharded replicas (``replicas`` > 1) replica 0 runs each on every
+    ``train_step`` and ``checkpoint`` go to the group's lead (``to_lead``: replica 0, or the
+    lowest replica left after a node's loss), as the critic's calls do: with data-parallel or
+    sharded replicas (``replicas`` > 1) the lead runs each on every
     rank in one order (``asyncrl.roles.training.lockstep``), and the other replicas refuse them.
-    ``status``, ``logprobs``, ``export`` and ``weights`` come from replica 0 too: the other
-    ranks may still be finishing a step that replica 0 has answered, and a status or a
+    ``status``, ``logprobs``, ``export`` and ``weights`` come from the lead too: the other
+    ranks may still be finishing a step that the lead has answered, and a status or a
     log-prob from one of them could be a step behind.
     """
 
@@ -153,46 +198,48 @@ class LearnerClient:
 
     async def status(self) -> LearnerStatus:
         """Its version, step, the program's kept position and its last step."""
-        reply: LearnerStatus = await self.handle.call("status", None, LearnerStatus, replica=0)
+        reply: LearnerStatus = await to_lead(
+            self.handle, "status", None, LearnerStatus, timeout=DEFAULT_TIMEOUT_S, idempotent=True
+        )
         return reply
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = LONG_S) -> StepResult:
         """One step. A batch with an ``id`` is re-sent when the learner died with it in flight,
         and counted once (the learner answers a repeat with the step it took)."""
-        result: StepResult = await to_replica_0(
+        result: StepResult = await to_lead(
             self.handle, "train_step", batch, StepResult, timeout=timeout, again=bool(batch.id)
         )
         return result
 
     async def checkpoint(self, keep: ProgramState) -> str:
         """Keep ``keep`` (merged into the position the learner holds) with a checkpoint
-        written now, or a log entry under ``durable: wal``; return its path (replica 0's,
+        written now, or a log entry under ``durable: wal``; return its path (the lead's,
         with replicas: each keeps it in its own checkpoints)."""
-        path: str = await to_replica_0(self.handle, "checkpoint", keep, str, again=True)
+        path: str = await to_lead(self.handle, "checkpoint", keep, str, again=True)
         return path
 
     async def export(self, path: str) -> str:
         """Write the policy in Hugging Face format under ``path``: a name in ``RUN_DIR/exports``
         (a relative path goes there) or in a folder of the learner's ``write_paths``.
-        Replica 0 answers: the publisher, the one replica whose weights are whole when the
+        The lead answers: the publisher, the one replica whose weights are whole when the
         replicas shard the model (``parallel: fsdp``)."""
-        out: str = await self.handle.call("export", path, str, timeout=LONG_S, replica=0)
+        out: str = await to_lead(self.handle, "export", path, str, idempotent=True)
         return out
 
     async def weights(self) -> WeightsUpdate:
         """The current weights, with their version (tensors: loads torch in this process), from
-        replica 0, as ``export``."""
+        the lead, as ``export``."""
         from asyncrl.roles.generation.rollout import WeightsUpdate
 
-        update: WeightsUpdate = await self.handle.call(
-            "weights", None, WeightsUpdate, timeout=LONG_S, replica=0
+        update: WeightsUpdate = await to_lead(
+            self.handle, "weights", None, WeightsUpdate, idempotent=True
         )
         return update
 
     async def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-token log-probs of the samples' completions under the current policy."""
-        out: list[list[float]] = await to_replica_0(
-            self.handle, "logprobs", samples, list[list[float]]
+        out: list[list[float]] = await to_lead(
+            self.handle, "logprobs", samples, list[list[float]], idempotent=True
         )
         return out
 
@@ -265,8 +312,8 @@ class PromptsClient:
 class CriticClient:
     """The critic (``asyncrl.roles.training.critic.Critic``): PPO's value model.
 
-    Every call goes to replica 0 (``to_replica_0``), as the learner's steps do: with replicas
-    (``replicas`` > 1, replicated or sharded with ``parallel: fsdp``) replica 0 runs each call on
+    Every call goes to the group's lead (``to_lead``), as the learner's steps do: with replicas
+    (``replicas`` > 1, replicated or sharded with ``parallel: fsdp``) the lead runs each call on
     every rank in one order (``asyncrl.roles.training.lockstep``), and the other replicas refuse
     calls.
     """
@@ -276,8 +323,8 @@ class CriticClient:
 
     async def values(self, samples: list[Sample], *, timeout: float = LONG_S) -> list[list[float]]:
         """A value per completion token of each sample."""
-        out: list[list[float]] = await to_replica_0(
-            self.handle, "values", samples, list[list[float]], timeout=timeout
+        out: list[list[float]] = await to_lead(
+            self.handle, "values", samples, list[list[float]], timeout=timeout, idempotent=True
         )
         return out
 
@@ -287,7 +334,7 @@ class CriticClient:
         """``ppo_epochs x mini_batches`` value-loss steps on the scored samples; their
         metrics. With an ``id`` (the learner's batch id), a call that broke in flight is sent
         again, and the critic answers a repeat with the step it took."""
-        out: CriticStepResult = await to_replica_0(
+        out: CriticStepResult = await to_lead(
             self.handle,
             "train_step",
             CriticBatch(batch, id),

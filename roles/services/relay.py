@@ -10,8 +10,11 @@ writes the store's handle under the *source's* name in its own run directory
 (``handle_path(run_dir, source)``). Rollout replicas of that host (``weights_from: learner``)
 therefore read the relay's store exactly as they read the learner's on the learner's host.
 
-- The source is replica 0 of its group (``ctx.groups[source].endpoints[0]``): with
-  data-parallel learners, rank 0 publishes.
+- The source is its group's lead (``asyncrl.manifest.membership.lead``): replica 0
+  (``ctx.groups[source].endpoints[0]``), or, once a node's loss took replica 0 out of a
+  data-parallel group, the lowest replica left, which publishes from then on. The relay reads
+  its node's ``membership.json`` before each try of a call to the source, and follows the lead
+  where it moved (a lead on the relay's own host makes it stop copying, below).
 - A version the relay already holds is never pulled again: ``sync`` asks ``status`` first.
 - The source restarting: the relay's client reconnects by itself, and a pull that failed with a
   recoverable error is tried again until ``source_wait_s`` passes. A source whose version went
@@ -69,6 +72,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from asyncrl.errors import AsyncrlError, ConfigProblem, StallError
+from asyncrl.manifest.membership import lead
 from asyncrl.plugins.contract import CollectiveTimeoutError
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
@@ -129,7 +133,7 @@ class Relay(Role):
         """The relay role's config (the manifest's ``config`` mapping).
 
         Attributes:
-            source: the role that publishes the weights (its replica 0 is asked); the rollout
+            source: the role that publishes the weights (its group's lead is asked); the rollout
                 replicas of this host name the same role in ``weights_from``.
             weights_method: the source's endpoint that answers a ``WeightsUpdate``.
             version_method: the source's endpoint that answers its version: an int, or a map
@@ -206,8 +210,7 @@ class Relay(Role):
             heartbeat_interval_s=group.heartbeat_interval_s,
             liveness=group.liveness,
         )
-        self._endpoint = group.endpoints[0]
-        await self._retrying(self._connect, "connect to")
+        await self._retrying(self._follow_lead, "connect to")
         await self.sync(None)
         if cfg.poll_s:
             self._poller = asyncio.get_running_loop().create_task(
@@ -223,6 +226,24 @@ class Relay(Role):
                 await self.sync(None)
             except Exception as exc:  # logged; the next poll tries again
                 self.ctx.log.warning(f"relay {self.ctx.name}: polling its source failed: {exc!r}")
+
+    async def _follow_lead(self) -> None:
+        """Be connected to the source's lead as this node's ``membership.json`` names it now:
+        a lead that left the run with its node is replaced by the new one."""
+        name = self.config.source
+        replica, endpoint = lead(self.ctx.run_dir, name, self.ctx.groups[name].endpoints)
+        if endpoint == self._endpoint and self._client is not None:
+            return
+        if self._endpoint and endpoint != self._endpoint:
+            self.ctx.log.info(
+                f"relay {self.ctx.name}: {name}'s group is led by replica {replica} now "
+                f"({endpoint}): its weights come from there"
+            )
+        old, self._client = self._client, None
+        if old is not None:
+            await old.close()
+        self._endpoint = endpoint
+        await self._connect()
 
     async def _connect(self) -> None:
         """A connected client of the source; a try that failed leaves nothing open."""
@@ -480,6 +501,7 @@ class Relay(Role):
         deadline = loop.time() + cfg.source_wait_s
         while True:
             try:
+                await self._follow_lead()
                 return await attempt()
             except AsyncrlError as exc:
                 if not getattr(exc, "retryable", False):

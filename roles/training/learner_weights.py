@@ -59,12 +59,13 @@ class PublishedWeights:
         self.store: WeightStore | None = None
 
     def open(self, template: Mapping[str, torch.Tensor], version: int) -> None:
-        """Make the store (replica 0 only) and publish ``version`` into it (every sharded
-        rank takes part); then write the handle a restarted reader finds it by. Blocking:
-        call it in the compute thread."""
+        """Make the store (the group's lead only: its rank 0, replica 0 until a node's loss
+        takes it out) and publish ``version`` into it (every sharded rank takes part); then
+        write the handle a restarted reader finds it by. Blocking: call it in the compute
+        thread."""
         if not self.enabled:
             return
-        if self.ctx.replica == 0:
+        if self.ctx.group_rank == 0:
             # Rollout replicas on this host read the weights from shared memory (a seqlock
             # store); the handle in the run directory lets a restarted one find them.
             self.store = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
@@ -90,7 +91,7 @@ class PublishedWeights:
         """A copy of the latest published version, whole, and its number.
 
         Raises:
-            ValueError: this replica holds no store (not replica 0, or publishing is off).
+            ValueError: this replica holds no store (not the lead, or publishing is off).
         """
         if self.store is None:
             raise ValueError(
@@ -124,7 +125,7 @@ class PublishedWeights:
             the version sent.
 
         Raises:
-            ValueError: this replica holds no store (not replica 0, or publishing is off).
+            ValueError: this replica holds no store (not the lead, or publishing is off).
             NothingPublishedError: nothing was published yet.
             TornReadError: the learner published twice while a bucket was copied (the relay
                 drops the version and asks again).

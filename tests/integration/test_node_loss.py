@@ -395,18 +395,30 @@ def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
     print(f"node 2 marked lost {marked:.1f} s after the kill, at step {at_loss}; {figures}")
 
 
-def _learner_over_nodes_0_and_1(tmp: str) -> str:
+def _learner_over_nodes_0_and_1(tmp: str, nodes: str = "[0, 1]") -> str:
     """examples/arith/multinode3.yaml with its learner as two data-parallel ranks, on nodes 0
-    and 1, checkpointing every 4 steps; written into ``tmp``."""
+    and 1 (``placement.nodes``: ``nodes``), checkpointing every 4 steps; written into ``tmp``.
+    With replica 0 (the group's lead, which publishes the weights) on node 1, node 0 gets a
+    relay of its own (``relay0``) while the lead runs elsewhere."""
     with open(os.path.join(ROOT, "examples/arith/multinode3.yaml")) as f:
         text = f.read()
     single = "  learner:\n    class: asyncrl.roles.training.learner:Learner\n    threads: 1\n"
     assert single in text
     text = text.replace(
         single,
-        single + "    replicas: 2\n    placement: {nodes: [0, 1]}\n"
+        single + f"    replicas: 2\n    placement: {{nodes: {nodes}}}\n"
         "    supervision: {strategy: one_for_all, backoff_initial_s: 0.05}\n",
     )
+    if nodes != "[0, 1]":
+        relay = "  relay1:\n    class: asyncrl.roles.services.relay:Relay\n"
+        assert relay in text and "relays: [relay1, relay2]" in text
+        text = text.replace(
+            relay,
+            relay.replace("relay1", "relay0")
+            + "    placement: {node: 0}\n    config:\n      source: learner\n\n"
+            + relay,
+        )
+        text = text.replace("relays: [relay1, relay2]", "relays: [relay0, relay1, relay2]")
     text = text.replace("checkpoint_every: 10", "checkpoint_every: 4\n      dist_timeout_s: 60")
     text = text.replace(
         "tokenizer: examples/arith/tokenizer",
@@ -478,3 +490,81 @@ def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes
         f"at one rank {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in all; "
         f"{figures}"
     )
+
+
+@pytest.mark.timeout(900)
+def test_a_learner_group_whose_lead_is_lost_goes_on_led_by_the_rank_left(nodes: Nodes) -> None:
+    """The learner as two data-parallel ranks with replica 0, the group's lead, on node 1 and
+    replica 1 on node 0: node 1 is lost for good mid-RL. Replica 1 leads the group from then on
+    (the program's calls go to it, it publishes the weights on node 0, and node 2's relay pulls
+    from it), resumed from its own checkpoint and write-ahead log, and the run completes every
+    step: no sample lost, none consumed twice, no step repeated or skipped."""
+    from asyncrl.chaos.accounting import run_figures
+
+    short = [
+        "run.config.bc_max_steps=20",
+        "run.config.bc_eval_every=100",
+        f"run.config.rl_steps={RL_STEPS}",
+        f"run.config.rl_eval_every={RL_STEPS}",
+        "run.config.prompts_per_step=8",
+    ]
+    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp, "[1, 0]")
+    nodes.options = (*nodes.options, *(a for o in short for a in ("--set", o)))
+    started = time.monotonic()
+    nodes.start()
+    metrics = nodes.path(0, "metrics.jsonl")
+
+    def steps() -> int:
+        try:
+            with open(metrics) as f:
+                return sum(1 for line in f if '"step"' in line)
+        except OSError:
+            return 0
+
+    nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
+    killed = time.monotonic()
+    nodes.lose(1)
+    membership = nodes.path(0, "membership.json")
+    nodes.wait("node 1 marked lost", lambda: "1" in ((_json(membership) or {}).get("lost") or {}))
+    marked = time.monotonic() - killed
+    at_loss = steps()
+    nodes.wait("a step trained after the loss", lambda: steps() > at_loss, timeout=300)
+    first_step = time.monotonic() - killed
+    assert nodes.finish([0, 2], timeout=360) == [0, 0], nodes.logs()
+    figures = run_figures(nodes.run_dir)
+    assert (
+        figures["samples_lost"],
+        figures["duplicate_consumptions"],
+        figures["steps_repeated"],
+        figures["steps_skipped"],
+    ) == (0, 0, 0, 0), figures
+    assert steps() == RL_STEPS > at_loss
+    seen = _json(membership)
+    assert seen["shrunk"] == {"learner": [1]}
+    assert seen["departed"] == {"rollout": {"1": 1}, "relay1": {"0": 1}, "learner": {"0": 1}}
+    (change,) = seen["changes"]
+    assert change["shrunk"] == {"learner": [1]}
+    assert _json(nodes.path(2, "membership.json"))["shrunk"] == {"learner": [1]}
+    with open(os.path.join(nodes.tmp, "node0.log")) as f:
+        log = f.read()
+    assert "learner[1] start again: its group goes on with replicas [1] after node 1's loss" in log
+    assert "learner goes on with replicas [1], led by replica 1" in log
+    # Node 0's relay stops copying (the lead is on its host now); node 2's pulls from it.
+    assert "relay relay0: learner's group is led by replica 1 now (ipc://" in log
+    with open(os.path.join(nodes.tmp, "node2.log")) as f:
+        assert "relay relay2: learner's group is led by replica 1 now (tcp://" in f.read()
+    # Replica 1 trained on alone after replica 0 was lost.
+    assert _last_step(nodes.path(0, "ledger", "learner.1.steps.jsonl")) > _last_step(
+        nodes.path(1, "ledger", "learner.0.steps.jsonl")
+    )
+    print(
+        f"node 1 marked lost {marked:.1f} s after the kill, at step {at_loss}; the first step "
+        f"led by replica 1 {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in "
+        f"all; {figures}"
+    )
+
+
+def _last_step(path: str) -> int:
+    """The last step a learner replica's step log holds."""
+    with open(path) as f:
+        return int([json.loads(line)["step"] for line in f][-1])

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgspec
+
 from asyncrl.manifest.load import parse_manifest
-from asyncrl.manifest.membership import plan
+from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership, Moved, goes_on, lead, plan
 
 MANIFEST = """\
 run: {name: elastic, program: "examples.hello.program:main"}
@@ -67,21 +71,64 @@ def test_a_group_over_a_lost_node_shrinks_to_the_replicas_left() -> None:
     assert (again.shrunk, again.departed) == ({}, {("rollout", 1): 1})
 
 
-def test_a_group_without_its_replica_0_or_sharded_or_node_0_blocks_the_plan() -> None:
+def test_a_group_whose_lead_is_lost_goes_on_led_by_the_lowest_replica_left() -> None:
+    """Replica 0 (the group's lead) on node 1: losing node 1 leaves replica 1, which leads the
+    group from then on; with three ranks, replicas 1 and 2 (ranks 0 and 1 now). Losing the node
+    of the new lead in turn moves the lead again."""
+    led_by_1 = parse_manifest(MANIFEST.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
+    one = plan(led_by_1, {1})
+    assert (one.blocked, one.shrunk) == ([], {"learner": [1]})
+    assert one.departed == {("learner", 0): 1, ("rollout", 1): 1}
+    three = parse_manifest(
+        MANIFEST.replace(
+            "replicas: 2\n    placement: {nodes: [0, 1]}",
+            "replicas: 3\n    placement: {nodes: [1, 2, 0]}",
+        ),
+        nodes=3,
+    )
+    assert plan(three, {1}).shrunk == {"learner": [1, 2]}
+    again = plan(three, {2}, members={"learner": [1, 2]})
+    assert (again.blocked, again.shrunk) == ([], {"learner": [2]})
+    assert again.departed == {("learner", 1): 2, ("rollout", 2): 2, ("relay", 0): 2}
+
+
+def test_a_group_with_no_rank_left_or_sharded_or_node_0_blocks_the_plan() -> None:
     manifest = parse_manifest(MANIFEST, nodes=3)
     assert plan(manifest, {0}).blocked == [
         "node 0 (the store's host, which runs the driver) was lost"
     ]
-    led_by_1 = parse_manifest(MANIFEST.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
-    assert plan(led_by_1, {1}).blocked == [
-        "roles.learner: its 2 replicas form one group over nodes [0, 1], and its replica 0, "
-        "which leads the group, ran on node 1"
+    on_1_and_2 = parse_manifest(MANIFEST.replace("nodes: [0, 1]}", "nodes: [1, 2]}"), nodes=3)
+    assert plan(on_1_and_2, {1, 2}).blocked == [
+        "roles.learner: its 2 replicas form one group over nodes [1, 2], and no rank of it is left"
+    ]
+    assert plan(on_1_and_2, {2}, members={"learner": [1]}).blocked == [
+        "roles.learner: its 2 replicas form one group over nodes [1, 2], and no rank of it is left"
     ]
     fsdp = MANIFEST + "    config: {parallel: fsdp}\n"
     assert plan(parse_manifest(fsdp, nodes=3), {1}).blocked == [
         "roles.learner: its 2 replicas form one group over nodes [0, 1], sharded (parallel: "
         "fsdp): the lost ranks' shards of its state are gone with them"
     ]
+
+
+def test_a_group_s_lead_is_the_first_of_its_members_in_the_node_s_membership(
+    tmp_path: Path,
+) -> None:
+    """``lead`` reads the node's ``membership.json``: replica 0 without one, the first of the
+    group's members once it went on smaller, at the address a replica back on its node
+    published."""
+    endpoints = ["tcp://a:1", "tcp://b:2", "tcp://c:3"]
+    assert lead(str(tmp_path), "learner", endpoints) == (0, "tcp://a:1")
+    membership = Membership(shrunk={"learner": [1, 2]}, departed={"learner": {0: 1}})
+    path = tmp_path / MEMBERSHIP_FILE
+    path.write_bytes(msgspec.json.encode(membership))
+    assert lead(str(tmp_path), "learner", endpoints) == (1, "tcp://b:2")
+    assert lead(str(tmp_path), "critic", endpoints) == (0, "tcp://a:1")
+    membership.moved = {"learner": {1: Moved(node=2, endpoint="tcp://d:4")}}
+    path.write_bytes(msgspec.json.encode(membership))
+    assert lead(str(tmp_path), "learner", endpoints) == (1, "tcp://d:4")
+    assert goes_on("learner", [1, 2]) == "learner goes on with replicas [1, 2], led by replica 1"
+    assert goes_on("learner", [0]) == "learner goes on with replicas [0]"
 
 
 def test_a_group_that_cannot_survive_a_node_is_warned_of_at_load_with_the_fix() -> None:
@@ -100,14 +147,7 @@ def test_a_group_that_cannot_survive_a_node_is_warned_of_at_load_with_the_fix() 
         "the group on node 0"
     ]
     led_by_1 = parse_manifest(MANIFEST.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
-    assert node_loss_warnings(led_by_1, 3) == [
-        "roles.learner: its 2 replicas form one group over nodes [0, 1], led by its replica 0 "
-        "on node 1, without which it does not go on: losing node 1 restarts every node, and the "
-        "run resumes once the node is back (after --join-timeout it fails). Its write-ahead log "
-        "and checkpoints, which the resume replays, are in RUN_DIR/node-1: keep the run "
-        "directory on storage every node shares. To keep training through a node's loss, place "
-        "its replica 0 on node 0 (placement.nodes: [0, ...])"
-    ]
+    assert node_loss_warnings(led_by_1, 3) == []  # it goes on, led by replica 1
 
 
 def test_a_singleton_goes_by_where_it_runs_now_not_by_its_placement() -> None:

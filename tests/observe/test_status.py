@@ -389,6 +389,12 @@ def test_the_heading_says_a_group_went_on_at_a_smaller_size() -> None:
         "(the agent of node 1 sent no heartbeat for 4 s): rollout[1] left the run, learner[1] "
         "left the run, learner goes on with replicas [0]"
     )
+    # Its lead (replica 0) was on the lost node: the heading names the new one.
+    change |= {"departed": ["learner[0]"], "shrunk": {"learner": [1]}}
+    line = format_status(status).splitlines()[1]
+    assert line.endswith(
+        ": learner[0] left the run, learner goes on with replicas [1], led by replica 1"
+    )
 
 
 @sync

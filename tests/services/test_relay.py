@@ -122,10 +122,13 @@ class Hosts:
         *,
         incarnation: int = 0,
         host: str = "",
+        groups: dict[str, list[str]] | None = None,
     ) -> str:
-        """Start role ``name`` on simulated node ``node`` (host id ``host`` or ``node-N``)."""
+        """Start role ``name`` on simulated node ``node`` (host id ``host`` or ``node-N``);
+        ``groups``: the endpoints of groups of several replicas, by role."""
         endpoint = self.endpoints.setdefault(name, f"tcp://127.0.0.1:{_free_port()}")
-        groups = {n: GroupInfo([e]) for n, e in self.endpoints.items()}
+        groups_ = {n: GroupInfo([e]) for n, e in self.endpoints.items()}
+        groups_ |= {n: GroupInfo(list(e)) for n, e in (groups or {}).items()}
         spec = ProcessSpec(
             kind="role",
             name=name,
@@ -135,7 +138,7 @@ class Hosts:
             run=self.run,
             run_dir=self.dir(node),
             config=config,
-            groups=groups,
+            groups=groups_,
         )
         env = {**os.environ, SPEC_FILE_ENV: write_spec(spec), HOST_ID_ENV: host or f"node-{node}"}
         log = open(os.path.join(self.base, f"{name}.{incarnation}.log"), "wb")  # noqa: SIM115
@@ -334,6 +337,46 @@ def test_one_pull_per_version_and_restarts_of_relay_and_source(
             await relay.close()
 
     run(main())
+
+
+@pytest.mark.slow
+def test_a_relay_follows_its_source_s_group_to_its_new_lead(
+    hosts: Hosts, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The learner as two replicas: replica 0 leads and the relay pulls from it. Replica 0's
+    node is lost and the node's ``membership.json`` says the group goes on with replica 1: the
+    relay's next sync pulls from replica 1."""
+    from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership
+
+    monkeypatch.setenv(HOST_ID_ENV, "node-1")
+    publisher = "tests.services.test_relay:Publisher"
+    hosts.start("learner", publisher, 0, {"seed": 7, "start_version": 3})
+    hosts.start("learner1", publisher, 2, {"seed": 9, "start_version": 4})
+    group = {"learner": [hosts.endpoints["learner"], hosts.endpoints["learner1"]]}
+    relay_config = {"source": "learner", "source_wait_s": 60.0, "poll_s": 0}
+    hosts.start("relay", "asyncrl.roles.services.relay:Relay", 1, relay_config, groups=group)
+
+    async def main() -> None:
+        relay = await _client(hosts.endpoints["relay"])
+        try:
+            assert await relay.call("sync", None, int, timeout=START_S) == 3
+            _, version, got = _read_relayed(hosts)
+            assert version == 3
+            _assert_same(got, state_of(7, 3))
+            hosts.kill("learner")
+            membership = Membership(nodes=3, shrunk={"learner": [1]}, lost={0: "gone"})
+            with open(os.path.join(hosts.dir(1), MEMBERSHIP_FILE), "wb") as f:
+                f.write(msgspec.json.encode(membership))
+            assert await relay.call("sync", None, int, timeout=START_S) == 4
+            _, version, got = _read_relayed(hosts)
+            assert version == 4
+            _assert_same(got, state_of(9, 4))
+        finally:
+            await relay.close()
+
+    run(main())
+    said = capfd.readouterr().out
+    assert "relay relay: learner's group is led by replica 1 now (tcp://127.0.0.1:" in said
 
 
 @pytest.mark.slow

@@ -249,6 +249,36 @@ def test_a_group_over_a_lost_node_goes_on_with_the_replicas_left(tmp_path: Any) 
     ]
 
 
+def test_a_group_whose_lead_was_on_the_lost_node_goes_on_led_by_the_next(tmp_path: Any) -> None:
+    """The learner's replica 0 (its lead) on node 1: losing node 1 starts node 0's rank
+    (replica 2) again as the group's lead, with replica 1 on node 2 beside it, and
+    membership.json names the new lead (``lead``) for the roles that call it."""
+    from asyncrl.manifest.membership import lead
+
+    store = DictStore()
+    follower = _follower(
+        store,
+        0,
+        str(tmp_path),
+        GROUP.replace("[0, 1, 2]}\n    supervision", "[1, 2, 0]}\n    supervision"),
+    )
+    endpoints = ["tcp://127.0.0.1:2200", "tcp://127.0.0.1:2201", "ipc://l2"]
+    follower.view.groups["learner"] = GroupInfo(endpoints)
+    supervisor = Restarter(follower.view)
+
+    async def main() -> None:
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+        assert lead(str(tmp_path), "learner", endpoints) == (0, "tcp://127.0.0.1:2200")
+        _lose(store, 1, 1)
+        await follower.follow(supervisor)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor.restarted == [("learner", [1, 2])]
+    seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
+    assert (seen["shrunk"], seen["departed"]["learner"]) == ({"learner": [1, 2]}, {"0": 1})
+    assert lead(str(tmp_path), "learner", endpoints) == (1, "tcp://127.0.0.1:2201")
+
+
 def test_a_node_without_a_rank_of_the_group_restarts_nothing(tmp_path: Any) -> None:
     """Node 1 is lost: node 2's follower records the learner's new membership, and its own
     rank (replica 2) starts again with it; with node 2 lost instead, node 1 does the same."""

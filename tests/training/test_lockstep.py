@@ -380,6 +380,7 @@ class TargetHandle:
     replicas: int = 2
     breaks: int = 0
     sent: list[tuple[str, int | None]] = field(default_factory=list)
+    members: list[int] = field(default_factory=lambda: [0, 1])
 
     async def call(self, method: str, payload: Any, reply_type: Any = Any, **kw: Any) -> Any:
         from asyncrl.errors import DisconnectedError
