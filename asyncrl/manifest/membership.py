@@ -15,11 +15,12 @@ node, so every node reaches the same answer without asking:
 - a role whose replicas span nodes as one ``one_for_all`` unit (a ``torch.distributed`` group:
   data-parallel learners or critics) *shrinks*: its ranks on the lost node depart, and the
   replicas left (``Plan.shrunk``) form the group again at the smaller size, each restarted
-  where it runs, from its own checkpoints and write-ahead log. Two such groups *block* (the
+  where it runs, from its checkpoints and write-ahead log. A sharded one (``config.parallel:
+  fsdp``) shrinks only with ``run.shared_storage``: each rank's checkpoint holds only its own
+  shards, which the ranks left read from the lost node's folder. Two such groups *block* (the
   launch restarts every node's worker group, as for the store's host): one whose replica 0 was
-  lost (it leads the group's calls and is the replica callers reach), and a sharded one
-  (``config.parallel: fsdp``: each rank's checkpoint holds only its own shards, so the state of
-  the lost ranks is gone with them).
+  lost (it leads the group's calls and is the replica callers reach), and a sharded one without
+  ``run.shared_storage`` (the lost ranks' shards may be gone with their node).
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``) and
@@ -138,7 +139,8 @@ def spans_nodes(manifest: Manifest, name: str) -> bool:
 
 def sharded(manifest: Manifest, name: str) -> bool:
     """Whether ``name``'s ranks each hold only their shards of its state (``config.parallel:
-    fsdp``): a group that cannot go on without one of them."""
+    fsdp``): a group that goes on without one of them only where the others read its shards
+    (``run.shared_storage``)."""
     return manifest.roles[name].config.get("parallel") == "fsdp"
 
 
@@ -182,10 +184,10 @@ def plan(
                 out.blocked.append(
                     f"{group}, and its replica 0, which leads the group, ran on node {where[0]}"
                 )
-            elif sharded(manifest, name):
+            elif sharded(manifest, name) and not manifest.run.shared_storage:
                 out.blocked.append(
-                    f"{group}, sharded (parallel: fsdp): the lost ranks' shards of its state "
-                    f"are gone with them"
+                    f"{group}, sharded (parallel: fsdp) without run.shared_storage: the lost "
+                    f"ranks' shards of its state may be gone with them"
                 )
             else:
                 out.shrunk[name] = [i for i in live if i not in gone]
@@ -204,7 +206,8 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
     """What a launch of ``manifest`` over ``nodes`` nodes cannot carry through the loss of one
     node other than 0, one warning per role, each with the fix: a ``one_for_all`` group over
     several nodes (data-parallel learners or critics) that does not go on at a smaller size
-    (``plan`` blocks): a sharded one, or one whose replica 0 runs on a node other than 0. Losing
+    (``plan`` blocks): a sharded one without ``run.shared_storage``, or one whose replica 0 runs
+    on a node other than 0. Losing
     one of its nodes restarts every node, and the run resumes from its checkpoints once the
     node is back."""
     warnings = []
@@ -214,12 +217,17 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
         if not spans_nodes(manifest, name) or not others:
             continue
         lead = role.placement.node_of(0)
-        if sharded(manifest, name):
+        if sharded(manifest, name) and not manifest.run.shared_storage:
             why = (
-                "sharded (parallel: fsdp), which does not go on at a smaller size: each rank's "
-                "checkpoint holds only its own shards"
+                "sharded (parallel: fsdp), which does not go on at a smaller size without "
+                "run.shared_storage: each rank's checkpoint holds only its own shards"
             )
-            lose, fix = others[0], "use parallel: replicate, or place the group on node 0"
+            lose = others[0]
+            fix = (
+                "set run.shared_storage: true with the run directory on storage every node "
+                "shares (the ranks left then read the lost ranks' shards), use parallel: "
+                "replicate, or place the group on node 0"
+            )
         elif lead != 0:
             why = f"led by its replica 0 on node {lead}, without which it does not go on"
             lose, fix = lead, "place its replica 0 on node 0 (placement.nodes: [0, ...])"
