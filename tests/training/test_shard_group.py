@@ -172,3 +172,119 @@ def test_a_sharded_group_goes_on_alone_from_both_ranks_shards(tmp_path: Any) -> 
     assert [e.step for e in entries if isinstance(e, StepEntry)][-1] == BEFORE + AFTER
     alone.durability.close()
     straight.durability.close()
+
+
+GROUP_SCRIPT = """
+import asyncio, json, os, sys
+import torch
+torch.set_num_threads(1)
+from torch.distributed import TCPStore
+from asyncrl.role import RoleContext
+from asyncrl.roles.training.checkpoints import CheckpointDir
+from asyncrl.roles.training.learner import Learner
+from tests.training.test_wal import batch
+
+args = json.loads(sys.argv[1])
+
+async def main():
+    ctx = RoleContext.local(config=args["config"], name="learner", replica=args["replica"],
+                            replicas=args["replicas"], members=args["members"],
+                            run_dir=args["run_dir"], incarnation=args["incarnation"])
+    learner = Learner(ctx)
+    await learner.setup()
+    if args["kept"]:  # the reference: given every old rank's state, then fed the batches
+        states = [CheckpointDir.load(k) for k in args["kept"]]
+        learner.trainer.load_states(states)
+        learner.step, learner.version = states[0]["step"], states[0]["version"]
+        host, _, port = os.environ["ASYNCRL_DIST_STORE"].rpartition(":")
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+        store.set(f"reference-loaded/{ctx.group_rank}", "1")  # none trains before all loaded
+        store.wait([f"reference-loaded/{r}" for r in range(ctx.group_size)])
+    # The group's rank 0 takes the calls; the others run each with it, until it closes.
+    for step in range(args["first"], args["last"]) if ctx.group_rank == 0 else []:
+        await learner.train_step(batch(step))
+    await learner.teardown()
+    if args["out"]:
+        weights = learner.trainer.model.state_dict()
+        local = {k: getattr(v, "to_local", lambda: v)() for k, v in weights.items()}
+        status = [learner.durability.restored_step, learner.durability.replayed_steps]
+        torch.save({"weights": local, "status": status}, args["out"])
+
+asyncio.run(main())
+"""
+
+
+def run_group(store: Any, prefix: str, ranks: list[dict[str, Any]]) -> None:
+    """One group of learner ranks, each a process with ``GROUP_SCRIPT``'s arguments."""
+    env = {**os.environ, STORE_ENV: f"127.0.0.1:{store.port}", PREFIX_ENV: prefix}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", GROUP_SCRIPT, json.dumps(args)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for args in ranks
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-3000:] for o in outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_three_sharded_ranks_go_on_as_two_from_the_three_ranks_shards(tmp_path: Any) -> None:
+    """Three FSDP ranks on nodes 0, 1 and 2; node 1 lost: replicas 0 and 2 (ranks 0 and 1 of
+    the smaller group, ``members: [0, 2]``) agree on the checkpoint all three wrote, each load
+    the three ranks' shards resharded to 2, replay their logs and train on, with the shards of
+    a group of 2 given those states and fed the same batches, bit for bit."""
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    root = str(tmp_path / "run")
+    folders = [root, os.path.join(root, "node-1"), os.path.join(root, "node-2")]
+    config = {**CONFIG, "checkpoint_every": 3}
+    common = {"config": config, "replicas": 3, "kept": [], "out": ""}
+    before, after = 4, 5
+    run_group(
+        store,
+        "three",
+        [
+            {**common, "replica": r, "members": [], "run_dir": folders[r], "incarnation": 0}
+            | {"first": 0, "last": before}
+            for r in range(3)
+        ],
+    )
+    restore = 3  # the only checkpoint: step 4 is in the logs alone
+    assert all(restore in checkpoints(folders[r], r).steps() for r in range(3))
+    kept = [
+        shutil.copytree(checkpoints(folders[r], r).dir_of(restore), str(tmp_path / f"kept.{r}"))
+        for r in range(3)
+    ]
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(
+        store,
+        "two",
+        [
+            {**common, "replica": r, "members": [0, 2], "run_dir": folders[r], "incarnation": 1}
+            | {"first": before, "last": after, "out": os.path.join(out, f"left.{r}.pt")}
+            for r in (0, 2)
+        ],
+    )
+    run_group(
+        store,
+        "reference",
+        [
+            {**common, "replicas": 2, "replica": r, "members": []}
+            | {"run_dir": str(tmp_path / f"reference.{r}"), "incarnation": 0, "kept": kept}
+            | {"first": restore, "last": after, "out": os.path.join(out, f"reference.{r}.pt")}
+            for r in (0, 1)
+        ],
+    )
+    for rank, replica in enumerate((0, 2)):
+        left = torch.load(os.path.join(out, f"left.{replica}.pt"))
+        expected = torch.load(os.path.join(out, f"reference.{rank}.pt"))
+        assert left["status"] == [restore, before - restore]
+        for name, value in expected["weights"].items():
+            assert torch.equal(value, left["weights"][name]), (replica, name)
