@@ -1,10 +1,10 @@
 """``asyncrl bench elastic``: a sharded learner's state carried from 2 ranks onto 1 and back.
 
-A sharded learner group that went on without a lost node's ranks, or grew back when the node
-returned, would read every rank's newest checkpoint of the old group and reshard it to its own
-size (``Trainer.load_states``: the shards put together, then this rank's slices cut out). A
-sharded group does neither on a node's loss yet (docs/multinode.md); this benchmark measures what
-the resharding costs, on a Qwen2-architecture model built from a config
+A sharded learner group that goes on without a lost node's ranks reads every rank's newest
+checkpoint of the old group and reshards it to its own size (``Trainer.load_states``: the
+shards put together, then this rank's slices cut out; ``asyncrl.roles.training.shard_group``,
+docs/multinode.md); growing back at the node's return would do the same. This benchmark
+measures what the resharding costs, on a Qwen2-architecture model built from a config
 (``asyncrl.bench.engines.QWEN2_300M``, about 303M parameters; ``--small``: a tiny one, for tests),
 with AdamW's state (its two moments) carried along, gloo on the CPU, one group after the other in
 this run:

@@ -147,7 +147,8 @@ def test_a_group_over_the_lost_node_is_warned_of_and_the_plan_said(
     """examples/arith/multinode.yaml's data-parallel learners span nodes 0 and 1: replicated,
     they go on with replica 0 when node 1 is lost, and nothing is warned of; sharded
     (``parallel: fsdp``), losing node 1 restarts the group, and the command says so before it
-    launches (here it stops at the used run directory)."""
+    launches (here it stops at the used run directory), unless the run directory is shared
+    (``run.shared_storage``)."""
     os.makedirs(os.path.join(tmp_path, "run", "chaos"))
     with open(os.path.join(tmp_path, "run", "chaos", "report.json"), "w") as f:
         f.write("{}")
@@ -169,6 +170,11 @@ def test_a_group_over_the_lost_node_is_warned_of_and_the_plan_said(
         "asyncrl: warning: roles.learner: its 2 replicas form one group over nodes [0, 1]"
     )
     assert err[1] == said and err[2].endswith(used)
+    # With the run directory shared, a sharded group goes on too: nothing to warn of.
+    shared = [*sharded, "--set", "run.shared_storage=true"]
+    assert chaos(tmp_path, *args, *shared, manifest=manifest) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == said and err[1].endswith(used) and len(err) == 2
 
 
 def test_check_node_plan_accepts_a_plan_that_can_run() -> None:

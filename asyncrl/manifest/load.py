@@ -314,6 +314,10 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         plugin: the hardware plugin of every process (``ASYNCRL_PLUGIN``); empty: detected.
         metrics: where per-step metrics go besides ``metrics.jsonl``
             (``asyncrl.manifest.metrics_section``: a Weights & Biases run).
+        shared_storage: the run directory is on storage every node of a launch reads and
+            writes (a cluster's shared filesystem): a sharded learner or critic group over
+            several nodes then goes on at a smaller size when a node is lost, its ranks left
+            reading the lost ranks' shards from the lost node's folder (docs/multinode.md).
     """
 
     name: RunName
@@ -323,6 +327,7 @@ class RunSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     config: dict[str, Any] = {}
     plugin: str = ""
     metrics: MetricsSpec = MetricsSpec()
+    shared_storage: bool = False
 
     def __post_init__(self) -> None:
         if self.plugin:

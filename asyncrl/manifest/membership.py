@@ -15,12 +15,13 @@ node, so every node reaches the same answer without asking:
 - a role whose replicas span nodes as one ``one_for_all`` unit (a ``torch.distributed`` group:
   data-parallel learners or critics) *shrinks*: its ranks on the lost node depart, and the
   replicas left (``Plan.shrunk``) form the group again at the smaller size, each restarted
-  where it runs, from its own checkpoints and write-ahead log (a replicated rank holds the whole
+  where it runs, from its checkpoints and write-ahead log (a replicated rank holds the whole
   state). The first of them leads the group (``lead``): when the lead is lost, the lowest
-  replica left leads from then on. Two such groups *block* (the launch restarts every node's
-  worker group, as for the store's host): a sharded one (``config.parallel: fsdp``: each rank's
-  checkpoint holds only its own shards, so the state of the lost ranks is gone with them), and
-  one with no rank left.
+  replica left leads from then on. A sharded one (``config.parallel: fsdp``) shrinks only with
+  ``run.shared_storage``: each rank's checkpoint holds only its own shards, which the ranks left
+  read from the lost node's folder. Two such groups *block* (the launch restarts every node's
+  worker group, as for the store's host): a sharded one without ``run.shared_storage`` (the
+  lost ranks' shards may be gone with their node), and one with no rank left.
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``), a role
@@ -142,7 +143,8 @@ def spans_nodes(manifest: Manifest, name: str) -> bool:
 
 def sharded(manifest: Manifest, name: str) -> bool:
     """Whether ``name``'s ranks each hold only their shards of its state (``config.parallel:
-    fsdp``): a group that cannot go on without one of them."""
+    fsdp``): a group that goes on without one of them only where the others read its shards
+    (``run.shared_storage``)."""
     return manifest.roles[name].config.get("parallel") == "fsdp"
 
 
@@ -184,10 +186,10 @@ def plan(
             group += f"{sorted(set(where))}"
             if len(gone) == len(live):
                 out.blocked.append(f"{group}, and no rank of it is left")
-            elif sharded(manifest, name):
+            elif sharded(manifest, name) and not manifest.run.shared_storage:
                 out.blocked.append(
-                    f"{group}, sharded (parallel: fsdp): the lost ranks' shards of its state "
-                    f"are gone with them"
+                    f"{group}, sharded (parallel: fsdp) without run.shared_storage: the lost "
+                    f"ranks' shards of its state may be gone with them"
                 )
             else:
                 out.shrunk[name] = [i for i in live if i not in gone]
@@ -206,28 +208,27 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
     """What a launch of ``manifest`` over ``nodes`` nodes cannot carry through the loss of one
     node other than 0, one warning per role, each with the fix: a ``one_for_all`` group over
     several nodes (data-parallel learners or critics) that does not go on at a smaller size
-    (``plan`` blocks): a sharded one. Losing one of its nodes restarts every node, and the run
-    resumes from its checkpoints once the node is back."""
+    (``plan`` blocks): a sharded one without ``run.shared_storage``. Losing one of its nodes
+    restarts every node, and the run resumes from its checkpoints once the node is back."""
     warnings = []
     for name, role in manifest.roles.items():
         where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
         others = [n for n in where if 0 < n < nodes]
         if not spans_nodes(manifest, name) or not others:
             continue
-        if not sharded(manifest, name):
+        if not sharded(manifest, name) or manifest.run.shared_storage:
             continue
-        why = (
-            "sharded (parallel: fsdp), which does not go on at a smaller size: each rank's "
-            "checkpoint holds only its own shards"
-        )
-        lose, fix = others[0], "use parallel: replicate, or place the group on node 0"
         folders = ", ".join(f"RUN_DIR/node-{n}" for n in others)
         warnings.append(
             f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}, "
-            f"{why}: losing node {lose} restarts every node, and the run resumes once the node "
-            f"is back (after --join-timeout it fails). Its write-ahead log and checkpoints, "
-            f"which the resume replays, are in {folders}: keep the run directory on storage "
-            f"every node shares. To keep training through a node's loss, {fix}"
+            f"sharded (parallel: fsdp), which does not go on at a smaller size without "
+            f"run.shared_storage: each rank's checkpoint holds only its own shards: losing "
+            f"node {others[0]} restarts every node, and the run resumes once the node is back "
+            f"(after --join-timeout it fails). Its write-ahead log and checkpoints, which the "
+            f"resume replays, are in {folders}: keep the run directory on storage every node "
+            f"shares. To keep training through a node's loss, set run.shared_storage: true "
+            f"with the run directory on storage every node shares (the ranks left then read "
+            f"the lost ranks' shards), use parallel: replicate, or place the group on node 0"
         )
     return warnings
 

@@ -46,6 +46,8 @@ __all__ = [
     "CheckpointError",
     "StepLog",
     "fsync_dir",
+    "problem",
+    "read_values",
     "rng_bytes",
     "rng_from_bytes",
     "rng_state",
@@ -182,23 +184,11 @@ class CheckpointDir:
 
     def _problem(self, step: int) -> str | None:
         """Why the checkpoint of ``step`` cannot be loaded, or None: it is complete."""
-        where = self._dir(step)
-        if os.path.exists(os.path.join(where, _LEGACY)):
-            return None  # an earlier release's: renamed into place whole
-        try:
-            with open(os.path.join(where, _MARKER)) as f:
-                files = json.load(f)["files"]
-        except FileNotFoundError:
-            return "no completion marker: its save never finished"
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return f"an unreadable completion marker ({e})"
-        for name, size in files.items():
-            full = os.path.join(where, name)
-            if not os.path.exists(full):
-                return f"its file {name} is missing"
-            if os.path.getsize(full) != size:
-                return f"its file {name} has {os.path.getsize(full)} bytes, not {size}"
-        return None
+        return problem(self._dir(step))
+
+    def dir_of(self, step: int) -> str:
+        """The directory the checkpoint of ``step`` has (or would have) here."""
+        return self._dir(step)
 
     def sweep(self) -> None:
         """Remove (with a warning) every checkpoint directory that is not complete."""
@@ -321,6 +311,44 @@ class CheckpointDir:
         state: dict[str, Any] = _join(values, tensors)
         # MessagePack gives lists: the optimizer's per-parameter state is keyed by int.
         return state
+
+
+def problem(where: str) -> str | None:
+    """Why the checkpoint directory ``where`` cannot be loaded, or None: it is complete (its
+    marker written, its files as the marker lists them)."""
+    if os.path.exists(os.path.join(where, _LEGACY)):
+        return None  # an earlier release's: renamed into place whole
+    try:
+        with open(os.path.join(where, _MARKER)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return "no completion marker: its save never finished"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"an unreadable completion marker ({e})"
+    for name, size in files.items():
+        full = os.path.join(where, name)
+        if not os.path.exists(full):
+            return f"its file {name} is missing"
+        if os.path.getsize(full) != size:
+            return f"its file {name} has {os.path.getsize(full)} bytes, not {size}"
+    return None
+
+
+def read_values(where: str) -> dict[str, Any]:
+    """The plain values of the checkpoint directory ``where`` (its ``values.msgpack``: the
+    state without its tensors, each a reference); ``{}`` for an earlier release's.
+
+    Raises:
+        CheckpointError: the file does not read.
+    """
+    if os.path.exists(os.path.join(where, _LEGACY)):
+        return {}
+    try:
+        with open(os.path.join(where, _VALUES), "rb") as f:
+            out = msgspec.msgpack.decode(f.read())
+    except (OSError, msgspec.DecodeError) as e:
+        raise CheckpointError(f"checkpoint {where} does not load: {e}") from e
+    return out if isinstance(out, dict) else {}
 
 
 def _fsync_file(path: str) -> None:

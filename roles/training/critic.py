@@ -286,6 +286,7 @@ class Critic(Role):
             dp=self.dp,
             pin=self.plugin.device.pin,
             step_log=False,  # its batches are the learner's, which keeps the ledger
+            sharded=self.trainer.sharded,
         )
         # The newest checkpoint, then the logged steps after it: only then does it serve.
         await self.ctx.offload(self._restore)
@@ -488,8 +489,13 @@ class Critic(Role):
         """The critic's part of a checkpoint: its trainer's state and its step."""
         return {**self.trainer.state(), "step": self.step}
 
-    def _load(self, state: dict[str, Any]) -> int:
-        self.trainer.load_state(state)
+    def _load(self, state: dict[str, Any], group: list[dict[str, Any]] | None) -> int:
+        """Put back a checkpoint's state (``group``: every rank's of the group that wrote it,
+        resharded to this one's size)."""
+        if group is None:
+            self.trainer.load_state(state)
+        else:
+            self.trainer.load_states(group)
         self.step = int(state["step"])
         return self.step
 

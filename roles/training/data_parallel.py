@@ -427,21 +427,25 @@ def _remove_stale(run_dir: str, name: str, current: str) -> None:
                 os.unlink(path)
 
 
-def agree_checkpoint(dp: DataParallel, checkpoints: CheckpointDir) -> str | None:
+def agree_checkpoint(
+    dp: DataParallel, checkpoints: CheckpointDir, loadable: Sequence[int] | None = None
+) -> str | None:
     """The checkpoint every rank resumes from: the newest step that all of them hold (a rank
     that died mid-step may be one checkpoint behind the others); checkpoints past it are
     removed, a timeline the group goes back from. None: start from the initial weights.
+    ``loadable``: the steps of this rank's complete checkpoints it can load (a sharded one
+    another group wrote, whose writers' folders do not all hold it, is not); None: all.
 
     Raises:
         DataParallelError: this rank lacks the agreed checkpoint (``keep_checkpoints`` too low,
             or checkpoints removed by hand).
     """
-    steps = checkpoints.steps()
+    steps = checkpoints.steps() if loadable is None else sorted(loadable)
     agreed = dp.min_int("the checkpoint to resume from", steps[-1] if steps else -1)
     checkpoints.drop_after(agreed)
     if agreed < 0:
         return None
-    path = checkpoints.at(agreed)
+    path = checkpoints.at(agreed) if agreed in steps else None
     if path is None:
         raise DataParallelError(
             f"{dp.name}: rank {dp.rank} has no checkpoint of step {agreed}, the newest every "

@@ -15,8 +15,11 @@ to take a step again; the component does the rest:
   reads the ledger of consumed ids up to it (a role that keeps one), and replays the logged
   steps after it, in order, each with the RNGs of its start and the same micro-batching: the
   step the role took, bit for bit on the same hardware. A replayed step writes its step-log
-  line again, and neither logs, checkpoints, publishes nor replies (``replaying``).
-- **A checkpoint** holds the role's state, the last step's result and every RNG (``state``).
+  line again, and neither logs, checkpoints, publishes nor replies (``replaying``). A sharded
+  checkpoint that another group wrote (the group went on at a smaller size) is loaded from
+  every writer's folder, to be resharded (``asyncrl.roles.training.shard_group``).
+- **A checkpoint** holds the role's state, the last step's result and every RNG (``state``);
+  a sharded rank's also names its group's checkpoint folders.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from asyncrl.roles.training.checkpoints import (
 )
 from asyncrl.roles.training.data_parallel import DataParallel
 from asyncrl.roles.training.journal import Journal, durability, replay_summary, wal_path
+from asyncrl.roles.training.shard_group import GROUP_KEY, ShardGroup
 from asyncrl.roles.training.wal import KeepEntry, StepEntry, WalError
 from asyncrl.supervision.faults import FaultPlan
 
@@ -62,11 +66,15 @@ class Durability:
         dp: the replica's data-parallel group, if any.
         pin: the hardware plugin's pinned copy (``plugin.device.pin``), for staging.
         step_log: keep a ledger of consumed ids (``RUN_DIR/ledger/<role>.<replica>.steps.jsonl``).
+        sharded: the replica holds only its shards of the state (``parallel: fsdp`` in a group):
+            its checkpoints name its group's folders (``ShardGroup``).
 
     Attributes:
         faults: the fault plan of this incarnation (``ASYNCRL_FAULTS``).
         checkpoints: where its checkpoints go.
         journal: its checkpoints, step log and write-ahead log together.
+        group: its group's checkpoint folders (its own alone until ``restore`` gathers a
+            sharded group's).
         last: the last step's batch id and result (``{}`` before the first).
         replaying: a logged step is being taken again.
         replayed_steps: how many logged steps the restart replayed.
@@ -84,9 +92,11 @@ class Durability:
         dp: DataParallel | None,
         pin: Any,
         step_log: bool,
+        sharded: bool = False,
     ) -> None:
         self.ctx = ctx
         self.dp = dp
+        self.sharded = sharded
         self.faults = FaultPlan.from_env(ctx.incarnation)
         self.checkpoints = CheckpointDir(
             ctx.path("checkpoints"), keep, self.faults, pin, ctx.log.warning
@@ -107,6 +117,9 @@ class Durability:
             dp,
             ctx.log,
         )
+        self.group = ShardGroup(
+            f"{ctx.name}.{ctx.replica}", self.checkpoints, [self.checkpoints.path]
+        )
         self.last: dict[str, Any] = {}
         self.replaying = False
         self.replayed_steps = 0
@@ -117,7 +130,7 @@ class Durability:
     def restore(
         self,
         *,
-        load: Callable[[dict[str, Any]], int],
+        load: Callable[[dict[str, Any], list[dict[str, Any]] | None], int],
         replay: Callable[[bytes], int],
         state: Callable[[], dict[str, Any]],
         ledger: Callable[[set[tuple[str, int]]], None] | None = None,
@@ -127,7 +140,9 @@ class Durability:
 
         Args:
             load: puts a checkpoint's role state back (what ``state`` saved) and returns its
-                step; the last result and the RNGs are put back here.
+                step; the last result and the RNGs are put back here. Its second argument is
+                None, or, for a sharded checkpoint another group wrote, every writer's state
+                in rank order (its shards to reshard: ``Trainer.load_states``).
             replay: takes again the step of a logged batch (its encoded bytes) and returns
                 its step number (``replaying`` is set meanwhile).
             state: the role's state now, for the checkpoint of the replayed state.
@@ -137,12 +152,22 @@ class Durability:
         Raises:
             WalError: the log is corrupt, does not reach back to the checkpoint, or a replayed
                 step made another step than the one logged.
+            CheckpointError: a sharded checkpoint another group wrote cannot be read whole.
         """
         step = 0
-        latest = self.journal.restore_point()
+        if self.sharded and self.dp is not None:
+            self.group = ShardGroup.gather(self.group.name, self.checkpoints, self.dp)
+        latest = self.journal.restore_point(self.group)
         if latest is not None:
             saved = CheckpointDir.load(latest)
-            step = load(saved)
+            states = self.group.states(latest, saved)
+            if states is not None:
+                self.ctx.log.info(
+                    f"{self.ctx.name}: checkpoint {os.path.basename(latest)} was written by a "
+                    f"group of {len(states)} rank(s); loading their shards at a group of "
+                    f"{len(self.group.folders)}"
+                )
+            step = load(saved, states)
             self.last = json.loads(saved.get("last", "{}"))
             set_rng_state(saved["rng"])
             self.restored_step = step
@@ -259,9 +284,13 @@ class Durability:
     # -- state --------------------------------------------------------------------------------
 
     def state(self, role: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """What a checkpoint holds: the ``role``'s state, the last step's result, every RNG
-        (a sharded rank: its own shards; ranks need no shared disk)."""
-        return {**role(), "last": json.dumps(self.last), "rng": rng_state()}
+        """What a checkpoint holds: the ``role``'s state, the last step's result, every RNG;
+        a sharded rank: its own shards and its group's checkpoint folders (``GROUP_KEY``),
+        read only when another group loads it."""
+        out = {**role(), "last": json.dumps(self.last), "rng": rng_state()}
+        if out.get("world") is not None:
+            out[GROUP_KEY] = self.group.relative()
+        return out
 
     @property
     def mode(self) -> str:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from asyncrl.roles.payloads import ProgramState
 from asyncrl.roles.training.checkpoints import CheckpointDir, Staged, StepLog
 from asyncrl.roles.training.data_parallel import DataParallel, agree_checkpoint
+from asyncrl.roles.training.shard_group import ShardGroup
 from asyncrl.roles.training.wal import Entry, KeepEntry, StepEntry, WalError, WriteAheadLog
 from asyncrl.supervision.faults import FaultPlan
 
@@ -105,13 +106,26 @@ class Journal:
 
     # -- at start -----------------------------------------------------------------------------
 
-    def restore_point(self) -> str | None:
+    def restore_point(self, group: ShardGroup | None = None) -> str | None:
         """The checkpoint to load (None: the initial state): the newest complete one, agreed
-        with the other ranks; incomplete or damaged ones are removed with a warning."""
+        with the other ranks; incomplete or damaged ones are removed with a warning.
+        ``group``: this rank's group now; a sharded checkpoint another group wrote counts
+        only where every writer's folder holds it complete (``ShardGroup.loadable``), and
+        the checkpoints past the one taken are removed (a timeline it goes back from).
+
+        Raises:
+            CheckpointError: a writer's folder of such a checkpoint is not there at all.
+        """
         self.checkpoints.sweep()
+        steps = self.checkpoints.steps()
+        loadable = steps
+        if group is not None:  # newest first: a folder not there is named at the newest
+            loadable = [s for s in reversed(steps) if group.loadable(s)][::-1]
         if self.dp is None:
-            return self.checkpoints.latest()
-        return agree_checkpoint(self.dp, self.checkpoints)
+            if loadable and loadable != steps:
+                self.checkpoints.drop_after(loadable[-1])
+            return self.checkpoints.at(loadable[-1]) if loadable else None
+        return agree_checkpoint(self.dp, self.checkpoints, loadable)
 
     def replay_entries(self, restored: int) -> list[Entry]:
         """The logged entries to replay after the checkpoint of step ``restored`` (0: none),

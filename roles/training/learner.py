@@ -213,6 +213,7 @@ class Learner(Role):
             dp=self.dp,
             pin=self.plugin.device.pin,
             step_log=True,
+            sharded=self.trainer.sharded,
         )
         # The newest checkpoint, then the logged steps after it: only then does it serve.
         await self.ctx.offload(traced("restore", self._restore))
@@ -425,8 +426,13 @@ class Learner(Role):
             "keep": msgspec.to_builtins(self.keep),
         }
 
-    def _load(self, state: dict[str, Any]) -> int:
-        self.trainer.load_state(state)
+    def _load(self, state: dict[str, Any], group: list[dict[str, Any]] | None) -> int:
+        """Put back a checkpoint's state (``group``: every rank's of the group that wrote it,
+        resharded to this one's size)."""
+        if group is None:
+            self.trainer.load_state(state)
+        else:
+            self.trainer.load_states(group)
         self.version = state["version"]
         self.step = state["step"]
         self.keep = msgspec.convert(state["keep"], ProgramState)

@@ -568,3 +568,87 @@ def _last_step(path: str) -> int:
     """The last step a learner replica's step log holds."""
     with open(path) as f:
         return int([json.loads(line)["step"] for line in f][-1])
+
+
+@pytest.mark.timeout(900)
+def test_a_sharded_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(
+    nodes: Nodes,
+) -> None:
+    """As above with the learner's two ranks sharded (``parallel: fsdp``) and the run directory
+    shared (``run.shared_storage``): node 1's rank is lost with its half of the weights and
+    AdamW's moments, and replica 0 goes on alone from both ranks' shards of their newest
+    checkpoint (node 1's read from its folder) and its own write-ahead log."""
+    from asyncrl.chaos.accounting import run_figures
+
+    short = [
+        "run.config.bc_max_steps=20",
+        "run.config.bc_eval_every=100",
+        f"run.config.rl_steps={RL_STEPS}",
+        f"run.config.rl_eval_every={RL_STEPS}",
+        "run.config.prompts_per_step=8",
+    ]
+    path = _learner_over_nodes_0_and_1(nodes.tmp)
+    with open(path) as f:
+        text = f.read()
+    text = text.replace(
+        "  name: arith-multinode3\n", "  name: arith-multinode3\n  shared_storage: true\n"
+    )
+    text = text.replace(
+        "      dist_timeout_s: 60", "      dist_timeout_s: 60\n      parallel: fsdp"
+    )
+    with open(path, "w") as f:
+        f.write(text)
+    nodes.manifest = path
+    nodes.options = (*nodes.options, *(a for o in short for a in ("--set", o)))
+    started = time.monotonic()
+    nodes.start()
+    metrics = nodes.path(0, "metrics.jsonl")
+
+    def steps() -> int:
+        try:
+            with open(metrics) as f:
+                return sum(1 for line in f if '"step"' in line)
+        except OSError:
+            return 0
+
+    shards = nodes.path(1, "roles", "learner.1", "checkpoints")
+    nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
+    nodes.wait(
+        "a checkpoint of node 1's rank", lambda: os.path.isdir(shards) and os.listdir(shards)
+    )
+    killed = time.monotonic()
+    nodes.lose(1)
+    membership = nodes.path(0, "membership.json")
+    nodes.wait("node 1 marked lost", lambda: "1" in ((_json(membership) or {}).get("lost") or {}))
+    marked = time.monotonic() - killed
+    at_loss = steps()
+    nodes.wait("a step trained after the loss", lambda: steps() > at_loss, timeout=300)
+    first_step = time.monotonic() - killed
+    assert nodes.finish([0, 2], timeout=360) == [0, 0], nodes.logs()
+    figures = run_figures(nodes.run_dir)
+    assert (
+        figures["samples_lost"],
+        figures["duplicate_consumptions"],
+        figures["steps_repeated"],
+        figures["steps_skipped"],
+    ) == (0, 0, 0, 0), figures
+    assert steps() == RL_STEPS > at_loss
+    seen = _json(membership)
+    assert seen["shrunk"] == {"learner": [0]}
+    assert seen["departed"] == {"rollout": {"1": 1}, "relay1": {"0": 1}, "learner": {"1": 1}}
+    with open(os.path.join(nodes.tmp, "node0.log")) as f:
+        log = f.read()
+    assert "learner[0] start again: its group goes on with replicas [0] after node 1's loss" in log
+    # Replica 0 alone took both ranks' shards of a checkpoint the group of 2 wrote.
+    folder = nodes.path(0, "logs")
+    learner = ""
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("learner.0"):
+            with open(os.path.join(folder, name), errors="replace") as f:
+                learner += f.read()
+    assert "was written by a group of 2 rank(s); loading their shards at a group of 1" in learner
+    print(
+        f"node 1 marked lost {marked:.1f} s after the kill, at step {at_loss}; the first step "
+        f"at one rank {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in all; "
+        f"{figures}"
+    )

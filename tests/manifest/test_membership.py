@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pytest
 
-from asyncrl.manifest.load import parse_manifest
+from asyncrl.manifest.load import ManifestError, parse_manifest
 from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership, Moved, goes_on, lead, plan
 
 MANIFEST = """\
@@ -107,8 +108,30 @@ def test_a_group_with_no_rank_left_or_sharded_or_node_0_blocks_the_plan() -> Non
     fsdp = MANIFEST + "    config: {parallel: fsdp}\n"
     assert plan(parse_manifest(fsdp, nodes=3), {1}).blocked == [
         "roles.learner: its 2 replicas form one group over nodes [0, 1], sharded (parallel: "
-        "fsdp): the lost ranks' shards of its state are gone with them"
+        "fsdp) without run.shared_storage: the lost ranks' shards of its state may be gone "
+        "with them"
     ]
+
+
+def test_a_sharded_group_shrinks_when_the_run_directory_is_shared() -> None:
+    """With ``run.shared_storage`` the ranks left read the lost ranks' shards: an FSDP group
+    goes on at the smaller size as a replicated one does, and one led from node 1 goes on led
+    by replica 1."""
+    shared = MANIFEST.replace("{name: elastic,", "{name: elastic, shared_storage: true,")
+    fsdp = parse_manifest(shared + "    config: {parallel: fsdp}\n", nodes=3)
+    assert fsdp.run.shared_storage is True
+    with pytest.raises(ManifestError) as refused:
+        parse_manifest(MANIFEST.replace("{name: elastic,", "{name: elastic, shared_storage: 1,"))
+    assert refused.value.problems == ["run.shared_storage: expected true or false, got 1"]
+    one = plan(fsdp, {1})
+    assert (one.blocked, one.shrunk) == ([], {"learner": [0]})
+    assert one.departed == {("learner", 1): 1, ("rollout", 1): 1}
+    led_by_1 = parse_manifest(
+        shared.replace("nodes: [0, 1]}", "nodes: [1, 0]}") + "    config: {parallel: fsdp}\n",
+        nodes=3,
+    )
+    again = plan(led_by_1, {1})
+    assert (again.blocked, again.shrunk) == ([], {"learner": [1]})
 
 
 def test_a_group_s_lead_is_the_first_of_its_members_in_the_node_s_membership(
@@ -139,13 +162,18 @@ def test_a_group_that_cannot_survive_a_node_is_warned_of_at_load_with_the_fix() 
     fsdp = parse_manifest(MANIFEST + "    config: {parallel: fsdp}\n", nodes=3)
     assert node_loss_warnings(fsdp, 3) == [
         "roles.learner: its 2 replicas form one group over nodes [0, 1], sharded (parallel: "
-        "fsdp), which does not go on at a smaller size: each rank's checkpoint holds only its "
-        "own shards: losing node 1 restarts every node, and the run resumes once the node is "
-        "back (after --join-timeout it fails). Its write-ahead log and checkpoints, which the "
-        "resume replays, are in RUN_DIR/node-1: keep the run directory on storage every node "
-        "shares. To keep training through a node's loss, use parallel: replicate, or place "
-        "the group on node 0"
+        "fsdp), which does not go on at a smaller size without run.shared_storage: each rank's "
+        "checkpoint holds only its own shards: losing node 1 restarts every node, and the run "
+        "resumes once the node is back (after --join-timeout it fails). Its write-ahead log and "
+        "checkpoints, which the resume replays, are in RUN_DIR/node-1: keep the run directory "
+        "on storage every node shares. To keep training through a node's loss, set "
+        "run.shared_storage: true with the run directory on storage every node shares (the "
+        "ranks left then read the lost ranks' shards), use parallel: replicate, or place the "
+        "group on node 0"
     ]
+    shared = MANIFEST.replace("{name: elastic,", "{name: elastic, shared_storage: true,")
+    fsdp_shared = parse_manifest(shared + "    config: {parallel: fsdp}\n", nodes=3)
+    assert node_loss_warnings(fsdp_shared, 3) == []  # it shrinks
     led_by_1 = parse_manifest(MANIFEST.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
     assert node_loss_warnings(led_by_1, 3) == []  # it goes on, led by replica 1
 
