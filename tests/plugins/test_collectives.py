@@ -86,7 +86,7 @@ def test_a_pair_group_times_out_even_when_its_store_host_went_silent() -> None:
             TorchCommunication("gloo").broadcast(torch.ones(3), 0, timeout_s=0.5, group=group)
         took = time.monotonic() - started
         assert raised.value.missing == []  # unknown: the store did not answer
-        assert 2.5 <= took < 5.0, took
+        assert 2.5 <= took < 10.0, took
     finally:
         host.kill()
         host.wait()
