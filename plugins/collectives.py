@@ -9,19 +9,23 @@ backend's own error, which is not a timeout.
 
 ``pair_group`` forms a standalone group apart from the default one (a relay and a learner that
 may already be in a data-parallel group): its ranks meet through a store of their own, and its
-collectives mark their arrivals there. On such a group a peer that dies raises ``BrokenError``
-(its cause the backend's error), so its other rank can tell the two failures apart and retry.
+collectives mark their arrivals there (kept until that store goes: it may be hosted by the
+peer, and a store whose host went silent never answers; after a timeout it is asked which ranks
+arrived for at most 2 s, from a thread of its own, so a transfer ends at its deadline whatever
+became of the peer). On such a group a peer that dies raises ``BrokenError`` (its cause the
+backend's error), so its other rank can tell the two failures apart and retry.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,8 @@ from asyncrl.errors import BrokenError
 from asyncrl.plugins.errors import CollectiveTimeoutError
 
 __all__ = ["PairGroup", "TorchCommunication"]
+
+T = TypeVar("T")
 
 
 def _default_store() -> Any:
@@ -56,6 +62,32 @@ def _release(group: Any, how: str) -> None:
         getattr(group, how)()
     except (AttributeError, RuntimeError, NotImplementedError):
         pass
+
+
+_LOOKUP_S = 2.0
+"""How long a timed-out collective of a pair group asks its store which ranks arrived. The
+store may be hosted by the peer that went silent (a relay whose host stopped answering): its
+connection stays open and a question to it is never answered, so it is asked from a thread of
+its own and given up on after this."""
+
+
+def _within(seconds: float, ask: Callable[[], T]) -> T | None:
+    """``ask()`` in a daemon thread of its own; its result, or None when it raised or did not
+    return within ``seconds`` (the thread is then left to its call, and holds no exit)."""
+    done = threading.Event()
+    out: list[T] = []
+
+    def run() -> None:
+        try:
+            out.append(ask())
+        except Exception:  # the store is gone with the rank that held it
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="asyncrl pair-group lookup", daemon=True).start()
+    done.wait(seconds)
+    return out[0] if out else None
 
 
 def _wait(work: Any, timeout_s: float) -> None:
@@ -95,7 +127,6 @@ class PairGroup:
     world: int
     device: torch.device
     count: int = 0
-    marks: deque[str] = field(default_factory=deque)
     staging: torch.Tensor | None = None
 
 
@@ -180,17 +211,14 @@ class TorchCommunication:
         group.count += 1
         prefix = f"asyncrl/{name}/{group.count}"
         try:
+            # ``set`` awaits no answer; the marks stay until the group's store goes (one
+            # store per group: forgetting them would await its host, which may be the peer).
             group.store.set(f"{prefix}/{group.rank}", "1")
-            group.marks.append(f"{prefix}/{group.rank}")
-            if len(group.marks) > 2:
-                _forget(group.store, group.marks.popleft())
             _wait(start(), timeout_s)
         except TimeoutError as exc:
-            try:
-                ranks = range(group.world)
-                missing = [r for r in ranks if not group.store.check([f"{prefix}/{r}"])]
-            except Exception:  # the store is gone with the rank that held it
-                missing = []
+            keys = [f"{prefix}/{r}" for r in range(group.world)]
+            arrived = _within(_LOOKUP_S, lambda: [group.store.check([k]) for k in keys])
+            missing = [] if arrived is None else [r for r, a in enumerate(arrived) if not a]
             raise CollectiveTimeoutError(name, missing, timeout_s, group.rank) from exc
         except RuntimeError as exc:
             raise BrokenError(

@@ -27,7 +27,7 @@ from asyncrl.dispatch.dispatcher import Dispatcher, Group, Work
 from asyncrl.dispatch.restarts import Restarts
 from asyncrl.dispatch.scheduler import SHUTTING_DOWN
 from asyncrl.dispatch.watchdog import Watchdog
-from asyncrl.errors import ClosedError, ConfigProblem, RoleDeadError
+from asyncrl.errors import BrokenError, ClosedError, ConfigProblem, RoleDeadError
 from asyncrl.manifest.model_section import ModelSpec, inherited_config
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.observe.metrics import IdleFractions
@@ -220,10 +220,12 @@ class Handle:
     ) -> list[Any]:
         """Call ``method`` on every replica still in the run; return the replies in replica
         order. A replica whose node was lost for good has left the run and is not called (its
-        group's ``members``); a group none of whose replicas is left answers ``[]``.
+        group's ``members``); a group none of whose replicas is left answers ``[]``. One that
+        leaves while the call is on its way (``RoleDeadError``) or in flight (``BrokenError``:
+        its node went silent mid-call) is left out of the replies, as if it had left before.
 
         Raises:
-            The first error of any replica, as ``call`` does.
+            The first error of any replica still in the run, as ``call`` does.
         """
         works = [self._work(method, payload, reply_type, timeout, target=i) for i in self.members]
         for work in works:
@@ -233,8 +235,8 @@ class Handle:
         members = set(self.members)
         out: list[Any] = []
         for work, reply in zip(works, replies, strict=True):
-            if isinstance(reply, RoleDeadError) and work.target not in members:
-                continue  # it departed with its node while the call was on its way
+            if isinstance(reply, RoleDeadError | BrokenError) and work.target not in members:
+                continue  # it departed with its node while the call was on its way or in flight
             if isinstance(reply, ClosedError):
                 raise RoleDeadError(self.name, SHUTTING_DOWN) from reply
             if isinstance(reply, BaseException):

@@ -462,6 +462,37 @@ def test_a_once_call_in_flight_on_a_closed_replica_fails_typed_and_is_not_retrie
     run(main())
 
 
+@pytest.mark.parametrize("method", ["set", "work", "once_work"])
+def test_a_broadcast_leaves_out_a_replica_that_departs_with_the_call_in_flight(
+    run_dir: str, method: str
+) -> None:
+    """Replica 2's node is lost while it holds a broadcast's call, its connection still open
+    (its host went silent): the broadcast answers the replicas left, as if it had departed
+    before, rather than fail with the departed replica's ``BrokenError``."""
+
+    async def main() -> None:
+        endpoints = endpoints_in(run_dir, 3)
+        entered: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        replicas = [
+            await FakeReplica(
+                ep, i, capacity=1, entered=entered, hold=lambda m, p, i=i: i == 2
+            ).start()
+            for i, ep in enumerate(endpoints)
+        ]
+        async with dispatching(endpoints, replicas) as (g, group):
+            await asyncio.wait_for(group.wait_ready(), WAIT_S)
+            pending = asyncio.ensure_future(g.broadcast(method, "v2"))
+            seen = {(await asyncio.wait_for(entered.get(), WAIT_S))[0] for _ in range(3)}
+            assert seen == {0, 1, 2}
+            await group.depart(2, "its node 2 was lost")
+            replies = await asyncio.wait_for(pending, WAIT_S)
+            assert replies == [[0, "v2"], [1, "v2"]]
+            assert g.members == [0, 1]
+            assert group.stats["replicas_departed"] == 1
+
+    run(main())
+
+
 def test_latest_wins_a_queued_call_is_replaced_by_a_newer_one(run_dir: str) -> None:
     async def main() -> None:
         endpoints = endpoints_in(run_dir, 1)
