@@ -162,10 +162,10 @@ def test_learner_benchmark_json() -> None:
     # The scheduler's split of the learner's step: CPU its process ran, against the plain
     # step's; each is real work (a step is milliseconds of matrix products), and the
     # learner's process cannot run more than its step's wall time on one torch thread and
-    # a few mostly idle ones, nor wait longer than the step took.
+    # a few mostly idle ones. The wait is summed over its threads, so only its sign is sure.
     assert 0 < figures["plain_cpu_ms_p50"] <= figures["plain_step_ms_p50"] * 1.05
     assert 0 < figures["learner_cpu_ms_p50"] <= figures["learner_step_ms_p50"] * 2
-    assert 0 <= figures["learner_wait_ms_p50"] <= figures["learner_step_ms_p50"] * 2
+    assert figures["learner_wait_ms_p50"] >= 0
     assert figures["learner_cpu_ratio"] == pytest.approx(
         figures["learner_cpu_ms_p50"] / figures["plain_cpu_ms_p50"]
     )
