@@ -11,9 +11,10 @@
   false``). Where a step's wall time goes is split by the scheduler's own accounting
   (``/proc/<pid>/task/*/schedstat``, every thread of the learner's process, read before and
   after each step): ``learner_cpu_ms_p50``, the CPU the learner's process ran for the step, to
-  compare with ``plain_cpu_ms_p50``, the plain step's thread CPU (one torch thread in both) (``learner_cpu_ratio``, the
-  work the runtime adds whatever the load); ``learner_wait_ms_p50``, the time its threads were
-  ready but waited for a core (the machine's load, not the runtime's work).
+  compare with ``plain_cpu_ms_p50``, the plain step's thread CPU, one torch thread in both
+  (``learner_cpu_ratio``, the work the runtime adds whatever the load);
+  ``learner_wait_ms_p50``, the time its threads were ready but waited for a core (the
+  machine's load, not the runtime's work). Linux only (``/proc``).
 - durable step: the same step on a second learner with ``durable: wal`` (the default: the
   step's batch is in the write-ahead log, fsynced, before the reply; its checkpoints in the
   background), interleaved step by step with the first, so the ratio is the price of never
