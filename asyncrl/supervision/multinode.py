@@ -609,6 +609,7 @@ class _Watch:
         self.seen: dict[int, tuple[str | None, float]] = {}
 
     async def __call__(self, supervisor: Supervisor) -> None:
+        supervisor.hold_group = self.hold_group
         try:
             await self._watch(supervisor)
         except StoreError as exc:
@@ -639,6 +640,22 @@ class _Watch:
                 supervisor.end(RunReport("failed", why))
                 return
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def hold_group(self, name: str, failed: float) -> None:
+        """Return once every other node holding a rank of role ``name``'s group sent
+        a heartbeat after ``failed`` (a ``time.monotonic()``: a process of the group failed
+        then), or once a node silent since then had time to be marked lost: ``liveness_s``
+        and three heartbeats. The supervisor holds the group's failure restart meanwhile
+        (``Supervisor.hold_group``)."""
+        role = self.a.manifest.roles[name]
+        deadline = failed + self.liveness_s + 3 * HEARTBEAT_INTERVAL_S
+        while time.monotonic() < deadline:
+            members = self.follower.view.members.get(name) or range(role.replicas)
+            # A node marked lost counts as silent until the group's members leave it out.
+            peers = {role.placement.node_of(i) for i in members} - {self.a.node}
+            if all(self.seen.get(peer, (None, failed))[1] > failed for peer in peers):
+                return
+            await asyncio.sleep(0.1)
 
     async def _restart_reason(self) -> str:
         a, keys, store, lost = self.a, self.a.keys, self.a.store, self.follower.lost

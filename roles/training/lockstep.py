@@ -13,9 +13,9 @@ both roles:
   and ``CriticClient`` send those calls there: ``to_lead``; another replica refuses one with a
   message naming the lead: ``check_leader``). The lead runs its calls one at a time (``lead``
   holds one lock from announcing a call to its end, so concurrent calls in several worker
-  threads still run one after the other) and, before running one, broadcasts it to the other ranks: a typed
-  message of the role's own (a tagged ``msgspec.Struct``: ``TrainStep``, ``Values``...),
-  encoded with msgspec's msgpack and sent as a uint8 tensor over the group
+  threads still run one after the other) and, before running one, broadcasts it to the other
+  ranks: a typed message of the role's own (a tagged ``msgspec.Struct``: ``TrainStep``,
+  ``Values``...), encoded with msgspec's msgpack and sent as a uint8 tensor over the group
   (``DataParallel.broadcast_bytes``), never pickled. Results come from the lead.
 - **The others follow.** Each other rank runs a loop in a thread of its own that receives the
   calls and runs exactly the same sequence; a result it computes is dropped (the collectives
