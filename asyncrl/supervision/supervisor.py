@@ -735,10 +735,10 @@ class Supervisor:
             del self._held[name]
             for member in group:
                 member.restarting = False
-        if not shrunk.is_set() or self._stopping:
-            return self._stopping
+        if not shrunk.is_set():
+            return self._stopping  # the run ended meanwhile: nothing to restart
         for member in group:
-            if self._stopping:
+            if self._stopping:  # the run ended during the hold or an earlier member's start
                 return True
             member.restarts += 1
             self._log.info(
