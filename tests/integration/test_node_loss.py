@@ -566,6 +566,8 @@ def test_a_learner_group_whose_lead_is_lost_goes_on_led_by_the_rank_left(nodes: 
         log = f.read()
     assert "learner[1] start again: its group goes on with replicas [1] after node 1's loss" in log
     assert "learner goes on with replicas [1], led by replica 1" in log
+    assert figures["restarts"]["learner"] == 1, nodes.logs()  # once, at the new size
+    assert nodes.tracebacks() == [], nodes.logs()
     # Node 0's relay stops copying (the lead is on its host now); node 2's pulls from it.
     assert "relay relay0: learner's group is led by replica 1 now (ipc://" in log
     with open(os.path.join(nodes.tmp, "node2.log")) as f:
