@@ -23,6 +23,11 @@ its reason is logged and shown per process (``restart_requests``, ``restart_reas
 exit the request causes counts so (code 0 or SIGKILL, not killed as hung): a crash or a hang
 of the incarnation before it stops is a failure as any other.
 
+Beside a launch over several nodes (``hold_group``), a ``one_for_all`` group's failure restart
+waits while a node holding a rank of the group is silent: a rank whose collective broke with
+a rank on a node about to be marked lost is then started once, by the group's restart at its
+smaller size (``restart_role``, outside the budget), not first at its old size as well.
+
 Every process is spawned from this event loop's thread (the parent-death signal that kills it
 with the agent is tied to that thread) in a session and process group of its own, so its own
 children die with it.
