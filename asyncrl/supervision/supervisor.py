@@ -730,12 +730,14 @@ class Supervisor:
                     await other.exited.wait()
             hold = asyncio.ensure_future(self.hold_group(name, failed))
             told = asyncio.ensure_future(shrunk.wait())
+            ended = asyncio.ensure_future(self._done.wait())  # the run ended: no restart
+            waits = (hold, told, ended)
             try:
-                await asyncio.wait({hold, told}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in (hold, told):
+                for task in waits:
                     task.cancel()
-                await asyncio.gather(hold, told, return_exceptions=True)
+                await asyncio.gather(*waits, return_exceptions=True)
         finally:
             del self._held[name]
             for member in group:
