@@ -87,6 +87,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between two heartbeats of a node agent in the store (and checks of the others')."""
 TORCHRUN_EXIT_BARRIER = "torchelastic/agent/terminal_state"
 """The key prefix of torchrun's exit barrier (``torch.distributed.elastic``'s agent)."""
+EXIT_BARRIER_WAIT_S = 30.0
+"""How long node 0's worker waits, as it exits, for the torchruns of the nodes that reported
+their end to reach torchrun's exit barrier (their workers exit just after reporting)."""
 EXIT_CODES = {"completed": 0, "failed": 1, "interrupted": 130}
 EXIT_USAGE = 2
 
@@ -426,43 +429,61 @@ class NodeAttempt:
             )
         await store.set(keys.done(self.attempt, self.node), json.dumps(counts))
         if self.node == 0:
-            await self._check_in_lost(lost)
-            await self._gather_counts(report, timeout_s, lost, liveness_s or timeout_s)
+            reported = await self._gather_counts(report, timeout_s, lost, liveness_s or timeout_s)
             self._add_nodes()
+            await self._check_in_last(reported)
         return EXIT_CODES[report.status]
 
-    async def _check_in_lost(self, lost: Collection[int]) -> None:
-        """Count each lost node in torchrun's exit barrier, which every node's torchrun joins
-        once its worker exits (``torchelastic/agent/terminal_state``, under the run id in the
-        static rendezvous): a lost node's torchrun never will, and the others would wait out
-        the barrier's 300 s before they exit."""
+    async def _check_in_last(self, reported: Collection[int]) -> None:
+        """Leave node 0's torchrun the last to check in to torchrun's exit barrier, which every
+        node's torchrun joins once its worker exits (``torchelastic/agent/terminal_state``,
+        under the run id in the static rendezvous). Node 0's torchrun holds the store: once the
+        barrier lets it go it exits, and a torchrun still on its way into the barrier then
+        loses the store and prints a ``DistNetworkError`` traceback. So this worker waits (up
+        to ``EXIT_BARRIER_WAIT_S``) for the torchruns of the nodes that ``reported`` their end
+        to check in, then counts each other node that has not (a lost node's torchrun never
+        will, and the others would wait out the barrier's 300 s)."""
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        # Node 0's own torchrun checks in only after this worker exits, so the last to check
-        # in is a live torchrun, which releases the barrier as usual.
-        for _ in lost:
-            await self.store.add(f"{run_id}/{TORCHRUN_EXIT_BARRIER}/num_members", 1)
+        key = f"{run_id}/{TORCHRUN_EXIT_BARRIER}/num_members"
+        deadline = time.monotonic() + EXIT_BARRIER_WAIT_S
+        try:
+            count = await self.store.add(key, 0)
+            while count < len(reported) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                count = await self.store.add(key, 0)
+            if count < len(reported):
+                _say(
+                    self.node,
+                    f"{len(reported) - count} of the other nodes' torchruns did not reach "
+                    f"torchrun's exit barrier within {EXIT_BARRIER_WAIT_S:g} s of this node's "
+                    "end; a DistNetworkError traceback theirs prints once this node's torchrun "
+                    "(the store's host) exits is expected: the run ended as this node says",
+                )
+            if count < self.env.nodes - 1:
+                await self.store.add(key, self.env.nodes - 1 - count)
+        except StoreError as exc:
+            _say(self.node, str(exc))
 
     async def _gather_counts(
         self, report: RunReport, timeout_s: float, lost: Collection[int], liveness_s: float
-    ) -> None:
+    ) -> list[int]:
         """Wait for the other nodes to stop their roles; add their restarts and served requests
-        to node 0's report (and its report.json), so that it covers the whole run."""
-        others = [
-            self.keys.done(self.attempt, n) for n in range(1, self.env.nodes) if n not in lost
-        ]
+        to node 0's report (and its report.json), so that it covers the whole run. Returns the
+        nodes that reported."""
+        others = [n for n in range(1, self.env.nodes) if n not in lost]
         try:
-            await self._wait_for_others(
-                [n for n in range(1, self.env.nodes) if n not in lost], timeout_s, liveness_s
-            )
+            await self._wait_for_others(others, timeout_s, liveness_s)
         except StoreError as exc:
             _say(self.node, str(exc))
-        for key in others:
+        reported = []
+        for node in others:
+            key = self.keys.done(self.attempt, node)
             said = await self.store.peek(key)
             if said is None:
                 continue
+            reported.append(node)
             counts = json.loads(said)
             if self.trace:
-                node = key.rsplit("/", 1)[-1]
                 _say(self.node, f"trace of node {node}: {counts.get('trace', '-')}")
             for counted in ("restarts", "served"):
                 mine = getattr(report, counted)
@@ -470,12 +491,13 @@ class NodeAttempt:
                     mine[role] = mine.get(role, 0) + n
         with open(os.path.join(self.dir, "report.json"), "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(report)))
+        return reported
 
     async def _wait_for_others(self, nodes: list[int], timeout_s: float, liveness_s: float) -> None:
         """Wait up to ``timeout_s`` for each of ``nodes`` to say it stopped its roles. A node
         whose heartbeat stops for ``liveness_s`` meanwhile (it was lost as the run ended, before
         the watch took it as lost) is not waited for, and is counted in torchrun's exit barrier
-        as a lost node is."""
+        as a lost node is (``_check_in_last``)."""
         deadline = time.monotonic() + timeout_s
         seen: dict[int, tuple[str | None, float]] = {n: (None, time.monotonic()) for n in nodes}
         pending = list(nodes)
@@ -497,7 +519,6 @@ class NodeAttempt:
                         "and served calls are left out of report.json)",
                     )
                     pending.remove(node)
-                    await self._check_in_lost([node])
             if not pending:
                 return
             if now >= deadline:
@@ -609,6 +630,7 @@ class _Watch:
         self.seen: dict[int, tuple[str | None, float]] = {}
 
     async def __call__(self, supervisor: Supervisor) -> None:
+        supervisor.hold_group = self.hold_group
         try:
             await self._watch(supervisor)
         except StoreError as exc:
@@ -639,6 +661,22 @@ class _Watch:
                 supervisor.end(RunReport("failed", why))
                 return
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def hold_group(self, name: str, failed: float) -> None:
+        """Return once every other node holding a rank of role ``name``'s group sent
+        a heartbeat after ``failed`` (a ``time.monotonic()``: a process of the group failed
+        then), or once a node silent since then had time to be marked lost: ``liveness_s``
+        and three heartbeats. The supervisor holds the group's failure restart meanwhile
+        (``Supervisor.hold_group``)."""
+        role = self.a.manifest.roles[name]
+        deadline = failed + self.liveness_s + 3 * HEARTBEAT_INTERVAL_S
+        while time.monotonic() < deadline:
+            members = self.follower.view.members.get(name) or range(role.replicas)
+            # A node marked lost counts as silent until the group's members leave it out.
+            peers = {role.placement.node_of(i) for i in members} - {self.a.node}
+            if all(self.seen.get(peer, (None, failed))[1] > failed for peer in peers):
+                return
+            await asyncio.sleep(0.1)
 
     async def _restart_reason(self) -> str:
         a, keys, store, lost = self.a, self.a.keys, self.a.store, self.follower.lost

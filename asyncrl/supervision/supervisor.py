@@ -23,6 +23,11 @@ its reason is logged and shown per process (``restart_requests``, ``restart_reas
 exit the request causes counts so (code 0 or SIGKILL, not killed as hung): a crash or a hang
 of the incarnation before it stops is a failure as any other.
 
+Beside a launch over several nodes (``hold_group``), a ``one_for_all`` group's failure restart
+waits while a node holding a rank of the group is silent: a rank whose collective broke with
+a rank on a node about to be marked lost is then started once, by the group's restart at its
+smaller size (``restart_role``, outside the budget), not first at its old size as well.
+
 Every process is spawned from this event loop's thread (the parent-death signal that kills it
 with the agent is tied to that thread) in a session and process group of its own, so its own
 children die with it.
@@ -52,7 +57,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -179,6 +184,14 @@ class Supervisor:
         self._stopping = False
         self._observer = observer
         self.launcher = Launcher(log_dir, enabled=zygote)
+        self.hold_group: Callable[[str, float], Awaitable[None]] | None = None
+        """Set beside a launch over several nodes (``asyncrl.supervision.multinode``): given a
+        ``one_for_all`` role and when a process of its group failed (``time.monotonic()``), it
+        returns once every other node holding a rank of the group is heard from after that
+        (the failure was the process's own), or once the node that went silent had time to be
+        marked lost; meanwhile the group's failure restart waits, so that a group that goes on
+        at a smaller size restarts once (``restart_role``), not first at its old size."""
+        self._held: dict[str, asyncio.Event] = {}  # per role: its failure restart waits
 
     # -- the run --------------------------------------------------------------------------
 
@@ -346,6 +359,12 @@ class Supervisor:
         if self._stopping or self._tasks is None:
             return []
         mine = [c for c in self._children if c.spec.name == name]
+        held = self._held.get(name)
+        if held is not None:
+            # Its failure restart waits for this: it starts the group now, as it is now,
+            # outside the budget.
+            held.set()
+            return [c.label for c in mine if c.restarting]
         # A process being started (a failure's restart: it was made for the group as it was)
         # is killed and started again below, once its start has gone far enough to be killed.
         await asyncio.gather(*(c.spawned.wait() for c in mine))
@@ -641,6 +660,8 @@ class Supervisor:
         if info.code == EXIT_CONFIG:
             self._finish(RunReport("failed", f"{child.label} has a configuration error", info))
             return
+        if policy.strategy == "one_for_all" and await self._restarted_smaller(child):
+            return
         now = time.monotonic()
         while child.restart_times and now - child.restart_times[0] > policy.period_s:
             child.restart_times.popleft()
@@ -685,6 +706,60 @@ class Supervisor:
                 restarts=member.restarts,
             )
             await self._spawn(member)
+
+    async def _restarted_smaller(self, child: _Child) -> bool:
+        """Before a ``one_for_all`` group's failure restart, beside a launch (``hold_group``):
+        stop the group's other processes and wait while a node holding a rank of it is
+        silent. When the node is marked lost meanwhile and the group goes on at a smaller size
+        (``restart_role``), start the group's processes once, at the new size, outside the
+        budget and its backoff, and return True; otherwise return False and the failure
+        restart goes on as usual."""
+        name = child.spec.name
+        if self.hold_group is None or name in self._held:
+            return False
+        failed = time.monotonic()
+        group = [c for c in self._restart_set(child) if c is child or not c.restarting]
+        for member in group:
+            member.restarting = True
+        shrunk = self._held[name] = asyncio.Event()
+        try:
+            for other in group:
+                if other is not child and other.alive:
+                    other.expected_exit = True
+                    self._kill(other, signal.SIGKILL)
+                    await other.exited.wait()
+            hold = asyncio.ensure_future(self.hold_group(name, failed))
+            told = asyncio.ensure_future(shrunk.wait())
+            ended = asyncio.ensure_future(self._done.wait())  # the run ended: no restart
+            waits = (hold, told, ended)
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in waits:
+                    task.cancel()
+                await asyncio.gather(*waits, return_exceptions=True)
+        finally:
+            del self._held[name]
+            for member in group:
+                member.restarting = False
+        if not shrunk.is_set():
+            return self._stopping  # the run ended meanwhile: nothing to restart
+        for member in group:
+            if self._stopping:  # the run ended during the hold or an earlier member's start
+                return True
+            member.restarts += 1
+            self._log.info(
+                "restarting",
+                process=member.label,
+                **self._identity(member),
+                reason="its group goes on at a smaller size",
+                restarts=member.restarts,
+            )
+            stale = self._discard_spare(member)  # made for the group as it was
+            await self._spawn(member)
+            if stale is not None:
+                await stale.wait()
+        return True
 
     @staticmethod
     def _exit_requested(child: _Child, code: int) -> bool:

@@ -299,6 +299,7 @@ class Critic(Role):
                 on_broken=exit_when_broken(self.ctx),
                 client="CriticClient",
                 thread_setup=self._select_device,
+                members=self.ctx.members,
             )
             self.lockstep.start()
 

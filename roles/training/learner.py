@@ -246,6 +246,7 @@ class Learner(Role):
                 on_broken=exit_when_broken(self.ctx),
                 client="LearnerClient",
                 thread_setup=self._select_device,
+                members=self.ctx.members,
             )
             self.lockstep.start()
 

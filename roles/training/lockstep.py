@@ -8,17 +8,18 @@ critic's ``values`` and ``train_step``) in the same order, while callers (the pr
 pipeline) call the role concurrently. ``Lockstep`` gives them that order, the same way for
 both roles:
 
-- **Replica 0 leads.** Callers reach the role through replica 0 only (``LearnerClient`` and
-  ``CriticClient`` send those calls there; another replica refuses one with a message naming
-  replica 0: ``check_leader``). Replica 0 runs its calls one at a time (``lead`` holds one lock
-  from announcing a call to its end, so concurrent calls in several worker threads still run
-  one after the other) and, before running one, broadcasts it to the other ranks: a typed
-  message of the role's own (a tagged ``msgspec.Struct``: ``TrainStep``, ``Values``...),
-  encoded with msgspec's msgpack and sent as a uint8 tensor over the group
-  (``DataParallel.broadcast_bytes``), never pickled. Results come from replica 0.
+- **Rank 0 leads.** Callers reach the role through the group's lead only: rank 0, which is
+  replica 0, or the lowest replica left once a node's loss shrank the group (``LearnerClient``
+  and ``CriticClient`` send those calls there: ``to_lead``; another replica refuses one with a
+  message naming the lead: ``check_leader``). The lead runs its calls one at a time (``lead``
+  holds one lock from announcing a call to its end, so concurrent calls in several worker
+  threads still run one after the other) and, before running one, broadcasts it to the other
+  ranks: a typed message of the role's own (a tagged ``msgspec.Struct``: ``TrainStep``,
+  ``Values``...), encoded with msgspec's msgpack and sent as a uint8 tensor over the group
+  (``DataParallel.broadcast_bytes``), never pickled. Results come from the lead.
 - **The others follow.** Each other rank runs a loop in a thread of its own that receives the
   calls and runs exactly the same sequence; a result it computes is dropped (the collectives
-  inside the call gather what replica 0 returns).
+  inside the call gather what the lead returns).
 - **What a rank does on its own** (the learner's log-probs, weight copy or export) holds
   ``exclusive()``, the lock a group call holds while it runs on that rank, so it never sees a
   step half-taken.
@@ -50,7 +51,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -114,7 +115,9 @@ class Lockstep:
         run: runs one call on this rank and returns its result (every rank's collectives
             inside it meet those of the other ranks running the same call).
         on_broken: told, once, when the group broke; on whichever thread saw it.
-        client: the client that reaches replica 0 (``CriticClient``), for refusals.
+        client: the client that reaches the group's lead (``CriticClient``), for refusals.
+        members: the group's replicas in rank order once it went on at a smaller size
+            (``RoleContext.members``; empty: replicas 0 to ``dp.world - 1``): the first leads.
         idle_s: the leader announces ``Idle`` after this long without announcing anything;
             None: a quarter of ``dp.timeout_s``.
         thread_setup: called first in each thread ``start`` begins (to select this rank's
@@ -134,6 +137,7 @@ class Lockstep:
         client: str,
         idle_s: float | None = None,
         thread_setup: Callable[[], object] | None = None,
+        members: Sequence[int] = (),
     ) -> None:
         _check_calls(dp.name, calls)
         self.dp = dp
@@ -141,6 +145,7 @@ class Lockstep:
         self.run = run
         self.on_broken = on_broken
         self.client = client
+        self.members = tuple(members) or tuple(range(dp.world))
         self.idle_s = dp.timeout_s / 4 if idle_s is None else idle_s
         self.thread_setup = thread_setup
         self.leader = dp.rank == 0
@@ -163,8 +168,8 @@ class Lockstep:
 
     @property
     def where(self) -> str:
-        """This rank, for messages: ``critic.1``."""
-        return f"{self.dp.name}.{self.dp.rank}"
+        """This rank's replica, for messages: ``critic.1``."""
+        return f"{self.dp.name}.{self.members[self.dp.rank]}"
 
     def encode(self, message: msgspec.Struct) -> bytes:
         """``message`` as MessagePack (a map with its tag under ``type``)."""
@@ -182,13 +187,14 @@ class Lockstep:
         """Raise unless this rank leads: the other replicas take no group call from a caller.
 
         Raises:
-            ValueError: another replica (the message says to call replica 0).
+            ValueError: another replica (the message names the lead to call).
         """
         if not self.leader:
+            lead = self.members[0]
             raise ValueError(
                 f"{self.where}: a {self.dp.name} with {self.dp.world} replicas runs every call "
-                f"on all of them in the order replica 0 sets; send {method} to replica 0 "
-                f"({self.client} does: Handle.call(..., replica=0))"
+                f"on all of them in the order replica {lead} (its lead) sets; send {method} "
+                f"to replica {lead} ({self.client} does: Handle.call(..., replica={lead}))"
             )
 
     @contextmanager

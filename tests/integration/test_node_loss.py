@@ -161,6 +161,16 @@ class Nodes:
                     text.append(f"--- {log} ---\n" + f.read()[-5000:])
         return "\n".join(text)
 
+    def tracebacks(self) -> list[str]:
+        """The node logs (each whole: torchrun's own output included) that hold a traceback."""
+        found = []
+        for log in sorted(os.listdir(self.tmp)):
+            if log.startswith("node") and log.endswith(".log"):
+                with open(os.path.join(self.tmp, log), errors="replace") as f:
+                    if "Traceback" in f.read():
+                        found.append(log)
+        return found
+
     def path(self, node: int, *parts: str) -> str:
         base = self.run_dir if node == 0 else os.path.join(self.run_dir, f"node-{node}")
         return os.path.join(base, *parts)
@@ -225,6 +235,9 @@ def test_a_node_lost_for_good_leaves_the_run_and_its_singleton_moves(nodes: Node
     with open(nodes.gate + "42", "w"):
         pass
     assert nodes.finish([0, 1]) == [0, 0], nodes.logs()
+    # The run completed: it ends quietly, torchrun's exit barrier included (node 0's torchrun,
+    # the store's host, checks in last, once node 1's is in).
+    assert nodes.tracebacks() == [], nodes.logs()
     driver = _json(nodes.path(0, "driver.json"))
     assert driver["result"] == EXPECTED, nodes.logs()
     assert _json(nodes.path(0, "summary.json"))["splitters"] == [0, 1]
@@ -485,6 +498,10 @@ def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes
     with open(os.path.join(nodes.tmp, "node0.log")) as f:
         log = f.read()
     assert "learner[0] start again: its group goes on with replicas [0] after node 1's loss" in log
+    # Replica 0 failed its collective with the lost rank: its restart waited for the plan, so
+    # the group restarted once, at its new size, outside the restart budget.
+    assert figures["restarts"]["learner"] == 1, nodes.logs()
+    assert nodes.tracebacks() == [], nodes.logs()
     print(
         f"node 1 marked lost {marked:.1f} s after the kill, at step {at_loss}; the first step "
         f"at one rank {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in all; "
@@ -549,6 +566,8 @@ def test_a_learner_group_whose_lead_is_lost_goes_on_led_by_the_rank_left(nodes: 
         log = f.read()
     assert "learner[1] start again: its group goes on with replicas [1] after node 1's loss" in log
     assert "learner goes on with replicas [1], led by replica 1" in log
+    assert figures["restarts"]["learner"] == 1, nodes.logs()  # once, at the new size
+    assert nodes.tracebacks() == [], nodes.logs()
     # Node 0's relay stops copying (the lead is on its host now); node 2's pulls from it.
     assert "relay relay0: learner's group is led by replica 1 now (ipc://" in log
     with open(os.path.join(nodes.tmp, "node2.log")) as f:

@@ -114,7 +114,9 @@ def test_node_0_does_not_wait_for_a_node_lost_as_the_run_ends(
     stops waiting for node 2 once its heartbeat has been silent for the liveness (not for the
     join timeout), and counts it in torchrun's exit barrier, so that the live torchruns exit
     at once rather than after the barrier's 300 s. Node 1, whose heartbeat goes on, is
-    waited for until it says it stopped its roles."""
+    waited for until it says it stopped its roles, then until its torchrun checked in to the
+    barrier: node 0's torchrun, the store's host, is the last to check in, so it exits only
+    once every live torchrun is in the barrier (none loses the store on its way in)."""
     from asyncrl.manifest.load import load_manifest
     from asyncrl.supervision.runreport import RunReport
     from asyncrl.supervision.store_registry import LaunchKeys
@@ -126,6 +128,17 @@ def test_node_0_does_not_wait_for_a_node_lost_as_the_run_ends(
     manifest = load_manifest(f"{ROOT}/examples/hello/manifest.yaml")
     a = multinode.NodeAttempt(env, store, keys, 0, manifest, str(tmp_path))  # type: ignore[arg-type]
 
+    barrier = f"r/{multinode.TORCHRUN_EXIT_BARRIER}/num_members"
+    looked = asyncio.Event()
+    add = store.add
+
+    async def counting(key: str, amount: int) -> int:
+        if key == barrier and amount == 0:
+            looked.set()
+        return await add(key, amount)
+
+    store.add = counting  # type: ignore[method-assign]
+
     async def main() -> int:
         finishing = asyncio.create_task(
             a.finish(RunReport("completed", "the program returned"), 60.0, (), 0.5)
@@ -133,11 +146,17 @@ def test_node_0_does_not_wait_for_a_node_lost_as_the_run_ends(
         await asyncio.sleep(1.5)
         assert not finishing.done()  # node 1 beats and has not said it stopped
         await store.set(keys.done(0, 1), '{"restarts": {"splitter": 2}, "served": {}}')
+        # Node 1's worker exits; its torchrun checks in a moment later.
+        await asyncio.wait_for(looked.wait(), 10)  # node 0 looks at the barrier's count
+        await asyncio.sleep(0.5)
+        assert not finishing.done()  # node 0 waits for node 1's torchrun in the barrier
+        assert store.values.get(barrier, "0") == "0"  # node 2 not counted yet: 1 + 1 < 3
+        await store.add(barrier, 1)
         return await asyncio.wait_for(finishing, 10)
 
     assert asyncio.run(main()) == 0
-    barrier = f"r/{multinode.TORCHRUN_EXIT_BARRIER}/num_members"
-    assert store.values[barrier] == "1"
+    # Node 1's torchrun and node 2, counted by node 0: node 0's torchrun makes it 3, the last.
+    assert store.values[barrier] == "2"
     err = capsys.readouterr().err
     assert re.search(
         r"the agent of node 2 sent no heartbeat for \d+\.\d s as the run ended: node 2 is lost", err

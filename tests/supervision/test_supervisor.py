@@ -387,6 +387,69 @@ def test_a_group_restart_waits_for_a_start_under_way_and_leaves_one_process(
     assert all(gone(pid) for pid in pids.values())
 
 
+def test_a_group_failure_held_for_a_silent_node_restarts_once_at_the_smaller_size(
+    run_dir: str,
+) -> None:
+    """A ``one_for_all`` replica fails (its collective broke with a rank on a node gone
+    silent) beside a launch (``hold_group``): its restart waits, and the group restart that the
+    node's loss brings (``restart_role``) starts it once, outside its budget (here none: a
+    failure restart would fail the run) and without a second restart."""
+
+    def argv_env(incarnation: int) -> tuple[list[str], dict[str, str]]:
+        code = "import sys; sys.exit(3)" if incarnation == 0 else WAITS_FOR_A_SIGNAL
+        return [sys.executable, "-c", code], {}
+
+    policy = Supervision(
+        strategy="one_for_all",
+        max_restarts=0,
+        startup_timeout_s=WAIT_S,
+        shutdown_timeout_s=WAIT_S,
+        backoff_initial_s=0,
+    )
+    spec = ChildSpec("learner", 0, "command", f"ipc://{run_dir}/learner", policy, argv_env)
+    started: list[int] = []
+    again = asyncio.Event()
+
+    def observe(what: str, label: str, incarnation: int) -> None:
+        if what == "started":
+            started.append(incarnation)
+            if incarnation == 1:
+                again.set()
+
+    supervisor = Supervisor(
+        [spec], run="sup-test", log_dir=os.path.join(run_dir, "logs"), observer=observe
+    )
+    held: list[tuple[str, float]] = []
+    holding = asyncio.Event()
+
+    async def silent_node(name: str, failed: float) -> None:
+        held.append((name, failed))
+        holding.set()
+        await asyncio.Event().wait()  # the node stays silent: only the loss ends the hold
+
+    supervisor.hold_group = silent_node
+
+    async def main() -> None:
+        running = asyncio.create_task(supervisor.run())
+        await asyncio.wait_for(holding.wait(), WAIT_S)
+        (failed,) = supervisor.processes()
+        assert (failed.incarnation, failed.alive) == (0, False)  # held, not restarted
+        restarted = await supervisor.restart_role("learner", "its group went on")
+        assert restarted == ["learner[0]"]
+        await asyncio.wait_for(again.wait(), WAIT_S)
+        (now,) = supervisor.processes()
+        assert (now.incarnation, now.alive) == (1, True)
+        assert [s["restarts"] for s in supervisor.status()] == [1]
+        assert not running.done()  # no budget spent: a failure restart would end the run
+        supervisor.stop("test over")
+        report = await asyncio.wait_for(running, WAIT_S)
+        assert (report.status, report.restarts) == ("interrupted", {"learner": 1})
+
+    asyncio.run(main())
+    assert [name for name, _ in held] == ["learner"]
+    assert started == [0, 1]
+
+
 def test_a_crash_or_a_hang_before_a_requested_restart_stops_the_process_is_a_failure(
     run_dir: str,
 ) -> None:

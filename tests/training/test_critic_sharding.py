@@ -228,7 +228,8 @@ def _rows_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 REFUSED = (
     "critic.1: a critic with 2 replicas runs every call on all of them in the order replica 0 "
-    "sets; send {method} to replica 0 (CriticClient does: Handle.call(..., replica=0))"
+    "(its lead) sets; send {method} to replica 0 (CriticClient does: "
+    "Handle.call(..., replica=0))"
 )
 
 

@@ -173,6 +173,27 @@ def group(
     return wire, steps, runs, broken
 
 
+def test_a_follower_of_a_shrunk_group_names_its_lead_the_lowest_replica_left() -> None:
+    """A group that went on at a smaller size with replicas 1 and 2 (node 0's loss took replica
+    0 out): replica 2, its rank 1, refuses a call and names replica 1, the lead."""
+    wire = Wire()
+    follower = Lockstep(
+        cast(Any, FakeRank(wire, 1)),
+        CALLS,
+        Recorder(""),
+        on_broken=Broken(),
+        client="CriticClient",
+        members=[1, 2],
+    )
+    with pytest.raises(ValueError) as caught:
+        follower.check_leader("values")
+    assert str(caught.value) == (
+        "critic.2: a critic with 2 replicas runs every call on all of them in the order "
+        "replica 1 (its lead) sets; send values to replica 1 (CriticClient does: "
+        "Handle.call(..., replica=1))"
+    )
+
+
 def test_followers_run_the_leaders_concurrent_calls_in_its_order() -> None:
     _, (leader, follower), runs, broken = group()
     calls: list[CriticCall] = []
@@ -355,7 +376,7 @@ def test_a_follower_refuses_callers_and_its_own_work_waits_for_the_groups_call()
         follower.check_leader("train_step")
     assert str(caught.value) == (
         "critic.1: a critic with 2 replicas runs every call on all of them in the order "
-        "replica 0 sets; send train_step to replica 0 (CriticClient does: "
+        "replica 0 (its lead) sets; send train_step to replica 0 (CriticClient does: "
         "Handle.call(..., replica=0))"
     )
     leader.check_leader("train_step")  # the leader takes it
@@ -515,7 +536,8 @@ def test_the_learner_and_the_critic_keep_their_ranks_in_step_through_one_lockste
     assert ranks[0]["critic"] == 1
     refused = (
         "{role}.1: a {role} with 2 replicas runs every call on all of them in the order replica "
-        "0 sets; send {method} to replica 0 ({client} does: Handle.call(..., replica=0))"
+        "0 (its lead) sets; send {method} to replica 0 ({client} does: "
+        "Handle.call(..., replica=0))"
     )
     assert ranks[1]["learner"] == [
         refused.format(role="learner", method=m, client="LearnerClient")
