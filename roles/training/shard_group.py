@@ -67,7 +67,7 @@ class ShardGroup:
         self.name = name
         self.checkpoints = checkpoints
         self.folders = [os.path.normpath(os.path.abspath(f)) for f in folders]
-        self.folders_own = os.path.normpath(os.path.abspath(checkpoints.path))
+        self._own = os.path.normpath(os.path.abspath(checkpoints.path))
 
     @classmethod
     def gather(cls, name: str, checkpoints: CheckpointDir, dp: DataParallel) -> ShardGroup:
@@ -90,8 +90,7 @@ class ShardGroup:
 
     def relative(self) -> list[str]:
         """The group's folders relative to this rank's own (what a checkpoint records)."""
-        own = os.path.abspath(self.checkpoints.path)
-        return [os.path.relpath(f, own) for f in self.folders]
+        return [os.path.relpath(f, self._own) for f in self.folders]
 
     def readable(self, step: int) -> bool:
         """Whether this rank's complete checkpoint of ``step`` has values that read; one that
@@ -118,8 +117,7 @@ class ShardGroup:
         recorded = read_values(self.checkpoints.dir_of(step)).get(GROUP_KEY)
         if not recorded:
             return None
-        own = os.path.abspath(self.checkpoints.path)
-        folders = [os.path.normpath(os.path.join(own, str(f))) for f in recorded]
+        folders = [os.path.normpath(os.path.join(self._own, str(f))) for f in recorded]
         if folders == self.folders:
             return None
         for rank, folder in enumerate(folders):
@@ -129,7 +127,7 @@ class ShardGroup:
     def _run_dirs(self) -> list[str]:
         """The run directories this rank's folder may lie in: its node's folder (``RUN_DIR``
         on node 0), and ``RUN_DIR`` above it when that is a ``node-R`` folder."""
-        node = os.path.dirname(os.path.dirname(os.path.dirname(self.folders_own)))
+        node = os.path.dirname(os.path.dirname(os.path.dirname(self._own)))
         out = [node]
         if _NODE.match(os.path.basename(node)):
             out.append(os.path.dirname(node))
@@ -239,8 +237,7 @@ class ShardGroup:
         if writers is None:
             return None
         where = os.path.basename(path)
-        own_folder = os.path.normpath(os.path.abspath(self.checkpoints.path))
         return [
-            own if folder == own_folder else CheckpointDir.load(os.path.join(folder, where))
+            own if folder == self._own else CheckpointDir.load(os.path.join(folder, where))
             for folder in writers
         ]
