@@ -65,11 +65,12 @@ from asyncrl.role import RoleContext
 from asyncrl.roles.learning import algorithms as alg
 from asyncrl.roles.learning.batching import micro_batches
 from asyncrl.roles.payloads import Scored
-from asyncrl.roles.training.checkpoints import CheckpointDir
+from asyncrl.roles.training.checkpoints import CheckpointDir, CheckpointError
 
 __all__ = [
     "GLOBAL_METRICS",
     "GROUP_HINT",
+    "NONE_LOADABLE",
     "PREFIX_ENV",
     "STORE_ENV",
     "DataParallel",
@@ -427,23 +428,47 @@ def _remove_stale(run_dir: str, name: str, current: str) -> None:
                 os.unlink(path)
 
 
+NONE_LOADABLE = -2
+"""What a rank tells the others when it holds complete checkpoints but can load none of them
+(``agree_checkpoint``'s ``why_none``): the group refuses to start, and removes nothing."""
+
+
 def agree_checkpoint(
-    dp: DataParallel, checkpoints: CheckpointDir, loadable: Sequence[int] | None = None
+    dp: DataParallel,
+    checkpoints: CheckpointDir,
+    loadable: Sequence[int] | None = None,
+    why_none: str = "",
 ) -> str | None:
     """The checkpoint every rank resumes from: the newest step that all of them hold (a rank
     that died mid-step may be one checkpoint behind the others); checkpoints past it are
-    removed, a timeline the group goes back from. None: start from the initial weights.
-    ``loadable``: the steps of this rank's complete checkpoints it can load (a sharded one
-    another group wrote, whose writers' folders do not all hold it, is not); None: all.
+    removed, a timeline the group goes back from. None: start from the initial weights (no
+    rank holds a checkpoint). ``loadable``: the steps of this rank's complete checkpoints it
+    can load (a sharded one another group wrote, whose writers' folders do not all hold it, is
+    not); None: all. ``why_none``: this rank holds checkpoints but ``loadable`` is empty, and
+    why (the error it raises).
 
     Raises:
+        CheckpointError: a rank holds checkpoints but can load none (``why_none`` on that rank;
+            the others name it): no checkpoint of any rank is removed, since starting from the
+            initial weights would throw away the training they hold.
         DataParallelError: this rank lacks the agreed checkpoint (``keep_checkpoints`` too low,
             or checkpoints removed by hand).
     """
     steps = checkpoints.steps() if loadable is None else sorted(loadable)
-    agreed = dp.min_int("the checkpoint to resume from", steps[-1] if steps else -1)
-    checkpoints.drop_after(agreed)
+    mine = steps[-1] if steps else (NONE_LOADABLE if why_none else -1)
+    newest = [v[0] for v in dp.all_gather_ints("the checkpoint to resume from", [mine])]
+    stuck = [r for r, v in enumerate(newest) if v == NONE_LOADABLE]
+    if stuck:
+        if mine == NONE_LOADABLE:
+            raise CheckpointError(why_none)
+        raise CheckpointError(
+            f"{dp.name}: rank(s) {stuck} of the group hold checkpoints but can load none of "
+            f"them (their errors say which steps and folders); this rank (rank {dp.rank}) "
+            f"removed none of its own in {checkpoints.path}"
+        )
+    agreed = min(newest)
     if agreed < 0:
+        checkpoints.drop_after(agreed)  # some rank holds none yet: all start over
         return None
     path = checkpoints.at(agreed) if agreed in steps else None
     if path is None:
@@ -452,6 +477,7 @@ def agree_checkpoint(
             f"rank holds (it has steps {steps} in {checkpoints.path}); keep at least 2 "
             f"checkpoints (keep_checkpoints) and do not remove them by hand"
         )
+    checkpoints.drop_after(agreed)
     return path
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from asyncrl.roles.payloads import ProgramState
-from asyncrl.roles.training.checkpoints import CheckpointDir, Staged, StepLog
+from asyncrl.roles.training.checkpoints import CheckpointDir, CheckpointError, Staged, StepLog
 from asyncrl.roles.training.data_parallel import DataParallel, agree_checkpoint
 from asyncrl.roles.training.shard_group import ShardGroup
 from asyncrl.roles.training.wal import Entry, KeepEntry, StepEntry, WalError, WriteAheadLog
@@ -107,25 +107,34 @@ class Journal:
     # -- at start -----------------------------------------------------------------------------
 
     def restore_point(self, group: ShardGroup | None = None) -> str | None:
-        """The checkpoint to load (None: the initial state): the newest complete one, agreed
-        with the other ranks; incomplete or damaged ones are removed with a warning.
-        ``group``: this rank's group now; a sharded checkpoint another group wrote counts
-        only where every writer's folder holds it complete (``ShardGroup.loadable``), and
-        the checkpoints past the one taken are removed (a timeline it goes back from).
+        """The checkpoint to load (None: the initial state, no checkpoint held): the newest
+        complete one, agreed with the other ranks; incomplete or damaged ones are removed with
+        a warning. ``group``: this rank's group now; a checkpoint whose values do not read is
+        skipped with a warning, and a sharded checkpoint another group wrote counts only where
+        every writer's folder holds it complete (``ShardGroup.loadable``); the checkpoints past
+        the one taken are removed (a timeline it goes back from).
 
         Raises:
-            CheckpointError: a writer's folder of such a checkpoint is not there at all.
+            CheckpointError: a writer's folder of such a checkpoint is not there at all, lies
+                outside the run directory or through a link; or checkpoints are held (on any
+                rank) but none loads: then none is removed.
         """
         self.checkpoints.sweep()
         steps = self.checkpoints.steps()
         loadable = steps
+        why_none = ""
         if group is not None:  # newest first: a folder not there is named at the newest
+            steps = [s for s in steps if group.readable(s)]
             loadable = [s for s in reversed(steps) if group.loadable(s)][::-1]
+            if steps and not loadable:
+                why_none = group.none_loadable(steps)
         if self.dp is None:
-            if loadable and loadable != steps:
+            if why_none:
+                raise CheckpointError(why_none)
+            if loadable:
                 self.checkpoints.drop_after(loadable[-1])
             return self.checkpoints.at(loadable[-1]) if loadable else None
-        return agree_checkpoint(self.dp, self.checkpoints, loadable)
+        return agree_checkpoint(self.dp, self.checkpoints, loadable, why_none)
 
     def replay_entries(self, restored: int) -> list[Entry]:
         """The logged entries to replay after the checkpoint of step ``restored`` (0: none),

@@ -23,6 +23,7 @@ error that says so.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,11 +34,22 @@ from asyncrl.roles.training.checkpoints import (
     read_values,
 )
 from asyncrl.roles.training.data_parallel import DataParallel
+from asyncrl.safe_files import UnsafePathError, open_dir, open_subdir
 
 __all__ = ["GROUP_KEY", "ShardGroup"]
 
+_NODE = re.compile(r"^node-\d+\Z")
+
 GROUP_KEY = "group"
 """The key of a sharded checkpoint that lists the folders of the group that wrote it."""
+
+
+def _layout(folder: str) -> tuple[str, str]:
+    """A rank's checkpoint folder (absolute, ``RUN_DIR/[node-R/]roles/<role>.<replica>/
+    checkpoints``) as the run directory it lies in and its path under it."""
+    node = os.path.dirname(os.path.dirname(os.path.dirname(folder)))
+    run_dir = os.path.dirname(node) if _NODE.match(os.path.basename(node)) else node
+    return run_dir, os.path.relpath(folder, run_dir)
 
 
 class ShardGroup:
@@ -55,24 +67,43 @@ class ShardGroup:
         self.name = name
         self.checkpoints = checkpoints
         self.folders = [os.path.normpath(os.path.abspath(f)) for f in folders]
+        self._own = os.path.normpath(os.path.abspath(checkpoints.path))
 
     @classmethod
     def gather(cls, name: str, checkpoints: CheckpointDir, dp: DataParallel) -> ShardGroup:
         """The group of ``dp``: every rank's checkpoint folder, each broadcast by its rank
-        (every rank calls it, in the same order)."""
-        mine = os.path.abspath(checkpoints.path).encode()
-        folders = [
-            dp.broadcast_bytes(
+        (every rank calls it, in the same order) as its path under the run directory, found
+        here under this node's run directory (nodes may mount the shared run directory at
+        different paths); its absolute path only where that is not there and this is."""
+        own = os.path.normpath(os.path.abspath(checkpoints.path))
+        run_dir, under = _layout(own)
+        mine = f"{own}\0{under}".encode()
+        folders = []
+        for r in range(dp.world):
+            got = dp.broadcast_bytes(
                 "the ranks' checkpoint folders", mine if r == dp.rank else b"", src=r
             ).decode()
-            for r in range(dp.world)
-        ]
+            there, _, rel = got.partition("\0")
+            here = os.path.normpath(os.path.join(run_dir, rel))
+            folders.append(there if not os.path.isdir(here) and os.path.isdir(there) else here)
         return cls(name, checkpoints, folders)
 
     def relative(self) -> list[str]:
         """The group's folders relative to this rank's own (what a checkpoint records)."""
-        own = os.path.abspath(self.checkpoints.path)
-        return [os.path.relpath(f, own) for f in self.folders]
+        return [os.path.relpath(f, self._own) for f in self.folders]
+
+    def readable(self, step: int) -> bool:
+        """Whether this rank's complete checkpoint of ``step`` has values that read; one that
+        does not is skipped with a warning, as an incomplete one is (an older one loads)."""
+        try:
+            read_values(self.checkpoints.dir_of(step))
+        except CheckpointError as e:
+            self.checkpoints.warn(
+                f"checkpoint {self.checkpoints.dir_of(step)} skipped: its values do not read "
+                f"({e.__cause__ or e})"
+            )
+            return False
+        return True
 
     def writers(self, step: int) -> list[str] | None:
         """The folders of the group that wrote this rank's checkpoint of ``step``, in rank
@@ -80,14 +111,63 @@ class ShardGroup:
         names no group (a whole state, or one written before checkpoints named theirs).
 
         Raises:
-            CheckpointError: its values do not read.
+            CheckpointError: its values do not read; a folder it names is not a rank's
+                checkpoint folder of this role in this run directory, or lies through a link.
         """
         recorded = read_values(self.checkpoints.dir_of(step)).get(GROUP_KEY)
         if not recorded:
             return None
-        own = os.path.abspath(self.checkpoints.path)
-        folders = [os.path.normpath(os.path.join(own, f)) for f in recorded]
-        return None if folders == self.folders else folders
+        folders = [os.path.normpath(os.path.join(self._own, str(f))) for f in recorded]
+        if folders == self.folders:
+            return None
+        for rank, folder in enumerate(folders):
+            self._confined(step, rank, folder)
+        return folders
+
+    def _run_dirs(self) -> list[str]:
+        """The run directories this rank's folder may lie in: its node's folder (``RUN_DIR``
+        on node 0), and ``RUN_DIR`` above it when that is a ``node-R`` folder."""
+        node = os.path.dirname(os.path.dirname(os.path.dirname(self._own)))
+        out = [node]
+        if _NODE.match(os.path.basename(node)):
+            out.append(os.path.dirname(node))
+        return out
+
+    def _confined(self, step: int, rank: int, folder: str) -> None:
+        """Raise unless ``folder``, a writer's folder the checkpoint of ``step`` records, is a
+        rank's checkpoint folder of this role in this run directory
+        (``RUN_DIR/[node-R/]roles/<role>.<replica>/checkpoints``), reached through no link."""
+        role = re.escape(self.name.rsplit(".", 1)[0])
+        shape = re.compile(rf"^(node-\d+/)?roles/{role}\.\d+/checkpoints\Z")
+        head = (
+            f"{self.name}: the checkpoint of step {step} in {self.checkpoints.path} names "
+            f"{folder} as rank {rank}'s folder of it"
+        )
+        for run_dir in self._run_dirs():
+            rel = os.path.relpath(folder, run_dir)
+            if shape.match(rel.replace(os.sep, "/")):
+                break
+        else:
+            raise CheckpointError(
+                f"{head}, which is not a rank's checkpoint folder of this run directory "
+                f"({' or '.join(self._run_dirs())}/[node-R/]roles/{role}.R/checkpoints): this "
+                f"rank reads no other folder. Remove that checkpoint, or start a new run"
+            )
+        if not os.path.lexists(folder):
+            return  # not there at all: ``loadable`` says so
+        try:
+            fd = open_dir(run_dir)
+            try:
+                os.close(open_subdir(fd, rel, where=run_dir))
+            finally:
+                os.close(fd)
+        except UnsafePathError as e:
+            raise CheckpointError(
+                f"{head}, reached through a link or a folder of another user ({e}): this rank "
+                f"reads the ranks' shards only from the run directory's own folders"
+            ) from e
+        except OSError:
+            return  # a component is missing or unreadable: ``loadable`` says so
 
     def loadable(self, step: int) -> bool:
         """Whether this rank can load its (complete) checkpoint of ``step``: its group wrote
@@ -95,11 +175,21 @@ class ShardGroup:
 
         Raises:
             CheckpointError: a writer's folder is not there at all (the run directory is not
-                on storage every node shares).
+                on storage every node shares), lies outside this run directory, or is reached
+                through a link.
+        """
+        return not self.missing(step)
+
+    def missing(self, step: int) -> list[str]:
+        """The folders of the group that wrote this rank's checkpoint of ``step`` that do not
+        hold it complete (empty: it loads).
+
+        Raises:
+            CheckpointError: as ``loadable``.
         """
         writers = self.writers(step)
         if writers is None:
-            return True
+            return []
         for rank, folder in enumerate(writers):
             if not os.path.isdir(folder):
                 raise CheckpointError(
@@ -111,7 +201,28 @@ class ShardGroup:
                     f"docs/multinode.md)"
                 )
         where = os.path.basename(self.checkpoints.dir_of(step))
-        return all(problem(os.path.join(f, where)) is None for f in writers)
+        for rank, folder in enumerate(writers):
+            if os.path.islink(os.path.join(folder, where)):
+                raise CheckpointError(
+                    f"{self.name}: rank {rank}'s checkpoint of step {step}, "
+                    f"{os.path.join(folder, where)}, is a link: this rank reads the ranks' "
+                    f"shards only from the run directory's own folders. Remove the link"
+                )
+        return [f for f in writers if problem(os.path.join(f, where)) is not None]
+
+    def none_loadable(self, steps: Sequence[int]) -> str:
+        """The error for a rank whose complete checkpoints of ``steps`` none load: each step
+        and the writers' folders that lack it."""
+        lacking = "; ".join(
+            f"step {s} is not complete in {', '.join(self.missing(s))}" for s in reversed(steps)
+        )
+        return (
+            f"{self.name}: none of the checkpoints in {self.checkpoints.path} can be loaded: "
+            f"each was written by a sharded group, and {lacking}. Nothing was removed: starting "
+            f"from the initial weights would throw away the training they hold. Put those "
+            f"folders back as they were written (the run directory on storage every node "
+            f"shares, run.shared_storage: true), or start a new run from the newest export"
+        )
 
     def states(self, path: str, own: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Every writer's state of the checkpoint ``path`` of this rank (``own``, loaded), in
@@ -126,8 +237,7 @@ class ShardGroup:
         if writers is None:
             return None
         where = os.path.basename(path)
-        own_folder = os.path.normpath(os.path.abspath(self.checkpoints.path))
         return [
-            own if folder == own_folder else CheckpointDir.load(os.path.join(folder, where))
+            own if folder == self._own else CheckpointDir.load(os.path.join(folder, where))
             for folder in writers
         ]

@@ -86,7 +86,9 @@ def test_a_pair_group_times_out_even_when_its_store_host_went_silent() -> None:
             TorchCommunication("gloo").broadcast(torch.ones(3), 0, timeout_s=0.5, group=group)
         took = time.monotonic() - started
         assert raised.value.missing == []  # unknown: the store did not answer
-        assert 2.5 <= took < 10.0, took
+        # At least its 0.5 s deadline and the 2 s given to the silent store; the upper bound
+        # only says it ended (a hang holds it for ever), with room for a loaded machine.
+        assert 2.5 <= took < 60.0, took
     finally:
         host.kill()
         host.wait()

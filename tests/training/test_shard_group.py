@@ -6,11 +6,14 @@ the parameters of a 1-rank learner fed the same batches from that checkpoint, bi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -20,7 +23,9 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-expor
 from asyncrl.role import RoleContext
 from asyncrl.roles.training.checkpoints import CheckpointDir, CheckpointError
 from asyncrl.roles.training.data_parallel import PREFIX_ENV, STORE_ENV
+from asyncrl.roles.training.journal import Journal
 from asyncrl.roles.training.learner import Learner
+from asyncrl.roles.training.shard_group import GROUP_KEY, ShardGroup
 from asyncrl.roles.training.wal import StepEntry
 from asyncrl.supervision.faults import FaultPlan
 from tests.conftest import ROOT
@@ -288,3 +293,217 @@ def test_three_sharded_ranks_go_on_as_two_from_the_three_ranks_shards(tmp_path: 
         assert left["status"] == [restore, before - restore]
         for name, value in expected["weights"].items():
             assert torch.equal(value, left["weights"][name]), (replica, name)
+
+
+# -- restoring across the writers' folders, without processes ----------------------------------
+
+
+class ThreadRanks:
+    """The collectives a restore uses, for ranks that are threads of one process."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.slots: list[Any] = [None] * world
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.barrier.wait(timeout=60)
+        out = list(self.slots)
+        self.barrier.wait(timeout=60)
+        return out
+
+
+class ThreadRank:
+    """One rank of ``ThreadRanks``, as the restore sees a ``DataParallel``."""
+
+    def __init__(self, ranks: ThreadRanks, rank: int) -> None:
+        self.ranks, self.rank, self.world, self.name = ranks, rank, ranks.world, "learner"
+
+    def all_gather_ints(self, what: str, values: list[int]) -> list[list[int]]:
+        return list(self.ranks.exchange(self.rank, list(values)))
+
+    def min_int(self, what: str, value: int) -> int:
+        return min(v[0] for v in self.all_gather_ints(what, [value]))
+
+    def broadcast_bytes(self, what: str, data: bytes = b"", src: int = 0) -> bytes:
+        return bytes(self.ranks.exchange(self.rank, data)[src])
+
+
+def folder_of(run_dir: str, node: int, replica: int) -> str:
+    base = run_dir if node == 0 else os.path.join(run_dir, f"node-{node}")
+    return os.path.join(base, "roles", f"learner.{replica}", "checkpoints")
+
+
+def write_group(
+    writers: list[str], steps: list[int], into: list[str], recorded: list[str] | None = None
+) -> None:
+    """Checkpoints of ``steps`` in the folders ``into``, each naming the group's ``writers``'
+    folders relative to its own (or ``recorded``, as given), as a sharded group writes them."""
+    for folder in into:
+        group = recorded or [os.path.relpath(f, folder) for f in writers]
+        for step in steps:
+            CheckpointDir(folder, 5, FaultPlan.from_env(0)).save(
+                step, {"w": torch.full((2,), float(step)), "world": len(writers), GROUP_KEY: group}
+            )
+
+
+def journal(
+    folder: str, folders: list[str], dp: Any = None, warned: list[str] | None = None
+) -> tuple[Journal, ShardGroup]:
+    """A rank's journal of its checkpoints in ``folder`` (no log) and its group now."""
+    warn = (lambda _: None) if warned is None else warned.append
+    checkpoints = CheckpointDir(folder, 5, FaultPlan.from_env(0), warn=warn)
+    name = f"learner.{folder.split('learner.')[-1].split(os.sep)[0]}"
+    group = ShardGroup(name, checkpoints, folders)
+    log = logging.getLogger("test_shard_group")
+    wal = os.path.join(os.path.dirname(folder), "wal")
+    return Journal(name, checkpoints, None, wal, "off", 0, 0, dp, log), group
+
+
+def restore_ranks(journals: list[tuple[Journal, ShardGroup]]) -> list[Any]:
+    """Each rank's ``restore_point`` (a thread each), or the exception it raised."""
+
+    def one(pair: tuple[Journal, ShardGroup]) -> Any:
+        try:
+            return pair[0].restore_point(pair[1])
+        except Exception as e:  # the test compares what each rank raised
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(len(journals)) as pool:
+        return list(pool.map(one, journals))
+
+
+def test_ranks_that_can_load_none_of_their_checkpoints_refuse_and_remove_none(
+    tmp_path: Any,
+) -> None:
+    """Three ranks wrote steps 3 and 6; node 1's folder is there but empty. Replicas 0 and 2
+    go on as a group of 2: neither step is complete in every writer's folder, so both refuse,
+    naming the steps and the folder that lacks them, and keep every checkpoint."""
+    run_dir = str(tmp_path / "run")
+    writers = [folder_of(run_dir, r, r) for r in range(3)]
+    write_group(writers, [3, 6], [writers[0], writers[2]])
+    os.makedirs(writers[1])
+    ranks = ThreadRanks(2)
+    now = [writers[0], writers[2]]
+    got = restore_ranks([journal(now[i], now, ThreadRank(ranks, i)) for i in range(2)])
+    for replica, error in zip((0, 2), got, strict=True):
+        assert isinstance(error, CheckpointError), error
+        assert str(error) == (
+            f"learner.{replica}: none of the checkpoints in {writers[replica]} can be loaded: "
+            f"each was written by a sharded group, and step 6 is not complete in {writers[1]}; "
+            f"step 3 is not complete in {writers[1]}. Nothing was removed: starting from the "
+            f"initial weights would throw away the training they hold. Put those folders back "
+            f"as they were written (the run directory on storage every node shares, "
+            f"run.shared_storage: true), or start a new run from the newest export"
+        )
+        assert CheckpointDir(writers[replica], 5, FaultPlan.from_env(0)).steps() == [3, 6]
+
+
+def test_a_rank_alone_that_can_load_none_of_its_checkpoints_refuses_and_removes_none(
+    tmp_path: Any,
+) -> None:
+    """Two ranks wrote steps 3 and 6; node 1's folder holds only step 3's checkpoint half
+    written. Replica 0 alone refuses (it would have started from the initial weights) and
+    keeps its checkpoints."""
+    run_dir = str(tmp_path / "run")
+    writers = [folder_of(run_dir, r, r) for r in range(2)]
+    write_group(writers, [3, 6], writers)
+    shutil.rmtree(os.path.join(writers[1], "step-00000006"))
+    os.remove(os.path.join(writers[1], "step-00000003", "COMPLETE"))
+    alone, group = journal(writers[0], [writers[0]])
+    with pytest.raises(CheckpointError) as refused:
+        alone.restore_point(group)
+    assert str(refused.value) == (
+        f"learner.0: none of the checkpoints in {writers[0]} can be loaded: each was written "
+        f"by a sharded group, and step 6 is not complete in {writers[1]}; step 3 is not "
+        f"complete in {writers[1]}. Nothing was removed: starting from the initial weights "
+        f"would throw away the training they hold. Put those folders back as they were "
+        f"written (the run directory on storage every node shares, run.shared_storage: true), "
+        f"or start a new run from the newest export"
+    )
+    assert alone.checkpoints.steps() == [3, 6]
+
+
+def test_a_checkpoint_whose_values_do_not_read_is_skipped_for_the_one_before(
+    tmp_path: Any,
+) -> None:
+    """A 1-rank learner's newest checkpoint has its values file damaged (its size as marked):
+    the restore warns and takes the one before, as it does an incomplete one."""
+    folder = folder_of(str(tmp_path / "run"), 0, 0)
+    for step in (3, 6):
+        CheckpointDir(folder, 5, FaultPlan.from_env(0)).save(step, {"w": torch.zeros(2)})
+    values = os.path.join(folder, "step-00000006", "values.msgpack")
+    with open(values, "r+b") as f:
+        f.write(b"\xc1" * os.path.getsize(values))  # 0xc1: never a msgpack byte
+    warned: list[str] = []
+    alone, group = journal(folder, [folder], warned=warned)
+    assert alone.restore_point(group) == os.path.join(folder, "step-00000003")
+    assert alone.checkpoints.steps() == [3]
+    assert warned == [
+        f"checkpoint {os.path.join(folder, 'step-00000006')} skipped: its values do not read "
+        f"(MessagePack data is malformed: invalid opcode '\\xc1' (byte 0))"
+    ]
+
+
+def test_a_writers_folder_outside_the_run_directory_or_through_a_link_is_refused(
+    tmp_path: Any,
+) -> None:
+    """A checkpoint whose recorded group names a folder outside the run directory's ranks'
+    checkpoint folders, or one reached through a link, is refused, though that folder holds
+    the step complete."""
+    run_dir = str(tmp_path / "run")
+    writers = [folder_of(run_dir, r, r) for r in range(2)]
+    outside = os.path.join(str(tmp_path / "elsewhere"), "roles", "learner.1", "checkpoints")
+    write_group([writers[0], outside], [3], [writers[0], outside])
+    alone, group = journal(writers[0], [writers[0]])
+    with pytest.raises(CheckpointError) as refused:
+        alone.restore_point(group)
+    assert str(refused.value) == (
+        f"learner.0: the checkpoint of step 3 in {writers[0]} names {outside} as rank 1's "
+        f"folder of it, which is not a rank's checkpoint folder of this run directory "
+        f"({run_dir}/[node-R/]roles/learner.R/checkpoints): this rank reads no other folder. "
+        f"Remove that checkpoint, or start a new run"
+    )
+
+    # The folder where it belongs, but node 1's folder a link to the one outside.
+    shutil.rmtree(writers[0])
+    write_group(writers, [3], [writers[0]])
+    os.symlink(str(tmp_path / "elsewhere"), os.path.join(run_dir, "node-1"))
+    alone, group = journal(writers[0], [writers[0]])
+    with pytest.raises(CheckpointError) as refused:
+        alone.restore_point(group)
+    link = os.path.join(run_dir, "node-1")
+    assert str(refused.value) == (
+        f"learner.0: the checkpoint of step 3 in {writers[0]} names {writers[1]} as rank 1's "
+        f"folder of it, reached through a link or a folder of another user ({link} is a link; "
+        f"a run writes only into folders of its own, never through a link: remove it, or give "
+        f"another path): this rank reads the ranks' shards only from the run directory's own "
+        f"folders"
+    )
+    assert alone.checkpoints.steps() == [3]
+
+
+def test_ranks_that_see_the_run_directory_at_other_paths_find_each_others_folders(
+    tmp_path: Any,
+) -> None:
+    """Node 0 mounts the shared run directory at ``run``, node 1 at ``mount``: each rank finds
+    the other's folder under its own path of it, and records the group's folders relative to
+    its own."""
+    run_dir, mount = str(tmp_path / "run"), str(tmp_path / "mount")
+    os.makedirs(run_dir)
+    os.symlink(run_dir, mount)
+    folders = [folder_of(run_dir, 0, 0), folder_of(mount, 1, 1)]
+    ranks = ThreadRanks(2)
+
+    def gather(rank: int) -> ShardGroup:
+        checkpoints = CheckpointDir(folders[rank], 5, FaultPlan.from_env(0))
+        dp: Any = ThreadRank(ranks, rank)
+        return ShardGroup.gather(f"learner.{rank}", checkpoints, dp)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(gather, (0, 1)))
+    assert groups[0].folders == [folders[0], folder_of(run_dir, 1, 1)]
+    assert groups[1].folders == [folder_of(mount, 0, 0), folders[1]]
+    assert groups[0].relative() == [".", "../../../node-1/roles/learner.1/checkpoints"]
+    assert groups[1].relative() == ["../../../../roles/learner.0/checkpoints", "."]
