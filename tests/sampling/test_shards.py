@@ -1,0 +1,310 @@
+"""Dispatch shards in one process: the ledger, the shard's work, and the sharded pipeline with a
+shard killed while it holds groups.
+
+``FakeShards`` stands for the shards' handle: each shard is a real ``ShardWorker`` over a fake
+rollout; ``kill`` ends a shard's incarnation as the dispatcher sees a shard's death (every
+``run_group`` it held fails with ``BrokenError``) and starts a fresh, empty one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from asyncrl.errors import BrokenError
+from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
+from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
+from asyncrl.roles.sampling.contract import BatchSettings
+from asyncrl.roles.sampling.shard import (
+    INFRA_DROPPED,
+    ReleasedGroup,
+    ShardGrant,
+    ShardWorker,
+    owned_replicas,
+    shard_of,
+)
+from asyncrl.roles.sampling.sharded import ShardedPipeline, ShardLedger
+from asyncrl.transport import run
+from tests.sampling.test_pipeline import Feed, prompts, reward_of, score
+
+G = 4
+B = 8
+WAIT_S = 20.0
+
+
+class Rollout:
+    """Answers each ``generate`` after the test's gate opens (open from the start unless
+    ``gated``); ``fail`` lists sample ids whose first answer is an infra failure."""
+
+    def __init__(self, *, gated: bool = False, fail: tuple[tuple[str, int], ...] = ()) -> None:
+        self.gate = asyncio.Event()
+        if not gated:
+            self.gate.set()
+        self.fail = Counter(fail)
+        self.calls: list[tuple[str, int]] = []
+
+    async def call(self, method: str, payload: Any = None, reply_type: Any = Any, **_: Any) -> Any:
+        assert method == "generate" and isinstance(payload, GenerateBatch)
+        out = []
+        for request in payload.requests:
+            sid = (request.prompt.id, request.sample_index)
+            self.calls.append(sid)
+            await self.gate.wait()
+            failed = "error" if self.fail[sid] > 0 else ""
+            self.fail[sid] -= 1
+            out.append(
+                Sample(
+                    prompt_id=sid[0],
+                    sample_index=sid[1],
+                    prompt_ids=request.prompt.token_ids,
+                    token_ids=[5],
+                    logprobs=[-0.5],
+                    versions=[0],
+                    finished=True,
+                    stop_reason="stop",
+                    infra_failed=failed,
+                )
+            )
+        return out
+
+
+class FakeShards:
+    """The shards' handle: ``replica`` picks the shard; ``kill`` ends its incarnation."""
+
+    def __init__(self, count: int, *, gated: bool = False) -> None:
+        self.count = count
+        self.gated = gated
+        self.rollouts = [Rollout(gated=gated) for _ in range(count)]
+        self.workers = [ShardWorker(r, score, shard=i) for i, r in enumerate(self.rollouts)]
+        self.running: list[set[asyncio.Task[ReleasedGroup]]] = [set() for _ in range(count)]
+        self.killed: set[asyncio.Task[ReleasedGroup]] = set()
+        self.grants: list[tuple[int, int, int]] = []  # (index, shard, incarnation)
+        self.changed = asyncio.Event()  # set by every call
+
+    @property
+    def replicas(self) -> int:
+        return self.count
+
+    async def call(
+        self,
+        method: str,
+        payload: Any = None,
+        reply_type: Any = Any,
+        *,
+        timeout: float = 0.0,
+        key: Any = None,
+        affinity: Any = None,
+        replica: int | None = None,
+    ) -> Any:
+        assert method == "run_group" and isinstance(payload, ShardGrant) and replica is not None
+        worker = self.workers[replica]
+        self.grants.append((payload.index, replica, worker.incarnation))
+        task = asyncio.get_running_loop().create_task(worker.run_group(payload))
+        self.running[replica].add(task)
+        self.changed.set()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task in self.killed:
+                raise BrokenError(f"shard[{replica}] died with the call in flight") from None
+            raise
+        finally:
+            task.cancel()
+            self.running[replica].discard(task)
+
+    def held(self, shard: int) -> int:
+        return len(self.running[shard])
+
+    def kill(self, shard: int) -> int:
+        """End shard ``shard``'s incarnation; start the next (its rollout open); returns how
+        many groups it held."""
+        held = list(self.running[shard])
+        self.killed.update(held)
+        for task in held:
+            task.cancel()
+        self.rollouts[shard] = Rollout()
+        old = self.workers[shard]
+        self.workers[shard] = ShardWorker(
+            self.rollouts[shard], score, shard=shard, incarnation=old.incarnation + 1
+        )
+        return len(held)
+
+
+def sharded(shards: FakeShards, spec: PipelineSpec, **kwargs: Any) -> ShardedPipeline:
+    return ShardedPipeline(
+        shards,
+        spec=spec,
+        settings=BatchSettings(batch_size=B, group_size=G),
+        feed=Feed(1000),
+        params=SamplingParams(max_new_tokens=1),
+        **kwargs,
+    )
+
+
+async def until(shards: FakeShards, condition: Any) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not condition():
+            shards.changed.clear()
+            await shards.changed.wait()
+
+
+# -- the ledger -----------------------------------------------------------------------------
+
+
+def test_the_ledger_holds_a_group_until_its_one_release() -> None:
+    ledger = ShardLedger(2)
+    ledger.grant(7, 1)
+    assert ledger.holding() == [0, 1]
+    assert ledger.lost(7, 1) == 2  # the second grant of group 7
+    assert ledger.regranted == 1
+    assert ledger.release(7, 1) is True
+    assert ledger.release(7, 1) is False  # released already: a duplicate, ignored
+    assert ledger.duplicates == 1
+    assert ledger.holding() == [0, 0]
+
+
+def test_the_ledger_refuses_a_second_grant_of_a_held_group() -> None:
+    ledger = ShardLedger(2)
+    ledger.grant(3, 0)
+    with pytest.raises(ValueError, match=r"^group 3 is granted already, to shard 0$"):
+        ledger.grant(3, 1)
+    with pytest.raises(ValueError, match=r"^shard 1 does not hold group 3$"):
+        ledger.lost(3, 1)
+    with pytest.raises(ValueError, match=r"^shards: expected an int >= 1, got 0$"):
+        ShardLedger(0)
+
+
+def test_shards_split_the_replicas_and_the_prompts() -> None:
+    assert [owned_replicas(10, 3, i) for i in range(3)] == [range(0, 3), range(3, 6), range(6, 10)]
+    with pytest.raises(ValueError) as err:
+        owned_replicas(2, 3, 0)
+    assert str(err.value) == (
+        "3 dispatch shards need at least as many rollout replicas, got 2: give the shard role "
+        "at most 2 replicas"
+    )
+    owners = Counter(shard_of(f"p{i}", 2) for i in range(1000))
+    assert set(owners) == {0, 1} and min(owners.values()) > 400
+    assert shard_of("p17", 2) == shard_of("p17", 2)
+
+
+# -- one shard's work -----------------------------------------------------------------------
+
+
+def grant(index: int, **kw: Any) -> ShardGrant:
+    return ShardGrant(
+        index=index,
+        prompt=prompts(index + 1)[index],
+        group_size=G,
+        params=SamplingParams(max_new_tokens=1),
+        **kw,
+    )
+
+
+def test_a_shard_releases_a_whole_group_scored() -> None:
+    async def main() -> ReleasedGroup:
+        return await ShardWorker(Rollout(), score, shard=1, incarnation=2).run_group(grant(3))
+
+    answer = run(main())
+    assert (answer.index, answer.shard, answer.incarnation) == (3, 1, 2)
+    assert answer.outcome == "complete"
+    assert [s.k for s in answer.samples] == [0, 1, 2, 3]
+    assert [s.reward for s in answer.samples] == [reward_of(s.sample) for s in answer.samples]
+    assert answer.counts == {"generated_samples": 4}
+
+
+def test_a_shard_replaces_an_infra_failed_sample_once_then_drops_the_group() -> None:
+    async def main(fail: tuple[tuple[str, int], ...]) -> ReleasedGroup:
+        return await ShardWorker(Rollout(fail=fail), score).run_group(grant(0))
+
+    once = run(main((("p0", 2),)))
+    assert once.outcome == "complete" and len(once.samples) == G
+    assert once.counts == {
+        "admitted_samples": 1,
+        "generated_samples": 5,
+        "wasted_samples": 1,
+        "wasted_tokens": 1,
+        "infra_failed": 1,
+        "infra_replaced": 1,
+        "infra_failed_error": 1,
+    }
+    twice = run(main((("p0", 2), ("p0", 2))))
+    assert (twice.outcome, twice.cause) == (INFRA_DROPPED, "error")
+    assert twice.counts["infra_failed"] == 2
+
+
+# -- the sharded pipeline -------------------------------------------------------------------
+
+
+def test_a_sharded_pipeline_hands_out_whole_groups_in_prompt_order() -> None:
+    async def main() -> tuple[list[list[tuple[str, int]]], ShardedPipeline, FakeShards]:
+        shards = FakeShards(2)
+        async with sharded(shards, PipelineSpec(mode="sync")) as pipe:
+            batches = []
+            for version in range(1, 4):
+                batch = await pipe.next_batch()
+                batches.append([(s.sample.prompt_id, s.sample.sample_index) for s in batch.samples])
+                pipe.advance(version)
+        return batches, pipe, shards
+
+    batches, pipe, shards = run(main())
+    assert batches == [
+        [(f"p{p}", k) for p in (2 * b, 2 * b + 1) for k in range(G)] for b in range(3)
+    ]
+    # Each group went to the shard its prompt id names, once.
+    granted = [(i, s) for i, s, _ in shards.grants]
+    assert granted[:6] == [(i, shard_of(f"p{i}", 2)) for i in range(6)]
+    assert pipe.metrics["consumed_samples"] == 3 * B
+    assert pipe.metrics["generated_samples"] >= 3 * B
+    assert pipe.pacer.max_ahead <= 0  # sync mode: one batch at a time
+
+
+def test_a_shard_killed_holding_groups_loses_and_repeats_nothing() -> None:
+    """Shard 0 dies with every group it holds half generated: each is granted again to its
+    next incarnation, consumed once, and the counters add up."""
+
+    async def main() -> tuple[list[str], dict[str, int], int, ShardedPipeline, FakeShards]:
+        shards = FakeShards(2, gated=True)
+        keys: list[str] = []
+        async with sharded(shards, PipelineSpec(mode="async", eta=2)) as pipe:
+            # The pacer's room (3 batches: p0 to p5) is granted; the rollouts hold every
+            # sample. p4 and p5 live in shard 0, the others in shard 1.
+            await until(shards, lambda: shards.held(0) + shards.held(1) == 6)
+            held = shards.kill(0)
+            shards.rollouts[1].gate.set()
+            for version in range(1, 6):
+                batch = await pipe.next_batch()
+                keys += [f"{s.sample.prompt_id} {s.sample.sample_index}" for s in batch.samples]
+                pipe.advance(version)
+            metrics = dict(pipe.metrics)
+            metrics["in_flight"] = pipe.in_flight
+        return keys, metrics, held, pipe, shards
+
+    keys, metrics, held, pipe, shards = run(main())
+    assert len(keys) == 5 * B and len(set(keys)) == len(keys)  # nothing consumed twice
+    # Consumed in prompt order with no gap: no group lost.
+    assert sorted({k.split()[0] for k in keys}, key=lambda p: int(p[1:])) == [
+        f"p{i}" for i in range(10)
+    ]
+    assert metrics["groups_regranted"] == held == pipe.ledger.regranted
+    assert pipe.ledger.duplicates == 0
+    # The groups shard 0 held were granted again to its next incarnation.
+    first = [i for i, s, inc in shards.grants if s == 0 and inc == 0]
+    again = [i for i, s, inc in shards.grants if s == 0 and inc == 1]
+    assert first == [4, 5] and held == 2
+    assert again[:2] == [4, 5]
+    # Every admitted sample is consumed, wasted or still in flight; η held throughout.
+    assert metrics["admitted_samples"] == metrics["consumed_samples"] + metrics["in_flight"]
+    assert pipe.pacer.max_ahead <= 0
+
+
+def test_a_sharded_pipeline_refuses_probes() -> None:
+    spec = PipelineSpec(drop_uniform=True, schedule=ScheduleSpec(probe=2))
+    with pytest.raises(ValueError) as err:
+        sharded(FakeShards(2), spec)
+    assert str(err.value) == (
+        "pipeline.schedule: probes and uniform skips are not run in dispatch shards; set "
+        "pipeline.schedule.probe and skip_uniform false, or use one driver"
+    )
