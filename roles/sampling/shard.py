@@ -368,11 +368,13 @@ class DispatchShard(Role):
         score: ``module:function``, an async ``Scorer`` (one reward per sample).
         rollout: the rollout role whose replicas the shards split among them.
         weights_method: the rollout endpoint ``sync`` calls on every owned replica.
+        timeout_s: seconds ``sync`` waits for every owned replica (their connections too).
         """
 
         score: str
         rollout: str = "rollout"
         weights_method: str = "sync"
+        timeout_s: float = 600.0
 
     async def setup(self) -> None:
         """Connect to the owned rollout replicas.
@@ -414,7 +416,8 @@ class DispatchShard(Role):
     async def sync(self, payload: Any) -> int | None:
         """Have every owned replica load the newest weights; the oldest version they hold
         (None when a replica answers no version)."""
-        versions = await self.rollout.broadcast(self.config.weights_method, payload)
+        cfg = self.config
+        versions = await self.rollout.broadcast(cfg.weights_method, payload, timeout=cfg.timeout_s)
         if not versions or not all(isinstance(v, int) for v in versions):
             return None
         return min(int(v) for v in versions)
