@@ -14,12 +14,15 @@ from typing import Any
 
 import pytest
 
-from asyncrl.errors import BrokenError
+from asyncrl.errors import BrokenError, ConfigProblem
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
+from asyncrl.manifest.spec import GroupInfo
+from asyncrl.role import RoleContext
 from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
 from asyncrl.roles.sampling.contract import BatchSettings
 from asyncrl.roles.sampling.shard import (
     INFRA_DROPPED,
+    DispatchShard,
     ReleasedGroup,
     ShardGrant,
     ShardWorker,
@@ -308,3 +311,39 @@ def test_a_sharded_pipeline_refuses_probes() -> None:
         "pipeline.schedule: probes and uniform skips are not run in dispatch shards; set "
         "pipeline.schedule.probe and skip_uniform false, or use one driver"
     )
+
+
+# -- the shard role's configuration -----------------------------------------------------------
+
+
+def shard_role(replicas: int, groups: dict[str, GroupInfo], **config: Any) -> DispatchShard:
+    config = {"score": "tests.sampling.test_pipeline:score", **config}
+    ctx = RoleContext.local(config, name="shard", replicas=replicas, groups=groups)
+    return DispatchShard(ctx)
+
+
+def setup_error(role: DispatchShard) -> str:
+    with pytest.raises(ConfigProblem) as err:
+        run(role.setup())
+    return str(err.value)
+
+
+def test_a_shard_names_what_is_wrong_with_its_configuration() -> None:
+    two = {"rollout": GroupInfo(["ipc:///nowhere/a", "ipc:///nowhere/b"])}
+    assert setup_error(shard_role(2, two, rollout="actor")) == (
+        "roles.shard.config.rollout: the run has no role 'actor' (roles: rollout); name the "
+        "rollout role whose replicas the shards own"
+    )
+    assert setup_error(shard_role(3, two)) == (
+        "roles.shard.replicas: 3 dispatch shards need at least as many rollout replicas, got "
+        "2: give the shard role at most 2 replicas"
+    )
+    assert setup_error(shard_role(2, two, score="no_colon")) == (
+        "roles.shard.config.score: expected 'module:function', got 'no_colon'"
+    )
+    message = setup_error(shard_role(2, two, score="tests.sampling.test_pipeline:nothing"))
+    assert message.startswith(
+        "roles.shard.config.score: 'tests.sampling.test_pipeline:nothing' cannot be imported: "
+    )
+    with pytest.raises(ConfigProblem, match=r"roles\.shard\.config"):
+        shard_role(2, two, scores="x")  # a misspelt key is refused by the role's Config
