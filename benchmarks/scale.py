@@ -194,7 +194,8 @@ async def _drive(
     which own the replicas; the driver then connects to the shards alone), wait for every
     replica, measure the idle driver and the pipeline's window, stop the helpers; the figures of
     the module docstring."""
-    reserve_sockets(shards or n)  # before the first socket, as the driver does
+    # Before the first socket, as the driver does; with shards, for the replicas' reports too.
+    reserve_sockets(n + shards)
     run_dir = tempfile.mkdtemp(prefix="arl-sc-")  # short: ipc socket paths live under it
     registry = LocalRegistry(run_dir)
     endpoints = [registry.endpoint("rollout", i) for i in range(n)]

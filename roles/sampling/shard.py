@@ -360,15 +360,18 @@ def _scorer(target: str, where: str) -> Scorer:
 
 
 class DispatchShard(Role):
-    """A dispatch shard (see the module): owns a range of the rollout replicas and serves
-    ``run_group`` for the driver's ``ShardedPipeline``."""
+    """A dispatch shard: owns a contiguous range of the rollout replicas (shard i of K: replicas
+    ``i * n // K`` to ``(i + 1) * n // K - 1``) and generates, scores and reduces the groups the
+    driver's ``ShardedPipeline`` grants it (docs/scaling.md, "Beyond one driver")."""
 
     class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-        """Attributes:
-        score: ``module:function``, an async ``Scorer`` (one reward per sample).
-        rollout: the rollout role whose replicas the shards split among them.
-        weights_method: the rollout endpoint ``sync`` calls on every owned replica.
-        timeout_s: seconds ``sync`` waits for every owned replica (their connections too).
+        """A dispatch shard's settings.
+
+        Attributes:
+            score: `module:function`, an async scorer: one reward per sample, in order.
+            rollout: the rollout role whose replicas the shards split among them.
+            weights_method: the rollout endpoint `sync` calls on every owned replica.
+            timeout_s: seconds `sync` waits for every owned replica (their connections too).
         """
 
         score: str
