@@ -104,6 +104,8 @@ ROW_TIMEOUT_S = 180.0
 RUN = "bench-scale"
 SHARD_CAPACITY = 65536
 """Groups one shard process of a sharded row works on at once: every group granted to it."""
+SHARD_LIVENESS = 30
+"""Missed heartbeats (one a second) after which the driver of a sharded row counts a shard dead."""
 
 
 # -- the driver (one fresh process per row) ---------------------------------------------------
@@ -204,7 +206,10 @@ async def _drive(
     shard_procs = start_shards(endpoints, shard_endpoints, run_dir)
     pids = [p.pid for p in procs + shard_procs]
     group = "shard" if shards else "rollout"
-    dispatcher = Dispatcher({group: GroupInfo(shard_endpoints or endpoints)}, run=RUN)
+    # A shard connecting to its hundreds of replicas on a loaded machine may not answer the
+    # driver's heartbeats for seconds: it is given SHARD_LIVENESS of them.
+    info = GroupInfo(shard_endpoints, liveness=SHARD_LIVENESS) if shards else GroupInfo(endpoints)
+    dispatcher = Dispatcher({group: info}, run=RUN)
     dispatcher.start()
     try:
         ctx = Context(dispatcher, run=RUN, run_dir=run_dir, log=None)

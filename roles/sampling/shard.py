@@ -38,6 +38,9 @@ group whose shard died (it grants it again; ``ShardLedger``). A restarted shard 
 every group it held is generated again from its prompt, under the same sample ids, so nothing
 it had half done is counted.
 
+Its cyclic garbage collector is set as the driver's (``asyncrl.dispatch.driver.freeze_start_up``):
+it holds a driver's share of samples, futures and tasks in flight.
+
 ``sync`` has the shard's replicas load the newest weights (the rollout endpoint the config's
 ``weights_method`` names) and answers the oldest version among them: a ``WeightSync`` over the
 shards' handle reaches every rollout replica through its shard.
@@ -55,6 +58,7 @@ import msgspec
 
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.driver import freeze_start_up
 from asyncrl.dispatch.handles import Context
 from asyncrl.errors import ConfigProblem
 from asyncrl.role import Delivery, Role, endpoint
@@ -409,6 +413,9 @@ class DispatchShard(Role):
         self.worker = ShardWorker(
             self.rollout, score, shard=self.ctx.replica, incarnation=self.ctx.incarnation
         )
+        # A shard holds thousands of samples in flight, as a driver does: its collector is set
+        # as the driver's (a young collection walking them all took a third of a driver's loop).
+        freeze_start_up()
 
     @endpoint(Delivery.ONCE)
     async def run_group(self, grant: ShardGrant) -> ReleasedGroup:
