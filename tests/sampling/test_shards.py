@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from asyncrl.clock import FakeClock
 from asyncrl.errors import BrokenError, ConfigProblem
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
 from asyncrl.manifest.spec import GroupInfo
@@ -236,6 +237,47 @@ def test_a_shard_replaces_an_infra_failed_sample_once_then_drops_the_group() -> 
     twice = run(main((("p0", 2), ("p0", 2))))
     assert (twice.outcome, twice.cause) == (INFRA_DROPPED, "error")
     assert twice.counts["infra_failed"] == 2
+
+
+def test_a_shard_emits_a_group_at_its_deadline_with_the_samples_it_has() -> None:
+    """Straggler policy emit: sample 3 never finishes; at the deadline (a fake clock) the
+    group is released partial with samples 0 to 2, and the straggler is cancelled."""
+
+    class Stuck(Rollout):
+        async def call(self, method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+            if payload.requests[0].sample_index == 3:
+                await asyncio.Event().wait()  # never answers: cancelled at the release
+            return await super().call(method, payload, *a, **kw)
+
+    async def main() -> tuple[ReleasedGroup, int]:
+        clock = FakeClock()
+        scored = 0
+        three = asyncio.Event()
+
+        async def counting(samples: list[Sample]) -> list[float]:
+            nonlocal scored
+            scored += len(samples)
+            if scored == 3:
+                three.set()
+            return await score(samples)
+
+        worker = ShardWorker(Stuck(), counting, clock=clock)
+        task = asyncio.get_running_loop().create_task(
+            worker.run_group(grant(0, straggler="emit", deadline_s=1.0, k_min=2))
+        )
+        async with asyncio.timeout(WAIT_S):
+            await three.wait()
+        await asyncio.sleep(0)  # the third reward reaches the reducer
+        clock.advance(1.0)
+        async with asyncio.timeout(WAIT_S):
+            answer = await task
+        return answer, clock.timers
+
+    answer, timers = run(main())
+    assert answer.outcome == "partial"
+    assert [s.k for s in answer.samples] == [0, 1, 2]
+    assert answer.counts == {"generated_samples": 3}
+    assert timers == 0  # the deadline's timer is gone with the round
 
 
 # -- the sharded pipeline -------------------------------------------------------------------
