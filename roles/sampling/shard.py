@@ -72,6 +72,7 @@ from asyncrl.roles.sampling.reduce import Reducer, Released, Straggler
 __all__ = [
     "INFRA_DROPPED",
     "DispatchShard",
+    "GroupWithdrawnError",
     "ReleasedGroup",
     "ShardGrant",
     "ShardSample",
@@ -141,6 +142,10 @@ class ReleasedGroup(msgspec.Struct, kw_only=True):
     cause: str = ""
 
 
+class GroupWithdrawnError(RuntimeError):
+    """A granted group's ``run_group`` ended because the driver withdrew it (``cancel_group``)."""
+
+
 def owned_replicas(replicas: int, shards: int, shard: int) -> range:
     """The rollout replicas shard ``shard`` of ``shards`` owns: a contiguous range, every
     replica owned by exactly one shard.
@@ -159,6 +164,12 @@ def owned_replicas(replicas: int, shards: int, shard: int) -> range:
 def shard_of(prompt_id: str, shards: int) -> int:
     """The shard a group lives in, chosen by its prompt id (the same in every process)."""
     return zlib.crc32(prompt_id.encode()) % shards
+
+
+def _named(fn: Any) -> str:
+    """A scorer's ``module:function`` (its repr when it has no such name)."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}:{name}" if module and name else repr(fn)
 
 
 class _Scoring:
@@ -180,7 +191,12 @@ class _Scoring:
         while self._pending:
             todo, self._pending = self._pending, []
             try:
-                rewards = await self.score([s for s, _ in todo])
+                rewards = [float(r) for r in await self.score([s for s, _ in todo])]
+                if len(rewards) != len(todo):
+                    raise ValueError(
+                        f"the scorer {_named(self.score)} returned {len(rewards)} rewards for "
+                        f"{len(todo)} samples: it must return one reward per sample, in order"
+                    )
             except Exception as exc:  # every caller of this call raises it
                 for _, future in todo:
                     if not future.done():
@@ -188,7 +204,7 @@ class _Scoring:
                 continue
             for (_, future), reward in zip(todo, rewards, strict=True):
                 if not future.done():
-                    future.set_result(float(reward))
+                    future.set_result(reward)
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
@@ -233,7 +249,7 @@ class ShardWorker:
         clock: what straggler deadlines run on.
 
     Attributes:
-        served: groups answered, by outcome.
+        served: groups answered, by outcome (``withdrawn``: groups the driver withdrew).
     """
 
     def __init__(
@@ -251,6 +267,7 @@ class ShardWorker:
         self.clock = clock
         self.served: Counter[str] = Counter()
         self._scoring = _Scoring(score)
+        self._runs: dict[int, _GroupRun] = {}
 
     async def run_group(self, grant: ShardGrant) -> ReleasedGroup:
         """Generate, score and reduce ``grant``'s group; answer it as released.
@@ -267,6 +284,7 @@ class ShardWorker:
             )
         )
         run = _GroupRun(grant, asyncio.get_running_loop().create_future())
+        self._runs[grant.index] = run
 
         def released(r: Released) -> None:
             run.finish(r.outcome.value)
@@ -291,6 +309,8 @@ class ShardWorker:
         try:
             outcome, cause = await run.done
         finally:
+            if self._runs.get(grant.index) is run:
+                del self._runs[grant.index]
             reducer.close()
             for task in tasks:
                 task.cancel()
@@ -307,6 +327,17 @@ class ShardWorker:
             counts=run.counts.as_dict(),
             cause=cause,
         )
+
+    def cancel(self, index: int) -> bool:
+        """Withdraw group ``index`` (the driver gave up on it and grants it again): its samples
+        are cancelled and its ``run_group`` raises ``GroupWithdrawnError``. False when no such
+        group is being worked on (released already, or never granted here)."""
+        run = self._runs.pop(index, None)
+        if run is None or run.done.done():
+            return False
+        self.served["withdrawn"] += 1
+        run.fail(GroupWithdrawnError(f"group {index} was withdrawn by the driver"))
+        return True
 
     async def _sample(self, run: _GroupRun, k: int, source: SampleSource, reducer: Reducer) -> None:
         """Sample ``k`` of ``run``'s group: generated (replaced once when it failed through no
@@ -421,6 +452,11 @@ class DispatchShard(Role):
     async def run_group(self, grant: ShardGrant) -> ReleasedGroup:
         """Generate, score and reduce one granted group (``ShardWorker.run_group``)."""
         return await self.worker.run_group(grant)
+
+    @endpoint(Delivery.ONCE)
+    async def cancel_group(self, index: int) -> bool:
+        """Withdraw group ``index``, which the driver gave up on (``ShardWorker.cancel``)."""
+        return self.worker.cancel(index)
 
     @endpoint(Delivery.LATEST)
     async def sync(self, payload: Any) -> int | None:

@@ -14,7 +14,9 @@ group at a time, each grant one prompt index. The shard answers with the group r
 dies with groups in hand fails every ``run_group`` it held (``BrokenError``; the endpoint is
 *once*, so the dispatcher retries nothing itself); each such group is granted again to the same
 shard, which the supervisor restarts, and waits in its queue until the new incarnation takes
-work. A release is accepted once per granted group: nothing is lost, nothing counted twice
+work. A live shard that has not released a group within the group's budget
+(``group_budget_s``) withdraws it (``cancel_group``) and it is granted again. A release is
+accepted once per granted group: nothing is lost, nothing counted twice
 (``groups_regranted`` counts the grants made again).
 
 What one driver does that a shard does not (yet): the prompt schedule's probes (the front
@@ -29,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from asyncrl.clock import MONOTONIC, Clock
-from asyncrl.errors import BrokenError
+from asyncrl.errors import BrokenError, DeadlineExceededError, RoleDeadError, TransportError
 from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import Sample, SamplingParams
 from asyncrl.roles.sampling.contract import BatchSettings, PromptFeed
@@ -139,11 +141,16 @@ class ShardedPipeline(SamplePipeline):
         shards: the dispatch shards' handle (``ctx.roles[<the shard role>]``).
         spec, settings, feed, params, start_version, resume, watchdog, clock: as for
             ``SamplePipeline``.
-        timeout: seconds for one group's ``run_group`` call, and each shard's ``generate``
-            calls.
+        timeout: seconds for each of a shard's ``generate`` calls. A group's ``run_group``
+            call is given the group's whole budget (``group_budget_s``): its generate calls one
+            after another, each replaced once, its straggler deadline and one timeout more.
+            A live shard that has not released a group by then is asked to withdraw it
+            (``cancel_group``) and the group is granted again; a shard that died fails its
+            calls at once (its liveness), and its groups are granted again.
 
     Attributes:
         ledger: which shard holds which group (``ShardLedger``).
+        group_budget_s: the seconds one group's ``run_group`` call is given.
 
     Raises:
         ValueError: ``pipeline.schedule`` with probes or uniform skips (not run in shards), or
@@ -187,6 +194,11 @@ class ShardedPipeline(SamplePipeline):
         self.params = params
         self.timeout = timeout
         straggler = spec.straggler
+        # A group's samples run at once in its shard, but may each wait for the shard's room
+        # and the rollout replicas': its budget counts its generate calls one after another,
+        # each replaced once, then its straggler deadline, and one timeout more to be queued.
+        calls = 1 if spec.group_calls else settings.group_size
+        self.group_budget_s = (2 * calls + 1) * timeout + (straggler.deadline_s or 0.0)
         self._grant_fields: dict[str, Any] = {
             "group_size": settings.group_size,
             "params": params,
@@ -215,8 +227,11 @@ class ShardedPipeline(SamplePipeline):
         while True:
             try:
                 answer: ReleasedGroup = await self.shards.call(
-                    "run_group", grant, ReleasedGroup, timeout=self.timeout, replica=shard
+                    "run_group", grant, ReleasedGroup, timeout=self.group_budget_s, replica=shard
                 )
+            except DeadlineExceededError as exc:
+                await self._withdraw(group, shard, exc)
+                continue
             except BrokenError as exc:
                 grants = self.ledger.lost(group.index, shard)
                 self.counters.groups_regranted += 1
@@ -233,6 +248,34 @@ class ShardedPipeline(SamplePipeline):
             break
         if self.ledger.release(group.index, shard):
             self._released(group, answer)
+
+    async def _withdraw(self, group: Group, shard: int, exc: DeadlineExceededError) -> None:
+        """``shard``, alive, did not release ``group`` within its budget: it is withdrawn there
+        (its samples cancelled; a shard that cannot be reached holds nothing to cancel) and
+        granted again."""
+        try:
+            await self.shards.call(
+                "cancel_group", group.index, bool, timeout=self.timeout, replica=shard
+            )
+        except (TransportError, RoleDeadError) as cancel_exc:
+            log.warning(
+                "sample pipeline: dispatch shard %d could not withdraw group %r: %s",
+                shard,
+                group.key,
+                cancel_exc,
+            )
+        grants = self.ledger.lost(group.index, shard)
+        self.counters.groups_regranted += 1
+        log.warning(
+            "sample pipeline: dispatch shard %d did not release group %r (index %d) within its "
+            "budget of %.0f s; withdrawn and granted again (grant %d): %s",
+            shard,
+            group.key,
+            group.index,
+            self.group_budget_s,
+            grants,
+            exc,
+        )
 
     def _released(self, group: Group, answer: ReleasedGroup) -> None:
         """Take a shard's release of ``group``: its counts, its samples, its outcome."""

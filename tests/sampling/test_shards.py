@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from asyncrl.clock import FakeClock
-from asyncrl.errors import BrokenError, ConfigProblem
+from asyncrl.errors import BrokenError, ConfigProblem, DeadlineExceededError
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import RoleContext
@@ -76,7 +76,9 @@ class Rollout:
 
 
 class FakeShards:
-    """The shards' handle: ``replica`` picks the shard; ``kill`` ends its incarnation."""
+    """The shards' handle: ``replica`` picks the shard; ``kill`` ends its incarnation;
+    ``pass_time`` moves the calls' clock (a call not answered by its deadline fails with
+    ``DeadlineExceededError`` while its shard goes on working, as a real shard does)."""
 
     def __init__(self, count: int, *, gated: bool = False) -> None:
         self.count = count
@@ -86,11 +88,23 @@ class FakeShards:
         self.running: list[set[asyncio.Task[ReleasedGroup]]] = [set() for _ in range(count)]
         self.killed: set[asyncio.Task[ReleasedGroup]] = set()
         self.grants: list[tuple[int, int, int]] = []  # (index, shard, incarnation)
+        self.answered: Counter[int] = Counter()  # run_group answers, by group index
+        self.withdrawn: list[tuple[int, int, bool]] = []  # cancel_group: (index, shard, held)
+        self.timeouts: list[float] = []  # each run_group call's timeout
+        self.now = 0.0
+        self._deadlines: list[tuple[float, asyncio.Future[None]]] = []
         self.changed = asyncio.Event()  # set by every call
 
     @property
     def replicas(self) -> int:
         return self.count
+
+    def pass_time(self, seconds: float) -> None:
+        """Move the clock: every call whose deadline has come fails."""
+        self.now += seconds
+        for deadline, expired in self._deadlines:
+            if deadline <= self.now and not expired.done():
+                expired.set_result(None)
 
     async def call(
         self,
@@ -103,21 +117,38 @@ class FakeShards:
         affinity: Any = None,
         replica: int | None = None,
     ) -> Any:
-        assert method == "run_group" and isinstance(payload, ShardGrant) and replica is not None
+        assert replica is not None
         worker = self.workers[replica]
+        if method == "cancel_group":
+            held = worker.cancel(payload)
+            self.withdrawn.append((payload, replica, held))
+            self.changed.set()
+            return held
+        assert method == "run_group" and isinstance(payload, ShardGrant)
         self.grants.append((payload.index, replica, worker.incarnation))
+        self.timeouts.append(timeout)
         task = asyncio.get_running_loop().create_task(worker.run_group(payload))
+        task.add_done_callback(lambda _: self.changed.set())
         self.running[replica].add(task)
+        task.add_done_callback(self.running[replica].discard)
+        expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (self.now + timeout, expired)
+        self._deadlines.append(entry)
         self.changed.set()
         try:
-            return await task
+            await asyncio.wait({task, expired}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                answer = await task
+                self.answered[answer.index] += 1
+                return answer
+            raise DeadlineExceededError(f"shard[{replica}]", method, timeout)
         except asyncio.CancelledError:
             if task in self.killed:
                 raise BrokenError(f"shard[{replica}] died with the call in flight") from None
+            task.cancel()
             raise
         finally:
-            task.cancel()
-            self.running[replica].discard(task)
+            self._deadlines.remove(entry)
 
     def held(self, shard: int) -> int:
         return len(self.running[shard])
@@ -135,6 +166,13 @@ class FakeShards:
             self.rollouts[shard], score, shard=shard, incarnation=old.incarnation + 1
         )
         return len(held)
+
+    async def close(self) -> None:
+        """End every shard's work still running (a withdrawn group's, say)."""
+        tasks = [t for running in self.running for t in running]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def sharded(shards: FakeShards, spec: PipelineSpec, **kwargs: Any) -> ShardedPipeline:
@@ -343,6 +381,89 @@ def test_a_shard_killed_holding_groups_loses_and_repeats_nothing() -> None:
     # Every admitted sample is consumed, wasted or still in flight; η held throughout.
     assert metrics["admitted_samples"] == metrics["consumed_samples"] + metrics["in_flight"]
     assert pipe.pacer.max_ahead <= 0
+
+
+def test_a_group_slower_than_one_generate_timeout_is_not_given_up() -> None:
+    """Each group waits three generate timeouts for its rollouts (queued behind others, say):
+    within its budget, so the driver waits for its live shard, withdraws nothing and grants
+    nothing again."""
+
+    async def main() -> tuple[list[str], ShardedPipeline, FakeShards]:
+        shards = FakeShards(2, gated=True)
+        async with asyncio.timeout(WAIT_S):
+            async with sharded(shards, PipelineSpec(mode="sync"), timeout=10.0) as pipe:
+                await until(shards, lambda: shards.held(0) + shards.held(1) == 2)
+                shards.pass_time(30.0)
+                for rollout in shards.rollouts:
+                    rollout.gate.set()
+                batch = await pipe.next_batch()
+                pipe.advance(1)
+            await shards.close()
+        keys = [f"{s.sample.prompt_id} {s.sample.sample_index}" for s in batch.samples]
+        return keys, pipe, shards
+
+    keys, pipe, shards = run(main())
+    assert keys == [f"p{p} {k}" for p in (0, 1) for k in range(G)]
+    assert pipe.group_budget_s == 90.0  # (2 x 4 generate calls + 1) x 10 s
+    assert shards.timeouts[:2] == [90.0, 90.0]
+    assert shards.withdrawn == []
+    assert pipe.metrics["groups_regranted"] == 0
+    assert shards.answered == Counter({0: 1, 1: 1})
+
+
+def test_a_group_past_its_budget_is_withdrawn_at_its_shard_and_granted_again() -> None:
+    """Both groups of a batch outlive their budget in live shards: each is withdrawn at its
+    shard (its samples cancelled there), granted again, released once and consumed once."""
+
+    async def main() -> tuple[list[str], ShardedPipeline, FakeShards]:
+        shards = FakeShards(2, gated=True)
+        async with asyncio.timeout(WAIT_S):
+            async with sharded(shards, PipelineSpec(mode="sync"), timeout=10.0) as pipe:
+                await until(shards, lambda: shards.held(0) + shards.held(1) == 2)
+                shards.pass_time(90.0)
+                await until(shards, lambda: len(shards.grants) == 4)
+                for rollout in shards.rollouts:
+                    rollout.gate.set()
+                batch = await pipe.next_batch()
+                pipe.advance(1)
+            await shards.close()
+        keys = [f"{s.sample.prompt_id} {s.sample.sample_index}" for s in batch.samples]
+        return keys, pipe, shards
+
+    keys, pipe, shards = run(main())
+    assert keys == [f"p{p} {k}" for p in (0, 1) for k in range(G)]
+    owners = {i: shard_of(f"p{i}", 2) for i in (0, 1)}
+    assert sorted(shards.withdrawn) == [(0, owners[0], True), (1, owners[1], True)]
+    assert sum(w.served["withdrawn"] for w in shards.workers) == 2
+    assert sorted(i for i, _, _ in shards.grants[:4]) == [0, 0, 1, 1]
+    assert shards.answered == Counter({0: 1, 1: 1})  # each released once, by its second grant
+    assert pipe.metrics["groups_regranted"] == 2
+    assert pipe.ledger.holding() == [0, 0]
+
+
+def test_a_scorer_returning_the_wrong_number_of_rewards_fails_the_group() -> None:
+    """The scorer's error fails the group's call at once, named; no task is left behind."""
+
+    async def short(samples: list[Sample]) -> list[float]:
+        return (await score(samples))[:-1]
+
+    async def main() -> tuple[str, ShardWorker]:
+        worker = ShardWorker(Rollout(), short)
+        async with asyncio.timeout(WAIT_S):
+            with pytest.raises(ValueError) as err:
+                await worker.run_group(grant(0))
+            await worker.close()
+        return str(err.value), worker
+
+    message, worker = run(main())
+    assert message == (
+        "the scorer tests.sampling.test_shards:test_a_scorer_returning_the_wrong_number_of_"
+        "rewards_fails_the_group.<locals>.short returned 3 rewards for 4 samples: it must "
+        "return one reward per sample, in order"
+    )
+    task = worker._scoring._task
+    assert task is not None and task.done() and task.exception() is None
+    assert worker._runs == {}
 
 
 def test_a_sharded_pipeline_refuses_probes() -> None:
