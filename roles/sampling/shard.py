@@ -397,7 +397,10 @@ def _scorer(target: str, where: str) -> Scorer:
 class DispatchShard(Role):
     """A dispatch shard: owns a contiguous range of the rollout replicas (shard i of K: replicas
     ``i * n // K`` to ``(i + 1) * n // K - 1``) and generates, scores and reduces the groups the
-    driver's ``ShardedPipeline`` grants it (docs/scaling.md, "Beyond one driver")."""
+    driver's ``ShardedPipeline`` grants it (docs/scaling.md, "Beyond one driver"). Its role's
+    ``capacity`` is the groups one shard works on at once: set it to the groups in flight,
+    about ``(eta + 1) * batch_size / group_size / replicas``; below the rollout replicas it
+    owns (the manifest's default, 1, with two or more) it is refused, as it would idle them."""
 
     class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """A dispatch shard's settings.
@@ -419,7 +422,8 @@ class DispatchShard(Role):
 
         Raises:
             ConfigProblem: the run has no such rollout role, fewer rollout replicas than
-                shards, or a scorer that cannot be imported.
+                shards, a capacity below the rollout replicas owned, or a scorer that cannot
+                be imported.
         """
         cfg = self.config
         where = f"roles.{self.ctx.name}.config"
@@ -435,6 +439,14 @@ class DispatchShard(Role):
             owned = owned_replicas(len(group.endpoints), self.ctx.replicas, self.ctx.replica)
         except ValueError as exc:
             raise ConfigProblem(f"roles.{self.ctx.name}.replicas: {exc}") from exc
+        if self.ctx.capacity < len(owned):
+            raise ConfigProblem(
+                f"roles.{self.ctx.name}.capacity: {self.ctx.capacity} is fewer than the "
+                f"{len(owned)} rollout replicas shard {self.ctx.replica} owns (a shard's "
+                f"capacity is the groups it works on at once: fewer would idle them); set it "
+                f"to the groups in flight, about (eta + 1) * "
+                f"batch_size / group_size / {self.ctx.replicas} (docs/scaling.md)"
+            )
         mine = msgspec.structs.replace(group, endpoints=[group.endpoints[i] for i in owned])
         self.owned = owned
         self.dispatcher = Dispatcher({cfg.rollout: mine}, run=self.ctx.run)

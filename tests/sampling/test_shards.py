@@ -479,9 +479,13 @@ def test_a_sharded_pipeline_refuses_probes() -> None:
 # -- the shard role's configuration -----------------------------------------------------------
 
 
-def shard_role(replicas: int, groups: dict[str, GroupInfo], **config: Any) -> DispatchShard:
+def shard_role(
+    replicas: int, groups: dict[str, GroupInfo], capacity: int = 1, **config: Any
+) -> DispatchShard:
     config = {"score": "tests.sampling.test_pipeline:score", **config}
-    ctx = RoleContext.local(config, name="shard", replicas=replicas, groups=groups)
+    ctx = RoleContext.local(
+        config, name="shard", replicas=replicas, groups=groups, capacity=capacity
+    )
     return DispatchShard(ctx)
 
 
@@ -500,6 +504,13 @@ def test_a_shard_names_what_is_wrong_with_its_configuration() -> None:
     assert setup_error(shard_role(3, two)) == (
         "roles.shard.replicas: 3 dispatch shards need at least as many rollout replicas, got "
         "2: give the shard role at most 2 replicas"
+    )
+    four = {"rollout": GroupInfo([f"ipc:///nowhere/{i}" for i in range(4)])}
+    assert setup_error(shard_role(2, four)) == (
+        "roles.shard.capacity: 1 is fewer than the 2 rollout replicas shard 0 owns (a shard's "
+        "capacity is the groups it works on at once: fewer would idle them); set it to the "
+        "groups in flight, about (eta + 1) * "
+        "batch_size / group_size / 2 (docs/scaling.md)"
     )
     assert setup_error(shard_role(2, two, score="no_colon")) == (
         "roles.shard.config.score: expected 'module:function', got 'no_colon'"
