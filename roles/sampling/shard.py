@@ -19,7 +19,11 @@ A shard is a supervised role (``DispatchShard``), named in the manifest like any
 Shard ``i`` of ``K`` owns rollout replicas ``i * n // K`` to ``(i + 1) * n // K - 1``
 (``owned_replicas``): its own ``Dispatcher`` and ``Scheduler`` connect to those alone, so the
 per-replica work (connections, heartbeats, credit) is spread over the shards. Within a shard a
-group's samples go to whichever owned replica has room, as in one driver.
+group's samples go to whichever owned replica has room, as in one driver. The shard follows its
+node's ``membership.json`` as the driver does (``follow_membership``, through
+``owned_membership``): an owned replica that departed with its node leaves the shard's group,
+one that moved is reached where it runs now. Once every owned replica has departed, each grant
+fails with ``ShardEmptyError`` and the driver grants the shard's groups to the other shards.
 
 Per granted group (``ShardGrant``, answered by ``ReleasedGroup``; ``ShardWorker.run_group``):
 
@@ -49,18 +53,22 @@ shards' handle reaches every rollout replica through its shard.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import zlib
 from collections import Counter
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import msgspec
 
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.dispatch.dispatcher import Dispatcher
-from asyncrl.dispatch.driver import freeze_start_up
+from asyncrl.dispatch.driver import follow_membership, followed, freeze_start_up
 from asyncrl.dispatch.handles import Context
-from asyncrl.errors import ConfigProblem
+from asyncrl.errors import ConfigProblem, RoleDeadError
+from asyncrl.manifest.membership import Membership
+from asyncrl.observe import logs
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
@@ -74,12 +82,16 @@ __all__ = [
     "DispatchShard",
     "GroupWithdrawnError",
     "ReleasedGroup",
+    "ShardEmptyError",
     "ShardGrant",
     "ShardSample",
     "ShardWorker",
+    "owned_membership",
     "owned_replicas",
     "shard_of",
 ]
+
+T = TypeVar("T")
 
 INFRA_DROPPED = "infra_dropped"
 """A ``ReleasedGroup``'s outcome when a sample failed through no fault of the policy and the
@@ -124,7 +136,8 @@ class ReleasedGroup(msgspec.Struct, kw_only=True):
     """A shard's answer to a ``ShardGrant``: the group as its reducer released it.
 
     Attributes:
-        index: the grant's index; shard, incarnation: which shard process released it.
+        index: the grant's index; shard: the shard that released it (the driver refuses a
+            release of another group, or by another shard, than the one it granted).
         outcome: ``complete``, ``partial``, ``dropped`` (the reducer's ``Outcome``) or
             ``infra_dropped`` (waste: a sample failed through no fault of the policy).
         samples: the scored samples it was released with, in sample order.
@@ -135,7 +148,6 @@ class ReleasedGroup(msgspec.Struct, kw_only=True):
 
     index: int
     shard: int
-    incarnation: int
     outcome: str
     samples: list[ShardSample]
     counts: dict[str, int]
@@ -144,6 +156,26 @@ class ReleasedGroup(msgspec.Struct, kw_only=True):
 
 class GroupWithdrawnError(RuntimeError):
     """A granted group's ``run_group`` ended because the driver withdrew it (``cancel_group``)."""
+
+
+class ShardEmptyError(RuntimeError):
+    """Every rollout replica a shard owns left the run (their nodes were lost): it cannot work
+    a group; the driver grants the group to another shard."""
+
+
+def owned_membership(membership: Membership, role: str, owned: range) -> Membership:
+    """``membership`` as a shard's dispatcher knows it: ``role``'s replicas in ``owned`` alone,
+    numbered from 0 as the shard numbers them (``follow_membership``'s ``view``)."""
+
+    def mine(per_replica: Mapping[int, T]) -> dict[int, T]:
+        return {i - owned.start: v for i, v in per_replica.items() if i in owned}
+
+    return msgspec.structs.replace(
+        membership,
+        departed={role: mine(membership.departed.get(role, {}))},
+        moved={role: mine(membership.moved.get(role, {}))},
+        shrunk={},
+    )
 
 
 def owned_replicas(replicas: int, shards: int, shard: int) -> range:
@@ -245,7 +277,7 @@ class ShardWorker:
     Args:
         rollout: the handle of the rollout replicas this shard owns.
         score: one reward per sample (``Scorer``).
-        shard, incarnation: which shard process this is (echoed in every answer).
+        shard: which shard this is (echoed in every answer); incarnation: its restarts.
         clock: what straggler deadlines run on.
 
     Attributes:
@@ -319,7 +351,6 @@ class ShardWorker:
         return ReleasedGroup(
             index=grant.index,
             shard=self.shard,
-            incarnation=self.incarnation,
             outcome=outcome,
             samples=[
                 ShardSample(k=k, sample=s, reward=r) for k, (s, r) in sorted(run.samples.items())
@@ -451,6 +482,15 @@ class DispatchShard(Role):
         self.owned = owned
         self.dispatcher = Dispatcher({cfg.rollout: mine}, run=self.ctx.run)
         self.dispatcher.start()
+        # The run's membership, as the driver follows it, for the owned replicas alone: one
+        # that departed with its node leaves the shard's group, one that moved is reached where
+        # it runs now.
+        log = logs.get_logger("asyncrl.roles.sampling.shard")
+        view = functools.partial(owned_membership, role=cfg.rollout, owned=owned)
+        self._follow = asyncio.get_running_loop().create_task(
+            follow_membership(self.ctx.run_dir, self.dispatcher, log, view)
+        )
+        self._follow.add_done_callback(functools.partial(followed, log))
         roles = Context(self.dispatcher, run=self.ctx.run, run_dir=self.ctx.run_dir, log=None)
         self.rollout = roles.roles[cfg.rollout]
         self.worker = ShardWorker(
@@ -462,8 +502,26 @@ class DispatchShard(Role):
 
     @endpoint(Delivery.ONCE)
     async def run_group(self, grant: ShardGrant) -> ReleasedGroup:
-        """Generate, score and reduce one granted group (``ShardWorker.run_group``)."""
-        return await self.worker.run_group(grant)
+        """Generate, score and reduce one granted group (``ShardWorker.run_group``).
+
+        Raises:
+            ShardEmptyError: every rollout replica this shard owns left the run.
+        """
+        if not self.rollout.members:
+            raise self._empty()
+        try:
+            return await self.worker.run_group(grant)
+        except RoleDeadError as exc:
+            if not self.rollout.members:
+                raise self._empty() from exc
+            raise
+
+    def _empty(self) -> ShardEmptyError:
+        owned = self.owned
+        return ShardEmptyError(
+            f"dispatch shard {self.ctx.replica}: every rollout replica it owns "
+            f"({owned.start} to {owned.stop - 1}) left the run"
+        )
 
     @endpoint(Delivery.ONCE)
     async def cancel_group(self, index: int) -> bool:
@@ -489,6 +547,10 @@ class DispatchShard(Role):
         }
 
     async def teardown(self) -> None:
+        follow = getattr(self, "_follow", None)
+        if follow is not None:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
         if hasattr(self, "worker"):
             await self.worker.close()
         if hasattr(self, "dispatcher"):

@@ -31,7 +31,13 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from asyncrl.clock import MONOTONIC, Clock
-from asyncrl.errors import BrokenError, DeadlineExceededError, RoleDeadError, TransportError
+from asyncrl.errors import (
+    BrokenError,
+    DeadlineExceededError,
+    RemoteError,
+    RoleDeadError,
+    TransportError,
+)
 from asyncrl.roles.learning.statistics import Moments
 from asyncrl.roles.payloads import Sample, SamplingParams
 from asyncrl.roles.sampling.contract import BatchSettings, PromptFeed
@@ -74,8 +80,10 @@ class ShardLedger:
 
     Attributes:
         held: per shard, the indices of the groups it holds, each with its grants so far.
-        regranted: grants made again after a shard died; duplicates: releases refused
-            because the group was no longer held (released already).
+        gone: the shards that can work no group (every rollout replica they own left the run,
+            or the supervisor gave up on them); ``owner`` skips them.
+        duplicates: releases refused because the group was not held by the shard that
+            released it (released already, withdrawn, or granted elsewhere since).
     """
 
     def __init__(self, shards: int) -> None:
@@ -83,12 +91,23 @@ class ShardLedger:
             raise ValueError(f"shards: expected an int >= 1, got {shards}")
         self.shards = shards
         self.held: list[dict[int, int]] = [{} for _ in range(shards)]
-        self.regranted = 0
+        self.gone: set[int] = set()
         self.duplicates = 0
 
     def owner(self, prompt_id: str) -> int:
-        """The shard a group of ``prompt_id`` is granted to (``shard_of``)."""
-        return shard_of(prompt_id, self.shards)
+        """The shard a group of ``prompt_id`` is granted to: ``shard_of`` over every shard, or,
+        when that one is gone, over the shards left.
+
+        Raises:
+            ValueError: every shard is gone.
+        """
+        shard = shard_of(prompt_id, self.shards)
+        if shard not in self.gone:
+            return shard
+        left = [s for s in range(self.shards) if s not in self.gone]
+        if not left:
+            raise ValueError(f"every dispatch shard is gone ({self.shards} of {self.shards})")
+        return left[shard_of(prompt_id, len(left))]
 
     def grant(self, index: int, shard: int) -> None:
         """Group ``index`` is granted to ``shard``.
@@ -101,15 +120,19 @@ class ShardLedger:
                 raise ValueError(f"group {index} is granted already, to shard {s}")
         self.held[shard][index] = 1
 
-    def lost(self, index: int, shard: int) -> int:
-        """``shard`` died holding group ``index``: it is granted again (to the same shard,
-        restarted); returns how many grants it has had."""
+    def lost(self, index: int, shard: int, to: int | None = None) -> int:
+        """``shard`` lost group ``index`` (it died, or withdrew it): it is granted again, to
+        ``to`` (the same shard when None); returns how many grants it has had."""
         held = self.held[shard]
         if index not in held:
             raise ValueError(f"shard {shard} does not hold group {index}")
-        held[index] += 1
-        self.regranted += 1
-        return held[index]
+        grants = held.pop(index) + 1
+        self.held[shard if to is None else to][index] = grants
+        return grants
+
+    def retire(self, shard: int) -> None:
+        """``shard`` can work no group: ``owner`` skips it from now on."""
+        self.gone.add(shard)
 
     def release(self, index: int, shard: int) -> bool:
         """``shard`` released group ``index``: True the first time; False (a duplicate,
@@ -122,6 +145,15 @@ class ShardLedger:
     def holding(self) -> list[int]:
         """How many groups each shard holds."""
         return [len(held) for held in self.held]
+
+
+def _gone(exc: Exception, shard: int) -> bool:
+    """Whether ``exc``, failing a ``run_group`` sent to ``shard``, says the shard can work no
+    group: its rollout replicas all left the run (``ShardEmptyError``), or the shard itself is
+    dead for good (``RoleDeadError`` naming it; not the run shutting down)."""
+    if isinstance(exc, RemoteError):
+        return exc.remote_type == "ShardEmptyError"
+    return isinstance(exc, RoleDeadError) and exc.replica == shard
 
 
 async def _scored_in_shards(samples: list[Sample]) -> list[float]:
@@ -245,9 +277,53 @@ class ShardedPipeline(SamplePipeline):
                     exc,
                 )
                 continue
+            except (RemoteError, RoleDeadError) as exc:
+                if not _gone(exc, shard):
+                    raise
+                shard = self._elsewhere(group, shard, exc)
+                continue
+            if answer.index != group.index or answer.shard != shard:
+                # Not this grant's answer: refused, and the group is granted again.
+                self.ledger.duplicates += 1
+                log.warning(
+                    "sample pipeline: dispatch shard %d answered group %r (index %d) with a "
+                    "release of group %d by shard %d; refused, granted again",
+                    shard,
+                    group.key,
+                    group.index,
+                    answer.index,
+                    answer.shard,
+                )
+                self.ledger.lost(group.index, shard)
+                self.counters.groups_regranted += 1
+                continue
             break
         if self.ledger.release(group.index, shard):
             self._released(group, answer)
+
+    def _elsewhere(self, group: Group, shard: int, exc: Exception) -> int:
+        """``shard`` can work no group: it is retired, and ``group`` goes to the shard its
+        prompt id names among those left (the error is raised again when none is)."""
+        self.ledger.retire(shard)
+        try:
+            to = self.ledger.owner(group.key)
+        except ValueError:
+            raise exc from None
+        grants = self.ledger.lost(group.index, shard, to)
+        self.counters.groups_regranted += 1
+        log.warning(
+            "sample pipeline: dispatch shard %d can work no group (%s); group %r (index %d) "
+            "granted to shard %d (grant %d), and every group its prompt id names shard %d "
+            "from now on",
+            shard,
+            exc,
+            group.key,
+            group.index,
+            to,
+            grants,
+            shard,
+        )
+        return to
 
     async def _withdraw(self, group: Group, shard: int, exc: DeadlineExceededError) -> None:
         """``shard``, alive, did not release ``group`` within its budget: it is withdrawn there

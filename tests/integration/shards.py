@@ -7,8 +7,9 @@ directory and the shard holds at least two groups, so it always dies with groups
 rollout is ``tests.integration.straggler:TimedRollout``.
 
 ``program`` stands in for the learner by advancing the version after each batch, creates
-``kill`` after step ``kill_after``, and returns what it consumed, the steps it took and the
-pipeline's accounting (``driver.json``).
+``kill`` after step ``kill_after``, and returns what it consumed, each batch's cursor, every
+release that reached the driver by group index (``CountingShards``) and the pipeline's
+accounting (``driver.json``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+from collections import Counter
 from typing import Any
 
 from asyncrl.role import Delivery, endpoint
@@ -53,6 +55,25 @@ async def score(samples: list[Sample]) -> list[float]:
     return [random.Random(f"{s.prompt_id}:{s.sample_index}").random() for s in samples]
 
 
+class CountingShards:
+    """The shards' handle, counting at the driver every release that reaches it, by group
+    index, stale ones included (what ``ShardedPipeline`` then accepts or refuses)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.releases: Counter[int] = Counter()
+
+    @property
+    def replicas(self) -> int:
+        return int(self.handle.replicas)
+
+    async def call(self, method: str, payload: Any = None, *args: Any, **kw: Any) -> Any:
+        answer = await self.handle.call(method, payload, *args, **kw)
+        if method == "run_group":
+            self.releases[answer.index] += 1
+        return answer
+
+
 async def program(ctx: Any) -> dict[str, Any]:
     cfg = {"steps": 20, "group_size": 4, "batch_size": 8, "kill_after": 3, **ctx.config}
 
@@ -60,9 +81,10 @@ async def program(ctx: Any) -> dict[str, Any]:
         return [Prompt(id=f"p{i}", token_ids=[1, 2, 3]) for i in range(cursor, cursor + n)]
 
     keys: list[str] = []
-    versions: list[int] = []
+    cursors: list[int] = []
+    shards = CountingShards(ctx.roles["shard"])
     pipe = ShardedPipeline(
-        ctx.roles["shard"],
+        shards,
         spec=ctx.pipeline,
         feed=feed,
         params=SamplingParams(max_new_tokens=1),
@@ -73,7 +95,7 @@ async def program(ctx: Any) -> dict[str, Any]:
         for step in range(cfg["steps"]):
             batch = await pipe.next_batch()
             keys += [f"{s.sample.prompt_id} {s.sample.sample_index}" for s in batch.samples]
-            versions.append(batch.version)
+            cursors.append(batch.cursor)
             pipe.advance(step + 1)
             if step + 1 == cfg["kill_after"]:
                 with open(os.path.join(ctx.run_dir, "kill"), "w") as f:
@@ -83,11 +105,11 @@ async def program(ctx: Any) -> dict[str, Any]:
         metrics = dict(pipe.metrics)
     return {
         "keys": keys,
-        "versions": versions,
+        "cursors": cursors,
+        "releases": {str(i): n for i, n in sorted(shards.releases.items())},
         "metrics": metrics,
         "in_flight": in_flight,
         "unsettled": unsettled,
-        "regranted": pipe.ledger.regranted,
-        "duplicates": pipe.ledger.duplicates,
+        "refused": pipe.ledger.duplicates,
         "pacer_max_ahead": pipe.pacer.max_ahead,
     }

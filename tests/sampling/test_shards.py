@@ -9,13 +9,17 @@ rollout; ``kill`` ends a shard's incarnation as the dispatcher sees a shard's de
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from collections import Counter
 from typing import Any
 
+import msgspec
 import pytest
 
 from asyncrl.clock import FakeClock
-from asyncrl.errors import BrokenError, ConfigProblem, DeadlineExceededError
+from asyncrl.errors import BrokenError, ConfigProblem, DeadlineExceededError, RemoteError
+from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership, Moved
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import RoleContext
@@ -25,8 +29,10 @@ from asyncrl.roles.sampling.shard import (
     INFRA_DROPPED,
     DispatchShard,
     ReleasedGroup,
+    ShardEmptyError,
     ShardGrant,
     ShardWorker,
+    owned_membership,
     owned_replicas,
     shard_of,
 )
@@ -91,6 +97,8 @@ class FakeShards:
         self.answered: Counter[int] = Counter()  # run_group answers, by group index
         self.withdrawn: list[tuple[int, int, bool]] = []  # cancel_group: (index, shard, held)
         self.timeouts: list[float] = []  # each run_group call's timeout
+        self.empty: set[int] = set()  # shards whose rollout replicas all left the run
+        self.by_shard: Counter[int] = Counter()  # run_group answers, by the shard answering
         self.now = 0.0
         self._deadlines: list[tuple[float, asyncio.Future[None]]] = []
         self.changed = asyncio.Event()  # set by every call
@@ -126,6 +134,12 @@ class FakeShards:
             return held
         assert method == "run_group" and isinstance(payload, ShardGrant)
         self.grants.append((payload.index, replica, worker.incarnation))
+        if replica in self.empty:
+            raise RemoteError(
+                "handler_error",
+                f"dispatch shard {replica}: every rollout replica it owns left the run",
+                remote_type="ShardEmptyError",
+            )
         self.timeouts.append(timeout)
         task = asyncio.get_running_loop().create_task(worker.run_group(payload))
         task.add_done_callback(lambda _: self.changed.set())
@@ -140,6 +154,7 @@ class FakeShards:
             if task.done():
                 answer = await task
                 self.answered[answer.index] += 1
+                self.by_shard[answer.shard] += 1
                 return answer
             raise DeadlineExceededError(f"shard[{replica}]", method, timeout)
         except asyncio.CancelledError:
@@ -201,7 +216,6 @@ def test_the_ledger_holds_a_group_until_its_one_release() -> None:
     ledger.grant(7, 1)
     assert ledger.holding() == [0, 1]
     assert ledger.lost(7, 1) == 2  # the second grant of group 7
-    assert ledger.regranted == 1
     assert ledger.release(7, 1) is True
     assert ledger.release(7, 1) is False  # released already: a duplicate, ignored
     assert ledger.duplicates == 1
@@ -250,7 +264,7 @@ def test_a_shard_releases_a_whole_group_scored() -> None:
         return await ShardWorker(Rollout(), score, shard=1, incarnation=2).run_group(grant(3))
 
     answer = run(main())
-    assert (answer.index, answer.shard, answer.incarnation) == (3, 1, 2)
+    assert (answer.index, answer.shard) == (3, 1)
     assert answer.outcome == "complete"
     assert [s.k for s in answer.samples] == [0, 1, 2, 3]
     assert [s.reward for s in answer.samples] == [reward_of(s.sample) for s in answer.samples]
@@ -371,7 +385,12 @@ def test_a_shard_killed_holding_groups_loses_and_repeats_nothing() -> None:
     assert sorted({k.split()[0] for k in keys}, key=lambda p: int(p[1:])) == [
         f"p{i}" for i in range(10)
     ]
-    assert metrics["groups_regranted"] == held == pipe.ledger.regranted
+    assert metrics["groups_regranted"] == held
+    # Every release that reached the driver, stale ones included: one a group; the killed
+    # incarnation released none.
+    consumed = sorted({int(k.split()[0][1:]) for k in keys})
+    assert all(shards.answered[i] == 1 for i in consumed)
+    assert set(shards.answered) - set(consumed) == {i for i in shards.answered if i >= 10}
     assert pipe.ledger.duplicates == 0
     # The groups shard 0 held were granted again to its next incarnation.
     first = [i for i, s, inc in shards.grants if s == 0 and inc == 0]
@@ -464,6 +483,138 @@ def test_a_scorer_returning_the_wrong_number_of_rewards_fails_the_group() -> Non
     task = worker._scoring._task
     assert task is not None and task.done() and task.exception() is None
     assert worker._runs == {}
+
+
+def test_the_ledger_routes_around_a_shard_that_is_gone() -> None:
+    ledger = ShardLedger(3)
+    ids = [f"p{i}" for i in range(60)]
+    natural = {p: shard_of(p, 3) for p in ids}
+    ledger.retire(1)
+    for p in ids:
+        owner = ledger.owner(p)
+        assert owner == natural[p] if natural[p] != 1 else owner in (0, 2)
+    assert {ledger.owner(p) for p in ids if natural[p] == 1} == {0, 2}
+    ledger.grant(4, 1)
+    assert ledger.lost(4, 1, to=2) == 2 and ledger.holding() == [0, 0, 1]
+    ledger.retire(0)
+    ledger.retire(2)
+    with pytest.raises(ValueError, match=r"^every dispatch shard is gone \(3 of 3\)$"):
+        ledger.owner("p0")
+
+
+def test_a_shard_whose_rollout_replicas_all_left_hands_its_groups_to_the_others() -> None:
+    """Shard 0's rollout replicas all departed with their node: each group its prompt id
+    names is granted to shard 1 instead, and the run goes on, every group consumed once."""
+
+    async def main() -> tuple[list[str], ShardedPipeline, FakeShards]:
+        shards = FakeShards(2)
+        shards.empty.add(0)
+        keys: list[str] = []
+        async with asyncio.timeout(WAIT_S):
+            async with sharded(shards, PipelineSpec(mode="sync")) as pipe:
+                for version in range(1, 4):
+                    batch = await pipe.next_batch()
+                    keys += [f"{s.sample.prompt_id} {s.sample.sample_index}" for s in batch.samples]
+                    pipe.advance(version)
+            await shards.close()
+        return keys, pipe, shards
+
+    keys, pipe, shards = run(main())
+    assert keys == [f"p{p} {k}" for p in range(6) for k in range(G)]
+    assert pipe.ledger.gone == {0}
+    assert set(shards.by_shard) == {1}  # every release came from shard 1
+    assert all(shards.answered[i] == 1 for i in range(6))
+    # Only the first group shard 0 was named for went there; it was granted again to shard 1.
+    to_zero = [i for i, s, _ in shards.grants if s == 0]
+    assert len(to_zero) == 1 and shard_of(f"p{to_zero[0]}", 2) == 0
+    assert pipe.metrics["groups_regranted"] == 1
+
+
+def test_a_release_of_another_group_is_refused_and_the_group_granted_again() -> None:
+    """A shard answers a grant with another group's release (a stale or misrouted answer):
+    the driver refuses it, counts it, and grants its group again."""
+
+    async def main() -> tuple[list[str], ShardedPipeline]:
+        shards = FakeShards(1)
+        wrong = {"left": 1}
+        real = shards.workers[0].run_group
+
+        async def misanswering(grant: ShardGrant) -> ReleasedGroup:
+            answer = await real(grant)
+            if wrong["left"]:
+                wrong["left"] -= 1
+                return msgspec.structs.replace(answer, index=answer.index + 100)
+            return answer
+
+        shards.workers[0].run_group = misanswering  # type: ignore[method-assign]
+        async with asyncio.timeout(WAIT_S):
+            async with sharded(shards, PipelineSpec(mode="sync")) as pipe:
+                batch = await pipe.next_batch()
+                pipe.advance(1)
+            await shards.close()
+        return [f"{s.sample.prompt_id} {s.sample.sample_index}" for s in batch.samples], pipe
+
+    keys, pipe = run(main())
+    assert keys == [f"p{p} {k}" for p in (0, 1) for k in range(G)]
+    assert pipe.ledger.duplicates == 1
+    assert pipe.metrics["groups_regranted"] == 1
+
+
+def test_owned_membership_is_the_shards_own_replicas_numbered_from_zero() -> None:
+    membership = Membership(
+        departed={"rollout": {1: 0, 5: 2}, "learner": {0: 2}},
+        moved={"rollout": {4: Moved(node=1, endpoint="tcp://b:1")}},
+    )
+    mine = owned_membership(membership, "rollout", range(4, 8))
+    assert mine.departed == {"rollout": {1: 2}}
+    assert mine.moved == {"rollout": {0: Moved(node=1, endpoint="tcp://b:1")}}
+
+
+def test_a_shard_follows_its_nodes_membership() -> None:
+    """Shard 1 of 2 owns rollout replicas 2 and 3; membership.json says 3 departed, then 2:
+    its dispatcher drops each, and with none left a grant fails naming why."""
+
+    async def main(run_dir: str) -> tuple[list[list[int]], str]:
+        four = {"rollout": GroupInfo([f"ipc:///nowhere/{i}" for i in range(4)])}
+        ctx = RoleContext.local(
+            {"score": "tests.sampling.test_pipeline:score"},
+            name="shard",
+            replica=1,
+            replicas=2,
+            capacity=2,
+            groups=four,
+            run_dir=run_dir,
+        )
+        role = DispatchShard(ctx)
+        await role.setup()
+        applied = asyncio.Event()
+        apply = role.dispatcher.apply
+
+        async def applying(membership: Membership) -> list[str]:
+            changed = await apply(membership)
+            applied.set()
+            return changed
+
+        role.dispatcher.apply = applying  # type: ignore[method-assign]
+        seen = [list(role.rollout.members)]
+        try:
+            for departed in ({3: 1}, {3: 1, 2: 1}):
+                applied.clear()
+                with open(os.path.join(run_dir, MEMBERSHIP_FILE), "wb") as f:
+                    f.write(msgspec.json.encode(Membership(departed={"rollout": departed})))
+                async with asyncio.timeout(WAIT_S):
+                    await applied.wait()
+                seen.append(list(role.rollout.members))
+            with pytest.raises(ShardEmptyError) as err:
+                await role.run_group(grant(0))
+        finally:
+            await role.teardown()
+        return seen, str(err.value)
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        seen, message = run(main(run_dir))
+    assert seen == [[0, 1], [0], []]
+    assert message == "dispatch shard 1: every rollout replica it owns (2 to 3) left the run"
 
 
 def test_a_sharded_pipeline_refuses_probes() -> None:
