@@ -35,6 +35,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -566,35 +567,94 @@ def project(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def measure(replicas: list[int], hold: list[int], shards: int = 0, **row: Any) -> dict[str, Any]:
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of one arm's runs of a row, the run of the median samples/s (the lower of the two middle
+    ones of an even count), with ``rounds`` and every run's ``samples_per_s_rounds``; a run
+    that failed makes the row a failure (its ``error``)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0] | {"rounds": len(runs)}
+    ranked = sorted(runs, key=lambda r: r["samples_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {
+        "rounds": len(runs),
+        "samples_per_s_rounds": [r["samples_per_s"] for r in runs],
+    }
+
+
+def measure_arms(
+    n: int, arms: list[int], rounds: int, *, catch: bool = False, **row: Any
+) -> dict[int, dict[str, Any]]:
+    """Row ``n`` in each arm of ``arms`` (0: one driver; K: K dispatch shards), ``rounds``
+    times, the arms' order alternating by round (as given in even rounds, reversed in odd
+    ones), so no arm always runs on the machine as another left it. Returns each arm's
+    ``median_row``; with one driver and a sharded arm, the sharded row also has
+    ``samples_per_s_ratio_rounds``, each round's sharded over one-driver samples/s, and
+    ``samples_per_s_ratio``, their median. ``catch``: a row that fails is recorded (its
+    ``error``) rather than raised."""
+    runs: dict[int, list[dict[str, Any]]] = {count: [] for count in arms}
+    for r in range(rounds):
+        for count in arms if r % 2 == 0 else arms[::-1]:
+            try:
+                runs[count].append(measure_row(n, shards=count, **row))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                if not catch:
+                    raise
+                runs[count].append({"replicas": n, "shards": count, "error": str(exc)})
+    out = {count: median_row(runs[count]) for count in arms}
+    for count in arms:
+        if count and 0 in arms and "error" not in out[count]:
+            pairs = zip(runs[0], runs[count], strict=True)
+            ratios = [b["samples_per_s"] / a["samples_per_s"] for a, b in pairs if _measured(a, b)]
+            if ratios:
+                out[count]["samples_per_s_ratio_rounds"] = ratios
+                out[count]["samples_per_s_ratio"] = statistics.median(ratios)
+    return out
+
+
+def _measured(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return "error" not in a and "error" not in b and a["samples_per_s"] > 0
+
+
+def measure(
+    replicas: list[int], hold: list[int], shards: int = 0, rounds: int = 1, **row: Any
+) -> dict[str, Any]:
     """Every row of ``replicas``, in order, and the projection from them (``project``); then
     the hold sweep: a row per count in ``hold`` at ``HOLD_RATE`` samples/s a replica, up to
     the first that fails (its ``error`` is recorded); and the ``summarize`` figures. See
     ``measure_row`` for ``row``'s options.
 
-    With ``shards``, each row is measured twice in turn, one driver then ``shards`` dispatch
-    shards (interleaved, so both see the same minute of the machine), and ``"shards"`` holds
-    the sharded rows, their summary and their ratios to one driver (``compare``)."""
+    Each row is measured ``rounds`` times and its median run kept (``measure_arms``). With
+    ``shards``, each round measures it in both arms, one driver and ``shards`` dispatch shards,
+    in an order that alternates by round, and ``"shards"`` holds the sharded rows, their
+    summary and their ratios to one driver, row by row (``compare``)."""
+    both = [0, shards] if shards else [0]
     rows, sharded = [], []
     for n in replicas:
-        rows.append(measure_row(n, **row))
+        out = measure_arms(n, both, rounds, **row)
+        rows.append(out[0])
         if shards:
-            sharded.append(measure_row(n, shards=shards, **row))
+            sharded.append(out[shards])
     held: list[dict[str, Any]] = []
     sharded_held: list[dict[str, Any]] = []
-    arms = [(held, 0), (sharded_held, shards)] if shards else [(held, 0)]
     for n in hold:
-        for out, count in arms:
-            if out and "error" in out[-1]:
-                continue  # this arm failed at fewer replicas
-            try:
-                out.append(measure_row(n, shards=count, **hold_options(row)))
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                out.append({"replicas": n, "shards": count, "error": str(exc)})
+        # An arm is measured up to its first failure.
+        arms = [
+            count
+            for count, out in ((0, held), (shards, sharded_held))
+            if count in both and not (out and "error" in out[-1])
+        ]
+        if not arms:
+            break
+        measured = measure_arms(n, arms, rounds, catch=True, **hold_options(row))
+        if 0 in measured:
+            held.append(measured[0])
+        if shards in measured and shards:
+            sharded_held.append(measured[shards])
     figures = {
         "rows": rows,
         "projection": project(rows) if rows else None,
         "hold": {"samples_per_s_a_replica": HOLD_RATE, "rows": held},
+        "rounds": rounds,
         "cpus": os.cpu_count(),
     }
     if shards:
@@ -610,9 +670,10 @@ def compare(
     sharded_held: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The sharded arm against one driver: its rows and hold rows, its ``summarize``
-    figures, and the ratios sharded over one driver: ``samples_per_s_max_ratio``,
-    ``replicas_max_held_ratio`` (None where one driver held none) and, per row measured in
-    both, ``samples_per_s_ratio``."""
+    figures, ``replicas_max_held_ratio`` (None where one driver held none) and, per row
+    measured in both, ``row_ratios``: its samples/s in each arm and ``samples_per_s_ratio``,
+    the median over the rounds of each round's ratio (measured in the same round, so on the
+    same minute of the machine; a row without per-round ratios, the ratio of its rows)."""
     one, mine = summarize(rows, held), summarize(sharded, sharded_held)
     sharded_by_n = {r["replicas"]: r for r in sharded_held}
     pairs = [
@@ -625,18 +686,13 @@ def compare(
                 if a["replicas"] in sharded_by_n
             ),
         ]
-        if "error" not in a and "error" not in b
+        if _measured(a, b)
     ]
     return {
         "count": shards,
         "rows": sharded,
         "hold": sharded_held,
         **mine,
-        "samples_per_s_max_ratio": (
-            mine["samples_per_s_max"] / one["samples_per_s_max"]
-            if one["samples_per_s_max"]
-            else None
-        ),
         "replicas_max_held_ratio": (
             mine["replicas_max_held"] / one["replicas_max_held"]
             if one["replicas_max_held"]
@@ -649,7 +705,9 @@ def compare(
                 "ideal_samples_per_s": a["ideal_samples_per_s"],
                 "one_driver_samples_per_s": a["samples_per_s"],
                 "sharded_samples_per_s": b["samples_per_s"],
-                "samples_per_s_ratio": b["samples_per_s"] / a["samples_per_s"],
+                "samples_per_s_ratio": b.get(
+                    "samples_per_s_ratio", b["samples_per_s"] / a["samples_per_s"]
+                ),
             }
             for a, b, hold in pairs
         ],
@@ -747,7 +805,11 @@ def format_table(figures: dict[str, Any]) -> str:
 def _sharded_lines(sharded: dict[str, Any], header: str) -> list[str]:
     """The sharded arm's rows, hold rows and ratios to one driver, for ``format_table``."""
     count = sharded["count"]
-    lines = ["", f"with {count} dispatch shards (rows interleaved with the one-driver rows above)"]
+    lines = [
+        "",
+        f"with {count} dispatch shards (each row measured in both arms every round, in an order "
+        "alternating by round; each arm's median round)",
+    ]
     for title, rows in (("", sharded["rows"]), ("hold: ", sharded["hold"])):
         if rows:
             lines += [
@@ -763,13 +825,13 @@ def _sharded_lines(sharded: dict[str, Any], header: str) -> list[str]:
     lines += [""] + [
         f"{r['replicas']:>5d} replicas{' (hold)' if r['hold'] else ''}: "
         f"{r['sharded_samples_per_s']:.0f} samples/s with shards against "
-        f"{r['one_driver_samples_per_s']:.0f} with one driver ({r['samples_per_s_ratio']:.2f}x)"
+        f"{r['one_driver_samples_per_s']:.0f} with one driver ({r['samples_per_s_ratio']:.2f}x, "
+        "the median of the rounds' ratios)"
         for r in sharded["row_ratios"]
     ]
-    ratio = sharded["samples_per_s_max_ratio"]
     lines.append(
-        f"{count} shards carried at most {sharded['samples_per_s_max']:.0f} samples/s "
-        f"({ratio or 0:.2f}x one driver's) and held {sharded['replicas_max_held']} replicas"
+        f"{count} shards carried at most {sharded['samples_per_s_max']:.0f} samples/s and held "
+        f"{sharded['replicas_max_held']} replicas"
     )
     return lines
 
@@ -813,6 +875,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="also measure each row with this many dispatch shards, interleaved (0: not)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="measure each row this many times, in both arms in an order alternating by "
+        "round, and keep the median (3 with --shards, else 1)",
+    )
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", action="store_true", help=argparse.SUPPRESS)
@@ -846,10 +914,13 @@ def main(argv: list[str] | None = None) -> int:
             f"--shards must be >= 0 and at most the fewest replicas of a row "
             f"({min(replicas + hold)}), got {args.shards}"
         )
+    rounds = args.rounds if args.rounds is not None else (3 if args.shards else 1)
+    if rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {rounds}")
     times = {name: getattr(args, name) for name in TIMES}
     options = {"slots": args.slots, "gen_ms": args.gen_ms, "hosts": args.hosts, "gc": args.gc}
     options["group_calls"] = args.group
-    figures = measure(replicas, hold, args.shards, times=times, **options)
+    figures = measure(replicas, hold, args.shards, rounds, times=times, **options)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 

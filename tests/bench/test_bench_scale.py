@@ -13,6 +13,7 @@ import pytest
 
 from asyncrl.role import RoleContext
 from asyncrl.transport import run
+from benchmarks import scale
 from benchmarks.scale import (
     QUICK_TIMES,
     TIMES,
@@ -153,7 +154,7 @@ def test_the_sharded_arm_is_compared_row_by_row_with_one_driver() -> None:
     out = compare(2, one, one_held, sharded, sharded_held)
     assert out["count"] == 2
     assert out["samples_per_s_max"] == 5000.0 and out["replicas_max_held"] == 512
-    assert out["samples_per_s_max_ratio"] == pytest.approx(5000.0 / 4000.0)
+    assert "samples_per_s_max_ratio" not in out  # maxima of different rows: no ratio
     assert out["replicas_max_held_ratio"] == pytest.approx(2.0)
     assert [(r["replicas"], r["hold"]) for r in out["row_ratios"]] == [
         (64, False),
@@ -165,6 +166,34 @@ def test_the_sharded_arm_is_compared_row_by_row_with_one_driver() -> None:
     )
     # One driver held none: no ratio of replicas held.
     assert compare(2, one, [], sharded, [])["replicas_max_held_ratio"] is None
+    # A row measured in rounds: its ratio is the median of the rounds' ratios, not the ratio
+    # of the two arms' median rows.
+    rounded = [sharded[0] | {"samples_per_s_ratio": 1.1}]
+    assert compare(2, one, [], rounded, [])["row_ratios"][0]["samples_per_s_ratio"] == 1.1
+
+
+def test_the_sharded_arm_alternates_its_order_by_round_and_keeps_medians(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three rounds of a row: one driver first, then the shards first, then one driver first;
+    each arm keeps its median round, and the ratio is the median of the rounds' ratios."""
+    calls: list[int] = []
+    one_driver = iter([1000.0, 3000.0, 2000.0])
+    with_shards = iter([1500.0, 3300.0, 1000.0])  # ratios 1.5, 1.1, 0.5
+
+    def row(n: int, shards: int = 0, **_: object) -> dict[str, object]:
+        calls.append(shards)
+        per_s = next(with_shards if shards else one_driver)
+        return {"replicas": n, "shards": shards, "samples_per_s": per_s}
+
+    monkeypatch.setattr(scale, "measure_row", row)
+    out = scale.measure_arms(64, [0, 2], 3)
+    assert calls == [0, 2, 2, 0, 0, 2]
+    assert out[0]["samples_per_s"] == 2000.0 and out[0]["rounds"] == 3
+    assert out[0]["samples_per_s_rounds"] == [1000.0, 3000.0, 2000.0]
+    assert out[2]["samples_per_s"] == 1500.0
+    assert out[2]["samples_per_s_ratio_rounds"] == pytest.approx([1.5, 1.1, 0.5])
+    assert out[2]["samples_per_s_ratio"] == pytest.approx(1.1)
 
 
 KEYS = {
