@@ -75,10 +75,10 @@ from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.coalesce import GroupCalls
 from asyncrl.roles.sampling.contract import Caller, Generate, SampleSource, Scorer
 from asyncrl.roles.sampling.counters import Counters
+from asyncrl.roles.sampling.pipeline import INFRA_DROPPED
 from asyncrl.roles.sampling.reduce import Reducer, Released, Straggler
 
 __all__ = [
-    "INFRA_DROPPED",
     "DispatchShard",
     "GroupWithdrawnError",
     "ReleasedGroup",
@@ -92,10 +92,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-INFRA_DROPPED = "infra_dropped"
-"""A ``ReleasedGroup``'s outcome when a sample failed through no fault of the policy and the
-group was dropped for it (``pipeline.infra_failed``)."""
 
 
 class ShardGrant(msgspec.Struct, kw_only=True):
@@ -139,7 +135,8 @@ class ReleasedGroup(msgspec.Struct, kw_only=True):
         index: the grant's index; shard: the shard that released it (the driver refuses a
             release of another group, or by another shard, than the one it granted).
         outcome: ``complete``, ``partial``, ``dropped`` (the reducer's ``Outcome``) or
-            ``infra_dropped`` (waste: a sample failed through no fault of the policy).
+            ``infra_dropped`` (``asyncrl.roles.sampling.pipeline.INFRA_DROPPED``, waste: a
+            sample failed through no fault of the policy).
         samples: the scored samples it was released with, in sample order.
         counts: what the group added to the pipeline's counters in the shard (``Counters``
             by name: ``generated_samples``, ``infra_failed``, ``late_samples``, ...).

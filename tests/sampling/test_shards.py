@@ -25,8 +25,8 @@ from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import RoleContext
 from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
 from asyncrl.roles.sampling.contract import BatchSettings
+from asyncrl.roles.sampling.pipeline import INFRA_DROPPED
 from asyncrl.roles.sampling.shard import (
-    INFRA_DROPPED,
     DispatchShard,
     ReleasedGroup,
     ShardEmptyError,
