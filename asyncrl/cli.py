@@ -24,8 +24,10 @@
   package, outside the wheel); installed from a wheel, ``asyncrl bench`` says where to get them.
 - ``asyncrl bench pipeline [--json] [--quick]``: sync against async mode on simulated generation,
   each against a discrete-event model of the same draws.
-- ``asyncrl bench scale [--json] [--quick]``: the driver against 1 to 256 simulated rollout
-  replicas: samples/s, driver CPU per sample, dispatch latency, memory (docs/scaling.md).
+- ``asyncrl bench scale [--json] [--quick] [--shards K] [--rounds R]``: the driver against 1 to
+  256 simulated rollout replicas: samples/s, driver CPU per sample, dispatch latency, memory;
+  with ``--shards``, each row also with K dispatch shards, R rounds (3) alternating the arms'
+  order, medians (docs/scaling.md).
 - ``asyncrl bench multinode [--json]``: weight sync on one host against across two simulated
   hosts, the shortened main job on one node against two, one learner against two data-parallel.
 - ``asyncrl bench sharding [--json] [--ranks 1,2]``: peak memory per rank and step time of an

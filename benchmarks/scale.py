@@ -35,6 +35,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,27 +43,35 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from asyncrl.dispatch.dispatcher import Dispatcher
 from asyncrl.dispatch.driver import freeze_start_up
 from asyncrl.dispatch.handles import Context
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.observe import logs
+from asyncrl.role import RoleContext, endpoints_of
 from asyncrl.roles.learning.statistics import percentiles
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline, WeightSync
-from asyncrl.transport import LocalRegistry, run
+from asyncrl.roles.sampling.shard import DispatchShard, owned_replicas
+from asyncrl.roles.sampling.sharded import ShardedPipeline
+from asyncrl.supervision.process import die_with_parent
+from asyncrl.transport import Call, ChannelOptions, LocalRegistry, Server, run
 from asyncrl.transport.sockets import reserve_sockets
 from benchmarks.pipeline import reward
 from benchmarks.sim import ScaleRollout, host_main, start_hosts, turnarounds
 
 __all__ = [
     "ScaleRollout",
+    "compare",
     "format_table",
     "main",
     "measure",
     "measure_row",
     "project",
+    "score",
     "summarize",
     "turnarounds",
 ]
@@ -94,6 +103,10 @@ GC_MODES = ("freeze", "collect", "off")
 collecting as Python's default does, or off."""
 ROW_TIMEOUT_S = 180.0
 RUN = "bench-scale"
+SHARD_CAPACITY = 65536
+"""Groups one shard process of a sharded row works on at once: every group granted to it."""
+SHARD_LIVENESS = 30
+"""Missed heartbeats (one a second) after which the driver of a sharded row counts a shard dead."""
 
 
 # -- the driver (one fresh process per row) ---------------------------------------------------
@@ -178,40 +191,76 @@ async def _drive(
     hosts: int,
     gc_mode: str,
     group_calls: bool = False,
+    shards: int = 0,
 ) -> dict[str, Any]:
-    """One row in this process: start the helpers, wait for every replica, measure the idle
-    driver and the pipeline's window, stop the helpers; the figures of the module docstring."""
-    reserve_sockets(n)  # before the first socket, as the driver does
+    """One row in this process: start the helpers (and, with ``shards``, the shard processes,
+    which own the replicas; the driver then connects to the shards alone), wait for every
+    replica, measure the idle driver and the pipeline's window, stop the helpers; the figures of
+    the module docstring."""
+    # Before the first socket, as the driver does; with shards, for the replicas' reports too.
+    reserve_sockets(n + shards)
     run_dir = tempfile.mkdtemp(prefix="arl-sc-")  # short: ipc socket paths live under it
-    endpoints = [LocalRegistry(run_dir).endpoint("rollout", i) for i in range(n)]
+    registry = LocalRegistry(run_dir)
+    endpoints = [registry.endpoint("rollout", i) for i in range(n)]
     procs = start_hosts(endpoints, slots, gen_s, run_dir, hosts, run=RUN)
-    pids = [p.pid for p in procs]
-    dispatcher = Dispatcher({"rollout": GroupInfo(endpoints)}, run=RUN)
+    shard_endpoints = [registry.endpoint("shard", i) for i in range(shards)]
+    shard_procs = start_shards(endpoints, shard_endpoints, run_dir)
+    pids = [p.pid for p in procs + shard_procs]
+    group = "shard" if shards else "rollout"
+    # A shard connecting to its hundreds of replicas on a loaded machine may not answer the
+    # driver's heartbeats for seconds: it is given SHARD_LIVENESS of them.
+    info = GroupInfo(shard_endpoints, liveness=SHARD_LIVENESS) if shards else GroupInfo(endpoints)
+    dispatcher = Dispatcher({group: info}, run=RUN)
     dispatcher.start()
     try:
         ctx = Context(dispatcher, run=RUN, run_dir=run_dir, log=None)
-        await ctx.roles["rollout"].broadcast("set_version", 0, int, timeout=ROW_TIMEOUT_S)
+        # Every replica is connected (through its shard) once it answered its version.
+        await ctx.roles[group].broadcast(_weights_method(shards), 0, timeout=ROW_TIMEOUT_S)
         if gc_mode == "freeze":
             freeze_start_up()  # every replica is connected: start-up is over
         cpu0 = time.process_time()
         await asyncio.sleep(times["idle"])
         idle_cpu = (time.process_time() - cpu0) / times["idle"]
-        w = await _pipeline_window(ctx, n, slots, times, pids, group_calls)
+        w = await _pipeline_window(ctx, n, slots, times, pids, group_calls, shards)
         assert w.start is not None and w.end is not None
         edges = [w.start.wall, w.end.wall]
         per_call = samples_a_call(group_calls)
-        turn = await ctx.roles["rollout"].broadcast("turnaround", [*edges, per_call], list[float])
-        usage = await ctx.roles["rollout"].broadcast("usage", [*edges, per_call], dict[str, float])
+        turn, usage = await _replica_reports(endpoints, [*edges, per_call], ctx, shards)
     finally:
         await dispatcher.close()
-        for proc in procs:
+        for proc in procs + shard_procs:
             assert proc.stdin is not None
             proc.stdin.close()
-        for proc in procs:
+        for proc in procs + shard_procs:
             proc.wait(timeout=30)
         shutil.rmtree(run_dir, ignore_errors=True)
-    figures = _row_figures(n, slots, gen_s, w, idle_cpu, turn, usage, per_call)
-    return figures | {"hosts": len(procs)}
+    figures = _row_figures(n, slots, gen_s, w, idle_cpu, turn, usage, per_call, shards)
+    return figures | {"hosts": len(procs), "shards": shards}
+
+
+def _weights_method(shards: int) -> str:
+    """What the driver broadcasts a new version with: the replicas' ``set_version``, or, with
+    shards, their ``sync``, which has their replicas ``set_version``."""
+    return "sync" if shards else "set_version"
+
+
+async def _replica_reports(
+    endpoints: list[str], window: list[float], ctx: Context, shards: int
+) -> tuple[list[list[float]], list[dict[str, float]]]:
+    """Every replica's slot turnarounds and usage over ``window``; with shards (the driver
+    holds no connection to a replica), over connections made now, after the window."""
+    if not shards:
+        rollout = ctx.roles["rollout"]
+        turn = await rollout.broadcast("turnaround", window, list[float])
+        return turn, await rollout.broadcast("usage", window, dict[str, float])
+    dispatcher = Dispatcher({"rollout": GroupInfo(endpoints)}, run=RUN)
+    dispatcher.start()
+    try:
+        rollout = Context(dispatcher, run=RUN, run_dir=ctx.run_dir, log=None).roles["rollout"]
+        turn = await rollout.broadcast("turnaround", window, list[float], timeout=ROW_TIMEOUT_S)
+        return turn, await rollout.broadcast("usage", window, dict[str, float])
+    finally:
+        await dispatcher.close()
 
 
 async def _pipeline_window(
@@ -221,33 +270,139 @@ async def _pipeline_window(
     times: dict[str, float],
     pids: list[int],
     group_calls: bool = False,
+    shards: int = 0,
 ) -> _Window:
-    """Run the sample pipeline through its warm-up and the measured window."""
+    """Run the sample pipeline (with ``shards``, a ``ShardedPipeline`` over them) through its
+    warm-up and the measured window."""
 
     async def feed(cursor: int, count: int) -> list[Prompt]:
         return [Prompt(id=f"p{i}", token_ids=[1, 2, 3]) for i in range(cursor, cursor + count)]
 
-    async def score(samples: list[Sample]) -> list[float]:
-        return [reward(s) for s in samples]
-
     # A batch is what the replicas decode at once.
     batch = max(GROUP, -(-n * slots * samples_a_call(group_calls) // GROUP) * GROUP)
-    pipe = SamplePipeline(
-        ctx.roles["rollout"],
-        spec=PipelineSpec(mode="async", eta=ETA, over_eta="correct", group_calls=group_calls),
-        feed=feed,
-        score=score,
-        params=SamplingParams(max_new_tokens=1),
-        settings=BatchSettings(batch_size=batch, group_size=GROUP),
+    spec = PipelineSpec(mode="async", eta=ETA, over_eta="correct", group_calls=group_calls)
+    settings = BatchSettings(batch_size=batch, group_size=GROUP)
+    params = SamplingParams(max_new_tokens=1)
+    group = ctx.roles["shard" if shards else "rollout"]
+    pipe = (
+        ShardedPipeline(group, spec=spec, feed=feed, params=params, settings=settings)
+        if shards
+        else SamplePipeline(
+            group, spec=spec, feed=feed, score=score, params=params, settings=settings
+        )
     )
     w = _Window()
-    async with WeightSync(ctx.roles["rollout"], wait=False, method="set_version") as weights, pipe:
+    async with WeightSync(group, wait=False, method=_weights_method(shards)) as weights, pipe:
         start = time.monotonic()
         version = await _consume(pipe, weights, 0, start + times["warmup"], None)
         w.start = _Mark.now(pids)
         await _consume(pipe, weights, version, w.start.t + times["window"], w)
         w.end = _Mark.now(pids)
     return w
+
+
+async def score(samples: list[Sample]) -> list[float]:
+    """The benchmark's reward of each sample (a ``Scorer``: what its shards import too)."""
+    return [reward(s) for s in samples]
+
+
+# -- the shard processes of a sharded row ------------------------------------------------------
+
+
+class ShardSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What one shard process of a sharded row serves: shard ``shard`` of ``shards`` at
+    ``endpoint``, over its range of the rollout replicas (``replicas``: all of them)."""
+
+    endpoint: str
+    shard: int
+    shards: int
+    replicas: list[str]
+    run_dir: str
+    parent_pid: int
+    run: str
+
+
+async def _serve_shard(spec: ShardSpec) -> None:
+    """Serve a ``DispatchShard`` until stdin closes (the driver ended or closed it)."""
+    config = DispatchShard.Config(score="benchmarks.scale:score", weights_method="set_version")
+    ctx = RoleContext(
+        name="shard",
+        replica=spec.shard,
+        run=spec.run,
+        run_dir=spec.run_dir,
+        config=config,
+        capacity=SHARD_CAPACITY,
+        replicas=spec.shards,
+        groups={"rollout": GroupInfo(spec.replicas)},
+    )
+    role = DispatchShard(ctx)
+    await role.setup()
+    methods = endpoints_of(DispatchShard)
+    server = Server(spec.endpoint, name=f"shard.{spec.shard}", options=ChannelOptions(run=spec.run))
+    for ep in methods.values():
+        server.add(ep.name, _served(getattr(role, ep.attr)), ep.request_type)
+    described = {
+        "role": "shard",
+        "replica": spec.shard,
+        "incarnation": 0,
+        "pid": os.getpid(),
+        "endpoints": {name: ep.delivery.value for name, ep in methods.items()},
+    }
+    server.add("_describe", lambda payload, call: described)
+    await server.start()
+    server.set_credit(SHARD_CAPACITY)
+    try:
+        await asyncio.to_thread(sys.stdin.read)
+    finally:
+        await server.close()
+        await role.teardown()
+
+
+def _served(method: Any) -> Any:
+    async def handle(payload: Any, call: Call) -> Any:
+        return await method(payload)
+
+    return handle
+
+
+def shard_main() -> int:
+    """A shard process of a sharded row: read its ``ShardSpec`` (one JSON line on stdin),
+    serve its shard until stdin closes."""
+    spec = msgspec.json.decode(sys.stdin.readline(), type=ShardSpec)
+    die_with_parent(spec.parent_pid)
+    reserve_sockets(len(owned_replicas(len(spec.replicas), spec.shards, spec.shard)))
+    logs.configure(role="bench-scale-shard", console=False)
+    run(_serve_shard(spec))
+    return 0
+
+
+def start_shards(
+    replicas: list[str], endpoints: list[str], run_dir: str
+) -> list[subprocess.Popen[str]]:
+    """One ``python -m benchmarks.scale --shard`` process per shard endpoint in ``endpoints``,
+    each owning its range of ``replicas``."""
+    procs = []
+    for i, endpoint in enumerate(endpoints):
+        spec = ShardSpec(
+            endpoint=endpoint,
+            shard=i,
+            shards=len(endpoints),
+            replicas=replicas,
+            run_dir=run_dir,
+            parent_pid=os.getpid(),
+            run=RUN,
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.scale", "--shard"],
+            stdin=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(spec).decode() + "\n")
+        proc.stdin.flush()
+        procs.append(proc)
+    return procs
 
 
 def _row_figures(
@@ -259,17 +414,21 @@ def _row_figures(
     turn: list[list[float]],
     usage: list[dict[str, float]],
     per_call: int,
+    shards: int = 0,
 ) -> dict[str, Any]:
     """One row's figures (see the module docstring) from its window and the replicas' reports;
-    ``per_call``: the samples of one ``generate`` call (``GROUP`` with group calls, else 1)."""
+    ``per_call``: the samples of one ``generate`` call (``GROUP`` with group calls, else 1);
+    ``shards``: the last processes of the window's marks that are shard processes."""
     assert w.start is not None and w.end is not None
     a, b = w.start, w.end
     span = b.t - a.t
     gaps = percentiles(g * 1e3 for replica in turn for g in replica)
-    hosts_busy = [
+    busy = [
         (b1 - b0 + w1 - w0) / span
         for (_, (b0, w0)), (_, (b1, w1)) in zip(a.hosts, b.hosts, strict=True)
     ]
+    cpu = [c1 - c0 for (c0, _), (c1, _) in zip(a.hosts, b.hosts, strict=True)]
+    hosts = len(busy) - shards
     return {
         "replicas": n,
         "slots": slots,
@@ -287,12 +446,11 @@ def _row_figures(
         "dispatch_ms_p99": gaps["p99"],
         "dispatch_ms_max": gaps["max"],
         "dispatch_count": sum(len(r) for r in turn),
-        "hosts": len(a.hosts),
-        "hosts_cpu_fraction": sum(
-            c1 - c0 for (c0, _), (c1, _) in zip(a.hosts, b.hosts, strict=True)
-        )
-        / span,
-        "hosts_busy_max": max(hosts_busy),
+        "hosts": hosts,
+        "hosts_cpu_fraction": sum(cpu[:hosts]) / span,
+        "hosts_busy_max": max(busy[:hosts]),
+        "shards_cpu_fraction": sum(cpu[hosts:]) / span,
+        "shards_busy_max": max(busy[hosts:], default=0.0),
         "load_avg_1m": os.getloadavg()[0],
     }
 
@@ -324,7 +482,16 @@ def _row_main(args: argparse.Namespace) -> int:
     if args.gc == "off":
         gc.disable()
     figures = run(
-        _drive(args.row, args.slots, args.gen_ms / 1e3, times, args.hosts, args.gc, args.group)
+        _drive(
+            args.row,
+            args.slots,
+            args.gen_ms / 1e3,
+            times,
+            args.hosts,
+            args.gc,
+            args.group,
+            args.shards,
+        )
     )
     print(json.dumps(figures | {"gc": args.gc, "group_calls": args.group}))
     return 0
@@ -342,10 +509,12 @@ def measure_row(
     times: dict[str, float] = TIMES,
     gc: str = "freeze",
     group_calls: bool = False,
+    shards: int = 0,
 ) -> dict[str, Any]:
     """The figures of one row (``n`` replicas), measured in a fresh driver process; ``times``
     as ``TIMES``; ``gc``: the driver's cyclic garbage collector, one of ``GC_MODES``;
-    ``group_calls``: the pipeline's ``group_calls`` (one call a group).
+    ``group_calls``: the pipeline's ``group_calls`` (one call a group); ``shards``: that many
+    dispatch shard processes own the replicas (0: the driver dispatches every sample).
 
     Raises:
         RuntimeError: the row's process failed; the message holds the end of its output.
@@ -353,13 +522,14 @@ def measure_row(
     cmd = [sys.executable, "-m", "benchmarks.scale", "--row", str(n), "--slots", str(slots)]
     cmd += ["--gen-ms", str(gen_ms), "--hosts", str(hosts)]
     cmd += [arg for name, value in times.items() for arg in (f"--{name}", str(value))]
-    cmd += ["--gc", gc, *(["--group-calls"] if group_calls else [])]
+    cmd += ["--gc", gc, *(["--group-calls"] if group_calls else []), "--shards", str(shards)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
+        with_shards = f" with {shards} shards" if shards else ""
         raise RuntimeError(
-            f"bench scale: the row of {n} replicas failed (exit status {out.returncode}); its "
-            f"output ends with:\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
+            f"bench scale: the row of {n} replicas{with_shards} failed (exit status "
+            f"{out.returncode}); its output ends with:\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
         )
     figures: dict[str, Any] = json.loads(lines[-1])
     return figures
@@ -397,26 +567,151 @@ def project(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def measure(replicas: list[int], hold: list[int], **row: Any) -> dict[str, Any]:
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of one arm's runs of a row, the run of the median samples/s (the lower of the two middle
+    ones of an even count), with ``rounds`` and every run's ``samples_per_s_rounds``; a run
+    that failed makes the row a failure (its ``error``)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0] | {"rounds": len(runs)}
+    ranked = sorted(runs, key=lambda r: r["samples_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {
+        "rounds": len(runs),
+        "samples_per_s_rounds": [r["samples_per_s"] for r in runs],
+    }
+
+
+def measure_arms(
+    n: int, arms: list[int], rounds: int, *, catch: bool = False, **row: Any
+) -> dict[int, dict[str, Any]]:
+    """Row ``n`` in each arm of ``arms`` (0: one driver; K: K dispatch shards), ``rounds``
+    times, the arms' order alternating by round (as given in even rounds, reversed in odd
+    ones), so no arm always runs on the machine as another left it. Returns each arm's
+    ``median_row``; with one driver and a sharded arm, the sharded row also has
+    ``samples_per_s_ratio_rounds``, each round's sharded over one-driver samples/s, and
+    ``samples_per_s_ratio``, their median. ``catch``: a row that fails is recorded (its
+    ``error``) rather than raised."""
+    runs: dict[int, list[dict[str, Any]]] = {count: [] for count in arms}
+    for r in range(rounds):
+        for count in arms if r % 2 == 0 else arms[::-1]:
+            try:
+                runs[count].append(measure_row(n, shards=count, **row))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                if not catch:
+                    raise
+                runs[count].append({"replicas": n, "shards": count, "error": str(exc)})
+    out = {count: median_row(runs[count]) for count in arms}
+    for count in arms:
+        if count and 0 in arms and "error" not in out[count]:
+            pairs = zip(runs[0], runs[count], strict=True)
+            ratios = [b["samples_per_s"] / a["samples_per_s"] for a, b in pairs if _measured(a, b)]
+            if ratios:
+                out[count]["samples_per_s_ratio_rounds"] = ratios
+                out[count]["samples_per_s_ratio"] = statistics.median(ratios)
+    return out
+
+
+def _measured(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return "error" not in a and "error" not in b and a["samples_per_s"] > 0
+
+
+def measure(
+    replicas: list[int], hold: list[int], shards: int = 0, rounds: int = 1, **row: Any
+) -> dict[str, Any]:
     """Every row of ``replicas``, in order, and the projection from them (``project``); then
     the hold sweep: a row per count in ``hold`` at ``HOLD_RATE`` samples/s a replica, up to
     the first that fails (its ``error`` is recorded); and the ``summarize`` figures. See
-    ``measure_row`` for ``row``'s options."""
-    rows = [measure_row(n, **row) for n in replicas]
+    ``measure_row`` for ``row``'s options.
+
+    Each row is measured ``rounds`` times and its median run kept (``measure_arms``). With
+    ``shards``, each round measures it in both arms, one driver and ``shards`` dispatch shards,
+    in an order that alternates by round, and ``"shards"`` holds the sharded rows, their
+    summary and their ratios to one driver, row by row (``compare``)."""
+    both = [0, shards] if shards else [0]
+    rows, sharded = [], []
+    for n in replicas:
+        out = measure_arms(n, both, rounds, **row)
+        rows.append(out[0])
+        if shards:
+            sharded.append(out[shards])
     held: list[dict[str, Any]] = []
+    sharded_held: list[dict[str, Any]] = []
     for n in hold:
-        try:
-            held.append(measure_row(n, **hold_options(row)))
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            held.append({"replicas": n, "error": str(exc)})
+        # An arm is measured up to its first failure.
+        arms = [
+            count
+            for count, out in ((0, held), (shards, sharded_held))
+            if count in both and not (out and "error" in out[-1])
+        ]
+        if not arms:
             break
+        measured = measure_arms(n, arms, rounds, catch=True, **hold_options(row))
+        if 0 in measured:
+            held.append(measured[0])
+        if shards in measured and shards:
+            sharded_held.append(measured[shards])
     figures = {
         "rows": rows,
         "projection": project(rows) if rows else None,
         "hold": {"samples_per_s_a_replica": HOLD_RATE, "rows": held},
+        "rounds": rounds,
         "cpus": os.cpu_count(),
     }
+    if shards:
+        figures["shards"] = compare(shards, rows, held, sharded, sharded_held)
     return figures | summarize(rows, held)
+
+
+def compare(
+    shards: int,
+    rows: list[dict[str, Any]],
+    held: list[dict[str, Any]],
+    sharded: list[dict[str, Any]],
+    sharded_held: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The sharded arm against one driver: its rows and hold rows, its ``summarize``
+    figures, ``replicas_max_held_ratio`` (None where one driver held none) and, per row
+    measured in both, ``row_ratios``: its samples/s in each arm and ``samples_per_s_ratio``,
+    the median over the rounds of each round's ratio (measured in the same round, so on the
+    same minute of the machine; a row without per-round ratios, the ratio of its rows)."""
+    one, mine = summarize(rows, held), summarize(sharded, sharded_held)
+    sharded_by_n = {r["replicas"]: r for r in sharded_held}
+    pairs = [
+        (a, b, hold)
+        for a, b, hold in [
+            *((a, b, False) for a, b in zip(rows, sharded, strict=True)),
+            *(
+                (a, sharded_by_n[a["replicas"]], True)
+                for a in held
+                if a["replicas"] in sharded_by_n
+            ),
+        ]
+        if _measured(a, b)
+    ]
+    return {
+        "count": shards,
+        "rows": sharded,
+        "hold": sharded_held,
+        **mine,
+        "replicas_max_held_ratio": (
+            mine["replicas_max_held"] / one["replicas_max_held"]
+            if one["replicas_max_held"]
+            else None
+        ),
+        "row_ratios": [
+            {
+                "replicas": a["replicas"],
+                "hold": hold,
+                "ideal_samples_per_s": a["ideal_samples_per_s"],
+                "one_driver_samples_per_s": a["samples_per_s"],
+                "sharded_samples_per_s": b["samples_per_s"],
+                "samples_per_s_ratio": b.get(
+                    "samples_per_s_ratio", b["samples_per_s"] / a["samples_per_s"]
+                ),
+            }
+            for a, b, hold in pairs
+        ],
+    }
 
 
 def hold_options(row: dict[str, Any]) -> dict[str, Any]:
@@ -502,7 +797,43 @@ def format_table(figures: dict[str, Any]) -> str:
         f"{figures['replicas_max_held']} replicas at {HOLD_RATE:.0f} samples/s each "
         f"(>= {HELD:.0%} of the asked rate)",
     ]
+    if "shards" in figures:
+        lines += _sharded_lines(figures["shards"], header)
     return "\n".join(lines)
+
+
+def _sharded_lines(sharded: dict[str, Any], header: str) -> list[str]:
+    """The sharded arm's rows, hold rows and ratios to one driver, for ``format_table``."""
+    count = sharded["count"]
+    lines = [
+        "",
+        f"with {count} dispatch shards (each row measured in both arms every round, in an order "
+        "alternating by round; each arm's median round)",
+    ]
+    for title, rows in (("", sharded["rows"]), ("hold: ", sharded["hold"])):
+        if rows:
+            lines += [
+                f"{title}shards busy: the busiest shard process's loop",
+                header + "  shards busy",
+            ]
+            lines += [
+                f"{_line(r)}{r['shards_busy_max']:>13.2f}"
+                if "error" not in r
+                else f"{r['replicas']:>8d}  failed"
+                for r in rows
+            ]
+    lines += [""] + [
+        f"{r['replicas']:>5d} replicas{' (hold)' if r['hold'] else ''}: "
+        f"{r['sharded_samples_per_s']:.0f} samples/s with shards against "
+        f"{r['one_driver_samples_per_s']:.0f} with one driver ({r['samples_per_s_ratio']:.2f}x, "
+        "the median of the rounds' ratios)"
+        for r in sharded["row_ratios"]
+    ]
+    lines.append(
+        f"{count} shards carried at most {sharded['samples_per_s_max']:.0f} samples/s and held "
+        f"{sharded['replicas_max_held']} replicas"
+    )
+    return lines
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -538,8 +869,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--group-calls", action="store_true", dest="group", help="one generate call a group"
     )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=0,
+        help="also measure each row with this many dispatch shards, interleaved (0: not)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="measure each row this many times, in both arms in an order alternating by "
+        "round, and keep the median (3 with --shards, else 1)",
+    )
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shard", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -548,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.host:
         return host_main()
+    if args.shard:
+        return shard_main()
     for name, default in (QUICK_TIMES if args.quick else TIMES).items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -563,10 +909,18 @@ def main(argv: list[str] | None = None) -> int:
         hold = list(QUICK_HOLD_ROWS if args.quick else HOLD_ROWS)
     if any(n < 1 for n in replicas + hold):
         parser.error(f"--replicas and --hold must be >= 1, got {replicas} and {hold}")
+    if args.shards < 0 or (args.shards and min(replicas + hold) < args.shards):
+        parser.error(
+            f"--shards must be >= 0 and at most the fewest replicas of a row "
+            f"({min(replicas + hold)}), got {args.shards}"
+        )
+    rounds = args.rounds if args.rounds is not None else (3 if args.shards else 1)
+    if rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {rounds}")
     times = {name: getattr(args, name) for name in TIMES}
     options = {"slots": args.slots, "gen_ms": args.gen_ms, "hosts": args.hosts, "gc": args.gc}
     options["group_calls"] = args.group
-    figures = measure(replicas, hold, times=times, **options)
+    figures = measure(replicas, hold, args.shards, rounds, times=times, **options)
     print(json.dumps(figures) if args.json else format_table(figures))
     return 0
 

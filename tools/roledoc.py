@@ -41,6 +41,7 @@ ROLES: dict[str, str] = {
     "critic": "asyncrl.roles.training.critic:Critic",
     "learner": "asyncrl.roles.training.learner:Learner",
     "relay": "asyncrl.roles.services.relay:Relay",
+    "shard": "asyncrl.roles.sampling.shard:DispatchShard",
 }
 """The built-in roles: the name the built-in programs expect, and the class."""
 

@@ -49,7 +49,14 @@ from asyncrl.safe_files import write_atomic
 from asyncrl.transport import ChannelOptions, Server
 from asyncrl.transport.sockets import reserve_sockets
 
-__all__ = ["Program", "follow_membership", "freeze_start_up", "load_program", "serve_driver"]
+__all__ = [
+    "Program",
+    "follow_membership",
+    "followed",
+    "freeze_start_up",
+    "load_program",
+    "serve_driver",
+]
 
 Program = Callable[[Context], Coroutine[Any, Any, Any]]
 
@@ -141,7 +148,7 @@ async def serve_driver(spec: ProcessSpec, *, on_ready: Callable[[], None] = lamb
     stop_task = loop.create_task(stop.wait())
     watch_task = loop.create_task(watchdog.run())
     follow_task = loop.create_task(follow_membership(spec.run_dir, dispatcher, log))
-    follow_task.add_done_callback(functools.partial(_followed, log))
+    follow_task.add_done_callback(functools.partial(followed, log))
     try:
         await asyncio.wait(
             {program_task, stop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED
@@ -187,18 +194,27 @@ MEMBERSHIP_POLL_S = 0.5
 """Seconds between two looks of the driver at its node's ``membership.json``."""
 
 
-def _followed(log: Any, task: asyncio.Task[None]) -> None:
+def followed(log: Any, task: asyncio.Task[None]) -> None:
     """Log why following the membership stopped, unless it was cancelled at the end: from then
     on the dispatcher no longer learns of lost or moved replicas."""
     if not task.cancelled() and task.exception() is not None:
         log.error("following the run's membership failed", error=repr(task.exception()))
 
 
-async def follow_membership(run_dir: str, dispatcher: Dispatcher, log: Any) -> None:
+async def follow_membership(
+    run_dir: str,
+    dispatcher: Dispatcher,
+    log: Any,
+    view: Callable[[Membership], Membership] | None = None,
+) -> None:
     """Apply the run's membership (``asyncrl.manifest.membership``), as node 0's agent writes
     it into ``RUN_DIR/membership.json``, to ``dispatcher`` until cancelled: at start (a driver
     restarted after a node was lost) and each time the file changes. Each change is logged;
-    a file that does not decode is logged and looked at again when it changes."""
+    a file that does not decode is logged and looked at again when it changes.
+
+    ``view``, when given, turns the membership into the one ``dispatcher`` knows (a dispatcher
+    over some of a role's replicas, numbered from 0: a dispatch shard's) before it applies it.
+    """
     path = os.path.join(run_dir, MEMBERSHIP_FILE)
     seen: tuple[int, int] | None = None
     while True:
@@ -215,6 +231,8 @@ async def follow_membership(run_dir: str, dispatcher: Dispatcher, log: Any) -> N
             except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("membership.json cannot be read", path=path, error=str(exc))
             else:
+                if view is not None:
+                    membership = view(membership)
                 for line in await dispatcher.apply(membership):
                     log.warning("membership changed", change=line)
         await asyncio.sleep(MEMBERSHIP_POLL_S)

@@ -62,6 +62,8 @@ class Counters:
         infra_failed, infra_replaced: samples that failed through no fault of the policy, and
             those replaced by a fresh sample of the same prompt.
         infra_causes: ``infra_failed`` by cause.
+        groups_regranted: groups granted again because the dispatch shard that held them died
+            (``asyncrl.roles.sampling.sharded``).
         source: what the sample source counted, by its own names.
     """
 
@@ -89,6 +91,7 @@ class Counters:
     retired_skips: int = 0
     infra_failed: int = 0
     infra_replaced: int = 0
+    groups_regranted: int = 0
     infra_causes: Counter[str] = field(default_factory=Counter)
     source: Counter[str] = field(default_factory=Counter)
 

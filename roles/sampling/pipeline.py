@@ -248,9 +248,12 @@ class SamplePipeline:
                 self.pacer.waste(self.group_size)  # nothing to admit: give the room back
                 self._ready_event.set()
                 return
-            group = self.admission.start(prompt)
-            self.release.open(group)
-            self._spawn(group, range(group.probe or self.group_size))
+            self._start(self.admission.start(prompt))
+
+    def _start(self, group: Group) -> None:
+        """Generate an admitted group: one task a sample (its probe's first, when probed)."""
+        self.release.open(group)
+        self._spawn(group, range(group.probe or self.group_size))
 
     def _spawn(self, group: Group, ks: range) -> None:
         for k in ks:

@@ -143,6 +143,11 @@ class Release:
         self._rounds[group.key] = group
         self.reducer.open(group.key, self.group_size)
 
+    def adopt(self, group: Group) -> None:
+        """Track ``group``, whose round a reducer elsewhere (a dispatch shard's) reduces:
+        ``group_released`` takes its release as if this reducer had made it."""
+        self._rounds[group.key] = group
+
     def add(self, group: Group, k: int, sample: Sample, reward: float) -> None:
         """Sample ``k`` of ``group`` is scored: post its reward (which may release the group)."""
         group.samples[k] = (sample, reward)

@@ -13,9 +13,12 @@ import pytest
 
 from asyncrl.role import RoleContext
 from asyncrl.transport import run
+from benchmarks import scale
 from benchmarks.scale import (
+    QUICK_TIMES,
     TIMES,
     ScaleRollout,
+    compare,
     format_table,
     hold_options,
     measure_row,
@@ -128,6 +131,71 @@ def test_the_summary_takes_the_most_carried_and_the_most_replicas_held() -> None
     assert summarize([], failed)["samples_per_s_max"] == 2000.0
 
 
+def test_the_sharded_arm_is_compared_row_by_row_with_one_driver() -> None:
+    def measured(replicas: int, per_s: float, efficiency: float) -> dict[str, float]:
+        return {
+            "replicas": replicas,
+            "ideal_samples_per_s": per_s / efficiency,
+            "samples_per_s": per_s,
+            "efficiency": efficiency,
+            "driver_loop_cpu_s_per_1k": 0.1,
+            "driver_ceiling_samples_per_s": 10000.0,
+        }
+
+    one = [measured(64, 4000.0, 0.8)]
+    one_held = [measured(256, 2400.0, 0.94), measured(512, 3600.0, 0.7)]
+    sharded = [measured(64, 5000.0, 1.0)]
+    # The sharded arm held 512 too, and failed at 1,024; one driver's 1,024 row is missing.
+    sharded_held = [
+        measured(256, 2500.0, 0.98),
+        measured(512, 4700.0, 0.92),
+        {"replicas": 1024, "error": "it failed"},
+    ]
+    out = compare(2, one, one_held, sharded, sharded_held)
+    assert out["count"] == 2
+    assert out["samples_per_s_max"] == 5000.0 and out["replicas_max_held"] == 512
+    assert "samples_per_s_max_ratio" not in out  # maxima of different rows: no ratio
+    assert out["replicas_max_held_ratio"] == pytest.approx(2.0)
+    assert [(r["replicas"], r["hold"]) for r in out["row_ratios"]] == [
+        (64, False),
+        (256, True),
+        (512, True),
+    ]
+    assert [r["samples_per_s_ratio"] for r in out["row_ratios"]] == pytest.approx(
+        [1.25, 2500.0 / 2400.0, 4700.0 / 3600.0]
+    )
+    # One driver held none: no ratio of replicas held.
+    assert compare(2, one, [], sharded, [])["replicas_max_held_ratio"] is None
+    # A row measured in rounds: its ratio is the median of the rounds' ratios, not the ratio
+    # of the two arms' median rows.
+    rounded = [sharded[0] | {"samples_per_s_ratio": 1.1}]
+    assert compare(2, one, [], rounded, [])["row_ratios"][0]["samples_per_s_ratio"] == 1.1
+
+
+def test_the_sharded_arm_alternates_its_order_by_round_and_keeps_medians(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three rounds of a row: one driver first, then the shards first, then one driver first;
+    each arm keeps its median round, and the ratio is the median of the rounds' ratios."""
+    calls: list[int] = []
+    one_driver = iter([1000.0, 3000.0, 2000.0])
+    with_shards = iter([1500.0, 3300.0, 1000.0])  # ratios 1.5, 1.1, 0.5
+
+    def row(n: int, shards: int = 0, **_: object) -> dict[str, object]:
+        calls.append(shards)
+        per_s = next(with_shards if shards else one_driver)
+        return {"replicas": n, "shards": shards, "samples_per_s": per_s}
+
+    monkeypatch.setattr(scale, "measure_row", row)
+    out = scale.measure_arms(64, [0, 2], 3)
+    assert calls == [0, 2, 2, 0, 0, 2]
+    assert out[0]["samples_per_s"] == 2000.0 and out[0]["rounds"] == 3
+    assert out[0]["samples_per_s_rounds"] == [1000.0, 3000.0, 2000.0]
+    assert out[2]["samples_per_s"] == 1500.0
+    assert out[2]["samples_per_s_ratio_rounds"] == pytest.approx([1.5, 1.1, 0.5])
+    assert out[2]["samples_per_s_ratio"] == pytest.approx(1.1)
+
+
 KEYS = {
     "replicas",
     "samples_per_s",
@@ -234,3 +302,16 @@ def test_one_driver_holds_more_replicas_than_the_default_socket_limit_allows() -
     assert r["replicas"] == 400 and r["ideal_samples_per_s"] == pytest.approx(1000.0)
     assert r["consumed_samples"] > 0 and r["consumed_samples"] % 8 == 0
     assert r["dispatch_count"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_sharded_row_carries_the_samples_through_two_shard_processes() -> None:
+    r = measure_row(4, shards=2, hosts=2, times=QUICK_TIMES)
+    assert (r["replicas"], r["shards"], r["hosts"]) == (4, 2, 2)
+    assert set(r) >= KEYS | {"shards_cpu_fraction", "shards_busy_max"}
+    # Whole groups reached the driver from the shards; the replicas ran the samples.
+    assert r["consumed_samples"] % 8 == 0 and r["consumed_samples"] > 0
+    assert 0 < r["samples_per_s"] <= r["ideal_samples_per_s"] * 1.05
+    assert r["dispatch_count"] > 0
+    assert r["shards_cpu_fraction"] > 0 and 0 < r["shards_busy_max"] < 1.5
