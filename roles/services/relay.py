@@ -17,7 +17,9 @@ therefore read the relay's store exactly as they read the learner's on the learn
   where it moved (a lead on the relay's own host makes it stop copying, below).
 - A version the relay already holds is never pulled again: ``sync`` asks ``status`` first.
 - The source restarting: the relay's client reconnects by itself, and a pull that failed with a
-  recoverable error is tried again until ``source_wait_s`` passes. A source whose version went
+  recoverable error, or that a new lead's old process refused as the follower it still is
+  (``NotLeaderError``, until its agent restarts it as the lead), is tried again until
+  ``source_wait_s`` passes. A source whose version went
   back (a learner that lost steps) gets a new store, which the rollouts reopen.
 - The relay restarting: ``setup`` pulls the newest version into a new store and rewrites the
   handle, so the host's rollouts move to it at their next ``sync``.
@@ -77,6 +79,7 @@ from asyncrl.plugins.contract import CollectiveTimeoutError
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.generation.rollout import WeightsUpdate
+from asyncrl.roles.training.lead_refusal import refused_as_follower
 from asyncrl.supervision.store_registry import node_address
 from asyncrl.transport import ChannelOptions, Client
 from asyncrl.transport.codec import torch_dtypes
@@ -504,7 +507,9 @@ class Relay(Role):
                 await self._follow_lead()
                 return await attempt()
             except AsyncrlError as exc:
-                if not getattr(exc, "retryable", False):
+                # A lead's old process, a follower until its agent restarts it as the lead,
+                # refuses what only the lead serves: asked again, the new lead answers.
+                if not getattr(exc, "retryable", False) and not refused_as_follower(exc):
                     raise
                 if loop.time() >= deadline:
                     raise StallError(

@@ -60,8 +60,9 @@ from asyncrl.errors import ClosedError
 from asyncrl.observe.trace import span
 from asyncrl.role import RoleContext
 from asyncrl.roles.training.data_parallel import DataParallel, DataParallelError
+from asyncrl.roles.training.lead_refusal import NotLeaderError
 
-__all__ = ["Close", "Idle", "Lockstep", "exit_when_broken", "leave", "tag"]
+__all__ = ["Close", "Idle", "Lockstep", "NotLeaderError", "exit_when_broken", "leave", "tag"]
 
 
 class Idle(msgspec.Struct, tag="idle", forbid_unknown_fields=True):
@@ -182,10 +183,11 @@ class Lockstep:
         """Raise unless this rank leads: the other replicas take no group call from a caller.
 
         Raises:
-            ValueError: another replica (the message says to call replica 0).
+            NotLeaderError: another replica (the message says to call replica 0); a
+                ``ValueError``, which its callers tell apart (``lead_refusal``).
         """
         if not self.leader:
-            raise ValueError(
+            raise NotLeaderError(
                 f"{self.where}: a {self.dp.name} with {self.dp.world} replicas runs every call "
                 f"on all of them in the order replica 0 sets; send {method} to replica 0 "
                 f"({self.client} does: Handle.call(..., replica=0))"
