@@ -14,13 +14,16 @@ therefore read the relay's store exactly as they read the learner's on the learn
   (``ctx.groups[source].endpoints[0]``), or, once a node's loss took replica 0 out of a
   data-parallel group, the lowest replica left, which publishes from then on. The relay reads
   its node's ``membership.json`` before each try of a call to the source, and follows the lead
-  where it moved (a lead on the relay's own host makes it stop copying, below).
+  where it moved (a lead on the relay's own host makes it stop copying, below). Whether it
+  copies is decided again at each try, after following the lead: a lead that moved onto this
+  host between the question of its version and the pull is not copied, and the relay drops
+  its store and writes no handle (the new lead wrote its own).
 - A version the relay already holds is never pulled again: ``sync`` asks ``status`` first.
 - The source restarting: the relay's client reconnects by itself, and a pull that failed with a
   recoverable error, or that a new lead's old process refused as the follower it still is
   (``NotLeaderError``, until its agent restarts it as the lead), is tried again until
-  ``source_wait_s`` passes. A source whose version went
-  back (a learner that lost steps) gets a new store, which the rollouts reopen.
+  ``source_wait_s`` passes. A source whose version went back (a learner that lost steps) gets
+  a new store, which the rollouts reopen.
 - The relay restarting: ``setup`` pulls the newest version into a new store and rewrites the
   handle, so the host's rollouts move to it at their next ``sync``.
 - Every ``poll_s`` seconds (1 by default) the relay also syncs by itself, which costs one
@@ -100,6 +103,11 @@ T = TypeVar("T")
 
 _RETRY_S = 0.2  # between tries of a source that is restarting
 _READY_POLL_S = 0.005  # between two looks for the source's arrival at the rendezvous
+
+
+class _SourceHere(Exception):
+    """The source's lead is on this host now (it moved here after a node's loss): its own
+    store serves the host, and the relay copies nothing."""
 
 
 class _Abandoned(Exception):
@@ -232,10 +240,12 @@ class Relay(Role):
 
     async def _follow_lead(self) -> None:
         """Be connected to the source's lead as this node's ``membership.json`` names it now:
-        a lead that left the run with its node is replaced by the new one."""
+        a lead that left the run with its node is replaced by the new one. ``relaying`` then
+        says whether that lead is on another host."""
         name = self.config.source
         replica, endpoint = lead(self.ctx.run_dir, name, self.ctx.groups[name].endpoints)
         if endpoint == self._endpoint and self._client is not None:
+            self._note_host()
             return
         if self._endpoint and endpoint != self._endpoint:
             self.ctx.log.info(
@@ -247,6 +257,19 @@ class Relay(Role):
             await old.close()
         self._endpoint = endpoint
         await self._connect()
+        self._note_host()
+
+    def _note_host(self) -> None:
+        """Set ``relaying`` from the host of the source's lead the client reaches now; on the
+        lead's host, drop this relay's store: the lead's own store serves the host (its handle
+        names it), and a later lead on another host gets a new store and handle from here."""
+        client = self._client
+        if client is None or client.server is None:
+            return
+        self.relaying = client.server.host != host_id()
+        if not self.relaying and self.store is not None:
+            store, self.store = self.store, None
+            store.close()
 
     async def _connect(self) -> None:
         """A connected client of the source; a try that failed leaves nothing open."""
@@ -290,20 +313,23 @@ class Relay(Role):
             StallError: the source did not answer within ``source_wait_s``.
         """
         async with self._lock:
-            source = await self._retrying(self._source_version, "ask the version of")
-            client = self._client
-            assert client is not None and client.server is not None
-            self.relaying = client.server.host != host_id()
-            if not self.relaying:
-                return source
-            if self.store is not None and source == self.store.version:
-                return source
-            if self.config.transport == "broadcast":
-                await self._retrying(self._broadcast, "receive the broadcast of")
-                return self.version
-            update = await self._retrying(self._pull, "pull weights from")
-            await self.ctx.offload(self._publish, update)
-            return self.version
+            while True:
+                source = await self._retrying(self._source_version, "ask the version of")
+                if not self.relaying:
+                    return source
+                if self.store is not None and source == self.store.version:
+                    return source
+                try:
+                    # Each try follows the lead first: one that moved onto this host stops
+                    # the copy before a byte is written (``_SourceHere``).
+                    if self.config.transport == "broadcast":
+                        await self._retrying(self._broadcast, "receive the broadcast of")
+                        return self.version
+                    update = await self._retrying(self._pull, "pull weights from")
+                    await self.ctx.offload(self._publish, update)
+                    return self.version
+                except _SourceHere:
+                    continue  # ask the lead on this host its version, and copy nothing
 
     @endpoint(Delivery.IDEMPOTENT, name="status")
     async def relay_status(self, _: None) -> RelayStatus:
@@ -334,6 +360,8 @@ class Relay(Role):
 
     async def _pull(self) -> WeightsUpdate:
         assert self._client is not None
+        if not self.relaying:
+            raise _SourceHere
         update: WeightsUpdate = await self._client.call(
             self.config.weights_method, None, WeightsUpdate, timeout=self.config.timeout_s
         )
@@ -363,6 +391,8 @@ class Relay(Role):
         """
         cfg = self.config
         assert self._client is not None
+        if not self.relaying:
+            raise _SourceHere
         address = self._address()
         server = TCPStore(
             address,
@@ -480,7 +510,10 @@ class Relay(Role):
     ) -> None:
         """Publish ``version`` from ``buckets`` into a new store laid out as ``template``,
         point the handle at it, then close the old one; a failure closes the new one and
-        keeps the old."""
+        keeps the old. Never on the source's lead's host, where the handle names the lead's
+        own store (``_SourceHere``)."""
+        if not self.relaying:
+            raise _SourceHere
         fresh = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
         try:
             fresh.publish_buckets(buckets, version)

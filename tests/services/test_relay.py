@@ -399,6 +399,63 @@ def test_a_relay_follows_its_source_s_group_to_its_new_lead(
 
 
 @pytest.mark.slow
+def test_a_lead_that_moves_onto_the_relays_host_mid_sync_is_not_copied_over(
+    hosts: Hosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay (in this process, on node 1) asks replica 0 (node 0) its version; then, before
+    the pull, node 0 is lost and the lead moves to replica 1, which runs on node 1's host: the
+    relay copies nothing from it and writes no handle (the new lead's own store serves the
+    host), and says it relays no more."""
+    from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership
+
+    monkeypatch.setenv(HOST_ID_ENV, "node-1")
+    publisher = "tests.services.test_relay:Publisher"
+    hosts.start("learner", publisher, 0, {"seed": 7, "start_version": 3})
+    hosts.start("learner1", publisher, 2, {"seed": 9, "start_version": 4}, host="node-1")
+    os.makedirs(hosts.dir(1), exist_ok=True)
+    ctx = RoleContext.local(
+        name="relay",
+        run=hosts.run,
+        run_dir=hosts.dir(1),
+        config={"source": "learner", "source_wait_s": 60.0, "poll_s": 0, "timeout_s": START_S},
+        groups={"learner": GroupInfo([hosts.endpoints["learner"], hosts.endpoints["learner1"]])},
+    )
+    relay = Relay(ctx)
+    ask = relay._source_version
+    asked: list[int] = []
+
+    async def then_the_lead_moves() -> int:
+        version = await ask()
+        asked.append(version)
+        membership = Membership(nodes=3, shrunk={"learner": [1]}, lost={0: "gone"})
+        with open(os.path.join(hosts.dir(1), MEMBERSHIP_FILE), "wb") as f:
+            f.write(msgspec.json.encode(membership))
+        return version
+
+    monkeypatch.setattr(relay, "_source_version", then_the_lead_moves)
+
+    async def main() -> None:
+        await relay.setup()  # its first sync: the race above
+        try:
+            assert asked[0] == 3  # replica 0 answered the version, then the lead moved
+            assert read_handle(handle_path(hosts.dir(1), "learner")) is None
+            assert relay.relaying is False and relay.store is None
+            assert await relay.sync(None) == 4  # the new lead's version, read on its host
+            status = await relay.relay_status(None)
+            assert status == RelayStatus(NO_VERSION, 0, 0, False, "", "learner")
+            for name in ("learner", "learner1"):
+                source = await _client(hosts.endpoints[name])
+                try:
+                    assert await source.call("pulled_count", None, int) == 0, name
+                finally:
+                    await source.close()
+        finally:
+            await relay.teardown()
+
+    run(main())
+
+
+@pytest.mark.slow
 def test_a_relay_on_the_sources_host_copies_nothing(hosts: Hosts) -> None:
     hosts.start("learner", "tests.services.test_relay:Publisher", 0, {"seed": 3})
     hosts.start(
