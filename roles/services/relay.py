@@ -6,18 +6,21 @@ only processes on its own host can map. A host without a learner runs one ``Rela
 endpoint asks the source (the publisher, ``source: learner``) for its version, and when that is
 newer than the one it holds, pulls the weights from the source's ``weights`` endpoint over the
 transport (tensor frames over tcp), republishes them into a ``WeightStore`` of its own host, and
-writes the store's handle under the *source's* name in its own run directory
-(``handle_path(run_dir, source)``). Rollout replicas of that host (``weights_from: learner``)
-therefore read the relay's store exactly as they read the learner's on the learner's host.
+writes the store's handle under the *source's* name in the folder of the node it runs on
+(``handle_path(ctx.node_folder, source)``: its run directory, unless it moved there off a lost
+node, when ``run_dir`` stays its home node's folder). Rollout replicas of that host
+(``weights_from: learner``) therefore read the relay's store exactly as they read the
+learner's on the learner's host.
 
 - The source is its group's lead (``asyncrl.manifest.membership.lead``): replica 0
   (``ctx.groups[source].endpoints[0]``), or, once a node's loss took replica 0 out of a
   data-parallel group, the lowest replica left, which publishes from then on. The relay reads
-  its node's ``membership.json`` before each try of a call to the source, and follows the lead
-  where it moved (a lead on the relay's own host makes it stop copying, below). Whether it
-  copies is decided again at each try, after following the lead: a lead that moved onto this
-  host between the question of its version and the pull is not copied, and the relay drops
-  its store and writes no handle (the new lead wrote its own).
+  the ``membership.json`` of the node it runs on now (``ctx.node_folder``) before each try of
+  a call to the source, and follows the lead where it moved (a lead on the relay's own host
+  makes it stop copying, below). Whether it copies is decided again at each try, after
+  following the lead: a lead that moved onto this host between the question of its version
+  and the pull is not copied, and the relay drops its store and writes no handle (the new
+  lead wrote its own).
 - A version the relay already holds is never pulled again: ``sync`` asks ``status`` first.
 - The source restarting: the relay's client reconnects by itself, and a pull that failed with a
   recoverable error, or that a new lead's old process refused as the follower it still is
@@ -243,7 +246,9 @@ class Relay(Role):
         a lead that left the run with its node is replaced by the new one. ``relaying`` then
         says whether that lead is on another host."""
         name = self.config.source
-        replica, endpoint = lead(self.ctx.run_dir, name, self.ctx.groups[name].endpoints)
+        # The node it runs on now: a relay moved off a lost node keeps that node's folder as
+        # its run_dir, whose membership.json no agent writes any more (``node_folder``).
+        replica, endpoint = lead(self.ctx.node_folder, name, self.ctx.groups[name].endpoints)
         if endpoint == self._endpoint and self._client is not None:
             self._note_host()
             return
@@ -517,7 +522,8 @@ class Relay(Role):
         fresh = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
         try:
             fresh.publish_buckets(buckets, version)
-            write_handle(handle_path(self.ctx.run_dir, self.config.source), fresh.describe())
+            handle = handle_path(self.ctx.node_folder, self.config.source)
+            write_handle(handle, fresh.describe())
         except BaseException:
             fresh.close()
             raise

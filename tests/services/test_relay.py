@@ -405,7 +405,9 @@ def test_a_lead_that_moves_onto_the_relays_host_mid_sync_is_not_copied_over(
     """The relay (in this process, on node 1) asks replica 0 (node 0) its version; then, before
     the pull, node 0 is lost and the lead moves to replica 1, which runs on node 1's host: the
     relay copies nothing from it and writes no handle (the new lead's own store serves the
-    host), and says it relays no more."""
+    host), and says it relays no more. The relay moved to node 1 off a lost node: its run_dir
+    is its home node's folder, whose membership.json (the group whole) no agent writes any
+    more, and it follows node 1's (``node_dir``)."""
     from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership
 
     monkeypatch.setenv(HOST_ID_ENV, "node-1")
@@ -413,10 +415,15 @@ def test_a_lead_that_moves_onto_the_relays_host_mid_sync_is_not_copied_over(
     hosts.start("learner", publisher, 0, {"seed": 7, "start_version": 3})
     hosts.start("learner1", publisher, 2, {"seed": 9, "start_version": 4}, host="node-1")
     os.makedirs(hosts.dir(1), exist_ok=True)
+    home = hosts.dir(3)
+    os.makedirs(home)
+    with open(os.path.join(home, MEMBERSHIP_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Membership(nodes=4, lost={3: "gone"})))
     ctx = RoleContext.local(
         name="relay",
         run=hosts.run,
-        run_dir=hosts.dir(1),
+        run_dir=home,
+        node_dir=hosts.dir(1),
         config={"source": "learner", "source_wait_s": 60.0, "poll_s": 0, "timeout_s": START_S},
         groups={"learner": GroupInfo([hosts.endpoints["learner"], hosts.endpoints["learner1"]])},
     )
@@ -439,6 +446,7 @@ def test_a_lead_that_moves_onto_the_relays_host_mid_sync_is_not_copied_over(
         try:
             assert asked[0] == 3  # replica 0 answered the version, then the lead moved
             assert read_handle(handle_path(hosts.dir(1), "learner")) is None
+            assert read_handle(handle_path(home, "learner")) is None
             assert relay.relaying is False and relay.store is None
             assert await relay.sync(None) == 4  # the new lead's version, read on its host
             status = await relay.relay_status(None)
