@@ -261,7 +261,9 @@ class LearnerClient:
         """Write the policy in Hugging Face format under ``path``: a name in ``RUN_DIR/exports``
         (a relative path goes there) or in a folder of the learner's ``write_paths``.
         The lead answers: the publisher, the one replica whose weights are whole when the
-        replicas shard the model (``parallel: fsdp``)."""
+        replicas shard the model (``parallel: fsdp``); a relative path goes into the
+        ``exports`` folder of the lead's node, which moves with the lead after a node's loss
+        (docs/multinode.md)."""
         out: str = await to_lead(self.handle, "export", path, str, idempotent=True)
         return out
 

@@ -1,5 +1,6 @@
-"""The learner's published weights: the shared-memory store its first replica writes every
-version into, the whole model read back from it, and the store sent to a relay of another host.
+"""The learner's published weights: the shared-memory store its group's lead (its rank 0)
+writes every version into, the whole model read back from it, and the store sent to a relay of
+another host.
 
 A replicated learner publishes its state dict as it is. A sharded one (``parallel: fsdp``)
 gathers it bucket by bucket on every rank in lockstep

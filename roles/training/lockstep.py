@@ -8,17 +8,20 @@ critic's ``values`` and ``train_step``) in the same order, while callers (the pr
 pipeline) call the role concurrently. ``Lockstep`` gives them that order, the same way for
 both roles:
 
-- **Replica 0 leads.** Callers reach the role through replica 0 only (``LearnerClient`` and
-  ``CriticClient`` send those calls there; another replica refuses one with a message naming
-  replica 0: ``check_leader``). Replica 0 runs its calls one at a time (``lead`` holds one lock
-  from announcing a call to its end, so concurrent calls in several worker threads still run
-  one after the other) and, before running one, broadcasts it to the other ranks: a typed
-  message of the role's own (a tagged ``msgspec.Struct``: ``TrainStep``, ``Values``...),
-  encoded with msgspec's msgpack and sent as a uint8 tensor over the group
-  (``DataParallel.broadcast_bytes``), never pickled. Results come from replica 0.
+- **The group's lead leads.** The lead is the group's rank 0: replica 0, or the lowest replica
+  left once a node's loss took replica 0 out (docs/multinode.md). Callers reach the role
+  through the lead only (``LearnerClient`` and ``CriticClient`` send those calls there:
+  ``to_lead``; another replica refuses one with ``NotLeaderError``, which they send again to
+  the lead: ``check_leader``, ``asyncrl.roles.training.lead_refusal``). The lead runs its
+  calls one at a time (``lead`` holds one lock from announcing a call to its end, so
+  concurrent calls in several worker threads still run one after the other) and, before
+  running one, broadcasts it to the other ranks: a typed message of the role's own (a tagged
+  ``msgspec.Struct``: ``TrainStep``, ``Values``...), encoded with msgspec's msgpack and sent
+  as a uint8 tensor over the group (``DataParallel.broadcast_bytes``), never pickled. Results
+  come from the lead.
 - **The others follow.** Each other rank runs a loop in a thread of its own that receives the
   calls and runs exactly the same sequence; a result it computes is dropped (the collectives
-  inside the call gather what replica 0 returns).
+  inside the call gather what the lead returns).
 - **What a rank does on its own** (the learner's log-probs, weight copy or export) holds
   ``exclusive()``, the lock a group call holds while it runs on that rank, so it never sees a
   step half-taken.
@@ -30,7 +33,7 @@ both roles:
   timeout (``dist_timeout_s``). So that a leader with no work is not taken for a dead one, it
   broadcasts ``Idle`` when it announced nothing for ``idle_s`` (a quarter of the timeout by
   default), from a thread of its own that takes the lock ``lead`` holds, not ``exclusive``'s:
-  it goes on while replica 0 computes on its own, however long that takes.
+  it goes on while the lead computes on its own, however long that takes.
 - **Failure.** A collective that fails (a rank died or did not come in time) breaks the group
   for good (``DataParallel.broken``); so does a call that raises on any rank once it was
   announced, since the ranks may then wait at different collectives. Either way ``on_broken``
