@@ -134,6 +134,9 @@ class RoleContext:
         incarnation: how many times this replica has been restarted.
         run: the run's name.
         run_dir: the run directory (checkpoints, ledgers, logs live under it).
+        node_dir: the folder of the node this replica runs on now, where that is not
+            ``run_dir`` (a replica moved off a lost node keeps its home node's folder as
+            ``run_dir``); empty: ``run_dir``. ``node_folder`` gives the one to use.
         config: the role's validated config (an instance of the role's ``Config``), or a dict.
         threads: CPU threads this process may use for compute.
         device: the placement's device string.
@@ -151,6 +154,7 @@ class RoleContext:
     incarnation: int = 0
     run: str = "local"
     run_dir: str = "."
+    node_dir: str = ""
     config: Any = None
     threads: int = 1
     device: str = "cpu"
@@ -172,6 +176,12 @@ class RoleContext:
             kw["run_dir"] = tempfile.mkdtemp(prefix="asyncrl-local-")
             atexit.register(shutil.rmtree, kw["run_dir"], ignore_errors=True)
         return cls(config=config, **kw)
+
+    @property
+    def node_folder(self) -> str:
+        """The folder of the node this replica runs on now: its ``membership.json`` says how
+        the run's membership stands as this node sees it (``asyncrl.manifest.membership``)."""
+        return self.node_dir or self.run_dir
 
     @property
     def group_size(self) -> int:

@@ -255,12 +255,26 @@ def lead(directory: str, name: str, endpoints: Sequence[str]) -> tuple[int, str]
         endpoints: the address of each replica as this node reaches it
             (``GroupInfo.endpoints``); a replica back on its node after a loss is reached at
             the address ``membership.json`` records for it (``Membership.moved``).
+
+    Raises:
+        ValueError: the file is there but is not a membership (the agent writes it whole, by
+            a rename, so this is damage, not a write in progress).
+        OSError: the file is there but cannot be read.
     """
+    path = os.path.join(directory, MEMBERSHIP_FILE)
     try:
-        with open(os.path.join(directory, MEMBERSHIP_FILE), "rb") as f:
-            membership = msgspec.json.decode(f.read(), type=Membership)
-    except (OSError, msgspec.DecodeError):
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
         return 0, endpoints[0]
+    try:
+        membership = msgspec.json.decode(data, type=Membership)
+    except msgspec.DecodeError as exc:
+        raise ValueError(
+            f"{path}: not a membership file ({exc}); the node's agent writes it whole as the "
+            f"run's membership changes, so it was damaged: stop the run and resume it "
+            f"(asyncrl run --resume), whose agents write it again"
+        ) from exc
     members = membership.shrunk.get(name) or [0]
     first = members[0]
     moved = membership.moved.get(name, {}).get(first)

@@ -73,6 +73,10 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         endpoint: the stable endpoint to bind.
         run: the run's name.
         run_dir: the run directory.
+        node_dir: the folder of the node the process runs on now, where that is not
+            ``run_dir``: a replica moved off a lost node keeps its home node's folder as
+            ``run_dir`` (its durable state is there) and reads the membership of the node it
+            runs on from here. Empty: ``run_dir``.
         config: the role's config mapping from the manifest.
         threads: CPU threads for compute.
         device: the placement's device.
@@ -113,6 +117,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: str
     run: str
     run_dir: str
+    node_dir: str = ""
     config: dict[str, Any] = {}
     threads: int = 1
     device: str = "cpu"

@@ -189,13 +189,20 @@ def build_children(
 
 
 def adopted_child(
-    manifest: Manifest, name: str, replica: int, home_dir: str, view: NodeView, tcp: str
+    manifest: Manifest,
+    name: str,
+    replica: int,
+    home_dir: str,
+    view: NodeView,
+    tcp: str,
+    here_dir: str,
 ) -> ChildSpec:
     """The ChildSpec of replica ``replica`` of ``name`` moved to this node from a lost one
     (``asyncrl.manifest.membership``): it keeps its home node's folder of the run directory
     (``home_dir``: its durable state, logs and ipc endpoint are there, on the run's shared
     storage) and binds ``tcp`` for the other nodes. ``view.groups`` is what it is given as
-    its groups."""
+    its groups; ``here_dir``, this node's folder, is its ``node_dir``: the membership it
+    reads is this node's, which this node's agent keeps writing."""
     role = manifest.roles[name]
     endpoint = LocalRegistry(home_dir).endpoint(name, replica)
     keys = view.curve_keys or manifest.security.curve_keys
@@ -207,7 +214,16 @@ def adopted_child(
         endpoint,
         role.supervision,
         _role_launcher(
-            manifest, role, name, replica, local, home_dir, os.getpid(), view.groups, view.members
+            manifest,
+            role,
+            name,
+            replica,
+            local,
+            home_dir,
+            os.getpid(),
+            view.groups,
+            view.members,
+            node_dir=here_dir,
         ),
         "" if role.command else liveness_path(home_dir, name, replica),
     )
@@ -284,10 +300,14 @@ def _role_launcher(
     parent_pid: int,
     groups: dict[str, GroupInfo],
     members: dict[str, list[int]],
+    *,
+    node_dir: str = "",
 ) -> Any:
     """The launcher of one role replica. ``groups`` is filled as the manifest's roles are read,
     so by the first launch it holds every group; ``members`` (``NodeView.members``) is read at
-    each launch, so an incarnation started after its group shrank joins it at its new size."""
+    each launch, so an incarnation started after its group shrank joins it at its new size.
+    ``node_dir``: the folder of the node it runs on, where that is not ``run_dir`` (a replica
+    moved off a lost node)."""
     run = manifest.run
     endpoint = local.endpoint
 
@@ -334,6 +354,7 @@ def _role_launcher(
             endpoint=endpoint,
             run=run.name,
             run_dir=run_dir,
+            node_dir=node_dir,
             config=config,
             threads=role.threads,
             device=role.placement.device,

@@ -326,7 +326,13 @@ class MembershipFollower:
         published = f"tcp://{self.host}:{port}"
         home = node_dir(self.run_dir, self.manifest.roles[name].placement.node_of(replica))
         child = adopted_child(
-            self.manifest, name, replica, home, self.view, f"tcp://{self.bind_host}:{port}"
+            self.manifest,
+            name,
+            replica,
+            home,
+            self.view,
+            f"tcp://{self.bind_host}:{port}",
+            self.dir,
         )
         self._reach(name, replica, child.endpoint)
         await supervisor.adopt(child)

@@ -245,6 +245,7 @@ async def serve_role(spec: ProcessSpec, *, on_ready: Callable[[], None] = lambda
         incarnation=spec.incarnation,
         run=spec.run,
         run_dir=spec.run_dir,
+        node_dir=spec.node_dir,
         config=inherited_config(spec.config, cls.Config, spec.model),
         threads=spec.threads,
         device=spec.device,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.dispatch.handles import DEFAULT_TIMEOUT_S, Context, Handle
 from asyncrl.dispatch.watchdog import Watchdog
-from asyncrl.errors import BrokenError, RoleDeadError
+from asyncrl.errors import BrokenError, RemoteError, RoleDeadError, StallError
 from asyncrl.manifest.pipeline_section import PipelineSpec
 from asyncrl.roles.payloads import (
     CriticBatch,
@@ -40,6 +40,7 @@ from asyncrl.roles.payloads import (
 from asyncrl.roles.program.settings import Settings
 from asyncrl.roles.services.prompts import Take
 from asyncrl.roles.services.reward import ScoreRequest, ScoreSamples
+from asyncrl.roles.training.lead_refusal import refused_as_follower
 
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout import WeightsUpdate
@@ -61,6 +62,10 @@ log = logging.getLogger("asyncrl.programs")
 
 LONG_S = 300.0
 """Timeout of calls that train, checkpoint or move weights: each may take minutes on a big model."""
+
+LEAD_WAIT_S = 60.0
+"""How long ``to_lead`` sends a call again to a replica that refuses it as not its group's lead
+(``NotLeaderError``), waiting for its node's agent to restart it as the group's new lead."""
 
 
 async def resend(
@@ -134,6 +139,7 @@ async def to_lead(
     timeout: float = LONG_S,
     again: bool = False,
     idempotent: bool = False,
+    lead_wait_s: float = LEAD_WAIT_S,
 ) -> Any:
     """Call ``method`` on the group's lead (``lead``: replica 0, or the lowest replica left
     once a node's loss took it out), the one that takes the calls of a learner's or a critic's
@@ -149,13 +155,22 @@ async def to_lead(
     endpoint). The new lead resumes from its own checkpoints and write-ahead log, so it
     answers a repeated step with the step the group took.
 
+    Until its node's agent restarts it as the new group's rank 0, the new lead's old process,
+    a follower, refuses the call (``NotLeaderError``), having run nothing: the call goes to the
+    lead again, pausing from 0.05 s doubling up to 1 s between tries, for at most
+    ``lead_wait_s`` seconds from the first refusal (and ``timeout`` in all).
+
     Raises:
         BrokenError: it broke (with ``again``: still, after ``timeout`` seconds).
         RoleDeadError: the group has no replica left, or the run is ending.
+        StallError: the lead still refused the call as a follower ``lead_wait_s`` seconds
+            after its first refusal (or at ``timeout``); its cause is the last refusal.
         DeadlineExceededError, RemoteError: as ``Handle.call``.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    refused_at: float | None = None  # the lead's first refusal as a follower
+    pause = 0.05
     while True:
         first = lead(handle)
         left = max(1.0, deadline - loop.time())
@@ -165,10 +180,34 @@ async def to_lead(
                     handle, method, payload, reply_type, timeout=left, replica=first
                 )
             return await handle.call(method, payload, reply_type, timeout=left, replica=first)
+        except RemoteError as exc:
+            if not refused_as_follower(exc):
+                raise
+            now = loop.time()
+            if refused_at is None:
+                refused_at = now
+                log.warning(
+                    "%s[%d] refused %s as not its group's lead (%s); sending it again until "
+                    "its node's agent restarts it as the group's lead",
+                    handle.name,
+                    first,
+                    method,
+                    exc,
+                )
+            if now + pause > min(deadline, refused_at + lead_wait_s):
+                raise StallError(
+                    f"{handle.name}[{first}], the lead of {handle.name}'s group (its replicas "
+                    f"left: {handle.members}), still refused {method} as not the group's lead "
+                    f"for {now - refused_at:.1f} s: its process is the follower it was "
+                    f"before the lead moved, and its node's agent restarts it as the lead "
+                    f"when it reads the node's membership.json; is that agent running?"
+                ) from exc
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
         except (BrokenError, RoleDeadError) as exc:
             harmless = isinstance(exc, RoleDeadError) or again or idempotent
-            now = lead(handle)
-            if not harmless or now == first or first in handle.members:
+            now_lead = lead(handle)
+            if not harmless or now_lead == first or first in handle.members:
                 raise
             log.warning(
                 "%s[%d] left the run with its node (%s); %s goes to replica %d, which leads "
@@ -177,7 +216,7 @@ async def to_lead(
                 first,
                 exc,
                 method,
-                now,
+                now_lead,
             )
 
 
@@ -222,7 +261,9 @@ class LearnerClient:
         """Write the policy in Hugging Face format under ``path``: a name in ``RUN_DIR/exports``
         (a relative path goes there) or in a folder of the learner's ``write_paths``.
         The lead answers: the publisher, the one replica whose weights are whole when the
-        replicas shard the model (``parallel: fsdp``)."""
+        replicas shard the model (``parallel: fsdp``); a relative path goes into the
+        ``exports`` folder of the lead's node, which moves with the lead after a node's loss
+        (docs/multinode.md)."""
         out: str = await to_lead(self.handle, "export", path, str, idempotent=True)
         return out
 

@@ -6,19 +6,27 @@ only processes on its own host can map. A host without a learner runs one ``Rela
 endpoint asks the source (the publisher, ``source: learner``) for its version, and when that is
 newer than the one it holds, pulls the weights from the source's ``weights`` endpoint over the
 transport (tensor frames over tcp), republishes them into a ``WeightStore`` of its own host, and
-writes the store's handle under the *source's* name in its own run directory
-(``handle_path(run_dir, source)``). Rollout replicas of that host (``weights_from: learner``)
-therefore read the relay's store exactly as they read the learner's on the learner's host.
+writes the store's handle under the *source's* name in the folder of the node it runs on
+(``handle_path(ctx.node_folder, source)``: its run directory, unless it moved there off a lost
+node, when ``run_dir`` stays its home node's folder). Rollout replicas of that host
+(``weights_from: learner``) therefore read the relay's store exactly as they read the
+learner's on the learner's host.
 
 - The source is its group's lead (``asyncrl.manifest.membership.lead``): replica 0
   (``ctx.groups[source].endpoints[0]``), or, once a node's loss took replica 0 out of a
   data-parallel group, the lowest replica left, which publishes from then on. The relay reads
-  its node's ``membership.json`` before each try of a call to the source, and follows the lead
-  where it moved (a lead on the relay's own host makes it stop copying, below).
+  the ``membership.json`` of the node it runs on now (``ctx.node_folder``) before each try of
+  a call to the source, and follows the lead where it moved (a lead on the relay's own host
+  makes it stop copying, below). Whether it copies is decided again at each try, after
+  following the lead: a lead that moved onto this host between the question of its version
+  and the pull is not copied, and the relay drops its store and writes no handle (the new
+  lead wrote its own).
 - A version the relay already holds is never pulled again: ``sync`` asks ``status`` first.
 - The source restarting: the relay's client reconnects by itself, and a pull that failed with a
-  recoverable error is tried again until ``source_wait_s`` passes. A source whose version went
-  back (a learner that lost steps) gets a new store, which the rollouts reopen.
+  recoverable error, or that a new lead's old process refused as the follower it still is
+  (``NotLeaderError``, until its agent restarts it as the lead), is tried again until
+  ``source_wait_s`` passes. A source whose version went back (a learner that lost steps) gets
+  a new store, which the rollouts reopen.
 - The relay restarting: ``setup`` pulls the newest version into a new store and rewrites the
   handle, so the host's rollouts move to it at their next ``sync``.
 - Every ``poll_s`` seconds (1 by default) the relay also syncs by itself, which costs one
@@ -77,6 +85,7 @@ from asyncrl.plugins.contract import CollectiveTimeoutError
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.generation.rollout import WeightsUpdate
+from asyncrl.roles.training.lead_refusal import refused_as_follower
 from asyncrl.supervision.store_registry import node_address
 from asyncrl.transport import ChannelOptions, Client
 from asyncrl.transport.codec import torch_dtypes
@@ -97,6 +106,11 @@ T = TypeVar("T")
 
 _RETRY_S = 0.2  # between tries of a source that is restarting
 _READY_POLL_S = 0.005  # between two looks for the source's arrival at the rendezvous
+
+
+class _SourceHere(Exception):
+    """The source's lead is on this host now (it moved here after a node's loss): its own
+    store serves the host, and the relay copies nothing."""
 
 
 class _Abandoned(Exception):
@@ -229,10 +243,14 @@ class Relay(Role):
 
     async def _follow_lead(self) -> None:
         """Be connected to the source's lead as this node's ``membership.json`` names it now:
-        a lead that left the run with its node is replaced by the new one."""
+        a lead that left the run with its node is replaced by the new one. ``relaying`` then
+        says whether that lead is on another host."""
         name = self.config.source
-        replica, endpoint = lead(self.ctx.run_dir, name, self.ctx.groups[name].endpoints)
+        # The node it runs on now: a relay moved off a lost node keeps that node's folder as
+        # its run_dir, whose membership.json no agent writes any more (``node_folder``).
+        replica, endpoint = lead(self.ctx.node_folder, name, self.ctx.groups[name].endpoints)
         if endpoint == self._endpoint and self._client is not None:
+            self._note_host()
             return
         if self._endpoint and endpoint != self._endpoint:
             self.ctx.log.info(
@@ -244,6 +262,19 @@ class Relay(Role):
             await old.close()
         self._endpoint = endpoint
         await self._connect()
+        self._note_host()
+
+    def _note_host(self) -> None:
+        """Set ``relaying`` from the host of the source's lead the client reaches now; on the
+        lead's host, drop this relay's store: the lead's own store serves the host (its handle
+        names it), and a later lead on another host gets a new store and handle from here."""
+        client = self._client
+        if client is None or client.server is None:
+            return
+        self.relaying = client.server.host != host_id()
+        if not self.relaying and self.store is not None:
+            store, self.store = self.store, None
+            store.close()
 
     async def _connect(self) -> None:
         """A connected client of the source; a try that failed leaves nothing open."""
@@ -287,20 +318,23 @@ class Relay(Role):
             StallError: the source did not answer within ``source_wait_s``.
         """
         async with self._lock:
-            source = await self._retrying(self._source_version, "ask the version of")
-            client = self._client
-            assert client is not None and client.server is not None
-            self.relaying = client.server.host != host_id()
-            if not self.relaying:
-                return source
-            if self.store is not None and source == self.store.version:
-                return source
-            if self.config.transport == "broadcast":
-                await self._retrying(self._broadcast, "receive the broadcast of")
-                return self.version
-            update = await self._retrying(self._pull, "pull weights from")
-            await self.ctx.offload(self._publish, update)
-            return self.version
+            while True:
+                source = await self._retrying(self._source_version, "ask the version of")
+                if not self.relaying:
+                    return source
+                if self.store is not None and source == self.store.version:
+                    return source
+                try:
+                    # Each try follows the lead first: one that moved onto this host stops
+                    # the copy before a byte is written (``_SourceHere``).
+                    if self.config.transport == "broadcast":
+                        await self._retrying(self._broadcast, "receive the broadcast of")
+                        return self.version
+                    update = await self._retrying(self._pull, "pull weights from")
+                    await self.ctx.offload(self._publish, update)
+                    return self.version
+                except _SourceHere:
+                    continue  # ask the lead on this host its version, and copy nothing
 
     @endpoint(Delivery.IDEMPOTENT, name="status")
     async def relay_status(self, _: None) -> RelayStatus:
@@ -331,6 +365,8 @@ class Relay(Role):
 
     async def _pull(self) -> WeightsUpdate:
         assert self._client is not None
+        if not self.relaying:
+            raise _SourceHere
         update: WeightsUpdate = await self._client.call(
             self.config.weights_method, None, WeightsUpdate, timeout=self.config.timeout_s
         )
@@ -360,6 +396,8 @@ class Relay(Role):
         """
         cfg = self.config
         assert self._client is not None
+        if not self.relaying:
+            raise _SourceHere
         address = self._address()
         server = TCPStore(
             address,
@@ -477,11 +515,15 @@ class Relay(Role):
     ) -> None:
         """Publish ``version`` from ``buckets`` into a new store laid out as ``template``,
         point the handle at it, then close the old one; a failure closes the new one and
-        keeps the old."""
+        keeps the old. Never on the source's lead's host, where the handle names the lead's
+        own store (``_SourceHere``)."""
+        if not self.relaying:
+            raise _SourceHere
         fresh = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
         try:
             fresh.publish_buckets(buckets, version)
-            write_handle(handle_path(self.ctx.run_dir, self.config.source), fresh.describe())
+            handle = handle_path(self.ctx.node_folder, self.config.source)
+            write_handle(handle, fresh.describe())
         except BaseException:
             fresh.close()
             raise
@@ -504,7 +546,9 @@ class Relay(Role):
                 await self._follow_lead()
                 return await attempt()
             except AsyncrlError as exc:
-                if not getattr(exc, "retryable", False):
+                # A lead's old process, a follower until its agent restarts it as the lead,
+                # refuses what only the lead serves: asked again, the new lead answers.
+                if not getattr(exc, "retryable", False) and not refused_as_follower(exc):
                     raise
                 if loop.time() >= deadline:
                     raise StallError(

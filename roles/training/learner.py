@@ -26,14 +26,15 @@ state (``asyncrl.roles.training.learner_export``).
 
 **Replicas** (``replicas: K``, ``supervision.strategy: one_for_all``) form one torch.distributed
 group, kept in step as the critic's is (``asyncrl.roles.training.lockstep``): callers send
-``train_step`` and ``checkpoint`` to replica 0 (``LearnerClient`` does), which announces each
-(``TrainStep``, ``Checkpoint``) to the other ranks and runs it with them, in one order; another
-replica refuses them. Each rank gets the whole batch and trains its token-balanced share of each
-mini-batch.
+``train_step`` and ``checkpoint`` to the group's lead (``LearnerClient`` does, through
+``to_lead``: replica 0, or the lowest replica left once a node's loss took it out), which
+announces each (``TrainStep``, ``Checkpoint``) to the other ranks and runs it with them, in one
+order; another replica refuses them (``NotLeaderError``). Each rank gets the whole batch and
+trains its token-balanced share of each mini-batch.
 They either replicate the model and all-reduce gradients (``asyncrl.roles.training.data_parallel``)
 or, with ``parallel: fsdp``, shard it (``asyncrl.roles.training.sharding``, docs/sharding.md);
 either way the step is the one a single learner takes on the whole batch. Each rank keeps its own
-step log and checkpoints; replica 0 publishes the weights
+step log and checkpoints; the group's lead (its rank 0) publishes the weights
 (``asyncrl.roles.training.learner_weights``) and sends them to relays of other hosts
 (``broadcast_weights``, ``asyncrl.weights.broadcast``).
 

@@ -1,5 +1,6 @@
-"""The learner's published weights: the shared-memory store its first replica writes every
-version into, the whole model read back from it, and the store sent to a relay of another host.
+"""The learner's published weights: the shared-memory store its group's lead (its rank 0)
+writes every version into, the whole model read back from it, and the store sent to a relay of
+another host.
 
 A replicated learner publishes its state dict as it is. A sharded one (``parallel: fsdp``)
 gathers it bucket by bucket on every rank in lockstep
@@ -13,12 +14,13 @@ protocol is ``asyncrl.weights.broadcast``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from asyncrl.plugins.registry import current as current_plugin
 from asyncrl.role import RoleContext
+from asyncrl.roles.training.lead_refusal import NotLeaderError
 from asyncrl.roles.training.sharding import full_buckets
 from asyncrl.supervision.store_registry import node_address
 from asyncrl.weights import WeightStore, handle_path, write_handle
@@ -91,13 +93,13 @@ class PublishedWeights:
         """A copy of the latest published version, whole, and its number.
 
         Raises:
-            ValueError: this replica holds no store (not the lead, or publishing is off).
+            NotLeaderError: this replica does not lead its group (a ``ValueError``).
+            ValueError: publishing is off.
         """
         if self.store is None:
-            raise ValueError(
-                f"{self.ctx.name}.{self.ctx.replica}: a sharded learner (parallel: fsdp) serves "
-                f"its whole weights from replica 0's weight store; call replica 0 and keep "
-                f"roles.{self.ctx.name}.config.publish_weights on"
+            self._no_store(
+                "a sharded learner (parallel: fsdp) serves its whole weights from its group's "
+                "lead's weight store"
             )
         with WeightReader(self.store.describe()) as reader:
             return reader.read()
@@ -125,7 +127,8 @@ class PublishedWeights:
             the version sent.
 
         Raises:
-            ValueError: this replica holds no store (not the lead, or publishing is off).
+            NotLeaderError: this replica does not lead its group (a ``ValueError``).
+            ValueError: publishing is off.
             NothingPublishedError: nothing was published yet.
             TornReadError: the learner published twice while a bucket was copied (the relay
                 drops the version and asks again).
@@ -133,10 +136,8 @@ class PublishedWeights:
             BrokenError: the relay died or closed its end during the transfer.
         """
         if self.store is None:
-            raise ValueError(
-                f"{self.ctx.name}.{self.ctx.replica}: only replica 0 holds the weight store "
-                f"broadcast_weights sends from; ask replica 0, with "
-                f"roles.{self.ctx.name}.config.publish_weights on"
+            self._no_store(
+                "only its group's lead holds the weight store broadcast_weights sends from"
             )
         return send_store(
             self.store,
@@ -145,6 +146,25 @@ class PublishedWeights:
             address=node_address("", rendezvous.host)[1],
             where=f"{self.ctx.name}.{self.ctx.replica}",
             after_bucket=self.after_bucket,
+        )
+
+    def _no_store(self, what: str) -> NoReturn:
+        """Raise why this replica holds no store: it does not lead its group (the group's rank
+        0: replica 0, or the lowest replica left after a node's loss), or publishing is off.
+
+        Raises:
+            NotLeaderError: not the lead; the caller may send it again to the lead.
+            ValueError: publishing is off.
+        """
+        where = f"{self.ctx.name}.{self.ctx.replica}"
+        if self.ctx.group_rank != 0:
+            raise NotLeaderError(
+                f"{where}: {what}, and this replica does not lead its group; call the group's "
+                f"lead (the lowest replica still in the run)"
+            )
+        raise ValueError(
+            f"{where}: {what}, and it publishes none: set "
+            f"roles.{self.ctx.name}.config.publish_weights on"
         )
 
     def after_bucket(self, number: int) -> None:

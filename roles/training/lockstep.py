@@ -8,15 +8,17 @@ critic's ``values`` and ``train_step``) in the same order, while callers (the pr
 pipeline) call the role concurrently. ``Lockstep`` gives them that order, the same way for
 both roles:
 
-- **Rank 0 leads.** Callers reach the role through the group's lead only: rank 0, which is
-  replica 0, or the lowest replica left once a node's loss shrank the group (``LearnerClient``
-  and ``CriticClient`` send those calls there: ``to_lead``; another replica refuses one with a
-  message naming the lead: ``check_leader``). The lead runs its calls one at a time (``lead``
-  holds one lock from announcing a call to its end, so concurrent calls in several worker
-  threads still run one after the other) and, before running one, broadcasts it to the other
-  ranks: a typed message of the role's own (a tagged ``msgspec.Struct``: ``TrainStep``,
-  ``Values``...), encoded with msgspec's msgpack and sent as a uint8 tensor over the group
-  (``DataParallel.broadcast_bytes``), never pickled. Results come from the lead.
+- **The group's lead leads.** The lead is the group's rank 0: replica 0, or the lowest replica
+  left once a node's loss took replica 0 out (docs/multinode.md). Callers reach the role
+  through the lead only (``LearnerClient`` and ``CriticClient`` send those calls there:
+  ``to_lead``; another replica refuses one with ``NotLeaderError``, which they send again to
+  the lead: ``check_leader``, ``asyncrl.roles.training.lead_refusal``). The lead runs its
+  calls one at a time (``lead`` holds one lock from announcing a call to its end, so
+  concurrent calls in several worker threads still run one after the other) and, before
+  running one, broadcasts it to the other ranks: a typed message of the role's own (a tagged
+  ``msgspec.Struct``: ``TrainStep``, ``Values``...), encoded with msgspec's msgpack and sent
+  as a uint8 tensor over the group (``DataParallel.broadcast_bytes``), never pickled. Results
+  come from the lead.
 - **The others follow.** Each other rank runs a loop in a thread of its own that receives the
   calls and runs exactly the same sequence; a result it computes is dropped (the collectives
   inside the call gather what the lead returns).
@@ -31,7 +33,7 @@ both roles:
   timeout (``dist_timeout_s``). So that a leader with no work is not taken for a dead one, it
   broadcasts ``Idle`` when it announced nothing for ``idle_s`` (a quarter of the timeout by
   default), from a thread of its own that takes the lock ``lead`` holds, not ``exclusive``'s:
-  it goes on while replica 0 computes on its own, however long that takes.
+  it goes on while the lead computes on its own, however long that takes.
 - **Failure.** A collective that fails (a rank died or did not come in time) breaks the group
   for good (``DataParallel.broken``); so does a call that raises on any rank once it was
   announced, since the ranks may then wait at different collectives. Either way ``on_broken``
@@ -61,8 +63,9 @@ from asyncrl.errors import ClosedError
 from asyncrl.observe.trace import span
 from asyncrl.role import RoleContext
 from asyncrl.roles.training.data_parallel import DataParallel, DataParallelError
+from asyncrl.roles.training.lead_refusal import NotLeaderError
 
-__all__ = ["Close", "Idle", "Lockstep", "exit_when_broken", "leave", "tag"]
+__all__ = ["Close", "Idle", "Lockstep", "NotLeaderError", "exit_when_broken", "leave", "tag"]
 
 
 class Idle(msgspec.Struct, tag="idle", forbid_unknown_fields=True):
@@ -187,11 +190,12 @@ class Lockstep:
         """Raise unless this rank leads: the other replicas take no group call from a caller.
 
         Raises:
-            ValueError: another replica (the message names the lead to call).
+            NotLeaderError: another replica (the message names the lead to call); a
+                ``ValueError``, which its callers tell apart (``lead_refusal``).
         """
         if not self.leader:
             lead = self.members[0]
-            raise ValueError(
+            raise NotLeaderError(
                 f"{self.where}: a {self.dp.name} with {self.dp.world} replicas runs every call "
                 f"on all of them in the order replica {lead} (its lead) sets; send {method} "
                 f"to replica {lead} ({self.client} does: Handle.call(..., replica={lead}))"

@@ -151,6 +151,15 @@ def test_a_group_s_lead_is_the_first_of_its_members_in_the_node_s_membership(
     path.write_bytes(msgspec.json.encode(membership))
     assert lead(str(tmp_path), "learner", endpoints) == (1, "tcp://d:4")
     assert goes_on("learner", [1, 2]) == "learner goes on with replicas [1, 2], led by replica 1"
+    # A damaged file says so: never replica 0 in silence, which may be on a lost node.
+    path.write_bytes(b'{"shrunk": {"learner": [1')
+    with pytest.raises(ValueError) as caught:
+        lead(str(tmp_path), "learner", endpoints)
+    assert str(caught.value) == (
+        f"{path}: not a membership file (Input data was truncated); the node's agent writes "
+        f"it whole as the run's membership changes, so it was damaged: stop the run and resume "
+        f"it (asyncrl run --resume), whose agents write it again"
+    )
     assert goes_on("learner", [0]) == "learner goes on with replicas [0]"
 
 

@@ -32,6 +32,7 @@ from asyncrl.roles.generation.rollout import Rollout, WeightsUpdate
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.sampling.weight_sync import WeightSync, relay_groups
 from asyncrl.roles.services.relay import Relay, RelayStatus
+from asyncrl.roles.training.lead_refusal import NotLeaderError
 from asyncrl.transport import Client, run
 from asyncrl.transport.shm import HOST_ID_ENV, sweep
 from asyncrl.weights import NO_VERSION, WeightReader, handle_path, read_handle
@@ -65,15 +66,19 @@ def state_of(seed: int, version: int) -> dict[str, torch.Tensor]:
 
 class Publisher(Role):
     """A learner's weight endpoints and nothing else: ``status``, ``weights`` (counted), and
-    ``bump`` to publish the next version."""
+    ``bump`` to publish the next version. ``refusals``: its first pulls are refused as a
+    follower of its group refuses them (the new lead's old process, before its agent restarts
+    it as the lead)."""
 
     class Config(msgspec.Struct):
         seed: int = 7
         start_version: int = 0
+        refusals: int = 0
 
     async def setup(self) -> None:
         self.version = self.config.start_version
         self.pulled = 0
+        self.refused = 0
 
     @endpoint(Delivery.IDEMPOTENT)
     async def status(self, _: None) -> dict[str, int]:
@@ -81,6 +86,9 @@ class Publisher(Role):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def weights(self, _: None) -> WeightsUpdate:
+        if self.refused < self.config.refusals:
+            self.refused += 1
+            raise NotLeaderError(f"{self.ctx.name}: not its group's lead yet")
         self.pulled += 1
         return WeightsUpdate(self.version, state_of(self.config.seed, self.version))
 
@@ -92,6 +100,10 @@ class Publisher(Role):
     @endpoint(Delivery.IDEMPOTENT)
     async def pulled_count(self, _: None) -> int:
         return self.pulled
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def refused_count(self, _: None) -> int:
+        return self.refused
 
 
 def _free_port() -> int:
@@ -345,13 +357,14 @@ def test_a_relay_follows_its_source_s_group_to_its_new_lead(
 ) -> None:
     """The learner as two replicas: replica 0 leads and the relay pulls from it. Replica 0's
     node is lost and the node's ``membership.json`` says the group goes on with replica 1: the
-    relay's next sync pulls from replica 1."""
+    relay's next sync pulls from replica 1, once replica 1 stops refusing the pull as the
+    follower its old process was (its first three pulls: ``NotLeaderError``)."""
     from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership
 
     monkeypatch.setenv(HOST_ID_ENV, "node-1")
     publisher = "tests.services.test_relay:Publisher"
     hosts.start("learner", publisher, 0, {"seed": 7, "start_version": 3})
-    hosts.start("learner1", publisher, 2, {"seed": 9, "start_version": 4})
+    hosts.start("learner1", publisher, 2, {"seed": 9, "start_version": 4, "refusals": 3})
     group = {"learner": [hosts.endpoints["learner"], hosts.endpoints["learner1"]]}
     relay_config = {"source": "learner", "source_wait_s": 60.0, "poll_s": 0}
     hosts.start("relay", "asyncrl.roles.services.relay:Relay", 1, relay_config, groups=group)
@@ -371,12 +384,83 @@ def test_a_relay_follows_its_source_s_group_to_its_new_lead(
             _, version, got = _read_relayed(hosts)
             assert version == 4
             _assert_same(got, state_of(9, 4))
+            learner1 = await _client(hosts.endpoints["learner1"])
+            try:
+                assert await learner1.call("refused_count", None, int) == 3
+                assert await learner1.call("pulled_count", None, int) == 1
+            finally:
+                await learner1.close()
         finally:
             await relay.close()
 
     run(main())
     said = capfd.readouterr().out
     assert "relay relay: learner's group is led by replica 1 now (tcp://127.0.0.1:" in said
+
+
+@pytest.mark.slow
+def test_a_lead_that_moves_onto_the_relays_host_mid_sync_is_not_copied_over(
+    hosts: Hosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay (in this process, on node 1) asks replica 0 (node 0) its version; then, before
+    the pull, node 0 is lost and the lead moves to replica 1, which runs on node 1's host: the
+    relay copies nothing from it and writes no handle (the new lead's own store serves the
+    host), and says it relays no more. The relay moved to node 1 off a lost node: its run_dir
+    is its home node's folder, whose membership.json (the group whole) no agent writes any
+    more, and it follows node 1's (``node_dir``)."""
+    from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership
+
+    monkeypatch.setenv(HOST_ID_ENV, "node-1")
+    publisher = "tests.services.test_relay:Publisher"
+    hosts.start("learner", publisher, 0, {"seed": 7, "start_version": 3})
+    hosts.start("learner1", publisher, 2, {"seed": 9, "start_version": 4}, host="node-1")
+    os.makedirs(hosts.dir(1), exist_ok=True)
+    home = hosts.dir(3)
+    os.makedirs(home)
+    with open(os.path.join(home, MEMBERSHIP_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Membership(nodes=4, lost={3: "gone"})))
+    ctx = RoleContext.local(
+        name="relay",
+        run=hosts.run,
+        run_dir=home,
+        node_dir=hosts.dir(1),
+        config={"source": "learner", "source_wait_s": 60.0, "poll_s": 0, "timeout_s": START_S},
+        groups={"learner": GroupInfo([hosts.endpoints["learner"], hosts.endpoints["learner1"]])},
+    )
+    relay = Relay(ctx)
+    ask = relay._source_version
+    asked: list[int] = []
+
+    async def then_the_lead_moves() -> int:
+        version = await ask()
+        asked.append(version)
+        membership = Membership(nodes=3, shrunk={"learner": [1]}, lost={0: "gone"})
+        with open(os.path.join(hosts.dir(1), MEMBERSHIP_FILE), "wb") as f:
+            f.write(msgspec.json.encode(membership))
+        return version
+
+    monkeypatch.setattr(relay, "_source_version", then_the_lead_moves)
+
+    async def main() -> None:
+        await relay.setup()  # its first sync: the race above
+        try:
+            assert asked[0] == 3  # replica 0 answered the version, then the lead moved
+            assert read_handle(handle_path(hosts.dir(1), "learner")) is None
+            assert read_handle(handle_path(home, "learner")) is None
+            assert relay.relaying is False and relay.store is None
+            assert await relay.sync(None) == 4  # the new lead's version, read on its host
+            status = await relay.relay_status(None)
+            assert status == RelayStatus(NO_VERSION, 0, 0, False, "", "learner")
+            for name in ("learner", "learner1"):
+                source = await _client(hosts.endpoints[name])
+                try:
+                    assert await source.call("pulled_count", None, int) == 0, name
+                finally:
+                    await source.close()
+        finally:
+            await relay.teardown()
+
+    run(main())
 
 
 @pytest.mark.slow

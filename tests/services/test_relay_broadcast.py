@@ -25,6 +25,7 @@ from asyncrl.role import Delivery, Role, RoleContext, endpoint
 from asyncrl.roles.generation.rollout import WeightsUpdate
 from asyncrl.roles.payloads import Sample, Scored, StepResult, TrainBatch
 from asyncrl.roles.services.relay import Relay, RelayStatus
+from asyncrl.roles.training.lead_refusal import NotLeaderError
 from asyncrl.roles.training.learner_weights import PublishedWeights
 from asyncrl.transport import run
 from asyncrl.transport.shm import HOST_ID_ENV
@@ -170,16 +171,34 @@ def test_buckets_hold_at_most_their_bytes_or_one_larger_tensor_each() -> None:
 
 
 def test_only_the_replica_holding_the_store_broadcasts() -> None:
-    ctx = RoleContext.local(name="learner", replica=1)
-    published = PublishedWeights(
-        ctx, torch.nn.Module(), dtype=torch.float32, sharded=False, bucket_bytes=1, enabled=True
-    )
+    """A replica that does not lead refuses as a follower (its caller asks the lead again);
+    the lead with publishing off says so."""
+
+    def published(ctx: RoleContext, enabled: bool = True) -> PublishedWeights:
+        model = torch.nn.Module()
+        return PublishedWeights(
+            ctx, model, dtype=torch.float32, sharded=False, bucket_bytes=1, enabled=enabled
+        )
+
     rendezvous = Rendezvous(host="127.0.0.1", port=1, prefix="p", timeout_s=1.0, bucket_bytes=1)
-    with pytest.raises(ValueError) as err:
-        published.broadcast(rendezvous)
+    follower = published(RoleContext.local(name="learner", replica=1, replicas=2))
+    with pytest.raises(NotLeaderError) as err:
+        follower.broadcast(rendezvous)
     assert str(err.value) == (
-        "learner.1: only replica 0 holds the weight store broadcast_weights sends from; ask "
-        "replica 0, with roles.learner.config.publish_weights on"
+        "learner.1: only its group's lead holds the weight store broadcast_weights sends "
+        "from, and this replica does not lead its group; call the group's lead (the lowest "
+        "replica still in the run)"
+    )
+    with pytest.raises(NotLeaderError, match=r"^learner.1: a sharded learner \(parallel: fsdp\) "):
+        follower.read()
+    # Replica 1 leads once a node's loss left it the group's lowest member.
+    off = published(RoleContext.local(name="learner", replica=1, replicas=2, members=[1]), False)
+    with pytest.raises(ValueError) as err:
+        off.broadcast(rendezvous)
+    assert type(err.value) is ValueError
+    assert str(err.value) == (
+        "learner.1: only its group's lead holds the weight store broadcast_weights sends "
+        "from, and it publishes none: set roles.learner.config.publish_weights on"
     )
 
 

@@ -72,13 +72,18 @@ class DictStore:
 
 
 class Adopter:
-    """A supervisor that records each replica it is given to adopt."""
+    """A supervisor that records each replica it is given to adopt, and the ``ProcessSpec``
+    of its first incarnation."""
 
     def __init__(self) -> None:
         self.adopted: list[tuple[str, int]] = []
+        self.specs: list[ProcessSpec] = []
 
     async def adopt(self, spec: Any) -> None:
         self.adopted.append((spec.name, spec.replica))
+        _, env = spec.argv_env(0)
+        with open(env[SPEC_FILE_ENV], "rb") as f:
+            self.specs.append(msgspec.json.decode(f.read(), type=ProcessSpec))
 
 
 def _follower(
@@ -173,6 +178,10 @@ def test_a_singleton_moved_at_an_earlier_loss_is_not_started_again(tmp_path: Any
 
     asyncio.run(main())
     assert supervisor.adopted == [("counter", 0)]
+    # It keeps node 2's folder for its state, and reads node 0's membership, which node 0's
+    # agent keeps writing (node 2's never changes again).
+    (spec,) = supervisor.specs
+    assert (spec.run_dir, spec.node_dir) == (str(tmp_path / "node-2"), str(tmp_path))
     seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
     assert seen["lost"] == {"2": "the agent of node 2 sent no heartbeat for 4 s"}
     assert seen["departed"] == {"splitter": {"2": 2}}

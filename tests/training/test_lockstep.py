@@ -29,7 +29,8 @@ from asyncrl.roles.program.clients import CriticClient, LearnerClient
 from asyncrl.roles.training import learner
 from asyncrl.roles.training.critic import TrainStep, Values
 from asyncrl.roles.training.data_parallel import DataParallelError
-from asyncrl.roles.training.lockstep import Close, Idle, Lockstep
+from asyncrl.roles.training.lead_refusal import refused_as_follower
+from asyncrl.roles.training.lockstep import Close, Idle, Lockstep, NotLeaderError
 
 CriticCall = Values | TrainStep
 CALLS = (Values, TrainStep)
@@ -372,8 +373,9 @@ def test_call_types_that_a_group_cannot_tell_apart_are_refused() -> None:
 
 def test_a_follower_refuses_callers_and_its_own_work_waits_for_the_groups_call() -> None:
     _, (leader, follower), runs, broken = group()
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(NotLeaderError) as caught:  # a ValueError its callers tell apart
         follower.check_leader("train_step")
+    assert isinstance(caught.value, ValueError) and refused_as_follower(caught.value)
     assert str(caught.value) == (
         "critic.1: a critic with 2 replicas runs every call on all of them in the order "
         "replica 0 (its lead) sets; send train_step to replica 0 (CriticClient does: "
