@@ -272,6 +272,7 @@ class WireHandle:
     def __init__(self, role: Any) -> None:
         self.role = role
         self.name = "critic"
+        self.members = [0]  # the replicas in the run, as a ``Handle`` has them
 
     async def call(self, method: str, payload: Any, reply_type: Any = Any, **_: Any) -> Any:
         reply = await getattr(self.role, method)(payload)
