@@ -663,18 +663,30 @@ class _Watch:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def hold_group(self, name: str, failed: float) -> None:
-        """Return once every other node holding a rank of role ``name``'s group sent
-        a heartbeat after ``failed`` (a ``time.monotonic()``: a process of the group failed
+        """Return once every other node holding a rank of role ``name``'s group raised its
+        heartbeat after ``failed`` (a ``time.monotonic()``: a process of the group failed
         then), or once a node silent since then had time to be marked lost: ``liveness_s``
         and three heartbeats. The supervisor holds the group's failure restart meanwhile
-        (``Supervisor.hold_group``)."""
-        role = self.a.manifest.roles[name]
+        (``Supervisor.hold_group``).
+
+        A beat counts only when its value differs from the one read here, after the failure:
+        the watch's ``seen`` says when this node first *read* a beat, which can be a moment
+        after a node raised its last one and died (and its rank's collective broke)."""
+        a, role = self.a, self.a.manifest.roles[name]
         deadline = failed + self.liveness_s + 3 * HEARTBEAT_INTERVAL_S
+        before: dict[int, str | None] = {}
         while time.monotonic() < deadline:
             members = self.follower.view.members.get(name) or range(role.replicas)
             # A node marked lost counts as silent until the group's members leave it out.
-            peers = {role.placement.node_of(i) for i in members} - {self.a.node}
-            if all(self.seen.get(peer, (None, failed))[1] > failed for peer in peers):
+            peers = {role.placement.node_of(i) for i in members} - {a.node}
+            beating = True
+            for peer in sorted(peers):
+                beat = await a.store.peek(a.keys.heartbeat(a.attempt, peer))
+                if peer not in before:
+                    before[peer] = beat
+                if beat == before[peer]:
+                    beating = False
+            if beating:
                 return
             await asyncio.sleep(0.1)
 

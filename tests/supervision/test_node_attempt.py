@@ -218,3 +218,50 @@ def test_a_node_back_twice_keeps_the_endpoint_of_its_rank_that_the_group_went_on
         assert view.elsewhere == {("learner", 1): "tcp://10.0.0.2:5001"}, generation
         assert record.unserved == {"learner": {1: "tcp://10.0.0.2:5001"}}, generation
         assert "learner" not in record.replicas and set(record.replicas["rollout"]) == {1}
+
+
+def test_a_group_failure_restart_waits_for_a_beat_raised_after_the_failure(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 1, holding learner[1], raised its last heartbeat and died; learner[0]'s collective
+    broke; node 0's watch read that last beat only after the failure. The failure restart is
+    held (``_Watch.hold_group``) until node 1 could be marked lost, not let go because a beat
+    was read after the failure: it is held until node 1 raises a beat of a new value, and a
+    live node 1 lets it go at its next beat."""
+    import time
+    from types import SimpleNamespace
+
+    from asyncrl.manifest.load import load_manifest
+    from asyncrl.supervision.store_registry import LaunchKeys
+    from tests.integration.test_node_loss import _learner_over_nodes_0_and_1
+
+    monkeypatch.setattr(multinode, "HEARTBEAT_INTERVAL_S", 0.1)
+    keys = LaunchKeys("r")
+    store = _BeatingStore(set())
+    beat = keys.heartbeat(0, 1)
+    store.values[beat] = "7"
+    manifest = load_manifest(_learner_over_nodes_0_and_1(str(tmp_path)))
+    env = multinode.LaunchEnv(0, 3, "127.0.0.1", 1, "r", False)
+    a = multinode.NodeAttempt(env, store, keys, 0, manifest, str(tmp_path / "run"))  # type: ignore[arg-type]
+    follower = SimpleNamespace(view=SimpleNamespace(members={}))
+    watch = multinode._Watch(a, follower, liveness_s=1.0)  # type: ignore[arg-type]
+
+    async def dead() -> float:
+        failed = time.monotonic()
+        watch.seen[1] = ("7", failed + 0.05)  # the last beat, first read after the failure
+        await asyncio.wait_for(watch.hold_group("learner", failed), 10)
+        return time.monotonic() - failed
+
+    assert asyncio.run(dead()) >= 1.3 - 0.05  # the liveness and three heartbeats
+
+    async def alive() -> float:
+        failed = time.monotonic()
+        holding = asyncio.create_task(watch.hold_group("learner", failed))
+        await asyncio.sleep(0.3)
+        assert not holding.done()
+        store.values[beat] = "8"  # node 1's next beat
+        raised = time.monotonic()
+        await asyncio.wait_for(holding, 10)
+        return time.monotonic() - raised
+
+    assert asyncio.run(alive()) < 1.0
