@@ -408,11 +408,12 @@ def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
     print(f"node 2 marked lost {marked:.1f} s after the kill, at step {at_loss}; {figures}")
 
 
-def _learner_over_nodes_0_and_1(tmp: str, nodes: str = "[0, 1]") -> str:
+def _learner_over_nodes_0_and_1(tmp: str, nodes: str = "[0, 1]", *, sharded: bool = False) -> str:
     """examples/arith/multinode3.yaml with its learner as two data-parallel ranks, on nodes 0
     and 1 (``placement.nodes``: ``nodes``), checkpointing every 4 steps; written into ``tmp``.
     With replica 0 (the group's lead, which publishes the weights) on node 1, node 0 gets a
-    relay of its own (``relay0``) while the lead runs elsewhere."""
+    relay of its own (``relay0``) while the lead runs elsewhere. ``sharded``: the ranks shard
+    the model (``parallel: fsdp``) and the run directory is shared (``run.shared_storage``)."""
     with open(os.path.join(ROOT, "examples/arith/multinode3.yaml")) as f:
         text = f.read()
     single = "  learner:\n    class: asyncrl.roles.training.learner:Learner\n    threads: 1\n"
@@ -432,7 +433,14 @@ def _learner_over_nodes_0_and_1(tmp: str, nodes: str = "[0, 1]") -> str:
             + relay,
         )
         text = text.replace("relays: [relay1, relay2]", "relays: [relay0, relay1, relay2]")
-    text = text.replace("checkpoint_every: 10", "checkpoint_every: 4\n      dist_timeout_s: 60")
+    checkpoints = "checkpoint_every: 4\n      dist_timeout_s: 60"
+    if sharded:
+        name = "  name: arith-multinode3\n"
+        assert name in text
+        text = text.replace(name, name + "  shared_storage: true\n")
+        checkpoints += "\n      parallel: fsdp"
+    assert "checkpoint_every: 10" in text
+    text = text.replace("checkpoint_every: 10", checkpoints)
     text = text.replace(
         "tokenizer: examples/arith/tokenizer",
         "tokenizer: " + os.path.join(ROOT, "examples/arith/tokenizer"),
@@ -443,14 +451,28 @@ def _learner_over_nodes_0_and_1(tmp: str, nodes: str = "[0, 1]") -> str:
     return path
 
 
-@pytest.mark.timeout(900)
-def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes) -> None:
-    """The main job with its learner as two data-parallel ranks on nodes 0 and 1: node 1 (a
-    learner rank, a rollout replica and its host's relay) is lost for good mid-RL. The learner's
-    group goes on with replica 0 alone, from its checkpoint and write-ahead log, and the run
-    completes every step: no sample lost, none consumed twice, no step repeated or skipped."""
+def _complete_steps(folder: str) -> set[str]:
+    """The checkpoints (``step-N``) a learner replica's folder holds complete."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return set()
+    return {n for n in names if os.path.exists(os.path.join(folder, n, "COMPLETE"))}
+
+
+def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) -> str:
+    """Run the main job, shortened, with its learner as two ranks on nodes 0 and 1
+    (``_learner_over_nodes_0_and_1``: replica 0, the group's lead, on node 1 with
+    ``lead_on_node_1``), lose node 1 for good after six RL steps (``sharded``: once both ranks
+    hold a checkpoint complete), and check what such a loss must cost: nothing but a restart.
+    The run completes every step (0 samples lost, 0 consumed twice, 0 steps repeated or
+    skipped); the rank on node 0 goes on alone, started again once at the new size, and trains
+    past the lost rank's last step; node 1's rollout replica, relay and rank leave the run,
+    and every node records the one change; no node's log holds a traceback. Return node 0's
+    log, for what the caller checks beyond."""
     from asyncrl.chaos.accounting import run_figures
 
+    lost, left = (0, 1) if lead_on_node_1 else (1, 0)
     short = [
         "run.config.bc_max_steps=20",
         "run.config.bc_eval_every=100",
@@ -458,7 +480,8 @@ def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes
         f"run.config.rl_eval_every={RL_STEPS}",
         "run.config.prompts_per_step=8",
     ]
-    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp)
+    placement = "[1, 0]" if lead_on_node_1 else "[0, 1]"
+    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp, placement, sharded=sharded)
     nodes.options = (*nodes.options, *(a for o in short for a in ("--set", o)))
     started = time.monotonic()
     nodes.start()
@@ -472,6 +495,14 @@ def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes
             return 0
 
     nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
+    if sharded:
+        # The ranks left load the lost rank's shards: one checkpoint complete in both folders.
+        mine = nodes.path(0, "roles", f"learner.{left}", "checkpoints")
+        theirs = nodes.path(1, "roles", f"learner.{lost}", "checkpoints")
+        nodes.wait(
+            "a checkpoint complete in both ranks' folders",
+            lambda: _complete_steps(mine) & _complete_steps(theirs),
+        )
     killed = time.monotonic()
     nodes.lose(1)
     membership = nodes.path(0, "membership.json")
@@ -490,23 +521,71 @@ def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes
     ) == (0, 0, 0, 0), figures
     assert steps() == RL_STEPS > at_loss
     seen = _json(membership)
-    assert seen["shrunk"] == {"learner": [0]}
-    assert seen["departed"] == {"rollout": {"1": 1}, "relay1": {"0": 1}, "learner": {"1": 1}}
+    assert seen["shrunk"] == {"learner": [left]}
+    assert seen["departed"] == {
+        "rollout": {"1": 1},
+        "relay1": {"0": 1},
+        "learner": {str(lost): 1},
+    }
     (change,) = seen["changes"]
-    assert change["shrunk"] == {"learner": [0]}
-    assert _json(nodes.path(2, "membership.json"))["shrunk"] == {"learner": [0]}
+    assert change["shrunk"] == {"learner": [left]}
+    assert _json(nodes.path(2, "membership.json"))["shrunk"] == {"learner": [left]}
     with open(os.path.join(nodes.tmp, "node0.log")) as f:
         log = f.read()
-    assert "learner[0] start again: its group goes on with replicas [0] after node 1's loss" in log
-    # Replica 0 failed its collective with the lost rank: its restart waited for the plan, so
-    # the group restarted once, at its new size, outside the restart budget.
+    assert (
+        f"learner[{left}] start again: its group goes on with replicas [{left}] after node "
+        f"1's loss" in log
+    )
+    # The rank left failed its collective with the lost one: its restart waited for the
+    # plan, so the group restarted once, at its new size, outside the restart budget.
     assert figures["restarts"]["learner"] == 1, nodes.logs()
     assert nodes.tracebacks() == [], nodes.logs()
+    # The rank left trained on alone after the lost one's last step.
+    assert _last_step(nodes.path(0, "ledger", f"learner.{left}.steps.jsonl")) > _last_step(
+        nodes.path(1, "ledger", f"learner.{lost}.steps.jsonl")
+    )
     print(
         f"node 1 marked lost {marked:.1f} s after the kill, at step {at_loss}; the first step "
-        f"at one rank {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in all; "
-        f"{figures}"
+        f"led by replica {left} {first_step:.1f} s after it; "
+        f"{time.monotonic() - started:.0f} s in all; {figures}"
     )
+    return log
+
+
+def _last_step(path: str) -> int:
+    """The last step a learner replica's step log holds."""
+    with open(path) as f:
+        return int([json.loads(line)["step"] for line in f][-1])
+
+
+def _check_led_by_replica_1(nodes: Nodes, log: str) -> None:
+    """Replica 1 leads the group after node 1's loss took replica 0: it publishes the weights
+    on node 0, so node 0's relay stops copying, and node 2's relay pulls from it."""
+    assert "learner goes on with replicas [1], led by replica 1" in log
+    assert "relay relay0: learner's group is led by replica 1 now (ipc://" in log
+    with open(os.path.join(nodes.tmp, "node2.log")) as f:
+        assert "relay relay2: learner's group is led by replica 1 now (tcp://" in f.read()
+
+
+def _check_resharded(nodes: Nodes, replica: int) -> None:
+    """Replica ``replica`` (on node 0) alone took both ranks' shards of a checkpoint the group
+    of 2 wrote."""
+    folder = nodes.path(0, "logs")
+    learner = ""
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(f"learner.{replica}"):
+            with open(os.path.join(folder, name), errors="replace") as f:
+                learner += f.read()
+    assert "was written by a group of 2 rank(s); loading their shards at a group of 1" in learner
+
+
+@pytest.mark.timeout(900)
+def test_a_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(nodes: Nodes) -> None:
+    """The main job with its learner as two data-parallel ranks on nodes 0 and 1: node 1 (a
+    learner rank, a rollout replica and its host's relay) is lost for good mid-RL. The learner's
+    group goes on with replica 0 alone, from its checkpoint and write-ahead log, and the run
+    completes every step: no sample lost, none consumed twice, no step repeated or skipped."""
+    _lose_node_1_mid_rl(nodes, lead_on_node_1=False, sharded=False)
 
 
 @pytest.mark.timeout(900)
@@ -516,77 +595,8 @@ def test_a_learner_group_whose_lead_is_lost_goes_on_led_by_the_rank_left(nodes: 
     (the program's calls go to it, it publishes the weights on node 0, and node 2's relay pulls
     from it), resumed from its own checkpoint and write-ahead log, and the run completes every
     step: no sample lost, none consumed twice, no step repeated or skipped."""
-    from asyncrl.chaos.accounting import run_figures
-
-    short = [
-        "run.config.bc_max_steps=20",
-        "run.config.bc_eval_every=100",
-        f"run.config.rl_steps={RL_STEPS}",
-        f"run.config.rl_eval_every={RL_STEPS}",
-        "run.config.prompts_per_step=8",
-    ]
-    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp, "[1, 0]")
-    nodes.options = (*nodes.options, *(a for o in short for a in ("--set", o)))
-    started = time.monotonic()
-    nodes.start()
-    metrics = nodes.path(0, "metrics.jsonl")
-
-    def steps() -> int:
-        try:
-            with open(metrics) as f:
-                return sum(1 for line in f if '"step"' in line)
-        except OSError:
-            return 0
-
-    nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
-    killed = time.monotonic()
-    nodes.lose(1)
-    membership = nodes.path(0, "membership.json")
-    nodes.wait("node 1 marked lost", lambda: "1" in ((_json(membership) or {}).get("lost") or {}))
-    marked = time.monotonic() - killed
-    at_loss = steps()
-    nodes.wait("a step trained after the loss", lambda: steps() > at_loss, timeout=300)
-    first_step = time.monotonic() - killed
-    assert nodes.finish([0, 2], timeout=360) == [0, 0], nodes.logs()
-    figures = run_figures(nodes.run_dir)
-    assert (
-        figures["samples_lost"],
-        figures["duplicate_consumptions"],
-        figures["steps_repeated"],
-        figures["steps_skipped"],
-    ) == (0, 0, 0, 0), figures
-    assert steps() == RL_STEPS > at_loss
-    seen = _json(membership)
-    assert seen["shrunk"] == {"learner": [1]}
-    assert seen["departed"] == {"rollout": {"1": 1}, "relay1": {"0": 1}, "learner": {"0": 1}}
-    (change,) = seen["changes"]
-    assert change["shrunk"] == {"learner": [1]}
-    assert _json(nodes.path(2, "membership.json"))["shrunk"] == {"learner": [1]}
-    with open(os.path.join(nodes.tmp, "node0.log")) as f:
-        log = f.read()
-    assert "learner[1] start again: its group goes on with replicas [1] after node 1's loss" in log
-    assert "learner goes on with replicas [1], led by replica 1" in log
-    assert figures["restarts"]["learner"] == 1, nodes.logs()  # once, at the new size
-    assert nodes.tracebacks() == [], nodes.logs()
-    # Node 0's relay stops copying (the lead is on its host now); node 2's pulls from it.
-    assert "relay relay0: learner's group is led by replica 1 now (ipc://" in log
-    with open(os.path.join(nodes.tmp, "node2.log")) as f:
-        assert "relay relay2: learner's group is led by replica 1 now (tcp://" in f.read()
-    # Replica 1 trained on alone after replica 0 was lost.
-    assert _last_step(nodes.path(0, "ledger", "learner.1.steps.jsonl")) > _last_step(
-        nodes.path(1, "ledger", "learner.0.steps.jsonl")
-    )
-    print(
-        f"node 1 marked lost {marked:.1f} s after the kill, at step {at_loss}; the first step "
-        f"led by replica 1 {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in "
-        f"all; {figures}"
-    )
-
-
-def _last_step(path: str) -> int:
-    """The last step a learner replica's step log holds."""
-    with open(path) as f:
-        return int([json.loads(line)["step"] for line in f][-1])
+    log = _lose_node_1_mid_rl(nodes, lead_on_node_1=True, sharded=False)
+    _check_led_by_replica_1(nodes, log)
 
 
 @pytest.mark.timeout(900)
@@ -597,77 +607,20 @@ def test_a_sharded_learner_group_over_a_lost_node_goes_on_at_a_smaller_size(
     shared (``run.shared_storage``): node 1's rank is lost with its half of the weights and
     AdamW's moments, and replica 0 goes on alone from both ranks' shards of their newest
     checkpoint (node 1's read from its folder) and its own write-ahead log."""
-    from asyncrl.chaos.accounting import run_figures
+    _lose_node_1_mid_rl(nodes, lead_on_node_1=False, sharded=True)
+    _check_resharded(nodes, 0)
 
-    short = [
-        "run.config.bc_max_steps=20",
-        "run.config.bc_eval_every=100",
-        f"run.config.rl_steps={RL_STEPS}",
-        f"run.config.rl_eval_every={RL_STEPS}",
-        "run.config.prompts_per_step=8",
-    ]
-    path = _learner_over_nodes_0_and_1(nodes.tmp)
-    with open(path) as f:
-        text = f.read()
-    text = text.replace(
-        "  name: arith-multinode3\n", "  name: arith-multinode3\n  shared_storage: true\n"
-    )
-    text = text.replace(
-        "      dist_timeout_s: 60", "      dist_timeout_s: 60\n      parallel: fsdp"
-    )
-    with open(path, "w") as f:
-        f.write(text)
-    nodes.manifest = path
-    nodes.options = (*nodes.options, *(a for o in short for a in ("--set", o)))
-    started = time.monotonic()
-    nodes.start()
-    metrics = nodes.path(0, "metrics.jsonl")
 
-    def steps() -> int:
-        try:
-            with open(metrics) as f:
-                return sum(1 for line in f if '"step"' in line)
-        except OSError:
-            return 0
-
-    shards = nodes.path(1, "roles", "learner.1", "checkpoints")
-    nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
-    nodes.wait(
-        "a checkpoint of node 1's rank", lambda: os.path.isdir(shards) and os.listdir(shards)
-    )
-    killed = time.monotonic()
-    nodes.lose(1)
-    membership = nodes.path(0, "membership.json")
-    nodes.wait("node 1 marked lost", lambda: "1" in ((_json(membership) or {}).get("lost") or {}))
-    marked = time.monotonic() - killed
-    at_loss = steps()
-    nodes.wait("a step trained after the loss", lambda: steps() > at_loss, timeout=300)
-    first_step = time.monotonic() - killed
-    assert nodes.finish([0, 2], timeout=360) == [0, 0], nodes.logs()
-    figures = run_figures(nodes.run_dir)
-    assert (
-        figures["samples_lost"],
-        figures["duplicate_consumptions"],
-        figures["steps_repeated"],
-        figures["steps_skipped"],
-    ) == (0, 0, 0, 0), figures
-    assert steps() == RL_STEPS > at_loss
-    seen = _json(membership)
-    assert seen["shrunk"] == {"learner": [0]}
-    assert seen["departed"] == {"rollout": {"1": 1}, "relay1": {"0": 1}, "learner": {"1": 1}}
-    with open(os.path.join(nodes.tmp, "node0.log")) as f:
-        log = f.read()
-    assert "learner[0] start again: its group goes on with replicas [0] after node 1's loss" in log
-    # Replica 0 alone took both ranks' shards of a checkpoint the group of 2 wrote.
-    folder = nodes.path(0, "logs")
-    learner = ""
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("learner.0"):
-            with open(os.path.join(folder, name), errors="replace") as f:
-                learner += f.read()
-    assert "was written by a group of 2 rank(s); loading their shards at a group of 1" in learner
-    print(
-        f"node 1 marked lost {marked:.1f} s after the kill, at step {at_loss}; the first step "
-        f"at one rank {first_step:.1f} s after it; {time.monotonic() - started:.0f} s in all; "
-        f"{figures}"
-    )
+@pytest.mark.timeout(900)
+def test_a_sharded_learner_group_whose_lead_is_lost_goes_on_led_by_the_rank_left(
+    nodes: Nodes,
+) -> None:
+    """The two sharded ranks with replica 0, the group's lead and the one rank that holds the
+    weight store, on node 1 (``run.shared_storage``): node 1 is lost for good mid-RL with the
+    lead's half of the weights and AdamW's moments. Replica 1 leads from then on: it loads
+    both ranks' shards of their newest checkpoint (the lead's read from node 1's folder) at a
+    group of one, replays its own write-ahead log, publishes the weights on node 0 (node 0's
+    relay stops copying, node 2's pulls from it), and the run completes every step."""
+    log = _lose_node_1_mid_rl(nodes, lead_on_node_1=True, sharded=True)
+    _check_led_by_replica_1(nodes, log)
+    _check_resharded(nodes, 1)

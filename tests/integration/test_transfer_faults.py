@@ -9,6 +9,12 @@ every node, as a rollout replica reads it. The program pushes each version throu
 publisher holds the transfer of version 2 to node 2's relay after its first bucket until a gate
 file appears, and writes a file when it does: the test loses node 2 then, so the transfer is in
 flight when its node goes, and never by a sleep.
+
+The relay's pull: the same publisher and readers, with relays that pull each version from the
+publisher's ``weights`` endpoint (``transport: pull``, the default: the version read whole out
+of the publisher's store and sent as tensor frames over tcp). Node 2's relay pulls through
+``held_weights``, which holds the pull of version 2 once it read the version until the gate
+file appears: node 2 is lost while its relay waits for the reply.
 """
 
 from __future__ import annotations
@@ -77,6 +83,31 @@ roles:
     class: asyncrl.roles.services.relay:Relay
     placement: {{node: 2}}
     config: *relay
+  reader:
+    class: tests.integration.transfer_roles:Reader
+    replicas: 3
+    placement: {{nodes: [0, 1, 2]}}
+"""
+
+
+PULL_MANIFEST = """\
+run:
+  name: pullloss
+  program: {program}:main
+roles:
+  publisher:
+    class: tests.integration.transfer_roles:Publisher
+    placement: {{node: 0}}
+    config: {{hold_pull: 2, held: {held}, gate: {gate}}}
+  relay1:
+    class: asyncrl.roles.services.relay:Relay
+    placement: {{node: 1}}
+    config: {{source: publisher, poll_s: 0, timeout_s: 15, source_wait_s: 60}}
+  relay2:
+    class: asyncrl.roles.services.relay:Relay
+    placement: {{node: 2}}
+    config: {{source: publisher, weights_method: held_weights, poll_s: 0, timeout_s: 15,
+             source_wait_s: 60}}
   reader:
     class: tests.integration.transfer_roles:Reader
     replicas: 3
@@ -162,6 +193,70 @@ def test_a_node_lost_mid_broadcast_leaves_every_survivor_on_a_whole_version(
     print(
         f"node 2 {how}: the push of version 2 ended {waited:.1f} s after, the run {ended:.1f} s "
         f"after"
+    )
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_a_relay_lost_mid_pull_leaves_every_survivor_on_a_whole_version(
+    nodes: Nodes, how: str
+) -> None:
+    """Node 2 (its relay and a reader) is lost while its relay pulls version 2: the publisher
+    read the version out of its store and holds the reply at the gate. The node is
+    ``killed`` (its connections close) or ``silent`` (stopped: they stay open). The publisher
+    answers once the gate opens (to a relay that is gone: the reply is dropped, or left in the
+    sockets' buffers) and serves node 1's relay meanwhile; the program's push leaves the lost
+    relay out once node 0 marks the node lost; every survivor holds a whole version (node 1's
+    relay and both readers left hold version 2, byte for byte); version 3 crosses to node 1
+    alone, and the run completes."""
+    held, gate = os.path.join(nodes.tmp, "held"), os.path.join(nodes.tmp, "gate")
+    program = _write(os.path.join(nodes.tmp, "transfer_program.py"), BROADCAST_PROGRAM)
+    nodes.manifest = _write(
+        os.path.join(nodes.tmp, "pull.yaml"),
+        PULL_MANIFEST.format(program=program, held=held, gate=gate),
+    )
+    nodes.start()
+    nodes.wait("node 2's pull of version 2 held", lambda: os.path.exists(held))
+    if how == "killed":
+        nodes.lose(2)
+    else:
+        silence_node(nodes.procs[2])
+    lost = time.time()
+    _write(gate, "")  # the publisher answers a relay that is gone
+    codes = nodes.finish([0, 1], timeout=120)
+    ended = time.time() - lost
+    if how == "silent":
+        nodes.lose(2)
+    assert codes == [0, 0], nodes.logs()
+    record = _json(nodes.path(0, "pushes.json"))
+    pushes, outcomes = record["pushes"], record["outcomes"]
+    assert [p["version"] for p in pushes] == [1, 2, 3]
+    assert [p["readers"] for p in pushes] == [[1, 1, 1], [2, 2], [3, 3]]
+    whole = {v: digest(state_of(v)) for v in (1, 2, 3)}
+    assert [p["held"] for p in pushes] == [
+        [[1, whole[1]]] * 3,
+        [[2, whole[2]]] * 2,
+        [[3, whole[3]]] * 2,
+    ]
+    assert [p["relays"] for p in pushes] == [[[1], [1]], [[2], []], [[3], []]]
+    # A relay that starts before the first version pulls version 0. Then each pulls version
+    # 1 (its start's sync or the push: in either order); node 1's relay pulls 2 and 3 while
+    # node 2's pull of 2 waits at the gate, which it leaves after the loss, answered.
+    pulls = [o for o in outcomes if o[1] > 0]
+    assert sorted(pulls[:2]) == [["held_weights", 1, "ok"], ["weights", 1, "ok"]], outcomes
+    assert sorted(pulls[2:]) == [
+        ["held_weights", 2, "ok"],
+        ["weights", 2, "ok"],
+        ["weights", 3, "ok"],
+    ], outcomes
+    # The push of version 2 waited for node 0 to mark node 2 lost, and no longer.
+    waited = pushes[1]["ended"] - lost
+    assert waited < 40, (waited, nodes.logs())
+    membership = _json(nodes.path(0, "membership.json"))
+    assert membership["departed"] == {"relay2": {"0": 2}, "reader": {"2": 2}}
+    assert nodes.tracebacks() == [], nodes.logs()
+    print(
+        f"node 2 {how} mid pull: the push of version 2 ended {waited:.1f} s after, that of "
+        f"version 3 {pushes[2]['ended'] - lost:.1f} s after, the run {ended:.1f} s after"
     )
 
 

@@ -1,6 +1,7 @@
 """Roles for ``test_transfer_faults.py``: a publisher of weights that holds a broadcast to one
-relay after its first bucket until a gate file appears, and a reader of its host's weight
-store, as a rollout replica reads it.
+relay after its first bucket, or a relay's pull after it read the version out of its store,
+until a gate file appears, and a reader of its host's weight store, as a rollout replica
+reads it.
 
 ``Publisher`` keeps a real ``PublishedWeights`` store (the learner's own code for
 ``broadcast_weights``) holding ``state_of(version)``; ``Reader`` opens the handle its host's
@@ -21,6 +22,7 @@ import msgspec
 import torch
 
 from asyncrl import Delivery, Role, endpoint
+from asyncrl.roles.generation.rollout import WeightsUpdate
 from asyncrl.roles.training.learner_weights import PublishedWeights
 from asyncrl.safe_files import write_atomic
 from asyncrl.weights import WeightReader, handle_path, read_handle
@@ -75,21 +77,22 @@ class _Held(PublishedWeights):
         ):
             return
         self.hold_version = -1  # once
-        write_atomic(self.held, prefix.encode())
-        deadline = time.monotonic() + _GATE_WAIT_S
-        while not os.path.exists(self.gate) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_at_gate(self.held, prefix, self.gate)
 
 
 class Publisher(Role):
     """The learner's weight endpoints over a real ``PublishedWeights`` store: ``status``,
+    ``weights`` (a copy of the store's version, as a sharded learner answers a relay's pull),
+    ``held_weights`` (the same, but the pull of version ``hold_pull`` writes the file ``held``
+    once it read the version and waits for the file ``gate`` before it answers; once),
     ``broadcast_weights``, ``bump`` (publish the next version), and ``outcomes``: each
-    broadcast's relay, version and outcome (``ok`` or the error's type), once there are as
-    many as asked."""
+    transfer's relay (a pull's endpoint), version and outcome (``ok`` or the error's type),
+    once there are as many as asked."""
 
     class Config(msgspec.Struct, forbid_unknown_fields=True):
         hold_to: str = ""
         hold_version: int = -1
+        hold_pull: int = -1
         held: str = ""
         gate: str = ""
 
@@ -109,6 +112,8 @@ class Publisher(Role):
         self.published.sending = {}
         self.published.model = _Fixed(state_of(0))
         self.published.open(state_of(0), 0)
+        self.hold_pull = cfg.hold_pull
+        self.pulling = 0  # pulls being answered
         self.done: list[list[Any]] = []
         self.changed = asyncio.Event()
 
@@ -118,6 +123,30 @@ class Publisher(Role):
     @endpoint(Delivery.IDEMPOTENT)
     async def status(self, _: None) -> dict[str, int]:
         return {"version": self.latest}
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def weights(self, _: None) -> WeightsUpdate:
+        return await self._pull("weights", hold=False)
+
+    @endpoint(Delivery.IDEMPOTENT)
+    async def held_weights(self, _: None) -> WeightsUpdate:
+        return await self._pull("held_weights", hold=True)
+
+    async def _pull(self, method: str, *, hold: bool) -> WeightsUpdate:
+        """The store's version, read whole under its seqlock; with ``hold``, the pull of
+        ``hold_pull`` waits at the gate (in a thread: the other endpoints go on) before its
+        reply is sent."""
+        self.pulling += 1
+        try:
+            version, state = await asyncio.to_thread(self.published.read)
+            if hold and version == self.hold_pull:
+                self.hold_pull = -1  # once
+                await asyncio.to_thread(_wait_at_gate, self.config.held, method, self.config.gate)
+            self.done.append([method, version, "ok"])
+        finally:
+            self.pulling -= 1
+            self.changed.set()
+        return WeightsUpdate(version, state)
 
     @endpoint(Delivery.IDEMPOTENT)
     async def broadcast_weights(self, rendezvous: Rendezvous) -> int:
@@ -141,11 +170,20 @@ class Publisher(Role):
 
     @endpoint(Delivery.IDEMPOTENT)
     async def outcomes(self, count: int) -> list[list[Any]]:
-        """The outcomes of the transfers so far, once there are at least ``count``."""
-        while len(self.done) < count:
+        """The outcomes of the transfers so far, once there are at least ``count`` and no
+        pull is being answered."""
+        while len(self.done) < count or self.pulling:
             self.changed.clear()
             await self.changed.wait()
         return self.done
+
+
+def _wait_at_gate(held: str, what: str, gate: str) -> None:
+    """Write the file ``held`` (holding ``what``), then wait for the file ``gate``."""
+    write_atomic(held, what.encode())
+    deadline = time.monotonic() + _GATE_WAIT_S
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 class _Fixed(torch.nn.Module):
