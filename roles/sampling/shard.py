@@ -16,6 +16,11 @@ A shard is a supervised role (``DispatchShard``), named in the manifest like any
         capacity: 1024              # groups a shard works on at once
         config: {rollout: rollout, score: my_package.rewards:score}
 
+or, in the built-in programs, by ``pipeline.shards: K``, which adds that role as ``shards``
+(``asyncrl.manifest.pipeline_section.shard_role``) with no ``score``: each shard then scores
+with the ``reward`` role's ``score_samples``, against the answer of the prompt its grant
+carries, as the driver's ``PromptFeed.scorer`` does.
+
 Shard ``i`` of ``K`` owns rollout replicas ``i * n // K`` to ``(i + 1) * n // K - 1``
 (``owned_replicas``): its own ``Dispatcher`` and ``Scheduler`` connect to those alone, so the
 per-replica work (connections, heartbeats, credit) is spread over the shards. Within a shard a
@@ -513,7 +518,9 @@ class DispatchShard(Role):
         try:
             owned = owned_replicas(len(group.endpoints), self.ctx.replicas, self.ctx.replica)
         except ValueError as exc:
-            raise ConfigProblem(f"roles.{self.ctx.name}.replicas: {exc}") from exc
+            raise ConfigProblem(
+                f"roles.{self.ctx.name}.replicas (pipeline.shards, when it adds the role): {exc}"
+            ) from exc
         if self.ctx.capacity < len(owned):
             raise ConfigProblem(
                 f"roles.{self.ctx.name}.capacity: {self.ctx.capacity} is fewer than the "

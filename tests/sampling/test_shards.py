@@ -286,7 +286,7 @@ def test_a_shard_scores_each_sample_against_its_prompts_answer() -> None:
     answer = run(main())
     assert sorted(seen) == [("p3", k, "3") for k in range(G)]
     assert [s.reward for s in answer.samples] == [3.0, 3.1, 3.2, 3.3]
-    with pytest.raises(ValueError, match="^give exactly one of score and score_answers$"):
+    with pytest.raises(ValueError, match=r"^give exactly one of score and score_answers$"):
         ShardWorker(Rollout(), score, score_answers=against)
 
 
@@ -682,8 +682,13 @@ def test_a_shard_names_what_is_wrong_with_its_configuration() -> None:
         "rollout role whose replicas the shards own"
     )
     assert setup_error(shard_role(3, two)) == (
-        "roles.shard.replicas: 3 dispatch shards need at least as many rollout replicas, got "
-        "2: give the shard role at most 2 replicas"
+        "roles.shard.replicas (pipeline.shards, when it adds the role): 3 dispatch shards need "
+        "at least as many rollout replicas, got 2: give the shard role at most 2 replicas"
+    )
+    # No score function: the reward role scores, and the run must have it.
+    assert setup_error(shard_role(2, two, score="")) == (
+        "roles.shard.config.reward: the run has no role 'reward' (roles: rollout); name the "
+        "reward role that scores the samples, or give roles.shard.config.score"
     )
     four = {"rollout": GroupInfo([f"ipc:///nowhere/{i}" for i in range(4)])}
     assert setup_error(shard_role(2, four)) == (
