@@ -10,12 +10,13 @@ from typing import Any, cast
 
 import pytest
 
-from asyncrl.manifest.pipeline_section import PipelineSpec
+from asyncrl.manifest.pipeline_section import SHARD_CLASS, PipelineSpec
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
 from asyncrl.roles.program.clients import RewardClient, RLContext
 from asyncrl.roles.program.programs import RLLoop, rl_loop
 from asyncrl.roles.program.rl_loop import PromptFeed
-from asyncrl.roles.sampling.shard import ShardWorker
+from asyncrl.roles.sampling.shard import DispatchShard, ShardWorker
+from asyncrl.supervision.process import load_role_class
 from asyncrl.transport import run
 from tests.program.test_step_report import PROMPTS, FakeLearner, FakeRL, FakeRollout, G, score
 
@@ -155,3 +156,7 @@ def test_shards_refuse_a_score_function_or_a_sample_source_of_the_programs_own(
         "the program's own runs in the driver alone, and the shards cannot run it "
         "(RLLoop.source): leave it out, or set pipeline.shards: 0"
     )
+
+
+def test_the_role_pipeline_shards_adds_is_the_dispatch_shard() -> None:
+    assert load_role_class(SHARD_CLASS) is DispatchShard
