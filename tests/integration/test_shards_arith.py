@@ -4,7 +4,8 @@ their own rollout replicas and score them with the reward role. Each shard is SI
 after its 12th group, with the group worked and its answer not yet sent (the fault plan's
 ``kill_before_reply``), and whatever else it held in hand; the supervisor restarts it and the
 driver grants its groups again. The run completes with nothing lost, nothing consumed twice
-and no step repeated, and one release reaches the driver for each group.
+and no step repeated; the driver took a release for every group consumed or dropped, and no
+more releases than groups admitted.
 """
 
 from __future__ import annotations
@@ -93,10 +94,13 @@ def test_the_main_job_over_two_shards_each_killed_once_loses_and_repeats_nothing
     # Each shard died holding at least the group it had just worked: granted again.
     assert pipeline["groups_regranted"] >= 2, pipeline
     assert pipeline["scored_tokens"] > 0, pipeline  # the shards scored every sample
-    # One release reached the driver for each admitted group; the driver dispatched no sample
-    # itself (its rollout calls are the held-out evaluations').
+    # At most one release reached the driver for each admitted group, and one for each group
+    # consumed or dropped by dynamic sampling (a group may still be in its shard at the end);
+    # the driver dispatched no sample itself (its rollout calls are the held-out evaluations').
     dispatch = _json(os.path.join(run_dir, "driver.json"))["dispatch"]
-    assert sum(dispatch["shards"]["served"].values()) == pipeline["admitted_groups"], dispatch
+    released = sum(dispatch["shards"]["served"].values())
+    settled = pipeline["consumed_samples"] // G + pipeline.get("groups_uniform_dropped", 0)
+    assert settled <= released <= pipeline["admitted_groups"], (dispatch, pipeline)
     assert dispatch["rollout"]["calls"] < pipeline["admitted_groups"], dispatch
     assert pipeline["admitted_samples"] == pipeline["admitted_groups"] * G
     # Every admitted sample was consumed, wasted (dynamic sampling) or still in flight at the end.
