@@ -466,7 +466,9 @@ class DispatchShard(Role):
     driver's ``ShardedPipeline`` grants it (docs/scaling.md, "Beyond one driver"). Its role's
     ``capacity`` is the groups one shard works on at once: set it to the groups in flight,
     about ``(eta + 1) * batch_size / group_size / replicas``; below the rollout replicas it
-    owns (the manifest's default, 1, with two or more) it is refused, as it would idle them."""
+    owns (the manifest's default, 1, with two or more) it is refused, as it would idle them.
+    ``pipeline.shards: K`` adds this role as ``shards``, with K replicas and a capacity of
+    1,024, for the built-in programs."""
 
     class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """A dispatch shard's settings.
