@@ -520,8 +520,12 @@ class DispatchShard(Role):
         try:
             owned = owned_replicas(len(group.endpoints), self.ctx.replicas, self.ctx.replica)
         except ValueError as exc:
+            n, k, name = len(group.endpoints), self.ctx.replicas, self.ctx.name
             raise ConfigProblem(
-                f"roles.{self.ctx.name}.replicas (pipeline.shards, when it adds the role): {exc}"
+                f"roles.{name}.replicas: {k} dispatch shards need at least as many replicas of "
+                f"roles.{cfg.rollout}, which has {n}: set pipeline.shards (or "
+                f"roles.{name}.replicas) to at most {n}, or roles.{cfg.rollout}.replicas to at "
+                f"least {k}"
             ) from exc
         if self.ctx.capacity < len(owned):
             raise ConfigProblem(

@@ -682,8 +682,9 @@ def test_a_shard_names_what_is_wrong_with_its_configuration() -> None:
         "rollout role whose replicas the shards own"
     )
     assert setup_error(shard_role(3, two)) == (
-        "roles.shard.replicas (pipeline.shards, when it adds the role): 3 dispatch shards need "
-        "at least as many rollout replicas, got 2: give the shard role at most 2 replicas"
+        "roles.shard.replicas: 3 dispatch shards need at least as many replicas of "
+        "roles.rollout, which has 2: set pipeline.shards (or roles.shard.replicas) to at most "
+        "2, or roles.rollout.replicas to at least 3"
     )
     # No score function: the reward role scores, and the run must have it.
     assert setup_error(shard_role(2, two, score="")) == (
