@@ -25,6 +25,7 @@ __all__ = [
     "RolloutStats",
     "Sample",
     "SamplingParams",
+    "ScoreSamples",
     "Scored",
     "StepResult",
     "StopReason",
@@ -145,6 +146,14 @@ class Sample(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not self.loss_mask:
             return self.versions
         return [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+
+
+class ScoreSamples(msgspec.Struct):
+    """Samples to score by their tokens (decoded with the reward role's tokenizer), one answer
+    each: what ``Reward.score_samples`` takes, from the driver or a dispatch shard."""
+
+    samples: list[Sample]
+    answers: list[str]
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

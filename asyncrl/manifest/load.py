@@ -47,6 +47,9 @@ from asyncrl.manifest.pipeline_section import (
     PipelineSpec,
     StragglerSpec,
     schedule_problem,
+    shard_role,
+    shards_problems,
+    shards_schedule_problem,
     straggler_problem,
 )
 from asyncrl.manifest.placement import Placement, check_placement, sharing_problems
@@ -452,6 +455,12 @@ def _check_pipeline(value: dict[Any, Any], path: str, problems: list[str]) -> No
         problem = schedule_problem(scheduled, value.get("drop_uniform", False))
         if problem:
             problems.append(f"{join(path, 'schedule')}: {problem}")
+        shards = value.get("shards")
+        problem = shards_schedule_problem(
+            shards, schedule.get("probe"), schedule.get("skip_uniform")
+        )
+        if problem and not isinstance(shards, bool):
+            problems.append(f"{join(path, 'shards')}: {problem}")
 
 
 def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:
@@ -467,6 +476,7 @@ def _check_manifest(value: dict[Any, Any], path: str, problems: list[str]) -> No
     problems += name_problems(value.get("roles"))
     problems += environment_problems(value)
     problems += weights_from_problems(value.get("roles"))
+    problems += shards_problems(value)
 
 
 _STRUCT_CHECKS: dict[type, StructCheck] = {
@@ -521,6 +531,7 @@ def parse_manifest(
             problems.append(too_large)
             usable = False
     if usable:
+        shard_role(raw)  # pipeline.shards: K adds the dispatch shards' role
         clean, found = validate(raw, Manifest, _SECTIONS, _STRUCT_CHECKS)
         if cwd is not None:
             check_files(clean, cwd, found, _PROGRAM)

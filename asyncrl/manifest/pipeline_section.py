@@ -2,26 +2,48 @@
 over-provisioning) and the straggler policy, as the run's roles and driver read them.
 
 The pacing these settings drive is ``asyncrl.roles.sampling.pacing``.
+
+``pipeline.shards: K`` (K >= 1) runs the pipeline's per-sample work in K dispatch shards
+(docs/scaling.md, "Beyond one driver"): ``shard_role`` adds their role, ``shards``, to the
+manifest's roles (a supervised role like any other: its ``class``, ``replicas`` and
+``capacity`` filled in where ``roles.shards`` does not give them), and ``shards_problems``
+says what does not go with them.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
 from asyncrl.manifest.limits import MAX_COUNT, MAX_RATIO, MAX_SECONDS
 
 __all__ = [
+    "SHARD_CAPACITY",
+    "SHARD_CLASS",
+    "SHARD_ROLE",
     "Mode",
     "OverEta",
     "PipelineSpec",
     "ScheduleSpec",
     "StragglerSpec",
     "schedule_problem",
+    "shard_role",
+    "shards_problems",
+    "shards_schedule_problem",
     "straggler_problem",
 ]
+
+SHARD_ROLE = "shards"
+"""The role ``pipeline.shards`` adds: the dispatch shards, one replica a shard."""
+
+SHARD_CLASS = "asyncrl.roles.sampling.shard:DispatchShard"
+"""Its class, unless ``roles.shards`` names another (a subclass, or a role of one's own)."""
+
+SHARD_CAPACITY = 1024
+"""Groups one shard works on at once, unless ``roles.shards.capacity`` says: the driver's
+pacer bounds the groups in flight (η), so a shard's credit need only stay out of its way."""
 
 
 class Mode(enum.StrEnum):
@@ -137,6 +159,11 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         stall_timeout_s: seconds without any call completing after which the driver fails the
             run, saying what it waited for and on whom (0: never). Raise it when one learner
             step or one generation legitimately takes longer.
+        shards: dispatch shards (docs/scaling.md): 0, the driver dispatches every sample
+            itself; K >= 1, the built-in programs grant each admitted group to one of K
+            shard processes (the role ``shards``, which this key adds), which generate,
+            score (through the ``reward`` role) and reduce it; η, the data cursor and the
+            learner stay the driver's. Not with ``schedule.probe`` or ``skip_uniform``.
     """
 
     mode: Annotated[
@@ -166,6 +193,17 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         str,
         msgspec.Meta(pattern="^(replace|drop)$", extra={"expected": "'replace' or 'drop'"}),
     ] = "replace"
+    shards: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            le=MAX_COUNT,
+            extra={
+                "expected": "an integer >= 0, the dispatch shards to run (0: none, the driver "
+                "dispatches every sample)"
+            },
+        ),
+    ] = 0
 
     def __post_init__(self) -> None:
         problem = straggler_problem(self.straggler.policy, self.straggler.deadline_s)
@@ -176,6 +214,11 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         )
         if problem:
             raise ValueError(f"schedule: {problem}")
+        problem = shards_schedule_problem(
+            self.shards, self.schedule.probe, self.schedule.skip_uniform
+        )
+        if problem:
+            raise ValueError(f"shards: {problem}")
 
     @property
     def window_eta(self) -> int:
@@ -206,3 +249,56 @@ def schedule_problem(scheduled: object, drop_uniform: object) -> str | None:
             "pipeline.drop_uniform: true, or turn them off"
         )
     return None
+
+
+def shards_schedule_problem(shards: object, probe: object, skip_uniform: object) -> str | None:
+    """Why dispatch shards cannot run with this prompt schedule, or None."""
+    if isinstance(shards, int) and shards > 0 and (probe or skip_uniform):
+        return (
+            f"{shards} dispatch shards do not run the prompt schedule's probes or uniform "
+            "skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false, "
+            "or pipeline.shards: 0 (the driver dispatches)"
+        )
+    return None
+
+
+def _shard_count(raw: Any) -> int:
+    """``pipeline.shards`` of a raw manifest when it is a valid count, else 0."""
+    pipeline = raw.get("pipeline") if isinstance(raw, dict) else None
+    shards = pipeline.get("shards") if isinstance(pipeline, dict) else None
+    if isinstance(shards, int) and not isinstance(shards, bool) and 0 < shards <= MAX_COUNT:
+        return shards
+    return 0
+
+
+def shard_role(raw: Any) -> None:
+    """Add the dispatch shards' role to a raw manifest whose ``pipeline.shards`` is K >= 1:
+    ``roles.shards`` with ``class: SHARD_CLASS``, ``replicas: K`` and ``capacity:
+    SHARD_CAPACITY``, each where ``roles.shards`` does not give it (its placement,
+    supervision, config and the rest are the manifest's own). Nothing else changes."""
+    shards = _shard_count(raw)
+    roles = raw.get("roles") if shards else None
+    if not isinstance(roles, dict):
+        return
+    role = roles.setdefault(SHARD_ROLE, {})
+    if not isinstance(role, dict):
+        return
+    if role.get("command") is None:
+        role.setdefault("class", SHARD_CLASS)
+    role.setdefault("replicas", shards)
+    role.setdefault("capacity", SHARD_CAPACITY)
+
+
+def shards_problems(raw: Any) -> list[str]:
+    """``roles.shards.replicas`` other than ``pipeline.shards`` (one replica is one shard)."""
+    shards = _shard_count(raw)
+    roles = raw.get("roles") if shards else None
+    role = roles.get(SHARD_ROLE) if isinstance(roles, dict) else None
+    replicas = role.get("replicas") if isinstance(role, dict) else None
+    if replicas is None or replicas == shards:
+        return []
+    return [
+        f"roles.{SHARD_ROLE}.replicas: {replicas!r}, but pipeline.shards is {shards}: the "
+        f"dispatch shards' role has one replica a shard; remove roles.{SHARD_ROLE}.replicas "
+        f"or set it to {shards}"
+    ]

@@ -18,7 +18,9 @@ report) and ``_status`` (what ``asyncrl status`` shows of the replica: calls per
 seconds busy in its handlers, calls in flight, since when it runs, and the role's own
 ``Role.status()`` under ``"role"``).
 
-Start-up order matters: the inbox binds first, so its callers hear it while the role restores
+Start-up order matters: the process's ZeroMQ context is sized first, three sockets for each
+replica of the run (``reserve_sockets``), so a role may connect to every one; the inbox binds
+next, so its callers hear it while the role restores
 its state in ``setup()``; credit is advertised only after ``setup()`` returns, so no work
 arrives before the role is ready, and only then does the process tell its supervisor it is
 ready (until then its start-up deadline applies, not the rule for a blocked loop). An
@@ -65,6 +67,7 @@ from asyncrl.transport import (
     use_curve,
 )
 from asyncrl.transport import run as run_loop
+from asyncrl.transport.sockets import reserve_sockets
 
 __all__ = [
     "ConfigProblem",
@@ -238,6 +241,10 @@ def load_role_class(target: str) -> type[Role]:
 async def serve_role(spec: ProcessSpec, *, on_ready: Callable[[], None] = lambda: None) -> None:
     """Run one replica of a role until STOP, SIGTERM or SIGINT; ``on_ready()`` once it serves."""
     log = logs.get_logger("asyncrl.supervision.process")
+    # libzmq sizes a context when its first socket is made (1,023 sockets: 341 connections, a
+    # limit it never raises): size it first for a connection to every replica of the run, as
+    # the driver does, so that a role calling hundreds of replicas (a dispatch shard) can.
+    reserve_sockets(sum(len(group.endpoints) for group in spec.groups.values()))
     cls = load_role_class(spec.target)
     ctx = RoleContext(
         name=spec.name,

@@ -34,12 +34,13 @@ from asyncrl.roles.payloads import (
     RolloutStats,
     Sample,
     Scored,
+    ScoreSamples,
     StepResult,
     TrainBatch,
 )
 from asyncrl.roles.program.settings import Settings
 from asyncrl.roles.services.prompts import Take
-from asyncrl.roles.services.reward import ScoreRequest, ScoreSamples
+from asyncrl.roles.services.reward import ScoreRequest
 from asyncrl.roles.training.lead_refusal import refused_as_follower
 
 if TYPE_CHECKING:

@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from asyncrl.manifest.pipeline_section import SHARD_ROLE
 from asyncrl.observe.logs import PROGRESS
 from asyncrl.roles.payloads import (
     LearnerStatus,
@@ -54,12 +55,22 @@ from asyncrl.roles.program.evaluation import EvalResult, Evaluation
 from asyncrl.roles.program.step_report import StepReport
 from asyncrl.roles.sampling.contract import PromptsExhausted, SampleSource
 from asyncrl.roles.sampling.pipeline import Batch, BatchSettings, SamplePipeline, WeightSync
+from asyncrl.roles.sampling.sharded import ShardedPipeline
 from asyncrl.roles.sampling.weight_sync import relay_groups
 
 if TYPE_CHECKING:
     from asyncrl.roles.program.run import Run
 
-__all__ = ["PromptFeed", "RLLoop", "RLStep", "Stop", "learn", "rl_loop", "weight_sync"]
+__all__ = [
+    "PromptFeed",
+    "RLLoop",
+    "RLStep",
+    "RewardScorer",
+    "Stop",
+    "learn",
+    "rl_loop",
+    "weight_sync",
+]
 
 log = logging.getLogger("asyncrl.programs")
 
@@ -270,7 +281,8 @@ async def rl_loop(
         clock=clock,
     )
     report.idle, report.progress = rl.ctx.idle, report.progress if display else None
-    pipe = _pipeline(rl, loop, feed, report.scorer(score), status)
+    pipe = _pipeline(rl, loop, feed, score, report, status)
+    tokens = pipe.counters.scored_tokens  # what dispatch shards scored, counted in them
     evaluations: list[dict[str, Any]] = []
     step, started = done, clock()
     async with report, pipe:
@@ -291,6 +303,8 @@ async def rl_loop(
                 evaluations.append(evaluated.record() | {"step": step})
                 last = stopper.after_eval(evaluated) or last
             report.lap("eval")
+            report.generated_tokens += pipe.counters.scored_tokens - tokens
+            tokens = pipe.counters.scored_tokens
             rl_step = _step(step, batch, result, reward, evaluated, last)
             report.record(rl_step)
             if run is not None:
@@ -463,24 +477,64 @@ async def _evaluate(
 
 
 def _pipeline(
-    rl: RLContext, loop: RLLoop, feed: PromptFeed, score: Scorer, status: LearnerStatus
+    rl: RLContext,
+    loop: RLLoop,
+    feed: PromptFeed,
+    score: Scorer,
+    report: StepReport,
+    status: LearnerStatus,
 ) -> SamplePipeline:
-    """The sample pipeline of ``rl_loop``, resumed where the learner's last step left it."""
-    return SamplePipeline(
-        rl.rollout.handle,
+    """The sample pipeline of ``rl_loop``, resumed where the learner's last step left it: the
+    driver's own, or with ``pipeline.shards`` a ``ShardedPipeline`` over the dispatch shards,
+    which score each sample with the reward role against its prompt's answer, as
+    ``PromptFeed.scorer`` does.
+
+    Raises:
+        ValueError: ``pipeline.shards`` with a score function or a sample source of the
+            program's own (they run in the driver alone).
+    """
+    settings = BatchSettings(
+        batch_size=loop.prompts_per_step * loop.group_size,
+        group_size=loop.group_size,
+        **status.advantages,  # computed as the learner computes them
+    )
+    resume = status.keep.resume or {"cursor": status.keep.cursor or 0}
+    shards = rl.pipeline.shards
+    if not shards:
+        return SamplePipeline(
+            rl.rollout.handle,
+            spec=rl.pipeline,
+            feed=feed,
+            score=report.scorer(score),
+            params=loop.params,
+            settings=settings,
+            start_version=status.version,
+            resume=resume,
+            watchdog=rl.watchdog,
+            source=loop.source,
+        )
+    own = "the program's own runs in the driver alone, and the shards"
+    if not isinstance(score, RewardScorer):
+        raise ValueError(
+            f"pipeline.shards: {shards} dispatch shards score each sample with the reward role "
+            f"against its prompt's answer; a score function of {own} cannot call it: leave "
+            f"out rl_loop's score=..., or set pipeline.shards: 0"
+        )
+    if loop.source is not None:
+        raise ValueError(
+            f"pipeline.shards: {shards} dispatch shards generate with the rollout role; a "
+            f"sample source of {own} cannot run it (RLLoop.source): leave it out, or set "
+            f"pipeline.shards: 0"
+        )
+    return ShardedPipeline(
+        rl.ctx.roles[SHARD_ROLE],
         spec=rl.pipeline,
         feed=feed,
-        score=score,
         params=loop.params,
-        settings=BatchSettings(
-            batch_size=loop.prompts_per_step * loop.group_size,
-            group_size=loop.group_size,
-            **status.advantages,  # computed as the learner computes them
-        ),
+        settings=settings,
         start_version=status.version,
-        resume=status.keep.resume or {"cursor": status.keep.cursor or 0},
+        resume=resume,
         watchdog=rl.watchdog,
-        source=loop.source,
     )
 
 
@@ -496,15 +550,24 @@ class PromptFeed:
         self.answers.update({p.id: p.answer for p in taken})
         return taken
 
-    def scorer(self, reward: RewardClient) -> Scorer:
+    def scorer(self, reward: RewardClient) -> RewardScorer:
         """A ``Scorer``: ``reward`` scores each sample against its prompt's answer (decoded
         with the reward role's tokenizer)."""
+        return RewardScorer(self, reward)
 
-        async def score(samples: list[Sample]) -> list[float]:
-            answers = [self.answers[s.prompt_id] for s in samples]
-            return await reward.score_samples(samples, answers)
 
-        return score
+class RewardScorer:
+    """A ``Scorer``: the reward role scores each sample against its prompt's answer, kept by
+    the ``PromptFeed`` that handed the prompt out. With ``pipeline.shards`` the dispatch shards
+    score so themselves, each prompt's answer coming with its group's grant."""
+
+    def __init__(self, feed: PromptFeed, reward: RewardClient) -> None:
+        self.feed = feed
+        self.reward = reward
+
+    async def __call__(self, samples: list[Sample]) -> list[float]:
+        answers = [self.feed.answers[s.prompt_id] for s in samples]
+        return await self.reward.score_samples(samples, answers)
 
 
 async def learn(

@@ -64,6 +64,8 @@ class Counters:
         infra_causes: ``infra_failed`` by cause.
         groups_regranted: groups granted again because the dispatch shard that held them died
             (``asyncrl.roles.sampling.sharded``).
+        scored_tokens: completion tokens of the samples dispatch shards scored (in one
+            driver the program's scorer sees them itself).
         source: what the sample source counted, by its own names.
     """
 
@@ -92,6 +94,7 @@ class Counters:
     infra_failed: int = 0
     infra_replaced: int = 0
     groups_regranted: int = 0
+    scored_tokens: int = 0
     infra_causes: Counter[str] = field(default_factory=Counter)
     source: Counter[str] = field(default_factory=Counter)
 

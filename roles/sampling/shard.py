@@ -16,6 +16,11 @@ A shard is a supervised role (``DispatchShard``), named in the manifest like any
         capacity: 1024              # groups a shard works on at once
         config: {rollout: rollout, score: my_package.rewards:score}
 
+or, in the built-in programs, by ``pipeline.shards: K``, which adds that role as ``shards``
+(``asyncrl.manifest.pipeline_section.shard_role``) with no ``score``: each shard then scores
+with the ``reward`` role's ``score_samples``, against the answer of the prompt its grant
+carries, as the driver's ``PromptFeed.scorer`` does.
+
 Shard ``i`` of ``K`` owns rollout replicas ``i * n // K`` to ``(i + 1) * n // K - 1``
 (``owned_replicas``): its own ``Dispatcher`` and ``Scheduler`` connect to those alone, so the
 per-replica work (connections, heartbeats, credit) is spread over the shards. Within a shard a
@@ -57,7 +62,7 @@ import functools
 import importlib
 import zlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -71,7 +76,7 @@ from asyncrl.manifest.membership import Membership
 from asyncrl.observe import logs
 from asyncrl.role import Delivery, Role, endpoint
 from asyncrl.roles.learning.statistics import Moments
-from asyncrl.roles.payloads import Prompt, Sample, SamplingParams
+from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, ScoreSamples
 from asyncrl.roles.sampling.coalesce import GroupCalls
 from asyncrl.roles.sampling.contract import Caller, Generate, SampleSource, Scorer
 from asyncrl.roles.sampling.counters import Counters
@@ -79,6 +84,7 @@ from asyncrl.roles.sampling.pipeline import INFRA_DROPPED
 from asyncrl.roles.sampling.reduce import Reducer, Released, Straggler
 
 __all__ = [
+    "AnswerScorer",
     "DispatchShard",
     "GroupWithdrawnError",
     "ReleasedGroup",
@@ -160,17 +166,26 @@ class ShardEmptyError(RuntimeError):
     a group; the driver grants the group to another shard."""
 
 
-def owned_membership(membership: Membership, role: str, owned: range) -> Membership:
+def owned_membership(
+    membership: Membership, role: str, owned: range, keep: tuple[str, ...] = ()
+) -> Membership:
     """``membership`` as a shard's dispatcher knows it: ``role``'s replicas in ``owned`` alone,
-    numbered from 0 as the shard numbers them (``follow_membership``'s ``view``)."""
+    numbered from 0 as the shard numbers them (``follow_membership``'s ``view``), and the
+    roles in ``keep`` (the reward role it calls) as they are; no other role."""
 
     def mine(per_replica: Mapping[int, T]) -> dict[int, T]:
         return {i - owned.start: v for i, v in per_replica.items() if i in owned}
 
     return msgspec.structs.replace(
         membership,
-        departed={role: mine(membership.departed.get(role, {}))},
-        moved={role: mine(membership.moved.get(role, {}))},
+        departed={
+            **{r: v for r, v in membership.departed.items() if r in keep},
+            role: mine(membership.departed.get(role, {})),
+        },
+        moved={
+            **{r: v for r, v in membership.moved.items() if r in keep},
+            role: mine(membership.moved.get(role, {})),
+        },
         shrunk={},
     )
 
@@ -201,37 +216,56 @@ def _named(fn: Any) -> str:
     return f"{module}:{name}" if module and name else repr(fn)
 
 
-class _Scoring:
-    """Scores samples as they finish: those that finish in one loop turn in one call."""
+AnswerScorer = Callable[[list[Sample], list[str]], Awaitable[list[float]]]
+"""``score(samples, answers)``: one reward per sample, checked against its prompt's answer (the
+reward role's ``score_samples``, as the built-in programs score)."""
 
-    def __init__(self, score: Scorer) -> None:
+
+class _Scoring:
+    """Scores samples as they finish: those that finish in one loop turn in one call, of
+    ``score`` (samples alone) or of ``score_answers`` (each with its prompt's answer)."""
+
+    def __init__(self, score: Scorer | None, score_answers: AnswerScorer | None) -> None:
+        if (score is None) == (score_answers is None):
+            raise ValueError("give exactly one of score and score_answers")
         self.score = score
-        self._pending: list[tuple[Sample, asyncio.Future[float]]] = []
+        self.score_answers = score_answers
+        self._pending: list[tuple[Sample, str, asyncio.Future[float]]] = []
         self._task: asyncio.Task[None] | None = None
 
-    async def __call__(self, sample: Sample) -> float:
+    async def __call__(self, sample: Sample, answer: str) -> float:
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._pending.append((sample, future))
+        self._pending.append((sample, answer, future))
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         return await future
 
+    async def _scored(self, samples: list[Sample], answers: list[str]) -> list[float]:
+        if self.score_answers is not None:
+            return list(await self.score_answers(samples, answers))
+        assert self.score is not None  # one of the two, checked when made
+        return list(await self.score(samples))
+
     async def _run(self) -> None:
         while self._pending:
             todo, self._pending = self._pending, []
+            scorer = self.score_answers if self.score is None else self.score
             try:
-                rewards = [float(r) for r in await self.score([s for s, _ in todo])]
+                rewards = [
+                    float(r)
+                    for r in await self._scored([s for s, _, _ in todo], [a for _, a, _ in todo])
+                ]
                 if len(rewards) != len(todo):
                     raise ValueError(
-                        f"the scorer {_named(self.score)} returned {len(rewards)} rewards for "
+                        f"the scorer {_named(scorer)} returned {len(rewards)} rewards for "
                         f"{len(todo)} samples: it must return one reward per sample, in order"
                     )
             except Exception as exc:  # every caller of this call raises it
-                for _, future in todo:
+                for _, _, future in todo:
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for (_, future), reward in zip(todo, rewards, strict=True):
+            for (_, _, future), reward in zip(todo, rewards, strict=True):
                 if not future.done():
                     future.set_result(reward)
 
@@ -273,7 +307,9 @@ class ShardWorker:
 
     Args:
         rollout: the handle of the rollout replicas this shard owns.
-        score: one reward per sample (``Scorer``).
+        score: one reward per sample (``Scorer``); or
+        score_answers: one reward per sample, given each sample's prompt answer
+            (``AnswerScorer``): exactly one of the two.
         shard: which shard this is (echoed in every answer); incarnation: its restarts.
         clock: what straggler deadlines run on.
 
@@ -284,8 +320,9 @@ class ShardWorker:
     def __init__(
         self,
         rollout: Caller,
-        score: Scorer,
+        score: Scorer | None = None,
         *,
+        score_answers: AnswerScorer | None = None,
         shard: int = 0,
         incarnation: int = 0,
         clock: Clock = MONOTONIC,
@@ -295,7 +332,7 @@ class ShardWorker:
         self.incarnation = incarnation
         self.clock = clock
         self.served: Counter[str] = Counter()
-        self._scoring = _Scoring(score)
+        self._scoring = _Scoring(score, score_answers)
         self._runs: dict[int, _GroupRun] = {}
 
     async def run_group(self, grant: ShardGrant) -> ReleasedGroup:
@@ -390,7 +427,8 @@ class ShardWorker:
                 run.generated(source_counts, failed)
                 sample = await source(grant.prompt, k, source_counts)
             run.generated(source_counts)
-            reward = await self._scoring(sample)
+            reward = await self._scoring(sample, grant.prompt.answer)
+            run.counts.scored_tokens += len(sample.token_ids)
             if run.done.done():  # released without it (a straggler deadline)
                 run.counts.late_samples += 1
                 return
@@ -428,19 +466,26 @@ class DispatchShard(Role):
     driver's ``ShardedPipeline`` grants it (docs/scaling.md, "Beyond one driver"). Its role's
     ``capacity`` is the groups one shard works on at once: set it to the groups in flight,
     about ``(eta + 1) * batch_size / group_size / replicas``; below the rollout replicas it
-    owns (the manifest's default, 1, with two or more) it is refused, as it would idle them."""
+    owns (the manifest's default, 1, with two or more) it is refused, as it would idle them.
+    ``pipeline.shards: K`` adds this role as ``shards``, with K replicas and a capacity of
+    1,024, for the built-in programs."""
 
     class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """A dispatch shard's settings.
 
         Attributes:
-            score: `module:function`, an async scorer: one reward per sample, in order.
+            score: `module:function`, an async scorer: one reward per sample, in order; empty:
+                the `reward` role scores.
+            reward: the reward role that scores each sample against its prompt's answer
+                (its `score_samples`, as the built-in programs score), when `score` is empty.
             rollout: the rollout role whose replicas the shards split among them.
             weights_method: the rollout endpoint `sync` calls on every owned replica.
-            timeout_s: seconds `sync` waits for every owned replica (their connections too).
+            timeout_s: seconds `sync` waits for every owned replica (their connections too),
+                and one scoring call of the reward role.
         """
 
-        score: str
+        score: str = ""
+        reward: str = "reward"
         rollout: str = "rollout"
         weights_method: str = "sync"
         timeout_s: float = 600.0
@@ -455,10 +500,19 @@ class DispatchShard(Role):
         """
         cfg = self.config
         where = f"roles.{self.ctx.name}.config"
-        score = _scorer(cfg.score, f"{where}.score")
+        known = ", ".join(sorted(self.ctx.groups)) or "none"
+        score = _scorer(cfg.score, f"{where}.score") if cfg.score else None
+        groups: dict[str, Any] = {}
+        if score is None:
+            reward = self.ctx.groups.get(cfg.reward)
+            if reward is None:
+                raise ConfigProblem(
+                    f"{where}.reward: the run has no role {cfg.reward!r} (roles: {known}); name "
+                    f"the reward role that scores the samples, or give {where}.score"
+                )
+            groups[cfg.reward] = reward
         group = self.ctx.groups.get(cfg.rollout)
         if group is None:
-            known = ", ".join(sorted(self.ctx.groups)) or "none"
             raise ConfigProblem(
                 f"{where}.rollout: the run has no role {cfg.rollout!r} (roles: {known}); name "
                 f"the rollout role whose replicas the shards own"
@@ -466,7 +520,13 @@ class DispatchShard(Role):
         try:
             owned = owned_replicas(len(group.endpoints), self.ctx.replicas, self.ctx.replica)
         except ValueError as exc:
-            raise ConfigProblem(f"roles.{self.ctx.name}.replicas: {exc}") from exc
+            n, k, name = len(group.endpoints), self.ctx.replicas, self.ctx.name
+            raise ConfigProblem(
+                f"roles.{name}.replicas: {k} dispatch shards need at least as many replicas of "
+                f"roles.{cfg.rollout}, which has {n}: set pipeline.shards (or "
+                f"roles.{name}.replicas) to at most {n}, or roles.{cfg.rollout}.replicas to at "
+                f"least {k}"
+            ) from exc
         if self.ctx.capacity < len(owned):
             raise ConfigProblem(
                 f"roles.{self.ctx.name}.capacity: {self.ctx.capacity} is fewer than the "
@@ -477,21 +537,38 @@ class DispatchShard(Role):
             )
         mine = msgspec.structs.replace(group, endpoints=[group.endpoints[i] for i in owned])
         self.owned = owned
-        self.dispatcher = Dispatcher({cfg.rollout: mine}, run=self.ctx.run)
+        self.dispatcher = Dispatcher({cfg.rollout: mine, **groups}, run=self.ctx.run)
         self.dispatcher.start()
-        # The run's membership, as the driver follows it, for the owned replicas alone: one
-        # that departed with its node leaves the shard's group, one that moved is reached where
-        # it runs now.
+        # The run's membership, as the driver follows it, for the owned replicas (and the reward
+        # role) alone: one that departed with its node leaves the shard's group, one that moved
+        # is reached where it runs now.
         log = logs.get_logger("asyncrl.roles.sampling.shard")
-        view = functools.partial(owned_membership, role=cfg.rollout, owned=owned)
+        view = functools.partial(
+            owned_membership, role=cfg.rollout, owned=owned, keep=tuple(groups)
+        )
         self._follow = asyncio.get_running_loop().create_task(
             follow_membership(self.ctx.run_dir, self.dispatcher, log, view)
         )
         self._follow.add_done_callback(functools.partial(followed, log))
         roles = Context(self.dispatcher, run=self.ctx.run, run_dir=self.ctx.run_dir, log=None)
         self.rollout = roles.roles[cfg.rollout]
+        score_answers = None
+        if score is None:
+            reward, timeout = roles.roles[cfg.reward], cfg.timeout_s
+
+            async def score_answers(samples: list[Sample], answers: list[str]) -> list[float]:
+                request = ScoreSamples(samples, answers)
+                out: list[float] = await reward.call(
+                    "score_samples", request, list[float], timeout=timeout
+                )
+                return out
+
         self.worker = ShardWorker(
-            self.rollout, score, shard=self.ctx.replica, incarnation=self.ctx.incarnation
+            self.rollout,
+            score,
+            score_answers=score_answers,
+            shard=self.ctx.replica,
+            incarnation=self.ctx.incarnation,
         )
         # A shard holds thousands of samples in flight, as a driver does: its collector is set
         # as the driver's (a young collection walking them all took a third of a driver's loop).

@@ -19,9 +19,11 @@ work. A live shard that has not released a group within the group's budget
 accepted once per granted group: nothing is lost, nothing counted twice
 (``groups_regranted`` counts the grants made again).
 
-What one driver does that a shard does not (yet): the prompt schedule's probes (the front
-refuses ``pipeline.schedule`` with probes or uniform skips) and a custom sample source (an
-episode runner): shards generate with ``Generate`` or ``GroupCalls``.
+The built-in programs build it over the role ``shards`` when the manifest sets
+``pipeline.shards`` (``asyncrl.roles.program.rl_loop``). What one driver does that a shard
+does not (yet): the prompt schedule's probes (the front refuses ``pipeline.schedule`` with
+probes or uniform skips) and a custom sample source (an episode runner): shards generate with
+``Generate`` or ``GroupCalls``.
 """
 
 from __future__ import annotations

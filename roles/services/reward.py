@@ -42,13 +42,12 @@ import msgspec
 from asyncrl.errors import ConfigProblem
 from asyncrl.observe.trace import span, traced
 from asyncrl.role import Delivery, Role, endpoint
-from asyncrl.roles.payloads import Sample
+from asyncrl.roles.payloads import ScoreSamples
 
 __all__ = [
     "VERIFIERS",
     "Reward",
     "ScoreRequest",
-    "ScoreSamples",
     "check_verifier",
     "import_verifiers",
     "verifier",
@@ -103,13 +102,6 @@ class ScoreRequest(msgspec.Struct):
     """Completions to score, each with the answer its verifier checks against."""
 
     completions: list[str]
-    answers: list[str]
-
-
-class ScoreSamples(msgspec.Struct):
-    """Samples to score by their tokens (decoded with the role's tokenizer), one answer each."""
-
-    samples: list[Sample]
     answers: list[str]
 
 

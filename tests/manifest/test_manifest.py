@@ -437,6 +437,68 @@ def test_pipeline_section_defaults_to_sync_and_takes_overrides() -> None:
     assert m.pipeline.straggler.deadline_s == 1.5
 
 
+SHARDED = (
+    "run: {name: x, program: a:b}\nroles: {rollout: {class: a:B, replicas: 4}}\n"
+    "pipeline: {mode: async, shards: 2}\n"
+)
+
+
+def test_pipeline_shards_adds_the_dispatch_shards_role() -> None:
+    m = parse_manifest(SHARDED)
+    assert m.pipeline.shards == 2
+    assert list(m.roles) == ["rollout", "shards"]
+    shards = m.roles["shards"]
+    assert (shards.cls, shards.replicas, shards.capacity, shards.config) == (
+        "asyncrl.roles.sampling.shard:DispatchShard",
+        2,
+        1024,
+        {},
+    )
+    # What roles.shards gives is its own; the key fills in only what it leaves out.
+    given = parse_manifest(
+        SHARDED,
+        overrides=[
+            "roles.shards.capacity=8",
+            "roles.shards.config.timeout_s=30",
+            "roles.shards.class=my.pkg:Shard",
+        ],
+    ).roles["shards"]
+    assert (given.cls, given.replicas, given.capacity, given.config) == (
+        "my.pkg:Shard",
+        2,
+        8,
+        {"timeout_s": 30},
+    )
+    # No shards, no role: the driver dispatches.
+    assert list(parse_manifest(SHARDED, overrides=["pipeline.shards=0"]).roles) == ["rollout"]
+    assert (
+        parse_manifest("run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n").pipeline.shards
+        == 0
+    )
+
+
+@pytest.mark.parametrize("bad", ["-1", "two", "true", "1.5"])
+def test_a_bad_pipeline_shards_is_refused_naming_the_key(bad: str) -> None:
+    shown = {"-1": "-1", "two": "'two'", "true": "true", "1.5": "1.5"}[bad]
+    assert _problems(SHARDED, [f"pipeline.shards={bad}"]) == [
+        "pipeline.shards: expected an integer >= 0, the dispatch shards to run (0: none, the "
+        f"driver dispatches every sample), got {shown} (from --set pipeline.shards={bad})"
+    ]
+
+
+def test_pipeline_shards_refuses_a_shard_role_of_another_size_and_the_prompt_schedule() -> None:
+    assert _problems(SHARDED, ["roles.shards.replicas=3"]) == [
+        "roles.shards.replicas: 3, but pipeline.shards is 2: the dispatch shards' role has one "
+        "replica a shard; remove roles.shards.replicas or set it to 2 (from --set "
+        "roles.shards.replicas=3)"
+    ]
+    assert _problems(SHARDED, ["pipeline.drop_uniform=true", "pipeline.schedule.probe=2"]) == [
+        "pipeline.shards: 2 dispatch shards do not run the prompt schedule's probes or uniform "
+        "skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false, or "
+        "pipeline.shards: 0 (the driver dispatches)"
+    ]
+
+
 @pytest.mark.parametrize(
     ("program", "normalized"),
     [

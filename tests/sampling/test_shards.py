@@ -268,7 +268,26 @@ def test_a_shard_releases_a_whole_group_scored() -> None:
     assert answer.outcome == "complete"
     assert [s.k for s in answer.samples] == [0, 1, 2, 3]
     assert [s.reward for s in answer.samples] == [reward_of(s.sample) for s in answer.samples]
-    assert answer.counts == {"generated_samples": 4}
+    assert answer.counts == {"generated_samples": 4, "scored_tokens": 4}
+
+
+def test_a_shard_scores_each_sample_against_its_prompts_answer() -> None:
+    """``score_answers`` (the reward role's ``score_samples``, as the built-in programs score)
+    gets each sample with the answer of the prompt its grant carried."""
+    seen: list[tuple[str, int, str]] = []
+
+    async def against(samples: list[Sample], answers: list[str]) -> list[float]:
+        seen.extend((s.prompt_id, s.sample_index, a) for s, a in zip(samples, answers, strict=True))
+        return [float(a) + s.sample_index / 10 for s, a in zip(samples, answers, strict=True)]
+
+    async def main() -> ReleasedGroup:
+        return await ShardWorker(Rollout(), score_answers=against).run_group(grant(3))
+
+    answer = run(main())
+    assert sorted(seen) == [("p3", k, "3") for k in range(G)]
+    assert [s.reward for s in answer.samples] == [3.0, 3.1, 3.2, 3.3]
+    with pytest.raises(ValueError, match=r"^give exactly one of score and score_answers$"):
+        ShardWorker(Rollout(), score, score_answers=against)
 
 
 def test_a_shard_replaces_an_infra_failed_sample_once_then_drops_the_group() -> None:
@@ -285,6 +304,7 @@ def test_a_shard_replaces_an_infra_failed_sample_once_then_drops_the_group() -> 
         "infra_failed": 1,
         "infra_replaced": 1,
         "infra_failed_error": 1,
+        "scored_tokens": 4,
     }
     twice = run(main((("p0", 2), ("p0", 2))))
     assert (twice.outcome, twice.cause) == (INFRA_DROPPED, "error")
@@ -328,7 +348,7 @@ def test_a_shard_emits_a_group_at_its_deadline_with_the_samples_it_has() -> None
     answer, timers = run(main())
     assert answer.outcome == "partial"
     assert [s.k for s in answer.samples] == [0, 1, 2]
-    assert answer.counts == {"generated_samples": 3}
+    assert answer.counts == {"generated_samples": 3, "scored_tokens": 3}
     assert timers == 0  # the deadline's timer is gone with the round
 
 
@@ -568,6 +588,15 @@ def test_owned_membership_is_the_shards_own_replicas_numbered_from_zero() -> Non
     mine = owned_membership(membership, "rollout", range(4, 8))
     assert mine.departed == {"rollout": {1: 2}}
     assert mine.moved == {"rollout": {0: Moved(node=1, endpoint="tcp://b:1")}}
+    # The reward role a shard calls is followed as it is, under its own numbers.
+    kept = owned_membership(
+        msgspec.structs.replace(membership, moved={"reward": {0: Moved(node=1, endpoint="x")}}),
+        "rollout",
+        range(4, 8),
+        keep=("reward",),
+    )
+    assert kept.departed == {"rollout": {1: 2}}
+    assert kept.moved == {"reward": {0: Moved(node=1, endpoint="x")}, "rollout": {}}
 
 
 def test_a_shard_follows_its_nodes_membership() -> None:
@@ -653,8 +682,14 @@ def test_a_shard_names_what_is_wrong_with_its_configuration() -> None:
         "rollout role whose replicas the shards own"
     )
     assert setup_error(shard_role(3, two)) == (
-        "roles.shard.replicas: 3 dispatch shards need at least as many rollout replicas, got "
-        "2: give the shard role at most 2 replicas"
+        "roles.shard.replicas: 3 dispatch shards need at least as many replicas of "
+        "roles.rollout, which has 2: set pipeline.shards (or roles.shard.replicas) to at most "
+        "2, or roles.rollout.replicas to at least 3"
+    )
+    # No score function: the reward role scores, and the run must have it.
+    assert setup_error(shard_role(2, two, score="")) == (
+        "roles.shard.config.reward: the run has no role 'reward' (roles: rollout); name the "
+        "reward role that scores the samples, or give roles.shard.config.score"
     )
     four = {"rollout": GroupInfo([f"ipc:///nowhere/{i}" for i in range(4)])}
     assert setup_error(shard_role(2, four)) == (

@@ -24,9 +24,15 @@ from asyncrl.manifest.load import load_manifest
 from asyncrl.role import RoleContext
 from asyncrl.roles.generation.engine import HFEngine
 from asyncrl.roles.generation.rollout import Rollout, Sample, WeightsUpdate
-from asyncrl.roles.payloads import GenerateBatch, GenerateRequest, Prompt, SamplingParams
+from asyncrl.roles.payloads import (
+    GenerateBatch,
+    GenerateRequest,
+    Prompt,
+    SamplingParams,
+    ScoreSamples,
+)
 from asyncrl.roles.services.reference import Reference
-from asyncrl.roles.services.reward import Reward, ScoreSamples
+from asyncrl.roles.services.reward import Reward
 from asyncrl.roles.training.critic import Critic
 from asyncrl.roles.training.learner import Learner, Scored, TrainBatch
 from tests.conftest import ROOT
