@@ -477,6 +477,18 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
     mine = msgspec.json.decode((tmp_path / "node-1" / "membership.json").read_bytes())
     assert (mine["shrunk"], mine["departed"]) == ({}, {})
 
+    async def again() -> None:
+        """Node 1 lost a second time, and back again: the group shrinks and grows again."""
+        _lose(store, 1, 2)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 2)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+
+    asyncio.run(again())
+    assert supervisor_0.restarted[2:] == [("learner", [0, 2]), ("learner", [0, 1, 2])]
+    assert json.loads(store.values[KEYS.grown(0, 1, 2)])["grown"] == {"learner": [0, 1, 2]}
+    assert (node_0.membership.shrunk, node_0.membership.departed) == ({}, {})
+
 
 def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
     """As above with ``supervision.regrow: false``, then without ``run.shared_storage``: node 0
