@@ -87,6 +87,7 @@ def take_lead_state(ctx: RoleContext) -> bool:
     mine = os.path.join(ctx.run_dir, "ledger", f"{ctx.name}.{ctx.replica}.steps.jsonl")
     if os.path.exists(ledger):
         shutil.copyfile(ledger, mine + ".rejoin")
+        _fsync(mine + ".rejoin")
         os.replace(mine + ".rejoin", mine)
     elif os.path.exists(mine):
         os.remove(mine)
@@ -102,10 +103,21 @@ def take_lead_state(ctx: RoleContext) -> bool:
 
 
 def _replace(folder: str, fill: Callable[[str], object]) -> None:
-    """Make ``folder`` what ``fill(path)`` writes at a new path, then put it in place."""
+    """Make ``folder`` what ``fill(path)`` writes at a new path, every file of it durable,
+    then put it in place."""
     building = folder + ".rejoin"
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
     shutil.rmtree(building, ignore_errors=True)
     fill(building)
+    for where, _, files in os.walk(building):
+        for name in files:
+            _fsync(os.path.join(where, name))
+        fsync_dir(where)
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(building, folder)
     fsync_dir(os.path.dirname(folder))
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
