@@ -213,6 +213,11 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             imported (``Role.preload``), that takes over the moment the replica fails: a
             restart then costs no interpreter start and no imports. Roles given by ``class``
             only.
+        regrow: a ``one_for_all`` group over several nodes (data-parallel learners or critics)
+            that went on at a smaller size after a node's loss grows back to its ranks on that
+            node when the node comes back (with ``run.shared_storage``: the returning ranks take
+            the lead's checkpoints and log from its folder); false: it stays at its smaller
+            size for the rest of the run (docs/multinode.md).
     """
 
     strategy: Literal["one_for_one", "rest_for_one", "one_for_all"] = "one_for_one"
@@ -227,6 +232,7 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     startup_timeout_s: Seconds = 120.0
     shutdown_timeout_s: Seconds = 5.0
     standby: bool = False
+    regrow: bool = True
 
 
 class RoleSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -23,6 +23,13 @@ node, so every node reaches the same answer without asking:
   worker group, as for the store's host): a sharded one without ``run.shared_storage`` (the
   lost ranks' shards may be gone with their node), and one with no rank left.
 
+When a node whose ranks a group went on without comes back, node 0 decides whether the group
+*grows* back (``grow``): with ``run.shared_storage`` and the role's ``supervision.regrow`` (the
+default), a replicated group re-forms with its ranks on that node again, in rank order, each
+returning rank first taking the lead's state (``Rejoin``: its newest checkpoints, write-ahead log
+and step ledger, read from the lead's folder); otherwise, or when the group is sharded or would
+change its lead, it stays at its smaller size, and ``grow`` says why.
+
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``), a role
 that calls a group's lead finds it there (``lead``), and ``asyncrl status`` shows it.
@@ -40,20 +47,46 @@ from asyncrl.manifest.load import Manifest
 
 __all__ = [
     "MEMBERSHIP_FILE",
+    "REJOIN_FILE",
     "Change",
+    "Growth",
     "Membership",
     "Moved",
     "Plan",
+    "Rejoin",
     "goes_on",
+    "grow",
+    "grows",
+    "grows_back",
     "lead",
     "node_loss_warnings",
     "plan",
+    "regrow_notes",
     "sharded",
     "spans_nodes",
 ]
 
 MEMBERSHIP_FILE = "membership.json"
 """The file in each node's folder of the run directory that holds its ``Membership``."""
+
+REJOIN_FILE = "rejoin.json"
+"""The file in a returning rank's own folder (``RUN_DIR/node-R/roles/<role>.<replica>/``) that
+its node's agent writes before it starts the rank into a group that grows back: a ``Rejoin``.
+The rank takes the lead's state, then removes it."""
+
+
+class Rejoin(msgspec.Struct, kw_only=True, frozen=True):
+    """What a rank that rejoins its group takes its state from (``REJOIN_FILE``).
+
+    Attributes:
+        lead: the replica that led the group while the rank was out; its checkpoints,
+            write-ahead log and step ledger are the group's state now.
+        folder: the folder of the node the lead runs on, as the rank's node reaches it (the
+            run directory is on shared storage): the lead's files are under it.
+    """
+
+    lead: int
+    folder: str
 
 
 class Moved(msgspec.Struct, frozen=True):
@@ -73,13 +106,15 @@ class Change(msgspec.Struct, kw_only=True, frozen=True):
 
     Attributes:
         time: when the node's agent applied it (seconds since the epoch).
-        event: ``node_lost``, or ``node_back`` (its torchrun started again, it joined the
-            running attempt; ``moved`` then names its replicas, back on it).
+        event: ``node_lost``, ``node_back`` (its torchrun started again, it joined the
+            running attempt; ``moved`` then names its replicas, back on it), or
+            ``group_grown`` (groups that went on without its ranks re-form with them: ``grown``).
         node: the node it concerns.
         reason: why (``no heartbeat for 6 s``).
         departed: the replicas that left the run with it (``rollout[2]``).
         moved: the replicas started again elsewhere, with the node that now runs each.
         shrunk: each group that went on at a smaller size, with the replicas that form it now.
+        grown: each group that grew back, with the replicas that form it now.
     """
 
     time: float
@@ -89,6 +124,7 @@ class Change(msgspec.Struct, kw_only=True, frozen=True):
     departed: list[str] = []
     moved: dict[str, int] = {}
     shrunk: dict[str, list[int]] = {}
+    grown: dict[str, list[int]] = {}
 
 
 class Membership(msgspec.Struct, kw_only=True):
@@ -204,6 +240,74 @@ def plan(
     return out
 
 
+@dataclass
+class Growth:
+    """What becomes of the groups that went on without a node's ranks when the node comes
+    back (``grow``).
+
+    Attributes:
+        grown: role -> the replicas that form its group again, in rank order (its ranks on the
+            returning node among them).
+        lead: role -> the replica that led the group while they were out (the returning ranks
+            take its state: ``Rejoin``).
+        stays: role -> why its group stays at its smaller size.
+    """
+
+    grown: dict[str, list[int]] = field(default_factory=dict)
+    lead: dict[str, int] = field(default_factory=dict)
+    stays: dict[str, str] = field(default_factory=dict)
+
+
+def grows_back(manifest: Manifest, name: str) -> str:
+    """ "" when role ``name``'s group, gone on at a smaller size, grows back when the node of
+    its ranks comes back; else why it stays at its smaller size."""
+    role = manifest.roles[name]
+    if not role.supervision.regrow:
+        return f"roles.{name}.supervision.regrow is false"
+    if not manifest.run.shared_storage:
+        return (
+            "the run directory is not on shared storage (run.shared_storage: false), so a "
+            "returning rank cannot read the lead's checkpoints and log"
+        )
+    if sharded(manifest, name):
+        return "a sharded group (parallel: fsdp) does not grow back"
+    return ""
+
+
+def grow(manifest: Manifest, shrunk: Mapping[str, Sequence[int]], node: int) -> Growth:
+    """What becomes of each group in ``shrunk`` (role -> the replicas that form it now,
+    ``Membership.shrunk``) now that ``node`` is back: a group with ranks on ``node`` grows back
+    to its members and those ranks, in rank order, where ``grows_back`` allows it and its lead
+    stays the same (the lowest replica leads: a returning rank below the lead would take the
+    lead over, which a group does not do as it grows); otherwise it stays, with why."""
+    out = Growth()
+    for name, members in shrunk.items():
+        role = manifest.roles[name]
+        where = [role.placement.node_of(i) for i in range(role.replicas)]
+        back = [i for i in range(role.replicas) if where[i] == node and i not in members]
+        if not back:
+            continue
+        why = grows_back(manifest, name)
+        grown = sorted({*members, *back})
+        if not why and members and grown[0] != members[0]:
+            why = (
+                f"its returning replica {grown[0]} would lead it in place of replica "
+                f"{members[0]}, and a group does not change its lead as it grows"
+            )
+        if why:
+            out.stays[name] = why
+            continue
+        out.grown[name] = grown
+        out.lead[name] = members[0]
+    return out
+
+
+def grows(name: str, members: Sequence[int], node: int) -> str:
+    """How a group that grows back is said in the agents' logs and ``asyncrl status``:
+    ``learner grows back to replicas [0, 1] (node 1 is back)``."""
+    return f"{name} grows back to replicas {list(members)} (node {node} is back)"
+
+
 def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
     """What a launch of ``manifest`` over ``nodes`` nodes cannot carry through the loss of one
     node other than 0, one warning per role, each with the fix: a ``one_for_all`` group over
@@ -231,6 +335,31 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
             f"the lost ranks' shards), use parallel: replicate, or place the group on node 0"
         )
     return warnings
+
+
+def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
+    """What a launch of ``manifest`` over ``nodes`` nodes says as it loads of each replicated
+    ``one_for_all`` group over several nodes that goes on smaller when a node is lost but does
+    not grow back when the node returns (``grows_back``: no ``run.shared_storage``), with the
+    fix."""
+    notes = []
+    for name, role in manifest.roles.items():
+        where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
+        others = [n for n in where if 0 < n < nodes]
+        if not spans_nodes(manifest, name) or not others or sharded(manifest, name):
+            continue
+        if manifest.run.shared_storage or not role.supervision.regrow:
+            continue
+        notes.append(
+            f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}: "
+            f"after losing node {others[0]} it goes on without that node's ranks, and stays so "
+            f"when the node comes back, because a returning rank takes the lead's checkpoints "
+            f"and log from the lead's folder, which needs the run directory on storage every "
+            f"node shares. To grow it back, set run.shared_storage: true with the run directory "
+            f"on such storage; to say it stays smaller, set "
+            f"roles.{name}.supervision.regrow: false"
+        )
+    return notes
 
 
 def goes_on(name: str, members: Sequence[int]) -> str:

@@ -464,8 +464,14 @@ def _heading(status: dict[str, Any]) -> list[str]:
             + (f", led by replica {members[0]}" if members and members[0] != 0 else "")
             for name, members in change.get("shrunk", {}).items()
         ]
-        what = "back" if change.get("event") == "node_back" else "lost"
-        said = left + moved + shrunk
+        grown = [
+            f"{name} grows back to replicas {members}"
+            for name, members in change.get("grown", {}).items()
+        ]
+        what = "lost" if change.get("event") == "node_lost" else "back"
+        if grown:
+            moved = []  # the ranks that rejoin are in the group's members
+        said = left + moved + shrunk + grown
         lines.append(
             f"node {change['node']} {what} at {when} ({change['reason']})"
             + (": " + ", ".join(said) if said else "")

@@ -198,15 +198,19 @@ def adopted_child(
     here_dir: str,
 ) -> ChildSpec:
     """The ChildSpec of replica ``replica`` of ``name`` moved to this node from a lost one
-    (``asyncrl.manifest.membership``): it keeps its home node's folder of the run directory
-    (``home_dir``: its durable state, logs and ipc endpoint are there, on the run's shared
-    storage) and binds ``tcp`` for the other nodes. ``view.groups`` is what it is given as
-    its groups; ``here_dir``, this node's folder, is its ``node_dir``: the membership it
-    reads is this node's, which this node's agent keeps writing."""
+    (``asyncrl.manifest.membership``), or of a rank of this node that rejoins its group as the
+    group grows back (``home_dir`` and ``here_dir`` then this node's folder): it keeps its
+    home node's folder of the run directory (``home_dir``: its durable state, logs and ipc
+    endpoint are there, on the run's shared storage) and binds ``tcp`` for the other nodes.
+    ``view.groups`` is what it is given as its groups; ``here_dir``, this node's folder, is
+    its ``node_dir``: the membership it reads is this node's, which this node's agent keeps
+    writing."""
     role = manifest.roles[name]
     endpoint = LocalRegistry(home_dir).endpoint(name, replica)
     keys = view.curve_keys or manifest.security.curve_keys
-    local = _Local(endpoint, tcp, keys, {})
+    # A rank of a group over several nodes (one that rejoins it) meets the group in the store.
+    where = {role.placement.node_of(i) for i in range(role.replicas)}
+    local = _Local(endpoint, tcp, keys, view.span_env if len(where) > 1 else {})
     return ChildSpec(
         name,
         replica,

@@ -20,7 +20,12 @@ and applies what changed:
   members leads the group (``asyncrl.manifest.membership.lead``): when the lost node held the
   lead, the lowest replica left leads from then on;
 - **a node back:** its replicas that departed are back in their groups, at the endpoints it
-  published anew; what moved away while it was lost stays where it went;
+  published anew; what moved away while it was lost stays where it went. Node 0 decides which
+  data-parallel groups that went on without its ranks grow back with them
+  (``asyncrl.manifest.membership.grow``) and says so in the store (``LaunchKeys.grown``); every
+  node applies it: its ranks of such a group start again at the larger size
+  (``Supervisor.restart_role``), and the returning node starts its ranks, each told to take the
+  lead's state first (``asyncrl.manifest.membership.Rejoin``);
 - **this node taken as lost while it runs** (its heartbeats reached node 0 too late): ``follow``
   says why it must leave. What moved away from it runs elsewhere now, and its replicas left the
   groups, so it stops its roles rather than run on unseen; torchrun starting it again brings it
@@ -37,16 +42,21 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
 from asyncrl.manifest.load import Manifest
 from asyncrl.manifest.membership import (
     MEMBERSHIP_FILE,
+    REJOIN_FILE,
     Change,
     Membership,
     Moved,
+    Rejoin,
     goes_on,
+    grow,
+    grows,
     plan,
 )
 from asyncrl.supervision.agent import NodeView, adopted_child
@@ -101,6 +111,9 @@ class MembershipFollower:
         # generation) that moved it; None for a loss from before this agent started.
         self.moving: dict[tuple[str, int], tuple[int, tuple[int, int]]] = {}
         self.synced = False  # the losses before this agent started are known
+        # The returns (node, generation of the loss it answers) whose groups node 0 has not
+        # yet said whether they grow back (``LaunchKeys.grown``).
+        self.growing: set[tuple[int, int]] = set()
 
     @property
     def dir(self) -> str:
@@ -108,12 +121,18 @@ class MembershipFollower:
         return node_dir(self.run_dir, self.node)
 
     def keep_shrunk(
-        self, shrunk: Mapping[str, Sequence[int]], away: Sequence[tuple[str, int]] = ()
+        self,
+        shrunk: Mapping[str, Sequence[int]],
+        away: Sequence[tuple[str, int]] = (),
+        rejoining: int = 0,
     ) -> None:
         """At the attempt's start: the data-parallel groups that went on at a smaller size in an
         earlier attempt (``shrunk``, node 0's record) stay so, their other replicas out of the
         run; ``away``: this node's replicas that departed with its loss in this attempt, which it
-        joins again. Written into ``membership.json`` when there is any."""
+        joins again, from the loss of generation ``rejoining`` (0: none): node 0 says which of
+        their groups grow back with them. Written into ``membership.json`` when there is any."""
+        if rejoining and away:
+            self.growing.add((self.node, rejoining))
         for name, members in shrunk.items():
             self.membership.shrunk[name] = list(members)
             role = self.manifest.roles[name]
@@ -171,6 +190,12 @@ class MembershipFollower:
                 await self._back(peer)
                 changed = True
         self.synced = True
+        for node, generation in sorted(self.growing):
+            said = await store.peek(keys.grown(attempt, node, generation))
+            if said is not None:
+                self.growing.discard((node, generation))
+                await self._grow(supervisor, node, json.loads(said))
+                changed = True
         for (name, replica), (node, loss) in list(self.moving.items()):
             said = await store.peek(keys.moved(attempt, name, replica))
             if said is None:
@@ -237,6 +262,110 @@ class MembershipFollower:
             record_change(self.run_dir, change, self.say)
         what = ", ".join(back) or "no replica"
         self.say(self.node, f"node {node} is back: {what} back in the run")
+        if record.unserved:  # groups that went on without its ranks: node 0 says what grows
+            said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
+            generation = int(said["generation"])
+            if self.node == 0:
+                await self._decide_growth(node, generation, record)
+            self.growing.add((node, generation))
+
+    async def _decide_growth(self, node: int, generation: int, record: NodeRecord) -> None:
+        """Node 0: say in the store which groups that went on without the ranks of ``node``,
+        back from the loss of ``generation``, grow back with them (``grow``), with the tcp
+        endpoint each returning rank binds (``record.regrow``); every node applies it."""
+        growth = grow(self.manifest, self.membership.shrunk, node)
+        for name, why in growth.stays.items():
+            members = self.membership.shrunk[name]
+            self.say(self.node, f"{name} stays at replicas {members} with node {node} back: {why}")
+        endpoints = {
+            name: {i: record.regrow[name][i] for i in members if i in record.regrow.get(name, {})}
+            for name, members in growth.grown.items()
+        }
+        stays = {name: self.membership.shrunk[name] for name in growth.stays}
+        said = {"grown": growth.grown, "lead": growth.lead, "endpoints": endpoints, "stays": stays}
+        await self.store.set(self.keys.grown(self.attempt, node, generation), json.dumps(said))
+
+    async def _grow(self, supervisor: Supervisor, node: int, said: dict[str, Any]) -> None:
+        """Apply node 0's word on the groups that grow back with the ranks of ``node``: each
+        starts again at its larger size on this node; on ``node`` itself, the returning ranks
+        start, each first told (``REJOIN_FILE``) to take the state of the replica that led the
+        group while it was out. The groups that stay at their smaller size are recorded with
+        their members (``node`` itself knew them only as groups its ranks left)."""
+        for name, members in said["stays"].items():  # the returning node learns them here
+            self.membership.shrunk[name] = [int(i) for i in members]
+        grown: dict[str, list[int]] = {}
+        moved: dict[str, int] = {}
+        for name, members in said["grown"].items():
+            role = self.manifest.roles[name]
+            members = [int(i) for i in members]
+            lead = int(said["lead"][name])
+            returning = {int(i): tcp for i, tcp in said["endpoints"].get(name, {}).items()}
+            grown[name] = members
+            if members == list(range(role.replicas)):
+                self.membership.shrunk.pop(name, None)
+            else:
+                self.membership.shrunk[name] = members
+            self.view.members[name] = members
+            why = f"its group grows back to replicas {members} with node {node}'s ranks"
+            restarted = await supervisor.restart_role(name, why)
+            for i, tcp in sorted(returning.items()):
+                departed = self.membership.departed.get(name, {})
+                departed.pop(i, None)
+                if not departed:
+                    self.membership.departed.pop(name, None)
+                if node == self.node:
+                    endpoint = await self._rejoin(supervisor, name, i, lead, tcp)
+                    restarted.append(f"{name}[{i}]")
+                else:
+                    endpoint = tcp
+                    self._reach(name, i, endpoint)
+                self.membership.moved.setdefault(name, {})[i] = Moved(node, endpoint)
+                moved[f"{name}[{i}]"] = node
+            if restarted:
+                self.say(self.node, f"{', '.join(restarted)} start again: {why}")
+        if not grown:
+            return
+        change = Change(
+            time=time.time(),
+            event="group_grown",
+            node=node,
+            reason=f"node {node} is back",
+            moved=moved,
+            grown=grown,
+        )
+        self.membership.changes.append(change)
+        if self.node == 0:
+            record_change(self.run_dir, change, self.say)
+        self.say(self.node, ", ".join(grows(n, m, node) for n, m in grown.items()))
+
+    async def _rejoin(
+        self, supervisor: Supervisor, name: str, replica: int, lead: int, tcp: str
+    ) -> str:
+        """Start this node's ``replica`` of ``name`` into its group as it grows back, binding
+        ``tcp`` (published) for the other nodes, once told to take ``lead``'s state first
+        (``REJOIN_FILE`` in its own folder; the run directory is on shared storage, so the
+        lead's node folder is reached from here). Returns its endpoint as this node reaches
+        it."""
+        from asyncrl.safe_files import write_atomic
+
+        lead_node = self.manifest.roles[name].placement.node_of(lead)
+        rejoin = Rejoin(lead=lead, folder=node_dir(self.run_dir, lead_node))
+        folder = os.path.join(self.dir, "roles", f"{name}.{replica}")
+        os.makedirs(folder, exist_ok=True)
+        write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)
+        port = tcp.rsplit(":", 1)[1]
+        child = adopted_child(
+            self.manifest,
+            name,
+            replica,
+            self.dir,
+            self.view,
+            f"tcp://{self.bind_host}:{port}",
+            self.dir,
+        )
+        self._reach(name, replica, child.endpoint)
+        await supervisor.adopt(child)
+        return child.endpoint
 
     async def _lose(
         self,

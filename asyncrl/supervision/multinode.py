@@ -59,8 +59,10 @@ from asyncrl.manifest.load import Manifest, load_manifest, resolve_run_dir
 from asyncrl.manifest.membership import (
     MEMBERSHIP_FILE,
     Membership,
+    grows_back,
     node_loss_warnings,
     plan,
+    regrow_notes,
     spans_nodes,
 )
 from asyncrl.observe.trace import merge_and_tell
@@ -323,10 +325,17 @@ class NodeAttempt:
         # One port a replica, one for this agent's status server (which the other agents ask),
         # and on node 0 of a traced launch one where the others send their traces.
         sink = self.trace and self.node == 0
-        ports = free_ports(bind_host, len(mine) + 1 + sink)
+        # A port for each of those ranks whose group may grow back with it (node 0 decides,
+        # ``asyncrl.manifest.membership.grow``), which it binds once it starts.
+        regrowing = [key for key in self.shrunk_away if not grows_back(self.manifest, key[0])]
+        ports = free_ports(bind_host, len(mine) + 1 + sink + len(regrowing))
         replicas: dict[str, dict[int, str]] = {}
         for (name, i), port in zip(mine, ports, strict=False):
             replicas.setdefault(name, {})[i] = f"tcp://{host}:{port}"
+        regrow_at = {
+            key: f"tcp://{host}:{port}"
+            for key, port in zip(regrowing, ports[len(mine) + 1 + sink :], strict=True)
+        }
         if sink:
             self.sink = f"tcp://{bind_host}:{ports[-1]}"
         record = NodeRecord(
@@ -336,6 +345,7 @@ class NodeAttempt:
             trace_sink=f"tcp://{host}:{ports[-1]}" if sink else "",
             shrunk=shrunk_before(self.dir) if self.node == 0 else {},
             unserved=_by_role({key: elsewhere[key] for key in self.shrunk_away}),
+            regrow=_by_role(regrow_at),
         )
         keys, store = self.keys, self.store
         published = msgspec.json.encode(record).decode()
@@ -808,7 +818,7 @@ async def _take_part(args: argparse.Namespace, a: NodeAttempt) -> int:
         host=a.host,
         say=_say,
     )
-    follower.keep_shrunk(view.members, a.shrunk_away)
+    follower.keep_shrunk(view.members, a.shrunk_away, a.rejoining)
     watch = _Watch(a, follower, args.agent_liveness)
     try:
         report = await run_manifest(manifest, a.dir, beside=watch, view=view, console=True)
@@ -895,6 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     if env.node == 0:
         for warning in node_loss_warnings(manifest, env.nodes):
             _say(0, f"warning: {warning}")
+        for note in regrow_notes(manifest, env.nodes):
+            _say(0, f"note: {note}")
     try:
         code: int = run(_launch(args, env, manifest))
     except StoreError as exc:

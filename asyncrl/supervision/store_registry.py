@@ -116,6 +116,14 @@ class LaunchKeys:
         endpoints are published (JSON ``{generation}``: the ``lost`` mark it answers)."""
         return f"{self.prefix(attempt)}/back/{node}"
 
+    def grown(self, attempt: int, node: int, generation: int) -> str:
+        """Set by node 0 once ``node`` is back from the loss of ``generation``: which groups
+        that went on without its ranks grow back with them (JSON ``{grown: {role: members},
+        lead: {role: replica}, endpoints: {role: {replica: tcp}}, stays: {role: members}}``,
+        ``grown`` empty when none does); every agent applies it
+        (``asyncrl.manifest.membership.grow``)."""
+        return f"{self.prefix(attempt)}/grown/{node}/{generation}"
+
     def moved(self, attempt: int, role: str, replica: int) -> str:
         """Set by the node that started ``role``'s ``replica`` again after its node was lost:
         its tcp endpoint (JSON ``{node, endpoint}``)."""
@@ -145,6 +153,8 @@ class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
         unserved: a node that joined the running attempt again: its ranks of a data-parallel
             group that went on without them, at the endpoints the group knows them by, which
             it does not start (kept for its next return).
+        regrow: a node that joined the running attempt again: the tcp endpoint each of its
+            ranks in ``unserved`` binds once its group grows back (``LaunchKeys.grown``).
     """
 
     replicas: dict[str, dict[int, str]]
@@ -153,6 +163,7 @@ class NodeRecord(msgspec.Struct, kw_only=True, frozen=True):
     trace_sink: str = ""
     shrunk: dict[str, list[int]] = {}
     unserved: dict[str, dict[int, str]] = {}
+    regrow: dict[str, dict[int, str]] = {}
 
 
 class StoreClient:

@@ -18,6 +18,9 @@ to take a step again; the component does the rest:
   line again, and neither logs, checkpoints, publishes nor replies (``replaying``). A sharded
   checkpoint that another group wrote (the group went on at a smaller size) is loaded from
   every writer's folder, to be resharded (``asyncrl.roles.training.shard_group``).
+- **A rank back in its group** as the group grows back after a node's loss takes the lead's
+  checkpoints, log and ledger first (``asyncrl.roles.training.rejoin``), so that it restores
+  the group's state rather than its own from before the loss.
 - **A checkpoint** holds the role's state, the last step's result and every RNG (``state``);
   a sharded rank's also names its group's checkpoint folders.
 """
@@ -45,6 +48,7 @@ from asyncrl.roles.training.checkpoints import (
 )
 from asyncrl.roles.training.data_parallel import DataParallel
 from asyncrl.roles.training.journal import Journal, durability, replay_summary, wal_path
+from asyncrl.roles.training.rejoin import take_lead_state
 from asyncrl.roles.training.shard_group import GROUP_KEY, ShardGroup
 from asyncrl.roles.training.wal import KeepEntry, StepEntry, WalError
 from asyncrl.supervision.faults import FaultPlan
@@ -97,6 +101,9 @@ class Durability:
         self.ctx = ctx
         self.dp = dp
         self.sharded = sharded
+        if dp is not None and not sharded:
+            # A rank back in its group as it grows: the lead's state is the group's now.
+            take_lead_state(ctx)
         self.faults = FaultPlan.from_env(ctx.incarnation)
         self.checkpoints = CheckpointDir(
             ctx.path("checkpoints"), keep, self.faults, pin, ctx.log.warning

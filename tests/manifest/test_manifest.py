@@ -119,6 +119,7 @@ def test_minimal_manifest_gets_every_default() -> None:
         "startup_timeout_s": 120.0,
         "shutdown_timeout_s": 5.0,
         "standby": False,
+        "regrow": True,
     }
 
 
@@ -219,7 +220,7 @@ manifest examples/bad.yaml has 22 problems:
   roles.rollout.supervision.strategy: expected one of 'one_for_all', 'one_for_one', 'rest_for_one', got 'one_for_none'; did you mean 'one_for_one'?
   roles.rollout.supervision.period_s: expected a number > 0, got 0
   roles.rollout.supervision.liveness: expected an integer from 1 to 1000, got true
-  roles.rollout.supervision.colour: unknown key; expected one of 'strategy', 'max_restarts', 'period_s', 'backoff_initial_s', 'backoff_max_s', 'heartbeat_interval_s', 'liveness', 'hang_after_s', 'warn_after_s', 'startup_timeout_s', 'shutdown_timeout_s', 'standby'
+  roles.rollout.supervision.colour: unknown key; expected one of 'strategy', 'max_restarts', 'period_s', 'backoff_initial_s', 'backoff_max_s', 'heartbeat_interval_s', 'liveness', 'hang_after_s', 'warn_after_s', 'startup_timeout_s', 'shutdown_timeout_s', 'standby', 'regrow'
   roles.rollout.supervision.backoff_max_s: expected a number >= backoff_initial_s (2.0), got 1.0; raise it or lower backoff_initial_s
   roles.reward: neither 'class' nor 'command' is given; add 'class: module:Class' for a Python role or 'command: [program, args...]' for an external one
   roles.ref.command: cannot split "python 'ref.py" into arguments (No closing quotation); close the quote or give a list

@@ -202,3 +202,88 @@ def test_a_singleton_goes_by_where_it_runs_now_not_by_its_placement() -> None:
     assert two.moved == {}
     assert two.departed == {("rollout", 2): 2, ("relay", 0): 2}
     assert plan(manifest, {1}).moved == {}  # by its placement alone it is on node 2
+
+
+SHARED = MANIFEST.replace("{name: elastic,", "{name: elastic, shared_storage: true,")
+"""The manifest with the run directory on shared storage: a returning rank reads the lead's
+state."""
+
+
+def test_a_group_grows_back_to_its_ranks_on_a_returning_node() -> None:
+    """The learner went on with replica 0 after node 1's loss; node 1 back, it grows back to
+    [0, 1] with replica 0's state; a node without a rank of it changes nothing. With three
+    ranks and two nodes out, node 2's return brings replica 2 back alone."""
+    from asyncrl.manifest.membership import grow
+
+    manifest = parse_manifest(SHARED, nodes=3)
+    back = grow(manifest, {"learner": [0]}, 1)
+    assert (back.grown, back.lead, back.stays) == ({"learner": [0, 1]}, {"learner": 0}, {})
+    nothing = grow(manifest, {"learner": [0]}, 2)
+    assert (nothing.grown, nothing.stays) == ({}, {})
+    three = parse_manifest(
+        SHARED.replace(
+            "replicas: 2\n    placement: {nodes: [0, 1]}",
+            "replicas: 3\n    placement: {nodes: [0, 1, 2]}",
+        ),
+        nodes=3,
+    )
+    assert grow(three, {"learner": [0]}, 2).grown == {"learner": [0, 2]}
+    assert grow(three, {"learner": [0, 2]}, 1).grown == {"learner": [0, 1, 2]}
+
+
+def test_a_group_stays_smaller_without_shared_storage_or_when_the_manifest_says_so() -> None:
+    """Each reason a group stays at its smaller size when its node comes back, said."""
+    from asyncrl.manifest.membership import grow
+
+    def stays(text: str, members: list[int]) -> str:
+        growth = grow(parse_manifest(text, nodes=3), {"learner": members}, 1)
+        assert growth.grown == {}
+        return growth.stays["learner"]
+
+    assert stays(MANIFEST, [0]) == (
+        "the run directory is not on shared storage (run.shared_storage: false), so a "
+        "returning rank cannot read the lead's checkpoints and log"
+    )
+    no_regrow = SHARED.replace(
+        "supervision: {strategy: one_for_all}",
+        "supervision: {strategy: one_for_all, regrow: false}",
+    )
+    assert stays(no_regrow, [0]) == "roles.learner.supervision.regrow is false"
+    fsdp = SHARED + "    config: {parallel: fsdp}\n"
+    assert stays(fsdp, [0]) == "a sharded group (parallel: fsdp) does not grow back"
+    led_by_1 = SHARED.replace("nodes: [0, 1]}", "nodes: [1, 0]}")
+    assert stays(led_by_1, [1]) == (
+        "its returning replica 0 would lead it in place of replica 1, and a group does not "
+        "change its lead as it grows"
+    )
+
+
+def test_a_group_that_does_not_grow_back_is_noted_at_load_with_the_fix() -> None:
+    from asyncrl.manifest.membership import regrow_notes
+
+    assert regrow_notes(parse_manifest(MANIFEST, nodes=3), 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1]: after losing node 1 "
+        "it goes on without that node's ranks, and stays so when the node comes back, because "
+        "a returning rank takes the lead's checkpoints and log from the lead's folder, which "
+        "needs the run directory on storage every node shares. To grow it back, set "
+        "run.shared_storage: true with the run directory on such storage; to say it stays "
+        "smaller, set roles.learner.supervision.regrow: false"
+    ]
+    assert regrow_notes(parse_manifest(SHARED, nodes=3), 3) == []
+    no_regrow = MANIFEST.replace(
+        "supervision: {strategy: one_for_all}",
+        "supervision: {strategy: one_for_all, regrow: false}",
+    )
+    assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
+
+
+def test_a_regrow_that_is_not_a_boolean_is_refused_with_its_path() -> None:
+    bad = MANIFEST.replace(
+        "supervision: {strategy: one_for_all}", "supervision: {strategy: one_for_all, regrow: 2}"
+    )
+    with pytest.raises(ManifestError) as raised:
+        parse_manifest(bad, nodes=3)
+    assert str(raised.value) == (
+        "manifest <string> has 1 problem:\n"
+        "  roles.learner.supervision.regrow: expected true or false, got 2"
+    )

@@ -397,6 +397,25 @@ def test_the_heading_says_a_group_went_on_at_a_smaller_size() -> None:
     )
 
 
+def test_the_heading_says_a_group_grew_back() -> None:
+    from asyncrl.observe.status import format_status
+
+    change = {
+        "time": 0.0,
+        "event": "group_grown",
+        "node": 1,
+        "reason": "node 1 is back",
+        "departed": [],
+        "moved": {"learner[1]": 1},
+        "shrunk": {},
+        "grown": {"learner": [0, 1]},
+    }
+    status = {"run": "r", "run_dir": "/r", "nodes": [], "membership": {"changes": [change]}}
+    line = format_status(status).splitlines()[1]
+    assert line.startswith("node 1 back at ")
+    assert line.endswith("(node 1 is back): learner grows back to replicas [0, 1]")
+
+
 @sync
 async def test_a_restart_request_reaches_the_supervisor_of_the_node_that_runs_the_replica(
     tmp_path: Any,

@@ -78,10 +78,12 @@ class Adopter:
     def __init__(self) -> None:
         self.adopted: list[tuple[str, int]] = []
         self.specs: list[ProcessSpec] = []
+        self.envs: list[dict[str, str]] = []
 
     async def adopt(self, spec: Any) -> None:
         self.adopted.append((spec.name, spec.replica))
         _, env = spec.argv_env(0)
+        self.envs.append(env)
         with open(env[SPEC_FILE_ENV], "rb") as f:
             self.specs.append(msgspec.json.decode(f.read(), type=ProcessSpec))
 
@@ -385,6 +387,156 @@ def test_a_returned_node_does_not_start_its_rank_of_a_group_that_went_on(tmp_pat
         for c in build_children(manifest, node_dir(run_dir, 1), parent_pid=1, view=view)
     ]
     assert started == [("splitter", 1)]
+
+
+SHARED = GROUP.replace('program: "examples', 'shared_storage: true, program: "examples')
+"""The group over nodes 0, 1 and 2, with the run directory on shared storage: it grows back."""
+
+
+def _back_with_rank(store: DictStore, generation: int) -> None:
+    """Node 1 back from the loss of ``generation``: its learner rank is one it does not start
+    (the group went on without it), with the port it binds should the group grow back."""
+    record = NodeRecord(
+        replicas={"splitter": {1: "tcp://127.0.0.1:3001"}},
+        agent="tcp://127.0.0.1:3000",
+        host=HostRecord(host="h", weights="/w", token="t"),
+        unserved={"learner": {1: "tcp://127.0.0.1:2201"}},
+        regrow={"learner": {1: "tcp://127.0.0.1:3201"}},
+    )
+    store.values[KEYS.endpoints(0, 1)] = msgspec.json.encode(record).decode()
+    store.values[KEYS.back(0, 1)] = json.dumps({"generation": generation})
+
+
+def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) -> None:
+    """Node 1 is lost and the learner goes on with replicas 0 and 2; node 1 comes back. Node 0
+    decides that the group grows back to [0, 1, 2] and says so in the store; it starts its
+    rank again with those members and records the change (membership.json: the group no
+    longer shrunk, replica 1 back at its new port; metrics.jsonl: ``group_grown``). Node 1,
+    back, starts its rank with the same members, told first to take replica 0's state from
+    node 0's folder (``rejoin.json``)."""
+    from asyncrl.manifest.membership import Rejoin
+
+    store = DictStore()
+    run_dir = str(tmp_path)
+    os.makedirs(tmp_path / "node-1")
+    said: list[str] = []
+    node_0 = _follower(store, 0, run_dir, SHARED)
+    node_0.say = lambda node, message: said.append(message)
+    node_0.view.groups["learner"] = GroupInfo(
+        ["ipc://l0", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
+    )
+    supervisor_0 = Restarter(node_0.view)
+    node_1 = _follower(store, 1, run_dir, SHARED)
+    node_1.view.groups["learner"] = GroupInfo(
+        ["tcp://127.0.0.1:2200", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
+    )
+    supervisor_1 = Restarter(node_1.view)
+    node_1.view.span_env["ASYNCRL_DIST_STORE"] = "127.0.0.1:29500"
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        assert supervisor_1.adopted == []  # node 0 has not decided yet
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert supervisor_0.restarted == [("learner", [0, 2]), ("learner", [0, 1, 2])]
+    decided = json.loads(store.values[KEYS.grown(0, 1, 1)])
+    assert decided == {
+        "grown": {"learner": [0, 1, 2]},
+        "lead": {"learner": 0},
+        "endpoints": {"learner": {"1": "tcp://127.0.0.1:3201"}},
+        "stays": {},
+    }
+    seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
+    assert (seen["shrunk"], seen["departed"]) == ({}, {})
+    assert seen["moved"]["learner"] == {"1": {"node": 1, "endpoint": "tcp://127.0.0.1:3201"}}
+    assert [(c["event"], c["grown"]) for c in seen["changes"]] == [
+        ("node_lost", {}),
+        ("node_back", {}),
+        ("group_grown", {"learner": [0, 1, 2]}),
+    ]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["membership"]["grown"] == {"learner": [0, 1, 2]}
+    assert "learner grows back to replicas [0, 1, 2] (node 1 is back)" in said
+    assert supervisor_1.adopted == [("learner", 1)]
+    (spec,) = supervisor_1.specs
+    assert (spec.replica, spec.members) == (1, [0, 1, 2])
+    assert spec.endpoint == node_1.view.groups["learner"].endpoints[1]
+    assert spec.endpoint.startswith("ipc://")
+    assert supervisor_1.envs[0]["ASYNCRL_DIST_STORE"] == "127.0.0.1:29500"  # the group's store
+    rejoin = msgspec.json.decode(
+        (tmp_path / "node-1" / "roles" / "learner.1" / "rejoin.json").read_bytes(), type=Rejoin
+    )
+    assert rejoin == Rejoin(lead=0, folder=run_dir)
+    mine = msgspec.json.decode((tmp_path / "node-1" / "membership.json").read_bytes())
+    assert (mine["shrunk"], mine["departed"]) == ({}, {})
+
+    async def again() -> None:
+        """Node 1 lost a second time, and back again: the group shrinks and grows again."""
+        _lose(store, 1, 2)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 2)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+
+    asyncio.run(again())
+    assert supervisor_0.restarted[2:] == [("learner", [0, 2]), ("learner", [0, 1, 2])]
+    assert json.loads(store.values[KEYS.grown(0, 1, 2)])["grown"] == {"learner": [0, 1, 2]}
+    assert (node_0.membership.shrunk, node_0.membership.departed) == ({}, {})
+
+
+def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
+    """As above with ``supervision.regrow: false``, then without ``run.shared_storage``: node 0
+    says the group stays at replicas [0, 2], and why; nothing starts again and node 1 starts
+    no rank."""
+    stay = SHARED.replace(
+        "supervision: {strategy: one_for_all}",
+        "supervision: {strategy: one_for_all, regrow: false}",
+    )
+    for manifest, why in (
+        (stay, "roles.learner.supervision.regrow is false"),
+        (GROUP, "the run directory is not on shared storage (run.shared_storage: false)"),
+    ):
+        store = DictStore()
+        folder = tmp_path / str(len(why))
+        os.makedirs(folder / "node-1")
+        said: list[str] = []
+        node_0 = _follower(store, 0, str(folder), manifest)
+        node_0.say = lambda node, message, said=said: said.append(message)  # type: ignore[misc]
+        node_0.view.groups["learner"] = GroupInfo(["ipc://l0", "tcp://b", "tcp://c"])
+        supervisor_0 = Restarter(node_0.view)
+        node_1 = _follower(store, 1, str(folder), manifest)
+        node_1.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
+        supervisor_1 = Restarter(node_1.view)
+
+        async def main() -> None:
+            await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
+            _lose(store, 1, 1)  # noqa: B023
+            await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
+            _back_with_rank(store, 1)  # noqa: B023
+            node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)  # noqa: B023
+            await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
+            await node_1.follow(supervisor_1)  # type: ignore[arg-type]  # noqa: B023
+
+        asyncio.run(main())
+        assert supervisor_0.restarted == [("learner", [0, 2])], why
+        assert supervisor_1.adopted == supervisor_1.restarted == []
+        assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 2]}
+        assert node_1.membership.departed == {"learner": {1: 1}}
+        assert [line for line in said if "stays" in line] == [
+            f"learner stays at replicas [0, 2] with node 1 back: {why}"
+            + (
+                ", so a returning rank cannot read the lead's checkpoints and log"
+                if manifest is GROUP
+                else ""
+            )
+        ]
+        assert not node_1.growing
 
 
 def _moved(store: DictStore, node: int, endpoint: str, loss: list[int]) -> None:

@@ -1,0 +1,210 @@
+"""A data-parallel learner group that went on without a lost node's rank grows back when the node
+comes back: three torchrun "nodes" on 127.0.0.1 (``tests/integration/test_node_loss.py`` says
+how), the learner's two replicated ranks on nodes 0 and 1, the run directory shared
+(``run.shared_storage``, as one directory on one machine is).
+
+Node 1 is lost after a few RL steps and its torchrun started again: node 0 decides that the
+group grows back to both ranks, replica 1 takes replica 0's checkpoints, write-ahead log and
+step ledger, and the group trains on at two ranks to the end, with nothing lost, nothing counted
+twice and no step repeated or skipped. With ``supervision.regrow: false`` the group stays at
+replica 0 alone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from tests.integration.test_node_loss import Nodes, _json, _learner_over_nodes_0_and_1, nodes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+__all__ = ["nodes"]  # the fixture, used by name
+
+RL_STEPS = 30
+
+SHORT = [
+    "run.config.bc_max_steps=5",
+    "run.config.bc_eval_every=100",
+    f"run.config.rl_steps={RL_STEPS}",
+    f"run.config.rl_eval_every={RL_STEPS}",
+    "run.config.prompts_per_step=32",
+    "run.shared_storage=true",
+]
+
+
+def _launch(nodes: Nodes, *more: str) -> None:
+    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp)
+    nodes.options = (*nodes.options, *(a for o in (*SHORT, *more) for a in ("--set", o)))
+    nodes.start()
+
+
+def _steps(nodes: Nodes) -> int:
+    try:
+        with open(nodes.path(0, "metrics.jsonl")) as f:
+            return sum(1 for line in f if '"step"' in line)
+    except OSError:
+        return 0
+
+
+def _changes(nodes: Nodes) -> list[dict[str, object]]:
+    return list((_json(nodes.path(0, "membership.json")) or {}).get("changes") or [])
+
+
+def _lose_and_bring_back(nodes: Nodes) -> float:
+    """Lose node 1 after 3 RL steps; once node 0 marked it lost, start its torchrun again.
+    Returns when it was started again (``time.monotonic()``)."""
+    nodes.wait("3 RL steps", lambda: _steps(nodes) >= 3, timeout=300)
+    nodes.lose(1)
+    membership = nodes.path(0, "membership.json")
+    nodes.wait("node 1 marked lost", lambda: "1" in ((_json(membership) or {}).get("lost") or {}))
+    nodes.restart(1)
+    return time.monotonic()
+
+
+def _figures(nodes: Nodes) -> dict[str, object]:
+    from asyncrl.chaos.accounting import run_figures
+
+    assert nodes.finish([0, 1, 2], timeout=360) == [0, 0, 0], nodes.logs()
+    figures = run_figures(nodes.run_dir)
+    assert (
+        figures["samples_lost"],
+        figures["duplicate_consumptions"],
+        figures["steps_repeated"],
+        figures["steps_skipped"],
+    ) == (0, 0, 0, 0), figures
+    assert _steps(nodes) == RL_STEPS
+    return figures
+
+
+def _tensors(saved: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's state, by its path in it."""
+    if isinstance(saved, torch.Tensor):
+        return {prefix: saved}
+    if isinstance(saved, dict):
+        out: dict[str, torch.Tensor] = {}
+        for key, value in saved.items():
+            out |= _tensors(value, f"{prefix}/{key}")
+        return out
+    return {}
+
+
+def _weights(folder: str, step: int) -> dict[str, torch.Tensor]:
+    from asyncrl.roles.training.checkpoints import CheckpointDir
+
+    return _tensors(CheckpointDir.load(os.path.join(folder, f"step-{step:08d}")))
+
+
+def _checkpoints(folder: str) -> set[int]:
+    """The steps of the complete checkpoints in ``folder``."""
+    from asyncrl.roles.training.checkpoints import problem
+
+    return {
+        int(n[len("step-") :])
+        for n in os.listdir(folder)
+        if n.startswith("step-") and problem(os.path.join(folder, n)) is None
+    }
+
+
+def test_a_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> None:
+    """The group goes on with replica 0 after node 1's loss, and grows back to [0, 1] once node
+    1 is back: membership.json and metrics.jsonl record it, replica 1 restores replica 0's
+    state, and at their newest common checkpoint after it the two ranks hold the same
+    parameters, bit for bit."""
+    started = time.monotonic()
+    _launch(nodes)
+    back = _lose_and_bring_back(nodes)
+    nodes.wait(
+        "the learner's group grown back",
+        lambda: any(c.get("event") == "group_grown" for c in _changes(nodes)),
+        timeout=180,
+    )
+    grown_after = time.monotonic() - back
+    at_growth = _steps(nodes)
+    lead = nodes.path(0, "roles", "learner.0", "checkpoints")
+    rejoined = nodes.path(1, "roles", "learner.1", "checkpoints")
+    copied = max(_checkpoints(lead))  # replica 1 takes these, or older ones
+    figures = _figures(nodes)
+    assert at_growth < RL_STEPS, "the run ended before the group grew back"
+    seen = _json(nodes.path(0, "membership.json"))
+    assert (seen["shrunk"], seen["departed"]) == ({}, {})
+    assert [(c["event"], c["shrunk"], c["grown"]) for c in seen["changes"]] == [
+        ("node_lost", {"learner": [0]}, {}),
+        ("node_back", {}, {}),
+        ("group_grown", {}, {"learner": [0, 1]}),
+    ]
+    assert seen["moved"]["learner"]["1"]["node"] == 1
+    with open(nodes.path(0, "metrics.jsonl")) as f:
+        changes = [line for line in f if '"membership"' in line]
+    assert '"event": "group_grown"' in changes[-1] and '"grown": {"learner": [0, 1]}' in changes[-1]
+    assert (_json(nodes.path(1, "membership.json")) or {})["shrunk"] == {}
+    # Replica 0 restarted once as the group shrank and once as it grew back, outside the budget.
+    assert figures["restarts"]["learner"] == 2, nodes.logs()
+    with open(os.path.join(nodes.tmp, "node0.log")) as f:
+        log = f.read()
+    assert "learner grows back to replicas [0, 1] (node 1 is back)" in log
+    assert "learner[0] start again: its group grows back to replicas [0, 1]" in log
+    assert not os.path.exists(nodes.path(1, "roles", "learner.1", "rejoin.json"))
+    with open(nodes.path(1, "logs", "learner.1.jsonl")) as f:
+        assert "rejoining its group, took the state of learner.0, its lead" in f.read()
+    # A checkpoint each rank wrote itself after the group grew back: the same parameters
+    # (and AdamW moments), bit for bit.
+    newest = max(_checkpoints(lead) & _checkpoints(rejoined))
+    assert newest > copied
+    mine, theirs = _weights(lead, newest), _weights(rejoined, newest)
+    assert mine.keys() == theirs.keys() and len(mine) > 4
+    assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == []
+    # Replica 1 trained every step to the end, after the group grew back.
+    assert figures["learner_steps"] == _last_ledger_step(nodes, 1) == _last_ledger_step(nodes, 0)
+    assert nodes.tracebacks() == [], nodes.logs()
+    print(
+        f"grown back {grown_after:.1f} s after node 1's torchrun started again, at step "
+        f"{at_growth}; newest common checkpoint step {newest}; "
+        f"{time.monotonic() - started:.0f} s in all; {figures}"
+    )
+
+
+def _last_ledger_step(nodes: Nodes, replica: int) -> int:
+    import json
+
+    node = replica  # replica R runs on node R
+    with open(nodes.path(node, "ledger", f"learner.{replica}.steps.jsonl")) as f:
+        return int([json.loads(line)["step"] for line in f][-1])
+
+
+def test_a_learner_group_told_to_stay_smaller_stays_so_when_its_node_returns(
+    nodes: Nodes,
+) -> None:
+    """As above with ``roles.learner.supervision.regrow: false``: node 1 comes back, node 0
+    says the group stays at replica 0, nothing restarts, and the run completes at one rank."""
+    started = time.monotonic()
+    _launch(nodes, "roles.learner.supervision.regrow=false")
+    back = _lose_and_bring_back(nodes)
+    said = (
+        "learner stays at replicas [0] with node 1 back: roles.learner.supervision.regrow is false"
+    )
+
+    def stays() -> bool:
+        with open(os.path.join(nodes.tmp, "node0.log"), errors="replace") as f:
+            return said in f.read()
+
+    nodes.wait("node 0 to say the group stays", stays, timeout=180)
+    decided_after = time.monotonic() - back
+    at_decision = _steps(nodes)
+    figures = _figures(nodes)
+    assert at_decision < RL_STEPS, "the run ended before node 1 was back"
+    seen = _json(nodes.path(0, "membership.json"))
+    assert seen["shrunk"] == {"learner": [0]}
+    assert seen["departed"] == {"learner": {"1": 1}}
+    assert [c["event"] for c in seen["changes"]] == ["node_lost", "node_back"]
+    assert (_json(nodes.path(1, "membership.json")) or {})["shrunk"] == {"learner": [0]}
+    assert figures["restarts"]["learner"] == 1, nodes.logs()  # the shrink's restart alone
+    assert not os.path.exists(nodes.path(1, "roles", "learner.1", "rejoin.json"))
+    assert nodes.tracebacks() == [], nodes.logs()
+    print(
+        f"node 0 said the group stays {decided_after:.1f} s after node 1's torchrun started "
+        f"again, at step {at_decision}; {time.monotonic() - started:.0f} s in all; {figures}"
+    )
