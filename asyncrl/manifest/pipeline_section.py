@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from asyncrl.manifest.limits import MAX_COUNT, MAX_RATIO, MAX_SECONDS
+from asyncrl.manifest.limits import MAX_COUNT, MAX_RATIO, MAX_REPLICAS, MAX_SECONDS
 
 __all__ = [
     "SHARD_CAPACITY",
@@ -197,10 +197,10 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         int,
         msgspec.Meta(
             ge=0,
-            le=MAX_COUNT,
+            le=MAX_REPLICAS,  # one shard is one replica of the role this key adds
             extra={
-                "expected": "an integer >= 0, the dispatch shards to run (0: none, the driver "
-                "dispatches every sample)"
+                "expected": f"an integer from 0 to {MAX_REPLICAS}, the dispatch shards to run "
+                "(0: none, the driver dispatches every sample)"
             },
         ),
     ] = 0
@@ -267,7 +267,7 @@ def _shard_count(raw: Any) -> int:
     """``pipeline.shards`` of a raw manifest when it is a valid count, else 0."""
     pipeline = raw.get("pipeline") if isinstance(raw, dict) else None
     shards = pipeline.get("shards") if isinstance(pipeline, dict) else None
-    if isinstance(shards, int) and not isinstance(shards, bool) and 0 < shards <= MAX_COUNT:
+    if isinstance(shards, int) and not isinstance(shards, bool) and 0 < shards <= MAX_REPLICAS:
         return shards
     return 0
 
