@@ -13,7 +13,7 @@ says what does not go with them.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeGuard
 
 import msgspec
 
@@ -339,6 +339,6 @@ def shards_problems(raw: Any) -> list[str]:
     return problems
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     """An integer, not a bool (YAML's true is one in Python)."""
     return isinstance(value, int) and not isinstance(value, bool)
