@@ -542,6 +542,7 @@ def _pipeline(
         start_version=status.version,
         resume=resume,
         watchdog=rl.watchdog,
+        driver=rl.ctx.incarnation,
     )
 
 

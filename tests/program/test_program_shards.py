@@ -93,7 +93,7 @@ def _loop(
     rl.pipeline = PipelineSpec(mode=mode, shards=shards)
     fake = Shards(FakeRollout(learner), max(shards, 1))
     rl.ctx = SimpleNamespace(
-        roles={"learner": None, "rollout": None, "shards": fake}, idle=lambda: {}
+        roles={"learner": None, "rollout": None, "shards": fake}, idle=lambda: {}, incarnation=0
     )
     cast(Any, rl).prompts = Prompts()
     cast(Any, rl).reward = Reward()
