@@ -15,7 +15,7 @@ import ipaddress
 import os
 import resource
 import stat
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -24,6 +24,7 @@ from .options import ChannelOptions
 
 __all__ = [
     "IPC_PATH_MAX",
+    "Reserved",
     "bind",
     "check_endpoint",
     "connect",
@@ -208,12 +209,34 @@ def dealer(context: zmq.Context[Any], identity: bytes, options: ChannelOptions) 
     return sock
 
 
-def reserve_sockets(clients: int, spare: int = 64) -> int:
+class Reserved(NamedTuple):
+    """What ``reserve_sockets`` made room for.
+
+    Attributes:
+        sockets: the shared context's socket limit now.
+        wanted: the open files the sockets asked for need (two a socket, and 256 more).
+        hard: the process's hard limit on open files (None: unlimited), above which the soft
+            limit cannot be raised.
+    """
+
+    sockets: int
+    wanted: int
+    hard: int | None
+
+    @property
+    def capped(self) -> bool:
+        """The hard limit kept the open-files limit below ``wanted``: past about
+        ``hard // 2`` sockets, libzmq refuses new ones ("Too many open files")."""
+        return self.hard is not None and self.hard < self.wanted
+
+
+def reserve_sockets(clients: int, spare: int = 64) -> Reserved:
     """Let this process's shared context (``zmq.Context.instance()``, which every ``Client``,
     ``Server`` and stream uses unless given one) hold ``clients`` clients and ``spare`` other
     sockets, and the process open the descriptors they need (two a socket, within its hard
-    limit). libzmq sizes a context when its first socket is made (1,023 sockets by default, a
-    limit it never raises later), so call this before the first. Returns the socket limit now.
+    limit: ``Reserved.capped`` says when the hard limit stopped it short). libzmq sizes a
+    context when its first socket is made (1,023 sockets by default, a limit it never raises
+    later), so call this before the first.
     """
     sockets = CLIENT_SOCKETS * clients + spare
     context: zmq.Context[Any] = zmq.Context.instance()
@@ -221,9 +244,12 @@ def reserve_sockets(clients: int, spare: int = 64) -> int:
     if limit > context.get(zmq.MAX_SOCKETS):
         context.set(zmq.MAX_SOCKETS, limit)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 2 * sockets + 256
-    if hard != resource.RLIM_INFINITY:
-        want = min(want, hard)
+    wanted = 2 * sockets + 256
+    want = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    return int(context.get(zmq.MAX_SOCKETS))
+    return Reserved(
+        sockets=int(context.get(zmq.MAX_SOCKETS)),
+        wanted=wanted,
+        hard=None if hard == resource.RLIM_INFINITY else hard,
+    )

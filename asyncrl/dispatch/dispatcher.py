@@ -27,13 +27,14 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.dispatch.scheduler import Replica, Scheduler, Work
-from asyncrl.errors import ProtocolVersionError, RemoteError, TransportError
+from asyncrl.errors import ConfigProblem, ProtocolVersionError, RemoteError, TransportError
 from asyncrl.manifest.membership import Membership
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import Delivery
 from asyncrl.transport import ChannelOptions, Client, ErrorCode, PeerEvent
+from asyncrl.transport.sockets import reserve_sockets
 
-__all__ = ["Busy", "Dispatcher", "Group", "Work"]
+__all__ = ["Busy", "Dispatcher", "Group", "Work", "reserve_connections"]
 
 log = logging.getLogger("asyncrl.dispatch.dispatcher")
 
@@ -397,3 +398,24 @@ class Dispatcher:
         return {
             name: (sum(b.busy_s() for b in g.busy), len(g.busy)) for name, g in self.groups.items()
         }
+
+
+def reserve_connections(groups: dict[str, GroupInfo], who: str) -> None:
+    """Size this process, before its first socket, for a connection to every replica of
+    ``groups`` (``reserve_sockets``): libzmq fixes its context's size then (1,023 sockets, 341
+    connections, by default), and each connection holds open files.
+
+    Raises:
+        ConfigProblem: the process's hard limit on open files is below what the connections
+            need; the message names ``who``, the replicas and the fix.
+    """
+    replicas = sum(len(group.endpoints) for group in groups.values())
+    reserved = reserve_sockets(replicas)
+    if reserved.capped:
+        raise ConfigProblem(
+            f"{who} connects to {replicas} replicas, which needs about {reserved.wanted} open "
+            f"files, but the process's hard limit on open files is {reserved.hard}: raise it "
+            f"(`ulimit -Hn {reserved.wanted}` as root before the run starts, or LimitNOFILE in "
+            f"its systemd unit), or run fewer replicas per process (more dispatch shards, "
+            f"pipeline.shards, each owning fewer rollout replicas)"
+        )

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.dispatch.dispatcher import Dispatcher
+from asyncrl.dispatch.dispatcher import Dispatcher, reserve_connections
 from asyncrl.dispatch.handles import Context
 from asyncrl.dispatch.restarts import Restarts
 from asyncrl.dispatch.watchdog import Watchdog
@@ -47,7 +47,6 @@ from asyncrl.manifest.spec import ProcessSpec
 from asyncrl.observe import logs, metrics
 from asyncrl.safe_files import write_atomic
 from asyncrl.transport import ChannelOptions, Server
-from asyncrl.transport.sockets import reserve_sockets
 
 __all__ = [
     "Program",
@@ -242,7 +241,7 @@ def _inbox(spec: ProcessSpec, stop: asyncio.Event) -> Server:
     """The driver's inbox (heartbeats, ``status``, STOP sets ``stop``). Its ZeroMQ context is
     sized first, three sockets for each replica the driver calls: libzmq sizes a context when
     its first socket is made, and by default holds 1,023 (341 replicas)."""
-    reserve_sockets(sum(len(group.endpoints) for group in spec.groups.values()))
+    reserve_connections(spec.groups, f"the driver (pid {os.getpid()})")
     options = ChannelOptions(
         run=spec.run, heartbeat_interval_s=spec.heartbeat_interval_s, liveness=spec.liveness
     )

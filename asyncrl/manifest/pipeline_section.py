@@ -13,11 +13,11 @@ says what does not go with them.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeGuard
 
 import msgspec
 
-from asyncrl.manifest.limits import MAX_COUNT, MAX_RATIO, MAX_SECONDS
+from asyncrl.manifest.limits import MAX_COUNT, MAX_RATIO, MAX_REPLICAS, MAX_SECONDS
 
 __all__ = [
     "SHARD_CAPACITY",
@@ -197,10 +197,10 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         int,
         msgspec.Meta(
             ge=0,
-            le=MAX_COUNT,
+            le=MAX_REPLICAS,  # one shard is one replica of the role this key adds
             extra={
-                "expected": "an integer >= 0, the dispatch shards to run (0: none, the driver "
-                "dispatches every sample)"
+                "expected": f"an integer from 0 to {MAX_REPLICAS}, the dispatch shards to run "
+                "(0: none, the driver dispatches every sample)"
             },
         ),
     ] = 0
@@ -256,8 +256,9 @@ def shards_schedule_problem(shards: object, probe: object, skip_uniform: object)
     if isinstance(shards, int) and shards > 0 and (probe or skip_uniform):
         return (
             f"{shards} dispatch shards do not run the prompt schedule's probes or uniform "
-            "skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false, "
-            "or pipeline.shards: 0 (the driver dispatches)"
+            f"skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false "
+            f"and roles.rollout.replicas to at least {shards}, or pipeline.shards: 0 (the "
+            "driver dispatches)"
         )
     return None
 
@@ -266,7 +267,7 @@ def _shard_count(raw: Any) -> int:
     """``pipeline.shards`` of a raw manifest when it is a valid count, else 0."""
     pipeline = raw.get("pipeline") if isinstance(raw, dict) else None
     shards = pipeline.get("shards") if isinstance(pipeline, dict) else None
-    if isinstance(shards, int) and not isinstance(shards, bool) and 0 < shards <= MAX_COUNT:
+    if isinstance(shards, int) and not isinstance(shards, bool) and 0 < shards <= MAX_REPLICAS:
         return shards
     return 0
 
@@ -290,15 +291,54 @@ def shard_role(raw: Any) -> None:
 
 
 def shards_problems(raw: Any) -> list[str]:
-    """``roles.shards.replicas`` other than ``pipeline.shards`` (one replica is one shard)."""
+    """What does not go with ``pipeline.shards: K`` in a raw manifest, each with its path:
+    ``roles.shards.replicas`` other than K (one replica is one shard); no rollout role for the
+    shards to split (``roles.shards.config.rollout``, default ``rollout``) or fewer than K of
+    its replicas (each shard owns at least one); no reward role (``config.reward``, default
+    ``reward``) when ``config.score`` does not name a scorer. Values of the wrong type are
+    left to their own key's check."""
     shards = _shard_count(raw)
     roles = raw.get("roles") if shards else None
     role = roles.get(SHARD_ROLE) if isinstance(roles, dict) else None
-    replicas = role.get("replicas") if isinstance(role, dict) else None
-    if replicas is None or replicas == shards:
+    if not isinstance(roles, dict) or not isinstance(role, dict):
         return []
-    return [
-        f"roles.{SHARD_ROLE}.replicas: {replicas!r}, but pipeline.shards is {shards}: the "
-        f"dispatch shards' role has one replica a shard; remove roles.{SHARD_ROLE}.replicas "
-        f"or set it to {shards}"
-    ]
+    problems = []
+    replicas = role.get("replicas")
+    if _is_count(replicas) and replicas != shards:
+        problems.append(
+            f"roles.{SHARD_ROLE}.replicas: {replicas}, but pipeline.shards is {shards}: the "
+            f"dispatch shards' role has one replica a shard; remove roles.{SHARD_ROLE}.replicas "
+            f"or set it to {shards}"
+        )
+    config = role.get("config")
+    config = config if isinstance(config, dict) else {}
+    where = f"roles.{SHARD_ROLE}.config"
+    known = ", ".join(str(name) for name in roles) or "none"
+    rollout_name = config.get("rollout", "rollout")
+    rollout = roles.get(rollout_name) if isinstance(rollout_name, str) else None
+    if isinstance(rollout_name, str) and rollout is None:
+        problems.append(
+            f"{where}.rollout: the run has no role {rollout_name!r} (roles: {known}); "
+            f"{shards} dispatch shards split the replicas of a rollout role: add it, or name "
+            f"it in {where}.rollout"
+        )
+    owned = rollout.get("replicas", 1) if isinstance(rollout, dict) else None
+    if _is_count(owned) and owned < shards:
+        problems.append(
+            f"pipeline.shards: {shards} dispatch shards need at least as many replicas of "
+            f"roles.{rollout_name}, which has {owned}: set pipeline.shards to at most {owned}, "
+            f"or roles.{rollout_name}.replicas to at least {shards}"
+        )
+    reward_name = config.get("reward", "reward")
+    if not config.get("score") and isinstance(reward_name, str) and reward_name not in roles:
+        problems.append(
+            f"{where}.reward: the run has no role {reward_name!r} (roles: {known}); the "
+            f"dispatch shards score each sample with it: add it, name the reward role in "
+            f"{where}.reward, or give {where}.score"
+        )
+    return problems
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    """An integer, not a bool (YAML's true is one in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -19,7 +19,7 @@ seconds busy in its handlers, calls in flight, since when it runs, and the role'
 ``Role.status()`` under ``"role"``).
 
 Start-up order matters: the process's ZeroMQ context is sized first, three sockets for each
-replica of the run (``reserve_sockets``), so a role may connect to every one; the inbox binds
+replica of the run (``reserve_connections``), so a role may connect to every one; the inbox binds
 next, so its callers hear it while the role restores
 its state in ``setup()``; credit is advertised only after ``setup()`` returns, so no work
 arrives before the role is ready, and only then does the process tell its supervisor it is
@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from asyncrl.dispatch.dispatcher import reserve_connections
 from asyncrl.errors import ConfigProblem
 from asyncrl.imports import broken_companions, import_problem, uninstall_advice
 from asyncrl.manifest.model_section import inherited_config
@@ -67,7 +68,6 @@ from asyncrl.transport import (
     use_curve,
 )
 from asyncrl.transport import run as run_loop
-from asyncrl.transport.sockets import reserve_sockets
 
 __all__ = [
     "ConfigProblem",
@@ -244,7 +244,8 @@ async def serve_role(spec: ProcessSpec, *, on_ready: Callable[[], None] = lambda
     # libzmq sizes a context when its first socket is made (1,023 sockets: 341 connections, a
     # limit it never raises): size it first for a connection to every replica of the run, as
     # the driver does, so that a role calling hundreds of replicas (a dispatch shard) can.
-    reserve_sockets(sum(len(group.endpoints) for group in spec.groups.values()))
+    who = f"roles.{spec.name} replica {spec.replica} (pid {os.getpid()})"
+    reserve_connections(spec.groups, who)
     cls = load_role_class(spec.target)
     ctx = RoleContext(
         name=spec.name,

@@ -514,11 +514,18 @@ def _pipeline(
             source=loop.source,
         )
     own = "the program's own runs in the driver alone, and the shards"
+    scores = f"pipeline.shards: {shards} dispatch shards score each sample with the reward role"
     if not isinstance(score, RewardScorer):
         raise ValueError(
-            f"pipeline.shards: {shards} dispatch shards score each sample with the reward role "
-            f"against its prompt's answer; a score function of {own} cannot call it: leave "
-            f"out rl_loop's score=..., or set pipeline.shards: 0"
+            f"{scores} against its prompt's answer; a score function of {own} cannot call it: "
+            f"leave out Run.rl_loop(score=...), or set pipeline.shards: 0"
+        )
+    if score.reward is not _reward_of(rl):
+        raise ValueError(
+            f"{scores} (roles.shards.config.reward, default 'reward'); a RewardScorer over "
+            f"another reward client than the run's (RLContext.reward) is the program's own: it "
+            f"runs in the driver alone, and the shards cannot call it: score with the run's "
+            f"reward client (Run.rl_loop's default), or set pipeline.shards: 0"
         )
     if loop.source is not None:
         raise ValueError(
@@ -535,7 +542,16 @@ def _pipeline(
         start_version=status.version,
         resume=resume,
         watchdog=rl.watchdog,
+        driver=rl.ctx.incarnation,
     )
+
+
+def _reward_of(rl: RLContext) -> RewardClient | None:
+    """The run's reward client, or None when the run has no ``reward`` role."""
+    try:
+        return rl.reward
+    except KeyError:
+        return None
 
 
 class PromptFeed:

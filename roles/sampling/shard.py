@@ -111,6 +111,9 @@ class ShardGrant(msgspec.Struct, kw_only=True):
         infra_failed: ``replace`` (an infra-failed sample once) or ``drop`` (the group).
         straggler, deadline_s, k_min: the pipeline's straggler policy (``wait``, ``emit``,
             ``drop``), its deadline (0: none) and the fewest samples ``emit`` releases.
+        driver: the incarnation of the driver that granted it. A shard granted a group by a
+            newer driver withdraws every group of older ones (their driver died, and nobody
+            takes their release), and refuses an older driver's grant.
     """
 
     index: int
@@ -124,6 +127,7 @@ class ShardGrant(msgspec.Struct, kw_only=True):
     straggler: str = "wait"
     deadline_s: float = 0.0
     k_min: int = 1
+    driver: int = 0
 
 
 class ShardSample(msgspec.Struct, kw_only=True):
@@ -314,7 +318,9 @@ class ShardWorker:
         clock: what straggler deadlines run on.
 
     Attributes:
-        served: groups answered, by outcome (``withdrawn``: groups the driver withdrew).
+        served: groups answered, by outcome (``withdrawn``: groups the driver withdrew, or
+            granted by a driver that a newer incarnation replaced).
+        driver: the newest driver incarnation that granted this shard a group.
     """
 
     def __init__(
@@ -334,14 +340,22 @@ class ShardWorker:
         self.served: Counter[str] = Counter()
         self._scoring = _Scoring(score, score_answers)
         self._runs: dict[int, _GroupRun] = {}
+        self.driver = 0
 
     async def run_group(self, grant: ShardGrant) -> ReleasedGroup:
         """Generate, score and reduce ``grant``'s group; answer it as released.
 
+        A grant of a newer driver incarnation than any before withdraws the groups the older
+        ones granted: that driver died, and its successor grants them again when it admits
+        them. Their ``run_group`` raises ``GroupWithdrawnError``.
+
         Raises:
+            GroupWithdrawnError: the group was granted by an older driver incarnation than one
+                that has granted to this shard (at once), or withdrawn while it runs.
             The first error of its samples: a generate call that failed after the shard
             dispatcher's retries, or the scorer's.
         """
+        self._follow_driver(grant)
         source: SampleSource = (
             GroupCalls(self.rollout, grant.params, timeout=grant.timeout_s)
             if grant.group_calls
@@ -392,6 +406,28 @@ class ShardWorker:
             counts=run.counts.as_dict(),
             cause=cause,
         )
+
+    def _follow_driver(self, grant: ShardGrant) -> None:
+        """Withdraw the groups of drivers older than ``grant``'s; refuse ``grant`` if its own
+        driver is older than one seen."""
+        if grant.driver < self.driver:
+            raise GroupWithdrawnError(
+                f"group {grant.index} was granted by driver incarnation {grant.driver}, which "
+                f"incarnation {self.driver} replaced"
+            )
+        if grant.driver == self.driver:
+            return
+        self.driver = grant.driver
+        for index, run in list(self._runs.items()):
+            del self._runs[index]
+            if not run.done.done():
+                self.served["withdrawn"] += 1
+                run.fail(
+                    GroupWithdrawnError(
+                        f"group {index} was granted by driver incarnation {run.grant.driver}, "
+                        f"which incarnation {grant.driver} replaced"
+                    )
+                )
 
     def cancel(self, index: int) -> bool:
         """Withdraw group ``index`` (the driver gave up on it and grants it again): its samples

@@ -181,6 +181,8 @@ class ShardedPipeline(SamplePipeline):
             A live shard that has not released a group by then is asked to withdraw it
             (``cancel_group``) and the group is granted again; a shard that died fails its
             calls at once (its liveness), and its groups are granted again.
+        driver: the driver's incarnation (``ctx.incarnation``), carried in each grant: a
+            shard withdraws the groups of older drivers once this one grants to it.
 
     Attributes:
         ledger: which shard holds which group (``ShardLedger``).
@@ -204,6 +206,7 @@ class ShardedPipeline(SamplePipeline):
         timeout: float = 600.0,
         watchdog: Any = None,
         clock: Clock = MONOTONIC,
+        driver: int = 0,
     ) -> None:
         if spec.schedule.probe or spec.schedule.skip_uniform:
             raise ValueError(
@@ -243,6 +246,7 @@ class ShardedPipeline(SamplePipeline):
             "straggler": straggler.policy,
             "deadline_s": straggler.deadline_s or 0.0,
             "k_min": straggler.k_min,
+            "driver": driver,
         }
 
     def _start(self, group: Group) -> None:

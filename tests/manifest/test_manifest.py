@@ -439,15 +439,15 @@ def test_pipeline_section_defaults_to_sync_and_takes_overrides() -> None:
 
 
 SHARDED = (
-    "run: {name: x, program: a:b}\nroles: {rollout: {class: a:B, replicas: 4}}\n"
-    "pipeline: {mode: async, shards: 2}\n"
+    "run: {name: x, program: a:b}\nroles: {rollout: {class: a:B, replicas: 4}, reward: "
+    "{class: a:R}}\npipeline: {mode: async, shards: 2}\n"
 )
 
 
 def test_pipeline_shards_adds_the_dispatch_shards_role() -> None:
     m = parse_manifest(SHARDED)
     assert m.pipeline.shards == 2
-    assert list(m.roles) == ["rollout", "shards"]
+    assert list(m.roles) == ["rollout", "reward", "shards"]
     shards = m.roles["shards"]
     assert (shards.cls, shards.replicas, shards.capacity, shards.config) == (
         "asyncrl.roles.sampling.shard:DispatchShard",
@@ -471,19 +471,24 @@ def test_pipeline_shards_adds_the_dispatch_shards_role() -> None:
         {"timeout_s": 30},
     )
     # No shards, no role: the driver dispatches.
-    assert list(parse_manifest(SHARDED, overrides=["pipeline.shards=0"]).roles) == ["rollout"]
+    assert list(parse_manifest(SHARDED, overrides=["pipeline.shards=0"]).roles) == [
+        "rollout",
+        "reward",
+    ]
     assert (
         parse_manifest("run: {name: x, program: a:b}\nroles: {r: {class: a:B}}\n").pipeline.shards
         == 0
     )
 
 
-@pytest.mark.parametrize("bad", ["-1", "two", "true", "1.5"])
+@pytest.mark.parametrize("bad", ["-1", "two", "true", "1.5", "4097", "1000000"])
 def test_a_bad_pipeline_shards_is_refused_naming_the_key(bad: str) -> None:
-    shown = {"-1": "-1", "two": "'two'", "true": "true", "1.5": "1.5"}[bad]
+    # Above 4096 (the shards' role's replicas limit) it is the key one wrote that is refused.
+    shown = {"two": "'two'"}.get(bad, bad)
     assert _problems(SHARDED, [f"pipeline.shards={bad}"]) == [
-        "pipeline.shards: expected an integer >= 0, the dispatch shards to run (0: none, the "
-        f"driver dispatches every sample), got {shown} (from --set pipeline.shards={bad})"
+        "pipeline.shards: expected an integer from 0 to 4096, the dispatch shards to run (0: "
+        f"none, the driver dispatches every sample), got {shown} (from --set "
+        f"pipeline.shards={bad})"
     ]
 
 
@@ -495,9 +500,49 @@ def test_pipeline_shards_refuses_a_shard_role_of_another_size_and_the_prompt_sch
     ]
     assert _problems(SHARDED, ["pipeline.drop_uniform=true", "pipeline.schedule.probe=2"]) == [
         "pipeline.shards: 2 dispatch shards do not run the prompt schedule's probes or uniform "
-        "skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false, or "
-        "pipeline.shards: 0 (the driver dispatches)"
+        "skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false and "
+        "roles.rollout.replicas to at least 2, or pipeline.shards: 0 (the driver dispatches)"
     ]
+    # A bool is the replicas check's own to refuse, once (YAML's true is no count of shards).
+    assert _problems(SHARDED, ["roles.shards.replicas=true"]) == [
+        "roles.shards.replicas: expected an integer from 1 to 4096, got true (from --set "
+        "roles.shards.replicas=true)"
+    ]
+
+
+def test_pipeline_shards_needs_as_many_rollout_replicas_and_a_reward_role() -> None:
+    # The main job has one rollout replica: two shards are refused at load, not in their setup.
+    main = (pathlib.Path(__file__).parents[2] / "examples" / "arith" / "bc_grpo.yaml").read_text()
+    unscheduled = ["pipeline.schedule.probe=0", "pipeline.schedule.skip_uniform=false"]
+    assert _problems(main, ["pipeline.shards=2", *unscheduled]) == [
+        "pipeline.shards: 2 dispatch shards need at least as many replicas of roles.rollout, "
+        "which has 1: set pipeline.shards to at most 1, or roles.rollout.replicas to at least 2 "
+        "(from --set pipeline.shards=2)"
+    ]
+    parse_manifest(main, overrides=["pipeline.shards=2", "roles.rollout.replicas=2", *unscheduled])
+    # Every problem at once: no rollout role of the configured name, no reward role, too few.
+    text = (
+        "run: {name: x, program: a:b}\nroles: {actor: {class: a:B}}\n"
+        "pipeline: {mode: async, shards: 3}\n"
+    )
+    assert _problems(text) == [
+        "roles.shards.config.rollout: the run has no role 'rollout' (roles: actor, shards); 3 "
+        "dispatch shards split the replicas of a rollout role: add it, or name it in "
+        "roles.shards.config.rollout",
+        "roles.shards.config.reward: the run has no role 'reward' (roles: actor, shards); the "
+        "dispatch shards score each sample with it: add it, name the reward role in "
+        "roles.shards.config.reward, or give roles.shards.config.score",
+    ]
+    assert _problems(text, ["roles.shards.config.rollout=actor"]) == [
+        "pipeline.shards: 3 dispatch shards need at least as many replicas of roles.actor, "
+        "which has 1: set pipeline.shards to at most 1, or roles.actor.replicas to at least 3",
+        "roles.shards.config.reward: the run has no role 'reward' (roles: actor, shards); the "
+        "dispatch shards score each sample with it: add it, name the reward role in "
+        "roles.shards.config.reward, or give roles.shards.config.score",
+    ]
+    # A scorer of the shard's own needs no reward role; a named rollout role with enough.
+    fine = ["roles.shards.config.rollout=actor", "roles.actor.replicas=3"]
+    parse_manifest(text, overrides=[*fine, "roles.shards.config.score=m:score"])
 
 
 @pytest.mark.parametrize(

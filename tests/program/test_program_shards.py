@@ -86,16 +86,21 @@ class Shards:
 def _loop(
     run_dir: str, shards: int, mode: str, score_fn: Any = None, **loop: Any
 ) -> tuple[Learner, Shards, dict[str, Any]]:
+    """``rl_loop`` over ``shards`` shards; ``score_fn``: a score function of the program's own
+    (``"other reward"``: a ``RewardScorer`` over a reward client not the run's)."""
     learner = Learner()
     rl = FakeRL(run_dir, learner)
     rl.pipeline = PipelineSpec(mode=mode, shards=shards)
     fake = Shards(FakeRollout(learner), max(shards, 1))
     rl.ctx = SimpleNamespace(
-        roles={"learner": None, "rollout": None, "shards": fake}, idle=lambda: {}
+        roles={"learner": None, "rollout": None, "shards": fake}, idle=lambda: {}, incarnation=0
     )
     cast(Any, rl).prompts = Prompts()
+    cast(Any, rl).reward = Reward()
     feed = PromptFeed(cast(RLContext, rl))
-    scorer = feed.scorer(cast(RewardClient, Reward())) if score_fn is None else score_fn
+    if score_fn is None or score_fn == "other reward":
+        reward = cast(Any, rl).reward if score_fn is None else Reward()
+        score_fn = feed.scorer(cast(RewardClient, reward))
     settings = RLLoop(
         algorithm="grpo",
         steps=STEPS,
@@ -106,7 +111,9 @@ def _loop(
     )
 
     async def main() -> dict[str, Any]:
-        return await rl_loop(cast(RLContext, rl), settings, feed=feed, score=scorer, display=False)
+        return await rl_loop(
+            cast(RLContext, rl), settings, feed=feed, score=score_fn, display=False
+        )
 
     return learner, fake, run(main())
 
@@ -147,7 +154,16 @@ def test_shards_refuse_a_score_function_or_a_sample_source_of_the_programs_own(
     assert str(info.value) == (
         "pipeline.shards: 2 dispatch shards score each sample with the reward role against its "
         "prompt's answer; a score function of the program's own runs in the driver alone, and "
-        "the shards cannot call it: leave out rl_loop's score=..., or set pipeline.shards: 0"
+        "the shards cannot call it: leave out Run.rl_loop(score=...), or set pipeline.shards: 0"
+    )
+    with pytest.raises(ValueError) as info:
+        _loop(str(tmp_path / "c"), 2, "async", score_fn="other reward")
+    assert str(info.value) == (
+        "pipeline.shards: 2 dispatch shards score each sample with the reward role "
+        "(roles.shards.config.reward, default 'reward'); a RewardScorer over another reward "
+        "client than the run's (RLContext.reward) is the program's own: it runs in the driver "
+        "alone, and the shards cannot call it: score with the run's reward client "
+        "(Run.rl_loop's default), or set pipeline.shards: 0"
     )
     with pytest.raises(ValueError) as info:
         _loop(str(tmp_path / "b"), 2, "async", source=cast(Any, object()))

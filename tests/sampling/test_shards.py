@@ -28,6 +28,7 @@ from asyncrl.roles.sampling.contract import BatchSettings
 from asyncrl.roles.sampling.pipeline import INFRA_DROPPED
 from asyncrl.roles.sampling.shard import (
     DispatchShard,
+    GroupWithdrawnError,
     ReleasedGroup,
     ShardEmptyError,
     ShardGrant,
@@ -707,3 +708,41 @@ def test_a_shard_names_what_is_wrong_with_its_configuration() -> None:
     )
     with pytest.raises(ConfigProblem, match=r"roles\.shard\.config"):
         shard_role(2, two, scores="x")  # a misspelt key is refused by the role's Config
+
+
+def test_a_newer_drivers_grant_withdraws_the_groups_older_drivers_granted() -> None:
+    """A restarted driver grants its groups again; what the dead one granted stops at once
+    (its samples cancelled) rather than running on for nobody, and a late grant of the dead
+    driver is refused."""
+    generating = asyncio.Event()  # both groups' samples are generating
+
+    class Counted(Rollout):
+        async def call(self, method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+            if len(self.calls) + 1 == 2 * G:
+                generating.set()
+            return await super().call(method, payload, *a, **kw)
+
+    rollout = Counted(gated=True)
+    worker = ShardWorker(rollout, score)
+
+    async def main() -> tuple[list[BaseException | ReleasedGroup], ReleasedGroup, str]:
+        old = [asyncio.ensure_future(worker.run_group(grant(i))) for i in (0, 1)]
+        async with asyncio.timeout(WAIT_S):
+            await generating.wait()
+        new = asyncio.ensure_future(worker.run_group(grant(1, driver=1)))
+        withdrawn = await asyncio.gather(*old, return_exceptions=True)
+        rollout.gate.set()
+        with pytest.raises(GroupWithdrawnError) as refused:
+            await worker.run_group(grant(2))
+        return withdrawn, await new, str(refused.value)
+
+    withdrawn, answer, refused = run(main())
+    assert [str(e) for e in withdrawn] == [
+        "group 0 was granted by driver incarnation 0, which incarnation 1 replaced",
+        "group 1 was granted by driver incarnation 0, which incarnation 1 replaced",
+    ]
+    assert all(isinstance(e, GroupWithdrawnError) for e in withdrawn)
+    assert refused == "group 2 was granted by driver incarnation 0, which incarnation 1 replaced"
+    assert (answer.index, answer.outcome, len(answer.samples)) == (1, "complete", G)
+    assert worker.served == {"withdrawn": 2, "complete": 1}
+    assert worker.driver == 1

@@ -1,43 +1,60 @@
 """A role's process sizes its ZeroMQ context for every replica of the run before its first
 socket, as the driver does: libzmq fixes a context's size (1,023 sockets, 341 connections) when
 its first socket is made, and a role that calls hundreds of replicas (a dispatch shard owning
-them) could otherwise connect to no more than about 330."""
+them) could otherwise connect to no more than about 330. Where the process's hard limit on open
+files is too low for the connections, the process refuses to start, naming the limit and the
+fix, instead of failing later inside libzmq."""
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 
+import pytest
 import zmq
 
 from asyncrl.role import Role
+from asyncrl.transport.sockets import CLIENT_SOCKETS
 from tests.conftest import ROOT
 
 REPLICAS = 400
+OPENED = 3 * REPLICAS
+NEEDED = 2 * (CLIENT_SOCKETS * REPLICAS + 64) + 256  # reserve_sockets: two files a socket, +256
 
 
 class Connecting(Role):
     """Opens three sockets for every replica of its run's groups in ``setup`` (what a transport
-    ``Client`` a replica holds), then stops its process."""
+    ``Client`` a replica holds), records how many it opened and why it stopped, then stops its
+    process."""
 
     opened = 0
+    refused = ""
 
     async def setup(self) -> None:
         context = zmq.Context.instance()
         count = 3 * sum(len(group.endpoints) for group in self.ctx.groups.values())
-        sockets = [context.socket(zmq.DEALER) for _ in range(count)]
+        sockets = []
+        try:
+            for _ in range(count):
+                sockets.append(context.socket(zmq.DEALER))
+        except zmq.ZMQError as exc:
+            Connecting.refused = exc.strerror
         Connecting.opened = len(sockets)
         for s in sockets:
             s.close(linger=0)
         raise SystemExit(0)
 
 
-SCRIPT = f"""
-import asyncio, shutil, tempfile
+def _script(patch: str = "") -> str:
+    return f"""
+import asyncio, os, shutil, tempfile
+import asyncrl.supervision.process
+from asyncrl.errors import ConfigProblem
 from asyncrl.manifest.spec import GroupInfo, ProcessSpec
 from asyncrl.supervision.process import serve_role
 from tests.supervision.test_role_sockets import Connecting
-
+{patch}
 run_dir = tempfile.mkdtemp(prefix="arl-")
 spec = ProcessSpec(
     kind="role",
@@ -52,27 +69,58 @@ try:
     asyncio.run(serve_role(spec))
 except SystemExit:
     pass
+except ConfigProblem as exc:
+    print("pid", os.getpid())
+    print("problem", exc)
 finally:
     shutil.rmtree(run_dir, ignore_errors=True)
-print("opened", Connecting.opened)
+print("opened", Connecting.opened, Connecting.refused)
 """
 
 
-def test_a_role_process_can_open_a_connection_to_every_replica_of_its_run() -> None:
+def _run(script: str, files: int | None = None) -> subprocess.CompletedProcess[str]:
+    def limit() -> None:  # this child's open-files limits, soft and hard, lowered to ``files``
+        if files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["opened", str(3 * REPLICAS)], out.stdout + out.stderr
+    return out
 
 
-def test_the_check_needs_a_context_sized_first() -> None:
-    """Without the sizing, the same sockets are refused past libzmq's default: what the test
-    above measures is the process wrapper's doing."""
-    script = (
-        "import zmq\nc = zmq.Context.instance()\ns = []\n"
-        f"try:\n    for _ in range({3 * REPLICAS}):\n        s.append(c.socket(zmq.DEALER))\n"
-        "except zmq.ZMQError as e:\n    print('refused at', len(s), e)\n"
+def test_a_role_process_can_open_a_connection_to_every_replica_of_its_run() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < NEEDED:
+        pytest.skip(f"the hard limit on open files ({hard}) is below the {NEEDED} this needs")
+    out = _run(_script())
+    assert out.stdout.split("\n")[-2] == f"opened {OPENED} ", out.stdout + out.stderr
+
+
+def test_the_check_needs_the_process_wrapper_to_size_the_context() -> None:
+    """Without the wrapper's sizing, the same sockets are refused: what the test above measures
+    is the process wrapper's doing."""
+    patch = "asyncrl.supervision.process.reserve_connections = lambda groups, who: None"
+    out = _run(_script(patch))
+    opened, refused = out.stdout.split("\n")[-2].removeprefix("opened ").split(" ", 1)
+    assert 0 < int(opened) < OPENED, out.stdout + out.stderr
+    assert refused == "Too many open files", out.stdout + out.stderr
+
+
+def test_a_hard_limit_too_low_for_the_connections_is_a_config_problem() -> None:
+    out = _run(_script(), files=1024)
+    pid, problem, opened = out.stdout.split("\n")[:3]
+    assert problem == (
+        f"problem roles.connecting replica 0 ({pid}) connects to 400 replicas, which needs "
+        f"about {NEEDED} open files, but the process's hard limit on open files is 1024: raise "
+        f"it (`ulimit -Hn {NEEDED}` as root before the run starts, or LimitNOFILE in its "
+        "systemd unit), or run fewer replicas per process (more dispatch shards, "
+        "pipeline.shards, each owning fewer rollout replicas)"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.stdout.startswith("refused at 1023"), out.stdout + out.stderr
+    assert opened == "opened 0 "
