@@ -27,12 +27,12 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.dispatch.scheduler import Replica, Scheduler, Work
-from asyncrl.errors import ConfigProblem, ProtocolVersionError, RemoteError, TransportError
+from asyncrl.errors import ProtocolVersionError, RemoteError, TransportError
 from asyncrl.manifest.membership import Membership
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import Delivery
 from asyncrl.transport import ChannelOptions, Client, ErrorCode, PeerEvent
-from asyncrl.transport.sockets import reserve_sockets
+from asyncrl.transport.sockets import CLIENT_SOCKETS, reserve_sockets
 
 __all__ = ["Busy", "Dispatcher", "Group", "Work", "reserve_connections"]
 
@@ -403,19 +403,26 @@ class Dispatcher:
 def reserve_connections(groups: dict[str, GroupInfo], who: str) -> None:
     """Size this process, before its first socket, for a connection to every replica of
     ``groups`` (``reserve_sockets``): libzmq fixes its context's size then (1,023 sockets, 341
-    connections, by default), and each connection holds open files.
-
-    Raises:
-        ConfigProblem: the process's hard limit on open files is below what the connections
-            need; the message names ``who``, the replicas and the fix.
+    connections, by default), and each connection holds open files. Where the process's hard
+    limit on open files is below what connections to all of them need, it warns, naming
+    ``who``, the replicas, the limit and the fix, and goes on: most processes connect to a few
+    of the replicas (a rollout replica to none), and one that connects to more than the limit
+    allows fails with libzmq's ``Too many open files`` only then.
     """
     replicas = sum(len(group.endpoints) for group in groups.values())
     reserved = reserve_sockets(replicas)
-    if reserved.capped:
-        raise ConfigProblem(
-            f"{who} connects to {replicas} replicas, which needs about {reserved.wanted} open "
-            f"files, but the process's hard limit on open files is {reserved.hard}: raise it "
-            f"(`ulimit -Hn {reserved.wanted}` as root before the run starts, or LimitNOFILE in "
-            f"its systemd unit), or run fewer replicas per process (more dispatch shards, "
-            f"pipeline.shards, each owning fewer rollout replicas)"
+    if reserved.capped and reserved.hard is not None:
+        allowed = max(0, (reserved.hard - 256) // (2 * CLIENT_SOCKETS))
+        log.warning(
+            "%s may connect to %d replicas, which needs about %d open files, but the "
+            "process's hard limit on open files is %d: past about %d connections it fails "
+            "with `Too many open files`. Raise it (`ulimit -Hn %d` as root before the run "
+            "starts, or LimitNOFILE in its systemd unit), or run fewer replicas per process "
+            "(more dispatch shards, pipeline.shards, each owning fewer rollout replicas)",
+            who,
+            replicas,
+            reserved.wanted,
+            reserved.hard,
+            allowed,
+            reserved.wanted,
         )

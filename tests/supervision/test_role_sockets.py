@@ -2,8 +2,8 @@
 socket, as the driver does: libzmq fixes a context's size (1,023 sockets, 341 connections) when
 its first socket is made, and a role that calls hundreds of replicas (a dispatch shard owning
 them) could otherwise connect to no more than about 330. Where the process's hard limit on open
-files is too low for the connections, the process refuses to start, naming the limit and the
-fix, instead of failing later inside libzmq."""
+files is too low for connections to every replica, the process warns as it starts, naming the
+limit and the fix, and goes on."""
 
 from __future__ import annotations
 
@@ -50,11 +50,11 @@ def _script(patch: str = "") -> str:
     return f"""
 import asyncio, os, shutil, tempfile
 import asyncrl.supervision.process
-from asyncrl.errors import ConfigProblem
 from asyncrl.manifest.spec import GroupInfo, ProcessSpec
 from asyncrl.supervision.process import serve_role
 from tests.supervision.test_role_sockets import Connecting
 {patch}
+print("pid", os.getpid(), flush=True)
 run_dir = tempfile.mkdtemp(prefix="arl-")
 spec = ProcessSpec(
     kind="role",
@@ -69,9 +69,6 @@ try:
     asyncio.run(serve_role(spec))
 except SystemExit:
     pass
-except ConfigProblem as exc:
-    print("pid", os.getpid())
-    print("problem", exc)
 finally:
     shutil.rmtree(run_dir, ignore_errors=True)
 print("opened", Connecting.opened, Connecting.refused)
@@ -113,14 +110,21 @@ def test_the_check_needs_the_process_wrapper_to_size_the_context() -> None:
     assert refused == "Too many open files", out.stdout + out.stderr
 
 
-def test_a_hard_limit_too_low_for_the_connections_is_a_config_problem() -> None:
+def test_a_hard_limit_too_low_for_the_connections_is_warned_of_and_the_process_goes_on() -> None:
+    """A hard limit of 1,024 open files is too low for connections to 400 replicas: the process
+    says so as it starts, naming itself, the limit and the fix, and serves (a process that
+    connects to a few of the replicas never meets the limit); one that connects to them all is
+    refused by libzmq once past what the limit allows."""
     out = _run(_script(), files=1024)
-    pid, problem, opened = out.stdout.split("\n")[:3]
-    assert problem == (
-        f"problem roles.connecting replica 0 ({pid}) connects to 400 replicas, which needs "
-        f"about {NEEDED} open files, but the process's hard limit on open files is 1024: raise "
-        f"it (`ulimit -Hn {NEEDED}` as root before the run starts, or LimitNOFILE in its "
-        "systemd unit), or run fewer replicas per process (more dispatch shards, "
-        "pipeline.shards, each owning fewer rollout replicas)"
-    )
-    assert opened == "opened 0 "
+    pid = out.stdout.split("\n")[0].removeprefix("pid ")
+    assert (
+        f"roles.connecting replica 0 (pid {pid}) may connect to 400 replicas, which needs about "
+        f"{NEEDED} open files, but the process's hard limit on open files is 1024: past about "
+        f"128 connections it fails with `Too many open files`. Raise it (`ulimit -Hn {NEEDED}` "
+        "as root before the run starts, or LimitNOFILE in its systemd unit), or run fewer "
+        "replicas per process (more dispatch shards, pipeline.shards, each owning fewer rollout "
+        "replicas)"
+    ) in out.stderr, out.stderr[-3000:]
+    opened, refused = out.stdout.split("\n")[-2].removeprefix("opened ").split(" ", 1)
+    assert 0 < int(opened) < OPENED, out.stdout + out.stderr
+    assert refused == "Too many open files", out.stdout + out.stderr
