@@ -106,6 +106,10 @@ class MembershipFollower:
         self.manifest, self.run_dir, self.view = manifest, run_dir, view
         self.bind_host, self.host, self.say = bind_host, host, say
         self.lost: dict[int, str] = {}
+        # The generation of each loss in ``lost`` this node applied: node 0's word on a group
+        # that grows back names those it had applied, so that a node that applied a later
+        # one leaves that node's ranks out of the group as node 0 does.
+        self.losses: dict[int, int] = {}
         self.membership = Membership(attempt=attempt, nodes=nodes)
         # Moved, its endpoint not yet known here: the node it moves to, and the loss (node,
         # generation) that moved it; None for a loss from before this agent started.
@@ -177,6 +181,7 @@ class MembershipFollower:
         changed = False
         if not self.synced:
             changed = await self._learn_moves()
+        returned: list[tuple[int, int, NodeRecord]] = []
         for peer in range(1, self.membership.nodes):
             if peer == self.node:
                 continue
@@ -187,9 +192,13 @@ class MembershipFollower:
                 await self._lose(supervisor, peer, said["reason"], (peer, lost), planned)
                 changed = True
             elif not lost and peer in self.lost:
-                await self._back(peer)
+                returned.extend(await self._back(peer))
                 changed = True
         self.synced = True
+        # Node 0 decides what grows only once every loss it sees in this pass is applied: a
+        # group decided from its members before a loss would grow over the lost node's ranks.
+        for node, generation, record in returned:
+            await self._decide_growth(node, generation, record)
         for node, generation in sorted(self.growing):
             said = await store.peek(keys.grown(attempt, node, generation))
             if said is not None:
@@ -233,13 +242,17 @@ class MembershipFollower:
             learned = True
         return learned
 
-    async def _back(self, node: int) -> None:
+    async def _back(self, node: int) -> list[tuple[int, int, NodeRecord]]:
         """Lost node ``node`` joined the run again: its replicas that departed are back, at
-        the endpoints it published anew (those that moved away stay where they went)."""
+        the endpoints it published anew (those that moved away stay where they went). Returns,
+        on node 0 for a node with ranks of groups that went on without them, (``node``, the
+        generation of the loss it answers, its record): node 0 decides what grows once the
+        pass's losses are applied."""
         raw = await self.store.get(self.keys.endpoints(self.attempt, node))
         record = msgspec.json.decode(raw, type=NodeRecord)
         self.view.agents[node] = record.agent
         del self.lost[node]
+        self.losses.pop(node, None)
         self.membership.lost.pop(node, None)
         back = []
         for name, by_index in record.replicas.items():
@@ -262,12 +275,13 @@ class MembershipFollower:
             record_change(self.run_dir, change, self.say)
         what = ", ".join(back) or "no replica"
         self.say(self.node, f"node {node} is back: {what} back in the run")
-        if record.unserved:  # groups that went on without its ranks: node 0 says what grows
-            said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
-            generation = int(said["generation"])
-            if self.node == 0:
-                await self._decide_growth(node, generation, record)
-            self.growing.add((node, generation))
+        if not record.unserved:
+            return []
+        # Groups that went on without its ranks: node 0 says what grows.
+        said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
+        generation = int(said["generation"])
+        self.growing.add((node, generation))
+        return [(node, generation, record)] if self.node == 0 else []
 
     async def _decide_growth(self, node: int, generation: int, record: NodeRecord) -> None:
         """Node 0: say in the store which groups that went on without the ranks of ``node``,
@@ -282,7 +296,13 @@ class MembershipFollower:
             for name, members in growth.grown.items()
         }
         stays = {name: self.membership.shrunk[name] for name in growth.stays}
-        said = {"grown": growth.grown, "lead": growth.lead, "endpoints": endpoints, "stays": stays}
+        said = {
+            "grown": growth.grown,
+            "lead": growth.lead,
+            "endpoints": endpoints,
+            "stays": stays,
+            "lost": {str(n): g for n, g in sorted(self.losses.items())},
+        }
         await self.store.set(self.keys.grown(self.attempt, node, generation), json.dumps(said))
 
     async def _grow(self, supervisor: Supervisor, node: int, said: dict[str, Any]) -> None:
@@ -290,16 +310,30 @@ class MembershipFollower:
         starts again at its larger size on this node; on ``node`` itself, the returning ranks
         start, each first told (``REJOIN_FILE``) to take the state of the replica that led the
         group while it was out. The groups that stay at their smaller size are recorded with
-        their members (``node`` itself knew them only as groups its ranks left)."""
+        their members (``node`` itself knew them only as groups its ranks left).
+
+        A node this node has seen lost since node 0 decided (a loss node 0 had not applied,
+        ``said["lost"]``) is out of each group: its ranks are left out of the members as
+        ``plan`` leaves them out, so every node ends on the same members whichever it applied
+        first, the loss or the growth."""
         for name, members in said["stays"].items():  # the returning node learns them here
             self.membership.shrunk[name] = [int(i) for i in members]
+        decided = {int(n): int(g) for n, g in said.get("lost", {}).items()}
+        since = {n for n, g in self.losses.items() if decided.get(n) != g}
         grown: dict[str, list[int]] = {}
         moved: dict[str, int] = {}
         for name, members in said["grown"].items():
             role = self.manifest.roles[name]
             members = [int(i) for i in members]
+            if since:
+                left = plan(self.manifest, since, members={name: members}).shrunk
+                members = left.get(name, members)
             lead = int(said["lead"][name])
-            returning = {int(i): tcp for i, tcp in said["endpoints"].get(name, {}).items()}
+            returning = {
+                int(i): tcp
+                for i, tcp in said["endpoints"].get(name, {}).items()
+                if int(i) in members
+            }
             grown[name] = members
             if members == list(range(role.replicas)):
                 self.membership.shrunk.pop(name, None)
@@ -381,6 +415,7 @@ class MembershipFollower:
         (``node``, the generation of its loss), which the moved replica's new endpoint names
         when it is published."""
         self.lost[node] = reason
+        self.losses[node] = loss[1]
         # Where the replicas that moved run now: one that moved away from a node and stayed
         # there when the node came back is out of this loss; one that moved onto it moves on.
         runs_on = {
