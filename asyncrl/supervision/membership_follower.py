@@ -64,7 +64,7 @@ from asyncrl.supervision.rundir import node_dir
 from asyncrl.supervision.store_registry import LaunchKeys, NodeRecord, StoreClient, free_ports
 from asyncrl.supervision.supervisor import Supervisor
 
-__all__ = ["MembershipFollower", "lost_generation", "record_change"]
+__all__ = ["MembershipFollower", "lost_generation", "record_change", "write_rejoin"]
 
 
 class MembershipFollower:
@@ -286,7 +286,13 @@ class MembershipFollower:
     async def _decide_growth(self, node: int, generation: int, record: NodeRecord) -> None:
         """Node 0: say in the store which groups that went on without the ranks of ``node``,
         back from the loss of ``generation``, grow back with them (``grow``), with the tcp
-        endpoint each returning rank binds (``record.regrow``); every node applies it."""
+        endpoint each returning rank binds (``record.regrow``); every node applies it.
+
+        Each returning rank's ``REJOIN_FILE`` is written first, durably, in its folder (the run
+        directory is shared: ``grows_back``), before the word and node 0's ``membership.json``
+        say the group grew: an attempt that ends between them (a restart of every node, a
+        ``--resume``) starts the rank at the larger size, and the file makes it take the lead's
+        state rather than its own from before the loss."""
         growth = grow(self.manifest, self.membership.shrunk, node)
         for name, why in growth.stays.items():
             members = self.membership.shrunk[name]
@@ -295,6 +301,9 @@ class MembershipFollower:
             name: {i: record.regrow[name][i] for i in members if i in record.regrow.get(name, {})}
             for name, members in growth.grown.items()
         }
+        for name, ranks in endpoints.items():
+            for i in ranks:
+                write_rejoin(self.manifest, self.run_dir, name, i, growth.lead[name])
         stays = {name: self.membership.shrunk[name] for name in growth.stays}
         said = {
             "grown": growth.grown,
@@ -377,16 +386,10 @@ class MembershipFollower:
     ) -> str:
         """Start this node's ``replica`` of ``name`` into its group as it grows back, binding
         ``tcp`` (published) for the other nodes, once told to take ``lead``'s state first
-        (``REJOIN_FILE`` in its own folder; the run directory is on shared storage, so the
-        lead's node folder is reached from here). Returns its endpoint as this node reaches
-        it."""
-        from asyncrl.safe_files import write_atomic
-
-        lead_node = self.manifest.roles[name].placement.node_of(lead)
-        rejoin = Rejoin(lead=lead, folder=node_dir(self.run_dir, lead_node))
-        folder = os.path.join(self.dir, "roles", f"{name}.{replica}")
-        os.makedirs(folder, exist_ok=True)
-        write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)
+        (``REJOIN_FILE`` in its own folder, which node 0 wrote as it decided; written again
+        here, the same but for the lead's folder as this node reaches it). Returns its endpoint
+        as this node reaches it."""
+        write_rejoin(self.manifest, self.run_dir, name, replica, lead)
         port = tcp.rsplit(":", 1)[1]
         child = adopted_child(
             self.manifest,
@@ -529,6 +532,32 @@ async def lost_generation(store: StoreClient, keys: LaunchKeys, attempt: int, no
     back = await store.peek(keys.back(attempt, node))
     answered = back is not None and int(json.loads(back)["generation"]) >= generation
     return 0 if answered else generation
+
+
+def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead: int) -> str:
+    """Tell ``name``'s ``replica``, rejoining its group, to take ``lead``'s state first: its
+    ``REJOIN_FILE`` (``Rejoin``, the lead's node folder under ``run_dir``), in the replica's
+    folder of its node under ``run_dir`` (shared storage), written whole and durably (the file,
+    then its folder, reach the disk). Returns the file's path.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    from asyncrl.safe_files import write_atomic
+
+    placement = manifest.roles[name].placement
+    rejoin = Rejoin(lead=lead, folder=node_dir(run_dir, placement.node_of(lead)))
+    folder = os.path.join(
+        node_dir(run_dir, placement.node_of(replica)), "roles", f"{name}.{replica}"
+    )
+    os.makedirs(folder, exist_ok=True)
+    path = write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
 
 
 def record_change(run_dir: str, change: Change, say: Callable[[int, str], None]) -> None:

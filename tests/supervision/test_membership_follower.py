@@ -569,6 +569,51 @@ def test_a_loss_after_node_0_decided_a_growth_is_out_of_the_group_on_every_node(
     assert supervisor_1.specs[0].members == [0, 1]
 
 
+def test_node_0_tells_a_returning_rank_to_take_the_lead_state_before_the_group_grows(
+    tmp_path: Any,
+) -> None:
+    """Node 0 writes the returning rank's rejoin.json in its folder of the shared run
+    directory before it says in the store that the group grows back and before its
+    membership.json no longer names the group smaller: an attempt that ends before node 1's
+    agent reads the word still starts replica 1 from the lead's state. Node 1's agent then
+    writes the same file."""
+    from asyncrl.manifest.membership import Rejoin
+
+    marker = tmp_path / "node-1" / "roles" / "learner.1" / "rejoin.json"
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    seen_as_grown: list[bool] = []
+    plain_set = store.set
+
+    async def set_(key: str, value: str) -> None:
+        if key == KEYS.grown(0, 1, 1):
+            seen_as_grown.append(marker.exists())
+        await plain_set(key, value)
+
+    store.set = set_  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert seen_as_grown == [True]
+    assert msgspec.json.decode(marker.read_bytes(), type=Rejoin) == Rejoin(
+        lead=0, folder=str(tmp_path)
+    )
+    assert msgspec.json.decode((tmp_path / "membership.json").read_bytes())["shrunk"] == {}
+    assert supervisor_1.adopted == []
+    asyncio.run(node_1.follow(supervisor_1))  # type: ignore[arg-type]
+    assert supervisor_1.adopted == [("learner", 1)]
+    assert msgspec.json.decode(marker.read_bytes(), type=Rejoin) == Rejoin(
+        lead=0, folder=str(tmp_path)
+    )
+
+
 def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
     """As above with ``supervision.regrow: false``, then without ``run.shared_storage``: node 0
     says the group stays at replicas [0, 2], and why; nothing starts again and node 1 starts
