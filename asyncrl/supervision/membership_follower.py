@@ -58,6 +58,7 @@ from asyncrl.manifest.membership import (
     grow,
     grows,
     plan,
+    spans_nodes,
 )
 from asyncrl.supervision.agent import NodeView, adopted_child
 from asyncrl.supervision.rundir import node_dir
@@ -110,6 +111,10 @@ class MembershipFollower:
         # that grows back names those it had applied, so that a node that applied a later
         # one leaves that node's ranks out of the group as node 0 does.
         self.losses: dict[int, int] = {}
+        # Per node, how many losses and returns of it this attempt holds (2g - 1 while lost at
+        # generation g, 2g once back from it): a group's formation is the sum over its nodes
+        # (``NodeView.formations``), the same on every node once each applied the same.
+        self.events: dict[int, int] = {}
         self.membership = Membership(attempt=attempt, nodes=nodes)
         # Moved, its endpoint not yet known here: the node it moves to, and the loss (node,
         # generation) that moved it; None for a loss from before this agent started.
@@ -137,6 +142,8 @@ class MembershipFollower:
         their groups grow back with them. Written into ``membership.json`` when there is any."""
         if rejoining and away:
             self.growing.add((self.node, rejoining))
+        if rejoining:
+            self._count(self.node, 2 * rejoining)
         for name, members in shrunk.items():
             self.membership.shrunk[name] = list(members)
             role = self.manifest.roles[name]
@@ -194,6 +201,10 @@ class MembershipFollower:
             elif not lost and peer in self.lost:
                 returned.extend(await self._back(peer))
                 changed = True
+            elif not lost and not self.synced:  # lost and back before this agent started
+                back = await store.peek(keys.back(attempt, peer))
+                if back is not None:
+                    self._count(peer, 2 * int(json.loads(back)["generation"]))
         self.synced = True
         # Node 0 decides what grows only once every loss it sees in this pass is applied: a
         # group decided from its members before a loss would grow over the lost node's ranks.
@@ -253,6 +264,9 @@ class MembershipFollower:
         self.view.agents[node] = record.agent
         del self.lost[node]
         self.losses.pop(node, None)
+        said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
+        generation = int(said["generation"])
+        self._count(node, 2 * generation)
         self.membership.lost.pop(node, None)
         back = []
         for name, by_index in record.replicas.items():
@@ -278,8 +292,6 @@ class MembershipFollower:
         if not record.unserved:
             return []
         # Groups that went on without its ranks: node 0 says what grows.
-        said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
-        generation = int(said["generation"])
         self.growing.add((node, generation))
         return [(node, generation, record)] if self.node == 0 else []
 
@@ -419,6 +431,7 @@ class MembershipFollower:
         when it is published."""
         self.lost[node] = reason
         self.losses[node] = loss[1]
+        self._count(node, 2 * loss[1] - 1)
         # Where the replicas that moved run now: one that moved away from a node and stayed
         # there when the node came back is out of this loss; one that moved onto it moves on.
         runs_on = {
@@ -505,6 +518,16 @@ class MembershipFollower:
         await supervisor.adopt(child)
         said = json.dumps({"node": self.node, "endpoint": published, "lost": list(loss)})
         await self.store.set(self.keys.moved(self.attempt, name, replica), said)
+
+    def _count(self, node: int, events: int) -> None:
+        """``node``'s losses and returns in this attempt are ``events``: the formation of each
+        data-parallel group over several nodes (``NodeView.formations``) follows, so that each
+        shrink or growth names a new rendezvous, the same on every node."""
+        self.events[node] = events
+        for name, role in self.manifest.roles.items():
+            if spans_nodes(self.manifest, name):
+                nodes = {role.placement.node_of(i) for i in range(role.replicas)}
+                self.view.formations[name] = sum(self.events.get(n, 0) for n in nodes)
 
     def _reach(self, name: str, replica: int, endpoint: str) -> None:
         """The processes this node starts from now on reach ``name``'s ``replica`` at

@@ -489,6 +489,8 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
     assert supervisor_0.restarted[2:] == [("learner", [0, 2]), ("learner", [0, 1, 2])]
     assert json.loads(store.values[KEYS.grown(0, 1, 2)])["grown"] == {"learner": [0, 1, 2]}
     assert (node_0.membership.shrunk, node_0.membership.departed) == ({}, {})
+    # Each loss and return of node 1 is a new formation of the group: two of each.
+    assert node_0.view.formations == {"learner": 4}
 
 
 def _pair(tmp_path: Any) -> tuple[MembershipFollower, Restarter, MembershipFollower, Restarter]:
@@ -537,6 +539,9 @@ def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
     assert node_0.membership.departed == node_1.membership.departed == departed
     assert supervisor_1.adopted == [("learner", 1)]
     assert supervisor_1.specs[0].members == [0, 1]
+    # Node 1's loss and return and node 2's loss: the formation the group's ranks join.
+    assert node_0.view.formations == node_1.view.formations == {"learner": 3}
+    assert supervisor_1.specs[0].formation == 3
 
 
 def test_a_loss_after_node_0_decided_a_growth_is_out_of_the_group_on_every_node(
@@ -567,6 +572,8 @@ def test_a_loss_after_node_0_decided_a_growth_is_out_of_the_group_on_every_node(
     assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 1]}
     assert supervisor_1.adopted == [("learner", 1)]
     assert supervisor_1.specs[0].members == [0, 1]
+    assert node_0.view.formations == node_1.view.formations == {"learner": 3}
+    assert supervisor_1.specs[0].formation == 3
 
 
 def test_node_0_tells_a_returning_rank_to_take_the_lead_state_before_the_group_grows(
