@@ -145,6 +145,9 @@ class RoleContext:
         members: the replicas of its data-parallel group that run now, in rank order, once the
             group went on at a smaller size after a node's loss (docs/multinode.md); empty: all
             ``replicas``. ``group_rank`` and ``group_size`` follow from it.
+        formation: which formation of its data-parallel group over several nodes this
+            incarnation joins (``ProcessSpec.formation``): each shrink or growth of the group
+            is a new one; it names the group's rendezvous with ``members``.
         groups: every role group of the run by name (``asyncrl.manifest.spec.GroupInfo``: endpoints
             as seen from this node), for a role that calls another.
     """
@@ -161,6 +164,7 @@ class RoleContext:
     capacity: int = 1
     replicas: int = 1
     members: list[int] = field(default_factory=list)
+    formation: int = 0
     groups: dict[str, Any] = field(default_factory=dict)
     log: Any = field(default_factory=lambda: logging.getLogger("asyncrl.role"))
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)

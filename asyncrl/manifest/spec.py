@@ -95,6 +95,9 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
         members: the replicas of its data-parallel group that run now, in rank order, once the
             group went on at a smaller size (a node holding some of its ranks was lost:
             ``asyncrl.manifest.membership``); empty: all ``replicas``.
+        formation: which formation of its data-parallel group over several nodes it joins: the
+            count of losses and returns of the group's nodes in this attempt, the same on every
+            node once each applied them (``NodeView.formations``); 0: none.
         groups: every role group, by name, with endpoints as seen from this process's node (the
             driver calls them; a role may call another, e.g. a relay its publisher).
         pipeline: for the driver: the manifest's ``pipeline`` section.
@@ -130,6 +133,7 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
     parent_pid: int = 0
     replicas: int = 1
     members: list[int] = []
+    formation: int = 0
     groups: dict[str, GroupInfo] = {}
     pipeline: dict[str, Any] = {}
     model: dict[str, Any] = {}

@@ -113,6 +113,10 @@ class NodeView:
     """Per data-parallel group that went on at a smaller size, the replicas that form it now
     (``asyncrl.manifest.membership``): the incarnations started afterwards are given it
     (``ProcessSpec.members``), and join the group at its new size."""
+    formations: dict[str, int] = field(default_factory=dict)
+    """Per data-parallel group over several nodes, the formation its incarnations started
+    afterwards join (``ProcessSpec.formation``): the count of losses and returns of its nodes
+    that this node applied in the attempt (``MembershipFollower``)."""
 
     def bind_endpoint(self, role: str, replica: int) -> str:
         """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or "";
@@ -178,6 +182,7 @@ def build_children(
                         parent_pid,
                         groups,
                         view.members,
+                        view.formations,
                     ),
                     "" if role.command else liveness_path(run_dir, name, replica),
                 )
@@ -227,6 +232,7 @@ def adopted_child(
             os.getpid(),
             view.groups,
             view.members,
+            view.formations,
             node_dir=here_dir,
         ),
         "" if role.command else liveness_path(home_dir, name, replica),
@@ -304,14 +310,15 @@ def _role_launcher(
     parent_pid: int,
     groups: dict[str, GroupInfo],
     members: dict[str, list[int]],
+    formations: dict[str, int],
     *,
     node_dir: str = "",
 ) -> Any:
     """The launcher of one role replica. ``groups`` is filled as the manifest's roles are read,
     so by the first launch it holds every group; ``members`` (``NodeView.members``) is read at
-    each launch, so an incarnation started after its group shrank joins it at its new size.
-    ``node_dir``: the folder of the node it runs on, where that is not ``run_dir`` (a replica
-    moved off a lost node)."""
+    each launch, so an incarnation started after its group shrank joins it at its new size, as
+    is ``formations`` (``NodeView.formations``). ``node_dir``: the folder of the node it runs
+    on, where that is not ``run_dir`` (a replica moved off a lost node)."""
     run = manifest.run
     endpoint = local.endpoint
 
@@ -371,6 +378,7 @@ def _role_launcher(
             parent_pid=parent_pid,
             replicas=role.replicas,
             members=list(members.get(name, [])),
+            formation=formations.get(name, 0),
             groups=groups,
             model=msgspec.to_builtins(manifest.model),
             tcp_endpoint="" if local.tcp == endpoint else local.tcp,

@@ -58,13 +58,14 @@ from asyncrl.manifest.membership import (
     grow,
     grows,
     plan,
+    spans_nodes,
 )
 from asyncrl.supervision.agent import NodeView, adopted_child
 from asyncrl.supervision.rundir import node_dir
 from asyncrl.supervision.store_registry import LaunchKeys, NodeRecord, StoreClient, free_ports
 from asyncrl.supervision.supervisor import Supervisor
 
-__all__ = ["MembershipFollower", "lost_generation", "record_change"]
+__all__ = ["MembershipFollower", "lost_generation", "record_change", "write_rejoin"]
 
 
 class MembershipFollower:
@@ -106,6 +107,14 @@ class MembershipFollower:
         self.manifest, self.run_dir, self.view = manifest, run_dir, view
         self.bind_host, self.host, self.say = bind_host, host, say
         self.lost: dict[int, str] = {}
+        # The generation of each loss in ``lost`` this node applied: node 0's word on a group
+        # that grows back names those it had applied, so that a node that applied a later
+        # one leaves that node's ranks out of the group as node 0 does.
+        self.losses: dict[int, int] = {}
+        # Per node, how many losses and returns of it this attempt holds (2g - 1 while lost at
+        # generation g, 2g once back from it): a group's formation is the sum over its nodes
+        # (``NodeView.formations``), the same on every node once each applied the same.
+        self.events: dict[int, int] = {}
         self.membership = Membership(attempt=attempt, nodes=nodes)
         # Moved, its endpoint not yet known here: the node it moves to, and the loss (node,
         # generation) that moved it; None for a loss from before this agent started.
@@ -133,6 +142,8 @@ class MembershipFollower:
         their groups grow back with them. Written into ``membership.json`` when there is any."""
         if rejoining and away:
             self.growing.add((self.node, rejoining))
+        if rejoining:
+            self._count(self.node, 2 * rejoining)
         for name, members in shrunk.items():
             self.membership.shrunk[name] = list(members)
             role = self.manifest.roles[name]
@@ -177,6 +188,7 @@ class MembershipFollower:
         changed = False
         if not self.synced:
             changed = await self._learn_moves()
+        returned: list[tuple[int, int, NodeRecord]] = []
         for peer in range(1, self.membership.nodes):
             if peer == self.node:
                 continue
@@ -187,9 +199,17 @@ class MembershipFollower:
                 await self._lose(supervisor, peer, said["reason"], (peer, lost), planned)
                 changed = True
             elif not lost and peer in self.lost:
-                await self._back(peer)
+                returned.extend(await self._back(peer))
                 changed = True
+            elif not lost and not self.synced:  # lost and back before this agent started
+                back = await store.peek(keys.back(attempt, peer))
+                if back is not None:
+                    self._count(peer, 2 * int(json.loads(back)["generation"]))
         self.synced = True
+        # Node 0 decides what grows only once every loss it sees in this pass is applied: a
+        # group decided from its members before a loss would grow over the lost node's ranks.
+        for node, generation, record in returned:
+            await self._decide_growth(node, generation, record)
         for node, generation in sorted(self.growing):
             said = await store.peek(keys.grown(attempt, node, generation))
             if said is not None:
@@ -233,13 +253,20 @@ class MembershipFollower:
             learned = True
         return learned
 
-    async def _back(self, node: int) -> None:
+    async def _back(self, node: int) -> list[tuple[int, int, NodeRecord]]:
         """Lost node ``node`` joined the run again: its replicas that departed are back, at
-        the endpoints it published anew (those that moved away stay where they went)."""
+        the endpoints it published anew (those that moved away stay where they went). Returns,
+        on node 0 for a node with ranks of groups that went on without them, (``node``, the
+        generation of the loss it answers, its record): node 0 decides what grows once the
+        pass's losses are applied."""
         raw = await self.store.get(self.keys.endpoints(self.attempt, node))
         record = msgspec.json.decode(raw, type=NodeRecord)
         self.view.agents[node] = record.agent
         del self.lost[node]
+        self.losses.pop(node, None)
+        said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
+        generation = int(said["generation"])
+        self._count(node, 2 * generation)
         self.membership.lost.pop(node, None)
         back = []
         for name, by_index in record.replicas.items():
@@ -262,17 +289,22 @@ class MembershipFollower:
             record_change(self.run_dir, change, self.say)
         what = ", ".join(back) or "no replica"
         self.say(self.node, f"node {node} is back: {what} back in the run")
-        if record.unserved:  # groups that went on without its ranks: node 0 says what grows
-            said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
-            generation = int(said["generation"])
-            if self.node == 0:
-                await self._decide_growth(node, generation, record)
-            self.growing.add((node, generation))
+        if not record.unserved:
+            return []
+        # Groups that went on without its ranks: node 0 says what grows.
+        self.growing.add((node, generation))
+        return [(node, generation, record)] if self.node == 0 else []
 
     async def _decide_growth(self, node: int, generation: int, record: NodeRecord) -> None:
         """Node 0: say in the store which groups that went on without the ranks of ``node``,
         back from the loss of ``generation``, grow back with them (``grow``), with the tcp
-        endpoint each returning rank binds (``record.regrow``); every node applies it."""
+        endpoint each returning rank binds (``record.regrow``); every node applies it.
+
+        Each returning rank's ``REJOIN_FILE`` is written first, durably, in its folder (the run
+        directory is shared: ``grows_back``), before the word and node 0's ``membership.json``
+        say the group grew: an attempt that ends between them (a restart of every node, a
+        ``--resume``) starts the rank at the larger size, and the file makes it take the lead's
+        state rather than its own from before the loss."""
         growth = grow(self.manifest, self.membership.shrunk, node)
         for name, why in growth.stays.items():
             members = self.membership.shrunk[name]
@@ -281,8 +313,17 @@ class MembershipFollower:
             name: {i: record.regrow[name][i] for i in members if i in record.regrow.get(name, {})}
             for name, members in growth.grown.items()
         }
+        for name, ranks in endpoints.items():
+            for i in ranks:
+                write_rejoin(self.manifest, self.run_dir, name, i, growth.lead[name])
         stays = {name: self.membership.shrunk[name] for name in growth.stays}
-        said = {"grown": growth.grown, "lead": growth.lead, "endpoints": endpoints, "stays": stays}
+        said = {
+            "grown": growth.grown,
+            "lead": growth.lead,
+            "endpoints": endpoints,
+            "stays": stays,
+            "lost": {str(n): g for n, g in sorted(self.losses.items())},
+        }
         await self.store.set(self.keys.grown(self.attempt, node, generation), json.dumps(said))
 
     async def _grow(self, supervisor: Supervisor, node: int, said: dict[str, Any]) -> None:
@@ -290,16 +331,30 @@ class MembershipFollower:
         starts again at its larger size on this node; on ``node`` itself, the returning ranks
         start, each first told (``REJOIN_FILE``) to take the state of the replica that led the
         group while it was out. The groups that stay at their smaller size are recorded with
-        their members (``node`` itself knew them only as groups its ranks left)."""
+        their members (``node`` itself knew them only as groups its ranks left).
+
+        A node this node has seen lost since node 0 decided (a loss node 0 had not applied,
+        ``said["lost"]``) is out of each group: its ranks are left out of the members as
+        ``plan`` leaves them out, so every node ends on the same members whichever it applied
+        first, the loss or the growth."""
         for name, members in said["stays"].items():  # the returning node learns them here
             self.membership.shrunk[name] = [int(i) for i in members]
+        decided = {int(n): int(g) for n, g in said.get("lost", {}).items()}
+        since = {n for n, g in self.losses.items() if decided.get(n) != g}
         grown: dict[str, list[int]] = {}
         moved: dict[str, int] = {}
         for name, members in said["grown"].items():
             role = self.manifest.roles[name]
             members = [int(i) for i in members]
+            if since:
+                left = plan(self.manifest, since, members={name: members}).shrunk
+                members = left.get(name, members)
             lead = int(said["lead"][name])
-            returning = {int(i): tcp for i, tcp in said["endpoints"].get(name, {}).items()}
+            returning = {
+                int(i): tcp
+                for i, tcp in said["endpoints"].get(name, {}).items()
+                if int(i) in members
+            }
             grown[name] = members
             if members == list(range(role.replicas)):
                 self.membership.shrunk.pop(name, None)
@@ -343,16 +398,10 @@ class MembershipFollower:
     ) -> str:
         """Start this node's ``replica`` of ``name`` into its group as it grows back, binding
         ``tcp`` (published) for the other nodes, once told to take ``lead``'s state first
-        (``REJOIN_FILE`` in its own folder; the run directory is on shared storage, so the
-        lead's node folder is reached from here). Returns its endpoint as this node reaches
-        it."""
-        from asyncrl.safe_files import write_atomic
-
-        lead_node = self.manifest.roles[name].placement.node_of(lead)
-        rejoin = Rejoin(lead=lead, folder=node_dir(self.run_dir, lead_node))
-        folder = os.path.join(self.dir, "roles", f"{name}.{replica}")
-        os.makedirs(folder, exist_ok=True)
-        write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)
+        (``REJOIN_FILE`` in its own folder, which node 0 wrote as it decided; written again
+        here, the same but for the lead's folder as this node reaches it). Returns its endpoint
+        as this node reaches it."""
+        write_rejoin(self.manifest, self.run_dir, name, replica, lead)
         port = tcp.rsplit(":", 1)[1]
         child = adopted_child(
             self.manifest,
@@ -381,6 +430,8 @@ class MembershipFollower:
         (``node``, the generation of its loss), which the moved replica's new endpoint names
         when it is published."""
         self.lost[node] = reason
+        self.losses[node] = loss[1]
+        self._count(node, 2 * loss[1] - 1)
         # Where the replicas that moved run now: one that moved away from a node and stayed
         # there when the node came back is out of this loss; one that moved onto it moves on.
         runs_on = {
@@ -468,6 +519,16 @@ class MembershipFollower:
         said = json.dumps({"node": self.node, "endpoint": published, "lost": list(loss)})
         await self.store.set(self.keys.moved(self.attempt, name, replica), said)
 
+    def _count(self, node: int, events: int) -> None:
+        """``node``'s losses and returns in this attempt are ``events``: the formation of each
+        data-parallel group over several nodes (``NodeView.formations``) follows, so that each
+        shrink or growth names a new rendezvous, the same on every node."""
+        self.events[node] = events
+        for name, role in self.manifest.roles.items():
+            if spans_nodes(self.manifest, name):
+                nodes = {role.placement.node_of(i) for i in range(role.replicas)}
+                self.view.formations[name] = sum(self.events.get(n, 0) for n in nodes)
+
     def _reach(self, name: str, replica: int, endpoint: str) -> None:
         """The processes this node starts from now on reach ``name``'s ``replica`` at
         ``endpoint``."""
@@ -494,6 +555,32 @@ async def lost_generation(store: StoreClient, keys: LaunchKeys, attempt: int, no
     back = await store.peek(keys.back(attempt, node))
     answered = back is not None and int(json.loads(back)["generation"]) >= generation
     return 0 if answered else generation
+
+
+def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead: int) -> str:
+    """Tell ``name``'s ``replica``, rejoining its group, to take ``lead``'s state first: its
+    ``REJOIN_FILE`` (``Rejoin``, the lead's node folder under ``run_dir``), in the replica's
+    folder of its node under ``run_dir`` (shared storage), written whole and durably (the file,
+    then its folder, reach the disk). Returns the file's path.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    from asyncrl.safe_files import write_atomic
+
+    placement = manifest.roles[name].placement
+    rejoin = Rejoin(lead=lead, folder=node_dir(run_dir, placement.node_of(lead)))
+    folder = os.path.join(
+        node_dir(run_dir, placement.node_of(replica)), "roles", f"{name}.{replica}"
+    )
+    os.makedirs(folder, exist_ok=True)
+    path = write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
 
 
 def record_change(run_dir: str, change: Change, say: Callable[[int, str], None]) -> None:

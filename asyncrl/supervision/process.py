@@ -260,6 +260,7 @@ async def serve_role(spec: ProcessSpec, *, on_ready: Callable[[], None] = lambda
         capacity=spec.capacity,
         replicas=spec.replicas,
         members=list(spec.members),
+        formation=spec.formation,
         groups=dict(spec.groups),
         log=log,
     )

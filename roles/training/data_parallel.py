@@ -144,10 +144,13 @@ def _store(
     timeout_s: float,
     rank: int = 0,
     members: Sequence[int] = (),
+    formation: int = 0,
 ) -> tuple[Any, str]:
     """The rendezvous store of this group and generation, and where it is (for errors).
     With the launch's store, the generation is this rank's count of earlier joins instead, under
-    the group's ``members`` when it went on at a smaller size."""
+    the group's ``members`` when it went on at a smaller size and its ``formation`` (each shrink
+    or growth starts the counts afresh, so ranks whose counts diverged in an earlier formation
+    meet in the next)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     address = os.environ.get(STORE_ENV, "")
     if address:
@@ -169,6 +172,8 @@ def _store(
         base = f"{os.environ.get(PREFIX_ENV, '')}/{name}"
         if members:
             base += "/members-" + "-".join(map(str, members))
+        if formation:
+            base += f"/f{formation}"
         joined = int(client.add(f"{base}/joins/{rank}", 1)) - 1
         prefix = f"{base}/{joined}"
         return PrefixStore(prefix, client), f"tcp store {address} under {prefix!r}"
@@ -222,16 +227,18 @@ class DataParallel:
         device: str = "cpu",
         comm: Communication | None = None,
         members: Sequence[int] = (),
+        formation: int = 0,
     ) -> DataParallel:
         """Form the group (blocking: call it in the compute thread) and return this rank's
         handle on it. ``members``: the replicas that form the group once it went on at a
-        smaller size (``RoleContext.members``); it names the group in the store.
+        smaller size (``RoleContext.members``), and ``formation`` (``RoleContext.formation``):
+        they name the group in the store.
 
         Raises:
             DataParallelError: not every rank arrived within ``timeout_s`` (the message names
                 the missing ones), or the store is unusable.
         """
-        store, where = _store(name, run_dir, generation, timeout_s, rank, members)
+        store, where = _store(name, run_dir, generation, timeout_s, rank, members, formation)
         store.set(f"arrived/{rank}", str(os.getpid()))
         keys = [f"arrived/{r}" for r in range(world)]
         try:
@@ -511,6 +518,7 @@ def join_role(
         device=str(device),
         comm=plugin.comm,
         members=ctx.members,
+        formation=ctx.formation,
     )
 
 

@@ -452,6 +452,7 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
         "lead": {"learner": 0},
         "endpoints": {"learner": {"1": "tcp://127.0.0.1:3201"}},
         "stays": {},
+        "lost": {},
     }
     seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
     assert (seen["shrunk"], seen["departed"]) == ({}, {})
@@ -488,6 +489,136 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
     assert supervisor_0.restarted[2:] == [("learner", [0, 2]), ("learner", [0, 1, 2])]
     assert json.loads(store.values[KEYS.grown(0, 1, 2)])["grown"] == {"learner": [0, 1, 2]}
     assert (node_0.membership.shrunk, node_0.membership.departed) == ({}, {})
+    # Each loss and return of node 1 is a new formation of the group: two of each.
+    assert node_0.view.formations == {"learner": 4}
+
+
+def _pair(tmp_path: Any) -> tuple[MembershipFollower, Restarter, MembershipFollower, Restarter]:
+    """Node 0 and node 1 over ``SHARED``, each with its supervisor; node 1's folder exists."""
+    os.makedirs(tmp_path / "node-1", exist_ok=True)
+    node_0 = _follower(DictStore(), 0, str(tmp_path), SHARED)
+    node_0.view.groups["learner"] = GroupInfo(["ipc://l0", "tcp://b", "tcp://c"])
+    node_1 = _follower(node_0.store, 1, str(tmp_path), SHARED)  # type: ignore[arg-type]
+    node_1.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
+    return node_0, Restarter(node_0.view), node_1, Restarter(node_1.view)
+
+
+def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
+    tmp_path: Any,
+) -> None:
+    """The group went on with replicas [0, 2] after node 1's loss; node 1 comes back and node
+    2 is lost before node 0 looks again. Node 0 applies node 2's loss first, then decides that
+    the group grows to [0, 1] (not [0, 1, 2] from its members before the loss), with the
+    losses it had applied; node 1, which applies node 2's loss before it reads the word, ends
+    on the same members."""
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.grown(0, 1, 1)]) == {
+        "grown": {"learner": [0, 1]},
+        "lead": {"learner": 0},
+        "endpoints": {"learner": {"1": "tcp://127.0.0.1:3201"}},
+        "stays": {},
+        "lost": {"2": 1},
+    }
+    assert supervisor_0.restarted == [("learner", [0, 2]), ("learner", [0]), ("learner", [0, 1])]
+    assert node_0.view.members["learner"] == node_1.view.members["learner"] == [0, 1]
+    assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 1]}
+    departed = {"splitter": {2: 2}, "learner": {2: 2}}
+    assert node_0.membership.departed == node_1.membership.departed == departed
+    assert supervisor_1.adopted == [("learner", 1)]
+    assert supervisor_1.specs[0].members == [0, 1]
+    # Node 1's loss and return and node 2's loss: the formation the group's ranks join.
+    assert node_0.view.formations == node_1.view.formations == {"learner": 3}
+    assert supervisor_1.specs[0].formation == 3
+
+
+def test_a_loss_after_node_0_decided_a_growth_is_out_of_the_group_on_every_node(
+    tmp_path: Any,
+) -> None:
+    """Node 0 decides that the group grows back to [0, 1, 2] with node 1; node 2 is lost
+    before node 1 reads the word. Node 1 applies node 2's loss first, then leaves node 2's rank
+    out of the group it grows to, as node 0 does when it applies the loss after the growth:
+    both end on [0, 1]."""
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 2, 1)
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.grown(0, 1, 1)])["grown"] == {"learner": [0, 1, 2]}
+    assert supervisor_0.restarted[-1] == ("learner", [0, 1])
+    assert node_0.view.members["learner"] == node_1.view.members["learner"] == [0, 1]
+    assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 1]}
+    assert supervisor_1.adopted == [("learner", 1)]
+    assert supervisor_1.specs[0].members == [0, 1]
+    assert node_0.view.formations == node_1.view.formations == {"learner": 3}
+    assert supervisor_1.specs[0].formation == 3
+
+
+def test_node_0_tells_a_returning_rank_to_take_the_lead_state_before_the_group_grows(
+    tmp_path: Any,
+) -> None:
+    """Node 0 writes the returning rank's rejoin.json in its folder of the shared run
+    directory before it says in the store that the group grows back and before its
+    membership.json no longer names the group smaller: an attempt that ends before node 1's
+    agent reads the word still starts replica 1 from the lead's state. Node 1's agent then
+    writes the same file."""
+    from asyncrl.manifest.membership import Rejoin
+
+    marker = tmp_path / "node-1" / "roles" / "learner.1" / "rejoin.json"
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    seen_as_grown: list[bool] = []
+    plain_set = store.set
+
+    async def set_(key: str, value: str) -> None:
+        if key == KEYS.grown(0, 1, 1):
+            seen_as_grown.append(marker.exists())
+        await plain_set(key, value)
+
+    store.set = set_  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert seen_as_grown == [True]
+    assert msgspec.json.decode(marker.read_bytes(), type=Rejoin) == Rejoin(
+        lead=0, folder=str(tmp_path)
+    )
+    assert msgspec.json.decode((tmp_path / "membership.json").read_bytes())["shrunk"] == {}
+    assert supervisor_1.adopted == []
+    asyncio.run(node_1.follow(supervisor_1))  # type: ignore[arg-type]
+    assert supervisor_1.adopted == [("learner", 1)]
+    assert msgspec.json.decode(marker.read_bytes(), type=Rejoin) == Rejoin(
+        lead=0, folder=str(tmp_path)
+    )
 
 
 def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:

@@ -458,6 +458,43 @@ def test_a_group_that_went_on_smaller_meets_apart_with_ranks_by_place(
     assert after.rpartition(" under ")[2] == "'asyncrl/run7/0/learner/members-0-2/0'"
 
 
+def test_ranks_whose_joins_diverged_meet_in_the_next_formation_of_their_group(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Formation 3 of the group [0, 1]: rank 0 joined, then node 1 was lost before rank 1
+    joined; the group shrank and grew back to [0, 1] as formation 5. Under formation 3 their
+    counts of joins differ (rank 0 would meet under /1, rank 1 under /0); under formation 5 both
+    count afresh and meet."""
+    import datetime
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from asyncrl.roles.training.data_parallel import _store
+
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    monkeypatch.setenv("ASYNCRL_DIST_STORE", f"127.0.0.1:{store.port}")
+    monkeypatch.setenv("ASYNCRL_DIST_PREFIX", "asyncrl/run7/0")
+
+    def join(rank: int, formation: int) -> tuple[Any, str]:
+        found, where = _store("learner", str(tmp_path), 0, 30.0, rank, [0, 1], formation)
+        return found, where.rpartition(" under ")[2]
+
+    assert join(0, 3)[1] == "'asyncrl/run7/0/learner/members-0-1/f3/0'"
+    assert join(0, 3)[1] == "'asyncrl/run7/0/learner/members-0-1/f3/1'"
+    assert join(1, 3)[1] == "'asyncrl/run7/0/learner/members-0-1/f3/0'"
+    (rank_0, at_0), (rank_1, at_1) = join(0, 5), join(1, 5)
+    assert at_0 == at_1 == "'asyncrl/run7/0/learner/members-0-1/f5/0'"
+    rank_0.set("arrived/0", "7")
+    assert rank_1.get("arrived/0") == b"7"
+
+
 SKIPPING_SCRIPT = """
 import os, sys
 from asyncrl.roles.training.data_parallel import DataParallel, DataParallelError
