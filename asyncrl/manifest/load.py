@@ -418,6 +418,24 @@ def _check_role(value: dict[Any, Any], path: str, problems: list[str]) -> None:
             "roles given by 'class' (it imports the role's modules ahead); remove it for a "
             "'command' role"
         )
+    # Only ``false`` is refused: ``true`` is the default, and a saved manifest (run.json)
+    # spells every default out, on every role.
+    if isinstance(supervision, dict) and supervision.get("regrow") is False:
+        strategy = supervision.get("strategy", "one_for_one")
+        replicas = value.get("replicas", 1)
+        if strategy in ("one_for_one", "rest_for_one"):
+            what = f"a {strategy} role"
+        elif strategy == "one_for_all" and isinstance(replicas, int) and replicas < 2:
+            what = "a single replica"
+        else:
+            what = ""
+        if what:
+            problems.append(
+                f"{join(join(path, 'supervision'), 'regrow')}: applies only to a data-parallel "
+                f"group (supervision.strategy: one_for_all and replicas >= 2, as a learner's or "
+                f"critic's), saying whether it grows back after a node's loss; {at(path)} is "
+                f"{what}, on which it does nothing: remove it"
+            )
 
 
 def _check_supervision(value: dict[Any, Any], path: str, problems: list[str]) -> None:

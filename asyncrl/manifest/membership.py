@@ -338,27 +338,50 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
 
 
 def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
-    """What a launch of ``manifest`` over ``nodes`` nodes says as it loads of each replicated
-    ``one_for_all`` group over several nodes that goes on smaller when a node is lost but does
-    not grow back when the node returns (``grows_back``: no ``run.shared_storage``), with the
-    fix."""
+    """What a launch of ``manifest`` over ``nodes`` nodes says as it loads of each
+    ``one_for_all`` group over several nodes that goes on smaller when a node is lost but
+    does not grow back when the node returns, or not after every node's loss, with the fix
+    (a group whose ``supervision.regrow`` is false is said to stay smaller, and gets none):
+
+    - a replicated group without ``run.shared_storage`` (``grows_back``) never grows back;
+    - a sharded group (``parallel: fsdp``) with it goes on smaller but never grows back;
+    - a replicated group with it whose replica 0 is placed on a node other than 0 stays
+      smaller after that node's loss: the returning replica 0 would take the lead over
+      (``grow``)."""
     notes = []
     for name, role in manifest.roles.items():
         where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
         others = [n for n in where if 0 < n < nodes]
-        if not spans_nodes(manifest, name) or not others or sharded(manifest, name):
+        if not spans_nodes(manifest, name) or not others or not role.supervision.regrow:
             continue
-        if manifest.run.shared_storage or not role.supervision.regrow:
-            continue
-        notes.append(
-            f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}: "
-            f"after losing node {others[0]} it goes on without that node's ranks, and stays so "
-            f"when the node comes back, because a returning rank takes the lead's checkpoints "
-            f"and log from the lead's folder, which needs the run directory on storage every "
-            f"node shares. To grow it back, set run.shared_storage: true with the run directory "
-            f"on such storage; to say it stays smaller, set "
-            f"roles.{name}.supervision.regrow: false"
-        )
+        group = f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}"
+        first = role.placement.node_of(0)
+        if sharded(manifest, name):
+            if manifest.run.shared_storage:
+                notes.append(
+                    f"{group}, sharded (parallel: fsdp): after losing node {others[0]} it goes "
+                    f"on without that node's ranks, and stays so for the rest of the run when "
+                    f"the node comes back, because a sharded group does not grow back. To have "
+                    f"it grow back, use parallel: replicate; to say it stays smaller, set "
+                    f"roles.{name}.supervision.regrow: false"
+                )
+        elif not manifest.run.shared_storage:
+            notes.append(
+                f"{group}: after losing node {others[0]} it goes on without that node's ranks, "
+                f"and stays so when the node comes back, because a returning rank takes the "
+                f"lead's checkpoints and log from the lead's folder, which needs the run "
+                f"directory on storage every node shares. To grow it back, set "
+                f"run.shared_storage: true with the run directory on such storage; to say it "
+                f"stays smaller, set roles.{name}.supervision.regrow: false"
+            )
+        elif 0 < first < nodes:
+            notes.append(
+                f"{group}, its replica 0 on node {first}: after losing node {first} it goes on "
+                f"led by another replica, and stays so when the node comes back, because its "
+                f"returning replica 0 would take the lead over, and a group does not change its "
+                f"lead as it grows. To have it grow back after any node's loss, place replica 0 "
+                f"on node 0 (roles.{name}.placement.nodes starting with 0)"
+            )
     return notes
 
 

@@ -6,20 +6,33 @@ were out hold checkpoints, a write-ahead log and a step ledger from before the l
 trained on without them. Before a returning rank restores, its node's agent leaves it a
 ``rejoin.json`` (``asyncrl.manifest.membership.Rejoin``) naming the replica that led the group
 meanwhile and that replica's node folder. ``take_lead_state`` then replaces the rank's own
-checkpoints (the lead's complete ones), write-ahead log and step ledger with copies of the
-lead's, and removes the file: the rank restores exactly what the lead restores, and replays
-the same logged steps after it (every rank logs each step's whole batch, so the lead's log
-serves any rank).
+checkpoints, write-ahead log and step ledger with the lead's, and removes the file: the rank
+restores exactly what the lead restores, and replays the same logged steps after it (every
+rank logs each step's whole batch, so the lead's log serves any rank).
+
+The lead's complete checkpoints are hard-linked, not copied: a complete checkpoint never
+changes (``CheckpointDir.write`` marks it complete last, and a later save of the same step or
+a removal unlinks its files rather than writing into them), so the rank's links read the same
+bytes the lead's files hold, and the take costs a few file-system operations per checkpoint
+whatever the model's size. All of them are linked, as cheap as one, so the rank holds every
+step the lead holds and agrees with any rank of the group on an older one. Where a link
+cannot be made (the rank's folder on another filesystem than the lead's), only the newest is
+copied: the checkpoint the group resumes from.
 
 It runs once the group has formed at its new size (``DataParallel.join``), before any rank
-restores: the lead's earlier incarnation, which wrote those files, is gone by then (its node
-restarted it into the group), and the new one reads them only after the ranks agree on the
-checkpoint, which waits for this rank. A rank that dies while it copies keeps the file and
-copies again at its next start.
+restores, within the group's collective deadline (the lead waits for this rank in
+``agree_checkpoint``). Not earlier: until the join, the lead's earlier incarnation may still
+be running on its node, appending to its log and writing (and pruning) checkpoints, since its
+node restarts it into the group on its own clock; once the group has joined, it is gone, and
+the new one reads its files only after the ranks agree on the checkpoint, which waits for this
+rank. The log and ledger are small: bounded by ``checkpoint_every`` steps. Each part is built
+in a ``.rejoin`` folder beside its place and put there whole; the file is removed last, so a
+rank that dies mid-take keeps it and takes the lead's state again at its next start.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable
@@ -33,15 +46,21 @@ from asyncrl.roles.training.journal import wal_path
 
 __all__ = ["take_lead_state"]
 
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP}
+"""What ``os.link`` raises where a hard link cannot be made: another filesystem, one without
+hard links, or a file with too many links already."""
+
 
 def take_lead_state(ctx: RoleContext) -> bool:
-    """When the rank's folder holds a ``rejoin.json``: replace its checkpoints, write-ahead log
-    and step ledger with the lead's, then remove the file. Returns whether it did.
+    """When the rank's folder holds a ``rejoin.json``: replace its checkpoints (hard links of
+    the lead's complete ones), write-ahead log and step ledger with the lead's, then remove the
+    file. Returns whether it did.
 
     Raises:
         CheckpointError: the file does not decode, or the lead's checkpoint folder is not
             there (the run directory is not on storage every node shares); the file is kept.
-        OSError: a copy failed; the file is kept, and the next start copies again.
+        OSError: a link or copy failed; the file is kept, and the next start takes the state
+            again.
     """
     own = os.path.join(ctx.run_dir, "roles", f"{ctx.name}.{ctx.replica}")
     marker = os.path.join(own, REJOIN_FILE)
@@ -72,10 +91,25 @@ def take_lead_state(ctx: RoleContext) -> bool:
         if name.startswith("step-") and problem(os.path.join(source, name)) is None
     )
 
+    how: list[str] = []
+
     def checkpoints(into: str) -> None:
         os.makedirs(into)
-        for name in complete:
-            shutil.copytree(os.path.join(source, name), os.path.join(into, name))
+        try:
+            for name in complete:
+                _link_tree(os.path.join(source, name), os.path.join(into, name))
+            how.append("linked")
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+            # Another filesystem (or one without hard links): copy only the newest, the one
+            # the group resumes from, so the copy stays as short as it can be.
+            shutil.rmtree(into)
+            os.makedirs(into)
+            del complete[:-1]
+            for name in complete:
+                shutil.copytree(os.path.join(source, name), os.path.join(into, name))
+            how.append("copied")
 
     _replace(os.path.join(own, "checkpoints"), checkpoints)
     log = wal_path(rejoin.folder, ctx.name, rejoin.lead)
@@ -96,8 +130,8 @@ def take_lead_state(ctx: RoleContext) -> bool:
     fsync_dir(own)
     ctx.log.info(
         f"{ctx.name}.{ctx.replica}: rejoining its group, took the state of {lead}, its lead: "
-        f"checkpoints {[int(n[len('step-') :]) for n in complete]}, its write-ahead log and "
-        f"step ledger"
+        f"checkpoints {[int(n[len('step-') :]) for n in complete]} ({''.join(how)}), its "
+        f"write-ahead log and step ledger"
     )
     return True
 
@@ -116,6 +150,21 @@ def _replace(folder: str, fill: Callable[[str], object]) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(building, folder)
     fsync_dir(os.path.dirname(folder))
+
+
+def _link_tree(source: str, into: str) -> None:
+    """Make ``into`` hold a hard link of every file under ``source``, folders as there.
+
+    Raises:
+        OSError: a link cannot be made (``_NO_LINK``: another filesystem), or a folder not.
+    """
+    os.makedirs(into)
+    with os.scandir(source) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                _link_tree(entry.path, os.path.join(into, entry.name))
+            else:
+                os.link(entry.path, os.path.join(into, entry.name))
 
 
 def _fsync(path: str) -> None:

@@ -277,6 +277,50 @@ def test_a_group_that_does_not_grow_back_is_noted_at_load_with_the_fix() -> None
     assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
 
 
+def test_a_group_led_from_a_node_other_than_0_is_noted_at_load_with_the_fix() -> None:
+    """Replica 0 placed on node 1: after node 1's loss the group goes on led by replica 1 and
+    stays smaller when node 1 returns (``grow``), which the launch says as it loads; with
+    replica 0 on node 0, as with regrow false, it says nothing."""
+    from asyncrl.manifest.membership import grow, regrow_notes
+
+    led_from_1 = SHARED.replace("nodes: [0, 1]}", "nodes: [1, 0]}")
+    manifest = parse_manifest(led_from_1, nodes=3)
+    assert grow(manifest, {"learner": [1]}, 1).stays != {}
+    assert regrow_notes(manifest, 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], its replica 0 on node "
+        "1: after losing node 1 it goes on led by another replica, and stays so when the node "
+        "comes back, because its returning replica 0 would take the lead over, and a group "
+        "does not change its lead as it grows. To have it grow back after any node's loss, "
+        "place replica 0 on node 0 (roles.learner.placement.nodes starting with 0)"
+    ]
+    no_regrow = led_from_1.replace(
+        "supervision: {strategy: one_for_all}",
+        "supervision: {strategy: one_for_all, regrow: false}",
+    )
+    assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
+
+
+def test_a_sharded_group_on_shared_storage_is_noted_at_load_to_stay_smaller() -> None:
+    """A sharded group over nodes 0 and 1 with run.shared_storage goes on smaller after node
+    1's loss and does not grow back: said as the launch loads, with the fix. Without shared
+    storage the node-loss warning says what happens instead (every node restarts)."""
+    from asyncrl.manifest.membership import node_loss_warnings, regrow_notes
+
+    fsdp = SHARED + "    config: {parallel: fsdp}\n"
+    manifest = parse_manifest(fsdp, nodes=3)
+    assert node_loss_warnings(manifest, 3) == []
+    assert regrow_notes(manifest, 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], sharded (parallel: "
+        "fsdp): after losing node 1 it goes on without that node's ranks, and stays so for the "
+        "rest of the run when the node comes back, because a sharded group does not grow back. "
+        "To have it grow back, use parallel: replicate; to say it stays smaller, set "
+        "roles.learner.supervision.regrow: false"
+    ]
+    unshared = parse_manifest(MANIFEST + "    config: {parallel: fsdp}\n", nodes=3)
+    assert regrow_notes(unshared, 3) == []
+    assert len(node_loss_warnings(unshared, 3)) == 1
+
+
 def test_a_regrow_that_is_not_a_boolean_is_refused_with_its_path() -> None:
     bad = MANIFEST.replace(
         "supervision: {strategy: one_for_all}", "supervision: {strategy: one_for_all, regrow: 2}"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from typing import Any
@@ -13,16 +14,23 @@ import torch
 
 from asyncrl.manifest.membership import REJOIN_FILE, Rejoin
 from asyncrl.role import RoleContext
-from asyncrl.roles.training.checkpoints import CheckpointDir, CheckpointError, StepLog
+from asyncrl.roles.training.checkpoints import (
+    CheckpointDir,
+    CheckpointError,
+    StepLog,
+    rng_bytes,
+    rng_state,
+)
+from asyncrl.roles.training.durability import Durability
 from asyncrl.roles.training.journal import wal_path
 from asyncrl.roles.training.rejoin import take_lead_state
 from asyncrl.roles.training.wal import StepEntry, WriteAheadLog
 from asyncrl.supervision.faults import FaultPlan
 
 
-def _rank(run_dir: str, replica: int) -> RoleContext:
+def _rank(run_dir: str, replica: int, name: str = "learner") -> RoleContext:
     return RoleContext(
-        name="learner",
+        name=name,
         replica=replica,
         run_dir=run_dir,
         replicas=2,
@@ -73,6 +81,169 @@ def test_a_rejoining_rank_takes_the_lead_s_checkpoints_log_and_ledger(tmp_path: 
     with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
         assert copied == f.read() != ""
     assert take_lead_state(back) is False
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(where, name), folder)
+        for where, _, names in os.walk(folder)
+        for name in names
+    )
+
+
+def _tell(back: RoleContext, run_dir: str) -> None:
+    with open(back.path(REJOIN_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Rejoin(lead=0, folder=run_dir)))
+
+
+def test_a_rejoining_rank_s_checkpoints_are_hard_links_of_the_lead_s(tmp_path: Any) -> None:
+    """On one filesystem the rank's checkpoints are the lead's files, linked (same inode): the
+    take costs no copy of the state, whatever its size. A later save of the lead's unlinks its
+    old checkpoints' files and never writes into them, so the rank's stay as they were."""
+    run_dir = str(tmp_path)
+    lead = _rank(run_dir, 0)
+    back = _rank(os.path.join(run_dir, "node-1"), 1)
+    _write(lead, [12, 16], list(range(13, 19)), 100.0)
+    _write(back, [4, 8], [9], 0.0)
+    _tell(back, run_dir)
+    assert take_lead_state(back) is True
+    for step in (12, 16):
+        name = f"step-{step:08d}"
+        theirs = os.path.join(lead.path("checkpoints"), name)
+        mine = os.path.join(back.path("checkpoints"), name)
+        assert _files(mine) == _files(theirs) != []
+        for file in _files(theirs):
+            assert (
+                os.stat(os.path.join(mine, file)).st_ino
+                == os.stat(os.path.join(theirs, file)).st_ino
+            )
+    checkpoints = CheckpointDir(lead.path("checkpoints"), 1, FaultPlan.from_env(0))
+    checkpoints.save(20, {"w": torch.full((3,), 120.0), "step": 20})  # prunes 12 and 16
+    assert checkpoints.steps() == [20]
+    mine16 = os.path.join(back.path("checkpoints"), "step-00000016")
+    assert torch.equal(CheckpointDir.load(mine16)["w"], torch.full((3,), 116.0))
+
+
+def test_across_filesystems_a_rejoining_rank_copies_only_the_newest_checkpoint(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no hard link can be made (``EXDEV``: the rank's folder on another filesystem),
+    the rank copies only the lead's newest checkpoint, the one the group resumes from."""
+    run_dir = str(tmp_path)
+    lead = _rank(run_dir, 0)
+    back = _rank(os.path.join(run_dir, "node-1"), 1)
+    _write(lead, [12, 16], list(range(13, 19)), 100.0)
+    _write(back, [4, 8], [9], 0.0)
+    _tell(back, run_dir)
+
+    def no_link(src: str, dst: str) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+
+    monkeypatch.setattr(os, "link", no_link)
+    assert take_lead_state(back) is True
+    assert sorted(os.listdir(back.path("checkpoints"))) == ["step-00000016"]
+    mine = os.path.join(back.path("checkpoints"), "step-00000016")
+    theirs = os.path.join(lead.path("checkpoints"), "step-00000016")
+    assert _files(mine) == _files(theirs)
+    assert (
+        os.stat(os.path.join(mine, "COMPLETE")).st_ino
+        != os.stat(os.path.join(theirs, "COMPLETE")).st_ino
+    )
+    assert torch.equal(CheckpointDir.load(mine)["w"], torch.full((3,), 116.0))
+
+
+def test_a_take_cut_off_midway_is_taken_again_whole_at_the_next_start(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that fails (or dies) while it takes the lead's state keeps its own checkpoints
+    and the rejoin file, with a half-built ``checkpoints.rejoin`` left behind; its next start
+    takes the lead's state whole and leaves no ``.rejoin`` folder."""
+    run_dir = str(tmp_path)
+    lead = _rank(run_dir, 0)
+    back = _rank(os.path.join(run_dir, "node-1"), 1)
+    _write(lead, [12, 16], list(range(13, 19)), 100.0)
+    _write(back, [4, 8], [9], 0.0)
+    _tell(back, run_dir)
+    link = os.link
+    made: list[str] = []
+
+    def disk_full_after_two(src: str, dst: str) -> None:
+        if len(made) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        link(src, dst)
+        made.append(dst)
+
+    monkeypatch.setattr(os, "link", disk_full_after_two)
+    with pytest.raises(OSError, match="No space left on device"):
+        take_lead_state(back)
+    assert os.path.exists(back.path(REJOIN_FILE))
+    assert os.path.isdir(back.path("checkpoints.rejoin"))  # what the cut-off take left
+    assert CheckpointDir(back.path("checkpoints"), 5, FaultPlan.from_env(0)).steps() == [4, 8]
+    monkeypatch.setattr(os, "link", link)
+    assert take_lead_state(back) is True
+    assert not os.path.exists(back.path(REJOIN_FILE))
+    assert sorted(os.listdir(back.path())) == ["checkpoints"]
+    assert CheckpointDir(back.path("checkpoints"), 5, FaultPlan.from_env(0)).steps() == [12, 16]
+    log = WriteAheadLog(wal_path(back.run_dir, "learner", 1), lambda _: None)
+    assert [e.step for e in log.entries()] == list(range(13, 19))
+
+
+def _write_critic(ctx: RoleContext, steps: list[int], logged: list[int], value: float) -> None:
+    """A critic's state as its Durability writes it (no ledger): checkpoints of ``steps``
+    (weights ``value`` + step) and a write-ahead log of ``logged``."""
+    checkpoints = CheckpointDir(ctx.path("checkpoints"), 5, FaultPlan.from_env(0))
+    for step in steps:
+        state = {"w": torch.full((3,), value + step), "step": step}
+        checkpoints.save(step, {**state, "last": "{}", "rng": rng_state()})
+    log = WriteAheadLog(wal_path(ctx.run_dir, ctx.name, ctx.replica), lambda _: None)
+    for step in logged:
+        log.append(StepEntry(step, msgspec.msgpack.encode({"step": step}), rng=rng_bytes()))
+    log.close()
+
+
+def _restore(ctx: RoleContext) -> tuple[list[float], int, list[int]]:
+    """What a critic's Durability restores from ``ctx``'s folder: the loaded weights, their
+    step and the steps it replays."""
+    durability = Durability(
+        ctx, durable="wal", every=0, every_s=0, keep=5, dp=None, pin=lambda t: t, step_log=False
+    )
+    loaded: list[float] = []
+    replayed: list[int] = []
+
+    def load(saved: dict[str, Any], states: Any) -> int:
+        loaded.extend(saved["w"].tolist())
+        return int(saved["step"])
+
+    def replay(batch: bytes) -> int:
+        step = int(msgspec.msgpack.decode(batch)["step"])
+        replayed.append(step)
+        return step
+
+    durability.restore(load=load, replay=replay, state=lambda: {"w": torch.zeros(3)})
+    durability.close()
+    return loaded, durability.restored_step, replayed
+
+
+def test_a_rejoining_critic_rank_restores_what_its_lead_restores(tmp_path: Any) -> None:
+    """The critic keeps no ledger (``step_log=False``): a returning critic rank takes the
+    lead's checkpoints and log, holds no ledger after it (a stale one of its own is removed),
+    and restores the lead's checkpoint and replays the lead's logged steps."""
+    run_dir = str(tmp_path)
+    lead = _rank(run_dir, 0, "critic")
+    back = _rank(os.path.join(run_dir, "node-1"), 1, "critic")
+    _write_critic(lead, [12, 16], list(range(13, 19)), 100.0)
+    _write_critic(back, [4, 8], [9], 0.0)
+    stale = os.path.join(back.run_dir, "ledger", "critic.1.steps.jsonl")
+    os.makedirs(os.path.dirname(stale), exist_ok=True)
+    with open(stale, "w") as f:
+        f.write('{"step": 9, "ids": [["p9", 0]]}\n')
+    _tell(back, run_dir)
+    assert take_lead_state(back) is True
+    assert not os.path.exists(stale)
+    assert not os.path.exists(os.path.join(run_dir, "ledger", "critic.0.steps.jsonl"))
+    expected = ([116.0, 116.0, 116.0], 16, [17, 18])
+    assert _restore(back) == expected
+    assert _restore(lead) == expected
 
 
 def test_a_rejoining_rank_without_the_lead_s_folder_says_shared_storage_is_needed(
