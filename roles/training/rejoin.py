@@ -16,8 +16,10 @@ a removal unlinks its files rather than writing into them), so the rank's links 
 bytes the lead's files hold, and the take costs a few file-system operations per checkpoint
 whatever the model's size. All of them are linked, as cheap as one, so the rank holds every
 step the lead holds and agrees with any rank of the group on an older one. Where a link
-cannot be made (the rank's folder on another filesystem than the lead's), only the newest is
-copied: the checkpoint the group resumes from.
+cannot be made (the rank's folder on another filesystem than the lead's, or one without hard
+links), they are copied, all of them (at most the learner's ``keep``): the group resumes from
+the oldest of its ranks' newest checkpoints, and a rank that went on beside the lead may be one
+behind it.
 
 It runs once the group has formed at its new size (``DataParallel.join``), before any rank
 restores, within the group's collective deadline (the lead waits for this rank in
@@ -46,7 +48,7 @@ from asyncrl.roles.training.journal import wal_path
 
 __all__ = ["take_lead_state"]
 
-_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP}
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 """What ``os.link`` raises where a hard link cannot be made: another filesystem, one without
 hard links, or a file with too many links already."""
 
@@ -102,11 +104,11 @@ def take_lead_state(ctx: RoleContext) -> bool:
         except OSError as exc:
             if exc.errno not in _NO_LINK:
                 raise
-            # Another filesystem (or one without hard links): copy only the newest, the one
-            # the group resumes from, so the copy stays as short as it can be.
+            # Another filesystem (or one without hard links): copy them all. The group
+            # resumes from the oldest of its ranks' newest checkpoints, and a rank that went on
+            # beside the lead may be one behind it (its save cut off by the group's restart).
             shutil.rmtree(into)
             os.makedirs(into)
-            del complete[:-1]
             for name in complete:
                 shutil.copytree(os.path.join(source, name), os.path.join(into, name))
             how.append("copied")

@@ -124,11 +124,14 @@ def test_a_rejoining_rank_s_checkpoints_are_hard_links_of_the_lead_s(tmp_path: A
     assert torch.equal(CheckpointDir.load(mine16)["w"], torch.full((3,), 116.0))
 
 
-def test_across_filesystems_a_rejoining_rank_copies_only_the_newest_checkpoint(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("error", [errno.EXDEV, errno.ENOSYS])
+def test_across_filesystems_a_rejoining_rank_copies_every_complete_checkpoint(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, error: int
 ) -> None:
-    """Where no hard link can be made (``EXDEV``: the rank's folder on another filesystem),
-    the rank copies only the lead's newest checkpoint, the one the group resumes from."""
+    """Where no hard link can be made (``EXDEV``: the rank's folder on another filesystem;
+    ``ENOSYS``: a filesystem without the operation),
+    the rank copies every complete checkpoint of the lead's: the group resumes from the oldest
+    of its ranks' newest, and another rank left may be one behind the lead."""
     run_dir = str(tmp_path)
     lead = _rank(run_dir, 0)
     back = _rank(os.path.join(run_dir, "node-1"), 1)
@@ -137,11 +140,11 @@ def test_across_filesystems_a_rejoining_rank_copies_only_the_newest_checkpoint(
     _tell(back, run_dir)
 
     def no_link(src: str, dst: str) -> None:
-        raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        raise OSError(error, os.strerror(error), src)
 
     monkeypatch.setattr(os, "link", no_link)
     assert take_lead_state(back) is True
-    assert sorted(os.listdir(back.path("checkpoints"))) == ["step-00000016"]
+    assert sorted(os.listdir(back.path("checkpoints"))) == ["step-00000012", "step-00000016"]
     mine = os.path.join(back.path("checkpoints"), "step-00000016")
     theirs = os.path.join(lead.path("checkpoints"), "step-00000016")
     assert _files(mine) == _files(theirs)
