@@ -409,7 +409,9 @@ class MembershipFollower:
         A node this node has seen lost since node 0 decided (a loss node 0 had not applied,
         ``said["lost"]``) is out of each group: its ranks are left out of the members as
         ``plan`` leaves them out, so every node ends on the same members whichever it applied
-        first, the loss or the growth."""
+        first, the loss or the growth. When that loss took the replica node 0 named as the
+        lead, the returning ranks take the state of the lowest replica that stayed in the group
+        (none stayed: the named lead's, from its folder of the shared run directory)."""
         for name, members in said["stays"].items():  # the returning node learns them here
             self.membership.shrunk[name] = [int(i) for i in members]
         decided = {int(n): int(g) for n, g in said.get("lost", {}).items()}
@@ -428,6 +430,11 @@ class MembershipFollower:
                 for i, tcp in said["endpoints"].get(name, {}).items()
                 if int(i) in members
             }
+            stayed = [i for i in members if str(i) not in said["endpoints"].get(name, {})]
+            if lead not in members and stayed:
+                # The lead's node was lost since node 0 decided: the returning ranks take the
+                # state of the lowest replica that stayed in the group instead.
+                lead = stayed[0]
             grown[name] = members
             if members == list(range(role.replicas)):
                 self.membership.shrunk.pop(name, None)

@@ -1114,3 +1114,48 @@ def test_a_node_that_misses_a_return_and_the_next_loss_follows_the_later_loss(
     assert node_2.losses == {1: 2}
     assert node_2.growing == set()
     assert supervisor_2.restarted == [("learner", [0, 2])]
+
+
+def test_a_returning_rank_takes_the_state_of_a_replica_left_when_the_lead_is_lost(
+    tmp_path: Any,
+) -> None:
+    """The learner's replica 0, its lead, runs on node 1. Node 2 is lost and the group goes on
+    with [0, 1]; node 2 comes back and node 0 decides that the group grows to [0, 1, 2], led by
+    replica 0; node 1 is lost before node 2 reads the word. Node 2 applies node 1's loss first
+    and grows the group to [1, 2]: its rank takes the state of replica 1, which stayed in the
+    group, not that of replica 0, which left it."""
+    from asyncrl.manifest.membership import Rejoin
+
+    manifest = SHARED.replace(
+        "placement: {nodes: [0, 1, 2]}\n    supervision",
+        "placement: {nodes: [1, 0, 2]}\n    supervision",
+    )
+    os.makedirs(tmp_path / "node-2")
+    store = DictStore()
+    node_0 = _follower(store, 0, str(tmp_path), manifest)
+    node_0.view.groups["learner"] = GroupInfo(["tcp://a", "ipc://b", "tcp://c"])
+    supervisor_0 = Restarter(node_0.view)
+    node_2 = _follower(store, 2, str(tmp_path), manifest)
+    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
+    supervisor_2 = Restarter(node_2.view)
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_2.keep_shrunk({}, [("learner", 2)], rejoining=1)
+        _back_with_ranks(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    decided = json.loads(store.values[KEYS.grown(0, 2, 1)])
+    assert (decided["grown"], decided["lead"]) == ({"learner": [0, 1, 2]}, {"learner": 0})
+    assert node_0.view.members["learner"] == node_2.view.members["learner"] == [1, 2]
+    assert supervisor_2.adopted == [("learner", 2)]
+    rejoin = msgspec.json.decode(
+        (tmp_path / "node-2" / "roles" / "learner.2" / "rejoin.json").read_bytes(), type=Rejoin
+    )
+    assert rejoin == Rejoin(lead=1, folder=str(tmp_path))
