@@ -1159,3 +1159,53 @@ def test_a_returning_rank_takes_the_state_of_a_replica_left_when_the_lead_is_los
         (tmp_path / "node-2" / "roles" / "learner.2" / "rejoin.json").read_bytes(), type=Rejoin
     )
     assert rejoin == Rejoin(lead=1, folder=str(tmp_path))
+
+
+class LateStore(DictStore):
+    """A ``DictStore`` whose ``peek`` does not yet see the keys in ``late``: they were set
+    after the follower looked at them in the same pass."""
+
+    def __init__(self, store: DictStore) -> None:
+        self.values, self.writes, self.changed = store.values, store.writes, store.changed
+        self.late: set[str] = set()
+
+    async def peek(self, key: str) -> str | None:
+        return None if key in self.late else self.values.get(key)
+
+
+def test_a_growth_word_waits_for_the_return_node_0_decided_before_it(tmp_path: Any) -> None:
+    """Nodes 1 and 2 are lost; both come back, and node 0 decides node 1's return ([0, 1])
+    before node 2's ([0, 1, 2]). Node 2 reads its word in a pass that has not yet seen node 1
+    back: it holds the word back until it has seen that return and applied its word first, and
+    ends on [0, 1, 2] as node 0 does."""
+    node_0, supervisor_0, _, _ = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    os.makedirs(tmp_path / "node-2")
+    late = LateStore(store)
+    node_2 = _follower(late, 2, str(tmp_path), SHARED)
+    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
+    supervisor_2 = Restarter(node_2.view)
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_2.keep_shrunk({"learner": [0]}, [("learner", 2)], rejoining=1)
+        _back_with_ranks(store, 2, 1)
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        _back_with_ranks(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        late.late = {KEYS.back(0, 1)}
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        assert (supervisor_2.adopted, node_2.growing) == ([], {(2, 1)})
+        late.late = set()
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.grown(0, 2, 1)])["before"] == [[1, 1]]
+    assert node_0.view.members["learner"] == node_2.view.members["learner"] == [0, 1, 2]
+    assert node_0.membership.shrunk == node_2.membership.shrunk == {}
+    assert supervisor_2.restarted == [("learner", [0, 1]), ("learner", [0, 1, 2])]
+    assert supervisor_2.adopted == [("learner", 2)]
+    assert supervisor_2.specs[0].members == [0, 1, 2]
