@@ -126,6 +126,9 @@ class MembershipFollower:
         # Node 0: the returns it has decided on in this attempt, in the order it decided them;
         # each word names those before it (``before``), which every node applies first.
         self.decided: list[tuple[int, int]] = []
+        # The returns of other nodes that came before this rejoining node's first look: their
+        # words count here only when node 0 decided them after this node's own.
+        self.early: set[tuple[int, int]] = set()
 
     @property
     def dir(self) -> str:
@@ -216,6 +219,7 @@ class MembershipFollower:
                         # This node rejoins too: node 0 may decide that return after this
                         # node's own, from the members this node's ranks grew the group to.
                         self.growing.add((peer, generation))
+                        self.early.add((peer, generation))
         self.synced = True
         # Node 0 decides what grows only once every loss it sees in this pass is applied: a
         # group decided from its members before a loss would grow over the lost node's ranks.
@@ -250,7 +254,10 @@ class MembershipFollower:
         node 0 decided them (``sequence``): each word's members are complete, so one applied
         out of order would undo the growth decided after it. A word waits while one decided
         before it (``before``) answers a return this node has not seen yet (the node is still
-        lost here at that generation). Returns whether any word was applied."""
+        lost here at that generation). On a rejoining node, the word on a return that came
+        before its first look waits for its own word: decided before it, it is already in its
+        own word's members, and only its returning ranks' endpoints are taken from it. Returns
+        whether any word was applied."""
         store, keys, attempt = self.store, self.keys, self.attempt
         words = []
         for node, generation in self.growing:
@@ -258,8 +265,21 @@ class MembershipFollower:
             if said is not None:
                 words.append((node, generation, json.loads(said)))
         words.sort(key=lambda word: int(word[2].get("sequence", 0)))
+        own = [int(said.get("sequence", 0)) for n, _, said in words if n == self.node]
         applied = False
         for node, generation, said in words:
+            if (node, generation) in self.early:
+                if not own:
+                    continue
+                if int(said.get("sequence", 0)) < own[0]:
+                    self.growing.discard((node, generation))
+                    self.early.discard((node, generation))
+                    for name, ranks in said["endpoints"].items():
+                        for i, tcp in ranks.items():
+                            self._reach(name, int(i), tcp)
+                            self.membership.moved.setdefault(name, {})[int(i)] = Moved(node, tcp)
+                    applied = True
+                    continue
             unseen = [
                 (int(n), int(g))
                 for n, g in said.get("before", ())
@@ -268,6 +288,7 @@ class MembershipFollower:
             if unseen:
                 break  # applied once this node has seen those returns, and their words
             self.growing.discard((node, generation))
+            self.early.discard((node, generation))
             await self._grow(supervisor, node, said)
             applied = True
         return applied

@@ -1209,3 +1209,36 @@ def test_a_growth_word_waits_for_the_return_node_0_decided_before_it(tmp_path: A
     assert supervisor_2.restarted == [("learner", [0, 1]), ("learner", [0, 1, 2])]
     assert supervisor_2.adopted == [("learner", 2)]
     assert supervisor_2.specs[0].members == [0, 1, 2]
+
+
+def test_a_rejoining_node_takes_a_return_decided_before_its_own_from_its_own_word(
+    tmp_path: Any,
+) -> None:
+    """Nodes 1 and 2 are lost; node 2 comes back and node 0 grows the learner to [0, 2]; node 1
+    comes back and node 0 grows it to [0, 1, 2]. Node 1's agent looks for the first time only
+    now: node 2's return came before it, and its word before node 1's, whose members hold it
+    already: node 1 applies its own word alone, and reaches node 2's rank at its new port."""
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_ranks(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_1.keep_shrunk({"learner": [0]}, [("learner", 1)], rejoining=1)
+        _back_with_ranks(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.grown(0, 1, 1)])["grown"] == {"learner": [0, 1, 2]}
+    assert node_0.view.members["learner"] == node_1.view.members["learner"] == [0, 1, 2]
+    assert node_1.membership.shrunk == {}
+    assert supervisor_1.restarted == [("learner", [0, 1, 2])]
+    assert [(c.event, c.node) for c in node_1.membership.changes] == [("group_grown", 1)]
+    assert node_1.view.groups["learner"].endpoints[2] == "tcp://127.0.0.1:3202"
+    assert node_1.membership.moved["learner"][2] == Moved(2, "tcp://127.0.0.1:3202")
+    assert node_1.growing == set()
