@@ -205,7 +205,8 @@ class MembershipFollower:
                 await self._lose(supervisor, peer, said["reason"], (peer, lost), planned)
                 changed = True
             elif lost and peer in self.lost and self.losses.get(peer) != lost:
-                self._lost_again(peer, lost)
+                said = json.loads(await store.get(keys.lost(attempt, peer)))
+                self._lost_again(peer, lost, said["reason"])
                 changed = True
             elif not lost and peer in self.lost:
                 returned.extend(await self._back(peer))
@@ -293,15 +294,17 @@ class MembershipFollower:
             applied = True
         return applied
 
-    def _lost_again(self, node: int, generation: int) -> None:
+    def _lost_again(self, node: int, generation: int, reason: str) -> None:
         """Lost ``node`` came back and was lost again (``generation``) between two looks of
         this node: its replicas are still out of the run here, so only the loss's generation
         and the formations it names change, and node 0's word on the return in between (if
         any) no longer applies: node 0 left the node's ranks out again at the later loss."""
+        self.lost[node] = self.membership.lost[node] = reason
         self.losses[node] = generation
         self._count(node, 2 * generation - 1)
         self.growing = {(n, g) for n, g in self.growing if n != node}
-        self.say(self.node, f"node {node} came back and is lost again (loss {generation})")
+        said = f"node {node} came back and is lost again (loss {generation}: {reason})"
+        self.say(self.node, said)
 
     async def _learn_moves(self) -> bool:
         """A node that joins the running attempt again learns where the replicas that moved
@@ -395,7 +398,7 @@ class MembershipFollower:
                 try:
                     write_rejoin(self.manifest, self.run_dir, name, i, growth.lead[name])
                 except OSError as exc:
-                    path = rejoin_path(self.manifest, self.run_dir, name, i)
+                    path = _rejoin_path(self.manifest, self.run_dir, name, i)
                     growth.stays[name] = f"{path} cannot be written ({exc})"
                     del growth.grown[name], growth.lead[name], endpoints[name]
                     break
@@ -671,7 +674,7 @@ def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead
 
     placement = manifest.roles[name].placement
     rejoin = Rejoin(lead=lead, folder=node_dir(run_dir, placement.node_of(lead)))
-    folder = os.path.dirname(rejoin_path(manifest, run_dir, name, replica))
+    folder = os.path.dirname(_rejoin_path(manifest, run_dir, name, replica))
     os.makedirs(folder, exist_ok=True)
     path = write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -682,7 +685,7 @@ def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead
     return path
 
 
-def rejoin_path(manifest: Manifest, run_dir: str, name: str, replica: int) -> str:
+def _rejoin_path(manifest: Manifest, run_dir: str, name: str, replica: int) -> str:
     """Where ``name``'s ``replica`` finds its ``REJOIN_FILE``: in the replica's folder of its
     node under ``run_dir``."""
     home = node_dir(run_dir, manifest.roles[name].placement.node_of(replica))
