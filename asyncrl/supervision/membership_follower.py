@@ -123,6 +123,12 @@ class MembershipFollower:
         # The returns (node, generation of the loss it answers) whose groups node 0 has not
         # yet said whether they grow back (``LaunchKeys.grown``).
         self.growing: set[tuple[int, int]] = set()
+        # Node 0: the returns it has decided on in this attempt, in the order it decided them;
+        # each word names those before it (``before``), which every node applies first.
+        self.decided: list[tuple[int, int]] = []
+        # The returns of other nodes that came before this rejoining node's first look: their
+        # words count here only when node 0 decided them after this node's own.
+        self.early: set[tuple[int, int]] = set()
 
     @property
     def dir(self) -> str:
@@ -198,24 +204,33 @@ class MembershipFollower:
                 planned = {int(n) for n in said.get("with", ())} | {peer}
                 await self._lose(supervisor, peer, said["reason"], (peer, lost), planned)
                 changed = True
+            elif lost and peer in self.lost and self.losses.get(peer) != lost:
+                said = json.loads(await store.get(keys.lost(attempt, peer)))
+                self._lost_again(peer, lost, said["reason"])
+                changed = True
             elif not lost and peer in self.lost:
                 returned.extend(await self._back(peer))
                 changed = True
             elif not lost and not self.synced:  # lost and back before this agent started
                 back = await store.peek(keys.back(attempt, peer))
                 if back is not None:
-                    self._count(peer, 2 * int(json.loads(back)["generation"]))
+                    generation = int(json.loads(back)["generation"])
+                    self._count(peer, 2 * generation)
+                    if any(n == self.node for n, _ in self.growing):
+                        # This node rejoins too: node 0 may decide that return after this
+                        # node's own, from the members this node's ranks grew the group to.
+                        self.growing.add((peer, generation))
+                        self.early.add((peer, generation))
         self.synced = True
         # Node 0 decides what grows only once every loss it sees in this pass is applied: a
         # group decided from its members before a loss would grow over the lost node's ranks.
+        # Each decision goes into a working copy of the groups that are smaller, so that the
+        # next return in the same pass is decided from the members the first one grew to.
+        shrunk = {name: list(members) for name, members in self.membership.shrunk.items()}
         for node, generation, record in returned:
-            await self._decide_growth(node, generation, record)
-        for node, generation in sorted(self.growing):
-            said = await store.peek(keys.grown(attempt, node, generation))
-            if said is not None:
-                self.growing.discard((node, generation))
-                await self._grow(supervisor, node, json.loads(said))
-                changed = True
+            await self._decide_growth(node, generation, record, shrunk)
+        if await self._apply_growth(supervisor):
+            changed = True
         for (name, replica), (node, loss) in list(self.moving.items()):
             said = await store.peek(keys.moved(attempt, name, replica))
             if said is None:
@@ -234,6 +249,62 @@ class MembershipFollower:
         if changed:
             self._write()
         return ""
+
+    async def _apply_growth(self, supervisor: Supervisor) -> bool:
+        """Apply node 0's words on the returns this node waits on (``growing``), in the order
+        node 0 decided them (``sequence``): each word's members are complete, so one applied
+        out of order would undo the growth decided after it. A word waits while one decided
+        before it (``before``) answers a return this node has not seen yet (the node is still
+        lost here at that generation). On a rejoining node, the word on a return that came
+        before its first look waits for its own word: decided before it, it is already in its
+        own word's members, and only its returning ranks' endpoints are taken from it. Returns
+        whether any word was applied."""
+        store, keys, attempt = self.store, self.keys, self.attempt
+        words = []
+        for node, generation in self.growing:
+            said = await store.peek(keys.grown(attempt, node, generation))
+            if said is not None:
+                words.append((node, generation, json.loads(said)))
+        words.sort(key=lambda word: int(word[2].get("sequence", 0)))
+        own = [int(said.get("sequence", 0)) for n, _, said in words if n == self.node]
+        applied = False
+        for node, generation, said in words:
+            if (node, generation) in self.early:
+                if not own:
+                    continue
+                if int(said.get("sequence", 0)) < own[0]:
+                    self.growing.discard((node, generation))
+                    self.early.discard((node, generation))
+                    for name, ranks in said["endpoints"].items():
+                        for i, tcp in ranks.items():
+                            self._reach(name, int(i), tcp)
+                            self.membership.moved.setdefault(name, {})[int(i)] = Moved(node, tcp)
+                    applied = True
+                    continue
+            unseen = [
+                (int(n), int(g))
+                for n, g in said.get("before", ())
+                if self.losses.get(int(n)) == int(g) and int(n) in self.lost
+            ]
+            if unseen:
+                break  # applied once this node has seen those returns, and their words
+            self.growing.discard((node, generation))
+            self.early.discard((node, generation))
+            await self._grow(supervisor, node, said)
+            applied = True
+        return applied
+
+    def _lost_again(self, node: int, generation: int, reason: str) -> None:
+        """Lost ``node`` came back and was lost again (``generation``) between two looks of
+        this node: its replicas are still out of the run here, so only the loss's generation
+        and the formations it names change, and node 0's word on the return in between (if
+        any) no longer applies: node 0 left the node's ranks out again at the later loss."""
+        self.lost[node] = self.membership.lost[node] = reason
+        self.losses[node] = generation
+        self._count(node, 2 * generation - 1)
+        self.growing = {(n, g) for n, g in self.growing if n != node}
+        said = f"node {node} came back and is lost again (loss {generation}: {reason})"
+        self.say(self.node, said)
 
     async def _learn_moves(self) -> bool:
         """A node that joins the running attempt again learns where the replicas that moved
@@ -295,7 +366,13 @@ class MembershipFollower:
         self.growing.add((node, generation))
         return [(node, generation, record)] if self.node == 0 else []
 
-    async def _decide_growth(self, node: int, generation: int, record: NodeRecord) -> None:
+    async def _decide_growth(
+        self,
+        node: int,
+        generation: int,
+        record: NodeRecord,
+        shrunk: dict[str, list[int]],
+    ) -> None:
         """Node 0: say in the store which groups that went on without the ranks of ``node``,
         back from the loss of ``generation``, grow back with them (``grow``), with the tcp
         endpoint each returning rank binds (``record.regrow``); every node applies it.
@@ -304,26 +381,46 @@ class MembershipFollower:
         directory is shared: ``grows_back``), before the word and node 0's ``membership.json``
         say the group grew: an attempt that ends between them (a restart of every node, a
         ``--resume``) starts the rank at the larger size, and the file makes it take the lead's
-        state rather than its own from before the loss."""
-        growth = grow(self.manifest, self.membership.shrunk, node)
-        for name, why in growth.stays.items():
-            members = self.membership.shrunk[name]
-            self.say(self.node, f"{name} stays at replicas {members} with node {node} back: {why}")
+        state rather than its own from before the loss. A file that cannot be written (the
+        shared storage failing) is said, and its group stays at its smaller size.
+
+        ``shrunk`` is node 0's working copy of the groups that are smaller, this pass's earlier
+        decisions in it; this decision goes into it too. The word carries its place in the
+        order of node 0's decisions (``sequence``) and the decisions before it (``before``),
+        which every node applies first."""
+        growth = grow(self.manifest, shrunk, node)
         endpoints = {
             name: {i: record.regrow[name][i] for i in members if i in record.regrow.get(name, {})}
             for name, members in growth.grown.items()
         }
-        for name, ranks in endpoints.items():
+        for name, ranks in list(endpoints.items()):
             for i in ranks:
-                write_rejoin(self.manifest, self.run_dir, name, i, growth.lead[name])
-        stays = {name: self.membership.shrunk[name] for name in growth.stays}
+                try:
+                    write_rejoin(self.manifest, self.run_dir, name, i, growth.lead[name])
+                except OSError as exc:
+                    path = _rejoin_path(self.manifest, self.run_dir, name, i)
+                    growth.stays[name] = f"{path} cannot be written ({exc})"
+                    del growth.grown[name], growth.lead[name], endpoints[name]
+                    break
+        for name, why in growth.stays.items():
+            members = shrunk[name]
+            self.say(self.node, f"{name} stays at replicas {members} with node {node} back: {why}")
+        stays = {name: shrunk[name] for name in growth.stays}
+        for name, members in growth.grown.items():
+            if members == list(range(self.manifest.roles[name].replicas)):
+                shrunk.pop(name, None)
+            else:
+                shrunk[name] = list(members)
         said = {
             "grown": growth.grown,
             "lead": growth.lead,
             "endpoints": endpoints,
             "stays": stays,
             "lost": {str(n): g for n, g in sorted(self.losses.items())},
+            "sequence": len(self.decided) + 1,
+            "before": [list(d) for d in self.decided],
         }
+        self.decided.append((node, generation))
         await self.store.set(self.keys.grown(self.attempt, node, generation), json.dumps(said))
 
     async def _grow(self, supervisor: Supervisor, node: int, said: dict[str, Any]) -> None:
@@ -336,7 +433,9 @@ class MembershipFollower:
         A node this node has seen lost since node 0 decided (a loss node 0 had not applied,
         ``said["lost"]``) is out of each group: its ranks are left out of the members as
         ``plan`` leaves them out, so every node ends on the same members whichever it applied
-        first, the loss or the growth."""
+        first, the loss or the growth. When that loss took the replica node 0 named as the
+        lead, the returning ranks take the state of the lowest replica that stayed in the group
+        (none stayed: the named lead's, from its folder of the shared run directory)."""
         for name, members in said["stays"].items():  # the returning node learns them here
             self.membership.shrunk[name] = [int(i) for i in members]
         decided = {int(n): int(g) for n, g in said.get("lost", {}).items()}
@@ -355,6 +454,11 @@ class MembershipFollower:
                 for i, tcp in said["endpoints"].get(name, {}).items()
                 if int(i) in members
             }
+            stayed = [i for i in members if str(i) not in said["endpoints"].get(name, {})]
+            if lead not in members and stayed:
+                # The lead's node was lost since node 0 decided: the returning ranks take the
+                # state of the lowest replica that stayed in the group instead.
+                lead = stayed[0]
             grown[name] = members
             if members == list(range(role.replicas)):
                 self.membership.shrunk.pop(name, None)
@@ -570,9 +674,7 @@ def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead
 
     placement = manifest.roles[name].placement
     rejoin = Rejoin(lead=lead, folder=node_dir(run_dir, placement.node_of(lead)))
-    folder = os.path.join(
-        node_dir(run_dir, placement.node_of(replica)), "roles", f"{name}.{replica}"
-    )
+    folder = os.path.dirname(_rejoin_path(manifest, run_dir, name, replica))
     os.makedirs(folder, exist_ok=True)
     path = write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -581,6 +683,13 @@ def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead
     finally:
         os.close(fd)
     return path
+
+
+def _rejoin_path(manifest: Manifest, run_dir: str, name: str, replica: int) -> str:
+    """Where ``name``'s ``replica`` finds its ``REJOIN_FILE``: in the replica's folder of its
+    node under ``run_dir``."""
+    home = node_dir(run_dir, manifest.roles[name].placement.node_of(replica))
+    return os.path.join(home, "roles", f"{name}.{replica}", REJOIN_FILE)
 
 
 def record_change(run_dir: str, change: Change, say: Callable[[int, str], None]) -> None:

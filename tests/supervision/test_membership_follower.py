@@ -453,6 +453,8 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
         "endpoints": {"learner": {"1": "tcp://127.0.0.1:3201"}},
         "stays": {},
         "lost": {},
+        "sequence": 1,
+        "before": [],
     }
     seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
     assert (seen["shrunk"], seen["departed"]) == ({}, {})
@@ -531,6 +533,8 @@ def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
         "endpoints": {"learner": {"1": "tcp://127.0.0.1:3201"}},
         "stays": {},
         "lost": {"2": 1},
+        "sequence": 1,
+        "before": [],
     }
     assert supervisor_0.restarted == [("learner", [0, 2]), ("learner", [0]), ("learner", [0, 1])]
     assert node_0.view.members["learner"] == node_1.view.members["learner"] == [0, 1]
@@ -949,3 +953,292 @@ def test_status_asks_a_returned_node_at_its_new_agent(tmp_path: Any) -> None:
     ]
     assert seen(after) == [(0, "pid 1000"), (1, "pid 1001"), (2, "pid 1002")]
     assert [c["event"] for c in after["membership"]["changes"]] == ["node_lost", "node_back"]
+
+
+def _back_with_ranks(store: DictStore, node: int, generation: int) -> None:
+    """``node`` back from the loss of ``generation``, with its learner rank (on port 32<node>
+    should the group grow back)."""
+    record = NodeRecord(
+        replicas={"splitter": {node: f"tcp://127.0.0.1:30{node}1"}},
+        agent=f"tcp://127.0.0.1:30{node}0",
+        host=HostRecord(host="h", weights="/w", token="t"),
+        unserved={"learner": {node: f"tcp://127.0.0.1:220{node}"}},
+        regrow={"learner": {node: f"tcp://127.0.0.1:320{node}"}},
+    )
+    store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
+    store.values[KEYS.back(0, node)] = json.dumps({"generation": generation})
+
+
+def test_two_nodes_back_in_one_look_of_node_0_both_grow_the_group(tmp_path: Any) -> None:
+    """Nodes 1 and 2 are lost and the learner goes on with replica 0 alone; both come back
+    before node 0 looks again. Node 0 decides node 1's return first ([0, 1]), then node 2's
+    from the members the first grew to ([0, 1, 2]), in that order (``sequence``); node 1, which
+    applies both, ends on the same members."""
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_1.keep_shrunk({"learner": [0]}, [("learner", 1)], rejoining=1)
+        _back_with_ranks(store, 1, 1)
+        _back_with_ranks(store, 2, 1)
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    first = json.loads(store.values[KEYS.grown(0, 1, 1)])
+    second = json.loads(store.values[KEYS.grown(0, 2, 1)])
+    assert (first["grown"], second["grown"]) == ({"learner": [0, 1]}, {"learner": [0, 1, 2]})
+    assert (first["sequence"], first["before"]) == (1, [])
+    assert (second["sequence"], second["before"]) == (2, [[1, 1]])
+    assert [members for _, members in supervisor_0.restarted] == [
+        [0, 2],
+        [0],
+        [0, 1],
+        [0, 1, 2],
+    ]
+    assert node_0.view.members["learner"] == node_1.view.members["learner"] == [0, 1, 2]
+    assert node_0.membership.shrunk == node_1.membership.shrunk == {}
+    assert node_0.membership.departed == node_1.membership.departed == {}
+    assert supervisor_1.adopted == [("learner", 1)]
+
+
+def test_a_node_applies_growth_words_in_the_order_node_0_decided_them(tmp_path: Any) -> None:
+    """Nodes 1 and 2 are lost; node 2 comes back and node 0 decides that the learner grows to
+    [0, 2]; node 1 comes back and node 0 decides [0, 1, 2]. Node 2, which looks only now, has
+    both words to apply: it applies them in the order node 0 decided them, not in node order,
+    and ends on [0, 1, 2] as node 0 does."""
+    node_0, supervisor_0, _, _ = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    os.makedirs(tmp_path / "node-2")
+    node_2 = _follower(store, 2, str(tmp_path), SHARED)
+    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
+    supervisor_2 = Restarter(node_2.view)
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_2.keep_shrunk({"learner": [0]}, [("learner", 2)], rejoining=1)
+        _back_with_ranks(store, 2, 1)
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_ranks(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.grown(0, 2, 1)])["grown"] == {"learner": [0, 2]}
+    assert json.loads(store.values[KEYS.grown(0, 1, 1)])["grown"] == {"learner": [0, 1, 2]}
+    assert node_0.view.members["learner"] == node_2.view.members["learner"] == [0, 1, 2]
+    assert node_0.membership.shrunk == node_2.membership.shrunk == {}
+    assert supervisor_2.restarted == [("learner", [0, 2]), ("learner", [0, 1, 2])]
+    assert supervisor_2.adopted == [("learner", 2)]
+    assert supervisor_2.specs[0].members == [0, 2]
+
+
+def test_a_group_stays_smaller_when_a_rejoin_file_cannot_be_written(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Node 1 comes back while the shared run directory refuses writes: node 0 says that
+    replica 1's rejoin.json cannot be written and that the group stays at [0, 2], says so in
+    the store, and goes on following; node 1 starts no rank."""
+    from asyncrl.supervision import membership_follower
+
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    said: list[str] = []
+    node_0.say = lambda node, message: said.append(message)
+
+    def refuse(*args: Any, **kwargs: Any) -> str:
+        raise OSError(116, "Stale file handle")
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
+        with monkeypatch.context() as patch:
+            patch.setattr(membership_follower, "write_rejoin", refuse)
+            assert await node_0.follow(supervisor_0) == ""  # type: ignore[arg-type]
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    path = tmp_path / "node-1" / "roles" / "learner.1" / "rejoin.json"
+    assert [line for line in said if "stays" in line] == [
+        f"learner stays at replicas [0, 2] with node 1 back: {path} cannot be written "
+        "([Errno 116] Stale file handle)"
+    ]
+    decided = json.loads(store.values[KEYS.grown(0, 1, 1)])
+    assert (decided["grown"], decided["stays"]) == ({}, {"learner": [0, 2]})
+    assert supervisor_0.restarted == [("learner", [0, 2])]
+    assert supervisor_1.adopted == supervisor_1.restarted == []
+    assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 2]}
+    assert not path.exists()
+
+
+def test_a_node_that_misses_a_return_and_the_next_loss_follows_the_later_loss(
+    tmp_path: Any,
+) -> None:
+    """Node 1 is lost, comes back (node 0 grows the group back) and is lost again, all
+    between two looks of node 2: node 2 takes the later loss, so its formation of the group
+    is node 0's, and it waits on no word for the return in between."""
+    node_0, supervisor_0, _, _ = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    os.makedirs(tmp_path / "node-2")
+    node_2 = _follower(store, 2, str(tmp_path), SHARED)
+    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "ipc://c"])
+    supervisor_2 = Restarter(node_2.view)
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 2)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert node_0.view.formations == node_2.view.formations == {"learner": 3}
+    assert node_0.view.members["learner"] == node_2.view.members["learner"] == [0, 2]
+    assert node_2.losses == {1: 2}
+    assert node_2.growing == set()
+    assert supervisor_2.restarted == [("learner", [0, 2])]
+
+
+def test_a_returning_rank_takes_the_state_of_a_replica_left_when_the_lead_is_lost(
+    tmp_path: Any,
+) -> None:
+    """The learner's replica 0, its lead, runs on node 1. Node 2 is lost and the group goes on
+    with [0, 1]; node 2 comes back and node 0 decides that the group grows to [0, 1, 2], led by
+    replica 0; node 1 is lost before node 2 reads the word. Node 2 applies node 1's loss first
+    and grows the group to [1, 2]: its rank takes the state of replica 1, which stayed in the
+    group, not that of replica 0, which left it."""
+    from asyncrl.manifest.membership import Rejoin
+
+    manifest = SHARED.replace(
+        "placement: {nodes: [0, 1, 2]}\n    supervision",
+        "placement: {nodes: [1, 0, 2]}\n    supervision",
+    )
+    os.makedirs(tmp_path / "node-2")
+    store = DictStore()
+    node_0 = _follower(store, 0, str(tmp_path), manifest)
+    node_0.view.groups["learner"] = GroupInfo(["tcp://a", "ipc://b", "tcp://c"])
+    supervisor_0 = Restarter(node_0.view)
+    node_2 = _follower(store, 2, str(tmp_path), manifest)
+    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
+    supervisor_2 = Restarter(node_2.view)
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_2.keep_shrunk({}, [("learner", 2)], rejoining=1)
+        _back_with_ranks(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    decided = json.loads(store.values[KEYS.grown(0, 2, 1)])
+    assert (decided["grown"], decided["lead"]) == ({"learner": [0, 1, 2]}, {"learner": 0})
+    assert node_0.view.members["learner"] == node_2.view.members["learner"] == [1, 2]
+    assert supervisor_2.adopted == [("learner", 2)]
+    rejoin = msgspec.json.decode(
+        (tmp_path / "node-2" / "roles" / "learner.2" / "rejoin.json").read_bytes(), type=Rejoin
+    )
+    assert rejoin == Rejoin(lead=1, folder=str(tmp_path))
+
+
+class LateStore(DictStore):
+    """A ``DictStore`` whose ``peek`` does not yet see the keys in ``late``: they were set
+    after the follower looked at them in the same pass."""
+
+    def __init__(self, store: DictStore) -> None:
+        self.values, self.writes, self.changed = store.values, store.writes, store.changed
+        self.late: set[str] = set()
+
+    async def peek(self, key: str) -> str | None:
+        return None if key in self.late else self.values.get(key)
+
+
+def test_a_growth_word_waits_for_the_return_node_0_decided_before_it(tmp_path: Any) -> None:
+    """Nodes 1 and 2 are lost; both come back, and node 0 decides node 1's return ([0, 1])
+    before node 2's ([0, 1, 2]). Node 2 reads its word in a pass that has not yet seen node 1
+    back: it holds the word back until it has seen that return and applied its word first, and
+    ends on [0, 1, 2] as node 0 does."""
+    node_0, supervisor_0, _, _ = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    os.makedirs(tmp_path / "node-2")
+    late = LateStore(store)
+    node_2 = _follower(late, 2, str(tmp_path), SHARED)
+    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
+    supervisor_2 = Restarter(node_2.view)
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_2.keep_shrunk({"learner": [0]}, [("learner", 2)], rejoining=1)
+        _back_with_ranks(store, 2, 1)
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        _back_with_ranks(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        late.late = {KEYS.back(0, 1)}
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        assert (supervisor_2.adopted, node_2.growing) == ([], {(2, 1)})
+        late.late = set()
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.grown(0, 2, 1)])["before"] == [[1, 1]]
+    assert node_0.view.members["learner"] == node_2.view.members["learner"] == [0, 1, 2]
+    assert node_0.membership.shrunk == node_2.membership.shrunk == {}
+    assert supervisor_2.restarted == [("learner", [0, 1]), ("learner", [0, 1, 2])]
+    assert supervisor_2.adopted == [("learner", 2)]
+    assert supervisor_2.specs[0].members == [0, 1, 2]
+
+
+def test_a_rejoining_node_takes_a_return_decided_before_its_own_from_its_own_word(
+    tmp_path: Any,
+) -> None:
+    """Nodes 1 and 2 are lost; node 2 comes back and node 0 grows the learner to [0, 2]; node 1
+    comes back and node 0 grows it to [0, 1, 2]. Node 1's agent looks for the first time only
+    now: node 2's return came before it, and its word before node 1's, whose members hold it
+    already: node 1 applies its own word alone, and reaches node 2's rank at its new port."""
+    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
+    store: DictStore = node_0.store  # type: ignore[assignment]
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _lose(store, 1, 1)
+        _lose(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        _back_with_ranks(store, 2, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        node_1.keep_shrunk({"learner": [0]}, [("learner", 1)], rejoining=1)
+        _back_with_ranks(store, 1, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert json.loads(store.values[KEYS.grown(0, 1, 1)])["grown"] == {"learner": [0, 1, 2]}
+    assert node_0.view.members["learner"] == node_1.view.members["learner"] == [0, 1, 2]
+    assert node_1.membership.shrunk == {}
+    assert supervisor_1.restarted == [("learner", [0, 1, 2])]
+    assert [(c.event, c.node) for c in node_1.membership.changes] == [("group_grown", 1)]
+    assert node_1.view.groups["learner"].endpoints[2] == "tcp://127.0.0.1:3202"
+    assert node_1.membership.moved["learner"][2] == Moved(2, "tcp://127.0.0.1:3202")
+    assert node_1.growing == set()
