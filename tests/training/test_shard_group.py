@@ -16,16 +16,19 @@ import sys
 import threading
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C10d
 
+from asyncrl.manifest.membership import REJOIN_FILE, Rejoin
 from asyncrl.role import RoleContext
 from asyncrl.roles.training.checkpoints import CheckpointDir, CheckpointError
 from asyncrl.roles.training.data_parallel import PREFIX_ENV, STORE_ENV
 from asyncrl.roles.training.journal import Journal
 from asyncrl.roles.training.learner import Learner
-from asyncrl.roles.training.shard_group import GROUP_KEY, ShardGroup
+from asyncrl.roles.training.rejoin import take_lead_state
+from asyncrl.roles.training.shard_group import GROUP_KEY, WRITTEN_IN, ShardGroup
 from asyncrl.roles.training.wal import StepEntry
 from asyncrl.supervision.faults import FaultPlan
 from tests.conftest import ROOT
@@ -507,3 +510,56 @@ def test_ranks_that_see_the_run_directory_at_other_paths_find_each_others_folder
     assert groups[1].folders == [folder_of(mount, 0, 0), folders[1]]
     assert groups[0].relative() == [".", "../../../node-1/roles/learner.1/checkpoints"]
     assert groups[1].relative() == ["../../../../roles/learner.0/checkpoints", "."]
+
+
+def test_a_returning_sharded_rank_restores_the_lead_s_checkpoint_not_its_own_stale_ones(
+    tmp_path: Any,
+) -> None:
+    """Two sharded ranks wrote steps 3 and 6 (weights all ``step``, each rank its shard); node
+    1 was lost with step 6 torn on node 1, so replica 0 went back to step 3 alone and wrote
+    steps 6 and 9 whole (weights ``100 + step``, no group). Node 1's stale step 6 is then made
+    complete again, as a node that finished it after node 0 took it as lost would. As the group
+    grows back, replica 1 takes the lead's state: its own stale step 6 is gone, step 3 (the
+    group's, which the lead still holds) stays its own shard, and the lead's 6 and 9 are
+    linked, each naming the folder it was written in. Both ranks then agree on step 9 and load
+    it from the lead's folder alone (a whole state, to be resharded), not from replica 1's."""
+    run_dir = str(tmp_path / "run")
+    writers = [folder_of(run_dir, r, r) for r in range(2)]
+    write_group(writers, [3, 6], writers)
+    lead, stale = (CheckpointDir(w, 5, FaultPlan.from_env(0)) for w in writers)
+    lead.drop_after(3)
+    for step in (6, 9):
+        lead.save(step, {"w": torch.full((4,), 100.0 + step)})
+    back = RoleContext(
+        name="learner",
+        replica=1,
+        run_dir=os.path.join(run_dir, "node-1"),
+        replicas=2,
+        log=logging.getLogger("test_shard_group"),
+    )
+    with open(back.path(REJOIN_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Rejoin(lead=0, folder=run_dir)))
+    assert stale.steps() == [3, 6]
+
+    assert take_lead_state(back, sharded=True) is True
+    assert stale.steps() == [3, 6, 9]
+    assert not os.path.exists(os.path.join(stale.dir_of(3), WRITTEN_IN))  # its own shard
+    for step in (6, 9):
+        with open(os.path.join(stale.dir_of(step), WRITTEN_IN)) as f:
+            assert f.read() == "../../../../roles/learner.0/checkpoints"
+        assert not os.path.exists(os.path.join(lead.dir_of(step), WRITTEN_IN))
+        assert torch.equal(
+            CheckpointDir.load(stale.dir_of(step))["w"], torch.full((4,), 100.0 + step)
+        )
+
+    ranks = ThreadRanks(2)
+    pairs = [journal(writers[r], writers, ThreadRank(ranks, r)) for r in range(2)]
+    assert restore_ranks(pairs) == [lead.dir_of(9), stale.dir_of(9)]
+    for (_, group), path in zip(pairs, (lead.dir_of(9), stale.dir_of(9)), strict=True):
+        assert group.writers(9) == [writers[0]]
+        states = group.states(path, CheckpointDir.load(path))
+        assert states is not None and len(states) == 1
+        assert torch.equal(states[0]["w"], torch.full((4,), 109.0))
+        assert states[0].get("world") is None
+    # Step 3, which both ranks wrote, is each rank's own shard of the group that wrote it.
+    assert [g.writers(3) for _, g in pairs] == [None, None]
