@@ -298,6 +298,74 @@ def test_three_sharded_ranks_go_on_as_two_from_the_three_ranks_shards(tmp_path: 
             assert torch.equal(value, left["weights"][name]), (replica, name)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_sharded_rank_grows_back_to_two_from_the_lead_s_checkpoint(tmp_path: Any) -> None:
+    """Two FSDP ranks on nodes 0 and 1 train 4 steps (a checkpoint at 3); node 1 lost: replica
+    0 alone trains to step 8 (whole checkpoints at 4 and 7). Node 1 back, the group grows to
+    two again: replica 1, told to rejoin from replica 0, takes its state, and both ranks load
+    the lead's step 7 (one whole state) resharded to two, replay step 8 and train on,
+    with the shards of a group of 2 given that state and fed the same batches, bit for bit;
+    replica 1's own step 3 from before the loss is not what it restores."""
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    root = str(tmp_path / "run")
+    folders = [root, os.path.join(root, "node-1")]
+    common = {"config": CONFIG, "replicas": 2, "kept": [], "out": ""}
+    before, alone, after = 4, 8, 10
+    run_group(
+        store,
+        "two",
+        [
+            {**common, "replica": r, "members": [], "run_dir": folders[r], "incarnation": 0}
+            | {"first": 0, "last": before}
+            for r in range(2)
+        ],
+    )
+    run_group(
+        store,
+        "one",
+        [
+            {**common, "replica": 0, "members": [0], "run_dir": root, "incarnation": 1}
+            | {"first": before, "last": alone}
+        ],
+    )
+    lead, stale = checkpoints(folders[0], 0), checkpoints(folders[1], 1)
+    restore = 7  # every 3 steps from the replayed state's checkpoint at 4
+    assert (lead.steps(), stale.steps()) == ([3, 4, restore], [3])
+    kept = [shutil.copytree(lead.dir_of(restore), str(tmp_path / "kept.0"))]
+    with open(os.path.join(folders[1], "roles", "learner.1", REJOIN_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Rejoin(lead=0, folder=root)))
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(
+        store,
+        "grown",
+        [
+            {**common, "replica": r, "members": [], "run_dir": folders[r], "incarnation": 2}
+            | {"first": alone, "last": after, "out": os.path.join(out, f"grown.{r}.pt")}
+            for r in range(2)
+        ],
+    )
+    run_group(
+        store,
+        "reference",
+        [
+            {**common, "replica": r, "members": []}
+            | {"run_dir": str(tmp_path / f"reference.{r}"), "incarnation": 0, "kept": kept}
+            | {"first": restore, "last": after, "out": os.path.join(out, f"reference.{r}.pt")}
+            for r in range(2)
+        ],
+    )
+    for rank in range(2):
+        grown = torch.load(os.path.join(out, f"grown.{rank}.pt"))
+        expected = torch.load(os.path.join(out, f"reference.{rank}.pt"))
+        assert grown["status"] == [restore, alone - restore]
+        for name, value in expected["weights"].items():
+            assert torch.equal(value, grown["weights"][name]), (rank, name)
+    assert not os.path.exists(os.path.join(folders[1], "roles", "learner.1", REJOIN_FILE))
+
+
 # -- restoring across the writers' folders, without processes ----------------------------------
 
 
