@@ -1,4 +1,4 @@
-"""A replicated rank that rejoins its data-parallel group takes the lead's state first.
+"""A rank that rejoins its data-parallel group takes the lead's state first.
 
 A group over several nodes that went on at a smaller size after a node's loss grows back when
 the node comes back (docs/multinode.md, ``asyncrl.manifest.membership.grow``). The ranks that
@@ -17,7 +17,9 @@ bytes the lead's files hold, and the take costs a few file-system operations per
 whatever the model's size. All of them are linked, as cheap as one, so the rank holds every
 step the lead holds and agrees with any rank of the group on an older one. Where a link
 cannot be made (the rank's folder on another filesystem than the lead's), only the newest is
-copied: the checkpoint the group resumes from.
+copied: the checkpoint the group resumes from. A sharded rank's linked checkpoints hold the
+lead's shards; each gets a ``WRITTEN_IN`` file naming the lead's folder, so its group is read
+from there (``asyncrl.roles.training.shard_group``).
 
 It runs once the group has formed at its new size (``DataParallel.join``), before any rank
 restores, within the group's collective deadline (the lead waits for this rank in
