@@ -25,10 +25,10 @@ node, so every node reaches the same answer without asking:
 
 When a node whose ranks a group went on without comes back, node 0 decides whether the group
 *grows* back (``grow``): with ``run.shared_storage`` and the role's ``supervision.regrow`` (the
-default), a replicated group re-forms with its ranks on that node again, in rank order, each
-returning rank first taking the lead's state (``Rejoin``: its newest checkpoints, write-ahead log
-and step ledger, read from the lead's folder); otherwise, or when the group is sharded or would
-change its lead, it stays at its smaller size, and ``grow`` says why.
+default), a group (replicated or sharded) re-forms with its ranks on that node again, in rank
+order, each returning rank first taking the lead's state (``Rejoin``: its newest checkpoints,
+write-ahead log and step ledger, read from the lead's folder); otherwise, or when the group
+would change its lead, it stays at its smaller size, and ``grow`` says why.
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``), a role
@@ -269,8 +269,6 @@ def grows_back(manifest: Manifest, name: str) -> str:
             "the run directory is not on shared storage (run.shared_storage: false), so a "
             "returning rank cannot read the lead's checkpoints and log"
         )
-    if sharded(manifest, name):
-        return "a sharded group (parallel: fsdp) does not grow back"
     return ""
 
 
@@ -343,10 +341,10 @@ def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
     does not grow back when the node returns, or not after every node's loss, with the fix
     (a group whose ``supervision.regrow`` is false is said to stay smaller, and gets none):
 
-    - a replicated group without ``run.shared_storage`` (``grows_back``) never grows back;
-    - a sharded group (``parallel: fsdp``) with it goes on smaller but never grows back;
-    - a replicated group with it whose replica 0 is placed on a node other than 0 stays
-      smaller after that node's loss: the returning replica 0 would take the lead over
+    - a replicated group without ``run.shared_storage`` (``grows_back``) never grows back (a
+      sharded one without it does not go on smaller: ``node_loss_warnings`` warns of it);
+    - a group with it (replicated or sharded) whose replica 0 is placed on a node other than
+      0 stays smaller after that node's loss: the returning replica 0 would take the lead over
       (``grow``)."""
     notes = []
     for name, role in manifest.roles.items():
@@ -356,16 +354,9 @@ def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
             continue
         group = f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}"
         first = role.placement.node_of(0)
-        if sharded(manifest, name):
-            if manifest.run.shared_storage:
-                notes.append(
-                    f"{group}, sharded (parallel: fsdp): after losing node {others[0]} it goes "
-                    f"on without that node's ranks, and stays so for the rest of the run when "
-                    f"the node comes back, because a sharded group does not grow back. To have "
-                    f"it grow back, use parallel: replicate; to say it stays smaller, set "
-                    f"roles.{name}.supervision.regrow: false"
-                )
-        elif not manifest.run.shared_storage:
+        if sharded(manifest, name) and not manifest.run.shared_storage:
+            continue  # it does not go on smaller at all: ``node_loss_warnings`` says so
+        if not manifest.run.shared_storage:
             notes.append(
                 f"{group}: after losing node {others[0]} it goes on without that node's ranks, "
                 f"and stays so when the node comes back, because a returning rank takes the "

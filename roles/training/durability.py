@@ -101,9 +101,9 @@ class Durability:
         self.ctx = ctx
         self.dp = dp
         self.sharded = sharded
-        if dp is not None and not sharded:
+        if dp is not None:
             # A rank back in its group as it grows: the lead's state is the group's now.
-            take_lead_state(ctx)
+            take_lead_state(ctx, sharded)
         self.faults = FaultPlan.from_env(ctx.incarnation)
         self.checkpoints = CheckpointDir(
             ctx.path("checkpoints"), keep, self.faults, pin, ctx.log.warning

@@ -1,4 +1,4 @@
-"""A replicated rank that rejoins its data-parallel group takes the lead's state first.
+"""A rank that rejoins its data-parallel group takes the lead's state first.
 
 A group over several nodes that went on at a smaller size after a node's loss grows back when
 the node comes back (docs/multinode.md, ``asyncrl.manifest.membership.grow``). The ranks that
@@ -19,7 +19,9 @@ step the lead holds and agrees with any rank of the group on an older one. Where
 cannot be made (the rank's folder on another filesystem than the lead's, or one without hard
 links), they are copied, all of them (at most the learner's ``keep``): the group resumes from
 the oldest of its ranks' newest checkpoints, and a rank that went on beside the lead may be one
-behind it.
+behind it. A sharded rank's linked checkpoints hold the lead's shards; each gets a
+``WRITTEN_IN`` file naming the lead's folder, so its group is read from there
+(``asyncrl.roles.training.shard_group``).
 
 It runs once the group has formed at its new size (``DataParallel.join``), before any rank
 restores, within the group's collective deadline (the lead waits for this rank in
@@ -43,8 +45,9 @@ import msgspec
 
 from asyncrl.manifest.membership import REJOIN_FILE, Rejoin
 from asyncrl.role import RoleContext
-from asyncrl.roles.training.checkpoints import CheckpointError, fsync_dir, problem
+from asyncrl.roles.training.checkpoints import CheckpointError, fsync_dir, problem, read_values
 from asyncrl.roles.training.journal import wal_path
+from asyncrl.roles.training.shard_group import WRITTEN_IN, written_by, written_in
 
 __all__ = ["take_lead_state"]
 
@@ -53,10 +56,17 @@ _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOT
 hard links, or a file with too many links already."""
 
 
-def take_lead_state(ctx: RoleContext) -> bool:
+def take_lead_state(ctx: RoleContext, sharded: bool = False) -> bool:
     """When the rank's folder holds a ``rejoin.json``: replace its checkpoints (hard links of
     the lead's complete ones), write-ahead log and step ledger with the lead's, then remove the
     file. Returns whether it did.
+
+    A ``sharded`` rank (``parallel: fsdp``): each linked checkpoint holds the lead's shards and
+    names its group relative to the folder it was written in, so a ``WRITTEN_IN`` file beside
+    it names that folder (``asyncrl.roles.training.shard_group``), and the group loads it from
+    its writers' folders. A lead's checkpoint whose writers include this rank's own folder (the
+    group wrote it before the loss, and the lead still holds it) is not linked: the rank keeps
+    its own checkpoint of that step, its shards of it, when it holds it complete.
 
     Raises:
         CheckpointError: the file does not decode, or the lead's checkpoint folder is not
@@ -94,12 +104,41 @@ def take_lead_state(ctx: RoleContext) -> bool:
     )
 
     how: list[str] = []
+    taken: list[int] = []
+    folder = os.path.normpath(os.path.abspath(os.path.join(own, "checkpoints")))
+
+    def take(name: str, put: Callable[[str, str], object]) -> None:
+        """Put the lead's checkpoint ``name`` into the folder being built (``put``), or, for a
+        sharded rank, this rank's own of that step where the lead's names it as a writer."""
+        lead_dir = os.path.join(source, name)
+        taken.append(int(name[len("step-") :]))
+        if not sharded:
+            put(lead_dir, os.path.join(building, name))
+            return
+        writers = written_by(lead_dir, read_values(lead_dir), several=True) or []
+        if folder in writers:
+            mine = os.path.join(folder, name)
+            if problem(mine) is None:
+                put(mine, os.path.join(building, name))
+            else:
+                taken.pop()
+            return
+        put(lead_dir, os.path.join(building, name))
+        mark = os.path.join(building, name, WRITTEN_IN)
+        if os.path.lexists(mark):
+            os.remove(mark)  # a link of the lead's own file: never written into
+        with open(mark, "w") as f:
+            f.write(os.path.relpath(written_in(lead_dir), folder))
+
+    building = ""
 
     def checkpoints(into: str) -> None:
+        nonlocal building
+        building = into
         os.makedirs(into)
         try:
             for name in complete:
-                _link_tree(os.path.join(source, name), os.path.join(into, name))
+                take(name, _link_tree)
             how.append("linked")
         except OSError as exc:
             if exc.errno not in _NO_LINK:
@@ -109,8 +148,9 @@ def take_lead_state(ctx: RoleContext) -> bool:
             # beside the lead may be one behind it (its save cut off by the group's restart).
             shutil.rmtree(into)
             os.makedirs(into)
+            taken.clear()
             for name in complete:
-                shutil.copytree(os.path.join(source, name), os.path.join(into, name))
+                take(name, shutil.copytree)
             how.append("copied")
 
     _replace(os.path.join(own, "checkpoints"), checkpoints)
@@ -132,7 +172,7 @@ def take_lead_state(ctx: RoleContext) -> bool:
     fsync_dir(own)
     ctx.log.info(
         f"{ctx.name}.{ctx.replica}: rejoining its group, took the state of {lead}, its lead: "
-        f"checkpoints {[int(n[len('step-') :]) for n in complete]} ({''.join(how)}), its "
+        f"checkpoints {taken} ({''.join(how)}), its "
         f"write-ahead log and step ledger"
     )
     return True

@@ -15,6 +15,18 @@ resharded to its own group's size (``Trainer.load_states``). Every rank logs eve
 whole batch in its own write-ahead log, so the ranks left replay the steps after it from their
 own logs.
 
+A checkpoint without ``group`` that holds a whole state (no ``world``: a group of one rank
+wrote it, training alone) counts as written by its own folder's rank alone: a sharded group of
+several ranks loads it from that folder and reshards it (the group grows back from one rank).
+
+When the group grows back, a returning rank takes the lead's checkpoints
+(``asyncrl.roles.training.rejoin``): hard links, in its own folder, of the lead's. Such a
+checkpoint holds the lead's shards, and its ``group`` is relative to the lead's folder, so the
+take leaves beside it a file, ``WRITTEN_IN``, naming the folder it was written in (relative
+to this rank's); the rank reads its ``group`` from there and loads it from its writers'
+folders, never as its own shards. The take links none whose writers include the returning
+rank's own folder: it keeps its own checkpoint of that step, its shards of the group's state.
+
 Reading another rank's folder needs the run directory on storage every node shares
 (``run.shared_storage`` in the manifest); a writer's folder that is not there at all is an
 error that says so.
@@ -36,12 +48,41 @@ from asyncrl.roles.training.checkpoints import (
 from asyncrl.roles.training.data_parallel import DataParallel
 from asyncrl.safe_files import UnsafePathError, open_dir, open_subdir
 
-__all__ = ["GROUP_KEY", "ShardGroup"]
+__all__ = ["GROUP_KEY", "WRITTEN_IN", "ShardGroup", "written_by"]
 
 _NODE = re.compile(r"^node-\d+\Z")
 
 GROUP_KEY = "group"
 """The key of a sharded checkpoint that lists the folders of the group that wrote it."""
+
+WRITTEN_IN = "WRITTEN_IN"
+"""The file beside a checkpoint taken from another rank's folder (a hard link of the lead's, as
+the group grows back) that names the folder it was written in, relative to the one it is in."""
+
+
+def written_in(checkpoint: str) -> str:
+    """The folder the checkpoint directory ``checkpoint`` was written in (absolute): the one it
+    is in, or the one its ``WRITTEN_IN`` file names."""
+    here = os.path.dirname(os.path.normpath(os.path.abspath(checkpoint)))
+    try:
+        with open(os.path.join(checkpoint, WRITTEN_IN)) as f:
+            return os.path.normpath(os.path.join(here, f.read().strip()))
+    except FileNotFoundError:
+        return here
+
+
+def written_by(checkpoint: str, values: dict[str, Any], several: bool) -> list[str] | None:
+    """The checkpoint folders of the group that wrote the checkpoint directory ``checkpoint``
+    (its plain ``values``), in rank order: its ``group`` read from the folder it was written in;
+    a whole state (no ``world``) with none, read by a group of ``several`` ranks: that folder
+    alone; else None (a whole state or one that names no group, read by one rank)."""
+    origin = written_in(checkpoint)
+    recorded = values.get(GROUP_KEY)
+    if recorded:
+        return [os.path.normpath(os.path.join(origin, str(f))) for f in recorded]
+    if several and values.get("world") is None:
+        return [origin]
+    return None
 
 
 def _layout(folder: str) -> tuple[str, str]:
@@ -114,11 +155,13 @@ class ShardGroup:
             CheckpointError: its values do not read; a folder it names is not a rank's
                 checkpoint folder of this role in this run directory, or lies through a link.
         """
-        recorded = read_values(self.checkpoints.dir_of(step)).get(GROUP_KEY)
-        if not recorded:
-            return None
-        folders = [os.path.normpath(os.path.join(self._own, str(f))) for f in recorded]
-        if folders == self.folders:
+        where = self.checkpoints.dir_of(step)
+        values = read_values(where)
+        origin = written_in(where)
+        if origin != self._own:
+            self._confined(step, -1, origin)
+        folders = written_by(where, values, len(self.folders) > 1)
+        if folders is None or (folders == self.folders and origin == self._own):
             return None
         for rank, folder in enumerate(folders):
             self._confined(step, rank, folder)
@@ -139,9 +182,10 @@ class ShardGroup:
         (``RUN_DIR/[node-R/]roles/<role>.<replica>/checkpoints``), reached through no link."""
         role = re.escape(self.name.rsplit(".", 1)[0])
         shape = re.compile(rf"^(node-\d+/)?roles/{role}\.\d+/checkpoints\Z")
+        what = f"rank {rank}'s folder of it" if rank >= 0 else "the folder it was written in"
         head = (
             f"{self.name}: the checkpoint of step {step} in {self.checkpoints.path} names "
-            f"{folder} as rank {rank}'s folder of it"
+            f"{folder} as {what}"
         )
         for run_dir in self._run_dirs():
             rel = os.path.relpath(folder, run_dir)
@@ -237,7 +281,8 @@ class ShardGroup:
         if writers is None:
             return None
         where = os.path.basename(path)
+        origin = written_in(path)
         return [
-            own if folder == self._own else CheckpointDir.load(os.path.join(folder, where))
+            own if folder == origin else CheckpointDir.load(os.path.join(folder, where))
             for folder in writers
         ]

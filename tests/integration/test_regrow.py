@@ -6,8 +6,9 @@ how), the learner's two replicated ranks on nodes 0 and 1, the run directory sha
 Node 1 is lost after a few RL steps and its torchrun started again: node 0 decides that the
 group grows back to both ranks, replica 1 takes replica 0's checkpoints, write-ahead log and
 step ledger, and the group trains on at two ranks to the end, with nothing lost, nothing counted
-twice and no step repeated or skipped. With ``supervision.regrow: false`` the group stays at
-replica 0 alone.
+twice and no step repeated or skipped. Sharded (``parallel: fsdp``), the group grows back the
+same way, both ranks loading replica 0's checkpoint resharded to two. With
+``supervision.regrow: false`` the group stays at replica 0 alone.
 """
 
 from __future__ import annotations
@@ -158,6 +159,58 @@ def test_a_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> 
     assert mine.keys() == theirs.keys() and len(mine) > 4
     assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == []
     # Replica 1 trained every step to the end, after the group grew back.
+    assert figures["learner_steps"] == _last_ledger_step(nodes, 1) == _last_ledger_step(nodes, 0)
+    assert nodes.tracebacks() == [], nodes.logs()
+    print(
+        f"grown back {grown_after:.1f} s after node 1's torchrun started again, at step "
+        f"{at_growth}; newest common checkpoint step {newest}; "
+        f"{time.monotonic() - started:.0f} s in all; {figures}"
+    )
+
+
+def test_a_sharded_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> None:
+    """As above with the learner's two ranks sharded (``parallel: fsdp``): replica 0 trains on
+    whole after node 1's loss; once node 1 is back the group grows to [0, 1], replica 1 takes
+    replica 0's state (links of its whole checkpoints, each naming replica 0's folder), both
+    ranks load replica 0's checkpoint resharded to two, and the run completes with nothing
+    lost, counted twice, repeated or skipped; each rank's checkpoints after the growth hold
+    its shards of a group of two, naming both ranks' folders."""
+    from asyncrl.roles.training.checkpoints import read_values
+
+    started = time.monotonic()
+    _launch(nodes, "roles.learner.config.parallel=fsdp")
+    back = _lose_and_bring_back(nodes)
+    nodes.wait(
+        "the learner's group grown back",
+        lambda: any(c.get("event") == "group_grown" for c in _changes(nodes)),
+        timeout=180,
+    )
+    grown_after = time.monotonic() - back
+    at_growth = _steps(nodes)
+    lead = nodes.path(0, "roles", "learner.0", "checkpoints")
+    rejoined = nodes.path(1, "roles", "learner.1", "checkpoints")
+    copied = max(_checkpoints(lead))
+    figures = _figures(nodes)
+    assert at_growth < RL_STEPS, "the run ended before the group grew back"
+    seen = _json(nodes.path(0, "membership.json"))
+    assert [(c["event"], c["grown"]) for c in seen["changes"]] == [
+        ("node_lost", {}),
+        ("node_back", {}),
+        ("group_grown", {"learner": [0, 1]}),
+    ]
+    assert figures["restarts"]["learner"] == 2, nodes.logs()
+    with open(nodes.path(1, "logs", "learner.1.jsonl")) as f:
+        said = f.read()
+    assert "rejoining its group, took the state of learner.0, its lead" in said
+    assert "was written by a group of 1 rank(s); loading their shards at a group of 2" in said
+    newest = max(_checkpoints(lead) & _checkpoints(rejoined))
+    assert newest > copied
+    for folder, group in (
+        (lead, [".", "../../../node-1/roles/learner.1/checkpoints"]),
+        (rejoined, ["../../../../roles/learner.0/checkpoints", "."]),
+    ):
+        values = read_values(os.path.join(folder, f"step-{newest:08d}"))
+        assert (values["world"], values["group"]) == (2, group)
     assert figures["learner_steps"] == _last_ledger_step(nodes, 1) == _last_ledger_step(nodes, 0)
     assert nodes.tracebacks() == [], nodes.logs()
     print(

@@ -249,8 +249,6 @@ def test_a_group_stays_smaller_without_shared_storage_or_when_the_manifest_says_
         "supervision: {strategy: one_for_all, regrow: false}",
     )
     assert stays(no_regrow, [0]) == "roles.learner.supervision.regrow is false"
-    fsdp = SHARED + "    config: {parallel: fsdp}\n"
-    assert stays(fsdp, [0]) == "a sharded group (parallel: fsdp) does not grow back"
     led_by_1 = SHARED.replace("nodes: [0, 1]}", "nodes: [1, 0]}")
     assert stays(led_by_1, [1]) == (
         "its returning replica 0 would lead it in place of replica 1, and a group does not "
@@ -300,21 +298,22 @@ def test_a_group_led_from_a_node_other_than_0_is_noted_at_load_with_the_fix() ->
     assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
 
 
-def test_a_sharded_group_on_shared_storage_is_noted_at_load_to_stay_smaller() -> None:
+def test_a_sharded_group_on_shared_storage_grows_back_and_is_not_noted_at_load() -> None:
     """A sharded group over nodes 0 and 1 with run.shared_storage goes on smaller after node
-    1's loss and does not grow back: said as the launch loads, with the fix. Without shared
-    storage the node-loss warning says what happens instead (every node restarts)."""
-    from asyncrl.manifest.membership import node_loss_warnings, regrow_notes
+    1's loss and grows back when node 1 returns, as a replicated one does: nothing is said as
+    the launch loads. Without shared storage it does not go on smaller at all, which the
+    node-loss warning says (every node restarts); no note besides."""
+    from asyncrl.manifest.membership import grow, node_loss_warnings, regrow_notes
 
     fsdp = SHARED + "    config: {parallel: fsdp}\n"
     manifest = parse_manifest(fsdp, nodes=3)
+    growth = grow(manifest, {"learner": [0]}, 1)
+    assert (growth.grown, growth.lead, growth.stays) == ({"learner": [0, 1]}, {"learner": 0}, {})
     assert node_loss_warnings(manifest, 3) == []
-    assert regrow_notes(manifest, 3) == [
-        "roles.learner: its 2 replicas form one group over nodes [0, 1], sharded (parallel: "
-        "fsdp): after losing node 1 it goes on without that node's ranks, and stays so for the "
-        "rest of the run when the node comes back, because a sharded group does not grow back. "
-        "To have it grow back, use parallel: replicate; to say it stays smaller, set "
-        "roles.learner.supervision.regrow: false"
+    assert regrow_notes(manifest, 3) == []
+    led_from_1 = parse_manifest(fsdp.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
+    assert [n.split(":")[1] for n in regrow_notes(led_from_1, 3)] == [
+        " its 2 replicas form one group over nodes [0, 1], its replica 0 on node 1"
     ]
     unshared = parse_manifest(MANIFEST + "    config: {parallel: fsdp}\n", nodes=3)
     assert regrow_notes(unshared, 3) == []

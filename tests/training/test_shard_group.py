@@ -16,16 +16,19 @@ import sys
 import threading
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C10d
 
+from asyncrl.manifest.membership import REJOIN_FILE, Rejoin
 from asyncrl.role import RoleContext
 from asyncrl.roles.training.checkpoints import CheckpointDir, CheckpointError
 from asyncrl.roles.training.data_parallel import PREFIX_ENV, STORE_ENV
 from asyncrl.roles.training.journal import Journal
 from asyncrl.roles.training.learner import Learner
-from asyncrl.roles.training.shard_group import GROUP_KEY, ShardGroup
+from asyncrl.roles.training.rejoin import take_lead_state
+from asyncrl.roles.training.shard_group import GROUP_KEY, WRITTEN_IN, ShardGroup
 from asyncrl.roles.training.wal import StepEntry
 from asyncrl.supervision.faults import FaultPlan
 from tests.conftest import ROOT
@@ -295,6 +298,74 @@ def test_three_sharded_ranks_go_on_as_two_from_the_three_ranks_shards(tmp_path: 
             assert torch.equal(value, left["weights"][name]), (replica, name)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_sharded_rank_grows_back_to_two_from_the_lead_s_checkpoint(tmp_path: Any) -> None:
+    """Two FSDP ranks on nodes 0 and 1 train 4 steps (a checkpoint at 3); node 1 lost: replica
+    0 alone trains to step 8 (whole checkpoints at 4 and 7). Node 1 back, the group grows to
+    two again: replica 1, told to rejoin from replica 0, takes its state, and both ranks load
+    the lead's step 7 (one whole state) resharded to two, replay step 8 and train on,
+    with the shards of a group of 2 given that state and fed the same batches, bit for bit;
+    replica 1's own step 3 from before the loss is not what it restores."""
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    root = str(tmp_path / "run")
+    folders = [root, os.path.join(root, "node-1")]
+    common = {"config": CONFIG, "replicas": 2, "kept": [], "out": ""}
+    before, alone, after = 4, 8, 10
+    run_group(
+        store,
+        "two",
+        [
+            {**common, "replica": r, "members": [], "run_dir": folders[r], "incarnation": 0}
+            | {"first": 0, "last": before}
+            for r in range(2)
+        ],
+    )
+    run_group(
+        store,
+        "one",
+        [
+            {**common, "replica": 0, "members": [0], "run_dir": root, "incarnation": 1}
+            | {"first": before, "last": alone}
+        ],
+    )
+    lead, stale = checkpoints(folders[0], 0), checkpoints(folders[1], 1)
+    restore = 7  # every 3 steps from the replayed state's checkpoint at 4
+    assert (lead.steps(), stale.steps()) == ([3, 4, restore], [3])
+    kept = [shutil.copytree(lead.dir_of(restore), str(tmp_path / "kept.0"))]
+    with open(os.path.join(folders[1], "roles", "learner.1", REJOIN_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Rejoin(lead=0, folder=root)))
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(
+        store,
+        "grown",
+        [
+            {**common, "replica": r, "members": [], "run_dir": folders[r], "incarnation": 2}
+            | {"first": alone, "last": after, "out": os.path.join(out, f"grown.{r}.pt")}
+            for r in range(2)
+        ],
+    )
+    run_group(
+        store,
+        "reference",
+        [
+            {**common, "replica": r, "members": []}
+            | {"run_dir": str(tmp_path / f"reference.{r}"), "incarnation": 0, "kept": kept}
+            | {"first": restore, "last": after, "out": os.path.join(out, f"reference.{r}.pt")}
+            for r in range(2)
+        ],
+    )
+    for rank in range(2):
+        grown = torch.load(os.path.join(out, f"grown.{rank}.pt"))
+        expected = torch.load(os.path.join(out, f"reference.{rank}.pt"))
+        assert grown["status"] == [restore, alone - restore]
+        for name, value in expected["weights"].items():
+            assert torch.equal(value, grown["weights"][name]), (rank, name)
+    assert not os.path.exists(os.path.join(folders[1], "roles", "learner.1", REJOIN_FILE))
+
+
 # -- restoring across the writers' folders, without processes ----------------------------------
 
 
@@ -507,3 +578,56 @@ def test_ranks_that_see_the_run_directory_at_other_paths_find_each_others_folder
     assert groups[1].folders == [folder_of(mount, 0, 0), folders[1]]
     assert groups[0].relative() == [".", "../../../node-1/roles/learner.1/checkpoints"]
     assert groups[1].relative() == ["../../../../roles/learner.0/checkpoints", "."]
+
+
+def test_a_returning_sharded_rank_restores_the_lead_s_checkpoint_not_its_own_stale_ones(
+    tmp_path: Any,
+) -> None:
+    """Two sharded ranks wrote steps 3 and 6 (weights all ``step``, each rank its shard); node
+    1 was lost with step 6 torn on node 1, so replica 0 went back to step 3 alone and wrote
+    steps 6 and 9 whole (weights ``100 + step``, no group). Node 1's stale step 6 is then made
+    complete again, as a node that finished it after node 0 took it as lost would. As the group
+    grows back, replica 1 takes the lead's state: its own stale step 6 is gone, step 3 (the
+    group's, which the lead still holds) stays its own shard, and the lead's 6 and 9 are
+    linked, each naming the folder it was written in. Both ranks then agree on step 9 and load
+    it from the lead's folder alone (a whole state, to be resharded), not from replica 1's."""
+    run_dir = str(tmp_path / "run")
+    writers = [folder_of(run_dir, r, r) for r in range(2)]
+    write_group(writers, [3, 6], writers)
+    lead, stale = (CheckpointDir(w, 5, FaultPlan.from_env(0)) for w in writers)
+    lead.drop_after(3)
+    for step in (6, 9):
+        lead.save(step, {"w": torch.full((4,), 100.0 + step)})
+    back = RoleContext(
+        name="learner",
+        replica=1,
+        run_dir=os.path.join(run_dir, "node-1"),
+        replicas=2,
+        log=logging.getLogger("test_shard_group"),
+    )
+    with open(back.path(REJOIN_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Rejoin(lead=0, folder=run_dir)))
+    assert stale.steps() == [3, 6]
+
+    assert take_lead_state(back, sharded=True) is True
+    assert stale.steps() == [3, 6, 9]
+    assert not os.path.exists(os.path.join(stale.dir_of(3), WRITTEN_IN))  # its own shard
+    for step in (6, 9):
+        with open(os.path.join(stale.dir_of(step), WRITTEN_IN)) as f:
+            assert f.read() == "../../../../roles/learner.0/checkpoints"
+        assert not os.path.exists(os.path.join(lead.dir_of(step), WRITTEN_IN))
+        assert torch.equal(
+            CheckpointDir.load(stale.dir_of(step))["w"], torch.full((4,), 100.0 + step)
+        )
+
+    ranks = ThreadRanks(2)
+    pairs = [journal(writers[r], writers, ThreadRank(ranks, r)) for r in range(2)]
+    assert restore_ranks(pairs) == [lead.dir_of(9), stale.dir_of(9)]
+    for (_, group), path in zip(pairs, (lead.dir_of(9), stale.dir_of(9)), strict=True):
+        assert group.writers(9) == [writers[0]]
+        states = group.states(path, CheckpointDir.load(path))
+        assert states is not None and len(states) == 1
+        assert torch.equal(states[0]["w"], torch.full((4,), 109.0))
+        assert states[0].get("world") is None
+    # Step 3, which both ranks wrote, is each rank's own shard of the group that wrote it.
+    assert [g.writers(3) for _, g in pairs] == [None, None]
