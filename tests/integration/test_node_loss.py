@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.helpers.nodes import lose_node
+from tests.helpers.records import complete_lines, records
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -262,8 +263,7 @@ def test_a_node_lost_for_good_leaves_the_run_and_its_singleton_moves(nodes: Node
     assert driver["dispatch"]["counter"]["replicas_rebound"] == 1
     with open(os.path.join(nodes.tmp, "node0.log")) as f:
         assert "node 2 lost (the agent of node 2 sent no heartbeat for " in f.read()
-    with open(nodes.path(0, "metrics.jsonl")) as f:
-        (line,) = [r for r in map(json.loads, f) if "membership" in r]
+    (line,) = [r for r in records(nodes.path(0, "metrics.jsonl")) if "membership" in r]
     assert line["membership"] == change
     print(f"node 2 marked lost {marked:.1f} s after the kill")
 
@@ -381,11 +381,7 @@ def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
     metrics = nodes.path(0, "metrics.jsonl")
 
     def steps() -> int:
-        try:
-            with open(metrics) as f:
-                return sum(1 for line in f if '"step"' in line)
-        except OSError:
-            return 0
+        return sum(1 for line in complete_lines(metrics) if '"step"' in line)
 
     nodes.wait("4 RL steps", lambda: steps() >= 4, timeout=300)
     killed = time.monotonic()
@@ -488,11 +484,7 @@ def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) ->
     metrics = nodes.path(0, "metrics.jsonl")
 
     def steps() -> int:
-        try:
-            with open(metrics) as f:
-                return sum(1 for line in f if '"step"' in line)
-        except OSError:
-            return 0
+        return sum(1 for line in complete_lines(metrics) if '"step"' in line)
 
     nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
     if sharded:
@@ -554,8 +546,7 @@ def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) ->
 
 def _last_step(path: str) -> int:
     """The last step a learner replica's step log holds."""
-    with open(path) as f:
-        return int([json.loads(line)["step"] for line in f][-1])
+    return int(records(path)[-1]["step"])
 
 
 def _check_led_by_replica_1(nodes: Nodes, log: str) -> None:

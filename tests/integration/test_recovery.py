@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.helpers.records import records
 from tests.helpers.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -113,11 +114,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 600) -> str:
 
 
 def steps(run_dir: str) -> list[dict[str, Any]]:
-    path = os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return records(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl"))
 
 
 def read_json(run_dir: str, name: str) -> dict[str, Any]:

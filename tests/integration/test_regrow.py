@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers.records import complete_lines, records
 from tests.integration.test_node_loss import Nodes, _json, _learner_over_nodes_0_and_1, nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -44,11 +45,7 @@ def _launch(nodes: Nodes, *more: str) -> None:
 
 
 def _steps(nodes: Nodes) -> int:
-    try:
-        with open(nodes.path(0, "metrics.jsonl")) as f:
-            return sum(1 for line in f if '"step"' in line)
-    except OSError:
-        return 0
+    return sum(1 for line in complete_lines(nodes.path(0, "metrics.jsonl")) if '"step"' in line)
 
 
 def _changes(nodes: Nodes) -> list[dict[str, object]]:
@@ -138,8 +135,9 @@ def test_a_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> 
         ("group_grown", {}, {"learner": [0, 1]}),
     ]
     assert seen["moved"]["learner"]["1"]["node"] == 1
-    with open(nodes.path(0, "metrics.jsonl")) as f:
-        changes = [line for line in f if '"membership"' in line]
+    changes = [
+        line for line in complete_lines(nodes.path(0, "metrics.jsonl")) if '"membership"' in line
+    ]
     assert '"event": "group_grown"' in changes[-1] and '"grown": {"learner": [0, 1]}' in changes[-1]
     assert (_json(nodes.path(1, "membership.json")) or {})["shrunk"] == {}
     # Replica 0 restarted once as the group shrank and once as it grew back, outside the budget.
@@ -221,11 +219,8 @@ def test_a_sharded_learner_group_grows_back_when_its_lost_node_returns(nodes: No
 
 
 def _last_ledger_step(nodes: Nodes, replica: int) -> int:
-    import json
-
     node = replica  # replica R runs on node R
-    with open(nodes.path(node, "ledger", f"learner.{replica}.steps.jsonl")) as f:
-        return int([json.loads(line)["step"] for line in f][-1])
+    return int(records(nodes.path(node, "ledger", f"learner.{replica}.steps.jsonl"))[-1]["step"])
 
 
 def test_a_learner_group_told_to_stay_smaller_stays_so_when_its_node_returns(
