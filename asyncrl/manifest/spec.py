@@ -96,8 +96,9 @@ class ProcessSpec(msgspec.Struct, frozen=True, kw_only=True):
             group went on at a smaller size (a node holding some of its ranks was lost:
             ``asyncrl.manifest.membership``); empty: all ``replicas``.
         formation: which formation of its data-parallel group over several nodes it joins: the
-            count of losses and returns of the group's nodes in this attempt, the same on every
-            node once each applied them (``NodeView.formations``); 0: none.
+            number node 0 gave the group's last change of members in this attempt (a loss that
+            took ranks out, a growth back), the same on every node once each applied node 0's
+            words (``NodeView.formations``); 0: none.
         groups: every role group, by name, with endpoints as seen from this process's node (the
             driver calls them; a role may call another, e.g. a relay its publisher).
         pipeline: for the driver: the manifest's ``pipeline`` section.

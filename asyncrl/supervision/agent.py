@@ -115,8 +115,9 @@ class NodeView:
     (``ProcessSpec.members``), and join the group at its new size."""
     formations: dict[str, int] = field(default_factory=dict)
     """Per data-parallel group over several nodes, the formation its incarnations started
-    afterwards join (``ProcessSpec.formation``): the count of losses and returns of its nodes
-    that this node applied in the attempt (``MembershipFollower``)."""
+    afterwards join (``ProcessSpec.formation``): the number node 0 gave the group's last change
+    of members in the attempt, in the last of its words this node applied
+    (``MembershipFollower``)."""
 
     def bind_endpoint(self, role: str, replica: int) -> str:
         """The tcp endpoint replica ``replica`` of ``role`` binds (of this node), or "";

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -111,10 +111,11 @@ class MembershipFollower:
         # that grows back names those it had applied, so that a node that applied a later
         # one leaves that node's ranks out of the group as node 0 does.
         self.losses: dict[int, int] = {}
-        # Per node, how many losses and returns of it this attempt holds (2g - 1 while lost at
-        # generation g, 2g once back from it): a group's formation is the sum over its nodes
-        # (``NodeView.formations``), the same on every node once each applied the same.
-        self.events: dict[int, int] = {}
+        # Node 0: per data-parallel group over several nodes, the number of its last formation
+        # (each loss that takes ranks out of it, each growth back); every word of node 0 that
+        # changes a group's members carries the group's new number (``formations``), and each
+        # node's ``NodeView.formations`` follows the words it applies.
+        self.numbered: dict[str, int] = {}
         self.membership = Membership(attempt=attempt, nodes=nodes)
         # Moved, its endpoint not yet known here: the node it moves to, and the loss (node,
         # generation) that moved it; None for a loss from before this agent started.
@@ -148,8 +149,6 @@ class MembershipFollower:
         their groups grow back with them. Written into ``membership.json`` when there is any."""
         if rejoining and away:
             self.growing.add((self.node, rejoining))
-        if rejoining:
-            self._count(self.node, 2 * rejoining)
         for name, members in shrunk.items():
             self.membership.shrunk[name] = list(members)
             role = self.manifest.roles[name]
@@ -171,7 +170,9 @@ class MembershipFollower:
         # The nodes lost with it, as node 0 sees them now: every node plans this loss with
         # them, so that a node that joins again meanwhile moves a singleton where the others do.
         with_ = sorted({*self.lost, node})
-        said = {"reason": reason, "generation": generation, "with": with_}
+        # The groups it takes ranks out of form again under their next number.
+        formations = self._number(self._shrinks(node))
+        said = {"reason": reason, "generation": generation, "with": with_, "formations": formations}
         await self.store.set(key, json.dumps(said))
 
     async def follow(self, supervisor: Supervisor) -> str:
@@ -202,10 +203,12 @@ class MembershipFollower:
             if lost and peer not in self.lost:
                 said = json.loads(await store.get(keys.lost(attempt, peer)))
                 planned = {int(n) for n in said.get("with", ())} | {peer}
+                self._form(said)
                 await self._lose(supervisor, peer, said["reason"], (peer, lost), planned)
                 changed = True
             elif lost and peer in self.lost and self.losses.get(peer) != lost:
                 said = json.loads(await store.get(keys.lost(attempt, peer)))
+                self._form(said)
                 self._lost_again(peer, lost, said["reason"])
                 changed = True
             elif not lost and peer in self.lost:
@@ -215,7 +218,6 @@ class MembershipFollower:
                 back = await store.peek(keys.back(attempt, peer))
                 if back is not None:
                     generation = int(json.loads(back)["generation"])
-                    self._count(peer, 2 * generation)
                     if any(n == self.node for n, _ in self.growing):
                         # This node rejoins too: node 0 may decide that return after this
                         # node's own, from the members this node's ranks grew the group to.
@@ -275,6 +277,7 @@ class MembershipFollower:
                 if int(said.get("sequence", 0)) < own[0]:
                     self.growing.discard((node, generation))
                     self.early.discard((node, generation))
+                    self._form(said)
                     for name, ranks in said["endpoints"].items():
                         for i, tcp in ranks.items():
                             self._reach(name, int(i), tcp)
@@ -297,11 +300,11 @@ class MembershipFollower:
     def _lost_again(self, node: int, generation: int, reason: str) -> None:
         """Lost ``node`` came back and was lost again (``generation``) between two looks of
         this node: its replicas are still out of the run here, so only the loss's generation
-        and the formations it names change, and node 0's word on the return in between (if
-        any) no longer applies: node 0 left the node's ranks out again at the later loss."""
+        changes (and the formations of the groups that grew back and shrank again meanwhile,
+        which the loss's word carries), and node 0's word on the return in between (if any) no
+        longer applies: node 0 left the node's ranks out again at the later loss."""
         self.lost[node] = self.membership.lost[node] = reason
         self.losses[node] = generation
-        self._count(node, 2 * generation - 1)
         self.growing = {(n, g) for n, g in self.growing if n != node}
         said = f"node {node} came back and is lost again (loss {generation}: {reason})"
         self.say(self.node, said)
@@ -337,7 +340,6 @@ class MembershipFollower:
         self.losses.pop(node, None)
         said = json.loads(await self.store.get(self.keys.back(self.attempt, node)))
         generation = int(said["generation"])
-        self._count(node, 2 * generation)
         self.membership.lost.pop(node, None)
         back = []
         for name, by_index in record.replicas.items():
@@ -402,6 +404,7 @@ class MembershipFollower:
                     growth.stays[name] = f"{path} cannot be written ({exc})"
                     del growth.grown[name], growth.lead[name], endpoints[name]
                     break
+        formations = self._number(growth.grown)
         for name, why in growth.stays.items():
             members = shrunk[name]
             self.say(self.node, f"{name} stays at replicas {members} with node {node} back: {why}")
@@ -419,6 +422,7 @@ class MembershipFollower:
             "lost": {str(n): g for n, g in sorted(self.losses.items())},
             "sequence": len(self.decided) + 1,
             "before": [list(d) for d in self.decided],
+            "formations": formations,
         }
         self.decided.append((node, generation))
         await self.store.set(self.keys.grown(self.attempt, node, generation), json.dumps(said))
@@ -438,6 +442,7 @@ class MembershipFollower:
         (none stayed: the named lead's, from its folder of the shared run directory)."""
         for name, members in said["stays"].items():  # the returning node learns them here
             self.membership.shrunk[name] = [int(i) for i in members]
+        self._form(said)
         decided = {int(n): int(g) for n, g in said.get("lost", {}).items()}
         since = {n for n, g in self.losses.items() if decided.get(n) != g}
         grown: dict[str, list[int]] = {}
@@ -535,7 +540,6 @@ class MembershipFollower:
         when it is published."""
         self.lost[node] = reason
         self.losses[node] = loss[1]
-        self._count(node, 2 * loss[1] - 1)
         # Where the replicas that moved run now: one that moved away from a node and stayed
         # there when the node came back is out of this loss; one that moved onto it moves on.
         runs_on = {
@@ -623,15 +627,33 @@ class MembershipFollower:
         said = json.dumps({"node": self.node, "endpoint": published, "lost": list(loss)})
         await self.store.set(self.keys.moved(self.attempt, name, replica), said)
 
-    def _count(self, node: int, events: int) -> None:
-        """``node``'s losses and returns in this attempt are ``events``: the formation of each
-        data-parallel group over several nodes (``NodeView.formations``) follows, so that each
-        shrink or growth names a new rendezvous, the same on every node."""
-        self.events[node] = events
+    def _shrinks(self, node: int) -> list[str]:
+        """Node 0: the data-parallel groups over several nodes that a loss of ``node`` takes
+        ranks out of: those with a member (as node 0 has applied its words) placed on it."""
+        shrinks = []
         for name, role in self.manifest.roles.items():
             if spans_nodes(self.manifest, name):
-                nodes = {role.placement.node_of(i) for i in range(role.replicas)}
-                self.view.formations[name] = sum(self.events.get(n, 0) for n in nodes)
+                members = self.membership.shrunk.get(name, range(role.replicas))
+                if any(role.placement.node_of(i) == node for i in members):
+                    shrinks.append(name)
+        return shrinks
+
+    def _number(self, groups: Iterable[str]) -> dict[str, int]:
+        """Node 0: the next formation of each of ``groups``, whose members change with the
+        word it is about to write."""
+        changed = list(groups)
+        for name in changed:
+            self.numbered[name] = self.numbered.get(name, 0) + 1
+        return {name: self.numbered[name] for name in changed}
+
+    def _form(self, said: Mapping[str, Any]) -> None:
+        """Take the formations of node 0's word ``said`` (a loss or a growth): the groups whose
+        members it changes start their next rendezvous under the number node 0 gave it. A word
+        applied after a later one (a growth read after the next loss) lowers none. Only a change
+        of a group's members changes its formation, so every node restarting a rank of the group
+        at any moment joins under the same one as soon as it applied the same words."""
+        for name, number in said.get("formations", {}).items():
+            self.view.formations[name] = max(self.view.formations.get(name, 0), int(number))
 
     def _reach(self, name: str, replica: int, endpoint: str) -> None:
         """The processes this node starts from now on reach ``name``'s ``replica`` at

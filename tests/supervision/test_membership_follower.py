@@ -435,7 +435,7 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
 
     async def main() -> None:
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
+        await node_0.mark_lost(1, "silent")
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         _back_with_rank(store, 1)
         node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
@@ -455,6 +455,7 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
         "lost": {},
         "sequence": 1,
         "before": [],
+        "formations": {"learner": 2},  # node 1's loss was the group's first
     }
     seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
     assert (seen["shrunk"], seen["departed"]) == ({}, {})
@@ -482,7 +483,7 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
 
     async def again() -> None:
         """Node 1 lost a second time, and back again: the group shrinks and grows again."""
-        _lose(store, 1, 2)
+        await node_0.mark_lost(1, "silent")
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         _back_with_rank(store, 2)
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
@@ -518,11 +519,11 @@ def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
 
     async def main() -> None:
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
+        await node_0.mark_lost(1, "silent")
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         _back_with_rank(store, 1)
         node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
-        _lose(store, 2, 1)
+        await node_0.mark_lost(2, "silent")
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         await node_1.follow(supervisor_1)  # type: ignore[arg-type]
 
@@ -535,6 +536,7 @@ def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
         "lost": {"2": 1},
         "sequence": 1,
         "before": [],
+        "formations": {"learner": 3},  # after the losses of node 1 and node 2
     }
     assert supervisor_0.restarted == [("learner", [0, 2]), ("learner", [0]), ("learner", [0, 1])]
     assert node_0.view.members["learner"] == node_1.view.members["learner"] == [0, 1]
@@ -560,12 +562,12 @@ def test_a_loss_after_node_0_decided_a_growth_is_out_of_the_group_on_every_node(
 
     async def main() -> None:
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
+        await node_0.mark_lost(1, "silent")
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         _back_with_rank(store, 1)
         node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 2, 1)
+        await node_0.mark_lost(2, "silent")
         await node_1.follow(supervisor_1)  # type: ignore[arg-type]
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
 
@@ -651,7 +653,7 @@ def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
 
         async def main() -> None:
             await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
-            _lose(store, 1, 1)  # noqa: B023
+            await node_0.mark_lost(1, "silent")  # noqa: B023
             await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
             _back_with_rank(store, 1)  # noqa: B023
             node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)  # noqa: B023
@@ -824,6 +826,7 @@ def test_node_0_marks_a_loss_with_the_nodes_lost_beside_it(tmp_path: Any) -> Non
         "reason": "silent",
         "generation": 1,
         "with": [2],
+        "formations": {},  # no group over several nodes in the manifest
     }
     assert json.loads(store.values[KEYS.lost(0, 1)])["with"] == [1, 2]
 
@@ -1099,12 +1102,12 @@ def test_a_node_that_misses_a_return_and_the_next_loss_follows_the_later_loss(
     async def main() -> None:
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
+        await node_0.mark_lost(1, "silent")
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         await node_2.follow(supervisor_2)  # type: ignore[arg-type]
         _back_with_rank(store, 1)
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 2)
+        await node_0.mark_lost(1, "silent")
         await node_0.follow(supervisor_0)  # type: ignore[arg-type]
         await node_2.follow(supervisor_2)  # type: ignore[arg-type]
 
@@ -1114,6 +1117,47 @@ def test_a_node_that_misses_a_return_and_the_next_loss_follows_the_later_loss(
     assert node_2.losses == {1: 2}
     assert node_2.growing == set()
     assert supervisor_2.restarted == [("learner", [0, 2])]
+
+
+def test_only_a_change_of_members_changes_a_group_s_formation(tmp_path: Any) -> None:
+    """Node 1 is lost, comes back while its group stays smaller (``regrow: false``), and is
+    lost again. Only the first loss changes the group's members, so only it changes the
+    formation its ranks join: between node 0's look and node 2's, a rank of the group started
+    again on either node (a failure restart) joins the same rendezvous as the other's."""
+    stay = SHARED.replace(
+        "supervision: {strategy: one_for_all}",
+        "supervision: {strategy: one_for_all, regrow: false}",
+    )
+    os.makedirs(tmp_path / "node-2")
+    node_0 = _follower(DictStore(), 0, str(tmp_path), stay)
+    node_0.view.groups["learner"] = GroupInfo(["ipc://l0", "tcp://b", "tcp://c"])
+    store: DictStore = node_0.store  # type: ignore[assignment]
+    node_2 = _follower(store, 2, str(tmp_path), stay)
+    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "ipc://c"])
+    supervisor_0, supervisor_2 = Restarter(node_0.view), Restarter(node_2.view)
+    seen: list[tuple[dict[str, int], dict[str, int]]] = []
+
+    async def main() -> None:
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await node_0.mark_lost(1, "silent")
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        _back_with_rank(store, 1)
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        seen.append((dict(node_0.view.formations), dict(node_2.view.formations)))
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await node_0.mark_lost(1, "silent again")
+        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        seen.append((dict(node_0.view.formations), dict(node_2.view.formations)))
+        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert seen == [({"learner": 1}, {"learner": 1})] * 2
+    assert node_0.view.formations == node_2.view.formations == {"learner": 1}
+    assert json.loads(store.values[KEYS.grown(0, 1, 1)])["formations"] == {}
+    assert json.loads(store.values[KEYS.lost(0, 1)])["formations"] == {}  # the second loss
+    assert supervisor_0.restarted == supervisor_2.restarted == [("learner", [0, 2])]
 
 
 def test_a_returning_rank_takes_the_state_of_a_replica_left_when_the_lead_is_lost(
