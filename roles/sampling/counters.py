@@ -37,6 +37,15 @@ class Counters:
     Every sample admitted ends consumed or wasted: ``admitted_samples`` is ``consumed_samples
     + wasted_samples`` plus the samples still in flight.
 
+    Across a resume every group is counted once. A resume state leaves out all that was counted
+    for the groups unsettled then (``Group.counts``: their admission and probe, their generated
+    samples, their release and what it wasted, their late samples), whether still generating
+    or released and not yet consumed, since the resumed run admits, generates and releases
+    them again. So a resume state's ``admitted_samples`` is exactly ``consumed_samples +
+    wasted_samples``, and ``groups_complete + groups_partial + groups_dropped`` never exceeds
+    ``admitted_groups``. What counts events rather than groups (``batches_uniform_capped``,
+    ``groups_regranted``, ``skipped_prompts``) is kept whole.
+
     Attributes:
         admitted_groups, admitted_samples: prompts admitted, and their samples (a dropped
             probe's rest, never started, is taken back out; a replacement adds one).

@@ -369,8 +369,9 @@ class SamplePipeline:
 
     def resume_state(self) -> dict[str, Any]:
         """What a pipeline resumed from here needs (``ResumeState``): the cursor, the indices
-        past it already settled, and the counters without the groups still in flight (they
-        are admitted and generated again on resume)."""
+        past it already settled, and the counters without what the groups still unsettled
+        added to them (generating, or released and not consumed: they are admitted, generated
+        and released again on resume)."""
         counters = self.counters.copy()
         for group in self.admission.unsettled.values():
             counters.subtract(group.counts)
