@@ -26,7 +26,7 @@ class Group:
         probe: while its probe is out, the samples of the probe (the prompt schedule's
             ``first``); 0 otherwise.
         counts: what it added to the pipeline's counters while unsettled (its admission and
-            probe, its generated samples, what the sample source counted for them, its
+            probe, its generated and scored samples, what the sample source counted for them, its
             replaced failures, its release, the missing samples a partial release wasted, its
             late samples): taken back out of a resume state while the group is unsettled,
             released or not, since a resumed run admits, generates and releases it again.

@@ -341,6 +341,8 @@ class SamplePipeline:
             todo, self._to_score = self._to_score, []
             rewards = await self.score([s for _, _, s in todo])
             for (group, k, sample), reward in zip(todo, rewards, strict=True):
+                self.counters.scored_samples += 1
+                group.counts.scored_samples += 1
                 if group.outcome == INFRA_DROPPED:  # waste already
                     continue
                 if group.outcome:

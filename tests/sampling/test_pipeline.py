@@ -904,11 +904,14 @@ def test_groups_released_and_not_consumed_are_counted_once_across_a_resume() -> 
     resumed_at, before, after = run(main())
     assert (before["admitted_groups"], before["groups_complete"]) == (4, 3)
     assert (before["groups_partial"], before["wasted_samples"], before["late_samples"]) == (1, 1, 1)
+    assert before["scored_samples"] == 2 * B  # the late one included
     # The resume state counts p0 and p1: admitted, released whole and consumed; nothing wasted.
     assert resumed_at["admitted_groups"] == resumed_at["groups_complete"] == 2
     assert resumed_at["admitted_samples"] == resumed_at["consumed_samples"] == B
+    assert resumed_at["scored_samples"] == B
     for name in ("groups_partial", "wasted_samples", "late_samples"):
         assert name not in resumed_at, name
     # p2 and p3, generated again, are counted released once each.
     assert after["admitted_groups"] == after["groups_complete"] == 4
+    assert after["scored_samples"] == 2 * B
     assert after["admitted_samples"] == after["consumed_samples"] + after.get("wasted_samples", 0)
