@@ -366,8 +366,13 @@ class SamplePipeline:
 
     @property
     def in_flight(self) -> int:
-        """Samples admitted and not yet consumed or wasted."""
-        return len(self.admission.unsettled) * self.group_size
+        """Samples admitted and not yet consumed or wasted: those of the unsettled groups, less
+        what they wasted already (a partial group's missing samples, a replaced failure), so
+        that ``admitted_samples`` is ``consumed_samples + wasted_samples + in_flight``."""
+        return sum(
+            group.counts.admitted_samples - group.counts.wasted_samples
+            for group in self.admission.unsettled.values()
+        )
 
     def resume_state(self) -> dict[str, Any]:
         """What a pipeline resumed from here needs (``ResumeState``): the cursor, the indices

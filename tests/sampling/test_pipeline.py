@@ -895,6 +895,11 @@ def test_groups_released_and_not_consumed_are_counted_once_across_a_resume() -> 
             assert {s.sample.prompt_id for s in first.samples} == {"p0", "p1"}
             assert [g.key for g in pipe.release.ready] == ["p3", "p2"]
             before = dict(pipe.metrics)
+            # p3 and p2 are in flight with their samples less p2's missing one (waste already).
+            assert pipe.in_flight == 2 * G - 1
+            assert before["admitted_samples"] == (
+                before["consumed_samples"] + before["wasted_samples"] + pipe.in_flight
+            )
         again = FakeRollout(auto=True)
         async with pipeline(again, spec, resume=first.resume, clock=FakeClock()) as pipe:
             second = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
