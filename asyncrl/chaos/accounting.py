@@ -60,7 +60,8 @@ _COUNTERS = frozenset(
     | {"wasted_samples"}
 )
 """The pipeline's counters (the pipeline leaves out the ones still at 0, so missing is 0).
-``in_flight_at_end`` and ``scored_samples`` are not counters: missing, they are unknown."""
+``in_flight_at_end`` and ``scored_samples`` the built-in programs write even at 0 (the latter
+since the pipeline counts it; an earlier run's summary has none): missing, they are unknown."""
 
 
 def _read_json(path: str) -> Any:

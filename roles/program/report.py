@@ -6,7 +6,8 @@
 its ``end_phase`` kept), ``wall_s``, ``learner_steps``, ``samples_consumed`` and
 ``samples_per_s`` (of the last phase that ran the RL loop, over its wall time), ``restarts``,
 ``driver_incarnation``, ``mode``, ``staleness_max``, ``pipeline`` (the sample pipeline's
-counters at the end of that phase), ``final`` (the exported policy) and ``config``.
+counters at the end of that phase, with ``scored_samples`` and ``in_flight_at_end`` even at 0),
+``final`` (the exported policy) and ``config``.
 
 ``progress.png`` draws the history: each phase's ``accuracy`` (points) and ``reward`` (a line)
 over learner steps, a dotted line where a phase begins. ``plots/`` holds the figures of

@@ -312,7 +312,12 @@ async def rl_loop(
             stop = await _call(on_step, rl_step)
             stopper.after_step(stop, evaluated is not None, last)
         await weights.close()
-        metrics = {**pipe.metrics, "in_flight_at_end": pipe.in_flight}
+        # Written even at 0: the run's accounting reads a missing one as unknown.
+        metrics = {
+            **pipe.metrics,
+            "scored_samples": pipe.counters.scored_samples,
+            "in_flight_at_end": pipe.in_flight,
+        }
     wall = clock() - started
     return await _ended(rl, loop, run, stopper, step, wall, pipe.cursor, metrics, evaluations)
 

@@ -130,6 +130,7 @@ class Admission:
         first = self.schedule.first(prompt.id)
         if first < self.group_size:
             group.probe = first
+            group.counts.probed_groups = 1
             self.counters.probed_groups += 1
         self.unsettled[index] = group
         return group

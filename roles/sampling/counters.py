@@ -37,10 +37,21 @@ class Counters:
     Every sample admitted ends consumed or wasted: ``admitted_samples`` is ``consumed_samples
     + wasted_samples`` plus the samples still in flight.
 
+    Across a resume every group is counted once. A resume state leaves out all that was counted
+    for the groups unsettled then (``Group.counts``: their admission and probe, their generated
+    and scored samples, their release and what it wasted, their late samples), whether still
+    generating or released and not yet consumed, since the resumed run admits, generates and
+    releases them again. So a resume state's ``admitted_samples`` is exactly ``consumed_samples +
+    wasted_samples``, and ``groups_complete + groups_partial + groups_dropped`` never exceeds
+    ``admitted_groups``. What counts events rather than groups (``batches_uniform_capped``,
+    ``groups_regranted``, ``skipped_prompts``) is kept whole.
+
     Attributes:
         admitted_groups, admitted_samples: prompts admitted, and their samples (a dropped
             probe's rest, never started, is taken back out; a replacement adds one).
         generated_samples: samples the source returned.
+        scored_samples: samples scored (by the program's scorer in one driver, by the dispatch
+            shards otherwise), late ones and those of groups dropped meanwhile included.
         consumed_samples, batches: samples handed to the learner, and the batches they made.
         wasted_samples, wasted_tokens: samples admitted and not consumed (dropped groups,
             missing samples of partial ones, replaced failures), and the tokens they had.
@@ -72,6 +83,7 @@ class Counters:
     admitted_groups: int = 0
     admitted_samples: int = 0
     generated_samples: int = 0
+    scored_samples: int = 0
     consumed_samples: int = 0
     batches: int = 0
     wasted_samples: int = 0

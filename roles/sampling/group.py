@@ -25,10 +25,11 @@ class Group:
         outcome: how the reducer released it ("" while it is not).
         probe: while its probe is out, the samples of the probe (the prompt schedule's
             ``first``); 0 otherwise.
-        counts: what it added to the pipeline's counters while unsettled (its admission, its
-            generated samples, what the sample source counted for them, its replaced
-            failures): taken back out of a resume state while the group is unsettled, since a
-            resumed run admits and generates it again.
+        counts: what it added to the pipeline's counters while unsettled (its admission and
+            probe, its generated and scored samples, what the sample source counted for them, its
+            replaced failures, its release, the missing samples a partial release wasted, its
+            late samples): taken back out of a resume state while the group is unsettled,
+            released or not, since a resumed run admits, generates and releases it again.
         replaced: the sample indices whose infra-failed sample was replaced by a fresh one
             (once each: ``pipeline.infra_failed: replace``).
         keep_uniform: its probe agreed once the batch could drop no more uniform groups, so

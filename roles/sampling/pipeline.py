@@ -341,6 +341,8 @@ class SamplePipeline:
             todo, self._to_score = self._to_score, []
             rewards = await self.score([s for _, _, s in todo])
             for (group, k, sample), reward in zip(todo, rewards, strict=True):
+                self.counters.scored_samples += 1
+                group.counts.scored_samples += 1
                 if group.outcome == INFRA_DROPPED:  # waste already
                     continue
                 if group.outcome:
@@ -364,13 +366,19 @@ class SamplePipeline:
 
     @property
     def in_flight(self) -> int:
-        """Samples admitted and not yet consumed or wasted."""
-        return len(self.admission.unsettled) * self.group_size
+        """Samples admitted and not yet consumed or wasted: those of the unsettled groups, less
+        what they wasted already (a partial group's missing samples, a replaced failure), so
+        that ``admitted_samples`` is ``consumed_samples + wasted_samples + in_flight``."""
+        return sum(
+            group.counts.admitted_samples - group.counts.wasted_samples
+            for group in self.admission.unsettled.values()
+        )
 
     def resume_state(self) -> dict[str, Any]:
         """What a pipeline resumed from here needs (``ResumeState``): the cursor, the indices
-        past it already settled, and the counters without the groups still in flight (they
-        are admitted and generated again on resume)."""
+        past it already settled, and the counters without what the groups still unsettled
+        added to them (generating, or released and not consumed: they are admitted, generated
+        and released again on resume)."""
         counters = self.counters.copy()
         for group in self.admission.unsettled.values():
             counters.subtract(group.counts)

@@ -18,7 +18,9 @@
   ``over_eta: drop``; waste, refilled) or kept for the learner's correction.
 
 A group dropped here, or taken into a batch, is settled: its room goes back to the ``Pacer``
-and admission is told (``on_settled``).
+and admission is told (``on_settled``). What is counted for a group that stays unsettled (its
+release, the missing samples of a partial one, its late samples, a uniform group kept) goes
+into its own counts too (``Group.counts``), which the pipeline's resume state leaves out.
 """
 
 from __future__ import annotations
@@ -154,8 +156,12 @@ class Release:
         self.reducer.add(group.key, str(k), Moments.one(reward))
 
     def late(self, key: str, part: str) -> None:
-        """A sample arrived after its group was released: counted, never used."""
+        """A sample arrived after its group was released: counted, never used (and kept in
+        the group's own counts while it is unsettled)."""
         self.counters.late_samples += 1
+        group = self._rounds.get(key)
+        if group is not None:
+            group.counts.late_samples += 1
 
     def group_released(self, released: Released) -> None:
         """The reducer released a group (the reducer's callback): drop it, or compute its
@@ -166,6 +172,7 @@ class Release:
         group.probe = 0  # a deadline may release a probing group: it is not probed again
         group.outcome = released.outcome
         self.counters.released(released.outcome)
+        group.counts.released(released.outcome)
         for k, task in enumerate(group.tasks):
             if k not in group.samples and not task.done():
                 task.cancel()  # a straggler of a released group: its result would be waste
@@ -174,14 +181,14 @@ class Release:
             return
         missing = self.group_size - len(group.samples)
         if missing:
-            self.counters.wasted_samples += missing
+            self._count(group, Counters(wasted_samples=missing))
             self.pacer.waste(missing)
         ks = sorted(group.samples)
         rewards = [group.samples[k][1] for k in ks]
         self.tally.add(rewards)
         if self.drop_uniform and uniform(rewards):
             if group.keep_uniform:
-                self.counters.groups_uniform_kept += 1
+                self._count(group, Counters(groups_uniform_kept=1))
             elif self._drop_uniform(group):
                 return
         settings = self.settings
@@ -191,6 +198,13 @@ class Release:
         group.advantages = dict(zip(ks, advantages, strict=True))
         self.ready.append(group)
         self._on_ready()
+
+    def _count(self, group: Group, counts: Counters) -> None:
+        """Add ``counts``, counted for ``group`` while it stays unsettled (released, not yet
+        taken into a batch), to the pipeline's counters and to the group's own: a resume state
+        takes them back out, since the resumed run generates and releases the group again."""
+        self.counters.add(counts)
+        group.counts.add(counts)
 
     def deadline_pending(self) -> bool:
         """A straggler deadline may still release a group that waits for samples."""
@@ -208,7 +222,7 @@ class Release:
                 constant = self.tally.constant()
                 self.constant_batches += constant is not None
                 self._warn_capped(constant)
-            self.counters.groups_uniform_kept += 1
+            self._count(group, Counters(groups_uniform_kept=1))
             return False
         self.uniform_drops += 1
         self.counters.groups_uniform_dropped += 1

@@ -464,6 +464,7 @@ class ShardWorker:
                 sample = await source(grant.prompt, k, source_counts)
             run.generated(source_counts)
             reward = await self._scoring(sample, grant.prompt.answer)
+            run.counts.scored_samples += 1
             run.counts.scored_tokens += len(sample.token_ids)
             if run.done.done():  # released without it (a straggler deadline)
                 run.counts.late_samples += 1

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import pytest
 
+from asyncrl.chaos.accounting import run_figures
 from asyncrl.roles.payloads import ProgramState, Prompt, Sample, SamplingParams, TrainBatch
 from asyncrl.roles.program.clients import RLContext
 from asyncrl.roles.program.evaluation import EvalResult, Evaluation
@@ -277,3 +278,18 @@ def test_run_rl_loop_takes_a_feed_and_score_as_rl_loop_does(tmp_path: Any) -> No
     out = run(main())
     assert out["steps"] == 2 and [b.id for b in learner.batches] == ["rl-1", "rl-2"]
     assert all(b.keep.phase == "rl" for b in learner.batches)
+
+
+def test_the_accounting_reads_every_pipeline_figure_from_a_programs_summary(
+    tmp_path: Any,
+) -> None:
+    """The figures ``asyncrl chaos`` reads from a built-in program's ``summary.json``: the
+    samples scored are known, and every admitted sample is consumed, wasted or in flight."""
+    run_dir = str(tmp_path)
+    r, _ = program(run_dir, ExportingLearner(), rl_steps=3)
+    pipeline = run(r.finish(accuracy_final=0.5))["pipeline"]
+    figures = run_figures(run_dir)
+    assert "samples_scored" not in figures["unknown"]
+    assert figures["samples_scored"] == pipeline["scored_samples"] == pipeline["generated_samples"]
+    assert figures["samples_consumed"] == 3 * PROMPTS * G
+    assert figures["samples_lost"] == 0

@@ -848,3 +848,75 @@ def test_what_a_sample_source_counts_is_not_counted_twice_across_a_resume() -> N
     counters = resume["pipeline"]
     assert counters["episodes"] == counters["generated_samples"] == B
     assert after["episodes"] == after["generated_samples"]
+
+
+# -- counting across a resume -------------------------------------------------------------
+
+
+def test_groups_released_and_not_consumed_are_counted_once_across_a_resume() -> None:
+    """Async, eta 1, straggler emit: p0, p1 and p3 are released whole and p2 partial at its
+    deadline (its fourth sample, scored after that, is late); the first batch takes p0 and p1.
+    p2 and p3 are released and not consumed, so the resumed run generates and releases them
+    again: the resume state leaves out what their release counted, as it leaves out their
+    admission, and no group is counted released more often than admitted."""
+
+    p2_last = ("p2", 3)
+    scoring_late = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def late_for_p2(samples: list[Sample]) -> list[float]:
+        if any((s.prompt_id, s.sample_index) == p2_last for s in samples):
+            scoring_late.set()
+            await go_on.wait()
+        return await score(samples)
+
+    async def main() -> tuple[dict[str, Any], dict[str, int], dict[str, int]]:
+        rollout, clock = FakeRollout(), FakeClock()
+        spec = PipelineSpec(
+            mode="async", eta=1, straggler=StragglerSpec(policy="emit", deadline_s=DUE_S)
+        )
+        async with pipeline(rollout, spec, score=late_for_p2, clock=clock) as pipe:
+            sids = await started(rollout, 2 * B)  # p0 .. p3: the window
+            for sid in sids:
+                if sid[0] in ("p0", "p1"):
+                    rollout.release(sid)
+            await until(lambda: pipe.metrics["groups_complete"] == 2)
+            for sid in sids:
+                if sid[0] in ("p2", "p3") and sid != p2_last:
+                    rollout.release(sid)
+            await until(lambda: pipe.release.reducer.metrics["contributions"] == 2 * B - 1)
+            rollout.release(p2_last)
+            await asyncio.wait_for(scoring_late.wait(), WAIT_S)
+            clock.advance(DUE_S)  # p2 is released with three samples
+            await until(lambda: pipe.metrics["groups_partial"] == 1)
+            go_on.set()
+            await until(lambda: pipe.metrics["late_samples"] == 1)
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert {s.sample.prompt_id for s in first.samples} == {"p0", "p1"}
+            assert [g.key for g in pipe.release.ready] == ["p3", "p2"]
+            before = dict(pipe.metrics)
+            # p3 and p2 are in flight with their samples less p2's missing one (waste already).
+            assert pipe.in_flight == 2 * G - 1
+            assert before["admitted_samples"] == (
+                before["consumed_samples"] + before["wasted_samples"] + pipe.in_flight
+            )
+        again = FakeRollout(auto=True)
+        async with pipeline(again, spec, resume=first.resume, clock=FakeClock()) as pipe:
+            second = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert {s.sample.prompt_id for s in second.samples} == {"p2", "p3"}
+        return first.resume["pipeline"], before, second.resume["pipeline"]
+
+    resumed_at, before, after = run(main())
+    assert (before["admitted_groups"], before["groups_complete"]) == (4, 3)
+    assert (before["groups_partial"], before["wasted_samples"], before["late_samples"]) == (1, 1, 1)
+    assert before["scored_samples"] == 2 * B  # the late one included
+    # The resume state counts p0 and p1: admitted, released whole and consumed; nothing wasted.
+    assert resumed_at["admitted_groups"] == resumed_at["groups_complete"] == 2
+    assert resumed_at["admitted_samples"] == resumed_at["consumed_samples"] == B
+    assert resumed_at["scored_samples"] == B
+    for name in ("groups_partial", "wasted_samples", "late_samples"):
+        assert name not in resumed_at, name
+    # p2 and p3, generated again, are counted released once each.
+    assert after["admitted_groups"] == after["groups_complete"] == 4
+    assert after["scored_samples"] == 2 * B
+    assert after["admitted_samples"] == after["consumed_samples"] + after.get("wasted_samples", 0)

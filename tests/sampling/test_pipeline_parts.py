@@ -181,6 +181,7 @@ def test_a_run_resumes_from_the_state_an_earlier_pipeline_kept() -> None:
         "admitted_groups": 5,
         "admitted_samples": 20,
         "generated_samples": 20,
+        "scored_samples": 8,  # the earlier pipeline counted none: the resumed one's only
         "consumed_samples": 20,
         "batches": 3,
         "groups_complete": 5,

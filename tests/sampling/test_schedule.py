@@ -425,3 +425,19 @@ def test_a_confident_probe_of_one_drops_its_group_after_one_sample() -> None:
         assert m["admitted_samples"] == m["consumed_samples"] + m["wasted_samples"] + pipe.in_flight
 
     run(main())
+
+
+def test_a_resume_state_counts_only_the_probes_of_the_groups_it_counts() -> None:
+    """Probe 2 of 4, every group probed: the groups unsettled at a batch leave its resume state
+    with their probes, since the resumed run admits and probes them again."""
+
+    async def main() -> tuple[list[Any], int]:
+        async with _pipeline(FakeRollout(auto=True), ScheduleSpec(probe=2), mode="async") as pipe:
+            batches = await _batches(pipe, 2)
+            return batches, len(pipe.admission.unsettled)
+
+    batches, unsettled = run(main())
+    assert unsettled  # groups in flight at the last batch: the case in question
+    for batch in batches:
+        counted = batch.resume["pipeline"]
+        assert counted["probed_groups"] == counted["admitted_groups"]

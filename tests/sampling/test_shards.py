@@ -269,7 +269,7 @@ def test_a_shard_releases_a_whole_group_scored() -> None:
     assert answer.outcome == "complete"
     assert [s.k for s in answer.samples] == [0, 1, 2, 3]
     assert [s.reward for s in answer.samples] == [reward_of(s.sample) for s in answer.samples]
-    assert answer.counts == {"generated_samples": 4, "scored_tokens": 4}
+    assert answer.counts == {"generated_samples": 4, "scored_samples": 4, "scored_tokens": 4}
 
 
 def test_a_shard_scores_each_sample_against_its_prompts_answer() -> None:
@@ -305,6 +305,7 @@ def test_a_shard_replaces_an_infra_failed_sample_once_then_drops_the_group() -> 
         "infra_failed": 1,
         "infra_replaced": 1,
         "infra_failed_error": 1,
+        "scored_samples": 4,
         "scored_tokens": 4,
     }
     twice = run(main((("p0", 2), ("p0", 2))))
@@ -349,7 +350,7 @@ def test_a_shard_emits_a_group_at_its_deadline_with_the_samples_it_has() -> None
     answer, timers = run(main())
     assert answer.outcome == "partial"
     assert [s.k for s in answer.samples] == [0, 1, 2]
-    assert answer.counts == {"generated_samples": 3, "scored_tokens": 3}
+    assert answer.counts == {"generated_samples": 3, "scored_samples": 3, "scored_tokens": 3}
     assert timers == 0  # the deadline's timer is gone with the round
 
 
