@@ -447,6 +447,23 @@ def _learner_over_nodes_0_and_1(tmp: str, nodes: str = "[0, 1]", *, sharded: boo
     return path
 
 
+def _finish_with_nothing_lost(nodes: Nodes, finishing: list[int]) -> dict[str, Any]:
+    """Wait for the nodes ``finishing`` to end the run, each with exit code 0, and check its
+    exact counts (``asyncrl.chaos.accounting.run_figures``): 0 samples lost, 0 consumed twice,
+    0 steps repeated or skipped. Return the run's figures, for what the caller checks beyond."""
+    from asyncrl.chaos.accounting import run_figures
+
+    assert nodes.finish(finishing, timeout=360) == [0] * len(finishing), nodes.logs()
+    figures = run_figures(nodes.run_dir)
+    assert (
+        figures["samples_lost"],
+        figures["duplicate_consumptions"],
+        figures["steps_repeated"],
+        figures["steps_skipped"],
+    ) == (0, 0, 0, 0), figures
+    return figures
+
+
 def _complete_steps(folder: str) -> set[str]:
     """The checkpoints (``step-N``) a learner replica's folder holds complete."""
     try:
@@ -466,8 +483,6 @@ def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) ->
     past the lost rank's last step; node 1's rollout replica, relay and rank leave the run,
     and every node records the one change; no node's log holds a traceback. Return node 0's
     log, for what the caller checks beyond."""
-    from asyncrl.chaos.accounting import run_figures
-
     lost, left = (0, 1) if lead_on_node_1 else (1, 0)
     short = [
         "run.config.bc_max_steps=20",
@@ -503,14 +518,7 @@ def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) ->
     at_loss = steps()
     nodes.wait("a step trained after the loss", lambda: steps() > at_loss, timeout=300)
     first_step = time.monotonic() - killed
-    assert nodes.finish([0, 2], timeout=360) == [0, 0], nodes.logs()
-    figures = run_figures(nodes.run_dir)
-    assert (
-        figures["samples_lost"],
-        figures["duplicate_consumptions"],
-        figures["steps_repeated"],
-        figures["steps_skipped"],
-    ) == (0, 0, 0, 0), figures
+    figures = _finish_with_nothing_lost(nodes, [0, 2])
     assert steps() == RL_STEPS > at_loss
     seen = _json(membership)
     assert seen["shrunk"] == {"learner": [left]}
