@@ -119,6 +119,32 @@ SHARED = GROUP.replace('program: "examples', 'shared_storage: true, program: "ex
 """The group over nodes 0, 1 and 2, with the run directory on shared storage: it grows back."""
 
 
+def _follower(
+    store: DictStore, node: int, run_dir: str, manifest: str = MANIFEST
+) -> MembershipFollower:
+    view = NodeView(
+        node=node,
+        agents={0: "tcp://127.0.0.1:1000", 1: "tcp://127.0.0.1:1001", 2: "tcp://127.0.0.1:1002"},
+        groups={
+            "splitter": GroupInfo(["ipc://s0", "tcp://127.0.0.1:2001", "tcp://127.0.0.1:2002"]),
+            "counter": GroupInfo(["tcp://127.0.0.1:2100"]),
+        },
+    )
+    return MembershipFollower(
+        store=store,  # type: ignore[arg-type]
+        keys=KEYS,
+        attempt=0,
+        node=node,
+        nodes=3,
+        manifest=parse_manifest(manifest, nodes=3),
+        run_dir=run_dir,
+        view=view,
+        bind_host="127.0.0.1",
+        host="127.0.0.1",
+        say=lambda node, message: None,
+    )
+
+
 class Launch:
     """Nodes' followers over one ``DictStore``, in the run directory ``tmp_path`` (node 0's
     folder) on ``manifest``, each with its supervisor, and the steps of node 0's words: a node
@@ -247,32 +273,6 @@ class Launch:
         """The counter's new node publishes where it runs, with the loss that moved it there."""
         said = {"node": node, "endpoint": endpoint, "lost": loss}
         self.store.values[KEYS.moved(0, "counter", 0)] = json.dumps(said)
-
-
-def _follower(
-    store: DictStore, node: int, run_dir: str, manifest: str = MANIFEST
-) -> MembershipFollower:
-    view = NodeView(
-        node=node,
-        agents={0: "tcp://127.0.0.1:1000", 1: "tcp://127.0.0.1:1001", 2: "tcp://127.0.0.1:1002"},
-        groups={
-            "splitter": GroupInfo(["ipc://s0", "tcp://127.0.0.1:2001", "tcp://127.0.0.1:2002"]),
-            "counter": GroupInfo(["tcp://127.0.0.1:2100"]),
-        },
-    )
-    return MembershipFollower(
-        store=store,  # type: ignore[arg-type]
-        keys=KEYS,
-        attempt=0,
-        node=node,
-        nodes=3,
-        manifest=parse_manifest(manifest, nodes=3),
-        run_dir=run_dir,
-        view=view,
-        bind_host="127.0.0.1",
-        host="127.0.0.1",
-        say=lambda node, message: None,
-    )
 
 
 def test_a_node_taken_as_lost_while_it_runs_is_told_to_leave(tmp_path: Any) -> None:
