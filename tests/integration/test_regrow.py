@@ -26,6 +26,7 @@ from tests.integration.test_node_loss import (
     _finish_with_nothing_lost,
     _json,
     _learner_over_nodes_0_and_1,
+    _steps,
     nodes,
 )
 
@@ -43,10 +44,6 @@ SHORT = [
     "run.config.prompts_per_step=32",
     "run.shared_storage=true",
 ]
-
-
-def _steps(nodes: Nodes) -> int:
-    return sum(1 for line in complete_lines(nodes.path(0, "metrics.jsonl")) if '"step"' in line)
 
 
 def _changes(nodes: Nodes) -> list[dict[str, object]]:
