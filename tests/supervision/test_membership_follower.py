@@ -118,6 +118,11 @@ class Restarter(Adopter):
 SHARED = GROUP.replace('program: "examples', 'shared_storage: true, program: "examples')
 """The group over nodes 0, 1 and 2, with the run directory on shared storage: it grows back."""
 
+STAY = SHARED.replace(
+    "supervision: {strategy: one_for_all}", "supervision: {strategy: one_for_all, regrow: false}"
+)
+"""The same group told to stay smaller when a node of its ranks comes back."""
+
 
 def _follower(
     store: DictStore, node: int, run_dir: str, manifest: str = MANIFEST
@@ -688,17 +693,13 @@ def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
     """As above with ``supervision.regrow: false``, then without ``run.shared_storage``: node 0
     says the group stays at replicas [0, 2], and why; nothing starts again and node 1 starts
     no rank."""
-    stay = SHARED.replace(
-        "supervision: {strategy: one_for_all}",
-        "supervision: {strategy: one_for_all, regrow: false}",
-    )
 
     async def main(launch: Launch) -> None:
         await launch.lose_1_and_bring_it_back()
         await launch.follow(0, 1)
 
     for manifest, why in (
-        (stay, "roles.learner.supervision.regrow is false"),
+        (STAY, "roles.learner.supervision.regrow is false"),
         (GROUP, "the run directory is not on shared storage (run.shared_storage: false)"),
     ):
         launch = Launch(tmp_path / str(len(why)), manifest)
@@ -1119,11 +1120,7 @@ def test_only_a_change_of_members_changes_a_group_s_formation(tmp_path: Any) -> 
     lost again. Only the first loss changes the group's members, so only it changes the
     formation its ranks join: between node 0's look and node 2's, a rank of the group started
     again on either node (a failure restart) joins the same rendezvous as the other's."""
-    stay = SHARED.replace(
-        "supervision: {strategy: one_for_all}",
-        "supervision: {strategy: one_for_all, regrow: false}",
-    )
-    launch = Launch(tmp_path, stay)
+    launch = Launch(tmp_path, STAY)
     store = launch.store
     node_0, supervisor_0 = launch.add(0, ["ipc://l0", "tcp://b", "tcp://c"])
     node_2, supervisor_2 = launch.add(2, ["tcp://a", "tcp://b", "ipc://c"])
