@@ -361,6 +361,11 @@ def test_a_lost_node_started_again_joins_the_running_attempt(nodes: Nodes) -> No
 RL_STEPS = 16
 
 
+def _steps(nodes: Nodes) -> int:
+    """The RL steps node 0's metrics.jsonl holds complete."""
+    return sum(1 for line in complete_lines(nodes.path(0, "metrics.jsonl")) if '"step"' in line)
+
+
 @pytest.mark.timeout(900)
 def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
     """examples/arith/multinode3.yaml, shortened: node 2 (a rollout replica, its host's relay
@@ -378,18 +383,13 @@ def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
     ]
     nodes.use("examples/arith/multinode3.yaml", *(a for o in short for a in ("--set", o)))
     nodes.start()
-    metrics = nodes.path(0, "metrics.jsonl")
-
-    def steps() -> int:
-        return sum(1 for line in complete_lines(metrics) if '"step"' in line)
-
-    nodes.wait("4 RL steps", lambda: steps() >= 4, timeout=300)
+    nodes.wait("4 RL steps", lambda: _steps(nodes) >= 4, timeout=300)
     killed = time.monotonic()
     nodes.lose(2)
     membership = nodes.path(0, "membership.json")
     nodes.wait("node 2 marked lost", lambda: "2" in ((_json(membership) or {}).get("lost") or {}))
     marked = time.monotonic() - killed
-    at_loss = steps()
+    at_loss = _steps(nodes)
     assert nodes.finish([0, 1], timeout=360) == [0, 0], nodes.logs()
     figures = run_figures(nodes.run_dir)
     assert (
@@ -397,7 +397,7 @@ def test_a_node_lost_mid_rl_costs_nothing_acknowledged(nodes: Nodes) -> None:
         figures["duplicate_consumptions"],
         figures["steps_repeated"],
     ) == (0, 0, 0), figures
-    assert steps() == RL_STEPS > at_loss
+    assert _steps(nodes) == RL_STEPS > at_loss
     seen = _json(membership)
     assert seen["departed"] == {"rollout": {"2": 2}, "relay2": {"0": 2}}
     assert seen["moved"]["reward"]["0"]["node"] == 0
@@ -447,6 +447,23 @@ def _learner_over_nodes_0_and_1(tmp: str, nodes: str = "[0, 1]", *, sharded: boo
     return path
 
 
+def _finish_with_nothing_lost(nodes: Nodes, finishing: list[int]) -> dict[str, Any]:
+    """Wait for the nodes ``finishing`` to end the run, each with exit code 0, and check its
+    exact counts (``asyncrl.chaos.accounting.run_figures``): 0 samples lost, 0 consumed twice,
+    0 steps repeated or skipped. Return the run's figures, for what the caller checks beyond."""
+    from asyncrl.chaos.accounting import run_figures
+
+    assert nodes.finish(finishing, timeout=360) == [0] * len(finishing), nodes.logs()
+    figures = run_figures(nodes.run_dir)
+    assert (
+        figures["samples_lost"],
+        figures["duplicate_consumptions"],
+        figures["steps_repeated"],
+        figures["steps_skipped"],
+    ) == (0, 0, 0, 0), figures
+    return figures
+
+
 def _complete_steps(folder: str) -> set[str]:
     """The checkpoints (``step-N``) a learner replica's folder holds complete."""
     try:
@@ -466,8 +483,6 @@ def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) ->
     past the lost rank's last step; node 1's rollout replica, relay and rank leave the run,
     and every node records the one change; no node's log holds a traceback. Return node 0's
     log, for what the caller checks beyond."""
-    from asyncrl.chaos.accounting import run_figures
-
     lost, left = (0, 1) if lead_on_node_1 else (1, 0)
     short = [
         "run.config.bc_max_steps=20",
@@ -481,12 +496,7 @@ def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) ->
     nodes.options = (*nodes.options, *(a for o in short for a in ("--set", o)))
     started = time.monotonic()
     nodes.start()
-    metrics = nodes.path(0, "metrics.jsonl")
-
-    def steps() -> int:
-        return sum(1 for line in complete_lines(metrics) if '"step"' in line)
-
-    nodes.wait("6 RL steps", lambda: steps() >= 6, timeout=300)
+    nodes.wait("6 RL steps", lambda: _steps(nodes) >= 6, timeout=300)
     if sharded:
         # The ranks left load the lost rank's shards: one checkpoint complete in both folders.
         mine = nodes.path(0, "roles", f"learner.{left}", "checkpoints")
@@ -500,18 +510,11 @@ def _lose_node_1_mid_rl(nodes: Nodes, *, lead_on_node_1: bool, sharded: bool) ->
     membership = nodes.path(0, "membership.json")
     nodes.wait("node 1 marked lost", lambda: "1" in ((_json(membership) or {}).get("lost") or {}))
     marked = time.monotonic() - killed
-    at_loss = steps()
-    nodes.wait("a step trained after the loss", lambda: steps() > at_loss, timeout=300)
+    at_loss = _steps(nodes)
+    nodes.wait("a step trained after the loss", lambda: _steps(nodes) > at_loss, timeout=300)
     first_step = time.monotonic() - killed
-    assert nodes.finish([0, 2], timeout=360) == [0, 0], nodes.logs()
-    figures = run_figures(nodes.run_dir)
-    assert (
-        figures["samples_lost"],
-        figures["duplicate_consumptions"],
-        figures["steps_repeated"],
-        figures["steps_skipped"],
-    ) == (0, 0, 0, 0), figures
-    assert steps() == RL_STEPS > at_loss
+    figures = _finish_with_nothing_lost(nodes, [0, 2])
+    assert _steps(nodes) == RL_STEPS > at_loss
     seen = _json(membership)
     assert seen["shrunk"] == {"learner": [left]}
     assert seen["departed"] == {

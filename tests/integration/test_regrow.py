@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 
 from tests.helpers.records import complete_lines, records
-from tests.integration.test_node_loss import Nodes, _json, _learner_over_nodes_0_and_1, nodes
+from tests.integration.test_node_loss import (
+    Nodes,
+    _finish_with_nothing_lost,
+    _json,
+    _learner_over_nodes_0_and_1,
+    _steps,
+    nodes,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -38,23 +46,18 @@ SHORT = [
 ]
 
 
-def _launch(nodes: Nodes, *more: str) -> None:
-    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp)
-    nodes.options = (*nodes.options, *(a for o in (*SHORT, *more) for a in ("--set", o)))
-    nodes.start()
-
-
-def _steps(nodes: Nodes) -> int:
-    return sum(1 for line in complete_lines(nodes.path(0, "metrics.jsonl")) if '"step"' in line)
-
-
 def _changes(nodes: Nodes) -> list[dict[str, object]]:
     return list((_json(nodes.path(0, "membership.json")) or {}).get("changes") or [])
 
 
-def _lose_and_bring_back(nodes: Nodes) -> float:
-    """Lose node 1 after 3 RL steps; once node 0 marked it lost, start its torchrun again.
-    Returns when it was started again (``time.monotonic()``)."""
+def _launch_and_bring_back(nodes: Nodes, *more: str) -> float:
+    """Launch the learner's two ranks on nodes 0 and 1 (``_learner_over_nodes_0_and_1``),
+    shortened (``SHORT``, then the options ``more``); lose node 1 after 3 RL steps and, once
+    node 0 marked it lost, start its torchrun again. Returns when it was started again
+    (``time.monotonic()``)."""
+    nodes.manifest = _learner_over_nodes_0_and_1(nodes.tmp)
+    nodes.options = (*nodes.options, *(a for o in (*SHORT, *more) for a in ("--set", o)))
+    nodes.start()
     nodes.wait("3 RL steps", lambda: _steps(nodes) >= 3, timeout=300)
     nodes.lose(1)
     membership = nodes.path(0, "membership.json")
@@ -63,19 +66,70 @@ def _lose_and_bring_back(nodes: Nodes) -> float:
     return time.monotonic()
 
 
-def _figures(nodes: Nodes) -> dict[str, object]:
-    from asyncrl.chaos.accounting import run_figures
-
-    assert nodes.finish([0, 1, 2], timeout=360) == [0, 0, 0], nodes.logs()
-    figures = run_figures(nodes.run_dir)
-    assert (
-        figures["samples_lost"],
-        figures["duplicate_consumptions"],
-        figures["steps_repeated"],
-        figures["steps_skipped"],
-    ) == (0, 0, 0, 0), figures
+def _figures(nodes: Nodes) -> dict[str, Any]:
+    """The three nodes end the run, with its exact counts (``_finish_with_nothing_lost``: 0
+    samples lost, 0 consumed twice, 0 steps repeated or skipped) and every RL step in node 0's
+    metrics. Returns the run's figures."""
+    figures = _finish_with_nothing_lost(nodes, [0, 1, 2])
     assert _steps(nodes) == RL_STEPS
     return figures
+
+
+class Growth(NamedTuple):
+    """What a run showed as its learner's group grew back: seconds from node 1's torchrun
+    started again to node 0's ``group_grown``, the RL steps node 0's metrics held then, the
+    checkpoints folders of replica 0 (the lead) and replica 1, replica 0's newest complete
+    checkpoint then (replica 1 takes it, or older ones), the run's figures, and when the test
+    began (``time.monotonic()``)."""
+
+    grown_after: float
+    at_growth: int
+    lead: str
+    rejoined: str
+    copied: int
+    figures: dict[str, Any]
+    started: float
+
+
+def _grow_back_and_finish(nodes: Nodes, *more: str) -> Growth:
+    """Launch with the options ``more``, lose node 1 and bring it back
+    (``_launch_and_bring_back``), wait for node 0 to record the learner's group grown back,
+    note what ``Growth`` holds, and let the run end (``_figures``): the group grew back before
+    the run's last step."""
+    started = time.monotonic()
+    back = _launch_and_bring_back(nodes, *more)
+    nodes.wait(
+        "the learner's group grown back",
+        lambda: any(c.get("event") == "group_grown" for c in _changes(nodes)),
+        timeout=180,
+    )
+    grown_after = time.monotonic() - back
+    at_growth = _steps(nodes)
+    lead = nodes.path(0, "roles", "learner.0", "checkpoints")
+    rejoined = nodes.path(1, "roles", "learner.1", "checkpoints")
+    copied = max(_checkpoints(lead))
+    figures = _figures(nodes)
+    assert at_growth < RL_STEPS, "the run ended before the group grew back"
+    return Growth(grown_after, at_growth, lead, rejoined, copied, figures, started)
+
+
+def _last_ledger_step(nodes: Nodes, replica: int) -> int:
+    node = replica  # replica R runs on node R
+    return int(records(nodes.path(node, "ledger", f"learner.{replica}.steps.jsonl"))[-1]["step"])
+
+
+def _check_both_trained_to_the_end(nodes: Nodes, grown: Growth, newest: int) -> None:
+    """Replica 1 trained every step to the end after the group grew back, as replica 0 did,
+    and no node's log holds a traceback. Prints the run's timings (``newest``: the newest
+    checkpoint both ranks wrote) and figures."""
+    figures = grown.figures
+    assert figures["learner_steps"] == _last_ledger_step(nodes, 1) == _last_ledger_step(nodes, 0)
+    assert nodes.tracebacks() == [], nodes.logs()
+    print(
+        f"grown back {grown.grown_after:.1f} s after node 1's torchrun started again, at step "
+        f"{grown.at_growth}; newest common checkpoint step {newest}; "
+        f"{time.monotonic() - grown.started:.0f} s in all; {figures}"
+    )
 
 
 def _tensors(saved: object, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -112,21 +166,8 @@ def test_a_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> 
     1 is back: membership.json and metrics.jsonl record it, replica 1 restores replica 0's
     state, and at their newest common checkpoint after it the two ranks hold the same
     parameters, bit for bit."""
-    started = time.monotonic()
-    _launch(nodes)
-    back = _lose_and_bring_back(nodes)
-    nodes.wait(
-        "the learner's group grown back",
-        lambda: any(c.get("event") == "group_grown" for c in _changes(nodes)),
-        timeout=180,
-    )
-    grown_after = time.monotonic() - back
-    at_growth = _steps(nodes)
-    lead = nodes.path(0, "roles", "learner.0", "checkpoints")
-    rejoined = nodes.path(1, "roles", "learner.1", "checkpoints")
-    copied = max(_checkpoints(lead))  # replica 1 takes these, or older ones
-    figures = _figures(nodes)
-    assert at_growth < RL_STEPS, "the run ended before the group grew back"
+    grown = _grow_back_and_finish(nodes)
+    lead, rejoined, figures = grown.lead, grown.rejoined, grown.figures
     seen = _json(nodes.path(0, "membership.json"))
     assert (seen["shrunk"], seen["departed"]) == ({}, {})
     assert [(c["event"], c["shrunk"], c["grown"]) for c in seen["changes"]] == [
@@ -152,18 +193,11 @@ def test_a_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> 
     # A checkpoint each rank wrote itself after the group grew back: the same parameters
     # (and AdamW moments), bit for bit.
     newest = max(_checkpoints(lead) & _checkpoints(rejoined))
-    assert newest > copied
+    assert newest > grown.copied
     mine, theirs = _weights(lead, newest), _weights(rejoined, newest)
     assert mine.keys() == theirs.keys() and len(mine) > 4
     assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == []
-    # Replica 1 trained every step to the end, after the group grew back.
-    assert figures["learner_steps"] == _last_ledger_step(nodes, 1) == _last_ledger_step(nodes, 0)
-    assert nodes.tracebacks() == [], nodes.logs()
-    print(
-        f"grown back {grown_after:.1f} s after node 1's torchrun started again, at step "
-        f"{at_growth}; newest common checkpoint step {newest}; "
-        f"{time.monotonic() - started:.0f} s in all; {figures}"
-    )
+    _check_both_trained_to_the_end(nodes, grown, newest)
 
 
 def test_a_sharded_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> None:
@@ -175,21 +209,8 @@ def test_a_sharded_learner_group_grows_back_when_its_lost_node_returns(nodes: No
     its shards of a group of two, naming both ranks' folders."""
     from asyncrl.roles.training.checkpoints import read_values
 
-    started = time.monotonic()
-    _launch(nodes, "roles.learner.config.parallel=fsdp")
-    back = _lose_and_bring_back(nodes)
-    nodes.wait(
-        "the learner's group grown back",
-        lambda: any(c.get("event") == "group_grown" for c in _changes(nodes)),
-        timeout=180,
-    )
-    grown_after = time.monotonic() - back
-    at_growth = _steps(nodes)
-    lead = nodes.path(0, "roles", "learner.0", "checkpoints")
-    rejoined = nodes.path(1, "roles", "learner.1", "checkpoints")
-    copied = max(_checkpoints(lead))
-    figures = _figures(nodes)
-    assert at_growth < RL_STEPS, "the run ended before the group grew back"
+    grown = _grow_back_and_finish(nodes, "roles.learner.config.parallel=fsdp")
+    lead, rejoined, figures = grown.lead, grown.rejoined, grown.figures
     seen = _json(nodes.path(0, "membership.json"))
     assert [(c["event"], c["grown"]) for c in seen["changes"]] == [
         ("node_lost", {}),
@@ -202,25 +223,14 @@ def test_a_sharded_learner_group_grows_back_when_its_lost_node_returns(nodes: No
     assert "rejoining its group, took the state of learner.0, its lead" in said
     assert "was written by a group of 1 rank(s); loading their shards at a group of 2" in said
     newest = max(_checkpoints(lead) & _checkpoints(rejoined))
-    assert newest > copied
+    assert newest > grown.copied
     for folder, group in (
         (lead, [".", "../../../node-1/roles/learner.1/checkpoints"]),
         (rejoined, ["../../../../roles/learner.0/checkpoints", "."]),
     ):
         values = read_values(os.path.join(folder, f"step-{newest:08d}"))
         assert (values["world"], values["group"]) == (2, group)
-    assert figures["learner_steps"] == _last_ledger_step(nodes, 1) == _last_ledger_step(nodes, 0)
-    assert nodes.tracebacks() == [], nodes.logs()
-    print(
-        f"grown back {grown_after:.1f} s after node 1's torchrun started again, at step "
-        f"{at_growth}; newest common checkpoint step {newest}; "
-        f"{time.monotonic() - started:.0f} s in all; {figures}"
-    )
-
-
-def _last_ledger_step(nodes: Nodes, replica: int) -> int:
-    node = replica  # replica R runs on node R
-    return int(records(nodes.path(node, "ledger", f"learner.{replica}.steps.jsonl"))[-1]["step"])
+    _check_both_trained_to_the_end(nodes, grown, newest)
 
 
 def test_a_learner_group_told_to_stay_smaller_stays_so_when_its_node_returns(
@@ -229,8 +239,7 @@ def test_a_learner_group_told_to_stay_smaller_stays_so_when_its_node_returns(
     """As above with ``roles.learner.supervision.regrow: false``: node 1 comes back, node 0
     says the group stays at replica 0, nothing restarts, and the run completes at one rank."""
     started = time.monotonic()
-    _launch(nodes, "roles.learner.supervision.regrow=false")
-    back = _lose_and_bring_back(nodes)
+    back = _launch_and_bring_back(nodes, "roles.learner.supervision.regrow=false")
     said = (
         "learner stays at replicas [0] with node 1 back: roles.learner.supervision.regrow is false"
     )

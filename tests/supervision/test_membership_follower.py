@@ -88,115 +88,6 @@ class Adopter:
             self.specs.append(msgspec.json.decode(f.read(), type=ProcessSpec))
 
 
-def _follower(
-    store: DictStore, node: int, run_dir: str, manifest: str = MANIFEST
-) -> MembershipFollower:
-    view = NodeView(
-        node=node,
-        agents={0: "tcp://127.0.0.1:1000", 1: "tcp://127.0.0.1:1001", 2: "tcp://127.0.0.1:1002"},
-        groups={
-            "splitter": GroupInfo(["ipc://s0", "tcp://127.0.0.1:2001", "tcp://127.0.0.1:2002"]),
-            "counter": GroupInfo(["tcp://127.0.0.1:2100"]),
-        },
-    )
-    return MembershipFollower(
-        store=store,  # type: ignore[arg-type]
-        keys=KEYS,
-        attempt=0,
-        node=node,
-        nodes=3,
-        manifest=parse_manifest(manifest, nodes=3),
-        run_dir=run_dir,
-        view=view,
-        bind_host="127.0.0.1",
-        host="127.0.0.1",
-        say=lambda node, message: None,
-    )
-
-
-def _lose(store: DictStore, node: int, generation: int) -> None:
-    reason = f"the agent of node {node} sent no heartbeat for 4 s"
-    store.values[KEYS.lost(0, node)] = json.dumps({"reason": reason, "generation": generation})
-
-
-def _back(
-    store: DictStore,
-    node: int,
-    generation: int,
-    splitter: str,
-    agent: str = "tcp://127.0.0.1:3002",
-) -> None:
-    record = NodeRecord(
-        replicas={"splitter": {node: splitter}},
-        agent=agent,
-        host=HostRecord(host="node2", weights="/run/node-2/weights", token="t"),
-    )
-    store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
-    store.values[KEYS.back(0, node)] = json.dumps({"generation": generation})
-
-
-def test_a_node_taken_as_lost_while_it_runs_is_told_to_leave(tmp_path: Any) -> None:
-    """Node 2 came back from its first loss; node 0 then marks it lost again (its beats came
-    too late): its follower says why it must leave, rather than run on unseen while its
-    splitter is out of the groups and its counter runs on node 0."""
-    store = DictStore()
-    os.makedirs(tmp_path / "node-2")
-    follower = _follower(store, 2, str(tmp_path))
-    _lose(store, 2, 1)
-    _back(store, 2, 1, "tcp://127.0.0.1:4002")
-
-    async def main() -> tuple[str, str]:
-        answered = await follower.follow(Adopter())  # type: ignore[arg-type]
-        _lose(store, 2, 2)
-        return answered, await follower.follow(Adopter())  # type: ignore[arg-type]
-
-    answered, again = asyncio.run(main())
-    assert answered == ""
-    assert again == (
-        "node 0 took this node as lost while it ran (the agent of node 2 sent no heartbeat for "
-        "4 s), and the run went on without it: its roles stop, so that none runs twice"
-    )
-
-
-def test_a_singleton_moved_at_an_earlier_loss_is_not_started_again(tmp_path: Any) -> None:
-    """Node 2 is lost (the counter moves to node 0 and starts there), comes back (its splitter
-    rejoins at its new port, the counter stays), and is lost again: node 0's follower starts
-    the counter once, not twice, and its membership says so."""
-    store = DictStore()
-    follower = _follower(store, 0, str(tmp_path))
-    supervisor = Adopter()
-
-    async def main() -> None:
-        await follower.follow(supervisor)  # type: ignore[arg-type]  # in step with the store
-        _lose(store, 2, 1)
-        await follower.follow(supervisor)  # type: ignore[arg-type]
-        assert supervisor.adopted == [("counter", 0)]
-        _back(store, 2, 1, "tcp://127.0.0.1:4002")
-        await follower.follow(supervisor)  # type: ignore[arg-type]
-        assert follower.view.groups["splitter"].endpoints[2] == "tcp://127.0.0.1:4002"
-        assert follower.view.agents[2] == "tcp://127.0.0.1:3002"
-        _lose(store, 2, 2)
-        await follower.follow(supervisor)  # type: ignore[arg-type]
-
-    asyncio.run(main())
-    assert supervisor.adopted == [("counter", 0)]
-    # It keeps node 2's folder for its state, and reads node 0's membership, which node 0's
-    # agent keeps writing (node 2's never changes again).
-    (spec,) = supervisor.specs
-    assert (spec.run_dir, spec.node_dir) == (str(tmp_path / "node-2"), str(tmp_path))
-    seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
-    assert seen["lost"] == {"2": "the agent of node 2 sent no heartbeat for 4 s"}
-    assert seen["departed"] == {"splitter": {"2": 2}}
-    assert {n: {i: m["node"] for i, m in by.items()} for n, by in seen["moved"].items()} == {
-        "counter": {"0": 0}
-    }
-    assert [(c["event"], c["departed"], c["moved"]) for c in seen["changes"]] == [
-        ("node_lost", ["splitter[2]"], {"counter[0]": 0}),
-        ("node_back", [], {"splitter[2]": 2}),
-        ("node_lost", ["splitter[2]"], {}),
-    ]
-
-
 GROUP = (
     MANIFEST
     + """\
@@ -224,24 +115,246 @@ class Restarter(Adopter):
         return [f"{name}[0]"]
 
 
+SHARED = GROUP.replace('program: "examples', 'shared_storage: true, program: "examples')
+"""The group over nodes 0, 1 and 2, with the run directory on shared storage: it grows back."""
+
+STAY = SHARED.replace(
+    "supervision: {strategy: one_for_all}", "supervision: {strategy: one_for_all, regrow: false}"
+)
+"""The same group told to stay smaller when a node of its ranks comes back."""
+
+
+def _follower(
+    store: DictStore, node: int, run_dir: str, manifest: str = MANIFEST
+) -> MembershipFollower:
+    view = NodeView(
+        node=node,
+        agents={0: "tcp://127.0.0.1:1000", 1: "tcp://127.0.0.1:1001", 2: "tcp://127.0.0.1:1002"},
+        groups={
+            "splitter": GroupInfo(["ipc://s0", "tcp://127.0.0.1:2001", "tcp://127.0.0.1:2002"]),
+            "counter": GroupInfo(["tcp://127.0.0.1:2100"]),
+        },
+    )
+    return MembershipFollower(
+        store=store,  # type: ignore[arg-type]
+        keys=KEYS,
+        attempt=0,
+        node=node,
+        nodes=3,
+        manifest=parse_manifest(manifest, nodes=3),
+        run_dir=run_dir,
+        view=view,
+        bind_host="127.0.0.1",
+        host="127.0.0.1",
+        say=lambda node, message: None,
+    )
+
+
+class Launch:
+    """Nodes' followers over one ``DictStore``, in the run directory ``tmp_path`` (node 0's
+    folder) on ``manifest``, each with its supervisor, and the steps of node 0's words: a node
+    lost, back, or its one-replica role moved."""
+
+    def __init__(self, tmp_path: Any, manifest: str = SHARED) -> None:
+        self.run_dir = str(tmp_path)
+        self.manifest = manifest
+        self.store = DictStore()
+        self.followers: dict[int, MembershipFollower] = {}
+        self.supervisors: dict[int, Adopter] = {}
+
+    def add(
+        self, node: int, learner: list[str], store: DictStore | None = None
+    ) -> tuple[MembershipFollower, Restarter]:
+        """Node ``node``'s follower (its folder made), which sees the learner's group at the
+        endpoints ``learner``, over ``store`` (the launch's unless given), with a
+        ``Restarter``."""
+        follower = self._follower(node, store)
+        follower.view.groups["learner"] = GroupInfo(learner)
+        supervisor = Restarter(follower.view)
+        self.supervisors[node] = supervisor
+        return follower, supervisor
+
+    def add_adopter(self, node: int) -> tuple[MembershipFollower, Adopter]:
+        """Node ``node``'s follower (its folder made), over a manifest of no group across nodes,
+        with an ``Adopter``."""
+        follower = self._follower(node, None)
+        supervisor = self.supervisors[node] = Adopter()
+        return follower, supervisor
+
+    def _follower(self, node: int, store: DictStore | None) -> MembershipFollower:
+        if node:
+            os.makedirs(os.path.join(self.run_dir, f"node-{node}"), exist_ok=True)
+        follower = _follower(store or self.store, node, self.run_dir, self.manifest)
+        self.followers[node] = follower
+        return follower
+
+    def __getitem__(self, node: int) -> tuple[MembershipFollower, Restarter]:
+        """Node ``node``'s follower and its ``Restarter``."""
+        supervisor = self.supervisors[node]
+        assert isinstance(supervisor, Restarter)
+        return self.followers[node], supervisor
+
+    async def follow(self, *nodes: int) -> str:
+        """Each of ``nodes`` follows the store once, in that order. Returns the last one's
+        answer (why its node must leave, or "")."""
+        answer = ""
+        for node in nodes:
+            answer = await self.followers[node].follow(self.supervisors[node])  # type: ignore[arg-type]
+        return answer
+
+    async def mark_lost(self, node: int, reason: str = "silent") -> None:
+        """Node 0 marks ``node`` lost, as its agent does: its word carries each group's new
+        formation number."""
+        await self.followers[0].mark_lost(node, reason)
+
+    def lose(self, node: int, generation: int = 1, lost_with: list[int] | None = None) -> None:
+        """Node 0's word that ``node`` is lost (its loss of ``generation``), written by hand:
+        without the groups' formations, and with the nodes it was planned with (``lost_with``)
+        when given."""
+        reason = f"the agent of node {node} sent no heartbeat for 4 s"
+        said: dict[str, Any] = {"reason": reason, "generation": generation}
+        if lost_with is not None:
+            said["with"] = lost_with
+        self.store.values[KEYS.lost(0, node)] = json.dumps(said)
+
+    def back(
+        self, node: int, generation: int, splitter: str, agent: str = "tcp://127.0.0.1:3002"
+    ) -> None:
+        """``node`` back from its loss of ``generation``, its splitter at ``splitter`` and its
+        new agent at ``agent``."""
+        record = NodeRecord(
+            replicas={"splitter": {node: splitter}},
+            agent=agent,
+            host=HostRecord(host="node2", weights="/run/node-2/weights", token="t"),
+        )
+        self._back(node, generation, record)
+
+    def back_with_rank(self, node: int, generation: int = 1) -> None:
+        """``node`` back from its loss of ``generation``: its learner rank is one it does not
+        start (the group went on without it), with the port it binds (32<node>) should the
+        group grow back."""
+        record = NodeRecord(
+            replicas={"splitter": {node: f"tcp://127.0.0.1:30{node}1"}},
+            agent=f"tcp://127.0.0.1:30{node}0",
+            host=HostRecord(host="h", weights="/w", token="t"),
+            unserved={"learner": {node: f"tcp://127.0.0.1:220{node}"}},
+            regrow={"learner": {node: f"tcp://127.0.0.1:320{node}"}},
+        )
+        self._back(node, generation, record)
+
+    def _back(self, node: int, generation: int, record: NodeRecord) -> None:
+        self.store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
+        self.store.values[KEYS.back(0, node)] = json.dumps({"generation": generation})
+
+    def rejoin(self, node: int, shrunk: dict[str, list[int]] | None = None) -> None:
+        """``node``'s new agent, started again after its loss of generation 1, keeps its
+        learner rank out (it departed with the loss) until node 0 decides that the group grows
+        back; ``shrunk``: the groups node 0's record has smaller."""
+        self.followers[node].keep_shrunk(shrunk or {}, [("learner", node)], rejoining=1)
+
+    async def lose_1_and_bring_it_back(self, *, marked: bool = True) -> None:
+        """Node 0 follows; node 1 is lost (``marked``: by node 0's ``mark_lost``; otherwise its
+        word written by hand, of generation 1) and node 0 follows again; node 1 comes back with
+        its learner rank, and its new agent, when the launch has it, keeps the rank out."""
+        await self.follow(0)
+        if marked:
+            await self.mark_lost(1)
+        else:
+            self.lose(1)
+        await self.follow(0)
+        self.back_with_rank(1)
+        if 1 in self.followers:
+            self.rejoin(1)
+
+    async def lose_1_and_2(self) -> None:
+        """Node 0 follows; nodes 1 and 2 are lost (their words written by hand, of generation
+        1) and node 0 follows again: the learner goes on with replica 0 alone."""
+        await self.follow(0)
+        self.lose(1)
+        self.lose(2)
+        await self.follow(0)
+
+    def moved(self, node: int, endpoint: str, loss: list[int]) -> None:
+        """The counter's new node publishes where it runs, with the loss that moved it there."""
+        said = {"node": node, "endpoint": endpoint, "lost": loss}
+        self.store.values[KEYS.moved(0, "counter", 0)] = json.dumps(said)
+
+
+def test_a_node_taken_as_lost_while_it_runs_is_told_to_leave(tmp_path: Any) -> None:
+    """Node 2 came back from its first loss; node 0 then marks it lost again (its beats came
+    too late): its follower says why it must leave, rather than run on unseen while its
+    splitter is out of the groups and its counter runs on node 0."""
+    launch = Launch(tmp_path, MANIFEST)
+    launch.add_adopter(2)
+    launch.lose(2, 1)
+    launch.back(2, 1, "tcp://127.0.0.1:4002")
+
+    async def main() -> tuple[str, str]:
+        answered = await launch.follow(2)
+        launch.lose(2, 2)
+        return answered, await launch.follow(2)
+
+    answered, again = asyncio.run(main())
+    assert answered == ""
+    assert again == (
+        "node 0 took this node as lost while it ran (the agent of node 2 sent no heartbeat for "
+        "4 s), and the run went on without it: its roles stop, so that none runs twice"
+    )
+
+
+def test_a_singleton_moved_at_an_earlier_loss_is_not_started_again(tmp_path: Any) -> None:
+    """Node 2 is lost (the counter moves to node 0 and starts there), comes back (its splitter
+    rejoins at its new port, the counter stays), and is lost again: node 0's follower starts
+    the counter once, not twice, and its membership says so."""
+    launch = Launch(tmp_path, MANIFEST)
+    follower, supervisor = launch.add_adopter(0)
+
+    async def main() -> None:
+        await launch.follow(0)  # in step with the store
+        launch.lose(2, 1)
+        await launch.follow(0)
+        assert supervisor.adopted == [("counter", 0)]
+        launch.back(2, 1, "tcp://127.0.0.1:4002")
+        await launch.follow(0)
+        assert follower.view.groups["splitter"].endpoints[2] == "tcp://127.0.0.1:4002"
+        assert follower.view.agents[2] == "tcp://127.0.0.1:3002"
+        launch.lose(2, 2)
+        await launch.follow(0)
+
+    asyncio.run(main())
+    assert supervisor.adopted == [("counter", 0)]
+    # It keeps node 2's folder for its state, and reads node 0's membership, which node 0's
+    # agent keeps writing (node 2's never changes again).
+    (spec,) = supervisor.specs
+    assert (spec.run_dir, spec.node_dir) == (str(tmp_path / "node-2"), str(tmp_path))
+    seen = msgspec.json.decode((tmp_path / "membership.json").read_bytes())
+    assert seen["lost"] == {"2": "the agent of node 2 sent no heartbeat for 4 s"}
+    assert seen["departed"] == {"splitter": {"2": 2}}
+    assert {n: {i: m["node"] for i, m in by.items()} for n, by in seen["moved"].items()} == {
+        "counter": {"0": 0}
+    }
+    assert [(c["event"], c["departed"], c["moved"]) for c in seen["changes"]] == [
+        ("node_lost", ["splitter[2]"], {"counter[0]": 0}),
+        ("node_back", [], {"splitter[2]": 2}),
+        ("node_lost", ["splitter[2]"], {}),
+    ]
+
+
 def test_a_group_over_a_lost_node_goes_on_with_the_replicas_left(tmp_path: Any) -> None:
     """Node 1 is lost, then node 2: the learner's group goes on with replicas 0 and 2, then
     with replica 0 alone. Each time node 0 starts its rank again, given the group as it is
     then, and records the change in membership.json and metrics.jsonl."""
-    store = DictStore()
-    follower = _follower(store, 0, str(tmp_path), GROUP)
-    follower.view.groups["learner"] = GroupInfo(
-        ["ipc://l0", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
-    )
-    supervisor = Restarter(follower.view)
+    launch = Launch(tmp_path, GROUP)
+    learner = ["ipc://l0", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
+    _, supervisor = launch.add(0, learner)
 
     async def main() -> None:
-        await follower.follow(supervisor)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        await follower.follow(supervisor)  # type: ignore[arg-type]
+        await launch.follow(0)
+        launch.lose(1, 1)
+        await launch.follow(0)
         assert supervisor.restarted == [("learner", [0, 2])]
-        _lose(store, 2, 1)
-        await follower.follow(supervisor)  # type: ignore[arg-type]
+        launch.lose(2, 1)
+        await launch.follow(0)
 
     asyncio.run(main())
     assert supervisor.restarted == [("learner", [0, 2]), ("learner", [0])]
@@ -266,22 +379,17 @@ def test_a_group_whose_lead_was_on_the_lost_node_goes_on_led_by_the_next(tmp_pat
     membership.json names the new lead (``lead``) for the roles that call it."""
     from asyncrl.manifest.membership import lead
 
-    store = DictStore()
-    follower = _follower(
-        store,
-        0,
-        str(tmp_path),
-        GROUP.replace("[0, 1, 2]}\n    supervision", "[1, 2, 0]}\n    supervision"),
+    launch = Launch(
+        tmp_path, GROUP.replace("[0, 1, 2]}\n    supervision", "[1, 2, 0]}\n    supervision")
     )
     endpoints = ["tcp://127.0.0.1:2200", "tcp://127.0.0.1:2201", "ipc://l2"]
-    follower.view.groups["learner"] = GroupInfo(endpoints)
-    supervisor = Restarter(follower.view)
+    _, supervisor = launch.add(0, endpoints)
 
     async def main() -> None:
-        await follower.follow(supervisor)  # type: ignore[arg-type]
+        await launch.follow(0)
         assert lead(str(tmp_path), "learner", endpoints) == (0, "tcp://127.0.0.1:2200")
-        _lose(store, 1, 1)
-        await follower.follow(supervisor)  # type: ignore[arg-type]
+        launch.lose(1, 1)
+        await launch.follow(0)
 
     asyncio.run(main())
     assert supervisor.restarted == [("learner", [1, 2])]
@@ -293,16 +401,13 @@ def test_a_group_whose_lead_was_on_the_lost_node_goes_on_led_by_the_next(tmp_pat
 def test_a_node_without_a_rank_of_the_group_restarts_nothing(tmp_path: Any) -> None:
     """Node 1 is lost: node 2's follower records the learner's new membership, and its own
     rank (replica 2) starts again with it; with node 2 lost instead, node 1 does the same."""
-    store = DictStore()
-    os.makedirs(tmp_path / "node-2")
-    follower = _follower(store, 2, str(tmp_path), GROUP)
-    follower.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "ipc://l2"])
-    supervisor = Restarter(follower.view)
+    launch = Launch(tmp_path, GROUP)
+    follower, supervisor = launch.add(2, ["tcp://a", "tcp://b", "ipc://l2"])
 
     async def main() -> None:
-        await follower.follow(supervisor)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        await follower.follow(supervisor)  # type: ignore[arg-type]
+        await launch.follow(2)
+        launch.lose(1, 1)
+        await launch.follow(2)
 
     asyncio.run(main())
     assert supervisor.restarted == [("learner", [0, 2])]
@@ -389,24 +494,6 @@ def test_a_returned_node_does_not_start_its_rank_of_a_group_that_went_on(tmp_pat
     assert started == [("splitter", 1)]
 
 
-SHARED = GROUP.replace('program: "examples', 'shared_storage: true, program: "examples')
-"""The group over nodes 0, 1 and 2, with the run directory on shared storage: it grows back."""
-
-
-def _back_with_rank(store: DictStore, generation: int) -> None:
-    """Node 1 back from the loss of ``generation``: its learner rank is one it does not start
-    (the group went on without it), with the port it binds should the group grow back."""
-    record = NodeRecord(
-        replicas={"splitter": {1: "tcp://127.0.0.1:3001"}},
-        agent="tcp://127.0.0.1:3000",
-        host=HostRecord(host="h", weights="/w", token="t"),
-        unserved={"learner": {1: "tcp://127.0.0.1:2201"}},
-        regrow={"learner": {1: "tcp://127.0.0.1:3201"}},
-    )
-    store.values[KEYS.endpoints(0, 1)] = msgspec.json.encode(record).decode()
-    store.values[KEYS.back(0, 1)] = json.dumps({"generation": generation})
-
-
 def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) -> None:
     """Node 1 is lost and the learner goes on with replicas 0 and 2; node 1 comes back. Node 0
     decides that the group grows back to [0, 1, 2] and says so in the store; it starts its
@@ -416,33 +503,21 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
     node 0's folder (``rejoin.json``)."""
     from asyncrl.manifest.membership import Rejoin
 
-    store = DictStore()
     run_dir = str(tmp_path)
-    os.makedirs(tmp_path / "node-1")
+    launch = Launch(tmp_path)
+    store = launch.store
     said: list[str] = []
-    node_0 = _follower(store, 0, run_dir, SHARED)
+    learner = ["tcp://127.0.0.1:2200", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
+    node_0, supervisor_0 = launch.add(0, ["ipc://l0", *learner[1:]])
     node_0.say = lambda node, message: said.append(message)
-    node_0.view.groups["learner"] = GroupInfo(
-        ["ipc://l0", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
-    )
-    supervisor_0 = Restarter(node_0.view)
-    node_1 = _follower(store, 1, run_dir, SHARED)
-    node_1.view.groups["learner"] = GroupInfo(
-        ["tcp://127.0.0.1:2200", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
-    )
-    supervisor_1 = Restarter(node_1.view)
+    node_1, supervisor_1 = launch.add(1, learner)
     node_1.view.span_env["ASYNCRL_DIST_STORE"] = "127.0.0.1:29500"
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_0.mark_lost(1, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_rank(store, 1)
-        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        await launch.lose_1_and_bring_it_back()
+        await launch.follow(1)
         assert supervisor_1.adopted == []  # node 0 has not decided yet
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        await launch.follow(0, 1)
 
     asyncio.run(main())
     assert supervisor_0.restarted == [("learner", [0, 2]), ("learner", [0, 1, 2])]
@@ -483,10 +558,10 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
 
     async def again() -> None:
         """Node 1 lost a second time, and back again: the group shrinks and grows again."""
-        await node_0.mark_lost(1, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_rank(store, 2)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await launch.mark_lost(1)
+        await launch.follow(0)
+        launch.back_with_rank(1, 2)
+        await launch.follow(0)
 
     asyncio.run(again())
     assert supervisor_0.restarted[2:] == [("learner", [0, 2]), ("learner", [0, 1, 2])]
@@ -496,14 +571,12 @@ def test_a_group_grows_back_when_the_node_of_its_ranks_returns(tmp_path: Any) ->
     assert node_0.view.formations == {"learner": 4}
 
 
-def _pair(tmp_path: Any) -> tuple[MembershipFollower, Restarter, MembershipFollower, Restarter]:
+def _pair(tmp_path: Any) -> Launch:
     """Node 0 and node 1 over ``SHARED``, each with its supervisor; node 1's folder exists."""
-    os.makedirs(tmp_path / "node-1", exist_ok=True)
-    node_0 = _follower(DictStore(), 0, str(tmp_path), SHARED)
-    node_0.view.groups["learner"] = GroupInfo(["ipc://l0", "tcp://b", "tcp://c"])
-    node_1 = _follower(node_0.store, 1, str(tmp_path), SHARED)  # type: ignore[arg-type]
-    node_1.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
-    return node_0, Restarter(node_0.view), node_1, Restarter(node_1.view)
+    launch = Launch(tmp_path)
+    launch.add(0, ["ipc://l0", "tcp://b", "tcp://c"])
+    launch.add(1, ["tcp://a", "tcp://b", "tcp://c"])
+    return launch
 
 
 def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
@@ -514,18 +587,14 @@ def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
     the group grows to [0, 1] (not [0, 1, 2] from its members before the loss), with the
     losses it had applied; node 1, which applies node 2's loss before it reads the word, ends
     on the same members."""
-    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
+    launch = _pair(tmp_path)
+    (node_0, supervisor_0), (node_1, supervisor_1) = launch[0], launch[1]
+    store = launch.store
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_0.mark_lost(1, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_rank(store, 1)
-        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
-        await node_0.mark_lost(2, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        await launch.lose_1_and_bring_it_back()
+        await launch.mark_lost(2)
+        await launch.follow(0, 1)
 
     asyncio.run(main())
     assert json.loads(store.values[KEYS.grown(0, 1, 1)]) == {
@@ -557,19 +626,15 @@ def test_a_loss_after_node_0_decided_a_growth_is_out_of_the_group_on_every_node(
     before node 1 reads the word. Node 1 applies node 2's loss first, then leaves node 2's rank
     out of the group it grows to, as node 0 does when it applies the loss after the growth:
     both end on [0, 1]."""
-    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
+    launch = _pair(tmp_path)
+    (node_0, supervisor_0), (node_1, supervisor_1) = launch[0], launch[1]
+    store = launch.store
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_0.mark_lost(1, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_rank(store, 1)
-        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_0.mark_lost(2, "silent")
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await launch.lose_1_and_bring_it_back()
+        await launch.follow(0)
+        await launch.mark_lost(2)
+        await launch.follow(1, 0)
 
     asyncio.run(main())
     assert json.loads(store.values[KEYS.grown(0, 1, 1)])["grown"] == {"learner": [0, 1, 2]}
@@ -593,8 +658,9 @@ def test_node_0_tells_a_returning_rank_to_take_the_lead_state_before_the_group_g
     from asyncrl.manifest.membership import Rejoin
 
     marker = tmp_path / "node-1" / "roles" / "learner.1" / "rejoin.json"
-    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
+    launch = _pair(tmp_path)
+    supervisor_1 = launch[1][1]
+    store = launch.store
     seen_as_grown: list[bool] = []
     plain_set = store.set
 
@@ -606,12 +672,8 @@ def test_node_0_tells_a_returning_rank_to_take_the_lead_state_before_the_group_g
     store.set = set_  # type: ignore[method-assign]
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_rank(store, 1)
-        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await launch.lose_1_and_bring_it_back(marked=False)
+        await launch.follow(0)
 
     asyncio.run(main())
     assert seen_as_grown == [True]
@@ -620,7 +682,7 @@ def test_node_0_tells_a_returning_rank_to_take_the_lead_state_before_the_group_g
     )
     assert msgspec.json.decode((tmp_path / "membership.json").read_bytes())["shrunk"] == {}
     assert supervisor_1.adopted == []
-    asyncio.run(node_1.follow(supervisor_1))  # type: ignore[arg-type]
+    asyncio.run(launch.follow(1))
     assert supervisor_1.adopted == [("learner", 1)]
     assert msgspec.json.decode(marker.read_bytes(), type=Rejoin) == Rejoin(
         lead=0, folder=str(tmp_path)
@@ -631,36 +693,21 @@ def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
     """As above with ``supervision.regrow: false``, then without ``run.shared_storage``: node 0
     says the group stays at replicas [0, 2], and why; nothing starts again and node 1 starts
     no rank."""
-    stay = SHARED.replace(
-        "supervision: {strategy: one_for_all}",
-        "supervision: {strategy: one_for_all, regrow: false}",
-    )
+
+    async def main(launch: Launch) -> None:
+        await launch.lose_1_and_bring_it_back()
+        await launch.follow(0, 1)
+
     for manifest, why in (
-        (stay, "roles.learner.supervision.regrow is false"),
+        (STAY, "roles.learner.supervision.regrow is false"),
         (GROUP, "the run directory is not on shared storage (run.shared_storage: false)"),
     ):
-        store = DictStore()
-        folder = tmp_path / str(len(why))
-        os.makedirs(folder / "node-1")
+        launch = Launch(tmp_path / str(len(why)), manifest)
         said: list[str] = []
-        node_0 = _follower(store, 0, str(folder), manifest)
+        node_0, supervisor_0 = launch.add(0, ["ipc://l0", "tcp://b", "tcp://c"])
         node_0.say = lambda node, message, said=said: said.append(message)  # type: ignore[misc]
-        node_0.view.groups["learner"] = GroupInfo(["ipc://l0", "tcp://b", "tcp://c"])
-        supervisor_0 = Restarter(node_0.view)
-        node_1 = _follower(store, 1, str(folder), manifest)
-        node_1.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
-        supervisor_1 = Restarter(node_1.view)
-
-        async def main() -> None:
-            await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
-            await node_0.mark_lost(1, "silent")  # noqa: B023
-            await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
-            _back_with_rank(store, 1)  # noqa: B023
-            node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)  # noqa: B023
-            await node_0.follow(supervisor_0)  # type: ignore[arg-type]  # noqa: B023
-            await node_1.follow(supervisor_1)  # type: ignore[arg-type]  # noqa: B023
-
-        asyncio.run(main())
+        node_1, supervisor_1 = launch.add(1, ["tcp://a", "tcp://b", "tcp://c"])
+        asyncio.run(main(launch))
         assert supervisor_0.restarted == [("learner", [0, 2])], why
         assert supervisor_1.adopted == supervisor_1.restarted == []
         assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 2]}
@@ -676,12 +723,6 @@ def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
         assert not node_1.growing
 
 
-def _moved(store: DictStore, node: int, endpoint: str, loss: list[int]) -> None:
-    """The counter's new node publishes where it runs, with the loss that moved it there."""
-    said = {"node": node, "endpoint": endpoint, "lost": loss}
-    store.values[KEYS.moved(0, "counter", 0)] = json.dumps(said)
-
-
 def _moves(follower: MembershipFollower) -> list[tuple[str, int, list[str], dict[str, int]]]:
     with open(os.path.join(follower.dir, "membership.json"), "rb") as f:
         seen = msgspec.json.decode(f.read())
@@ -693,26 +734,25 @@ def test_a_singleton_moved_onto_a_node_moves_on_when_that_node_is_lost(tmp_path:
     node 1), then node 1 is lost: the counter runs there now, so it moves again, to its first
     candidate not lost, node 2. Node 0 reaches it at node 2's new address once node 2
     publishes it, never at node 1's dead one, which the store still holds meanwhile."""
-    store = DictStore()
-    follower = _follower(store, 0, str(tmp_path), CHAIN)
-    supervisor = Adopter()
+    launch = Launch(tmp_path, CHAIN)
+    follower, supervisor = launch.add_adopter(0)
 
     async def follow() -> None:
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert await launch.follow(0) == ""
 
     async def main() -> None:
         await follow()
-        _lose(store, 2, 1)
+        launch.lose(2, 1)
         await follow()
-        _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
+        launch.moved(1, "tcp://127.0.0.1:5001", [2, 1])
         await follow()
-        _back(store, 2, 1, "tcp://127.0.0.1:4002")
+        launch.back(2, 1, "tcp://127.0.0.1:4002")
         await follow()
-        _lose(store, 1, 1)
+        launch.lose(1, 1)
         await follow()
         assert follower.membership.moved["counter"][0].endpoint == "tcp://127.0.0.1:5001"
         assert follower.view.groups["counter"].endpoints == ["tcp://127.0.0.1:5001"]
-        _moved(store, 2, "tcp://127.0.0.1:5002", [1, 1])
+        launch.moved(2, "tcp://127.0.0.1:5002", [1, 1])
         await follow()
 
     asyncio.run(main())
@@ -730,20 +770,19 @@ def test_a_returned_node_starts_a_singleton_that_moves_on_to_it(tmp_path: Any) -
     """Node 2 came back while the counter, moved away from it at its loss, runs on node 1:
     its new agent's follower learns that from the store, and when node 1 is lost it starts
     the counter (its home's folder, a fresh tcp port) and publishes it with that loss."""
-    store = DictStore()
-    os.makedirs(tmp_path / "node-2")
-    _lose(store, 2, 1)
-    _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
-    _back(store, 2, 1, "tcp://127.0.0.1:4002")
-    follower = _follower(store, 2, str(tmp_path), CHAIN)
-    supervisor = Adopter()
+    launch = Launch(tmp_path, CHAIN)
+    store = launch.store
+    launch.lose(2, 1)
+    launch.moved(1, "tcp://127.0.0.1:5001", [2, 1])
+    launch.back(2, 1, "tcp://127.0.0.1:4002")
+    follower, supervisor = launch.add_adopter(2)
 
     async def main() -> None:
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert await launch.follow(2) == ""
         assert supervisor.adopted == []
-        _lose(store, 1, 1)
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        launch.lose(1, 1)
+        assert await launch.follow(2) == ""
+        assert await launch.follow(2) == ""
 
     asyncio.run(main())
     assert supervisor.adopted == [("counter", 0)]
@@ -754,32 +793,23 @@ def test_a_returned_node_starts_a_singleton_that_moves_on_to_it(tmp_path: Any) -
     assert _moves(follower) == [("node_lost", 1, ["splitter[1]"], {"counter[0]": 2})]
 
 
-def _lose_with(store: DictStore, node: int, generation: int, lost_with: list[int]) -> None:
-    """Node 0 marks ``node`` lost, having planned it with the nodes ``lost_with``."""
-    reason = f"the agent of node {node} sent no heartbeat for 4 s"
-    said = {"reason": reason, "generation": generation, "with": lost_with}
-    store.values[KEYS.lost(0, node)] = json.dumps(said)
-
-
 def test_a_returned_node_plans_a_loss_in_progress_as_node_0_did(tmp_path: Any) -> None:
     """Node 1 is lost while node 2, back, has not looked yet; node 0 planned that loss with
     node 2 still lost, so the counter (on node 1, candidates 2, 1, 0) moves to node 0. Node 2
     starts no second counter, and never takes node 1's dead address, which the store holds
     until node 0 publishes the counter's new one."""
-    store = DictStore()
-    os.makedirs(tmp_path / "node-2")
-    _lose(store, 2, 1)
-    _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
-    _back(store, 2, 1, "tcp://127.0.0.1:4002")
-    _lose_with(store, 1, 1, [1, 2])
-    follower = _follower(store, 2, str(tmp_path), CHAIN)
-    supervisor = Adopter()
+    launch = Launch(tmp_path, CHAIN)
+    launch.lose(2, 1)
+    launch.moved(1, "tcp://127.0.0.1:5001", [2, 1])
+    launch.back(2, 1, "tcp://127.0.0.1:4002")
+    launch.lose(1, 1, lost_with=[1, 2])
+    follower, supervisor = launch.add_adopter(2)
 
     async def main() -> None:
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert await launch.follow(2) == ""
         assert follower.view.groups["counter"].endpoints != ["tcp://127.0.0.1:5001"]
-        _moved(store, 0, "tcp://127.0.0.1:5000", [1, 1])
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        launch.moved(0, "tcp://127.0.0.1:5000", [1, 1])
+        assert await launch.follow(2) == ""
 
     asyncio.run(main())
     assert supervisor.adopted == []
@@ -792,18 +822,17 @@ def test_a_returned_node_starts_a_singleton_that_a_loss_before_its_first_look_mo
 ) -> None:
     """Node 1 is lost after node 2 came back, before node 2's first look: node 0 planned it
     with node 1 alone, so the counter moves to node 2, which starts it."""
-    store = DictStore()
-    os.makedirs(tmp_path / "node-2")
-    _lose(store, 2, 1)
-    _moved(store, 1, "tcp://127.0.0.1:5001", [2, 1])
-    _back(store, 2, 1, "tcp://127.0.0.1:4002")
-    _lose_with(store, 1, 1, [1])
-    follower = _follower(store, 2, str(tmp_path), CHAIN)
-    supervisor = Adopter()
+    launch = Launch(tmp_path, CHAIN)
+    store = launch.store
+    launch.lose(2, 1)
+    launch.moved(1, "tcp://127.0.0.1:5001", [2, 1])
+    launch.back(2, 1, "tcp://127.0.0.1:4002")
+    launch.lose(1, 1, lost_with=[1])
+    follower, supervisor = launch.add_adopter(2)
 
     async def main() -> None:
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
-        assert await follower.follow(supervisor) == ""  # type: ignore[arg-type]
+        assert await launch.follow(2) == ""
+        assert await launch.follow(2) == ""
 
     asyncio.run(main())
     assert supervisor.adopted == [("counter", 0)]
@@ -813,13 +842,14 @@ def test_a_returned_node_starts_a_singleton_that_a_loss_before_its_first_look_mo
 
 
 def test_node_0_marks_a_loss_with_the_nodes_lost_beside_it(tmp_path: Any) -> None:
-    store = DictStore()
-    follower = _follower(store, 0, str(tmp_path), CHAIN)
+    launch = Launch(tmp_path, CHAIN)
+    store = launch.store
+    launch.add_adopter(0)
 
     async def main() -> None:
-        await follower.mark_lost(2, "silent")
-        assert await follower.follow(Adopter()) == ""  # type: ignore[arg-type]
-        await follower.mark_lost(1, "silent too")
+        await launch.mark_lost(2, "silent")
+        assert await launch.follow(0) == ""
+        await launch.mark_lost(1, "silent too")
 
     asyncio.run(main())
     assert json.loads(store.values[KEYS.lost(0, 2)]) == {
@@ -831,18 +861,19 @@ def test_node_0_marks_a_loss_with_the_nodes_lost_beside_it(tmp_path: Any) -> Non
     assert json.loads(store.values[KEYS.lost(0, 1)])["with"] == [1, 2]
 
 
-def test_a_loss_answered_by_a_return_of_the_same_generation_is_over() -> None:
-    store = DictStore()
+def test_a_loss_answered_by_a_return_of_the_same_generation_is_over(tmp_path: Any) -> None:
+    launch = Launch(tmp_path)
+    store = launch.store
 
     async def generation() -> int:
         return await lost_generation(store, KEYS, 0, 2)  # type: ignore[arg-type]
 
     assert asyncio.run(generation()) == 0
-    _lose(store, 2, 1)
+    launch.lose(2, 1)
     assert asyncio.run(generation()) == 1
     store.values[KEYS.back(0, 2)] = json.dumps({"generation": 1})
     assert asyncio.run(generation()) == 0
-    _lose(store, 2, 2)
+    launch.lose(2, 2)
     assert asyncio.run(generation()) == 2
 
 
@@ -908,9 +939,9 @@ def test_status_asks_a_returned_node_at_its_new_agent(tmp_path: Any) -> None:
     again with a new agent on another port: the follower writes that endpoint into the view,
     and node 0's status server, built on the same view, asks the new agent and shows node 2
     back with its processes, not an error from the dead agent's old port."""
-    store = DictStore()
-    run_dir = str(tmp_path)
-    follower = _follower(store, 0, run_dir)
+    launch = Launch(tmp_path, MANIFEST)
+    run_dir = launch.run_dir
+    follower, _ = launch.add_adopter(0)
     agents = {n: f"tcp://127.0.0.1:{_port()}" for n in (0, 1, 2)}
     follower.view.agents.update(agents)
     returned = f"tcp://127.0.0.1:{_port()}"
@@ -923,7 +954,6 @@ def test_status_asks_a_returned_node_at_its_new_agent(tmp_path: Any) -> None:
     node_2 = AgentStatus(
         lambda: _rows(2), run="elastic", run_dir=str(tmp_path / "node-2"), node=2, tcp=returned
     )
-    supervisor = Adopter()
 
     def seen(answer: dict[str, Any]) -> list[tuple[int, str]]:
         return [
@@ -932,16 +962,16 @@ def test_status_asks_a_returned_node_at_its_new_agent(tmp_path: Any) -> None:
         ]
 
     async def main() -> tuple[dict[str, Any], dict[str, Any]]:
-        await follower.follow(supervisor)  # type: ignore[arg-type]
+        await launch.follow(0)
         await node_0.start()
         await node_1.start()
         try:
-            _lose(store, 2, 1)
-            await follower.follow(supervisor)  # type: ignore[arg-type]
+            launch.lose(2, 1)
+            await launch.follow(0)
             while_lost = await ask(run_dir, 0.5)
             await node_2.start()
-            _back(store, 2, 1, "tcp://127.0.0.1:4002", agent=returned)
-            await follower.follow(supervisor)  # type: ignore[arg-type]
+            launch.back(2, 1, "tcp://127.0.0.1:4002", agent=returned)
+            await launch.follow(0)
             return while_lost, await ask(run_dir, 0.5)
         finally:
             for agent in (node_0, node_1, node_2):
@@ -958,39 +988,21 @@ def test_status_asks_a_returned_node_at_its_new_agent(tmp_path: Any) -> None:
     assert [c["event"] for c in after["membership"]["changes"]] == ["node_lost", "node_back"]
 
 
-def _back_with_ranks(store: DictStore, node: int, generation: int) -> None:
-    """``node`` back from the loss of ``generation``, with its learner rank (on port 32<node>
-    should the group grow back)."""
-    record = NodeRecord(
-        replicas={"splitter": {node: f"tcp://127.0.0.1:30{node}1"}},
-        agent=f"tcp://127.0.0.1:30{node}0",
-        host=HostRecord(host="h", weights="/w", token="t"),
-        unserved={"learner": {node: f"tcp://127.0.0.1:220{node}"}},
-        regrow={"learner": {node: f"tcp://127.0.0.1:320{node}"}},
-    )
-    store.values[KEYS.endpoints(0, node)] = msgspec.json.encode(record).decode()
-    store.values[KEYS.back(0, node)] = json.dumps({"generation": generation})
-
-
 def test_two_nodes_back_in_one_look_of_node_0_both_grow_the_group(tmp_path: Any) -> None:
     """Nodes 1 and 2 are lost and the learner goes on with replica 0 alone; both come back
     before node 0 looks again. Node 0 decides node 1's return first ([0, 1]), then node 2's
     from the members the first grew to ([0, 1, 2]), in that order (``sequence``); node 1, which
     applies both, ends on the same members."""
-    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
+    launch = _pair(tmp_path)
+    (node_0, supervisor_0), (node_1, supervisor_1) = launch[0], launch[1]
+    store = launch.store
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        _lose(store, 2, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        node_1.keep_shrunk({"learner": [0]}, [("learner", 1)], rejoining=1)
-        _back_with_ranks(store, 1, 1)
-        _back_with_ranks(store, 2, 1)
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        await launch.lose_1_and_2()
+        launch.rejoin(1, {"learner": [0]})
+        launch.back_with_rank(1)
+        launch.back_with_rank(2)
+        await launch.follow(1, 0, 1)
 
     asyncio.run(main())
     first = json.loads(store.values[KEYS.grown(0, 1, 1)])
@@ -1015,25 +1027,18 @@ def test_a_node_applies_growth_words_in_the_order_node_0_decided_them(tmp_path: 
     [0, 2]; node 1 comes back and node 0 decides [0, 1, 2]. Node 2, which looks only now, has
     both words to apply: it applies them in the order node 0 decided them, not in node order,
     and ends on [0, 1, 2] as node 0 does."""
-    node_0, supervisor_0, _, _ = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
-    os.makedirs(tmp_path / "node-2")
-    node_2 = _follower(store, 2, str(tmp_path), SHARED)
-    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
-    supervisor_2 = Restarter(node_2.view)
+    launch = _pair(tmp_path)
+    node_0 = launch.followers[0]
+    node_2, supervisor_2 = launch.add(2, ["tcp://a", "tcp://b", "tcp://c"])
+    store = launch.store
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        _lose(store, 2, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        node_2.keep_shrunk({"learner": [0]}, [("learner", 2)], rejoining=1)
-        _back_with_ranks(store, 2, 1)
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_ranks(store, 1, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await launch.lose_1_and_2()
+        launch.rejoin(2, {"learner": [0]})
+        launch.back_with_rank(2)
+        await launch.follow(2, 0)
+        launch.back_with_rank(1)
+        await launch.follow(0, 2)
 
     asyncio.run(main())
     assert json.loads(store.values[KEYS.grown(0, 2, 1)])["grown"] == {"learner": [0, 2]}
@@ -1053,8 +1058,9 @@ def test_a_group_stays_smaller_when_a_rejoin_file_cannot_be_written(
     the store, and goes on following; node 1 starts no rank."""
     from asyncrl.supervision import membership_follower
 
-    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
+    launch = _pair(tmp_path)
+    (node_0, supervisor_0), (node_1, supervisor_1) = launch[0], launch[1]
+    store = launch.store
     said: list[str] = []
     node_0.say = lambda node, message: said.append(message)
 
@@ -1062,15 +1068,11 @@ def test_a_group_stays_smaller_when_a_rejoin_file_cannot_be_written(
         raise OSError(116, "Stale file handle")
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_rank(store, 1)
-        node_1.keep_shrunk({}, [("learner", 1)], rejoining=1)
+        await launch.lose_1_and_bring_it_back(marked=False)
         with monkeypatch.context() as patch:
             patch.setattr(membership_follower, "write_rejoin", refuse)
-            assert await node_0.follow(supervisor_0) == ""  # type: ignore[arg-type]
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+            assert await launch.follow(0) == ""
+        await launch.follow(1)
 
     asyncio.run(main())
     path = tmp_path / "node-1" / "roles" / "learner.1" / "rejoin.json"
@@ -1092,24 +1094,18 @@ def test_a_node_that_misses_a_return_and_the_next_loss_follows_the_later_loss(
     """Node 1 is lost, comes back (node 0 grows the group back) and is lost again, all
     between two looks of node 2: node 2 takes the later loss, so its formation of the group
     is node 0's, and it waits on no word for the return in between."""
-    node_0, supervisor_0, _, _ = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
-    os.makedirs(tmp_path / "node-2")
-    node_2 = _follower(store, 2, str(tmp_path), SHARED)
-    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "ipc://c"])
-    supervisor_2 = Restarter(node_2.view)
+    launch = _pair(tmp_path)
+    node_0 = launch.followers[0]
+    node_2, supervisor_2 = launch.add(2, ["tcp://a", "tcp://b", "ipc://c"])
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        await node_0.mark_lost(1, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        _back_with_rank(store, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_0.mark_lost(1, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await launch.follow(0, 2)
+        await launch.mark_lost(1)
+        await launch.follow(0, 2)
+        launch.back_with_rank(1)
+        await launch.follow(0)
+        await launch.mark_lost(1)
+        await launch.follow(0, 2)
 
     asyncio.run(main())
     assert node_0.view.formations == node_2.view.formations == {"learner": 3}
@@ -1124,33 +1120,24 @@ def test_only_a_change_of_members_changes_a_group_s_formation(tmp_path: Any) -> 
     lost again. Only the first loss changes the group's members, so only it changes the
     formation its ranks join: between node 0's look and node 2's, a rank of the group started
     again on either node (a failure restart) joins the same rendezvous as the other's."""
-    stay = SHARED.replace(
-        "supervision: {strategy: one_for_all}",
-        "supervision: {strategy: one_for_all, regrow: false}",
-    )
-    os.makedirs(tmp_path / "node-2")
-    node_0 = _follower(DictStore(), 0, str(tmp_path), stay)
-    node_0.view.groups["learner"] = GroupInfo(["ipc://l0", "tcp://b", "tcp://c"])
-    store: DictStore = node_0.store  # type: ignore[assignment]
-    node_2 = _follower(store, 2, str(tmp_path), stay)
-    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "ipc://c"])
-    supervisor_0, supervisor_2 = Restarter(node_0.view), Restarter(node_2.view)
+    launch = Launch(tmp_path, STAY)
+    store = launch.store
+    node_0, supervisor_0 = launch.add(0, ["ipc://l0", "tcp://b", "tcp://c"])
+    node_2, supervisor_2 = launch.add(2, ["tcp://a", "tcp://b", "ipc://c"])
     seen: list[tuple[dict[str, int], dict[str, int]]] = []
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        await node_0.mark_lost(1, "silent")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        _back_with_rank(store, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await launch.follow(0, 2)
+        await launch.mark_lost(1, "silent")
+        await launch.follow(0, 2)
+        launch.back_with_rank(1)
+        await launch.follow(0)
         seen.append((dict(node_0.view.formations), dict(node_2.view.formations)))
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        await node_0.mark_lost(1, "silent again")
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await launch.follow(2)
+        await launch.mark_lost(1, "silent again")
+        await launch.follow(0)
         seen.append((dict(node_0.view.formations), dict(node_2.view.formations)))
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await launch.follow(2)
 
     asyncio.run(main())
     assert seen == [({"learner": 1}, {"learner": 1})] * 2
@@ -1174,25 +1161,20 @@ def test_a_returning_rank_takes_the_state_of_a_replica_left_when_the_lead_is_los
         "placement: {nodes: [0, 1, 2]}\n    supervision",
         "placement: {nodes: [1, 0, 2]}\n    supervision",
     )
-    os.makedirs(tmp_path / "node-2")
-    store = DictStore()
-    node_0 = _follower(store, 0, str(tmp_path), manifest)
-    node_0.view.groups["learner"] = GroupInfo(["tcp://a", "ipc://b", "tcp://c"])
-    supervisor_0 = Restarter(node_0.view)
-    node_2 = _follower(store, 2, str(tmp_path), manifest)
-    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
-    supervisor_2 = Restarter(node_2.view)
+    launch = Launch(tmp_path, manifest)
+    store = launch.store
+    node_0, _ = launch.add(0, ["tcp://a", "ipc://b", "tcp://c"])
+    node_2, supervisor_2 = launch.add(2, ["tcp://a", "tcp://b", "tcp://c"])
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 2, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        node_2.keep_shrunk({}, [("learner", 2)], rejoining=1)
-        _back_with_ranks(store, 2, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await launch.follow(0)
+        launch.lose(2, 1)
+        await launch.follow(0)
+        launch.rejoin(2)
+        launch.back_with_rank(2)
+        await launch.follow(0)
+        launch.lose(1, 1)
+        await launch.follow(2, 0)
 
     asyncio.run(main())
     decided = json.loads(store.values[KEYS.grown(0, 2, 1)])
@@ -1222,29 +1204,24 @@ def test_a_growth_word_waits_for_the_return_node_0_decided_before_it(tmp_path: A
     before node 2's ([0, 1, 2]). Node 2 reads its word in a pass that has not yet seen node 1
     back: it holds the word back until it has seen that return and applied its word first, and
     ends on [0, 1, 2] as node 0 does."""
-    node_0, supervisor_0, _, _ = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
-    os.makedirs(tmp_path / "node-2")
+    launch = _pair(tmp_path)
+    node_0 = launch.followers[0]
+    store = launch.store
     late = LateStore(store)
-    node_2 = _follower(late, 2, str(tmp_path), SHARED)
-    node_2.view.groups["learner"] = GroupInfo(["tcp://a", "tcp://b", "tcp://c"])
-    supervisor_2 = Restarter(node_2.view)
+    node_2, supervisor_2 = launch.add(2, ["tcp://a", "tcp://b", "tcp://c"], store=late)
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        _lose(store, 2, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        node_2.keep_shrunk({"learner": [0]}, [("learner", 2)], rejoining=1)
-        _back_with_ranks(store, 2, 1)
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
-        _back_with_ranks(store, 1, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
+        await launch.lose_1_and_2()
+        launch.rejoin(2, {"learner": [0]})
+        launch.back_with_rank(2)
+        await launch.follow(2)
+        launch.back_with_rank(1)
+        await launch.follow(0)
         late.late = {KEYS.back(0, 1)}
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await launch.follow(2)
         assert (supervisor_2.adopted, node_2.growing) == ([], {(2, 1)})
         late.late = set()
-        await node_2.follow(supervisor_2)  # type: ignore[arg-type]
+        await launch.follow(2)
 
     asyncio.run(main())
     assert json.loads(store.values[KEYS.grown(0, 2, 1)])["before"] == [[1, 1]]
@@ -1262,20 +1239,17 @@ def test_a_rejoining_node_takes_a_return_decided_before_its_own_from_its_own_wor
     comes back and node 0 grows it to [0, 1, 2]. Node 1's agent looks for the first time only
     now: node 2's return came before it, and its word before node 1's, whose members hold it
     already: node 1 applies its own word alone, and reaches node 2's rank at its new port."""
-    node_0, supervisor_0, node_1, supervisor_1 = _pair(tmp_path)
-    store: DictStore = node_0.store  # type: ignore[assignment]
+    launch = _pair(tmp_path)
+    (node_0, _), (node_1, supervisor_1) = launch[0], launch[1]
+    store = launch.store
 
     async def main() -> None:
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _lose(store, 1, 1)
-        _lose(store, 2, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        _back_with_ranks(store, 2, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        node_1.keep_shrunk({"learner": [0]}, [("learner", 1)], rejoining=1)
-        _back_with_ranks(store, 1, 1)
-        await node_0.follow(supervisor_0)  # type: ignore[arg-type]
-        await node_1.follow(supervisor_1)  # type: ignore[arg-type]
+        await launch.lose_1_and_2()
+        launch.back_with_rank(2)
+        await launch.follow(0)
+        launch.rejoin(1, {"learner": [0]})
+        launch.back_with_rank(1)
+        await launch.follow(0, 1)
 
     asyncio.run(main())
     assert json.loads(store.values[KEYS.grown(0, 1, 1)])["grown"] == {"learner": [0, 1, 2]}

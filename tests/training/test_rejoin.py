@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -54,20 +55,39 @@ def _write(ctx: RoleContext, steps: list[int], logged: list[int], value: float) 
         ledger.append({"step": step, "ids": [[f"p{step}", 0]]})
 
 
+def _lead_and_back(
+    tmp_path: Any,
+    name: str = "learner",
+    write: Callable[[RoleContext, list[int], list[int], float], None] = _write,
+) -> tuple[str, RoleContext, RoleContext]:
+    """The run directory ``tmp_path``, replica 0 of ``name`` (the group's lead) on node 0 and
+    replica 1 on node 1, their state written by ``write``: replica 1's from before its node's
+    loss (steps 4 and 8, logged to 9, weights 0 + step), replica 0's as it trained on alone
+    (steps 12 and 16, logged to 18, weights 100 + step)."""
+    run_dir = str(tmp_path)
+    lead = _rank(run_dir, 0, name)
+    back = _rank(os.path.join(run_dir, "node-1"), 1, name)
+    write(lead, [12, 16], list(range(13, 19)), 100.0)
+    write(back, [4, 8], [9], 0.0)
+    return run_dir, lead, back
+
+
+def _tell(back: RoleContext, folder: str) -> None:
+    """Tell ``back`` to rejoin its group from replica 0's state in the run directory
+    ``folder`` (``rejoin.json``), as node 0 does."""
+    with open(back.path(REJOIN_FILE), "wb") as f:
+        f.write(msgspec.json.encode(Rejoin(lead=0, folder=folder)))
+
+
 def test_a_rejoining_rank_takes_the_lead_s_checkpoints_log_and_ledger(tmp_path: Any) -> None:
     """Replica 1 on node 1 holds its state from before its node's loss (steps 4 and 8, logged
     to 9); replica 0 on node 0 trained on alone (steps 12 and 16, logged to 18). Told to rejoin
     from replica 0, replica 1 then holds replica 0's complete checkpoints (the torn one left
     out), its log and its ledger, and the file is gone: a second start copies nothing."""
-    run_dir = str(tmp_path)
-    lead = _rank(run_dir, 0)
-    back = _rank(os.path.join(run_dir, "node-1"), 1)
-    _write(lead, [12, 16], list(range(13, 19)), 100.0)
-    _write(back, [4, 8], [9], 0.0)
+    run_dir, _, back = _lead_and_back(tmp_path)
     assert take_lead_state(back) is False  # no rejoin file: its own state stays
     marker = back.path(REJOIN_FILE)
-    with open(marker, "wb") as f:
-        f.write(msgspec.json.encode(Rejoin(lead=0, folder=run_dir)))
+    _tell(back, run_dir)
     assert take_lead_state(back) is True
     assert not os.path.exists(marker)
     mine = CheckpointDir(back.path("checkpoints"), 5, FaultPlan.from_env(0))
@@ -91,20 +111,11 @@ def _files(folder: str) -> list[str]:
     )
 
 
-def _tell(back: RoleContext, run_dir: str) -> None:
-    with open(back.path(REJOIN_FILE), "wb") as f:
-        f.write(msgspec.json.encode(Rejoin(lead=0, folder=run_dir)))
-
-
 def test_a_rejoining_rank_s_checkpoints_are_hard_links_of_the_lead_s(tmp_path: Any) -> None:
     """On one filesystem the rank's checkpoints are the lead's files, linked (same inode): the
     take costs no copy of the state, whatever its size. A later save of the lead's unlinks its
     old checkpoints' files and never writes into them, so the rank's stay as they were."""
-    run_dir = str(tmp_path)
-    lead = _rank(run_dir, 0)
-    back = _rank(os.path.join(run_dir, "node-1"), 1)
-    _write(lead, [12, 16], list(range(13, 19)), 100.0)
-    _write(back, [4, 8], [9], 0.0)
+    run_dir, lead, back = _lead_and_back(tmp_path)
     _tell(back, run_dir)
     assert take_lead_state(back) is True
     for step in (12, 16):
@@ -132,11 +143,7 @@ def test_across_filesystems_a_rejoining_rank_copies_every_complete_checkpoint(
     ``ENOSYS``: a filesystem without the operation),
     the rank copies every complete checkpoint of the lead's: the group resumes from the oldest
     of its ranks' newest, and another rank left may be one behind the lead."""
-    run_dir = str(tmp_path)
-    lead = _rank(run_dir, 0)
-    back = _rank(os.path.join(run_dir, "node-1"), 1)
-    _write(lead, [12, 16], list(range(13, 19)), 100.0)
-    _write(back, [4, 8], [9], 0.0)
+    run_dir, lead, back = _lead_and_back(tmp_path)
     _tell(back, run_dir)
 
     def no_link(src: str, dst: str) -> None:
@@ -161,11 +168,7 @@ def test_a_take_cut_off_midway_is_taken_again_whole_at_the_next_start(
     """A rank that fails (or dies) while it takes the lead's state keeps its own checkpoints
     and the rejoin file, with a half-built ``checkpoints.rejoin`` left behind; its next start
     takes the lead's state whole and leaves no ``.rejoin`` folder."""
-    run_dir = str(tmp_path)
-    lead = _rank(run_dir, 0)
-    back = _rank(os.path.join(run_dir, "node-1"), 1)
-    _write(lead, [12, 16], list(range(13, 19)), 100.0)
-    _write(back, [4, 8], [9], 0.0)
+    run_dir, _, back = _lead_and_back(tmp_path)
     _tell(back, run_dir)
     link = os.link
     made: list[str] = []
@@ -231,11 +234,7 @@ def test_a_rejoining_critic_rank_restores_what_its_lead_restores(tmp_path: Any) 
     """The critic keeps no ledger (``step_log=False``): a returning critic rank takes the
     lead's checkpoints and log, holds no ledger after it (a stale one of its own is removed),
     and restores the lead's checkpoint and replays the lead's logged steps."""
-    run_dir = str(tmp_path)
-    lead = _rank(run_dir, 0, "critic")
-    back = _rank(os.path.join(run_dir, "node-1"), 1, "critic")
-    _write_critic(lead, [12, 16], list(range(13, 19)), 100.0)
-    _write_critic(back, [4, 8], [9], 0.0)
+    run_dir, lead, back = _lead_and_back(tmp_path, "critic", _write_critic)
     stale = os.path.join(back.run_dir, "ledger", "critic.1.steps.jsonl")
     os.makedirs(os.path.dirname(stale), exist_ok=True)
     with open(stale, "w") as f:
@@ -255,8 +254,7 @@ def test_a_rejoining_rank_without_the_lead_s_folder_says_shared_storage_is_neede
     back = _rank(os.path.join(str(tmp_path), "node-1"), 1)
     _write(back, [4], [5], 0.0)
     elsewhere = os.path.join(str(tmp_path), "not-shared")
-    with open(back.path(REJOIN_FILE), "wb") as f:
-        f.write(msgspec.json.encode(Rejoin(lead=0, folder=elsewhere)))
+    _tell(back, elsewhere)
     with pytest.raises(CheckpointError) as raised:
         take_lead_state(back)
     assert str(raised.value) == (
