@@ -403,6 +403,12 @@ class NodeAttempt:
             beats += 1
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
+    async def announce_end(self, report: RunReport) -> None:
+        """Tell the other nodes that the run ended here, as ``report`` says (the first word
+        wins: ``keys.stop``): each stops its processes when it reads it."""
+        said = _ended(report.status, report.reason, self.node)
+        await self.store.set_once(self.keys.stop(self.attempt), said)
+
     async def finish(
         self,
         report: RunReport,
@@ -422,10 +428,9 @@ class NodeAttempt:
             _say(self.node, f"{self.leave}; exiting so that torchrun starts it again to rejoin")
             return 1
         if self.ended_here:
-            said = _ended(report.status, report.reason, self.node)
-            await store.set_once(keys.stop(self.attempt), said)
+            await self.announce_end(report)
             if report.status != "interrupted":
-                await store.set_once(keys.final, said)
+                await store.set_once(keys.final, _ended(report.status, report.reason, self.node))
         counts: dict[str, Any] = {"restarts": report.restarts, "served": report.served}
         if self.node != 0 and self.trace:
             counts["trace"] = await send_node_trace(
@@ -651,6 +656,13 @@ class _Watch:
     async def _watch(self, supervisor: Supervisor) -> None:
         a, keys, store = self.a, self.a.keys, self.a.store
         while True:
+            if supervisor.ended is not None:
+                # The run ended here (the watch returns once it ends the run itself): the
+                # other nodes stop now, while this node stops its processes, not after. A
+                # rank of a group that this node stops first waits for its lead's last word,
+                # which a lead on another node sends only as its own node stops.
+                await a.announce_end(supervisor.ended)
+                return
             ended = await store.peek(keys.stop(a.attempt))
             if ended is not None:
                 said = json.loads(ended)

@@ -398,6 +398,13 @@ class Supervisor:
                 await stale.wait()
         return restarted
 
+    @property
+    def ended(self) -> RunReport | None:
+        """How the run ended (the first report: the program finished, a budget ran out,
+        ``stop`` or ``end``), from the moment it did, while the processes are still being
+        stopped; None while it runs."""
+        return self._report
+
     def stop(self, reason: str = "interrupted") -> None:
         """End the run (a signal arrived): every process is stopped in order."""
         self._finish(RunReport("interrupted", reason))

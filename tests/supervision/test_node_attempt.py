@@ -265,3 +265,48 @@ def test_a_group_failure_restart_waits_for_a_beat_raised_after_the_failure(
         return time.monotonic() - raised
 
     assert asyncio.run(alive()) < 1.0
+
+
+def test_a_run_that_ends_here_is_announced_before_this_node_stops_its_processes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The program finished on node 0: its watch tells the other nodes at once (``stop`` in
+    the store), while node 0's supervisor is still stopping its processes, not once they are
+    all stopped. A rank on node 0 of a group led from another node waits, as it stops, for its
+    lead's last word, which the lead sends only as its own node stops."""
+    from types import SimpleNamespace
+
+    from asyncrl.manifest.load import load_manifest
+    from asyncrl.supervision.runreport import RunReport
+    from asyncrl.supervision.store_registry import LaunchKeys
+
+    class Store(_BeatingStore):
+        async def get(self, key: str) -> str:
+            return self.values[key]
+
+    monkeypatch.setattr(multinode, "HEARTBEAT_INTERVAL_S", 0.01)
+    keys = LaunchKeys("r")
+    store = Store(set())
+    store.values[keys.current] = "0"
+    manifest = load_manifest(f"{ROOT}/examples/hello/manifest.yaml")
+    env = multinode.LaunchEnv(0, 3, "127.0.0.1", 1, "r", False)
+    a = multinode.NodeAttempt(env, store, keys, 0, manifest, str(tmp_path))  # type: ignore[arg-type]
+
+    async def follow(supervisor: Any) -> str:
+        return ""
+
+    follower = SimpleNamespace(follow=follow, lost={})
+    watch = multinode._Watch(a, follower, liveness_s=10.0)  # type: ignore[arg-type]
+    supervisor = SimpleNamespace(ended=None)
+
+    async def main() -> None:
+        watching = asyncio.create_task(watch(supervisor))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert keys.stop(0) not in store.values and not watching.done()
+        supervisor.ended = RunReport("completed", "the control-flow program finished")
+        await asyncio.wait_for(watching, 5)
+
+    asyncio.run(main())
+    assert store.values[keys.stop(0)] == multinode._ended(
+        "completed", "the control-flow program finished", 0
+    )
