@@ -27,9 +27,8 @@ When a node whose ranks a group went on without comes back, node 0 decides wheth
 *grows* back (``grow``): with ``run.shared_storage`` and the role's ``supervision.regrow`` (the
 default), a group (replicated or sharded) re-forms with its ranks on that node again, in rank
 order, each returning rank first taking the lead's state (``Rejoin``: its newest checkpoints,
-write-ahead log and step ledger, read from the lead's folder), and the lowest replica leads
-it again (a returning replica 0 takes the lead back from the replica that led while it was
-out); otherwise it stays at its smaller size, and ``grow`` says why.
+write-ahead log and step ledger, read from the lead's folder); otherwise, or when the group
+would change its lead, it stays at its smaller size, and ``grow`` says why.
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``), a role
@@ -276,10 +275,9 @@ def grows_back(manifest: Manifest, name: str) -> str:
 def grow(manifest: Manifest, shrunk: Mapping[str, Sequence[int]], node: int) -> Growth:
     """What becomes of each group in ``shrunk`` (role -> the replicas that form it now,
     ``Membership.shrunk``) now that ``node`` is back: a group with ranks on ``node`` grows back
-    to its members and those ranks, in rank order, where ``grows_back`` allows it; otherwise it
-    stays, with why. The returning ranks take the state of the replica that leads the group now
-    (``Growth.lead``); the grown group is led by its lowest replica, as any group is, which is a
-    returning one when a returning rank is below every member (its replica 0 came back)."""
+    to its members and those ranks, in rank order, where ``grows_back`` allows it and its lead
+    stays the same (the lowest replica leads: a returning rank below the lead would take the
+    lead over, which a group does not do as it grows); otherwise it stays, with why."""
     out = Growth()
     for name, members in shrunk.items():
         role = manifest.roles[name]
@@ -289,6 +287,11 @@ def grow(manifest: Manifest, shrunk: Mapping[str, Sequence[int]], node: int) -> 
             continue
         why = grows_back(manifest, name)
         grown = sorted({*members, *back})
+        if not why and members and grown[0] != members[0]:
+            why = (
+                f"its returning replica {grown[0]} would lead it in place of replica "
+                f"{members[0]}, and a group does not change its lead as it grows"
+            )
         if why:
             out.stays[name] = why
             continue
@@ -334,28 +337,42 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
 
 def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
     """What a launch of ``manifest`` over ``nodes`` nodes says as it loads of each
-    ``one_for_all`` group over several nodes that goes on smaller when a node is lost but does
-    not grow back when the node returns, with the fix: a replicated group without
-    ``run.shared_storage`` (``grows_back``; a sharded one without it does not go on smaller at
-    all, which ``node_loss_warnings`` warns of). A group whose ``supervision.regrow`` is false
-    is said to stay smaller, and gets none."""
+    ``one_for_all`` group over several nodes that goes on smaller when a node is lost but
+    does not grow back when the node returns, or not after every node's loss, with the fix
+    (a group whose ``supervision.regrow`` is false is said to stay smaller, and gets none):
+
+    - a replicated group without ``run.shared_storage`` (``grows_back``) never grows back (a
+      sharded one without it does not go on smaller: ``node_loss_warnings`` warns of it);
+    - a group with it (replicated or sharded) whose replica 0 is placed on a node other than
+      0 stays smaller after that node's loss: the returning replica 0 would take the lead over
+      (``grow``)."""
     notes = []
     for name, role in manifest.roles.items():
         where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
         others = [n for n in where if 0 < n < nodes]
         if not spans_nodes(manifest, name) or not others or not role.supervision.regrow:
             continue
-        if sharded(manifest, name) or manifest.run.shared_storage:
-            continue  # grows back, or does not go on smaller at all
-        notes.append(
-            f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}: "
-            f"after losing node {others[0]} it goes on without that node's ranks, and stays so "
-            f"when the node comes back, because a returning rank takes the lead's checkpoints "
-            f"and log from the lead's folder, which needs the run directory on storage every "
-            f"node shares. To grow it back, set run.shared_storage: true with the run directory "
-            f"on such storage; to say it stays smaller, set "
-            f"roles.{name}.supervision.regrow: false"
-        )
+        group = f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}"
+        first = role.placement.node_of(0)
+        if sharded(manifest, name) and not manifest.run.shared_storage:
+            continue  # it does not go on smaller at all: ``node_loss_warnings`` says so
+        if not manifest.run.shared_storage:
+            notes.append(
+                f"{group}: after losing node {others[0]} it goes on without that node's ranks, "
+                f"and stays so when the node comes back, because a returning rank takes the "
+                f"lead's checkpoints and log from the lead's folder, which needs the run "
+                f"directory on storage every node shares. To grow it back, set "
+                f"run.shared_storage: true with the run directory on such storage; to say it "
+                f"stays smaller, set roles.{name}.supervision.regrow: false"
+            )
+        elif 0 < first < nodes:
+            notes.append(
+                f"{group}, its replica 0 on node {first}: after losing node {first} it goes on "
+                f"led by another replica, and stays so when the node comes back, because its "
+                f"returning replica 0 would take the lead over, and a group does not change its "
+                f"lead as it grows. To have it grow back after any node's loss, place replica 0 "
+                f"on node 0 (roles.{name}.placement.nodes starting with 0)"
+            )
     return notes
 
 

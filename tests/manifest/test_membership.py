@@ -249,6 +249,11 @@ def test_a_group_stays_smaller_without_shared_storage_or_when_the_manifest_says_
         "supervision: {strategy: one_for_all, regrow: false}",
     )
     assert stays(no_regrow, [0]) == "roles.learner.supervision.regrow is false"
+    led_by_1 = SHARED.replace("nodes: [0, 1]}", "nodes: [1, 0]}")
+    assert stays(led_by_1, [1]) == (
+        "its returning replica 0 would lead it in place of replica 1, and a group does not "
+        "change its lead as it grows"
+    )
 
 
 def test_a_group_that_does_not_grow_back_is_noted_at_load_with_the_fix() -> None:
@@ -270,17 +275,27 @@ def test_a_group_that_does_not_grow_back_is_noted_at_load_with_the_fix() -> None
     assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
 
 
-def test_a_group_led_from_a_node_other_than_0_grows_back_led_by_its_replica_0_again() -> None:
-    """Replica 0 placed on node 1: after node 1's loss the group goes on led by replica 1; when
-    node 1 returns the group grows back to [0, 1], replica 0 taking replica 1's state and then
-    leading it again. The launch notes nothing as it loads."""
+def test_a_group_led_from_a_node_other_than_0_is_noted_at_load_with_the_fix() -> None:
+    """Replica 0 placed on node 1: after node 1's loss the group goes on led by replica 1 and
+    stays smaller when node 1 returns (``grow``), which the launch says as it loads; with
+    replica 0 on node 0, as with regrow false, it says nothing."""
     from asyncrl.manifest.membership import grow, regrow_notes
 
     led_from_1 = SHARED.replace("nodes: [0, 1]}", "nodes: [1, 0]}")
     manifest = parse_manifest(led_from_1, nodes=3)
-    growth = grow(manifest, {"learner": [1]}, 1)
-    assert (growth.grown, growth.lead, growth.stays) == ({"learner": [0, 1]}, {"learner": 1}, {})
-    assert regrow_notes(manifest, 3) == []
+    assert grow(manifest, {"learner": [1]}, 1).stays != {}
+    assert regrow_notes(manifest, 3) == [
+        "roles.learner: its 2 replicas form one group over nodes [0, 1], its replica 0 on node "
+        "1: after losing node 1 it goes on led by another replica, and stays so when the node "
+        "comes back, because its returning replica 0 would take the lead over, and a group "
+        "does not change its lead as it grows. To have it grow back after any node's loss, "
+        "place replica 0 on node 0 (roles.learner.placement.nodes starting with 0)"
+    ]
+    no_regrow = led_from_1.replace(
+        "supervision: {strategy: one_for_all}",
+        "supervision: {strategy: one_for_all, regrow: false}",
+    )
+    assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
 
 
 def test_a_sharded_group_on_shared_storage_grows_back_and_is_not_noted_at_load() -> None:
@@ -297,8 +312,9 @@ def test_a_sharded_group_on_shared_storage_grows_back_and_is_not_noted_at_load()
     assert node_loss_warnings(manifest, 3) == []
     assert regrow_notes(manifest, 3) == []
     led_from_1 = parse_manifest(fsdp.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
-    assert regrow_notes(led_from_1, 3) == []
-    assert grow(led_from_1, {"learner": [1]}, 1).grown == {"learner": [0, 1]}
+    assert [n.split(":")[1] for n in regrow_notes(led_from_1, 3)] == [
+        " its 2 replicas form one group over nodes [0, 1], its replica 0 on node 1"
+    ]
     unshared = parse_manifest(MANIFEST + "    config: {parallel: fsdp}\n", nodes=3)
     assert regrow_notes(unshared, 3) == []
     assert len(node_loss_warnings(unshared, 3)) == 1
