@@ -215,9 +215,10 @@ class Supervision(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             only.
         regrow: a ``one_for_all`` group over several nodes (data-parallel learners or critics)
             that went on at a smaller size after a node's loss grows back to its ranks on that
-            node when the node comes back (with ``run.shared_storage``: the returning ranks take
-            the lead's checkpoints and log from its folder); false: it stays at its smaller
-            size for the rest of the run (docs/multinode.md).
+            node when the node comes back (the returning ranks take the lead's checkpoints and
+            log: from its folder with ``run.shared_storage``, from the lead over the group
+            without it); false: it stays at its smaller size for the rest of the run
+            (docs/multinode.md).
     """
 
     strategy: Literal["one_for_one", "rest_for_one", "one_for_all"] = "one_for_one"

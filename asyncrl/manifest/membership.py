@@ -24,11 +24,12 @@ node, so every node reaches the same answer without asking:
   lost ranks' shards may be gone with their node), and one with no rank left.
 
 When a node whose ranks a group went on without comes back, node 0 decides whether the group
-*grows* back (``grow``): with ``run.shared_storage`` and the role's ``supervision.regrow`` (the
-default), a group (replicated or sharded) re-forms with its ranks on that node again, in rank
-order, each returning rank first taking the lead's state (``Rejoin``: its newest checkpoints,
-write-ahead log and step ledger, read from the lead's folder); otherwise, or when the group
-would change its lead, it stays at its smaller size, and ``grow`` says why.
+*grows* back (``grow``): with the role's ``supervision.regrow`` (the default), a group re-forms
+with its ranks on that node again, in rank order, each returning rank first taking the lead's
+state (``Rejoin``: its checkpoints, write-ahead log and step ledger, read from the lead's folder
+with ``run.shared_storage``, sent by the lead over the group's collectives without it; a
+sharded group, which shrinks only with shared storage, reads them); otherwise, or when the
+group would change its lead, it stays at its smaller size, and ``grow`` says why.
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``), a role
@@ -81,12 +82,17 @@ class Rejoin(msgspec.Struct, kw_only=True, frozen=True):
     Attributes:
         lead: the replica that led the group while the rank was out; its checkpoints,
             write-ahead log and step ledger are the group's state now.
-        folder: the folder of the node the lead runs on, as the rank's node reaches it (the
-            run directory is on shared storage): the lead's files are under it.
+        folder: the folder of the node the lead runs on, as the rank's node reaches it: the
+            lead's files are under it where the run directory is on shared storage.
+        shared: the run directory is on storage every node shares (``run.shared_storage``):
+            the rank reads the lead's files under ``folder``. Otherwise the lead sends them
+            to it over the group's collectives as the group forms
+            (``asyncrl.roles.training.rejoin``).
     """
 
     lead: int
     folder: str
+    shared: bool = True
 
 
 class Moved(msgspec.Struct, frozen=True):
@@ -264,10 +270,10 @@ def grows_back(manifest: Manifest, name: str) -> str:
     role = manifest.roles[name]
     if not role.supervision.regrow:
         return f"roles.{name}.supervision.regrow is false"
-    if not manifest.run.shared_storage:
+    if sharded(manifest, name) and not manifest.run.shared_storage:
         return (
-            "the run directory is not on shared storage (run.shared_storage: false), so a "
-            "returning rank cannot read the lead's checkpoints and log"
+            "it is sharded (parallel: fsdp) and the run directory is not on shared storage "
+            "(run.shared_storage: false), so a returning rank cannot read the lead's shards"
         )
     return ""
 
@@ -338,14 +344,12 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
 def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
     """What a launch of ``manifest`` over ``nodes`` nodes says as it loads of each
     ``one_for_all`` group over several nodes that goes on smaller when a node is lost but
-    does not grow back when the node returns, or not after every node's loss, with the fix
-    (a group whose ``supervision.regrow`` is false is said to stay smaller, and gets none):
-
-    - a replicated group without ``run.shared_storage`` (``grows_back``) never grows back (a
-      sharded one without it does not go on smaller: ``node_loss_warnings`` warns of it);
-    - a group with it (replicated or sharded) whose replica 0 is placed on a node other than
-      0 stays smaller after that node's loss: the returning replica 0 would take the lead over
-      (``grow``)."""
+    does not grow back after every node's loss, with the fix: a group whose replica 0 is
+    placed on a node other than 0 stays smaller after that node's loss, since the returning
+    replica 0 would take the lead over (``grow``). A group whose ``supervision.regrow`` is
+    false is said to stay smaller, and gets none; a sharded group without
+    ``run.shared_storage`` does not go on smaller at all (``node_loss_warnings`` warns of
+    it)."""
     notes = []
     for name, role in manifest.roles.items():
         where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
@@ -356,16 +360,7 @@ def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
         first = role.placement.node_of(0)
         if sharded(manifest, name) and not manifest.run.shared_storage:
             continue  # it does not go on smaller at all: ``node_loss_warnings`` says so
-        if not manifest.run.shared_storage:
-            notes.append(
-                f"{group}: after losing node {others[0]} it goes on without that node's ranks, "
-                f"and stays so when the node comes back, because a returning rank takes the "
-                f"lead's checkpoints and log from the lead's folder, which needs the run "
-                f"directory on storage every node shares. To grow it back, set "
-                f"run.shared_storage: true with the run directory on such storage; to say it "
-                f"stays smaller, set roles.{name}.supervision.regrow: false"
-            )
-        elif 0 < first < nodes:
+        if 0 < first < nodes:
             notes.append(
                 f"{group}, its replica 0 on node {first}: after losing node {first} it goes on "
                 f"led by another replica, and stays so when the node comes back, because its "

@@ -379,12 +379,14 @@ class MembershipFollower:
         back from the loss of ``generation``, grow back with them (``grow``), with the tcp
         endpoint each returning rank binds (``record.regrow``); every node applies it.
 
-        Each returning rank's ``REJOIN_FILE`` is written first, durably, in its folder (the run
-        directory is shared: ``grows_back``), before the word and node 0's ``membership.json``
-        say the group grew: an attempt that ends between them (a restart of every node, a
-        ``--resume``) starts the rank at the larger size, and the file makes it take the lead's
-        state rather than its own from before the loss. A file that cannot be written (the
-        shared storage failing) is said, and its group stays at its smaller size.
+        With ``run.shared_storage``, each returning rank's ``REJOIN_FILE`` is written first,
+        durably, in its folder, before the word and node 0's ``membership.json`` say the group
+        grew: an attempt that ends between them (a restart of every node, a ``--resume``)
+        starts the rank at the larger size, and the file makes it take the lead's state rather
+        than its own from before the loss. A file that cannot be written (the shared storage
+        failing) is said, and its group stays at its smaller size. Without shared storage the
+        rank's folder is on its own node, whose agent writes the file as it applies the word
+        (``_rejoin``).
 
         ``shrunk`` is node 0's working copy of the groups that are smaller, this pass's earlier
         decisions in it; this decision goes into it too. The word carries its place in the
@@ -395,7 +397,7 @@ class MembershipFollower:
             name: {i: record.regrow[name][i] for i in members if i in record.regrow.get(name, {})}
             for name, members in growth.grown.items()
         }
-        for name, ranks in list(endpoints.items()):
+        for name, ranks in list(endpoints.items() if self.manifest.run.shared_storage else ()):
             for i in ranks:
                 try:
                     write_rejoin(self.manifest, self.run_dir, name, i, growth.lead[name])
@@ -685,9 +687,10 @@ async def lost_generation(store: StoreClient, keys: LaunchKeys, attempt: int, no
 
 def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead: int) -> str:
     """Tell ``name``'s ``replica``, rejoining its group, to take ``lead``'s state first: its
-    ``REJOIN_FILE`` (``Rejoin``, the lead's node folder under ``run_dir``), in the replica's
-    folder of its node under ``run_dir`` (shared storage), written whole and durably (the file,
-    then its folder, reach the disk). Returns the file's path.
+    ``REJOIN_FILE`` (``Rejoin``: the lead's node folder under ``run_dir``, and whether the run
+    directory is shared, so the rank reads the lead's files there, or takes them from the lead
+    over the group), in the replica's folder of its node under ``run_dir``, written whole and
+    durably (the file, then its folder, reach the disk). Returns the file's path.
 
     Raises:
         OSError: the folder cannot be written.
@@ -695,7 +698,11 @@ def write_rejoin(manifest: Manifest, run_dir: str, name: str, replica: int, lead
     from asyncrl.safe_files import write_atomic
 
     placement = manifest.roles[name].placement
-    rejoin = Rejoin(lead=lead, folder=node_dir(run_dir, placement.node_of(lead)))
+    rejoin = Rejoin(
+        lead=lead,
+        folder=node_dir(run_dir, placement.node_of(lead)),
+        shared=manifest.run.shared_storage,
+    )
     folder = os.path.dirname(_rejoin_path(manifest, run_dir, name, replica))
     os.makedirs(folder, exist_ok=True)
     path = write_atomic(os.path.join(folder, REJOIN_FILE), msgspec.json.encode(rejoin), fsync=True)

@@ -48,7 +48,7 @@ from asyncrl.roles.training.checkpoints import (
 )
 from asyncrl.roles.training.data_parallel import DataParallel
 from asyncrl.roles.training.journal import Journal, durability, replay_summary, wal_path
-from asyncrl.roles.training.rejoin import take_lead_state
+from asyncrl.roles.training.rejoin import rejoin_group
 from asyncrl.roles.training.shard_group import GROUP_KEY, ShardGroup
 from asyncrl.roles.training.wal import KeepEntry, StepEntry, WalError
 from asyncrl.supervision.faults import FaultPlan
@@ -103,7 +103,7 @@ class Durability:
         self.sharded = sharded
         if dp is not None:
             # A rank back in its group as it grows: the lead's state is the group's now.
-            take_lead_state(ctx, sharded)
+            rejoin_group(ctx, dp, sharded)
         self.faults = FaultPlan.from_env(ctx.incarnation)
         self.checkpoints = CheckpointDir(
             ctx.path("checkpoints"), keep, self.faults, pin, ctx.log.warning

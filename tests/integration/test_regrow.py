@@ -1,13 +1,14 @@
 """A data-parallel learner group that went on without a lost node's rank grows back when the node
 comes back: three torchrun "nodes" on 127.0.0.1 (``tests/integration/test_node_loss.py`` says
-how), the learner's two replicated ranks on nodes 0 and 1, the run directory shared
-(``run.shared_storage``, as one directory on one machine is).
+how), the learner's two replicated ranks on nodes 0 and 1.
 
 Node 1 is lost after a few RL steps and its torchrun started again: node 0 decides that the
 group grows back to both ranks, replica 1 takes replica 0's checkpoints, write-ahead log and
-step ledger, and the group trains on at two ranks to the end, with nothing lost, nothing counted
-twice and no step repeated or skipped. Sharded (``parallel: fsdp``), the group grows back the
-same way, both ranks loading replica 0's checkpoint resharded to two. With
+step ledger (sent over the group without ``run.shared_storage``), and the group trains on at two
+ranks to the end, with nothing lost, nothing counted twice and no step repeated or skipped.
+Sharded (``parallel: fsdp``, the run directory shared: ``run.shared_storage``, as one directory
+on one machine is), the group grows back the same way, replica 1 reading replica 0's
+checkpoints from its folder and both ranks loading them resharded to two. With
 ``supervision.regrow: false`` the group stays at replica 0 alone.
 """
 
@@ -165,8 +166,10 @@ def test_a_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> 
     """The group goes on with replica 0 after node 1's loss, and grows back to [0, 1] once node
     1 is back: membership.json and metrics.jsonl record it, replica 1 restores replica 0's
     state, and at their newest common checkpoint after it the two ranks hold the same
-    parameters, bit for bit."""
-    grown = _grow_back_and_finish(nodes)
+    parameters, bit for bit. The run directory is not taken as shared here
+    (``run.shared_storage: false``): replica 0 sends its state to replica 1 over the group.
+    (The sharded test below reads it from the shared run directory.)"""
+    grown = _grow_back_and_finish(nodes, "run.shared_storage=false")
     lead, rejoined, figures = grown.lead, grown.rejoined, grown.figures
     seen = _json(nodes.path(0, "membership.json"))
     assert (seen["shrunk"], seen["departed"]) == ({}, {})
@@ -189,7 +192,9 @@ def test_a_learner_group_grows_back_when_its_lost_node_returns(nodes: Nodes) -> 
     assert "learner[0] start again: its group grows back to replicas [0, 1]" in log
     assert not os.path.exists(nodes.path(1, "roles", "learner.1", "rejoin.json"))
     with open(nodes.path(1, "logs", "learner.1.jsonl")) as f:
-        assert "rejoining its group, took the state of learner.0, its lead" in f.read()
+        assert "rejoining its group, took the state of learner.0, its lead, over the group" in (
+            f.read()
+        )
     # A checkpoint each rank wrote itself after the group grew back: the same parameters
     # (and AdamW moments), bit for bit.
     newest = max(_checkpoints(lead) & _checkpoints(rejoined))

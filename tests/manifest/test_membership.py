@@ -231,7 +231,23 @@ def test_a_group_grows_back_to_its_ranks_on_a_returning_node() -> None:
     assert grow(three, {"learner": [0, 2]}, 1).grown == {"learner": [0, 1, 2]}
 
 
-def test_a_group_stays_smaller_without_shared_storage_or_when_the_manifest_says_so() -> None:
+def test_a_replicated_group_grows_back_without_shared_storage() -> None:
+    """Without run.shared_storage a replicated group grows back as with it (the lead sends
+    its state over the group: ``asyncrl.roles.training.rejoin``), and nothing is noted at
+    load; each returning rank's rejoin file says the run directory is not shared."""
+    from asyncrl.manifest.membership import grow, regrow_notes
+
+    for text in (MANIFEST, SHARED):
+        growth = grow(parse_manifest(text, nodes=3), {"learner": [0]}, 1)
+        assert (growth.grown, growth.lead, growth.stays) == (
+            {"learner": [0, 1]},
+            {"learner": 0},
+            {},
+        )
+        assert regrow_notes(parse_manifest(text, nodes=3), 3) == []
+
+
+def test_a_group_stays_smaller_when_sharded_without_shared_storage_or_when_told() -> None:
     """Each reason a group stays at its smaller size when its node comes back, said."""
     from asyncrl.manifest.membership import grow
 
@@ -240,9 +256,9 @@ def test_a_group_stays_smaller_without_shared_storage_or_when_the_manifest_says_
         assert growth.grown == {}
         return growth.stays["learner"]
 
-    assert stays(MANIFEST, [0]) == (
-        "the run directory is not on shared storage (run.shared_storage: false), so a "
-        "returning rank cannot read the lead's checkpoints and log"
+    assert stays(MANIFEST + "    config: {parallel: fsdp}\n", [0]) == (
+        "it is sharded (parallel: fsdp) and the run directory is not on shared storage "
+        "(run.shared_storage: false), so a returning rank cannot read the lead's shards"
     )
     no_regrow = SHARED.replace(
         "supervision: {strategy: one_for_all}",
@@ -254,25 +270,6 @@ def test_a_group_stays_smaller_without_shared_storage_or_when_the_manifest_says_
         "its returning replica 0 would lead it in place of replica 1, and a group does not "
         "change its lead as it grows"
     )
-
-
-def test_a_group_that_does_not_grow_back_is_noted_at_load_with_the_fix() -> None:
-    from asyncrl.manifest.membership import regrow_notes
-
-    assert regrow_notes(parse_manifest(MANIFEST, nodes=3), 3) == [
-        "roles.learner: its 2 replicas form one group over nodes [0, 1]: after losing node 1 "
-        "it goes on without that node's ranks, and stays so when the node comes back, because "
-        "a returning rank takes the lead's checkpoints and log from the lead's folder, which "
-        "needs the run directory on storage every node shares. To grow it back, set "
-        "run.shared_storage: true with the run directory on such storage; to say it stays "
-        "smaller, set roles.learner.supervision.regrow: false"
-    ]
-    assert regrow_notes(parse_manifest(SHARED, nodes=3), 3) == []
-    no_regrow = MANIFEST.replace(
-        "supervision: {strategy: one_for_all}",
-        "supervision: {strategy: one_for_all, regrow: false}",
-    )
-    assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
 
 
 def test_a_group_led_from_a_node_other_than_0_is_noted_at_load_with_the_fix() -> None:

@@ -689,38 +689,58 @@ def test_node_0_tells_a_returning_rank_to_take_the_lead_state_before_the_group_g
     )
 
 
-def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
-    """As above with ``supervision.regrow: false``, then without ``run.shared_storage``: node 0
-    says the group stays at replicas [0, 2], and why; nothing starts again and node 1 starts
-    no rank."""
+def test_without_shared_storage_only_the_returning_node_tells_its_rank_to_take_the_lead_state(
+    tmp_path: Any,
+) -> None:
+    """Without ``run.shared_storage`` the group grows back as with it, but node 0 writes no
+    rejoin.json (its copy of node 1's folder is not the one node 1 reads): node 1's agent
+    writes it as it applies the word, saying the run directory is not shared, so the rank
+    takes the lead's state over the group."""
+    from asyncrl.manifest.membership import Rejoin
 
-    async def main(launch: Launch) -> None:
+    marker = tmp_path / "node-1" / "roles" / "learner.1" / "rejoin.json"
+    launch = Launch(tmp_path, GROUP)
+    launch.add(0, ["ipc://l0", "tcp://b", "tcp://c"])
+    node_1, supervisor_1 = launch.add(1, ["tcp://a", "tcp://b", "tcp://c"])
+
+    async def main() -> None:
+        await launch.lose_1_and_bring_it_back()
+        await launch.follow(0)
+
+    asyncio.run(main())
+    assert not marker.exists()
+    assert msgspec.json.decode((tmp_path / "membership.json").read_bytes())["shrunk"] == {}
+    asyncio.run(launch.follow(1))
+    assert supervisor_1.adopted == [("learner", 1)]
+    assert node_1.membership.shrunk == {}
+    assert msgspec.json.decode(marker.read_bytes(), type=Rejoin) == Rejoin(
+        lead=0, folder=str(tmp_path), shared=False
+    )
+
+
+def test_a_group_stays_smaller_when_the_manifest_says_so(tmp_path: Any) -> None:
+    """As above with ``supervision.regrow: false``: node 0 says the group stays at replicas
+    [0, 2], and why; nothing starts again and node 1 starts no rank."""
+    launch = Launch(tmp_path, STAY)
+    said: list[str] = []
+    node_0, supervisor_0 = launch.add(0, ["ipc://l0", "tcp://b", "tcp://c"])
+    node_0.say = lambda node, message: said.append(message)  # type: ignore[method-assign]
+    node_1, supervisor_1 = launch.add(1, ["tcp://a", "tcp://b", "tcp://c"])
+
+    async def main() -> None:
         await launch.lose_1_and_bring_it_back()
         await launch.follow(0, 1)
 
-    for manifest, why in (
-        (STAY, "roles.learner.supervision.regrow is false"),
-        (GROUP, "the run directory is not on shared storage (run.shared_storage: false)"),
-    ):
-        launch = Launch(tmp_path / str(len(why)), manifest)
-        said: list[str] = []
-        node_0, supervisor_0 = launch.add(0, ["ipc://l0", "tcp://b", "tcp://c"])
-        node_0.say = lambda node, message, said=said: said.append(message)  # type: ignore[misc]
-        node_1, supervisor_1 = launch.add(1, ["tcp://a", "tcp://b", "tcp://c"])
-        asyncio.run(main(launch))
-        assert supervisor_0.restarted == [("learner", [0, 2])], why
-        assert supervisor_1.adopted == supervisor_1.restarted == []
-        assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 2]}
-        assert node_1.membership.departed == {"learner": {1: 1}}
-        assert [line for line in said if "stays" in line] == [
-            f"learner stays at replicas [0, 2] with node 1 back: {why}"
-            + (
-                ", so a returning rank cannot read the lead's checkpoints and log"
-                if manifest is GROUP
-                else ""
-            )
-        ]
-        assert not node_1.growing
+    asyncio.run(main())
+    assert supervisor_0.restarted == [("learner", [0, 2])]
+    assert supervisor_1.adopted == supervisor_1.restarted == []
+    assert node_0.membership.shrunk == node_1.membership.shrunk == {"learner": [0, 2]}
+    assert node_1.membership.departed == {"learner": {1: 1}}
+    assert [line for line in said if "stays" in line] == [
+        "learner stays at replicas [0, 2] with node 1 back: roles.learner.supervision.regrow "
+        "is false"
+    ]
+    assert not node_1.growing
 
 
 def _moves(follower: MembershipFollower) -> list[tuple[str, int, list[str], dict[str, int]]]:

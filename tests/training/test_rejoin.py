@@ -264,3 +264,71 @@ def test_a_rejoining_rank_without_the_lead_s_folder_says_shared_storage_is_neede
     )
     assert os.path.exists(back.path(REJOIN_FILE))  # kept: the next start tries again
     assert CheckpointDir(back.path("checkpoints"), 5, FaultPlan.from_env(0)).steps() == [4]
+
+
+GROUP_SCRIPT = """
+import json, logging, os, sys
+import asyncrl.roles.training.rejoin as rejoin
+from asyncrl.manifest.membership import REJOIN_FILE, Rejoin
+from asyncrl.roles.training.data_parallel import DataParallel
+from tests.training.test_rejoin import _rank
+rank, run_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rejoin.CHUNK = 100  # many pieces a file
+said = []
+class Said(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("test").addHandler(Said())
+logging.getLogger("test").setLevel(logging.INFO)
+ctx = _rank(run_dir if rank == 0 else os.path.join(run_dir, "node-1"), rank)
+dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=run_dir, generation=0,
+                       timeout_s=30)
+first = rejoin.rejoin_group(ctx, dp)  # nobody rejoins: one all-gather
+if rank == 1:
+    # Told to rejoin, with a folder it cannot read: the lead sends its state.
+    with open(ctx.path(REJOIN_FILE), "w") as f:
+        f.write('{"lead": 0, "folder": "/nowhere", "shared": false}')
+dp.barrier("the rejoin file written")
+second = rejoin.rejoin_group(ctx, dp)
+dp.close()
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump({"taken": [first, second], "said": said}, f)
+"""
+
+
+def test_without_shared_storage_the_lead_sends_its_state_over_the_group(tmp_path: Any) -> None:
+    """Two ranks in two processes (gloo, a FileStore). Replica 1 back on node 1, its rejoin
+    file saying the run directory is not shared (its ``folder`` unreadable), takes the lead's
+    state as the lead sends it over the group, in pieces: the checkpoint the group resumes from
+    (16, the newest the lead holds; the torn save left out), byte for byte, the lead's whole
+    write-ahead log and its ledger; its own older state is gone, and so is the file. Before
+    the file, neither rank takes anything."""
+    from tests.training.test_data_parallel import run_ranks
+
+    run_dir, lead, back = _lead_and_back(tmp_path / "run")
+    reports = run_ranks(GROUP_SCRIPT, [run_dir, str(tmp_path)], str(tmp_path / "rank{rank}.json"))
+    assert [r["taken"] for r in reports] == [[False, False], [False, True]]
+    assert reports[0]["said"][-1].startswith(
+        "learner.0: sent its state to replica(s) [1], rejoining the group: checkpoint 16, its "
+        "write-ahead log and step ledger ("
+    )
+    assert reports[1]["said"][-1].startswith(
+        "learner.1: rejoining its group, took the state of learner.0, its lead, over the "
+        "group: checkpoints [16] ("
+    )
+    assert not os.path.exists(back.path(REJOIN_FILE))
+    assert sorted(os.listdir(back.path())) == ["checkpoints"]
+    assert sorted(os.listdir(back.path("checkpoints"))) == ["step-00000016"]
+    theirs = os.path.join(lead.path("checkpoints"), "step-00000016")
+    mine = os.path.join(back.path("checkpoints"), "step-00000016")
+    assert _files(mine) == _files(theirs) != []
+    for file in _files(theirs):
+        with open(os.path.join(mine, file), "rb") as a, open(os.path.join(theirs, file), "rb") as b:
+            assert a.read() == b.read()
+    assert CheckpointDir(back.path("checkpoints"), 5, FaultPlan.from_env(0)).steps() == [16]
+    log = WriteAheadLog(wal_path(back.run_dir, "learner", 1), lambda _: None)
+    assert [e.step for e in log.entries()] == list(range(13, 19))
+    with open(os.path.join(back.run_dir, "ledger", "learner.1.steps.jsonl")) as f:
+        copied = f.read()
+    with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
+        assert copied == f.read() != ""
