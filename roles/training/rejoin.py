@@ -68,8 +68,8 @@ def rejoin_group(ctx: RoleContext, dp: DataParallel, sharded: bool = False) -> b
     lead's state when its folder holds a ``rejoin.json``: from the lead's folder where the run
     directory is shared (``take_lead_state``), else from the lead over the group
     (``_take_over_group``). Every rank of a group of several takes part in the second (one
-    small all-gather when no rank rejoins), so every rank calls this. Returns whether this
-    rank took the lead's state.
+    small all-gather when no rank takes the state over the group), whichever way it took the
+    state, so every rank calls this. Returns whether this rank took the lead's state.
 
     Raises:
         CheckpointError: the file does not decode, the lead's folder is not there, or the
@@ -78,18 +78,20 @@ def rejoin_group(ctx: RoleContext, dp: DataParallel, sharded: bool = False) -> b
             kept, and the next start takes the state again.
         OSError: a link, copy or write failed; the file is kept.
     """
-    if take_lead_state(ctx, sharded):
-        return True
-    rejoin = _rejoin_file(ctx)  # None, or one that says the run directory is not shared
+    taken = take_lead_state(ctx, sharded)
+    # None, or a file that says the run directory is not shared.
+    rejoin = None if taken else _rejoin_file(ctx)
     if dp.world > 1:
-        return _take_over_group(ctx, dp, rejoin, sharded)
+        # Every rank takes part, one that took the state from the shared directory too (as a
+        # rank that holds the group's state now): the group's next collectives pair up.
+        return _take_over_group(ctx, dp, rejoin, sharded) or taken
     if rejoin is not None:
         raise CheckpointError(
             f"{ctx.name}.{ctx.replica}: rejoining its group, it takes the state of "
             f"{ctx.name}.{rejoin.lead}, its lead, over the group, but it is alone in its group: "
             f"stop the run and resume it (asyncrl run --resume)"
         )
-    return False
+    return taken
 
 
 def _own(ctx: RoleContext) -> str:

@@ -268,11 +268,12 @@ def test_a_rejoining_rank_without_the_lead_s_folder_says_shared_storage_is_neede
 
 GROUP_SCRIPT = """
 import json, logging, os, sys
+import msgspec
 import asyncrl.roles.training.rejoin as rejoin
 from asyncrl.manifest.membership import REJOIN_FILE, Rejoin
 from asyncrl.roles.training.data_parallel import DataParallel
 from tests.training.test_rejoin import _rank
-rank, run_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, run_dir, out, shared = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "shared"
 rejoin.CHUNK = 100  # many pieces a file
 said = []
 class Said(logging.Handler):
@@ -285,15 +286,28 @@ dp = DataParallel.join(name="learner", rank=rank, world=2, run_dir=run_dir, gene
                        timeout_s=30)
 first = rejoin.rejoin_group(ctx, dp)  # nobody rejoins: one all-gather
 if rank == 1:
-    # Told to rejoin, with a folder it cannot read: the lead sends its state.
-    with open(ctx.path(REJOIN_FILE), "w") as f:
-        f.write('{"lead": 0, "folder": "/nowhere", "shared": false}')
+    # Told to rejoin: from the lead's folder where the run directory is shared; else, with a
+    # folder it cannot read, from the lead over the group.
+    told = Rejoin(lead=0, folder=run_dir, shared=True) if shared else Rejoin(
+        lead=0, folder="/nowhere", shared=False)
+    with open(ctx.path(REJOIN_FILE), "wb") as f:
+        f.write(msgspec.json.encode(told))
 dp.barrier("the rejoin file written")
 second = rejoin.rejoin_group(ctx, dp)
+dp.check_same("the next collective", [7], ["seven"])  # the ranks' collectives still pair up
 dp.close()
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump({"taken": [first, second], "said": said}, f)
 """
+
+
+def _group_of_two(tmp_path: Any, run_dir: str, how: str) -> list[dict[str, Any]]:
+    """Run ``GROUP_SCRIPT``'s two ranks (replica 1 told to rejoin ``how``: ``shared`` or
+    ``group``); each one's report."""
+    from tests.training.test_data_parallel import run_ranks
+
+    out = str(tmp_path)
+    return run_ranks(GROUP_SCRIPT, [run_dir, out, how], os.path.join(out, "rank{rank}.json"))
 
 
 def test_without_shared_storage_the_lead_sends_its_state_over_the_group(tmp_path: Any) -> None:
@@ -303,10 +317,8 @@ def test_without_shared_storage_the_lead_sends_its_state_over_the_group(tmp_path
     (16, the newest the lead holds; the torn save left out), byte for byte, the lead's whole
     write-ahead log and its ledger; its own older state is gone, and so is the file. Before
     the file, neither rank takes anything."""
-    from tests.training.test_data_parallel import run_ranks
-
     run_dir, lead, back = _lead_and_back(tmp_path / "run")
-    reports = run_ranks(GROUP_SCRIPT, [run_dir, str(tmp_path)], str(tmp_path / "rank{rank}.json"))
+    reports = _group_of_two(tmp_path, run_dir, "group")
     assert [r["taken"] for r in reports] == [[False, False], [False, True]]
     assert reports[0]["said"][-1].startswith(
         "learner.0: sent its state to replica(s) [1], rejoining the group: checkpoint 16, its "
@@ -332,3 +344,17 @@ def test_without_shared_storage_the_lead_sends_its_state_over_the_group(tmp_path
         copied = f.read()
     with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
         assert copied == f.read() != ""
+
+
+def test_a_rank_that_takes_the_lead_s_state_from_shared_storage_keeps_its_group_in_step(
+    tmp_path: Any,
+) -> None:
+    """With the run directory shared, replica 1 reads the lead's state from its folder and
+    still takes part in the group's all-gather of who rejoins, as the lead does: the ranks'
+    next collective pairs up (a rank that skipped it set every later collective of the group
+    one apart, and the group failed)."""
+    run_dir, _, back = _lead_and_back(tmp_path / "run")
+    reports = _group_of_two(tmp_path, run_dir, "shared")
+    assert [r["taken"] for r in reports] == [[False, False], [False, True]]
+    assert "checkpoints [12, 16] (linked)" in reports[1]["said"][-1]
+    assert not os.path.exists(back.path(REJOIN_FILE))
