@@ -202,6 +202,48 @@ def test_only_the_replica_holding_the_store_broadcasts() -> None:
     )
 
 
+def test_the_lead_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) -> None:
+    """A relay on the lead's host that still took the group's lead to be on another host (the
+    lead came here as its group grew back) replaced its store and wrote the host's handle,
+    then closed that store as it followed the lead here. The lead's next version writes its
+    own handle again, and a reader opening the handle reads that version; a handle nobody
+    touched is not written again."""
+    from asyncrl.weights import handle_path, read_handle, write_handle
+    from asyncrl.weights.reader import WeightReader
+
+    ctx = RoleContext.local(name="learner", run_dir=str(tmp_path))
+    model = torch.nn.Linear(2, 2)
+    published = PublishedWeights(
+        ctx, model, dtype=torch.float32, sharded=False, bucket_bytes=2**20, enabled=True
+    )
+    published.open(model.state_dict(), 1)
+    assert published.store is not None
+    mine = published.store.describe().segment
+    path = handle_path(ctx.run_dir, "learner")
+    handle = read_handle(path)
+    assert handle is not None and handle.segment == mine
+    written = os.stat(path).st_ino
+    published.publish(2)
+    assert os.stat(path).st_ino == written  # nobody touched it: not written again
+    relays = WeightStore(model.state_dict(), run=ctx.run, incarnation=5)
+    relays.publish(model.state_dict(), 2)
+    write_handle(path, relays.describe())
+    relays.close()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    published.publish(3)
+    handle = read_handle(path)
+    assert handle is not None and handle.segment == mine
+    reader = WeightReader(handle)
+    try:
+        version, state = reader.read()
+    finally:
+        reader.close()
+        published.store.close()
+    assert version == 3
+    assert torch.equal(state["weight"], model.weight.detach())
+
+
 def test_the_transport_is_pull_or_broadcast() -> None:
     assert Relay(RoleContext.local(config={})).config.transport == "pull"
     with pytest.raises(msgspec.ValidationError, match=r"Invalid enum value 'nccl' - at `\$."):
