@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from asyncrl.errors import NothingPublishedError, TornReadError, WeightsError, WeightsGoneError
 from asyncrl.weights.layout import NO_VERSION, TensorSpec, WeightsHandle
-from asyncrl.weights.publishing import handle_path, read_handle, write_handle
+from asyncrl.weights.publishing import HandlePointer, handle_path, read_handle, write_handle
 from asyncrl.weights.reader import WeightReader
 from asyncrl.weights.store import WeightStore
 
 __all__ = [
     "NO_VERSION",
+    "HandlePointer",
     "NothingPublishedError",
     "TensorSpec",
     "TornReadError",

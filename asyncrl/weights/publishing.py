@@ -13,7 +13,8 @@ Modules
 - ``asyncrl.weights.store``: the writer, ``WeightStore``;
 - ``asyncrl.weights.reader``: the reader, ``WeightReader``;
 - this module: the protocol and lifetime (below), where a publisher leaves its handle for readers
-  (``handle_path``, ``write_handle``, ``read_handle``).
+  (``handle_path``, ``write_handle``, ``read_handle``), and keeps it naming the publisher's
+  store while another publisher of the host may replace it (``HandlePointer``).
 
 The protocol
 ------------
@@ -53,6 +54,7 @@ its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import msgspec
@@ -60,7 +62,7 @@ import msgspec
 from asyncrl.safe_files import write_atomic
 from asyncrl.weights.layout import WeightsHandle
 
-__all__ = ["handle_path", "read_handle", "write_handle"]
+__all__ = ["HandlePointer", "handle_path", "read_handle", "write_handle"]
 
 
 def handle_path(run_dir: str, publisher: str) -> str:
@@ -81,3 +83,37 @@ def read_handle(path: str) -> WeightsHandle | None:
             return msgspec.json.decode(f.read(), type=WeightsHandle)
     except FileNotFoundError:
         return None
+
+
+class HandlePointer:
+    """Keeps a host's handle file naming one publisher's store, at one ``stat`` a check.
+
+    A host's handle (``handle_path``) has two possible writers: the learner group's lead when
+    it runs on the host, and the host's relay when the lead runs elsewhere. As the lead moves
+    (a node's loss, a group that grows back) each learns of the move on its own clock, so one
+    may replace the file the other wrote and go on publishing into a store the file no longer
+    names: the host's rollout replicas then read a store that never changes again, or one
+    that closed, and keep their old weights. A publisher calls ``point`` after each version:
+    it writes its handle unless the file is the one it wrote for that store.
+    """
+
+    def __init__(self) -> None:
+        self._written: tuple[str, str, int, int] | None = None  # path, segment, device, inode
+
+    def point(self, path: str, handle: WeightsHandle) -> bool:
+        """Make the file at ``path`` name ``handle``'s store; True when it wrote it."""
+        try:
+            seen = os.stat(path)
+            if self._written == (path, handle.segment, seen.st_dev, seen.st_ino):
+                return False
+        except FileNotFoundError:
+            pass
+        write_handle(path, handle)
+        # The file as it is now, if it is the one just written (else the next call looks
+        # again): read through one descriptor, so its inode and its content agree.
+        self._written = None
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            there = os.fstat(f.fileno())
+            if msgspec.json.decode(f.read(), type=WeightsHandle).segment == handle.segment:
+                self._written = (path, handle.segment, there.st_dev, there.st_ino)
+        return True

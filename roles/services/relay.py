@@ -90,7 +90,7 @@ from asyncrl.supervision.store_registry import node_address
 from asyncrl.transport import ChannelOptions, Client
 from asyncrl.transport.codec import torch_dtypes
 from asyncrl.transport.shm import host_id
-from asyncrl.weights import NO_VERSION, WeightStore, handle_path, write_handle
+from asyncrl.weights import NO_VERSION, HandlePointer, WeightStore, handle_path
 from asyncrl.weights.broadcast import (
     READY,
     BucketTable,
@@ -203,6 +203,7 @@ class Relay(Role):
         self._options = ChannelOptions(run=ctx.run)
         self._lock = asyncio.Lock()  # one sync at a time; a queued one finds the version held
         self._poller: asyncio.Task[None] | None = None  # from setup to teardown, with poll_s
+        self._handle = HandlePointer()  # the host's handle, naming this relay's store
 
     async def setup(self) -> None:
         """Connect to the source and republish its newest version (a restarted relay too).
@@ -487,6 +488,7 @@ class Relay(Role):
             and layout == [(s.name, s.dtype, s.shape) for s in store.describe().tensors]
         ):
             store.publish_buckets(buckets, table.version)
+            self._point_handle(store)
             return
         dtypes = torch_dtypes()
         template = {
@@ -504,8 +506,16 @@ class Relay(Role):
             return
         if store is not None and update.version > store.version and _fits(store, update):
             store.publish(update.state, update.version)
+            self._point_handle(store)
             return
         self._replace_store(update.state, [update.state], update.version)
+
+    def _point_handle(self, store: WeightStore) -> None:
+        """Make the host's handle name ``store`` (``HandlePointer``): the group's lead may
+        have written its own while it ran on this host, a move this relay did not see (the
+        lead came and went between two of its syncs), and the host's rollouts would read that
+        closed store and keep their old weights."""
+        self._handle.point(handle_path(self.ctx.node_folder, self.config.source), store.describe())
 
     def _replace_store(
         self,
@@ -522,8 +532,7 @@ class Relay(Role):
         fresh = WeightStore(template, run=self.ctx.run, incarnation=self.ctx.incarnation)
         try:
             fresh.publish_buckets(buckets, version)
-            handle = handle_path(self.ctx.node_folder, self.config.source)
-            write_handle(handle, fresh.describe())
+            self._point_handle(fresh)
         except BaseException:
             fresh.close()
             raise

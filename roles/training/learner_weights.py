@@ -13,12 +13,9 @@ protocol is ``asyncrl.weights.broadcast``).
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-import msgspec
 import torch
 
 from asyncrl.plugins.registry import current as current_plugin
@@ -26,9 +23,8 @@ from asyncrl.role import RoleContext
 from asyncrl.roles.training.lead_refusal import NotLeaderError
 from asyncrl.roles.training.sharding import full_buckets
 from asyncrl.supervision.store_registry import node_address
-from asyncrl.weights import WeightStore, handle_path, write_handle
+from asyncrl.weights import HandlePointer, WeightStore, handle_path
 from asyncrl.weights.broadcast import Rendezvous, send_store
-from asyncrl.weights.layout import WeightsHandle
 from asyncrl.weights.reader import WeightReader
 
 __all__ = ["PublishedWeights"]
@@ -63,7 +59,7 @@ class PublishedWeights:
         self.bucket_bytes = bucket_bytes
         self.enabled = enabled
         self.store: WeightStore | None = None
-        self._handle_file: tuple[int, int] | None = None  # (device, inode) of the handle written
+        self._handle = HandlePointer()
 
     def open(self, template: Mapping[str, torch.Tensor], version: int) -> None:
         """Make the store (the group's lead only: its rank 0, replica 0 until a node's loss
@@ -79,8 +75,8 @@ class PublishedWeights:
         self.publish(version)
 
     def publish(self, version: int) -> None:
-        """The model's current weights as ``version``; then the handle names this store
-        (``_point_handle``)."""
+        """The model's current weights as ``version``; then the host's handle names this
+        store."""
         if not self.enabled:
             return
         if self.sharded:
@@ -93,33 +89,9 @@ class PublishedWeights:
         elif self.store is not None:
             self.store.publish(self.model.state_dict(), version)
         if self.store is not None:
-            self._point_handle()
-
-    def _point_handle(self) -> None:
-        """Write this store's handle in the run directory unless the file there is the one
-        this replica wrote (one ``stat``). Another writer may have replaced it: a relay on
-        this host that still took the group's lead to be on another host (the lead came to
-        this host as its group grew back, and the relay's membership was a moment behind)
-        replaces its own store and writes its handle, then closes that store once it follows
-        the lead here; the host's rollout replicas would read the closed store and keep
-        their old weights. The lead's next version points them back here."""
-        path = handle_path(self.ctx.run_dir, self.ctx.name)
-        try:
-            seen = os.stat(path)
-            if (seen.st_dev, seen.st_ino) == self._handle_file:
-                return
-        except FileNotFoundError:
-            pass
-        assert self.store is not None
-        handle = self.store.describe()
-        write_handle(path, handle)
-        # The file as it is now, if it is the one just written (else the next version looks
-        # again): read through one descriptor, so its inode and its content agree.
-        self._handle_file = None
-        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
-            there = os.fstat(f.fileno())
-            if msgspec.json.decode(f.read(), type=WeightsHandle).segment == handle.segment:
-                self._handle_file = (there.st_dev, there.st_ino)
+            # Another writer of this host's handle (a relay that still took the lead to be on
+            # another host) may have replaced it: ``HandlePointer`` says how.
+            self._handle.point(handle_path(self.ctx.run_dir, self.ctx.name), self.store.describe())
 
     def read(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A copy of the latest published version, whole, and its number.

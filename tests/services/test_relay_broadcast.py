@@ -244,6 +244,39 @@ def test_the_lead_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) 
     assert torch.equal(state["weight"], model.weight.detach())
 
 
+def test_a_relay_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) -> None:
+    """The group's lead ran on the relay's host for a while (a node's loss) and wrote the
+    host's handle, then moved off again (its group grew back) before the relay saw it there:
+    the relay publishes the next version into its own store, and writes the handle again, so
+    the host's rollouts read that version rather than the lead's closed store."""
+    from asyncrl.roles.generation.rollout import WeightsUpdate
+    from asyncrl.weights import handle_path, read_handle, write_handle
+    from asyncrl.weights.reader import WeightReader
+
+    ctx = RoleContext.local(config={"source": "learner"}, name="relay", run_dir=str(tmp_path))
+    relay = Relay(ctx)
+    relay._publish(WeightsUpdate(1, state_of(3, 1)))
+    assert relay.store is not None
+    path = handle_path(ctx.run_dir, "learner")
+    handle = read_handle(path)
+    assert handle is not None and handle.segment == relay.store.name
+    lead = WeightStore(state_of(3, 1), run=ctx.run, incarnation=9)
+    lead.publish(state_of(3, 2), 2)
+    write_handle(path, lead.describe())
+    lead.close()
+    relay._publish(WeightsUpdate(3, state_of(3, 3)))
+    handle = read_handle(path)
+    assert handle is not None and handle.segment == relay.store.name
+    reader = WeightReader(handle)
+    try:
+        version, state = reader.read()
+    finally:
+        reader.close()
+        relay.store.close()
+    assert version == 3
+    _assert_same(state, state_of(3, 3))
+
+
 def test_the_transport_is_pull_or_broadcast() -> None:
     assert Relay(RoleContext.local(config={})).config.transport == "pull"
     with pytest.raises(msgspec.ValidationError, match=r"Invalid enum value 'nccl' - at `\$."):
