@@ -382,7 +382,7 @@ def _chaos_nodes(args: argparse.Namespace) -> int:
     from asyncrl.chaos.campaign import ONE_MACHINE_ONLY
     from asyncrl.chaos.nodes import NodePlan, check_node_plan, run_node_chaos
     from asyncrl.manifest.load import ManifestError, load_manifest
-    from asyncrl.manifest.membership import node_loss_warnings, regrow_notes
+    from asyncrl.manifest.membership import node_loss_warnings
     from asyncrl.supervision.rundir import PRIVATE_UMASK
 
     other = [flag for flag in ONE_MACHINE_ONLY if _given(args, flag)]
@@ -420,9 +420,6 @@ def _chaos_nodes(args: argparse.Namespace) -> int:
         return 2
     for warning in node_loss_warnings(manifest, plan.nodes):
         print(f"asyncrl: warning: {warning}", file=sys.stderr)
-    if plan.rejoin_after is not None:  # the lost node comes back: does its group grow back?
-        for note in regrow_notes(manifest, plan.nodes):
-            print(f"asyncrl: note: {note}", file=sys.stderr)
     rejoin = (
         f", started again {plan.rejoin_after:g} s after each loss"
         if plan.rejoin_after is not None

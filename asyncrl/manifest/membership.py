@@ -28,8 +28,9 @@ When a node whose ranks a group went on without comes back, node 0 decides wheth
 with its ranks on that node again, in rank order, each returning rank first taking the lead's
 state (``Rejoin``: its checkpoints, write-ahead log and step ledger, read from the lead's folder
 with ``run.shared_storage``, sent by the lead over the group's collectives without it; a
-sharded group, which shrinks only with shared storage, reads them); otherwise, or when the
-group would change its lead, it stays at its smaller size, and ``grow`` says why.
+sharded group, which shrinks only with shared storage, reads them), and the lowest replica
+leads it again (a returning replica 0 takes the lead back from the replica that led while it
+was out); otherwise it stays at its smaller size, and ``grow`` says why.
 
 ``Membership`` is what each node's agent writes into its folder (``membership.json``) as the
 run's membership changes; the driver follows it (``asyncrl.dispatch.Dispatcher.apply``), a role
@@ -62,7 +63,6 @@ __all__ = [
     "lead",
     "node_loss_warnings",
     "plan",
-    "regrow_notes",
     "sharded",
     "spans_nodes",
 ]
@@ -281,9 +281,10 @@ def grows_back(manifest: Manifest, name: str) -> str:
 def grow(manifest: Manifest, shrunk: Mapping[str, Sequence[int]], node: int) -> Growth:
     """What becomes of each group in ``shrunk`` (role -> the replicas that form it now,
     ``Membership.shrunk``) now that ``node`` is back: a group with ranks on ``node`` grows back
-    to its members and those ranks, in rank order, where ``grows_back`` allows it and its lead
-    stays the same (the lowest replica leads: a returning rank below the lead would take the
-    lead over, which a group does not do as it grows); otherwise it stays, with why."""
+    to its members and those ranks, in rank order, where ``grows_back`` allows it; otherwise it
+    stays, with why. The returning ranks take the state of the replica that leads the group now
+    (``Growth.lead``); the grown group is led by its lowest replica, as any group is, which is a
+    returning one when a returning rank is below every member (its replica 0 came back)."""
     out = Growth()
     for name, members in shrunk.items():
         role = manifest.roles[name]
@@ -293,11 +294,6 @@ def grow(manifest: Manifest, shrunk: Mapping[str, Sequence[int]], node: int) -> 
             continue
         why = grows_back(manifest, name)
         grown = sorted({*members, *back})
-        if not why and members and grown[0] != members[0]:
-            why = (
-                f"its returning replica {grown[0]} would lead it in place of replica "
-                f"{members[0]}, and a group does not change its lead as it grows"
-            )
         if why:
             out.stays[name] = why
             continue
@@ -339,36 +335,6 @@ def node_loss_warnings(manifest: Manifest, nodes: int) -> list[str]:
             f"the lost ranks' shards), use parallel: replicate, or place the group on node 0"
         )
     return warnings
-
-
-def regrow_notes(manifest: Manifest, nodes: int) -> list[str]:
-    """What a launch of ``manifest`` over ``nodes`` nodes says as it loads of each
-    ``one_for_all`` group over several nodes that goes on smaller when a node is lost but
-    does not grow back after every node's loss, with the fix: a group whose replica 0 is
-    placed on a node other than 0 stays smaller after that node's loss, since the returning
-    replica 0 would take the lead over (``grow``). A group whose ``supervision.regrow`` is
-    false is said to stay smaller, and gets none; a sharded group without
-    ``run.shared_storage`` does not go on smaller at all (``node_loss_warnings`` warns of
-    it)."""
-    notes = []
-    for name, role in manifest.roles.items():
-        where = sorted({role.placement.node_of(i) for i in range(role.replicas)})
-        others = [n for n in where if 0 < n < nodes]
-        if not spans_nodes(manifest, name) or not others or not role.supervision.regrow:
-            continue
-        group = f"roles.{name}: its {role.replicas} replicas form one group over nodes {where}"
-        first = role.placement.node_of(0)
-        if sharded(manifest, name) and not manifest.run.shared_storage:
-            continue  # it does not go on smaller at all: ``node_loss_warnings`` says so
-        if 0 < first < nodes:
-            notes.append(
-                f"{group}, its replica 0 on node {first}: after losing node {first} it goes on "
-                f"led by another replica, and stays so when the node comes back, because its "
-                f"returning replica 0 would take the lead over, and a group does not change its "
-                f"lead as it grows. To have it grow back after any node's loss, place replica 0 "
-                f"on node 0 (roles.{name}.placement.nodes starting with 0)"
-            )
-    return notes
 
 
 def goes_on(name: str, members: Sequence[int]) -> str:

@@ -62,7 +62,6 @@ from asyncrl.manifest.membership import (
     grows_back,
     node_loss_warnings,
     plan,
-    regrow_notes,
     spans_nodes,
 )
 from asyncrl.observe.trace import merge_and_tell
@@ -917,8 +916,6 @@ def main(argv: list[str] | None = None) -> int:
     if env.node == 0:
         for warning in node_loss_warnings(manifest, env.nodes):
             _say(0, f"warning: {warning}")
-        for note in regrow_notes(manifest, env.nodes):
-            _say(0, f"note: {note}")
     try:
         code: int = run(_launch(args, env, manifest))
     except StoreError as exc:

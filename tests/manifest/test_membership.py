@@ -233,9 +233,8 @@ def test_a_group_grows_back_to_its_ranks_on_a_returning_node() -> None:
 
 def test_a_replicated_group_grows_back_without_shared_storage() -> None:
     """Without run.shared_storage a replicated group grows back as with it (the lead sends
-    its state over the group: ``asyncrl.roles.training.rejoin``), and nothing is noted at
-    load; each returning rank's rejoin file says the run directory is not shared."""
-    from asyncrl.manifest.membership import grow, regrow_notes
+    its state over the group: ``asyncrl.roles.training.rejoin``)."""
+    from asyncrl.manifest.membership import grow
 
     for text in (MANIFEST, SHARED):
         growth = grow(parse_manifest(text, nodes=3), {"learner": [0]}, 1)
@@ -244,7 +243,6 @@ def test_a_replicated_group_grows_back_without_shared_storage() -> None:
             {"learner": 0},
             {},
         )
-        assert regrow_notes(parse_manifest(text, nodes=3), 3) == []
 
 
 def test_a_group_stays_smaller_when_sharded_without_shared_storage_or_when_told() -> None:
@@ -265,55 +263,36 @@ def test_a_group_stays_smaller_when_sharded_without_shared_storage_or_when_told(
         "supervision: {strategy: one_for_all, regrow: false}",
     )
     assert stays(no_regrow, [0]) == "roles.learner.supervision.regrow is false"
-    led_by_1 = SHARED.replace("nodes: [0, 1]}", "nodes: [1, 0]}")
-    assert stays(led_by_1, [1]) == (
-        "its returning replica 0 would lead it in place of replica 1, and a group does not "
-        "change its lead as it grows"
-    )
 
 
-def test_a_group_led_from_a_node_other_than_0_is_noted_at_load_with_the_fix() -> None:
-    """Replica 0 placed on node 1: after node 1's loss the group goes on led by replica 1 and
-    stays smaller when node 1 returns (``grow``), which the launch says as it loads; with
-    replica 0 on node 0, as with regrow false, it says nothing."""
-    from asyncrl.manifest.membership import grow, regrow_notes
+def test_a_group_led_from_a_node_other_than_0_grows_back_led_by_its_replica_0_again() -> None:
+    """Replica 0 placed on node 1: after node 1's loss the group goes on led by replica 1; when
+    node 1 returns the group grows back to [0, 1], replica 0 taking replica 1's state and then
+    leading it again."""
+    from asyncrl.manifest.membership import grow
 
     led_from_1 = SHARED.replace("nodes: [0, 1]}", "nodes: [1, 0]}")
     manifest = parse_manifest(led_from_1, nodes=3)
-    assert grow(manifest, {"learner": [1]}, 1).stays != {}
-    assert regrow_notes(manifest, 3) == [
-        "roles.learner: its 2 replicas form one group over nodes [0, 1], its replica 0 on node "
-        "1: after losing node 1 it goes on led by another replica, and stays so when the node "
-        "comes back, because its returning replica 0 would take the lead over, and a group "
-        "does not change its lead as it grows. To have it grow back after any node's loss, "
-        "place replica 0 on node 0 (roles.learner.placement.nodes starting with 0)"
-    ]
-    no_regrow = led_from_1.replace(
-        "supervision: {strategy: one_for_all}",
-        "supervision: {strategy: one_for_all, regrow: false}",
-    )
-    assert regrow_notes(parse_manifest(no_regrow, nodes=3), 3) == []
+    growth = grow(manifest, {"learner": [1]}, 1)
+    assert (growth.grown, growth.lead, growth.stays) == ({"learner": [0, 1]}, {"learner": 1}, {})
 
 
-def test_a_sharded_group_on_shared_storage_grows_back_and_is_not_noted_at_load() -> None:
+def test_a_sharded_group_on_shared_storage_grows_back_and_is_not_warned_of() -> None:
     """A sharded group over nodes 0 and 1 with run.shared_storage goes on smaller after node
-    1's loss and grows back when node 1 returns, as a replicated one does: nothing is said as
-    the launch loads. Without shared storage it does not go on smaller at all, which the
-    node-loss warning says (every node restarts); no note besides."""
-    from asyncrl.manifest.membership import grow, node_loss_warnings, regrow_notes
+    1's loss and grows back when node 1 returns, as a replicated one does, whichever node
+    holds replica 0: nothing is warned of as the launch loads. Without shared storage it does
+    not go on smaller at all, which the node-loss warning says (every node restarts)."""
+    from asyncrl.manifest.membership import grow, node_loss_warnings
 
     fsdp = SHARED + "    config: {parallel: fsdp}\n"
     manifest = parse_manifest(fsdp, nodes=3)
     growth = grow(manifest, {"learner": [0]}, 1)
     assert (growth.grown, growth.lead, growth.stays) == ({"learner": [0, 1]}, {"learner": 0}, {})
     assert node_loss_warnings(manifest, 3) == []
-    assert regrow_notes(manifest, 3) == []
     led_from_1 = parse_manifest(fsdp.replace("nodes: [0, 1]}", "nodes: [1, 0]}"), nodes=3)
-    assert [n.split(":")[1] for n in regrow_notes(led_from_1, 3)] == [
-        " its 2 replicas form one group over nodes [0, 1], its replica 0 on node 1"
-    ]
+    assert node_loss_warnings(led_from_1, 3) == []
+    assert grow(led_from_1, {"learner": [1]}, 1).grown == {"learner": [0, 1]}
     unshared = parse_manifest(MANIFEST + "    config: {parallel: fsdp}\n", nodes=3)
-    assert regrow_notes(unshared, 3) == []
     assert len(node_loss_warnings(unshared, 3)) == 1
 
 

@@ -579,6 +579,60 @@ def _pair(tmp_path: Any) -> Launch:
     return launch
 
 
+def test_a_group_led_by_replica_1_grows_back_led_by_its_returning_replica_0(
+    tmp_path: Any,
+) -> None:
+    """Replica 0 of the learner runs on node 1, replica 1 on node 0. Node 1 is lost: the group
+    goes on with replicas [1, 2], led by replica 1. Node 1 comes back: node 0 decides that the
+    group grows back to [0, 1, 2], replica 0 first taking the state of replica 1 (which led it
+    meanwhile, from node 0's folder); replica 0 leads again, as the lowest replica does."""
+    from asyncrl.manifest.membership import Rejoin, lead
+
+    head, tail = SHARED.rsplit("placement: {nodes: [0, 1, 2]}", 1)
+    launch = Launch(tmp_path, head + "placement: {nodes: [1, 0, 2]}" + tail)
+    learner = ["tcp://127.0.0.1:2200", "tcp://127.0.0.1:2201", "tcp://127.0.0.1:2202"]
+    node_0, supervisor_0 = launch.add(0, [learner[0], "ipc://l1", learner[2]])
+    node_1, supervisor_1 = launch.add(1, ["ipc://l0", *learner[1:]])
+    returning = NodeRecord(
+        replicas={"splitter": {1: "tcp://127.0.0.1:3011"}},
+        agent="tcp://127.0.0.1:3010",
+        host=HostRecord(host="h", weights="/w", token="t"),
+        unserved={"learner": {0: "tcp://127.0.0.1:2200"}},
+        regrow={"learner": {0: "tcp://127.0.0.1:3200"}},
+    )
+
+    async def main() -> None:
+        await launch.follow(0)
+        await launch.mark_lost(1)
+        await launch.follow(0)
+        assert supervisor_0.restarted == [("learner", [1, 2])]
+        assert lead(launch.run_dir, "learner", node_0.view.groups["learner"].endpoints)[0] == 1
+        launch._back(1, 1, returning)
+        node_1.keep_shrunk({}, [("learner", 0)], rejoining=1)
+        await launch.follow(0, 1)
+
+    asyncio.run(main())
+    decided = json.loads(launch.store.values[KEYS.grown(0, 1, 1)])
+    assert (decided["grown"], decided["lead"], decided["stays"]) == (
+        {"learner": [0, 1, 2]},
+        {"learner": 1},
+        {},
+    )
+    assert supervisor_0.restarted == [("learner", [1, 2]), ("learner", [0, 1, 2])]
+    assert supervisor_1.adopted == [("learner", 0)]
+    assert supervisor_1.specs[0].members == [0, 1, 2]
+    rejoin = tmp_path / "node-1" / "roles" / "learner.0" / "rejoin.json"
+    assert msgspec.json.decode(rejoin.read_bytes(), type=Rejoin) == Rejoin(
+        lead=1, folder=launch.run_dir
+    )
+    # Every node's callers reach replica 0 as the group's lead again, at its new port.
+    assert lead(launch.run_dir, "learner", node_0.view.groups["learner"].endpoints) == (
+        0,
+        "tcp://127.0.0.1:3200",
+    )
+    assert lead(node_1.dir, "learner", node_1.view.groups["learner"].endpoints)[0] == 0
+
+
 def test_a_loss_in_the_pass_that_a_node_returns_is_out_of_the_group_it_grows_to(
     tmp_path: Any,
 ) -> None:
