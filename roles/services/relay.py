@@ -22,6 +22,10 @@ learner's on the learner's host.
   and the pull is not copied, and the relay drops its store and writes no handle (the new
   lead wrote its own).
 - A version the relay already holds is never pulled again: ``sync`` asks ``status`` first.
+- The source's lead lost with its node: a call the relay sent it may be answered by nobody
+  until its deadline (``timeout_s``), so while a version query or a pull waits, the relay looks
+  at its node's ``membership.json`` every second and gives the call up as soon as it names
+  another lead, then asks that one.
 - The source restarting: the relay's client reconnects by itself, and a pull that failed with a
   recoverable error, or that a new lead's old process refused as the follower it still is
   (``NotLeaderError``, until its agent restarts it as the lead), is tried again until
@@ -105,12 +109,18 @@ __all__ = ["Relay", "RelayStatus"]
 T = TypeVar("T")
 
 _RETRY_S = 0.2  # between tries of a source that is restarting
+_LEAD_LOOK_S = 1.0  # between two looks at the source's lead while a call to it waits
 _READY_POLL_S = 0.005  # between two looks for the source's arrival at the rendezvous
 
 
 class _SourceHere(Exception):
     """The source's lead is on this host now (it moved here after a node's loss): its own
     store serves the host, and the relay copies nothing."""
+
+
+class _LeadMoved(Exception):
+    """This node's membership names another lead for the source while a call to the old one
+    waits: the call is given up, and the relay follows the new lead at once."""
 
 
 class _Abandoned(Exception):
@@ -320,7 +330,9 @@ class Relay(Role):
         """
         async with self._lock:
             while True:
-                source = await self._retrying(self._source_version, "ask the version of")
+                source = await self._retrying(
+                    self._source_version, "ask the version of", watch_lead=True
+                )
                 if not self.relaying:
                     return source
                 if self.store is not None and source == self.store.version:
@@ -331,7 +343,7 @@ class Relay(Role):
                     if self.config.transport == "broadcast":
                         await self._retrying(self._broadcast, "receive the broadcast of")
                         return self.version
-                    update = await self._retrying(self._pull, "pull weights from")
+                    update = await self._retrying(self._pull, "pull weights from", watch_lead=True)
                     await self.ctx.offload(self._publish, update)
                     return self.version
                 except _SourceHere:
@@ -540,9 +552,13 @@ class Relay(Role):
         if old is not None:
             old.close()
 
-    async def _retrying(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
+    async def _retrying(
+        self, attempt: Callable[[], Awaitable[T]], what: str, *, watch_lead: bool = False
+    ) -> T:
         """``await attempt()``, tried again while it fails with a recoverable error (the
-        source restarting), for at most ``source_wait_s``.
+        source restarting), for at most ``source_wait_s``. ``watch_lead``: give the attempt
+        up as soon as this node's membership names another lead (``_unless_lead_moves``), and
+        try again at the new one.
 
         Raises:
             StallError: still failing after ``source_wait_s``; its cause is the last error.
@@ -553,7 +569,11 @@ class Relay(Role):
         while True:
             try:
                 await self._follow_lead()
+                if watch_lead:
+                    return await self._unless_lead_moves(attempt())
                 return await attempt()
+            except _LeadMoved:
+                continue  # follow the new lead at once
             except AsyncrlError as exc:
                 # A lead's old process, a follower until its agent restarts it as the lead,
                 # refuses what only the lead serves: asked again, the new lead answers.
@@ -567,6 +587,28 @@ class Relay(Role):
                         f"this host?"
                     ) from exc
             await asyncio.sleep(_RETRY_S)
+
+    async def _unless_lead_moves(self, call: Awaitable[T]) -> T:
+        """``call``'s result, unless this node's membership names another lead for the source
+        first: then the call is cancelled and ``_LeadMoved`` raised. A call sent to a lead
+        whose node died before the call reached it is answered by nobody, and its client
+        learns nothing of it until the call's deadline (``timeout_s``, minutes): the
+        membership's change (the node marked lost, the group led by another replica) ends the
+        wait within ``_LEAD_LOOK_S``."""
+        name = self.config.source
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_LEAD_LOOK_S)
+                if done:
+                    return task.result()
+                _, endpoint = lead(self.ctx.node_folder, name, self.ctx.groups[name].endpoints)
+                if endpoint != self._endpoint:
+                    raise _LeadMoved
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
 
 
 def _fits(store: WeightStore, update: WeightsUpdate) -> bool:

@@ -398,6 +398,53 @@ def test_a_relay_follows_its_source_s_group_to_its_new_lead(
     assert "relay relay: learner's group is led by replica 1 now (tcp://127.0.0.1:" in said
 
 
+def test_a_call_to_a_lead_lost_with_its_node_is_given_up_once_the_membership_moves_the_lead(
+    tmp_path: Any,
+) -> None:
+    """A call the relay sent to the source's lead just as the lead's node died is answered by
+    nobody, and its client may wait for its deadline (``timeout_s``, 300 s by default). Once
+    the node's ``membership.json`` says the group goes on led by replica 1, the relay gives
+    the call up within a look or two (about a second each) and follows the new lead; a call
+    that answers first is answered as usual."""
+    from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership
+    from asyncrl.roles.services import relay as relay_module
+
+    endpoints = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    ctx = RoleContext.local(
+        config={"source": "learner"},
+        name="relay",
+        run_dir=str(tmp_path),
+        groups={"learner": GroupInfo(endpoints)},
+    )
+    relay = Relay(ctx)
+    relay._endpoint = endpoints[0]
+    cancelled = asyncio.Event()
+
+    async def never_answered() -> int:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+        return 0
+
+    async def answered() -> int:
+        return 7
+
+    async def main() -> None:
+        assert await relay._unless_lead_moves(answered()) == 7
+        waiting = asyncio.ensure_future(relay._unless_lead_moves(never_answered()))
+        done, _ = await asyncio.wait({waiting}, timeout=2.5)
+        assert not done  # the lead has not moved: the call goes on waiting
+        membership = Membership(nodes=3, shrunk={"learner": [1]}, lost={0: "gone"})
+        with open(os.path.join(str(tmp_path), MEMBERSHIP_FILE), "wb") as f:
+            f.write(msgspec.json.encode(membership))
+        with pytest.raises(relay_module._LeadMoved):
+            await asyncio.wait_for(waiting, timeout=10)
+        assert cancelled.is_set()
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow
 def test_a_lead_that_moves_onto_the_relays_host_mid_sync_is_not_copied_over(
     hosts: Hosts, monkeypatch: pytest.MonkeyPatch
