@@ -252,14 +252,20 @@ class Relay(Role):
             except Exception as exc:  # logged; the next poll tries again
                 self.ctx.log.warning(f"relay {self.ctx.name}: polling its source failed: {exc!r}")
 
+    def _lead_now(self) -> tuple[int, str]:
+        """The source's lead and its address as this node's ``membership.json`` names them:
+        the file of the node the relay runs on now (a relay moved off a lost node keeps that
+        node's folder as its run_dir, whose membership.json no agent writes any more:
+        ``node_folder``)."""
+        name = self.config.source
+        return lead(self.ctx.node_folder, name, self.ctx.groups[name].endpoints)
+
     async def _follow_lead(self) -> None:
         """Be connected to the source's lead as this node's ``membership.json`` names it now:
         a lead that left the run with its node is replaced by the new one. ``relaying`` then
         says whether that lead is on another host."""
         name = self.config.source
-        # The node it runs on now: a relay moved off a lost node keeps that node's folder as
-        # its run_dir, whose membership.json no agent writes any more (``node_folder``).
-        replica, endpoint = lead(self.ctx.node_folder, name, self.ctx.groups[name].endpoints)
+        replica, endpoint = self._lead_now()
         if endpoint == self._endpoint and self._client is not None:
             self._note_host()
             return
@@ -595,15 +601,13 @@ class Relay(Role):
         learns nothing of it until the call's deadline (``timeout_s``, minutes): the
         membership's change (the node marked lost, the group led by another replica) ends the
         wait within ``_LEAD_LOOK_S``."""
-        name = self.config.source
         task = asyncio.ensure_future(call)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=_LEAD_LOOK_S)
                 if done:
                     return task.result()
-                _, endpoint = lead(self.ctx.node_folder, name, self.ctx.groups[name].endpoints)
-                if endpoint != self._endpoint:
+                if self._lead_now()[1] != self._endpoint:
                     raise _LeadMoved
         finally:
             if not task.done():

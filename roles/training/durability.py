@@ -47,7 +47,13 @@ from asyncrl.roles.training.checkpoints import (
     set_rng_state,
 )
 from asyncrl.roles.training.data_parallel import DataParallel
-from asyncrl.roles.training.journal import Journal, durability, replay_summary, wal_path
+from asyncrl.roles.training.journal import (
+    Journal,
+    durability,
+    ledger_path,
+    replay_summary,
+    wal_path,
+)
 from asyncrl.roles.training.rejoin import rejoin_group
 from asyncrl.roles.training.shard_group import GROUP_KEY, ShardGroup
 from asyncrl.roles.training.wal import KeepEntry, StepEntry, WalError
@@ -110,9 +116,7 @@ class Durability:
         )
         log = None
         if step_log:
-            log = StepLog(
-                os.path.join(ctx.run_dir, "ledger", f"{ctx.name}.{ctx.replica}.steps.jsonl")
-            )
+            log = StepLog(ledger_path(ctx.run_dir, ctx.name, ctx.replica))
         self.journal = Journal(
             f"{ctx.name}.{ctx.replica}",
             self.checkpoints,

@@ -34,7 +34,7 @@ from asyncrl.roles.training.shard_group import ShardGroup
 from asyncrl.roles.training.wal import Entry, KeepEntry, StepEntry, WalError, WriteAheadLog
 from asyncrl.supervision.faults import FaultPlan
 
-__all__ = ["Durable", "Journal", "durability", "replay_summary", "wal_path"]
+__all__ = ["Durable", "Journal", "durability", "ledger_path", "replay_summary", "wal_path"]
 
 Durable = Literal["wal", "checkpoint", "off"]
 
@@ -277,6 +277,11 @@ class Journal:
         self._writer.shutdown(wait=True)
         if self.wal is not None:
             self.wal.close()
+
+
+def ledger_path(run_dir: str, name: str, replica: int) -> str:
+    """A replica's step ledger: ``RUN_DIR/ledger/<role>.<replica>.steps.jsonl``."""
+    return os.path.join(run_dir, "ledger", f"{name}.{replica}.steps.jsonl")
 
 
 def wal_path(run_dir: str, name: str, replica: int) -> str:

@@ -53,7 +53,7 @@ from asyncrl.manifest.membership import REJOIN_FILE, Rejoin
 from asyncrl.role import RoleContext
 from asyncrl.roles.training.checkpoints import CheckpointError, fsync_dir, problem, read_values
 from asyncrl.roles.training.data_parallel import DataParallel
-from asyncrl.roles.training.journal import wal_path
+from asyncrl.roles.training.journal import ledger_path, wal_path
 from asyncrl.roles.training.shard_group import WRITTEN_IN, written_by, written_in
 
 __all__ = ["CHUNK", "rejoin_group", "take_lead_state"]
@@ -220,7 +220,7 @@ def take_lead_state(ctx: RoleContext, sharded: bool = False) -> bool:
         wal_path(ctx.run_dir, ctx.name, ctx.replica),
         lambda into: shutil.copytree(log, into) if os.path.isdir(log) else os.makedirs(into),
     )
-    ledger = os.path.join(rejoin.folder, "ledger", f"{lead}.steps.jsonl")
+    ledger = ledger_path(rejoin.folder, ctx.name, rejoin.lead)
     _put_ledger(ctx, lambda into: shutil.copyfile(ledger, into), os.path.exists(ledger))
     _taken(ctx, f"took the state of {lead}, its lead: checkpoints {taken} ({''.join(how)})")
     return True
@@ -418,7 +418,7 @@ def _sources(ctx: RoleContext, step: int) -> dict[str, str]:
             for file in sorted(files):
                 path = os.path.join(where, file)
                 out[os.path.join(part, os.path.relpath(path, folder))] = path
-    ledger = os.path.join(ctx.run_dir, "ledger", f"{ctx.name}.{ctx.replica}.steps.jsonl")
+    ledger = ledger_path(ctx.run_dir, ctx.name, ctx.replica)
     if os.path.exists(ledger):
         out["ledger"] = ledger
     return out
@@ -427,7 +427,7 @@ def _sources(ctx: RoleContext, step: int) -> dict[str, str]:
 def _put_ledger(ctx: RoleContext, fill: Callable[[str], object], there: bool) -> None:
     """Make the rank's step ledger what ``fill(path)`` writes (``there``), durably, or remove
     it (the lead keeps none)."""
-    mine = os.path.join(ctx.run_dir, "ledger", f"{ctx.name}.{ctx.replica}.steps.jsonl")
+    mine = ledger_path(ctx.run_dir, ctx.name, ctx.replica)
     os.makedirs(os.path.dirname(mine), exist_ok=True)
     if there:
         fill(mine + ".rejoin")
