@@ -202,6 +202,19 @@ def test_only_the_replica_holding_the_store_broadcasts() -> None:
     )
 
 
+def _read_at(path: str) -> tuple[str, int, dict[str, torch.Tensor]]:
+    """What a rollout replica reads through the handle at ``path``: (the store's segment,
+    its version, its tensors)."""
+    from asyncrl.weights import read_handle
+    from asyncrl.weights.reader import WeightReader
+
+    handle = read_handle(path)
+    assert handle is not None
+    with WeightReader(handle) as reader:
+        version, state = reader.read()
+    return handle.segment, version, state
+
+
 def test_the_lead_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) -> None:
     """A relay on the lead's host that still took the group's lead to be on another host (the
     lead came here as its group grew back) replaced its store and wrote the host's handle,
@@ -209,7 +222,6 @@ def test_the_lead_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) 
     own handle again, and a reader opening the handle reads that version; a handle nobody
     touched is not written again."""
     from asyncrl.weights import handle_path, read_handle, write_handle
-    from asyncrl.weights.reader import WeightReader
 
     ctx = RoleContext.local(name="learner", run_dir=str(tmp_path))
     model = torch.nn.Linear(2, 2)
@@ -232,15 +244,9 @@ def test_the_lead_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) 
     with torch.no_grad():
         model.weight.add_(1.0)
     published.publish(3)
-    handle = read_handle(path)
-    assert handle is not None and handle.segment == mine
-    reader = WeightReader(handle)
-    try:
-        version, state = reader.read()
-    finally:
-        reader.close()
-        published.store.close()
-    assert version == 3
+    segment, version, state = _read_at(path)
+    published.store.close()
+    assert segment == mine and version == 3
     assert torch.equal(state["weight"], model.weight.detach())
 
 
@@ -251,7 +257,6 @@ def test_a_relay_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) -
     the host's rollouts read that version rather than the lead's closed store."""
     from asyncrl.roles.generation.rollout import WeightsUpdate
     from asyncrl.weights import handle_path, read_handle, write_handle
-    from asyncrl.weights.reader import WeightReader
 
     ctx = RoleContext.local(config={"source": "learner"}, name="relay", run_dir=str(tmp_path))
     relay = Relay(ctx)
@@ -265,15 +270,9 @@ def test_a_relay_points_its_host_s_handle_back_at_its_own_store(tmp_path: Any) -
     write_handle(path, lead.describe())
     lead.close()
     relay._publish(WeightsUpdate(3, state_of(3, 3)))
-    handle = read_handle(path)
-    assert handle is not None and handle.segment == relay.store.name
-    reader = WeightReader(handle)
-    try:
-        version, state = reader.read()
-    finally:
-        reader.close()
-        relay.store.close()
-    assert version == 3
+    segment, version, state = _read_at(path)
+    assert segment == relay.store.name and version == 3
+    relay.store.close()
     _assert_same(state, state_of(3, 3))
 
 

@@ -79,6 +79,17 @@ def _tell(back: RoleContext, folder: str) -> None:
         f.write(msgspec.json.encode(Rejoin(lead=0, folder=folder)))
 
 
+def _holds_the_lead_s_log_and_ledger(run_dir: str, back: RoleContext) -> None:
+    """``back`` (replica 1) holds replica 0's write-ahead log (steps 13 to 18, as
+    ``_lead_and_back`` wrote it) and a copy of its step ledger, under ``run_dir``."""
+    log = WriteAheadLog(wal_path(back.run_dir, "learner", 1), lambda _: None)
+    assert [e.step for e in log.entries()] == list(range(13, 19))
+    with open(os.path.join(back.run_dir, "ledger", "learner.1.steps.jsonl")) as f:
+        copied = f.read()
+    with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
+        assert copied == f.read() != ""
+
+
 def test_a_rejoining_rank_takes_the_lead_s_checkpoints_log_and_ledger(tmp_path: Any) -> None:
     """Replica 1 on node 1 holds its state from before its node's loss (steps 4 and 8, logged
     to 9); replica 0 on node 0 trained on alone (steps 12 and 16, logged to 18). Told to rejoin
@@ -94,12 +105,7 @@ def test_a_rejoining_rank_takes_the_lead_s_checkpoints_log_and_ledger(tmp_path: 
     assert mine.steps() == [12, 16]
     assert sorted(os.listdir(back.path("checkpoints"))) == ["step-00000012", "step-00000016"]
     assert torch.equal(CheckpointDir.load(mine.dir_of(16))["w"], torch.full((3,), 116.0))
-    log = WriteAheadLog(wal_path(back.run_dir, "learner", 1), lambda _: None)
-    assert [e.step for e in log.entries()] == list(range(13, 19))
-    with open(os.path.join(back.run_dir, "ledger", "learner.1.steps.jsonl")) as f:
-        copied = f.read()
-    with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
-        assert copied == f.read() != ""
+    _holds_the_lead_s_log_and_ledger(run_dir, back)
     assert take_lead_state(back) is False
 
 
@@ -338,12 +344,7 @@ def test_without_shared_storage_the_lead_sends_its_state_over_the_group(tmp_path
         with open(os.path.join(mine, file), "rb") as a, open(os.path.join(theirs, file), "rb") as b:
             assert a.read() == b.read()
     assert CheckpointDir(back.path("checkpoints"), 5, FaultPlan.from_env(0)).steps() == [16]
-    log = WriteAheadLog(wal_path(back.run_dir, "learner", 1), lambda _: None)
-    assert [e.step for e in log.entries()] == list(range(13, 19))
-    with open(os.path.join(back.run_dir, "ledger", "learner.1.steps.jsonl")) as f:
-        copied = f.read()
-    with open(os.path.join(run_dir, "ledger", "learner.0.steps.jsonl")) as f:
-        assert copied == f.read() != ""
+    _holds_the_lead_s_log_and_ledger(run_dir, back)
 
 
 def test_a_rank_that_takes_the_lead_s_state_from_shared_storage_keeps_its_group_in_step(
