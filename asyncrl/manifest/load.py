@@ -49,7 +49,6 @@ from asyncrl.manifest.pipeline_section import (
     schedule_problem,
     shard_role,
     shards_problems,
-    shards_schedule_problem,
     straggler_problem,
 )
 from asyncrl.manifest.placement import Placement, check_placement, sharing_problems
@@ -480,12 +479,6 @@ def _check_pipeline(value: dict[Any, Any], path: str, problems: list[str]) -> No
         problem = schedule_problem(scheduled, value.get("drop_uniform", False))
         if problem:
             problems.append(f"{join(path, 'schedule')}: {problem}")
-        shards = value.get("shards")
-        problem = shards_schedule_problem(
-            shards, schedule.get("probe"), schedule.get("skip_uniform")
-        )
-        if problem and not isinstance(shards, bool):
-            problems.append(f"{join(path, 'shards')}: {problem}")
 
 
 def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:

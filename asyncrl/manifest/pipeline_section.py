@@ -31,7 +31,6 @@ __all__ = [
     "schedule_problem",
     "shard_role",
     "shards_problems",
-    "shards_schedule_problem",
     "straggler_problem",
 ]
 
@@ -163,7 +162,7 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             itself; K >= 1, the built-in programs grant each admitted group to one of K
             shard processes (the role ``shards``, which this key adds), which generate,
             score (through the ``reward`` role) and reduce it; η, the data cursor and the
-            learner stay the driver's. Not with ``schedule.probe`` or ``skip_uniform``.
+            learner stay the driver's.
     """
 
     mode: Annotated[
@@ -214,11 +213,6 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         )
         if problem:
             raise ValueError(f"schedule: {problem}")
-        problem = shards_schedule_problem(
-            self.shards, self.schedule.probe, self.schedule.skip_uniform
-        )
-        if problem:
-            raise ValueError(f"shards: {problem}")
 
     @property
     def window_eta(self) -> int:
@@ -247,18 +241,6 @@ def schedule_problem(scheduled: object, drop_uniform: object) -> str | None:
         return (
             "skip_uniform and probe learn from the groups that dynamic sampling drops; set "
             "pipeline.drop_uniform: true, or turn them off"
-        )
-    return None
-
-
-def shards_schedule_problem(shards: object, probe: object, skip_uniform: object) -> str | None:
-    """Why dispatch shards cannot run with this prompt schedule, or None."""
-    if isinstance(shards, int) and shards > 0 and (probe or skip_uniform):
-        return (
-            f"{shards} dispatch shards do not run the prompt schedule's probes or uniform "
-            f"skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false "
-            f"and roles.rollout.replicas to at least {shards}, or pipeline.shards: 0 (the "
-            "driver dispatches)"
         )
     return None
 

@@ -264,13 +264,21 @@ class SamplePipeline:
     def _after_probe(self, group: Group) -> None:
         """The probe's samples are all scored: drop the group if they agree (while this batch
         may still drop uniform groups), else generate the rest of it."""
+        first = group.probe
+        if not self._probe_drops(group):
+            self._spawn(group, range(first, self.group_size))
+
+    def _probe_drops(self, group: Group) -> bool:
+        """End ``group``'s probe, whose samples are all scored: True when it is dropped (they
+        agree, and this batch may still drop a uniform group); False when the rest of it is to
+        be generated."""
         agree, first = self.admission.end_probe(group)
         if agree and self.release.drop_probe(group, first):
-            return
+            return True
         # Agreeing past this batch's cap, it is generated whole to be kept: dropping it at its
         # release (a later batch's cap may allow it) would waste all of it, not its probe.
         group.keep_uniform = agree
-        self._spawn(group, range(first, self.group_size))
+        return False
 
     # -- one sample ---------------------------------------------------------------------
 

@@ -40,7 +40,14 @@ Per granted group (``ShardGrant``, answered by ``ReleasedGroup``; ``ShardWorker.
   shard's scorer) and its reward posted to the group's round of a ``Reducer``, released whole,
   or at its deadline under the straggler policy;
 - the answer carries the samples the group was released with, their rewards, its outcome and
-  what it counted (``Counters`` by name: generated, failed, replaced, late samples).
+  what it counted (``Counters`` by name: generated, failed, replaced, late samples);
+- a grant with a ``probe`` (the prompt schedule's) has only the probe's samples generated and
+  scored, answered (outcome ``probed``) once they all are; the driver decides whether the
+  group is dropped, and if not grants the rest with the probe's samples in ``scored``, which
+  go into the group's round first and are neither generated nor counted again;
+- a sample out to the scorer when its group is released (at a straggler deadline) is scored
+  all the same, as one driver scores it, and what it counts (``late_samples``,
+  ``scored_samples``) rides on the shard's next answer (``ReleasedGroup.late``).
 
 ``run_group`` is a *once* endpoint: the driver, not the dispatcher, decides what becomes of a
 group whose shard died (it grants it again; ``ShardLedger``). A restarted shard starts empty:
@@ -84,6 +91,7 @@ from asyncrl.roles.sampling.pipeline import INFRA_DROPPED
 from asyncrl.roles.sampling.reduce import Reducer, Released, Straggler
 
 __all__ = [
+    "PROBED",
     "AnswerScorer",
     "DispatchShard",
     "GroupWithdrawnError",
@@ -98,6 +106,18 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+PROBED = "probed"
+"""The outcome of a probe's release (``ShardGrant.probe``): its samples are all scored, and the
+driver decides what becomes of the group."""
+
+
+class ShardSample(msgspec.Struct, kw_only=True):
+    """One scored sample of a released group: its index in the group, the sample, its reward."""
+
+    k: int
+    sample: Sample
+    reward: float
 
 
 class ShardGrant(msgspec.Struct, kw_only=True):
@@ -114,6 +134,12 @@ class ShardGrant(msgspec.Struct, kw_only=True):
         driver: the incarnation of the driver that granted it. A shard granted a group by a
             newer driver withdraws every group of older ones (their driver died, and nobody
             takes their release), and refuses an older driver's grant.
+        probe: the prompt schedule probes the group: generate and score samples 0 to
+            ``probe - 1`` only, and answer with them (outcome ``probed``) once they are all
+            scored; the driver ends the probe. 0: the whole group.
+        scored: samples of the group scored already (a probe's, when the driver keeps its
+            group after it): posted to the group's round first, neither generated nor counted
+            again, and answered with the rest.
     """
 
     index: int
@@ -128,14 +154,8 @@ class ShardGrant(msgspec.Struct, kw_only=True):
     deadline_s: float = 0.0
     k_min: int = 1
     driver: int = 0
-
-
-class ShardSample(msgspec.Struct, kw_only=True):
-    """One scored sample of a released group: its index in the group, the sample, its reward."""
-
-    k: int
-    sample: Sample
-    reward: float
+    probe: int = 0
+    scored: list[ShardSample] = msgspec.field(default_factory=list)
 
 
 class ReleasedGroup(msgspec.Struct, kw_only=True):
@@ -144,13 +164,20 @@ class ReleasedGroup(msgspec.Struct, kw_only=True):
     Attributes:
         index: the grant's index; shard: the shard that released it (the driver refuses a
             release of another group, or by another shard, than the one it granted).
-        outcome: ``complete``, ``partial``, ``dropped`` (the reducer's ``Outcome``) or
+        outcome: ``complete``, ``partial``, ``dropped`` (the reducer's ``Outcome``),
             ``infra_dropped`` (``asyncrl.roles.sampling.pipeline.INFRA_DROPPED``, waste: a
-            sample failed through no fault of the policy).
-        samples: the scored samples it was released with, in sample order.
-        counts: what the group added to the pipeline's counters in the shard (``Counters``
-            by name: ``generated_samples``, ``infra_failed``, ``late_samples``, ...).
+            sample failed through no fault of the policy) or ``probed`` (``PROBED``: the
+            samples of a grant's ``probe``, all scored).
+        samples: the scored samples it was released with, in sample order (a grant's
+            ``scored`` among them).
+        counts: what the group added to the pipeline's counters in the shard for this grant
+            (``Counters`` by name: ``generated_samples``, ``infra_failed``, ``late_samples``,
+            ...; not what its ``scored`` samples counted in an earlier grant).
         cause: with ``infra_dropped``, the failure's cause.
+        late: what this shard counted, since its previous answer, for samples of groups
+            answered already (by group index): a sample scored after its group's release
+            (``late_samples``, ``scored_samples``, ``scored_tokens``). It rides on the next
+            answer, whichever group that is.
     """
 
     index: int
@@ -159,6 +186,7 @@ class ReleasedGroup(msgspec.Struct, kw_only=True):
     samples: list[ShardSample]
     counts: dict[str, int]
     cause: str = ""
+    late: dict[int, dict[str, int]] = msgspec.field(default_factory=dict)
 
 
 class GroupWithdrawnError(RuntimeError):
@@ -289,6 +317,16 @@ class _GroupRun:
         self.samples: dict[int, tuple[Sample, float]] = {}
         self.counts = Counters()
         self.replaced: set[int] = set()
+        self.scoring: set[int] = set()  # samples generated and out to the scorer
+        self.answered = False  # its answer is built: what it counts now rides on a later one
+
+    @property
+    def outcome(self) -> str:
+        """How it was released; "" while it is not, or when it failed or was cancelled."""
+        done = self.done
+        if not done.done() or done.cancelled() or done.exception() is not None:
+            return ""
+        return done.result()[0]
 
     def finish(self, outcome: str, cause: str = "") -> None:
         if not self.done.done():
@@ -318,8 +356,9 @@ class ShardWorker:
         clock: what straggler deadlines run on.
 
     Attributes:
-        served: groups answered, by outcome (``withdrawn``: groups the driver withdrew, or
-            granted by a driver that a newer incarnation replaced).
+        served: grants answered, by outcome (``probed``: a group's probe; ``withdrawn``:
+            groups the driver withdrew, or granted by a driver that a newer incarnation
+            replaced).
         driver: the newest driver incarnation that granted this shard a group.
     """
 
@@ -340,10 +379,19 @@ class ShardWorker:
         self.served: Counter[str] = Counter()
         self._scoring = _Scoring(score, score_answers)
         self._runs: dict[int, _GroupRun] = {}
+        self._late: dict[int, Counters] = {}  # group index -> counted since its answer
+        self._stragglers: set[asyncio.Task[None]] = set()  # samples of released groups
         self.driver = 0
 
     async def run_group(self, grant: ShardGrant) -> ReleasedGroup:
-        """Generate, score and reduce ``grant``'s group; answer it as released.
+        """Generate, score and reduce ``grant``'s group; answer it as released (with a
+        ``probe``, answer its probe's samples once they are all scored, unless a straggler
+        deadline released the group first).
+
+        The samples of ``grant.scored`` are posted to the group's round before any other and
+        answered with the rest; only the others are generated. Samples out to the scorer when
+        the group is released run on: each is counted when scored (``late_samples``, unless
+        the group was dropped for an infra failure) in the shard's next answer (``late``).
 
         A grant of a newer driver incarnation than any before withdraws the groups the older
         ones granted: that driver died, and its successor grants them again when it admits
@@ -369,33 +417,45 @@ class ShardWorker:
         def released(r: Released) -> None:
             run.finish(r.outcome.value)
 
-        def late(key: str, part: str) -> None:
-            run.counts.late_samples += 1
-
         reducer = Reducer(
             released,
             policy=Straggler(grant.straggler),
             deadline_s=grant.deadline_s or None,
             k_min=min(grant.k_min, grant.group_size),
-            on_late=late,
             on_error=run.fail,
             clock=self.clock,
         )
         reducer.open(run.key, grant.group_size)
+        for scored in grant.scored:
+            run.samples[scored.k] = (scored.sample, scored.reward)
+            reducer.add(run.key, str(scored.k), Moments.one(scored.reward))
+        ks = (
+            range(grant.probe)
+            if grant.probe
+            else [k for k in range(grant.group_size) if k not in run.samples]
+        )
         loop = asyncio.get_running_loop()
-        tasks = [
-            loop.create_task(self._sample(run, k, source, reducer)) for k in range(grant.group_size)
-        ]
+        tasks = {k: loop.create_task(self._sample(run, k, source, reducer)) for k in ks}
         try:
             outcome, cause = await run.done
         finally:
             if self._runs.get(grant.index) is run:
                 del self._runs[grant.index]
             reducer.close()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Released: a sample out to the scorer runs on, to be counted (as one driver
+            # scores a sample generated before its group's release). Else every sample stops.
+            stopped = []
+            for k, task in tasks.items():
+                if run.outcome and k in run.scoring:
+                    self._stragglers.add(task)
+                    task.add_done_callback(self._stragglers.discard)
+                else:
+                    task.cancel()
+                    stopped.append(task)
+            await asyncio.gather(*stopped, return_exceptions=True)
         self.served[outcome] += 1
+        run.answered = True
+        late, self._late = self._late, {}
         return ReleasedGroup(
             index=grant.index,
             shard=self.shard,
@@ -405,6 +465,7 @@ class ShardWorker:
             ],
             counts=run.counts.as_dict(),
             cause=cause,
+            late={index: counts.as_dict() for index, counts in late.items()},
         )
 
     def _follow_driver(self, grant: ShardGrant) -> None:
@@ -418,6 +479,10 @@ class ShardWorker:
         if grant.driver == self.driver:
             return
         self.driver = grant.driver
+        # What the older drivers' released groups still score, or counted since: nobody takes it.
+        for task in self._stragglers:
+            task.cancel()
+        self._late.clear()
         for index, run in list(self._runs.items()):
             del self._runs[index]
             if not run.done.done():
@@ -442,7 +507,8 @@ class ShardWorker:
 
     async def _sample(self, run: _GroupRun, k: int, source: SampleSource, reducer: Reducer) -> None:
         """Sample ``k`` of ``run``'s group: generated (replaced once when it failed through no
-        fault of the policy), scored, and posted to the group's round."""
+        fault of the policy), scored, and posted to the group's round; the group's probe ends
+        with the last of its samples."""
         grant = run.grant
         try:
             source_counts: Counter[str] = Counter()
@@ -463,21 +529,37 @@ class ShardWorker:
                 run.generated(source_counts, failed)
                 sample = await source(grant.prompt, k, source_counts)
             run.generated(source_counts)
+            run.scoring.add(k)
             reward = await self._scoring(sample, grant.prompt.answer)
-            run.counts.scored_samples += 1
-            run.counts.scored_tokens += len(sample.token_ids)
-            if run.done.done():  # released without it (a straggler deadline)
-                run.counts.late_samples += 1
+            scored = Counters(scored_samples=1, scored_tokens=len(sample.token_ids))
+            if run.done.done():  # released without it (a straggler deadline), or dropped
+                scored.late_samples = int(run.outcome not in ("", INFRA_DROPPED))
+                self._count(run, scored)
                 return
+            run.counts.add(scored)
             run.samples[k] = (sample, reward)
             reducer.add(run.key, str(k), Moments.one(reward))
+            if grant.probe and len(run.samples) == grant.probe:
+                run.finish(PROBED)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the group's call raises it
             run.fail(exc)
 
+    def _count(self, run: _GroupRun, counts: Counters) -> None:
+        """Count ``counts`` for ``run``'s group: in its answer, or, once that is built, in the
+        shard's next answer (``ReleasedGroup.late``)."""
+        if run.answered:
+            self._late.setdefault(run.grant.index, Counters()).add(counts)
+        else:
+            run.counts.add(counts)
+
     async def close(self) -> None:
-        """Cancel the scoring in flight."""
+        """Cancel the scoring in flight, and the samples of released groups still scored."""
+        stragglers = list(self._stragglers)
+        for task in stragglers:
+            task.cancel()
+        await asyncio.gather(*stragglers, return_exceptions=True)
         await self._scoring.close()
 
 

@@ -10,6 +10,28 @@ advantages) and the learner. Each admitted group is *granted* to one dispatch sh
 group at a time, each grant one prompt index. The shard answers with the group released
 (``ReleasedGroup``): one message a group, where one driver handles several a sample.
 
+**The prompt schedule.** Admission is the driver's, so deferral and retirement
+(``pipeline.schedule.skip_uniform``, ``retire_after``) run here as in one driver: the schedule
+learns from each group's rewards when it is settled (consumed or dropped), from the samples its
+release carried, and its state is in the resume state. A probed group is granted in two
+stages, so that the drop is decided where one driver decides it, against the driver's state
+(the schedule's ``confidence``, the batch's cap on uniform drops): its first grant carries the
+probe's size (``ShardGrant.probe``), and the shard generates and scores those samples alone and
+answers them (outcome ``probed``); the driver ends the probe (``Admission.end_probe``,
+``Release.drop_probe``) and either drops the group, with what one driver counts, or grants the
+rest of it: the sample indices after the probe, under the same sample ids, the probe's samples
+and rewards carried in the grant (``ShardGrant.scored``) so that the shard's reducer sees the
+whole group and answers it whole. Each stage is a grant of its own in the ledger, granted again
+on its own when its shard dies or withdraws it; the rest's grant carries the probe's samples,
+so a shard that dies between or during the stages leaves nothing the driver lacks, and nothing
+is generated or counted twice (counts travel with an accepted answer only). The rest's
+straggler deadline is what is left of the group's, which runs from its first grant, as one
+driver's runs from its admission.
+
+A shard counts a sample it scores after its group's release (``late_samples``, as one driver
+does) in its next answer, whichever group that is (``ReleasedGroup.late``, by group index);
+the driver counts it, in the group's own counts too while that is unsettled.
+
 ``ShardLedger`` keeps which shard holds which granted group until it is released. A shard that
 dies with groups in hand fails every ``run_group`` it held (``BrokenError``; the endpoint is
 *once*, so the dispatcher retries nothing itself); each such group is granted again to the same
@@ -21,9 +43,8 @@ accepted once per granted group: nothing is lost, nothing counted twice
 
 The built-in programs build it over the role ``shards`` when the manifest sets
 ``pipeline.shards`` (``asyncrl.roles.program.rl_loop``). What one driver does that a shard
-does not (yet): the prompt schedule's probes (the front refuses ``pipeline.schedule`` with
-probes or uniform skips) and a custom sample source (an episode runner): shards generate with
-``Generate`` or ``GroupCalls``.
+does not (yet): a custom sample source (an episode runner): shards generate with ``Generate``
+or ``GroupCalls``.
 """
 
 from __future__ import annotations
@@ -31,6 +52,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
+
+import msgspec
 
 from asyncrl.clock import MONOTONIC, Clock
 from asyncrl.errors import (
@@ -48,11 +71,15 @@ from asyncrl.roles.sampling.group import Group
 from asyncrl.roles.sampling.pacing import PipelineSpec
 from asyncrl.roles.sampling.pipeline import INFRA_DROPPED, SamplePipeline
 from asyncrl.roles.sampling.reduce import Outcome, Released
-from asyncrl.roles.sampling.shard import ReleasedGroup, ShardGrant, shard_of
+from asyncrl.roles.sampling.shard import PROBED, ReleasedGroup, ShardGrant, shard_of
 
 __all__ = ["ShardCaller", "ShardLedger", "ShardedPipeline"]
 
 log = logging.getLogger("asyncrl.pipeline")
+
+_SOON_S = 1e-3
+"""The straggler deadline of a probed group's rest whose deadline has passed already (a probe
+answered just before it): released at once, with what it has, as one driver would."""
 
 
 class ShardCaller(Protocol):
@@ -189,8 +216,7 @@ class ShardedPipeline(SamplePipeline):
         group_budget_s: the seconds one group's ``run_group`` call is given.
 
     Raises:
-        ValueError: ``pipeline.schedule`` with probes or uniform skips (not run in shards), or
-            what ``SamplePipeline`` raises.
+        ValueError: what ``SamplePipeline`` raises.
     """
 
     def __init__(
@@ -208,11 +234,6 @@ class ShardedPipeline(SamplePipeline):
         clock: Clock = MONOTONIC,
         driver: int = 0,
     ) -> None:
-        if spec.schedule.probe or spec.schedule.skip_uniform:
-            raise ValueError(
-                "pipeline.schedule: probes and uniform skips are not run in dispatch shards; "
-                "set pipeline.schedule.probe and skip_uniform false, or use one driver"
-            )
         super().__init__(
             shards,
             spec=spec,
@@ -227,6 +248,7 @@ class ShardedPipeline(SamplePipeline):
             clock=clock,
         )
         self.shards = shards
+        self.clock = clock
         self.ledger = ShardLedger(shards.replicas)
         self.params = params
         self.timeout = timeout
@@ -257,11 +279,38 @@ class ShardedPipeline(SamplePipeline):
             group.tasks.append(task)
 
     async def _grant(self, group: Group) -> None:
-        """Grant ``group`` to its shard, again whenever the shard dies holding it, and take
-        its release."""
+        """Grant ``group`` to its shard and take its release; a probed group's probe first,
+        then, unless the probe drops it, the rest of it."""
+        opened = self.clock.now()
+        grant = ShardGrant(
+            index=group.index, prompt=group.prompt, probe=group.probe, **self._grant_fields
+        )
+        answer = await self._run(group, grant)
+        if answer is None:
+            return
+        if answer.outcome == PROBED:
+            self._take_counts(group, answer)
+            group.samples = {s.k: (s.sample, s.reward) for s in answer.samples}
+            if self._probe_drops(group):
+                group.tasks.clear()  # settled: the granting task ends here
+                return
+            deadline_s = grant.deadline_s
+            if deadline_s:  # the deadline runs from the group's admission, as in one driver
+                deadline_s = max(deadline_s - (self.clock.now() - opened), _SOON_S)
+            rest = msgspec.structs.replace(
+                grant, probe=0, scored=answer.samples, deadline_s=deadline_s
+            )
+            answer = await self._run(group, rest)
+            if answer is None:
+                return
+        self._released(group, answer)
+
+    async def _run(self, group: Group, grant: ShardGrant) -> ReleasedGroup | None:
+        """Grant ``grant`` to the shard ``group``'s prompt id names, again whenever that shard
+        dies holding it or withdraws it; its answer, or None when the ledger refuses it (a
+        duplicate: the group is not held there)."""
         shard = self.ledger.owner(group.key)
         self.ledger.grant(group.index, shard)
-        grant = ShardGrant(index=group.index, prompt=group.prompt, **self._grant_fields)
         while True:
             try:
                 answer: ReleasedGroup = await self.shards.call(
@@ -288,15 +337,18 @@ class ShardedPipeline(SamplePipeline):
                     raise
                 shard = self._elsewhere(group, shard, exc)
                 continue
-            if answer.index != group.index or answer.shard != shard:
+            self._take_late(answer)
+            stage = grant.probe > 0 or answer.outcome != PROBED  # a probe answers a probe
+            if answer.index != group.index or answer.shard != shard or not stage:
                 # Not this grant's answer: refused, and the group is granted again.
                 self.ledger.duplicates += 1
                 log.warning(
                     "sample pipeline: dispatch shard %d answered group %r (index %d) with a "
-                    "release of group %d by shard %d; refused, granted again",
+                    "release (%s) of group %d by shard %d; refused, granted again",
                     shard,
                     group.key,
                     group.index,
+                    answer.outcome,
                     answer.index,
                     answer.shard,
                 )
@@ -304,8 +356,7 @@ class ShardedPipeline(SamplePipeline):
                 self.counters.groups_regranted += 1
                 continue
             break
-        if self.ledger.release(group.index, shard):
-            self._released(group, answer)
+        return answer if self.ledger.release(group.index, shard) else None
 
     def _elsewhere(self, group: Group, shard: int, exc: Exception) -> int:
         """``shard`` can work no group: it is retired, and ``group`` goes to the shard its
@@ -359,12 +410,26 @@ class ShardedPipeline(SamplePipeline):
             exc,
         )
 
-    def _released(self, group: Group, answer: ReleasedGroup) -> None:
-        """Take a shard's release of ``group``: its counts, its samples, its outcome."""
-        group.tasks.clear()  # the granting task ends here: nothing of the group runs on
+    def _take_counts(self, group: Group, answer: ReleasedGroup) -> None:
+        """Count what ``answer`` counted for ``group`` (kept in the group's own counts too)."""
         counts = Counters.from_dict(answer.counts)
         self.counters.add(counts)
         group.counts.add(counts)
+
+    def _take_late(self, answer: ReleasedGroup) -> None:
+        """Count what a shard's answer carries for samples of groups answered earlier (scored
+        after their release), in the group's own counts too while it is unsettled."""
+        for index, late in answer.late.items():
+            counts = Counters.from_dict(late)
+            self.counters.add(counts)
+            unsettled = self.admission.unsettled.get(index)
+            if unsettled is not None:
+                unsettled.counts.add(counts)
+
+    def _released(self, group: Group, answer: ReleasedGroup) -> None:
+        """Take a shard's release of ``group``: its counts, its samples, its outcome."""
+        group.tasks.clear()  # the granting task ends here: nothing of the group runs on
+        self._take_counts(group, answer)
         group.samples = {s.k: (s.sample, s.reward) for s in answer.samples}
         if answer.outcome == INFRA_DROPPED:
             log.warning(

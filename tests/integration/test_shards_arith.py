@@ -1,11 +1,13 @@
-"""The main job (examples/arith/bc_grpo.yaml), shortened, with ``pipeline.shards: 2``: the
-built-in program grants its groups to two dispatch shard processes, which generate them on
-their own rollout replicas and score them with the reward role. Each shard is SIGKILLed once,
-after its 12th group, with the group worked and its answer not yet sent (the fault plan's
-``kill_before_reply``), and whatever else it held in hand; the supervisor restarts it and the
-driver grants its groups again. The run completes with nothing lost, nothing consumed twice
-and no step repeated; the driver took a release for every group consumed or dropped, and no
-more releases than groups admitted.
+"""The main job (examples/arith/bc_grpo.yaml), shortened, with ``pipeline.shards: 2`` and its
+prompt schedule as shipped (probes of one sample, uniform skips): the built-in program grants
+its groups to two dispatch shard processes, which generate them on their own rollout replicas
+and score them with the reward role; each group's probe first, then, unless the driver drops
+the group after it, the rest. Each shard is SIGKILLed once, after its 12th answer, with the
+grant worked and its answer not yet sent (the fault plan's ``kill_before_reply``), and whatever
+else it held in hand; the supervisor restarts it and the driver grants its groups again. The
+run completes with nothing lost, nothing consumed twice and no step repeated; the driver took a
+release for every probe and every rest of a group consumed or dropped, and no more than its
+grants could answer.
 """
 
 from __future__ import annotations
@@ -35,9 +37,6 @@ SHORT = [
     f"run.config.prompts_per_step={PROMPTS}",
     "roles.rollout.replicas=2",
     "pipeline.shards=2",
-    # The prompt schedule's probes and uniform skips run in one driver alone.
-    "pipeline.schedule.probe=0",
-    "pipeline.schedule.skip_uniform=false",
 ]
 # Every shard dies once, in its first incarnation, after its 12th group worked.
 SHARDS = """\
@@ -94,15 +93,23 @@ def test_the_main_job_over_two_shards_each_killed_once_loses_and_repeats_nothing
     # Each shard died holding at least the group it had just worked: granted again.
     assert pipeline["groups_regranted"] >= 2, pipeline
     assert pipeline["scored_tokens"] > 0, pipeline  # the shards scored every sample
-    # At most one release reached the driver for each admitted group, and one for each group
-    # consumed or dropped by dynamic sampling (a group may still be in its shard at the end);
-    # the driver dispatched no sample itself (its rollout calls are the held-out evaluations').
+    # Every group was probed first: one release for its probe, and one for its rest unless
+    # the probe dropped it. A release reached the driver for every probe and rest of a group
+    # consumed or dropped, and no more than the grants (a group may still be in its shard at
+    # the end); the driver dispatched no sample itself (its rollout calls are the held-out
+    # evaluations').
+    admitted = pipeline["admitted_groups"]
+    probe_dropped = pipeline.get("groups_probe_dropped", 0)
+    assert pipeline["probed_groups"] == admitted, pipeline
     dispatch = _json(os.path.join(run_dir, "driver.json"))["dispatch"]
     released = sum(dispatch["shards"]["served"].values())
-    settled = pipeline["consumed_samples"] // G + pipeline.get("groups_uniform_dropped", 0)
-    assert settled <= released <= pipeline["admitted_groups"], (dispatch, pipeline)
-    assert dispatch["rollout"]["calls"] < pipeline["admitted_groups"], dispatch
-    assert pipeline["admitted_samples"] == pipeline["admitted_groups"] * G
+    whole = pipeline["consumed_samples"] // G + pipeline.get("groups_uniform_dropped", 0)
+    settled = 2 * (whole - probe_dropped) + probe_dropped
+    assert settled <= released <= 2 * admitted - probe_dropped, (dispatch, pipeline)
+    assert dispatch["rollout"]["calls"] < admitted, dispatch
+    # A group dropped after its probe of one sample never admitted its other seven.
+    assert pipeline["admitted_samples"] == admitted * G - (G - 1) * probe_dropped, pipeline
     # Every admitted sample was consumed, wasted (dynamic sampling) or still in flight at the end.
     ends = ("consumed_samples", "wasted_samples", "in_flight_at_end")
     assert sum(pipeline[k] for k in ends) == pipeline["admitted_samples"], pipeline
+    print("pipeline:", json.dumps(pipeline, sort_keys=True))

@@ -492,17 +492,20 @@ def test_a_bad_pipeline_shards_is_refused_naming_the_key(bad: str) -> None:
     ]
 
 
-def test_pipeline_shards_refuses_a_shard_role_of_another_size_and_the_prompt_schedule() -> None:
+def test_pipeline_shards_refuses_a_shard_role_of_another_size_not_the_prompt_schedule() -> None:
     assert _problems(SHARDED, ["roles.shards.replicas=3"]) == [
         "roles.shards.replicas: 3, but pipeline.shards is 2: the dispatch shards' role has one "
         "replica a shard; remove roles.shards.replicas or set it to 2 (from --set "
         "roles.shards.replicas=3)"
     ]
-    assert _problems(SHARDED, ["pipeline.drop_uniform=true", "pipeline.schedule.probe=2"]) == [
-        "pipeline.shards: 2 dispatch shards do not run the prompt schedule's probes or uniform "
-        "skips; set pipeline.schedule.probe: 0 and pipeline.schedule.skip_uniform: false and "
-        "roles.rollout.replicas to at least 2, or pipeline.shards: 0 (the driver dispatches)"
+    scheduled = [
+        "pipeline.drop_uniform=true",
+        "pipeline.schedule.probe=2",
+        "pipeline.schedule.skip_uniform=true",
     ]
+    pipeline = parse_manifest(SHARDED, overrides=scheduled).pipeline
+    schedule = pipeline.schedule
+    assert (pipeline.shards, schedule.probe, schedule.skip_uniform) == (2, 2, True)
     # A bool is the replicas check's own to refuse, once (YAML's true is no count of shards).
     assert _problems(SHARDED, ["roles.shards.replicas=true"]) == [
         "roles.shards.replicas: expected an integer from 1 to 4096, got true (from --set "
@@ -513,13 +516,13 @@ def test_pipeline_shards_refuses_a_shard_role_of_another_size_and_the_prompt_sch
 def test_pipeline_shards_needs_as_many_rollout_replicas_and_a_reward_role() -> None:
     # The main job has one rollout replica: two shards are refused at load, not in their setup.
     main = (pathlib.Path(__file__).parents[2] / "examples" / "arith" / "bc_grpo.yaml").read_text()
-    unscheduled = ["pipeline.schedule.probe=0", "pipeline.schedule.skip_uniform=false"]
-    assert _problems(main, ["pipeline.shards=2", *unscheduled]) == [
+    assert _problems(main, ["pipeline.shards=2"]) == [
         "pipeline.shards: 2 dispatch shards need at least as many replicas of roles.rollout, "
         "which has 1: set pipeline.shards to at most 1, or roles.rollout.replicas to at least 2 "
         "(from --set pipeline.shards=2)"
     ]
-    parse_manifest(main, overrides=["pipeline.shards=2", "roles.rollout.replicas=2", *unscheduled])
+    # Its prompt schedule (probes, uniform skips) as shipped.
+    parse_manifest(main, overrides=["pipeline.shards=2", "roles.rollout.replicas=2"])
     # Every problem at once: no rollout role of the configured name, no reward role, too few.
     text = (
         "run: {name: x, program: a:b}\nroles: {actor: {class: a:B}}\n"

@@ -1,20 +1,23 @@
 """``pipeline.shards`` in the built-in programs' loop, in-process: ``rl_loop`` grants its groups
 to dispatch shards (each a ``ShardWorker`` over the fake rollout, scoring as the reward role
-does, against each prompt's answer) and trains on the very batches one driver trains on; a
-score function or a sample source of the program's own is refused, naming the key."""
+does, against each prompt's answer) and trains on the very batches one driver trains on, with
+the main job's prompt schedule (probes and uniform skips) too; a score function or a sample
+source of the program's own is refused, naming the key."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any, cast
 
+import msgspec
 import pytest
 
-from asyncrl.manifest.pipeline_section import SHARD_CLASS, PipelineSpec
+from asyncrl.manifest.pipeline_section import SHARD_CLASS, PipelineSpec, ScheduleSpec
 from asyncrl.roles.payloads import Prompt, Sample, SamplingParams, StepResult, TrainBatch
-from asyncrl.roles.program.clients import RewardClient, RLContext
+from asyncrl.roles.program.clients import RewardClient, RLContext, RolloutClient
 from asyncrl.roles.program.programs import RLLoop, rl_loop
 from asyncrl.roles.program.rl_loop import PromptFeed
+from asyncrl.roles.sampling.schedule import item_of
 from asyncrl.roles.sampling.shard import DispatchShard, ShardWorker
 from asyncrl.supervision.process import load_role_class
 from asyncrl.transport import run
@@ -29,14 +32,16 @@ def _reward(samples: list[Sample], answers: list[str]) -> list[float]:
 
 
 class Learner(FakeLearner):
-    """Keeps the ids of every batch it trains on."""
+    """Keeps the ids of every batch it trains on, and the resume state kept with it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.batches: list[list[tuple[str, int]]] = []
+        self.resumes: list[dict[str, Any] | None] = []
 
     async def train_step(self, batch: TrainBatch, *, timeout: float = 0.0) -> StepResult:
         self.batches.append([(s.sample.prompt_id, s.sample.sample_index) for s in batch.samples])
+        self.resumes.append(batch.keep.resume)
         return await super().train_step(batch, timeout=timeout)
 
 
@@ -46,6 +51,45 @@ class Prompts:
     async def take(self, cursor: int, n: int) -> list[Prompt]:
         return [
             Prompt(id=f"p{i}", token_ids=[1, 2], answer=str(i)) for i in range(cursor, cursor + n)
+        ]
+
+
+ITEMS = 8
+
+
+def mixed(item: str) -> bool:
+    """Items 1 and 5 (of every 4th from 1) have groups some samples of which are right; the
+    others' groups are uniform, no sample right."""
+    return int(item) % 4 == 1
+
+
+class Epochs:
+    """The prompt source over ``ITEMS`` items, epoch after epoch: prompt ``i`` is item ``i %
+    ITEMS`` (``"<item>@<epoch>"``), answering "1" (an odd sample is right) when the item is
+    ``mixed``, else "0" (no sample is)."""
+
+    async def take(self, cursor: int, n: int) -> list[Prompt]:
+        prompts = []
+        for i in range(cursor, cursor + n):
+            item = str(i % ITEMS)
+            answer = "1" if mixed(item) else "0"
+            prompts.append(Prompt(id=f"{item}@{i // ITEMS}", token_ids=[1, 2], answer=answer))
+        return prompts
+
+
+class SureOfUniformItems(FakeRollout):
+    """The fake rollout, drawing a uniform item's samples with probability 0.99 a token (a
+    probe of one of them agrees confidently) and a ``mixed`` item's with 0.61."""
+
+    async def call(
+        self, method: str, payload: Any, reply_type: Any = Any, **options: Any
+    ) -> list[Sample]:
+        samples = await super().call(method, payload, reply_type, **options)
+        return [
+            msgspec.structs.replace(
+                s, logprobs=[-0.5 if mixed(item_of(s.prompt_id)) else -0.01] * len(s.token_ids)
+            )
+            for s in samples
         ]
 
 
@@ -84,18 +128,38 @@ class Shards:
 
 
 def _loop(
-    run_dir: str, shards: int, mode: str, score_fn: Any = None, **loop: Any
+    run_dir: str,
+    shards: int,
+    mode: str,
+    score_fn: Any = None,
+    *,
+    steps: int = STEPS,
+    scheduled: bool = False,
+    **loop: Any,
 ) -> tuple[Learner, Shards, dict[str, Any]]:
     """``rl_loop`` over ``shards`` shards; ``score_fn``: a score function of the program's own
-    (``"other reward"``: a ``RewardScorer`` over a reward client not the run's)."""
+    (``"other reward"``: a ``RewardScorer`` over a reward client not the run's); ``scheduled``:
+    the main job's prompt schedule over ``Epochs`` (probes of one sample, confident at 0.9;
+    uniform skips; dynamic sampling with one uniform drop a group of a batch)."""
     learner = Learner()
     rl = FakeRL(run_dir, learner)
+    rollout = FakeRollout(learner)
     rl.pipeline = PipelineSpec(mode=mode, shards=shards)
-    fake = Shards(FakeRollout(learner), max(shards, 1))
+    if scheduled:
+        rollout = SureOfUniformItems(learner)
+        rl.rollout = RolloutClient(cast(Any, rollout))
+        rl.pipeline = PipelineSpec(
+            mode=mode,
+            shards=shards,
+            drop_uniform=True,
+            uniform_drops_per_group=1,
+            schedule=ScheduleSpec(skip_uniform=True, probe=1, confidence=0.9),
+        )
+    fake = Shards(rollout, max(shards, 1))
     rl.ctx = SimpleNamespace(
         roles={"learner": None, "rollout": None, "shards": fake}, idle=lambda: {}, incarnation=0
     )
-    cast(Any, rl).prompts = Prompts()
+    cast(Any, rl).prompts = Epochs() if scheduled else Prompts()
     cast(Any, rl).reward = Reward()
     feed = PromptFeed(cast(RLContext, rl))
     if score_fn is None or score_fn == "other reward":
@@ -103,7 +167,7 @@ def _loop(
         score_fn = feed.scorer(cast(RewardClient, reward))
     settings = RLLoop(
         algorithm="grpo",
-        steps=STEPS,
+        steps=steps,
         prompts_per_step=PROMPTS,
         group_size=G,
         params=SamplingParams(max_new_tokens=3),
@@ -144,6 +208,57 @@ def test_two_shards_train_on_the_batches_one_driver_trains_on(tmp_path: Any, mod
     assert complete <= pipeline["scored_tokens"] <= admitted * per_group
     if mode == "sync":
         assert pipeline["scored_tokens"] == complete == admitted * per_group
+
+
+SCHEDULED_STEPS = 12
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_shards_run_the_main_jobs_prompt_schedule_as_one_driver(
+    tmp_path: Any, mode: str
+) -> None:
+    """Probes of one sample (confident at 0.9) and uniform skips, as the main job sets them,
+    with one uniform drop a group of a batch: each shard answers a group's probe, the driver
+    drops the group or grants the rest of it, and the schedule learns from every group settled.
+
+    In sync mode two shards train on the very batches one driver trains on, and count what it
+    counts: probes, probes dropped, uniform groups dropped and kept, prompts skipped, samples
+    generated, scored and wasted. In async mode which groups a batch takes depends on when
+    each probe ends against the learner's steps (in one driver too: the cap on drops starts
+    again at every batch), so there both keep the same books, not the same batches."""
+    steps = SCHEDULED_STEPS
+    one, _, alone = _loop(str(tmp_path / "one"), 0, mode, steps=steps, scheduled=True)
+    two, shards, sharded = _loop(str(tmp_path / "two"), 2, mode, steps=steps, scheduled=True)
+    pipeline, driver = sharded["pipeline"], alone["pipeline"]
+    if mode == "sync":
+        assert two.batches == one.batches
+        assert {k: v for k, v in pipeline.items() if k != "scored_tokens"} == driver
+        # Each step keeps the schedule's state (streaks, explore) as one driver's does.
+        assert [r and r["schedule"] for r in two.resumes] == [
+            r and r["schedule"] for r in one.resumes
+        ]
+        assert all(r and r["schedule"]["streaks"] for r in two.resumes)
+    for learner in (one, two):
+        assert len(learner.batches) == steps
+        assert all(len(b) == PROMPTS * G for b in learner.batches)
+        # A uniform item's probe agrees, confidently, and drops its group; once a batch has
+        # dropped two, such a group is generated whole and kept (with zero advantages).
+        trained = {item_of(p) for b in learner.batches for p, _ in b}
+        assert {"1", "5"} <= trained and any(not mixed(i) for i in trained)
+    assert sum(shards.granted) > pipeline["admitted_groups"]  # a probe, then the rest
+    for p in (pipeline, driver):
+        assert p["probed_groups"] == p["admitted_groups"]
+        assert p["skipped_prompts"] > 0 and p["groups_uniform_kept"] > 0
+        # Every group dropped was dropped after its probe, wasting its one sample.
+        dropped = p["groups_probe_dropped"]
+        assert dropped > 0
+        assert dropped == p["groups_uniform_dropped"] == p["samples_uniform_dropped"]
+        assert dropped == p["wasted_samples"]
+        # The rest of a dropped group is never admitted.
+        assert p["admitted_samples"] == G * p["admitted_groups"] - (G - 1) * dropped
+        ends = p["consumed_samples"] + p["wasted_samples"] + p["in_flight_at_end"]
+        assert ends == p["admitted_samples"], p
+        assert p["consumed_samples"] == steps * PROMPTS * G
 
 
 def test_shards_refuse_a_score_function_or_a_sample_source_of_the_programs_own(

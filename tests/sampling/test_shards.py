@@ -20,13 +20,14 @@ import pytest
 from asyncrl.clock import FakeClock
 from asyncrl.errors import BrokenError, ConfigProblem, DeadlineExceededError, RemoteError
 from asyncrl.manifest.membership import MEMBERSHIP_FILE, Membership, Moved
-from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
+from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec, StragglerSpec
 from asyncrl.manifest.spec import GroupInfo
 from asyncrl.role import RoleContext
 from asyncrl.roles.payloads import GenerateBatch, Sample, SamplingParams
 from asyncrl.roles.sampling.contract import BatchSettings
-from asyncrl.roles.sampling.pipeline import INFRA_DROPPED
+from asyncrl.roles.sampling.pipeline import INFRA_DROPPED, SamplePipeline
 from asyncrl.roles.sampling.shard import (
+    PROBED,
     DispatchShard,
     GroupWithdrawnError,
     ReleasedGroup,
@@ -40,6 +41,7 @@ from asyncrl.roles.sampling.shard import (
 from asyncrl.roles.sampling.sharded import ShardedPipeline, ShardLedger
 from asyncrl.transport import run
 from tests.sampling.test_pipeline import Feed, prompts, reward_of, score
+from tests.sampling.test_pipeline import until as turns_until
 
 G = 4
 B = 8
@@ -648,14 +650,280 @@ def test_a_shard_follows_its_nodes_membership() -> None:
     assert message == "dispatch shard 1: every rollout replica it owns (2 to 3) left the run"
 
 
-def test_a_sharded_pipeline_refuses_probes() -> None:
-    spec = PipelineSpec(drop_uniform=True, schedule=ScheduleSpec(probe=2))
-    with pytest.raises(ValueError) as err:
-        sharded(FakeShards(2), spec)
-    assert str(err.value) == (
-        "pipeline.schedule: probes and uniform skips are not run in dispatch shards; set "
-        "pipeline.schedule.probe and skip_uniform false, or use one driver"
+# -- the prompt schedule's probes ------------------------------------------------------------
+
+
+async def mostly_uniform(samples: list[Sample]) -> list[float]:
+    """Uniform groups (every sample right) but for prompts 1, 5, 9, ...: mixed ones."""
+    return [reward_of(s) if int(s.prompt_id[1:]) % 4 == 1 else 1.0 for s in samples]
+
+
+PROBE = 2
+
+
+class RestGated(Rollout):
+    """Answers the first ``PROBE`` samples of a group at once, the others never."""
+
+    async def call(self, method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+        if payload.requests[0].sample_index >= PROBE:
+            await asyncio.Event().wait()
+        return await super().call(method, payload, *a, **kw)
+
+
+def test_a_shard_answers_a_probe_then_generates_only_the_rest() -> None:
+    """A grant with a probe of 2 is answered with samples 0 and 1 (``probed``); the grant of
+    the rest carries them, and only samples 2 and 3 are generated and counted."""
+
+    async def main() -> tuple[ReleasedGroup, ReleasedGroup, Rollout]:
+        rollout = Rollout()
+        worker = ShardWorker(rollout, score)
+        probe = await worker.run_group(grant(3, probe=PROBE))
+        rest = await worker.run_group(grant(3, scored=probe.samples))
+        return probe, rest, rollout
+
+    probe, rest, rollout = run(main())
+    assert probe.outcome == PROBED
+    assert [s.k for s in probe.samples] == [0, 1]
+    assert probe.counts == {"generated_samples": 2, "scored_samples": 2, "scored_tokens": 2}
+    assert rest.outcome == "complete"
+    assert [s.k for s in rest.samples] == [0, 1, 2, 3]
+    assert rest.samples[:2] == probe.samples
+    assert [s.reward for s in rest.samples] == [reward_of(s.sample) for s in rest.samples]
+    assert rest.counts == {"generated_samples": 2, "scored_samples": 2, "scored_tokens": 2}
+    assert rollout.calls == [("p3", k) for k in range(G)]
+
+
+def one_driver(spec: PipelineSpec, batches: int) -> tuple[list[str], Counter[str]]:
+    """The batches and counters of one driver's ``SamplePipeline`` at ``sharded``'s settings,
+    scored by ``mostly_uniform``."""
+
+    async def main() -> tuple[list[str], Counter[str]]:
+        pipe = SamplePipeline(
+            Rollout(),
+            spec=spec,
+            settings=BatchSettings(batch_size=B, group_size=G),
+            feed=Feed(1000),
+            score=mostly_uniform,
+            params=SamplingParams(max_new_tokens=1),
+        )
+        async with asyncio.timeout(WAIT_S), pipe:
+            keys = await consume(pipe, batches)
+        return keys, pipe.metrics
+
+    return run(main())
+
+
+async def consume(pipe: SamplePipeline, batches: int) -> list[str]:
+    """The sample ids of ``batches`` batches, in order, the learner's version moving on
+    between them (not after the last: in sync mode nothing more is admitted)."""
+    keys: list[str] = []
+    for version in range(batches):
+        if version:
+            pipe.advance(version)
+        batch = await pipe.next_batch()
+        keys += [f"{s.sample.prompt_id} {s.sample.sample_index}" for s in batch.samples]
+    return keys
+
+
+PROBED_SPEC = PipelineSpec(
+    mode="sync", drop_uniform=True, uniform_drops_per_group=1, schedule=ScheduleSpec(probe=PROBE)
+)
+
+
+def scoring_mostly_uniform(shards: FakeShards) -> FakeShards:
+    """``shards`` with each worker scoring by ``mostly_uniform``."""
+    for i, worker in enumerate(shards.workers):
+        shards.workers[i] = ShardWorker(worker.rollout, mostly_uniform, shard=i)
+    return shards
+
+
+def test_a_sharded_pipeline_drops_a_group_after_its_probe_as_one_driver_does() -> None:
+    """Probes of 2 of 4, three prompts in four uniform, two uniform drops a batch: the driver
+    drops a group whose probe agrees while the batch may, and grants the rest of the others;
+    the batches and every count are one driver's."""
+
+    async def main() -> tuple[list[str], Counter[str], FakeShards]:
+        shards = scoring_mostly_uniform(FakeShards(2))
+        async with asyncio.timeout(WAIT_S), sharded(shards, PROBED_SPEC) as pipe:
+            keys = await consume(pipe, 4)
+        return keys, pipe.metrics, shards
+
+    keys, metrics, shards = run(main())
+    alone_keys, alone = one_driver(PROBED_SPEC, 4)
+    assert keys == alone_keys
+    assert {k: v for k, v in metrics.items() if k != "scored_tokens"} == alone
+    assert metrics["groups_probe_dropped"] > 0 and metrics["groups_uniform_kept"] > 0
+    # Every group's probe (samples 0 and 1) was generated once, and the rest (2 and 3) only
+    # for a group kept after its probe.
+    calls = Counter(sid for rollout in shards.rollouts for sid in rollout.calls)
+    assert set(calls.values()) == {1}
+    probed = {p for p, k in calls if k < PROBE}
+    rested = {p for p, k in calls if k >= PROBE}
+    assert len(probed) == metrics["probed_groups"] == metrics["admitted_groups"]
+    assert len(probed - rested) == metrics["groups_probe_dropped"]
+
+
+def test_a_shard_killed_holding_probes_or_rests_loses_and_counts_nothing_twice() -> None:
+    """The shard of p0 to p3 dies first with the probes of p0 and p1 in hand, then (its next
+    incarnation) with the rests of p1 and p3, kept after their probe: each is granted again,
+    a rest with its probe's samples, which are not generated again; the batches and every count
+    are one driver's."""
+    victim = shard_of("p0", 2)
+
+    async def main() -> tuple[list[str], Counter[str], FakeShards, list[ShardGrant]]:
+        shards = scoring_mostly_uniform(FakeShards(2, gated=True))
+        real = shards.call
+        rests: list[ShardGrant] = []
+
+        async def call(method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+            if method == "run_group" and payload.scored:
+                rests.append(payload)
+            return await real(method, payload, *a, **kw)
+
+        shards.call = call  # type: ignore[method-assign]
+        async with asyncio.timeout(WAIT_S), sharded(shards, PROBED_SPEC) as pipe:
+            await until(shards, lambda: shards.held(victim) == 2)
+            assert shards.kill(victim) == 2  # the probes of p0 and p1, ungenerated
+            shards.rollouts[victim] = RestGated()
+            shards.workers[victim] = ShardWorker(
+                shards.rollouts[victim], mostly_uniform, shard=victim, incarnation=1
+            )
+            await until(shards, lambda: len(rests) == 2 and shards.held(victim) == 2)
+            assert shards.kill(victim) == 2  # the rests of p1 and p3
+            shards.workers[victim] = ShardWorker(
+                shards.rollouts[victim], mostly_uniform, shard=victim, incarnation=2
+            )
+            shards.rollouts[1 - victim].gate.set()
+            keys = await consume(pipe, 3)
+        return keys, pipe.metrics, shards, rests
+
+    keys, metrics, shards, rests = run(main())
+    alone_keys, alone = one_driver(PROBED_SPEC, 3)
+    assert keys == alone_keys
+    assert metrics["groups_regranted"] == 4  # two probes, two rests
+    assert {k: v for k, v in metrics.items() if k not in ("scored_tokens", "groups_regranted")} == (
+        alone
     )
+    assert sorted(g.index for g in rests[:4]) == [1, 1, 3, 3]  # granted, then again
+    # A rest granted again carries its probe's samples; only the rest is generated.
+    assert all([s.k for s in g.scored] == list(range(PROBE)) for g in rests)
+    assert sorted(shards.rollouts[victim].calls)[:4] == [("p1", 2), ("p1", 3), ("p3", 2), ("p3", 3)]
+    assert all(k >= PROBE for p, k in shards.rollouts[victim].calls if p in ("p1", "p3"))
+
+
+def test_the_rest_of_a_probed_group_keeps_the_deadline_it_was_admitted_with() -> None:
+    """Straggler deadline 10 s: a probe answered 4 s after its group's grant (the driver's
+    clock) leaves its rest 6 s, as one driver's deadline runs from the group's admission; a
+    group granted after those 4 s has its 10 s."""
+
+    async def main() -> list[ShardGrant]:
+        clock = FakeClock()
+        shards = scoring_mostly_uniform(FakeShards(2, gated=True))
+        real = shards.call
+        rests: list[ShardGrant] = []
+
+        async def call(method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+            if method == "run_group" and payload.scored:
+                rests.append(payload)
+            return await real(method, payload, *a, **kw)
+
+        shards.call = call  # type: ignore[method-assign]
+        spec = msgspec.structs.replace(
+            PROBED_SPEC, straggler=StragglerSpec(policy="emit", deadline_s=10.0, k_min=1)
+        )
+        async with asyncio.timeout(WAIT_S), sharded(shards, spec, clock=clock) as pipe:
+            await until(shards, lambda: shards.held(0) + shards.held(1) == 2)
+            clock.advance(4.0)
+            for rollout in shards.rollouts:
+                rollout.gate.set()
+            await consume(pipe, 1)
+        return rests
+
+    rests = {g.index: g.deadline_s for g in run(main())}
+    assert rests[1] == 6.0  # p1, granted before the 4 s passed
+    assert rests[3] == 10.0  # p3, granted after (in the room p0 and p2 left)
+
+
+# -- late samples ----------------------------------------------------------------------------
+
+
+def test_a_sample_scored_after_its_groups_release_is_counted_in_the_shards_next_answer() -> None:
+    """Emit policy: group 0 is released at its deadline with samples 0 to 2 while sample 3 is
+    out to the scorer. The sample is scored all the same, as one driver scores it, and its
+    counts (late, scored) ride on the shard's next answer, of group 1, once."""
+
+    class ThreeLast(Rollout):
+        async def call(self, method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+            if payload.requests[0].sample_index == 3:
+                await three_out.wait()
+            return await super().call(method, payload, *a, **kw)
+
+    three_out = asyncio.Event()  # sample 3 may be generated
+    at_scorer = asyncio.Event()  # ... and is out to the scorer
+    scored_late = asyncio.Event()  # the scorer may answer for it
+
+    async def holding(samples: list[Sample]) -> list[float]:
+        if any(s.sample_index == 3 and s.prompt_id == "p0" for s in samples):
+            at_scorer.set()
+            await scored_late.wait()
+        elif samples[0].prompt_id == "p0":
+            three_out.set()  # once samples 0 to 2 are scored
+        return await score(samples)
+
+    async def main() -> tuple[ReleasedGroup, ReleasedGroup, ReleasedGroup]:
+        clock = FakeClock()
+        worker = ShardWorker(ThreeLast(), holding, clock=clock)
+        task = asyncio.get_running_loop().create_task(
+            worker.run_group(grant(0, straggler="emit", deadline_s=1.0, k_min=2))
+        )
+        async with asyncio.timeout(WAIT_S):
+            await at_scorer.wait()
+            await turns_until(lambda: len(worker._runs[0].samples) == 3)  # 0 to 2 in the round
+            clock.advance(1.0)
+            released = await task
+            scored_late.set()
+            await asyncio.gather(*worker._stragglers)
+            after = await worker.run_group(grant(1))
+            again = await worker.run_group(grant(2))
+        return released, after, again
+
+    released, after, again = run(main())
+    assert released.outcome == "partial" and [s.k for s in released.samples] == [0, 1, 2]
+    assert released.counts == {"generated_samples": 4, "scored_samples": 3, "scored_tokens": 3}
+    assert released.late == {}
+    assert after.late == {0: {"scored_samples": 1, "late_samples": 1, "scored_tokens": 1}}
+    assert again.late == {}
+
+
+def test_a_sharded_pipeline_counts_the_late_samples_an_answer_carries() -> None:
+    """Group 5's answer carries a late sample of group 0 (consumed in the first batch) and one
+    of group 4 (released, not consumed): both are counted, group 4's in its own counts too, so
+    a resume state leaves it out with the group, which a resumed run generates again."""
+
+    async def main() -> tuple[Counter[str], dict[str, int], int]:
+        shards = FakeShards(1)
+        real = shards.workers[0].run_group
+        late = {"late_samples": 1, "scored_samples": 1}
+
+        async def carrying(grant: ShardGrant) -> ReleasedGroup:
+            answer = await real(grant)
+            if grant.index == 5:
+                answer = msgspec.structs.replace(answer, late={0: late, 4: late})
+            return answer
+
+        shards.workers[0].run_group = carrying  # type: ignore[method-assign]
+        spec = PipelineSpec(mode="async", eta=2)
+        async with asyncio.timeout(WAIT_S), sharded(shards, spec) as pipe:
+            await consume(pipe, 1)
+            await turns_until(lambda: pipe.metrics["late_samples"] == 2)  # group 5's answer
+            unsettled = pipe.admission.unsettled[4].counts.late_samples
+            resume = pipe.resume_state()["pipeline"]
+        return pipe.metrics, resume, unsettled
+
+    metrics, resume, unsettled = run(main())
+    assert metrics["late_samples"] == 2
+    assert unsettled == 1
+    assert resume["late_samples"] == 1  # group 0's; group 4's goes with the group
 
 
 # -- the shard role's configuration -----------------------------------------------------------
