@@ -662,11 +662,16 @@ PROBE = 2
 
 
 class RestGated(Rollout):
-    """Answers the first ``PROBE`` samples of a group at once, the others never."""
+    """Answers the first ``PROBE`` samples of a group at once, the others once ``rests`` is
+    set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rests = asyncio.Event()
 
     async def call(self, method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
         if payload.requests[0].sample_index >= PROBE:
-            await asyncio.Event().wait()
+            await self.rests.wait()
         return await super().call(method, payload, *a, **kw)
 
 
@@ -809,6 +814,78 @@ def test_a_shard_killed_holding_probes_or_rests_loses_and_counts_nothing_twice()
     assert all([s.k for s in g.scored] == list(range(PROBE)) for g in rests)
     assert sorted(shards.rollouts[victim].calls)[:4] == [("p1", 2), ("p1", 3), ("p3", 2), ("p3", 3)]
     assert all(k >= PROBE for p, k in shards.rollouts[victim].calls if p in ("p1", "p3"))
+
+
+def test_a_rest_past_its_budget_is_withdrawn_and_granted_again_with_its_probe() -> None:
+    """The rests of p1 and p3 outlive their budget in their live shard: each is withdrawn
+    there and granted again with its probe's samples; the batch and every count are one
+    driver's."""
+    victim = shard_of("p0", 2)
+
+    async def main() -> tuple[list[str], Counter[str], FakeShards, list[ShardGrant]]:
+        shards = FakeShards(2)
+        gated = [RestGated(), RestGated()]
+        shards.rollouts = list(gated)
+        shards.workers = [ShardWorker(r, score, shard=i) for i, r in enumerate(gated)]
+        scoring_mostly_uniform(shards)
+        real = shards.call
+        rests: list[ShardGrant] = []
+
+        async def call(method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+            if method == "run_group" and payload.scored:
+                rests.append(payload)
+            return await real(method, payload, *a, **kw)
+
+        shards.call = call  # type: ignore[method-assign]
+        async with (
+            asyncio.timeout(WAIT_S),
+            sharded(shards, PROBED_SPEC, timeout=10.0) as pipe,
+        ):
+            await until(shards, lambda: len(rests) == 2 and shards.held(victim) == 2)
+            shards.pass_time(90.0)
+            await until(shards, lambda: len(rests) == 4)
+            gated[victim].rests.set()
+            keys = await consume(pipe, 1)
+        await shards.close()
+        return keys, pipe.metrics, shards, rests
+
+    keys, metrics, shards, rests = run(main())
+    alone_keys, alone = one_driver(PROBED_SPEC, 1)
+    assert keys == alone_keys
+    assert sorted(shards.withdrawn) == [(1, victim, True), (3, victim, True)]
+    assert metrics["groups_regranted"] == 2
+    assert {k: v for k, v in metrics.items() if k not in ("scored_tokens", "groups_regranted")} == (
+        alone
+    )
+    assert sorted(g.index for g in rests) == [1, 1, 3, 3]
+    assert all([s.k for s in g.scored] == list(range(PROBE)) for g in rests)
+
+
+def test_a_probes_release_answering_a_grant_of_no_probe_is_refused() -> None:
+    """A shard answers the rest's grant with a probe's release (a stale answer): the driver
+    refuses it and grants the rest again."""
+
+    async def main() -> tuple[list[str], ShardedPipeline]:
+        shards = scoring_mostly_uniform(FakeShards(1))
+        real = shards.workers[0].run_group
+        wrong = {"left": 1}
+
+        async def misanswering(grant: ShardGrant) -> ReleasedGroup:
+            answer = await real(grant)
+            if grant.scored and wrong["left"]:
+                wrong["left"] -= 1
+                return msgspec.structs.replace(answer, outcome=PROBED)
+            return answer
+
+        shards.workers[0].run_group = misanswering  # type: ignore[method-assign]
+        async with asyncio.timeout(WAIT_S), sharded(shards, PROBED_SPEC) as pipe:
+            keys = await consume(pipe, 1)
+        return keys, pipe
+
+    keys, pipe = run(main())
+    assert keys == one_driver(PROBED_SPEC, 1)[0]
+    assert pipe.ledger.duplicates == 1
+    assert pipe.metrics["groups_regranted"] == 1
 
 
 def test_the_rest_of_a_probed_group_keeps_the_deadline_it_was_admitted_with() -> None:
