@@ -580,6 +580,22 @@ def test_run_refuses_a_manifest_that_places_roles_off_node_0(
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_run_names_a_node_whose_rollouts_have_no_relay(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = os.path.join(ROOT, "examples", "arith", "multinode3.yaml")
+    lead_on_1 = "roles.learner.placement.node=1"
+    argv = ["run", manifest, "--run-dir", str(tmp_path / "run"), "--set", lead_on_1]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        "  roles.rollout.placement: node 0 runs rollout[0] (weights_from: learner) but neither "
+        "learner's replica 0"
+    ) in err
+    assert "place a relay there (roles.relay0: {class: asyncrl.roles.services.relay:Relay" in err
+    assert not os.path.exists(tmp_path / "run")
+
+
 @pytest.mark.slow
 def test_two_real_runs_into_a_results_folder_keep_the_users_files(run_dir: str) -> None:
     """The issue's case end to end: a first run into a results folder (``--allow-nonempty``),

@@ -52,7 +52,7 @@ from asyncrl.manifest.pipeline_section import (
     straggler_problem,
 )
 from asyncrl.manifest.placement import Placement, check_placement, sharing_problems
-from asyncrl.manifest.refs import weights_from_problems
+from asyncrl.manifest.refs import weight_host_problems, weights_from_problems
 from asyncrl.manifest.yaml_reader import apply_override, credit, load_yaml, merged_problem
 from asyncrl.transport.options import HEARTBEAT_INTERVAL_S
 
@@ -489,11 +489,13 @@ def _check_model(value: dict[Any, Any], path: str, problems: list[str]) -> None:
 
 def _check_manifest(value: dict[Any, Any], path: str, problems: list[str]) -> None:
     """What involves several sections or roles: shared devices, role names, the environment of
-    each process, and which role each ``weights_from`` names."""
+    each process, which role each ``weights_from`` names, and that each node with replicas that
+    read it has its publisher or a relay of it."""
     problems += sharing_problems(value.get("roles"), join(path, "roles"))
     problems += name_problems(value.get("roles"))
     problems += environment_problems(value)
     problems += weights_from_problems(value.get("roles"))
+    problems += weight_host_problems(value.get("roles"))
     problems += shards_problems(value)
 
 
