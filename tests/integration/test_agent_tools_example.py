@@ -41,7 +41,10 @@ def test_the_agent_learns_to_call_the_tool(run_dir: str) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["success_final"] - summary["success_before_rl"] >= 0.3, summary
+    # Held-out success is 100 games sampled at temperature 1, so the rise has a standard error
+    # of about 0.065: measured rises 0.29 to 0.45, where a policy that learned nothing rises
+    # by 0 (a rise of 0.2 is then three standard errors away).
+    assert summary["success_final"] - summary["success_before_rl"] >= 0.2, summary
     # Over the RL phase; about 0.5 after BC. Async GRPO's runs spread: 0.744 in one run.
     assert summary["tool_calls_mean"] >= 0.7
     pipe = summary["pipeline"]
