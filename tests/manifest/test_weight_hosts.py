@@ -22,6 +22,12 @@ def _problems(path: str, overrides: list[str]) -> list[str]:
     return info.value.problems
 
 
+def _parsed_problems(text: str) -> list[str]:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(text)
+    return info.value.problems
+
+
 def test_the_learners_lead_moved_off_node_0_without_a_relay_there_is_refused() -> None:
     problems = _problems(MULTINODE3, ["roles.learner.placement.node=1"])
     assert problems == [
@@ -64,11 +70,9 @@ def test_each_node_is_named_once_with_every_replica_there() -> None:
         "  judge: {class: a:B, placement: {node: 1}, config: {weights_from: learner}}\n"
         f"  relay: {{class: '{RELAY_CLASS}', placement: {{nodes: [0, 1]}}}}\n"
     )
-    with pytest.raises(ManifestError) as info:
-        parse_manifest(text)
     # The relay's one replica (source: learner by default) covers node 0 only: node 1 is its
     # fallback after a loss.
-    (problem,) = info.value.problems
+    (problem,) = _parsed_problems(text)
     assert problem.startswith(
         "roles.rollout.placement: node 1 runs rollout[1], rollout[3], judge[0] "
         "(weights_from: learner) but neither learner's replica 0"
@@ -84,9 +88,7 @@ def test_a_single_replicas_fallback_nodes_and_other_relays_sources_do_not_count(
         "  rollout: {class: a:B, placement: {nodes: [1, 0]}, config: {weights_from: learner}}\n"
         f"  relay: {{class: '{RELAY_CLASS}', placement: {{node: 1}}, config: {{source: critic}}}}\n"
     )
-    with pytest.raises(ManifestError) as info:
-        parse_manifest(text)
-    (problem,) = info.value.problems
+    (problem,) = _parsed_problems(text)
     assert problem.startswith("roles.rollout.placement: node 1 runs rollout[0] (weights_from:")
 
 

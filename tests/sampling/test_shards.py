@@ -742,6 +742,21 @@ def scoring_mostly_uniform(shards: FakeShards) -> FakeShards:
     return shards
 
 
+def recording_rests(shards: FakeShards) -> list[ShardGrant]:
+    """The grants of probed groups' rests (``ShardGrant.scored``) made to ``shards`` from now
+    on, in order."""
+    real = shards.call
+    rests: list[ShardGrant] = []
+
+    async def call(method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
+        if method == "run_group" and payload.scored:
+            rests.append(payload)
+        return await real(method, payload, *a, **kw)
+
+    shards.call = call  # type: ignore[method-assign]
+    return rests
+
+
 def test_a_sharded_pipeline_drops_a_group_after_its_probe_as_one_driver_does() -> None:
     """Probes of 2 of 4, three prompts in four uniform, two uniform drops a batch: the driver
     drops a group whose probe agrees while the batch may, and grants the rest of the others;
@@ -777,15 +792,7 @@ def test_a_shard_killed_holding_probes_or_rests_loses_and_counts_nothing_twice()
 
     async def main() -> tuple[list[str], Counter[str], FakeShards, list[ShardGrant]]:
         shards = scoring_mostly_uniform(FakeShards(2, gated=True))
-        real = shards.call
-        rests: list[ShardGrant] = []
-
-        async def call(method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
-            if method == "run_group" and payload.scored:
-                rests.append(payload)
-            return await real(method, payload, *a, **kw)
-
-        shards.call = call  # type: ignore[method-assign]
+        rests = recording_rests(shards)
         async with asyncio.timeout(WAIT_S), sharded(shards, PROBED_SPEC) as pipe:
             await until(shards, lambda: shards.held(victim) == 2)
             assert shards.kill(victim) == 2  # the probes of p0 and p1, ungenerated
@@ -828,15 +835,7 @@ def test_a_rest_past_its_budget_is_withdrawn_and_granted_again_with_its_probe() 
         shards.rollouts = list(gated)
         shards.workers = [ShardWorker(r, score, shard=i) for i, r in enumerate(gated)]
         scoring_mostly_uniform(shards)
-        real = shards.call
-        rests: list[ShardGrant] = []
-
-        async def call(method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
-            if method == "run_group" and payload.scored:
-                rests.append(payload)
-            return await real(method, payload, *a, **kw)
-
-        shards.call = call  # type: ignore[method-assign]
+        rests = recording_rests(shards)
         async with (
             asyncio.timeout(WAIT_S),
             sharded(shards, PROBED_SPEC, timeout=10.0) as pipe,
@@ -896,15 +895,7 @@ def test_the_rest_of_a_probed_group_keeps_the_deadline_it_was_admitted_with() ->
     async def main() -> list[ShardGrant]:
         clock = FakeClock()
         shards = scoring_mostly_uniform(FakeShards(2, gated=True))
-        real = shards.call
-        rests: list[ShardGrant] = []
-
-        async def call(method: str, payload: Any = None, *a: Any, **kw: Any) -> Any:
-            if method == "run_group" and payload.scored:
-                rests.append(payload)
-            return await real(method, payload, *a, **kw)
-
-        shards.call = call  # type: ignore[method-assign]
+        rests = recording_rests(shards)
         spec = msgspec.structs.replace(
             PROBED_SPEC, straggler=StragglerSpec(policy="emit", deadline_s=10.0, k_min=1)
         )
