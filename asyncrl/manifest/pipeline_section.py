@@ -145,8 +145,8 @@ class PipelineSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             their size; past a cap of drops per batch, such groups are kept
             (docs/algorithms.md).
         uniform_drops_per_group: that cap, per group of a batch (4: a batch of 32 groups
-            drops at most 128). A lower cap wastes fewer samples and keeps more groups that
-            teach nothing.
+            drops at most 128; the batches in flight share theirs). A lower cap wastes fewer
+            samples and keeps more groups that teach nothing.
         schedule: prompt scheduling from what was scored: deferral of prompts whose groups
             were uniform, and probing of new ones (``ScheduleSpec``; needs ``drop_uniform``).
         infra_failed: what becomes of a group one of whose samples failed through no fault of

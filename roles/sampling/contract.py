@@ -151,7 +151,8 @@ class BatchSettings:
             are those the learner computes.
         drop_uniform: drop groups whose rewards are all equal (dynamic sampling); None: the
             spec's ``drop_uniform``.
-        max_uniform_drops: the most such groups dropped per batch; past it they are kept, with
+        max_uniform_drops: the most such groups dropped per batch (the batches in flight
+            share theirs: ``asyncrl.roles.sampling.release``); past it they are kept, with
             zero advantages, and counted. None: the spec's ``uniform_drops_per_group`` per
             group of the batch.
 

@@ -64,8 +64,9 @@ class Counters:
             consumed, dropped or kept for the learner's correction (``pipeline.over_eta``).
         groups_uniform_dropped, samples_uniform_dropped: groups whose rewards were all equal,
             dropped by dynamic sampling (after their probe included), and their samples.
-        groups_uniform_kept: such groups kept, once a batch had dropped ``max_uniform_drops``.
-        batches_uniform_capped: batches that reached ``max_uniform_drops``.
+        groups_uniform_kept: such groups kept, once the batches in flight had no drops left
+            (``max_uniform_drops`` a batch).
+        batches_uniform_capped: batches assembled while the drops had run out.
         probed_groups, groups_probe_dropped: groups the prompt schedule probed first, and
             those dropped after their probe agreed.
         skipped_prompts, retired_skips: prompts the schedule deferred, and those it skipped as

@@ -24,7 +24,8 @@ parts each own one step:
    A group is released the moment its last sample arrives, or at its deadline under the
    straggler policy, with the advantages the learner would compute over it
    (``group_advantages``); with ``drop_uniform`` (dynamic sampling) a group whose rewards are
-   all equal is dropped instead, up to ``max_uniform_drops`` a batch.
+   all equal is dropped instead, up to ``max_uniform_drops`` a batch (the batches in flight
+   share theirs).
 4. **Consumption.** ``next_batch()`` hands out whole released groups, oldest release first,
    with each sample's staleness against the learner version that will consume them; a group
    with a sample over η is dropped (waste, refilled) or kept for the learner's correction.

@@ -10,9 +10,14 @@
 - **The uniform-drop cap.** With ``drop_uniform`` (dynamic sampling, DAPO), a released group
   whose rewards are all equal carries no GRPO signal and is dropped instead, as is a probed
   group whose probe agreed: counted as waste, its room refilled with a fresh prompt, so
-  batches keep their size. At most ``max_uniform_drops`` are dropped per batch; past that,
-  such groups are kept with zero advantages (``groups_uniform_kept``), and a batch whose every
-  scored reward was the same value says so in a warning.
+  batches keep their size. At most ``max_uniform_drops`` are dropped per batch: each batch in
+  flight (the pacer's η + 1 in async mode, one in sync mode) brings that many drops, what a
+  batch handed out left unspent goes to the next, and the drops left never exceed the batches
+  in flight's. Past that, such groups are kept with zero advantages (``groups_uniform_kept``),
+  and a batch whose every scored reward was the same value says so in a warning. The drops
+  are charged to the batches in flight, not to the time between two batches: in async mode
+  the groups that end while one batch is assembled are mostly admitted for the next ones, and
+  a per-batch count let a burst of them spend a batch's drops and keep the rest uniform.
 - **Staleness.** When a batch takes a group, each sample's staleness is measured against the
   learner version that consumes it; a group with a sample over η is dropped (async mode with
   ``over_eta: drop``; waste, refilled) or kept for the learner's correction.
@@ -121,8 +126,11 @@ class Release:
         self.waits_for_deadlines = bool(spec.straggler.deadline_s)
         self.ready: deque[Group] = deque()  # released, waiting for a batch; oldest first
         self.tally = RewardTally()  # the rewards released since the last batch
+        # The drops the batches in flight may make: max_uniform_drops for each (module).
+        self.drops_room = (spec.window_eta + 1) * self.max_uniform_drops
+        self.drops_left = self.drops_room
         self.uniform_drops = 0  # uniform groups dropped since the last batch was handed out
-        self.capped = False  # ... and it reached max_uniform_drops
+        self.capped = False  # ... and the drops ran out
         self.constant_batches = 0  # ... with every reward scored for them the same, in this run
         self._on_ready = on_ready
         self._on_settled = on_settled
@@ -214,8 +222,8 @@ class Release:
 
     def _drop_uniform(self, group: Group) -> bool:
         """Dynamic sampling: drop a group whose rewards are all equal, so that a fresh prompt
-        takes its room; False (keep it) once this batch has dropped ``max_uniform_drops``."""
-        if self.uniform_drops >= self.max_uniform_drops:
+        takes its room; False (keep it) once the batches in flight have no drops left."""
+        if self.drops_left <= 0:
             if not self.capped:
                 self.capped = True
                 self.counters.batches_uniform_capped += 1
@@ -225,18 +233,20 @@ class Release:
             self._count(group, Counters(groups_uniform_kept=1))
             return False
         self.uniform_drops += 1
+        self.drops_left -= 1
         self.counters.groups_uniform_dropped += 1
         self.counters.samples_uniform_dropped += len(group.samples)
         self.waste(group, len(group.samples))
         return True
 
     def drop_probe(self, group: Group, first: int) -> bool:
-        """Drop ``group`` after its probe of ``first`` samples agreed, unless this batch has
-        dropped ``max_uniform_drops`` already (False: the caller generates the rest)."""
-        if self.uniform_drops >= self.max_uniform_drops:
+        """Drop ``group`` after its probe of ``first`` samples agreed, unless the batches in
+        flight have no drops left (False: the caller generates the rest)."""
+        if self.drops_left <= 0:
             return False
         self.tally.add([r for _, r in group.samples.values()])
         self.uniform_drops += 1
+        self.drops_left -= 1
         self.counters.groups_uniform_dropped += 1
         self.counters.groups_probe_dropped += 1
         self.counters.samples_uniform_dropped += first
@@ -245,8 +255,8 @@ class Release:
         return True
 
     def _warn_capped(self, constant: float | None) -> None:
-        """This batch reached ``max_uniform_drops``, the ``constant_batches``-th of the run to
-        with every reward the same (``constant``).
+        """The drops of the batches in flight ran out while this batch was assembled, the
+        ``constant_batches``-th of the run to do so with every reward the same (``constant``).
 
         With dynamic sampling that is routine (late in a run most groups of a good policy are
         uniform), so it is counted (``batches_uniform_capped``) and logged at debug. Only when
@@ -256,19 +266,20 @@ class Release:
         drops, batches = self.uniform_drops, self.constant_batches
         if constant is None:
             log.debug(
-                "sample pipeline: %d groups with uniform rewards dropped while filling one "
-                "batch (max_uniform_drops); keeping such groups, with zero advantages, until "
-                "the next batch",
+                "sample pipeline: %d groups with uniform rewards dropped since the last batch, "
+                "and the batches in flight have no drops left (max_uniform_drops a batch); "
+                "keeping such groups, with zero advantages, until the next batch",
                 drops,
             )
             return
         if (batches - 1) % CAPPED_WARN_EVERY == 0:
             log.warning(
-                "sample pipeline: %d groups with uniform rewards dropped while filling one "
-                "batch (max_uniform_drops), and every reward scored since the previous batch "
-                "was %g; keeping such groups, with zero advantages, until the next batch (%d "
-                "batches so far; said again every %d). Is the reward constant, or the data far "
-                "too hard or too easy? (A policy at a perfect score gets here too.)",
+                "sample pipeline: %d groups with uniform rewards dropped since the last batch, "
+                "the batches in flight have no drops left (max_uniform_drops a batch), and "
+                "every reward scored since then was %g; keeping such groups, with zero "
+                "advantages, until the next batch (%d batches so far; said again every %d). Is "
+                "the reward constant, or the data far too hard or too easy? (A policy at a "
+                "perfect score gets here too.)",
                 drops,
                 constant,
                 batches,
@@ -297,7 +308,9 @@ class Release:
         return scored, ages
 
     def end_batch(self) -> RewardTally:
-        """A batch was handed out: the cap starts again; the rewards released for it."""
+        """A batch was handed out: the next batch in flight brings its drops; the rewards
+        released for this one."""
+        self.drops_left = min(self.drops_left + self.max_uniform_drops, self.drops_room)
         self.uniform_drops, self.capped = 0, False
         tally, self.tally = self.tally, RewardTally()
         return tally

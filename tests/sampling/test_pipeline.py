@@ -613,7 +613,7 @@ def test_uniform_groups_past_the_cap_are_kept_with_zero_advantages(
         assert pipe.metrics["samples_uniform_dropped"] == 6 * G
         said = [r.getMessage() for r in caplog.records if "max_uniform_drops" in r.getMessage()]
         assert len(said) == 1 and "(1 batches so far; said again every 50)" in said[0]
-        assert "every reward scored since the previous batch was 1;" in said[0]
+        assert "every reward scored since then was 1;" in said[0]
         assert pipe.metrics["batches_uniform_capped"] == 2
         assert pipe.metrics["admitted_samples"] == (
             pipe.metrics["consumed_samples"] + pipe.metrics["wasted_samples"]
@@ -645,6 +645,38 @@ def test_a_capped_batch_whose_rewards_differ_is_counted_not_warned_about(
         capped = [r for r in caplog.records if "max_uniform_drops" in r.getMessage()]
         assert [r.levelno for r in capped] == [logging.DEBUG, logging.DEBUG]
         assert not [r for r in caplog.records if "Is the reward constant" in r.getMessage()]
+
+    run(main())
+
+
+def test_in_async_mode_the_batches_in_flight_share_their_drops() -> None:
+    """Async, eta 1, at most 3 uniform drops a batch, every group uniform: the two batches in
+    flight bring 6 drops, so six groups are dropped before the first batch is handed out (a
+    count that started again at each batch would keep the fourth, whichever batch it was
+    admitted for). Each batch handed out brings 3 more: over any run, at most 3 a batch handed
+    out plus the 6 of the batches in flight."""
+
+    async def main() -> None:
+        rollout = FakeRollout(auto=True)
+        everything = uniform_for(*(f"p{i}" for i in range(40)))
+        spec = PipelineSpec(mode="async", eta=1, drop_uniform=True)
+        async with pipeline(rollout, spec, score=everything, max_uniform_drops=3) as pipe:
+            first = await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+            assert first.metrics["groups_uniform_dropped"] == 6
+            assert {s.sample.prompt_id for s in first.samples} == {"p6", "p7"}
+            assert [s.advantage for s in first.samples] == [0.0] * B
+            for version in range(1, 4):
+                pipe.advance(version)
+                # The window is full and every group in it released: the drops are spent.
+                await until(lambda: pipe.pacer.room() == 0 and len(pipe.release.ready) == 4)
+                assert pipe.metrics["groups_uniform_dropped"] == 6 + 3 * version
+                assert pipe.release.drops_left == 0
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                assert pipe.release.drops_left == 3
+        assert pipe.metrics["batches_uniform_capped"] == 4
+        assert pipe.metrics["admitted_samples"] == (
+            pipe.metrics["consumed_samples"] + pipe.metrics["wasted_samples"] + 2 * G  # ready
+        )
 
     run(main())
 
