@@ -34,8 +34,8 @@ Partial rollouts: ``should_interrupt()`` (checked after each step) or the chunk 
 as ``GenerateRequest.partial``, a sample resumes with prompt + its tokens as the prefill, keeps
 its tokens, log-probs and versions, and only generates what remains of ``max_new_tokens``.
 
-Seeds: the uniform number that picks token ``t`` of a sample is drawn from a ``torch.Generator``
-seeded by (request seed, t) alone. So a request is reproducible whatever else is in the batch,
+Seeds: the uniform number that picks token ``t`` of a sample is a hash of (request seed, t) alone
+(``step_uniform``). So a request is reproducible whatever else is in the batch,
 and an interrupted-then-resumed sample draws the same numbers as an uninterrupted one.
 
 Batch invariance: the float rounding of a row's logits depends on the shapes of the forward that
@@ -67,7 +67,7 @@ from asyncrl.roles.generation.engine_rows import (
     check_weights,
     prepare_row,
     sample_seed,
-    step_seed,
+    step_uniform,
 )
 from asyncrl.roles.payloads import GenerateRequest, Sample, StopReason
 
@@ -393,7 +393,6 @@ class HFEngine:
         ids, mask = left_pad([row.context for row in rows], self._pad_id, self.device, width=width)
         positions = position_ids_from_mask(mask)
         inputs, cache = ids, None
-        generators = [torch.Generator() for _ in rows]
         with self._lock:
             self.stats.prefill_tokens += int(mask[:real].sum())
         steps = 0
@@ -401,7 +400,7 @@ class HFEngine:
             logits, cache, version = self._forward(
                 inputs, mask, positions, cache, keep=1, use_cache=True
             )
-            tokens, logprobs = self._choose(logits[:, -1, :], rows, generators)
+            tokens, logprobs = self._choose(logits[:, -1, :], rows)
             steps += 1
             recorded = 0
             for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
@@ -463,25 +462,22 @@ class HFEngine:
         logits = out.logits[:, -keep:, :].float()
         return logits, getattr(out, self._cache_kw, None), version
 
-    def _choose(
-        self, logits: torch.Tensor, rows: list[Row], generators: list[torch.Generator]
-    ) -> tuple[list[int], list[float]]:
+    def _choose(self, logits: torch.Tensor, rows: list[Row]) -> tuple[list[int], list[float]]:
         """The next token of each row and its behaviour log-prob (the plugin's ``logprobs`` of
         the raw logits, temperature 1).
 
         A greedy row takes the argmax. The others are drawn from the plugin's
         ``sampling_probs`` (rows with the same temperature, top-p and top-k in one call) by
-        ``draw``, with the uniform of the row's own generator, seeded by (row seed, t)."""
+        ``draw``, with the row's uniform for token t (``step_uniform`` of the row's seed and t)."""
         vocab = logits.shape[-1]
         chosen = logits.argmax(-1)
         groups: dict[tuple[float, float, int], list[int]] = {}
         uniform: dict[int, float] = {}
-        for i, (gen, row) in enumerate(zip(generators, rows, strict=True)):
+        for i, row in enumerate(rows):
             params = row.params
             if row.done or params.greedy or params.temperature == 0.0:
                 continue
-            gen.manual_seed(step_seed(row.seed, len(row.tokens)))
-            uniform[i] = float(torch.rand((), generator=gen, dtype=torch.float64))
+            uniform[i] = step_uniform(row.seed, len(row.tokens))
             top_k = params.top_k if params.top_k < vocab else 0
             groups.setdefault((params.temperature, params.top_p, top_k), []).append(i)
         for (temperature, top_p, top_k), index in groups.items():

@@ -15,6 +15,7 @@ import torch
 
 from asyncrl.roles.generation import engine as engine_module
 from asyncrl.roles.generation.engine import HFEngine, position_ids_from_mask
+from asyncrl.roles.generation.engine_rows import step_uniform
 from asyncrl.roles.generation.rollout import GenerateRequest, Prompt, Sample, SamplingParams
 
 torch.set_num_threads(1)
@@ -173,6 +174,32 @@ def test_a_seed_reproduces_a_sample_whatever_shares_its_batch() -> None:
     assert_close(alone.logprobs, together[2].logprobs)
     other = engine.generate(batch(seed0=20, max_new_tokens=12))
     assert [s.token_ids for s in other] != [s.token_ids for s in together]
+
+
+def test_first_tokens_drawn_over_many_seeds_follow_the_models_distribution() -> None:
+    """Each row's uniform comes from its seed and position alone (``step_uniform``); over 4,000
+    seeds the first token's frequencies match the softmax within sampling noise, and the
+    uniforms themselves fill [0, 1) evenly."""
+    engine = make_engine(max_batch=256)
+    prompt = PROMPTS[1]
+    n = 4000
+    reqs = [request(k, prompt, seed=k, max_new_tokens=1) for k in range(n)]
+    counts = torch.zeros(CONFIG["vocab_size"])
+    for s in engine.generate(reqs):
+        counts[s.token_ids[0]] += 1
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    expected = torch.softmax(logits, -1) * n
+    seen = expected >= 5  # Pearson's chi-square over the tokens expected 5 times or more
+    chi2 = float((((counts - expected) ** 2 / expected)[seen]).sum())
+    dof = int(seen.sum()) - 1
+    assert dof >= 5
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (counts.tolist(), expected.tolist())
+    uniforms = torch.tensor([step_uniform(seed, t) for seed in range(200) for t in range(50)])
+    assert float(uniforms.min()) >= 0.0 and float(uniforms.max()) < 1.0
+    deciles = torch.histc(uniforms, bins=10, min=0.0, max=1.0)
+    assert float(deciles.min()) > 900 and float(deciles.max()) < 1100  # 1,000 each, 3 standard deviations
+    assert step_uniform(7, 3) == step_uniform(7, 3) != step_uniform(8, 3)
 
 
 def shuffled_batches(target: GenerateRequest, rounds: int = 4) -> list[list[GenerateRequest]]:
