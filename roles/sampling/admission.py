@@ -32,7 +32,7 @@ from asyncrl.roles.payloads import Prompt
 from asyncrl.roles.sampling.contract import PromptFeed
 from asyncrl.roles.sampling.counters import Counters
 from asyncrl.roles.sampling.group import Group
-from asyncrl.roles.sampling.schedule import PromptSchedule
+from asyncrl.roles.sampling.schedule import SKIP_BOUND_MIN, PromptSchedule
 
 __all__ = ["FETCH_MAX", "Admission"]
 
@@ -178,7 +178,7 @@ class Admission:
         """Whether the schedule skipped more than its bound of prompts in a row (then every
         prompt counts as retired or deferred, and the prompts end as if they ran out); says so
         when it did."""
-        if self._skipped_run <= self.schedule.skip_bound():
+        if self._skipped_run <= SKIP_BOUND_MIN or self._skipped_run <= self.schedule.skip_bound():
             return False
         log.warning(
             "sample pipeline: the prompt schedule skipped %d prompts in a row: every prompt is "

@@ -17,6 +17,7 @@ from asyncrl.roles.sampling.schedule import (
     EXPLORE_MIN,
     PromptSchedule,
     _unit,
+    item_key,
     item_of,
 )
 from asyncrl.transport import run
@@ -53,8 +54,8 @@ def test_a_uniform_streak_defers_a_prompt_by_explore_to_its_power() -> None:
     assert [other.admit("a@5", i) for i in range(50)] != [sched.admit("a@5", i) for i in range(50)]
     assert (
         0.0
-        <= min(_unit(0, "x", i) for i in range(100))
-        < max(_unit(0, "x", i) for i in range(100))
+        <= min(_unit(item_key(0, "x"), i) for i in range(100))
+        < max(_unit(item_key(0, "x"), i) for i in range(100))
         < 1.0
     )
 
