@@ -4,8 +4,10 @@ which prompt indices are settled.
 The pipeline admits a prompt as a group whenever its ``Pacer`` has room; ``Admission`` decides
 which prompt that is:
 
-- **Feed paging.** It asks the prompt feed for a batch's worth of prompts at a time, and for
-  more (up to ``FETCH_MAX``) while the prompt schedule skips most of them.
+- **Feed paging.** It asks the prompt feed for a batch's worth of prompts to admit at a time:
+  a batch's worth while the prompt schedule admits them all, more (up to ``FETCH_MAX``) as it
+  skips more of them (the share it skipped of the last pages), so that a schedule admitting
+  one prompt in forty costs a call a batch, not one an admitted prompt.
 - **Resume skips.** It passes over the indices a resume state lists as settled before the run
   resumed, so nothing consumed or wasted then is generated again.
 - **Schedule.** It asks the ``PromptSchedule`` whether to admit each prompt: a deferred or
@@ -23,6 +25,7 @@ the schedule's state, are the admission's part of the pipeline's resume state.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import Any
 
@@ -81,13 +84,15 @@ class Admission:
         self._skip = set(settled or ())  # settled before a resume, not reached yet
         self._prompts: deque[Prompt] = deque()  # fetched, not yet admitted or skipped
         self._skipped_run = 0  # prompts the schedule skipped since it last admitted one
+        self._page = 0  # prompts in the last page the feed gave
+        self._page_skipped = 0  # ... that the schedule skipped
+        self._skip_share = 0.0  # a running estimate of the share of a page the schedule skips
 
     async def next_prompt(self) -> Prompt | None:
         """The next prompt to admit; None once the prompts ran out (``exhausted``)."""
         while True:
             if not self._prompts:
-                # While the schedule skips most prompts, ask for more at a time.
-                n = min(FETCH_MAX, max(self.chunk, self._skipped_run))
+                n = self._next_page_size()
                 self.fetching = True
                 try:
                     fetched = await self.feed(self._fetched, n)
@@ -95,6 +100,7 @@ class Admission:
                     self.fetching = False
                 self._fetched += len(fetched)
                 self._prompts.extend(fetched)
+                self._page, self._page_skipped = len(fetched), 0
             if not self._prompts:
                 self.exhausted = True
                 return None
@@ -109,6 +115,7 @@ class Admission:
                 else:
                     self.counters.skipped_prompts += 1
                 self._skipped_run += 1
+                self._page_skipped += 1
                 if self._skipped_too_many():
                     self.exhausted = True
                     return None
@@ -173,6 +180,15 @@ class Admission:
             *(i for i in range(self.cursor, self.next_index) if i not in self.unsettled),
             *sorted(self._skip),
         ]
+
+    def _next_page_size(self) -> int:
+        """Prompts to ask the feed for next, once the page just judged has been weighed into
+        the share the schedule skips: enough for a batch's worth (``chunk``) to be admitted at
+        that share, and at least as many as it skipped in a row; up to ``FETCH_MAX``."""
+        if self._page:  # the page just judged, weighed as much as all those before it
+            self._skip_share = (self._skip_share + self._page_skipped / self._page) / 2
+        admitted = max(1.0 - self._skip_share, self.chunk / FETCH_MAX)
+        return min(FETCH_MAX, max(self.chunk, self._skipped_run, math.ceil(self.chunk / admitted)))
 
     def _skipped_too_many(self) -> bool:
         """Whether the schedule skipped more than its bound of prompts in a row (then every

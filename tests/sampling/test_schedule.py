@@ -286,6 +286,49 @@ def test_the_feed_is_asked_for_more_prompts_while_the_schedule_skips_them() -> N
     run(main())
 
 
+def test_the_feed_pages_grow_with_the_share_the_schedule_skips() -> None:
+    """Every item but one of twelve is retired after its first group, so the schedule admits one
+    prompt in twelve and never skips more than eleven in a row: pages sized by the share it
+    skips hold a batch's worth of admitted prompts each, where pages sized by the skips in a row
+    held fewer than one (two calls to the feed for every prompt admitted)."""
+
+    class Counting(Epochs):
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        async def __call__(self, cursor: int, n: int) -> list[Prompt]:
+            self.asked.append(n)
+            return await super().__call__(cursor, n)
+
+    async def one_unsolved(samples: list[Sample]) -> list[float]:
+        return [reward_of(s) if item_of(s.prompt_id) == "1" else 1.0 for s in samples]
+
+    async def main() -> None:
+        feed = Counting()
+        spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=ScheduleSpec(retire_after=1))
+        pipe = SamplePipeline(
+            FakeRollout(auto=True),
+            spec=spec,
+            feed=feed,
+            score=one_unsolved,
+            params=SamplingParams(max_new_tokens=4),
+            settings=BatchSettings(batch_size=B, group_size=G),
+        )
+        async with pipe:
+            for step in range(24):
+                if step == 4:  # the share skipped is learnt: count from here
+                    admitted, calls = pipe.metrics["admitted_groups"], len(feed.asked)
+                await asyncio.wait_for(pipe.next_batch(), WAIT_S)
+                pipe.advance(step + 1)
+            admitted, calls = pipe.metrics["admitted_groups"] - admitted, len(feed.asked) - calls
+        assert pipe.metrics["retired_skips"] > 10 * admitted
+        assert admitted >= 40
+        # A batch's worth is B // G = 2 prompts: a page holds about two admitted ones.
+        assert calls * 3 <= admitted * 2, (calls, admitted, feed.asked[-5:])
+
+    run(main())
+
+
 def test_a_schedule_that_retires_every_prompt_ends_the_prompts_instead_of_spinning() -> None:
     async def all_solved_after_a_miss(samples: list[Sample]) -> list[float]:
         return [0.0 if s.prompt_id == "0@0" and s.sample_index == 0 else 1.0 for s in samples]
