@@ -62,9 +62,9 @@ def test_the_summary_table_in_the_readme_is_what_a_run_prints(tmp_path: Any) -> 
         json.dump(
             {
                 "accuracy_before_rl": 0.433,
-                "accuracy_final": 0.987,
+                "accuracy_final": 0.998,
                 "samples_consumed": 102400,
-                "pipeline": {"generated_samples": 141240, "wasted_samples": 38542},
+                "pipeline": {"generated_samples": 154974, "wasted_samples": 52541},
             },
             f,
         )
@@ -72,6 +72,6 @@ def test_the_summary_table_in_the_readme_is_what_a_run_prints(tmp_path: Any) -> 
         status="completed",
         reason="the control-flow program finished",
         restarts={"driver": 0, "learner": 0},
-        wall_s=187.6,
+        wall_s=221.3,
     )
     assert summary_table(report, str(tmp_path)) == shown
