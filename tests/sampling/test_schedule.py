@@ -133,6 +133,35 @@ async def solved(samples: list[Sample]) -> list[float]:
     return [1.0 if item_of(s.prompt_id) in SOLVED else reward_of(s) for s in samples]
 
 
+class CountingEpochs(Epochs):
+    """``Epochs`` that records the size of every page asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    async def __call__(self, cursor: int, n: int) -> list[Prompt]:
+        self.asked.append(n)
+        return await super().__call__(cursor, n)
+
+
+def _retiring_all_but_one(feed: Epochs) -> SamplePipeline:
+    """A sync pipeline over ``feed`` whose schedule retires an item after one solved group,
+    and a reward that solves every item but "1"."""
+
+    async def all_but_one(samples: list[Sample]) -> list[float]:
+        return [reward_of(s) if item_of(s.prompt_id) == "1" else 1.0 for s in samples]
+
+    spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=ScheduleSpec(retire_after=1))
+    return SamplePipeline(
+        FakeRollout(auto=True),
+        spec=spec,
+        feed=feed,
+        score=all_but_one,
+        params=SamplingParams(max_new_tokens=4),
+        settings=BatchSettings(batch_size=B, group_size=G),
+    )
+
+
 def _pipeline(
     rollout: FakeRollout,
     schedule: ScheduleSpec,
@@ -256,28 +285,9 @@ def test_the_feed_is_asked_for_more_prompts_while_the_schedule_skips_them() -> N
     """Every item but one is retired after its first group: the pipeline asks the feed for
     growing chunks, not one batch's worth at a time, while it skips."""
 
-    class Counting(Epochs):
-        def __init__(self) -> None:
-            self.asked: list[int] = []
-
-        async def __call__(self, cursor: int, n: int) -> list[Prompt]:
-            self.asked.append(n)
-            return await super().__call__(cursor, n)
-
-    async def all_but_one(samples: list[Sample]) -> list[float]:
-        return [reward_of(s) if item_of(s.prompt_id) == "1" else 1.0 for s in samples]
-
     async def main() -> None:
-        feed = Counting()
-        spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=ScheduleSpec(retire_after=1))
-        pipe = SamplePipeline(
-            FakeRollout(auto=True),
-            spec=spec,
-            feed=feed,
-            score=all_but_one,
-            params=SamplingParams(max_new_tokens=4),
-            settings=BatchSettings(batch_size=B, group_size=G),
-        )
+        feed = CountingEpochs()
+        pipe = _retiring_all_but_one(feed)
         async with pipe:
             await _batches(pipe, 8)
         assert pipe.metrics["retired_skips"] > 0
@@ -292,28 +302,9 @@ def test_the_feed_pages_grow_with_the_share_the_schedule_skips() -> None:
     skips hold a batch's worth of admitted prompts each, where pages sized by the skips in a row
     held fewer than one (two calls to the feed for every prompt admitted)."""
 
-    class Counting(Epochs):
-        def __init__(self) -> None:
-            self.asked: list[int] = []
-
-        async def __call__(self, cursor: int, n: int) -> list[Prompt]:
-            self.asked.append(n)
-            return await super().__call__(cursor, n)
-
-    async def one_unsolved(samples: list[Sample]) -> list[float]:
-        return [reward_of(s) if item_of(s.prompt_id) == "1" else 1.0 for s in samples]
-
     async def main() -> None:
-        feed = Counting()
-        spec = PipelineSpec(mode="sync", drop_uniform=True, schedule=ScheduleSpec(retire_after=1))
-        pipe = SamplePipeline(
-            FakeRollout(auto=True),
-            spec=spec,
-            feed=feed,
-            score=one_unsolved,
-            params=SamplingParams(max_new_tokens=4),
-            settings=BatchSettings(batch_size=B, group_size=G),
-        )
+        feed = CountingEpochs()
+        pipe = _retiring_all_but_one(feed)
         async with pipe:
             for step in range(24):
                 if step == 4:  # the share skipped is learnt: count from here
