@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.draws import splitmix64, unit
 from asyncrl.roles.payloads import GenerateRequest, Sample, SamplingParams, StopReason
 
 __all__ = [
@@ -26,8 +27,6 @@ __all__ = [
     "step_uniform",
 ]
 
-_MASK64 = (1 << 64) - 1
-
 
 def sample_seed(base: int, prompt_id: str, sample_index: int) -> int:
     """The seed of a request that brings none: a hash of the engine seed and the stable id, so a
@@ -36,28 +35,17 @@ def sample_seed(base: int, prompt_id: str, sample_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
-def _mix(seed: int, t: int) -> int:
-    """splitmix64 of (seed, t): 64 well-mixed bits."""
-    x = (seed + (t + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def step_seed(seed: int, t: int) -> int:
     """A 63-bit seed for token ``t`` of a sample, from (seed, t) alone: what an engine that
     draws with its own generator (vLLM) seeds token ``t`` with."""
-    return _mix(seed, t) >> 1
+    return splitmix64(seed, t) >> 1
 
 
 def step_uniform(seed: int, t: int) -> float:
     """The uniform number in [0, 1) that picks token ``t`` of a sample: 53 bits of splitmix64 of
     (seed, t), so it depends on nothing else (what else is in the batch, a resume). A
     generator seeded for each draw costs ten times as much (about 4 µs against 0.35)."""
-    return (_mix(seed, t) >> 11) * _UNIT
-
-
-_UNIT = 2.0**-53
+    return unit(seed, t)
 
 
 @dataclass

@@ -45,6 +45,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from asyncrl.draws import unit
 from asyncrl.manifest.pipeline_section import ScheduleSpec
 from asyncrl.roles.learning.groups import uniform
 
@@ -73,23 +74,11 @@ def item_of(prompt_id: str) -> str:
 
 
 def item_key(seed: int, item: str) -> int:
-    """64 bits fixed by (seed, item): what an item's draws (``_unit``) start from."""
+    """64 bits fixed by (seed, item): the key of an item's draws (``asyncrl.draws.unit`` of
+    it and a prompt's index, the same on every run and resume). A late run skips thousands of
+    prompts a step, each drawn so: a hash of the key costs a third of hashing the item's name."""
     digest = hashlib.blake2b(f"{seed}/{item}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def _unit(key: int, index: int) -> float:
-    """A number in [0, 1) fixed by an item's key and a prompt's index, the same on every run
-    and resume: 53 bits of splitmix64 of (key, index). A late run skips thousands of prompts a
-    step, each one drawn here: a hash of the item's key costs a third of hashing its name."""
-    x = (key + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return ((x ^ (x >> 31)) >> 11) * _UNIT
-
-
-_MASK64 = (1 << 64) - 1
-_UNIT = 2.0**-53
 
 
 class PromptSchedule:
@@ -149,7 +138,7 @@ class PromptSchedule:
         key = self._keys.get(item)
         if key is None:
             key = self._keys[item] = item_key(self.seed, item)
-        return _unit(key, index) < max(self.explore**streak, ADMIT_MIN)
+        return unit(key, index) < max(self.explore**streak, ADMIT_MIN)
 
     def retired(self, prompt_id: str) -> bool:
         """The prompt's item is retired (``admit`` is always False for it)."""

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from asyncrl.draws import unit
 from asyncrl.manifest.pipeline_section import PipelineSpec, ScheduleSpec
 from asyncrl.roles.generation.rollout import Prompt, Sample, SamplingParams
 from asyncrl.roles.sampling.pipeline import BatchSettings, SamplePipeline
@@ -16,7 +17,6 @@ from asyncrl.roles.sampling.schedule import (
     ADMIT_MIN,
     EXPLORE_MIN,
     PromptSchedule,
-    _unit,
     item_key,
     item_of,
 )
@@ -54,8 +54,8 @@ def test_a_uniform_streak_defers_a_prompt_by_explore_to_its_power() -> None:
     assert [other.admit("a@5", i) for i in range(50)] != [sched.admit("a@5", i) for i in range(50)]
     assert (
         0.0
-        <= min(_unit(item_key(0, "x"), i) for i in range(100))
-        < max(_unit(item_key(0, "x"), i) for i in range(100))
+        <= min(unit(item_key(0, "x"), i) for i in range(100))
+        < max(unit(item_key(0, "x"), i) for i in range(100))
         < 1.0
     )
 
