@@ -127,8 +127,7 @@ class PromptSchedule:
     def admit(self, prompt_id: str, index: int) -> bool:
         """Generate this prompt now (True), or skip it this epoch (False)."""
         item = item_of(prompt_id)
-        retire_after = self.spec.retire_after
-        if retire_after and self.solved.get(item, 0) >= retire_after:
+        if self._retired(item):
             return False
         if not self.spec.skip_uniform:
             return True
@@ -142,9 +141,11 @@ class PromptSchedule:
 
     def retired(self, prompt_id: str) -> bool:
         """The prompt's item is retired (``admit`` is always False for it)."""
-        return bool(self.spec.retire_after) and (
-            self.solved.get(item_of(prompt_id), 0) >= self.spec.retire_after
-        )
+        return self._retired(item_of(prompt_id))
+
+    def _retired(self, item: str) -> bool:
+        retire_after = self.spec.retire_after
+        return bool(retire_after) and self.solved.get(item, 0) >= retire_after
 
     def skip_bound(self) -> int:
         """Prompts skipped in a row after which every prompt counts as retired or deferred for
